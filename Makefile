@@ -1,0 +1,41 @@
+# Tandem: the two commands that matter are `make run` and `make test`.
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+PORT ?= 8000
+
+.PHONY: all deps configure build build-all test run format tidy clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja $(CMAKE_FLAGS)
+
+configure: deps $(BUILD_DIR)/build.ninja
+
+# The server binary alone: what `make run` needs.
+build: configure
+	ninja -C $(BUILD_DIR) -j $(JOBS) tandem
+
+build-all: configure
+	ninja -C $(BUILD_DIR) -j $(JOBS)
+
+test: build-all
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+
+run: build
+	@echo "Try:  curl -s localhost:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "        -d '{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"Tell me a story\"}]}'"
+	$(BUILD_DIR)/tandem serve --port $(PORT)
+
+format:
+	git ls-files '*.h' '*.cpp' '*.cu' '*.cuh' | xargs clang-format -i
+
+tidy: configure
+	git ls-files 'src/*.cpp' | xargs clang-tidy -p $(BUILD_DIR) --quiet
+
+clean:
+	rm -rf $(BUILD_DIR)
