@@ -1,0 +1,76 @@
+// What the front end hands the engine, and what the engine streams back.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/sampling.h"
+
+namespace tandem {
+
+enum class FinishReason { kNone, kLength, kStop, kAbort, kError };
+const char* finish_reason_name(FinishReason r);  // "length", "stop", "abort", "error"
+
+/// One sequence to generate. (OpenAI `n` > 1 becomes n requests with ids "<id>-<i>".)
+struct GenRequest {
+  std::string id;                       // unique among live requests
+  std::vector<int32_t> prompt_ids;      // non-empty
+  SamplingParams sampling;
+  int32_t max_tokens = 16;              // >= 1
+  int32_t min_tokens = 0;               // EOS / stop ids suppressed before this many tokens
+  std::vector<int32_t> stop_token_ids;  // finish with reason kStop (token included)
+  bool ignore_eos = false;
+};
+
+/// Tokens produced for one request since the last callback.
+struct StepOutput {
+  std::string id;
+  std::vector<int32_t> token_ids;
+  std::vector<float> token_logprobs;                   // when sampling.logprobs >= 0
+  std::vector<std::vector<TokenLogprob>> top_logprobs;  // when sampling.logprobs > 0
+  // First callback only, when sampling.prompt_logprobs >= 0: one entry per prompt token
+  // after the first (the first has none).
+  std::vector<float> prompt_token_logprobs;
+  std::vector<std::vector<TokenLogprob>> prompt_top_logprobs;
+  int32_t num_cached_prompt_tokens = 0;  // prefix-cache hits (first callback)
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  int32_t stop_token_id = -1;  // the EOS / stop id that finished it, if any
+  std::string error;           // finish_reason == kError
+};
+
+/// Called on the engine thread; must not block.
+using OutputCallback = std::function<void(const StepOutput&)>;
+
+/// Counters exported on /metrics.
+struct EngineStats {
+  int64_t running = 0;
+  int64_t waiting = 0;
+  int64_t kv_pages_total = 0;
+  int64_t kv_pages_free = 0;
+  int64_t prefix_cache_queries = 0;  // prompt tokens looked up
+  int64_t prefix_cache_hits = 0;     // prompt tokens found
+  int64_t prompt_tokens = 0;         // total prompt tokens computed
+  int64_t generation_tokens = 0;     // total tokens generated
+  int64_t preemptions = 0;
+};
+
+/// The engine as the front end sees it. Thread-safe.
+class EngineClient {
+ public:
+  virtual ~EngineClient() = default;
+  /// Queues a request. Throws Error(kInvalidArgument) for a request that can never run
+  /// (prompt + max_tokens over the model length) and Error(kOutOfResources) when the
+  /// waiting queue is full. Every accepted request gets exactly one finished callback.
+  virtual void submit(GenRequest request, OutputCallback on_output) = 0;
+  /// Aborts a live request (no-op for an unknown id); its pages are freed at once and it
+  /// gets a finished callback with kAbort.
+  virtual void abort(const std::string& id) = 0;
+  virtual EngineStats stats() const = 0;
+  virtual int64_t max_model_len() const = 0;
+  virtual int64_t vocab_size() const = 0;
+};
+
+}  // namespace tandem

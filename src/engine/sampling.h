@@ -1,0 +1,47 @@
+// Token sampling on the CPU: penalties, temperature, top-k, top-p, min-p; seeded.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace tandem {
+
+/// Per-request sampling parameters (OpenAI / vLLM semantics).
+struct SamplingParams {
+  float temperature = 1.0f;         // 0: greedy (argmax; ties -> lowest id)
+  float top_p = 1.0f;               // (0, 1]
+  int32_t top_k = 0;                // <= 0: disabled
+  float min_p = 0.0f;               // [0, 1]
+  float repetition_penalty = 1.0f;  // > 0; applies to prompt and output tokens
+  float presence_penalty = 0.0f;    // [-2, 2]; output tokens only
+  float frequency_penalty = 0.0f;   // [-2, 2]; output tokens only
+  std::optional<uint64_t> seed;     // none: a random seed per request
+  int32_t logprobs = -1;            // top-N logprobs per generated token; -1: none
+  int32_t prompt_logprobs = -1;     // top-N logprobs per prompt token; -1: none
+
+  bool greedy() const { return temperature <= 0.0f; }
+};
+
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0.0f;
+};
+
+/// The per-request random stream (seeded from SamplingParams::seed).
+using SamplerRng = std::mt19937_64;
+
+/// Samples one token from `logits` (vocab floats, raw model output; not modified).
+/// `prompt` and `output` are the request's tokens so far (for penalties).
+int32_t sample_token(std::span<const float> logits, const SamplingParams& params,
+                     std::span<const int32_t> prompt, std::span<const int32_t> output,
+                     SamplerRng& rng);
+
+/// log_softmax of the raw fp32 logits: the chosen token's logprob and the top `n` (n >= 0)
+/// sorted by descending logprob (ties -> lower id first).
+float token_logprob(std::span<const float> logits, int32_t token);
+std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int32_t n);
+
+}  // namespace tandem

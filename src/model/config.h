@@ -1,0 +1,50 @@
+// Model configuration read from a Hugging Face checkpoint directory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace tandem {
+
+/// Qwen3-MoE hyper-parameters (config.json, model_type "qwen3_moe"). Both spellings are
+/// accepted: the hub one (num_experts, rope_theta, torch_dtype) and the transformers-5 one
+/// (num_local_experts, rope_parameters.rope_theta, dtype).
+struct ModelConfig {
+  std::string model_type;    // "qwen3_moe"
+  std::string architecture;  // "Qwen3MoeForCausalLM"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;      // dense MLP width (mlp_only_layers and non-sparse steps)
+  int64_t moe_intermediate_size = 0;  // width of one expert
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;  // independent of hidden_size / num_attention_heads
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  bool norm_topk_prob = false;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  int64_t max_position_embeddings = 0;
+  DType dtype = DType::kBF16;  // the checkpoint's declared dtype
+  std::vector<int64_t> eos_token_ids;  // from generation_config.json, else config.json
+  int64_t bos_token_id = -1;
+
+  /// True when layer `layer` uses the sparse MoE block (Qwen3MoeDecoderLayer rule).
+  bool is_moe_layer(int64_t layer) const;
+
+  /// Reads dir/config.json (and dir/generation_config.json when present). Errors name the
+  /// file and field.
+  static ModelConfig from_dir(const std::string& dir);
+  /// Parses config.json text; `origin` names the file in errors.
+  static ModelConfig from_json(const std::string& json_text, const std::string& origin);
+};
+
+}  // namespace tandem
