@@ -33,8 +33,19 @@ struct TokenLogprob {
 /// The per-request random stream (seeded from SamplingParams::seed).
 using SamplerRng = std::mt19937_64;
 
+/// Applies the penalties to `logits` in place, as vLLM does: the repetition penalty to every
+/// token seen in `prompt` or `output` (positive logits divided by it, others multiplied),
+/// then `logit -= frequency_penalty * count + presence_penalty` for each token in `output`.
+/// Throws kInvalidArgument for a token id outside the vocabulary.
+void apply_penalties(std::span<float> logits, const SamplingParams& params,
+                     std::span<const int32_t> prompt, std::span<const int32_t> output);
+
 /// Samples one token from `logits` (vocab floats, raw model output; not modified).
 /// `prompt` and `output` are the request's tokens so far (for penalties).
+/// Order: penalties, temperature, top-k, top-p (over the top-k renormalised distribution),
+/// min-p (relative to the most likely token), then one categorical draw (one 64-bit value
+/// from `rng`). Greedy (temperature 0) is the argmax of the penalised logits, ties -> lowest
+/// id, and consumes no randomness. NaN logits count as -inf.
 int32_t sample_token(std::span<const float> logits, const SamplingParams& params,
                      std::span<const int32_t> prompt, std::span<const int32_t> output,
                      SamplerRng& rng);

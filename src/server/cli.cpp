@@ -1,21 +1,159 @@
 #include "server/cli.h"
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/error.h"
+#include "engine/engine.h"
+#include "model/qwen3_moe.h"
+#include "server/tokenizer/tokenizer.h"
+
+#ifndef TANDEM_DEMO_MODEL_DIR
+#define TANDEM_DEMO_MODEL_DIR "models/demo"
+#endif
 
 namespace tandem {
+
+namespace {
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    try {
+      size_t used = 0;
+      long v = std::stol(item, &used);
+      TANDEM_CHECK_KIND(kInvalidArgument, used == item.size(), "bad token id '", item, "'");
+      ids.push_back(static_cast<int32_t>(v));
+    } catch (const std::logic_error&) {
+      TANDEM_THROW(kInvalidArgument, "--prompt-ids: bad token id '", item, "'");
+    }
+  }
+  return ids;
+}
+
+struct GenerateArgs {
+  std::string model = TANDEM_DEMO_MODEL_DIR;
+  std::string prompt;
+  std::string prompt_ids;
+  int max_tokens = 64;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int top_k = 0;
+  float min_p = 0.0f;
+  int64_t seed = -1;
+  int logprobs = -1;
+  bool json = false;
+  bool ignore_eos = false;
+};
+
+int run_generate(const GenerateArgs& a) {
+  std::unique_ptr<Model> model = Qwen3MoeCpu::load(a.model);
+  std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
+  GenRequest req;
+  req.id = "cli";
+  if (!a.prompt_ids.empty()) {
+    req.prompt_ids = parse_ids(a.prompt_ids);
+  } else {
+    TANDEM_CHECK_KIND(kInvalidArgument, tok != nullptr, "model ", a.model,
+                      " has no tokenizer.json: use --prompt-ids");
+    req.prompt_ids = tok->encode(a.prompt, /*parse_special=*/true);
+  }
+  req.max_tokens = a.max_tokens;
+  req.ignore_eos = a.ignore_eos;
+  req.sampling.temperature = a.temperature;
+  req.sampling.top_p = a.top_p;
+  req.sampling.top_k = a.top_k;
+  req.sampling.min_p = a.min_p;
+  if (a.seed >= 0) req.sampling.seed = static_cast<uint64_t>(a.seed);
+  req.sampling.logprobs = a.logprobs;
+
+  EngineConfig cfg;
+  cfg.max_num_seqs = 1;
+  Engine engine(*model, cfg);
+  std::vector<int32_t> ids;
+  nlohmann::json logprobs = nlohmann::json::array();
+  std::string error;
+  std::unique_ptr<IncrementalDetokenizer> detok;
+  if (tok && !a.json) detok = std::make_unique<IncrementalDetokenizer>(*tok, /*skip_special=*/true);
+  engine.add(req, [&](const StepOutput& out) {
+    for (size_t i = 0; i < out.token_ids.size(); ++i) {
+      ids.push_back(out.token_ids[i]);
+      if (detok) std::cout << detok->add(out.token_ids[i]) << std::flush;
+      if (i < out.top_logprobs.size()) {
+        nlohmann::json pos = nlohmann::json::array();
+        for (const auto& t : out.top_logprobs[i]) pos.push_back({t.id, t.logprob});
+        logprobs.push_back(pos);
+      }
+    }
+    if (out.finish_reason == FinishReason::kError) error = out.error;
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  while (engine.step()) {
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  TANDEM_CHECK_KIND(kInternal, error.empty(), error);
+  if (a.json) {
+    nlohmann::json j;
+    j["ids"] = ids;
+    j["text"] = tok ? tok->decode(ids, /*skip_special=*/true) : "";
+    j["logprobs"] = logprobs;
+    std::cout << j.dump() << "\n";
+  } else {
+    if (detok) std::cout << detok->flush();
+    if (!tok) {
+      for (size_t i = 0; i < ids.size(); ++i) std::cout << (i ? "," : "") << ids[i];
+    }
+    std::cout << "\n";
+    std::cerr << "[" << ids.size() << " tokens in " << secs << " s, "
+              << (secs > 0 ? static_cast<double>(ids.size()) / secs : 0.0) << " tok/s]\n";
+  }
+  return 0;
+}
+
+}  // namespace
 
 int cli_main(int argc, char** argv) {
   CLI::App app{"Tandem: a disaggregated MoE inference server"};
   app.require_subcommand(1);
+
+  GenerateArgs gen;
+  auto* g = app.add_subcommand("generate", "Generate from one prompt on the CPU backend");
+  g->add_option("--model", gen.model, "Model directory (default: the embedded demo model)");
+  auto* prompt = g->add_option("--prompt", gen.prompt, "Prompt text");
+  auto* prompt_ids = g->add_option("--prompt-ids", gen.prompt_ids, "Prompt token ids: 1,2,3");
+  prompt->excludes(prompt_ids);
+  g->add_option("--max-tokens", gen.max_tokens, "Tokens to generate")->check(CLI::PositiveNumber);
+  g->add_option("--temperature", gen.temperature, "0 = greedy")->check(CLI::NonNegativeNumber);
+  g->add_option("--top-p", gen.top_p)->check(CLI::Range(0.0f, 1.0f));
+  g->add_option("--top-k", gen.top_k);
+  g->add_option("--min-p", gen.min_p)->check(CLI::Range(0.0f, 1.0f));
+  g->add_option("--seed", gen.seed);
+  g->add_option("--logprobs", gen.logprobs, "Top-K logprobs per generated token")
+      ->check(CLI::Range(0, 20));
+  g->add_flag("--json", gen.json, "Print {ids, text, logprobs} as JSON");
+  g->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at EOS");
+
   try {
     app.parse(argc, argv);
+    if (g->parsed()) {
+      if (gen.prompt.empty() && gen.prompt_ids.empty()) {
+        TANDEM_THROW(kInvalidArgument, "generate: give --prompt or --prompt-ids");
+      }
+      return run_generate(gen);
+    }
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const Error& e) {
     std::cerr << "error: " << e.message() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
     return 1;
   }
   return 0;

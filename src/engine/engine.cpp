@@ -1,0 +1,313 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "core/error.h"
+
+namespace tandem {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kError: return "error";
+  }
+  return "none";
+}
+
+namespace {
+
+EngineConfig resolve(const Model& model, EngineConfig c) {
+  const ModelConfig& m = model.config();
+  if (c.max_model_len <= 0) c.max_model_len = m.max_position_embeddings;
+  TANDEM_CHECK_KIND(kInvalidArgument, c.max_model_len > 0, "max_model_len must be positive");
+  TANDEM_CHECK_KIND(kInvalidArgument, c.page_size > 0 && c.max_num_seqs > 0 &&
+                                          c.max_batched_tokens > 0,
+                    "page_size, max_num_seqs and max_batched_tokens must be positive");
+  if (c.num_pages <= 0) {
+    int64_t page_bytes = model.kv_geometry(1, c.page_size).page_elems() *
+                         m.num_hidden_layers * static_cast<int64_t>(sizeof(float));
+    c.num_pages = std::max<int64_t>(1, c.kv_cache_mb * (1 << 20) / page_bytes);
+  }
+  // The pool must hold at least one sequence of full length, or scheduling could stall.
+  int64_t min_pages = (c.max_model_len + c.page_size - 1) / c.page_size;
+  TANDEM_CHECK_KIND(kInvalidArgument, c.num_pages >= min_pages, "KV cache of ", c.num_pages,
+                    " pages of ", c.page_size, " tokens cannot hold max_model_len ",
+                    c.max_model_len);
+  return c;
+}
+
+void emit(Sequence& s, const StepOutput& out) {
+  if (!s.on_output) return;
+  try {
+    s.on_output(out);
+  } catch (...) {
+    // A failing consumer must not take the engine down.
+  }
+}
+
+}  // namespace
+
+Engine::Engine(Model& model, const EngineConfig& config)
+    : model_(model),
+      config_(resolve(model, config)),
+      blocks_(config_.num_pages, config_.page_size, config_.enable_prefix_cache),
+      kv_(model.kv_geometry(config_.num_pages, config_.page_size)),
+      scheduler_(blocks_, config_.max_num_seqs, config_.max_batched_tokens) {}
+
+void Engine::validate(const GenRequest& req) const {
+  const int64_t vocab = model_.config().vocab_size;
+  const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
+  TANDEM_CHECK_KIND(kInvalidArgument, n > 0, "the prompt is empty");
+  for (int32_t id : req.prompt_ids) {
+    TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < vocab, "prompt token id ", id,
+                      " is out of range [0, ", vocab, ")");
+  }
+  TANDEM_CHECK_KIND(kInvalidArgument, req.max_tokens >= 1, "max_tokens must be at least 1");
+  TANDEM_CHECK_KIND(kInvalidArgument, n + req.max_tokens <= config_.max_model_len,
+                    "this model's maximum context length is ", config_.max_model_len,
+                    " tokens, but the prompt has ", n, " tokens and max_tokens is ",
+                    req.max_tokens, " (", n + req.max_tokens, " in total)");
+}
+
+void Engine::add(GenRequest req, OutputCallback on_output) {
+  validate(req);
+  TANDEM_CHECK_KIND(kOutOfResources, scheduler_.num_waiting() < config_.max_waiting,
+                    "the waiting queue is full (", config_.max_waiting, " requests)");
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = req.prompt_ids;
+  seq->prompt_len = static_cast<int64_t>(req.prompt_ids.size());
+  seq->rng.seed(req.sampling.seed ? *req.sampling.seed : std::random_device{}());
+  seq->req = std::move(req);
+  seq->on_output = std::move(on_output);
+  scheduler_.add(std::move(seq));
+}
+
+void Engine::abort(const std::string& id) {
+  Sequence* s = scheduler_.find(id);
+  if (!s) return;
+  StepOutput out;
+  out.id = id;
+  finish(*s, FinishReason::kAbort, out);
+}
+
+void Engine::abort_all() {
+  for (const std::string& id : scheduler_.live_ids()) abort(id);
+}
+
+void Engine::finish(Sequence& seq, FinishReason reason, StepOutput& out) {
+  out.finished = true;
+  out.finish_reason = reason;
+  std::unique_ptr<Sequence> owned = scheduler_.remove(seq.req.id);  // pages freed now
+  emit(*owned, out);
+}
+
+bool Engine::step() {
+  if (!scheduler_.has_work()) return false;
+  ScheduledBatch batch = scheduler_.schedule();
+  if (batch.empty()) return false;
+  try {
+    model_.forward(batch.forward, kv_, logits_);
+  } catch (const std::exception& e) {
+    // Fail only the requests of this step; the engine keeps serving.
+    for (const auto& ss : batch.seqs) {
+      StepOutput out;
+      out.id = ss.seq->req.id;
+      out.error = e.what();
+      finish(*ss.seq, FinishReason::kError, out);
+    }
+    return true;
+  }
+  scheduler_.commit(batch);
+  process_outputs(batch, logits_);
+  return true;
+}
+
+void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {
+  const int64_t vocab = model_.config().vocab_size;
+  const auto& eos = model_.config().eos_token_ids;
+  int64_t row = 0;
+  for (const auto& ss : batch.seqs) {
+    Sequence& s = *ss.seq;
+    const int64_t start = s.num_computed - ss.num_tokens;
+    const int64_t rows = ss.logits == LogitsMode::kAll ? ss.num_tokens
+                                                        : (ss.logits == LogitsMode::kLast ? 1 : 0);
+    const int64_t first_row = row;
+    row += rows;
+    counters_.prompt_tokens += std::max<int64_t>(0, std::min(s.num_computed, s.prompt_len) - start);
+    // Prompt logprobs: row i predicts the token at position start + i + 1.
+    if (ss.logits == LogitsMode::kAll) {
+      const int32_t k = s.req.sampling.prompt_logprobs;
+      for (int64_t i = 0; i < ss.num_tokens && start + i + 1 < s.prompt_len; ++i) {
+        std::span<const float> r(logits.data() + (first_row + i) * vocab, static_cast<size_t>(vocab));
+        int32_t next = s.tokens[static_cast<size_t>(start + i + 1)];
+        s.prompt_out.prompt_token_logprobs.push_back(token_logprob(r, next));
+        s.prompt_out.prompt_top_logprobs.push_back(top_logprobs(r, k));
+      }
+      if (s.num_computed >= s.prompt_len) s.prompt_logprobs_done = true;
+    }
+    if (s.num_computed != static_cast<int64_t>(s.tokens.size())) continue;  // mid-prefill
+
+    std::span<const float> raw(logits.data() + (first_row + rows - 1) * vocab,
+                               static_cast<size_t>(vocab));
+    std::span<const float> sample_from = raw;
+    std::vector<float> masked;
+    if (s.num_output() < s.req.min_tokens) {  // suppress EOS and stop ids
+      masked.assign(raw.begin(), raw.end());
+      for (int64_t id : eos) {
+        if (id >= 0 && id < vocab && !s.req.ignore_eos) masked[static_cast<size_t>(id)] = -INFINITY;
+      }
+      for (int32_t id : s.req.stop_token_ids) {
+        if (id >= 0 && id < vocab) masked[static_cast<size_t>(id)] = -INFINITY;
+      }
+      sample_from = masked;
+    }
+    std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_len));
+    std::span<const int32_t> output(s.tokens.data() + s.prompt_len,
+                                    static_cast<size_t>(s.num_output()));
+    const int32_t token = sample_token(sample_from, s.req.sampling, prompt, output, s.rng);
+
+    StepOutput out;
+    out.id = s.req.id;
+    if (s.num_output() == 0) {
+      out.num_cached_prompt_tokens = static_cast<int32_t>(s.num_cached_prompt);
+      out.prompt_token_logprobs = std::move(s.prompt_out.prompt_token_logprobs);
+      out.prompt_top_logprobs = std::move(s.prompt_out.prompt_top_logprobs);
+    }
+    out.token_ids.push_back(token);
+    if (s.req.sampling.logprobs >= 0) {
+      out.token_logprobs.push_back(token_logprob(raw, token));
+      if (s.req.sampling.logprobs > 0) out.top_logprobs.push_back(top_logprobs(raw, s.req.sampling.logprobs));
+    }
+    s.tokens.push_back(token);
+    ++counters_.generation_tokens;
+
+    FinishReason reason = FinishReason::kNone;
+    const bool is_eos = !s.req.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end();
+    const bool is_stop = std::find(s.req.stop_token_ids.begin(), s.req.stop_token_ids.end(),
+                                   token) != s.req.stop_token_ids.end();
+    if (is_eos || is_stop) {
+      reason = FinishReason::kStop;
+      out.stop_token_id = token;
+    } else if (s.num_output() >= s.req.max_tokens ||
+               static_cast<int64_t>(s.tokens.size()) >= config_.max_model_len) {
+      reason = FinishReason::kLength;
+    }
+    if (reason != FinishReason::kNone) {
+      finish(s, reason, out);
+    } else {
+      emit(s, out);
+    }
+  }
+}
+
+EngineStats Engine::stats() const {
+  EngineStats st = counters_;
+  st.running = scheduler_.num_running();
+  st.waiting = scheduler_.num_waiting();
+  st.kv_pages_total = blocks_.num_pages();
+  st.kv_pages_free = blocks_.num_available();
+  st.prefix_cache_queries = blocks_.query_tokens();
+  st.prefix_cache_hits = blocks_.hit_tokens();
+  st.preemptions = scheduler_.preemptions();
+  return st;
+}
+
+// ---------------------------------------------------------------------------------------
+
+AsyncEngine::AsyncEngine(std::unique_ptr<Model> model, const EngineConfig& config)
+    : model_(std::move(model)), engine_(*model_, config) {
+  last_stats_ = engine_.stats();
+  thread_ = std::thread([this] { loop(); });
+}
+
+AsyncEngine::~AsyncEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void AsyncEngine::submit(GenRequest request, OutputCallback on_output) {
+  engine_.validate(request);  // const, reads immutable state only
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // NOTE: the engine's waiting count is the last published one; close enough here.
+    TANDEM_CHECK_KIND(kOutOfResources,
+                      pending_ + last_stats_.waiting < engine_.config().max_waiting,
+                      "the waiting queue is full (", engine_.config().max_waiting,
+                      " requests)");
+    incoming_.emplace_back(std::move(request), std::move(on_output));
+    ++pending_;
+  }
+  cv_.notify_one();
+}
+
+void AsyncEngine::abort(const std::string& id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts_.push_back(id);
+  }
+  cv_.notify_one();
+}
+
+EngineStats AsyncEngine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats st = last_stats_;
+  st.waiting += pending_;
+  return st;
+}
+
+void AsyncEngine::loop() {
+  for (;;) {
+    std::deque<std::pair<GenRequest, OutputCallback>> incoming;
+    std::vector<std::string> aborts;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] {
+        return stop_ || !incoming_.empty() || !aborts_.empty() || engine_.has_work();
+      });
+      if (stop_) break;
+      incoming.swap(incoming_);
+      aborts.swap(aborts_);
+    }
+    for (auto& [req, cb] : incoming) {
+      std::string id = req.id;
+      try {
+        engine_.add(std::move(req), cb);
+      } catch (const std::exception& e) {
+        StepOutput out;
+        out.id = id;
+        out.finished = true;
+        out.finish_reason = FinishReason::kError;
+        out.error = e.what();
+        if (cb) cb(out);
+      }
+    }
+    for (const auto& id : aborts) engine_.abort(id);
+    engine_.step();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ -= static_cast<int64_t>(incoming.size());
+      last_stats_ = engine_.stats();
+    }
+  }
+  // Shutting down: every live request still gets its finished callback.
+  for (auto& [req, cb] : incoming_) {
+    StepOutput out;
+    out.id = req.id;
+    out.finished = true;
+    out.finish_reason = FinishReason::kAbort;
+    if (cb) cb(out);
+  }
+  engine_.abort_all();
+}
+
+}  // namespace tandem

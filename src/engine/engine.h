@@ -1,0 +1,94 @@
+// The engine: continuous batching over one model instance.
+//   step(): schedule -> build the batch -> forward -> sample -> post-process.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "kv/block_manager.h"
+#include "kv/kv_cache.h"
+#include "model/qwen3_moe.h"
+
+namespace tandem {
+
+struct EngineConfig {
+  int64_t page_size = 16;              // tokens per KV page
+  int64_t num_pages = 0;               // 0: derived from kv_cache_mb
+  int64_t kv_cache_mb = 512;           // KV budget when num_pages is 0
+  int64_t max_num_seqs = 64;           // running sequences at most
+  int64_t max_batched_tokens = 1024;   // tokens per step (chunked prefill budget)
+  int64_t max_model_len = 0;           // 0: the model's max_position_embeddings
+  int64_t max_waiting = 1024;          // queue limit; submit beyond it fails (429)
+  bool enable_prefix_cache = true;
+};
+
+/// Single-threaded engine core. Not thread-safe; AsyncEngine wraps it in a thread.
+class Engine {
+ public:
+  Engine(Model& model, const EngineConfig& config);
+
+  /// Validates and queues a request (throws Error as EngineClient::submit documents).
+  void add(GenRequest request, OutputCallback on_output);
+  /// Throws Error(kInvalidArgument) for a request that can never run. Thread-safe.
+  void validate(const GenRequest& request) const;
+  /// Aborts a request: pages freed now, finished callback with kAbort.
+  void abort(const std::string& id);
+  void abort_all();
+  /// Runs one step; returns false when there was nothing to do.
+  bool step();
+  bool has_work() const { return scheduler_.has_work(); }
+
+  EngineStats stats() const;
+  int64_t max_model_len() const { return config_.max_model_len; }
+  const EngineConfig& config() const { return config_; }
+  const Model& model() const { return model_; }
+  const BlockManager& blocks() const { return blocks_; }
+
+ private:
+  void process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits);
+  void finish(Sequence& seq, FinishReason reason, StepOutput& out);
+
+  Model& model_;
+  EngineConfig config_;
+  BlockManager blocks_;
+  KvCache kv_;
+  Scheduler scheduler_;
+  std::vector<float> logits_;
+  EngineStats counters_;
+};
+
+/// The engine on its own thread, behind the thread-safe EngineClient interface.
+class AsyncEngine final : public EngineClient {
+ public:
+  AsyncEngine(std::unique_ptr<Model> model, const EngineConfig& config);
+  ~AsyncEngine() override;
+
+  void submit(GenRequest request, OutputCallback on_output) override;
+  void abort(const std::string& id) override;
+  EngineStats stats() const override;
+  int64_t max_model_len() const override { return engine_.max_model_len(); }
+  int64_t vocab_size() const override { return model_->config().vocab_size; }
+  const Model& model() const { return *model_; }
+
+ private:
+  void loop();
+
+  std::unique_ptr<Model> model_;
+  Engine engine_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<GenRequest, OutputCallback>> incoming_;
+  std::vector<std::string> aborts_;
+  int64_t pending_ = 0;  // submitted, not yet handed to the engine
+  EngineStats last_stats_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tandem

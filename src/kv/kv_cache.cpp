@@ -1,0 +1,51 @@
+#include "kv/kv_cache.h"
+
+#include "core/error.h"
+
+namespace tandem {
+
+KvCache::KvCache(const KvGeometry& g) : geometry_(g) {
+  TANDEM_CHECK(g.num_layers > 0 && g.num_pages > 0 && g.num_kv_heads > 0 && g.page_size > 0 &&
+                   g.head_dim > 0,
+               "bad KV geometry");
+  pools_.reserve(static_cast<size_t>(g.num_layers));
+  for (int64_t l = 0; l < g.num_layers; ++l) {
+    pools_.emplace_back(DType::kF32, Shape{g.num_pages, 2, g.num_kv_heads, g.page_size, g.head_dim});
+  }
+}
+
+float* KvCache::head_rows(int64_t layer, int64_t page, int kv, int64_t head) {
+  const auto& g = geometry_;
+  return this->layer(layer) + page * g.page_elems() +
+         ((static_cast<int64_t>(kv) * g.num_kv_heads + head) * g.page_size) * g.head_dim;
+}
+
+PageAllocator::PageAllocator(int64_t num_pages) : refs_(static_cast<size_t>(num_pages), 0) {
+  free_.reserve(static_cast<size_t>(num_pages));
+  for (int64_t p = num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
+}
+
+bool PageAllocator::allocate(int64_t n, std::vector<int32_t>& out) {
+  if (n > num_free()) return false;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = free_.back();
+    free_.pop_back();
+    refs_[static_cast<size_t>(p)] = 1;
+    out.push_back(p);
+  }
+  return true;
+}
+
+void PageAllocator::retain(int32_t page) {
+  TANDEM_CHECK(page >= 0 && page < num_pages() && refs_[static_cast<size_t>(page)] > 0,
+               "retain of a free page ", page);
+  ++refs_[static_cast<size_t>(page)];
+}
+
+void PageAllocator::release(int32_t page) {
+  TANDEM_CHECK(page >= 0 && page < num_pages() && refs_[static_cast<size_t>(page)] > 0,
+               "double free of page ", page);
+  if (--refs_[static_cast<size_t>(page)] == 0) free_.push_back(page);
+}
+
+}  // namespace tandem

@@ -1,0 +1,41 @@
+// The input of one forward pass: a batch mixing prefill chunks and decode tokens.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tandem {
+
+/// Which positions of a sequence's chunk produce logits.
+enum class LogitsMode : uint8_t { kNone, kLast, kAll };
+
+/// One sequence's slice of a forward pass: new tokens at positions
+/// [start_pos, start_pos + num_tokens), reading and writing KV through its block table.
+struct ForwardSeq {
+  const int32_t* tokens = nullptr;       // [num_tokens]
+  int64_t num_tokens = 0;
+  int64_t start_pos = 0;                 // tokens before this are already in the KV cache
+  const int32_t* block_table = nullptr;  // [num_pages] covering start_pos + num_tokens
+  int64_t num_pages = 0;
+  LogitsMode logits = LogitsMode::kLast;
+};
+
+struct ForwardBatch {
+  std::vector<ForwardSeq> seqs;
+
+  int64_t num_tokens() const {
+    int64_t n = 0;
+    for (const auto& s : seqs) n += s.num_tokens;
+    return n;
+  }
+  /// Rows of logits the forward returns, in batch order.
+  int64_t num_logit_rows() const {
+    int64_t n = 0;
+    for (const auto& s : seqs) {
+      n += s.logits == LogitsMode::kAll ? s.num_tokens : (s.logits == LogitsMode::kLast ? 1 : 0);
+    }
+    return n;
+  }
+};
+
+}  // namespace tandem

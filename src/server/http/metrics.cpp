@@ -1,0 +1,130 @@
+#include "server/http/metrics.h"
+
+#include <cstdio>
+
+namespace tandem {
+
+namespace {
+
+std::string format_double(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g", v);
+  return buf;
+}
+
+void header(std::string& out, const std::string& name, const char* type,
+            const std::string& help) {
+  out += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+}
+
+void scalar(std::string& out, const std::string& name, const char* type,
+            const std::string& help, double value) {
+  header(out, name, type, help);
+  out += name + " " + format_double(value) + "\n";
+}
+
+}  // namespace
+
+Histogram::Histogram(std::vector<double> bounds)
+    : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::observe(double value) {
+  size_t i = 0;
+  while (i < bounds_.size() && value > bounds_[i]) ++i;
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counts_[i];
+  sum_ += value;
+  ++count_;
+}
+
+void Histogram::render(std::string& out, const std::string& name,
+                       const std::string& help) const {
+  header(out, name, "histogram", help);
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cumulative += counts_[i];
+    out += name + "_bucket{le=\"" + format_double(bounds_[i]) + "\"} " +
+           std::to_string(cumulative) + "\n";
+  }
+  cumulative += counts_.back();
+  out += name + "_bucket{le=\"+Inf\"} " + std::to_string(cumulative) + "\n";
+  out += name + "_sum " + format_double(sum_) + "\n";
+  out += name + "_count " + std::to_string(count_) + "\n";
+}
+
+ServerMetrics::ServerMetrics()
+    : ttft_({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+             7.5, 10.0, 20.0, 40.0, 80.0}),
+      itl_({0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+            0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5}),
+      e2e_({0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+            40.0, 50.0, 60.0, 120.0, 240.0, 480.0}) {}
+
+void ServerMetrics::count_sequence(const std::string& outcome) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++sequences_[outcome];
+}
+
+void ServerMetrics::count_response(int status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++responses_[status];
+}
+
+std::string ServerMetrics::render(const EngineStats& s) const {
+  std::string out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    header(out, "tandem_requests_finished_total", "counter",
+           "Generated sequences by outcome (finish reason, or error).");
+    // Always list the usual outcomes so dashboards see zeros.
+    std::map<std::string, uint64_t> seq = sequences_;
+    for (const char* k : {"stop", "length", "abort", "error"}) seq.try_emplace(k, 0);
+    for (const auto& [k, v] : seq) {
+      out += "tandem_requests_finished_total{outcome=\"" + k + "\"} " + std::to_string(v) + "\n";
+    }
+    header(out, "tandem_http_responses_total", "counter", "HTTP responses by status code.");
+    for (const auto& [k, v] : responses_) {
+      out += "tandem_http_responses_total{status=\"" + std::to_string(k) + "\"} " +
+             std::to_string(v) + "\n";
+    }
+  }
+  scalar(out, "tandem_prompt_tokens_total", "counter",
+         "Prompt tokens of requests served over HTTP.", double(prompt_tokens_.load()));
+  scalar(out, "tandem_generation_tokens_total", "counter",
+         "Generated tokens returned over HTTP.", double(generation_tokens_.load()));
+  ttft_.render(out, "tandem_time_to_first_token_seconds", "Time to first token.");
+  itl_.render(out, "tandem_inter_token_latency_seconds", "Time between output tokens.");
+  e2e_.render(out, "tandem_e2e_request_latency_seconds", "End-to-end request latency.");
+
+  scalar(out, "tandem_num_requests_running", "gauge", "Sequences running in the engine.",
+         double(s.running));
+  scalar(out, "tandem_num_requests_waiting", "gauge", "Sequences waiting in the engine.",
+         double(s.waiting));
+  scalar(out, "tandem_kv_pages_total", "gauge", "KV cache pages in the pool.",
+         double(s.kv_pages_total));
+  scalar(out, "tandem_kv_pages_used", "gauge", "KV cache pages in use.",
+         double(s.kv_pages_total - s.kv_pages_free));
+  scalar(out, "tandem_kv_pages_free", "gauge", "KV cache pages free.", double(s.kv_pages_free));
+  scalar(out, "tandem_kv_cache_usage_perc", "gauge", "Fraction of KV pages in use (0..1).",
+         s.kv_pages_total > 0 ? double(s.kv_pages_total - s.kv_pages_free) / s.kv_pages_total
+                              : 0.0);
+  scalar(out, "tandem_prefix_cache_queries_total", "counter",
+         "Prompt tokens looked up in the prefix cache.", double(s.prefix_cache_queries));
+  scalar(out, "tandem_prefix_cache_hits_total", "counter",
+         "Prompt tokens found in the prefix cache.", double(s.prefix_cache_hits));
+  scalar(out, "tandem_prefix_cache_hit_rate", "gauge",
+         "Prefix cache hits / queries since start (0..1).",
+         s.prefix_cache_queries > 0 ? double(s.prefix_cache_hits) / s.prefix_cache_queries
+                                    : 0.0);
+  scalar(out, "tandem_engine_prompt_tokens_total", "counter",
+         "Prompt tokens computed by the engine (prefix-cache hits excluded).",
+         double(s.prompt_tokens));
+  scalar(out, "tandem_engine_generation_tokens_total", "counter",
+         "Tokens generated by the engine.", double(s.generation_tokens));
+  scalar(out, "tandem_num_preemptions_total", "counter", "Sequences preempted by the engine.",
+         double(s.preemptions));
+  return out;
+}
+
+}  // namespace tandem

@@ -1,0 +1,63 @@
+// Front-end metrics in the Prometheus text exposition format (GET /metrics).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/request.h"
+
+namespace tandem {
+
+/// A cumulative histogram with fixed upper bounds (seconds). Thread-safe.
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void observe(double value);
+  /// Appends the `_bucket`, `_sum` and `_count` lines of metric `name`.
+  void render(std::string& out, const std::string& name, const std::string& help) const;
+
+ private:
+  std::vector<double> bounds_;
+  mutable std::mutex mu_;
+  std::vector<uint64_t> counts_;  // per bucket, not cumulative; last is +Inf
+  double sum_ = 0.0;
+  uint64_t count_ = 0;
+};
+
+/// Everything the HTTP front counts. Thread-safe.
+class ServerMetrics {
+ public:
+  ServerMetrics();
+
+  /// One generated sequence (a choice) ended: outcome is a finish reason ("stop", "length",
+  /// "abort") or "error".
+  void count_sequence(const std::string& outcome);
+  /// One HTTP response was sent with this status.
+  void count_response(int status);
+  void add_prompt_tokens(int64_t n) { prompt_tokens_ += n; }
+  void add_generation_tokens(int64_t n) { generation_tokens_ += n; }
+
+  Histogram& ttft() { return ttft_; }                    // seconds, submit -> first token
+  Histogram& inter_token_latency() { return itl_; }      // seconds between tokens
+  Histogram& e2e_latency() { return e2e_; }              // seconds, request -> last token
+
+  /// The whole exposition, engine gauges and counters included.
+  std::string render(const EngineStats& stats) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, uint64_t> sequences_;  // by outcome
+  std::map<int, uint64_t> responses_;          // by HTTP status
+  std::atomic<int64_t> prompt_tokens_{0};
+  std::atomic<int64_t> generation_tokens_{0};
+  Histogram ttft_;
+  Histogram itl_;
+  Histogram e2e_;
+};
+
+}  // namespace tandem

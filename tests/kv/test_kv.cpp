@@ -1,0 +1,97 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <set>
+
+#include "core/error.h"
+#include "kv/block_manager.h"
+#include "kv/kv_cache.h"
+
+namespace tandem {
+namespace {
+
+TEST(KvCache, HndLayoutHeadRangesAreContiguous) {
+  KvGeometry g{2, 3, 4, 8, 16};
+  KvCache kv(g);
+  // page p, k/v, head h starts at ((p * 2 + kv) * heads + h) * page_size * head_dim.
+  float* base = kv.layer(1);
+  EXPECT_EQ(kv.head_rows(1, 2, 1, 3) - base, ((2 * 2 + 1) * 4 + 3) * 8 * 16);
+  // Heads [1, 3) of the k half of page 1 are one contiguous run.
+  EXPECT_EQ(kv.head_rows(0, 1, 0, 2) - kv.head_rows(0, 1, 0, 1), 8 * 16);
+}
+
+TEST(PageAllocator, AllocFreeRefcounts) {
+  PageAllocator a(4);
+  std::vector<int32_t> p;
+  ASSERT_TRUE(a.allocate(3, p));
+  EXPECT_EQ(a.num_free(), 1);
+  EXPECT_FALSE(a.allocate(2, p));  // all or nothing
+  EXPECT_EQ(p.size(), 3u);
+  a.retain(p[0]);
+  a.release(p[0]);
+  EXPECT_EQ(a.num_free(), 1);
+  a.release(p[0]);
+  EXPECT_EQ(a.num_free(), 2);
+  EXPECT_THROW(a.release(p[0]), Error);  // double free is caught
+}
+
+TEST(BlockManager, PrefixCacheHitEvictAndExactContent) {
+  BlockManager bm(6, 4, true);
+  std::vector<int32_t> prompt(10);
+  std::iota(prompt.begin(), prompt.end(), 100);
+  std::vector<int32_t> pages;
+  std::vector<uint64_t> hashes;
+  EXPECT_EQ(bm.match_prefix(prompt, 8, pages, hashes), 0);
+  ASSERT_TRUE(bm.allocate(3, pages));
+  // Publish the two full pages.
+  uint64_t h0 = BlockManager::page_hash(0, std::span(prompt).subspan(0, 4));
+  uint64_t h1 = BlockManager::page_hash(h0, std::span(prompt).subspan(4, 4));
+  bm.publish(pages[0], h0, std::span(prompt).subspan(0, 4));
+  bm.publish(pages[1], h1, std::span(prompt).subspan(4, 4));
+  bm.release(pages);
+  EXPECT_EQ(bm.num_free(), 4);       // two pages held by the cache alone
+  EXPECT_EQ(bm.num_available(), 6);  // ... but evictable
+
+  std::vector<int32_t> p2;
+  std::vector<uint64_t> h2;
+  EXPECT_EQ(bm.match_prefix(prompt, 8, p2, h2), 2);
+  EXPECT_EQ(p2[0], pages[0]);
+  EXPECT_EQ(p2[1], pages[1]);
+  // Capped by max_pages.
+  std::vector<int32_t> p3;
+  std::vector<uint64_t> h3;
+  EXPECT_EQ(bm.match_prefix(prompt, 1, p3, h3), 1);
+  bm.release(p3);
+  // A different second page matches only the first.
+  auto other = prompt;
+  other[5] = 7;
+  std::vector<int32_t> p4;
+  std::vector<uint64_t> h4;
+  EXPECT_EQ(bm.match_prefix(other, 8, p4, h4), 1);
+  bm.release(p4);
+  bm.release(p2);
+  // Allocating everything evicts the cached pages.
+  std::vector<int32_t> all;
+  ASSERT_TRUE(bm.allocate(6, all));
+  EXPECT_EQ(std::set<int32_t>(all.begin(), all.end()).size(), 6u);
+  std::vector<int32_t> p5;
+  std::vector<uint64_t> h5;
+  EXPECT_EQ(bm.match_prefix(prompt, 8, p5, h5), 0);
+  bm.release(all);
+  EXPECT_EQ(bm.num_free(), 6);
+}
+
+TEST(BlockManager, DisabledCacheNeverMatches) {
+  BlockManager bm(4, 2, false);
+  std::vector<int32_t> t = {1, 2, 3, 4}, pages;
+  std::vector<uint64_t> h;
+  ASSERT_TRUE(bm.allocate(2, pages));
+  bm.publish(pages[0], BlockManager::page_hash(0, std::span(t).subspan(0, 2)),
+             std::span(t).subspan(0, 2));
+  bm.release(pages);
+  EXPECT_EQ(bm.num_free(), 4);
+  EXPECT_EQ(bm.match_prefix(t, 4, pages, h), 0);
+}
+
+}  // namespace
+}  // namespace tandem
