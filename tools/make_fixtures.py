@@ -180,36 +180,57 @@ def hub_config(spec):
 
 
 def tf5_config(spec, tmpdir):
-    """What transformers 5 save_pretrained writes, normalised to the transformers-5 spelling."""
+    """Key set and order of what transformers 5.24 save_pretrained writes for Qwen3-MoE.
+
+    Spelled out (not taken from the running version) so that the committed files do not depend on
+    the transformers version that regenerates them; a note is printed if this version differs.
+    """
     bos, eos = special_ids(spec)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["inter"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"],
-        max_position_embeddings=spec["max_pos"], rms_norm_eps=spec["eps"],
-        tie_word_embeddings=spec["tie"], decoder_sparse_step=spec["sparse_step"],
-        moe_intermediate_size=spec["moe_inter"], num_experts_per_tok=spec["top_k"],
-        num_experts=spec["experts"], norm_topk_prob=spec["norm_topk"],
-        mlp_only_layers=list(spec["mlp_only"]), bos_token_id=bos, eos_token_id=eos[0],
-        rope_parameters={"rope_theta": float(spec["theta"]), "rope_type": "default"},
-    )
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    d = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos,
+        "decoder_sparse_step": spec["sparse_step"],
+        "dtype": spec["dtype"],
+        "eos_token_id": eos[0],
+        "head_dim": spec["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": spec["hidden"],
+        "initializer_range": 0.02,
+        "intermediate_size": spec["inter"],
+        "max_position_embeddings": spec["max_pos"],
+        "mlp_only_layers": list(spec["mlp_only"]),
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": spec["moe_inter"],
+        "norm_topk_prob": spec["norm_topk"],
+        "num_attention_heads": spec["heads"],
+        "num_experts_per_tok": spec["top_k"],
+        "num_hidden_layers": spec["layers"],
+        "num_key_value_heads": spec["kv_heads"],
+        "num_local_experts": spec["experts"],
+        "output_router_logits": False,
+        "pad_token_id": None,
+        "rms_norm_eps": spec["eps"],
+        "rope_parameters": {"rope_theta": float(spec["theta"]), "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": spec["tie"],
+        "transformers_version": "5.24.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": spec["vocab"],
+    }
+    # What does the running transformers write? (informational only)
+    cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in d.items()
+                                         if k not in ("transformers_version", "model_type")})
     cfg.save_pretrained(tmpdir)
     with open(os.path.join(tmpdir, "config.json")) as f:
-        d = json.load(f)
-    # Normalise whatever this transformers version wrote to the transformers-5 spelling.
-    d["num_local_experts"] = spec["experts"]
-    d.pop("num_experts", None)
-    d["rope_parameters"] = {"rope_theta": float(spec["theta"]), "rope_type": "default"}
-    d.pop("rope_theta", None)
-    d.pop("rope_scaling", None)
-    d["dtype"] = spec["dtype"]
-    d.pop("torch_dtype", None)
-    d["tie_word_embeddings"] = spec["tie"]
-    d["pad_token_id"] = None
-    for k in ("_name_or_path", "experts_implementation", "attn_implementation"):
-        d.pop(k, None)
-    return dict(sorted(d.items()))
+        written = json.load(f)
+    if set(written) != set(d):
+        print(f"  note: transformers {transformers.__version__} writes config keys differing by "
+              f"{sorted(set(written) ^ set(d))}")
+    return d
 
 
 def generation_config(spec):
@@ -217,7 +238,7 @@ def generation_config(spec):
     g = {"bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": bos}
     if spec["sampling_defaults"]:
         g.update({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95})
-    g["transformers_version"] = "4.51.0" if spec["spelling"] == "hub" else transformers.__version__
+    g["transformers_version"] = "4.51.0" if spec["spelling"] == "hub" else "5.24.0"
     return g
 
 

@@ -22,7 +22,8 @@ struct SamplingParams {
   int32_t logprobs = -1;            // top-N logprobs per generated token; -1: none
   int32_t prompt_logprobs = -1;     // top-N logprobs per prompt token; -1: none
 
-  bool greedy() const { return temperature <= 0.0f; }
+  /// Greedy below 1e-5, as vLLM (a tinier temperature only overflows the scaled logits).
+  bool greedy() const { return temperature < 1e-5f; }
 };
 
 struct TokenLogprob {

@@ -11,8 +11,9 @@ Scheduler::Scheduler(BlockManager& blocks, int64_t max_num_seqs, int64_t max_bat
 
 void Scheduler::add(std::unique_ptr<Sequence> seq) {
   Sequence* s = seq.get();
-  auto [it, inserted] = seqs_.emplace(s->req.id, std::move(seq));
-  TANDEM_CHECK_KIND(kInvalidArgument, inserted, "duplicate request id '", s->req.id, "'");
+  TANDEM_CHECK_KIND(kInvalidArgument, seqs_.count(s->req.id) == 0, "duplicate request id '",
+                    s->req.id, "'");
+  seqs_.emplace(s->req.id, std::move(seq));
   waiting_.push_back(s);
 }
 

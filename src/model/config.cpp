@@ -4,10 +4,9 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 
@@ -205,8 +204,9 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
   std::optional<std::string> model_type = r.get_string("model_type");
   TANDEM_CHECK_KIND(kInvalidArgument, model_type.has_value(), origin,
                     ": missing required field 'model_type'");
-  TANDEM_CHECK_KIND(kUnsupported, *model_type == kModelType, origin, ": field 'model_type': ",
-                    "unsupported model_type '", *model_type, "' (supported: ", kModelType, ")");
+  TANDEM_CHECK_KIND(kUnsupported, *model_type == kModelType, origin,
+                    ": field 'model_type': unsupported model_type '", *model_type,
+                    "' (supported: ", kModelType, ")");
   c.model_type = *model_type;
   c.architecture = kArchitecture;
   if (const Json* archs = r.find_non_null("architectures")) {
@@ -214,8 +214,8 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
     for (const Json& a : *archs) {
       if (!a.is_string()) r.type_error("architectures", a, "a list of strings");
       TANDEM_CHECK_KIND(kUnsupported, a.get<std::string>() == kArchitecture, origin,
-                        ": field 'architectures': unsupported architecture '",
-                        a.get<std::string>(), "' (supported: ", kArchitecture, ")");
+                        ": field 'architectures': unsupported architecture '", a.get<std::string>(),
+                        "' (supported: ", kArchitecture, ")");
     }
   }
 
@@ -297,8 +297,8 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
   c.rope_theta = r.get_double("rope_theta", 10000.0);
   std::optional<double> scaling_theta = read_rope_object(r, "rope_scaling");
   std::optional<double> params_theta = read_rope_object(r, "rope_parameters");
-  bool has_scaling = r.find_non_null("rope_scaling") != nullptr &&
-                     !r.find_non_null("rope_scaling")->empty();
+  bool has_scaling =
+      r.find_non_null("rope_scaling") != nullptr && !r.find_non_null("rope_scaling")->empty();
   if (has_scaling && scaling_theta) {
     c.rope_theta = *scaling_theta;
   } else if (!has_scaling && params_theta) {
@@ -315,15 +315,16 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
     if (tdt) {
       TANDEM_CHECK_KIND(kInvalidArgument,
                         dtype_from_torch_name(*tdt, origin, "torch_dtype") == c.dtype, origin,
-                        ": fields 'dtype' ('", *dt, "') and 'torch_dtype' ('", *tdt,
-                        "') disagree");
+                        ": fields 'dtype' ('", *dt, "') and 'torch_dtype' ('", *tdt, "') disagree");
     }
   } else if (tdt) {
     c.dtype = dtype_from_torch_name(*tdt, origin, "torch_dtype");
   }
 
   // Special tokens.
-  if (const Json* bos = r.find_non_null("bos_token_id")) c.bos_token_id = r.as_int("bos_token_id", *bos);
+  if (const Json* bos = r.find_non_null("bos_token_id")) {
+    c.bos_token_id = r.as_int("bos_token_id", *bos);
+  }
   c.eos_token_ids = r.get_int_or_list("eos_token_id").value_or(std::vector<int64_t>{});
   for (int64_t id : c.eos_token_ids) {
     TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < c.vocab_size, origin,
@@ -346,8 +347,8 @@ ModelConfig ModelConfig::from_dir(const std::string& dir) {
     if (std::optional<std::vector<int64_t>> eos = r.get_int_or_list("eos_token_id")) {
       for (int64_t id : *eos) {
         TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < c.vocab_size, gen_path,
-                          ": field 'eos_token_id': token ", id,
-                          " is outside the vocabulary [0, ", c.vocab_size, ")");
+                          ": field 'eos_token_id': token ", id, " is outside the vocabulary [0, ",
+                          c.vocab_size, ")");
       }
       c.eos_token_ids = std::move(*eos);
     }

@@ -10,10 +10,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 
@@ -98,8 +97,8 @@ TensorView parse_entry(const std::string& path, const std::string& name, const J
   if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(v.dtype)), &nbytes)) {
     overflow = true;
   }
-  TANDEM_CHECK_KIND(kIo, !overflow && nbytes == end - begin, path, ": tensor '", name, "': ",
-                    end - begin, " data bytes do not match dtype ", dtype_name(v.dtype),
+  TANDEM_CHECK_KIND(kIo, !overflow && nbytes == end - begin, path, ": tensor '", name,
+                    "': ", end - begin, " data bytes do not match dtype ", dtype_name(v.dtype),
                     " and shape ", v.shape.str());
   v.data = data_begin + begin;
   v.device = Device::kCpu;
@@ -215,9 +214,8 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
       auto pos = file_pos.find(shard);
       if (pos == file_pos.end()) {
         const fs::path shard_path = root / shard;
-        TANDEM_CHECK_KIND(kNotFound, fs::is_regular_file(shard_path, ec), ipath, ": shard '",
-                          shard, "' (holding tensor '", it.key(), "') not found at ",
-                          shard_path.string());
+        TANDEM_CHECK_KIND(kNotFound, fs::is_regular_file(shard_path, ec), ipath, ": shard '", shard,
+                          "' (holding tensor '", it.key(), "') not found at ", shard_path.string());
         files_.push_back(std::make_unique<SafetensorsFile>(shard_path.string()));
         pos = file_pos.emplace(shard, files_.size() - 1).first;
       }

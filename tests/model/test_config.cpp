@@ -1,13 +1,12 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <string>
-#include <unistd.h>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "core/error.h"
 #include "model/config.h"
@@ -133,8 +132,7 @@ class TempDir {
   TempDir() {
     static std::atomic<int> counter{0};
     path_ = fs::temp_directory_path() /
-            ("tandem_test_config_" + std::to_string(::getpid()) + "_" +
-             std::to_string(counter++));
+            ("tandem_test_config_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::remove_all(path_);
     fs::create_directories(path_);
   }
@@ -244,8 +242,8 @@ TEST(ModelConfig, TransformersDefaults) {
   EXPECT_TRUE(c.eos_token_ids.empty());
   EXPECT_EQ(c.bos_token_id, -1);
 
-  Json j = {{"model_type", "qwen3_moe"}, {"hidden_size", 1024}, {"num_attention_heads", 8},
-            {"num_key_value_heads", 2}, {"mlp_only_layers", nullptr}, {"eos_token_id", nullptr}};
+  Json j = {{"model_type", "qwen3_moe"}, {"hidden_size", 1024},        {"num_attention_heads", 8},
+            {"num_key_value_heads", 2},  {"mlp_only_layers", nullptr}, {"eos_token_id", nullptr}};
   c = parse(j);
   EXPECT_EQ(c.head_dim, 128);
   EXPECT_TRUE(c.mlp_only_layers.empty());
@@ -320,86 +318,148 @@ struct BadCase {
 TEST(ModelConfig, ErrorsNameFileAndField) {
   using K = ErrorKind;
   const std::vector<BadCase> cases = {
-      {"unknown model_type", [](Json& j) { j["model_type"] = "llama"; }, K::kUnsupported,
+      {"unknown model_type",
+       [](Json& j) { j["model_type"] = "llama"; },
+       K::kUnsupported,
        {"model_type", "llama"}},
       {"unknown architecture",
        [](Json& j) { j["architectures"] = {"Qwen3MoeForSequenceClassification"}; },
-       K::kUnsupported, {"architectures", "Qwen3MoeForSequenceClassification"}},
-      {"missing model_type", [](Json& j) { j.erase("model_type"); }, K::kInvalidArgument,
+       K::kUnsupported,
+       {"architectures", "Qwen3MoeForSequenceClassification"}},
+      {"missing model_type",
+       [](Json& j) { j.erase("model_type"); },
+       K::kInvalidArgument,
        {"model_type", "missing"}},
-      {"model_type not a string", [](Json& j) { j["model_type"] = 3; }, K::kInvalidArgument,
+      {"model_type not a string",
+       [](Json& j) { j["model_type"] = 3; },
+       K::kInvalidArgument,
        {"model_type"}},
-      {"string size", [](Json& j) { j["hidden_size"] = "2048"; }, K::kInvalidArgument,
+      {"string size",
+       [](Json& j) { j["hidden_size"] = "2048"; },
+       K::kInvalidArgument,
        {"hidden_size", "integer", "string"}},
-      {"float size", [](Json& j) { j["num_hidden_layers"] = 48.5; }, K::kInvalidArgument,
+      {"float size",
+       [](Json& j) { j["num_hidden_layers"] = 48.5; },
+       K::kInvalidArgument,
        {"num_hidden_layers"}},
-      {"null size", [](Json& j) { j["vocab_size"] = nullptr; }, K::kInvalidArgument,
+      {"null size",
+       [](Json& j) { j["vocab_size"] = nullptr; },
+       K::kInvalidArgument,
        {"vocab_size"}},
-      {"bool as int", [](Json& j) { j["norm_topk_prob"] = 1; }, K::kInvalidArgument,
+      {"bool as int",
+       [](Json& j) { j["norm_topk_prob"] = 1; },
+       K::kInvalidArgument,
        {"norm_topk_prob", "boolean"}},
-      {"string theta", [](Json& j) { j["rope_theta"] = "1e6"; }, K::kInvalidArgument,
+      {"string theta",
+       [](Json& j) { j["rope_theta"] = "1e6"; },
+       K::kInvalidArgument,
        {"rope_theta"}},
-      {"bad mlp_only_layers", [](Json& j) { j["mlp_only_layers"] = {1.5}; },
-       K::kInvalidArgument, {"mlp_only_layers"}},
-      {"mlp_only_layers not a list", [](Json& j) { j["mlp_only_layers"] = 3; },
-       K::kInvalidArgument, {"mlp_only_layers"}},
-      {"mlp_only_layers out of range", [](Json& j) { j["mlp_only_layers"] = {48}; },
-       K::kInvalidArgument, {"mlp_only_layers", "48"}},
-      {"bad eos", [](Json& j) { j["eos_token_id"] = "x"; }, K::kInvalidArgument,
-       {"eos_token_id"}},
-      {"eos outside vocab", [](Json& j) { j["eos_token_id"] = {1, 999999}; },
-       K::kInvalidArgument, {"eos_token_id", "999999"}},
-      {"heads not divisible", [](Json& j) { j["num_key_value_heads"] = 5; },
-       K::kInvalidArgument, {"num_attention_heads", "num_key_value_heads"}},
-      {"top-k > experts", [](Json& j) { j["num_experts_per_tok"] = 129; },
-       K::kInvalidArgument, {"num_experts_per_tok", "num_experts"}},
-      {"top-k zero", [](Json& j) { j["num_experts_per_tok"] = 0; }, K::kInvalidArgument,
+      {"bad mlp_only_layers",
+       [](Json& j) { j["mlp_only_layers"] = {1.5}; },
+       K::kInvalidArgument,
+       {"mlp_only_layers"}},
+      {"mlp_only_layers not a list",
+       [](Json& j) { j["mlp_only_layers"] = 3; },
+       K::kInvalidArgument,
+       {"mlp_only_layers"}},
+      {"mlp_only_layers out of range",
+       [](Json& j) { j["mlp_only_layers"] = {48}; },
+       K::kInvalidArgument,
+       {"mlp_only_layers", "48"}},
+      {"bad eos", [](Json& j) { j["eos_token_id"] = "x"; }, K::kInvalidArgument, {"eos_token_id"}},
+      {"eos outside vocab",
+       [](Json& j) {
+         j["eos_token_id"] = {1, 999999};
+       },
+       K::kInvalidArgument,
+       {"eos_token_id", "999999"}},
+      {"heads not divisible",
+       [](Json& j) { j["num_key_value_heads"] = 5; },
+       K::kInvalidArgument,
+       {"num_attention_heads", "num_key_value_heads"}},
+      {"top-k > experts",
+       [](Json& j) { j["num_experts_per_tok"] = 129; },
+       K::kInvalidArgument,
+       {"num_experts_per_tok", "num_experts"}},
+      {"top-k zero",
+       [](Json& j) { j["num_experts_per_tok"] = 0; },
+       K::kInvalidArgument,
        {"num_experts_per_tok"}},
-      {"negative experts", [](Json& j) { j["num_experts"] = -1; }, K::kInvalidArgument,
+      {"negative experts",
+       [](Json& j) { j["num_experts"] = -1; },
+       K::kInvalidArgument,
        {"num_experts"}},
-      {"experts disagree", [](Json& j) { j["num_local_experts"] = 64; }, K::kInvalidArgument,
+      {"experts disagree",
+       [](Json& j) { j["num_local_experts"] = 64; },
+       K::kInvalidArgument,
        {"num_experts", "num_local_experts"}},
-      {"zero hidden", [](Json& j) { j["hidden_size"] = 0; }, K::kInvalidArgument,
-       {"hidden_size"}},
-      {"negative layers", [](Json& j) { j["num_hidden_layers"] = -2; }, K::kInvalidArgument,
+      {"zero hidden", [](Json& j) { j["hidden_size"] = 0; }, K::kInvalidArgument, {"hidden_size"}},
+      {"negative layers",
+       [](Json& j) { j["num_hidden_layers"] = -2; },
+       K::kInvalidArgument,
        {"num_hidden_layers"}},
-      {"zero heads", [](Json& j) { j["num_attention_heads"] = 0; }, K::kInvalidArgument,
+      {"zero heads",
+       [](Json& j) { j["num_attention_heads"] = 0; },
+       K::kInvalidArgument,
        {"num_attention_heads"}},
-      {"zero kv heads", [](Json& j) { j["num_key_value_heads"] = 0; }, K::kInvalidArgument,
+      {"zero kv heads",
+       [](Json& j) { j["num_key_value_heads"] = 0; },
+       K::kInvalidArgument,
        {"num_key_value_heads"}},
       {"zero head_dim", [](Json& j) { j["head_dim"] = 0; }, K::kInvalidArgument, {"head_dim"}},
-      {"zero expert width", [](Json& j) { j["moe_intermediate_size"] = 0; },
-       K::kInvalidArgument, {"moe_intermediate_size"}},
+      {"zero expert width",
+       [](Json& j) { j["moe_intermediate_size"] = 0; },
+       K::kInvalidArgument,
+       {"moe_intermediate_size"}},
       {"zero vocab", [](Json& j) { j["vocab_size"] = 0; }, K::kInvalidArgument, {"vocab_size"}},
-      {"zero sparse step", [](Json& j) { j["decoder_sparse_step"] = 0; }, K::kInvalidArgument,
+      {"zero sparse step",
+       [](Json& j) { j["decoder_sparse_step"] = 0; },
+       K::kInvalidArgument,
        {"decoder_sparse_step"}},
-      {"zero eps", [](Json& j) { j["rms_norm_eps"] = 0.0; }, K::kInvalidArgument,
-       {"rms_norm_eps"}},
-      {"zero theta", [](Json& j) { j["rope_theta"] = 0.0; }, K::kInvalidArgument,
-       {"rope_theta"}},
+      {"zero eps", [](Json& j) { j["rms_norm_eps"] = 0.0; }, K::kInvalidArgument, {"rms_norm_eps"}},
+      {"zero theta", [](Json& j) { j["rope_theta"] = 0.0; }, K::kInvalidArgument, {"rope_theta"}},
       {"yarn rope_scaling",
        [](Json& j) {
-         j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0},
-                              {"original_max_position_embeddings", 32768}};
+         j["rope_scaling"] = {
+             {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
        },
-       K::kUnsupported, {"rope_scaling", "yarn"}},
+       K::kUnsupported,
+       {"rope_scaling", "yarn"}},
       {"legacy linear rope_scaling",
-       [](Json& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; },
-       K::kUnsupported, {"rope_scaling", "linear"}},
+       [](Json& j) {
+         j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+       },
+       K::kUnsupported,
+       {"rope_scaling", "linear"}},
       {"yarn rope_parameters",
-       [](Json& j) { j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; },
-       K::kUnsupported, {"rope_parameters", "yarn"}},
-      {"rope_scaling not an object", [](Json& j) { j["rope_scaling"] = "yarn"; },
-       K::kInvalidArgument, {"rope_scaling"}},
-      {"attention bias", [](Json& j) { j["attention_bias"] = true; }, K::kUnsupported,
+       [](Json& j) {
+         j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+       },
+       K::kUnsupported,
+       {"rope_parameters", "yarn"}},
+      {"rope_scaling not an object",
+       [](Json& j) { j["rope_scaling"] = "yarn"; },
+       K::kInvalidArgument,
+       {"rope_scaling"}},
+      {"attention bias",
+       [](Json& j) { j["attention_bias"] = true; },
+       K::kUnsupported,
        {"attention_bias"}},
-      {"sliding window", [](Json& j) { j["use_sliding_window"] = true; }, K::kUnsupported,
+      {"sliding window",
+       [](Json& j) { j["use_sliding_window"] = true; },
+       K::kUnsupported,
        {"use_sliding_window"}},
-      {"activation", [](Json& j) { j["hidden_act"] = "gelu"; }, K::kUnsupported,
+      {"activation",
+       [](Json& j) { j["hidden_act"] = "gelu"; },
+       K::kUnsupported,
        {"hidden_act", "gelu"}},
-      {"dtype", [](Json& j) { j["torch_dtype"] = "int8"; }, K::kUnsupported,
+      {"dtype",
+       [](Json& j) { j["torch_dtype"] = "int8"; },
+       K::kUnsupported,
        {"torch_dtype", "int8"}},
-      {"dtypes disagree", [](Json& j) { j["dtype"] = "float16"; }, K::kInvalidArgument,
+      {"dtypes disagree",
+       [](Json& j) { j["dtype"] = "float16"; },
+       K::kInvalidArgument,
        {"dtype", "torch_dtype"}},
   };
   for (const BadCase& bc : cases) {

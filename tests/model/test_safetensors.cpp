@@ -1,15 +1,14 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
-#include <unistd.h>
-
-#include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -56,7 +55,8 @@ Json header_for(const std::vector<Spec>& specs) {
   h["__metadata__"] = {{"format", "pt"}};
   uint64_t off = 0;
   for (const Spec& s : specs) {
-    h[s.name] = {{"dtype", s.dtype}, {"shape", s.shape}, {"data_offsets", {off, off + s.bytes.size()}}};
+    h[s.name] = {
+        {"dtype", s.dtype}, {"shape", s.shape}, {"data_offsets", {off, off + s.bytes.size()}}};
     off += s.bytes.size();
   }
   return h;
@@ -69,9 +69,11 @@ std::string file_bytes(const std::string& header, const std::vector<Spec>& specs
   while (hdr.size() % 8 != 0) hdr += ' ';
   uint64_t n = header_len_override >= 0 ? static_cast<uint64_t>(header_len_override) : hdr.size();
   std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
   out += hdr;
-  for (const Spec& s : specs) out.append(reinterpret_cast<const char*>(s.bytes.data()), s.bytes.size());
+  for (const Spec& s : specs)
+    out.append(reinterpret_cast<const char*>(s.bytes.data()), s.bytes.size());
   return out;
 }
 
@@ -129,8 +131,7 @@ const std::vector<float> kF16 = {0.5f, -1.25f, 1024.0f, 6.103515625e-05f};
 std::vector<Spec> sample_specs() {
   return {f32_spec("model.embed_tokens.weight", {2, 3}, kF32),
           bf16_spec("model.layers.0.mlp.gate.weight", {4, 2}, kBf16),
-          f16_spec("model.norm.weight", {4}, kF16),
-          f32_spec("empty", {0, 3}, {}),
+          f16_spec("model.norm.weight", {4}, kF16), f32_spec("empty", {0, 3}, {}),
           f32_spec("scalar", {}, {42.0f})};  // last in the data, last in the (sorted) header
 }
 
@@ -197,8 +198,11 @@ TEST(Safetensors, ShapeMismatchNamesFileTensorAndShapes) {
   TempDir dir;
   const std::string path = dir.write_st("model.safetensors", sample_specs());
   Checkpoint ck(dir.path());
-  expect_error([&] { ck.get("model.embed_tokens.weight", Shape({3, 2})); },
-               ErrorKind::kInvalidArgument, {path, "model.embed_tokens.weight", "[2, 3]", "[3, 2]"});
+  expect_error(
+      [&] {
+        ck.get("model.embed_tokens.weight", Shape({3, 2}));
+      },
+      ErrorKind::kInvalidArgument, {path, "model.embed_tokens.weight", "[2, 3]", "[3, 2]"});
   expect_error([&] { ck.get("lm_head.weight"); }, ErrorKind::kNotFound,
                {dir.path(), "lm_head.weight"});
   expect_error([&] { ck.get("lm_head.weight", Shape({1})); }, ErrorKind::kNotFound,
@@ -219,11 +223,10 @@ TEST(Safetensors, ShardedWithIndex) {
   std::vector<Spec> s2 = {f16_spec("c", {2, 2}, kF16)};
   const std::string p1 = dir.write_st("model-00001-of-00002.safetensors", s1);
   const std::string p2 = dir.write_st("model-00002-of-00002.safetensors", s2);
-  dir.write("model.safetensors.index.json",
-            index_json({{"a", "model-00001-of-00002.safetensors"},
-                        {"b", "model-00001-of-00002.safetensors"},
-                        {"c", "model-00002-of-00002.safetensors"}})
-                .dump(2));
+  dir.write("model.safetensors.index.json", index_json({{"a", "model-00001-of-00002.safetensors"},
+                                                        {"b", "model-00001-of-00002.safetensors"},
+                                                        {"c", "model-00002-of-00002.safetensors"}})
+                                                .dump(2));
   Checkpoint ck(dir.path());
   EXPECT_EQ(ck.file_of("a"), p1);
   EXPECT_EQ(ck.file_of("c"), p2);

@@ -28,7 +28,7 @@ const char* type_name(const json& v) {
   }
 }
 
-std::string quoted(const std::string& name) { return "'" + name + "'"; }
+std::string in_quotes(const std::string& name) { return "'" + name + "'"; }
 
 /// The value of `name`, or nullptr when absent or null (null means "use the default").
 const json* field(const json& body, const char* name) {
@@ -38,7 +38,7 @@ const json* field(const json& body, const char* name) {
 }
 
 ApiError type_error(const std::string& name, const char* expected, const json& got) {
-  return bad_request(quoted(name) + " must be " + expected + ", got " + type_name(got), name);
+  return bad_request(in_quotes(name) + " must be " + expected + ", got " + type_name(got), name);
 }
 
 bool as_bool(const json& v, const std::string& name) {
@@ -51,7 +51,7 @@ int64_t as_int(const json& v, const std::string& name) {
   if (v.is_number_unsigned()) {
     uint64_t u = v.get<uint64_t>();
     if (u > uint64_t(std::numeric_limits<int64_t>::max())) {
-      throw bad_request(quoted(name) + " is out of range, got " + std::to_string(u), name);
+      throw bad_request(in_quotes(name) + " is out of range, got " + std::to_string(u), name);
     }
     return int64_t(u);
   }
@@ -60,7 +60,7 @@ int64_t as_int(const json& v, const std::string& name) {
     double d = v.get<double>();
     if (!std::isfinite(d) || d != std::floor(d)) throw type_error(name, "an integer", v);
     if (std::fabs(d) > 9.0e18) {
-      throw bad_request(quoted(name) + " is out of range, got " + v.dump(), name);
+      throw bad_request(in_quotes(name) + " is out of range, got " + v.dump(), name);
     }
     return int64_t(d);
   }
@@ -70,7 +70,7 @@ int64_t as_int(const json& v, const std::string& name) {
 double as_number(const json& v, const std::string& name) {
   if (!v.is_number()) throw type_error(name, "a number", v);
   double d = v.get<double>();
-  if (!std::isfinite(d)) throw bad_request(quoted(name) + " must be finite", name);
+  if (!std::isfinite(d)) throw bad_request(in_quotes(name) + " must be finite", name);
   return d;
 }
 
@@ -95,12 +95,12 @@ std::optional<int64_t> get_int(const json& body, const char* name, int64_t lo, i
   if (!v) return std::nullopt;
   int64_t x = as_int(*v, name);
   if (x < lo) {
-    throw bad_request(quoted(name) + " must be at least " + std::to_string(lo) + ", got " +
+    throw bad_request(in_quotes(name) + " must be at least " + std::to_string(lo) + ", got " +
                           std::to_string(x),
                       name);
   }
   if (x > hi) {
-    throw bad_request(quoted(name) + " must be at most " + std::to_string(hi) + ", got " +
+    throw bad_request(in_quotes(name) + " must be at most " + std::to_string(hi) + ", got " +
                           std::to_string(x),
                       name);
   }
@@ -114,12 +114,12 @@ std::optional<double> get_number(const json& body, const char* name, double lo, 
   if (!v) return std::nullopt;
   double x = as_number(*v, name);
   if (lo_open ? !(x > lo) : !(x >= lo)) {
-    throw bad_request(quoted(name) + " must be " + (lo_open ? "greater than " : "at least ") +
+    throw bad_request(in_quotes(name) + " must be " + (lo_open ? "greater than " : "at least ") +
                           num_str(lo) + ", got " + num_str(x),
                       name);
   }
   if (x > hi) {
-    throw bad_request(quoted(name) + " must be at most " + num_str(hi) + ", got " + num_str(x),
+    throw bad_request(in_quotes(name) + " must be at most " + num_str(hi) + ", got " + num_str(x),
                       name);
   }
   return x;
@@ -128,7 +128,7 @@ std::optional<double> get_number(const json& body, const char* name, double lo, 
 int32_t token_id(const json& v, const std::string& name, int64_t vocab_size) {
   int64_t id = as_int(v, name);
   if (id < 0 || id >= vocab_size) {
-    throw bad_request("token id " + std::to_string(id) + " in " + quoted(name) +
+    throw bad_request("token id " + std::to_string(id) + " in " + in_quotes(name) +
                           " is out of vocabulary (vocab size " + std::to_string(vocab_size) +
                           ")",
                       name);
@@ -265,13 +265,13 @@ json normalise_content(const json& content, const std::string& name) {
   for (const auto& part : content) {
     if (!part.is_object()) throw type_error(name, "an array of content parts", part);
     const json* type = field(part, "type");
-    if (!type) throw bad_request("content part without 'type' in " + quoted(name), name);
+    if (!type) throw bad_request("content part without 'type' in " + in_quotes(name), name);
     const std::string& t = as_string(*type, name + ".type");
     if (t != "text") {
       throw bad_request("content part type '" + t + "' is not supported (text only)", name);
     }
     const json* tx = field(part, "text");
-    if (!tx) throw bad_request("text content part without 'text' in " + quoted(name), name);
+    if (!tx) throw bad_request("text content part without 'text' in " + in_quotes(name), name);
     if (!first) text += "\n";
     text += as_string(*tx, name + ".text");
     first = false;
@@ -288,11 +288,11 @@ json normalise_messages(const json& messages) {
     std::string name = "messages[" + std::to_string(i) + "]";
     if (!m.is_object()) throw type_error(name, "an object", m);
     const json* role_v = field(m, "role");
-    if (!role_v) throw bad_request(quoted(name) + " has no 'role'", name + ".role");
+    if (!role_v) throw bad_request(in_quotes(name) + " has no 'role'", name + ".role");
     std::string role = as_string(*role_v, name + ".role");
     if (role == "developer") role = "system";
     if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
-      throw bad_request("unknown role '" + role + "' in " + quoted(name) +
+      throw bad_request("unknown role '" + role + "' in " + in_quotes(name) +
                             " (expected system, developer, user, assistant or tool)",
                         name + ".role");
     }
@@ -319,7 +319,7 @@ json normalise_messages(const json& messages) {
       has_tool_calls = !tc->empty();
     }
     if (content.is_null() && !(role == "assistant")) {
-      throw bad_request(quoted(name) + " (" + role + ") must have 'content'", name + ".content");
+      throw bad_request(in_quotes(name) + " (" + role + ") must have 'content'", name + ".content");
     }
     if (content.is_null() && !has_tool_calls) content = "";
     nm["content"] = content;
@@ -341,14 +341,14 @@ json normalise_tools(const json& body) {
     if (!t.is_object()) throw type_error(name, "an object", t);
     const json* type = field(t, "type");
     if (!type || as_string(*type, name + ".type") != "function") {
-      throw bad_request(quoted(name) + " must have type 'function'", name + ".type");
+      throw bad_request(in_quotes(name) + " must have type 'function'", name + ".type");
     }
     const json* fn = field(t, "function");
     if (!fn || !fn->is_object()) {
-      throw bad_request(quoted(name) + " must have a 'function' object", name + ".function");
+      throw bad_request(in_quotes(name) + " must have a 'function' object", name + ".function");
     }
     const json* fname = field(*fn, "name");
-    if (!fname) throw bad_request(quoted(name) + " function has no 'name'", name + ".function");
+    if (!fname) throw bad_request(in_quotes(name) + " function has no 'name'", name + ".function");
     as_string(*fname, name + ".function.name");
   }
   if (tools->empty()) return nullptr;

@@ -1,0 +1,58 @@
+// Routing and the OpenAI / vLLM endpoints, independent of the transport: takes a parsed
+// HttpRequest and answers it on a Connection (at once, or later for a generation).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "server/http/connection.h"
+#include "server/http/http_server.h"
+#include "server/http/metrics.h"
+#include "server/http/openai_protocol.h"
+
+namespace tandem::openai {
+
+class ApiHandler {
+ public:
+  ApiHandler(const HttpServerConfig& config, std::shared_ptr<EngineGate> gate,
+             const Tokenizer* tokenizer, const ChatTemplate* chat_template,
+             ServerMetrics& metrics);
+
+  /// Answers one request; every error becomes an OpenAI-style JSON error for this request.
+  /// Runs on the connection's strand.
+  void handle(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
+
+  /// The JSON error response for an ApiError (also used by the transport for 400 / 413).
+  static HttpResponse error_response(const ApiError& e);
+
+ private:
+  void route(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
+  void check_auth(const HttpRequest& req) const;
+  void check_model(const std::string& model) const;
+  void completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
+  void chat_completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
+  HttpResponse tokenize(const HttpRequest& req) const;
+  HttpResponse detokenize(const HttpRequest& req) const;
+  HttpResponse models() const;
+  HttpResponse model(const std::string& name) const;
+
+  /// The chat prompt as token ids (template rendered, special tokens parsed).
+  std::vector<int32_t> chat_prompt_ids(const ChatRequest& r) const;
+  std::vector<int32_t> encode(const std::string& text, const char* param) const;
+  const Tokenizer& require_tokenizer(const char* what) const;
+
+  HttpServerConfig config_;
+  std::shared_ptr<EngineGate> gate_;
+  const Tokenizer* tokenizer_;
+  const ChatTemplate* chat_template_;
+  ServerMetrics& metrics_;
+  int64_t created_;  // unix seconds at start (for /v1/models)
+};
+
+/// A fresh request id suffix: 16 hex digits, unique within the process.
+std::string new_request_id();
+
+}  // namespace tandem::openai

@@ -1,0 +1,552 @@
+#include "server/http/generation.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "server/http/json_util.h"
+#include "server/tokenizer/tokenizer.h"
+
+namespace tandem::openai {
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+/// Python-style string length (code points), as OpenAI's text_offset counts.
+int64_t codepoints(const std::string& s) {
+  int64_t n = 0;
+  for (unsigned char ch : s) n += (ch & 0xC0) != 0x80;
+  return n;
+}
+
+/// JSON has no infinities: -inf becomes -9999 (as vLLM does).
+double finite_logprob(float lp) { return std::isfinite(lp) ? double(lp) : -9999.0; }
+
+json utf8_bytes(const std::string& s) {
+  json b = json::array();
+  for (unsigned char ch : s) b.push_back(int(ch));
+  return b;
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace
+
+struct Generation::Choice {
+  size_t index = 0;
+  size_t prompt = 0;
+  std::string engine_id;
+  std::unique_ptr<IncrementalDetokenizer> detok;  // null without a tokenizer
+  StopStringMatcher stops;
+  bool submitted = false;
+  bool finished = false;
+  bool got_output = false;
+  bool started = false;  // streaming: the first chunk went out
+  std::string finish_reason;
+  json stop_reason = nullptr;
+  int32_t cached_tokens = 0;
+  std::vector<int32_t> ids;  // output tokens kept
+  size_t ids_sent = 0;       // streaming: ids already sent in chunks
+  // Output not yet sent (streaming) or all output (non-streaming).
+  std::string text;
+  json logprobs = nullptr;  // chat: {"content": [...]}; completions: the four arrays
+  int64_t text_offset = 0;  // completions logprobs: code points before the next token
+  json prompt_logprobs = nullptr;
+  Clock::time_point last_token_time;
+  bool has_token = false;
+};
+
+Generation::Generation(GenerationSetup setup, GenerationContext ctx,
+                       std::shared_ptr<Connection> conn)
+    : setup_(std::move(setup)), ctx_(std::move(ctx)), conn_(conn) {}
+
+Generation::~Generation() = default;
+
+void Generation::start() {
+  start_time_ = Clock::now();
+  const GenerationParams& p = setup_.params;
+  EngineClient& engine = ctx_.gate->engine();
+  const int64_t max_len = engine.max_model_len();
+
+  // Lengths first, so that nothing is submitted for a request that fails.
+  std::vector<int32_t> max_tokens(setup_.prompts.size());
+  int64_t prompt_tokens = 0;
+  for (size_t i = 0; i < setup_.prompts.size(); ++i) {
+    const int64_t plen = int64_t(setup_.prompts[i].ids.size());
+    prompt_tokens += plen;
+    if (plen == 0) throw bad_request("the prompt is empty (0 tokens)", "prompt");
+    if (p.max_tokens) {
+      if (plen + *p.max_tokens > max_len) {
+        throw bad_request("This model's maximum context length is " + std::to_string(max_len) +
+                              " tokens. However, you requested " +
+                              std::to_string(plen + *p.max_tokens) + " tokens (" +
+                              std::to_string(plen) + " in the prompt, " +
+                              std::to_string(*p.max_tokens) +
+                              " for the completion). Please reduce the prompt or max_tokens.",
+                          setup_.chat ? "messages" : "prompt");
+      }
+      max_tokens[i] = *p.max_tokens;
+    } else {
+      if (plen >= max_len) {
+        throw bad_request("This model's maximum context length is " + std::to_string(max_len) +
+                              " tokens. However, the prompt is " + std::to_string(plen) +
+                              " tokens, which leaves no room for the completion.",
+                          setup_.chat ? "messages" : "prompt");
+      }
+      max_tokens[i] = int32_t(max_len - plen);
+    }
+    if (p.min_tokens > max_tokens[i]) {
+      throw bad_request("'min_tokens' (" + std::to_string(p.min_tokens) +
+                            ") is larger than the tokens left for the completion (" +
+                            std::to_string(max_tokens[i]) + ")",
+                        "min_tokens");
+    }
+  }
+
+  SamplingParams sampling = p.sampling;
+  sampling.logprobs = p.logprobs;
+  sampling.prompt_logprobs = p.prompt_logprobs;
+  if (p.echo && p.logprobs >= 0) sampling.prompt_logprobs = std::max(p.prompt_logprobs, p.logprobs);
+
+  for (size_t pi = 0; pi < setup_.prompts.size(); ++pi) {
+    for (int32_t i = 0; i < p.n; ++i) {
+      auto c = std::make_unique<Choice>();
+      c->index = choices_.size();
+      c->prompt = pi;
+      c->engine_id = setup_.id + "-" + std::to_string(c->index);
+      if (ctx_.tokenizer) {
+        c->detok = std::make_unique<IncrementalDetokenizer>(*ctx_.tokenizer, p.skip_special_tokens);
+      }
+      c->stops = StopStringMatcher(p.stop, p.include_stop_str_in_output);
+      if (p.logprobs >= 0) {
+        c->logprobs = setup_.chat ? json{{"content", json::array()}}
+                                  : json{{"tokens", json::array()},
+                                         {"token_logprobs", json::array()},
+                                         {"top_logprobs", json::array()},
+                                         {"text_offset", json::array()}};
+      }
+      choices_.push_back(std::move(c));
+    }
+  }
+
+  auto self = shared_from_this();
+  for (auto& cp : choices_) {
+    Choice& c = *cp;
+    GenRequest r;
+    r.id = c.engine_id;
+    r.prompt_ids = setup_.prompts[c.prompt].ids;
+    r.sampling = sampling;
+    // NOTE: n > 1 with a seed gives each choice its own stream (seed + i), not n copies.
+    if (r.sampling.seed && p.n > 1) *r.sampling.seed += uint64_t(c.index % size_t(p.n));
+    r.max_tokens = max_tokens[c.prompt];
+    r.min_tokens = p.min_tokens;
+    r.stop_token_ids = p.stop_token_ids;
+    r.ignore_eos = p.ignore_eos;
+
+    std::shared_ptr<EngineGate> gate = ctx_.gate;
+    std::weak_ptr<Connection> conn = conn_;
+    size_t index = c.index;
+    std::string id = c.engine_id;
+    gate->track(id);
+    try {
+      engine.submit(std::move(r), [gate, conn, self, index, id](const StepOutput& out) {
+        if (out.finished) gate->untrack(id);
+        gate->post(conn, [self, index, out] { self->on_output(index, out); });
+      });
+    } catch (...) {
+      gate->untrack(id);
+      done_ = true;
+      abort_all();
+      try {
+        throw;
+      } catch (const Error& e) {
+        if (e.kind() == ErrorKind::kInvalidArgument) throw bad_request(e.message());
+        if (e.kind() == ErrorKind::kOutOfResources) {
+          throw ApiError(429, "The server is busy (" + e.message() + "); retry later.",
+                         "rate_limit_error", "", "queue_full");
+        }
+        throw ApiError(500, e.message(), "server_error");
+      }
+    }
+    c.submitted = true;
+  }
+  if (ctx_.metrics) ctx_.metrics->add_prompt_tokens(prompt_tokens);
+
+  auto conn = conn_.lock();
+  if (!conn) {
+    on_disconnect();
+    return;
+  }
+  if (p.stream) conn->stream_begin();
+  conn->on_disconnect([self] { self->on_disconnect(); });
+}
+
+std::string Generation::token_text(int32_t id) const {
+  if (ctx_.tokenizer == nullptr || setup_.params.return_tokens_as_token_ids) {
+    return "token_id:" + std::to_string(id);
+  }
+  return ctx_.tokenizer->decode(std::vector<int32_t>{id}, /*skip_special=*/false);
+}
+
+json Generation::chat_logprob_entry(int32_t id, float logprob,
+                                    const std::vector<TokenLogprob>* top) const {
+  std::string t = token_text(id);
+  json entry = {{"token", t},
+                {"logprob", finite_logprob(logprob)},
+                {"bytes", utf8_bytes(t)},
+                {"top_logprobs", json::array()}};
+  if (top) {
+    size_t n = std::min(top->size(), size_t(std::max(setup_.params.logprobs, 0)));
+    for (size_t i = 0; i < n; ++i) {
+      std::string tt = token_text((*top)[i].id);
+      entry["top_logprobs"].push_back({{"token", tt},
+                                       {"logprob", finite_logprob((*top)[i].logprob)},
+                                       {"bytes", utf8_bytes(tt)}});
+    }
+  }
+  return entry;
+}
+
+void Generation::add_completion_logprob(Choice& c, int32_t id, std::optional<float> logprob,
+                                        const std::vector<TokenLogprob>* top,
+                                        bool include_sampled) {
+  std::string t = token_text(id);
+  json& L = c.logprobs;
+  L["tokens"].push_back(t);
+  L["token_logprobs"].push_back(logprob ? json(finite_logprob(*logprob)) : json(nullptr));
+  if (!logprob && !top) {
+    L["top_logprobs"].push_back(nullptr);
+  } else {
+    json d = json::object();
+    if (top) {
+      size_t n = std::min(top->size(), size_t(std::max(setup_.params.logprobs, 0)));
+      for (size_t i = 0; i < n; ++i) {
+        d[token_text((*top)[i].id)] = finite_logprob((*top)[i].logprob);
+      }
+    }
+    // OpenAI: the sampled token is always listed, so there may be logprobs + 1 entries.
+    if (logprob && include_sampled && !d.contains(t)) d[t] = finite_logprob(*logprob);
+    L["top_logprobs"].push_back(std::move(d));
+  }
+  L["text_offset"].push_back(c.text_offset);
+  c.text_offset += codepoints(t);
+}
+
+json Generation::vllm_prompt_logprobs(const Choice& c, const StepOutput& out) const {
+  const std::vector<int32_t>& ids = setup_.prompts[c.prompt].ids;
+  const int32_t n = setup_.params.prompt_logprobs;
+  json result = json::array();
+  result.push_back(nullptr);  // the first prompt token has no logprob
+  for (size_t j = 1; j < ids.size(); ++j) {
+    if (j - 1 >= out.prompt_token_logprobs.size()) {
+      result.push_back(nullptr);
+      continue;
+    }
+    json d = json::object();
+    const float actual = out.prompt_token_logprobs[j - 1];
+    const std::vector<TokenLogprob>* top =
+        j - 1 < out.prompt_top_logprobs.size() ? &out.prompt_top_logprobs[j - 1] : nullptr;
+    if (top) {
+      size_t m = std::min(top->size(), size_t(std::max(n, 0)));
+      for (size_t i = 0; i < m; ++i) {
+        d[std::to_string((*top)[i].id)] = {{"logprob", finite_logprob((*top)[i].logprob)},
+                                            {"rank", int64_t(i) + 1},
+                                            {"decoded_token", token_text((*top)[i].id)}};
+      }
+    }
+    std::string key = std::to_string(ids[j]);
+    if (!d.contains(key)) {
+      // Rank: 1 + entries known to be more likely (exact when the engine's list reaches it).
+      int64_t rank = 1;
+      if (top) {
+        for (const auto& e : *top) rank += e.logprob > actual;
+      }
+      d[key] = {{"logprob", finite_logprob(actual)},
+                {"rank", rank},
+                {"decoded_token", token_text(ids[j])}};
+    }
+    result.push_back(std::move(d));
+  }
+  return result;
+}
+
+void Generation::on_output(size_t index, const StepOutput& out) {
+  if (done_ || index >= choices_.size()) return;
+  Choice& c = *choices_[index];
+  if (c.finished) return;  // e.g. the abort that follows a stop-string match
+  if (out.finish_reason == FinishReason::kError) {
+    fail(out.error.empty() ? "the engine failed this request" : out.error);
+    return;
+  }
+  const GenerationParams& p = setup_.params;
+  if (!c.got_output) {
+    c.got_output = true;
+    c.cached_tokens = out.num_cached_prompt_tokens;
+    if (p.prompt_logprobs >= 0) c.prompt_logprobs = vllm_prompt_logprobs(c, out);
+    if (p.echo && !setup_.chat) {
+      const GenerationSetup::Prompt& prompt = setup_.prompts[c.prompt];
+      if (p.logprobs >= 0) {
+        for (size_t j = 0; j < prompt.ids.size(); ++j) {
+          std::optional<float> lp;
+          const std::vector<TokenLogprob>* top = nullptr;
+          if (j > 0 && j - 1 < out.prompt_token_logprobs.size()) {
+            lp = out.prompt_token_logprobs[j - 1];
+          }
+          if (j > 0 && j - 1 < out.prompt_top_logprobs.size()) top = &out.prompt_top_logprobs[j - 1];
+          add_completion_logprob(c, prompt.ids[j], lp, top, /*include_sampled=*/true);
+        }
+      }
+      c.text += prompt.text;
+      c.text_offset = codepoints(prompt.text);
+    }
+  }
+
+  if (!out.token_ids.empty() && ctx_.metrics) {
+    const auto now = Clock::now();
+    if (!c.has_token) {
+      ctx_.metrics->ttft().observe(seconds_since(start_time_));
+    } else {
+      const double dt = std::chrono::duration<double>(now - c.last_token_time).count() /
+                        double(out.token_ids.size());
+      for (size_t k = 0; k < out.token_ids.size(); ++k) ctx_.metrics->inter_token_latency().observe(dt);
+    }
+    c.has_token = true;
+    c.last_token_time = now;
+  }
+
+  for (size_t k = 0; k < out.token_ids.size() && !c.finished; ++k) add_token(c, out, k);
+
+  if (out.finished && !c.finished) {
+    if (c.detok) c.text += c.stops.push(c.detok->flush());
+    if (c.stops.stopped()) {
+      finish_choice(c, "stop", c.stops.matched());
+    } else {
+      c.text += c.stops.flush();
+      switch (out.finish_reason) {
+        case FinishReason::kLength: finish_choice(c, "length", nullptr); break;
+        case FinishReason::kAbort: finish_choice(c, "abort", nullptr); break;
+        default: {
+          json stop_reason = nullptr;
+          if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), out.stop_token_id) !=
+              p.stop_token_ids.end()) {
+            stop_reason = out.stop_token_id;
+          }
+          finish_choice(c, "stop", stop_reason);
+        }
+      }
+    }
+  }
+  if (p.stream) emit_chunk(c);
+  if (num_finished_ == choices_.size()) complete();
+}
+
+void Generation::add_token(Choice& c, const StepOutput& out, size_t k) {
+  const GenerationParams& p = setup_.params;
+  const int32_t id = out.token_ids[k];
+  c.ids.push_back(id);
+  if (p.logprobs >= 0) {
+    const float lp = k < out.token_logprobs.size() ? out.token_logprobs[k] : 0.0f;
+    const std::vector<TokenLogprob>* top = k < out.top_logprobs.size() ? &out.top_logprobs[k] : nullptr;
+    if (setup_.chat) {
+      c.logprobs["content"].push_back(chat_logprob_entry(id, lp, top));
+    } else {
+      add_completion_logprob(c, id, lp, top, /*include_sampled=*/true);
+    }
+  }
+  // The EOS / stop id that ended the sequence adds no text (unless asked for).
+  const bool final_stop_token = out.finished && k + 1 == out.token_ids.size() &&
+                                out.finish_reason == FinishReason::kStop &&
+                                id == out.stop_token_id;
+  std::string piece;
+  if (c.detok && !(final_stop_token && !p.include_stop_str_in_output)) piece = c.detok->add(id);
+  c.text += c.stops.push(piece);
+  if (c.stops.stopped()) {
+    finish_choice(c, "stop", c.stops.matched());
+    if (!out.finished) ctx_.gate->engine().abort(c.engine_id);
+  }
+}
+
+void Generation::finish_choice(Choice& c, const std::string& reason, json stop_reason) {
+  if (c.finished) return;
+  c.finished = true;
+  c.finish_reason = reason;
+  c.stop_reason = std::move(stop_reason);
+  ++num_finished_;
+  if (ctx_.metrics) {
+    ctx_.metrics->count_sequence(reason);
+    ctx_.metrics->add_generation_tokens(int64_t(c.ids.size()));
+    ctx_.metrics->e2e_latency().observe(seconds_since(start_time_));
+  }
+}
+
+void Generation::abort_all() {
+  for (auto& c : choices_) {
+    if (c->submitted && !c->finished) ctx_.gate->engine().abort(c->engine_id);
+  }
+}
+
+void Generation::on_disconnect() {
+  if (done_) return;
+  done_ = true;
+  abort_all();
+  for (auto& c : choices_) finish_choice(*c, "abort", nullptr);
+}
+
+void Generation::fail(const std::string& message) {
+  done_ = true;
+  abort_all();
+  for (auto& c : choices_) {
+    if (!c->finished) {
+      c->finished = true;
+      if (ctx_.metrics) ctx_.metrics->count_sequence("error");
+    }
+  }
+  auto conn = conn_.lock();
+  if (!conn || !conn->is_open()) return;
+  ApiError err(500, message, "server_error");
+  if (setup_.params.stream) {
+    conn->stream_write("data: " + dump_json(err.to_json()) + "\n\n");
+    conn->stream_write("data: [DONE]\n\n");
+    conn->stream_end();
+  } else {
+    conn->respond({500, "application/json", dump_json(err.to_json()), {}});
+  }
+}
+
+json Generation::usage_json() const {
+  int64_t prompt = 0;
+  int64_t completion = 0;
+  int64_t cached = 0;
+  std::vector<int32_t> cached_by_prompt(setup_.prompts.size(), 0);
+  for (const auto& pr : setup_.prompts) prompt += int64_t(pr.ids.size());
+  for (const auto& c : choices_) {
+    completion += int64_t(c->ids.size());
+    cached_by_prompt[c->prompt] = std::max(cached_by_prompt[c->prompt], c->cached_tokens);
+  }
+  for (int32_t x : cached_by_prompt) cached += x;
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion},
+          {"total_tokens", prompt + completion},
+          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+}
+
+json Generation::chunk_envelope() const {
+  return {{"id", setup_.id},
+          {"object", setup_.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", setup_.created},
+          {"model", setup_.model}};
+}
+
+void Generation::emit_chunk(Choice& c) {
+  auto conn = conn_.lock();
+  if (!conn || !conn->is_open()) return;
+  const GenerationParams& p = setup_.params;
+  auto send = [&](json chunk) {
+    if (p.include_usage) chunk["usage"] = p.continuous_usage ? usage_json() : json(nullptr);
+    conn->stream_write("data: " + dump_json(chunk) + "\n\n");
+  };
+
+  if (setup_.chat && !c.started) {
+    c.started = true;
+    json chunk = chunk_envelope();
+    chunk["choices"] = json::array({{{"index", c.index},
+                                     {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                     {"logprobs", nullptr},
+                                     {"finish_reason", nullptr}}});
+    if (c.index == 0 || setup_.params.n == 1) {
+      if (p.return_token_ids) chunk["prompt_token_ids"] = setup_.prompts[0].ids;
+      if (p.prompt_logprobs >= 0) chunk["prompt_logprobs"] = c.prompt_logprobs;
+    }
+    send(std::move(chunk));
+  }
+
+  const bool new_ids = c.ids.size() > c.ids_sent;
+  const bool first_completion_chunk = !setup_.chat && !c.started;
+  const bool ids_matter = p.logprobs >= 0 || p.return_token_ids || ctx_.tokenizer == nullptr;
+  if (c.text.empty() && !c.finished && !(new_ids && ids_matter)) {
+    return;  // nothing visible yet (held back by a stop string or an incomplete character)
+  }
+
+  json choice = {{"index", c.index}};
+  if (setup_.chat) {
+    json delta = json::object();
+    if (!c.text.empty() || !c.finished) delta["content"] = c.text;
+    choice["delta"] = std::move(delta);
+  } else {
+    choice["text"] = c.text;
+  }
+  choice["logprobs"] = c.logprobs;
+  choice["finish_reason"] = c.finished ? json(c.finish_reason) : json(nullptr);
+  choice["stop_reason"] = c.finished ? c.stop_reason : json(nullptr);
+  if (p.return_token_ids) {
+    choice["token_ids"] = std::vector<int32_t>(c.ids.begin() + c.ids_sent, c.ids.end());
+    if (first_completion_chunk) choice["prompt_token_ids"] = setup_.prompts[c.prompt].ids;
+  }
+  if (first_completion_chunk && p.prompt_logprobs >= 0) {
+    choice["prompt_logprobs"] = c.prompt_logprobs;
+  }
+  c.started = true;
+  c.text.clear();
+  c.ids_sent = c.ids.size();
+  if (!c.logprobs.is_null()) {
+    for (auto& [key, arr] : c.logprobs.items()) arr = json::array();
+  }
+  json chunk = chunk_envelope();
+  chunk["choices"] = json::array({std::move(choice)});
+  send(std::move(chunk));
+}
+
+json Generation::final_choice_json(const Choice& c) const {
+  const GenerationParams& p = setup_.params;
+  json choice = {{"index", c.index}};
+  if (setup_.chat) {
+    choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+  } else {
+    choice["text"] = c.text;
+  }
+  choice["logprobs"] = c.logprobs;
+  choice["finish_reason"] = c.finish_reason;
+  choice["stop_reason"] = c.stop_reason;
+  if (p.return_token_ids) {
+    choice["token_ids"] = c.ids;
+    if (!setup_.chat) choice["prompt_token_ids"] = setup_.prompts[c.prompt].ids;
+  }
+  if (!setup_.chat && p.prompt_logprobs >= 0) choice["prompt_logprobs"] = c.prompt_logprobs;
+  return choice;
+}
+
+void Generation::complete() {
+  done_ = true;
+  auto conn = conn_.lock();
+  if (!conn || !conn->is_open()) return;
+  const GenerationParams& p = setup_.params;
+  if (p.stream) {
+    if (p.include_usage) {
+      json chunk = chunk_envelope();
+      chunk["choices"] = json::array();
+      chunk["usage"] = usage_json();
+      conn->stream_write("data: " + dump_json(chunk) + "\n\n");
+    }
+    conn->stream_write("data: [DONE]\n\n");
+    conn->stream_end();
+    return;
+  }
+  json r = {{"id", setup_.id},
+            {"object", setup_.chat ? "chat.completion" : "text_completion"},
+            {"created", setup_.created},
+            {"model", setup_.model},
+            {"choices", json::array()}};
+  for (const auto& c : choices_) r["choices"].push_back(final_choice_json(*c));
+  r["usage"] = usage_json();
+  if (setup_.chat && p.return_token_ids) r["prompt_token_ids"] = setup_.prompts[0].ids;
+  if (setup_.chat && p.prompt_logprobs >= 0 && !choices_.empty()) {
+    r["prompt_logprobs"] = choices_[0]->prompt_logprobs;
+  }
+  conn->respond({200, "application/json", dump_json(r), {}});
+}
+
+}  // namespace tandem::openai

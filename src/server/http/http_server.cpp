@@ -1,0 +1,486 @@
+// Transport: an acceptor and one Session per TCP connection, all on a shared io_context run
+// by a few threads; each session lives on its own strand. Requests are parsed by Beast;
+// responses (whole or chunked SSE) are written from a per-session queue. While a response is
+// being produced a read stays pending on the socket, so a client that goes away is noticed
+// at once and its engine requests are aborted.
+#include "server/http/http_server.h"
+
+#include <boost/asio.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "server/http/api_handler.h"
+#include "server/http/connection.h"
+#include "server/http/metrics.h"
+
+namespace tandem {
+
+namespace {
+
+namespace beast = boost::beast;
+namespace bhttp = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+
+constexpr size_t kHeaderLimit = 64 * 1024;
+constexpr size_t kMaxPipelinedBytes = 1 << 20;  // read ahead while answering, at most
+
+/// What every session shares with the server.
+struct ServerCore {
+  HttpServerConfig config;
+  openai::ApiHandler* api = nullptr;
+  ServerMetrics* metrics = nullptr;
+};
+
+std::string status_line(int status) {
+  std::string reason(bhttp::obsolete_reason(bhttp::int_to_status(unsigned(status))));
+  if (reason.empty() || reason == "<unknown-status>") reason = "Unknown";
+  return "HTTP/1.1 " + std::to_string(status) + " " + reason + "\r\n";
+}
+
+class Session final : public openai::Connection, public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket&& socket, const ServerCore& core)
+      : stream_(std::move(socket)), executor_(stream_.get_executor()), core_(core) {}
+
+  void run() {
+    net::dispatch(stream_.get_executor(),
+                  beast::bind_front_handler(&Session::do_read, shared_from_this()));
+  }
+
+  // --- openai::Connection ---
+  void post(std::function<void()> fn) override { net::post(executor_, std::move(fn)); }
+
+  void respond(openai::HttpResponse r) override {
+    if (!begin_response(r.status)) return;
+    std::string head = status_line(r.status);
+    head += "Server: tandem\r\n";
+    head += "Content-Type: " + r.content_type + "\r\n";
+    head += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
+    for (const auto& [k, v] : r.headers) head += k + ": " + v + "\r\n";
+    head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    enqueue(head + r.body);
+    mark_complete();
+  }
+
+  void stream_begin() override {
+    if (!begin_response(200)) return;
+    chunked_ = !http10_;
+    if (http10_) keep_alive_ = false;  // HTTP/1.0 has no chunks: the stream ends at close
+    std::string head = status_line(200);
+    head +=
+        "Server: tandem\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+        "X-Accel-Buffering: no\r\n";
+    if (chunked_) head += "Transfer-Encoding: chunked\r\n";
+    head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    enqueue(std::move(head));
+  }
+
+  void stream_write(std::string data) override {
+    if (closed_ || !in_request_ || response_complete_ || data.empty()) return;
+    if (chunked_) {
+      char size[32];
+      std::snprintf(size, sizeof(size), "%zx\r\n", data.size());
+      enqueue(size + data + "\r\n");
+    } else {
+      enqueue(std::move(data));
+    }
+  }
+
+  void stream_end() override {
+    if (closed_ || !in_request_ || response_complete_) return;
+    if (chunked_) enqueue("0\r\n\r\n");
+    mark_complete();
+  }
+
+  void on_disconnect(std::function<void()> fn) override {
+    if (closed_) {
+      if (fn) fn();
+      return;
+    }
+    on_disconnect_ = std::move(fn);
+    if (!watching_) start_watch();
+  }
+
+  bool is_open() const override { return !closed_; }
+
+ private:
+  // --- reading requests ---
+  void do_read() {
+    if (closed_) return;
+    parser_.emplace();
+    parser_->body_limit(core_.config.max_body_bytes);
+    parser_->header_limit(kHeaderLimit);
+    stream_.expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
+    bhttp::async_read_header(stream_, buffer_, *parser_,
+                             beast::bind_front_handler(&Session::on_header, shared_from_this()));
+  }
+
+  void on_header(beast::error_code ec, size_t) {
+    if (ec) return read_failed(ec);
+    const auto& req = parser_->get();
+    if (parser_->is_done()) return on_body({}, 0);
+    if (beast::iequals(req[bhttp::field::expect], "100-continue")) {
+      enqueue("HTTP/1.1 100 Continue\r\n\r\n");
+    }
+    stream_.expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
+    bhttp::async_read(stream_, buffer_, *parser_,
+                      beast::bind_front_handler(&Session::on_body, shared_from_this()));
+  }
+
+  void on_body(beast::error_code ec, size_t) {
+    if (ec) return read_failed(ec);
+    bhttp::request<bhttp::string_body> req = parser_->release();
+    parser_.reset();
+    keep_alive_ = req.keep_alive();
+    http10_ = req.version() < 11;
+    in_request_ = true;
+    response_started_ = false;
+    response_complete_ = false;
+    stream_.expires_never();  // generations may take long; a disconnect is watched instead
+
+    openai::HttpRequest r;
+    r.method = std::string(req.method_string());
+    std::string_view target(req.target().data(), req.target().size());
+    r.path = std::string(target.substr(0, target.find('?')));
+    r.authorization = std::string(req[bhttp::field::authorization]);
+    r.body = std::move(req.body());
+    try {
+      core_.api->handle(r, shared_from_this());
+    } catch (...) {
+      // handle() answers every error itself; this is a last resort (e.g. out of memory).
+      if (response_started_) return close();
+      error_and_close(500, "internal error");
+    }
+  }
+
+  void read_failed(beast::error_code ec) {
+    if (ec == bhttp::error::body_limit) {
+      return error_and_close(413, "request body is larger than " +
+                                      std::to_string(core_.config.max_body_bytes) + " bytes");
+    }
+    if (ec == bhttp::error::header_limit) {
+      return error_and_close(431, "request headers are too large");
+    }
+    const bool parse_error =
+        ec.category() == bhttp::make_error_code(bhttp::error::bad_method).category() &&
+        ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message;
+    if (parse_error) return error_and_close(400, "malformed HTTP request: " + ec.message());
+    close();  // closed, cut off or timed out: nobody to answer
+  }
+
+  /// Answers a request that could not be parsed, then closes the connection.
+  void error_and_close(int status, const std::string& message) {
+    keep_alive_ = false;
+    in_request_ = true;
+    response_started_ = false;
+    response_complete_ = false;
+    std::string type = status == 413 ? "invalid_request_error"
+                       : status >= 500 ? "server_error"
+                                       : "invalid_request_error";
+    std::string code = status == 413 ? "request_too_large" : "";
+    respond(openai::ApiHandler::error_response(
+        openai::ApiError(status, message, std::move(type), "", std::move(code))));
+  }
+
+  // --- writing responses ---
+  bool begin_response(int status) {
+    if (closed_ || !in_request_ || response_started_) return false;
+    response_started_ = true;
+    if (core_.metrics) core_.metrics->count_response(status);
+    return true;
+  }
+
+  void enqueue(std::string bytes) {
+    if (closed_) return;
+    writes_.push_back(std::move(bytes));
+    if (!writing_) do_write();
+  }
+
+  void do_write() {
+    // Coalesce what is queued into one write (many small SSE chunks under load).
+    if (writes_.size() > 1) {
+      std::string all;
+      for (auto& w : writes_) all += w;
+      writes_.clear();
+      writes_.push_back(std::move(all));
+    }
+    writing_ = true;
+    net::async_write(stream_, net::buffer(writes_.front()),
+                     beast::bind_front_handler(&Session::on_write, shared_from_this()));
+  }
+
+  void on_write(beast::error_code ec, size_t) {
+    writing_ = false;
+    if (ec) return client_gone();
+    writes_.pop_front();
+    if (closed_) return;
+    if (!writes_.empty()) return do_write();
+    if (in_request_ && response_complete_) finish_response();
+  }
+
+  void mark_complete() {
+    response_complete_ = true;
+    if (!writing_ && writes_.empty()) finish_response();
+  }
+
+  /// The whole response is on the wire: next request, or close.
+  void finish_response() {
+    in_request_ = false;
+    response_complete_ = false;
+    on_disconnect_ = nullptr;
+    if (watching_) {
+      // The watch read ends with operation_aborted (or with data) and goes on in on_watch.
+      beast::error_code ec;
+      stream_.socket().cancel(ec);
+      return;
+    }
+    if (!keep_alive_) return graceful_close();
+    do_read();
+  }
+
+  // --- noticing a client that goes away mid-response ---
+  void start_watch() {
+    watching_ = true;
+    stream_.expires_never();
+    stream_.async_read_some(buffer_.prepare(4096),
+                            beast::bind_front_handler(&Session::on_watch, shared_from_this()));
+  }
+
+  void on_watch(beast::error_code ec, size_t n) {
+    watching_ = false;
+    if (!ec) buffer_.commit(n);  // a pipelined request: kept for do_read
+    if (closed_) return;
+    if (ec && ec != net::error::operation_aborted) return client_gone();
+    if (in_request_) {
+      if (!ec && buffer_.size() < kMaxPipelinedBytes) start_watch();
+      return;
+    }
+    if (keep_alive_) {
+      do_read();
+    } else {
+      graceful_close();
+    }
+  }
+
+  void client_gone() {
+    if (closed_) return;
+    auto fn = std::move(on_disconnect_);
+    on_disconnect_ = nullptr;
+    close();
+    if (fn) fn();
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    beast::error_code ec;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
+    stream_.socket().close(ec);
+  }
+
+  /// Sends FIN, then drains what the client still sends for a moment before closing, so an
+  /// early answer (e.g. 413 before the body was read) is not lost to a TCP reset.
+  void graceful_close() {
+    if (closed_) return;
+    beast::error_code ec;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+    if (ec) return close();
+    stream_.expires_after(std::chrono::seconds(2));
+    drain();
+  }
+
+  void drain() {
+    drain_buf_.resize(16 * 1024);
+    stream_.async_read_some(net::buffer(drain_buf_),
+                            [self = shared_from_this()](beast::error_code ec, size_t) {
+                              if (ec) return self->close();
+                              self->drain();
+                            });
+  }
+
+  beast::tcp_stream stream_;
+  const net::any_io_executor executor_;  // the session's strand
+  beast::flat_buffer buffer_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  const ServerCore& core_;
+  std::deque<std::string> writes_;
+  std::vector<char> drain_buf_;
+  std::function<void()> on_disconnect_;
+  bool writing_ = false;
+  bool in_request_ = false;         // a request is being answered
+  bool response_started_ = false;   // its status line was queued
+  bool response_complete_ = false;  // its last bytes were queued
+  bool keep_alive_ = true;
+  bool http10_ = false;
+  bool chunked_ = true;
+  bool watching_ = false;
+  bool closed_ = false;
+};
+
+class Listener : public std::enable_shared_from_this<Listener> {
+ public:
+  Listener(net::io_context& ioc, tcp::acceptor acceptor, const ServerCore& core)
+      : ioc_(ioc), acceptor_(std::move(acceptor)), core_(core), retry_timer_(ioc) {}
+
+  void run() { do_accept(); }
+
+  void close() {
+    beast::error_code ec;
+    acceptor_.close(ec);
+    retry_timer_.cancel();
+  }
+
+ private:
+  void do_accept() {
+    acceptor_.async_accept(net::make_strand(ioc_),
+                           beast::bind_front_handler(&Listener::on_accept, shared_from_this()));
+  }
+
+  void on_accept(beast::error_code ec, tcp::socket socket) {
+    if (!acceptor_.is_open() || ec == net::error::operation_aborted) return;
+    if (ec) {
+      // E.g. out of file descriptors: back off instead of spinning.
+      retry_timer_.expires_after(std::chrono::milliseconds(50));
+      retry_timer_.async_wait([self = shared_from_this()](beast::error_code e) {
+        if (!e) self->do_accept();
+      });
+      return;
+    }
+    beast::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    std::make_shared<Session>(std::move(socket), core_)->run();
+    do_accept();
+  }
+
+  net::io_context& ioc_;
+  tcp::acceptor acceptor_;
+  const ServerCore& core_;
+  net::steady_timer retry_timer_;
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  Impl(HttpServerConfig cfg, EngineClient& engine, const Tokenizer* tokenizer,
+       const ChatTemplate* chat_template)
+      : gate(std::make_shared<openai::EngineGate>(engine)),
+        api(cfg, gate, tokenizer, chat_template, metrics),
+        ioc(std::max(1, cfg.num_threads)) {
+    core.config = std::move(cfg);
+    core.api = &api;
+    core.metrics = &metrics;
+  }
+
+  // NOTE: declaration order matters: sessions (owned by handlers inside ioc) refer to core,
+  // api and metrics, so ioc is declared after them and destroyed first.
+  ServerMetrics metrics;
+  std::shared_ptr<openai::EngineGate> gate;
+  openai::ApiHandler api;
+  ServerCore core;
+  net::io_context ioc;
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
+  std::shared_ptr<Listener> listener;
+  std::optional<net::signal_set> signals;
+  std::vector<std::thread> threads;
+  uint16_t port = 0;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool started = false;
+  bool stop_requested = false;
+  bool stopped = false;
+};
+
+HttpServer::HttpServer(HttpServerConfig config, EngineClient& engine, const Tokenizer* tokenizer,
+                       const ChatTemplate* chat_template)
+    : impl_(std::make_unique<Impl>(std::move(config), engine, tokenizer, chat_template)) {}
+
+HttpServer::~HttpServer() { stop(); }
+
+void HttpServer::start() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    TANDEM_CHECK(!m.started, "HttpServer::start called twice");
+    m.started = true;
+  }
+  const HttpServerConfig& cfg = m.core.config;
+  tcp::acceptor acceptor(m.ioc);
+  try {
+    tcp::resolver resolver(m.ioc);
+    auto results = resolver.resolve(cfg.host, std::to_string(cfg.port),
+                                    tcp::resolver::passive | tcp::resolver::numeric_service);
+    TANDEM_CHECK_KIND(kIo, !results.empty(), "cannot resolve host ", cfg.host);
+    tcp::endpoint ep = results.begin()->endpoint();
+    acceptor.open(ep.protocol());
+    acceptor.set_option(net::socket_base::reuse_address(true));
+    acceptor.bind(ep);
+    acceptor.listen(net::socket_base::max_listen_connections);
+    m.port = acceptor.local_endpoint().port();
+  } catch (const boost::system::system_error& e) {
+    TANDEM_THROW(kIo, "cannot listen on ", cfg.host, ":", cfg.port, ": ", e.code().message());
+  }
+  m.listener = std::make_shared<Listener>(m.ioc, std::move(acceptor), m.core);
+  m.listener->run();
+  m.work.emplace(net::make_work_guard(m.ioc));
+  if (cfg.stop_on_signals) {
+    m.signals.emplace(m.ioc, SIGINT, SIGTERM);
+    m.signals->async_wait([&m](beast::error_code ec, int) {
+      if (ec) return;
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.stop_requested = true;
+      m.cv.notify_all();
+    });
+  }
+  for (int i = 0; i < std::max(1, cfg.num_threads); ++i) {
+    m.threads.emplace_back([&m] { m.ioc.run(); });
+  }
+}
+
+uint16_t HttpServer::port() const { return impl_->port; }
+
+const ServerMetrics& HttpServer::metrics() const { return impl_->metrics; }
+
+void HttpServer::wait() {
+  {
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    impl_->cv.wait(lock, [&] { return impl_->stop_requested || impl_->stopped; });
+  }
+  stop();
+}
+
+void HttpServer::stop() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.stopped) return;
+    m.stopped = true;
+    m.stop_requested = true;
+  }
+  m.cv.notify_all();
+  // No engine callback reaches a session from here on; running requests are aborted.
+  m.gate->close_and_abort_all();
+  m.work.reset();
+  m.ioc.stop();
+  for (auto& t : m.threads) {
+    if (t.joinable()) t.join();
+  }
+  m.threads.clear();
+  // No io thread runs now: the listener and signals can be touched from here.
+  if (m.listener) m.listener->close();
+  if (m.signals) {
+    beast::error_code ec;
+    m.signals->cancel(ec);
+  }
+}
+
+}  // namespace tandem

@@ -1,0 +1,68 @@
+// The OpenAI-compatible HTTP front: asynchronous HTTP/1.1 (Boost.Beast) on a small pool of
+// io threads, serving /v1/completions, /v1/chat/completions (streaming as SSE), /v1/models,
+// /tokenize, /detokenize, /health and /metrics over one EngineClient. See docs/api.md.
+//
+//   HttpServerConfig cfg;
+//   cfg.port = 8000;
+//   HttpServer server(cfg, engine, tokenizer.get(), chat_template.get());
+//   server.start();   // binds and returns; requests are served on the io threads
+//   server.wait();    // blocks until stop() (or SIGINT/SIGTERM with stop_on_signals)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>  // NOTE: Boost 1.74 Asio (in http_server.cpp) needs std::exchange first
+
+#include "engine/request.h"
+
+namespace tandem {
+
+class Tokenizer;
+class ChatTemplate;
+class ServerMetrics;
+
+struct HttpServerConfig {
+  std::string host = "0.0.0.0";        // address or host name to listen on
+  uint16_t port = 8000;                // 0: any free port (see HttpServer::port())
+  int num_threads = 2;                 // io threads (--http-threads); each serves many streams
+  std::string api_key;                 // non-empty: /v1/*, /tokenize, /detokenize need
+                                       // "Authorization: Bearer <api_key>"
+  std::string model_name = "tandem";   // the served model name (/v1/models, "model" field)
+  size_t max_body_bytes = 16u << 20;   // request bodies over this get 413
+  int idle_timeout_s = 120;            // keep-alive idle / slow-request timeout, seconds
+  bool stop_on_signals = false;        // SIGINT / SIGTERM end wait()
+};
+
+class HttpServer {
+ public:
+  /// engine, tokenizer (may be null: token-id prompts only) and chat_template (may be null:
+  /// no chat) must outlive the server. Nothing runs before start().
+  HttpServer(HttpServerConfig config, EngineClient& engine, const Tokenizer* tokenizer,
+             const ChatTemplate* chat_template = nullptr);
+  /// Calls stop().
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  /// Binds, listens and starts the io threads. Throws Error(kIo) when it cannot listen.
+  void start();
+  /// The bound port (the chosen one when config.port is 0); valid after start().
+  uint16_t port() const;
+  /// Blocks until stop() is called (from another thread) or, with stop_on_signals, until
+  /// SIGINT / SIGTERM; then stops the server.
+  void wait();
+  /// Stops accepting, aborts every engine request still running, closes connections and joins
+  /// the io threads. Idempotent; must not be called from an io thread (a request handler).
+  void stop();
+
+  /// The front-end counters (for tests and embedding).
+  const ServerMetrics& metrics() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem
