@@ -655,8 +655,25 @@ def main():
     for fn in os.listdir(args.out):
         if fn.endswith(".safetensors") or fn == "model.safetensors.index.json":
             os.remove(os.path.join(args.out, fn))
-    save_file(sd16, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(os.path.join(args.out, "model.safetensors"), 0o644)
+    # Two shards + index: each file stays under the 16 MiB a device run can bring back, and the
+    # demo model also exercises multi-file checkpoints.
+    names_sorted = sorted(sd16)
+    half = sum(v.numel() * 2 for v in sd16.values()) / 2
+    shards, cur, size = [[]], 0, 0
+    for n in names_sorted:
+        if size >= half and len(shards) == 1:
+            shards.append([])
+        shards[-1].append(n)
+        size += sd16[n].numel() * 2
+    weight_map = {}
+    for i, group in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: sd16[n] for n in group}, os.path.join(args.out, fn), metadata={"format": "pt"})
+        os.chmod(os.path.join(args.out, fn), 0o644)
+        weight_map.update({n: fn for n in group})
+    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": int(half * 2)}, "weight_map": weight_map}, f, indent=2)
+        f.write("\n")
     cj = hub_config_json(cfg)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cj, f, indent=2)
@@ -676,8 +693,10 @@ def main():
         ref = Qwen3MoeForCausalLM.from_pretrained(args.out, **kw)
     set_impl(ref, "eager")
     ref.eval()
-    with safe_open(os.path.join(args.out, "model.safetensors"), "pt") as f:
-        names = set(f.keys())
+    names = set()
+    for fn in sorted(set(weight_map.values())):
+        with safe_open(os.path.join(args.out, fn), "pt") as f:
+            names |= set(f.keys())
     assert not any("gate_up_proj" in n or n == "lm_head.weight" for n in names)
     assert sum("mlp.experts." in n for n in names) == 3 * cfg.num_experts * (cfg.num_hidden_layers - len(cfg.mlp_only_layers))
     mine = Qwen3MoeForCausalLM(cfg).to(torch.float32)
@@ -750,7 +769,7 @@ def write_readme(args, cfg, n_params, final_loss, steps, tokens, epochs, train_s
         "## Files",
         "",
         "- `config.json`, `generation_config.json` (eos: `<|im_end|>`, `<|endoftext|>`; sampling defaults",
-        "  temperature 0.7, top-k 40, top-p 0.9), `model.safetensors` (bf16, tied embeddings: no `lm_head`)",
+        "  temperature 0.7, top-k 40, top-p 0.9), `model-0000{1,2}-of-00002.safetensors` + index (bf16, two shards; tied embeddings: no `lm_head`)",
         "- `tokenizer.json`, `tokenizer_config.json` (Qwen3 chat template, `enable_thinking` supported)",
         "- `golden.json`: transformers fp32 greedy continuations (24 tokens, top-5 logprobs per step) of",
         "  `The`, a prose prompt and a chat prompt, in the format of `tests/data/fixtures/*/golden.json`",

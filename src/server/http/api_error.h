@@ -2,10 +2,9 @@
 // {"error": {"message", "type", "param", "code"}} and an HTTP status.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
-
-#include <nlohmann/json.hpp>
 
 namespace tandem::openai {
 
@@ -29,14 +28,12 @@ class ApiError : public std::runtime_error {
   const std::string& code() const { return code_; }
 
   /// {"error": {...}} with null for an empty param / code.
-  nlohmann::json to_json() const {
-    nlohmann::json e = {{"message", message_},
-                        {"type", type_},
-                        {"param", nullptr},
-                        {"code", nullptr}};
+  nlohmann::ordered_json to_json() const {
+    nlohmann::ordered_json e = {
+        {"message", message_}, {"type", type_}, {"param", nullptr}, {"code", nullptr}};
     if (!param_.empty()) e["param"] = param_;
     if (!code_.empty()) e["code"] = code_;
-    return nlohmann::json{{"error", std::move(e)}};
+    return nlohmann::ordered_json{{"error", std::move(e)}};
   }
 
  private:

@@ -15,7 +15,7 @@ namespace tandem::openai {
 
 namespace {
 
-using json = nlohmann::json;
+using json = Json;
 
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(
@@ -38,6 +38,17 @@ bool starts_with(const std::string& s, const char* prefix) { return s.rfind(pref
 
 ApiError no_tokenizer(const char* what) {
   return bad_request(std::string("the model has no tokenizer: ") + what, "");
+}
+
+json model_card(const std::string& name, int64_t created, int64_t max_model_len) {
+  return {{"id", name},
+          {"object", "model"},
+          {"created", created},
+          {"owned_by", "tandem"},
+          {"root", name},
+          {"parent", nullptr},
+          {"max_model_len", max_model_len},
+          {"permission", json::array()}};
 }
 
 }  // namespace
@@ -82,14 +93,14 @@ void ApiHandler::handle(const HttpRequest& req, const std::shared_ptr<Connection
         conn->respond(error_response(ApiError(404, e.message(), "not_found_error")));
         break;
       case ErrorKind::kOutOfResources:
-        conn->respond(error_response(
-            ApiError(429, e.message(), "rate_limit_error", "", "queue_full")));
+        conn->respond(
+            error_response(ApiError(429, e.message(), "rate_limit_error", "", "queue_full")));
         break;
       default: conn->respond(error_response(ApiError(500, e.message(), "server_error")));
     }
   } catch (const std::exception& e) {
-    conn->respond(error_response(ApiError(500, std::string("internal error: ") + e.what(),
-                                          "server_error")));
+    conn->respond(
+        error_response(ApiError(500, std::string("internal error: ") + e.what(), "server_error")));
   } catch (...) {
     conn->respond(error_response(ApiError(500, "internal error", "server_error")));
   }
@@ -100,9 +111,8 @@ void ApiHandler::check_auth(const HttpRequest& req) const {
   const std::string expected = "Bearer " + config_.api_key;
   if (!constant_time_equal(req.authorization, expected)) {
     throw ApiError(401,
-                   req.authorization.empty()
-                       ? "Missing API key: send 'Authorization: Bearer <key>'"
-                       : "Incorrect API key provided",
+                   req.authorization.empty() ? "Missing API key: send 'Authorization: Bearer <key>'"
+                                             : "Incorrect API key provided",
                    "authentication_error", "", "invalid_api_key");
   }
 }
@@ -122,8 +132,8 @@ void ApiHandler::route(const HttpRequest& req, const std::shared_ptr<Connection>
 
   auto method_is = [&](const char* allowed) {
     if (req.method == allowed) return true;
-    ApiError e(405, "Method " + req.method + " is not allowed for " + path + " (use " + allowed +
-                        ")",
+    ApiError e(405,
+               "Method " + req.method + " is not allowed for " + path + " (use " + allowed + ")",
                "invalid_request_error", "", "method_not_allowed");
     HttpResponse r = error_response(e);
     r.headers.emplace_back("Allow", allowed);
@@ -137,7 +147,8 @@ void ApiHandler::route(const HttpRequest& req, const std::shared_ptr<Connection>
     if (method_is("GET")) conn->respond(json_response({{"version", "0.1.0"}}));
   } else if (path == "/metrics") {
     if (method_is("GET")) {
-      conn->respond({200, "text/plain; version=0.0.4; charset=utf-8",
+      conn->respond({200,
+                     "text/plain; version=0.0.4; charset=utf-8",
                      metrics_.render(gate_->engine().stats()),
                      {}});
     }
@@ -159,16 +170,9 @@ void ApiHandler::route(const HttpRequest& req, const std::shared_ptr<Connection>
   }
 }
 
-json model_card(const std::string& name, int64_t created, int64_t max_model_len) {
-  return {{"id", name},          {"object", "model"},
-          {"created", created},  {"owned_by", "tandem"},
-          {"root", name},        {"parent", nullptr},
-          {"max_model_len", max_model_len}, {"permission", json::array()}};
-}
-
 HttpResponse ApiHandler::models() const {
-  json data = json::array(
-      {model_card(config_.model_name, created_, gate_->engine().max_model_len())});
+  json data =
+      json::array({model_card(config_.model_name, created_, gate_->engine().max_model_len())});
   return json_response({{"object", "list"}, {"data", data}});
 }
 
@@ -183,8 +187,8 @@ const Tokenizer& ApiHandler::require_tokenizer(const char* what) const {
 }
 
 std::vector<int32_t> ApiHandler::encode(const std::string& text, const char* param) const {
-  std::vector<int32_t> ids = require_tokenizer("send token ids instead of text")
-                                 .encode(text, /*parse_special=*/true);
+  std::vector<int32_t> ids =
+      require_tokenizer("send token ids instead of text").encode(text, /*parse_special=*/true);
   const int64_t vocab = gate_->engine().vocab_size();
   for (int32_t id : ids) {
     if (id < 0 || id >= vocab) {
@@ -197,23 +201,17 @@ std::vector<int32_t> ApiHandler::encode(const std::string& text, const char* par
 }
 
 std::vector<int32_t> ApiHandler::chat_prompt_ids(const ChatRequest& r) const {
-  require_tokenizer("chat needs a tokenizer and a chat template");
+  const Tokenizer& tok = require_tokenizer("chat needs a tokenizer and a chat template");
   if (chat_template_ == nullptr) throw bad_request("the model has no chat template", "messages");
-  json ctx = r.chat_template_kwargs.is_object() ? r.chat_template_kwargs : json::object();
-  ctx["messages"] = r.messages;
-  if (!r.tools.is_null()) ctx["tools"] = r.tools;
-  ctx["add_generation_prompt"] = r.add_generation_prompt;
-  std::string text = chat_template_->render(ctx);
-  if (r.continue_final_message) {
-    // Cut after the final message's content so the model continues it.
-    const json& last = r.messages.back()["content"];
-    if (last.is_string() && !last.get_ref<const std::string&>().empty()) {
-      const std::string& content = last.get_ref<const std::string&>();
-      size_t pos = text.rfind(content);
-      if (pos != std::string::npos) text.resize(pos + content.size());
-    }
-  }
-  return encode(text, "messages");
+  ChatTemplateInputs in;
+  in.messages = r.messages;
+  in.tools = r.tools;
+  in.add_generation_prompt = r.add_generation_prompt;
+  if (r.continue_final_message) in.continue_final_message = "content";
+  in.special_tokens = tok.special_tokens_map();
+  if (r.chat_template_kwargs.is_object()) in.kwargs = r.chat_template_kwargs;
+  // NOTE: template errors (including its raise_exception) are Error(kInvalidArgument): 400.
+  return encode(chat_template_->apply(in), "messages");
 }
 
 void ApiHandler::completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
@@ -246,8 +244,7 @@ void ApiHandler::completions(const HttpRequest& req, const std::shared_ptr<Conne
   std::make_shared<Generation>(std::move(s), std::move(ctx), conn)->start();
 }
 
-void ApiHandler::chat_completions(const HttpRequest& req,
-                                  const std::shared_ptr<Connection>& conn) {
+void ApiHandler::chat_completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
   const json body = parse_body(req.body);
   ChatRequest r = parse_chat_request(body, gate_->engine().vocab_size());
   check_model(r.params.model);
@@ -270,12 +267,11 @@ HttpResponse ApiHandler::tokenize(const HttpRequest& req) const {
   check_model(r.model);
   const Tokenizer& tok = require_tokenizer("/tokenize needs one");
   std::vector<int32_t> ids = r.chat ? chat_prompt_ids(*r.chat) : encode(*r.prompt, "prompt");
-  json out = {{"count", ids.size()},
-              {"max_model_len", gate_->engine().max_model_len()},
-              {"tokens", ids}};
+  json out = {
+      {"count", ids.size()}, {"max_model_len", gate_->engine().max_model_len()}, {"tokens", ids}};
   if (r.return_token_strs) {
     json strs = json::array();
-    for (int32_t id : ids) strs.push_back(tok.decode(std::vector<int32_t>{id}, false));
+    for (int32_t id : ids) strs.push_back(tok.id_to_token(id));
     out["token_strs"] = std::move(strs);
   }
   return json_response(out);

@@ -4,9 +4,8 @@
 
 #include <cstdint>
 #include <memory>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "server/http/connection.h"
 #include "server/http/http_server.h"
@@ -18,8 +17,7 @@ namespace tandem::openai {
 class ApiHandler {
  public:
   ApiHandler(const HttpServerConfig& config, std::shared_ptr<EngineGate> gate,
-             const Tokenizer* tokenizer, const ChatTemplate* chat_template,
-             ServerMetrics& metrics);
+             const Tokenizer* tokenizer, const ChatTemplate* chat_template, ServerMetrics& metrics);
 
   /// Answers one request; every error becomes an OpenAI-style JSON error for this request.
   /// Runs on the connection's strand.

@@ -5,13 +5,14 @@
 
 #include "core/error.h"
 #include "server/http/json_util.h"
+#include "server/tokenizer/detokenizer.h"
 #include "server/tokenizer/tokenizer.h"
 
 namespace tandem::openai {
 
 namespace {
 
-using json = nlohmann::json;
+using json = Json;
 using Clock = std::chrono::steady_clock;
 
 /// Python-style string length (code points), as OpenAI's text_offset counts.
@@ -61,7 +62,7 @@ struct Generation::Choice {
 };
 
 Generation::Generation(GenerationSetup setup, GenerationContext ctx,
-                       std::shared_ptr<Connection> conn)
+                       const std::shared_ptr<Connection>& conn)
     : setup_(std::move(setup)), ctx_(std::move(ctx)), conn_(conn) {}
 
 Generation::~Generation() = default;
@@ -192,20 +193,27 @@ std::string Generation::token_text(int32_t id) const {
   return ctx_.tokenizer->decode(std::vector<int32_t>{id}, /*skip_special=*/false);
 }
 
+json Generation::token_bytes(int32_t id) const {
+  if (ctx_.tokenizer == nullptr || setup_.params.return_tokens_as_token_ids) {
+    return utf8_bytes(token_text(id));
+  }
+  // The token's raw bytes, which may be part of a UTF-8 character (the text shows U+FFFD).
+  return utf8_bytes(std::string(ctx_.tokenizer->token_bytes(id)));
+}
+
 json Generation::chat_logprob_entry(int32_t id, float logprob,
                                     const std::vector<TokenLogprob>* top) const {
-  std::string t = token_text(id);
-  json entry = {{"token", t},
+  json entry = {{"token", token_text(id)},
                 {"logprob", finite_logprob(logprob)},
-                {"bytes", utf8_bytes(t)},
+                {"bytes", token_bytes(id)},
                 {"top_logprobs", json::array()}};
   if (top) {
     size_t n = std::min(top->size(), size_t(std::max(setup_.params.logprobs, 0)));
     for (size_t i = 0; i < n; ++i) {
-      std::string tt = token_text((*top)[i].id);
-      entry["top_logprobs"].push_back({{"token", tt},
+      const int32_t tid = (*top)[i].id;
+      entry["top_logprobs"].push_back({{"token", token_text(tid)},
                                        {"logprob", finite_logprob((*top)[i].logprob)},
-                                       {"bytes", utf8_bytes(tt)}});
+                                       {"bytes", token_bytes(tid)}});
     }
   }
   return entry;
@@ -215,11 +223,11 @@ void Generation::add_completion_logprob(Choice& c, int32_t id, std::optional<flo
                                         const std::vector<TokenLogprob>* top,
                                         bool include_sampled) {
   std::string t = token_text(id);
-  json& L = c.logprobs;
-  L["tokens"].push_back(t);
-  L["token_logprobs"].push_back(logprob ? json(finite_logprob(*logprob)) : json(nullptr));
+  json& lp = c.logprobs;
+  lp["tokens"].push_back(t);
+  lp["token_logprobs"].push_back(logprob ? json(finite_logprob(*logprob)) : json(nullptr));
   if (!logprob && !top) {
-    L["top_logprobs"].push_back(nullptr);
+    lp["top_logprobs"].push_back(nullptr);
   } else {
     json d = json::object();
     if (top) {
@@ -230,9 +238,9 @@ void Generation::add_completion_logprob(Choice& c, int32_t id, std::optional<flo
     }
     // OpenAI: the sampled token is always listed, so there may be logprobs + 1 entries.
     if (logprob && include_sampled && !d.contains(t)) d[t] = finite_logprob(*logprob);
-    L["top_logprobs"].push_back(std::move(d));
+    lp["top_logprobs"].push_back(std::move(d));
   }
-  L["text_offset"].push_back(c.text_offset);
+  lp["text_offset"].push_back(c.text_offset);
   c.text_offset += codepoints(t);
 }
 
@@ -254,8 +262,8 @@ json Generation::vllm_prompt_logprobs(const Choice& c, const StepOutput& out) co
       size_t m = std::min(top->size(), size_t(std::max(n, 0)));
       for (size_t i = 0; i < m; ++i) {
         d[std::to_string((*top)[i].id)] = {{"logprob", finite_logprob((*top)[i].logprob)},
-                                            {"rank", int64_t(i) + 1},
-                                            {"decoded_token", token_text((*top)[i].id)}};
+                                           {"rank", int64_t(i) + 1},
+                                           {"decoded_token", token_text((*top)[i].id)}};
       }
     }
     std::string key = std::to_string(ids[j]);
@@ -296,7 +304,8 @@ void Generation::on_output(size_t index, const StepOutput& out) {
           if (j > 0 && j - 1 < out.prompt_token_logprobs.size()) {
             lp = out.prompt_token_logprobs[j - 1];
           }
-          if (j > 0 && j - 1 < out.prompt_top_logprobs.size()) top = &out.prompt_top_logprobs[j - 1];
+          if (j > 0 && j - 1 < out.prompt_top_logprobs.size())
+            top = &out.prompt_top_logprobs[j - 1];
           add_completion_logprob(c, prompt.ids[j], lp, top, /*include_sampled=*/true);
         }
       }
@@ -312,7 +321,8 @@ void Generation::on_output(size_t index, const StepOutput& out) {
     } else {
       const double dt = std::chrono::duration<double>(now - c.last_token_time).count() /
                         double(out.token_ids.size());
-      for (size_t k = 0; k < out.token_ids.size(); ++k) ctx_.metrics->inter_token_latency().observe(dt);
+      for (size_t k = 0; k < out.token_ids.size(); ++k)
+        ctx_.metrics->inter_token_latency().observe(dt);
     }
     c.has_token = true;
     c.last_token_time = now;
@@ -350,7 +360,8 @@ void Generation::add_token(Choice& c, const StepOutput& out, size_t k) {
   c.ids.push_back(id);
   if (p.logprobs >= 0) {
     const float lp = k < out.token_logprobs.size() ? out.token_logprobs[k] : 0.0f;
-    const std::vector<TokenLogprob>* top = k < out.top_logprobs.size() ? &out.top_logprobs[k] : nullptr;
+    const std::vector<TokenLogprob>* top =
+        k < out.top_logprobs.size() ? &out.top_logprobs[k] : nullptr;
     if (setup_.chat) {
       c.logprobs["content"].push_back(chat_logprob_entry(id, lp, top));
     } else {
@@ -359,8 +370,7 @@ void Generation::add_token(Choice& c, const StepOutput& out, size_t k) {
   }
   // The EOS / stop id that ended the sequence adds no text (unless asked for).
   const bool final_stop_token = out.finished && k + 1 == out.token_ids.size() &&
-                                out.finish_reason == FinishReason::kStop &&
-                                id == out.stop_token_id;
+                                out.finish_reason == FinishReason::kStop && id == out.stop_token_id;
   std::string piece;
   if (c.detok && !(final_stop_token && !p.include_stop_str_in_output)) piece = c.detok->add(id);
   c.text += c.stops.push(piece);

@@ -6,10 +6,9 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/request.h"
 #include "server/http/connection.h"
@@ -27,8 +26,8 @@ namespace tandem::openai {
 /// A validated, tokenised generation request.
 struct GenerationSetup {
   bool chat = false;
-  std::string id;     // "cmpl-..." / "chatcmpl-..."; engine ids are "<id>-<choice index>"
-  std::string model;  // served model name
+  std::string id;       // "cmpl-..." / "chatcmpl-..."; engine ids are "<id>-<choice index>"
+  std::string model;    // served model name
   int64_t created = 0;  // unix seconds
   GenerationParams params;
   struct Prompt {
@@ -47,7 +46,7 @@ struct GenerationContext {
 
 class Generation : public std::enable_shared_from_this<Generation> {
  public:
-  Generation(GenerationSetup setup, GenerationContext ctx, std::shared_ptr<Connection> conn);
+  Generation(GenerationSetup setup, GenerationContext ctx, const std::shared_ptr<Connection>& conn);
   ~Generation();
 
   /// Checks lengths and submits every choice; on failure throws ApiError with nothing left
@@ -61,21 +60,21 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void on_output(size_t index, const StepOutput& out);
   void on_disconnect();
   void add_token(Choice& c, const StepOutput& out, size_t k);
-  void finish_choice(Choice& c, const std::string& reason, nlohmann::json stop_reason);
+  void finish_choice(Choice& c, const std::string& reason, Json stop_reason);
   void fail(const std::string& message);
   void emit_chunk(Choice& c);
   void complete();
   void abort_all();
 
   std::string token_text(int32_t id) const;
-  nlohmann::json chat_logprob_entry(int32_t id, float logprob,
-                                    const std::vector<TokenLogprob>* top) const;
+  Json token_bytes(int32_t id) const;
+  Json chat_logprob_entry(int32_t id, float logprob, const std::vector<TokenLogprob>* top) const;
   void add_completion_logprob(Choice& c, int32_t id, std::optional<float> logprob,
                               const std::vector<TokenLogprob>* top, bool include_sampled);
-  nlohmann::json vllm_prompt_logprobs(const Choice& c, const StepOutput& out) const;
-  nlohmann::json usage_json() const;
-  nlohmann::json chunk_envelope() const;
-  nlohmann::json final_choice_json(const Choice& c) const;
+  Json vllm_prompt_logprobs(const Choice& c, const StepOutput& out) const;
+  Json usage_json() const;
+  Json chunk_envelope() const;
+  Json final_choice_json(const Choice& c) const;
 
   GenerationSetup setup_;
   GenerationContext ctx_;

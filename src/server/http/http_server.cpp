@@ -32,6 +32,7 @@ using tcp = net::ip::tcp;
 
 constexpr size_t kHeaderLimit = 64 * 1024;
 constexpr size_t kMaxPipelinedBytes = 1 << 20;  // read ahead while answering, at most
+constexpr size_t kMaxQueuedBytes = 64 << 20;    // unsent output of a client that stopped reading
 
 /// What every session shares with the server.
 struct ServerCore {
@@ -65,9 +66,10 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     head += "Server: tandem\r\n";
     head += "Content-Type: " + r.content_type + "\r\n";
     head += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
-    for (const auto& [k, v] : r.headers) head += k + ": " + v + "\r\n";
+    for (const auto& [k, v] : r.headers) head.append(k).append(": ").append(v).append("\r\n");
     head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-    enqueue(head + r.body);
+    head += r.body;
+    enqueue(std::move(head));
     mark_complete();
   }
 
@@ -183,7 +185,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     in_request_ = true;
     response_started_ = false;
     response_complete_ = false;
-    std::string type = status == 413 ? "invalid_request_error"
+    std::string type = status == 413   ? "invalid_request_error"
                        : status >= 500 ? "server_error"
                                        : "invalid_request_error";
     std::string code = status == 413 ? "request_too_large" : "";
@@ -201,6 +203,8 @@ class Session final : public openai::Connection, public std::enable_shared_from_
 
   void enqueue(std::string bytes) {
     if (closed_) return;
+    queued_bytes_ += bytes.size();
+    if (queued_bytes_ > kMaxQueuedBytes) return client_gone();  // not reading: give up on it
     writes_.push_back(std::move(bytes));
     if (!writing_) do_write();
   }
@@ -221,6 +225,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   void on_write(beast::error_code ec, size_t) {
     writing_ = false;
     if (ec) return client_gone();
+    queued_bytes_ -= writes_.front().size();
     writes_.pop_front();
     if (closed_) return;
     if (!writes_.empty()) return do_write();
@@ -313,6 +318,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   const ServerCore& core_;
   std::deque<std::string> writes_;
+  size_t queued_bytes_ = 0;  // bytes in writes_
   std::vector<char> drain_buf_;
   std::function<void()> on_disconnect_;
   bool writing_ = false;
@@ -404,7 +410,12 @@ HttpServer::HttpServer(HttpServerConfig config, EngineClient& engine, const Toke
                        const ChatTemplate* chat_template)
     : impl_(std::make_unique<Impl>(std::move(config), engine, tokenizer, chat_template)) {}
 
-HttpServer::~HttpServer() { stop(); }
+HttpServer::~HttpServer() {
+  try {
+    stop();
+  } catch (...) {  // NOTE: a destructor must not throw; stop() only fails on a broken system
+  }
+}
 
 void HttpServer::start() {
   Impl& m = *impl_;

@@ -24,15 +24,15 @@ class ChatTemplate;
 class ServerMetrics;
 
 struct HttpServerConfig {
-  std::string host = "0.0.0.0";        // address or host name to listen on
-  uint16_t port = 8000;                // 0: any free port (see HttpServer::port())
-  int num_threads = 2;                 // io threads (--http-threads); each serves many streams
-  std::string api_key;                 // non-empty: /v1/*, /tokenize, /detokenize need
-                                       // "Authorization: Bearer <api_key>"
-  std::string model_name = "tandem";   // the served model name (/v1/models, "model" field)
-  size_t max_body_bytes = 16u << 20;   // request bodies over this get 413
-  int idle_timeout_s = 120;            // keep-alive idle / slow-request timeout, seconds
-  bool stop_on_signals = false;        // SIGINT / SIGTERM end wait()
+  std::string host = "0.0.0.0";       // address or host name to listen on
+  uint16_t port = 8000;               // 0: any free port (see HttpServer::port())
+  int num_threads = 2;                // io threads (--http-threads); each serves many streams
+  std::string api_key;                // non-empty: /v1/*, /tokenize, /detokenize need
+                                      // "Authorization: Bearer <api_key>"
+  std::string model_name = "tandem";  // the served model name (/v1/models, "model" field)
+  size_t max_body_bytes = 16u << 20;  // request bodies over this get 413
+  int idle_timeout_s = 120;           // keep-alive idle / slow-request timeout, seconds
+  bool stop_on_signals = false;       // SIGINT / SIGTERM end wait()
 };
 
 class HttpServer {

@@ -42,9 +42,9 @@ class ServerMetrics {
   void add_prompt_tokens(int64_t n) { prompt_tokens_ += n; }
   void add_generation_tokens(int64_t n) { generation_tokens_ += n; }
 
-  Histogram& ttft() { return ttft_; }                    // seconds, submit -> first token
-  Histogram& inter_token_latency() { return itl_; }      // seconds between tokens
-  Histogram& e2e_latency() { return e2e_; }              // seconds, request -> last token
+  Histogram& ttft() { return ttft_; }                // seconds, submit -> first token
+  Histogram& inter_token_latency() { return itl_; }  // seconds between tokens
+  Histogram& e2e_latency() { return e2e_; }          // seconds, request -> last token
 
   /// The whole exposition, engine gauges and counters included.
   std::string render(const EngineStats& stats) const;

@@ -7,7 +7,7 @@ namespace tandem::openai {
 
 namespace {
 
-using json = nlohmann::json;
+using json = Json;
 
 constexpr int kMaxJsonDepth = 64;
 constexpr int64_t kMaxN = 256;
@@ -95,14 +95,14 @@ std::optional<int64_t> get_int(const json& body, const char* name, int64_t lo, i
   if (!v) return std::nullopt;
   int64_t x = as_int(*v, name);
   if (x < lo) {
-    throw bad_request(in_quotes(name) + " must be at least " + std::to_string(lo) + ", got " +
-                          std::to_string(x),
-                      name);
+    throw bad_request(
+        in_quotes(name) + " must be at least " + std::to_string(lo) + ", got " + std::to_string(x),
+        name);
   }
   if (x > hi) {
-    throw bad_request(in_quotes(name) + " must be at most " + std::to_string(hi) + ", got " +
-                          std::to_string(x),
-                      name);
+    throw bad_request(
+        in_quotes(name) + " must be at most " + std::to_string(hi) + ", got " + std::to_string(x),
+        name);
   }
   return x;
 }
@@ -129,8 +129,7 @@ int32_t token_id(const json& v, const std::string& name, int64_t vocab_size) {
   int64_t id = as_int(v, name);
   if (id < 0 || id >= vocab_size) {
     throw bad_request("token id " + std::to_string(id) + " in " + in_quotes(name) +
-                          " is out of vocabulary (vocab size " + std::to_string(vocab_size) +
-                          ")",
+                          " is out of vocabulary (vocab size " + std::to_string(vocab_size) + ")",
                       name);
   }
   return int32_t(id);
@@ -151,8 +150,7 @@ void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
   if (const json* so = field(body, "stream_options")) {
     if (!so->is_object()) throw type_error("stream_options", "an object", *so);
     if (!p.stream) {
-      throw bad_request("'stream_options' can only be set when 'stream' is true",
-                        "stream_options");
+      throw bad_request("'stream_options' can only be set when 'stream' is true", "stream_options");
     }
     p.include_usage = get_bool(*so, "include_usage", false);
     p.continuous_usage = get_bool(*so, "continuous_usage_stats", false);
@@ -164,8 +162,8 @@ void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
   if (get_bool(body, "use_beam_search", false)) {
     throw bad_request("beam search is not supported", "use_beam_search");
   }
-  p.min_tokens = int32_t(get_int(body, "min_tokens", 0, std::numeric_limits<int32_t>::max())
-                             .value_or(0));
+  p.min_tokens =
+      int32_t(get_int(body, "min_tokens", 0, std::numeric_limits<int32_t>::max()).value_or(0));
   if (p.max_tokens && p.min_tokens > *p.max_tokens) {
     throw bad_request("'min_tokens' (" + std::to_string(p.min_tokens) +
                           ") must be at most the maximum number of tokens (" +
@@ -357,8 +355,7 @@ json normalise_tools(const json& body) {
       const std::string& c = tc->get_ref<const std::string&>();
       if (c == "none") return nullptr;
       if (c != "auto") {
-        throw bad_request("tool_choice '" + c + "' is not supported (none or auto)",
-                          "tool_choice");
+        throw bad_request("tool_choice '" + c + "' is not supported (none or auto)", "tool_choice");
       }
     } else {
       throw bad_request("only tool_choice \"none\" and \"auto\" are supported", "tool_choice");
@@ -376,9 +373,8 @@ void parse_chat_messages(const json& body, ChatRequest& r) {
   r.add_generation_prompt = get_bool(body, "add_generation_prompt", true);
   r.continue_final_message = get_bool(body, "continue_final_message", false);
   if (r.continue_final_message && r.add_generation_prompt) {
-    throw bad_request(
-        "'continue_final_message' and 'add_generation_prompt' cannot both be true",
-        "continue_final_message");
+    throw bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                      "continue_final_message");
   }
   if (r.continue_final_message && r.messages.back()["role"] != "assistant") {
     throw bad_request("'continue_final_message' needs a final assistant message",

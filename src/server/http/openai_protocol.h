@@ -4,16 +4,18 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/sampling.h"
 #include "server/http/api_error.h"
 
 namespace tandem::openai {
+
+/// Request and response JSON keeps key order (it shows in chat templates' `tojson`).
+using Json = nlohmann::ordered_json;
 
 /// Most top logprobs a request may ask for (OpenAI's limit).
 inline constexpr int32_t kMaxLogprobs = 20;
@@ -22,9 +24,9 @@ inline constexpr int32_t kMaxLogprobs = 20;
 struct GenerationParams {
   std::string model;  // "" when the request named none
   bool stream = false;
-  bool include_usage = false;     // stream_options.include_usage: a final usage chunk
-  bool continuous_usage = false;  // stream_options.continuous_usage_stats: usage in every chunk
-  int32_t n = 1;                  // choices per prompt
+  bool include_usage = false;         // stream_options.include_usage: a final usage chunk
+  bool continuous_usage = false;      // stream_options.continuous_usage_stats: usage in every chunk
+  int32_t n = 1;                      // choices per prompt
   std::optional<int32_t> max_tokens;  // none: up to the model length
   int32_t min_tokens = 0;
   SamplingParams sampling;  // logprobs / prompt_logprobs are filled by the handler
@@ -33,9 +35,9 @@ struct GenerationParams {
   bool ignore_eos = false;
   bool include_stop_str_in_output = false;
   bool skip_special_tokens = true;
-  int32_t logprobs = -1;         // top-N per output token (completions int, chat top_logprobs); -1 off
-  int32_t prompt_logprobs = -1;  // vLLM: top-N per prompt token; -1 off
-  bool echo = false;             // completions: the prompt is prepended to the output
+  int32_t logprobs = -1;  // top-N per output token (completions int, chat top_logprobs); -1 off
+  int32_t prompt_logprobs = -1;             // vLLM: top-N per prompt token; -1 off
+  bool echo = false;                        // completions: the prompt is prepended to the output
   bool return_token_ids = false;            // vLLM: token ids in the response
   bool return_tokens_as_token_ids = false;  // vLLM: logprob tokens as "token_id:<id>"
 };
@@ -53,18 +55,18 @@ struct CompletionRequest {
 
 struct ChatRequest {
   GenerationParams params;
-  nlohmann::json messages;  // normalised: content is a string (or null)
-  nlohmann::json tools;     // null or an array of tool definitions
+  Json messages;  // normalised: content is a string (or null)
+  Json tools;     // null or an array of tool definitions
   bool add_generation_prompt = true;
   bool continue_final_message = false;
-  nlohmann::json chat_template_kwargs = nlohmann::json::object();
+  Json chat_template_kwargs = Json::object();
 };
 
 /// Parses the body of POST /v1/completions. Token ids are checked against vocab_size.
-CompletionRequest parse_completion_request(const nlohmann::json& body, int64_t vocab_size);
+CompletionRequest parse_completion_request(const Json& body, int64_t vocab_size);
 
 /// Parses the body of POST /v1/chat/completions.
-ChatRequest parse_chat_request(const nlohmann::json& body, int64_t vocab_size);
+ChatRequest parse_chat_request(const Json& body, int64_t vocab_size);
 
 /// POST /tokenize: either a prompt or chat messages.
 struct TokenizeRequest {
@@ -73,16 +75,16 @@ struct TokenizeRequest {
   std::optional<ChatRequest> chat;  // when the body has "messages"
   bool return_token_strs = false;
 };
-TokenizeRequest parse_tokenize_request(const nlohmann::json& body);
+TokenizeRequest parse_tokenize_request(const Json& body);
 
 /// POST /detokenize: token ids.
 struct DetokenizeRequest {
   std::string model;
   std::vector<int32_t> tokens;
 };
-DetokenizeRequest parse_detokenize_request(const nlohmann::json& body, int64_t vocab_size);
+DetokenizeRequest parse_detokenize_request(const Json& body, int64_t vocab_size);
 
 /// Parses a request body; malformed JSON or a non-object throws ApiError(400).
-nlohmann::json parse_body(const std::string& body);
+Json parse_body(const std::string& body);
 
 }  // namespace tandem::openai

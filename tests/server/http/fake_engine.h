@@ -24,7 +24,7 @@ class FakeEngine final : public EngineClient {
   struct Options {
     int64_t vocab = 1000;
     int64_t max_model_len = 4096;
-    int32_t eos = -1;  // -1: no EOS
+    int32_t eos = -1;         // -1: no EOS
     int64_t max_live = 4096;  // submit beyond this throws kOutOfResources
     std::chrono::microseconds step{1000};
     /// A request whose prompt ends in a key emits that script first, then the formula.
@@ -50,12 +50,11 @@ class FakeEngine final : public EngineClient {
   void submit(GenRequest r, OutputCallback cb) override {
     TANDEM_CHECK_KIND(kInvalidArgument, !r.prompt_ids.empty(), "empty prompt");
     TANDEM_CHECK_KIND(kInvalidArgument,
-                      int64_t(r.prompt_ids.size()) + r.max_tokens <= opt_.max_model_len,
-                      "prompt (", r.prompt_ids.size(), ") + max_tokens (", r.max_tokens,
+                      int64_t(r.prompt_ids.size()) + r.max_tokens <= opt_.max_model_len, "prompt (",
+                      r.prompt_ids.size(), ") + max_tokens (", r.max_tokens,
                       ") is over the model length ", opt_.max_model_len);
     std::lock_guard<std::mutex> lock(mu_);
-    TANDEM_CHECK_KIND(kOutOfResources, int64_t(live_.size()) < opt_.max_live,
-                      "waiting queue full");
+    TANDEM_CHECK_KIND(kOutOfResources, int64_t(live_.size()) < opt_.max_live, "waiting queue full");
     TANDEM_CHECK_KIND(kInvalidArgument, !live_.count(r.id), "duplicate id ", r.id);
     submitted_.push_back(r);
     Live l;
@@ -184,8 +183,10 @@ class FakeEngine final : public EngineClient {
           out.token_ids.push_back(tok);
           if (r.sampling.logprobs >= 0) {
             out.token_logprobs.push_back(fake_logprob(tok));
-            if (r.sampling.logprobs > 0) out.top_logprobs.push_back(top(tok, r.sampling.logprobs));
-            else out.top_logprobs.push_back({});
+            if (r.sampling.logprobs > 0)
+              out.top_logprobs.push_back(top(tok, r.sampling.logprobs));
+            else
+              out.top_logprobs.push_back({});
           }
           const bool can_stop = l.generated > r.min_tokens;
           const bool is_stop = std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), tok) !=

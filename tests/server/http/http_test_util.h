@@ -21,8 +21,10 @@ inline constexpr int32_t kTinyImEnd = 275;
 
 class HttpServerTest : public ::testing::Test {
  protected:
-  /// Starts a server; with_text loads the tiny tokenizer and chat template.
-  void start(FakeEngine::Options eo = {}, HttpServerConfig cfg = {}, bool with_text = false);
+  /// Starts a server; with_text loads the tokenizer and chat template of text_dir (default:
+  /// the tiny one).
+  void start(FakeEngine::Options eo = {}, HttpServerConfig cfg = {}, bool with_text = false,
+             const std::string& text_dir = "");
   void TearDown() override {
     server_.reset();
     engine_.reset();

@@ -82,15 +82,50 @@ class Fuzzer {
   }
 
   std::string random_key() {
-    static const std::vector<std::string> keys = {
-        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-        "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop", "stop_token_ids",
-        "seed", "logprobs", "top_logprobs", "echo", "ignore_eos", "min_tokens",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "return_token_ids",
-        "prompt_logprobs", "tools", "tool_choice", "chat_template_kwargs", "role", "content",
-        "include_usage", "add_generation_prompt", "continue_final_message", "tokens",
-        "logit_bias", "response_format", "type", "text", "best_of", "skip_special_tokens",
-        "include_stop_str_in_output", "return_tokens_as_token_ids", "suffix", "user"};
+    static const std::vector<std::string> keys = {"model",
+                                                  "prompt",
+                                                  "messages",
+                                                  "max_tokens",
+                                                  "max_completion_tokens",
+                                                  "temperature",
+                                                  "top_p",
+                                                  "top_k",
+                                                  "min_p",
+                                                  "n",
+                                                  "stream",
+                                                  "stream_options",
+                                                  "stop",
+                                                  "stop_token_ids",
+                                                  "seed",
+                                                  "logprobs",
+                                                  "top_logprobs",
+                                                  "echo",
+                                                  "ignore_eos",
+                                                  "min_tokens",
+                                                  "presence_penalty",
+                                                  "frequency_penalty",
+                                                  "repetition_penalty",
+                                                  "return_token_ids",
+                                                  "prompt_logprobs",
+                                                  "tools",
+                                                  "tool_choice",
+                                                  "chat_template_kwargs",
+                                                  "role",
+                                                  "content",
+                                                  "include_usage",
+                                                  "add_generation_prompt",
+                                                  "continue_final_message",
+                                                  "tokens",
+                                                  "logit_bias",
+                                                  "response_format",
+                                                  "type",
+                                                  "text",
+                                                  "best_of",
+                                                  "skip_special_tokens",
+                                                  "include_stop_str_in_output",
+                                                  "return_tokens_as_token_ids",
+                                                  "suffix",
+                                                  "user"};
     return keys[below(uint32_t(keys.size()))];
   }
 
@@ -104,7 +139,8 @@ class Fuzzer {
   json valid_chat() {
     json msgs = json::array();
     for (uint32_t i = 0, n = 1 + below(3); i < n; ++i) {
-      msgs.push_back({{"role", i % 2 ? "assistant" : "user"}, {"content", random_string().substr(0, 40)}});
+      msgs.push_back(
+          {{"role", i % 2 ? "assistant" : "user"}, {"content", random_string().substr(0, 40)}});
     }
     json j = {{"messages", msgs}, {"max_tokens", 1 + below(8)}};
     if (coin(0.3)) j["stream"] = true;
@@ -169,7 +205,7 @@ TEST_F(HttpFuzzTest, RandomBodiesNeverBreakTheServer) {
         ASSERT_FALSE(events.empty());
         EXPECT_EQ(events.back(), "[DONE]");
       } else {
-        EXPECT_NO_THROW((void)json::parse(r.body)) << r.body;
+        EXPECT_TRUE(json::accept(r.body)) << r.body;
       }
     } else {
       ++errors;

@@ -15,12 +15,14 @@ namespace tandem::testing {
 
 using json = nlohmann::json;
 
-void HttpServerTest::start(FakeEngine::Options eo, HttpServerConfig cfg, bool with_text) {
+void HttpServerTest::start(FakeEngine::Options eo, HttpServerConfig cfg, bool with_text,
+                           const std::string& text_dir) {
   engine_ = std::make_unique<FakeEngine>(eo);
   if (with_text) {
-    tok_ = Tokenizer::from_dir(http_data_dir());
+    const std::string dir = text_dir.empty() ? http_data_dir() : text_dir;
+    tok_ = Tokenizer::from_dir(dir);
     EXPECT_NE(tok_, nullptr);
-    tmpl_ = ChatTemplate::from_dir(http_data_dir());
+    tmpl_ = ChatTemplate::from_dir(dir);
     EXPECT_NE(tmpl_, nullptr);
   }
   cfg.host = "127.0.0.1";
@@ -135,10 +137,9 @@ TEST_F(HttpServerTest, StreamingMatchesNonStreaming) {
 
 TEST_F(HttpServerTest, NChoicesAndBatchPrompts) {
   start();
-  auto r = post("/v1/completions", {{"prompt", {{1, 2}, {3, 4, 5}}},
-                                    {"n", 2},
-                                    {"max_tokens", 4},
-                                    {"return_token_ids", true}});
+  auto r = post(
+      "/v1/completions",
+      {{"prompt", {{1, 2}, {3, 4, 5}}}, {"n", 2}, {"max_tokens", 4}, {"return_token_ids", true}});
   ASSERT_EQ(r.status, 200) << r.body;
   json j = r.json();
   ASSERT_EQ(j["choices"].size(), 4u);
@@ -193,9 +194,10 @@ TEST_F(HttpServerTest, SamplingParamsReachTheEngine) {
   EXPECT_EQ(g.sampling.logprobs, -1);
 
   // No max_tokens: up to the model length.
-  ASSERT_EQ(post("/v1/completions", {{"prompt", {1, 2, 3}}, {"stop_token_ids", {fake_tokens(3, 1)[0]}}})
-                .status,
-            200);
+  ASSERT_EQ(
+      post("/v1/completions", {{"prompt", {1, 2, 3}}, {"stop_token_ids", {fake_tokens(3, 1)[0]}}})
+          .status,
+      200);
   sub = engine_->submitted();
   EXPECT_EQ(sub.back().max_tokens, 4096 - 3);
   // top_k -1 disables.
@@ -216,7 +218,8 @@ TEST_F(HttpServerTest, StopTokenIdsAndEos) {
   json c = r.json()["choices"][0];
   EXPECT_EQ(c["finish_reason"], "stop");
   EXPECT_EQ(c["stop_reason"], seq[2]);
-  EXPECT_EQ(c["token_ids"].get<std::vector<int32_t>>(), std::vector<int32_t>(seq.begin(), seq.begin() + 3));
+  EXPECT_EQ(c["token_ids"].get<std::vector<int32_t>>(),
+            std::vector<int32_t>(seq.begin(), seq.begin() + 3));
   // EOS: stop with stop_reason null; ignore_eos runs to the length.
   c = post("/v1/completions", {{"prompt", {3}}, {"max_tokens", 10}}).json()["choices"][0];
   EXPECT_EQ(c["finish_reason"], "stop");
@@ -228,10 +231,9 @@ TEST_F(HttpServerTest, StopTokenIdsAndEos) {
 
 TEST_F(HttpServerTest, CompletionLogprobsAndPromptLogprobs) {
   start();
-  auto r = post("/v1/completions", {{"prompt", {4, 5, 6}},
-                                    {"max_tokens", 3},
-                                    {"logprobs", 2},
-                                    {"prompt_logprobs", 1}});
+  auto r =
+      post("/v1/completions",
+           {{"prompt", {4, 5, 6}}, {"max_tokens", 3}, {"logprobs", 2}, {"prompt_logprobs", 1}});
   ASSERT_EQ(r.status, 200) << r.body;
   json c = r.json()["choices"][0];
   const json& lp = c["logprobs"];
@@ -284,12 +286,14 @@ TEST_F(HttpServerTest, MetricsExposition) {
   const std::string& t = m.body;
   for (const char* needle :
        {"tandem_requests_finished_total{outcome=\"length\"} 1",
-        "tandem_http_responses_total{status=\"200\"}", "tandem_http_responses_total{status=\"400\"} 1",
-        "tandem_prompt_tokens_total 2", "tandem_generation_tokens_total 5",
-        "tandem_time_to_first_token_seconds_count 1", "tandem_inter_token_latency_seconds_count 4",
+        "tandem_http_responses_total{status=\"200\"}",
+        "tandem_http_responses_total{status=\"400\"} 1", "tandem_prompt_tokens_total 2",
+        "tandem_generation_tokens_total 5", "tandem_time_to_first_token_seconds_count 1",
+        "tandem_inter_token_latency_seconds_count 4",
         "tandem_e2e_request_latency_seconds_bucket{le=\"+Inf\"} 1", "tandem_num_requests_running 0",
         "tandem_num_requests_waiting 0", "tandem_kv_pages_used 0", "tandem_kv_pages_free 100",
-        "tandem_prefix_cache_hit_rate 0.5", "# TYPE tandem_time_to_first_token_seconds histogram"}) {
+        "tandem_prefix_cache_hit_rate 0.5",
+        "# TYPE tandem_time_to_first_token_seconds histogram"}) {
     EXPECT_NE(t.find(needle), std::string::npos) << needle << "\n" << t;
   }
 }
@@ -343,7 +347,9 @@ TEST_F(HttpServerTest, ValidationErrors) {
     auto r = post(C, c.body);
     expect_error(r, 400);
     json j = json::parse(r.body, nullptr, false);
-    if (j.is_object()) EXPECT_EQ(j["error"]["param"], c.param) << c.body.dump();
+    if (j.is_object()) {
+      EXPECT_EQ(j["error"]["param"], c.param) << c.body.dump();
+    }
   }
   // No prompt at all; text prompt without a tokenizer; chat without a tokenizer.
   expect_error(post(C, {{"max_tokens", 2}}), 400);
@@ -373,9 +379,8 @@ TEST_F(HttpServerTest, ChatValidationErrors) {
   expect_error(post(C, {{"messages", {{{"content", "hi"}}}}}), 400);
   expect_error(post(C, {{"messages", "hi"}}), 400);
   expect_error(post(C, {{"messages", {{{"role", "user"}, {"content", 5}}}}}), 400);
-  expect_error(post(C, {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
-                        {"top_logprobs", 3}}),
-               400);
+  expect_error(
+      post(C, {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"top_logprobs", 3}}), 400);
   expect_error(post(C, {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
                         {"logprobs", true},
                         {"top_logprobs", 21}}),
@@ -519,9 +524,10 @@ TEST_F(HttpServerTest, ClientDisconnectAbortsEngineRequests) {
   // Streaming: drop the connection after the first chunk.
   {
     HttpClient c;
-    auto r = c.request("POST", url("/v1/completions"),
-                       json{{"prompt", {1}}, {"max_tokens", 1000}, {"stream", true}, {"n", 2}}.dump(),
-                       {}, 20000, [](const std::string&) { return false; });
+    auto r =
+        c.request("POST", url("/v1/completions"),
+                  json{{"prompt", {1}}, {"max_tokens", 1000}, {"stream", true}, {"n", 2}}.dump(),
+                  {}, 20000, [](const std::string&) { return false; });
     EXPECT_EQ(r.code, CURLE_WRITE_ERROR);
   }
   ASSERT_TRUE(engine_->wait_idle(std::chrono::milliseconds(3000)));
@@ -547,7 +553,7 @@ TEST_F(HttpServerTest, ConcurrentStreamsMatchSoloOutputs) {
   constexpr int kTokens = 40;
   std::vector<std::vector<int32_t>> got(kStreams);
   std::vector<long> status(kStreams, 0);
-  std::vector<bool> done_seen(kStreams, false);
+  std::vector<int> done_seen(kStreams, 0);
   std::vector<std::thread> threads;
   for (int i = 0; i < kStreams; ++i) {
     threads.emplace_back([&, i] {

@@ -2,6 +2,7 @@
 // engine plays a scripted token sequence, so stop strings, detokenisation, chat and
 // streaming can be checked against known text.
 #include "server/http/http_test_util.h"
+#include "server/tokenizer/tokenizer_test_util.h"
 
 namespace tandem::testing {
 namespace {
@@ -57,9 +58,8 @@ class HttpTextTest : public HttpServerTest {
 };
 
 TEST_F(HttpTextTest, CompletionText) {
-  auto r = post("/v1/completions", {{"prompt", "Say:"},
-                                    {"max_tokens", script_.size()},
-                                    {"return_token_ids", true}});
+  auto r = post("/v1/completions",
+                {{"prompt", "Say:"}, {"max_tokens", script_.size()}, {"return_token_ids", true}});
   ASSERT_EQ(r.status, 200) << r.body;
   json c = r.json()["choices"][0];
   EXPECT_EQ(c["text"], kScript);
@@ -69,8 +69,9 @@ TEST_F(HttpTextTest, CompletionText) {
   EXPECT_EQ(r.json()["usage"]["prompt_tokens"], tok0_->encode("Say:", true).size());
   // echo puts the prompt first
   r = post("/v1/completions", {{"prompt", "Say:"}, {"max_tokens", 5}, {"echo", true}});
-  EXPECT_EQ(r.json()["choices"][0]["text"],
-            "Say:" + tok0_->decode(std::vector<int32_t>(script_.begin(), script_.begin() + 5), true));
+  EXPECT_EQ(
+      r.json()["choices"][0]["text"],
+      "Say:" + tok0_->decode(std::vector<int32_t>(script_.begin(), script_.begin() + 5), true));
 }
 
 TEST_F(HttpTextTest, StopStringsStreamingEqualsNonStreaming) {
@@ -105,7 +106,9 @@ TEST_F(HttpTextTest, StopStringsStreamingEqualsNonStreaming) {
       EXPECT_EQ(text, k.expected) << k.stop.dump() << " chat=" << chat;
       const bool matched = k.expected != kScript;
       EXPECT_EQ(c["finish_reason"], matched ? "stop" : "length") << k.stop.dump();
-      if (matched) EXPECT_TRUE(c["stop_reason"].is_string());
+      if (matched) {
+        EXPECT_TRUE(c["stop_reason"].is_string());
+      }
 
       body["stream"] = true;
       auto s = post(path, body);
@@ -252,6 +255,64 @@ TEST_F(HttpTextTest, ManyChoicesWithText) {
     EXPECT_EQ(c["finish_reason"], "stop");
     EXPECT_EQ(c["stop_reason"], "wor");
   }
+}
+
+}  // namespace
+}  // namespace tandem::testing
+
+namespace tandem::testing {
+namespace {
+
+// The real Qwen3 tokenizer and chat template (when tools/fetch_qwen3_tokenizer.sh has run).
+class HttpQwen3Test : public HttpServerTest {};
+
+TEST_F(HttpQwen3Test, ChatWithToolsAndThinkingOff) {
+  TANDEM_REQUIRE_QWEN3(qwen);
+  const int32_t im_end = *qwen->token_to_id("<|im_end|>");
+  const int32_t newline = qwen->encode("\n").back();
+  FakeEngine::Options eo;
+  eo.vocab = qwen->vocab_size();
+  eo.eos = im_end;
+  std::vector<int32_t> reply = qwen->encode("Hello there! \xe4\xbd\xa0\xe5\xa5\xbd");
+  reply.push_back(im_end);
+  eo.scripts[newline] = reply;
+  start(eo, {}, /*with_text=*/true, qwen3_tokenizer_dir()->string());
+
+  json body = {
+      {"messages",
+       {{{"role", "system"}, {"content", "Be nice."}}, {{"role", "user"}, {"content", "Hi"}}}},
+      {"tools",
+       {{{"type", "function"},
+         {"function",
+          {{"name", "get_time"},
+           {"description", "Current time"},
+           {"parameters", {{"type", "object"}, {"properties", json::object()}}}}}}}},
+      {"chat_template_kwargs", {{"enable_thinking", false}}},
+      {"max_tokens", 50}};
+  auto r = post("/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  json c = r.json()["choices"][0];
+  EXPECT_EQ(c["message"]["content"], "Hello there! \xe4\xbd\xa0\xe5\xa5\xbd");
+  EXPECT_EQ(c["finish_reason"], "stop");
+  std::string prompt = qwen->decode(engine_->submitted().back().prompt_ids);
+  EXPECT_EQ(prompt.rfind("<|im_start|>system\nBe nice.\n\n# Tools", 0), 0u) << prompt;
+  EXPECT_NE(prompt.find("\"name\": \"get_time\""), std::string::npos) << prompt;
+  const std::string tail =
+      "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
+  ASSERT_GE(prompt.size(), tail.size());
+  EXPECT_EQ(prompt.substr(prompt.size() - tail.size()), tail) << prompt;
+
+  // Streaming gives the same text; a stop string inside the CJK characters' bytes is exact.
+  body["stream"] = true;
+  body["stop"] = "\xe5\xa5\xbd";
+  auto s = post("/v1/chat/completions", body);
+  std::string text;
+  for (const auto& ev : sse_events(s.body)) {
+    if (ev.is_object() && !ev["choices"].empty() && ev["choices"][0]["delta"].contains("content")) {
+      text += ev["choices"][0]["delta"]["content"].get<std::string>();
+    }
+  }
+  EXPECT_EQ(text, "Hello there! \xe4\xbd\xa0");
 }
 
 }  // namespace

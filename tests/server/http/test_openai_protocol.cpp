@@ -81,7 +81,9 @@ TEST(StopStrings, RandomSplitsAgreeWithWholeText) {
     for (const auto& p : pieces) {
       std::string e = m.push(p);
       // Never emits a partial character.
-      if (!e.empty()) EXPECT_NE(static_cast<unsigned char>(e.back()) & 0xE0, 0xC0u) << text;
+      if (!e.empty()) {
+        EXPECT_NE(static_cast<unsigned char>(e.back()) & 0xE0, 0xC0u) << text;
+      }
       got += e;
     }
     if (!m.stopped()) got += m.flush();
@@ -133,19 +135,20 @@ TEST(Protocol, ErrorsNameTheParam) {
 }
 
 TEST(Protocol, ChatMessagesNormalised) {
-  json body = {{"messages",
-                {{{"role", "developer"}, {"content", "be brief"}},
-                 {{"role", "user"},
-                  {"content", {{{"type", "text"}, {"text", "a"}}, {{"type", "text"}, {"text", "b"}}}}},
-                 {{"role", "assistant"},
-                  {"content", nullptr},
-                  {"tool_calls", {{{"type", "function"},
-                                   {"function", {{"name", "f"}, {"arguments", "{}"}}}}}}},
-                 {{"role", "tool"}, {"content", "42"}, {"tool_call_id", "c1"}}}},
-               {"logprobs", true},
-               {"max_completion_tokens", 7},
-               {"max_tokens", 9},
-               {"chat_template_kwargs", {{"enable_thinking", false}}}};
+  json body = {
+      {"messages",
+       {{{"role", "developer"}, {"content", "be brief"}},
+        {{"role", "user"},
+         {"content", {{{"type", "text"}, {"text", "a"}}, {{"type", "text"}, {"text", "b"}}}}},
+        {{"role", "assistant"},
+         {"content", nullptr},
+         {"tool_calls",
+          {{{"type", "function"}, {"function", {{"name", "f"}, {"arguments", "{}"}}}}}}},
+        {{"role", "tool"}, {"content", "42"}, {"tool_call_id", "c1"}}}},
+      {"logprobs", true},
+      {"max_completion_tokens", 7},
+      {"max_tokens", 9},
+      {"chat_template_kwargs", {{"enable_thinking", false}}}};
   auto r = parse_chat_request(body, 100);
   EXPECT_EQ(r.messages[0]["role"], "system");
   EXPECT_EQ(r.messages[1]["content"], "a\nb");
@@ -156,10 +159,10 @@ TEST(Protocol, ChatMessagesNormalised) {
   EXPECT_EQ(r.chat_template_kwargs["enable_thinking"], false);
   EXPECT_TRUE(r.add_generation_prompt);
 
-  EXPECT_THROW(parse_chat_request(json{{"messages", {{{"role", "user"},
-                                                      {"content", {{{"type", "image_url"}}}}}}}},
-                                  100),
-               ApiError);
+  EXPECT_THROW(
+      parse_chat_request(
+          json{{"messages", {{{"role", "user"}, {"content", {{{"type", "image_url"}}}}}}}}, 100),
+      ApiError);
   EXPECT_THROW(parse_chat_request(json{{"messages", {{{"role", "user"}}}}}, 100), ApiError);
 }
 

@@ -1,0 +1,82 @@
+# Communication layer (src/comm), its tests and benchmark. Included from the top-level
+# CMakeLists.txt after the tests block:
+#   include(${CMAKE_SOURCE_DIR}/src/comm/CMakeLists.cmake)
+# Relies on: tandem_core, TANDEM_WARNINGS, TANDEM_HAS_CUDA (+ CUDAToolkit found, CUDA enabled),
+# TANDEM_TESTS (+ GTest found).
+#
+# Targets:
+#   tandem_comm        CPU: TCP store bootstrap, local fork launcher
+#   tandem_comm_cuda   CUDA: IPC communicator, one-/two-shot all-reduce kernels, NCCL (CUDA only)
+#   test_comm          CPU tests (TCP store, launcher): run in CI
+#   test_comm_cuda     multi-GPU tests (skip cleanly without 2 GPUs)
+#   bench_allreduce    ours vs NCCL (option TANDEM_COMM_BENCH, default ON, CUDA only)
+
+get_filename_component(TANDEM_COMM_ROOT "${CMAKE_CURRENT_LIST_DIR}/../.." ABSOLUTE)
+
+file(GLOB TANDEM_COMM_SRCS CONFIGURE_DEPENDS ${TANDEM_COMM_ROOT}/src/comm/*.cpp)
+add_library(tandem_comm STATIC ${TANDEM_COMM_SRCS})
+target_include_directories(tandem_comm PUBLIC ${TANDEM_COMM_ROOT}/src)
+target_compile_options(tandem_comm PRIVATE ${TANDEM_WARNINGS})
+target_link_libraries(tandem_comm PUBLIC tandem_core Threads::Threads)
+
+if(TANDEM_HAS_CUDA)
+  # NOTE: CMake 3.25 knows nvcc's dialect flags only up to C++17, so CMAKE_CUDA_STANDARD 20
+  # fails at generate time ("requires the language dialect CUDA20"); nvcc 12+ takes -std=c++20.
+  if(NOT DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+  endif()
+
+  # NCCL ships with the CUDA toolkit here; a system install works too.
+  find_path(TANDEM_NCCL_INCLUDE_DIR nccl.h
+    HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include /usr/local/include)
+  find_library(TANDEM_NCCL_LIBRARY NAMES nccl
+    HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}/lib ${CUDAToolkit_LIBRARY_ROOT}/lib64
+          /usr/lib/x86_64-linux-gnu /usr/local/lib)
+  if(NOT TANDEM_NCCL_INCLUDE_DIR OR NOT TANDEM_NCCL_LIBRARY)
+    message(FATAL_ERROR "NCCL not found (nccl.h / libnccl): set TANDEM_NCCL_INCLUDE_DIR and "
+                        "TANDEM_NCCL_LIBRARY")
+  endif()
+  message(STATUS "Tandem NCCL: ${TANDEM_NCCL_LIBRARY}")
+
+  file(GLOB TANDEM_COMM_CUDA_SRCS CONFIGURE_DEPENDS
+    ${TANDEM_COMM_ROOT}/src/comm/cuda/*.cpp ${TANDEM_COMM_ROOT}/src/comm/cuda/*.cu)
+  add_library(tandem_comm_cuda STATIC ${TANDEM_COMM_CUDA_SRCS})
+  target_include_directories(tandem_comm_cuda PUBLIC ${TANDEM_COMM_ROOT}/src
+                                                     ${TANDEM_NCCL_INCLUDE_DIR})
+  target_link_libraries(tandem_comm_cuda PUBLIC tandem_comm CUDA::cudart ${TANDEM_NCCL_LIBRARY})
+  target_compile_options(tandem_comm_cuda PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:${TANDEM_WARNINGS}>
+    $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter -lineinfo>)
+  if(NOT CMAKE_CUDA_ARCHITECTURES)
+    set_target_properties(tandem_comm_cuda PROPERTIES CUDA_ARCHITECTURES 90a)
+  endif()
+
+endif()
+
+if(TANDEM_TESTS AND TARGET GTest::gtest)
+  include(GoogleTest)
+  file(GLOB TANDEM_COMM_TEST_SRCS CONFIGURE_DEPENDS ${TANDEM_COMM_ROOT}/tests/comm/*.cpp)
+  add_executable(test_comm ${TANDEM_COMM_TEST_SRCS})
+  target_link_libraries(test_comm PRIVATE tandem_comm GTest::gtest GTest::gtest_main)
+  target_compile_options(test_comm PRIVATE ${TANDEM_WARNINGS})
+  gtest_discover_tests(test_comm DISCOVERY_TIMEOUT 60)
+
+  if(TANDEM_HAS_CUDA)
+    file(GLOB TANDEM_COMM_CUDA_TEST_SRCS CONFIGURE_DEPENDS
+      ${TANDEM_COMM_ROOT}/tests/comm/cuda/*.cpp)
+    add_executable(test_comm_cuda ${TANDEM_COMM_CUDA_TEST_SRCS})
+    target_link_libraries(test_comm_cuda PRIVATE tandem_comm_cuda GTest::gtest GTest::gtest_main)
+    target_compile_options(test_comm_cuda PRIVATE ${TANDEM_WARNINGS})
+    # NOTE: NVLink multicast stays off everywhere (it can take the shared GPU host down).
+    gtest_discover_tests(test_comm_cuda DISCOVERY_TIMEOUT 60
+      PROPERTIES ENVIRONMENT "NCCL_NVLS_ENABLE=0" TIMEOUT 900)
+  endif()
+endif()
+
+option(TANDEM_COMM_BENCH "Build the communication benchmarks (CUDA only)" ON)
+if(TANDEM_HAS_CUDA AND TANDEM_COMM_BENCH)
+  add_executable(bench_allreduce ${TANDEM_COMM_ROOT}/bench/comm/bench_allreduce.cpp)
+  target_link_libraries(bench_allreduce PRIVATE tandem_comm_cuda)
+  target_compile_options(bench_allreduce PRIVATE ${TANDEM_WARNINGS})
+endif()
