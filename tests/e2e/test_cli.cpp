@@ -13,14 +13,14 @@
 namespace tandem {
 namespace {
 
-struct Run {
+struct CmdResult {
   int status = -1;
   std::string out;
 };
 
-Run run(const std::string& args) {
+CmdResult run(const std::string& args) {
   std::string cmd = std::string(TANDEM_BINARY_DIR) + "/tandem " + args + " 2>&1";
-  Run r;
+  CmdResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
   std::array<char, 4096> buf;
@@ -44,7 +44,7 @@ TEST_P(CliGolden, GenerateJsonMatchesTransformers) {
   for (size_t i = 0; i < g.cases.size(); ++i) {
     const auto& c = g.cases[i];
     SCOPED_TRACE(g.name + " case " + std::to_string(i));
-    Run r = run("generate --model " + g.dir + " --prompt-ids " + join(c.prompt_ids) +
+    CmdResult r = run("generate --model " + g.dir + " --prompt-ids " + join(c.prompt_ids) +
                 " --max-tokens " + std::to_string(c.max_tokens) +
                 " --temperature 0 --logprobs 5 --json");
     ASSERT_EQ(r.status, 0) << r.out;
@@ -75,7 +75,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CliGolden, ::testing::ValuesIn(testing::golde
 
 TEST(Cli, BadInputGivesClearErrors) {
   auto fixture = testing::golden_dirs().front();
-  Run r = run("generate --model /nonexistent/dir --prompt-ids 1,2");
+  CmdResult r = run("generate --model /nonexistent/dir --prompt-ids 1,2");
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_NE(r.out.find("/nonexistent/dir"), std::string::npos) << r.out;
 

@@ -268,13 +268,10 @@ json Generation::vllm_prompt_logprobs(const Choice& c, const StepOutput& out) co
     }
     std::string key = std::to_string(ids[j]);
     if (!d.contains(key)) {
-      // Rank: 1 + entries known to be more likely (exact when the engine's list reaches it).
-      int64_t rank = 1;
-      if (top) {
-        for (const auto& e : *top) rank += e.logprob > actual;
-      }
+      // NOTE: the engine reports only the top-N, so the rank of a token outside them is not
+      // known: null.
       d[key] = {{"logprob", finite_logprob(actual)},
-                {"rank", rank},
+                {"rank", nullptr},
                 {"decoded_token", token_text(ids[j])}};
     }
     result.push_back(std::move(d));

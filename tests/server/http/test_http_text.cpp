@@ -269,7 +269,7 @@ class HttpQwen3Test : public HttpServerTest {};
 TEST_F(HttpQwen3Test, ChatWithToolsAndThinkingOff) {
   TANDEM_REQUIRE_QWEN3(qwen);
   const int32_t im_end = *qwen->token_to_id("<|im_end|>");
-  const int32_t newline = qwen->encode("\n").back();
+  const int32_t newline = qwen->encode("</think>\n\n").back();  // the prompt's last token
   FakeEngine::Options eo;
   eo.vocab = qwen->vocab_size();
   eo.eos = im_end;
