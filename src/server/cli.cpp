@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "model/qwen3_moe.h"
+#include "server/http/http_server.h"
+#include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
 
 #ifndef TANDEM_DEMO_MODEL_DIR
@@ -116,6 +118,43 @@ int run_generate(const GenerateArgs& a) {
   return 0;
 }
 
+struct ServeArgs {
+  std::string model = TANDEM_DEMO_MODEL_DIR;
+  std::string served_name;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;
+  int http_threads = 2;
+  EngineConfig engine;
+};
+
+int run_serve(const ServeArgs& a) {
+  std::unique_ptr<Qwen3MoeCpu> model = Qwen3MoeCpu::load(a.model);
+  std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
+  std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
+  AsyncEngine engine(std::move(model), a.engine);
+  HttpServerConfig cfg;
+  cfg.host = a.host;
+  cfg.port = static_cast<uint16_t>(a.port);
+  cfg.api_key = a.api_key;
+  cfg.num_threads = a.http_threads;
+  cfg.stop_on_signals = true;
+  cfg.model_name = a.served_name;
+  if (cfg.model_name.empty()) {
+    std::string dir = a.model;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    cfg.model_name = a.model == TANDEM_DEMO_MODEL_DIR ? "demo" : dir.substr(dir.rfind('/') + 1);
+  }
+  HttpServer server(cfg, engine, tok.get(), chat.get());
+  server.start();
+  std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on http://"
+            << cfg.host << ":" << server.port() << "  max_model_len "
+            << engine.max_model_len() << (tok ? "" : "  (no tokenizer: token-id prompts only)")
+            << std::endl;
+  server.wait();
+  return 0;
+}
+
 }  // namespace
 
 int cli_main(int argc, char** argv) {
@@ -139,8 +178,36 @@ int cli_main(int argc, char** argv) {
   g->add_flag("--json", gen.json, "Print {ids, text, logprobs} as JSON");
   g->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at EOS");
 
+  ServeArgs srv;
+  auto* sv = app.add_subcommand("serve", "Serve the OpenAI API (one colocated instance)");
+  sv->add_option("--model", srv.model, "Model directory (default: the embedded demo model)");
+  sv->add_option("--served-model-name", srv.served_name, "Model name in the API");
+  sv->add_option("--host", srv.host, "Address to listen on");
+  sv->add_option("--port", srv.port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
+  sv->add_option("--api-key", srv.api_key, "Require 'Authorization: Bearer KEY'");
+  sv->add_option("--http-threads", srv.http_threads)->check(CLI::Range(1, 256));
+  sv->add_option("--max-num-seqs", srv.engine.max_num_seqs, "Running sequences at most")
+      ->check(CLI::PositiveNumber);
+  sv->add_option("--max-model-len", srv.engine.max_model_len, "Context length (default: model's)")
+      ->check(CLI::PositiveNumber);
+  sv->add_option("--max-num-batched-tokens", srv.engine.max_batched_tokens,
+                 "Tokens per step (chunked prefill budget)")
+      ->check(CLI::PositiveNumber);
+  sv->add_option("--max-waiting", srv.engine.max_waiting, "Queue limit (then 429)")
+      ->check(CLI::PositiveNumber);
+  sv->add_option("--kv-cache-mb", srv.engine.kv_cache_mb, "KV cache size")
+      ->check(CLI::PositiveNumber);
+  sv->add_option("--page-size", srv.engine.page_size, "Tokens per KV page")
+      ->check(CLI::PositiveNumber);
+  bool no_prefix_cache = false;
+  sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
+
   try {
     app.parse(argc, argv);
+    if (sv->parsed()) {
+      srv.engine.enable_prefix_cache = !no_prefix_cache;
+      return run_serve(srv);
+    }
     if (g->parsed()) {
       if (gen.prompt.empty() && gen.prompt_ids.empty()) {
         TANDEM_THROW(kInvalidArgument, "generate: give --prompt or --prompt-ids");

@@ -254,25 +254,28 @@ json Generation::vllm_prompt_logprobs(const Choice& c, const StepOutput& out) co
       result.push_back(nullptr);
       continue;
     }
-    json d = json::object();
     const float actual = out.prompt_token_logprobs[j - 1];
     const std::vector<TokenLogprob>* top =
         j - 1 < out.prompt_top_logprobs.size() ? &out.prompt_top_logprobs[j - 1] : nullptr;
-    if (top) {
-      size_t m = std::min(top->size(), size_t(std::max(n, 0)));
-      for (size_t i = 0; i < m; ++i) {
-        d[std::to_string((*top)[i].id)] = {{"logprob", finite_logprob((*top)[i].logprob)},
-                                           {"rank", int64_t(i) + 1},
-                                           {"decoded_token", token_text((*top)[i].id)}};
+    const size_t m = top ? std::min(top->size(), size_t(std::max(n, 0))) : 0;
+    // The prompt token first (as vLLM), then the top-n. NOTE: the engine reports only the
+    // top-N, so the rank of a token outside them is not known: null.
+    json rank = nullptr;
+    for (size_t i = 0; top && i < top->size(); ++i) {
+      if ((*top)[i].id == ids[j]) {
+        rank = int64_t(i) + 1;
+        break;
       }
     }
-    std::string key = std::to_string(ids[j]);
-    if (!d.contains(key)) {
-      // NOTE: the engine reports only the top-N, so the rank of a token outside them is not
-      // known: null.
-      d[key] = {{"logprob", finite_logprob(actual)},
-                {"rank", nullptr},
-                {"decoded_token", token_text(ids[j])}};
+    json d = json::object();
+    d[std::to_string(ids[j])] = {
+        {"logprob", finite_logprob(actual)}, {"rank", rank}, {"decoded_token", token_text(ids[j])}};
+    for (size_t i = 0; i < m; ++i) {
+      std::string key = std::to_string((*top)[i].id);
+      if (d.contains(key)) continue;
+      d[key] = {{"logprob", finite_logprob((*top)[i].logprob)},
+                {"rank", int64_t(i) + 1},
+                {"decoded_token", token_text((*top)[i].id)}};
     }
     result.push_back(std::move(d));
   }

@@ -646,6 +646,20 @@ TEST_F(HttpServerTest, RawHttpEdgeCases) {
   EXPECT_EQ(get("/health").status, 200);
 }
 
+TEST_F(HttpServerTest, IdleAndSlowClientsAreClosed) {
+  HttpServerConfig cfg;
+  cfg.idle_timeout_s = 1;
+  start({}, cfg);
+  auto t0 = std::chrono::steady_clock::now();
+  // Half a request line, then silence: closed after the timeout, nothing answered.
+  std::string r = raw_exchange(server_->port(), "GET /hea", 5000);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r, "");
+  EXPECT_GT(secs, 0.5);
+  EXPECT_LT(secs, 4.0);
+  EXPECT_EQ(get("/health").status, 200);
+}
+
 TEST_F(HttpServerTest, StopAbortsRunningRequests) {
   FakeEngine::Options eo;
   eo.step = std::chrono::microseconds(5000);
