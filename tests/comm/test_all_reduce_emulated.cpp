@@ -87,10 +87,7 @@ inline uint64_t global_timer_ns() {
 }
 }  // namespace tandem::comm::cuda::detail
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunknown-pragmas"
 #include "comm/cuda/all_reduce_kernels.cuh"
-#pragma GCC diagnostic pop
 
 namespace tandem::comm::cuda {
 namespace {

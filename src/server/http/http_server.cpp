@@ -185,9 +185,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     in_request_ = true;
     response_started_ = false;
     response_complete_ = false;
-    std::string type = status == 413   ? "invalid_request_error"
-                       : status >= 500 ? "server_error"
-                                       : "invalid_request_error";
+    std::string type = status >= 500 ? "server_error" : "invalid_request_error";
     std::string code = status == 413 ? "request_too_large" : "";
     respond(openai::ApiHandler::error_response(
         openai::ApiError(status, message, std::move(type), "", std::move(code))));
