@@ -7,7 +7,8 @@
 # Targets:
 #   tandem_comm        CPU: TCP store bootstrap, local fork launcher
 #   tandem_comm_cuda   CUDA: IPC communicator, one-/two-shot all-reduce kernels, NCCL (CUDA only)
-#   test_comm          CPU tests (TCP store, launcher): run in CI
+#   test_comm          CPU tests (TCP store, launcher, kernels emulated on CPU threads): CI
+#   test_comm_tsan     the emulation under ThreadSanitizer (option TANDEM_COMM_TSAN): CI
 #   test_comm_cuda     multi-GPU tests (skip cleanly without 2 GPUs)
 #   bench_allreduce    ours vs NCCL (option TANDEM_COMM_BENCH, default ON, CUDA only)
 
@@ -61,6 +62,33 @@ if(TANDEM_TESTS AND TARGET GTest::gtest)
   target_link_libraries(test_comm PRIVATE tandem_comm GTest::gtest GTest::gtest_main)
   target_compile_options(test_comm PRIVATE ${TANDEM_WARNINGS})
   gtest_discover_tests(test_comm DISCOVERY_TIMEOUT 60)
+
+  # The kernels' device code emulated on CPU threads under ThreadSanitizer: finds protocol
+  # races (missing barriers, staging reuse) without a GPU. Only the emulation test and core.
+  option(TANDEM_COMM_TSAN "Build test_comm_tsan (all-reduce emulation under TSAN)" ON)
+  if(TANDEM_COMM_TSAN)
+    include(CheckCXXSourceCompiles)
+    set(CMAKE_REQUIRED_FLAGS -fsanitize=thread)
+    set(CMAKE_REQUIRED_LINK_OPTIONS -fsanitize=thread)
+    check_cxx_source_compiles("int main() { return 0; }" TANDEM_HAS_TSAN)
+    unset(CMAKE_REQUIRED_FLAGS)
+    unset(CMAKE_REQUIRED_LINK_OPTIONS)
+    if(TANDEM_HAS_TSAN)
+      file(GLOB TANDEM_CORE_SRCS_FOR_TSAN CONFIGURE_DEPENDS ${TANDEM_COMM_ROOT}/src/core/*.cpp)
+      add_executable(test_comm_tsan ${TANDEM_COMM_ROOT}/tests/comm/test_all_reduce_emulated.cpp
+                                    ${TANDEM_CORE_SRCS_FOR_TSAN})
+      target_include_directories(test_comm_tsan PRIVATE ${TANDEM_COMM_ROOT}/src)
+      target_compile_options(test_comm_tsan PRIVATE ${TANDEM_WARNINGS} -fsanitize=thread -O1 -g)
+      target_link_options(test_comm_tsan PRIVATE -fsanitize=thread)
+      target_link_libraries(test_comm_tsan PRIVATE GTest::gtest GTest::gtest_main Threads::Threads)
+      # One ctest entry (no build-time discovery): a kernel whose address layout TSAN cannot
+      # handle makes it skip, not fail.
+      add_test(NAME test_comm_tsan COMMAND test_comm_tsan)
+      set_tests_properties(test_comm_tsan PROPERTIES
+        ENVIRONMENT "TSAN_OPTIONS=halt_on_error=1" TIMEOUT 300
+        SKIP_REGULAR_EXPRESSION "ThreadSanitizer: unexpected memory mapping")
+    endif()
+  endif()
 
   if(TANDEM_HAS_CUDA)
     file(GLOB TANDEM_COMM_CUDA_TEST_SRCS CONFIGURE_DEPENDS

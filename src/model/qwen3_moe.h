@@ -1,5 +1,6 @@
 // Qwen3-MoE on the CPU backend: weights loaded from a Hugging Face checkpoint, forward over
-// paged HND KV.
+// paged HND KV. One process holds the whole model, or one rank of a sharded instance holds
+// its slice (model/shard.h) and runs its part of every step in lockstep with its group.
 #pragma once
 
 #include <memory>
@@ -10,8 +11,14 @@
 #include "kv/kv_cache.h"
 #include "model/config.h"
 #include "model/forward_batch.h"
+#include "model/shard.h"
 
 namespace tandem {
+
+namespace comm {
+class Communicator;
+class MoeAllToAll;
+}  // namespace comm
 
 class Checkpoint;
 
@@ -32,9 +39,25 @@ class Qwen3MoeCpu final : public Model {
  public:
   /// Loads config.json and the safetensors weights of `dir`. Errors name file and tensor.
   static std::unique_ptr<Qwen3MoeCpu> load(const std::string& dir);
+  /// Loads only this rank's slice of `dir` (see ShardPlan): row ranges of the split weights,
+  /// the column range of o_proj, this rank's experts. `comm` is the instance's group
+  /// (rank == shard.rank, world_size == shard.size) and must outlive the model; it may be null
+  /// in ShardMode::kSingle only. Throws kInvalidArgument when the model does not split.
+  static std::unique_ptr<Qwen3MoeCpu> load(const std::string& dir, const ShardSpec& shard,
+                                           comm::Communicator* comm);
+  ~Qwen3MoeCpu() override;
 
   const ModelConfig& config() const override { return config_; }
+  /// What this rank holds.
+  const ShardPlan& shard() const { return plan_; }
+  /// The KV cache of this rank: its local KV heads (ShardPlan::kv_heads).
   KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  /// Single: as Model::forward. Sharded, the call is collective, made by every rank for every
+  /// step:
+  ///  - kPrefillTpEp: every rank passes the same batch (its own KV cache of local heads) and
+  ///    gets all logits rows, full vocabulary.
+  ///  - kDecodeDpEp: every rank passes its own batch, which may be empty (the rank still serves
+  ///    its experts to the others), and gets its own logits rows.
   void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override;
 
  private:
@@ -43,22 +66,30 @@ class Qwen3MoeCpu final : public Model {
     HostTensor post_norm;    // [hidden]
     HostTensor q_norm;       // [head_dim]
     HostTensor k_norm;       // [head_dim]
-    HostTensor qkv;          // [(q_heads + 2 kv_heads) * head_dim, hidden]
-    HostTensor o;            // [hidden, q_heads * head_dim]
+    HostTensor qkv;          // [(q_heads + 2 kv_heads) * head_dim, hidden], local heads
+    HostTensor o;            // [hidden, q_heads * head_dim], local heads' columns
     bool moe = false;
-    HostTensor router;                  // [experts, hidden]
-    std::vector<HostTensor> gate_up;    // per expert (or one dense): [2 * inter, hidden]
-    std::vector<HostTensor> down;       // per expert (or one dense): [hidden, inter]
+    HostTensor router;                  // [experts, hidden], all experts
+    std::vector<HostTensor> gate_up;    // per local expert (or one dense): [2 * inter, hidden]
+    std::vector<HostTensor> down;       // per local expert (or one dense): [hidden, inter]
     std::vector<const float*> gate_up_ptrs, down_ptrs;
   };
 
-  explicit Qwen3MoeCpu(ModelConfig config) : config_(std::move(config)) {}
+  Qwen3MoeCpu(ModelConfig config, ShardPlan plan, comm::Communicator* comm);
   void load_weights(const Checkpoint& ckpt);
+  // y = this rank's part of the MoE block for the n rows of xn; sums over ranks included.
+  void moe_block(const Layer& L, const float* xn, const int32_t* topk_ids, const float* topk_w,
+                 int64_t n, float* y);
+  // logits [rows, vocab] from the final hidden rows `last` [rows, hidden] (normed).
+  void lm_head(const float* last, int64_t rows, std::vector<float>& logits);
 
   ModelConfig config_;
+  ShardPlan plan_;
+  comm::Communicator* comm_ = nullptr;
+  std::unique_ptr<comm::MoeAllToAll> all_to_all_;  // kDecodeDpEp only
   HostTensor embed_;   // [vocab, hidden]
   HostTensor norm_;    // [hidden]
-  HostTensor lm_head_; // [vocab, hidden]; empty when tied
+  HostTensor lm_head_; // [vocab rows of this rank, hidden]; empty when tied
   std::vector<Layer> layers_;
 };
 

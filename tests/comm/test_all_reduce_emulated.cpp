@@ -317,6 +317,17 @@ TEST(AllReduceEmulated, EveryTailAndSegmentSplit) {
   run_sequence<3>(calls, 2, 32, 4096);
 }
 
+TEST(AllReduceEmulated, RegisteredBackToBack) {
+  // The producer rewrites the registered input right after each call: only the end barrier
+  // keeps it from overwriting what a peer still reads.
+  std::vector<Call> calls;
+  for (int i = 0; i < 12; ++i)
+    calls.push_back({i % 2 ? AllReduceKernel::kTwoShot : AllReduceKernel::kOneShot,
+                     Mode::kRegistered, i % 3 ? DType::kBF16 : DType::kF32,
+                     static_cast<size_t>(300 + 97 * i)});
+  run_sequence<2>(calls, 3, 32, 64 << 10);
+}
+
 TEST(AllReduceEmulated, LargestMessageFillsBuffers) {
   // count * size == max_bytes, in both staging parities and the registered buffer.
   const size_t max_bytes = 16 << 10;

@@ -91,8 +91,7 @@ __device__ __forceinline__ uint32_t word(uint4 const& v, int i) {
 /// acc (+)= the vector's elements as fp32.
 template <typename T, bool kFirst>
 __device__ __forceinline__ void accumulate(float (&acc)[VecTraits<T>::kElems], uint4 const& v) {
-TANDEM_AR_UNROLL
-  for (int w = 0; w < 4; ++w) {
+  TANDEM_AR_UNROLL for (int w = 0; w < 4; ++w) {
     const uint32_t u = word(v, w);
     if constexpr (sizeof(T) == 4) {
       const float x = __uint_as_float(u);
@@ -109,8 +108,7 @@ TANDEM_AR_UNROLL
 template <typename T>
 __device__ __forceinline__ uint4 pack(float const (&acc)[VecTraits<T>::kElems]) {
   uint32_t w[4];
-TANDEM_AR_UNROLL
-  for (int i = 0; i < 4; ++i) {
+  TANDEM_AR_UNROLL for (int i = 0; i < 4; ++i) {
     if constexpr (sizeof(T) == 4) {
       w[i] = __float_as_uint(acc[i]);
     } else {
@@ -126,8 +124,7 @@ template <typename T, int N>
 __device__ __forceinline__ uint4 reduce(uint4 const (&in)[N]) {
   float acc[VecTraits<T>::kElems];
   accumulate<T, true>(acc, in[0]);
-TANDEM_AR_UNROLL
-  for (int i = 1; i < N; ++i) accumulate<T, false>(acc, in[i]);
+  TANDEM_AR_UNROLL for (int i = 1; i < N; ++i) { accumulate<T, false>(acc, in[i]); }
   return pack<T>(acc);
 }
 
@@ -140,14 +137,14 @@ __device__ __forceinline__ uint4 load_input(void const* input, size_t v, size_t 
   uint32_t w[4] = {0, 0, 0, 0};
   if constexpr (sizeof(T) == 4) {
     auto const* src = reinterpret_cast<uint32_t const*>(input);
-TANDEM_AR_UNROLL
-    for (int i = 0; i < 4; ++i)
+    TANDEM_AR_UNROLL for (int i = 0; i < 4; ++i) {
       if (first + i < count) w[i] = src[first + i];
+    }
   } else {
     auto const* src = reinterpret_cast<uint16_t const*>(input);
-TANDEM_AR_UNROLL
-    for (int i = 0; i < 8; ++i)
+    TANDEM_AR_UNROLL for (int i = 0; i < 8; ++i) {
       if (first + i < count) w[i / 2] |= uint32_t(src[first + i]) << (16 * (i % 2));
+    }
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -163,15 +160,16 @@ __device__ __forceinline__ void store_output(void* output, size_t v, size_t coun
   }
   if constexpr (sizeof(T) == 4) {
     auto* dst = reinterpret_cast<uint32_t*>(output);
-TANDEM_AR_UNROLL
-    for (int i = 0; i < 4; ++i)
+    TANDEM_AR_UNROLL for (int i = 0; i < 4; ++i) {
       if (first + i < count) dst[first + i] = word(val, i);
+    }
   } else {
     auto* dst = reinterpret_cast<uint16_t*>(output);
-TANDEM_AR_UNROLL
-    for (int i = 0; i < 8; ++i)
-      if (first + i < count)
+    TANDEM_AR_UNROLL for (int i = 0; i < 8; ++i) {
+      if (first + i < count) {
         dst[first + i] = static_cast<uint16_t>(word(val, i / 2) >> (16 * (i % 2)));
+      }
+    }
   }
 }
 
@@ -224,21 +222,18 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   // 3. read the part from every rank, reduce, store
   uint4 const* g_src[N];
-TANDEM_AR_UNROLL
-  for (int i = 0; i < N; ++i)
+  TANDEM_AR_UNROLL for (int i = 0; i < N; ++i) {
     g_src[i] = reinterpret_cast<uint4 const*>(static_cast<char const*>(p.data[i]) + off);
+  }
   for (size_t v0 = tid; v0 < nvec; v0 += stride * kU) {
     uint4 r_in[kU][N];
-TANDEM_AR_UNROLL
-    for (int u = 0; u < kU; ++u) {
+    TANDEM_AR_UNROLL for (int u = 0; u < kU; ++u) {
       const size_t v = v0 + u * stride;
       if (v < nvec) {
-TANDEM_AR_UNROLL
-        for (int i = 0; i < N; ++i) r_in[u][i] = g_src[i][v];
+        TANDEM_AR_UNROLL for (int i = 0; i < N; ++i) { r_in[u][i] = g_src[i][v]; }
       }
     }
-TANDEM_AR_UNROLL
-    for (int u = 0; u < kU; ++u) {
+    TANDEM_AR_UNROLL for (int u = 0; u < kU; ++u) {
       const size_t v = v0 + u * stride;
       if (v < nvec) store_output<T>(p.output, v, p.count, reduce<T, N>(r_in[u]));
     }
@@ -272,8 +267,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   if constexpr (!kRegistered) {
     // 1. copy this block's part of every segment into staging
     for (size_t j = tid; j < seg; j += stride) {
-TANDEM_AR_UNROLL
-      for (int s = 0; s < N; ++s) {
+      TANDEM_AR_UNROLL for (int s = 0; s < N; ++s) {
         const size_t v = s * seg + j;
         if (v < nvec) g_own[v] = load_input<T>(p.input, v, p.count);
       }
@@ -283,15 +277,14 @@ TANDEM_AR_UNROLL
 
   // 2. reduce-scatter: this block's part of segment `rank`, from every rank
   uint4 const* g_src[N];
-TANDEM_AR_UNROLL
-  for (int i = 0; i < N; ++i)
+  TANDEM_AR_UNROLL for (int i = 0; i < N; ++i) {
     g_src[i] = reinterpret_cast<uint4 const*>(static_cast<char const*>(p.data[i]) + off);
+  }
   for (size_t j = tid; j < seg; j += stride) {
     const size_t v = size_t(p.rank) * seg + j;
     if (v >= nvec) break;
     uint4 r_in[N];
-TANDEM_AR_UNROLL
-    for (int i = 0; i < N; ++i) r_in[i] = g_src[i][v];
+    TANDEM_AR_UNROLL for (int i = 0; i < N; ++i) { r_in[i] = g_src[i][v]; }
     const uint4 red = reduce<T, N>(r_in);
     g_own[v] = red;  // peers read it in step 3
     store_output<T>(p.output, v, p.count, red);
@@ -301,13 +294,11 @@ TANDEM_AR_UNROLL
   // 3. all-gather: this block's part of every other segment, from its owner
   for (size_t j = tid; j < seg; j += stride) {
     uint4 r_in[N];
-TANDEM_AR_UNROLL
-    for (int s = 0; s < N; ++s) {
+    TANDEM_AR_UNROLL for (int s = 0; s < N; ++s) {
       const size_t v = s * seg + j;
       if (s != p.rank && v < nvec) r_in[s] = g_src[s][v];
     }
-TANDEM_AR_UNROLL
-    for (int s = 0; s < N; ++s) {
+    TANDEM_AR_UNROLL for (int s = 0; s < N; ++s) {
       const size_t v = s * seg + j;
       if (s != p.rank && v < nvec) store_output<T>(p.output, v, p.count, r_in[s]);
     }

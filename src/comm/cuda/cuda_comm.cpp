@@ -195,7 +195,8 @@ CudaComm::CudaComm(std::shared_ptr<TcpStore> store, int device, CudaAllReduceCon
   }
   config_.max_blocks = max_blocks;
 
-  // Peer access, where the peer's GPU is visible in this process, then map the peers' buffers.
+  // Check peer access where the peer's GPU is visible here, then map the peers' buffers; the
+  // mapping enables access to them (lazily), without a context on the peer GPU.
   for (int q = 0; q < world_size_; ++q) {
     if (q == rank_) {
       peer_bases_[q] = base_;
@@ -208,14 +209,8 @@ CudaComm::CudaComm(std::shared_ptr<TcpStore> store, int device, CudaAllReduceCon
       TANDEM_CHECK_KIND(kUnsupported, can != 0, "CudaComm: GPU ", mine.bus_id,
                         " cannot access peer GPU ", peers[q].bus_id,
                         " (no NVLink/P2P): use NCCL instead of the custom all-reduce");
-      cudaError_t e = cudaDeviceEnablePeerAccess(peer_dev, 0);
-      if (e == cudaErrorPeerAccessAlreadyEnabled) {
-        (void)cudaGetLastError();  // not an error here
-      } else {
-        TANDEM_CUDA_CHECK(e);
-      }
     } else {
-      (void)cudaGetLastError();  // peer GPU not visible: IPC enables access lazily
+      (void)cudaGetLastError();  // peer GPU not visible in this process (CUDA_VISIBLE_DEVICES)
     }
     TANDEM_CUDA_CHECK(
         cudaIpcOpenMemHandle(&peer_bases_[q], peers[q].handle, cudaIpcMemLazyEnablePeerAccess));

@@ -143,7 +143,8 @@ uint64_t fnv1a(const uint8_t* p, size_t n) {
   return h;
 }
 
-// Throws unless every rank's output hashes the same (all ranks must agree bit for bit).
+// Throws unless every rank's output hashes the same (all ranks must agree bit for bit). Our
+// kernels sum in rank order everywhere; NCCL is only held to it on two ranks (a + b == b + a).
 void check_identical_across_ranks(CudaComm& comm, const std::string& key, const uint8_t* out,
                                   size_t bytes) {
   const uint64_t h = fnv1a(out, bytes);
@@ -153,6 +154,12 @@ void check_identical_across_ranks(CudaComm& comm, const std::string& key, const 
     std::memcpy(&hq, all[q].data(), 8);
     TANDEM_CHECK(hq == h, key, ": rank ", q, " result differs from rank ", comm.rank());
   }
+}
+
+// Whether a call's result must be bit-identical across ranks.
+bool must_be_identical(const CudaComm& comm, AllReduceAlgo algo, size_t bytes) {
+  if (algo == AllReduceAlgo::kAuto) algo = comm.choose(bytes);
+  return algo != AllReduceAlgo::kNccl || comm.world_size() == 2;
 }
 
 // ---- device buffers ------------------------------------------------------------------------
@@ -294,7 +301,11 @@ TEST_F(CudaAllReduceTest, AllSizesAllPaths) {
           auto out = download(d_out.get(), bytes, s);
           std::string err = compare(ref, out.data(), world);
           TANDEM_CHECK(err.empty(), what, ": ", err);
-          check_identical_across_ranks(*comm, "sizes/" + std::to_string(cases), out.data(), bytes);
+          if (must_be_identical(*comm, p.algo, bytes))
+            check_identical_across_ranks(*comm, "sizes/" + std::to_string(cases), out.data(),
+                                         bytes);
+          else
+            comm->store().barrier();
           ++cases;
         }
       }
@@ -359,7 +370,8 @@ void back_to_back(int rank, int iters, const std::function<Path(int)>& path_of,
     if (registered_only) p.mode = Mode::kRegistered;
     TANDEM_CHECK(err.empty(), "iteration ", i, " (", describe(shapes[k].dtype, shapes[k].count, p),
                  "): ", err);
-    check_identical_across_ranks(*comm, "b2b/" + std::to_string(i), out.data(), bytes);
+    if (must_be_identical(*comm, p.algo, bytes))
+      check_identical_across_ranks(*comm, "b2b/" + std::to_string(i), out.data(), bytes);
   }
   TANDEM_CUDA_CHECK(cudaStreamDestroy(s));
   if (rank == 0) std::printf("[rank 0] %d back-to-back calls ok\n", iters);
@@ -438,6 +450,10 @@ TEST_F(CudaAllReduceTest, CudaGraphReplay) {
         saved[r].push_back(std::make_unique<DeviceBuffer>(bytes));
       }
     }
+    // Every step once eagerly first: NCCL connects lazily, better not inside the capture.
+    for (size_t j = 0; j < steps.size(); ++j)
+      enqueue(*comm, steps[j].path, staged[0][j]->get(), g_out[j]->get(), steps[j].count,
+              steps[j].dtype, s);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
     comm->store().barrier();
 
@@ -473,8 +489,9 @@ TEST_F(CudaAllReduceTest, CudaGraphReplay) {
         std::string err = compare(refs[r][j], out.data(), world);
         TANDEM_CHECK(err.empty(), tag, " replay ", r, " step ", j, " (",
                      describe(steps[j].dtype, steps[j].count, steps[j].path), "): ", err);
-        check_identical_across_ranks(*comm, tag + "/" + std::to_string(r) + "/" + std::to_string(j),
-                                     out.data(), bytes);
+        if (must_be_identical(*comm, steps[j].path.algo, bytes))
+          check_identical_across_ranks(
+              *comm, tag + "/" + std::to_string(r) + "/" + std::to_string(j), out.data(), bytes);
       }
     };
     for (int r = 0; r < kReplays; ++r) check_replay(r, "graph");
