@@ -1,0 +1,177 @@
+// The HTTP front over the real engine and the demo model: streaming equals non-streaming,
+// concurrent streams equal solo runs, disconnects and stop strings leave the page pool whole.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "engine/engine.h"
+#include "model/qwen3_moe.h"
+#include "server/http/http_client.h"
+#include "server/http/http_server.h"
+#include "server/tokenizer/chat_template.h"
+#include "server/tokenizer/tokenizer.h"
+
+namespace tandem {
+namespace {
+
+using testing::HttpClient;
+using testing::HttpResult;
+using testing::sse_events;
+
+class RealEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string dir = std::string(TANDEM_SOURCE_DIR) + "/models/demo";
+    tok_ = Tokenizer::from_dir(dir).release();
+    tmpl_ = ChatTemplate::from_dir(dir).release();
+    EngineConfig cfg;
+    cfg.max_num_seqs = 64;
+    cfg.kv_cache_mb = 64;
+    engine_ = new AsyncEngine(Qwen3MoeCpu::load(dir), cfg);
+    HttpServerConfig hc;
+    hc.host = "127.0.0.1";
+    hc.port = 0;
+    hc.model_name = "demo";
+    server_ = new HttpServer(hc, *engine_, tok_, tmpl_);
+    server_->start();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete engine_;
+    delete tmpl_;
+    delete tok_;
+  }
+  static std::string url(const std::string& path) {
+    return "http://127.0.0.1:" + std::to_string(server_->port()) + path;
+  }
+  // Waits until the engine is idle and checks every KV page is available again.
+  static void expect_pool_whole() {
+    EngineStats st;
+    for (int i = 0; i < 400; ++i) {
+      st = engine_->stats();
+      if (st.running == 0 && st.waiting == 0 && st.kv_pages_free == st.kv_pages_total) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(st.running + st.waiting, 0);
+    EXPECT_EQ(st.kv_pages_free, st.kv_pages_total);
+  }
+  static std::string stream_text(const HttpResult& r, std::string* finish = nullptr) {
+    std::string text;
+    for (const auto& ev : sse_events(r.body)) {
+      if (!ev.is_object() || ev["choices"].empty()) continue;
+      const auto& c = ev["choices"][0];
+      if (c.contains("text")) text += c["text"].get<std::string>();
+      if (c.contains("delta") && c["delta"].contains("content") && c["delta"]["content"].is_string())
+        text += c["delta"]["content"].get<std::string>();
+      if (finish && c.contains("finish_reason") && c["finish_reason"].is_string())
+        *finish = c["finish_reason"].get<std::string>();
+    }
+    return text;
+  }
+
+  static Tokenizer* tok_;
+  static ChatTemplate* tmpl_;
+  static AsyncEngine* engine_;
+  static HttpServer* server_;
+};
+Tokenizer* RealEngineTest::tok_ = nullptr;
+ChatTemplate* RealEngineTest::tmpl_ = nullptr;
+AsyncEngine* RealEngineTest::engine_ = nullptr;
+HttpServer* RealEngineTest::server_ = nullptr;
+
+TEST_F(RealEngineTest, StreamingEqualsNonStreaming) {
+  HttpClient c;
+  for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+    nlohmann::json body = {{"model", "demo"}, {"max_tokens", 20}, {"temperature", 0}};
+    if (std::string(path) == "/v1/completions") body["prompt"] = "It is a truth";
+    else body["messages"] = {{{"role", "user"}, {"content", "Who is Emma?"}}};
+    auto plain = c.post(url(path), body);
+    ASSERT_EQ(plain.status, 200) << plain.body;
+    auto j = plain.json();
+    std::string want = j["choices"][0].contains("text")
+                           ? j["choices"][0]["text"].get<std::string>()
+                           : j["choices"][0]["message"]["content"].get<std::string>();
+    body["stream"] = true;
+    auto streamed = c.post(url(path), body);
+    ASSERT_EQ(streamed.status, 200);
+    EXPECT_EQ(stream_text(streamed), want) << path;
+    EXPECT_FALSE(want.empty());
+  }
+  expect_pool_whole();
+}
+
+TEST_F(RealEngineTest, SixtyFourConcurrentStreamsMatchSolo) {
+  auto body_for = [](int i) {
+    return nlohmann::json{{"model", "demo"},        {"prompt", "Chapter " + std::to_string(i)},
+                          {"max_tokens", 12},        {"temperature", 0.8},
+                          {"seed", 1000 + i},        {"stream", true},
+                          {"ignore_eos", true}};
+  };
+  const int n = 64;
+  std::vector<std::string> got(n);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      HttpClient c;
+      auto r = c.post(url("/v1/completions"), body_for(i));
+      got[static_cast<size_t>(i)] = r.status == 200 ? stream_text(r) : "HTTP " + std::to_string(r.status);
+    });
+  }
+  for (auto& t : threads) t.join();
+  HttpClient c;
+  for (int i : {0, 31, 63}) {
+    auto r = c.post(url("/v1/completions"), body_for(i));
+    EXPECT_EQ(got[static_cast<size_t>(i)], stream_text(r)) << i;
+  }
+  for (const auto& g : got) EXPECT_FALSE(g.empty());
+  expect_pool_whole();
+}
+
+TEST_F(RealEngineTest, DisconnectMidStreamFreesPages) {
+  for (int after : {1, 3, 8}) {
+    HttpClient c;
+    int chunks = 0;
+    nlohmann::json body = {{"model", "demo"}, {"prompt", "The"}, {"max_tokens", 500},
+                           {"stream", true},  {"ignore_eos", true}};
+    c.request("POST", url("/v1/completions"), body.dump(), {}, 20000,
+              [&](const std::string&) { return ++chunks < after; });
+    EXPECT_EQ(chunks, after);
+    expect_pool_whole();
+  }
+}
+
+TEST_F(RealEngineTest, StopStringSpanningTokens) {
+  HttpClient c;
+  nlohmann::json body = {{"model", "demo"}, {"prompt", "The"}, {"max_tokens", 30},
+                         {"temperature", 0}};
+  auto full = c.post(url("/v1/completions"), body).json()["choices"][0]["text"].get<std::string>();
+  ASSERT_GT(full.size(), 20u);
+  // A stop string that starts mid-way through the text.
+  std::string stop = full.substr(10, 6);
+  body["stop"] = stop;
+  for (bool stream : {false, true}) {
+    body["stream"] = stream;
+    auto r = c.post(url("/v1/completions"), body);
+    std::string finish;
+    std::string text = stream ? stream_text(r, &finish)
+                              : r.json()["choices"][0]["text"].get<std::string>();
+    if (!stream) finish = r.json()["choices"][0]["finish_reason"].get<std::string>();
+    EXPECT_EQ(text, full.substr(0, full.find(stop))) << "stream " << stream;
+    EXPECT_EQ(finish, "stop");
+  }
+  expect_pool_whole();
+}
+
+TEST_F(RealEngineTest, LengthErrorNamesBothNumbers) {
+  HttpClient c;
+  nlohmann::json body = {{"model", "demo"}, {"prompt", "The"}, {"max_tokens", 5000}};
+  auto r = c.post(url("/v1/completions"), body);
+  EXPECT_EQ(r.status, 400);
+  std::string msg = r.json()["error"]["message"].get<std::string>();
+  EXPECT_NE(msg.find("2048"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("5000"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace tandem
