@@ -88,6 +88,44 @@ void Engine::add(GenRequest req, OutputCallback on_output) {
   scheduler_.add(std::move(seq));
 }
 
+bool Engine::reserve_pages(int64_t num_tokens, std::vector<int32_t>& pages) {
+  const int64_t ps = config_.page_size;
+  return blocks_.allocate((num_tokens + ps - 1) / ps, pages);
+}
+
+void Engine::release_pages(const std::vector<int32_t>& pages) { blocks_.release(pages); }
+
+void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector<int32_t> pages,
+                           int32_t first_token, float first_logprob) {
+  validate(req);
+  const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    static_cast<int64_t>(pages.size()) * config_.page_size >= n,
+                    "request '", req.id, "': ", pages.size(), " pages cannot hold ", n,
+                    " prompt tokens");
+  TANDEM_CHECK_KIND(kInvalidArgument, first_token >= 0 && first_token < model_.config().vocab_size,
+                    "request '", req.id, "': first token ", first_token, " out of range");
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = req.prompt_ids;
+  seq->prompt_len = n;
+  seq->num_computed = n;  // the prompt's KV arrived with the pages
+  seq->pages = std::move(pages);
+  seq->admitted_once = true;
+  seq->prompt_logprobs_done = true;
+  seq->rng.seed(req.sampling.seed ? *req.sampling.seed : std::random_device{}());
+  seq->req = std::move(req);
+  seq->on_output = std::move(on_output);
+  seq->tokens.push_back(first_token);
+  Sequence& s = *seq;
+  scheduler_.add(std::move(seq));
+  ++counters_.generation_tokens;
+  StepOutput out;
+  out.id = s.req.id;
+  out.token_ids.push_back(first_token);
+  if (s.req.sampling.logprobs >= 0) out.token_logprobs.push_back(first_logprob);
+  finish_if_done(s, out);
+}
+
 void Engine::abort(const std::string& id) {
   Sequence* s = scheduler_.find(id);
   if (!s) return;
@@ -187,22 +225,28 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     s.tokens.push_back(token);
     ++counters_.generation_tokens;
 
-    FinishReason reason = FinishReason::kNone;
-    const bool is_eos = !s.req.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end();
-    const bool is_stop = std::find(s.req.stop_token_ids.begin(), s.req.stop_token_ids.end(),
-                                   token) != s.req.stop_token_ids.end();
-    if (is_eos || is_stop) {
-      reason = FinishReason::kStop;
-      out.stop_token_id = token;
-    } else if (s.num_output() >= s.req.max_tokens ||
-               static_cast<int64_t>(s.tokens.size()) >= config_.max_model_len) {
-      reason = FinishReason::kLength;
-    }
-    if (reason != FinishReason::kNone) {
-      finish(s, reason, out);
-    } else {
-      emit(s, out);
-    }
+    finish_if_done(s, out);
+  }
+}
+
+void Engine::finish_if_done(Sequence& s, StepOutput& out) {
+  const int32_t token = s.tokens.back();
+  const auto& eos = model_.config().eos_token_ids;
+  FinishReason reason = FinishReason::kNone;
+  const bool is_eos = !s.req.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end();
+  const bool is_stop = std::find(s.req.stop_token_ids.begin(), s.req.stop_token_ids.end(),
+                                 token) != s.req.stop_token_ids.end();
+  if (is_eos || is_stop) {
+    reason = FinishReason::kStop;
+    out.stop_token_id = token;
+  } else if (s.num_output() >= s.req.max_tokens ||
+             static_cast<int64_t>(s.tokens.size()) >= config_.max_model_len) {
+    reason = FinishReason::kLength;
+  }
+  if (reason != FinishReason::kNone) {
+    finish(s, reason, out);
+  } else {
+    emit(s, out);
   }
 }
 

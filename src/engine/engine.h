@@ -35,6 +35,17 @@ class Engine {
 
   /// Validates and queues a request (throws Error as EngineClient::submit documents).
   void add(GenRequest request, OutputCallback on_output);
+  /// Disaggregated decode: reserves KV pages for a request whose prompt KV another instance
+  /// will write (the transfer engine). Returns false when the pool cannot supply them now.
+  bool reserve_pages(int64_t num_tokens, std::vector<int32_t>& pages);
+  /// Gives reserved pages back (a transfer that failed or was cancelled).
+  void release_pages(const std::vector<int32_t>& pages);
+  /// Disaggregated decode: adds a request whose prompt KV is already in `pages` (reserved
+  /// above and filled by the transfer engine) and whose first token was sampled by the
+  /// prefill instance. The first token is reported through on_output at once; decoding
+  /// continues from it. Takes ownership of the pages.
+  void add_prefilled(GenRequest request, OutputCallback on_output, std::vector<int32_t> pages,
+                     int32_t first_token, float first_logprob);
   /// Throws Error(kInvalidArgument) for a request that can never run. Thread-safe.
   void validate(const GenRequest& request) const;
   /// Aborts a request: pages freed now, finished callback with kAbort.
@@ -49,10 +60,14 @@ class Engine {
   const EngineConfig& config() const { return config_; }
   const Model& model() const { return model_; }
   const BlockManager& blocks() const { return blocks_; }
+  /// The KV pages (the transfer engine writes reserved pages of prefilled requests here).
+  KvCache& kv_cache() { return kv_; }
 
  private:
   void process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits);
   void finish(Sequence& seq, FinishReason reason, StepOutput& out);
+  /// Finishes on EOS / stop id / length, else reports the output.
+  void finish_if_done(Sequence& seq, StepOutput& out);
 
   Model& model_;
   EngineConfig config_;

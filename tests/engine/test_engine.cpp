@@ -300,3 +300,62 @@ TEST(AsyncEngine, ConcurrentRequestsMatchSolo) {
 
 }  // namespace
 }  // namespace tandem
+
+namespace tandem {
+namespace {
+
+// Disaggregated decode in one process: prefill on one KV cache, copy the pages into pages
+// the decode engine reserved (what the transfer engine does), continue there; the tokens
+// equal a colocated run.
+TEST(Engine, PrefilledRequestsContinueLikeColocated) {
+  std::mt19937 rng(7);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.page_size = 8;
+  for (int len : {1, 8, 29}) {
+    auto prompt = random_prompt(rng, len);
+    Collected colo;
+    {
+      Engine e(model(), cfg);
+      e.add(make("c", prompt, 10), collect(colo));
+      drain(e);
+    }
+    // Prefill side: a plain forward over the prompt into its own cache.
+    const auto& mc = model().config();
+    KvCache src(model().kv_geometry(8, cfg.page_size));
+    std::vector<int32_t> src_pages = {5, 2, 7, 0};
+    std::vector<float> logits;
+    ForwardBatch b;
+    b.seqs.push_back({prompt.data(), len, 0, src_pages.data(), 4, LogitsMode::kLast});
+    model().forward(b, src, logits);
+    int32_t first = static_cast<int32_t>(
+        std::max_element(logits.begin(), logits.end()) - logits.begin());
+    // Decode side: reserve, "transfer", admit.
+    Engine e(model(), cfg);
+    std::vector<int32_t> dst_pages;
+    ASSERT_TRUE(e.reserve_pages(len, dst_pages));
+    const int64_t page_elems = src.geometry().page_elems();
+    for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
+      for (size_t p = 0; p < dst_pages.size(); ++p) {
+        std::copy_n(src.layer(l) + src_pages[p] * page_elems, page_elems,
+                    e.kv_cache().layer(l) + dst_pages[p] * page_elems);
+      }
+    }
+    Collected dis;
+    e.add_prefilled(make("d", prompt, 10), collect(dis), dst_pages, first, 0.0f);
+    drain(e);
+    EXPECT_EQ(dis.ids, colo.ids) << "prompt length " << len;
+    EXPECT_EQ(dis.finished, 1);
+    EXPECT_EQ(e.blocks().num_available(), e.blocks().num_pages());
+  }
+  // Reserved pages can be given back (a failed transfer).
+  Engine e(model(), cfg);
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(e.reserve_pages(100, pages));
+  EXPECT_LT(e.blocks().num_available(), e.blocks().num_pages());
+  e.release_pages(pages);
+  EXPECT_EQ(e.blocks().num_available(), e.blocks().num_pages());
+}
+
+}  // namespace
+}  // namespace tandem
