@@ -10,6 +10,7 @@
 #include "engine/engine.h"
 #include "model/qwen3_moe.h"
 #include "server/http/http_server.h"
+#include "server/planner.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
 
@@ -202,8 +203,30 @@ int cli_main(int argc, char** argv) {
   bool no_prefix_cache = false;
   sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
 
+  PlannerInputs plan_in;
+  auto* pl = app.add_subcommand("plan", "Replica counts for prefill and decode instances");
+  pl->add_option("--input-tps", plan_in.input_tokens_per_s, "Prompt tokens/s arriving")
+      ->required();
+  pl->add_option("--prefill-capacity-tps", plan_in.prefill_capacity_tps,
+                 "Prompt tokens/s one prefill instance sustains (measured)")
+      ->required();
+  pl->add_option("--queued-input-tokens", plan_in.queued_input_tokens);
+  pl->add_option("--drain-seconds", plan_in.drain_seconds);
+  pl->add_option("--concurrent-seqs", plan_in.concurrent_sequences, "Sequences decoding")
+      ->required();
+  pl->add_option("--dp", plan_in.decode_dp, "Ranks per decode instance");
+  pl->add_option("--max-decode-batch", plan_in.max_decode_batch, "Per-rank batch threshold");
+  pl->add_option("--utilisation", plan_in.target_utilisation, "Planned fraction of capacity");
+
   try {
     app.parse(argc, argv);
+    if (pl->parsed()) {
+      PlannerOutput out = plan_replicas(plan_in);
+      nlohmann::json j = {{"prefill_instances", out.prefill_instances},
+                          {"decode_instances", out.decode_instances}};
+      std::cout << out.explanation << j.dump() << "\n";
+      return 0;
+    }
     if (sv->parsed()) {
       srv.engine.enable_prefix_cache = !no_prefix_cache;
       return run_serve(srv);
