@@ -317,12 +317,14 @@ void LocalCommunicator::barrier() {
 
 void LocalCommunicator::send(const void* data, int64_t bytes, int peer, uint32_t tag) {
   TANDEM_CHECK(peer >= 0 && peer < world_size() && peer != rank_, "send: bad peer ", peer);
+  TANDEM_CHECK(tag < (1u << 24), "send: tag ", tag, " out of range");
   if (bytes == 0) return;
   group_->send(rank_, peer, tag, data, bytes);
 }
 
 void LocalCommunicator::recv(void* data, int64_t bytes, int peer, uint32_t tag) {
   TANDEM_CHECK(peer >= 0 && peer < world_size() && peer != rank_, "recv: bad peer ", peer);
+  TANDEM_CHECK(tag < (1u << 24), "recv: tag ", tag, " out of range");
   if (bytes == 0) return;
   group_->recv(peer, rank_, tag, data, bytes);
 }

@@ -1,9 +1,12 @@
 #include "model/qwen3_moe.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "backend/cpu/ops.h"
+#include "comm/communicator.h"
+#include "comm/moe_dispatch.h"
 #include "core/error.h"
 #include "model/safetensors.h"
 
@@ -19,28 +22,78 @@ HostTensor load_f32(const Checkpoint& ckpt, const std::string& name, const Shape
   return t;
 }
 
-// Concatenates tensors along the outermost dim (fused QKV, fused gate/up).
-HostTensor load_concat(const Checkpoint& ckpt, const std::vector<std::string>& names,
-                       const std::vector<int64_t>& rows, int64_t cols) {
+// Rows [begin, end) of a [rows, cols] tensor.
+struct RowSlice {
+  std::string name;
+  int64_t rows;
+  IndexRange range;
+};
+
+// Concatenates row slices along the outermost dim (fused QKV, fused gate/up), reading only
+// the rows asked for.
+HostTensor load_rows(const Checkpoint& ckpt, const std::vector<RowSlice>& slices, int64_t cols) {
   int64_t total = 0;
-  for (int64_t r : rows) total += r;
+  for (const auto& s : slices) total += s.range.size();
   HostTensor t(DType::kF32, {total, cols});
   float* dst = t.ptr<float>();
-  for (size_t i = 0; i < names.size(); ++i) {
-    TensorView src = ckpt.get(names[i], {rows[i], cols});
-    Checkpoint::to_f32(src, dst);
-    dst += rows[i] * cols;
+  for (const auto& s : slices) {
+    TensorView src = ckpt.get(s.name, {s.rows, cols});
+    Checkpoint::to_f32(src, dst, s.range.begin, s.range.end);
+    dst += s.range.size() * cols;
+  }
+  return t;
+}
+
+// Columns [range) of a [rows, cols] tensor (row-parallel o_proj), reading only those.
+HostTensor load_cols(const Checkpoint& ckpt, const std::string& name, int64_t rows, int64_t cols,
+                     IndexRange range) {
+  TensorView src = ckpt.get(name, {rows, cols});
+  if (range.begin == 0 && range.end == cols) {
+    HostTensor t(DType::kF32, {rows, cols});
+    Checkpoint::to_f32(src, t.ptr<float>());
+    return t;
+  }
+  TensorView flat = src;  // [rows * cols]: element ranges are row ranges
+  flat.shape = Shape{rows * cols};
+  const int64_t w = range.size();
+  HostTensor t(DType::kF32, {rows, w});
+  for (int64_t i = 0; i < rows; ++i) {
+    Checkpoint::to_f32(flat, t.ptr<float>() + i * w, i * cols + range.begin, i * cols + range.end);
   }
   return t;
 }
 
 }  // namespace
 
+Qwen3MoeCpu::Qwen3MoeCpu(ModelConfig config, ShardPlan plan, comm::Communicator* comm)
+    : config_(std::move(config)), plan_(plan), comm_(comm) {}
+
+Qwen3MoeCpu::~Qwen3MoeCpu() = default;
+
 std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir) {
+  return load(dir, ShardSpec::single(), nullptr);
+}
+
+std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const ShardSpec& shard,
+                                               comm::Communicator* comm) {
   ModelConfig config = ModelConfig::from_dir(dir);
+  ShardPlan plan = ShardPlan::make(config, shard);
+  if (shard.mode != ShardMode::kSingle) {
+    TANDEM_CHECK_KIND(kInvalidArgument, comm != nullptr, shard_mode_name(shard.mode),
+                      " needs a communicator");
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      comm->world_size() == shard.size && comm->rank() == shard.rank, "shard rank ",
+                      shard.rank, " of ", shard.size, " does not match the communicator's rank ",
+                      comm->rank(), " of ", comm->world_size());
+  }
   Checkpoint ckpt(dir);
-  std::unique_ptr<Qwen3MoeCpu> model(new Qwen3MoeCpu(std::move(config)));
+  std::unique_ptr<Qwen3MoeCpu> model(new Qwen3MoeCpu(std::move(config), plan, comm));
   model->load_weights(ckpt);
+  if (plan.data_parallel() && plan.experts.size() > 0) {
+    const auto& c = model->config_;
+    model->all_to_all_ = std::make_unique<comm::MoeAllToAll>(*comm, c.num_experts, c.hidden_size,
+                                                             c.num_experts_per_tok);
+  }
   return model;
 }
 
@@ -48,58 +101,125 @@ void Qwen3MoeCpu::load_weights(const Checkpoint& ckpt) {
   const auto& c = config_;
   const int64_t h = c.hidden_size, d = c.head_dim;
   const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  const IndexRange q_rows{plan_.q_heads.begin * d, plan_.q_heads.end * d};
+  const IndexRange kv_rows{plan_.kv_heads.begin * d, plan_.kv_heads.end * d};
   embed_ = load_f32(ckpt, "model.embed_tokens.weight", {c.vocab_size, h});
   norm_ = load_f32(ckpt, "model.norm.weight", {h});
   if (!c.tie_word_embeddings) {
-    lm_head_ = load_f32(ckpt, "lm_head.weight", {c.vocab_size, h});
+    lm_head_ = load_rows(ckpt, {{"lm_head.weight", c.vocab_size, plan_.vocab}}, h);
   }
   layers_.resize(static_cast<size_t>(c.num_hidden_layers));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    Layer& L = layers_[static_cast<size_t>(l)];
+    Layer& layer = layers_[static_cast<size_t>(l)];
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    L.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {h});
-    L.post_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {h});
-    L.q_norm = load_f32(ckpt, p + "self_attn.q_norm.weight", {d});
-    L.k_norm = load_f32(ckpt, p + "self_attn.k_norm.weight", {d});
-    L.qkv = load_concat(ckpt,
-                        {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                         p + "self_attn.v_proj.weight"},
-                        {qh * d, kvh * d, kvh * d}, h);
-    L.o = load_f32(ckpt, p + "self_attn.o_proj.weight", {h, qh * d});
-    L.moe = c.is_moe_layer(l);
-    if (L.moe) {
+    layer.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {h});
+    layer.post_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {h});
+    layer.q_norm = load_f32(ckpt, p + "self_attn.q_norm.weight", {d});
+    layer.k_norm = load_f32(ckpt, p + "self_attn.k_norm.weight", {d});
+    layer.qkv = load_rows(ckpt,
+                          {{p + "self_attn.q_proj.weight", qh * d, q_rows},
+                           {p + "self_attn.k_proj.weight", kvh * d, kv_rows},
+                           {p + "self_attn.v_proj.weight", kvh * d, kv_rows}},
+                          h);
+    layer.o = load_cols(ckpt, p + "self_attn.o_proj.weight", h, qh * d, q_rows);
+    layer.moe = c.is_moe_layer(l);
+    if (layer.moe) {
       const int64_t inter = c.moe_intermediate_size;
-      L.router = load_f32(ckpt, p + "mlp.gate.weight", {c.num_experts, h});
-      for (int64_t e = 0; e < c.num_experts; ++e) {
+      const IndexRange all{0, inter};
+      layer.router = load_f32(ckpt, p + "mlp.gate.weight", {c.num_experts, h});
+      for (int64_t e = plan_.experts.begin; e < plan_.experts.end; ++e) {
         const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
-        L.gate_up.push_back(load_concat(ckpt, {ep + "gate_proj.weight", ep + "up_proj.weight"},
-                                        {inter, inter}, h));
-        L.down.push_back(load_f32(ckpt, ep + "down_proj.weight", {h, inter}));
+        layer.gate_up.push_back(load_rows(
+            ckpt, {{ep + "gate_proj.weight", inter, all}, {ep + "up_proj.weight", inter, all}}, h));
+        layer.down.push_back(load_f32(ckpt, ep + "down_proj.weight", {h, inter}));
       }
     } else {
       const int64_t inter = c.intermediate_size;
-      L.gate_up.push_back(load_concat(ckpt, {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"},
-                                      {inter, inter}, h));
-      L.down.push_back(load_f32(ckpt, p + "mlp.down_proj.weight", {h, inter}));
+      const IndexRange all{0, inter};
+      layer.gate_up.push_back(load_rows(
+          ckpt, {{p + "mlp.gate_proj.weight", inter, all}, {p + "mlp.up_proj.weight", inter, all}},
+          h));
+      layer.down.push_back(load_f32(ckpt, p + "mlp.down_proj.weight", {h, inter}));
     }
-    for (auto& t : L.gate_up) L.gate_up_ptrs.push_back(t.ptr<float>());
-    for (auto& t : L.down) L.down_ptrs.push_back(t.ptr<float>());
+    for (auto& t : layer.gate_up) layer.gate_up_ptrs.push_back(t.ptr<float>());
+    for (auto& t : layer.down) layer.down_ptrs.push_back(t.ptr<float>());
   }
 }
 
 KvGeometry Qwen3MoeCpu::kv_geometry(int64_t num_pages, int64_t page_size) const {
-  return {config_.num_hidden_layers, num_pages, config_.num_key_value_heads, page_size,
-          config_.head_dim};
+  return {config_.num_hidden_layers, num_pages, plan_.kv_heads.size(), page_size, config_.head_dim};
+}
+
+void Qwen3MoeCpu::moe_block(const Layer& layer, const float* xn, const int32_t* topk_ids,
+                            const float* topk_w, int64_t n, float* y) {
+  const auto& c = config_;
+  const int64_t h = c.hidden_size, inter = c.moe_intermediate_size;
+  if (!plan_.data_parallel()) {
+    // Single, or prefill EP: this rank's experts over the replicated tokens (cpu::moe selects
+    // the locally routed ones), then the partial sums are all-reduced.
+    cpu::moe({xn, topk_ids, topk_w, layer.gate_up_ptrs.data(), layer.down_ptrs.data(), y, n, h,
+              inter, c.num_experts_per_tok, plan_.experts.begin, plan_.experts.size()});
+    if (plan_.tensor_parallel()) comm_->all_reduce_sum(y, n * h, DType::kF32);
+    return;
+  }
+  // Decode EP: tokens travel to their experts' ranks; each received (token, expert) pair is
+  // one row run with top_k = 1, so pair_out = weight * expert(x); the home rank sums the pairs
+  // in ascending expert id, as cpu::moe does.
+  comm::MoeAllToAll& a2a = *all_to_all_;
+  a2a.dispatch(xn, topk_ids, topk_w, n);
+  cpu::moe({a2a.pair_x(), a2a.pair_expert(), a2a.pair_weight(), layer.gate_up_ptrs.data(),
+            layer.down_ptrs.data(), a2a.pair_out(), a2a.num_pairs(), h, inter, 1,
+            plan_.experts.begin, plan_.experts.size()});
+  a2a.combine(y);
+}
+
+void Qwen3MoeCpu::lm_head(const float* last, int64_t r, std::vector<float>& logits) {
+  const auto& c = config_;
+  const int64_t h = c.hidden_size, v = c.vocab_size;
+  logits.resize(static_cast<size_t>(r * v));
+  if (!plan_.tensor_parallel()) {
+    const float* head = c.tie_word_embeddings ? embed_.ptr<float>() : lm_head_.ptr<float>();
+    cpu::gemm({last, head, logits.data(), r, v, h});
+    return;
+  }
+  // Vocab-parallel: this rank's rows of the logits, padded to vocab_rows, then all-gathered.
+  const int64_t vl = plan_.vocab.size(), vp = plan_.vocab_rows, t = plan_.spec.size;
+  const float* head =
+      c.tie_word_embeddings ? embed_.ptr<float>() + plan_.vocab.begin * h : lm_head_.ptr<float>();
+  std::vector<float> local(static_cast<size_t>(r * vl));  // [r, vl]
+  cpu::gemm({last, head, local.data(), r, vl, h});
+  std::vector<float> padded(static_cast<size_t>(r * vp), 0.f);  // [r, vp]
+  for (int64_t i = 0; i < r; ++i) {
+    std::memcpy(padded.data() + i * vp, local.data() + i * vl, sizeof(float) * vl);
+  }
+  std::vector<float> all(static_cast<size_t>(t * r * vp));  // [t, r, vp]
+  comm_->all_gather(padded.data(), all.data(), r * vp, DType::kF32);
+  for (int64_t q = 0; q < t; ++q) {
+    const int64_t v0 = std::min(v, q * vp), count = std::min(v, v0 + vp) - v0;
+    for (int64_t i = 0; i < r && count > 0; ++i) {
+      std::memcpy(logits.data() + i * v + v0, all.data() + (q * r + i) * vp, sizeof(float) * count);
+    }
+  }
 }
 
 void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
   const auto& c = config_;
   const int64_t h = c.hidden_size, d = c.head_dim;
-  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  const int64_t qh = plan_.q_heads.size(), kvh = plan_.kv_heads.size();  // local heads
   const int64_t page_size = kv.geometry().page_size;
   const int64_t n = batch.num_tokens();
   TANDEM_CHECK(kv.geometry().num_kv_heads == kvh && kv.geometry().head_dim == d,
                "KV cache geometry does not match the model");
+  if (n == 0) {
+    // Nothing of our own; a decode rank still serves its experts in every MoE layer.
+    if (plan_.data_parallel()) {
+      for (const Layer& layer : layers_) {
+        if (layer.moe) moe_block(layer, nullptr, nullptr, nullptr, 0, nullptr);
+      }
+    }
+    logits.clear();
+    return;
+  }
 
   // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
   std::vector<int32_t> ids(static_cast<size_t>(n)), positions(static_cast<size_t>(n)),
@@ -113,8 +233,8 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
     const ForwardSeq& s = batch.seqs[si];
     TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
     TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
-                 "block table too short: ", s.num_pages, " pages for ",
-                 s.start_pos + s.num_tokens, " tokens");
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
     std::memcpy(tables.data() + si * static_cast<size_t>(max_pages), s.block_table,
                 sizeof(int32_t) * static_cast<size_t>(s.num_pages));
     for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
@@ -127,15 +247,16 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
   }
 
   // Activations.                                  // shapes
-  std::vector<float> x(static_cast<size_t>(n * h));        // [n, hidden] residual stream
-  std::vector<float> xn(static_cast<size_t>(n * h));       // [n, hidden] normed
+  std::vector<float> x(static_cast<size_t>(n * h));   // [n, hidden] residual stream
+  std::vector<float> xn(static_cast<size_t>(n * h));  // [n, hidden] normed
   std::vector<float> qkv(static_cast<size_t>(n * (qh + 2 * kvh) * d));
   std::vector<float> q(static_cast<size_t>(n * qh * d)), k(static_cast<size_t>(n * kvh * d)),
       v(static_cast<size_t>(n * kvh * d));
   std::vector<float> attn(static_cast<size_t>(n * qh * d));
   std::vector<float> y(static_cast<size_t>(n * h));
   std::vector<float> router(static_cast<size_t>(n * std::max<int64_t>(c.num_experts, 1)));
-  std::vector<int32_t> topk_ids(static_cast<size_t>(n * std::max<int64_t>(c.num_experts_per_tok, 1)));
+  std::vector<int32_t> topk_ids(
+      static_cast<size_t>(n * std::max<int64_t>(c.num_experts_per_tok, 1)));
   std::vector<float> topk_w(topk_ids.size());
   std::vector<float> gu(static_cast<size_t>(n * 2 * c.intermediate_size));
   std::vector<float> act(static_cast<size_t>(n * c.intermediate_size));
@@ -143,40 +264,40 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
   cpu::embedding({ids.data(), embed_.ptr<float>(), x.data(), n, h, c.vocab_size});
   const float eps = static_cast<float>(c.rms_norm_eps);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    Layer& L = layers_[static_cast<size_t>(l)];
-    // Attention block.
+    Layer& layer = layers_[static_cast<size_t>(l)];
+    // Attention block (this rank's heads).
     if (l == 0) {
-      cpu::rms_norm({x.data(), L.input_norm.ptr<float>(), xn.data(), n, h, eps});
+      cpu::rms_norm({x.data(), layer.input_norm.ptr<float>(), xn.data(), n, h, eps});
     } else {
-      cpu::add_rms_norm({x.data(), y.data(), L.input_norm.ptr<float>(), xn.data(), n, h, eps});
+      cpu::add_rms_norm({x.data(), y.data(), layer.input_norm.ptr<float>(), xn.data(), n, h, eps});
     }
-    cpu::gemm({xn.data(), L.qkv.ptr<float>(), qkv.data(), n, (qh + 2 * kvh) * d, h});
+    cpu::gemm({xn.data(), layer.qkv.ptr<float>(), qkv.data(), n, (qh + 2 * kvh) * d, h});
     for (int64_t i = 0; i < n; ++i) {  // split fused qkv rows
       const float* row = qkv.data() + i * (qh + 2 * kvh) * d;
       std::memcpy(q.data() + i * qh * d, row, sizeof(float) * qh * d);
       std::memcpy(k.data() + i * kvh * d, row + qh * d, sizeof(float) * kvh * d);
       std::memcpy(v.data() + i * kvh * d, row + (qh + kvh) * d, sizeof(float) * kvh * d);
     }
-    cpu::qk_norm_rope({q.data(), k.data(), L.q_norm.ptr<float>(), L.k_norm.ptr<float>(),
+    cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
                        positions.data(), n, qh, kvh, d, eps, c.rope_theta});
     cpu::kv_write({k.data(), v.data(), kv.layer(l), slots.data(), n, kvh, d, page_size});
-    cpu::paged_attention({q.data(), kv.layer(l), tables.data(), token_seq.data(),
-                          positions.data(), attn.data(), n, qh, kvh, d, page_size, max_pages,
+    cpu::paged_attention({q.data(), kv.layer(l), tables.data(), token_seq.data(), positions.data(),
+                          attn.data(), n, qh, kvh, d, page_size, max_pages,
                           1.0f / std::sqrt(static_cast<float>(d))});
-    cpu::gemm({attn.data(), L.o.ptr<float>(), y.data(), n, h, qh * d});
+    cpu::gemm({attn.data(), layer.o.ptr<float>(), y.data(), n, h, qh * d});
+    // Row-parallel o_proj: the partial products of every rank's heads are summed.
+    if (plan_.tensor_parallel()) comm_->all_reduce_sum(y.data(), n * h, DType::kF32);
     // MLP block.
-    cpu::add_rms_norm({x.data(), y.data(), L.post_norm.ptr<float>(), xn.data(), n, h, eps});
-    if (L.moe) {
-      cpu::gemm({xn.data(), L.router.ptr<float>(), router.data(), n, c.num_experts, h});
+    cpu::add_rms_norm({x.data(), y.data(), layer.post_norm.ptr<float>(), xn.data(), n, h, eps});
+    if (layer.moe) {
+      cpu::gemm({xn.data(), layer.router.ptr<float>(), router.data(), n, c.num_experts, h});
       cpu::topk_softmax({router.data(), topk_ids.data(), topk_w.data(), n, c.num_experts,
                          c.num_experts_per_tok, c.norm_topk_prob});
-      cpu::moe({xn.data(), topk_ids.data(), topk_w.data(), L.gate_up_ptrs.data(),
-                L.down_ptrs.data(), y.data(), n, h, c.moe_intermediate_size,
-                c.num_experts_per_tok, 0, c.num_experts});
+      moe_block(layer, xn.data(), topk_ids.data(), topk_w.data(), n, y.data());
     } else {
-      cpu::gemm({xn.data(), L.gate_up_ptrs[0], gu.data(), n, 2 * c.intermediate_size, h});
+      cpu::gemm({xn.data(), layer.gate_up_ptrs[0], gu.data(), n, 2 * c.intermediate_size, h});
       cpu::silu_mul({gu.data(), act.data(), n, c.intermediate_size});
-      cpu::gemm({act.data(), L.down_ptrs[0], y.data(), n, h, c.intermediate_size});
+      cpu::gemm({act.data(), layer.down_ptrs[0], y.data(), n, h, c.intermediate_size});
     }
   }
 
@@ -196,14 +317,12 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
   for (int64_t i = 0; i < r; ++i) {
     const int64_t src = rows[static_cast<size_t>(i)];
     for (int64_t j = 0; j < h; ++j) {
-      last[static_cast<size_t>(i * h + j)] = x[static_cast<size_t>(src * h + j)] +
-                                            y[static_cast<size_t>(src * h + j)];
+      last[static_cast<size_t>(i * h + j)] =
+          x[static_cast<size_t>(src * h + j)] + y[static_cast<size_t>(src * h + j)];
     }
   }
   cpu::rms_norm({last.data(), norm_.ptr<float>(), last.data(), r, h, eps});
-  logits.resize(static_cast<size_t>(r * c.vocab_size));
-  const float* head = c.tie_word_embeddings ? embed_.ptr<float>() : lm_head_.ptr<float>();
-  cpu::gemm({last.data(), head, logits.data(), r, c.vocab_size, h});
+  lm_head(last.data(), r, logits);
 }
 
 }  // namespace tandem

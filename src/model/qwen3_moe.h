@@ -62,23 +62,23 @@ class Qwen3MoeCpu final : public Model {
 
  private:
   struct Layer {
-    HostTensor input_norm;   // [hidden]
-    HostTensor post_norm;    // [hidden]
-    HostTensor q_norm;       // [head_dim]
-    HostTensor k_norm;       // [head_dim]
-    HostTensor qkv;          // [(q_heads + 2 kv_heads) * head_dim, hidden], local heads
-    HostTensor o;            // [hidden, q_heads * head_dim], local heads' columns
+    HostTensor input_norm;  // [hidden]
+    HostTensor post_norm;   // [hidden]
+    HostTensor q_norm;      // [head_dim]
+    HostTensor k_norm;      // [head_dim]
+    HostTensor qkv;         // [(q_heads + 2 kv_heads) * head_dim, hidden], local heads
+    HostTensor o;           // [hidden, q_heads * head_dim], local heads' columns
     bool moe = false;
-    HostTensor router;                  // [experts, hidden], all experts
-    std::vector<HostTensor> gate_up;    // per local expert (or one dense): [2 * inter, hidden]
-    std::vector<HostTensor> down;       // per local expert (or one dense): [hidden, inter]
+    HostTensor router;                // [experts, hidden], all experts
+    std::vector<HostTensor> gate_up;  // per local expert (or one dense): [2 * inter, hidden]
+    std::vector<HostTensor> down;     // per local expert (or one dense): [hidden, inter]
     std::vector<const float*> gate_up_ptrs, down_ptrs;
   };
 
   Qwen3MoeCpu(ModelConfig config, ShardPlan plan, comm::Communicator* comm);
   void load_weights(const Checkpoint& ckpt);
   // y = this rank's part of the MoE block for the n rows of xn; sums over ranks included.
-  void moe_block(const Layer& L, const float* xn, const int32_t* topk_ids, const float* topk_w,
+  void moe_block(const Layer& layer, const float* xn, const int32_t* topk_ids, const float* topk_w,
                  int64_t n, float* y);
   // logits [rows, vocab] from the final hidden rows `last` [rows, hidden] (normed).
   void lm_head(const float* last, int64_t rows, std::vector<float>& logits);
@@ -87,9 +87,10 @@ class Qwen3MoeCpu final : public Model {
   ShardPlan plan_;
   comm::Communicator* comm_ = nullptr;
   std::unique_ptr<comm::MoeAllToAll> all_to_all_;  // kDecodeDpEp only
-  HostTensor embed_;   // [vocab, hidden]
-  HostTensor norm_;    // [hidden]
-  HostTensor lm_head_; // [vocab rows of this rank, hidden]; empty when tied
+
+  HostTensor embed_;    // [vocab, hidden]
+  HostTensor norm_;     // [hidden]
+  HostTensor lm_head_;  // [this rank's vocab rows, hidden]; empty when tied
   std::vector<Layer> layers_;
 };
 

@@ -44,8 +44,8 @@ ShardPlan ShardPlan::make(const ModelConfig& c, const ShardSpec& spec) {
 
   // Experts: contiguous blocks of E / t (both parallel modes).
   TANDEM_CHECK_KIND(kInvalidArgument, experts % t == 0, mode, ": ", experts,
-                    " experts do not split over ", t, " ranks (expert parallelism needs E % ",
-                    t, " == 0)");
+                    " experts do not split over ", t, " ranks (expert parallelism needs E % ", t,
+                    " == 0)");
   p.experts = {r * experts / t, (r + 1) * experts / t};
   if (spec.mode == ShardMode::kDecodeDpEp) return p;
 
