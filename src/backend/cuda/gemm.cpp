@@ -1,0 +1,94 @@
+// cuBLASLt GEMM with cached plans. See gemm.h.
+#include "backend/cuda/gemm.h"
+
+#include "backend/cuda/check.h"
+
+namespace tandem::cuda {
+
+GemmLt::GemmLt(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  TANDEM_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  if (workspace_bytes_ > 0) TANDEM_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+GemmLt::~GemmLt() {
+  // NOTE: destructors do not throw; errors here are ignored.
+  for (auto& [key, plan] : plans_) {
+    cublasLtMatrixLayoutDestroy(plan.a);
+    cublasLtMatrixLayoutDestroy(plan.b);
+    cublasLtMatrixLayoutDestroy(plan.c);
+    cublasLtMatmulDescDestroy(plan.op);
+  }
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+// Row-major y[m, n] = x[m, k] W[n, k]^T is column-major y^T[n, m] = W^T... i.e. with
+// cuBLASLt's column-major view: A = W as [k, n] (ld k) transposed, B = x as [k, m] (ld k),
+// C = D = y as [n, m] (ld n): the "TN" layout.
+namespace {
+// Largest power of two (<= 256) dividing every pointer: cuBLASLt's heuristic assumes 256-byte
+// aligned buffers unless told otherwise, and an algorithm picked for them can fail on less.
+uint32_t common_alignment(void const* a, void const* b, void const* c) {
+  uintptr_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+                   reinterpret_cast<uintptr_t>(c) | uintptr_t{256};
+  return static_cast<uint32_t>(bits & (~bits + 1));  // lowest set bit
+}
+}  // namespace
+
+GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint32_t align) {
+  auto key = std::make_tuple(m, n, k, beta, align);
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return it->second;
+  Plan plan;
+  TANDEM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+  TANDEM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &transa,
+                                                     sizeof(transa)));
+  TANDEM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
+                                                     sizeof(transb)));
+  TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, static_cast<uint64_t>(k),
+                                                 static_cast<uint64_t>(n), k));
+  TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, static_cast<uint64_t>(k),
+                                                 static_cast<uint64_t>(m), k));
+  TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, static_cast<uint64_t>(n),
+                                                 static_cast<uint64_t>(m), n));
+  cublasLtMatmulPreference_t pref = nullptr;
+  TANDEM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_, sizeof(workspace_bytes_));
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    if (st == CUBLAS_STATUS_SUCCESS) {
+      st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    }
+  }
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1,
+                                        &result, &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    cublasLtMatrixLayoutDestroy(plan.a);
+    cublasLtMatrixLayoutDestroy(plan.b);
+    cublasLtMatrixLayoutDestroy(plan.c);
+    cublasLtMatmulDescDestroy(plan.op);
+    TANDEM_THROW(kUnsupported, "gemm: no cuBLASLt algorithm for m ", m, " n ", n, " k ", k,
+                 " (status ", static_cast<int>(st), ")");
+  }
+  plan.algo = result.algo;
+  return plans_.emplace(key, plan).first->second;
+}
+
+void GemmLt::run(GemmParams const& p, cudaStream_t stream) {
+  TANDEM_CHECK(p.m >= 0 && p.n > 0 && p.k > 0, "gemm: bad sizes m ", p.m, " n ", p.n, " k ", p.k);
+  if (p.m == 0) return;
+  Plan& plan = plan_for(p.m, p.n, p.k, p.beta != 0.0f, common_alignment(p.x, p.w, p.y));
+  TANDEM_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.op, &p.alpha, p.w, plan.a, p.x, plan.b, &p.beta,
+                                     p.y, plan.c, p.y, plan.c, &plan.algo, workspace_,
+                                     workspace_bytes_, stream));
+}
+
+}  // namespace tandem::cuda

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The one script for the single-GPU machine: runs the CUDA backend op tests and the op
+# benchmark from binaries built elsewhere (it builds nothing), prints the benchmark table last.
+#
+#   tools/gpu_ops_run.sh BINARY_DIR      (from the repo root; e.g. build-ops-bin)
+#
+# BINARY_DIR must hold test_backend_cuda and bench_ops_cuda (targets of
+# src/backend/cuda/CMakeLists.cmake; they need libcudart.so.13 and libcublasLt.so.13, not Gloo
+# or NCCL). Logs and the CSV go to $OUT when set (the device tool's folder), else
+# /tmp/gpu_ops_run. Exit status: 0 only when the tests passed (not skipped) and the benchmark
+# ran every row.
+#
+# Steps: 1. test_backend_cuda: every kernel vs the CPU reference (fresh random inputs, poisoned
+# outputs, bf16 1e-2 / fp32 1e-5 relative, integer outputs exact); 2. bench_ops_cuda: per-kernel
+# time beside the measured copy-bandwidth / GEMM-rate bound at 1, 32, 128, 8192 tokens;
+# 3. the tests again under compute-sanitizer memcheck (out-of-bounds / misaligned accesses),
+# time-limited: a timeout there is reported, not counted as a failure.
+set -uo pipefail
+
+BIN=${1:?usage: tools/gpu_ops_run.sh BINARY_DIR}
+BIN=$(cd "$BIN" && pwd)
+LOG=${OUT:-/tmp/gpu_ops_run}
+mkdir -p "$LOG"
+
+# The binaries were linked against libcudart.so.13 and libcublasLt.so.13: find them there.
+add_lib_dir() {
+  case ":${LD_LIBRARY_PATH:-}:" in *":$1:"*) ;; *) LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
+}
+for lib in libcudart.so.13 libcublasLt.so.13; do
+  if ! ldconfig -p 2>/dev/null | grep -q "$lib"; then
+    for f in /usr/local/cuda/lib64/$lib /usr/local/cuda/lib/$lib \
+             $(find /usr /opt -name "$lib" -not -path '*/proc/*' 2>/dev/null | head -3); do
+      if [ -e "$f" ]; then add_lib_dir "$(dirname "$f")"; break; fi
+    done
+  fi
+done
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+
+{
+  echo "== machine ($(date -u +%FT%TZ))"
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv 2>/dev/null
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  for b in test_backend_cuda bench_ops_cuda; do
+    missing=$(ldd "$BIN/$b" 2>&1 | grep -E 'not found|GLIBC' || true)
+    [ -n "$missing" ] && echo "MISSING for $b: $missing"
+  done
+} 2>&1 | tee "$LOG/env.txt"
+
+status=0
+declare -A RC
+step() {  # step NAME TIMEOUT_S CMD...: runs with a time limit, logs to $LOG/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "== $name ($*)"
+  timeout --kill-after=10 "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  RC[$name]=$rc
+  return $rc
+}
+
+# 1. Tests.
+step test_backend_cuda 150 "$BIN/test_backend_cuda"
+rc=${RC[test_backend_cuda]}
+grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? from .* ran' \
+  "$LOG/test_backend_cuda.log" | head -40
+if [ $rc -eq 0 ] && grep -q '^\[  SKIPPED \]' "$LOG/test_backend_cuda.log"; then
+  echo "!! test_backend_cuda skipped on the GPU machine (no device visible?)"
+  rc=3
+  RC[test_backend_cuda]=3
+fi
+if [ $rc -ne 0 ]; then
+  echo "!! test_backend_cuda exited with $rc (124: timed out); failures:"
+  grep -B2 -A12 -E 'Failure|FATAL|what\(\)' "$LOG/test_backend_cuda.log" | head -120
+  status=1
+fi
+
+# 2. Benchmark.
+export TANDEM_BENCH_CSV="$LOG/bench_ops_cuda.csv"
+step bench_ops_cuda 220 "$BIN/bench_ops_cuda"
+rc=${RC[bench_ops_cuda]}
+if [ $rc -ne 0 ]; then
+  echo "!! bench_ops_cuda exited with $rc (124: timed out); last lines:"
+  grep -E 'FAILED|FATAL' "$LOG/bench_ops_cuda.log" | head -20
+  tail -5 "$LOG/bench_ops_cuda.log"
+  status=1
+fi
+
+# 3. Memory checker (Firecracker machines run it; seen working 2026-11-04).
+if command -v compute-sanitizer > /dev/null; then
+  step memcheck 100 compute-sanitizer --tool memcheck --error-exitcode 99 \
+    "$BIN/test_backend_cuda" --gtest_filter='-*MoeLayer*:*Gemm*'
+  rc=${RC[memcheck]}
+  grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED) |Invalid|out of bounds' "$LOG/memcheck.log" | head -20
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "(memcheck timed out: incomplete, not counted)"
+  elif [ $rc -ne 0 ]; then
+    echo "!! memcheck exited with $rc"
+    grep -B2 -A10 -E '=========.*(Invalid|Error)' "$LOG/memcheck.log" | head -60
+    status=1
+  fi
+else
+  echo "(no compute-sanitizer on PATH: memcheck skipped)"
+  RC[memcheck]=na
+fi
+
+echo
+echo "== summary: test_backend_cuda rc=${RC[test_backend_cuda]} bench rc=${RC[bench_ops_cuda]}" \
+     "memcheck rc=${RC[memcheck]} (logs in $LOG)"
+grep -hE '^\[  (PASSED|FAILED) ' "$LOG/test_backend_cuda.log" 2>/dev/null
+# The benchmark's table, last.
+sed -n '/^== ceilings/p;/^== table/,$p' "$LOG/bench_ops_cuda.log"
+exit $status
