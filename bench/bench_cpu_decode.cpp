@@ -31,9 +31,11 @@ double measure_copy_bandwidth() {
   double best = 0;
   for (int rep = 0; rep < 5; ++rep) {
     double t0 = now();
-    ThreadPool::global().parallel_for(static_cast<int64_t>(n >> 20), 1, [&](int64_t b0, int64_t b1) {
-      std::memcpy(b.data() + (b0 << 20), a.data() + (b0 << 20), static_cast<size_t>(b1 - b0) << 20);
-    });
+    ThreadPool::global().parallel_for(static_cast<int64_t>(n >> 20), 1,
+                                      [&](int64_t b0, int64_t b1) {
+                                        std::memcpy(b.data() + (b0 << 20), a.data() + (b0 << 20),
+                                                    static_cast<size_t>(b1 - b0) << 20);
+                                      });
     double dt = now() - t0;
     best = std::max(best, 2.0 * static_cast<double>(n) / dt);
     a[static_cast<size_t>(rep)] = b[static_cast<size_t>(rep) + 1];
@@ -67,9 +69,12 @@ int main(int argc, char** argv) {
   int tokens = 256, prompt_len = 16;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i];
-    if (k == "--model") dir = argv[i + 1];
-    else if (k == "--tokens") tokens = std::stoi(argv[i + 1]);
-    else if (k == "--prompt-len") prompt_len = std::stoi(argv[i + 1]);
+    if (k == "--model")
+      dir = argv[i + 1];
+    else if (k == "--tokens")
+      tokens = std::stoi(argv[i + 1]);
+    else if (k == "--prompt-len")
+      prompt_len = std::stoi(argv[i + 1]);
   }
   auto model = Qwen3MoeCpu::load(dir);
   const ModelConfig& c = model->config();

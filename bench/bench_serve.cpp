@@ -44,7 +44,8 @@ const char* kPrompts[] = {
     "No one who had ever seen Catherine Morland in her infancy",
     "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who",
     "About thirty years ago Miss Maria Ward, of Huntingdon, with only seven thousand pounds",
-    "She was", "The weather was fine, and the party set out for the park",
+    "She was",
+    "The weather was fine, and the party set out for the park",
 };
 
 struct RequestStats {
@@ -92,8 +93,8 @@ size_t on_data(char* ptr, size_t size, size_t n, void* user) {
 RequestStats http_request(const std::string& url, const std::string& prompt, int max_tokens) {
   RequestStats rs;
   StreamState st{Clock::now(), Clock::now(), &rs, {}, true};
-  nlohmann::json body = {{"model", "bench"}, {"prompt", prompt}, {"max_tokens", max_tokens},
-                         {"temperature", 0.8}, {"stream", true}, {"ignore_eos", true}};
+  nlohmann::json body = {{"model", "bench"},   {"prompt", prompt}, {"max_tokens", max_tokens},
+                         {"temperature", 0.8}, {"stream", true},   {"ignore_eos", true}};
   std::string payload = body.dump();
   CURL* c = curl_easy_init();
   curl_slist* hdr = curl_slist_append(nullptr, "Content-Type: application/json");
@@ -128,8 +129,10 @@ RequestStats engine_request(EngineClient& engine, const std::vector<int32_t>& id
     std::lock_guard<std::mutex> lock(mu);
     auto now = Clock::now();
     for (size_t i = 0; i < o.token_ids.size(); ++i) {
-      if (rs.tokens == 0) rs.ttft = secs(start, now);
-      else rs.itl.push_back(secs(last, now));
+      if (rs.tokens == 0)
+        rs.ttft = secs(start, now);
+      else
+        rs.itl.push_back(secs(last, now));
       last = now;
       ++rs.tokens;
     }
@@ -193,11 +196,16 @@ int main(int argc, char** argv) {
   int requests = 0, max_tokens = 64;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i];
-    if (k == "--model") model_dir = argv[i + 1];
-    else if (k == "--url") url = argv[i + 1];
-    else if (k == "--concurrency") conc = argv[i + 1];
-    else if (k == "--requests") requests = std::stoi(argv[i + 1]);
-    else if (k == "--max-tokens") max_tokens = std::stoi(argv[i + 1]);
+    if (k == "--model")
+      model_dir = argv[i + 1];
+    else if (k == "--url")
+      url = argv[i + 1];
+    else if (k == "--concurrency")
+      conc = argv[i + 1];
+    else if (k == "--requests")
+      requests = std::stoi(argv[i + 1]);
+    else if (k == "--max-tokens")
+      max_tokens = std::stoi(argv[i + 1]);
   }
   curl_global_init(CURL_GLOBAL_ALL);
   auto tok = Tokenizer::from_dir(model_dir);
@@ -223,8 +231,8 @@ int main(int argc, char** argv) {
 
   std::printf("model %s, %d output tokens per request, ignore_eos, temperature 0.8\n",
               model_dir.c_str(), max_tokens);
-  std::printf("%-5s %-7s %5s %9s %9s %9s %8s %8s %9s\n", "conc", "path", "ok", "tok/s",
-              "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "ratio");
+  std::printf("%-5s %-7s %5s %9s %9s %9s %8s %8s %9s\n", "conc", "path", "ok", "tok/s", "ttft_p50",
+              "ttft_p99", "itl_p50", "itl_p99", "ratio");
   std::stringstream ss(conc);
   std::string item;
   while (std::getline(ss, item, ',')) {
@@ -234,9 +242,8 @@ int main(int argc, char** argv) {
       return engine_request(engine, ids[static_cast<size_t>(i % np)], max_tokens,
                             "direct-" + std::to_string(c) + "-" + std::to_string(i));
     });
-    Summary http = run_load(c, n, [&](int i) {
-      return http_request(url, kPrompts[i % np], max_tokens);
-    });
+    Summary http =
+        run_load(c, n, [&](int i) { return http_request(url, kPrompts[i % np], max_tokens); });
     for (auto [name, s] : {std::pair<const char*, Summary&>{"engine", direct}, {"http", http}}) {
       std::printf("%-5d %-7s %2d/%-2d %9.1f %9.1f %9.1f %8.2f %8.2f %9.2f\n", c, name, s.ok,
                   s.total, s.tok_s, s.ttft_p50, s.ttft_p99, s.itl_p50, s.itl_p99,

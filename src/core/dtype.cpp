@@ -49,7 +49,7 @@ uint16_t f32_to_f16(float f) {
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
   if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
-  if (a < 0x38800000u) {                                                 // subnormal / zero
+  if (a < 0x38800000u) {                                               // subnormal / zero
     float v = f32_from_bits(a);
     uint32_t m = static_cast<uint32_t>(std::nearbyint(std::ldexp(v, 24)));
     return static_cast<uint16_t>(sign | m);

@@ -62,8 +62,8 @@ uint16_t f32_to_f16(float f);
 float f8e4m3_to_f32(uint8_t v);
 uint8_t f32_to_f8e4m3(float f);  // round to nearest even, saturating to +-448
 inline float e8m0_to_f32(uint8_t e) {
-  return e == 0xff ? f32_from_bits(0x7fc00000u) : (e == 0 ? f32_from_bits(0x00400000u)
-                                                          : f32_from_bits(uint32_t(e) << 23));
+  return e == 0xff ? f32_from_bits(0x7fc00000u)
+                   : (e == 0 ? f32_from_bits(0x00400000u) : f32_from_bits(uint32_t(e) << 23));
 }
 
 }  // namespace tandem

@@ -58,23 +58,21 @@ std::string concat(const Args&... args) {
 }  // namespace tandem
 
 /// TANDEM_CHECK(cond, "message", values...): throws Error(kInternal) when cond is false.
-#define TANDEM_CHECK(cond, ...)                                                        \
-  do {                                                                                 \
-    if (!(cond)) [[unlikely]] {                                                        \
-      throw ::tandem::Error(::tandem::ErrorKind::kInternal,                            \
-                            ::tandem::detail::concat("check failed: " #cond ": ",      \
-                                                     ##__VA_ARGS__));                  \
-    }                                                                                  \
+#define TANDEM_CHECK(cond, ...)                                                                    \
+  do {                                                                                             \
+    if (!(cond)) [[unlikely]] {                                                                    \
+      throw ::tandem::Error(::tandem::ErrorKind::kInternal,                                        \
+                            ::tandem::detail::concat("check failed: " #cond ": ", ##__VA_ARGS__)); \
+    }                                                                                              \
   } while (0)
 
 /// TANDEM_CHECK_KIND(kind, cond, "message", values...): the same with a chosen kind;
 /// the message is user facing (no "check failed" prefix).
-#define TANDEM_CHECK_KIND(kind, cond, ...)                                             \
-  do {                                                                                 \
-    if (!(cond)) [[unlikely]] {                                                        \
-      throw ::tandem::Error(::tandem::ErrorKind::kind,                                 \
-                            ::tandem::detail::concat(__VA_ARGS__));                    \
-    }                                                                                  \
+#define TANDEM_CHECK_KIND(kind, cond, ...)                                                     \
+  do {                                                                                         \
+    if (!(cond)) [[unlikely]] {                                                                \
+      throw ::tandem::Error(::tandem::ErrorKind::kind, ::tandem::detail::concat(__VA_ARGS__)); \
+    }                                                                                          \
   } while (0)
 
 /// TANDEM_THROW(kind, "message", values...): unconditional.

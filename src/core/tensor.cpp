@@ -51,14 +51,11 @@ HostBuffer::HostBuffer(size_t nbytes) : size_(nbytes) {
   if (nbytes == 0) return;
   size_t rounded = (nbytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
-  TANDEM_CHECK_KIND(kOutOfResources, p != nullptr, "host allocation of ", nbytes,
-                    " bytes failed");
+  TANDEM_CHECK_KIND(kOutOfResources, p != nullptr, "host allocation of ", nbytes, " bytes failed");
   data_.reset(p);
 }
 
 HostTensor::HostTensor(DType dtype, Shape shape)
-    : buf_(static_cast<size_t>(shape.numel()) * dtype_size(dtype)),
-      dtype_(dtype),
-      shape_(shape) {}
+    : buf_(static_cast<size_t>(shape.numel()) * dtype_size(dtype)), dtype_(dtype), shape_(shape) {}
 
 }  // namespace tandem

@@ -22,8 +22,7 @@ class ThreadPool {
 
   /// Runs fn(begin, end) over [0, n) split in contiguous chunks of at least `grain`
   /// items; the calling thread takes part. Exceptions are rethrown on the caller.
-  void parallel_for(int64_t n, int64_t grain,
-                    const std::function<void(int64_t, int64_t)>& fn);
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
   /// The process-wide pool used by the CPU backend.
   static ThreadPool& global();

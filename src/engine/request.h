@@ -15,8 +15,8 @@ const char* finish_reason_name(FinishReason r);  // "length", "stop", "abort", "
 
 /// One sequence to generate. (OpenAI `n` > 1 becomes n requests with ids "<id>-<i>".)
 struct GenRequest {
-  std::string id;                       // unique among live requests
-  std::vector<int32_t> prompt_ids;      // non-empty
+  std::string id;                   // unique among live requests
+  std::vector<int32_t> prompt_ids;  // non-empty
   SamplingParams sampling;
   int32_t max_tokens = 16;              // >= 1
   int32_t min_tokens = 0;               // EOS / stop ids suppressed before this many tokens
@@ -28,7 +28,7 @@ struct GenRequest {
 struct StepOutput {
   std::string id;
   std::vector<int32_t> token_ids;
-  std::vector<float> token_logprobs;                   // when sampling.logprobs >= 0
+  std::vector<float> token_logprobs;                    // when sampling.logprobs >= 0
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // when sampling.logprobs > 0
   // First callback only, when sampling.prompt_logprobs >= 0: one entry per prompt token
   // after the first (the first has none).

@@ -27,8 +27,8 @@ int64_t BlockManager::match_prefix(std::span<const int32_t> tokens, int64_t max_
   int64_t matched = 0;
   uint64_t parent = 0;
   while (matched < max_pages && (matched + 1) * page_size_ <= static_cast<int64_t>(tokens.size())) {
-    auto chunk = tokens.subspan(static_cast<size_t>(matched * page_size_),
-                                static_cast<size_t>(page_size_));
+    auto chunk =
+        tokens.subspan(static_cast<size_t>(matched * page_size_), static_cast<size_t>(page_size_));
     uint64_t h = page_hash(parent, chunk);
     auto it = cache_.find(h);
     if (it == cache_.end() || !std::equal(chunk.begin(), chunk.end(), it->second.tokens.begin())) {

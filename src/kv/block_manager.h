@@ -50,7 +50,7 @@ class BlockManager {
  private:
   struct Entry {
     int32_t page;
-    std::vector<int32_t> tokens;  // exact content, to rule out hash collisions
+    std::vector<int32_t> tokens;        // exact content, to rule out hash collisions
     std::list<uint64_t>::iterator lru;  // valid while only the cache holds the page
     bool in_lru = false;
   };
@@ -59,7 +59,7 @@ class BlockManager {
   int64_t page_size_;
   bool enabled_;
   PageAllocator alloc_;
-  std::unordered_map<uint64_t, Entry> cache_;    // hash -> entry
+  std::unordered_map<uint64_t, Entry> cache_;  // hash -> entry
   std::unordered_map<int32_t, uint64_t> page_to_hash_;
   std::list<uint64_t> lru_;  // hashes of cached pages held by the cache alone, oldest first
   int64_t hit_tokens_ = 0, query_tokens_ = 0;

@@ -10,7 +10,8 @@ KvCache::KvCache(const KvGeometry& g) : geometry_(g) {
                "bad KV geometry");
   pools_.reserve(static_cast<size_t>(g.num_layers));
   for (int64_t l = 0; l < g.num_layers; ++l) {
-    pools_.emplace_back(DType::kF32, Shape{g.num_pages, 2, g.num_kv_heads, g.page_size, g.head_dim});
+    pools_.emplace_back(DType::kF32,
+                        Shape{g.num_pages, 2, g.num_kv_heads, g.page_size, g.head_dim});
   }
 }
 

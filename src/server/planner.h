@@ -10,14 +10,14 @@ namespace tandem {
 
 /// What the instances export on /metrics, aggregated over the fleet.
 struct PlannerInputs {
-  double input_tokens_per_s = 0;        // prompt tokens arriving per second (all prefills)
-  double prefill_capacity_tps = 0;      // measured prompt tokens/s one prefill instance sustains
-  double queued_input_tokens = 0;       // prompt tokens waiting in prefill queues now
-  double drain_seconds = 30;            // clear the current queue within this time
-  int64_t concurrent_sequences = 0;     // sequences decoding now (all decode instances)
-  int64_t decode_dp = 1;                // ranks per decode instance (DP = EP = d)
-  int64_t max_decode_batch = 64;        // per-rank batch threshold (--max-decode-batch)
-  double target_utilisation = 0.8;      // headroom: plan for this fraction of capacity
+  double input_tokens_per_s = 0;     // prompt tokens arriving per second (all prefills)
+  double prefill_capacity_tps = 0;   // measured prompt tokens/s one prefill instance sustains
+  double queued_input_tokens = 0;    // prompt tokens waiting in prefill queues now
+  double drain_seconds = 30;         // clear the current queue within this time
+  int64_t concurrent_sequences = 0;  // sequences decoding now (all decode instances)
+  int64_t decode_dp = 1;             // ranks per decode instance (DP = EP = d)
+  int64_t max_decode_batch = 64;     // per-rank batch threshold (--max-decode-batch)
+  double target_utilisation = 0.8;   // headroom: plan for this fraction of capacity
   int64_t min_prefill = 1, min_decode = 1;
 };
 

@@ -35,7 +35,8 @@ double rel_err(const std::vector<float>& out, const std::vector<double>& ref) {
 }
 
 TEST(CpuOps, Gemm) {
-  for (auto [m, n, k] : {std::tuple{1, 37, 64}, {3, 5, 7}, {4, 16, 33}, {9, 64, 128}, {17, 3, 250}}) {
+  for (auto [m, n, k] :
+       {std::tuple{1, 37, 64}, {3, 5, 7}, {4, 16, 33}, {9, 64, 128}, {17, 3, 250}}) {
     auto a = randn(m * k), b = randn(n * k);
     auto out = poisoned(m * n);
     gemm({a.data(), b.data(), out.data(), m, n, k});
@@ -100,7 +101,8 @@ TEST(CpuOps, QkNormRope) {
   auto q = randn(t * qh * d), k = randn(t * kvh * d), qw = randn(d), kw = randn(d);
   std::vector<int32_t> pos = {0, 1, 7, 100, 513, 3000};
   auto q2 = q, k2 = k;
-  qk_norm_rope({q2.data(), k2.data(), qw.data(), kw.data(), pos.data(), t, qh, kvh, d, 1e-6f, theta});
+  qk_norm_rope(
+      {q2.data(), k2.data(), qw.data(), kw.data(), pos.data(), t, qh, kvh, d, 1e-6f, theta});
   auto ref_fn = [&](const std::vector<float>& x, const std::vector<float>& w, int heads) {
     std::vector<double> out(x.size());
     for (int i = 0; i < t; ++i)

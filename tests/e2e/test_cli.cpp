@@ -44,9 +44,9 @@ TEST_P(CliGolden, GenerateJsonMatchesTransformers) {
   for (size_t i = 0; i < g.cases.size(); ++i) {
     const auto& c = g.cases[i];
     SCOPED_TRACE(g.name + " case " + std::to_string(i));
-    CmdResult r = run("generate --model " + g.dir + " --prompt-ids " + join(c.prompt_ids) +
-                " --max-tokens " + std::to_string(c.max_tokens) +
-                " --temperature 0 --logprobs 5 --json");
+    CmdResult r =
+        run("generate --model " + g.dir + " --prompt-ids " + join(c.prompt_ids) + " --max-tokens " +
+            std::to_string(c.max_tokens) + " --temperature 0 --logprobs 5 --json");
     ASSERT_EQ(r.status, 0) << r.out;
     auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j.at("ids").get<std::vector<int32_t>>(), c.output_ids);
@@ -99,7 +99,8 @@ TEST(Cli, BadInputGivesClearErrors) {
   fs::path tmp = fs::temp_directory_path() / "tandem_cli_truncated";
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  for (const auto& e : fs::directory_iterator(fixture)) fs::copy(e.path(), tmp / e.path().filename());
+  for (const auto& e : fs::directory_iterator(fixture))
+    fs::copy(e.path(), tmp / e.path().filename());
   for (const auto& e : fs::directory_iterator(tmp)) {
     if (e.path().extension() == ".safetensors") {
       fs::resize_file(e.path(), fs::file_size(e.path()) / 2);

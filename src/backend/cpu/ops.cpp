@@ -28,8 +28,8 @@ inline float hsum(v8f v) {
 
 // Four rows of a against one row of b: out4[i] = dot(a_i, b).
 __attribute__((target_clones("arch=x86-64-v3", "default"))) void dot4(
-    const float* a0, const float* a1, const float* a2, const float* a3, const float* b,
-    int64_t k, float* out4) {
+    const float* a0, const float* a1, const float* a2, const float* a3, const float* b, int64_t k,
+    float* out4) {
   v8f c0 = {}, c1 = {}, c2 = {}, c3 = {};
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) {
@@ -55,8 +55,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void dot4(
 // One row against one row, with exactly dot4's per-row arithmetic, so that a row's result
 // does not depend on how many rows are batched with it (batch invariance).
 __attribute__((target_clones("arch=x86-64-v3", "default"))) float dot1(const float* a,
-                                                                        const float* b,
-                                                                        int64_t k) {
+                                                                       const float* b, int64_t k) {
   v8f c0 = {};
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) c0 += load8(a + i) * load8(b + i);
@@ -242,7 +241,8 @@ void topk_softmax(const TopkSoftmaxParams& p) {
       return pa > pb || (pa == pb && a < b);
     });
     float ksum = 0.f;
-    for (int64_t j = 0; j < p.top_k; ++j) ksum += prob[static_cast<size_t>(idx[static_cast<size_t>(j)])];
+    for (int64_t j = 0; j < p.top_k; ++j)
+      ksum += prob[static_cast<size_t>(idx[static_cast<size_t>(j)])];
     for (int64_t j = 0; j < p.top_k; ++j) {
       int32_t e = idx[static_cast<size_t>(j)];
       p.topk_ids[t * p.top_k + j] = e;

@@ -88,9 +88,9 @@ void paged_attention(const PagedAttentionParams& p);
 /// Router: softmax over experts of logits, top-k (ties -> lower expert id), optional
 /// renormalisation of the k weights.
 struct TopkSoftmaxParams {
-  const float* logits;   // [num_tokens, num_experts]
-  int32_t* topk_ids;     // [num_tokens, top_k]
-  float* topk_weights;   // [num_tokens, top_k]
+  const float* logits;  // [num_tokens, num_experts]
+  int32_t* topk_ids;    // [num_tokens, top_k]
+  float* topk_weights;  // [num_tokens, top_k]
   int64_t num_tokens, num_experts, top_k;
   bool renormalize;
 };
@@ -108,12 +108,12 @@ void silu_mul(const SiluMulParams& p);
 /// router weights: out[t] = sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = ids[t, j].
 /// Experts outside [expert_begin, expert_begin + num_local_experts) are skipped (EP).
 struct MoeParams {
-  const float* x;              // [num_tokens, hidden]
-  const int32_t* topk_ids;     // [num_tokens, top_k]
-  const float* topk_weights;   // [num_tokens, top_k]
+  const float* x;                 // [num_tokens, hidden]
+  const int32_t* topk_ids;        // [num_tokens, top_k]
+  const float* topk_weights;      // [num_tokens, top_k]
   const float* const* w_gate_up;  // [num_local_experts] -> [2 * inter, hidden]
   const float* const* w_down;     // [num_local_experts] -> [hidden, inter]
-  float* out;                  // [num_tokens, hidden], overwritten
+  float* out;                     // [num_tokens, hidden], overwritten
   int64_t num_tokens, hidden, inter, top_k, expert_begin, num_local_experts;
 };
 void moe(const MoeParams& p);

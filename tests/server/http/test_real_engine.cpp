@@ -62,7 +62,8 @@ class RealEngineTest : public ::testing::Test {
       if (!ev.is_object() || ev["choices"].empty()) continue;
       const auto& c = ev["choices"][0];
       if (c.contains("text")) text += c["text"].get<std::string>();
-      if (c.contains("delta") && c["delta"].contains("content") && c["delta"]["content"].is_string())
+      if (c.contains("delta") && c["delta"].contains("content") &&
+          c["delta"]["content"].is_string())
         text += c["delta"]["content"].get<std::string>();
       if (finish && c.contains("finish_reason") && c["finish_reason"].is_string())
         *finish = c["finish_reason"].get<std::string>();
@@ -84,8 +85,10 @@ TEST_F(RealEngineTest, StreamingEqualsNonStreaming) {
   HttpClient c;
   for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
     nlohmann::json body = {{"model", "demo"}, {"max_tokens", 20}, {"temperature", 0}};
-    if (std::string(path) == "/v1/completions") body["prompt"] = "It is a truth";
-    else body["messages"] = {{{"role", "user"}, {"content", "Who is Emma?"}}};
+    if (std::string(path) == "/v1/completions")
+      body["prompt"] = "It is a truth";
+    else
+      body["messages"] = {{{"role", "user"}, {"content", "Who is Emma?"}}};
     auto plain = c.post(url(path), body);
     ASSERT_EQ(plain.status, 200) << plain.body;
     auto j = plain.json();
@@ -103,9 +106,9 @@ TEST_F(RealEngineTest, StreamingEqualsNonStreaming) {
 
 TEST_F(RealEngineTest, SixtyFourConcurrentStreamsMatchSolo) {
   auto body_for = [](int i) {
-    return nlohmann::json{{"model", "demo"},        {"prompt", "Chapter " + std::to_string(i)},
-                          {"max_tokens", 12},        {"temperature", 0.8},
-                          {"seed", 1000 + i},        {"stream", true},
+    return nlohmann::json{{"model", "demo"},   {"prompt", "Chapter " + std::to_string(i)},
+                          {"max_tokens", 12},  {"temperature", 0.8},
+                          {"seed", 1000 + i},  {"stream", true},
                           {"ignore_eos", true}};
   };
   const int n = 64;
@@ -115,7 +118,8 @@ TEST_F(RealEngineTest, SixtyFourConcurrentStreamsMatchSolo) {
     threads.emplace_back([&, i] {
       HttpClient c;
       auto r = c.post(url("/v1/completions"), body_for(i));
-      got[static_cast<size_t>(i)] = r.status == 200 ? stream_text(r) : "HTTP " + std::to_string(r.status);
+      got[static_cast<size_t>(i)] =
+          r.status == 200 ? stream_text(r) : "HTTP " + std::to_string(r.status);
     });
   }
   for (auto& t : threads) t.join();
@@ -132,8 +136,11 @@ TEST_F(RealEngineTest, DisconnectMidStreamFreesPages) {
   for (int after : {1, 3, 8}) {
     HttpClient c;
     int chunks = 0;
-    nlohmann::json body = {{"model", "demo"}, {"prompt", "The"}, {"max_tokens", 500},
-                           {"stream", true},  {"ignore_eos", true}};
+    nlohmann::json body = {{"model", "demo"},
+                           {"prompt", "The"},
+                           {"max_tokens", 500},
+                           {"stream", true},
+                           {"ignore_eos", true}};
     c.request("POST", url("/v1/completions"), body.dump(), {}, 20000,
               [&](const std::string&) { return ++chunks < after; });
     EXPECT_EQ(chunks, after);
@@ -143,8 +150,8 @@ TEST_F(RealEngineTest, DisconnectMidStreamFreesPages) {
 
 TEST_F(RealEngineTest, StopStringSpanningTokens) {
   HttpClient c;
-  nlohmann::json body = {{"model", "demo"}, {"prompt", "The"}, {"max_tokens", 30},
-                         {"temperature", 0}};
+  nlohmann::json body = {
+      {"model", "demo"}, {"prompt", "The"}, {"max_tokens", 30}, {"temperature", 0}};
   auto full = c.post(url("/v1/completions"), body).json()["choices"][0]["text"].get<std::string>();
   ASSERT_GT(full.size(), 20u);
   // A stop string that starts mid-way through the text.
@@ -154,8 +161,8 @@ TEST_F(RealEngineTest, StopStringSpanningTokens) {
     body["stream"] = stream;
     auto r = c.post(url("/v1/completions"), body);
     std::string finish;
-    std::string text = stream ? stream_text(r, &finish)
-                              : r.json()["choices"][0]["text"].get<std::string>();
+    std::string text =
+        stream ? stream_text(r, &finish) : r.json()["choices"][0]["text"].get<std::string>();
     if (!stream) finish = r.json()["choices"][0]["finish_reason"].get<std::string>();
     EXPECT_EQ(text, full.substr(0, full.find(stop))) << "stream " << stream;
     EXPECT_EQ(finish, "stop");
