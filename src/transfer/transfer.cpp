@@ -1,0 +1,31 @@
+#include "transfer/transfer.h"
+
+#include "core/error.h"
+
+namespace tandem::transfer {
+
+void TransferDescriptor::validate() const {
+  TANDEM_CHECK_KIND(kInvalidArgument, !request_id.empty(),
+                    "KV transfer descriptor without a request id");
+  const std::string where = "KV transfer descriptor of request '" + request_id + "': ";
+  TANDEM_CHECK_KIND(kInvalidArgument, !dst_address.empty(), where, "no destination address");
+  try {
+    src.validate();
+  } catch (const Error& e) {
+    TANDEM_THROW(kInvalidArgument, where, "prefill sharding: ", e.message());
+  }
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    !dst_heads.empty() && dst_heads.begin >= 0 && dst_heads.end <= src.num_kv_heads,
+                    where, "head range mismatch: destination heads ", dst_heads.str(),
+                    " are not a non-empty part of the model's [0, ", src.num_kv_heads, ")");
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    num_tokens >= 1 && page_size >= 1 && head_dim >= 1 && num_layers >= 1, where,
+                    "needs num_tokens, page_size, head_dim, num_layers >= 1, got ", num_tokens,
+                    ", ", page_size, ", ", head_dim, ", ", num_layers);
+  const int64_t need = (num_tokens + page_size - 1) / page_size;
+  TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(dst_pages.size()) >= need, where,
+                    dst_pages.size(), " destination pages cannot hold ", num_tokens,
+                    " tokens at page_size ", page_size, " (", need, " needed)");
+}
+
+}  // namespace tandem::transfer
