@@ -5,20 +5,33 @@
 # TANDEM_TESTS (+ GTest found).
 #
 # Targets:
-#   tandem_comm        CPU: TCP store bootstrap, local fork launcher
-#   tandem_comm_cuda   CUDA: IPC communicator, one-/two-shot all-reduce kernels, NCCL (CUDA only)
+#   tandem_comm_base   CPU: TCP store bootstrap, local fork launcher (no Gloo: the GPU-side
+#                      binaries link only this, libgloo is not on the GPU machines)
+#   tandem_comm        CPU: tandem_comm_base + the rest of src/comm/*.cpp (the top level links Gloo)
+#   tandem_comm_cuda   CUDA: IPC communicator, one-/two-shot all-reduce, MoE dispatch/combine
+#                      kernels (prefill EP, decode DP-EP), NCCL (CUDA only)
 #   test_comm          CPU tests (TCP store, launcher, kernels emulated on CPU threads): CI
+#   test_comm_emulated only the kernels emulated on CPU threads (no Gloo): CI and GPU machine
 #   test_comm_tsan     the emulation under ThreadSanitizer (option TANDEM_COMM_TSAN): CI
 #   test_comm_cuda     multi-GPU tests (skip cleanly without 2 GPUs)
 #   bench_allreduce    ours vs NCCL (option TANDEM_COMM_BENCH, default ON, CUDA only)
+#   bench_moe          MoE dispatch/combine, ours vs NCCL send/recv and all-reduce (same option)
 
 get_filename_component(TANDEM_COMM_ROOT "${CMAKE_CURRENT_LIST_DIR}/../.." ABSOLUTE)
 
+set(TANDEM_COMM_BASE_SRCS ${TANDEM_COMM_ROOT}/src/comm/tcp_store.cpp
+                          ${TANDEM_COMM_ROOT}/src/comm/local_launcher.cpp)
+add_library(tandem_comm_base STATIC ${TANDEM_COMM_BASE_SRCS})
+target_include_directories(tandem_comm_base PUBLIC ${TANDEM_COMM_ROOT}/src)
+target_compile_options(tandem_comm_base PRIVATE ${TANDEM_WARNINGS})
+target_link_libraries(tandem_comm_base PUBLIC tandem_core Threads::Threads)
+
 file(GLOB TANDEM_COMM_SRCS CONFIGURE_DEPENDS ${TANDEM_COMM_ROOT}/src/comm/*.cpp)
+list(REMOVE_ITEM TANDEM_COMM_SRCS ${TANDEM_COMM_BASE_SRCS})
 add_library(tandem_comm STATIC ${TANDEM_COMM_SRCS})
 target_include_directories(tandem_comm PUBLIC ${TANDEM_COMM_ROOT}/src)
 target_compile_options(tandem_comm PRIVATE ${TANDEM_WARNINGS})
-target_link_libraries(tandem_comm PUBLIC tandem_core Threads::Threads)
+target_link_libraries(tandem_comm PUBLIC tandem_comm_base tandem_core Threads::Threads)
 
 if(TANDEM_HAS_CUDA)
   # NOTE: CMake 3.25 knows nvcc's dialect flags only up to C++17, so CMAKE_CUDA_STANDARD 20
@@ -45,7 +58,7 @@ if(TANDEM_HAS_CUDA)
   add_library(tandem_comm_cuda STATIC ${TANDEM_COMM_CUDA_SRCS})
   target_include_directories(tandem_comm_cuda PUBLIC ${TANDEM_COMM_ROOT}/src
                                                      ${TANDEM_NCCL_INCLUDE_DIR})
-  target_link_libraries(tandem_comm_cuda PUBLIC tandem_comm CUDA::cudart ${TANDEM_NCCL_LIBRARY})
+  target_link_libraries(tandem_comm_cuda PUBLIC tandem_comm_base CUDA::cudart ${TANDEM_NCCL_LIBRARY})
   target_compile_options(tandem_comm_cuda PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:${TANDEM_WARNINGS}>
     $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter -lineinfo>)
@@ -63,9 +76,17 @@ if(TANDEM_TESTS AND TARGET GTest::gtest)
   target_compile_options(test_comm PRIVATE ${TANDEM_WARNINGS})
   gtest_discover_tests(test_comm DISCOVERY_TIMEOUT 60)
 
+  # The emulated kernels alone (no Gloo), for the GPU machine's run script and CI.
+  file(GLOB TANDEM_COMM_EMU_SRCS CONFIGURE_DEPENDS ${TANDEM_COMM_ROOT}/tests/comm/test_*emulated*.cpp)
+  add_executable(test_comm_emulated ${TANDEM_COMM_EMU_SRCS})
+  target_link_libraries(test_comm_emulated PRIVATE tandem_core GTest::gtest GTest::gtest_main
+                                                   Threads::Threads)
+  target_include_directories(test_comm_emulated PRIVATE ${TANDEM_COMM_ROOT}/src)
+  target_compile_options(test_comm_emulated PRIVATE ${TANDEM_WARNINGS})
+
   # The kernels' device code emulated on CPU threads under ThreadSanitizer: finds protocol
-  # races (missing barriers, staging reuse) without a GPU. Only the emulation test and core.
-  option(TANDEM_COMM_TSAN "Build test_comm_tsan (all-reduce emulation under TSAN)" ON)
+  # races (missing barriers, staging reuse) without a GPU. Only the emulation tests and core.
+  option(TANDEM_COMM_TSAN "Build test_comm_tsan (all-reduce and MoE emulation under TSAN)" ON)
   if(TANDEM_COMM_TSAN)
     include(CheckCXXSourceCompiles)
     set(CMAKE_REQUIRED_FLAGS -fsanitize=thread)
@@ -75,8 +96,7 @@ if(TANDEM_TESTS AND TARGET GTest::gtest)
     unset(CMAKE_REQUIRED_LINK_OPTIONS)
     if(TANDEM_HAS_TSAN)
       file(GLOB TANDEM_CORE_SRCS_FOR_TSAN CONFIGURE_DEPENDS ${TANDEM_COMM_ROOT}/src/core/*.cpp)
-      add_executable(test_comm_tsan ${TANDEM_COMM_ROOT}/tests/comm/test_all_reduce_emulated.cpp
-                                    ${TANDEM_CORE_SRCS_FOR_TSAN})
+      add_executable(test_comm_tsan ${TANDEM_COMM_EMU_SRCS} ${TANDEM_CORE_SRCS_FOR_TSAN})
       target_include_directories(test_comm_tsan PRIVATE ${TANDEM_COMM_ROOT}/src)
       target_compile_options(test_comm_tsan PRIVATE ${TANDEM_WARNINGS} -fsanitize=thread -O1 -g)
       target_link_options(test_comm_tsan PRIVATE -fsanitize=thread)
@@ -107,4 +127,8 @@ if(TANDEM_HAS_CUDA AND TANDEM_COMM_BENCH)
   add_executable(bench_allreduce ${TANDEM_COMM_ROOT}/bench/comm/bench_allreduce.cpp)
   target_link_libraries(bench_allreduce PRIVATE tandem_comm_cuda)
   target_compile_options(bench_allreduce PRIVATE ${TANDEM_WARNINGS})
+  add_executable(bench_moe ${TANDEM_COMM_ROOT}/bench/comm/bench_moe.cpp)
+  target_link_libraries(bench_moe PRIVATE tandem_comm_cuda)
+  target_include_directories(bench_moe PRIVATE ${TANDEM_COMM_ROOT}/tests/comm/cuda)
+  target_compile_options(bench_moe PRIVATE ${TANDEM_WARNINGS})
 endif()

@@ -11,8 +11,6 @@
 
 #include <atomic>
 #include <barrier>
-#include <bit>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,71 +19,8 @@
 #include <vector>
 
 #include "core/dtype.h"
-
-// ---- the CUDA built-ins the device code uses --------------------------------------------------
-
-#define TANDEM_AR_HOST_EMULATION 1
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __grid_constant__
-#define __launch_bounds__(...)
-
-namespace emu {
-struct Dim {
-  unsigned x = 0, y = 0, z = 0;
-};
-inline thread_local Dim thread_idx, block_idx, block_dim, grid_dim;
-inline thread_local std::barrier<>* block_sync = nullptr;
-}  // namespace emu
-
-#define threadIdx ::emu::thread_idx
-#define blockIdx ::emu::block_idx
-#define blockDim ::emu::block_dim
-#define gridDim ::emu::grid_dim
-
-inline void __syncthreads() { emu::block_sync->arrive_and_wait(); }
-[[noreturn]] inline void __trap() { std::abort(); }
-
-struct alignas(16) uint4 {
-  uint32_t x, y, z, w;
-};
-inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
-struct float2 {
-  float x, y;
-};
-inline float2 make_float2(float x, float y) { return {x, y}; }
-inline float __uint_as_float(uint32_t u) { return std::bit_cast<float>(u); }
-inline uint32_t __float_as_uint(float f) { return std::bit_cast<uint32_t>(f); }
-struct __nv_bfloat16 {
-  uint16_t bits;
-};
-struct alignas(4) __nv_bfloat162 {
-  uint16_t lo, hi;
-};
-inline __nv_bfloat162 __float22bfloat162_rn(float2 f) {
-  return {tandem::f32_to_bf16(f.x), tandem::f32_to_bf16(f.y)};
-}
-inline uint32_t atomicAdd(uint32_t* p, uint32_t v) {
-  return std::atomic_ref<uint32_t>(*p).fetch_add(v, std::memory_order_acq_rel);
-}
-
-namespace tandem::comm::cuda::detail {
-inline void st_release_sys(uint32_t* addr, uint32_t v) {
-  std::atomic_ref<uint32_t>(*addr).store(v, std::memory_order_release);
-}
-inline uint32_t ld_acquire_sys(uint32_t const* addr) {
-  const uint32_t v =
-      std::atomic_ref<uint32_t>(*const_cast<uint32_t*>(addr)).load(std::memory_order_acquire);
-  std::this_thread::yield();  // spinning threads share two cores with everyone else
-  return v;
-}
-inline uint64_t global_timer_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
-}  // namespace tandem::comm::cuda::detail
+// The CUDA built-ins the device code uses (shared with test_moe_emulated.cpp).
+#include "cuda_emulation.h"
 
 #include "comm/cuda/all_reduce_kernels.cuh"
 

@@ -249,6 +249,13 @@ CudaComm::~CudaComm() {
   if (base_ != nullptr) cudaFree(base_);
 }
 
+cuda::AllReduceParams CudaComm::registered_params() const {
+  cuda::AllReduceParams p = params_;
+  for (int q = 0; q < world_size_; ++q)
+    p.data[q] = static_cast<char*>(peer_bases_[q]) + cuda::kSignalBytes + 2 * config_.max_bytes;
+  return p;
+}
+
 AllReduceAlgo CudaComm::choose(size_t bytes, bool aligned) const {
   if (world_size_ < 2 || !aligned || bytes > config_.max_bytes) return AllReduceAlgo::kNccl;
   if (bytes <= config_.one_shot_max_bytes) return AllReduceAlgo::kOneShot;

@@ -82,6 +82,10 @@ class CudaComm {
   void all_reduce_registered(void* output, size_t count, DType dtype, cudaStream_t stream,
                              AllReduceAlgo algo = AllReduceAlgo::kAuto);
 
+  /// Signals and every rank's registered buffer (data[q]), for kernels that fuse their producer
+  /// with the registered one-shot (MoE prefill combine); input, output and count left unset.
+  cuda::AllReduceParams registered_params() const;
+
   /// What kAuto runs for a message of `bytes` (16-byte aligned pointers or not).
   AllReduceAlgo choose(size_t bytes, bool aligned = true) const;
   /// Collective: sets the kAuto thresholds; every rank must pass the same values (checked).
