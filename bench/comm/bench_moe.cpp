@@ -129,8 +129,8 @@ void nccl_exchange(ncclComm_t nc, int rank, int world, const void* sendbuf, void
       TANDEM_NCCL_CHECK(ncclSend(static_cast<const char*>(sendbuf) + stride * p, send_bytes[p],
                                  ncclUint8, p, nc, s));
     if (recv_bytes[p])
-      TANDEM_NCCL_CHECK(ncclRecv(static_cast<char*>(recvbuf) + stride * p, recv_bytes[p], ncclUint8,
-                                 p, nc, s));
+      TANDEM_NCCL_CHECK(
+          ncclRecv(static_cast<char*>(recvbuf) + stride * p, recv_bytes[p], ncclUint8, p, nc, s));
   }
   TANDEM_NCCL_CHECK(ncclGroupEnd());
 }
@@ -150,8 +150,8 @@ int bench_rank(const Options& opt) {
     TANDEM_CUDA_CHECK(cudaGetDeviceProperties(&prop, comm->device()));
     const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
     std::printf("bench_moe: %d ranks, %s (%d SMs), NCCL %d, NCCL_NVLS_ENABLE=%s, trials %d\n", N,
-                prop.name, prop.multiProcessorCount, nccl_runtime_version(), nvls ? nvls : "(unset)",
-                opt.trials);
+                prop.name, prop.multiProcessorCount, nccl_runtime_version(),
+                nvls ? nvls : "(unset)", opt.trials);
     std::fflush(stdout);
   }
 
@@ -159,7 +159,8 @@ int bench_rank(const Options& opt) {
   const int L = E / N;
   std::vector<DecodeRow> rows;
   const std::vector<int> Hs = {2048, 4096};
-  const std::vector<int> Ts = opt.quick ? std::vector<int>{1, 128, 512} : std::vector<int>{1, 8, 32, 128, 512};
+  const std::vector<int> Ts =
+      opt.quick ? std::vector<int>{1, 128, 512} : std::vector<int>{1, 8, 32, 128, 512};
   for (int H : Hs) {
     CudaMoeConfig mc;
     mc.num_experts = E;
@@ -169,8 +170,9 @@ int bench_rank(const Options& opt) {
     CudaMoe moe(*comm, mc);
     mc.payload = cuda::MoePayload::kFP8;
     CudaMoe moe8(*comm, mc);
-    Dev x(size_t(max_tokens) * H * 2), ids(size_t(max_tokens) * k * 4), w(size_t(max_tokens) * k * 4),
-        cnt(16), eo(size_t(moe.max_recv_rows()) * H * 2), out(size_t(max_tokens) * H * 2);
+    Dev x(size_t(max_tokens) * H * 2), ids(size_t(max_tokens) * k * 4),
+        w(size_t(max_tokens) * k * 4), cnt(16), eo(size_t(moe.max_recv_rows()) * H * 2),
+        out(size_t(max_tokens) * H * 2);
     // NCCL buffers: per peer a max-size slot
     const size_t slot_bytes = size_t(max_tokens) * k * H * 2;
     Dev nsend(slot_bytes * N), nrecv(slot_bytes * N);
@@ -213,36 +215,48 @@ int bench_rank(const Options& opt) {
       auto* idp = ids.as<int32_t>();
       auto* wp = w.as<float>();
       auto* cp = cnt.as<int32_t>();
-      r.disp = tm.time([&] {
-        moe.dispatch_send(x.p, idp, wp, cp, s);
-        moe.dispatch_recv(s);
-      }, iters);
+      r.disp = tm.time(
+          [&] {
+            moe.dispatch_send(x.p, idp, wp, cp, s);
+            moe.dispatch_recv(s);
+          },
+          iters);
       // the expert outputs for combine: the stand-in expert on the last dispatch
       cuda::moe_fake_expert_launch(moe.recv_x(), moe.expert_offsets(), moe.row_expert(), eo.p, L, H,
                                    cuda::MoePayload::kBF16, 132, s);
-      r.comb = tm.time([&] {
-        moe.combine_send(eo.p, s);
-        moe.combine_recv(out.p, s);
-      }, iters);
-      r.step = tm.time([&] {
-        moe.dispatch_send(x.p, idp, wp, cp, s);
-        moe.dispatch_recv(s);
-        moe.combine_send(eo.p, s);
-        moe.combine_recv(out.p, s);
-      }, iters);
-      r.disp_fp8 = tm.time([&] {
-        moe8.dispatch_send(x.p, idp, wp, cp, s);
-        moe8.dispatch_recv(s);
-      }, iters);
+      r.comb = tm.time(
+          [&] {
+            moe.combine_send(eo.p, s);
+            moe.combine_recv(out.p, s);
+          },
+          iters);
+      r.step = tm.time(
+          [&] {
+            moe.dispatch_send(x.p, idp, wp, cp, s);
+            moe.dispatch_recv(s);
+            moe.combine_send(eo.p, s);
+            moe.combine_recv(out.p, s);
+          },
+          iters);
+      r.disp_fp8 = tm.time(
+          [&] {
+            moe8.dispatch_send(x.p, idp, wp, cp, s);
+            moe8.dispatch_recv(s);
+          },
+          iters);
       ncclComm_t nc = comm->nccl().get();
-      r.disp_nccl = tm.time([&] { nccl_exchange(nc, rank, N, nsend.p, nrecv.p, d_send, d_recv, slot_bytes, s); },
-                            iters);
-      r.comb_nccl = tm.time([&] { nccl_exchange(nc, rank, N, nsend.p, nrecv.p, c_send, c_recv, slot_bytes, s); },
-                            iters);
+      r.disp_nccl = tm.time(
+          [&] { nccl_exchange(nc, rank, N, nsend.p, nrecv.p, d_send, d_recv, slot_bytes, s); },
+          iters);
+      r.comb_nccl = tm.time(
+          [&] { nccl_exchange(nc, rank, N, nsend.p, nrecv.p, c_send, c_recv, slot_bytes, s); },
+          iters);
       rows.push_back(r);
       if (rank == 0) {
-        std::printf("  T %4d H %d: dispatch %.2f (nccl %.2f) combine %.2f (nccl %.2f) step %.2f fp8-dispatch %.2f us\n",
-                    T, H, r.disp, r.disp_nccl, r.comb, r.comb_nccl, r.step, r.disp_fp8);
+        std::printf(
+            "  T %4d H %d: dispatch %.2f (nccl %.2f) combine %.2f (nccl %.2f) step %.2f "
+            "fp8-dispatch %.2f us\n",
+            T, H, r.disp, r.disp_nccl, r.comb, r.comb_nccl, r.step, r.disp_fp8);
         std::fflush(stdout);
       }
     }
@@ -268,24 +282,54 @@ int bench_rank(const Options& opt) {
     std::vector<uint16_t> tiny(size_t(PT) * PH, f32_to_bf16(1e-30f));
     upload(pbuf.p, tiny);
   }
-  cuda::PrefillDispatchParams dp{px.p, pids.as<int32_t>(), pw.as<float>(), pcnt.as<int32_t>(), pout_x.p,
-                                 poff.as<int32_t>(), prt.as<int32_t>(), prs.as<int32_t>(), prw.as<float>(),
-                                 psr.as<int32_t>(), pscratch.as<int32_t>(), PT, k, PH, rank * L, L};
-  cuda::PrefillCombineParams cpp{peo.p, psr.as<int32_t>(), pids.as<int32_t>(), pw.as<float>(),
-                                 pcnt.as<int32_t>(), pbuf.p, PT, k, PH, 0};
+  cuda::PrefillDispatchParams dp{px.p,
+                                 pids.as<int32_t>(),
+                                 pw.as<float>(),
+                                 pcnt.as<int32_t>(),
+                                 pout_x.p,
+                                 poff.as<int32_t>(),
+                                 prt.as<int32_t>(),
+                                 prs.as<int32_t>(),
+                                 prw.as<float>(),
+                                 psr.as<int32_t>(),
+                                 pscratch.as<int32_t>(),
+                                 PT,
+                                 k,
+                                 PH,
+                                 rank * L,
+                                 L};
+  cuda::PrefillCombineParams cpp{peo.p,
+                                 psr.as<int32_t>(),
+                                 pids.as<int32_t>(),
+                                 pw.as<float>(),
+                                 pcnt.as<int32_t>(),
+                                 pbuf.p,
+                                 PT,
+                                 k,
+                                 PH,
+                                 0};
   const size_t pcount = size_t(PT) * PH;
   const int pit = 5;
   const double p_disp = tm.time([&] { cuda::prefill_dispatch_launch(dp, 264, s); }, pit);
   const double p_local = tm.time([&] { cuda::prefill_combine_launch(cpp, 264, s); }, pit);
   const double p_ours = tm.time(
-      [&] { prefill_combine_all_reduce(*comm, cpp, pout.p, 264, s, AllReduceAlgo::kOneShot, true); }, pit);
+      [&] {
+        prefill_combine_all_reduce(*comm, cpp, pout.p, 264, s, AllReduceAlgo::kOneShot, true);
+      },
+      pit);
   const double p_unfused = tm.time(
-      [&] { prefill_combine_all_reduce(*comm, cpp, pout.p, 264, s, AllReduceAlgo::kOneShot, false); }, pit);
-  const double p_nccl = tm.time([&] { comm->nccl().all_reduce(pbuf.p, pbuf.p, pcount, DType::kBF16, s); }, pit);
-  const double p_local_nccl = tm.time([&] {
-    cuda::prefill_combine_launch(cpp, 264, s);
-    comm->nccl().all_reduce(pbuf.p, pout.p, pcount, DType::kBF16, s);
-  }, pit);
+      [&] {
+        prefill_combine_all_reduce(*comm, cpp, pout.p, 264, s, AllReduceAlgo::kOneShot, false);
+      },
+      pit);
+  const double p_nccl =
+      tm.time([&] { comm->nccl().all_reduce(pbuf.p, pbuf.p, pcount, DType::kBF16, s); }, pit);
+  const double p_local_nccl = tm.time(
+      [&] {
+        cuda::prefill_combine_launch(cpp, 264, s);
+        comm->nccl().all_reduce(pbuf.p, pout.p, pcount, DType::kBF16, s);
+      },
+      pit);
 
   if (rank == 0) {
     if (const char* csv = std::getenv("TANDEM_BENCH_MOE_CSV")) {
@@ -294,11 +338,11 @@ int bench_rank(const Options& opt) {
            "dispatch_MiB,combine_MiB\n";
       for (const auto& r : rows)
         f << r.T << "," << r.H << "," << r.disp << "," << r.disp_nccl << "," << r.comb << ","
-          << r.comb_nccl << "," << r.step << "," << r.disp_fp8 << "," << r.disp_mib << "," << r.comb_mib
-          << "\n";
+          << r.comb_nccl << "," << r.step << "," << r.disp_fp8 << "," << r.disp_mib << ","
+          << r.comb_mib << "\n";
       f << "prefill,4096x4096,dispatch " << p_disp << ",local " << p_local << ",ours " << p_ours
-        << ",ours_unfused " << p_unfused
-        << ",nccl_ar " << p_nccl << ",local+nccl " << p_local_nccl << "\n";
+        << ",ours_unfused " << p_unfused << ",nccl_ar " << p_nccl << ",local+nccl " << p_local_nccl
+        << "\n";
     }
     std::printf("\n== moe targets (decode at 128 tokens x 4096: <= 25 us and <= 0.33x NCCL)\n");
     int misses = 0;
@@ -307,28 +351,34 @@ int bench_rank(const Options& opt) {
       const bool d_ok = r.disp <= 25.0, c_ok = r.comb <= 25.0;
       const bool dr_ok = r.disp / r.disp_nccl <= 0.33, cr_ok = r.comb / r.comb_nccl <= 0.33;
       misses += !d_ok + !c_ok + !dr_ok + !cr_ok;
-      std::printf("  dispatch %.2f us (%s), %.2fx NCCL (%s); combine %.2f us (%s), %.2fx NCCL (%s)\n",
-                  r.disp, d_ok ? "PASS" : "FAIL", r.disp / r.disp_nccl, dr_ok ? "PASS" : "FAIL", r.comb,
-                  c_ok ? "PASS" : "FAIL", r.comb / r.comb_nccl, cr_ok ? "PASS" : "FAIL");
+      std::printf(
+          "  dispatch %.2f us (%s), %.2fx NCCL (%s); combine %.2f us (%s), %.2fx NCCL (%s)\n",
+          r.disp, d_ok ? "PASS" : "FAIL", r.disp / r.disp_nccl, dr_ok ? "PASS" : "FAIL", r.comb,
+          c_ok ? "PASS" : "FAIL", r.comb / r.comb_nccl, cr_ok ? "PASS" : "FAIL");
     }
     std::printf("  %d target misses\n", misses);
-    std::printf("\n== decode dispatch/combine, %d GPUs, top-%d of %d experts, uniform routing, CUDA graph: us "
-                "per call (slowest rank's median)\n", N, k, E);
-    std::printf("%5s %5s %9s %9s %6s %9s %9s %6s %8s %9s %8s %8s\n", "T", "H", "dispatch", "nccl", "ratio",
-                "combine", "nccl", "ratio", "step", "disp-fp8", "d MiB", "c MiB");
+    std::printf(
+        "\n== decode dispatch/combine, %d GPUs, top-%d of %d experts, uniform routing, CUDA graph: "
+        "us "
+        "per call (slowest rank's median)\n",
+        N, k, E);
+    std::printf("%5s %5s %9s %9s %6s %9s %9s %6s %8s %9s %8s %8s\n", "T", "H", "dispatch", "nccl",
+                "ratio", "combine", "nccl", "ratio", "step", "disp-fp8", "d MiB", "c MiB");
     for (const auto& r : rows)
-      std::printf("%5d %5d %9.2f %9.2f %6.2f %9.2f %9.2f %6.2f %8.2f %9.2f %8.2f %8.2f\n", r.T, r.H, r.disp,
-                  r.disp_nccl, r.disp / r.disp_nccl, r.comb, r.comb_nccl, r.comb / r.comb_nccl, r.step,
-                  r.disp_fp8, r.disp_mib, r.comb_mib);
-    std::printf("\n== prefill 4096 tokens x 4096, %d GPUs (bf16, %.0f MiB all-reduced): us per call\n", N,
-                pcount * 2 / 1048576.0);
+      std::printf("%5d %5d %9.2f %9.2f %6.2f %9.2f %9.2f %6.2f %8.2f %9.2f %8.2f %8.2f\n", r.T, r.H,
+                  r.disp, r.disp_nccl, r.disp / r.disp_nccl, r.comb, r.comb_nccl,
+                  r.comb / r.comb_nccl, r.step, r.disp_fp8, r.disp_mib, r.comb_mib);
+    std::printf(
+        "\n== prefill 4096 tokens x 4096, %d GPUs (bf16, %.0f MiB all-reduced): us per call\n", N,
+        pcount * 2 / 1048576.0);
     std::printf("  dispatch (route + gather)            %9.2f\n", p_disp);
     std::printf("  local weighted sum alone             %9.2f\n", p_local);
     std::printf("  ours: fused sum + 1-shot (1 kernel)  %9.2f\n", p_ours);
     std::printf("  ours: sum into registered, 1-shot    %9.2f\n", p_unfused);
-    std::printf("  NCCL all-reduce of the same bytes    %9.2f   (ours / this = %.2f)\n", p_nccl, p_ours / p_nccl);
-    std::printf("  local sum + NCCL all-reduce          %9.2f   (ours / this = %.2f)\n", p_local_nccl,
-                p_ours / p_local_nccl);
+    std::printf("  NCCL all-reduce of the same bytes    %9.2f   (ours / this = %.2f)\n", p_nccl,
+                p_ours / p_nccl);
+    std::printf("  local sum + NCCL all-reduce          %9.2f   (ours / this = %.2f)\n",
+                p_local_nccl, p_ours / p_local_nccl);
     std::fflush(stdout);
   }
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));

@@ -33,7 +33,7 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   int64_t max_position_embeddings = 0;
-  DType dtype = DType::kBF16;  // the checkpoint's declared dtype
+  DType dtype = DType::kBF16;          // the checkpoint's declared dtype
   std::vector<int64_t> eos_token_ids;  // from generation_config.json, else config.json
   int64_t bos_token_id = -1;
 

@@ -20,9 +20,11 @@
 
 #include "core/dtype.h"
 // The CUDA built-ins the device code uses (shared with test_moe_emulated.cpp).
+// NOTE: the emulated built-ins must precede the device code.
+// clang-format off
 #include "cuda_emulation.h"
-
 #include "comm/cuda/all_reduce_kernels.cuh"
+// clang-format on
 
 namespace tandem::comm::cuda {
 namespace {

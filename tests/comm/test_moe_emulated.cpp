@@ -19,9 +19,11 @@
 #include <vector>
 
 #include "core/dtype.h"
+// NOTE: the emulated built-ins must precede the device code.
 // clang-format off
 #include "cuda_emulation.h"
 #include "comm/cuda/moe_kernels.cuh"
+// clang-format on
 #include "cuda/moe_reference.h"
 // clang-format on
 
@@ -137,7 +139,8 @@ void run_decode(const Shape& sh, const std::vector<Step>& steps) {
         p.num_tokens = &counts[i][r];
         std::memset(R.out_x->p, 0xff, size_t(max_rows) * rb);  // poison
         std::fill(R.offsets.begin(), R.offsets.end(), -7);
-        emu::launch(detail::moe_dispatch_send_kernel, sh.send_blocks, kThreads, kMoeSendSmemBytes, p);
+        emu::launch(detail::moe_dispatch_send_kernel, sh.send_blocks, kThreads, kMoeSendSmemBytes,
+                    p);
         emu::launch(detail::moe_dispatch_recv_kernel, sh.recv_blocks, kThreads, kMoeSmemBytes, p);
         Seen& s = seen[i][r];
         s.offsets = R.offsets;
@@ -149,8 +152,8 @@ void run_decode(const Shape& sh, const std::vector<Step>& steps) {
         s.weight.assign(R.row_weight.begin(), R.row_weight.begin() + std::min(rows, max_rows));
         s.rows.assign(R.out_x->p, R.out_x->p + size_t(std::min(rows, max_rows)) * rb);
         if (!steps[i].combine) continue;
-        detail::FakeExpertParams fp{R.out_x->p, R.offsets.data(), R.row_expert.data(), R.eo->p,
-                                    L, H, sh.payload};
+        detail::FakeExpertParams fp{R.out_x->p, R.offsets.data(), R.row_expert.data(), R.eo->p, L,
+                                    H,          sh.payload};
         emu::launch(detail::fake_expert_kernel, 2, kThreads, 0, fp);
         s.out.assign(size_t(sh.max_tokens) * H, 0xffff);
         p.expert_out = R.eo->p;
@@ -182,7 +185,8 @@ void run_decode(const Shape& sh, const std::vector<Step>& steps) {
       ASSERT_EQ(s.weight, ref[r].row_weight) << w;
       ASSERT_TRUE(s.rows == ref[r].rows) << w << ": packed rows differ";
       if (!steps[i].combine) continue;
-      const auto want = moe_ref::to_bf16(moe_ref::decode_combine(steps[i].in, r, sh.experts, ref, eo));
+      const auto want =
+          moe_ref::to_bf16(moe_ref::decode_combine(steps[i].in, r, sh.experts, ref, eo));
       const int T = steps[i].in[r].T;
       for (size_t e = 0; e < want.size(); ++e)
         ASSERT_EQ(s.out[e], want[e]) << w << ": out element " << e << " (token " << e / H << ")";
@@ -287,10 +291,22 @@ TEST(MoeEmulated, PrefillRouteGatherCombine) {
     std::vector<float> row_weight(max_rows, -7.f);
     std::vector<int32_t> scratch(moe_prefill_scratch_ints(c.max_tokens, c.k, L), -7);
     int32_t count = c.T;
-    PrefillDispatchParams p{in.x.data(),      in.ids.data(),   in.w.data(),      c.device_count ? &count : nullptr,
-                            out_x.data(),     offsets.data(),  row_token.data(), row_slot.data(),
-                            row_weight.data(), slot_row.data(), scratch.data(),  c.max_tokens,
-                            c.k,              H,               begin,            L};
+    PrefillDispatchParams p{in.x.data(),
+                            in.ids.data(),
+                            in.w.data(),
+                            c.device_count ? &count : nullptr,
+                            out_x.data(),
+                            offsets.data(),
+                            row_token.data(),
+                            row_slot.data(),
+                            row_weight.data(),
+                            slot_row.data(),
+                            scratch.data(),
+                            c.max_tokens,
+                            c.k,
+                            H,
+                            begin,
+                            L};
     if (!c.device_count) {
       ASSERT_EQ(c.T, c.max_tokens);
     }
@@ -310,8 +326,15 @@ TEST(MoeEmulated, PrefillRouteGatherCombine) {
     const auto want = moe_ref::prefill_combine(in, ref, eo);
     for (int f32 = 0; f32 < 2; ++f32) {
       std::vector<uint8_t> out(size_t(c.max_tokens) * H * (f32 ? 4 : 2), 0xff);
-      PrefillCombineParams cp{eo.data(), slot_row.data(), in.ids.data(), in.w.data(),
-                              c.device_count ? &count : nullptr, out.data(), c.max_tokens, c.k, H,
+      PrefillCombineParams cp{eo.data(),
+                              slot_row.data(),
+                              in.ids.data(),
+                              in.w.data(),
+                              c.device_count ? &count : nullptr,
+                              out.data(),
+                              c.max_tokens,
+                              c.k,
+                              H,
                               f32};
       emu::launch(detail::prefill_combine_kernel, 2, kThreads, 1024, cp);
       for (size_t e = 0; e < want.size(); ++e) {
@@ -344,17 +367,17 @@ void run_fused_prefill(int N, int grid) {
   struct Call {
     Tokens in;
     int f32;
-    std::vector<std::vector<uint16_t>> eo;    // per rank
-    std::vector<std::vector<int32_t>> slot;   // per rank: slot_row
-    std::vector<std::vector<uint8_t>> out;    // per rank
+    std::vector<std::vector<uint16_t>> eo;   // per rank
+    std::vector<std::vector<int32_t>> slot;  // per rank: slot_row
+    std::vector<std::vector<uint8_t>> out;   // per rank
     std::vector<uint8_t> want;
   };
   std::vector<Call> calls;
   const int Ts[] = {40, 17, 0, 33, 1};
   for (int c = 0; c < 5; ++c) {
     Call call;
-    call.in = moe_ref::make_tokens(Ts[c], max_tokens, k, H, E, c == 3 ? RoutingKind::kSkewed : RoutingKind::kRandom,
-                                   900 + c);
+    call.in = moe_ref::make_tokens(Ts[c], max_tokens, k, H, E,
+                                   c == 3 ? RoutingKind::kSkewed : RoutingKind::kRandom, 900 + c);
     call.f32 = c % 2;
     std::vector<float> acc(size_t(max_tokens) * H, 0.f);
     for (int q = 0; q < N; ++q) {
@@ -396,11 +419,21 @@ void run_fused_prefill(int N, int grid) {
         ar.rank = r;
         ar.world_size = N;
         ar.timeout_ns = 120ull * 1000 * 1000 * 1000;
-        PrefillCombineParams cp{call.eo[r].data(), call.slot[r].data(), call.in.ids.data(), call.in.w.data(),
-                                &counts[c], nullptr, max_tokens, k, H, call.f32};
-        emu::launch([](const std::pair<PrefillCombineParams, AllReduceParams>& pa) {
-          detail::prefill_combine_all_reduce_kernel(pa.first, pa.second);
-        }, grid, kThreads, 1024, std::make_pair(cp, ar));
+        PrefillCombineParams cp{call.eo[r].data(),
+                                call.slot[r].data(),
+                                call.in.ids.data(),
+                                call.in.w.data(),
+                                &counts[c],
+                                nullptr,
+                                max_tokens,
+                                k,
+                                H,
+                                call.f32};
+        emu::launch(
+            [](const std::pair<PrefillCombineParams, AllReduceParams>& pa) {
+              detail::prefill_combine_all_reduce_kernel(pa.first, pa.second);
+            },
+            grid, kThreads, 1024, std::make_pair(cp, ar));
       }
     });
   }
@@ -410,7 +443,8 @@ void run_fused_prefill(int N, int grid) {
       const auto& got = calls[c].out[r];
       ASSERT_TRUE(std::equal(calls[c].want.begin(), calls[c].want.end(), got.begin()))
           << "fused prefill combine, " << N << " ranks, call " << c << " rank " << r;
-      for (size_t i = calls[c].want.size(); i < got.size(); ++i) ASSERT_EQ(got[i], 0xff) << "wrote past end";
+      for (size_t i = calls[c].want.size(); i < got.size(); ++i)
+        ASSERT_EQ(got[i], 0xff) << "wrote past end";
     }
 }
 

@@ -14,7 +14,7 @@ TEST(Planner, PrefillFollowsInputRateAndQueue) {
   EXPECT_EQ(plan_replicas(in).prefill_instances, 3);
   in.input_tokens_per_s = 20000;
   EXPECT_EQ(plan_replicas(in).prefill_instances, 2);  // exactly full, no rounding up
-  in.queued_input_tokens = 300000;                     // + 10000 tok/s to drain in 30 s
+  in.queued_input_tokens = 300000;                    // + 10000 tok/s to drain in 30 s
   EXPECT_EQ(plan_replicas(in).prefill_instances, 3);
   in.target_utilisation = 0.5;
   EXPECT_EQ(plan_replicas(in).prefill_instances, 6);

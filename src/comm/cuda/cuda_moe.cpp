@@ -25,7 +25,10 @@ struct MoePeerInfo {
 }  // namespace
 
 CudaMoe::CudaMoe(CudaComm& comm, CudaMoeConfig config)
-    : comm_(comm), config_(config), rank_(comm.rank()), world_(comm.world_size()),
+    : comm_(comm),
+      config_(config),
+      rank_(comm.rank()),
+      world_(comm.world_size()),
       device_(comm.device()) {
   using namespace cuda;
   const CudaMoeConfig& c = config_;
@@ -33,12 +36,14 @@ CudaMoe::CudaMoe(CudaComm& comm, CudaMoeConfig config)
                     "CudaMoe: ", c.num_experts, " experts do not divide over ", world_, " ranks");
   TANDEM_CHECK_KIND(kInvalidArgument, c.num_experts <= kMoeMaxExperts, "CudaMoe: more than ",
                     kMoeMaxExperts, " experts");
-  TANDEM_CHECK_KIND(kInvalidArgument, c.top_k >= 1 && c.top_k <= std::min(kMoeMaxTopK, c.num_experts),
-                    "CudaMoe: top_k ", c.top_k, " out of range");
   TANDEM_CHECK_KIND(kInvalidArgument,
-                    c.hidden > 0 && c.hidden % (c.payload == MoePayload::kFP8 ? kMoeFp8Group : 8) == 0,
-                    "CudaMoe: hidden ", c.hidden, " must be a multiple of ",
-                    c.payload == MoePayload::kFP8 ? kMoeFp8Group : 8);
+                    c.top_k >= 1 && c.top_k <= std::min(kMoeMaxTopK, c.num_experts),
+                    "CudaMoe: top_k ", c.top_k, " out of range");
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      c.hidden > 0 && c.hidden % (c.payload == MoePayload::kFP8 ? kMoeFp8Group : 8) == 0,
+      "CudaMoe: hidden ", c.hidden, " must be a multiple of ",
+      c.payload == MoePayload::kFP8 ? kMoeFp8Group : 8);
   TANDEM_CHECK_KIND(kInvalidArgument, c.max_tokens >= 1, "CudaMoe: max_tokens must be >= 1");
   TANDEM_CHECK_KIND(kUnsupported, world_ <= kMaxRanks, "CudaMoe: world size ", world_, " > ",
                     kMaxRanks);
@@ -83,7 +88,8 @@ CudaMoe::CudaMoe(CudaComm& comm, CudaMoeConfig config)
     const bool same = p.num_experts == mine.num_experts && p.hidden == mine.hidden &&
                       p.top_k == mine.top_k && p.max_tokens == mine.max_tokens &&
                       p.payload == mine.payload && p.send_blocks == mine.send_blocks &&
-                      p.total_bytes == mine.total_bytes && p.spin_timeout_ms == mine.spin_timeout_ms;
+                      p.total_bytes == mine.total_bytes &&
+                      p.spin_timeout_ms == mine.spin_timeout_ms;
     if (!same && mismatch < 0) mismatch = q;
   }
   if (mismatch >= 0) {  // every rank sees it: all throw, nothing is mapped yet
@@ -187,8 +193,8 @@ void CudaMoe::combine_recv(void* out, cudaStream_t stream, bool out_f32) {
   cuda::moe_decode_launch(cuda::kMoeCombineRecv, params_, recv_blocks_, stream);
 }
 
-void prefill_combine_all_reduce(CudaComm& comm, cuda::PrefillCombineParams p, void* out,
-                                int blocks, cudaStream_t stream, AllReduceAlgo algo, bool fused) {
+void prefill_combine_all_reduce(CudaComm& comm, cuda::PrefillCombineParams p, void* out, int blocks,
+                                cudaStream_t stream, AllReduceAlgo algo, bool fused) {
   const DType dt = p.out_f32 ? DType::kF32 : DType::kBF16;
   const size_t count = size_t(p.max_tokens) * p.hidden;
   TANDEM_CHECK_KIND(kInvalidArgument, count * dtype_size(dt) <= comm.registered_bytes(),
@@ -202,8 +208,8 @@ void prefill_combine_all_reduce(CudaComm& comm, cuda::PrefillCombineParams p, vo
     ar.input = nullptr;
     ar.output = out;
     ar.count = count;
-    cuda::prefill_combine_all_reduce_launch(p, ar, std::max(1, std::min(blocks, comm.config().max_blocks)),
-                                            stream);
+    cuda::prefill_combine_all_reduce_launch(
+        p, ar, std::max(1, std::min(blocks, comm.config().max_blocks)), stream);
     return;
   }
   p.out = comm.registered_input();

@@ -5,10 +5,10 @@
 // after the previous in stream order; token counts live on the device, so a whole step can be
 // captured in a CUDA graph:
 //   moe.dispatch_send(x, topk_ids, topk_weights, d_num_tokens, s);  // push rows out
-//   moe.dispatch_recv(s);         // wait, pack per local expert: recv_x(), expert_offsets(), row_*()
-//   experts(moe.recv_x(), moe.expert_offsets()) -> expert_out   // [rows, H] bf16, unweighted
-//   moe.combine_send(expert_out, s);
-//   moe.combine_recv(out, s);     // out[t] = sum_j w[t][j] * expert_out(t, j), ascending expert, fp32
+//   moe.dispatch_recv(s);         // wait, pack per local expert: recv_x(), expert_offsets(),
+//   row_*() experts(moe.recv_x(), moe.expert_offsets()) -> expert_out   // [rows, H] bf16,
+//   unweighted moe.combine_send(expert_out, s); moe.combine_recv(out, s);     // out[t] = sum_j
+//   w[t][j] * expert_out(t, j), ascending expert, fp32
 // x, topk_ids, topk_weights and num_tokens must stay valid until combine_recv (it re-reads them).
 // The halves can be put on other streams to overlap compute, as long as each starts after the
 // previous call of this list completed (events).
@@ -34,10 +34,10 @@ struct CudaMoeConfig {
   int num_experts = 128;  // E, divisible by the world size
   int hidden = 4096;      // H: multiple of 8 (bf16) or of 128 (fp8)
   int top_k = 8;
-  int max_tokens = 256;   // per rank
+  int max_tokens = 256;  // per rank
   cuda::MoePayload payload = cuda::MoePayload::kBF16;
-  int send_blocks = 0;    // grid of the send kernels; 0: min(SMs, max_tokens + 1); same on all ranks
-  int recv_blocks = 0;    // grid of the receive kernels; 0: SMs
+  int send_blocks = 0;  // grid of the send kernels; 0: min(SMs, max_tokens + 1); same on all ranks
+  int recv_blocks = 0;  // grid of the receive kernels; 0: SMs
   std::chrono::milliseconds spin_timeout{std::chrono::seconds(20)};
 };
 
@@ -92,8 +92,8 @@ class CudaMoe {
 /// one kernel (the weighted local sums go into the registered buffer, then the one-shot reduce
 /// of the same tokens; blocks capped at comm's max_blocks). Otherwise: the weighted sums into
 /// comm.registered_input(), then all_reduce_registered(algo).
-void prefill_combine_all_reduce(CudaComm& comm, cuda::PrefillCombineParams p, void* out,
-                                int blocks, cudaStream_t stream,
-                                AllReduceAlgo algo = AllReduceAlgo::kAuto, bool fused = true);
+void prefill_combine_all_reduce(CudaComm& comm, cuda::PrefillCombineParams p, void* out, int blocks,
+                                cudaStream_t stream, AllReduceAlgo algo = AllReduceAlgo::kAuto,
+                                bool fused = true);
 
 }  // namespace tandem::comm

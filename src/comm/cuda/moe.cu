@@ -27,7 +27,8 @@ void prefill_dispatch_launch(PrefillDispatchParams const& p, int blocks, cudaStr
   const int tiles = (p.max_tokens + kMoePrefillTile - 1) / kMoePrefillTile;
   detail::prefill_count_kernel<<<tiles, kMoeThreads, kMoePrefillSmemBytes, stream>>>(p);
   TANDEM_CUDA_CHECK_LAUNCH();
-  detail::prefill_scan_kernel<<<1, kMoeThreads, size_t(p.local_experts + 8 + kMoeThreads) * 4, stream>>>(p);
+  detail::prefill_scan_kernel<<<1, kMoeThreads, size_t(p.local_experts + 8 + kMoeThreads) * 4,
+                                stream>>>(p);
   TANDEM_CUDA_CHECK_LAUNCH();
   detail::prefill_gather_kernel<<<blocks, kMoeThreads, 1024, stream>>>(p);
   TANDEM_CUDA_CHECK_LAUNCH();
@@ -66,7 +67,8 @@ void moe_decode_launch(MoeKind kind, MoeDecodeParams const& p, int blocks, cudaS
   }
   switch (kind) {
     case kMoeDispatchSend:
-      detail::moe_dispatch_send_kernel<<<p.send_blocks, kMoeThreads, kMoeSendSmemBytes, stream>>>(p);
+      detail::moe_dispatch_send_kernel<<<p.send_blocks, kMoeThreads, kMoeSendSmemBytes, stream>>>(
+          p);
       break;
     case kMoeDispatchRecv:
       detail::moe_dispatch_recv_kernel<<<blocks, kMoeThreads, kMoeSmemBytes, stream>>>(p);
@@ -81,9 +83,9 @@ void moe_decode_launch(MoeKind kind, MoeDecodeParams const& p, int blocks, cudaS
   TANDEM_CUDA_CHECK_LAUNCH();
 }
 
-void moe_fake_expert_launch(void const* x, int32_t const* expert_offsets,
-                            int32_t const* row_expert, void* out, int local_experts, int hidden,
-                            MoePayload payload, int blocks, cudaStream_t stream) {
+void moe_fake_expert_launch(void const* x, int32_t const* expert_offsets, int32_t const* row_expert,
+                            void* out, int local_experts, int hidden, MoePayload payload,
+                            int blocks, cudaStream_t stream) {
   detail::FakeExpertParams p{x, expert_offsets, row_expert, out, local_experts, hidden, payload};
   detail::fake_expert_kernel<<<blocks, kMoeThreads, 0, stream>>>(p);
   TANDEM_CUDA_CHECK_LAUNCH();

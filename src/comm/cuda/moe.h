@@ -30,8 +30,8 @@ void moe_decode_launch(MoeKind kind, MoeDecodeParams const& p, int blocks, cudaS
 
 /// Test / benchmark stand-in for the experts: out[r] = bf16(dequant(x[r]) * (1 + (e % 7) / 4)),
 /// e = row_expert[r], for r < expert_offsets[L].
-void moe_fake_expert_launch(void const* x, int32_t const* expert_offsets,
-                            int32_t const* row_expert, void* out, int local_experts, int hidden,
-                            MoePayload payload, int blocks, cudaStream_t stream);
+void moe_fake_expert_launch(void const* x, int32_t const* expert_offsets, int32_t const* row_expert,
+                            void* out, int local_experts, int hidden, MoePayload payload,
+                            int blocks, cudaStream_t stream);
 
 }  // namespace tandem::comm::cuda

@@ -151,13 +151,15 @@ __device__ __forceinline__ void fma_bf16x8(float (&acc)[8], float w, uint4 const
 __device__ __forceinline__ void store_chunk(void* out, size_t row, int hidden, int c, int out_f32,
                                             float const (&acc)[8]) {
   if (out_f32) {
-    auto* o = reinterpret_cast<uint4*>(static_cast<char*>(out) + (row * hidden + size_t(c) * 8) * 4);
+    auto* o =
+        reinterpret_cast<uint4*>(static_cast<char*>(out) + (row * hidden + size_t(c) * 8) * 4);
     float a0[4] = {acc[0], acc[1], acc[2], acc[3]};
     float a1[4] = {acc[4], acc[5], acc[6], acc[7]};
     o[0] = pack<float>(a0);
     o[1] = pack<float>(a1);
   } else {
-    auto* o = reinterpret_cast<uint4*>(static_cast<char*>(out) + (row * hidden + size_t(c) * 8) * 2);
+    auto* o =
+        reinterpret_cast<uint4*>(static_cast<char*>(out) + (row * hidden + size_t(c) * 8) * 2);
     *o = pack<__nv_bfloat16>(acc);
   }
 }
@@ -171,13 +173,14 @@ __device__ __forceinline__ int prefill_tokens(int32_t const* count, int max_toke
 
 /// Block b: counting sort of tile b's pairs by local expert: each pair's rank in its expert
 /// within the tile (scratch[t * k + j]) and the tile's count per expert (scratch tail [b][L]).
-__global__ void __launch_bounds__(256) prefill_count_kernel(__grid_constant__ const PrefillDispatchParams p) {
+__global__ void __launch_bounds__(256)
+    prefill_count_kernel(__grid_constant__ const PrefillDispatchParams p) {
   const int k = p.top_k, L = p.local_experts, nt = static_cast<int>(blockDim.x);
   const int V = prefill_tokens(p.num_tokens, p.max_tokens);
   const int t0 = static_cast<int>(blockIdx.x) * kMoePrefillTile;
   const int n = moe_max(0, moe_min(V - t0, kMoePrefillTile));
-  int* start = reinterpret_cast<int*>(moe_smem());                 // [L + 1]
-  int* sids = start + moe_align(L + 1, 4);                          // [tile * k] local expert or -1
+  int* start = reinterpret_cast<int*>(moe_smem());  // [L + 1]
+  int* sids = start + moe_align(L + 1, 4);          // [tile * k] local expert or -1
   int* area = sids + moe_align(size_t(kMoePrefillTile) * k, 4);
   const int area_ints = kMoePrefillSmemBytes / 4 - static_cast<int>(area - start);
   const int tile_pairs = moe_min(kMoePrefillTile, p.max_tokens - t0) * k;
@@ -199,11 +202,12 @@ __global__ void __launch_bounds__(256) prefill_count_kernel(__grid_constant__ co
 }
 
 /// One block: tile counts -> tile bases, expert offsets.
-__global__ void __launch_bounds__(256) prefill_scan_kernel(__grid_constant__ const PrefillDispatchParams p) {
+__global__ void __launch_bounds__(256)
+    prefill_scan_kernel(__grid_constant__ const PrefillDispatchParams p) {
   const int L = p.local_experts, nt = static_cast<int>(blockDim.x);
   const int tiles = (p.max_tokens + kMoePrefillTile - 1) / kMoePrefillTile;
-  int* offs = reinterpret_cast<int*>(moe_smem());  // [L + 1]
-  int* tmp = offs + moe_align(L + 1, 4);            // [blockDim]
+  int* offs = reinterpret_cast<int*>(moe_smem());             // [L + 1]
+  int* tmp = offs + moe_align(L + 1, 4);                      // [blockDim]
   int32_t* cnt = p.scratch + size_t(p.max_tokens) * p.top_k;  // [tiles][L]
   for (int e = threadIdx.x; e < L; e += nt) {
     int run = 0;
@@ -224,7 +228,8 @@ __global__ void __launch_bounds__(256) prefill_scan_kernel(__grid_constant__ con
 }
 
 /// Per token (a group of threads each): its local pairs' rows (metadata, slot map), row copies.
-__global__ void __launch_bounds__(256) prefill_gather_kernel(__grid_constant__ const PrefillDispatchParams p) {
+__global__ void __launch_bounds__(256)
+    prefill_gather_kernel(__grid_constant__ const PrefillDispatchParams p) {
   const int k = p.top_k, L = p.local_experts, chunks = p.hidden / 8;
   const int V = prefill_tokens(p.num_tokens, p.max_tokens);
   const int G = moe_groups(V, moe_max(k, 8)), gs = static_cast<int>(blockDim.x) / G;
@@ -283,14 +288,16 @@ __device__ __forceinline__ void weighted_sum_chunk(float (&acc)[8], int n, int c
 
 /// Per token (a group of threads each): the local pairs' weighted outputs in ascending expert
 /// id (fp32); every row of out written (zeros past T).
-__global__ void __launch_bounds__(256) prefill_combine_kernel(__grid_constant__ const PrefillCombineParams p) {
+__global__ void __launch_bounds__(256)
+    prefill_combine_kernel(__grid_constant__ const PrefillCombineParams p) {
   const int k = p.top_k, chunks = p.hidden / 8;
   const int T = prefill_tokens(p.num_tokens, p.max_tokens);
   const int G = moe_groups(p.max_tokens, moe_max(k, 8)), gs = static_cast<int>(blockDim.x) / G;
   const int g = static_cast<int>(threadIdx.x) / gs, gt = static_cast<int>(threadIdx.x) % gs;
   int* ord = reinterpret_cast<int*>(moe_smem()) + g * kMoeMaxTopK;  // [groups][kMoeMaxTopK]
   auto const* eo = static_cast<uint4 const*>(p.expert_out);
-  for (int t0 = static_cast<int>(blockIdx.x) * G; t0 < p.max_tokens; t0 += static_cast<int>(gridDim.x) * G) {
+  for (int t0 = static_cast<int>(blockIdx.x) * G; t0 < p.max_tokens;
+       t0 += static_cast<int>(gridDim.x) * G) {
     const int t = t0 + g;
     const bool act = t < p.max_tokens;
     int32_t const* srow = p.slot_row + size_t(t) * k;
@@ -330,10 +337,12 @@ __device__ inline void moe_ar_barrier(AllReduceParams const& p, uint32_t epoch) 
       const uint64_t start = global_timer_ns();
       uint32_t spins = 0, seen;
       while (!reached(seen = ld_acquire_sys(mine), epoch)) {
-        if (p.timeout_ns != 0 && (++spins & 1023u) == 0 && global_timer_ns() - start > p.timeout_ns) {
-          printf("tandem moe prefill combine: rank %d block %d gave up waiting for rank %d (epoch %u, "
-                 "flag %u): a peer died or the ranks' calls differ\n",
-                 p.rank, static_cast<int>(blockIdx.x), t, epoch, seen);
+        if (p.timeout_ns != 0 && (++spins & 1023u) == 0 &&
+            global_timer_ns() - start > p.timeout_ns) {
+          printf(
+              "tandem moe prefill combine: rank %d block %d gave up waiting for rank %d (epoch %u, "
+              "flag %u): a peer died or the ranks' calls differ\n",
+              p.rank, static_cast<int>(blockIdx.x), t, epoch, seen);
           __trap();
         }
       }
@@ -348,8 +357,9 @@ __device__ inline void moe_ar_barrier(AllReduceParams const& p, uint32_t epoch) 
 /// ar.output, and meets them again (nobody overwrites a buffer a peer still reads). Every rank
 /// runs the same grid; all blocks must be resident (they spin on their peers), as in the
 /// all-reduce whose per-block epochs (Signal::epoch) this shares.
-__global__ void __launch_bounds__(256) prefill_combine_all_reduce_kernel(
-    __grid_constant__ const PrefillCombineParams c, __grid_constant__ const AllReduceParams ar) {
+__global__ void __launch_bounds__(256)
+    prefill_combine_all_reduce_kernel(__grid_constant__ const PrefillCombineParams c,
+                                      __grid_constant__ const AllReduceParams ar) {
   const int k = c.top_k, chunks = c.hidden / 8, N = ar.world_size;
   const int T = prefill_tokens(c.num_tokens, c.max_tokens);
   const int G = moe_groups(c.max_tokens, moe_max(k, 8)), gs = static_cast<int>(blockDim.x) / G;
@@ -390,7 +400,7 @@ __global__ void __launch_bounds__(256) prefill_combine_all_reduce_kernel(
   moe_ar_barrier(ar, ++epoch);
   // 3. sum them in rank order (fp32, rounded once), the same tokens again
   const size_t esz = c.out_f32 ? 4 : 2;
-  const int vec = c.out_f32 ? 4 : 8;                 // elements per 16 bytes
+  const int vec = c.out_f32 ? 4 : 8;  // elements per 16 bytes
   const int vchunks = c.hidden / vec;
   for (int t0 = static_cast<int>(blockIdx.x) * G; t0 < c.max_tokens; t0 += step) {
     const int t = t0 + g;
@@ -399,15 +409,19 @@ __global__ void __launch_bounds__(256) prefill_combine_all_reduce_kernel(
         const size_t off = (size_t(t) * c.hidden + size_t(ch) * vec) * esz;
         if (c.out_f32) {
           float acc[4];
-          accumulate<float, true>(acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[0]) + off));
+          accumulate<float, true>(
+              acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[0]) + off));
           for (int q = 1; q < N; ++q)
-            accumulate<float, false>(acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[q]) + off));
+            accumulate<float, false>(
+                acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[q]) + off));
           *reinterpret_cast<uint4*>(static_cast<char*>(ar.output) + off) = pack<float>(acc);
         } else {
           float acc[8];
-          accumulate<__nv_bfloat16, true>(acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[0]) + off));
+          accumulate<__nv_bfloat16, true>(
+              acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[0]) + off));
           for (int q = 1; q < N; ++q)
-            accumulate<__nv_bfloat16, false>(acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[q]) + off));
+            accumulate<__nv_bfloat16, false>(
+                acc, *reinterpret_cast<uint4 const*>(static_cast<char const*>(ar.data[q]) + off));
           *reinterpret_cast<uint4*>(static_cast<char*>(ar.output) + off) = pack<__nv_bfloat16>(acc);
         }
       }
@@ -436,10 +450,11 @@ __device__ inline void moe_wait_all(MoeDecodeParams const& p, bool combine, uint
       uint32_t spins = 0, seen;
       while (!reached(seen = ld_acquire_sys(f), epoch)) {
         if (p.timeout_ns != 0 && (++spins & 1023u) == 0 && global_timer_ns() - t0 > p.timeout_ns) {
-          printf("tandem moe %s: rank %d block %d gave up waiting for rank %d block %d (epoch %u, "
-                 "flag %u): a peer died or the ranks' calls differ\n",
-                 combine ? "combine" : "dispatch", p.rank, static_cast<int>(blockIdx.x), src, b,
-                 epoch, seen);
+          printf(
+              "tandem moe %s: rank %d block %d gave up waiting for rank %d block %d (epoch %u, "
+              "flag %u): a peer died or the ranks' calls differ\n",
+              combine ? "combine" : "dispatch", p.rank, static_cast<int>(blockIdx.x), src, b, epoch,
+              seen);
           __trap();
         }
       }
@@ -453,8 +468,8 @@ __device__ inline void moe_release_all(MoeDecodeParams const& p, bool combine, u
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < p.world_size) {
     MoeSignal* peer = moe_signal(p, static_cast<int>(threadIdx.x));
-    st_release_sys(combine ? &peer->combine[blockIdx.x][p.rank] : &peer->dispatch[blockIdx.x][p.rank],
-                   epoch);
+    st_release_sys(
+        combine ? &peer->combine[blockIdx.x][p.rank] : &peer->dispatch[blockIdx.x][p.rank], epoch);
   }
 }
 
@@ -473,12 +488,14 @@ __device__ inline void moe_finish(MoeSignal* self, int kind, uint32_t epoch) {
 /// Bit d set when token t has an expert on rank d.
 __device__ __forceinline__ uint32_t moe_dest_mask(MoeDecodeParams const& p, int t) {
   uint32_t m = 0;
-  for (int j = 0; j < p.top_k; ++j) m |= 1u << (p.topk_ids[size_t(t) * p.top_k + j] / p.local_experts);
+  for (int j = 0; j < p.top_k; ++j)
+    m |= 1u << (p.topk_ids[size_t(t) * p.top_k + j] / p.local_experts);
   return m;
 }
 
 /// dispatch_send: block 0 routes and pushes counts + routing rows, the others push payload rows.
-__global__ void __launch_bounds__(256) moe_dispatch_send_kernel(__grid_constant__ const MoeDecodeParams p) {
+__global__ void __launch_bounds__(256)
+    moe_dispatch_send_kernel(__grid_constant__ const MoeDecodeParams p) {
   MoeSignal* self = moe_signal(p, p.rank);
   const uint32_t calls = self->calls[kMoeDispatchSend];
   const uint32_t epoch = calls + 1, par = calls & 1u;
@@ -493,8 +510,8 @@ __global__ void __launch_bounds__(256) moe_dispatch_send_kernel(__grid_constant_
     int* cur = estart + moe_align(E + 1, 4);
     const size_t tk = moe_align(size_t(T) * k, 4);
     // Stage the routing in shared memory when it fits (else read it from global memory).
-    const bool staged = moe_align(E + 1, 4) + 3 * tk + moe_align(T, 4) + 4 * size_t(E) + nt <=
-                        size_t(budget);
+    const bool staged =
+        moe_align(E + 1, 4) + 3 * tk + moe_align(T, 4) + 4 * size_t(E) + nt <= size_t(budget);
     int32_t const* ids = p.topk_ids;
     float const* wts = p.topk_weights;
     int32_t* rk = p.rank_scratch;
@@ -525,7 +542,7 @@ __global__ void __launch_bounds__(256) moe_dispatch_send_kernel(__grid_constant_
     const int TW = (T + 31) / 32;
     if (staged && size_t(E) * TW + nt <= size_t(area_ints)) {
       auto* bits = reinterpret_cast<uint32_t*>(cur);  // [E][TW]
-      int* tmp = cur + size_t(E) * TW;                 // [blockDim]
+      int* tmp = cur + size_t(E) * TW;                // [blockDim]
       for (int i = threadIdx.x; i < E * TW; i += nt) bits[i] = 0;
       __syncthreads();
       for (int i = threadIdx.x; i < T * k; i += nt) {
@@ -575,16 +592,19 @@ __global__ void __launch_bounds__(256) moe_dispatch_send_kernel(__grid_constant_
       } else {
         for (int j = 0; j < k; ++j) mask |= 1u << (ids[size_t(v) * k + j] / L);
       }
-      const uint4 val = make_uint4(word(v, 4 * q), word(v, 4 * q + 1), word(v, 4 * q + 2), word(v, 4 * q + 3));
+      const uint4 val =
+          make_uint4(word(v, 4 * q), word(v, 4 * q + 1), word(v, 4 * q + 2), word(v, 4 * q + 3));
       for (int d = 0; d < N; ++d)
         if (mask >> d & 1u)
-          reinterpret_cast<uint4*>(p.peer[d] + moff + (size_t(p.rank) * p.max_tokens + v) * meta_bytes)[q] = val;
+          reinterpret_cast<uint4*>(p.peer[d] + moff +
+                                   (size_t(p.rank) * p.max_tokens + v) * meta_bytes)[q] = val;
     }
     // 3. per destination: its local experts' counts and this rank's token count
     for (int i = threadIdx.x; i < N * (L + 1); i += nt) {
       const int d = i / (L + 1), e = i % (L + 1);
-      auto* cnt = reinterpret_cast<int32_t*>(p.peer[d] + p.layout.counts + par * p.layout.counts_parity) +
-                  size_t(p.rank) * (L + 1);
+      auto* cnt =
+          reinterpret_cast<int32_t*>(p.peer[d] + p.layout.counts + par * p.layout.counts_parity) +
+          size_t(p.rank) * (L + 1);
       cnt[e] = e < L ? estart[d * L + e + 1] - estart[d * L + e] : T;
     }
   }
@@ -631,8 +651,7 @@ __global__ void __launch_bounds__(256) moe_dispatch_send_kernel(__grid_constant_
                 reinterpret_cast<uint4*>(p.peer[d] + dst_off + size_t(g) * kMoeFp8Group)[c] = q;
           }
           for (int d = 0; d < N; ++d)
-            if (mask >> d & 1u)
-              reinterpret_cast<float*>(p.peer[d] + dst_off + p.hidden)[g] = scale;
+            if (mask >> d & 1u) reinterpret_cast<float*>(p.peer[d] + dst_off + p.hidden)[g] = scale;
         }
       }
     }
@@ -642,7 +661,8 @@ __global__ void __launch_bounds__(256) moe_dispatch_send_kernel(__grid_constant_
 }
 
 /// dispatch_recv: waits for every source, then packs the received rows per local expert.
-__global__ void __launch_bounds__(256) moe_dispatch_recv_kernel(__grid_constant__ const MoeDecodeParams p) {
+__global__ void __launch_bounds__(256)
+    moe_dispatch_recv_kernel(__grid_constant__ const MoeDecodeParams p) {
   MoeSignal* self = moe_signal(p, p.rank);
   const uint32_t calls = self->calls[kMoeDispatchRecv];
   const uint32_t epoch = calls + 1, par = calls & 1u;
@@ -652,10 +672,10 @@ __global__ void __launch_bounds__(256) moe_dispatch_recv_kernel(__grid_constant_
   const int e_begin = p.rank * L;
 
   int* base = reinterpret_cast<int*>(moe_smem());  // [N][L + 1]: counts, then first row of (s, e)
-  int* offs = base + moe_align(N * (L + 1), 4);     // [L + 1]
-  int* istart = offs + moe_align(L + 1, 4);         // [N + 1] first item of each source
-  int* pos = istart + moe_align(N + 1, 4);          // [groups][kMoeMaxTopK] packed row of each slot
-  int* tmp = pos + kMoeMaxGroups * kMoeMaxTopK;     // [blockDim]
+  int* offs = base + moe_align(N * (L + 1), 4);    // [L + 1]
+  int* istart = offs + moe_align(L + 1, 4);        // [N + 1] first item of each source
+  int* pos = istart + moe_align(N + 1, 4);         // [groups][kMoeMaxTopK] packed row of each slot
+  int* tmp = pos + kMoeMaxGroups * kMoeMaxTopK;    // [blockDim]
 
   moe_wait_all(p, false, epoch);
 
@@ -696,7 +716,8 @@ __global__ void __launch_bounds__(256) moe_dispatch_recv_kernel(__grid_constant_
   const int G = moe_groups(items, moe_max(k, 8)), gs = static_cast<int>(blockDim.x) / G;
   const int g = static_cast<int>(threadIdx.x) / gs, gt = static_cast<int>(threadIdx.x) % gs;
   int* gpos = pos + g * kMoeMaxTopK;
-  for (int it0 = static_cast<int>(blockIdx.x) * G; it0 < items; it0 += static_cast<int>(gridDim.x) * G) {
+  for (int it0 = static_cast<int>(blockIdx.x) * G; it0 < items;
+       it0 += static_cast<int>(gridDim.x) * G) {
     const int it = it0 + g;
     int s = 0, t = 0;
     bool act = false;
@@ -704,7 +725,8 @@ __global__ void __launch_bounds__(256) moe_dispatch_recv_kernel(__grid_constant_
     if (it < items) {
       while (s + 1 < N && istart[s + 1] <= it) ++s;
       t = it - istart[s];
-      m = reinterpret_cast<int32_t const*>(p.peer[p.rank] + p.layout.meta + par * p.layout.meta_parity +
+      m = reinterpret_cast<int32_t const*>(p.peer[p.rank] + p.layout.meta +
+                                           par * p.layout.meta_parity +
                                            (size_t(s) * p.max_tokens + t) * meta_bytes);
       act = static_cast<uint32_t>(m[1]) == epoch;  // else not sent here this call
     }
@@ -730,7 +752,8 @@ __global__ void __launch_bounds__(256) moe_dispatch_recv_kernel(__grid_constant_
         const uint4 v = src[c];
         for (int q = 0; q < k; ++q)
           if (gpos[q] >= 0)
-            reinterpret_cast<uint4*>(static_cast<char*>(p.out_x) + size_t(gpos[q]) * row_bytes)[c] = v;
+            reinterpret_cast<uint4*>(static_cast<char*>(p.out_x) + size_t(gpos[q]) * row_bytes)[c] =
+                v;
       }
     }
     __syncthreads();  // gpos is rewritten for the next round
@@ -739,7 +762,8 @@ __global__ void __launch_bounds__(256) moe_dispatch_recv_kernel(__grid_constant_
 }
 
 /// combine_send: every packed row's expert output to its home rank at (token, slot).
-__global__ void __launch_bounds__(256) moe_combine_send_kernel(__grid_constant__ const MoeDecodeParams p) {
+__global__ void __launch_bounds__(256)
+    moe_combine_send_kernel(__grid_constant__ const MoeDecodeParams p) {
   MoeSignal* self = moe_signal(p, p.rank);
   const uint32_t calls = self->calls[kMoeCombineSend];
   const uint32_t epoch = calls + 1, par = calls & 1u;
@@ -760,7 +784,8 @@ __global__ void __launch_bounds__(256) moe_combine_send_kernel(__grid_constant__
 }
 
 /// combine_recv: waits for every expert rank, then the weighted sum per token, ascending expert.
-__global__ void __launch_bounds__(256) moe_combine_recv_kernel(__grid_constant__ const MoeDecodeParams p) {
+__global__ void __launch_bounds__(256)
+    moe_combine_recv_kernel(__grid_constant__ const MoeDecodeParams p) {
   MoeSignal* self = moe_signal(p, p.rank);
   const uint32_t calls = self->calls[kMoeCombineRecv];
   const uint32_t epoch = calls + 1, par = calls & 1u;
@@ -770,7 +795,8 @@ __global__ void __launch_bounds__(256) moe_combine_recv_kernel(__grid_constant__
   const int g = static_cast<int>(threadIdx.x) / gs, gt = static_cast<int>(threadIdx.x) % gs;
   int* ord = reinterpret_cast<int*>(moe_smem()) + g * kMoeMaxTopK;  // [groups][kMoeMaxTopK]
   moe_wait_all(p, true, epoch);
-  auto const* cb = reinterpret_cast<uint4 const*>(p.peer[p.rank] + p.layout.cbuf + par * p.layout.cbuf_parity);
+  auto const* cb =
+      reinterpret_cast<uint4 const*>(p.peer[p.rank] + p.layout.cbuf + par * p.layout.cbuf_parity);
   for (int t0 = static_cast<int>(blockIdx.x) * G; t0 < T; t0 += static_cast<int>(gridDim.x) * G) {
     const int t = t0 + g;
     const bool act = t < T;
@@ -801,10 +827,10 @@ __global__ void __launch_bounds__(256) moe_combine_recv_kernel(__grid_constant__
 /// A stand-in expert for tests and benchmarks: out[r][i] = bf16(dequant(x[r][i]) * f(e)) with
 /// f(e) = 1 + (e % 7) / 4, e = row_expert[r] (exact in fp32, so a CPU can reproduce it).
 struct FakeExpertParams {
-  void const* x;               // [rows, row_bytes] dispatch output
+  void const* x;                  // [rows, row_bytes] dispatch output
   int32_t const* expert_offsets;  // [L + 1]
-  int32_t const* row_expert;   // [rows]
-  void* out;                   // bf16 [rows, H]
+  int32_t const* row_expert;      // [rows]
+  void* out;                      // bf16 [rows, H]
   int local_experts;
   int hidden;
   MoePayload payload;
@@ -812,7 +838,8 @@ struct FakeExpertParams {
 
 __device__ __forceinline__ float fake_expert_factor(int e) { return 1.f + float(e % 7) * 0.25f; }
 
-__global__ void __launch_bounds__(256) fake_expert_kernel(__grid_constant__ const FakeExpertParams p) {
+__global__ void __launch_bounds__(256)
+    fake_expert_kernel(__grid_constant__ const FakeExpertParams p) {
   const int rows = p.expert_offsets[p.local_experts];
   const size_t row_bytes = moe_row_bytes(p.payload, p.hidden);
   const int chunks = p.hidden / 8;
@@ -827,11 +854,11 @@ __global__ void __launch_bounds__(256) fake_expert_kernel(__grid_constant__ cons
       accumulate<__nv_bfloat16, true>(v, reinterpret_cast<uint4 const*>(row)[c]);
     } else {
       const float scale = reinterpret_cast<float const*>(row + p.hidden)[c * 8 / kMoeFp8Group];
-      for (int q = 0; q < 8; ++q)
-        v[q] = e4m3_to_f32(static_cast<uint8_t>(row[c * 8 + q])) * scale;
+      for (int q = 0; q < 8; ++q) v[q] = e4m3_to_f32(static_cast<uint8_t>(row[c * 8 + q])) * scale;
     }
     for (int q = 0; q < 8; ++q) v[q] *= f;
-    reinterpret_cast<uint4*>(static_cast<char*>(p.out) + r * p.hidden * 2)[c] = pack<__nv_bfloat16>(v);
+    reinterpret_cast<uint4*>(static_cast<char*>(p.out) + r * p.hidden * 2)[c] =
+        pack<__nv_bfloat16>(v);
   }
 }
 

@@ -70,13 +70,13 @@
 
 namespace tandem::comm::cuda {
 
-constexpr int kMoeMaxBlocks = 1024;     // blocks of a send kernel (flags per block)
+constexpr int kMoeMaxBlocks = 1024;  // blocks of a send kernel (flags per block)
 constexpr int kMoeMaxTopK = 16;
-constexpr int kMoeMaxExperts = 1024;    // E (decode: all experts; prefill: L)
-constexpr int kMoeFp8Group = 128;       // fp8 payload: one fp32 scale per 128 elements
-constexpr int kMoeSmemBytes = 40 * 1024;       // dynamic shared memory of dispatch_recv
-constexpr int kMoeSendSmemBytes = 96 * 1024;   // of dispatch_send (block 0 stages the routing)
-constexpr int kMoePrefillTile = 256;           // tokens per block of the prefill count kernel
+constexpr int kMoeMaxExperts = 1024;          // E (decode: all experts; prefill: L)
+constexpr int kMoeFp8Group = 128;             // fp8 payload: one fp32 scale per 128 elements
+constexpr int kMoeSmemBytes = 40 * 1024;      // dynamic shared memory of dispatch_recv
+constexpr int kMoeSendSmemBytes = 96 * 1024;  // of dispatch_send (block 0 stages the routing)
+constexpr int kMoePrefillTile = 256;          // tokens per block of the prefill count kernel
 constexpr int kMoePrefillSmemBytes = 40 * 1024;
 
 /// Payload of the decode dispatch rows.
@@ -94,33 +94,40 @@ TANDEM_MOE_HD constexpr size_t moe_row_bytes(MoePayload p, int hidden) {
 
 /// Bytes of one routing row pushed by dispatch_send: token, epoch stamp, then k ids, k weights,
 /// k ranks (int32 / fp32 words).
-TANDEM_MOE_HD constexpr size_t moe_meta_bytes(int top_k) { return (size_t(8 + 12 * top_k) + 15) / 16 * 16; }
+TANDEM_MOE_HD constexpr size_t moe_meta_bytes(int top_k) {
+  return (size_t(8 + 12 * top_k) + 15) / 16 * 16;
+}
 
 /// int32 scratch of prefill_dispatch: ranks of the pairs in their tile [max_tokens * k], then
 /// per tile the local experts' counts, turned into bases [tiles][L].
-TANDEM_MOE_HD constexpr size_t moe_prefill_scratch_ints(int max_tokens, int top_k, int local_experts) {
+TANDEM_MOE_HD constexpr size_t moe_prefill_scratch_ints(int max_tokens, int top_k,
+                                                        int local_experts) {
   return size_t(max_tokens) * top_k +
          size_t((max_tokens + kMoePrefillTile - 1) / kMoePrefillTile) * local_experts;
 }
 
-enum MoeKind : int { kMoeDispatchSend = 0, kMoeDispatchRecv = 1, kMoeCombineSend = 2,
-                     kMoeCombineRecv = 3 };
+enum MoeKind : int {
+  kMoeDispatchSend = 0,
+  kMoeDispatchRecv = 1,
+  kMoeCombineSend = 2,
+  kMoeCombineRecv = 3
+};
 
 /// Cross-GPU synchronisation of one rank's decode buffers (start of its peer allocation).
 struct MoeSignal {
   uint32_t dispatch[kMoeMaxBlocks][kMaxRanks];  // [sender block][src rank] = src's epoch
   uint32_t combine[kMoeMaxBlocks][kMaxRanks];
-  uint32_t calls[4];                            // per MoeKind: calls completed on this rank
-  uint32_t done[4];                             // blocks finished in the running kernel
+  uint32_t calls[4];  // per MoeKind: calls completed on this rank
+  uint32_t done[4];   // blocks finished in the running kernel
 };
 
 /// Byte offsets inside one rank's peer allocation (the same on every rank).
 struct MoeLayout {
-  size_t signal = 0;         // MoeSignal
-  size_t counts = 0;         // int32 [2][N][L + 1]: per source, per local expert; [L] = source's T
-  size_t meta = 0;           // [2][N][max_tokens][meta_bytes] routing rows at the source's token
-  size_t xbuf = 0;           // [2][N][max_tokens][row_bytes] payload rows at the source's token
-  size_t cbuf = 0;           // bf16 [2][max_tokens][k][H] pair outputs at (token, slot)
+  size_t signal = 0;  // MoeSignal
+  size_t counts = 0;  // int32 [2][N][L + 1]: per source, per local expert; [L] = source's T
+  size_t meta = 0;    // [2][N][max_tokens][meta_bytes] routing rows at the source's token
+  size_t xbuf = 0;    // [2][N][max_tokens][row_bytes] payload rows at the source's token
+  size_t cbuf = 0;    // bf16 [2][max_tokens][k][H] pair outputs at (token, slot)
   size_t total = 0;
   size_t counts_parity = 0;  // bytes from parity 0 to 1 of each region
   size_t meta_parity = 0;
@@ -154,35 +161,35 @@ inline MoeLayout moe_layout(int world, int local_experts, int max_tokens, int to
 // ---- prefill -----------------------------------------------------------------------------------
 
 struct PrefillDispatchParams {
-  void const* x;               // bf16 [max_tokens, H], the same on every rank
-  int32_t const* topk_ids;     // [max_tokens, k] global expert ids
-  float const* topk_weights;   // [max_tokens, k] (nullable: row_weight not written)
-  int32_t const* num_tokens;   // [1] device token count T <= max_tokens (nullable: max_tokens)
-  void* out_x;                 // bf16 [max_tokens * min(k, L), H] packed rows
-  int32_t* expert_offsets;     // [L + 1] exclusive scan of the per-expert counts; [L] = rows
-  int32_t* row_token;          // [max_tokens * min(k, L)] token of each row
-  int32_t* row_slot;           // [max_tokens * min(k, L)] slot (0..k-1) of each row
-  float* row_weight;           // [max_tokens * min(k, L)] (nullable)
-  int32_t* slot_row;           // [max_tokens, k] row of each local (token, slot), -1 otherwise
-  int32_t* scratch;            // [moe_prefill_scratch_ints(max_tokens, k, L)]
+  void const* x;              // bf16 [max_tokens, H], the same on every rank
+  int32_t const* topk_ids;    // [max_tokens, k] global expert ids
+  float const* topk_weights;  // [max_tokens, k] (nullable: row_weight not written)
+  int32_t const* num_tokens;  // [1] device token count T <= max_tokens (nullable: max_tokens)
+  void* out_x;                // bf16 [max_tokens * min(k, L), H] packed rows
+  int32_t* expert_offsets;    // [L + 1] exclusive scan of the per-expert counts; [L] = rows
+  int32_t* row_token;         // [max_tokens * min(k, L)] token of each row
+  int32_t* row_slot;          // [max_tokens * min(k, L)] slot (0..k-1) of each row
+  float* row_weight;          // [max_tokens * min(k, L)] (nullable)
+  int32_t* slot_row;          // [max_tokens, k] row of each local (token, slot), -1 otherwise
+  int32_t* scratch;           // [moe_prefill_scratch_ints(max_tokens, k, L)]
   int max_tokens;
   int top_k;
-  int hidden;                  // multiple of 8
-  int expert_begin;            // this rank's first expert
-  int local_experts;           // L (<= kMoeMaxExperts)
+  int hidden;         // multiple of 8
+  int expert_begin;   // this rank's first expert
+  int local_experts;  // L (<= kMoeMaxExperts)
 };
 
 struct PrefillCombineParams {
-  void const* expert_out;      // bf16 [rows, H]: expert output of each packed row (unweighted)
-  int32_t const* slot_row;     // [max_tokens, k] from prefill_dispatch
-  int32_t const* topk_ids;     // [max_tokens, k]
-  float const* topk_weights;   // [max_tokens, k]
-  int32_t const* num_tokens;   // [1] (nullable: max_tokens)
-  void* out;                   // [max_tokens, H] bf16 or fp32 partial (every row written)
+  void const* expert_out;     // bf16 [rows, H]: expert output of each packed row (unweighted)
+  int32_t const* slot_row;    // [max_tokens, k] from prefill_dispatch
+  int32_t const* topk_ids;    // [max_tokens, k]
+  float const* topk_weights;  // [max_tokens, k]
+  int32_t const* num_tokens;  // [1] (nullable: max_tokens)
+  void* out;                  // [max_tokens, H] bf16 or fp32 partial (every row written)
   int max_tokens;
   int top_k;
-  int hidden;                  // multiple of 8
-  int out_f32;                 // 1: fp32 partial, 0: bf16
+  int hidden;   // multiple of 8
+  int out_f32;  // 1: fp32 partial, 0: bf16
 };
 
 // ---- decode ------------------------------------------------------------------------------------
@@ -190,37 +197,37 @@ struct PrefillCombineParams {
 /// Everything the four decode kernels need; filled once by CudaMoe, per call only the inputs.
 struct MoeDecodeParams {
   // inputs of this rank (dispatch_send; combine_recv re-reads ids and weights)
-  void const* x;               // bf16 [max_tokens, H]
-  int32_t const* topk_ids;     // [max_tokens, k]
-  float const* topk_weights;   // [max_tokens, k]
-  int32_t const* num_tokens;   // [1] device count T <= max_tokens
+  void const* x;              // bf16 [max_tokens, H]
+  int32_t const* topk_ids;    // [max_tokens, k]
+  float const* topk_weights;  // [max_tokens, k]
+  int32_t const* num_tokens;  // [1] device count T <= max_tokens
   // combine
-  void const* expert_out;      // bf16 [max_recv_rows, H], rows as out_x (combine_send)
-  void* out;                   // [max_tokens, H] bf16 or fp32 (combine_recv); rows >= T untouched
+  void const* expert_out;  // bf16 [max_recv_rows, H], rows as out_x (combine_send)
+  void* out;               // [max_tokens, H] bf16 or fp32 (combine_recv); rows >= T untouched
   int out_f32;
   // peer-mapped allocations of every rank (MoeLayout)
   char* peer[kMaxRanks];
   // this rank's local outputs of dispatch_recv
-  void* out_x;                 // [max_recv_rows, row_bytes] packed per local expert
-  int32_t* expert_offsets;     // [L + 1]
-  int32_t* row_src;            // [max_recv_rows]
+  void* out_x;              // [max_recv_rows, row_bytes] packed per local expert
+  int32_t* expert_offsets;  // [L + 1]
+  int32_t* row_src;         // [max_recv_rows]
   int32_t* row_token;
   int32_t* row_slot;
-  int32_t* row_expert;         // global id
+  int32_t* row_expert;  // global id
   float* row_weight;
-  int32_t* rank_scratch;       // [max_tokens, k] dispatch_send: rank of each pair in its expert
+  int32_t* rank_scratch;  // [max_tokens, k] dispatch_send: rank of each pair in its expert
   MoeLayout layout;
   int rank;
   int world_size;
-  int num_experts;             // E
-  int local_experts;           // L = E / N
+  int num_experts;    // E
+  int local_experts;  // L = E / N
   int top_k;
-  int hidden;                  // multiple of 128 for fp8, of 8 for bf16
+  int hidden;  // multiple of 128 for fp8, of 8 for bf16
   int max_tokens;
-  int max_recv_rows;           // N * max_tokens * min(k, L)
+  int max_recv_rows;  // N * max_tokens * min(k, L)
   MoePayload payload;
-  int send_blocks;             // grid of dispatch_send and combine_send (same on all ranks)
-  uint64_t timeout_ns;         // a spin longer than this traps (0: forever)
+  int send_blocks;      // grid of dispatch_send and combine_send (same on all ranks)
+  uint64_t timeout_ns;  // a spin longer than this traps (0: forever)
 };
 
 }  // namespace tandem::comm::cuda

@@ -61,9 +61,9 @@ struct Tokens {
   int max_tokens = 0;
   int k = 0;
   int hidden = 0;
-  std::vector<uint16_t> x;    // bf16 [max_tokens, H]
-  std::vector<int32_t> ids;   // [max_tokens, k]
-  std::vector<float> w;       // [max_tokens, k]
+  std::vector<uint16_t> x;   // bf16 [max_tokens, H]
+  std::vector<int32_t> ids;  // [max_tokens, k]
+  std::vector<float> w;      // [max_tokens, k]
 };
 
 inline Tokens make_tokens(int T, int max_tokens, int k, int hidden, int experts, RoutingKind kind,
@@ -156,10 +156,12 @@ inline std::vector<float> prefill_combine(const Tokens& in, const PrefillRouted&
   std::vector<float> out(size_t(in.max_tokens) * H, 0.f);
   for (int t = 0; t < in.T; ++t) {
     const int32_t* srow = r.slot_row.data() + size_t(t) * k;
-    for (int j : slot_order(in.ids.data() + size_t(t) * k, k, [&](int j) { return srow[j] >= 0; })) {
+    for (int j :
+         slot_order(in.ids.data() + size_t(t) * k, k, [&](int j) { return srow[j] >= 0; })) {
       const float w = in.w[size_t(t) * k + j];
       const uint16_t* o = expert_out.data() + size_t(srow[j]) * H;
-      for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = std::fma(w, bf(o[i]), out[size_t(t) * H + i]);
+      for (int i = 0; i < H; ++i)
+        out[size_t(t) * H + i] = std::fma(w, bf(o[i]), out[size_t(t) * H + i]);
     }
   }
   return out;
@@ -199,7 +201,7 @@ struct DecodeRecv {
   std::vector<int32_t> offsets;  // [L + 1]
   std::vector<int32_t> row_src, row_token, row_slot, row_expert;
   std::vector<float> row_weight;
-  std::vector<uint8_t> rows;     // [rows, row_bytes]
+  std::vector<uint8_t> rows;  // [rows, row_bytes]
   int num_rows() const { return static_cast<int>(row_src.size()); }
 };
 
@@ -270,7 +272,8 @@ inline std::vector<float> decode_combine(const std::vector<Tokens>& ranks, int s
       (void)L;
       const float w = in.w[size_t(t) * k + j];
       const uint16_t* o = expert_out[d].data() + size_t(r) * H;
-      for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = std::fma(w, bf(o[i]), out[size_t(t) * H + i]);
+      for (int i = 0; i < H; ++i)
+        out[size_t(t) * H + i] = std::fma(w, bf(o[i]), out[size_t(t) * H + i]);
     }
   }
   return out;

@@ -70,7 +70,9 @@ int test_world() {
 struct Dev {
   void* p = nullptr;
   size_t n = 0;
-  explicit Dev(size_t bytes) : n(std::max<size_t>(bytes, 16)) { TANDEM_CUDA_CHECK(cudaMalloc(&p, n)); }
+  explicit Dev(size_t bytes) : n(std::max<size_t>(bytes, 16)) {
+    TANDEM_CUDA_CHECK(cudaMalloc(&p, n));
+  }
   ~Dev() { cudaFree(p); }
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
@@ -83,25 +85,30 @@ struct Dev {
 template <class T>
 void upload(void* dst, const std::vector<T>& v, cudaStream_t s) {
   if (!v.empty())
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s));
+    TANDEM_CUDA_CHECK(
+        cudaMemcpyAsync(dst, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s));
 }
 
 template <class T>
 std::vector<T> download(const void* src, size_t n, cudaStream_t s) {
   std::vector<T> v(n);
-  if (n) TANDEM_CUDA_CHECK(cudaMemcpyAsync(v.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost, s));
+  if (n)
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(v.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost, s));
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
   return v;
 }
 
-void poison(void* p, size_t bytes, cudaStream_t s) { TANDEM_CUDA_CHECK(cudaMemsetAsync(p, 0xff, bytes, s)); }
+void poison(void* p, size_t bytes, cudaStream_t s) {
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(p, 0xff, bytes, s));
+}
 
 class CudaMoeTest : public ::testing::Test {
  protected:
   void SetUp() override {
     world_ = test_world();
     if (world_ < 2)
-      GTEST_SKIP() << "needs >= 2 GPUs, found " << visible_gpus() << " (TANDEM_COMM_TEST_WORLD overrides)";
+      GTEST_SKIP() << "needs >= 2 GPUs, found " << visible_gpus()
+                   << " (TANDEM_COMM_TEST_WORLD overrides)";
   }
   void run_ranks(const std::function<void(int)>& body, seconds timeout = seconds(300)) {
     auto results = run_local_ranks(world_, body, timeout);
@@ -143,8 +150,10 @@ std::vector<Tokens> make_ranks(const DecodeShape& sh, const std::vector<int>& T,
 struct DevInputs {
   Dev x, ids, w, count;
   explicit DevInputs(const DecodeShape& sh)
-      : x(size_t(sh.max_tokens) * sh.H * 2), ids(size_t(sh.max_tokens) * sh.k * 4),
-        w(size_t(sh.max_tokens) * sh.k * 4), count(16) {}
+      : x(size_t(sh.max_tokens) * sh.H * 2),
+        ids(size_t(sh.max_tokens) * sh.k * 4),
+        w(size_t(sh.max_tokens) * sh.k * 4),
+        count(16) {}
   void set(const Tokens& t, cudaStream_t s) {
     upload(x.p, t.x, s);
     upload(ids.p, t.ids, s);
@@ -154,8 +163,9 @@ struct DevInputs {
 };
 
 // Compares dispatch_recv's outputs with the reference; empty when equal.
-std::string check_dispatch(const CudaMoe& moe, const moe_ref::DecodeRecv& ref, const int32_t* d_offsets,
-                           const void* d_rows, cudaStream_t s, bool check_meta = true) {
+std::string check_dispatch(const CudaMoe& moe, const moe_ref::DecodeRecv& ref,
+                           const int32_t* d_offsets, const void* d_rows, cudaStream_t s,
+                           bool check_meta = true) {
   const int L = moe.local_experts();
   auto off = download<int32_t>(d_offsets, L + 1, s);
   if (off != ref.offsets) {
@@ -202,13 +212,14 @@ std::string check_dispatch(const CudaMoe& moe, const moe_ref::DecodeRecv& ref, c
       ++off_by_one;
     }
   }
-  if (off_by_one > 0) std::printf("  note: %d fp8 codes one step off the CPU rounding\n", off_by_one);
+  if (off_by_one > 0)
+    std::printf("  note: %d fp8 codes one step off the CPU rounding\n", off_by_one);
   return {};
 }
 
 // Compares combine_recv's output [max_tokens, H] bf16 with the reference (fp32 [T, H]).
-std::string check_out(const std::vector<uint16_t>& got, const std::vector<float>& want, int T, int H,
-                      bool exact) {
+std::string check_out(const std::vector<uint16_t>& got, const std::vector<float>& want, int T,
+                      int H, bool exact) {
   double err2 = 0, ref2 = 0;
   for (size_t i = 0; i < want.size(); ++i) {
     const uint16_t w16 = f32_to_bf16(want[i]);
@@ -223,7 +234,8 @@ std::string check_out(const std::vector<uint16_t>& got, const std::vector<float>
   if (!exact && ref2 > 0 && std::sqrt(err2 / ref2) > 2e-2)
     return "rel L2 error " + std::to_string(std::sqrt(err2 / ref2));
   for (size_t i = size_t(T) * H; i < got.size(); ++i)
-    if (got[i] != 0xffff) return "row " + std::to_string(i / H) + " >= T " + std::to_string(T) + " was written";
+    if (got[i] != 0xffff)
+      return "row " + std::to_string(i / H) + " >= T " + std::to_string(T) + " was written";
   return {};
 }
 
@@ -282,7 +294,8 @@ TEST_F(CudaMoeTest, DecodeRoutings) {
         {"all-first", RoutingKind::kAllFirst, [](int r, int m) { return r % 2 ? m : m / 2; }},
         {"sparse", RoutingKind::kSparse, [](int r, int m) { return m - r; }},
         {"one-token", RoutingKind::kRandom, [](int, int) { return 1; }},
-        {"zero-on-one-rank", RoutingKind::kRandom, [](int r, int m) { return r == 1 ? 0 : m / 3 + 1; }},
+        {"zero-on-one-rank", RoutingKind::kRandom,
+         [](int r, int m) { return r == 1 ? 0 : m / 3 + 1; }},
         {"zero-everywhere", RoutingKind::kRandom, [](int, int) { return 0; }},
     };
     uint64_t seed = 100;
@@ -293,9 +306,11 @@ TEST_F(CudaMoeTest, DecodeRoutings) {
       Dev eo(size_t(moe.max_recv_rows()) * sh.H * 2);
       Dev out(size_t(sh.max_tokens) * sh.H * 2);
       for (const Case& c : cases) {
-        if (sh.max_tokens == 512 && c.kind != RoutingKind::kRandom) continue;  // big shape: random only
+        if (sh.max_tokens == 512 && c.kind != RoutingKind::kRandom)
+          continue;  // big shape: random only
         std::vector<int> T;
-        for (int r = 0; r < N; ++r) T.push_back(std::max(0, std::min(sh.max_tokens, c.T(r, sh.max_tokens))));
+        for (int r = 0; r < N; ++r)
+          T.push_back(std::max(0, std::min(sh.max_tokens, c.T(r, sh.max_tokens))));
         const auto in = make_ranks(sh, T, c.kind, ++seed);
         const std::string what = shape_name(sh) + " " + c.name;
         din.set(in[rank], s);
@@ -303,11 +318,13 @@ TEST_F(CudaMoeTest, DecodeRoutings) {
         poison(const_cast<int32_t*>(moe.expert_offsets()), size_t(moe.local_experts() + 1) * 4, s);
         poison(eo.p, eo.n, s);
         poison(out.p, out.n, s);
-        moe.dispatch_send(din.x.p, din.ids.as<int32_t>(), din.w.as<float>(), din.count.as<int32_t>(), s);
+        moe.dispatch_send(din.x.p, din.ids.as<int32_t>(), din.w.as<float>(),
+                          din.count.as<int32_t>(), s);
         moe.dispatch_recv(s);
         TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
         const StepRef ref = make_ref(in, rank, sh);
-        std::string err = check_dispatch(moe, ref.recv[rank], moe.expert_offsets(), moe.recv_x(), s);
+        std::string err =
+            check_dispatch(moe, ref.recv[rank], moe.expert_offsets(), moe.recv_x(), s);
         TANDEM_CHECK(err.empty(), what, ": dispatch: ", err);
         cuda::moe_fake_expert_launch(moe.recv_x(), moe.expert_offsets(), moe.row_expert(), eo.p,
                                      moe.local_experts(), sh.H, sh.payload, 132, s);
@@ -338,8 +355,10 @@ TEST_F(CudaMoeTest, DecodeBackToBack100) {
     std::vector<StepRef> ref;
     for (int k = 0; k < kSets; ++k) {
       std::vector<int> T;
-      for (int r = 0; r < N; ++r) T.push_back(k == 0 ? 32 : k == 1 ? (r == 1 ? 0 : 32) : k == 2 ? 1 : 17 + r % 5);
-      in.push_back(make_ranks(sh, T, k == 3 ? RoutingKind::kSkewed : RoutingKind::kRandom, 500 + k));
+      for (int r = 0; r < N; ++r)
+        T.push_back(k == 0 ? 32 : k == 1 ? (r == 1 ? 0 : 32) : k == 2 ? 1 : 17 + r % 5);
+      in.push_back(
+          make_ranks(sh, T, k == 3 ? RoutingKind::kSkewed : RoutingKind::kRandom, 500 + k));
       din.push_back(std::make_unique<DevInputs>(sh));
       din.back()->set(in.back()[rank], s);
       ref.push_back(make_ref(in.back(), rank, sh));
@@ -355,10 +374,11 @@ TEST_F(CudaMoeTest, DecodeBackToBack100) {
       DevInputs& d = *din[i % kSets];
       moe.dispatch_send(d.x.p, d.ids.as<int32_t>(), d.w.as<float>(), d.count.as<int32_t>(), s);
       moe.dispatch_recv(s);
-      TANDEM_CUDA_CHECK(cudaMemcpyAsync(offs.as<char>() + size_t(L + 1) * 4 * i, moe.expert_offsets(),
-                                        size_t(L + 1) * 4, cudaMemcpyDeviceToDevice, s));
-      cuda::moe_fake_expert_launch(moe.recv_x(), moe.expert_offsets(), moe.row_expert(), eo.p, L, sh.H,
-                                   sh.payload, 132, s);
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(offs.as<char>() + size_t(L + 1) * 4 * i,
+                                        moe.expert_offsets(), size_t(L + 1) * 4,
+                                        cudaMemcpyDeviceToDevice, s));
+      cuda::moe_fake_expert_launch(moe.recv_x(), moe.expert_offsets(), moe.row_expert(), eo.p, L,
+                                   sh.H, sh.payload, 132, s);
       moe.combine_send(eo.p, s);
       moe.combine_recv(outs.as<char>() + out_bytes * i, s);
     }
@@ -380,8 +400,9 @@ TEST_F(CudaMoeTest, DecodeBackToBack100) {
       moe.dispatch_recv(s);
       TANDEM_CUDA_CHECK(cudaMemcpyAsync(saved.as<char>() + rows_bytes * i, moe.recv_x(), rows_bytes,
                                         cudaMemcpyDeviceToDevice, s));
-      TANDEM_CUDA_CHECK(cudaMemcpyAsync(offs.as<char>() + size_t(L + 1) * 4 * i, moe.expert_offsets(),
-                                        size_t(L + 1) * 4, cudaMemcpyDeviceToDevice, s));
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(offs.as<char>() + size_t(L + 1) * 4 * i,
+                                        moe.expert_offsets(), size_t(L + 1) * 4,
+                                        cudaMemcpyDeviceToDevice, s));
     }
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
     for (int i = 0; i < kIters; ++i) {
@@ -393,7 +414,8 @@ TEST_F(CudaMoeTest, DecodeBackToBack100) {
       TANDEM_CHECK(err.empty(), "dispatch-only call ", i, " (set ", k, "): ", err);
     }
     TANDEM_CUDA_CHECK(cudaStreamDestroy(s));
-    if (rank == 0) std::printf("[rank 0] %d back-to-back steps + %d dispatch-only calls ok\n", kIters, kIters);
+    if (rank == 0)
+      std::printf("[rank 0] %d back-to-back steps + %d dispatch-only calls ok\n", kIters, kIters);
   });
 }
 
@@ -414,7 +436,8 @@ TEST_F(CudaMoeTest, DecodeGraphReplay) {
     for (int r = 0; r < kReplays; ++r) {
       std::vector<int> T;
       for (int q = 0; q < N; ++q) T.push_back(q == 0 ? Ts[r] : Ts[(r + q) % kReplays]);
-      in.push_back(make_ranks(sh, T, r == 3 ? RoutingKind::kSparse : RoutingKind::kRandom, 900 + r));
+      in.push_back(
+          make_ranks(sh, T, r == 3 ? RoutingKind::kSparse : RoutingKind::kRandom, 900 + r));
       staged.push_back(std::make_unique<DevInputs>(sh));
       staged.back()->set(in.back()[rank], s);
       ref.push_back(make_ref(in.back(), rank, sh));
@@ -426,8 +449,8 @@ TEST_F(CudaMoeTest, DecodeGraphReplay) {
     auto step = [&] {
       moe.dispatch_send(g.x.p, g.ids.as<int32_t>(), g.w.as<float>(), g.count.as<int32_t>(), s);
       moe.dispatch_recv(s);
-      cuda::moe_fake_expert_launch(moe.recv_x(), moe.expert_offsets(), moe.row_expert(), eo.p, L, sh.H,
-                                   sh.payload, 132, s);
+      cuda::moe_fake_expert_launch(moe.recv_x(), moe.expert_offsets(), moe.row_expert(), eo.p, L,
+                                   sh.H, sh.payload, 132, s);
       moe.combine_send(eo.p, s);
       moe.combine_recv(out.p, s);
     };
@@ -484,16 +507,24 @@ struct PrefillCase {
 struct PrefillBuffers {
   Dev x, ids, w, count, out_x, offsets, row_token, row_slot, row_weight, slot_row, scratch, eo, out;
   PrefillBuffers(int max_tokens, int k, int L, int H)
-      : x(size_t(max_tokens) * H * 2), ids(size_t(max_tokens) * k * 4), w(size_t(max_tokens) * k * 4),
-        count(16), out_x(size_t(max_tokens) * std::min(k, L) * H * 2), offsets(size_t(L + 1) * 4),
-        row_token(size_t(max_tokens) * std::min(k, L) * 4), row_slot(size_t(max_tokens) * std::min(k, L) * 4),
-        row_weight(size_t(max_tokens) * std::min(k, L) * 4), slot_row(size_t(max_tokens) * k * 4),
+      : x(size_t(max_tokens) * H * 2),
+        ids(size_t(max_tokens) * k * 4),
+        w(size_t(max_tokens) * k * 4),
+        count(16),
+        out_x(size_t(max_tokens) * std::min(k, L) * H * 2),
+        offsets(size_t(L + 1) * 4),
+        row_token(size_t(max_tokens) * std::min(k, L) * 4),
+        row_slot(size_t(max_tokens) * std::min(k, L) * 4),
+        row_weight(size_t(max_tokens) * std::min(k, L) * 4),
+        slot_row(size_t(max_tokens) * k * 4),
         scratch(cuda::moe_prefill_scratch_ints(max_tokens, k, L) * 4),
-        eo(size_t(max_tokens) * std::min(k, L) * H * 2), out(size_t(max_tokens) * H * 4) {}
+        eo(size_t(max_tokens) * std::min(k, L) * H * 2),
+        out(size_t(max_tokens) * H * 4) {}
 };
 
 // The expected all-reduced output: rank-order fp32 sum of the ranks' rounded partials.
-std::vector<uint8_t> prefill_expected(const PrefillCase& c, const Tokens& in, int N, uint64_t seed) {
+std::vector<uint8_t> prefill_expected(const PrefillCase& c, const Tokens& in, int N,
+                                      uint64_t seed) {
   const int L = c.E / N;
   std::vector<float> acc(size_t(c.max_tokens) * c.H, 0.f);
   for (int q = 0; q < N; ++q) {
@@ -517,18 +548,36 @@ std::vector<uint8_t> prefill_expected(const PrefillCase& c, const Tokens& in, in
   return out;
 }
 
-void prefill_enqueue(CudaComm& comm, const PrefillCase& c, PrefillBuffers& b, void* out, cudaStream_t s,
-                     bool fused = true) {
+void prefill_enqueue(CudaComm& comm, const PrefillCase& c, PrefillBuffers& b, void* out,
+                     cudaStream_t s, bool fused = true) {
   const int N = comm.world_size(), L = c.E / N;
-  cuda::PrefillDispatchParams p{b.x.p, b.ids.as<int32_t>(), b.w.as<float>(),
-                                c.device_count ? b.count.as<int32_t>() : nullptr, b.out_x.p,
-                                b.offsets.as<int32_t>(), b.row_token.as<int32_t>(), b.row_slot.as<int32_t>(),
-                                b.row_weight.as<float>(), b.slot_row.as<int32_t>(), b.scratch.as<int32_t>(),
-                                c.max_tokens, c.k, c.H, comm.rank() * L, L};
+  cuda::PrefillDispatchParams p{b.x.p,
+                                b.ids.as<int32_t>(),
+                                b.w.as<float>(),
+                                c.device_count ? b.count.as<int32_t>() : nullptr,
+                                b.out_x.p,
+                                b.offsets.as<int32_t>(),
+                                b.row_token.as<int32_t>(),
+                                b.row_slot.as<int32_t>(),
+                                b.row_weight.as<float>(),
+                                b.slot_row.as<int32_t>(),
+                                b.scratch.as<int32_t>(),
+                                c.max_tokens,
+                                c.k,
+                                c.H,
+                                comm.rank() * L,
+                                L};
   cuda::prefill_dispatch_launch(p, 132, s);
-  cuda::PrefillCombineParams cp{b.eo.p, b.slot_row.as<int32_t>(), b.ids.as<int32_t>(), b.w.as<float>(),
-                                c.device_count ? b.count.as<int32_t>() : nullptr, nullptr, c.max_tokens,
-                                c.k, c.H, c.out_f32};
+  cuda::PrefillCombineParams cp{b.eo.p,
+                                b.slot_row.as<int32_t>(),
+                                b.ids.as<int32_t>(),
+                                b.w.as<float>(),
+                                c.device_count ? b.count.as<int32_t>() : nullptr,
+                                nullptr,
+                                c.max_tokens,
+                                c.k,
+                                c.H,
+                                c.out_f32};
   prefill_combine_all_reduce(comm, cp, out, 132, s, AllReduceAlgo::kOneShot, fused);
 }
 
@@ -549,43 +598,49 @@ TEST_F(CudaMoeTest, Prefill) {
     };
     uint64_t seed = 7000;
     for (const PrefillCase& c : cases) {
-     for (bool fused : {true, false}) {
-      ++seed;
-      const int L = c.E / N;
-      const Tokens in = moe_ref::make_tokens(c.T, c.max_tokens, c.k, c.H, c.E, c.kind, seed);
-      PrefillBuffers b(c.max_tokens, c.k, L, c.H);
-      upload(b.x.p, in.x, s);
-      upload(b.ids.p, in.ids, s);
-      upload(b.w.p, in.w, s);
-      upload(b.count.p, std::vector<int32_t>{c.T}, s);
-      const auto ref = moe_ref::prefill_dispatch(in, rank * L, L);
-      const int rows = ref.offsets[L];
-      upload(b.eo.p, moe_ref::random_bf16(size_t(std::max(1, rows)) * c.H, seed * 31 + rank), s);
-      poison(b.out_x.p, b.out_x.n, s);
-      poison(b.offsets.p, b.offsets.n, s);
-      poison(b.slot_row.p, b.slot_row.n, s);
-      poison(b.out.p, b.out.n, s);
-      prefill_enqueue(*comm, c, b, b.out.p, s, fused);
-      TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
-      std::ostringstream what;
-      what << (fused ? "fused " : "unfused ") << "prefill T " << c.T << " max " << c.max_tokens << " k " << c.k << " E " << c.E << " H " << c.H
-           << " " << moe_ref::routing_name(c.kind) << (c.out_f32 ? " f32" : " bf16");
-      TANDEM_CHECK(download<int32_t>(b.offsets.p, L + 1, s) == ref.offsets, what.str(), ": offsets");
-      TANDEM_CHECK(download<int32_t>(b.slot_row.p, size_t(c.max_tokens) * c.k, s) == ref.slot_row,
-                   what.str(), ": slot_row");
-      TANDEM_CHECK(download<int32_t>(b.row_token.p, rows, s) == ref.row_token, what.str(), ": row_token");
-      TANDEM_CHECK(download<int32_t>(b.row_slot.p, rows, s) == ref.row_slot, what.str(), ": row_slot");
-      TANDEM_CHECK(download<float>(b.row_weight.p, rows, s) == ref.row_weight, what.str(), ": row_weight");
-      TANDEM_CHECK(download<uint16_t>(b.out_x.p, size_t(rows) * c.H, s) == ref.rows, what.str(), ": packed rows");
-      const auto want = prefill_expected(c, in, N, seed);
-      const auto got = download<uint8_t>(b.out.p, want.size(), s);
-      if (got != want) {
-        size_t i = 0;
-        while (got[i] == want[i]) ++i;
-        TANDEM_THROW(kInternal, what.str(), ": combine + all-reduce differs at byte ", i, " (token ",
-                     i / (size_t(c.H) * (c.out_f32 ? 4 : 2)), ")");
+      for (bool fused : {true, false}) {
+        ++seed;
+        const int L = c.E / N;
+        const Tokens in = moe_ref::make_tokens(c.T, c.max_tokens, c.k, c.H, c.E, c.kind, seed);
+        PrefillBuffers b(c.max_tokens, c.k, L, c.H);
+        upload(b.x.p, in.x, s);
+        upload(b.ids.p, in.ids, s);
+        upload(b.w.p, in.w, s);
+        upload(b.count.p, std::vector<int32_t>{c.T}, s);
+        const auto ref = moe_ref::prefill_dispatch(in, rank * L, L);
+        const int rows = ref.offsets[L];
+        upload(b.eo.p, moe_ref::random_bf16(size_t(std::max(1, rows)) * c.H, seed * 31 + rank), s);
+        poison(b.out_x.p, b.out_x.n, s);
+        poison(b.offsets.p, b.offsets.n, s);
+        poison(b.slot_row.p, b.slot_row.n, s);
+        poison(b.out.p, b.out.n, s);
+        prefill_enqueue(*comm, c, b, b.out.p, s, fused);
+        TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
+        std::ostringstream what;
+        what << (fused ? "fused " : "unfused ") << "prefill T " << c.T << " max " << c.max_tokens
+             << " k " << c.k << " E " << c.E << " H " << c.H << " " << moe_ref::routing_name(c.kind)
+             << (c.out_f32 ? " f32" : " bf16");
+        TANDEM_CHECK(download<int32_t>(b.offsets.p, L + 1, s) == ref.offsets, what.str(),
+                     ": offsets");
+        TANDEM_CHECK(download<int32_t>(b.slot_row.p, size_t(c.max_tokens) * c.k, s) == ref.slot_row,
+                     what.str(), ": slot_row");
+        TANDEM_CHECK(download<int32_t>(b.row_token.p, rows, s) == ref.row_token, what.str(),
+                     ": row_token");
+        TANDEM_CHECK(download<int32_t>(b.row_slot.p, rows, s) == ref.row_slot, what.str(),
+                     ": row_slot");
+        TANDEM_CHECK(download<float>(b.row_weight.p, rows, s) == ref.row_weight, what.str(),
+                     ": row_weight");
+        TANDEM_CHECK(download<uint16_t>(b.out_x.p, size_t(rows) * c.H, s) == ref.rows, what.str(),
+                     ": packed rows");
+        const auto want = prefill_expected(c, in, N, seed);
+        const auto got = download<uint8_t>(b.out.p, want.size(), s);
+        if (got != want) {
+          size_t i = 0;
+          while (got[i] == want[i]) ++i;
+          TANDEM_THROW(kInternal, what.str(), ": combine + all-reduce differs at byte ", i,
+                       " (token ", i / (size_t(c.H) * (c.out_f32 ? 4 : 2)), ")");
+        }
       }
-     }
     }
     // 20 calls back to back, two input sets, every output kept.
     const PrefillCase c{200, 256, 8, 128, 1024, RoutingKind::kRandom, true, 0};
@@ -593,7 +648,8 @@ TEST_F(CudaMoeTest, Prefill) {
     std::vector<std::unique_ptr<PrefillBuffers>> bufs;
     std::vector<std::vector<uint8_t>> want;
     for (int k = 0; k < 2; ++k) {
-      const Tokens in = moe_ref::make_tokens(c.T - 50 * k, c.max_tokens, c.k, c.H, c.E, RoutingKind::kRandom, 8000 + k);
+      const Tokens in = moe_ref::make_tokens(c.T - 50 * k, c.max_tokens, c.k, c.H, c.E,
+                                             RoutingKind::kRandom, 8000 + k);
       bufs.push_back(std::make_unique<PrefillBuffers>(c.max_tokens, c.k, L, c.H));
       PrefillBuffers& b = *bufs.back();
       upload(b.x.p, in.x, s);
@@ -601,7 +657,10 @@ TEST_F(CudaMoeTest, Prefill) {
       upload(b.w.p, in.w, s);
       upload(b.count.p, std::vector<int32_t>{in.T}, s);
       const auto ref = moe_ref::prefill_dispatch(in, rank * L, L);
-      upload(b.eo.p, moe_ref::random_bf16(size_t(std::max(1, ref.offsets[L])) * c.H, (8000 + k) * 31 + rank), s);
+      upload(
+          b.eo.p,
+          moe_ref::random_bf16(size_t(std::max(1, ref.offsets[L])) * c.H, (8000 + k) * 31 + rank),
+          s);
       want.push_back(prefill_expected(c, in, N, 8000 + k));
     }
     const size_t ob = size_t(c.max_tokens) * c.H * 2;
@@ -610,11 +669,12 @@ TEST_F(CudaMoeTest, Prefill) {
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
     comm->store().barrier();
     // fused and unfused calls mixed: they share the all-reduce's per-block epochs
-    for (int i = 0; i < 20; ++i) prefill_enqueue(*comm, c, *bufs[i % 2], outs.as<char>() + ob * i, s, i % 3 != 0);
+    for (int i = 0; i < 20; ++i)
+      prefill_enqueue(*comm, c, *bufs[i % 2], outs.as<char>() + ob * i, s, i % 3 != 0);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
     for (int i = 0; i < 20; ++i)
-      TANDEM_CHECK(download<uint8_t>(outs.as<char>() + ob * i, ob, s) == want[i % 2], "prefill call ", i,
-                   " of 20 back to back differs");
+      TANDEM_CHECK(download<uint8_t>(outs.as<char>() + ob * i, ob, s) == want[i % 2],
+                   "prefill call ", i, " of 20 back to back differs");
     TANDEM_CUDA_CHECK(cudaStreamDestroy(s));
     if (rank == 0) std::printf("[rank 0] prefill cases + 20 back-to-back ok\n");
   });
