@@ -26,12 +26,12 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
   const ModelConfig& m = model.config();
   if (c.max_model_len <= 0) c.max_model_len = m.max_position_embeddings;
   TANDEM_CHECK_KIND(kInvalidArgument, c.max_model_len > 0, "max_model_len must be positive");
-  TANDEM_CHECK_KIND(kInvalidArgument, c.page_size > 0 && c.max_num_seqs > 0 &&
-                                          c.max_batched_tokens > 0,
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    c.page_size > 0 && c.max_num_seqs > 0 && c.max_batched_tokens > 0,
                     "page_size, max_num_seqs and max_batched_tokens must be positive");
   if (c.num_pages <= 0) {
-    int64_t page_bytes = model.kv_geometry(1, c.page_size).page_elems() *
-                         m.num_hidden_layers * static_cast<int64_t>(sizeof(float));
+    int64_t page_bytes = model.kv_geometry(1, c.page_size).page_elems() * m.num_hidden_layers *
+                         static_cast<int64_t>(sizeof(float));
     c.num_pages = std::max<int64_t>(1, c.kv_cache_mb * (1 << 20) / page_bytes);
   }
   // The pool must hold at least one sequence of full length, or scheduling could stall.
@@ -71,8 +71,8 @@ void Engine::validate(const GenRequest& req) const {
   TANDEM_CHECK_KIND(kInvalidArgument, req.max_tokens >= 1, "max_tokens must be at least 1");
   TANDEM_CHECK_KIND(kInvalidArgument, n + req.max_tokens <= config_.max_model_len,
                     "this model's maximum context length is ", config_.max_model_len,
-                    " tokens, but the prompt has ", n, " tokens and max_tokens is ",
-                    req.max_tokens, " (", n + req.max_tokens, " in total)");
+                    " tokens, but the prompt has ", n, " tokens and max_tokens is ", req.max_tokens,
+                    " (", n + req.max_tokens, " in total)");
 }
 
 void Engine::add(GenRequest req, OutputCallback on_output) {
@@ -99,8 +99,7 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
                            int32_t first_token, float first_logprob) {
   validate(req);
   const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    static_cast<int64_t>(pages.size()) * config_.page_size >= n,
+  TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(pages.size()) * config_.page_size >= n,
                     "request '", req.id, "': ", pages.size(), " pages cannot hold ", n,
                     " prompt tokens");
   TANDEM_CHECK_KIND(kInvalidArgument, first_token >= 0 && first_token < model_.config().vocab_size,
@@ -113,6 +112,9 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
   seq->admitted_once = true;
   seq->prompt_logprobs_done = true;
   seq->rng.seed(req.sampling.seed ? *req.sampling.seed : std::random_device{}());
+  // NOTE: the prefill instance drew the first token from the same seeded stream (one draw
+  // per sampled token), so a seeded request continues exactly as in one engine.
+  if (!req.sampling.greedy()) seq->rng.discard(1);
   seq->req = std::move(req);
   seq->on_output = std::move(on_output);
   seq->tokens.push_back(first_token);
@@ -147,8 +149,18 @@ void Engine::finish(Sequence& seq, FinishReason reason, StepOutput& out) {
 
 bool Engine::step() {
   if (!scheduler_.has_work()) return false;
-  ScheduledBatch batch = scheduler_.schedule();
+  ScheduledBatch batch = schedule();
   if (batch.empty()) return false;
+  if (forward(batch)) complete(batch);
+  return true;
+}
+
+ScheduledBatch Engine::schedule() {
+  if (!scheduler_.has_work()) return {};
+  return scheduler_.schedule();
+}
+
+bool Engine::forward(const ScheduledBatch& batch) {
   try {
     model_.forward(batch.forward, kv_, logits_);
   } catch (const std::exception& e) {
@@ -159,11 +171,15 @@ bool Engine::step() {
       out.error = e.what();
       finish(*ss.seq, FinishReason::kError, out);
     }
-    return true;
+    return false;
   }
+  return true;
+}
+
+void Engine::complete(const ScheduledBatch& batch) {
+  if (batch.empty()) return;
   scheduler_.commit(batch);
   process_outputs(batch, logits_);
-  return true;
 }
 
 void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {
@@ -173,8 +189,8 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
   for (const auto& ss : batch.seqs) {
     Sequence& s = *ss.seq;
     const int64_t start = s.num_computed - ss.num_tokens;
-    const int64_t rows = ss.logits == LogitsMode::kAll ? ss.num_tokens
-                                                        : (ss.logits == LogitsMode::kLast ? 1 : 0);
+    const int64_t rows =
+        ss.logits == LogitsMode::kAll ? ss.num_tokens : (ss.logits == LogitsMode::kLast ? 1 : 0);
     const int64_t first_row = row;
     row += rows;
     counters_.prompt_tokens += std::max<int64_t>(0, std::min(s.num_computed, s.prompt_len) - start);
@@ -182,7 +198,8 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     if (ss.logits == LogitsMode::kAll) {
       const int32_t k = s.req.sampling.prompt_logprobs;
       for (int64_t i = 0; i < ss.num_tokens && start + i + 1 < s.prompt_len; ++i) {
-        std::span<const float> r(logits.data() + (first_row + i) * vocab, static_cast<size_t>(vocab));
+        std::span<const float> r(logits.data() + (first_row + i) * vocab,
+                                 static_cast<size_t>(vocab));
         int32_t next = s.tokens[static_cast<size_t>(start + i + 1)];
         s.prompt_out.prompt_token_logprobs.push_back(token_logprob(r, next));
         s.prompt_out.prompt_top_logprobs.push_back(top_logprobs(r, k));
@@ -220,7 +237,8 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     out.token_ids.push_back(token);
     if (s.req.sampling.logprobs >= 0) {
       out.token_logprobs.push_back(token_logprob(raw, token));
-      if (s.req.sampling.logprobs > 0) out.top_logprobs.push_back(top_logprobs(raw, s.req.sampling.logprobs));
+      if (s.req.sampling.logprobs > 0)
+        out.top_logprobs.push_back(top_logprobs(raw, s.req.sampling.logprobs));
     }
     s.tokens.push_back(token);
     ++counters_.generation_tokens;
@@ -234,8 +252,8 @@ void Engine::finish_if_done(Sequence& s, StepOutput& out) {
   const auto& eos = model_.config().eos_token_ids;
   FinishReason reason = FinishReason::kNone;
   const bool is_eos = !s.req.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end();
-  const bool is_stop = std::find(s.req.stop_token_ids.begin(), s.req.stop_token_ids.end(),
-                                 token) != s.req.stop_token_ids.end();
+  const bool is_stop = std::find(s.req.stop_token_ids.begin(), s.req.stop_token_ids.end(), token) !=
+                       s.req.stop_token_ids.end();
   if (is_eos || is_stop) {
     reason = FinishReason::kStop;
     out.stop_token_id = token;
@@ -286,8 +304,7 @@ void AsyncEngine::submit(GenRequest request, OutputCallback on_output) {
     // NOTE: the engine's waiting count is the last published one; close enough here.
     TANDEM_CHECK_KIND(kOutOfResources,
                       pending_ + last_stats_.waiting < engine_.config().max_waiting,
-                      "the waiting queue is full (", engine_.config().max_waiting,
-                      " requests)");
+                      "the waiting queue is full (", engine_.config().max_waiting, " requests)");
     incoming_.emplace_back(std::move(request), std::move(on_output));
     ++pending_;
   }

@@ -18,13 +18,13 @@
 namespace tandem {
 
 struct EngineConfig {
-  int64_t page_size = 16;              // tokens per KV page
-  int64_t num_pages = 0;               // 0: derived from kv_cache_mb
-  int64_t kv_cache_mb = 512;           // KV budget when num_pages is 0
-  int64_t max_num_seqs = 64;           // running sequences at most
-  int64_t max_batched_tokens = 1024;   // tokens per step (chunked prefill budget)
-  int64_t max_model_len = 0;           // 0: the model's max_position_embeddings
-  int64_t max_waiting = 1024;          // queue limit; submit beyond it fails (429)
+  int64_t page_size = 16;             // tokens per KV page
+  int64_t num_pages = 0;              // 0: derived from kv_cache_mb
+  int64_t kv_cache_mb = 512;          // KV budget when num_pages is 0
+  int64_t max_num_seqs = 64;          // running sequences at most
+  int64_t max_batched_tokens = 1024;  // tokens per step (chunked prefill budget)
+  int64_t max_model_len = 0;          // 0: the model's max_position_embeddings
+  int64_t max_waiting = 1024;         // queue limit; submit beyond it fails (429)
   bool enable_prefix_cache = true;
 };
 
@@ -43,7 +43,8 @@ class Engine {
   /// Disaggregated decode: adds a request whose prompt KV is already in `pages` (reserved
   /// above and filled by the transfer engine) and whose first token was sampled by the
   /// prefill instance. The first token is reported through on_output at once; decoding
-  /// continues from it. Takes ownership of the pages.
+  /// continues from it (a seeded stream skips the draw the prefill instance used for it).
+  /// Takes ownership of the pages.
   void add_prefilled(GenRequest request, OutputCallback on_output, std::vector<int32_t> pages,
                      int32_t first_token, float first_logprob);
   /// Throws Error(kInvalidArgument) for a request that can never run. Thread-safe.
@@ -51,8 +52,20 @@ class Engine {
   /// Aborts a request: pages freed now, finished callback with kAbort.
   void abort(const std::string& id);
   void abort_all();
-  /// Runs one step; returns false when there was nothing to do.
+  /// Runs one step: schedule() -> forward() -> complete(). Returns false when there was
+  /// nothing to do.
   bool step();
+
+  // The parts of step(), for the role loops (prefill TP, decode DP) that add their own work
+  // between them (broadcast the batch, send KV, forward an empty batch in lockstep).
+  /// Picks this step's work; an empty batch when there is none.
+  ScheduledBatch schedule();
+  /// Runs the model on the batch. An empty batch is forwarded too (a decode DP rank serves its
+  /// experts to the other ranks). When the model throws, the batch's requests finish with
+  /// kError and false is returned (complete() must then not be called).
+  bool forward(const ScheduledBatch& batch);
+  /// Marks the batch computed, samples, streams outputs and finishes requests.
+  void complete(const ScheduledBatch& batch);
   bool has_work() const { return scheduler_.has_work(); }
 
   EngineStats stats() const;

@@ -54,7 +54,7 @@ LogitsMode logits_mode(const Sequence& s, int64_t chunk) {
                             s.num_computed < s.prompt_len;
   if (wants_prompt) return LogitsMode::kAll;
   return s.num_computed + chunk == static_cast<int64_t>(s.tokens.size()) ? LogitsMode::kLast
-                                                                          : LogitsMode::kNone;
+                                                                         : LogitsMode::kNone;
 }
 }  // namespace
 
@@ -69,8 +69,8 @@ ScheduledBatch Scheduler::schedule() {
   // 1. Running sequences: decode tokens and unfinished prefill chunks.
   for (auto it = running_.begin(); it != running_.end() && budget > 0;) {
     Sequence* s = *it;
-    int64_t chunk = std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed,
-                                      budget);
+    int64_t chunk =
+        std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
     bool ok = ensure_pages(*s, s->num_computed + chunk);
     while (!ok && running_.back() != s) {
       preempt(running_.back());  // the newest sequence gives its pages back
@@ -85,8 +85,7 @@ ScheduledBatch Scheduler::schedule() {
   }
 
   // 2. Waiting sequences, first come first served.
-  while (!waiting_.empty() && budget > 0 &&
-         static_cast<int64_t>(running_.size()) < max_num_seqs_) {
+  while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(running_.size()) < max_num_seqs_) {
     Sequence* s = waiting_.front();
     const int64_t ps = blocks_.page_size();
     if (s->pages.empty()) {
@@ -96,8 +95,8 @@ ScheduledBatch Scheduler::schedule() {
       int64_t matched = blocks_.match_prefix(s->tokens, max_pages, s->pages, s->page_hashes);
       s->num_computed = matched * ps;
     }
-    int64_t chunk = std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed,
-                                      budget);
+    int64_t chunk =
+        std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
     if (!ensure_pages(*s, s->num_computed + chunk)) {
       free_pages(*s);  // do not hold cached pages while waiting
       break;

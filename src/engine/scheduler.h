@@ -19,16 +19,16 @@ namespace tandem {
 struct Sequence {
   GenRequest req;
   OutputCallback on_output;
-  std::vector<int32_t> tokens;     // prompt followed by output
+  std::vector<int32_t> tokens;  // prompt followed by output
   int64_t prompt_len = 0;
-  int64_t num_computed = 0;        // tokens whose KV is in the cache
-  int64_t num_cached_prompt = 0;   // prefix-cache hit at first admission
-  std::vector<int32_t> pages;      // block table
+  int64_t num_computed = 0;           // tokens whose KV is in the cache
+  int64_t num_cached_prompt = 0;      // prefix-cache hit at first admission
+  std::vector<int32_t> pages;         // block table
   std::vector<uint64_t> page_hashes;  // hashes of the leading full prompt pages
   SamplerRng rng;
   bool admitted_once = false;
   bool prompt_logprobs_done = false;
-  StepOutput prompt_out;           // prompt logprobs gathered across chunks
+  StepOutput prompt_out;  // prompt logprobs gathered across chunks
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };

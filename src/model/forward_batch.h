@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace tandem {
@@ -12,7 +13,7 @@ enum class LogitsMode : uint8_t { kNone, kLast, kAll };
 /// One sequence's slice of a forward pass: new tokens at positions
 /// [start_pos, start_pos + num_tokens), reading and writing KV through its block table.
 struct ForwardSeq {
-  const int32_t* tokens = nullptr;       // [num_tokens]
+  const int32_t* tokens = nullptr;  // [num_tokens]
   int64_t num_tokens = 0;
   int64_t start_pos = 0;                 // tokens before this are already in the KV cache
   const int32_t* block_table = nullptr;  // [num_pages] covering start_pos + num_tokens
@@ -22,6 +23,9 @@ struct ForwardSeq {
 
 struct ForwardBatch {
   std::vector<ForwardSeq> seqs;
+  /// Optional: called with each layer's index once that layer's new KV is in the cache (the
+  /// prefill instance streams a finished prompt's KV layer by layer while later layers run).
+  std::function<void(int64_t layer)> on_layer_kv;
 
   int64_t num_tokens() const {
     int64_t n = 0;

@@ -281,6 +281,7 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
     cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
                        positions.data(), n, qh, kvh, d, eps, c.rope_theta});
     cpu::kv_write({k.data(), v.data(), kv.layer(l), slots.data(), n, kvh, d, page_size});
+    if (batch.on_layer_kv) batch.on_layer_kv(l);
     cpu::paged_attention({q.data(), kv.layer(l), tables.data(), token_seq.data(), positions.data(),
                           attn.data(), n, qh, kvh, d, page_size, max_pages,
                           1.0f / std::sqrt(static_cast<float>(d))});

@@ -1,16 +1,27 @@
 #include "server/cli.h"
 
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
+#include "comm/gloo_comm.h"
+#include "comm/local_launcher.h"
 #include "core/error.h"
+#include "engine/decode_instance.h"
 #include "engine/engine.h"
+#include "engine/prefill_instance.h"
 #include "model/qwen3_moe.h"
 #include "server/http/http_server.h"
+#include "server/instance_api.h"
 #include "server/planner.h"
+#include "server/router.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
 
@@ -149,8 +160,190 @@ int run_serve(const ServeArgs& a) {
   HttpServer server(cfg, engine, tok.get(), chat.get());
   server.start();
   std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on http://"
-            << cfg.host << ":" << server.port() << "  max_model_len "
-            << engine.max_model_len() << (tok ? "" : "  (no tokenizer: token-id prompts only)")
+            << cfg.host << ":" << server.port() << "  max_model_len " << engine.max_model_len()
+            << (tok ? "" : "  (no tokenizer: token-id prompts only)") << std::endl;
+  server.wait();
+  return 0;
+}
+
+// ---- Disaggregated roles: tandem prefill / decode / router. ----
+
+struct InstanceArgs {
+  std::string model = TANDEM_DEMO_MODEL_DIR;
+  int ranks = 1;  // --tp (prefill) or --dp (decode)
+  std::string host = "127.0.0.1";
+  int port = 0;           // control protocol (the router connects here); KV receivers: free ports
+  int metrics_port = -1;  // GET /metrics here (-1: none)
+  int nprocs = 1;         // prefill: fork this many rank processes here (a process group)
+  int64_t max_decode_batch = 32;
+  EngineConfig engine;
+};
+
+// Blocks SIGINT / SIGTERM in this thread and the threads it starts; wait_for_stop_signal()
+// then returns when one arrives.
+sigset_t block_stop_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return set;
+}
+
+void wait_for_stop_signal(const sigset_t& set) {
+  int sig = 0;
+  sigwait(&set, &sig);
+}
+
+int env_world_size() {
+  const char* ws = std::getenv("WORLD_SIZE");
+  return ws ? std::atoi(ws) : 1;
+}
+
+void check_single_process_group() {
+  // NOTE: a decode instance runs its ranks as threads of one process; one process per rank
+  // (RANK / WORLD_SIZE over Gloo) is built for prefill only so far.
+  TANDEM_CHECK_KIND(kUnsupported, env_world_size() <= 1, "WORLD_SIZE=", env_world_size(),
+                    ": a decode instance is one process (its --dp ranks are threads)");
+}
+
+int run_prefill(const InstanceArgs& a) {
+  if (a.nprocs > 1) {  // a local process group: one forked process per rank
+    TANDEM_CHECK_KIND(kInvalidArgument, a.ranks == 1 || a.ranks == a.nprocs, "--tp ", a.ranks,
+                      " differs from --nprocs ", a.nprocs);
+    InstanceArgs b = a;
+    b.nprocs = 1;
+    b.ranks = a.nprocs;
+    auto results = comm::run_local_ranks(
+        a.nprocs,
+        [&](int) {
+          if (run_prefill(b) != 0) TANDEM_THROW(kInternal, "the rank failed");
+        },
+        std::chrono::hours(24 * 365), std::chrono::seconds(10));
+    const std::string failures = comm::describe_failures(results);
+    if (!failures.empty()) std::cerr << failures;
+    return failures.empty() ? 0 : 1;
+  }
+  const sigset_t signals = block_stop_signals();
+  PrefillInstanceConfig cfg;
+  cfg.model_dir = a.model;
+  cfg.tp = a.ranks;
+  cfg.engine = a.engine;
+  std::unique_ptr<PrefillInstance> instance;
+  if (env_world_size() > 1) {  // this process is one rank of the group (RANK, WORLD_SIZE, ...)
+    if (cfg.tp == 1) cfg.tp = env_world_size();
+    instance = std::make_unique<PrefillInstance>(cfg, comm::GlooCommunicator::from_env());
+  } else {
+    instance = std::make_unique<PrefillInstance>(cfg);
+  }
+  PrefillInstance& prefill = *instance;
+  if (!prefill.is_leader()) {
+    // A rank > 0 serves until rank 0 stops the group; a signal here ends the process at once
+    // (its peers see the group fail).
+    std::atomic<bool> group_done{false};
+    std::thread([&] {
+      prefill.wait();
+      group_done = true;
+      ::kill(::getpid(), SIGTERM);
+    }).detach();
+    wait_for_stop_signal(signals);
+    if (!group_done) std::_Exit(0);
+    return 0;
+  }
+  InstanceServer server(nullptr, &prefill, a.host, a.port);
+  std::unique_ptr<MetricsEndpoint> metrics;
+  if (a.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, [&] {
+      return instances_metrics_text({{"0", prefill.load()}}, {});
+    });
+  }
+  std::cerr << "tandem: prefill instance (TP=" << a.ranks << ", " << a.model << ") on " << a.host
+            << ":" << server.port()
+            << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
+            << std::endl;
+  wait_for_stop_signal(signals);
+  server.stop();
+  return 0;
+}
+
+int run_decode(const InstanceArgs& a) {
+  check_single_process_group();
+  const sigset_t signals = block_stop_signals();
+  DecodeInstanceConfig cfg;
+  cfg.model_dir = a.model;
+  cfg.dp = a.ranks;
+  cfg.engine = a.engine;
+  cfg.max_decode_batch = a.max_decode_batch;
+  cfg.kv_host = a.host;
+  DecodeInstance decode(cfg);
+  InstanceServer server(&decode, nullptr, a.host, a.port);
+  std::unique_ptr<MetricsEndpoint> metrics;
+  if (a.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, [&] {
+      return instances_metrics_text({}, {{"0", decode.load()}});
+    });
+  }
+  std::cerr << "tandem: decode instance (DP=" << a.ranks << ", " << a.model << ") on " << a.host
+            << ":" << server.port() << ", max decode batch " << a.max_decode_batch << " per rank"
+            << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
+            << std::endl;
+  wait_for_stop_signal(signals);
+  server.stop();
+  return 0;
+}
+
+struct RouterArgs {
+  std::string model = TANDEM_DEMO_MODEL_DIR;  // tokenizer and chat template
+  std::string served_name;
+  std::vector<std::string> prefill;
+  std::vector<std::string> decode;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;
+  int http_threads = 2;
+  int metrics_port = -1;  // instances' /metrics here (the front's own /metrics is on --port)
+};
+
+int run_router(const RouterArgs& a) {
+  // NOTE: decode first, so the prefill connections (whose callbacks reach the decode ones)
+  // close first.
+  std::vector<std::unique_ptr<RemoteDecode>> decode;
+  std::vector<std::unique_ptr<RemotePrefill>> prefill;
+  std::vector<PrefillClient*> ps;
+  std::vector<DecodeClient*> ds;
+  for (const auto& e : a.prefill) {
+    prefill.push_back(std::make_unique<RemotePrefill>(e));
+    ps.push_back(prefill.back().get());
+  }
+  for (const auto& e : a.decode) {
+    decode.push_back(std::make_unique<RemoteDecode>(e));
+    ds.push_back(decode.back().get());
+  }
+  Router router(ps, ds);
+  std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
+  std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
+  HttpServerConfig cfg;
+  cfg.host = a.host;
+  cfg.port = static_cast<uint16_t>(a.port);
+  cfg.api_key = a.api_key;
+  cfg.num_threads = a.http_threads;
+  cfg.stop_on_signals = true;
+  cfg.model_name = a.served_name;
+  if (cfg.model_name.empty()) {  // as tandem serve names it
+    std::string dir = a.model;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    cfg.model_name = a.model == TANDEM_DEMO_MODEL_DIR ? "demo" : dir.substr(dir.rfind('/') + 1);
+  }
+  HttpServer server(cfg, router, tok.get(), chat.get());
+  server.start();
+  std::unique_ptr<MetricsEndpoint> metrics;
+  if (a.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port,
+                                                [&] { return router.metrics_text(); });
+  }
+  std::cerr << "tandem: router on http://" << cfg.host << ":" << server.port() << " over "
+            << ps.size() << " prefill and " << ds.size() << " decode instance(s)"
+            << (metrics ? ", instances' /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
   server.wait();
   return 0;
@@ -205,8 +398,7 @@ int cli_main(int argc, char** argv) {
 
   PlannerInputs plan_in;
   auto* pl = app.add_subcommand("plan", "Replica counts for prefill and decode instances");
-  pl->add_option("--input-tps", plan_in.input_tokens_per_s, "Prompt tokens/s arriving")
-      ->required();
+  pl->add_option("--input-tps", plan_in.input_tokens_per_s, "Prompt tokens/s arriving")->required();
   pl->add_option("--prefill-capacity-tps", plan_in.prefill_capacity_tps,
                  "Prompt tokens/s one prefill instance sustains (measured)")
       ->required();
@@ -218,8 +410,61 @@ int cli_main(int argc, char** argv) {
   pl->add_option("--max-decode-batch", plan_in.max_decode_batch, "Per-rank batch threshold");
   pl->add_option("--utilisation", plan_in.target_utilisation, "Planned fraction of capacity");
 
+  InstanceArgs pre, dec;
+  auto* pf = app.add_subcommand("prefill", "Run a prefill instance (TP=EP ranks), for a router");
+  auto* dc = app.add_subcommand("decode", "Run a decode instance (DP=EP ranks), for a router");
+  for (auto [cmd, a] : {std::pair{pf, &pre}, std::pair{dc, &dec}}) {
+    cmd->add_option("--model", a->model, "Model directory (default: the embedded demo model)");
+    cmd->add_option("--host", a->host, "Address to listen on (control and KV)");
+    cmd->add_option("--port", a->port, "Control port for the router (0: any)")
+        ->check(CLI::Range(0, 65535));
+    cmd->add_option("--max-model-len", a->engine.max_model_len)->check(CLI::PositiveNumber);
+    cmd->add_option("--kv-cache-mb", a->engine.kv_cache_mb, "KV cache per rank")
+        ->check(CLI::PositiveNumber);
+    cmd->add_option("--page-size", a->engine.page_size, "Tokens per KV page")
+        ->check(CLI::PositiveNumber);
+    cmd->add_option("--metrics-port", a->metrics_port, "Serve GET /metrics on this port (0: any)")
+        ->check(CLI::Range(0, 65535));
+  }
+  pf->add_option("--tp", pre.ranks, "Ranks (tensor and expert parallel)")
+      ->check(CLI::PositiveNumber);
+  pf->add_option("--nprocs", pre.nprocs,
+                 "Fork one process per rank here (else: ranks are threads, or this process is "
+                 "one rank when WORLD_SIZE > 1)")
+      ->check(CLI::PositiveNumber);
+  pf->add_option("--max-num-batched-tokens", pre.engine.max_batched_tokens,
+                 "Prompt tokens per step (chunk budget)")
+      ->check(CLI::PositiveNumber);
+  dec.engine.max_batched_tokens = 4096;
+  dc->add_option("--dp", dec.ranks, "Ranks (data parallel attention, expert parallel MoE)")
+      ->check(CLI::PositiveNumber);
+  dc->add_option("--max-decode-batch", dec.max_decode_batch, "Sequences per rank at most")
+      ->check(CLI::PositiveNumber);
+
+  RouterArgs rt;
+  auto* ro = app.add_subcommand("router", "OpenAI front over prefill and decode instances");
+  ro->add_option("--prefill", rt.prefill, "Prefill instances HOST:PORT[,...]")
+      ->required()
+      ->delimiter(',');
+  ro->add_option("--decode", rt.decode, "Decode instances HOST:PORT[,...]")
+      ->required()
+      ->delimiter(',');
+  ro->add_option("--model", rt.model, "Model directory for the tokenizer and chat template");
+  ro->add_option("--served-model-name", rt.served_name, "Model name in the API");
+  ro->add_option("--host", rt.host, "Address to listen on");
+  ro->add_option("--port", rt.port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
+  ro->add_option("--api-key", rt.api_key, "Require 'Authorization: Bearer KEY'");
+  ro->add_option("--http-threads", rt.http_threads)->check(CLI::Range(1, 256));
+  ro->add_option("--metrics-port", rt.metrics_port,
+                 "Serve the instances' GET /metrics (queued input tokens, input tokens/s, batch "
+                 "per rank vs limit) on this port (0: any)")
+      ->check(CLI::Range(0, 65535));
+
   try {
     app.parse(argc, argv);
+    if (pf->parsed()) return run_prefill(pre);
+    if (dc->parsed()) return run_decode(dec);
+    if (ro->parsed()) return run_router(rt);
     if (pl->parsed()) {
       PlannerOutput out = plan_replicas(plan_in);
       nlohmann::json j = {{"prefill_instances", out.prefill_instances},

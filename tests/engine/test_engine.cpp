@@ -202,7 +202,8 @@ TEST(Engine, PromptLogprobsMatchFullForward) {
   ASSERT_EQ(c.prompt_lp.size(), prompt.size() - 1);
   // Each prompt logprob equals the one a greedy run of the shorter prefix would report.
   for (size_t i : {size_t(1), size_t(8), prompt.size() - 1}) {
-    auto pre = make("q" + std::to_string(i), std::vector<int32_t>(prompt.begin(), prompt.begin() + i), 1);
+    auto pre =
+        make("q" + std::to_string(i), std::vector<int32_t>(prompt.begin(), prompt.begin() + i), 1);
     pre.ignore_eos = true;
     pre.sampling.logprobs = 0;
     float lp = 0;
@@ -261,7 +262,9 @@ TEST(AsyncEngine, ConcurrentRequestsMatchSolo) {
   std::mt19937 rng(6);
   const int n = 64;
   std::vector<GenRequest> reqs;
-  for (int i = 0; i < n; ++i) reqs.push_back(make("c" + std::to_string(i), random_prompt(rng, 3 + i % 20), 6 + i % 5, 0.7f, 100 + i));
+  for (int i = 0; i < n; ++i)
+    reqs.push_back(
+        make("c" + std::to_string(i), random_prompt(rng, 3 + i % 20), 6 + i % 5, 0.7f, 100 + i));
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Collected> got(n);
@@ -328,8 +331,8 @@ TEST(Engine, PrefilledRequestsContinueLikeColocated) {
     ForwardBatch b;
     b.seqs.push_back({prompt.data(), len, 0, src_pages.data(), 4, LogitsMode::kLast});
     model().forward(b, src, logits);
-    int32_t first = static_cast<int32_t>(
-        std::max_element(logits.begin(), logits.end()) - logits.begin());
+    int32_t first =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     // Decode side: reserve, "transfer", admit.
     Engine e(model(), cfg);
     std::vector<int32_t> dst_pages;

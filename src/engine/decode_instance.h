@@ -1,0 +1,152 @@
+// A decode instance (DESIGN.md sections 1, 3, 4): DP=d attention + EP=d MoE. d ranks, each an
+// Engine over its shard of the model with its own KV cache and requests, stepping in lockstep
+// (the MoE all-to-all is collective, so a rank with nothing to do still forwards an empty
+// batch). Requests arrive prefilled: accept() reserves pages on the least-loaded rank and
+// expects the transfer there (each rank has its own transfer receiver writing into its KV
+// cache); once the KV is complete and the prefill's first output arrived (prefilled()), the
+// request is admitted on that rank.
+//
+//   DecodeInstance decode(cfg);                                  // loads d shards, d threads
+//   auto dst = decode.accept(req, prefill.kv_sharding(), out);   // nullopt: no rank has room
+//   prefill.submit(req, *dst, on_done);   // KV -> dst; on_done(first) -> decode.prefilled()
+//   // ... tokens stream through `out` from the rank's thread.
+//
+// NOTE: the ranks run as threads of this process (LocalCommunicator). One process per rank
+// needs the registry (accept / admit / abort) to message the ranks: see docs/architecture.md.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/engine.h"
+#include "transfer/transfer.h"
+
+namespace tandem {
+
+namespace comm {
+class Communicator;
+}
+
+/// Batch size per rank against the limit (exported on /metrics, read by the router).
+struct DecodeLoad {
+  std::vector<int64_t> batch_per_rank;  // running + waiting + reserved, per DP rank
+  int64_t max_decode_batch = 0;         // per rank
+  bool alive = true;
+  /// The smallest rank batch: where the next request would go.
+  int64_t min_batch() const;
+  int64_t total_batch() const;
+  bool has_room() const { return alive && min_batch() < max_decode_batch; }
+};
+
+/// What the router needs of a decode instance (this process's DecodeInstance, or a remote one
+/// through server/instance_api). Thread-safe.
+class DecodeClient {
+ public:
+  virtual ~DecodeClient() = default;
+  /// Validates the request (throws Error(kInvalidArgument)), reserves KV pages for its prompt
+  /// on the least-loaded rank with room under max_decode_batch, expects its KV from a prefill
+  /// instance sharded as `src`, and registers on_output, which from then on gets exactly one
+  /// finished callback. nullopt when no rank has room or pages.
+  virtual std::optional<transfer::TransferDescriptor> accept(const GenRequest& req,
+                                                             const transfer::KvSharding& src,
+                                                             OutputCallback on_output) = 0;
+  /// The prefill instance's first output of an accepted request (token 1, its logprobs, the
+  /// prompt logprobs): the request starts once this and its KV have arrived.
+  virtual void prefilled(const std::string& id, const StepOutput& first) = 0;
+  /// Ends an accepted request whose prefill failed: pages released, finished with kError.
+  virtual void fail(const std::string& id, const std::string& error) = 0;
+  /// Ends a request (accepted or running) with kAbort; pages freed at once.
+  virtual void abort(const std::string& id) = 0;
+  virtual DecodeLoad load() const = 0;
+  virtual int64_t max_model_len() const = 0;
+  virtual int64_t vocab_size() const = 0;
+};
+
+struct DecodeInstanceConfig {
+  std::string model_dir;
+  int dp = 1;                         // ranks (DP = EP)
+  EngineConfig engine;                // per rank
+  int64_t max_decode_batch = 32;      // sequences per rank (running + waiting + reserved)
+  std::string kv_host = "127.0.0.1";  // the transfer receivers listen here (free ports)
+  // NOTE: a receiver fails a transfer after this long without data, counted from accept():
+  // it covers the request's wait in the prefill queue, hence longer than the backend default.
+  std::chrono::milliseconds transfer_timeout{std::chrono::minutes(10)};
+};
+
+class DecodeInstance final : public DecodeClient {
+ public:
+  /// Loads the d shards and starts the rank threads; throws what loading throws.
+  explicit DecodeInstance(DecodeInstanceConfig config);
+  /// Stops the ranks; every live request gets a finished callback (kAbort).
+  ~DecodeInstance() override;
+
+  std::optional<transfer::TransferDescriptor> accept(const GenRequest& req,
+                                                     const transfer::KvSharding& src,
+                                                     OutputCallback on_output) override;
+  void prefilled(const std::string& id, const StepOutput& first) override;
+  void fail(const std::string& id, const std::string& error) override;
+  void abort(const std::string& id) override;
+  DecodeLoad load() const override;
+  int64_t max_model_len() const override;
+  int64_t vocab_size() const override;
+
+  /// Tests: stops like a crashed process - the ranks and the KV receiver stop, no callback
+  /// runs any more, load().alive turns false.
+  void kill();
+  /// Summed engine counters of the ranks.
+  EngineStats stats() const;
+
+ private:
+  struct Rank;
+  struct Pending {  // accepted, not admitted yet
+    GenRequest req;
+    OutputCallback on_output;
+    int rank = 0;
+    std::vector<int32_t> pages;
+    bool kv_done = false;    // the transfer completed
+    bool has_first = false;  // prefilled() arrived
+    StepOutput first;
+  };
+
+  void rank_main(int r, comm::Communicator& comm);
+  void lockstep_loop(Rank& rank, comm::Communicator& comm);
+  // Admits the request if its KV and its first output are both in (called under mu_; the
+  // admission itself runs on the rank's thread).
+  void admit_if_ready(const std::string& id);
+  void post(int r, std::function<void(Engine&)> fn);
+  // Ends a pending request: cancels its transfer (unless the transfer itself failed: from the
+  // receiver's callback, which must not cancel), releases its pages, finishes it.
+  void end_pending(const std::string& id, FinishReason reason, const std::string& error,
+                   bool cancel_transfer = true);
+  std::shared_ptr<transfer::TransferReceiver> receiver(int rank) const;  // null once killed
+  OutputCallback guard(OutputCallback cb, const std::string& id);
+
+  DecodeInstanceConfig config_;
+  std::vector<std::unique_ptr<comm::Communicator>> comms_;  // rank r's, LocalCommunicator
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::vector<std::thread> threads_;
+  std::unique_ptr<transfer::TransferBackend> transfer_;
+  mutable std::mutex rx_mu_;  // receivers_ (kill() drops them while others may use them)
+  std::vector<std::shared_ptr<transfer::TransferReceiver>> receivers_;  // one per rank
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> dead_{false};
+  std::mutex wake_mu_;
+  std::condition_variable wake_cv_;
+  uint64_t wake_seq_ = 0;
+
+  mutable std::mutex mu_;                             // the registry below
+  std::unordered_map<std::string, Pending> pending_;  // request id -> accepted request
+  std::unordered_map<std::string, int> running_ids_;  // request id -> rank
+};
+
+}  // namespace tandem

@@ -1,0 +1,470 @@
+#include "engine/prefill_instance.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "comm/local_comm.h"
+#include "core/error.h"
+#include "engine/lockstep.h"
+#include "model/qwen3_moe.h"
+#include "transfer/tcp_transfer.h"
+
+namespace tandem {
+
+namespace {
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+constexpr double kRateWindowS = 10.0;
+}  // namespace
+
+struct PrefillInstance::Rank {
+  std::unique_ptr<Qwen3MoeCpu> model;
+  std::unique_ptr<KvCache> own_kv;  // ranks > 0 (rank 0 uses its engine's cache)
+  KvCache* kv = nullptr;
+  std::unique_ptr<transfer::TransferSender> sender;
+  std::vector<float> logits;
+};
+
+struct PrefillInstance::Job {
+  std::string id;
+  transfer::TransferDescriptor dst;
+  PrefillDone on_done;
+  int64_t prompt_len = 0;
+  int64_t computed = 0;  // prompt tokens computed (for the queued-token count)
+  bool begun = false;    // the transfer began (after the last chunk)
+  bool failed = false;   // a rank could not begin the transfer
+  bool ended = false;
+};
+
+/// One step as every rank sees it: the transfers that end, the batch, where finished prompts'
+/// KV goes.
+struct PrefillInstance::Step {
+  struct Seq {
+    std::string id;
+    std::vector<int32_t> tokens;  // this chunk
+    std::vector<int32_t> table;   // block table (rank 0's page ids; every rank mirrors them)
+    int64_t start = 0;
+    LogitsMode logits = LogitsMode::kNone;
+    bool last = false;                 // the prompt's last chunk: its KV goes out now
+    transfer::TransferDescriptor dst;  // when last
+  };
+  bool stop = false;
+  std::vector<TransferEnd> ends;
+  std::vector<Seq> seqs;
+
+  ForwardBatch forward() const {
+    ForwardBatch b;
+    for (const Seq& s : seqs) {
+      b.seqs.push_back({s.tokens.data(), static_cast<int64_t>(s.tokens.size()), s.start,
+                        s.table.data(), static_cast<int64_t>(s.table.size()), s.logits});
+    }
+    return b;
+  }
+
+  static Step parse(const std::vector<uint8_t>& msg) {
+    ByteReader r(msg);
+    Step st;
+    st.stop = r.get<uint8_t>() != 0;
+    const int64_t ne = r.get<int64_t>();
+    for (int64_t i = 0; i < ne; ++i) {
+      TransferEnd e;
+      e.id = r.get_str();
+      e.ok = r.get<uint8_t>() != 0;
+      e.token = r.get<int32_t>();
+      e.logprob = r.get<float>();
+      st.ends.push_back(std::move(e));
+    }
+    const int64_t n = r.get<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      Seq s;
+      s.id = r.get_str();
+      s.tokens = r.get_vec<int32_t>();
+      s.table = r.get_vec<int32_t>();
+      s.start = r.get<int64_t>();
+      s.logits = static_cast<LogitsMode>(r.get<uint8_t>());
+      s.last = r.get<uint8_t>() != 0;
+      if (s.last) s.dst = get_descriptor(r);
+      st.seqs.push_back(std::move(s));
+    }
+    return st;
+  }
+};
+
+PrefillInstance::PrefillInstance(PrefillInstanceConfig config) : config_(std::move(config)) {
+  TANDEM_CHECK_KIND(kInvalidArgument, config_.tp >= 1, "--tp must be at least 1");
+  for (auto& c : comm::LocalCommunicator::create_group(config_.tp)) comms_.push_back(std::move(c));
+  init_ranks(0, config_.tp);
+}
+
+PrefillInstance::PrefillInstance(PrefillInstanceConfig config,
+                                 std::unique_ptr<comm::Communicator> comm)
+    : config_(std::move(config)) {
+  TANDEM_CHECK_KIND(kInvalidArgument, comm->world_size() == config_.tp, "--tp ", config_.tp,
+                    " differs from the group's ", comm->world_size(), " ranks (WORLD_SIZE)");
+  const int rank = comm->rank();
+  comms_.push_back(std::move(comm));
+  init_ranks(rank, 1);
+}
+
+void PrefillInstance::init_ranks(int first_rank, int count) {
+  first_rank_ = first_rank;
+  for (int i = 0; i < count; ++i) {
+    auto rank = std::make_unique<Rank>();
+    rank->model =
+        Qwen3MoeCpu::load(config_.model_dir, ShardSpec::prefill(first_rank + i, config_.tp),
+                          comms_[static_cast<size_t>(i)].get());
+    ranks_.push_back(std::move(rank));
+  }
+  sharding_ = {ranks_[0]->model->config().num_key_value_heads, config_.tp};
+  int64_t num_pages = 0;
+  if (is_leader()) {
+    engine_ = std::make_unique<Engine>(*ranks_[0]->model, config_.engine);
+    ranks_[0]->kv = &engine_->kv_cache();
+    num_pages = engine_->config().num_pages;
+  }
+  if (count < config_.tp) {
+    // One process per rank: rank 0's page count, for the caches of the others (collective).
+    comms_[0]->broadcast(&num_pages, 1, DType::kI64, 0);
+  }
+  transfer_ = transfer::make_host_tcp_backend();
+  for (int i = 0; i < count; ++i) {
+    Rank& rank = *ranks_[static_cast<size_t>(i)];
+    if (!rank.kv) {
+      // NOTE: same page count as rank 0: every rank writes the pages rank 0 allocated.
+      rank.own_kv =
+          std::make_unique<KvCache>(rank.model->kv_geometry(num_pages, config_.engine.page_size));
+      rank.kv = rank.own_kv.get();
+    }
+    transfer::SenderCallbacks cbs;
+    cbs.on_sent = [](const std::string&) {};
+    // The decode side sees the same failure and ends the request there.
+    cbs.on_error = [this](const std::string&, const std::string&) { ++transfer_errors_; };
+    rank.sender = transfer_->make_sender(*rank.kv, sharding_, first_rank + i, cbs);
+  }
+  for (int i = 0; i < count; ++i) threads_.emplace_back([this, i] { rank_main(i); });
+}
+
+void PrefillInstance::wait() {
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+int PrefillInstance::num_senders() const {
+  return static_cast<int>(transfer::senders_for(sharding_, {0, sharding_.num_kv_heads}).size());
+}
+
+PrefillInstance::~PrefillInstance() {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    stop_ = true;
+  }
+  inbox_cv_.notify_all();
+  wait();
+  // Whatever is left fails (the decode side releases its pages).
+  for (auto& [id, job] : jobs_) {
+    if (job->ended) continue;
+    job->ended = true;
+    if (job->on_done) job->on_done("the prefill instance is shutting down", StepOutput{});
+  }
+  for (auto& [req, job] : submitted_) {
+    if (job->on_done) job->on_done("the prefill instance is shutting down", StepOutput{});
+  }
+  if (engine_) engine_->abort_all();
+  for (auto& rank : ranks_) rank->sender.reset();
+}
+
+void PrefillInstance::rank_main(int i) {
+  comm::Communicator& comm = *comms_[static_cast<size_t>(i)];
+  const bool leader = first_rank_ + i == 0;
+  try {
+    if (leader) {
+      leader_loop(comm);
+    } else {
+      follower_loop(*ranks_[static_cast<size_t>(i)], comm);
+    }
+  } catch (const std::exception& e) {
+    dead_ = true;
+    stop_ = true;
+    if (auto* local = dynamic_cast<comm::LocalCommunicator*>(&comm)) local->abort_group();
+    if (!leader) return;
+    std::vector<std::string> ids;
+    for (const auto& [id, job] : jobs_) ids.push_back(id);
+    for (const auto& id : ids) {
+      end_job(id, std::string("the prefill instance failed: ") + e.what(), StepOutput{});
+    }
+  }
+}
+
+// ---- The loops: rank 0 schedules and samples, every rank forwards and sends its KV. ----
+
+void PrefillInstance::leader_loop(comm::Communicator& comm) {
+  Rank& rank = *ranks_[0];
+  for (;;) {
+    const bool stop = take_inbox();
+    ScheduledBatch batch = stop ? ScheduledBatch{} : engine_->schedule();
+    std::vector<uint8_t> msg = encode_step(batch, stop);
+    broadcast_bytes(comm, msg, 0);  // 1. the step, to every rank
+    const Step step = Step::parse(msg);
+    end_transfers(rank, step);  // (token 1 of earlier steps' prompts)
+    if (stop) return;
+    if (batch.empty()) continue;                                // (an idle heartbeat)
+    std::vector<int64_t> failed = begin_transfers(rank, step);  // 2. prompts ending now
+    for (const Step::Seq& s : step.seqs) {
+      if (s.last) jobs_.at(s.id)->begun = true;  // (whatever happens next ends the transfer)
+    }
+    batch.forward.on_layer_kv = [&](int64_t l) { send_layer(rank, step, l, failed); };
+    const bool ok = engine_->forward(batch);  // 3. TP attention + EP MoE (KV out per layer)
+    comm.all_reduce_sum(failed.data(), static_cast<int64_t>(failed.size()), DType::kI64);
+    for (size_t i = 0; i < step.seqs.size(); ++i) {
+      auto it = jobs_.find(step.seqs[i].id);
+      if (it == jobs_.end()) continue;
+      Job& job = *it->second;
+      job.failed = job.failed || failed[i] > 0;
+      const int64_t now =
+          std::min(job.computed + static_cast<int64_t>(step.seqs[i].tokens.size()), job.prompt_len);
+      count_computed(now - job.computed);
+      job.computed = now;
+    }
+    if (ok) engine_->complete(batch);  // 4. sample token 1: the transfers can finish
+    for (size_t i = 0; i < step.seqs.size(); ++i) {
+      if (failed[i] > 0) engine_->abort(step.seqs[i].id);  // ends it as failed (no-op if done)
+    }
+  }
+}
+
+void PrefillInstance::follower_loop(Rank& rank, comm::Communicator& comm) {
+  for (;;) {
+    std::vector<uint8_t> msg;
+    broadcast_bytes(comm, msg, 0);
+    const Step step = Step::parse(msg);
+    end_transfers(rank, step);
+    if (step.stop) return;
+    if (step.seqs.empty()) continue;
+    std::vector<int64_t> failed = begin_transfers(rank, step);
+    ForwardBatch batch = step.forward();
+    batch.on_layer_kv = [&](int64_t l) { send_layer(rank, step, l, failed); };
+    rank.model->forward(batch, *rank.kv, rank.logits);
+    comm.all_reduce_sum(failed.data(), static_cast<int64_t>(failed.size()), DType::kI64);
+  }
+}
+
+void PrefillInstance::end_transfers(Rank& rank, const Step& step) {
+  for (const TransferEnd& e : step.ends) {
+    try {
+      if (e.ok) {
+        rank.sender->finish(e.id, e.token, e.logprob);
+      } else {
+        rank.sender->abort(e.id);
+      }
+    } catch (const std::exception&) {
+      ++transfer_errors_;  // (the decode side times out and ends the request)
+    }
+  }
+}
+
+std::vector<int64_t> PrefillInstance::begin_transfers(Rank& rank, const Step& step) {
+  std::vector<int64_t> failed(step.seqs.size(), 0);
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const Step::Seq& s = step.seqs[i];
+    if (!s.last) continue;
+    try {
+      // NOTE: the block table already covers the whole prompt (the scheduler allocated this
+      // chunk's pages), as begin() wants.
+      rank.sender->begin(s.id, {s.dst}, s.table);
+    } catch (const std::exception&) {
+      failed[i] = 1;
+    }
+  }
+  return failed;
+}
+
+void PrefillInstance::send_layer(Rank& rank, const Step& step, int64_t layer,
+                                 std::vector<int64_t>& failed) {
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    if (!step.seqs[i].last || failed[i] > 0) continue;
+    try {
+      rank.sender->send_layer(step.seqs[i].id, layer);
+    } catch (const std::exception&) {
+      failed[i] = 1;
+      rank.sender->abort(step.seqs[i].id);
+    }
+  }
+}
+
+bool PrefillInstance::take_inbox() {
+  std::deque<std::pair<GenRequest, std::shared_ptr<Job>>> submitted;
+  std::vector<std::string> aborts;
+  {
+    std::unique_lock<std::mutex> lock(inbox_mu_);
+    // Idle: wait for work, but broadcast a heartbeat now and then (the other ranks wait in
+    // the broadcast, which has a timeout).
+    if (!engine_->has_work() && ends_.empty()) {
+      inbox_cv_.wait_for(lock, std::chrono::milliseconds(100),
+                         [&] { return stop_ || !submitted_.empty() || !aborts_.empty(); });
+    }
+    if (stop_) return true;
+    submitted.swap(submitted_);
+    aborts.swap(aborts_);
+  }
+  for (auto& [req, job] : submitted) {
+    jobs_[job->id] = job;
+    GenRequest first_only = std::move(req);
+    first_only.max_tokens = 1;  // the decode instance generates the rest
+    try {
+      engine_->add(std::move(first_only),
+                   [this, job](const StepOutput& out) { on_output(*job, out); });
+    } catch (const std::exception& e) {
+      end_job(job->id, e.what(), StepOutput{});
+    }
+  }
+  for (const auto& id : aborts) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    it->second->on_done = nullptr;  // aborted by the router: nothing to report
+    engine_->abort(id);
+    end_job(id, "aborted", StepOutput{});
+  }
+  return false;
+}
+
+std::vector<uint8_t> PrefillInstance::encode_step(const ScheduledBatch& batch, bool stop) {
+  ByteWriter w;
+  w.put<uint8_t>(stop ? 1 : 0);
+  w.put<int64_t>(static_cast<int64_t>(ends_.size()));
+  for (const TransferEnd& e : ends_) {
+    w.put_str(e.id);
+    w.put<uint8_t>(e.ok ? 1 : 0);
+    w.put(e.token);
+    w.put(e.logprob);
+  }
+  ends_.clear();
+  w.put<int64_t>(static_cast<int64_t>(batch.seqs.size()));
+  for (const ScheduledSeq& ss : batch.seqs) {
+    const Sequence& s = *ss.seq;
+    const int64_t start = s.num_computed, end = start + ss.num_tokens;
+    w.put_str(s.req.id);
+    w.put_vec(s.tokens.data() + start, ss.num_tokens);
+    w.put_vec(s.pages);
+    w.put<int64_t>(start);
+    w.put<uint8_t>(static_cast<uint8_t>(ss.logits));
+    const bool last = end >= s.prompt_len;
+    w.put<uint8_t>(last ? 1 : 0);
+    if (last) put_descriptor(w, jobs_.at(s.req.id)->dst);
+  }
+  return std::move(w.bytes());
+}
+
+// ---- Rank 0's request bookkeeping. ----
+
+void PrefillInstance::on_output(Job& job, const StepOutput& out) {
+  if (!out.finished || job.ended) return;
+  std::string error;
+  if (out.finish_reason == FinishReason::kError) {
+    error = out.error.empty() ? "prefill failed" : out.error;
+  } else if (job.failed) {
+    error = "the KV transfer to " + job.dst.dst_address + " could not start";
+  } else if (out.finish_reason == FinishReason::kAbort) {
+    error = "prefill aborted";
+  }
+  end_job(job.id, error, out);
+}
+
+void PrefillInstance::end_job(const std::string& id, const std::string& error,
+                              const StepOutput& first) {
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) return;
+  std::shared_ptr<Job> job = it->second;
+  jobs_.erase(it);
+  if (job->ended) return;
+  job->ended = true;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    queued_tokens_ -= job->prompt_len - job->computed;
+  }
+  // Every rank ends its part of the transfer: with token 1, or by aborting it.
+  TransferEnd e;
+  e.id = id;
+  e.ok = error.empty() && job->begun && !first.token_ids.empty();
+  if (e.ok) {
+    e.token = first.token_ids[0];
+    e.logprob = first.token_logprobs.empty() ? 0.f : first.token_logprobs[0];
+  }
+  if (job->begun) {
+    try {
+      if (e.ok) {
+        ranks_[0]->sender->finish(id, e.token, e.logprob);
+      } else {
+        ranks_[0]->sender->abort(id);
+      }
+    } catch (const std::exception&) {
+      ++transfer_errors_;
+    }
+    if (config_.tp > 1) ends_.push_back(e);  // the other ranks finish in the next step
+  }
+  if (job->on_done) job->on_done(e.ok ? "" : (error.empty() ? "prefill failed" : error), first);
+}
+
+void PrefillInstance::count_computed(int64_t tokens) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  queued_tokens_ -= tokens;
+  computed_total_ += tokens;
+  rate_window_.push_back({now_s(), tokens});
+}
+
+// ---- The client side (any thread). ----
+
+void PrefillInstance::submit(const GenRequest& req, transfer::TransferDescriptor dst,
+                             PrefillDone on_done) {
+  TANDEM_CHECK(is_leader(), "submit() on a prefill rank other than 0");
+  TANDEM_CHECK_KIND(kOutOfResources, !dead_ && !stop_, "the prefill instance is down");
+  GenRequest first_only = req;
+  first_only.max_tokens = 1;
+  engine_->validate(first_only);
+  const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
+  dst.request_id = req.id;
+  dst.src = sharding_;
+  dst.validate();
+  TANDEM_CHECK_KIND(kInvalidArgument, dst.num_tokens == n, "request '", req.id,
+                    "': the destination expects ", dst.num_tokens, " tokens, the prompt has ", n);
+  auto job = std::make_shared<Job>();
+  job->id = req.id;
+  job->dst = std::move(dst);
+  job->on_done = std::move(on_done);
+  job->prompt_len = n;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    queued_tokens_ += n;
+  }
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    submitted_.emplace_back(req, std::move(job));
+  }
+  inbox_cv_.notify_one();
+}
+
+void PrefillInstance::abort(const std::string& id) {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    aborts_.push_back(id);
+  }
+  inbox_cv_.notify_one();
+}
+
+PrefillLoad PrefillInstance::load() const {
+  PrefillLoad l;
+  l.alive = !dead_ && !stop_;
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  l.queued_input_tokens = queued_tokens_;
+  l.input_tokens_total = computed_total_;
+  // Tokens computed over the last kRateWindowS seconds.
+  const double since = now_s() - kRateWindowS;
+  while (!rate_window_.empty() && rate_window_.front().first < since) rate_window_.pop_front();
+  int64_t recent = 0;
+  for (const auto& [t, n] : rate_window_) recent += n;
+  l.input_tokens_per_s = static_cast<double>(recent) / kRateWindowS;
+  return l;
+}
+
+}  // namespace tandem

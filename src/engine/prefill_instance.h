@@ -1,0 +1,152 @@
+// A prefill instance (DESIGN.md sections 1, 3, 4): TP=t attention + EP=t MoE. Rank 0 schedules
+// (chunked prefill under a token budget, FCFS) with an Engine whose requests stop after their
+// first token, broadcasts each step's batch to the other ranks, and every rank runs forward on
+// the same batch. Every rank streams its KV heads to the decode instance through its transfer
+// sender (transfer/transfer.h: a rank holding a replica of a head sends nothing); rank 0
+// samples token 1 and every rank finishes the transfer with it.
+//
+// NOTE: a prompt's KV leaves during the forward of its last chunk, layer by layer (the
+// model's ForwardBatch::on_layer_kv hook, right after the layer's KV write): the transfer
+// engine moves whole layers of a request, and a layer is complete only once the last chunk
+// wrote it, so earlier chunks send nothing. The host backend copies each layer during
+// send_layer, so the pages may be reused as soon as the forward returns.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/engine.h"
+#include "transfer/transfer.h"
+
+namespace tandem {
+
+namespace comm {
+class Communicator;
+}
+
+/// What a prefill instance exports (/metrics; the router picks by queued input tokens).
+struct PrefillLoad {
+  int64_t queued_input_tokens = 0;  // prompt tokens submitted and not computed yet
+  int64_t input_tokens_total = 0;   // prompt tokens computed so far
+  double input_tokens_per_s = 0;    // prompt tokens computed over the last 10 s, per second
+  bool alive = true;
+};
+
+/// Called once when a prefill ends, except after abort(): error empty and `first` the first
+/// output (token 1 and its logprobs, prompt logprobs) when the KV went out, else why not.
+using PrefillDone = std::function<void(const std::string& error, const StepOutput& first)>;
+
+/// What the router needs of a prefill instance (this process's, or a remote one). Thread-safe.
+class PrefillClient {
+ public:
+  virtual ~PrefillClient() = default;
+  /// How the instance's ranks hold the KV heads (the decode side expects its senders).
+  virtual transfer::KvSharding kv_sharding() const = 0;
+  /// Queues the request's prefill; its KV goes to `dst` (from the decode instance's accept),
+  /// then on_done runs. Throws Error(kInvalidArgument) for a request that can never run.
+  virtual void submit(const GenRequest& req, transfer::TransferDescriptor dst,
+                      PrefillDone on_done) = 0;
+  /// Drops a queued or running prefill (no-op when unknown or done).
+  virtual void abort(const std::string& id) = 0;
+  virtual PrefillLoad load() const = 0;
+};
+
+struct PrefillInstanceConfig {
+  std::string model_dir;
+  int tp = 1;           // ranks (TP = EP)
+  EngineConfig engine;  // rank 0's scheduler (max_batched_tokens: the chunk budget)
+};
+
+class PrefillInstance final : public PrefillClient {
+ public:
+  /// Loads the t shards and starts the rank threads (ranks as threads of this process);
+  /// throws what loading throws.
+  explicit PrefillInstance(PrefillInstanceConfig config);
+  /// One process per rank: this process is rank comm->rank() of comm->world_size() (= tp),
+  /// e.g. a GlooCommunicator from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Collective:
+  /// every rank's process constructs one. Only rank 0 serves the client calls below.
+  PrefillInstance(PrefillInstanceConfig config, std::unique_ptr<comm::Communicator> comm);
+  /// Stops the ranks; live prefills fail ("shutting down"). On ranks > 0 of a process group,
+  /// returns once rank 0 has stopped the group (see wait()).
+  ~PrefillInstance() override;
+
+  /// Blocks until this process's ranks have stopped (rank 0 stopping, or a failure).
+  void wait();
+  /// True where the client calls work (rank 0 is here).
+  bool is_leader() const { return first_rank_ == 0; }
+
+  transfer::KvSharding kv_sharding() const override { return sharding_; }
+  void submit(const GenRequest& req, transfer::TransferDescriptor dst,
+              PrefillDone on_done) override;
+  void abort(const std::string& id) override;
+  PrefillLoad load() const override;
+
+  /// Ranks that send KV to a decode rank holding every head (each head travels once).
+  int num_senders() const;
+  /// Transfers that failed at a sender (the decode side ends those requests).
+  int64_t transfer_errors() const { return transfer_errors_; }
+
+ private:
+  struct Rank;
+  struct Job;
+  struct Step;
+
+  void init_ranks(int first_rank, int count);
+  void leader_loop(comm::Communicator& comm);
+  void follower_loop(Rank& rank, comm::Communicator& comm);
+  void rank_main(int r);
+  // Rank 0: applies submissions and aborts; waits a little while idle. True: stop.
+  bool take_inbox();
+  std::vector<uint8_t> encode_step(const ScheduledBatch& batch, bool stop);
+  // Every rank: ends the transfers of earlier steps (finish with token 1, or abort); begins
+  // those of the prompts whose last chunk runs now (a failure flag per sequence); sends one
+  // layer of them (from inside the forward).
+  void end_transfers(Rank& rank, const Step& step);
+  std::vector<int64_t> begin_transfers(Rank& rank, const Step& step);
+  void send_layer(Rank& rank, const Step& step, int64_t layer, std::vector<int64_t>& failed);
+  void on_output(Job& job, const StepOutput& out);
+  void end_job(const std::string& id, const std::string& error, const StepOutput& first);
+  void count_computed(int64_t tokens);
+
+  PrefillInstanceConfig config_;
+  transfer::KvSharding sharding_;
+  std::vector<std::unique_ptr<comm::Communicator>> comms_;  // this process's ranks'
+  std::vector<std::unique_ptr<Rank>> ranks_;                // ranks_[i] is rank first_rank_ + i
+  int first_rank_ = 0;
+  std::unique_ptr<Engine> engine_;  // rank 0's scheduler and sampler over rank 0's shard
+  std::unique_ptr<transfer::TransferBackend> transfer_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> dead_{false};
+  std::atomic<int64_t> transfer_errors_{0};
+
+  mutable std::mutex inbox_mu_;
+  std::condition_variable inbox_cv_;
+  std::deque<std::pair<GenRequest, std::shared_ptr<Job>>> submitted_;
+  std::vector<std::string> aborts_;
+
+  // Rank 0 thread only.
+  std::unordered_map<std::string, std::shared_ptr<Job>> jobs_;
+  struct TransferEnd {
+    std::string id;
+    bool ok = false;  // finish with the token, else abort
+    int32_t token = 0;
+    float logprob = 0;
+  };
+  std::vector<TransferEnd> ends_;  // for the next step's message (the other ranks' senders)
+
+  mutable std::mutex stats_mu_;
+  int64_t queued_tokens_ = 0;
+  int64_t computed_total_ = 0;
+  mutable std::deque<std::pair<double, int64_t>> rate_window_;  // (seconds, tokens) per step
+};
+
+}  // namespace tandem

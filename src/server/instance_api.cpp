@@ -1,0 +1,718 @@
+#include "server/instance_api.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+#include <unordered_set>
+
+#include "core/error.h"
+#include "engine/lockstep.h"
+
+namespace tandem {
+
+namespace {
+
+enum Msg : uint32_t {
+  kHello = 1,
+  kAccept = 2,
+  kSubmit = 3,
+  kFail = 4,
+  kAbort = 5,
+  kLoad = 6,
+  kPrefilled = 7,
+  kReply = 100,
+  kOutput = 101,
+  kPrefillDone = 102,
+};
+
+bool write_all(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* data, size_t n) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool write_frame(int fd, uint32_t type, const std::vector<uint8_t>& payload) {
+  uint32_t head[2] = {type, static_cast<uint32_t>(payload.size())};
+  return write_all(fd, head, sizeof(head)) && write_all(fd, payload.data(), payload.size());
+}
+
+bool read_frame(int fd, uint32_t& type, std::vector<uint8_t>& payload) {
+  uint32_t head[2];
+  if (!read_all(fd, head, sizeof(head))) return false;
+  type = head[0];
+  payload.resize(head[1]);
+  return read_all(fd, payload.data(), payload.size());
+}
+
+int connect_to(const std::string& endpoint) {
+  const size_t colon = endpoint.rfind(':');
+  TANDEM_CHECK_KIND(kInvalidArgument, colon != std::string::npos, "bad instance address '",
+                    endpoint, "' (want host:port)");
+  const std::string host = endpoint.substr(0, colon), port = endpoint.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int gai = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+  TANDEM_CHECK_KIND(kIo, gai == 0, "instance ", endpoint, ": ", ::gai_strerror(gai));
+  int fd = -1;
+  for (addrinfo* a = res; a && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd >= 0 && ::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(res);
+  TANDEM_CHECK_KIND(kIo, fd >= 0, "cannot connect to instance ", endpoint);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+// ---- Codecs. ----
+
+void put_request(ByteWriter& w, const GenRequest& r) {
+  w.put_str(r.id);
+  w.put_vec(r.prompt_ids);
+  const SamplingParams& s = r.sampling;
+  w.put(s.temperature);
+  w.put(s.top_p);
+  w.put(s.top_k);
+  w.put(s.min_p);
+  w.put(s.repetition_penalty);
+  w.put(s.presence_penalty);
+  w.put(s.frequency_penalty);
+  w.put<uint8_t>(s.seed.has_value() ? 1 : 0);
+  w.put<uint64_t>(s.seed.value_or(0));
+  w.put(s.logprobs);
+  w.put(s.prompt_logprobs);
+  w.put(r.max_tokens);
+  w.put(r.min_tokens);
+  w.put_vec(r.stop_token_ids);
+  w.put<uint8_t>(r.ignore_eos ? 1 : 0);
+}
+
+GenRequest get_request(ByteReader& rd) {
+  GenRequest r;
+  r.id = rd.get_str();
+  r.prompt_ids = rd.get_vec<int32_t>();
+  SamplingParams& s = r.sampling;
+  s.temperature = rd.get<float>();
+  s.top_p = rd.get<float>();
+  s.top_k = rd.get<int32_t>();
+  s.min_p = rd.get<float>();
+  s.repetition_penalty = rd.get<float>();
+  s.presence_penalty = rd.get<float>();
+  s.frequency_penalty = rd.get<float>();
+  const bool has_seed = rd.get<uint8_t>() != 0;
+  const uint64_t seed = rd.get<uint64_t>();
+  if (has_seed) s.seed = seed;
+  s.logprobs = rd.get<int32_t>();
+  s.prompt_logprobs = rd.get<int32_t>();
+  r.max_tokens = rd.get<int32_t>();
+  r.min_tokens = rd.get<int32_t>();
+  r.stop_token_ids = rd.get_vec<int32_t>();
+  r.ignore_eos = rd.get<uint8_t>() != 0;
+  return r;
+}
+
+// A reply: serial, ok, (error kind, message) or body.
+std::vector<uint8_t> reply_ok(uint64_t serial, const std::vector<uint8_t>& body) {
+  ByteWriter w;
+  w.put(serial);
+  w.put<uint8_t>(1);
+  w.put_vec(body);
+  return std::move(w.bytes());
+}
+
+std::vector<uint8_t> reply_error(uint64_t serial, ErrorKind kind, const std::string& message) {
+  ByteWriter w;
+  w.put(serial);
+  w.put<uint8_t>(0);
+  w.put<int32_t>(static_cast<int32_t>(kind));
+  w.put_str(message);
+  return std::move(w.bytes());
+}
+
+}  // namespace
+
+// ---- /metrics. ----
+
+namespace {
+int listen_on(const std::string& host, int port, int& bound_port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TANDEM_CHECK_KIND(kIo, fd >= 0, "socket() failed");
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+    ::close(fd);
+    TANDEM_THROW(kInvalidArgument, "bad listen address '", host, "' (an IPv4 address)");
+  }
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 16) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    TANDEM_THROW(kIo, "cannot listen on ", host, ":", port, ": ", why);
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  bound_port = ntohs(addr.sin_port);
+  return fd;
+}
+}  // namespace
+
+MetricsEndpoint::MetricsEndpoint(const std::string& host, int port,
+                                 std::function<std::string()> render)
+    : render_(std::move(render)) {
+  listen_fd_ = listen_on(host, port, port_);
+  thread_ = std::thread([this] { loop(); });
+}
+
+MetricsEndpoint::~MetricsEndpoint() {
+  stop_ = true;
+  ::shutdown(listen_fd_, SHUT_RDWR);
+  ::close(listen_fd_);
+  thread_.join();
+}
+
+void MetricsEndpoint::loop() {
+  while (!stop_) {
+    int fd = ::accept(listen_fd_, nullptr, nullptr);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    timeval tv{2, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    std::string req;
+    char buf[1024];
+    while (req.find("\r\n\r\n") == std::string::npos && req.size() < 16384) {
+      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      req.append(buf, static_cast<size_t>(n));
+    }
+    std::string body, status = "200 OK";
+    if (req.rfind("GET /metrics", 0) == 0) {
+      try {
+        body = render_();
+      } catch (const std::exception& e) {
+        status = "500 Internal Server Error";
+        body = std::string(e.what()) + "\n";
+      }
+    } else {
+      status = "404 Not Found";
+      body = "GET /metrics only\n";
+    }
+    const std::string head = "HTTP/1.1 " + status +
+                             "\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " +
+                             std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n";
+    write_all(fd, head.data(), head.size());
+    write_all(fd, body.data(), body.size());
+    ::close(fd);
+  }
+}
+
+std::string instances_metrics_text(const std::vector<std::pair<std::string, PrefillLoad>>& prefill,
+                                   const std::vector<std::pair<std::string, DecodeLoad>>& decode) {
+  std::ostringstream o;
+  auto family = [&](const char* name, const char* type, const char* help) {
+    o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
+  };
+  if (!prefill.empty()) {
+    family("tandem_prefill_queued_input_tokens", "gauge",
+           "Prompt tokens submitted, not computed yet.");
+    for (const auto& [n, l] : prefill) {
+      o << "tandem_prefill_queued_input_tokens{instance=\"" << n << "\"} " << l.queued_input_tokens
+        << "\n";
+    }
+    family("tandem_prefill_input_tokens_per_second", "gauge", "Prompt tokens computed per second.");
+    for (const auto& [n, l] : prefill) {
+      o << "tandem_prefill_input_tokens_per_second{instance=\"" << n << "\"} "
+        << l.input_tokens_per_s << "\n";
+    }
+    family("tandem_prefill_input_tokens_total", "counter", "Prompt tokens computed.");
+    for (const auto& [n, l] : prefill) {
+      o << "tandem_prefill_input_tokens_total{instance=\"" << n << "\"} " << l.input_tokens_total
+        << "\n";
+    }
+  }
+  if (!decode.empty()) {
+    family("tandem_decode_batch", "gauge", "Sequences per DP rank (running, waiting, reserved).");
+    for (const auto& [n, l] : decode) {
+      for (size_t r = 0; r < l.batch_per_rank.size(); ++r) {
+        o << "tandem_decode_batch{instance=\"" << n << "\",rank=\"" << r << "\"} "
+          << l.batch_per_rank[r] << "\n";
+      }
+    }
+    family("tandem_decode_max_batch", "gauge", "The per-rank limit (--max-decode-batch).");
+    for (const auto& [n, l] : decode) {
+      o << "tandem_decode_max_batch{instance=\"" << n << "\"} " << l.max_decode_batch << "\n";
+    }
+  }
+  family("tandem_instance_up", "gauge", "1 while the instance is up.");
+  for (const auto& [n, l] : prefill) {
+    o << "tandem_instance_up{role=\"prefill\",instance=\"" << n << "\"} " << (l.alive ? 1 : 0)
+      << "\n";
+  }
+  for (const auto& [n, l] : decode) {
+    o << "tandem_instance_up{role=\"decode\",instance=\"" << n << "\"} " << (l.alive ? 1 : 0)
+      << "\n";
+  }
+  return o.str();
+}
+
+// ---- Server (the instance's side). ----
+
+struct InstanceServer::Conn {
+  int fd = -1;
+  std::mutex write_mu;
+  std::atomic<bool> open{true};
+  std::mutex ids_mu;
+  std::unordered_set<std::string> ids;  // live requests that came through this connection
+
+  void push(uint32_t type, const std::vector<uint8_t>& payload) {
+    std::lock_guard<std::mutex> lock(write_mu);
+    if (open && !write_frame(fd, type, payload)) open = false;
+  }
+};
+
+InstanceServer::InstanceServer(DecodeClient* decode, PrefillClient* prefill,
+                               const std::string& host, int port)
+    : decode_(decode), prefill_(prefill) {
+  TANDEM_CHECK((decode_ != nullptr) != (prefill_ != nullptr), "serve exactly one instance");
+  listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+  TANDEM_CHECK_KIND(kIo, listen_fd_ >= 0, "socket() failed");
+  int one = 1;
+  ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  TANDEM_CHECK_KIND(kInvalidArgument, ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1,
+                    "bad listen address '", host, "' (an IPv4 address)");
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(listen_fd_, 16) != 0) {
+    ::close(listen_fd_);
+    TANDEM_CHECK_KIND(kIo, false, "cannot listen on ", host, ":", port, ": ", std::strerror(errno));
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  port_ = ntohs(addr.sin_port);
+  accept_thread_ = std::thread([this] { accept_loop(); });
+}
+
+InstanceServer::~InstanceServer() { stop(); }
+
+void InstanceServer::stop() {
+  if (stop_.exchange(true)) return;
+  ::shutdown(listen_fd_, SHUT_RDWR);
+  ::close(listen_fd_);
+  accept_thread_.join();
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : conns_) ::shutdown(c->fd, SHUT_RDWR);
+    threads.swap(threads_);
+  }
+  for (auto& t : threads) t.join();
+}
+
+void InstanceServer::accept_loop() {
+  while (!stop_) {
+    int fd = ::accept(listen_fd_, nullptr, nullptr);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    auto conn = std::make_shared<Conn>();
+    conn->fd = fd;
+    std::lock_guard<std::mutex> lock(mu_);
+    conns_.push_back(conn);
+    threads_.emplace_back([this, conn] { serve(conn); });
+  }
+}
+
+void InstanceServer::serve(std::shared_ptr<Conn> conn) {
+  uint32_t type = 0;
+  std::vector<uint8_t> payload;
+  while (read_frame(conn->fd, type, payload)) {
+    ByteReader r(payload);
+    uint64_t serial = 0;
+    try {
+      if (type == kFail || type == kAbort) {
+        const std::string id = r.get_str();
+        const std::string error = r.get_str();
+        if (type == kFail && decode_) decode_->fail(id, error);
+        if (type == kAbort) decode_ ? decode_->abort(id) : prefill_->abort(id);
+        continue;
+      }
+      if (type == kPrefilled) {
+        const std::string id = r.get_str();
+        StepOutput first = get_step_output(r);
+        if (decode_) decode_->prefilled(id, first);
+        continue;
+      }
+      serial = r.get<uint64_t>();
+      ByteWriter body;
+      if (type == kHello) {
+        body.put<uint8_t>(decode_ ? 1 : 0);
+        body.put<int64_t>(decode_ ? decode_->max_model_len() : 0);
+        body.put<int64_t>(decode_ ? decode_->vocab_size() : 0);
+        const transfer::KvSharding sh = prefill_ ? prefill_->kv_sharding() : transfer::KvSharding{};
+        body.put<int64_t>(sh.num_kv_heads);
+        body.put<int32_t>(sh.tp);
+      } else if (type == kLoad) {
+        if (decode_) {
+          DecodeLoad l = decode_->load();
+          body.put_vec(l.batch_per_rank);
+          body.put(l.max_decode_batch);
+          body.put<uint8_t>(l.alive ? 1 : 0);
+        } else {
+          PrefillLoad l = prefill_->load();
+          body.put(l.queued_input_tokens);
+          body.put(l.input_tokens_total);
+          body.put(l.input_tokens_per_s);
+          body.put<uint8_t>(l.alive ? 1 : 0);
+        }
+      } else if (type == kAccept && decode_) {
+        GenRequest req = get_request(r);
+        transfer::KvSharding src;
+        src.num_kv_heads = r.get<int64_t>();
+        src.tp = r.get<int32_t>();
+        const std::string id = req.id;
+        std::weak_ptr<Conn> weak = conn;
+        auto dst = decode_->accept(req, src, [weak, id](const StepOutput& out) {
+          auto c = weak.lock();
+          if (!c) return;
+          if (out.finished) {
+            std::lock_guard<std::mutex> lock(c->ids_mu);
+            c->ids.erase(id);
+          }
+          c->push(kOutput, encode_step_output(out));
+        });
+        body.put<uint8_t>(dst ? 1 : 0);
+        if (dst) {
+          std::lock_guard<std::mutex> lock(conn->ids_mu);
+          conn->ids.insert(id);
+          put_descriptor(body, *dst);
+        }
+      } else if (type == kSubmit && prefill_) {
+        GenRequest req = get_request(r);
+        transfer::TransferDescriptor dst = get_descriptor(r);
+        const std::string id = req.id;
+        std::weak_ptr<Conn> weak = conn;
+        {
+          std::lock_guard<std::mutex> lock(conn->ids_mu);
+          conn->ids.insert(id);
+        }
+        prefill_->submit(req, std::move(dst),
+                         [weak, id](const std::string& error, const StepOutput& first) {
+                           auto c = weak.lock();
+                           if (!c) return;
+                           {
+                             std::lock_guard<std::mutex> lock(c->ids_mu);
+                             c->ids.erase(id);
+                           }
+                           ByteWriter w;
+                           w.put_str(id);
+                           w.put_str(error);
+                           put_step_output(w, first);
+                           c->push(kPrefillDone, w.bytes());
+                         });
+      } else {
+        TANDEM_THROW(kInvalidArgument, "unexpected message ", type, " for this instance");
+      }
+      conn->push(kReply, reply_ok(serial, body.bytes()));
+    } catch (const Error& e) {
+      conn->push(kReply, reply_error(serial, e.kind(), e.message()));
+    } catch (const std::exception& e) {
+      conn->push(kReply, reply_error(serial, ErrorKind::kInternal, e.what()));
+    }
+  }
+  // The router is gone: its requests have nobody to stream to.
+  conn->open = false;
+  std::unordered_set<std::string> ids;
+  {
+    std::lock_guard<std::mutex> lock(conn->ids_mu);
+    ids.swap(conn->ids);
+  }
+  for (const auto& id : ids) decode_ ? decode_->abort(id) : prefill_->abort(id);
+  ::close(conn->fd);
+}
+
+// ---- Client (the router's side). ----
+
+InstanceConnection::InstanceConnection(const std::string& endpoint, OnPush on_push,
+                                       std::function<void()> on_lost)
+    : endpoint_(endpoint), on_push_(std::move(on_push)), on_lost_(std::move(on_lost)) {
+  fd_ = connect_to(endpoint);
+  reader_ = std::thread([this] { read_loop(); });
+}
+
+InstanceConnection::~InstanceConnection() {
+  closing_ = true;
+  ::shutdown(fd_, SHUT_RDWR);
+  reader_.join();
+  ::close(fd_);
+}
+
+void InstanceConnection::read_loop() {
+  uint32_t type = 0;
+  std::vector<uint8_t> payload;
+  while (read_frame(fd_, type, payload)) {
+    if (type == kReply) {
+      ByteReader r(payload);
+      const uint64_t serial = r.get<uint64_t>();
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = replies_.find(serial);
+      if (it == replies_.end()) continue;
+      it->second.done = true;
+      it->second.bytes = std::move(payload);
+      cv_.notify_all();
+      continue;
+    }
+    try {
+      on_push_(type, payload);
+    } catch (...) {
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    alive_ = false;
+  }
+  cv_.notify_all();
+  if (on_lost_ && !closing_) on_lost_();
+}
+
+bool InstanceConnection::send(uint32_t type, const std::vector<uint8_t>& body) {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  return alive_ && write_frame(fd_, type, body);
+}
+
+std::vector<uint8_t> InstanceConnection::call(uint32_t type, const std::vector<uint8_t>& body) {
+  uint64_t serial;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    serial = next_serial_++;
+    replies_[serial];
+  }
+  ByteWriter w;
+  w.put(serial);
+  w.bytes().insert(w.bytes().end(), body.begin(), body.end());
+  const bool sent = send(type, w.bytes());
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !sent || !alive_ || replies_[serial].done; });
+  Reply rep = std::move(replies_[serial]);
+  replies_.erase(serial);
+  lock.unlock();
+  TANDEM_CHECK_KIND(kIo, rep.done, "lost the connection to instance ", endpoint_);
+  ByteReader r(rep.bytes);
+  r.get<uint64_t>();
+  if (r.get<uint8_t>() == 0) {
+    const auto kind = static_cast<ErrorKind>(r.get<int32_t>());
+    throw Error(kind, r.get_str());
+  }
+  return r.get_vec<uint8_t>();
+}
+
+RemoteDecode::RemoteDecode(const std::string& endpoint) {
+  conn_ = std::make_unique<InstanceConnection>(
+      endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
+      nullptr);
+  std::vector<uint8_t> info = conn_->call(kHello, {});
+  ByteReader r(info);
+  TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 1, endpoint, " is not a decode instance");
+  max_model_len_ = r.get<int64_t>();
+  vocab_size_ = r.get<int64_t>();
+}
+
+void RemoteDecode::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
+  if (type != kOutput) return;
+  StepOutput out = decode_step_output(payload.data(), payload.size());
+  OutputCallback cb;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = callbacks_.find(out.id);
+    if (it == callbacks_.end()) return;
+    cb = it->second;
+    if (out.finished) callbacks_.erase(it);
+  }
+  cb(out);
+}
+
+std::optional<transfer::TransferDescriptor> RemoteDecode::accept(const GenRequest& req,
+                                                                 const transfer::KvSharding& src,
+                                                                 OutputCallback on_output) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    callbacks_[req.id] = std::move(on_output);  // before the call: outputs may follow at once
+  }
+  ByteWriter w;
+  put_request(w, req);
+  w.put<int64_t>(src.num_kv_heads);
+  w.put<int32_t>(src.tp);
+  try {
+    std::vector<uint8_t> body = conn_->call(kAccept, w.bytes());
+    ByteReader r(body);
+    if (r.get<uint8_t>() == 1) return get_descriptor(r);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    callbacks_.erase(req.id);
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  callbacks_.erase(req.id);
+  return std::nullopt;
+}
+
+void RemoteDecode::prefilled(const std::string& id, const StepOutput& first) {
+  ByteWriter w;
+  w.put_str(id);
+  put_step_output(w, first);
+  conn_->send(kPrefilled, w.bytes());
+}
+
+void RemoteDecode::fail(const std::string& id, const std::string& error) {
+  ByteWriter w;
+  w.put_str(id);
+  w.put_str(error);
+  conn_->send(kFail, w.bytes());
+}
+
+void RemoteDecode::abort(const std::string& id) {
+  ByteWriter w;
+  w.put_str(id);
+  w.put_str("");
+  conn_->send(kAbort, w.bytes());
+}
+
+DecodeLoad RemoteDecode::load() const {
+  DecodeLoad l;
+  try {
+    std::vector<uint8_t> body = conn_->call(kLoad, {});
+    ByteReader r(body);
+    l.batch_per_rank = r.get_vec<int64_t>();
+    l.max_decode_batch = r.get<int64_t>();
+    l.alive = r.get<uint8_t>() != 0;
+  } catch (const std::exception&) {
+    l.alive = false;
+  }
+  return l;
+}
+
+RemotePrefill::RemotePrefill(const std::string& endpoint) {
+  conn_ = std::make_unique<InstanceConnection>(
+      endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
+      [this] { on_lost(); });
+  std::vector<uint8_t> info = conn_->call(kHello, {});
+  ByteReader r(info);
+  TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 0, endpoint,
+                    " is not a prefill instance");
+  r.get<int64_t>();
+  r.get<int64_t>();
+  sharding_.num_kv_heads = r.get<int64_t>();
+  sharding_.tp = r.get<int32_t>();
+}
+
+void RemotePrefill::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
+  if (type != kPrefillDone) return;
+  ByteReader r(payload);
+  const std::string id = r.get_str();
+  const std::string error = r.get_str();
+  const StepOutput first = get_step_output(r);
+  PrefillDone done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = done_.find(id);
+    if (it == done_.end()) return;
+    done = std::move(it->second);
+    done_.erase(it);
+  }
+  if (done) done(error, first);
+}
+
+void RemotePrefill::on_lost() {
+  std::unordered_map<std::string, PrefillDone> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all.swap(done_);
+  }
+  for (auto& [id, done] : all) {
+    if (done) done("lost the connection to the prefill instance", StepOutput{});
+  }
+}
+
+void RemotePrefill::submit(const GenRequest& req, transfer::TransferDescriptor dst,
+                           PrefillDone on_done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_[req.id] = std::move(on_done);
+  }
+  ByteWriter w;
+  put_request(w, req);
+  put_descriptor(w, dst);
+  try {
+    conn_->call(kSubmit, w.bytes());
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_.erase(req.id);
+    throw;
+  }
+}
+
+void RemotePrefill::abort(const std::string& id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_.erase(id);
+  }
+  ByteWriter w;
+  w.put_str(id);
+  w.put_str("");
+  conn_->send(kAbort, w.bytes());
+}
+
+PrefillLoad RemotePrefill::load() const {
+  PrefillLoad l;
+  try {
+    std::vector<uint8_t> body = conn_->call(kLoad, {});
+    ByteReader r(body);
+    l.queued_input_tokens = r.get<int64_t>();
+    l.input_tokens_total = r.get<int64_t>();
+    l.input_tokens_per_s = r.get<double>();
+    l.alive = r.get<uint8_t>() != 0;
+  } catch (const std::exception&) {
+    l.alive = false;
+  }
+  return l;
+}
+
+}  // namespace tandem

@@ -1,0 +1,216 @@
+// The parts of the disaggregated roles below the router: the engine's step parts (an empty
+// forward for lockstep decode), the role messages' codecs, decode admission limits and
+// failures, prefill refusals and transfer failures.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "comm/local_launcher.h"
+#include "core/error.h"
+#include "engine/decode_instance.h"
+#include "engine/engine.h"
+#include "engine/golden.h"
+#include "engine/lockstep.h"
+#include "engine/prefill_instance.h"
+#include "model/qwen3_moe.h"
+
+namespace tandem {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string fixture() { return testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2"; }
+
+EngineConfig small_engine() {
+  EngineConfig c;
+  c.page_size = 16;
+  c.num_pages = 256;
+  return c;
+}
+
+GenRequest greedy(const std::string& id, std::vector<int32_t> prompt, int32_t max_tokens) {
+  GenRequest r;
+  r.id = id;
+  r.prompt_ids = std::move(prompt);
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0;
+  return r;
+}
+
+TEST(EngineParts, EmptyBatchForwardsAndStepStillWorks) {
+  auto model = Qwen3MoeCpu::load(fixture());
+  Engine e(*model, small_engine());
+  ScheduledBatch empty = e.schedule();
+  EXPECT_TRUE(empty.empty());
+  EXPECT_TRUE(e.forward(empty));  // what a decode DP rank with no requests does each step
+  e.complete(empty);
+  int outputs = 0;
+  e.add(greedy("a", {1, 2, 3}, 3),
+        [&](const StepOutput& o) { outputs += static_cast<int>(o.token_ids.size()); });
+  for (;;) {
+    ScheduledBatch b = e.schedule();
+    if (b.empty()) break;
+    ASSERT_TRUE(e.forward(b));
+    e.complete(b);
+  }
+  EXPECT_EQ(outputs, 3);
+  EXPECT_FALSE(e.step());
+}
+
+// ---- Codecs. ----
+
+TEST(RoleMessages, StepOutputAndDescriptorRoundTrip) {
+  StepOutput o;
+  o.id = "x";
+  o.token_ids = {1, 2};
+  o.token_logprobs = {-0.5f, -0.25f};
+  o.top_logprobs = {{{1, -0.5f}}, {{2, -0.25f}, {3, -2.f}}};
+  o.prompt_token_logprobs = {-3.f};
+  o.prompt_top_logprobs = {{{9, -3.f}}};
+  o.num_cached_prompt_tokens = 16;
+  o.finished = true;
+  o.finish_reason = FinishReason::kStop;
+  o.stop_token_id = 2;
+  o.error = "e";
+  std::vector<uint8_t> b = encode_step_output(o);
+  StepOutput r = decode_step_output(b.data(), b.size());
+  EXPECT_EQ(r.id, o.id);
+  EXPECT_EQ(r.token_ids, o.token_ids);
+  EXPECT_EQ(r.token_logprobs, o.token_logprobs);
+  EXPECT_EQ(r.top_logprobs[1][1].id, 3);
+  EXPECT_EQ(r.prompt_top_logprobs[0][0].id, 9);
+  EXPECT_EQ(r.num_cached_prompt_tokens, 16);
+  EXPECT_TRUE(r.finished);
+  EXPECT_EQ(r.finish_reason, FinishReason::kStop);
+  EXPECT_EQ(r.stop_token_id, 2);
+  EXPECT_EQ(r.error, "e");
+  EXPECT_THROW(decode_step_output(b.data(), b.size() - 3), Error);
+  transfer::TransferDescriptor d;
+  d.request_id = "q";
+  d.dst_address = "h:1";
+  d.dst_pages = {4, 2};
+  d.dst_heads = {0, 2};
+  d.src = {2, 4};
+  d.num_tokens = 20;
+  d.page_size = 16;
+  d.head_dim = 8;
+  d.num_layers = 3;
+  ByteWriter w;
+  put_descriptor(w, d);
+  ByteReader rd(w.bytes());
+  transfer::TransferDescriptor e = get_descriptor(rd);
+  EXPECT_EQ(e.request_id, "q");
+  EXPECT_EQ(e.dst_address, "h:1");
+  EXPECT_EQ(e.dst_pages, d.dst_pages);
+  EXPECT_EQ(e.dst_heads, d.dst_heads);
+  EXPECT_EQ(e.src, d.src);
+  EXPECT_EQ(e.num_tokens, 20);
+  EXPECT_EQ(e.num_layers, 3);
+  EXPECT_EQ(rd.left(), 0u);
+}
+
+// ---- Instances. ----
+
+TEST(DecodeInstance, AdmissionLimitsAndFailures) {
+  DecodeInstanceConfig cfg;
+  cfg.model_dir = fixture();
+  cfg.dp = 2;
+  cfg.engine = small_engine();
+  cfg.max_decode_batch = 2;
+  std::mutex mu;
+  std::vector<StepOutput> ends;
+  auto cb = [&](const StepOutput& o) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (o.finished) ends.push_back(o);
+  };
+  DecodeInstance d(cfg);  // NOTE: after `ends`: its destructor ends live requests through cb
+  // 2 ranks x 2: four reservations, spread over both ranks (each its own receiver), then no
+  // room.
+  const transfer::KvSharding src{2, 2};
+  std::vector<std::string> addresses;
+  std::vector<int> ranks;
+  {
+    auto probe = d.accept(greedy("probe", {1}, 1), src, cb);
+    ASSERT_TRUE(probe.has_value());
+    addresses.push_back(probe->dst_address);
+    d.abort("probe");
+    for (int i = 0; i < 200 && d.load().batch_per_rank[0] + d.load().batch_per_rank[1] > 0; ++i) {
+      std::this_thread::sleep_for(5ms);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    auto dst = d.accept(greedy("r" + std::to_string(i), std::vector<int32_t>(40, 5), 4), src, cb);
+    ASSERT_TRUE(dst.has_value()) << i;
+    EXPECT_EQ(dst->dst_pages.size(), 3u);  // ceil(40 / 16)
+    EXPECT_EQ(dst->dst_heads, (transfer::HeadRange{0, 2}));
+    EXPECT_EQ(dst->num_tokens, 40);
+    ranks.push_back(dst->dst_address == addresses[0] ? 0 : 1);
+  }
+  EXPECT_EQ(std::count(ranks.begin(), ranks.end(), 0), 2);
+  EXPECT_FALSE(d.accept(greedy("r4", {1}, 1), src, cb).has_value());
+  EXPECT_EQ(d.load().batch_per_rank, (std::vector<int64_t>{2, 2}));
+  EXPECT_FALSE(d.load().has_room());
+  // Bad requests throw; duplicate ids too.
+  EXPECT_THROW(d.accept(greedy("bad", {}, 1), src, cb), Error);
+  EXPECT_THROW(d.accept(greedy("r0", {1}, 1), src, cb), Error);
+  // A failed prefill and an abort end their requests and give the pages back.
+  d.fail("r0", "prefill failed");
+  d.abort("r1");
+  d.abort("unknown");
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_EQ(ends.size(), 3u);  // the probe, r0, r1
+    EXPECT_EQ(ends[1].finish_reason, FinishReason::kError);
+    EXPECT_EQ(ends[1].error, "prefill failed");
+    EXPECT_EQ(ends[2].finish_reason, FinishReason::kAbort);
+  }
+  for (int i = 0; i < 200 && d.load().has_room() == false; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(d.load().has_room());
+}
+
+TEST(PrefillInstance, RefusesBadDestinationsAndCountsTransferFailures) {
+  PrefillInstanceConfig cfg;
+  cfg.model_dir = fixture();
+  cfg.tp = 4;  // 2 KV heads: ranks 0 and 2 send, 1 and 3 hold replicas
+  cfg.engine = small_engine();
+  PrefillInstance p(cfg);
+  EXPECT_EQ(p.num_senders(), 2);
+  EXPECT_EQ(p.kv_sharding(), (transfer::KvSharding{2, 4}));
+  transfer::TransferDescriptor dst;
+  dst.dst_address = "127.0.0.1:" + std::to_string(comm::pick_free_port());  // nobody there
+  dst.dst_pages = {0, 1, 2};
+  dst.dst_heads = {0, 2};
+  dst.num_tokens = 40;
+  dst.page_size = 16;
+  dst.head_dim = 8;
+  dst.num_layers = 2;
+  // Too few pages / a prompt of another length: refused at once.
+  transfer::TransferDescriptor small = dst;
+  small.dst_pages = {0};
+  EXPECT_THROW(p.submit(greedy("y", std::vector<int32_t>(40, 5), 1), small, nullptr), Error);
+  EXPECT_THROW(p.submit(greedy("z", {1, 2}, 1), dst, nullptr), Error);
+  // An unreachable destination: the prefill itself completes (token 1), the transfer fails
+  // at the senders (the decode side would end the request).
+  std::promise<std::pair<std::string, StepOutput>> done;
+  p.submit(greedy("x", std::vector<int32_t>(40, 5), 4), dst,
+           [&](const std::string& error, const StepOutput& first) {
+             done.set_value({error, first});
+           });
+  auto f = done.get_future();
+  ASSERT_EQ(f.wait_for(30s), std::future_status::ready);
+  auto [error, first] = f.get();
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(first.token_ids.size(), 1u);
+  EXPECT_EQ(p.load().queued_input_tokens, 0);
+  EXPECT_EQ(p.load().input_tokens_total, 40);
+  for (int i = 0; i < 3000 && p.transfer_errors() < 2; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(p.transfer_errors(), 2);  // both sending ranks
+}
+
+}  // namespace
+}  // namespace tandem
