@@ -36,6 +36,50 @@ struct DecodeInstance::Rank {
   }
 };
 
+// One process per rank: rank 0's command queue and registry of running callbacks, and this
+// process's report (what its rank produced since the last iteration).
+struct DecodeInstance::Group {
+  enum Cmd : uint8_t { kReserve = 0, kAdmit = 1, kRelease = 2, kAbort = 3 };
+  struct Reservation {
+    bool done = false;
+    bool ok = false;
+    std::string error;
+    transfer::TransferDescriptor d;
+  };
+  struct KvEvent {
+    std::string id;
+    bool ok = false;
+    std::string error;
+  };
+  std::unique_ptr<comm::Communicator> comm;
+  std::thread thread;
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  bool finished = false;
+
+  // Rank 0 (mu): the next iteration's commands, waiting accept() calls, per-rank load.
+  std::mutex mu;
+  std::condition_variable cmd_cv;  // a command was queued
+  std::condition_variable res_cv;  // a reservation was answered
+  ByteWriter cmds;
+  int64_t num_cmds = 0;
+  std::unordered_map<std::string, std::shared_ptr<Reservation>> reservations;
+  std::vector<int64_t> batch;
+  bool idle = false;  // the last iteration stepped no rank
+  // Rank 0 (DecodeInstance::mu_): running requests' callbacks.
+  std::unordered_map<std::string, OutputCallback> callbacks;
+
+  // This rank (out_mu): what goes into the next report.
+  std::mutex out_mu;
+  std::vector<std::pair<std::string, Reservation>> reserved;
+  std::vector<KvEvent> kv_events;
+  std::vector<StepOutput> outputs;
+};
+
+namespace {
+constexpr uint32_t kReportTag = 0x7D0001;
+}  // namespace
+
 namespace {
 void finish_with(const OutputCallback& cb, const std::string& id, FinishReason reason,
                  const std::string& error) {
@@ -66,33 +110,438 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config) : config_(std::move(
     rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
     ranks_.push_back(std::move(rank));
   }
-  // Each rank's transfer receiver writes into that rank's cache.
-  transfer::HostTcpOptions topts;
-  topts.bind_host = config_.kv_host;
-  topts.timeout = config_.transfer_timeout;
-  transfer_ = transfer::make_host_tcp_backend(topts);
-  for (int r = 0; r < config_.dp; ++r) {
-    transfer::ReceiverCallbacks cbs;
-    cbs.on_complete = [this](const std::string& id, int32_t, float) {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pending_.find(id);
-      if (it == pending_.end()) return;
-      it->second.kv_done = true;
-      admit_if_ready(id);
-    };
-    cbs.on_error = [this](const std::string& id, const std::string& message) {
-      end_pending(id, FinishReason::kError, "KV transfer failed: " + message,
-                  /*cancel_transfer=*/false);
-    };
-    receivers_.push_back(
-        transfer_->make_receiver(ranks_[static_cast<size_t>(r)]->engine->kv_cache(), cbs));
-  }
+  init_receivers();
   for (int r = 0; r < config_.dp; ++r) {
     threads_.emplace_back([this, r] { rank_main(r, *comms_[static_cast<size_t>(r)]); });
   }
 }
 
+DecodeInstance::DecodeInstance(DecodeInstanceConfig config,
+                               std::unique_ptr<comm::Communicator> comm)
+    : config_(std::move(config)) {
+  TANDEM_CHECK_KIND(kInvalidArgument, comm->world_size() == config_.dp, "--dp ", config_.dp,
+                    " differs from the group's ", comm->world_size(), " ranks (WORLD_SIZE)");
+  TANDEM_CHECK_KIND(kInvalidArgument, config_.max_decode_batch >= 1,
+                    "--max-decode-batch must be at least 1");
+  config_.engine.max_num_seqs = std::max(config_.engine.max_num_seqs, config_.max_decode_batch);
+  first_rank_ = comm->rank();
+  group_ = std::make_unique<Group>();
+  group_->comm = std::move(comm);
+  group_->batch.assign(static_cast<size_t>(config_.dp), 0);
+  auto rank = std::make_unique<Rank>();
+  rank->model = Qwen3MoeCpu::load(config_.model_dir, ShardSpec::decode(first_rank_, config_.dp),
+                                  group_->comm.get());
+  rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
+  ranks_.push_back(std::move(rank));
+  init_receivers();
+  group_->thread = std::thread([this] { group_main(); });
+}
+
+void DecodeInstance::wait() {
+  if (group_) {
+    std::unique_lock<std::mutex> lock(group_->done_mu);
+    group_->done_cv.wait(lock, [&] { return group_->finished; });
+    return;
+  }
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+// ---- One process per rank: the loop every process runs. ----
+
+void DecodeInstance::group_main() {
+  try {
+    group_loop(*group_->comm);
+  } catch (const std::exception& e) {
+    // A rank failed (or a peer did): the group is broken, so is the instance.
+    dead_ = true;
+    stop_ = true;
+    { std::lock_guard<std::mutex> lock(group_->mu); }
+    group_->res_cv.notify_all();
+    if (first_rank_ == 0) {
+      const std::string why = std::string("the decode instance failed: ") + e.what();
+      std::vector<std::string> ids;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& [id, p] : pending_) ids.push_back(id);
+      }
+      for (const auto& id : ids) {
+        Pending p;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = pending_.find(id);
+          if (it == pending_.end()) continue;
+          p = std::move(it->second);
+          pending_.erase(it);
+        }
+        finish_with(p.on_output, id, FinishReason::kError, why);
+      }
+      std::unordered_map<std::string, OutputCallback> cbs;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        cbs.swap(group_->callbacks);
+      }
+      for (auto& [id, cb] : cbs) finish_with(cb, id, FinishReason::kError, why);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(group_->done_mu);
+    group_->finished = true;
+  }
+  group_->done_cv.notify_all();
+}
+
+void DecodeInstance::group_loop(comm::Communicator& comm) {
+  Rank& rank = *ranks_[0];
+  Engine& engine = *rank.engine;
+  const bool leader = first_rank_ == 0;
+  for (;;) {
+    // 1. Rank 0's commands (the client calls since the last iteration), to every rank.
+    std::vector<uint8_t> msg;
+    if (leader) msg = take_commands();
+    broadcast_bytes(comm, msg, 0);
+    ByteReader rd(msg);
+    if (rd.get<uint8_t>() != 0) return;  // stop
+    apply_commands(rank, rd);
+    // 2. Every rank steps when any has work (an empty batch still serves its experts).
+    bool mine;
+    {
+      std::lock_guard<std::mutex> lock(rank.mu);
+      mine = engine.has_work();
+    }
+    const bool work = agree_any(comm, mine);
+    {
+      std::lock_guard<std::mutex> lock(rank.mu);
+      if (work) {
+        ScheduledBatch batch = engine.schedule();
+        if (engine.forward(batch)) engine.complete(batch);
+      }
+      rank.batch = rank.load_locked();
+    }
+    // 3. What each rank produced, to rank 0.
+    std::vector<uint8_t> report = take_report();
+    if (leader) {
+      handle_report(0, report);
+      for (int r = 1; r < config_.dp; ++r) handle_report(r, comm.recv_blob(r, kReportTag));
+      std::lock_guard<std::mutex> lock(group_->mu);
+      group_->idle = !work;
+    } else {
+      comm.send_blob(report, 0, kReportTag);
+    }
+  }
+}
+
+std::vector<uint8_t> DecodeInstance::take_commands() {
+  std::unique_lock<std::mutex> lock(group_->mu);
+  if (group_->idle && group_->num_cmds == 0 && !stop_) {
+    // Idle: wait for a command, but send a heartbeat now and then (the other ranks wait in
+    // the broadcast, which has a timeout; and they report transfer completions).
+    group_->cmd_cv.wait_for(lock, std::chrono::milliseconds(20),
+                            [&] { return stop_ || group_->num_cmds > 0; });
+  }
+  ByteWriter w;
+  w.put<uint8_t>(stop_ ? 1 : 0);
+  w.put<int64_t>(group_->num_cmds);
+  std::vector<uint8_t>& c = group_->cmds.bytes();
+  w.bytes().insert(w.bytes().end(), c.begin(), c.end());
+  c.clear();
+  group_->num_cmds = 0;
+  return std::move(w.bytes());
+}
+
+void DecodeInstance::apply_commands(Rank& rank, ByteReader& rd) {
+  Engine& engine = *rank.engine;
+  const int64_t n = rd.get<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int target = rd.get<int32_t>();
+    const auto kind = static_cast<Group::Cmd>(rd.get<uint8_t>());
+    const bool mine = target == first_rank_;
+    if (kind == Group::kReserve) {
+      const std::string id = rd.get_str();
+      const int64_t num_tokens = rd.get<int64_t>();
+      transfer::KvSharding src;
+      src.num_kv_heads = rd.get<int64_t>();
+      src.tp = rd.get<int32_t>();
+      if (!mine) continue;
+      Group::Reservation res;
+      std::vector<int32_t> pages;
+      {
+        std::lock_guard<std::mutex> lock(rank.mu);
+        res.ok = rank.load_locked() < config_.max_decode_batch &&
+                 engine.reserve_pages(num_tokens, pages);
+        if (res.ok) ++rank.reserved;
+      }
+      if (res.ok) {
+        const ModelConfig& mc = rank.model->config();
+        transfer::TransferDescriptor& d = res.d;
+        d.request_id = id;
+        d.dst_address = receivers_[0]->address();
+        d.dst_pages = pages;
+        d.dst_heads = {0, mc.num_key_value_heads};  // DP: every rank holds every head
+        d.src = src;
+        d.num_tokens = num_tokens;
+        d.page_size = engine.config().page_size;
+        d.head_dim = mc.head_dim;
+        d.num_layers = mc.num_hidden_layers;
+        try {
+          receivers_[0]->expect(d);  // before the descriptor leaves
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(rank.mu);
+          engine.release_pages(pages);
+          --rank.reserved;
+          res.ok = false;
+          res.error = e.what();
+        }
+      }
+      res.done = true;
+      std::lock_guard<std::mutex> lock(group_->out_mu);
+      group_->reserved.emplace_back(id, std::move(res));
+    } else if (kind == Group::kAdmit) {
+      GenRequest req = get_request(rd);
+      std::vector<int32_t> pages = rd.get_vec<int32_t>();
+      const int32_t token = rd.get<int32_t>();
+      const float logprob = rd.get<float>();
+      if (!mine) continue;
+      OutputCallback cb = [this](const StepOutput& out) {
+        std::lock_guard<std::mutex> lock(group_->out_mu);
+        group_->outputs.push_back(out);
+      };
+      std::lock_guard<std::mutex> lock(rank.mu);
+      --rank.reserved;
+      const std::string rid = req.id;
+      try {
+        engine.add_prefilled(std::move(req), cb, pages, token, logprob);
+      } catch (const std::exception& ex) {
+        engine.release_pages(pages);
+        finish_with(cb, rid, FinishReason::kError, ex.what());
+      }
+    } else if (kind == Group::kRelease) {
+      const std::string id = rd.get_str();
+      std::vector<int32_t> pages = rd.get_vec<int32_t>();
+      const bool cancel = rd.get<uint8_t>() != 0;
+      if (!mine) continue;
+      if (cancel) receivers_[0]->cancel(id);
+      std::lock_guard<std::mutex> lock(rank.mu);
+      --rank.reserved;
+      engine.release_pages(pages);
+    } else {
+      const std::string id = rd.get_str();
+      if (!mine) continue;
+      std::lock_guard<std::mutex> lock(rank.mu);
+      engine.abort(id);
+    }
+  }
+}
+
+std::vector<uint8_t> DecodeInstance::take_report() {
+  ByteWriter w;
+  w.put<int64_t>(ranks_[0]->batch.load());
+  std::lock_guard<std::mutex> lock(group_->out_mu);
+  w.put<int64_t>(static_cast<int64_t>(group_->reserved.size()));
+  for (const auto& [id, res] : group_->reserved) {
+    w.put_str(id);
+    w.put<uint8_t>(res.ok ? 1 : 0);
+    w.put_str(res.error);
+    if (res.ok) put_descriptor(w, res.d);
+  }
+  w.put<int64_t>(static_cast<int64_t>(group_->kv_events.size()));
+  for (const auto& e : group_->kv_events) {
+    w.put_str(e.id);
+    w.put<uint8_t>(e.ok ? 1 : 0);
+    w.put_str(e.error);
+  }
+  w.put<int64_t>(static_cast<int64_t>(group_->outputs.size()));
+  for (const auto& o : group_->outputs) put_step_output(w, o);
+  group_->reserved.clear();
+  group_->kv_events.clear();
+  group_->outputs.clear();
+  return std::move(w.bytes());
+}
+
+void DecodeInstance::handle_report(int r, const std::vector<uint8_t>& report) {
+  ByteReader rd(report);
+  const int64_t batch = rd.get<int64_t>();
+  {
+    std::lock_guard<std::mutex> lock(group_->mu);
+    group_->batch[static_cast<size_t>(r)] = batch;
+    const int64_t nres = rd.get<int64_t>();
+    for (int64_t i = 0; i < nres; ++i) {
+      const std::string id = rd.get_str();
+      auto res = std::make_shared<Group::Reservation>();
+      res->ok = rd.get<uint8_t>() != 0;
+      res->error = rd.get_str();
+      if (res->ok) res->d = get_descriptor(rd);
+      res->done = true;
+      auto it = group_->reservations.find(id);
+      if (it != group_->reservations.end()) *it->second = *res;
+    }
+  }
+  group_->res_cv.notify_all();
+  const int64_t nkv = rd.get<int64_t>();
+  for (int64_t i = 0; i < nkv; ++i) {
+    const std::string id = rd.get_str();
+    const bool ok = rd.get<uint8_t>() != 0;
+    const std::string error = rd.get_str();
+    if (ok) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(id);
+      if (it == pending_.end()) continue;
+      it->second.kv_done = true;
+      admit_if_ready(id);
+    } else {
+      end_pending(id, FinishReason::kError, "KV transfer failed: " + error,
+                  /*cancel_transfer=*/false);
+    }
+  }
+  const int64_t nout = rd.get<int64_t>();
+  for (int64_t i = 0; i < nout; ++i) {
+    StepOutput out = get_step_output(rd);
+    OutputCallback cb;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = group_->callbacks.find(out.id);
+      if (it == group_->callbacks.end()) continue;
+      cb = it->second;
+      if (out.finished) group_->callbacks.erase(it);
+    }
+    if (cb) cb(out);
+  }
+}
+
+void DecodeInstance::release(int r, const std::string& id, std::vector<int32_t> pages,
+                             bool cancel) {
+  if (!group_) {
+    // NOTE: once cancel returns, the receiver writes no more into the pages (its callback, if
+    // firing, finds the request gone).
+    if (cancel) {
+      if (auto rx = receiver(r)) rx->cancel(id);
+    }
+    post(r, [this, r, pages = std::move(pages)](Engine& e) {
+      --ranks_[static_cast<size_t>(r)]->reserved;
+      e.release_pages(pages);
+    });
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(group_->mu);
+    ByteWriter& w = group_->cmds;
+    w.put<int32_t>(r);
+    w.put<uint8_t>(Group::kRelease);
+    w.put_str(id);
+    w.put_vec(pages);
+    w.put<uint8_t>(cancel ? 1 : 0);
+    ++group_->num_cmds;
+  }
+  group_->cmd_cv.notify_all();
+}
+
+std::optional<transfer::TransferDescriptor> DecodeInstance::group_accept(
+    const GenRequest& req, const transfer::KvSharding& src, OutputCallback on_output) {
+  TANDEM_CHECK(is_leader(), "accept() on a decode rank other than 0");
+  // The least-loaded ranks first (as last reported); the first with room and pages takes it.
+  std::vector<std::pair<int64_t, int>> order;
+  {
+    std::lock_guard<std::mutex> lock(group_->mu);
+    for (int r = 0; r < config_.dp; ++r)
+      order.push_back({group_->batch[static_cast<size_t>(r)], r});
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [unused, r] : order) {
+    auto res = std::make_shared<Group::Reservation>();
+    {
+      std::unique_lock<std::mutex> lock(group_->mu);
+      group_->reservations[req.id] = res;
+      ByteWriter& w = group_->cmds;
+      w.put<int32_t>(r);
+      w.put<uint8_t>(Group::kReserve);
+      w.put_str(req.id);
+      w.put<int64_t>(static_cast<int64_t>(req.prompt_ids.size()));
+      w.put<int64_t>(src.num_kv_heads);
+      w.put<int32_t>(src.tp);
+      ++group_->num_cmds;
+      group_->cmd_cv.notify_all();
+      group_->res_cv.wait(lock, [&] { return res->done || dead_ || stop_; });
+      group_->reservations.erase(req.id);
+    }
+    TANDEM_CHECK_KIND(kOutOfResources, res->done, "the decode instance is down");
+    if (!res->error.empty()) TANDEM_THROW(kInternal, res->error);
+    if (!res->ok) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Pending p;
+      p.req = req;
+      p.on_output = std::move(on_output);
+      p.rank = r;
+      p.pages = res->d.dst_pages;
+      pending_.emplace(req.id, std::move(p));
+    }
+    res->d.src = src;
+    return res->d;
+  }
+  return std::nullopt;
+}
+
+void DecodeInstance::init_receivers() {
+  // Each rank's transfer receiver writes into that rank's cache.
+  transfer::HostTcpOptions topts;
+  topts.bind_host = config_.kv_host;
+  topts.timeout = config_.transfer_timeout;
+  transfer_ = transfer::make_host_tcp_backend(topts);
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    transfer::ReceiverCallbacks cbs;
+    if (group_) {  // reported to rank 0 in the next iteration
+      cbs.on_complete = [this](const std::string& id, int32_t, float) {
+        std::lock_guard<std::mutex> lock(group_->out_mu);
+        group_->kv_events.push_back({id, true, ""});
+      };
+      cbs.on_error = [this](const std::string& id, const std::string& message) {
+        std::lock_guard<std::mutex> lock(group_->out_mu);
+        group_->kv_events.push_back({id, false, message});
+      };
+    } else {
+      cbs.on_complete = [this](const std::string& id, int32_t, float) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = pending_.find(id);
+        if (it == pending_.end()) return;
+        it->second.kv_done = true;
+        admit_if_ready(id);
+      };
+      cbs.on_error = [this](const std::string& id, const std::string& message) {
+        end_pending(id, FinishReason::kError, "KV transfer failed: " + message,
+                    /*cancel_transfer=*/false);
+      };
+    }
+    receivers_.push_back(transfer_->make_receiver(ranks_[r]->engine->kv_cache(), cbs));
+  }
+}
+
 DecodeInstance::~DecodeInstance() {
+  if (group_) {
+    stop_ = true;
+    { std::lock_guard<std::mutex> lock(group_->mu); }
+    group_->cmd_cv.notify_all();
+    group_->res_cv.notify_all();
+    if (group_->thread.joinable()) group_->thread.join();
+    {
+      std::lock_guard<std::mutex> lock(rx_mu_);
+      receivers_.clear();
+    }
+    if (!dead_ && is_leader()) {  // every live request gets its finished callback
+      std::unordered_map<std::string, Pending> pending;
+      std::unordered_map<std::string, OutputCallback> cbs;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        pending.swap(pending_);
+        cbs.swap(group_->callbacks);
+      }
+      for (auto& [id, p] : pending) finish_with(p.on_output, id, FinishReason::kAbort, "");
+      for (auto& [id, cb] : cbs) finish_with(cb, id, FinishReason::kAbort, "");
+    }
+    std::lock_guard<std::mutex> lock(ranks_[0]->mu);
+    ranks_[0]->engine->abort_all();  // (their outputs went to rank 0 above)
+    return;
+  }
   stop_ = true;
   wake_cv_.notify_all();
   for (auto& t : threads_) {
@@ -123,6 +572,12 @@ void DecodeInstance::kill() {
   dead_ = true;
   stop_ = true;
   wake_cv_.notify_all();
+  if (group_) {
+    { std::lock_guard<std::mutex> lock(group_->mu); }
+    group_->cmd_cv.notify_all();
+    group_->res_cv.notify_all();
+    if (group_->thread.joinable()) group_->thread.join();
+  }
   for (auto& t : threads_) t.join();
   std::vector<std::shared_ptr<transfer::TransferReceiver>> dying;
   {
@@ -227,6 +682,7 @@ std::optional<transfer::TransferDescriptor> DecodeInstance::accept(const GenRequ
     TANDEM_CHECK_KIND(kInvalidArgument, !pending_.count(req.id) && !running_ids_.count(req.id),
                       "duplicate request id '", req.id, "'");
   }
+  if (group_) return group_accept(req, src, std::move(on_output));
   const ModelConfig& mc = ranks_[0]->model->config();
   // The least-loaded ranks first; the first with room and pages takes it.
   std::vector<std::pair<int64_t, int>> order;
@@ -318,6 +774,22 @@ void DecodeInstance::admit_if_ready(const std::string& id) {
   };
   const int32_t token = first->token_ids.empty() ? -1 : first->token_ids[0];
   const float logprob = first->token_logprobs.empty() ? 0.f : first->token_logprobs[0];
+  if (group_) {  // (under mu_: callbacks)
+    group_->callbacks[p.req.id] = std::move(cb);
+    {
+      std::lock_guard<std::mutex> lock(group_->mu);
+      ByteWriter& w = group_->cmds;
+      w.put<int32_t>(p.rank);
+      w.put<uint8_t>(Group::kAdmit);
+      put_request(w, p.req);
+      w.put_vec(p.pages);
+      w.put<int32_t>(token);
+      w.put<float>(logprob);
+      ++group_->num_cmds;
+    }
+    group_->cmd_cv.notify_all();
+    return;
+  }
   post(p.rank, [this, r = p.rank, req = std::move(p.req), cb = std::move(cb),
                 pages = std::move(p.pages), token, logprob](Engine& e) mutable {
     --ranks_[static_cast<size_t>(r)]->reserved;
@@ -341,15 +813,7 @@ void DecodeInstance::end_pending(const std::string& id, FinishReason reason,
     p = std::move(it->second);
     pending_.erase(it);
   }
-  // NOTE: once cancel returns, the receiver writes no more into the pages (its callback, if
-  // firing, finds the request gone).
-  if (cancel_transfer) {
-    if (auto rx = receiver(p.rank)) rx->cancel(id);
-  }
-  post(p.rank, [this, r = p.rank, pages = std::move(p.pages)](Engine& e) {
-    --ranks_[static_cast<size_t>(r)]->reserved;
-    e.release_pages(pages);
-  });
+  release(p.rank, id, std::move(p.pages), cancel_transfer);
   if (!dead_) finish_with(p.on_output, id, reason, error);
 }
 
@@ -368,12 +832,29 @@ void DecodeInstance::abort(const std::string& id) {
     }
   }
   if (rank < 0) return end_pending(id, FinishReason::kAbort, "");
+  if (group_) {
+    {
+      std::lock_guard<std::mutex> lock(group_->mu);
+      ByteWriter& w = group_->cmds;
+      w.put<int32_t>(rank);
+      w.put<uint8_t>(Group::kAbort);
+      w.put_str(id);
+      ++group_->num_cmds;
+    }
+    group_->cmd_cv.notify_all();
+    return;
+  }
   post(rank, [id](Engine& e) { e.abort(id); });
 }
 
 DecodeLoad DecodeInstance::load() const {
   DecodeLoad l;
-  for (const auto& r : ranks_) l.batch_per_rank.push_back(r->batch.load());
+  if (group_) {
+    std::lock_guard<std::mutex> lock(group_->mu);
+    l.batch_per_rank = group_->batch;
+  } else {
+    for (const auto& r : ranks_) l.batch_per_rank.push_back(r->batch.load());
+  }
   l.max_decode_batch = config_.max_decode_batch;
   l.alive = !dead_ && !stop_;
   return l;

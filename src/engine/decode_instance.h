@@ -11,8 +11,11 @@
 //   prefill.submit(req, *dst, on_done);   // KV -> dst; on_done(first) -> decode.prefilled()
 //   // ... tokens stream through `out` from the rank's thread.
 //
-// NOTE: the ranks run as threads of this process (LocalCommunicator). One process per rank
-// needs the registry (accept / admit / abort) to message the ranks: see docs/architecture.md.
+// The ranks run as threads of this process (LocalCommunicator), or one process per rank (a
+// process group, e.g. GlooCommunicator from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT):
+// there rank 0 holds the registry, and each lockstep iteration it broadcasts the commands of
+// the client calls (reserve on rank r, admit, release, abort) and gathers back what each rank
+// produced (reservations with the rank's receiver address, outputs, transfer events, load).
 #pragma once
 
 #include <atomic>
@@ -36,6 +39,7 @@ namespace tandem {
 namespace comm {
 class Communicator;
 }
+class ByteReader;
 
 /// Batch size per rank against the limit (exported on /metrics, read by the router).
 struct DecodeLoad {
@@ -87,6 +91,9 @@ class DecodeInstance final : public DecodeClient {
  public:
   /// Loads the d shards and starts the rank threads; throws what loading throws.
   explicit DecodeInstance(DecodeInstanceConfig config);
+  /// One process per rank: this process is rank comm->rank() of comm->world_size() (= dp).
+  /// Collective: every rank's process constructs one. Only rank 0 serves the client calls.
+  DecodeInstance(DecodeInstanceConfig config, std::unique_ptr<comm::Communicator> comm);
   /// Stops the ranks; every live request gets a finished callback (kAbort).
   ~DecodeInstance() override;
 
@@ -103,7 +110,11 @@ class DecodeInstance final : public DecodeClient {
   /// Tests: stops like a crashed process - the ranks and the KV receiver stop, no callback
   /// runs any more, load().alive turns false.
   void kill();
-  /// Summed engine counters of the ranks.
+  /// Blocks until this process's ranks have stopped (rank 0 stopping, or a failure).
+  void wait();
+  /// True where the client calls work (rank 0 is here).
+  bool is_leader() const { return first_rank_ == 0; }
+  /// Summed engine counters of the ranks (of this process's rank only, in a process group).
   EngineStats stats() const;
 
  private:
@@ -118,7 +129,20 @@ class DecodeInstance final : public DecodeClient {
     StepOutput first;
   };
 
+  struct Group;  // one process per rank
   void rank_main(int r, comm::Communicator& comm);
+  void init_receivers();
+  // Process group: every process's loop; rank 0's command queue and the ranks' reports.
+  void group_main();
+  void group_loop(comm::Communicator& comm);
+  std::vector<uint8_t> take_commands();
+  void apply_commands(Rank& rank, ByteReader& rd);
+  std::vector<uint8_t> take_report();
+  void handle_report(int r, const std::vector<uint8_t>& report);
+  std::optional<transfer::TransferDescriptor> group_accept(const GenRequest& req,
+                                                           const transfer::KvSharding& src,
+                                                           OutputCallback on_output);
+  void release(int r, const std::string& id, std::vector<int32_t> pages, bool cancel);
   void lockstep_loop(Rank& rank, comm::Communicator& comm);
   // Admits the request if its KV and its first output are both in (called under mu_; the
   // admission itself runs on the rank's thread).
@@ -135,6 +159,8 @@ class DecodeInstance final : public DecodeClient {
   std::vector<std::unique_ptr<comm::Communicator>> comms_;  // rank r's, LocalCommunicator
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::vector<std::thread> threads_;
+  int first_rank_ = 0;
+  std::unique_ptr<Group> group_;  // one process per rank; null: ranks as threads
   std::unique_ptr<transfer::TransferBackend> transfer_;
   mutable std::mutex rx_mu_;  // receivers_ (kill() drops them while others may use them)
   std::vector<std::shared_ptr<transfer::TransferReceiver>> receivers_;  // one per rank

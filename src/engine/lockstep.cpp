@@ -70,6 +70,53 @@ StepOutput get_step_output(ByteReader& r) {
   return o;
 }
 
+// ---- GenRequest codec. ----
+
+void put_request(ByteWriter& w, const GenRequest& r) {
+  w.put_str(r.id);
+  w.put_vec(r.prompt_ids);
+  const SamplingParams& s = r.sampling;
+  w.put(s.temperature);
+  w.put(s.top_p);
+  w.put(s.top_k);
+  w.put(s.min_p);
+  w.put(s.repetition_penalty);
+  w.put(s.presence_penalty);
+  w.put(s.frequency_penalty);
+  w.put<uint8_t>(s.seed.has_value() ? 1 : 0);
+  w.put<uint64_t>(s.seed.value_or(0));
+  w.put(s.logprobs);
+  w.put(s.prompt_logprobs);
+  w.put(r.max_tokens);
+  w.put(r.min_tokens);
+  w.put_vec(r.stop_token_ids);
+  w.put<uint8_t>(r.ignore_eos ? 1 : 0);
+}
+
+GenRequest get_request(ByteReader& rd) {
+  GenRequest r;
+  r.id = rd.get_str();
+  r.prompt_ids = rd.get_vec<int32_t>();
+  SamplingParams& s = r.sampling;
+  s.temperature = rd.get<float>();
+  s.top_p = rd.get<float>();
+  s.top_k = rd.get<int32_t>();
+  s.min_p = rd.get<float>();
+  s.repetition_penalty = rd.get<float>();
+  s.presence_penalty = rd.get<float>();
+  s.frequency_penalty = rd.get<float>();
+  const bool has_seed = rd.get<uint8_t>() != 0;
+  const uint64_t seed = rd.get<uint64_t>();
+  if (has_seed) s.seed = seed;
+  s.logprobs = rd.get<int32_t>();
+  s.prompt_logprobs = rd.get<int32_t>();
+  r.max_tokens = rd.get<int32_t>();
+  r.min_tokens = rd.get<int32_t>();
+  r.stop_token_ids = rd.get_vec<int32_t>();
+  r.ignore_eos = rd.get<uint8_t>() != 0;
+  return r;
+}
+
 // ---- TransferDescriptor codec. ----
 
 void put_descriptor(ByteWriter& w, const transfer::TransferDescriptor& d) {

@@ -96,6 +96,8 @@ void put_step_output(ByteWriter& w, const StepOutput& out);
 StepOutput get_step_output(ByteReader& r);
 std::vector<uint8_t> encode_step_output(const StepOutput& out);
 StepOutput decode_step_output(const uint8_t* data, size_t size);
+void put_request(ByteWriter& w, const GenRequest& r);
+GenRequest get_request(ByteReader& r);
 void put_descriptor(ByteWriter& w, const transfer::TransferDescriptor& d);
 transfer::TransferDescriptor get_descriptor(ByteReader& r);
 

@@ -19,6 +19,7 @@ constexpr double kRateWindowS = 10.0;
 }  // namespace
 
 struct PrefillInstance::Rank {
+  int index = 0;  // the group rank
   std::unique_ptr<Qwen3MoeCpu> model;
   std::unique_ptr<KvCache> own_kv;  // ranks > 0 (rank 0 uses its engine's cache)
   KvCache* kv = nullptr;
@@ -138,8 +139,11 @@ void PrefillInstance::init_ranks(int first_rank, int count) {
     }
     transfer::SenderCallbacks cbs;
     cbs.on_sent = [](const std::string&) {};
+    rank.index = first_rank + i;
     // The decode side sees the same failure and ends the request there.
-    cbs.on_error = [this](const std::string&, const std::string&) { ++transfer_errors_; };
+    cbs.on_error = [this, r = rank.index](const std::string& id, const std::string&) {
+      note_transfer_error(id, r);
+    };
     rank.sender = transfer_->make_sender(*rank.kv, sharding_, first_rank + i, cbs);
   }
   for (int i = 0; i < count; ++i) threads_.emplace_back([this, i] { rank_main(i); });
@@ -250,6 +254,12 @@ void PrefillInstance::follower_loop(Rank& rank, comm::Communicator& comm) {
   }
 }
 
+void PrefillInstance::note_transfer_error(const std::string& id, int rank) {
+  // NOTE: a sender may report one failed transfer twice (callback and a throwing finish).
+  std::lock_guard<std::mutex> lock(errors_mu_);
+  if (failed_transfers_.insert({id, rank}).second) ++transfer_errors_;
+}
+
 void PrefillInstance::end_transfers(Rank& rank, const Step& step) {
   for (const TransferEnd& e : step.ends) {
     try {
@@ -259,7 +269,7 @@ void PrefillInstance::end_transfers(Rank& rank, const Step& step) {
         rank.sender->abort(e.id);
       }
     } catch (const std::exception&) {
-      ++transfer_errors_;  // (the decode side times out and ends the request)
+      note_transfer_error(e.id, rank.index);  // (the decode side times out and ends it)
     }
   }
 }
@@ -399,7 +409,7 @@ void PrefillInstance::end_job(const std::string& id, const std::string& error,
         ranks_[0]->sender->abort(id);
       }
     } catch (const std::exception&) {
-      ++transfer_errors_;
+      note_transfer_error(id, ranks_[0]->index);
     }
     if (config_.tp > 1) ends_.push_back(e);  // the other ranks finish in the next step
   }

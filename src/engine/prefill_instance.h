@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -110,6 +111,8 @@ class PrefillInstance final : public PrefillClient {
   // those of the prompts whose last chunk runs now (a failure flag per sequence); sends one
   // layer of them (from inside the forward).
   void end_transfers(Rank& rank, const Step& step);
+  // Counts a failed transfer once per (request, rank).
+  void note_transfer_error(const std::string& id, int rank);
   std::vector<int64_t> begin_transfers(Rank& rank, const Step& step);
   void send_layer(Rank& rank, const Step& step, int64_t layer, std::vector<int64_t>& failed);
   void on_output(Job& job, const StepOutput& out);
@@ -127,6 +130,8 @@ class PrefillInstance final : public PrefillClient {
   std::atomic<bool> stop_{false};
   std::atomic<bool> dead_{false};
   std::atomic<int64_t> transfer_errors_{0};
+  std::mutex errors_mu_;
+  std::set<std::pair<std::string, int>> failed_transfers_;  // (request, rank) counted once
 
   mutable std::mutex inbox_mu_;
   std::condition_variable inbox_cv_;

@@ -174,7 +174,7 @@ struct InstanceArgs {
   std::string host = "127.0.0.1";
   int port = 0;           // control protocol (the router connects here); KV receivers: free ports
   int metrics_port = -1;  // GET /metrics here (-1: none)
-  int nprocs = 1;         // prefill: fork this many rank processes here (a process group)
+  int nprocs = 1;         // fork this many rank processes here (a process group)
   int64_t max_decode_batch = 32;
   EngineConfig engine;
 };
@@ -198,13 +198,6 @@ void wait_for_stop_signal(const sigset_t& set) {
 int env_world_size() {
   const char* ws = std::getenv("WORLD_SIZE");
   return ws ? std::atoi(ws) : 1;
-}
-
-void check_single_process_group() {
-  // NOTE: a decode instance runs its ranks as threads of one process; one process per rank
-  // (RANK / WORLD_SIZE over Gloo) is built for prefill only so far.
-  TANDEM_CHECK_KIND(kUnsupported, env_world_size() <= 1, "WORLD_SIZE=", env_world_size(),
-                    ": a decode instance is one process (its --dp ranks are threads)");
 }
 
 int run_prefill(const InstanceArgs& a) {
@@ -267,7 +260,22 @@ int run_prefill(const InstanceArgs& a) {
 }
 
 int run_decode(const InstanceArgs& a) {
-  check_single_process_group();
+  if (a.nprocs > 1) {  // a local process group: one forked process per rank
+    TANDEM_CHECK_KIND(kInvalidArgument, a.ranks == 1 || a.ranks == a.nprocs, "--dp ", a.ranks,
+                      " differs from --nprocs ", a.nprocs);
+    InstanceArgs b = a;
+    b.nprocs = 1;
+    b.ranks = a.nprocs;
+    auto results = comm::run_local_ranks(
+        a.nprocs,
+        [&](int) {
+          if (run_decode(b) != 0) TANDEM_THROW(kInternal, "the rank failed");
+        },
+        std::chrono::hours(24 * 365), std::chrono::seconds(10));
+    const std::string failures = comm::describe_failures(results);
+    if (!failures.empty()) std::cerr << failures;
+    return failures.empty() ? 0 : 1;
+  }
   const sigset_t signals = block_stop_signals();
   DecodeInstanceConfig cfg;
   cfg.model_dir = a.model;
@@ -275,7 +283,27 @@ int run_decode(const InstanceArgs& a) {
   cfg.engine = a.engine;
   cfg.max_decode_batch = a.max_decode_batch;
   cfg.kv_host = a.host;
-  DecodeInstance decode(cfg);
+  std::unique_ptr<DecodeInstance> instance;
+  if (env_world_size() > 1) {  // this process is one rank of the group (RANK, WORLD_SIZE, ...)
+    if (cfg.dp == 1) cfg.dp = env_world_size();
+    instance = std::make_unique<DecodeInstance>(cfg, comm::GlooCommunicator::from_env());
+  } else {
+    instance = std::make_unique<DecodeInstance>(cfg);
+  }
+  DecodeInstance& decode = *instance;
+  if (!decode.is_leader()) {
+    // A rank > 0 serves until rank 0 stops the group; a signal here ends the process at once
+    // (its peers see the group fail).
+    std::atomic<bool> group_done{false};
+    std::thread([&] {
+      decode.wait();
+      group_done = true;
+      ::kill(::getpid(), SIGTERM);
+    }).detach();
+    wait_for_stop_signal(signals);
+    if (!group_done) std::_Exit(0);
+    return 0;
+  }
   InstanceServer server(&decode, nullptr, a.host, a.port);
   std::unique_ptr<MetricsEndpoint> metrics;
   if (a.metrics_port >= 0) {
@@ -283,7 +311,7 @@ int run_decode(const InstanceArgs& a) {
       return instances_metrics_text({}, {{"0", decode.load()}});
     });
   }
-  std::cerr << "tandem: decode instance (DP=" << a.ranks << ", " << a.model << ") on " << a.host
+  std::cerr << "tandem: decode instance (DP=" << cfg.dp << ", " << a.model << ") on " << a.host
             << ":" << server.port() << ", max decode batch " << a.max_decode_batch << " per rank"
             << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
@@ -428,10 +456,12 @@ int cli_main(int argc, char** argv) {
   }
   pf->add_option("--tp", pre.ranks, "Ranks (tensor and expert parallel)")
       ->check(CLI::PositiveNumber);
-  pf->add_option("--nprocs", pre.nprocs,
-                 "Fork one process per rank here (else: ranks are threads, or this process is "
-                 "one rank when WORLD_SIZE > 1)")
-      ->check(CLI::PositiveNumber);
+  for (auto [cmd, a] : {std::pair{pf, &pre}, std::pair{dc, &dec}}) {
+    cmd->add_option("--nprocs", a->nprocs,
+                    "Fork one process per rank here (else: ranks are threads, or this process "
+                    "is one rank when WORLD_SIZE > 1)")
+        ->check(CLI::PositiveNumber);
+  }
   pf->add_option("--max-num-batched-tokens", pre.engine.max_batched_tokens,
                  "Prompt tokens per step (chunk budget)")
       ->check(CLI::PositiveNumber);

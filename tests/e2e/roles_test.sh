@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Disaggregated serving as separate processes on the demo model: `tandem decode --dp 2` (twice),
-# `tandem prefill --nprocs 2` (one process per rank, Gloo), `tandem router` over them, against
-# `tandem serve`:
-#   - greedy completions with logprobs are the same text and logprobs (within 1e-4);
+# Disaggregated serving as separate processes on the demo model: `tandem decode --dp 2` (ranks as
+# threads) and `tandem decode --nprocs 2` (one process per rank, Gloo), `tandem prefill --nprocs
+# 2`, `tandem router` over them (and a second router over the --nprocs decode instance alone),
+# against `tandem serve`:
+#   - greedy completions with logprobs are the same text and logprobs (within 1e-4), through
+#     both routers;
 #   - the router's --metrics-port shows queued input tokens, input tokens, batch per rank;
 #   - a decode process killed (SIGKILL) mid-stream ends only its streams, with an error, and
 #     the router keeps serving on the other one.
@@ -38,26 +40,29 @@ start() {
 }
 
 start dec0 decode --dp 2 --port 0 --kv-cache-mb 64
-start dec1 decode --dp 2 --port 0 --kv-cache-mb 64
+start dec1 decode --nprocs 2 --port 0 --kv-cache-mb 64
 start pre prefill --nprocs 2 --port 0 --kv-cache-mb 64
 start router router --prefill "$pre_addr" --decode "$dec0_addr,$dec1_addr" --port 0 --metrics-port 0
+start router1 router --prefill "$pre_addr" --decode "$dec1_addr" --port 0
 start serve serve --port 0 --kv-cache-mb 64
 
 body='{"model":"demo","prompt":"It is a truth universally acknowledged","max_tokens":40,"temperature":0,"logprobs":2}'
 curl -sf "http://$router_addr/v1/completions" -H 'Content-Type: application/json' -d "$body" >"$dir/a.json" || exit 1
 curl -sf "http://$serve_addr/v1/completions" -H 'Content-Type: application/json' -d "$body" >"$dir/b.json" || exit 1
-python3 - "$dir/a.json" "$dir/b.json" <<'PY' || exit 1
+curl -sf "http://$router1_addr/v1/completions" -H 'Content-Type: application/json' -d "$body" >"$dir/c.json" || exit 1
+python3 - "$dir/a.json" "$dir/b.json" "$dir/c.json" <<'PY' || exit 1
 import json, sys
-a, b = (json.load(open(p))["choices"][0] for p in sys.argv[1:3])
-assert a["text"] == b["text"], (a["text"], b["text"])
-la, lb = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
-assert len(la) == len(lb) == 40 and max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
-print("router == serve:", repr(a["text"][:40]))
+a, b, c = (json.load(open(p))["choices"][0] for p in sys.argv[1:4])
+for x, name in ((a, "router"), (c, "router over decode --nprocs 2")):
+    assert x["text"] == b["text"], (name, x["text"], b["text"])
+    lx, lb = x["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
+    assert len(lx) == len(lb) == 40 and max(abs(p - q) for p, q in zip(lx, lb)) < 1e-4, name
+    print(name, "== serve:", repr(x["text"][:40]))
 PY
 # The instances' metrics on the router's --metrics-port.
 mport=$(grep -o "/metrics on port [0-9]*" "$dir/router.log" | grep -o "[0-9]*$")
 metrics=$(curl -sf "http://127.0.0.1:$mport/metrics") || { echo "no /metrics"; exit 1; }
-for m in 'tandem_prefill_queued_input_tokens{instance="0"} 0' 'tandem_prefill_input_tokens_total{instance="0"} 6' \
+for m in 'tandem_prefill_queued_input_tokens{instance="0"} 0' 'tandem_prefill_input_tokens_total{instance="0"} 12' \
          'tandem_decode_batch{instance="1",rank="1"} 0' 'tandem_decode_max_batch{instance="0"} 32'; do
   grep -qF "$m" <<<"$metrics" || { echo "missing in /metrics: $m"; echo "$metrics"; exit 1; }
 done

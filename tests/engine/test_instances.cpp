@@ -6,10 +6,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <future>
+#include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
+#include "comm/local_comm.h"
 #include "comm/local_launcher.h"
 #include "core/error.h"
 #include "engine/decode_instance.h"
@@ -210,6 +213,94 @@ TEST(PrefillInstance, RefusesBadDestinationsAndCountsTransferFailures) {
   EXPECT_EQ(p.load().input_tokens_total, 40);
   for (int i = 0; i < 3000 && p.transfer_errors() < 2; ++i) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(p.transfer_errors(), 2);  // both sending ranks
+}
+
+// A process group's ranks (here over LocalCommunicator, each rank's DecodeInstance in its own
+// thread; tests/e2e/roles_test.sh runs `tandem decode --nprocs 2` over Gloo): rank 0 holds the
+// registry and messages the other rank each lockstep iteration; requests land on both ranks
+// and decode as one engine would.
+TEST(DecodeInstance, ProcessGroupRanks) {
+  DecodeInstanceConfig cfg;
+  cfg.model_dir = fixture();
+  cfg.dp = 2;
+  cfg.engine = small_engine();
+  cfg.max_decode_batch = 2;
+  auto comms = comm::LocalCommunicator::create_group(2);
+  std::thread follower([&] {
+    DecodeInstance d1(cfg, std::move(comms[1]));
+    EXPECT_FALSE(d1.is_leader());
+    d1.wait();
+  });
+  struct Join {
+    std::thread& t;
+    ~Join() { t.join(); }
+  } join{follower};
+  [&] {
+    DecodeInstance d(cfg, std::move(comms[0]));
+    ASSERT_TRUE(d.is_leader());
+    TANDEM_CHECK(d.load().batch_per_rank.size() == 2u, "batch per rank");
+    // The reference: one engine over the whole model.
+    auto model = Qwen3MoeCpu::load(fixture());
+    Engine ref(*model, small_engine());
+    std::map<std::string, std::vector<int32_t>> want, got;
+    std::vector<GenRequest> reqs = {greedy("a", std::vector<int32_t>(40, 5), 6),
+                                    greedy("b", {1, 2, 3, 4, 5}, 6)};
+    for (const auto& r : reqs) {
+      ref.add(r, [&, id = r.id](const StepOutput& o) {
+        want[id].insert(want[id].end(), o.token_ids.begin(), o.token_ids.end());
+      });
+    }
+    while (ref.step()) {
+    }
+    PrefillInstanceConfig pcfg;
+    pcfg.model_dir = fixture();
+    pcfg.engine = small_engine();
+    PrefillInstance p(pcfg);
+    std::mutex mu;
+    std::condition_variable cv;
+    int finished = 0;
+    std::set<std::string> addresses;
+    for (const auto& r : reqs) {
+      auto dst = d.accept(r, p.kv_sharding(), [&, id = r.id](const StepOutput& o) {
+        std::lock_guard<std::mutex> lock(mu);
+        got[id].insert(got[id].end(), o.token_ids.begin(), o.token_ids.end());
+        if (o.finished) {
+          TANDEM_CHECK(o.finish_reason == FinishReason::kLength, "request ", id,
+                       " ended early: ", o.error);
+          ++finished;
+          cv.notify_all();
+        }
+      });
+      TANDEM_CHECK(dst.has_value(), "no room for ", r.id);
+      addresses.insert(dst->dst_address);
+      p.submit(r, *dst, [&d, id = r.id](const std::string& error, const StepOutput& first) {
+        if (error.empty()) {
+          d.prefilled(id, first);
+        } else {
+          d.fail(id, error);
+        }
+      });
+    }
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      TANDEM_CHECK(cv.wait_for(lock, 60s, [&] { return finished == 2; }), "timed out");
+    }
+    TANDEM_CHECK(addresses.size() == 2u, "both requests on one rank");
+    TANDEM_CHECK(got == want, "the tokens differ from one engine's");
+    // Admission limits: 2 ranks x 2, then no room; abort and fail free the pages.
+    for (int i = 0; i < 200 && d.load().total_batch() > 0; ++i) std::this_thread::sleep_for(5ms);
+    const transfer::KvSharding src{2, 1};
+    for (int i = 0; i < 4; ++i) {
+      TANDEM_CHECK(d.accept(greedy("r" + std::to_string(i), {1, 2}, 2), src, nullptr),
+                   "no room for r", i);
+    }
+    TANDEM_CHECK(!d.accept(greedy("r4", {1}, 1), src, nullptr), "room for r4");
+    TANDEM_CHECK(d.load().batch_per_rank == (std::vector<int64_t>{2, 2}), "batch per rank");
+    d.fail("r0", "prefill failed");
+    for (int i = 1; i < 4; ++i) d.abort("r" + std::to_string(i));
+    for (int i = 0; i < 200 && d.load().total_batch() > 0; ++i) std::this_thread::sleep_for(5ms);
+    TANDEM_CHECK(d.load().total_batch() == 0, "pages not released");
+  }();
 }
 
 }  // namespace
