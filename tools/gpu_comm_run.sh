@@ -41,18 +41,8 @@ mkdir -p "$LOG"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # The binaries were linked here against libcudart.so.13 and libnccl.so.2: find them there.
-add_lib_dir() {
-  case ":${LD_LIBRARY_PATH:-}:" in *":$1:"*) ;; *) LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
-}
-for lib in libnccl.so.2 libcudart.so.13; do
-  if ! ldconfig -p 2>/dev/null | grep -q "$lib"; then
-    for f in /usr/local/cuda/lib64/$lib /usr/local/cuda/lib/$lib \
-             $(find /usr /opt -name "$lib" -not -path '*/proc/*' 2>/dev/null | head -3); do
-      if [ -e "$f" ]; then add_lib_dir "$(dirname "$f")"; break; fi
-    done
-  fi
-done
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/gpu_libs.sh"
+find_gpu_libs libnccl.so.2 libcudart.so.13
 
 {
   echo "== machine"

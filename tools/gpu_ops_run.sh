@@ -23,18 +23,8 @@ LOG=${OUT:-/tmp/gpu_ops_run}
 mkdir -p "$LOG"
 
 # The binaries were linked against libcudart.so.13 and libcublasLt.so.13: find them there.
-add_lib_dir() {
-  case ":${LD_LIBRARY_PATH:-}:" in *":$1:"*) ;; *) LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
-}
-for lib in libcudart.so.13 libcublasLt.so.13; do
-  if ! ldconfig -p 2>/dev/null | grep -q "$lib"; then
-    for f in /usr/local/cuda/lib64/$lib /usr/local/cuda/lib/$lib \
-             $(find /usr /opt -name "$lib" -not -path '*/proc/*' 2>/dev/null | head -3); do
-      if [ -e "$f" ]; then add_lib_dir "$(dirname "$f")"; break; fi
-    done
-  fi
-done
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/gpu_libs.sh"
+find_gpu_libs libcudart.so.13 libcublasLt.so.13
 
 {
   echo "== machine ($(date -u +%FT%TZ))"

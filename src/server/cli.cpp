@@ -200,23 +200,43 @@ int env_world_size() {
   return ws ? std::atoi(ws) : 1;
 }
 
+// --nprocs N: forks one process per rank of a local group, each running `role` as one rank
+// (the group bootstraps through RANK / WORLD_SIZE / MASTER_* set by the launcher).
+int run_local_group(const InstanceArgs& a, const char* ranks_flag,
+                    int (*role)(const InstanceArgs&)) {
+  TANDEM_CHECK_KIND(kInvalidArgument, a.ranks == 1 || a.ranks == a.nprocs, ranks_flag, " ", a.ranks,
+                    " differs from --nprocs ", a.nprocs);
+  InstanceArgs one = a;
+  one.nprocs = 1;
+  one.ranks = a.nprocs;
+  auto results = comm::run_local_ranks(
+      a.nprocs,
+      [&](int) {
+        if (role(one) != 0) TANDEM_THROW(kInternal, "the rank failed");
+      },
+      std::chrono::hours(24 * 365), std::chrono::seconds(10));
+  const std::string failures = comm::describe_failures(results);
+  if (!failures.empty()) std::cerr << failures;
+  return failures.empty() ? 0 : 1;
+}
+
+// A rank > 0 serves until rank 0 stops the group; a signal here ends the process at once
+// (its peers see the group fail).
+template <typename Instance>
+int follow_group(Instance& instance, const sigset_t& signals) {
+  std::atomic<bool> group_done{false};
+  std::thread([&] {
+    instance.wait();
+    group_done = true;
+    ::kill(::getpid(), SIGTERM);
+  }).detach();
+  wait_for_stop_signal(signals);
+  if (!group_done) std::_Exit(0);
+  return 0;
+}
+
 int run_prefill(const InstanceArgs& a) {
-  if (a.nprocs > 1) {  // a local process group: one forked process per rank
-    TANDEM_CHECK_KIND(kInvalidArgument, a.ranks == 1 || a.ranks == a.nprocs, "--tp ", a.ranks,
-                      " differs from --nprocs ", a.nprocs);
-    InstanceArgs b = a;
-    b.nprocs = 1;
-    b.ranks = a.nprocs;
-    auto results = comm::run_local_ranks(
-        a.nprocs,
-        [&](int) {
-          if (run_prefill(b) != 0) TANDEM_THROW(kInternal, "the rank failed");
-        },
-        std::chrono::hours(24 * 365), std::chrono::seconds(10));
-    const std::string failures = comm::describe_failures(results);
-    if (!failures.empty()) std::cerr << failures;
-    return failures.empty() ? 0 : 1;
-  }
+  if (a.nprocs > 1) return run_local_group(a, "--tp", run_prefill);
   const sigset_t signals = block_stop_signals();
   PrefillInstanceConfig cfg;
   cfg.model_dir = a.model;
@@ -230,19 +250,7 @@ int run_prefill(const InstanceArgs& a) {
     instance = std::make_unique<PrefillInstance>(cfg);
   }
   PrefillInstance& prefill = *instance;
-  if (!prefill.is_leader()) {
-    // A rank > 0 serves until rank 0 stops the group; a signal here ends the process at once
-    // (its peers see the group fail).
-    std::atomic<bool> group_done{false};
-    std::thread([&] {
-      prefill.wait();
-      group_done = true;
-      ::kill(::getpid(), SIGTERM);
-    }).detach();
-    wait_for_stop_signal(signals);
-    if (!group_done) std::_Exit(0);
-    return 0;
-  }
+  if (!prefill.is_leader()) return follow_group(prefill, signals);
   InstanceServer server(nullptr, &prefill, a.host, a.port);
   std::unique_ptr<MetricsEndpoint> metrics;
   if (a.metrics_port >= 0) {
@@ -260,22 +268,7 @@ int run_prefill(const InstanceArgs& a) {
 }
 
 int run_decode(const InstanceArgs& a) {
-  if (a.nprocs > 1) {  // a local process group: one forked process per rank
-    TANDEM_CHECK_KIND(kInvalidArgument, a.ranks == 1 || a.ranks == a.nprocs, "--dp ", a.ranks,
-                      " differs from --nprocs ", a.nprocs);
-    InstanceArgs b = a;
-    b.nprocs = 1;
-    b.ranks = a.nprocs;
-    auto results = comm::run_local_ranks(
-        a.nprocs,
-        [&](int) {
-          if (run_decode(b) != 0) TANDEM_THROW(kInternal, "the rank failed");
-        },
-        std::chrono::hours(24 * 365), std::chrono::seconds(10));
-    const std::string failures = comm::describe_failures(results);
-    if (!failures.empty()) std::cerr << failures;
-    return failures.empty() ? 0 : 1;
-  }
+  if (a.nprocs > 1) return run_local_group(a, "--dp", run_decode);
   const sigset_t signals = block_stop_signals();
   DecodeInstanceConfig cfg;
   cfg.model_dir = a.model;
@@ -291,19 +284,7 @@ int run_decode(const InstanceArgs& a) {
     instance = std::make_unique<DecodeInstance>(cfg);
   }
   DecodeInstance& decode = *instance;
-  if (!decode.is_leader()) {
-    // A rank > 0 serves until rank 0 stops the group; a signal here ends the process at once
-    // (its peers see the group fail).
-    std::atomic<bool> group_done{false};
-    std::thread([&] {
-      decode.wait();
-      group_done = true;
-      ::kill(::getpid(), SIGTERM);
-    }).detach();
-    wait_for_stop_signal(signals);
-    if (!group_done) std::_Exit(0);
-    return 0;
-  }
+  if (!decode.is_leader()) return follow_group(decode, signals);
   InstanceServer server(&decode, nullptr, a.host, a.port);
   std::unique_ptr<MetricsEndpoint> metrics;
   if (a.metrics_port >= 0) {
