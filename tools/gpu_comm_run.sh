@@ -114,11 +114,25 @@ export TANDEM_BENCH_CSV="$LOG/bench_allreduce.csv"
 step bench_allreduce 100 "$BIN/bench_allreduce" --world 2 ${TANDEM_BENCH_ARGS:-}
 step test_comm_cuda 200 "$BIN/test_comm_cuda" --gtest_filter='CudaAllReduceTest.*:-*FallbacksAndErrors*'
 
+# compute-sanitizer racecheck (shared-memory hazards) once, on one MoE routing case and the
+# all-reduce back-to-back test; skipped when compute-sanitizer is absent.
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$CS" ]; then
+  step racecheck_moe 90 "$CS" --tool racecheck --target-processes all --error-exitcode 9 \
+    "$BIN/test_comm_cuda" --gtest_filter='CudaMoeTest.Prefill'
+  step racecheck_allreduce 90 "$CS" --tool racecheck --target-processes all --error-exitcode 9 \
+    "$BIN/test_comm_cuda" --gtest_filter='CudaAllReduceTest.CudaGraphReplay'
+  grep -hE 'RACECHECK SUMMARY|ERROR SUMMARY|hazard' "$LOG"/racecheck_*.log | sort | uniq -c | head
+else
+  echo; echo "== racecheck skipped (no compute-sanitizer)"
+fi
+
 echo
 echo "== summary: emulated rc=${RC[test_comm_emulated]} test_comm rc=${RC[test_comm]}" \
      "smoke rc=${RC[test_comm_cuda_smoke]} moe tests rc=${RC[test_comm_cuda_moe]}" \
      "all-reduce tests rc=${RC[test_comm_cuda]} bench_moe rc=${RC[bench_moe]}" \
      "bench_allreduce rc=${RC[bench_allreduce]}" \
+     "racecheck rc=${RC[racecheck_moe]:-none}/${RC[racecheck_allreduce]:-none}" \
      "${RC[fallback_test_moe]:+fallback moe tests rc=${RC[fallback_test_moe]} fallback bench rc=${RC[fallback_bench_moe]}}" \
      "(logs in $LOG)"
 grep -hE '^\[  (PASSED|FAILED) ' "$LOG"/test_comm*.log 2>/dev/null
