@@ -30,8 +30,7 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
                     c.page_size > 0 && c.max_num_seqs > 0 && c.max_batched_tokens > 0,
                     "page_size, max_num_seqs and max_batched_tokens must be positive");
   if (c.num_pages <= 0) {
-    int64_t page_bytes = model.kv_geometry(1, c.page_size).page_elems() * m.num_hidden_layers *
-                         static_cast<int64_t>(sizeof(float));
+    int64_t page_bytes = model.kv_geometry(1, c.page_size).page_bytes_all_layers();
     c.num_pages = std::max<int64_t>(1, c.kv_cache_mb * (1 << 20) / page_bytes);
   }
   // The pool must hold at least one sequence of full length, or scheduling could stall.
@@ -57,7 +56,7 @@ Engine::Engine(Model& model, const EngineConfig& config)
     : model_(model),
       config_(resolve(model, config)),
       blocks_(config_.num_pages, config_.page_size, config_.enable_prefix_cache),
-      kv_(model.kv_geometry(config_.num_pages, config_.page_size)),
+      kv_(model.make_kv_cache(config_.num_pages, config_.page_size)),
       scheduler_(blocks_, config_.max_num_seqs, config_.max_batched_tokens) {}
 
 void Engine::validate(const GenRequest& req) const {
@@ -83,6 +82,7 @@ void Engine::add(GenRequest req, OutputCallback on_output) {
   seq->tokens = req.prompt_ids;
   seq->prompt_len = static_cast<int64_t>(req.prompt_ids.size());
   seq->rng.seed(req.sampling.seed ? *req.sampling.seed : std::random_device{}());
+  seq->device_seed = req.sampling.seed ? *req.sampling.seed : seq->rng();
   seq->req = std::move(req);
   seq->on_output = std::move(on_output);
   scheduler_.add(std::move(seq));
@@ -112,6 +112,7 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
   seq->admitted_once = true;
   seq->prompt_logprobs_done = true;
   seq->rng.seed(req.sampling.seed ? *req.sampling.seed : std::random_device{}());
+  seq->device_seed = req.sampling.seed ? *req.sampling.seed : seq->rng();
   // NOTE: the prefill instance drew the first token from the same seeded stream (one draw
   // per sampled token), so a seeded request continues exactly as in one engine.
   if (!req.sampling.greedy()) seq->rng.discard(1);
@@ -160,9 +161,38 @@ ScheduledBatch Engine::schedule() {
   return scheduler_.schedule();
 }
 
+bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling>& rows) const {
+  rows.clear();
+  for (const auto& ss : batch.seqs) {
+    if (ss.logits == LogitsMode::kAll) return false;
+    if (ss.logits != LogitsMode::kLast) continue;
+    const Sequence& s = *ss.seq;
+    const SamplingParams& p = s.req.sampling;
+    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f ||
+        p.frequency_penalty != 0.0f || s.num_output() < s.req.min_tokens || p.logprobs > 20) {
+      return false;
+    }
+    DeviceSampling d;
+    d.temperature = p.greedy() ? 0.0f : p.temperature;
+    d.top_k = p.top_k;
+    d.top_p = p.top_p;
+    d.min_p = p.min_p;
+    d.seed = s.device_seed;
+    d.counter = static_cast<uint64_t>(s.num_output());
+    d.logprobs = p.logprobs;
+    rows.push_back(d);
+  }
+  return true;
+}
+
 bool Engine::forward(const ScheduledBatch& batch) {
   try {
-    model_.forward(batch.forward, kv_, logits_);
+    sampled_on_device_ = model_.samples_on_device() && device_rows(batch, device_rows_);
+    if (sampled_on_device_) {
+      model_.forward_sample(batch.forward, kv_, device_rows_, sampled_);
+    } else {
+      model_.forward(batch.forward, kv_, logits_);
+    }
   } catch (const std::exception& e) {
     // Fail only the requests of this step; the engine keeps serving.
     for (const auto& ss : batch.seqs) {
@@ -208,6 +238,29 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     }
     if (s.num_computed != static_cast<int64_t>(s.tokens.size())) continue;  // mid-prefill
 
+    StepOutput out;
+    out.id = s.req.id;
+    if (s.num_output() == 0) {
+      out.num_cached_prompt_tokens = static_cast<int32_t>(s.num_cached_prompt);
+      out.prompt_token_logprobs = std::move(s.prompt_out.prompt_token_logprobs);
+      out.prompt_top_logprobs = std::move(s.prompt_out.prompt_top_logprobs);
+    }
+    if (sampled_on_device_) {  // token and logprobs came from the device
+      const SampledToken& st = sampled_[static_cast<size_t>(first_row + rows - 1)];
+      out.token_ids.push_back(st.token);
+      if (s.req.sampling.logprobs >= 0) {
+        out.token_logprobs.push_back(st.logprob);
+        if (s.req.sampling.logprobs > 0) {
+          std::vector<TokenLogprob> top;
+          for (const auto& [id, lp] : st.top) top.push_back({id, lp});
+          out.top_logprobs.push_back(std::move(top));
+        }
+      }
+      s.tokens.push_back(st.token);
+      ++counters_.generation_tokens;
+      finish_if_done(s, out);
+      continue;
+    }
     std::span<const float> raw(logits.data() + (first_row + rows - 1) * vocab,
                                static_cast<size_t>(vocab));
     std::span<const float> sample_from = raw;
@@ -226,14 +279,6 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     std::span<const int32_t> output(s.tokens.data() + s.prompt_len,
                                     static_cast<size_t>(s.num_output()));
     const int32_t token = sample_token(sample_from, s.req.sampling, prompt, output, s.rng);
-
-    StepOutput out;
-    out.id = s.req.id;
-    if (s.num_output() == 0) {
-      out.num_cached_prompt_tokens = static_cast<int32_t>(s.num_cached_prompt);
-      out.prompt_token_logprobs = std::move(s.prompt_out.prompt_token_logprobs);
-      out.prompt_top_logprobs = std::move(s.prompt_out.prompt_top_logprobs);
-    }
     out.token_ids.push_back(token);
     if (s.req.sampling.logprobs >= 0) {
       out.token_logprobs.push_back(token_logprob(raw, token));

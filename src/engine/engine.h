@@ -78,6 +78,9 @@ class Engine {
 
  private:
   void process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits);
+  /// The batch's rows as device sampling requests; false when a row needs host logits
+  /// (prompt logprobs, penalties, min_tokens masking).
+  bool device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling>& rows) const;
   void finish(Sequence& seq, FinishReason reason, StepOutput& out);
   /// Finishes on EOS / stop id / length, else reports the output.
   void finish_if_done(Sequence& seq, StepOutput& out);
@@ -88,6 +91,9 @@ class Engine {
   KvCache kv_;
   Scheduler scheduler_;
   std::vector<float> logits_;
+  std::vector<DeviceSampling> device_rows_;
+  std::vector<SampledToken> sampled_;  // this step's tokens when sampled on the device
+  bool sampled_on_device_ = false;
   EngineStats counters_;
 };
 

@@ -26,6 +26,7 @@ struct Sequence {
   std::vector<int32_t> pages;         // block table
   std::vector<uint64_t> page_hashes;  // hashes of the leading full prompt pages
   SamplerRng rng;
+  uint64_t device_seed = 0;  // the seed of on-device sampling (the request's, else random)
   bool admitted_once = false;
   bool prompt_logprobs_done = false;
   StepOutput prompt_out;  // prompt logprobs gathered across chunks

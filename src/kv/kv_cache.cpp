@@ -8,11 +8,33 @@ KvCache::KvCache(const KvGeometry& g) : geometry_(g) {
   TANDEM_CHECK(g.num_layers > 0 && g.num_pages > 0 && g.num_kv_heads > 0 && g.page_size > 0 &&
                    g.head_dim > 0,
                "bad KV geometry");
+  TANDEM_CHECK(g.dtype == DType::kF32, "host KV pools are fp32");
   pools_.reserve(static_cast<size_t>(g.num_layers));
   for (int64_t l = 0; l < g.num_layers; ++l) {
     pools_.emplace_back(DType::kF32,
                         Shape{g.num_pages, 2, g.num_kv_heads, g.page_size, g.head_dim});
   }
+}
+
+KvCache::KvCache(const KvGeometry& g, External external)
+    : geometry_(g), external_(std::move(external)) {
+  TANDEM_CHECK(static_cast<int64_t>(external_.layers.size()) == g.num_layers && g.num_layers > 0,
+               "external KV pools: ", external_.layers.size(), " for ", g.num_layers, " layers");
+}
+
+float* KvCache::layer(int64_t layer) {
+  TANDEM_CHECK(is_host(), "the KV cache is not in host memory");
+  return pools_[static_cast<size_t>(layer)].ptr<float>();
+}
+
+const float* KvCache::layer(int64_t layer) const {
+  TANDEM_CHECK(is_host(), "the KV cache is not in host memory");
+  return pools_[static_cast<size_t>(layer)].ptr<float>();
+}
+
+void* KvCache::layer_data(int64_t layer) {
+  if (!is_host()) return external_.layers[static_cast<size_t>(layer)];
+  return pools_[static_cast<size_t>(layer)].ptr<float>();
 }
 
 float* KvCache::head_rows(int64_t layer, int64_t page, int kv, int64_t head) {

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/tensor.h"
 
 namespace tandem {
@@ -15,30 +17,48 @@ struct KvGeometry {
   int64_t num_kv_heads = 0;  // heads held locally
   int64_t page_size = 16;    // tokens per page
   int64_t head_dim = 0;
+  DType dtype = DType::kF32;  // fp32 on the CPU backend, bf16 on the GPU
 
-  /// Floats of one page of one layer: 2 (k, v) * heads * page_size * head_dim.
+  /// Elements of one page of one layer: 2 (k, v) * heads * page_size * head_dim.
   int64_t page_elems() const { return 2 * num_kv_heads * page_size * head_dim; }
+  /// Bytes of one page over all layers.
+  int64_t page_bytes_all_layers() const {
+    return page_elems() * num_layers * static_cast<int64_t>(dtype_size(dtype));
+  }
 };
 
 /// Per layer a pool [num_pages, 2 (k, v), num_kv_heads, page_size, head_dim] (HND: heads
 /// leading, tokens contiguous), so a head range of a page is two contiguous chunks.
 class KvCache {
  public:
+  /// Pools that live elsewhere (device memory of a GPU model): one base per layer, kept
+  /// alive by `owner` for the cache's lifetime.
+  struct External {
+    std::vector<void*> layers;
+    std::shared_ptr<void> owner;
+  };
+
   KvCache() = default;
+  /// Host fp32 pools (geometry.dtype must be kF32).
   explicit KvCache(const KvGeometry& geometry);
+  /// Pools provided by the model (any dtype, usually device memory).
+  KvCache(const KvGeometry& geometry, External external);
 
   const KvGeometry& geometry() const { return geometry_; }
-  /// Base of layer `layer`'s pool.
-  float* layer(int64_t layer) { return pools_[static_cast<size_t>(layer)].ptr<float>(); }
-  const float* layer(int64_t layer) const {
-    return pools_[static_cast<size_t>(layer)].ptr<float>();
-  }
+  /// True for host fp32 pools (the CPU backend and the host transfer path).
+  bool is_host() const { return external_.layers.empty(); }
+  /// Base of layer `layer`'s host fp32 pool (throws for external pools).
+  float* layer(int64_t layer);
+  const float* layer(int64_t layer) const;
+  /// Base of layer `layer`'s pool, host or external.
+  void* layer_data(int64_t layer);
   /// The k (kv = 0) or v (kv = 1) rows of one head in one page: [page_size, head_dim].
   float* head_rows(int64_t layer, int64_t page, int kv, int64_t head);
 
  private:
   KvGeometry geometry_;
   std::vector<HostTensor> pools_;
+  External external_;
 };
 
 /// Hands out page ids with reference counts (a page shared by the prefix cache has more

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace tandem {
@@ -40,6 +41,25 @@ struct ForwardBatch {
     }
     return n;
   }
+};
+
+/// How to sample one logits row on the model's device (Model::forward_sample): the
+/// engine's SamplingParams minus penalties and masks, which need host logits.
+struct DeviceSampling {
+  float temperature = 1.0f;  // < 1e-5: greedy
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  uint64_t seed = 0;     // the request's seed
+  uint64_t counter = 0;  // the draw's index in the request (its output position)
+  int32_t logprobs = -1;  // -1: none; 0: the chosen token's; n: and the top n (<= 20)
+};
+
+/// One sampled row: the token, its logprob (raw log_softmax) and the top logprobs asked for.
+struct SampledToken {
+  int32_t token = 0;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // (id, logprob), descending
 };
 
 }  // namespace tandem

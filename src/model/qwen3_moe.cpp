@@ -65,6 +65,11 @@ HostTensor load_cols(const Checkpoint& ckpt, const std::string& name, int64_t ro
 
 }  // namespace
 
+void Model::forward_sample(const ForwardBatch&, KvCache&, const std::vector<DeviceSampling>&,
+                           std::vector<SampledToken>&) {
+  TANDEM_THROW(kUnsupported, "this model samples on the host only");
+}
+
 Qwen3MoeCpu::Qwen3MoeCpu(ModelConfig config, ShardPlan plan, comm::Communicator* comm)
     : config_(std::move(config)), plan_(plan), comm_(comm) {}
 

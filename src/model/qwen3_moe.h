@@ -29,9 +29,21 @@ class Model {
   virtual const ModelConfig& config() const = 0;
   /// KV geometry for a cache of num_pages pages of page_size tokens.
   virtual KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const = 0;
+  /// The KV cache forward() writes into: host fp32 pools by default; a GPU model allocates
+  /// device pools.
+  virtual KvCache make_kv_cache(int64_t num_pages, int64_t page_size) {
+    return KvCache(kv_geometry(num_pages, page_size));
+  }
   /// Runs the batch, writing new KV into `kv` and the requested logits rows
   /// ([batch.num_logit_rows(), vocab], fp32) into `logits`.
   virtual void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) = 0;
+  /// True when forward_sample() is available (a GPU model: the logits never leave it).
+  virtual bool samples_on_device() const { return false; }
+  /// Runs the batch and samples each logits row (batch order; every row kLast) on the
+  /// device with rows[i]; out gets one entry per row.
+  virtual void forward_sample(const ForwardBatch& batch, KvCache& kv,
+                              const std::vector<DeviceSampling>& rows,
+                              std::vector<SampledToken>& out);
 };
 
 /// Qwen3-MoE forward on the CPU, fp32 weights and accumulation.

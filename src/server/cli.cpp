@@ -18,6 +18,9 @@
 #include "engine/engine.h"
 #include "engine/prefill_instance.h"
 #include "model/qwen3_moe.h"
+#ifdef TANDEM_WITH_CUDA
+#include "model/cuda/qwen3_moe_cuda.h"
+#endif
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
 #include "server/planner.h"
@@ -51,6 +54,24 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   return ids;
 }
 
+// The model for --device cpu|cuda; the engine config sizes the GPU model's buffers.
+std::unique_ptr<Model> load_model(const std::string& dir, const std::string& device,
+                                  const EngineConfig& engine) {
+  if (device == "cpu") return Qwen3MoeCpu::load(dir);
+  TANDEM_CHECK_KIND(kInvalidArgument, device == "cuda", "--device must be cpu or cuda, not '",
+                    device, "'");
+#ifdef TANDEM_WITH_CUDA
+  CudaModelOptions o;
+  o.max_tokens = engine.max_batched_tokens;
+  o.max_seqs = engine.max_num_seqs;
+  o.page_size = engine.page_size;
+  o.graph_max_context = engine.max_model_len;
+  return Qwen3MoeCuda::load(dir, o);
+#else
+  TANDEM_THROW(kUnsupported, "--device cuda: this tandem was built without CUDA");
+#endif
+}
+
 struct GenerateArgs {
   std::string model = TANDEM_DEMO_MODEL_DIR;
   std::string prompt;
@@ -64,10 +85,13 @@ struct GenerateArgs {
   int logprobs = -1;
   bool json = false;
   bool ignore_eos = false;
+  std::string device = "cpu";
 };
 
 int run_generate(const GenerateArgs& a) {
-  std::unique_ptr<Model> model = Qwen3MoeCpu::load(a.model);
+  EngineConfig cfg;
+  cfg.max_num_seqs = 1;
+  std::unique_ptr<Model> model = load_model(a.model, a.device, cfg);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   GenRequest req;
   req.id = "cli";
@@ -87,8 +111,6 @@ int run_generate(const GenerateArgs& a) {
   if (a.seed >= 0) req.sampling.seed = static_cast<uint64_t>(a.seed);
   req.sampling.logprobs = a.logprobs;
 
-  EngineConfig cfg;
-  cfg.max_num_seqs = 1;
   Engine engine(*model, cfg);
   std::vector<int32_t> ids;
   nlohmann::json logprobs = nlohmann::json::array();
@@ -138,10 +160,11 @@ struct ServeArgs {
   std::string api_key;
   int http_threads = 2;
   EngineConfig engine;
+  std::string device = "cpu";
 };
 
 int run_serve(const ServeArgs& a) {
-  std::unique_ptr<Qwen3MoeCpu> model = Qwen3MoeCpu::load(a.model);
+  std::unique_ptr<Model> model = load_model(a.model, a.device, a.engine);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
   AsyncEngine engine(std::move(model), a.engine);
@@ -365,7 +388,7 @@ int cli_main(int argc, char** argv) {
   app.require_subcommand(1);
 
   GenerateArgs gen;
-  auto* g = app.add_subcommand("generate", "Generate from one prompt on the CPU backend");
+  auto* g = app.add_subcommand("generate", "Generate from one prompt");
   g->add_option("--model", gen.model, "Model directory (default: the embedded demo model)");
   auto* prompt = g->add_option("--prompt", gen.prompt, "Prompt text");
   auto* prompt_ids = g->add_option("--prompt-ids", gen.prompt_ids, "Prompt token ids: 1,2,3");
@@ -380,6 +403,7 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::Range(0, 20));
   g->add_flag("--json", gen.json, "Print {ids, text, logprobs} as JSON");
   g->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at EOS");
+  g->add_option("--device", gen.device, "cpu or cuda (one GPU)");
 
   ServeArgs srv;
   auto* sv = app.add_subcommand("serve", "Serve the OpenAI API (one colocated instance)");
@@ -389,6 +413,7 @@ int cli_main(int argc, char** argv) {
   sv->add_option("--port", srv.port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
   sv->add_option("--api-key", srv.api_key, "Require 'Authorization: Bearer KEY'");
   sv->add_option("--http-threads", srv.http_threads)->check(CLI::Range(1, 256));
+  sv->add_option("--device", srv.device, "cpu or cuda (one GPU)");
   sv->add_option("--max-num-seqs", srv.engine.max_num_seqs, "Running sequences at most")
       ->check(CLI::PositiveNumber);
   sv->add_option("--max-model-len", srv.engine.max_model_len, "Context length (default: model's)")

@@ -7,6 +7,8 @@
 #   tandem_backend_cuda   kernels + cuBLASLt GEMM wrapper (static library)
 #   test_backend_cuda     each kernel vs the CPU reference (GTEST_SKIP without a GPU)
 #   bench_ops_cuda        per-kernel timings beside the copy-bandwidth / GEMM-rate bound
+#   bench_sampling        sample_launch timings beside the copy bound of reading the logits
+#   bench_moe_layer       the MoE block and grouped expert GEMMs beside the same bounds
 # None of them links Gloo or NCCL (the GPU machine has no libgloo).
 
 if(TANDEM_HAS_CUDA)
@@ -22,7 +24,7 @@ if(TANDEM_HAS_CUDA)
     ${TANDEM_BACKEND_CUDA_ROOT}/src/backend/cuda/*.cpp)
   add_library(tandem_backend_cuda STATIC ${TANDEM_BACKEND_CUDA_SRCS})
   target_include_directories(tandem_backend_cuda PUBLIC ${TANDEM_BACKEND_CUDA_ROOT}/src)
-  target_link_libraries(tandem_backend_cuda PUBLIC tandem_backend CUDA::cudart CUDA::cublasLt)
+  target_link_libraries(tandem_backend_cuda PUBLIC tandem_backend CUDA::cudart CUDA::cublas CUDA::cublasLt)
   target_compile_options(tandem_backend_cuda PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:${TANDEM_WARNINGS}>
     $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter -lineinfo>)
@@ -38,6 +40,9 @@ if(TANDEM_HAS_CUDA)
     target_link_libraries(test_backend_cuda PRIVATE tandem_backend_cuda GTest::gtest
                                                     GTest::gtest_main)
     target_compile_options(test_backend_cuda PRIVATE ${TANDEM_WARNINGS})
+    # The CPU sampler is the reference of test_sampling_cuda.cpp; compiled in directly, as
+    # tandem_engine would pull in Gloo.
+    target_sources(test_backend_cuda PRIVATE ${TANDEM_BACKEND_CUDA_ROOT}/src/engine/sampling.cpp)
     # Without a GPU every test skips (GTEST_SKIP), so CI stays green.
     gtest_discover_tests(test_backend_cuda DISCOVERY_TIMEOUT 60)
   endif()
@@ -47,5 +52,33 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_ops_cuda ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_ops_cuda.cpp)
     target_link_libraries(bench_ops_cuda PRIVATE tandem_backend_cuda)
     target_compile_options(bench_ops_cuda PRIVATE ${TANDEM_WARNINGS})
+    add_executable(bench_sampling ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_sampling.cpp)
+    target_link_libraries(bench_sampling PRIVATE tandem_backend_cuda)
+    target_compile_options(bench_sampling PRIVATE ${TANDEM_WARNINGS})
+    add_executable(bench_moe_layer ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_moe_layer.cpp)
+    target_link_libraries(bench_moe_layer PRIVATE tandem_backend_cuda)
+    target_compile_options(bench_moe_layer PRIVATE ${TANDEM_WARNINGS})
   endif()
+endif()
+
+# Paged attention kernels beside the simple one and their bounds (bench/cuda/bench_attention.cpp).
+if(TANDEM_HAS_CUDA AND TANDEM_BACKEND_CUDA_BENCH)
+  add_executable(bench_attention ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_attention.cpp)
+  target_link_libraries(bench_attention PRIVATE tandem_backend_cuda)
+  target_compile_options(bench_attention PRIVATE ${TANDEM_WARNINGS})
+endif()
+
+# Optional FlashInfer comparison (never part of the default build): headers of a
+# flashinfer-python wheel; with CUDA 13.0 also a newer CCCL include (cuda::fast_mod_div).
+set(TANDEM_FLASHINFER_INCLUDE "" CACHE PATH "flashinfer/data/include of a flashinfer-python wheel")
+set(TANDEM_FLASHINFER_CCCL "" CACHE PATH "CCCL include newer than CUDA 13.0's, for FlashInfer")
+if(TANDEM_HAS_CUDA AND TANDEM_FLASHINFER_INCLUDE)
+  add_executable(bench_attention_flashinfer
+                 ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_attention_flashinfer.cu)
+  if(TANDEM_FLASHINFER_CCCL)
+    target_include_directories(bench_attention_flashinfer BEFORE PRIVATE ${TANDEM_FLASHINFER_CCCL})
+  endif()
+  target_include_directories(bench_attention_flashinfer PRIVATE ${TANDEM_FLASHINFER_INCLUDE})
+  target_link_libraries(bench_attention_flashinfer PRIVATE tandem_backend_cuda)
+  set_target_properties(bench_attention_flashinfer PROPERTIES CUDA_ARCHITECTURES 90a)
 endif()

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_fa.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
 
@@ -39,13 +40,17 @@ constexpr int kAttnWarps = 4;
 // Warp w takes key tiles w, w + 4, ... of 32 keys; lane l scores key tile_start + l against
 // the group's q (fp32 in shared memory), an online softmax per warp keeps (max, sum, acc),
 // and the 4 warps merge at the end. Lane l accumulates V dims [l * kDPer, (l + 1) * kDPer).
+// The merge takes kMergeGroups heads per pass: one pass for groups <= 8, two for group 16 (an
+// sAcc of all 16 heads would pass the 48 KiB of static shared memory at head_dim 128).
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int kDPer = kHeadDim / 32;
+  constexpr int kMergeGroups = kGroup < 8 ? kGroup : 8;
+  static_assert(kGroup % kMergeGroups == 0, "whole merge passes");
   __shared__ float sQ[kGroup][kHeadDim];
   __shared__ float sP[kAttnWarps][32][kGroup];
   __shared__ float sM[kAttnWarps][kGroup], sL[kAttnWarps][kGroup];
-  __shared__ float sAcc[kAttnWarps][kGroup][kHeadDim];
+  __shared__ float sAcc[kAttnWarps][kMergeGroups][kHeadDim];
 
   const int64_t t = blockIdx.x / p.num_kv_heads, kvh = blockIdx.x % p.num_kv_heads;
   const int64_t split = blockIdx.y;
@@ -136,43 +141,48 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedA
     __syncwarp();
   }
 
-  // Merge the warps' partial softmax states.
-#pragma unroll
-  for (int g = 0; g < kGroup; ++g) {
-    if (lane == 0) {
-      sM[warp][g] = m[g];
-      sL[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int d = 0; d < kDPer; ++d) sAcc[warp][g][lane * kDPer + d] = acc[g][d];
-  }
-  __syncthreads();
+  // Merge the warps' partial softmax states, heads [g0, g0 + kMergeGroups) per pass.
   bf16* gO = p.out + (t * p.num_q_heads + kvh * kGroup) * kHeadDim;
   const int64_t num_splits = gridDim.y;
-  for (int i = threadIdx.x; i < kGroup * kHeadDim; i += blockDim.x) {
-    const int g = i / kHeadDim, d = i % kHeadDim;
-    float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, sM[w][g]);
-    float num = 0.f, den = 0.f;
+  for (int g0 = 0; g0 < kGroup; g0 += kMergeGroups) {
+    if (g0 > 0) __syncthreads();  // every thread has read the previous pass's sAcc
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
-      const float f = sM[w][g] == -INFINITY ? 0.f : expf(sM[w][g] - mx);
-      num += f * sAcc[w][g][d];
-      den += f * sL[w][g];
-    }
-    if (p.kv_split > 0) {
-      // Partial state of this split: acc (relative to mx), mx, den. An empty split (begin
-      // >= len) leaves mx = -inf, den = 0, acc = 0.
-      float* gW = p.workspace +
-                  ((t * p.num_q_heads + kvh * kGroup + g) * num_splits + split) * (kHeadDim + 2);
-      gW[d] = num;
-      if (d == 0) {
-        gW[kHeadDim] = mx;
-        gW[kHeadDim + 1] = den;
+    for (int gg = 0; gg < kMergeGroups; ++gg) {
+      const int g = g0 + gg;
+      if (lane == 0) {
+        sM[warp][g] = m[g];
+        sL[warp][g] = l[g];
       }
-    } else {
-      gO[i] = __float2bfloat16_rn(num / den);
+#pragma unroll
+      for (int d = 0; d < kDPer; ++d) sAcc[warp][gg][lane * kDPer + d] = acc[g][d];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kMergeGroups * kHeadDim; i += blockDim.x) {
+      const int gg = i / kHeadDim, g = g0 + gg, d = i % kHeadDim;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, sM[w][g]);
+      float num = 0.f, den = 0.f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float f = sM[w][g] == -INFINITY ? 0.f : expf(sM[w][g] - mx);
+        num += f * sAcc[w][gg][d];
+        den += f * sL[w][g];
+      }
+      if (p.kv_split > 0) {
+        // Partial state of this split: acc (relative to mx), mx, den. An empty split (begin
+        // >= len) leaves mx = -inf, den = 0, acc = 0.
+        float* gW = p.workspace +
+                    ((t * p.num_q_heads + kvh * kGroup + g) * num_splits + split) * (kHeadDim + 2);
+        gW[d] = num;
+        if (d == 0) {
+          gW[kHeadDim] = mx;
+          gW[kHeadDim + 1] = den;
+        }
+      } else {
+        gO[g0 * kHeadDim + i] = __float2bfloat16_rn(num / den);
+      }
     }
   }
 }
@@ -209,6 +219,7 @@ void paged_attention_group(PagedAttentionParams const& p, int group, int num_spl
     case 2: paged_attention_kernel<kHeadDim, 2><<<blocks, threads, 0, stream>>>(p); break;
     case 4: paged_attention_kernel<kHeadDim, 4><<<blocks, threads, 0, stream>>>(p); break;
     case 8: paged_attention_kernel<kHeadDim, 8><<<blocks, threads, 0, stream>>>(p); break;
+    case 16: paged_attention_kernel<kHeadDim, 16><<<blocks, threads, 0, stream>>>(p); break;
     default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported GQA group size ", group);
   }
   TANDEM_CUDA_CHECK_LAUNCH();
@@ -238,6 +249,17 @@ size_t paged_attention_workspace_floats(int64_t num_tokens, int64_t num_q_heads,
 int64_t paged_attention_pick_split(int64_t num_tokens, int64_t num_kv_heads,
                                    int64_t max_pages_per_seq, int64_t page_size, int num_sms) {
   const int64_t blocks = num_tokens * num_kv_heads, target = 2 * static_cast<int64_t>(num_sms);
+  const int64_t max_len = max_pages_per_seq * page_size;
+  if (blocks >= target || max_len <= 128) return 0;
+  const int64_t splits = (target + blocks - 1) / blocks;
+  int64_t split = (max_len + splits - 1) / splits;
+  split = std::max<int64_t>(128, (split + 127) / 128 * 128);
+  return split >= max_len ? 0 : split;
+}
+
+int64_t paged_attention_decode_split(int64_t num_tokens, int64_t num_kv_heads,
+                                     int64_t max_pages_per_seq, int64_t page_size, int num_sms) {
+  const int64_t blocks = num_tokens * num_kv_heads, target = 12 * static_cast<int64_t>(num_sms);
   const int64_t max_len = max_pages_per_seq * page_size;
   if (blocks >= target || max_len <= 128) return 0;
   const int64_t splits = (target + blocks - 1) / blocks;
@@ -278,7 +300,7 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
   }
   const int64_t group = p.num_q_heads / p.num_kv_heads;
   TANDEM_CHECK(aligned_to(16, p.pool), "paged_attention: pool must be 16-byte aligned");
-  if (group != 1 && group != 2 && group != 4 && group != 8) {
+  if (group != 1 && group != 2 && group != 4 && group != 8 && group != 16) {
     TANDEM_THROW(kUnsupported, "paged_attention: unsupported GQA group size ", group);
   }
   TANDEM_CHECK(p.kv_split <= 0 || (p.kv_split % 128 == 0 && p.workspace != nullptr),
@@ -289,6 +311,28 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
   const int64_t num_splits =
       paged_attention_num_splits(p.max_pages_per_seq, p.page_size, p.kv_split);
   TANDEM_CHECK(num_splits <= 65535, "paged_attention: too many splits ", num_splits);
+  TANDEM_CHECK(p.num_prefill_tokens >= -1 && p.num_prefill_tokens <= p.num_tokens,
+               "paged_attention: num_prefill_tokens ", p.num_prefill_tokens, " of ", p.num_tokens);
+  switch (p.algo) {
+    case PagedAttentionAlgo::kSimple: break;
+    case PagedAttentionAlgo::kPrefill:
+      detail::paged_attention_prefill(p, p.num_tokens, stream);
+      return;
+    case PagedAttentionAlgo::kDecode:
+      detail::paged_attention_decode(p, 0, static_cast<int>(num_splits), stream);
+      return;
+    case PagedAttentionAlgo::kAuto: {
+      constexpr int64_t kDecodeMaxTokens = 256;
+      const int64_t num_prefill = p.num_prefill_tokens >= 0 ? p.num_prefill_tokens
+                                  : (p.kv_split > 0 || p.num_tokens <= kDecodeMaxTokens)
+                                      ? 0
+                                      : p.num_tokens;
+      detail::paged_attention_prefill(p, num_prefill, stream);
+      detail::paged_attention_decode(p, num_prefill, static_cast<int>(num_splits), stream);
+      return;
+    }
+    default: TANDEM_THROW(kUnsupported, "paged_attention: unknown algo ", static_cast<int>(p.algo));
+  }
   switch (p.head_dim) {
     case 64:
       paged_attention_group<64>(p, static_cast<int>(group), static_cast<int>(num_splits), stream);

@@ -35,8 +35,9 @@ uint32_t common_alignment(void const* a, void const* b, void const* c) {
 }
 }  // namespace
 
-GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint32_t align) {
-  auto key = std::make_tuple(m, n, k, beta, align);
+GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint32_t align,
+                               bool f32_out) {
+  auto key = std::make_tuple(m, n, k, beta, align, f32_out);
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
   Plan plan;
@@ -50,11 +51,13 @@ GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint3
                                                  static_cast<uint64_t>(n), k));
   TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, static_cast<uint64_t>(k),
                                                  static_cast<uint64_t>(m), k));
-  TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, static_cast<uint64_t>(n),
+  TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, f32_out ? CUDA_R_32F : CUDA_R_16BF,
+                                                 static_cast<uint64_t>(n),
                                                  static_cast<uint64_t>(m), n));
   cublasLtMatmulPreference_t pref = nullptr;
   TANDEM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  cublasLtMatmulHeuristicResult_t result{};
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_, sizeof(workspace_bytes_));
@@ -66,8 +69,8 @@ GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint3
     }
   }
   if (st == CUBLAS_STATUS_SUCCESS) {
-    st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1,
-                                        &result, &found);
+    st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.op, plan.a, plan.b, plan.c, plan.c, pref,
+                                        kCandidates, results, &found);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
@@ -78,16 +81,58 @@ GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint3
     TANDEM_THROW(kUnsupported, "gemm: no cuBLASLt algorithm for m ", m, " n ", n, " k ", k,
                  " (status ", static_cast<int>(st), ")");
   }
-  plan.algo = result.algo;
+  plan.algo = results[0].algo;
+  // Small m (decode shapes, a fixed set): the heuristic's first pick is often not the fastest
+  // there, so the first eager call times the candidates (run()).
+  if (m <= kTuneMaxM && !beta) {
+    for (int i = 0; i < found; ++i) {
+      if (results[i].state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(results[i].algo);
+    }
+  }
   return plans_.emplace(key, plan).first->second;
+}
+
+void GemmLt::tune(Plan& plan, GemmParams const& p, void* y, cudaStream_t stream) {
+  std::vector<cublasLtMatmulAlgo_t> cands;
+  cands.swap(plan.candidates);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  TANDEM_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
+  if (cands.size() < 2 || cap != cudaStreamCaptureStatusNone) return;
+  cudaEvent_t e0, e1;
+  TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
+  TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
+  float best = 0;
+  for (const auto& algo : cands) {
+    auto launch = [&] {
+      return cublasLtMatmul(handle_, plan.op, &p.alpha, p.w, plan.a, p.x, plan.b, &p.beta, y,
+                            plan.c, y, plan.c, &algo, workspace_, workspace_bytes_, stream);
+    };
+    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // an algorithm may refuse the operands
+    TANDEM_CUDA_CHECK(cudaEventRecord(e0, stream));
+    bool ok = true;
+    for (int i = 0; i < 5 && ok; ++i) ok = launch() == CUBLAS_STATUS_SUCCESS;
+    TANDEM_CUDA_CHECK(cudaEventRecord(e1, stream));
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (ok && (best == 0 || ms < best)) {
+      best = ms;
+      plan.algo = algo;
+    }
+  }
+  (void)cudaEventDestroy(e0);
+  (void)cudaEventDestroy(e1);
 }
 
 void GemmLt::run(GemmParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.m >= 0 && p.n > 0 && p.k > 0, "gemm: bad sizes m ", p.m, " n ", p.n, " k ", p.k);
   if (p.m == 0) return;
-  Plan& plan = plan_for(p.m, p.n, p.k, p.beta != 0.0f, common_alignment(p.x, p.w, p.y));
+  const bool f32_out = p.y_f32 != nullptr;
+  void* y = f32_out ? static_cast<void*>(p.y_f32) : static_cast<void*>(p.y);
+  Plan& plan = plan_for(p.m, p.n, p.k, p.beta != 0.0f, common_alignment(p.x, p.w, y), f32_out);
+  if (!plan.candidates.empty()) tune(plan, p, y, stream);
   TANDEM_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.op, &p.alpha, p.w, plan.a, p.x, plan.b, &p.beta,
-                                     p.y, plan.c, p.y, plan.c, &plan.algo, workspace_,
+                                     y, plan.c, y, plan.c, &plan.algo, workspace_,
                                      workspace_bytes_, stream));
 }
 

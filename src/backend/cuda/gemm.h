@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <vector>
 
 namespace tandem::cuda {
 
@@ -21,13 +22,14 @@ struct GemmParams {
   bf16* y;        // [m, n]
   int64_t m, n, k;
   float alpha = 1.0f;
-  float beta = 0.0f;  // 0: y is only written
+  float beta = 0.0f;       // 0: y is only written
+  float* y_f32 = nullptr;  // when set, the output is fp32 here ([m, n]) and y is unused
 };
 
 /// Owns a cuBLASLt handle and workspace on the current device and caches one matmul plan
-/// (descriptors + heuristic algorithm) per (m, n, k, beta != 0, pointer alignment). Not thread
-/// safe; one per stream. run() is CUDA-graph capturable once the shape's plan exists (call it
-/// once first, with pointers of the same alignment).
+/// (descriptors + heuristic algorithm) per (m, n, k, beta != 0, pointer alignment, out dtype). Not
+/// thread safe; one per stream. run() is CUDA-graph capturable once the shape's plan exists (call
+/// it once first, with pointers of the same alignment).
 class GemmLt {
  public:
   explicit GemmLt(size_t workspace_bytes = size_t{32} << 20);
@@ -35,7 +37,11 @@ class GemmLt {
   GemmLt(GemmLt const&) = delete;
   GemmLt& operator=(GemmLt const&) = delete;
 
+  /// The first call of a shape with m <= kTuneMaxM and beta 0 times the heuristic's candidate
+  /// algorithms on its operands (synchronising the stream once) unless the stream is being
+  /// captured; later calls and captures use the fastest.
   void run(GemmParams const& p, cudaStream_t stream);
+  static constexpr int64_t kTuneMaxM = 256;
   /// Number of cached plans (shapes seen).
   size_t num_plans() const { return plans_.size(); }
 
@@ -44,13 +50,16 @@ class GemmLt {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    std::vector<cublasLtMatmulAlgo_t> candidates;  // heuristic's top picks, until timed
   };
-  Plan& plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint32_t align);
+  // Times the candidates on the call's own operands and keeps the fastest.
+  void tune(Plan& plan, GemmParams const& p, void* y, cudaStream_t stream);
+  Plan& plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint32_t align, bool f32_out);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t, bool, uint32_t>, Plan> plans_;
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool, uint32_t, bool>, Plan> plans_;
 };
 
 }  // namespace tandem::cuda

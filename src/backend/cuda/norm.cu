@@ -151,6 +151,83 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(QkNormRopeParams p, I
   }
 }
 
+// Same layout as qk_norm_rope_kernel; heads [0, q) are q, [q, q + kv) k, [q + kv, q + 2 kv) v.
+template <int kHeadDim>
+__global__ void __launch_bounds__(128) qkv_prep_kernel(QkvPrepParams p, InvFreq f) {
+  constexpr int kHalf = kHeadDim / 2;
+  constexpr int kPer = kHalf / 32;
+  __shared__ float sCos[kHalf], sSin[kHalf];
+  const int64_t t = blockIdx.x;
+  const float pos = static_cast<float>(p.positions[t]);
+  for (int i = threadIdx.x; i < kHalf; i += blockDim.x) {
+    float s, c;
+    sincosf(pos * f.v[i], &s, &c);
+    sCos[i] = c;
+    sSin[i] = s;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t qh = p.num_q_heads, kvh = p.num_kv_heads, heads = qh + 2 * kvh;
+  const int64_t slot = p.slot_index[t];
+  const int i0 = lane * kPer;
+  bf16 const* gRow = p.qkv + t * heads * kHeadDim;
+  for (int64_t h = warp; h < heads; h += nwarps) {
+    bf16 const* gSrc = gRow + h * kHeadDim;
+    bf16* gDst;
+    if (h < qh) {
+      gDst = p.q_out + (t * qh + h) * kHeadDim;
+    } else {
+      if (slot < 0) continue;
+      const int64_t kv = h < qh + kvh ? 0 : 1, kh = h - qh - kv * kvh;
+      const int64_t page = slot / p.page_size, s = slot % p.page_size;
+      gDst = p.pool + (((page * 2 + kv) * kvh + kh) * p.page_size + s) * kHeadDim;
+    }
+    float r1[kPer], r2[kPer];
+    load_bf16<kPer>(gSrc + i0, r1);
+    load_bf16<kPer>(gSrc + kHalf + i0, r2);
+    if (h >= qh + kvh) {  // v: copied unchanged
+      store_bf16<kPer>(gDst + i0, r1);
+      store_bf16<kPer>(gDst + kHalf + i0, r2);
+      continue;
+    }
+    bf16 const* w = h < qh ? p.q_weight : p.k_weight;
+    if (w != nullptr) {
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) ss += r1[j] * r1[j] + r2[j] * r2[j];
+      ss = warp_sum(ss);
+      const float inv = 1.0f / sqrtf(ss / static_cast<float>(kHeadDim) + p.eps);
+      float w1[kPer], w2[kPer];
+      load_bf16<kPer>(w + i0, w1);
+      load_bf16<kPer>(w + kHalf + i0, w2);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        r1[j] = w1[j] * (r1[j] * inv);
+        r2[j] = w2[j] * (r2[j] * inv);
+      }
+    }
+    float o1[kPer], o2[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const float c = sCos[i0 + j], s = sSin[i0 + j];
+      o1[j] = r1[j] * c - r2[j] * s;
+      o2[j] = r2[j] * c + r1[j] * s;
+    }
+    store_bf16<kPer>(gDst + i0, o1);
+    store_bf16<kPer>(gDst + kHalf + i0, o2);
+  }
+}
+
+// inv_freq exactly as the CPU reference (and transformers) computes it, in fp32.
+InvFreq make_inv_freq(int64_t head_dim, double theta) {
+  InvFreq f{};
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    float expo = static_cast<float>(2 * i) / static_cast<float>(head_dim);
+    f.v[i] = 1.0f / static_cast<float>(std::pow(static_cast<float>(theta), expo));
+  }
+  return f;
+}
+
 }  // namespace
 
 void embedding_launch(EmbeddingParams const& p, cudaStream_t stream) {
@@ -185,13 +262,7 @@ void qk_norm_rope_launch(QkNormRopeParams const& p, cudaStream_t stream) {
   }
   if (p.num_tokens == 0) return;
   TANDEM_CHECK(p.num_tokens <= INT32_MAX, "qk_norm_rope: too many tokens ", p.num_tokens);
-  // inv_freq exactly as the CPU reference (and transformers) computes it, in fp32.
-  InvFreq f{};
-  const int64_t half = p.head_dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    float expo = static_cast<float>(2 * i) / static_cast<float>(p.head_dim);
-    f.v[i] = 1.0f / static_cast<float>(std::pow(static_cast<float>(p.rope_theta), expo));
-  }
+  const InvFreq f = make_inv_freq(p.head_dim, p.rope_theta);
   const unsigned blocks = static_cast<unsigned>(p.num_tokens);
   const int64_t heads = p.num_q_heads + p.num_kv_heads;
   const int threads = heads >= 4 ? 128 : static_cast<int>(std::max<int64_t>(heads, 1) * 32);
@@ -199,6 +270,26 @@ void qk_norm_rope_launch(QkNormRopeParams const& p, cudaStream_t stream) {
     case 64: qk_norm_rope_kernel<64><<<blocks, threads, 0, stream>>>(p, f); break;
     case 128: qk_norm_rope_kernel<128><<<blocks, threads, 0, stream>>>(p, f); break;
     default: TANDEM_THROW(kUnsupported, "qk_norm_rope: unsupported head_dim ", p.head_dim);
+  }
+  TANDEM_CUDA_CHECK_LAUNCH();
+}
+
+void qkv_prep_launch(QkvPrepParams const& p, cudaStream_t stream) {
+  TANDEM_CHECK(p.num_tokens >= 0 && p.num_q_heads >= 0 && p.num_kv_heads >= 0 && p.page_size > 0,
+               "qkv_prep: bad sizes");
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    TANDEM_THROW(kUnsupported, "qkv_prep: unsupported head_dim ", p.head_dim);
+  }
+  if (p.num_tokens == 0) return;
+  TANDEM_CHECK(p.num_tokens <= INT32_MAX, "qkv_prep: too many tokens ", p.num_tokens);
+  const InvFreq f = make_inv_freq(p.head_dim, p.rope_theta);
+  const int64_t heads = p.num_q_heads + 2 * p.num_kv_heads;
+  const int threads = heads >= 4 ? 128 : static_cast<int>(std::max<int64_t>(heads, 1) * 32);
+  const unsigned blocks = static_cast<unsigned>(p.num_tokens);
+  switch (p.head_dim) {
+    case 64: qkv_prep_kernel<64><<<blocks, threads, 0, stream>>>(p, f); break;
+    case 128: qkv_prep_kernel<128><<<blocks, threads, 0, stream>>>(p, f); break;
+    default: TANDEM_THROW(kUnsupported, "qkv_prep: unsupported head_dim ", p.head_dim);
   }
   TANDEM_CUDA_CHECK_LAUNCH();
 }

@@ -61,4 +61,22 @@ struct QkNormRopeParams {
 };
 void qk_norm_rope_launch(QkNormRopeParams const& p, cudaStream_t stream);
 
+/// The attention prologue in one launch: splits a fused qkv row [q heads | k heads | v heads],
+/// applies the per-head q/k RMSNorm + RoPE of qk_norm_rope_launch, writes q to q_out and k, v
+/// into the paged HND KV cache (as kv_write_launch). slot_index < 0: the token's k, v are not
+/// written (padding rows of a captured batch). head_dim 64 or 128.
+struct QkvPrepParams {
+  bf16 const* qkv;            // [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]
+  bf16* q_out;                // [num_tokens, num_q_heads, head_dim]
+  bf16* pool;                 // [num_pages, 2, num_kv_heads, page_size, head_dim]
+  int64_t const* slot_index;  // [num_tokens]: page * page_size + slot
+  bf16 const* q_weight;       // [head_dim], nullptr: no norm
+  bf16 const* k_weight;       // [head_dim], nullptr: no norm
+  int32_t const* positions;   // [num_tokens]
+  int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, page_size;
+  float eps;
+  double rope_theta;
+};
+void qkv_prep_launch(QkvPrepParams const& p, cudaStream_t stream);
+
 }  // namespace tandem::cuda

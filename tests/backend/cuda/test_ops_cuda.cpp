@@ -405,8 +405,8 @@ TEST_F(CudaOps, PagedAttentionRejectsUnsupported) {
   p.head_dim = 96;
   EXPECT_THROW(paged_attention_launch(p, stream_), Error);
   p.head_dim = 128;
-  p.num_q_heads = 64;
-  p.num_kv_heads = 4;  // group 16
+  p.num_q_heads = 128;
+  p.num_kv_heads = 4;  // group 32
   EXPECT_THROW(paged_attention_launch(p, stream_), Error);
   p.num_q_heads = 32;
   p.kv_split = 100;  // not a multiple of 128

@@ -1,0 +1,335 @@
+// Whole-model numbers on one GPU at real shapes with random weights (generated on the device:
+// a 61 GB Qwen3-30B-A3B checkpoint does not fit the GPU machine's disk beside anything else;
+// tools/make_random_checkpoint writes the same shapes to disk when wanted), each beside its
+// bound measured in the same run:
+//   - decode step time (one token for each of B sequences with `ctx` tokens of context, the
+//     captured CUDA graph of the step, fp32 logits left on the device) vs the HBM roofline:
+//     (weights touched + KV read) / the measured D2D copy bandwidth. Weights touched: all
+//     attention and norm weights, the routers, lm_head, and per MoE layer the expected number
+//     of distinct experts hit by B tokens x top_k under uniform routing
+//     (E * (1 - (1 - k/E)^B)) times one expert's bytes;
+//   - prefill tokens/s for one prompt of T tokens (eager, one chunk), as MFU: model FLOPs
+//     (2 x active parameters x T + causal attention 2 x T^2 x head_dim x q_heads per layer)
+//     over the time, against cuBLASLt's bf16 8192^3 rate measured in the same run.
+// Models: Qwen3-30B-A3B whole (48 layers), and one Qwen3-235B-A22B layer (vocab cut to 1024 so
+// the number is the layer's; attention, MoE and norms at real shapes).
+//
+//   bench_model_cuda [--quick] [--model 30b|235b-layer|all] [--decode-only B]
+//   CSV to $TANDEM_BENCH_CSV. --decode-only B: just decode at batch B, 1k context (profiling).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/gemm.h"
+#include "core/error.h"
+#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/cuda/random_fill.h"
+
+using namespace tandem;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+struct Ceilings {
+  double copy_Bps = 0, gemm_flops = 0;
+};
+
+Ceilings measure_ceilings(cudaStream_t s) {
+  Ceilings c;
+  cudaEvent_t e0, e1;
+  TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
+  TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
+  auto time_ms = [&](auto&& fn, int reps) {
+    std::vector<double> t;
+    for (int i = 0; i < reps + 3; ++i) {
+      TANDEM_CUDA_CHECK(cudaEventRecord(e0, s));
+      fn();
+      TANDEM_CUDA_CHECK(cudaEventRecord(e1, s));
+      TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 3) t.push_back(ms);
+    }
+    return median(t);
+  };
+  const size_t bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr, *y = nullptr;
+  TANDEM_CUDA_CHECK(cudaMalloc(&a, bytes));
+  TANDEM_CUDA_CHECK(cudaMalloc(&b, bytes));
+  cuda::random_fill_bf16(a, bytes / 2, 1, 0.f, 1.f, s);
+  const double copy_ms =
+      time_ms([&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s)); },
+              20);
+  c.copy_Bps = 2.0 * bytes / (copy_ms * 1e-3);
+  const int64_t n = 8192;
+  TANDEM_CUDA_CHECK(cudaMalloc(&y, n * n * 2));
+  cuda::GemmLt gemm;
+  auto* x = static_cast<cuda::bf16*>(a);
+  auto* w = static_cast<cuda::bf16*>(b);
+  auto run = [&] { gemm.run({x, w, static_cast<cuda::bf16*>(y), n, n, n}, s); };
+  run();
+  const double gemm_ms = time_ms(run, 10);
+  c.gemm_flops = 2.0 * n * n * n / (gemm_ms * 1e-3);
+  TANDEM_CUDA_CHECK(cudaFree(a));
+  TANDEM_CUDA_CHECK(cudaFree(b));
+  TANDEM_CUDA_CHECK(cudaFree(y));
+  TANDEM_CUDA_CHECK(cudaEventDestroy(e0));
+  TANDEM_CUDA_CHECK(cudaEventDestroy(e1));
+  std::printf("== ceilings: copy %.0f GB/s (1 GiB D2D, read + write), cuBLASLt bf16 8192^3 %.1f "
+              "TFLOP/s\n",
+              c.copy_Bps / 1e9, c.gemm_flops / 1e12);
+  return c;
+}
+
+ModelConfig qwen3_30b() {
+  ModelConfig c;
+  c.model_type = "qwen3_moe";
+  c.vocab_size = 151936;
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.moe_intermediate_size = 768;
+  c.num_hidden_layers = 48;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1e6;
+  c.max_position_embeddings = 40960;
+  return c;
+}
+
+ModelConfig qwen3_235b_layer() {
+  ModelConfig c = qwen3_30b();
+  c.vocab_size = 1024;
+  c.hidden_size = 4096;
+  c.intermediate_size = 12288;
+  c.moe_intermediate_size = 1536;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 64;
+  c.num_key_value_heads = 4;
+  return c;
+}
+
+struct Shapes {
+  double attn_bytes_layer, expert_bytes, router_bytes_layer, head_bytes, kv_bytes_token_layer;
+  double active_params_token;  // for FLOPs: 2 * this per token
+};
+
+Shapes shapes(const ModelConfig& c) {
+  Shapes s{};
+  const double h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
+               kvh = c.num_key_value_heads;
+  s.attn_bytes_layer = 2.0 * ((qh + 2 * kvh) * d * h + h * qh * d) + 2.0 * (2 * h + 2 * d);
+  s.expert_bytes = 2.0 * 3 * h * c.moe_intermediate_size;
+  s.router_bytes_layer = 2.0 * c.num_experts * h;
+  s.head_bytes = 2.0 * c.vocab_size * h;
+  s.kv_bytes_token_layer = 2.0 * 2 * kvh * d;
+  s.active_params_token = c.num_hidden_layers * ((qh + 2 * kvh) * d * h + h * qh * d +
+                                                 c.num_experts * h +
+                                                 c.num_experts_per_tok * 3 * h *
+                                                     c.moe_intermediate_size) +
+                          c.vocab_size * h;
+  return s;
+}
+
+struct Row {
+  std::string model, what;
+  int64_t batch, ctx;
+  double us, bound_us, tokens_per_s;
+  std::string note;
+};
+
+std::vector<Row> g_rows;
+
+void print_row(const Row& r) {
+  std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %7.1f%% %12.0f  %s\n", r.model.c_str(),
+              r.what.c_str(), static_cast<long long>(r.batch), static_cast<long long>(r.ctx), r.us,
+              r.bound_us, r.us > 0 ? 100.0 * r.bound_us / r.us : 0.0, r.tokens_per_s,
+              r.note.c_str());
+  std::fflush(stdout);
+  g_rows.push_back(r);
+}
+
+void bench_model(const std::string& name, const ModelConfig& c, const Ceilings& ceil,
+                 const std::vector<int64_t>& batches, const std::vector<int64_t>& ctxs,
+                 const std::vector<int64_t>& prompts, double kv_budget_bytes) {
+  CudaModelOptions o;
+  o.max_tokens = 8192;
+  o.max_seqs = *std::max_element(batches.begin(), batches.end());
+  o.page_size = 16;
+  o.graph_max_context = *std::max_element(ctxs.begin(), ctxs.end());
+  auto model = Qwen3MoeCuda::random(c, o, 7);
+  const Shapes s = shapes(c);
+  cudaStream_t st = model->stream();
+  std::printf("\n== %s: %.1f GB of weights on the device\n", name.c_str(),
+              model->weight_bytes() / 1e9);
+  // The KV pool for the largest decode configuration that fits the budget (and the prompts).
+  const double kv_token = s.kv_bytes_token_layer * c.num_hidden_layers;
+  int64_t max_tokens = 0;
+  for (int64_t b : batches) {
+    for (int64_t x : ctxs) {
+      if (b * x * kv_token <= kv_budget_bytes) max_tokens = std::max(max_tokens, b * (x + 16));
+    }
+  }
+  for (int64_t p : prompts) max_tokens = std::max(max_tokens, p + 16);
+  const int64_t pages = max_tokens / 16 + 8;
+  KvCache kv = model->make_kv_cache(pages, 16);
+  // Random KV contents (a zero cache makes attention's softmax trivially uniform).
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f,
+                           1.f, st);
+  }
+  cudaEvent_t e0, e1;
+  TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
+  TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
+
+  std::printf("%-16s %-8s %6s %6s %11s %11s %8s %12s  %s\n", "model", "phase", "batch", "ctx",
+              "us", "bound_us", "%bound", "tokens/s", "note");
+  for (int64_t x : ctxs) {
+    for (int64_t b : batches) {
+      if (b * x * kv_token > kv_budget_bytes) {
+        print_row({name, "decode", b, x, 0, 0, 0,
+                   "skipped: KV " + std::to_string(static_cast<int64_t>(b * x * kv_token / 1e9)) +
+                       " GB exceeds the memory left"});
+        continue;
+      }
+      // B sequences at position x - 1, each with its own pages.
+      const int64_t per_seq = (x + 15) / 16;
+      std::vector<int32_t> tables(static_cast<size_t>(b * per_seq));
+      std::iota(tables.begin(), tables.end(), 0);
+      std::vector<int32_t> tokens(static_cast<size_t>(b));
+      for (int64_t i = 0; i < b; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+      ForwardBatch fb;
+      for (int64_t i = 0; i < b; ++i) {
+        fb.seqs.push_back({tokens.data() + i, 1, x - 1, tables.data() + i * per_seq, per_seq,
+                           LogitsMode::kLast});
+      }
+      for (int w = 0; w < 3; ++w) model->forward_device(fb, kv);  // capture + warm
+      std::vector<double> t;
+      for (int i = 0; i < 20; ++i) {
+        TANDEM_CUDA_CHECK(cudaEventRecord(e0, st));
+        model->forward_device(fb, kv);
+        TANDEM_CUDA_CHECK(cudaEventRecord(e1, st));
+        TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        t.push_back(ms * 1e3);
+      }
+      const double us = median(t);
+      const double E = c.num_experts, k = c.num_experts_per_tok;
+      const double touched = E * (1.0 - std::pow(1.0 - k / E, static_cast<double>(b)));
+      const double bytes = c.num_hidden_layers * (s.attn_bytes_layer + s.router_bytes_layer +
+                                                  touched * s.expert_bytes) +
+                           s.head_bytes + static_cast<double>(b) * x * kv_token;
+      const double bound = 1e6 * bytes / ceil.copy_Bps;
+      char note[128];
+      std::snprintf(note, sizeof note, "%.2f GB/step, %.0f experts/layer", bytes / 1e9, touched);
+      print_row({name, "decode", b, x, us, bound, b / (us * 1e-6), note});
+    }
+  }
+  for (int64_t T : prompts) {
+    std::vector<int32_t> tokens(static_cast<size_t>(T));
+    for (int64_t i = 0; i < T; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 31 + 7) % c.vocab_size);
+    const int64_t per_seq = (T + 15) / 16;
+    std::vector<int32_t> table(static_cast<size_t>(per_seq));
+    std::iota(table.begin(), table.end(), 0);
+    ForwardBatch fb;
+    fb.seqs.push_back({tokens.data(), T, 0, table.data(), per_seq, LogitsMode::kLast});
+    model->forward_device(fb, kv);
+    std::vector<double> t;
+    for (int i = 0; i < 3; ++i) {
+      TANDEM_CUDA_CHECK(cudaEventRecord(e0, st));
+      model->forward_device(fb, kv);
+      TANDEM_CUDA_CHECK(cudaEventRecord(e1, st));
+      TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms * 1e3);
+    }
+    const double us = median(t);
+    const double flops = 2.0 * s.active_params_token * T +
+                         c.num_hidden_layers * 2.0 * double(T) * T * c.head_dim *
+                             c.num_attention_heads;
+    const double bound = 1e6 * flops / ceil.gemm_flops;
+    char note[128];
+    std::snprintf(note, sizeof note, "%.1f TFLOP, %%bound = MFU vs cuBLAS", flops / 1e12);
+    print_row({name, "prefill", 1, T, us, bound, T / (us * 1e-6), note});
+  }
+  TANDEM_CUDA_CHECK(cudaEventDestroy(e0));
+  TANDEM_CUDA_CHECK(cudaEventDestroy(e1));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  std::string which = "all";
+  int64_t decode_only = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
+    if (std::strcmp(argv[i], "--decode-only") == 0 && i + 1 < argc) decode_only = std::atoll(argv[++i]);
+  }
+  try {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+      std::printf("no CUDA device: nothing to measure\n");
+      return 0;
+    }
+    cudaStream_t s;
+    TANDEM_CUDA_CHECK(cudaStreamCreate(&s));
+    const Ceilings ceil = measure_ceilings(s);
+    size_t free_b = 0, total_b = 0;
+    TANDEM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    std::vector<int64_t> batches =
+        quick ? std::vector<int64_t>{1, 32} : std::vector<int64_t>{1, 8, 32, 128, 256};
+    std::vector<int64_t> ctxs = quick ? std::vector<int64_t>{1024}
+                                      : std::vector<int64_t>{1024, 4096};
+    std::vector<int64_t> prompts =
+        quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 8192};
+    if (decode_only > 0) {
+      batches = {decode_only};
+      ctxs = {1024};
+      prompts = {};
+    }
+    if (which == "all" || which == "30b") {
+      // KV budget: what is left after the weights (61 GB) and ~8 GB of activations / logits.
+      const ModelConfig c = qwen3_30b();
+      const double budget = static_cast<double>(free_b) - 61.1e9 - 10e9;
+      bench_model("qwen3-30b-a3b", c, ceil, batches, ctxs, prompts, budget);
+    }
+    if (which == "all" || which == "235b-layer") {
+      bench_model("qwen3-235b-layer", qwen3_235b_layer(), ceil, batches, ctxs, prompts, 40e9);
+    }
+    std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
+    for (const auto& r : g_rows) print_row(r);
+    if (const char* csv = std::getenv("TANDEM_BENCH_CSV")) {
+      std::ofstream f(csv);
+      f << "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n";
+      for (const auto& r : g_rows) {
+        f << r.model << "," << r.what << "," << r.batch << "," << r.ctx << "," << r.us << ","
+          << r.bound_us << "," << r.tokens_per_s << ",\"" << r.note << "\"\n";
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_model_cuda: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,205 @@
+// sample_launch (src/backend/cuda/sampling.h) at Qwen3's vocabulary (151936) for 1, 32, 128 and
+// 256 rows, beside the bound of reading the logits once at the device-to-device copy bandwidth
+// measured in the same run (cudaMemcpyAsync of 1 GiB, bytes read + written).
+//
+//   bench_sampling [--quick] [--bf16]
+//
+// Cases: greedy; greedy + chosen logprob + top-20 logprobs; temperature only; top-p 0.9;
+// top-k 20 + top-p 0.95 (Qwen3's defaults); logits N(0, 2^2) plus 8 tokens raised by 8 (a
+// peaked head over a flat tail). Method as bench_ops_cuda: enough logits sets to exceed 3x the
+// L2, warm-up, launches captured in a CUDA graph, median per-call time over replays.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/sampling.h"
+#include "core/dtype.h"
+
+using namespace tandem;
+using namespace tandem::cuda;
+
+namespace {
+
+constexpr int64_t kVocab = 151936;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Buf {
+  void* ptr = nullptr;
+  explicit Buf(size_t b) { TANDEM_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(b, 16))); }
+  ~Buf() { (void)cudaFree(ptr); }
+  Buf(Buf const&) = delete;
+  Buf& operator=(Buf const&) = delete;
+  template <typename T>
+  T* as(size_t elem_offset = 0) const {
+    return reinterpret_cast<T*>(ptr) + elem_offset;
+  }
+};
+
+struct Timer {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
+  bool quick = false;
+  float ms() {
+    float v = 0;
+    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&v, ev0, ev1));
+    return v;
+  }
+  /// Median per-call microseconds of launch(i % sets), graph-captured.
+  double time_us(int sets, std::function<void(int)> const& launch) {
+    for (int i = 0; i < sets; ++i) launch(i);
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
+    for (int i = 0; i < sets; ++i) launch(i);
+    TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
+    const double est_ms = std::max(1e-4, static_cast<double>(ms()) / sets);
+    int iters = static_cast<int>(std::clamp(3.0 / est_ms, 1.0, 256.0));
+    iters = std::max(sets, (iters + sets - 1) / sets * sets);
+    const int reps = quick ? 5 : 15;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < iters; ++i) launch(i % sets);
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<double> per_call;
+    for (int r = 0; r < reps + 2; ++r) {
+      TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
+      TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
+      TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
+      if (r >= 2) per_call.push_back(1e3 * ms() / iters);
+    }
+    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    return median(per_call);
+  }
+};
+
+double copy_bandwidth(Timer& t) {
+  const size_t bytes = size_t{1} << 30;
+  Buf src(bytes), dst(bytes);
+  TANDEM_CUDA_CHECK(cudaMemset(src.ptr, 0x3c, bytes));
+  std::vector<double> s;
+  for (int i = 0; i < 13; ++i) {
+    TANDEM_CUDA_CHECK(cudaEventRecord(t.ev0, t.stream));
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, t.stream));
+    TANDEM_CUDA_CHECK(cudaEventRecord(t.ev1, t.stream));
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(t.ev1));
+    if (i >= 3) s.push_back(t.ms() * 1e-3);
+  }
+  return 2.0 * static_cast<double>(bytes) / median(s);
+}
+
+struct Case {
+  const char* name;
+  SamplingRowParams p;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Timer t;
+  bool bf16 = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) t.quick = true;
+    if (!std::strcmp(argv[i], "--bf16")) bf16 = true;
+  }
+  try {
+    TANDEM_CUDA_CHECK(cudaStreamCreate(&t.stream));
+    TANDEM_CUDA_CHECK(cudaEventCreate(&t.ev0));
+    TANDEM_CUDA_CHECK(cudaEventCreate(&t.ev1));
+    int l2 = 0;
+    TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+    const double copy_Bps = copy_bandwidth(t);
+    const size_t esize = bf16 ? 2 : 4;
+    std::printf(
+        "== copy %.0f GB/s (1 GiB cudaMemcpyAsync D2D, read + write); logits %s, vocab %lld\n",
+        copy_Bps / 1e9, bf16 ? "bf16" : "fp32", static_cast<long long>(kVocab));
+    std::printf("%-22s %6s %10s %10s %7s %8s\n", "case", "rows", "us", "bound_us", "%bound",
+                "GB/s");
+
+    auto mk = [](float temp, int k, float p, int lp, int top) {
+      SamplingRowParams r;
+      r.temperature = temp;
+      r.top_k = k;
+      r.top_p = p;
+      r.want_logprob = lp;
+      r.n_top = top;
+      r.seed = 42;
+      return r;
+    };
+    const Case cases[] = {{"greedy", mk(0.f, 0, 1.f, 0, 0)},
+                          {"greedy+logprobs20", mk(0.f, 0, 1.f, 1, 20)},
+                          {"temperature", mk(1.f, 0, 1.f, 0, 0)},
+                          {"top_p0.9", mk(1.f, 0, 0.9f, 0, 0)},
+                          {"top_k20+top_p0.95", mk(0.7f, 20, 0.95f, 0, 0)}};
+    std::mt19937 rng(20261130);
+    for (int64_t rows : {1, 32, 128, 256}) {
+      const double set_bytes = static_cast<double>(rows * kVocab * esize);
+      const int sets = static_cast<int>(std::clamp(std::ceil(3.0 * l2 / set_bytes), 1.0, 64.0));
+      // Logits: N(0, 4) plus 8 tokens per row raised by 8.
+      std::vector<float> h(static_cast<size_t>(rows * kVocab));
+      std::normal_distribution<float> nd(0.f, 2.f);
+      std::uniform_int_distribution<int64_t> pick(0, kVocab - 1);
+      for (auto& v : h) v = nd(rng);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < 8; ++j) h[static_cast<size_t>(r * kVocab + pick(rng))] += 8.f;
+      Buf logits(static_cast<size_t>(sets) * rows * kVocab * esize);
+      if (bf16) {
+        std::vector<uint16_t> b(h.size());
+        for (size_t i = 0; i < h.size(); ++i) b[i] = f32_to_bf16(h[i]);
+        for (int s = 0; s < sets; ++s)
+          TANDEM_CUDA_CHECK(cudaMemcpy(logits.as<uint16_t>(s * rows * kVocab), b.data(),
+                                       b.size() * 2, cudaMemcpyHostToDevice));
+      } else {
+        for (int s = 0; s < sets; ++s)
+          TANDEM_CUDA_CHECK(cudaMemcpy(logits.as<float>(s * rows * kVocab), h.data(), h.size() * 4,
+                                       cudaMemcpyHostToDevice));
+      }
+      Buf params(rows * sizeof(SamplingRowParams)), tokens(rows * 4), lp(rows * 4),
+          top_ids(rows * kMaxTopLogprobs * 4), top_lp(rows * kMaxTopLogprobs * 4);
+      for (Case const& c : cases) {
+        std::vector<SamplingRowParams> hp(static_cast<size_t>(rows), c.p);
+        for (int64_t r = 0; r < rows; ++r) hp[r].counter = static_cast<uint64_t>(r);
+        TANDEM_CUDA_CHECK(cudaMemcpy(params.ptr, hp.data(), hp.size() * sizeof(SamplingRowParams),
+                                     cudaMemcpyHostToDevice));
+        const double us = t.time_us(sets, [&](int i) {
+          SampleParams p{bf16 ? static_cast<void const*>(logits.as<uint16_t>(i * rows * kVocab))
+                              : static_cast<void const*>(logits.as<float>(i * rows * kVocab)),
+                         bf16 ? DType::kBF16 : DType::kF32,
+                         params.as<SamplingRowParams>(),
+                         tokens.as<int32_t>(),
+                         lp.as<float>(),
+                         top_ids.as<int32_t>(),
+                         top_lp.as<float>(),
+                         rows,
+                         kVocab};
+          sample_launch(p, t.stream);
+        });
+        const double bound = 1e6 * set_bytes / copy_Bps;
+        std::printf("%-22s %6lld %10.2f %10.2f %6.1f%% %8.0f\n", c.name,
+                    static_cast<long long>(rows), us, bound, 100.0 * bound / us,
+                    set_bytes / (us * 1e-6) / 1e9);
+        std::fflush(stdout);
+      }
+    }
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "bench_sampling: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,617 @@
+// Tensor-core paged attention (FlashAttention-2 style prefill, split-KV decode). See
+// attention_fa.h. mma.sync m16n8k16 bf16 -> fp32, ldmatrix from XOR-swizzled shared tiles,
+// K/V tiles gathered from HND pages by cp.async, double-buffered.
+#include <climits>
+#include <cmath>
+
+#include "backend/cuda/attention_fa.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/common.cuh"
+
+namespace tandem::cuda::detail {
+
+namespace {
+
+constexpr int kTileKeys = 64;  // keys per shared K/V tile (both kernels)
+
+// ---------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ uint32_t smem_u32(void const* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// NOTE: src_bytes 0 zero-fills the 16 bytes without reading src: keys past the end of a
+// sequence become zeros, so masked probabilities (0) never meet a NaN from stale memory.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, void const* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b: a 16x16 row-major, b 16x8 (k x n) column-major, c 16x8 fp32.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t const (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The lower column goes to the low half, as the mma fragments expect.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a [rows, kD] bf16 tile. The XOR
+// spreads the 8 rows one ldmatrix reads at the same logical chunk over 8 distinct bank groups.
+template <int kD>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * kD + ((chunk ^ (row & 7)) << 3);
+}
+
+// ---------------------------------------------------------------- warp tile
+// Online-softmax state of a warp's 16 query rows: this thread holds rows lane / 4 (h = 0) and
+// lane / 4 + 8 (h = 1); o[n][2h + e] is dim 8n + 2 (lane % 4) + e. m is in raw score units;
+// l is this thread's partial row sum (the 4 threads of a quad share m; sum l at the end).
+template <int kD>
+struct RowState {
+  float o[kD / 8][4];
+  float m[2], l[2];
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+    }
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+  }
+};
+
+// Attends the warp's 16 rows (rows q_row0.. of sQ) to kKeys keys (rows key_row0.. of sK/sV,
+// all [*, kD] swizzled tiles). valid(h, key) says whether this thread's row h may see tile key
+// `key` (relative to key_row0); it is only called when kMask.
+template <int kD, int kKeys, bool kMask, class Valid>
+__device__ __forceinline__ void warp_attend(RowState<kD>& st, bf16 const* sQ, int q_row0,
+                                            bf16 const* sK, bf16 const* sV, int key_row0,
+                                            float scale_log2, Valid const& valid) {
+  static_assert(kKeys % 16 == 0 && kD % 16 == 0, "mma tiles");
+  const int lane = threadIdx.x & 31;
+
+  // S = Q K^T (16 x kKeys).
+  float s[kKeys / 8][4];
+#pragma unroll
+  for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  }
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    uint32_t a[4];
+    ldmatrix_x4(a, smem_u32(sQ + swz<kD>(q_row0 + (lane & 15), 2 * kk + (lane >> 4))));
+#pragma unroll
+    for (int nn = 0; nn < kKeys / 16; ++nn) {
+      uint32_t b[4];
+      const int key = key_row0 + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
+      ldmatrix_x4(b, smem_u32(sK + swz<kD>(key, 2 * kk + ((lane >> 3) & 1))));
+      mma_bf16(s[2 * nn], a, b[0], b[1]);
+      mma_bf16(s[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+
+  if constexpr (kMask) {
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (!valid(e >> 1, 8 * j + 2 * (lane & 3) + (e & 1))) s[j][e] = -INFINITY;
+      }
+    }
+  }
+
+  // Online softmax; a row that has seen no valid key keeps m = -inf and uses 0 as its base, so
+  // its probabilities and correction are exp2(-inf) = 0, never NaN.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(st.m[h], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+    const float corr = exp2f(st.m[h] * scale_log2 - base);
+    st.m[h] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+      for (int e = 2 * h; e < 2 * h + 2; ++e) {
+        s[j][e] = exp2f(fmaf(s[j][e], scale_log2, -base));
+        sum += s[j][e];
+      }
+    }
+    st.l[h] = st.l[h] * corr + sum;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      st.o[n][2 * h] *= corr;
+      st.o[n][2 * h + 1] *= corr;
+    }
+  }
+
+  // O += P V: the S accumulators of key tiles 2kk, 2kk + 1 are the A fragment of k-step kk.
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    uint32_t a[4];
+    a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    const int key = key_row0 + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+    for (int dn = 0; dn < kD / 16; ++dn) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, smem_u32(sV + swz<kD>(key, 2 * dn + (lane >> 4))));
+      mma_bf16(st.o[2 * dn], a, b[0], b[1]);
+      mma_bf16(st.o[2 * dn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Gathers keys [k0, k0 + kTileKeys) of one sequence and kv head into swizzled sK / sV; keys at
+// or past kv_len are zero-filled (their block-table entries may be garbage).
+template <int kD, int kThreads>
+__device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, PagedAttentionParams const& p,
+                                             int32_t const* table, int64_t kvh, int64_t k0,
+                                             int64_t kv_len, int page_shift) {
+  constexpr int kChunks = kD / 8;
+  constexpr int kTotal = kTileKeys * kChunks;
+  static_assert(kTotal % kThreads == 0, "whole chunks per thread");
+  const int64_t page_mask = p.page_size - 1;
+  const int64_t head_stride = p.page_size * kD;            // one (page, k|v, head)
+  const int64_t kv_stride = p.num_kv_heads * head_stride;  // k -> v of a page
+#pragma unroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int idx = i * kThreads + static_cast<int>(threadIdx.x);
+    const int key = idx / kChunks, c = idx % kChunks;
+    const int64_t j = k0 + key;
+    const bool valid = j < kv_len;
+    bf16 const* gK = p.pool;
+    if (valid) {
+      const int64_t page = table[j >> page_shift];
+      gK = p.pool + page * 2 * kv_stride + kvh * head_stride + (j & page_mask) * kD + c * 8;
+    }
+    cp_async_16(smem_u32(sK + swz<kD>(key, c)), gK, valid);
+    cp_async_16(smem_u32(sV + swz<kD>(key, c)), valid ? gK + kv_stride : p.pool, valid);
+  }
+}
+
+// ---------------------------------------------------------------- prefill
+// Default shape: 8 warps (128 rows), no register cap (about 180 registers at head_dim 128, so
+// one block per multiprocessor). The bench also times (8 warps, 2 blocks/SM) and (4, 2).
+constexpr int kPrefillWarps = 8, kPrefillMinBlocks = 1;
+
+template <int kD, int kWarps = kPrefillWarps>
+constexpr size_t prefill_smem_bytes() {
+  return (static_cast<size_t>(kWarps) * 16 + 4 * kTileKeys) * kD * sizeof(bf16);
+}
+
+// Block: kWarps * 16 rows (token t0 + r / kGroup, q head kvh * kGroup + r % kGroup), warp w
+// rows 16w..16w+15: kWarps * 16 / kGroup tokens per block (8 warps, group 16: 8 tokens, a
+// warp per token).
+// Tiles are taken last-first so that the longest causal rows start first.
+template <int kD, int kGroup, int kWarps, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    prefill_kernel(PagedAttentionParams p, int64_t num_tokens, int page_shift) {
+  constexpr int kPrefillRows = kWarps * 16;
+  constexpr int kThreads = kWarps * 32, kTokens = kPrefillRows / kGroup;
+  constexpr int kChunks = kD / 8;
+  static_assert(kPrefillRows % kGroup == 0, "whole tokens per tile");
+  extern __shared__ uint4 smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [kPrefillRows, kD]
+  bf16* sK = sQ + kPrefillRows * kD;             // [2][kTileKeys, kD]
+  bf16* sV = sK + 2 * kTileKeys * kD;            // [2][kTileKeys, kD]
+  __shared__ int s_seq[kTokens], s_pos[kTokens];
+
+  const int64_t tile = static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x;
+  const int64_t kvh = blockIdx.y;
+  const int64_t t0 = tile * kTokens;
+  const int n_tok = static_cast<int>(min(static_cast<int64_t>(kTokens), num_tokens - t0));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  for (int i = threadIdx.x; i < kTokens; i += kThreads) {
+    s_seq[i] = i < n_tok ? p.token_seq[t0 + i] : -1;
+    s_pos[i] = i < n_tok ? p.positions[t0 + i] : -1;
+  }
+  // Q rows of the group's heads (contiguous per token); rows past the batch are zeros.
+  for (int idx = threadIdx.x; idx < kPrefillRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks, tt = r / kGroup;
+    const bool valid = tt < n_tok;
+    bf16 const* gQ =
+        valid ? p.q + ((t0 + tt) * p.num_q_heads + kvh * kGroup + r % kGroup) * kD + c * 8 : p.q;
+    cp_async_16(smem_u32(sQ + swz<kD>(r, c)), gQ, valid);
+  }
+  cp_async_commit();
+  __syncthreads();  // s_seq, s_pos
+
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const int q_row0 = warp * 16;
+  int row_tok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) row_tok[h] = (q_row0 + (lane >> 2) + 8 * h) / kGroup;
+
+  RowState<kD> st;
+  st.init();
+
+  // NOTE: sequences are contiguous in the batch, so a tile is a few runs ("segments") of one
+  // sequence each; every row sees keys only in its own segment's pass.
+  int seg_begin = 0;
+  while (seg_begin < n_tok) {
+    const int seq = s_seq[seg_begin];
+    int seg_end = seg_begin + 1;
+    while (seg_end < n_tok && s_seq[seg_end] == seq) ++seg_end;
+    int min_pos = INT_MAX, max_pos = -1;
+    for (int i = seg_begin; i < seg_end; ++i) {
+      min_pos = min(min_pos, s_pos[i]);
+      max_pos = max(max_pos, s_pos[i]);
+    }
+    const bool whole = seg_begin == 0 && seg_end == kTokens;  // every row in this segment
+    int row_pos[2];  // last key the row may see; -1 outside the segment
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_pos[h] = row_tok[h] >= seg_begin && row_tok[h] < seg_end ? s_pos[row_tok[h]] : -1;
+    }
+    const int64_t kv_len = static_cast<int64_t>(max_pos) + 1;
+    const int n_tiles = static_cast<int>((kv_len + kTileKeys - 1) / kTileKeys);
+    int32_t const* table = p.block_table + static_cast<int64_t>(seq) * p.max_pages_per_seq;
+
+    load_kv_tile<kD, kThreads>(sK, sV, p, table, kvh, 0, kv_len, page_shift);
+    cp_async_commit();
+    for (int it = 0; it < n_tiles; ++it) {
+      const int stage = it & 1;
+      if (it + 1 < n_tiles) {
+        load_kv_tile<kD, kThreads>(sK + (stage ^ 1) * kTileKeys * kD,
+                                   sV + (stage ^ 1) * kTileKeys * kD, p, table, kvh,
+                                   static_cast<int64_t>(it + 1) * kTileKeys, kv_len, page_shift);
+      }
+      cp_async_commit();  // possibly empty: keeps the group count uniform
+      cp_async_wait<1>();
+      __syncthreads();
+      const int k0 = it * kTileKeys;
+      bf16 const* cK = sK + stage * kTileKeys * kD;
+      bf16 const* cV = sV + stage * kTileKeys * kD;
+      if (whole && k0 + kTileKeys - 1 <= min_pos) {
+        warp_attend<kD, kTileKeys, false>(st, sQ, q_row0, cK, cV, 0, scale_log2,
+                                          [](int, int) { return true; });
+      } else {
+        warp_attend<kD, kTileKeys, true>(st, sQ, q_row0, cK, cV, 0, scale_log2,
+                                         [&](int h, int key) { return k0 + key <= row_pos[h]; });
+      }
+      __syncthreads();  // the stage is overwritten by the next iteration's load
+    }
+    seg_begin = seg_end;
+  }
+
+  // Normalise and store this thread's two rows.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = st.l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = q_row0 + (lane >> 2) + 8 * h;
+    const int tt = r / kGroup;
+    if (tt >= n_tok) continue;
+    const float inv = 1.f / l;
+    bf16* gO =
+        p.out + ((t0 + tt) * p.num_q_heads + kvh * kGroup + r % kGroup) * kD + 2 * (lane & 3);
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      *reinterpret_cast<__nv_bfloat162*>(gO + 8 * n) =
+          __floats2bfloat162_rn(st.o[n][2 * h] * inv, st.o[n][2 * h + 1] * inv);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- decode
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeKeysPerWarp = kTileKeys / kDecodeWarps;  // 16
+
+template <int kD>
+constexpr size_t decode_smem_bytes() {
+  // Q (16 rows) + 2 stages of K and V; the end-of-block merge reuses the K/V space.
+  return (16 + 4 * static_cast<size_t>(kTileKeys)) * kD * sizeof(bf16);
+}
+
+// Block: (token t, kv head) x split. The 16 mma rows are the group's q heads (rows >= kGroup
+// are zero queries, never stored; group 16 fills them all); warp w takes keys 16w..16w+15 of every
+// 64-key tile with its own softmax state, and the warps merge through shared memory at the end.
+template <int kD, int kGroup>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    decode_kernel(PagedAttentionParams p, int64_t token_begin, int page_shift) {
+  constexpr int kThreads = kDecodeWarps * 32, kChunks = kD / 8;
+  static_assert(kGroup <= 16, "one mma row tile");
+  extern __shared__ uint4 smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [16, kD]
+  bf16* sK = sQ + 16 * kD;                       // [2][kTileKeys, kD]
+  bf16* sV = sK + 2 * kTileKeys * kD;            // [2][kTileKeys, kD]
+
+  const int64_t t = token_begin + blockIdx.x / p.num_kv_heads;
+  const int64_t kvh = blockIdx.x % p.num_kv_heads;
+  const int64_t split = blockIdx.y, num_splits = gridDim.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  const int64_t len = static_cast<int64_t>(p.positions[t]) + 1;
+  const int64_t begin = p.kv_split > 0 ? split * p.kv_split : 0;
+  const int64_t end = p.kv_split > 0 ? min(len, begin + p.kv_split) : len;
+  const int64_t q_head0 = t * p.num_q_heads + kvh * kGroup;  // row of the group's first head
+
+  if (begin >= end) {
+    // Past this replay's length (CUDA graphs size the grid for the capacity): an empty
+    // partial, which the merge skips.
+    for (int i = threadIdx.x; i < kGroup * (kD + 2); i += kThreads) {
+      const int g = i / (kD + 2), d = i % (kD + 2);
+      p.workspace[((q_head0 + g) * num_splits + split) * (kD + 2) + d] = d == kD ? -INFINITY : 0.f;
+    }
+    return;
+  }
+
+  for (int idx = threadIdx.x; idx < 16 * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = r < kGroup;
+    cp_async_16(smem_u32(sQ + swz<kD>(r, c)), valid ? p.q + (q_head0 + r) * kD + c * 8 : p.q,
+                valid);
+  }
+  cp_async_commit();
+
+  int32_t const* table = p.block_table + static_cast<int64_t>(p.token_seq[t]) * p.max_pages_per_seq;
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const int n_tiles = static_cast<int>((end - begin + kTileKeys - 1) / kTileKeys);
+  RowState<kD> st;
+  st.init();
+
+  load_kv_tile<kD, kThreads>(sK, sV, p, table, kvh, begin, end, page_shift);
+  cp_async_commit();
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1;
+    if (it + 1 < n_tiles) {
+      load_kv_tile<kD, kThreads>(sK + (stage ^ 1) * kTileKeys * kD,
+                                 sV + (stage ^ 1) * kTileKeys * kD, p, table, kvh,
+                                 begin + static_cast<int64_t>(it + 1) * kTileKeys, end, page_shift);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const int64_t k0 = begin + static_cast<int64_t>(it) * kTileKeys + warp * kDecodeKeysPerWarp;
+    bf16 const* cK = sK + stage * kTileKeys * kD;
+    bf16 const* cV = sV + stage * kTileKeys * kD;
+    if (k0 + kDecodeKeysPerWarp <= end) {
+      warp_attend<kD, kDecodeKeysPerWarp, false>(st, sQ, 0, cK, cV, warp * kDecodeKeysPerWarp,
+                                                 scale_log2, [](int, int) { return true; });
+    } else {
+      warp_attend<kD, kDecodeKeysPerWarp, true>(st, sQ, 0, cK, cV, warp * kDecodeKeysPerWarp,
+                                                scale_log2,
+                                                [&](int, int key) { return k0 + key < end; });
+    }
+    __syncthreads();
+  }
+
+  // Merge the warps: states to shared memory (over the K/V tiles, free after the last
+  // __syncthreads above), then a thread per (head, dim).
+  float* sO = reinterpret_cast<float*>(sK);     // [kDecodeWarps][kGroup][kD]
+  float* sM = sO + kDecodeWarps * kGroup * kD;  // [kDecodeWarps][kGroup]
+  float* sL = sM + kDecodeWarps * kGroup;       // [kDecodeWarps][kGroup]
+  static_assert(
+      (kDecodeWarps * kGroup * (kD + 2)) * sizeof(float) <= 4 * kTileKeys * kD * sizeof(bf16),
+      "merge fits in the K/V tiles");
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = st.l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int g = (lane >> 2) + 8 * h;
+    if (g >= kGroup) continue;
+    if ((lane & 3) == 0) {
+      sM[warp * kGroup + g] = st.m[h];
+      sL[warp * kGroup + g] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      float* row = sO + (warp * kGroup + g) * kD + 8 * n + 2 * (lane & 3);
+      row[0] = st.o[n][2 * h];
+      row[1] = st.o[n][2 * h + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kGroup * kD; i += kThreads) {
+    const int g = i / kD, d = i % kD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, sM[w * kGroup + g]);
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float mw = sM[w * kGroup + g];
+      const float f = mw == -INFINITY ? 0.f : exp2f((mw - mx) * scale_log2);
+      num += f * sO[(w * kGroup + g) * kD + d];
+      den += f * sL[w * kGroup + g];
+    }
+    if (p.kv_split > 0) {
+      // Same partial layout as the simple kernel: acc, max (scaled scores), sum.
+      float* gW = p.workspace + ((q_head0 + g) * num_splits + split) * (kD + 2);
+      gW[d] = num;
+      if (d == 0) {
+        gW[kD] = mx * p.scale;
+        gW[kD + 1] = den;
+      }
+    } else {
+      p.out[(q_head0 + g) * kD + d] = __float2bfloat16_rn(num / den);
+    }
+  }
+}
+
+// One block of kD threads per (token, q head) of tokens [token_begin, num_tokens).
+template <int kD>
+__global__ void __launch_bounds__(kD)
+    merge_kernel(PagedAttentionParams p, int64_t token_begin, int num_splits) {
+  const int64_t tq = token_begin * p.num_q_heads + blockIdx.x;  // t * num_q_heads + h
+  const int d = threadIdx.x;
+  float const* gW = p.workspace + tq * num_splits * (kD + 2);
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, gW[s * (kD + 2) + kD]);
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    float const* gS = gW + s * (kD + 2);
+    const float ms = gS[kD];
+    if (ms == -INFINITY) continue;  // empty split
+    const float f = expf(ms - mx);
+    num += f * gS[d];
+    den += f * gS[kD + 1];
+  }
+  p.out[tq * kD + d] = __float2bfloat16_rn(num / den);
+}
+
+int log2_exact(int64_t v) {
+  int s = 0;
+  while ((int64_t{1} << s) < v) ++s;
+  TANDEM_CHECK((int64_t{1} << s) == v, "paged_attention: page_size ", v, " is not a power of two");
+  return s;
+}
+
+template <class Kernel>
+void set_smem(Kernel kernel, size_t bytes) {
+  // NOTE: cudaFuncSetAttribute is not a stream operation, so it is legal during capture.
+  TANDEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(bytes)));
+}
+
+template <int kD, int kGroup, int kWarps = kPrefillWarps, int kMinBlocks = kPrefillMinBlocks>
+void prefill_typed(PagedAttentionParams const& p, int64_t num_tokens, int page_shift,
+                   cudaStream_t stream) {
+  constexpr int64_t kTokens = kWarps * 16 / kGroup;
+  const int64_t tiles = (num_tokens + kTokens - 1) / kTokens;
+  TANDEM_CHECK(tiles <= INT32_MAX && p.num_kv_heads <= 65535, "paged_attention: too large");
+  constexpr size_t smem = prefill_smem_bytes<kD, kWarps>();
+  auto kernel = prefill_kernel<kD, kGroup, kWarps, kMinBlocks>;
+  set_smem(kernel, smem);
+  kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_kv_heads)), kWarps * 32,
+           smem, stream>>>(p, num_tokens, page_shift);
+  TANDEM_CUDA_CHECK_LAUNCH();
+}
+
+template <int kD, int kGroup>
+void decode_typed(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
+                  int page_shift, cudaStream_t stream) {
+  const int64_t blocks = (p.num_tokens - token_begin) * p.num_kv_heads;
+  TANDEM_CHECK(blocks <= INT32_MAX && num_splits <= 65535, "paged_attention: too large");
+  constexpr size_t smem = decode_smem_bytes<kD>();
+  auto kernel = decode_kernel<kD, kGroup>;
+  set_smem(kernel, smem);
+  kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
+           kDecodeWarps * 32, smem, stream>>>(p, token_begin, page_shift);
+  TANDEM_CUDA_CHECK_LAUNCH();
+  if (p.kv_split > 0) {
+    merge_kernel<kD>
+        <<<static_cast<unsigned>((p.num_tokens - token_begin) * p.num_q_heads), kD, 0, stream>>>(
+            p, token_begin, num_splits);
+    TANDEM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+// Turns (head_dim, group) into template arguments.
+template <template <int, int> class F, class... Args>
+void dispatch(int64_t head_dim, int64_t group, Args&&... args) {
+  auto by_group = [&]<int kD>() {
+    switch (group) {
+      case 1: F<kD, 1>::run(args...); break;
+      case 2: F<kD, 2>::run(args...); break;
+      case 4: F<kD, 4>::run(args...); break;
+      case 8: F<kD, 8>::run(args...); break;
+      case 16: F<kD, 16>::run(args...); break;
+      default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported GQA group size ", group);
+    }
+  };
+  switch (head_dim) {
+    case 64: by_group.template operator()<64>(); break;
+    case 128: by_group.template operator()<128>(); break;
+    default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported head_dim ", head_dim);
+  }
+}
+
+template <int kD, int kGroup>
+struct PrefillRun {
+  static void run(PagedAttentionParams const& p, int64_t num_tokens, int page_shift,
+                  cudaStream_t stream) {
+    prefill_typed<kD, kGroup>(p, num_tokens, page_shift, stream);
+  }
+};
+template <int kD, int kGroup>
+struct DecodeRun {
+  static void run(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
+                  int page_shift, cudaStream_t stream) {
+    decode_typed<kD, kGroup>(p, token_begin, num_splits, page_shift, stream);
+  }
+};
+
+}  // namespace
+
+void paged_attention_prefill(PagedAttentionParams const& p, int64_t num_tokens,
+                             cudaStream_t stream) {
+  if (num_tokens <= 0) return;
+  TANDEM_CHECK(aligned_to(16, p.q, p.pool) && aligned_to(4, p.out),
+               "paged_attention: q and pool must be 16-byte aligned, out 4-byte");
+  const int page_shift = log2_exact(p.page_size);
+  dispatch<PrefillRun>(p.head_dim, p.num_q_heads / p.num_kv_heads, p, num_tokens, page_shift,
+                       stream);
+}
+
+void paged_attention_decode(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
+                            cudaStream_t stream) {
+  if (token_begin >= p.num_tokens) return;
+  TANDEM_CHECK(aligned_to(16, p.q, p.pool) && aligned_to(4, p.out),
+               "paged_attention: q and pool must be 16-byte aligned, out 4-byte");
+  const int page_shift = log2_exact(p.page_size);
+  dispatch<DecodeRun>(p.head_dim, p.num_q_heads / p.num_kv_heads, p, token_begin, num_splits,
+                      page_shift, stream);
+}
+
+void paged_attention_prefill_variant(PagedAttentionParams const& p, int variant,
+                                     cudaStream_t stream) {
+  TANDEM_CHECK(p.head_dim == 128 && p.num_q_heads == 8 * p.num_kv_heads,
+               "paged_attention_prefill_variant: head_dim 128, group 8 only");
+  TANDEM_CHECK(aligned_to(16, p.q, p.pool) && aligned_to(4, p.out),
+               "paged_attention: q and pool must be 16-byte aligned, out 4-byte");
+  if (p.num_tokens <= 0) return;
+  const int page_shift = log2_exact(p.page_size);
+  switch (variant) {
+    case 0: prefill_typed<128, 8>(p, p.num_tokens, page_shift, stream); break;
+    case 1: prefill_typed<128, 8, 8, 2>(p, p.num_tokens, page_shift, stream); break;
+    case 2: prefill_typed<128, 8, 4, 2>(p, p.num_tokens, page_shift, stream); break;
+    default: TANDEM_THROW(kUnsupported, "paged_attention_prefill_variant: unknown ", variant);
+  }
+}
+
+size_t paged_attention_prefill_smem(int64_t head_dim) {
+  return head_dim == 64 ? prefill_smem_bytes<64>() : prefill_smem_bytes<128>();
+}
+size_t paged_attention_decode_smem(int64_t head_dim) {
+  return head_dim == 64 ? decode_smem_bytes<64>() : decode_smem_bytes<128>();
+}
+
+}  // namespace tandem::cuda::detail

@@ -1,0 +1,271 @@
+// MoE block as one call. See moe_layer.h.
+#include "backend/cuda/moe_layer.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/moe.h"
+#include "core/dtype.h"
+
+namespace tandem::cuda {
+
+namespace {
+template <typename T>
+void alloc(T*& p, int64_t count) {
+  TANDEM_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p),
+                               static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
+}
+// cuBLAS prefill path from this many routed rows per local expert on average.
+constexpr int64_t kCublasMinRowsPerExpert = 64;
+
+// Programmatic dependent launches: the down GEMM and the unpermute in the decode and mma paths,
+// gate_up after the decode router.
+constexpr bool kDownPdl = true;
+
+bool aligned16(void const* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+}  // namespace
+
+MoeLayer::MoeLayer(int64_t max_tokens, int64_t hidden, int64_t inter, int64_t num_experts,
+                   int64_t top_k, int64_t expert_begin, int64_t num_local_experts, bool renormalize)
+    : max_tokens_(max_tokens),
+      hidden_(hidden),
+      inter_(inter),
+      num_experts_(num_experts),
+      top_k_(top_k),
+      expert_begin_(expert_begin),
+      num_local_(num_local_experts),
+      renormalize_(renormalize) {
+  TANDEM_CHECK(max_tokens >= 0 && hidden > 0 && inter > 0, "MoeLayer: bad sizes");
+  TANDEM_CHECK(num_experts >= 1 && top_k >= 1 && top_k <= num_experts, "MoeLayer: bad top_k ",
+               top_k, " of ", num_experts);
+  TANDEM_CHECK(expert_begin >= 0 && num_local_experts >= 1 &&
+                   expert_begin + num_local_experts <= num_experts,
+               "MoeLayer: bad local experts [", expert_begin, ", +", num_local_experts, ")");
+  // Validate what the grouped GEMMs need once here, not per step.
+  if (hidden % 8 != 0 || inter % kMoeGateUpInterleave != 0) {
+    TANDEM_THROW(kUnsupported, "MoeLayer: hidden ", hidden, " must be a multiple of 8, inter ",
+                 inter, " of ", kMoeGateUpInterleave);
+  }
+  const int64_t slots = max_tokens * top_k;
+  try {
+    alloc(logits_, max_tokens * num_experts);
+    alloc(topk_ids_, slots);
+    alloc(topk_w_, slots);
+    alloc(counts_, num_local_experts);
+    alloc(offsets_, num_local_experts + 1);
+    alloc(src_, slots);
+    alloc(slot_row_, slots);
+    alloc(perm_ws_,
+          static_cast<int64_t>(moe_permute_workspace_elems(max_tokens, top_k, num_local_experts)));
+    alloc(rows_, slots * hidden);
+    cublas_ok_ = slots >= kCublasMinRowsPerExpert * num_local_experts && inter / 8 <= 1024;
+    alloc(act_, slots * inter * (cublas_ok_ ? 2 : 1));
+    alloc(decode_counter_, 1);
+    TANDEM_CUDA_CHECK(cudaMemset(decode_counter_, 0, sizeof(uint32_t)));
+    if (cublas_ok_) {
+      TANDEM_CUBLAS_CHECK(cublasCreate(&cublas_));
+      TANDEM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_offsets_),
+                                       static_cast<size_t>(num_local_experts + 1) * 4));
+      TANDEM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_ptrs_),
+                                       static_cast<size_t>(6 * num_local_experts) * sizeof(void*)));
+      alloc(d_ptrs_, 6 * num_local_experts);
+    }
+    // No first launch of a grouped GEMM tile inside a graph capture (smem attributes).
+    moe_gemm_prepare();
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+MoeLayer::~MoeLayer() { release(); }
+
+void MoeLayer::release() noexcept {
+  // NOTE: cudaFree errors are ignored (called from the destructor).
+  for (void* p :
+       {static_cast<void*>(logits_), static_cast<void*>(topk_ids_), static_cast<void*>(topk_w_),
+        static_cast<void*>(counts_), static_cast<void*>(offsets_), static_cast<void*>(src_),
+        static_cast<void*>(slot_row_), static_cast<void*>(perm_ws_), static_cast<void*>(rows_),
+        static_cast<void*>(act_), static_cast<void*>(decode_counter_),
+        static_cast<void*>(d_ptrs_)}) {
+    if (p) (void)cudaFree(p);
+  }
+  if (h_offsets_) (void)cudaFreeHost(h_offsets_);
+  if (h_ptrs_) (void)cudaFreeHost(h_ptrs_);
+  if (cublas_) (void)cublasDestroy(cublas_);
+  h_offsets_ = nullptr;
+  h_ptrs_ = d_ptrs_ = nullptr;
+  cublas_ = nullptr;
+  decode_counter_ = nullptr;
+  logits_ = nullptr;
+  topk_ids_ = nullptr;
+  topk_w_ = nullptr;
+  counts_ = offsets_ = src_ = slot_row_ = perm_ws_ = nullptr;
+  rows_ = act_ = nullptr;
+}
+
+MoeLayerPath MoeLayer::pick_path(int64_t num_tokens) const {
+  if (num_tokens <= moe_layer_detail::kDecodeMaxTokens &&
+      num_tokens * top_k_ <= moe_layer_detail::kDecodeMaxSlots && top_k_ <= 8 &&
+      num_experts_ <= 256) {
+    return MoeLayerPath::kDecode;
+  }
+  if (cublas_ok_ && num_tokens * top_k_ >= kCublasMinRowsPerExpert * num_local_) {
+    return MoeLayerPath::kCublas;
+  }
+  return MoeLayerPath::kMma;
+}
+
+void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens,
+                   GemmLt& gemm, cudaStream_t stream) {
+  TANDEM_CHECK(num_tokens >= 0 && num_tokens <= max_tokens_, "MoeLayer: num_tokens ", num_tokens,
+               " outside [0, ", max_tokens_, "]");
+  if (num_tokens == 0) return;
+  const int64_t T = num_tokens, H = hidden_, I = inter_, rows = T * top_k_;
+  MoeLayerPath path = path_ == MoeLayerPath::kAuto ? pick_path(T) : path_;
+  if (path == MoeLayerPath::kDecode &&
+      (pick_path(T) != MoeLayerPath::kDecode || !aligned16(x) || !aligned16(w.router))) {
+    path = MoeLayerPath::kMma;
+  }
+  if (path == MoeLayerPath::kCublas) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TANDEM_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (!cublas_ok_ || capture != cudaStreamCaptureStatusNone) path = MoeLayerPath::kMma;
+  }
+  last_path_ = path;
+  if (path == MoeLayerPath::kDecode) {
+    // One launch: router logits, top-k softmax, permute indices.
+    moe_layer_detail::decode_router_launch(
+        {x, w.router, logits_, topk_ids_, topk_w_, counts_, offsets_, src_, slot_row_,
+         decode_counter_, static_cast<int>(T), static_cast<int>(H), static_cast<int>(num_experts_),
+         static_cast<int>(top_k_), static_cast<int>(expert_begin_), static_cast<int>(num_local_),
+         renormalize_},
+        stream);
+  } else {
+    // fp32 router logits: bf16 (8-bit mantissa) would round away top-k margins below ~1e-2.
+    GemmParams rp{};
+    rp.x = x;
+    rp.w = w.router;
+    rp.m = T;
+    rp.n = num_experts_;
+    rp.k = H;
+    rp.y_f32 = logits_;
+    gemm.run(rp, stream);
+    topk_softmax_launch(
+        {logits_, topk_ids_, topk_w_, T, num_experts_, top_k_, renormalize_, DType::kF32}, stream);
+    if (path == MoeLayerPath::kCublas) {
+      run_cublas(w, x, out, T, stream);
+      return;
+    }
+    // Indices only: the gate_up GEMM gathers its x rows itself (permuted_src / top_k).
+    moe_permute_launch({x, topk_ids_, nullptr, counts_, offsets_, src_, slot_row_, perm_ws_, T, H,
+                        top_k_, expert_begin_, num_local_},
+                       stream);
+  }
+  MoeGemmParams gate_up{
+      x, w.gate_up, act_, offsets_, rows, 2 * I, H, num_local_, MoeGemmEpilogue::kSiluMul};
+  gate_up.gather_src = src_;
+  gate_up.gather_div = top_k_;
+  // After the decode router (which lets it start early): hide the launch latency.
+  if (path == MoeLayerPath::kDecode && kDownPdl) gate_up.pdl = MoeGemmPdl::kWaitFirst;
+  moe_gemm_launch(gate_up, stream);
+  // The down GEMM may start during gate_up: its offsets come from the kernels before gate_up,
+  // so it streams its first weight tiles and waits for gate_up only before reading act.
+  MoeGemmParams down{
+      act_, w.down, rows_, offsets_, rows, H, I, num_local_, MoeGemmEpilogue::kPlain};
+  down.pdl = kDownPdl ? MoeGemmPdl::kPrefetchWeights : MoeGemmPdl::kOff;
+  moe_gemm_launch(down, stream);
+  if (kDownPdl && aligned16(out)) {
+    moe_layer_detail::unpermute_pdl_launch(
+        {rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_}, stream);
+  } else {
+    moe_unpermute_launch({rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_, DType::kBF16},
+                         stream);
+  }
+}
+
+// Eager prefill after the router and top-k: permute with the permuted copy of x (rows
+// contiguous per expert), offsets to the host, expert GEMMs through cublasGemmGroupedBatchedEx
+// with one group per non-empty expert (group_size 1). Row-major y[m_e, n] = x_e[m_e, k]
+// W_e[n, k]^T is column-major y^T[n, m_e] = op_T(W_e as [k, n], ld k) * (x_e^T as [k, m_e],
+// ld k), ldc n.
+void MoeLayer::run_cublas(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens,
+                          cudaStream_t stream) {
+  const int64_t T = num_tokens, H = hidden_, I = inter_, L = num_local_;
+  moe_permute_launch({x, topk_ids_, rows_, counts_, offsets_, src_, slot_row_, perm_ws_, T, H,
+                      top_k_, expert_begin_, L},
+                     stream);
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(h_offsets_, offsets_, static_cast<size_t>(L + 1) * 4,
+                                    cudaMemcpyDeviceToHost, stream));
+  // Also waits for the previous run's upload of h_ptrs_ before it is rewritten below.
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<int> gm, gn, gk, glda, gldb, gldc, gsize;
+  std::vector<float> alpha, beta;
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<int64_t> experts;
+  for (int64_t e = 0; e < L; ++e) {
+    if (h_offsets_[e + 1] > h_offsets_[e]) experts.push_back(e);
+  }
+  const int G = static_cast<int>(experts.size());
+  const int64_t routed = h_offsets_[L];
+  if (G > 0) {
+    void** hA1 = h_ptrs_;
+    void** hB1 = h_ptrs_ + G;
+    void** hC1 = h_ptrs_ + 2 * G;
+    void** hA2 = h_ptrs_ + 3 * G;
+    void** hB2 = h_ptrs_ + 4 * G;
+    void** hC2 = h_ptrs_ + 5 * G;
+    for (int g = 0; g < G; ++g) {
+      const int64_t e = experts[g], r0 = h_offsets_[e];
+      hA1[g] = const_cast<bf16*>(w.gate_up) + e * 2 * I * H;
+      hB1[g] = rows_ + r0 * H;
+      hC1[g] = act_ + r0 * 2 * I;
+      hA2[g] = const_cast<bf16*>(w.down) + e * H * I;
+      hB2[g] = act_ + r0 * 2 * I;
+      hC2[g] = rows_ + r0 * H;
+    }
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(d_ptrs_, h_ptrs_, static_cast<size_t>(6 * G) * sizeof(void*),
+                                      cudaMemcpyHostToDevice, stream));
+    TANDEM_CUBLAS_CHECK(cublasSetStream(cublas_, stream));
+    ta.assign(G, CUBLAS_OP_T);
+    tb.assign(G, CUBLAS_OP_N);
+    alpha.assign(G, 1.0f);
+    beta.assign(G, 0.0f);
+    gsize.assign(G, 1);
+    gn.resize(G);
+    for (int g = 0; g < G; ++g) {
+      const int64_t e = experts[g];
+      gn[g] = h_offsets_[e + 1] - h_offsets_[e];
+    }
+    // gate_up: [rows_e, 2I] packed = x_e [rows_e, H] . W_gu_e [2I, H]^T
+    gm.assign(G, static_cast<int>(2 * I));
+    gk.assign(G, static_cast<int>(H));
+    glda.assign(G, static_cast<int>(H));
+    gldb.assign(G, static_cast<int>(H));
+    gldc.assign(G, static_cast<int>(2 * I));
+    TANDEM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+        cublas_, ta.data(), tb.data(), gm.data(), gn.data(), gk.data(), alpha.data(),
+        const_cast<void const* const*>(d_ptrs_), CUDA_R_16BF, glda.data(),
+        const_cast<void const* const*>(d_ptrs_ + G), CUDA_R_16BF, gldb.data(), beta.data(),
+        d_ptrs_ + 2 * G, CUDA_R_16BF, gldc.data(), G, gsize.data(), CUBLAS_COMPUTE_32F));
+    moe_layer_detail::silu_mul_packed_launch(act_, routed, I, stream);
+    // down: [rows_e, H] = act_e [rows_e, I] (row stride 2I) . W_down_e [H, I]^T
+    gm.assign(G, static_cast<int>(H));
+    gk.assign(G, static_cast<int>(I));
+    glda.assign(G, static_cast<int>(I));
+    gldb.assign(G, static_cast<int>(2 * I));
+    gldc.assign(G, static_cast<int>(H));
+    TANDEM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+        cublas_, ta.data(), tb.data(), gm.data(), gn.data(), gk.data(), alpha.data(),
+        const_cast<void const* const*>(d_ptrs_ + 3 * G), CUDA_R_16BF, glda.data(),
+        const_cast<void const* const*>(d_ptrs_ + 4 * G), CUDA_R_16BF, gldb.data(), beta.data(),
+        d_ptrs_ + 5 * G, CUDA_R_16BF, gldc.data(), G, gsize.data(), CUBLAS_COMPUTE_32F));
+  }
+  moe_unpermute_launch({rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_, DType::kBF16},
+                       stream);
+}
+
+}  // namespace tandem::cuda

@@ -1,0 +1,138 @@
+// The whole Qwen3-MoE sparse block as one call. Three paths, picked on the host per call:
+//  - mma (default): router GEMM (cuBLASLt, fp32 logits) -> top-k softmax -> permute indices
+//    (group token-slots by local expert) -> grouped GEMM gate_up gathering its rows from x,
+//    with fused SiLU-multiply -> grouped GEMM down -> weighted unpermute into out. Eight
+//    launches, no host sync, no allocation: CUDA-graph capturable for a fixed num_tokens once
+//    run() has been called eagerly for that num_tokens (cuBLASLt plan creation).
+//  - decode (num_tokens <= 8, num_experts <= 256): one kernel does router dot products (fp32),
+//    top-k softmax and the permute indices, then the same grouped GEMMs and unpermute: four
+//    launches, capturable. In the decode and mma paths gate_up (decode only), down and the
+//    unpermute are programmatic dependent launches (each may start before its predecessor
+//    ends and waits for it with griddepcontrol.wait before reading its output).
+//  - cublas (prefill: num_tokens * top_k >= 64 * num_local_experts, stream not capturing):
+//    permute with the permuted copy of x, expert offsets to the host (one stream sync),
+//    cublasGemmGroupedBatchedEx for gate_up (packed [rows, 2 inter] output), in-place
+//    SiLU-multiply on the packed rows, cublasGemmGroupedBatchedEx for down, unpermute.
+// CPU reference: cpu::topk_softmax + cpu::moe (see tests/backend/cuda/test_moe_gemm_cuda.cpp).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/moe_gemm.h"
+
+struct cublasContext;
+
+namespace tandem::cuda {
+
+struct MoeLayerWeights {
+  bf16 const* router;   // [num_experts, hidden]
+  bf16 const* gate_up;  // [num_local_experts, 2 * inter, hidden], packed by moe_pack_gate_up
+  bf16 const* down;     // [num_local_experts, hidden, inter]
+};
+
+/// Which implementation run() uses. kAuto picks (see above); a forced path is for tests and
+/// benchmarks and still falls back to kMma where it cannot run (kDecode: num_tokens > 8 or
+/// more than 256 experts; kCublas: the stream is capturing or the layer was built without the
+/// cuBLAS buffers, i.e. max_tokens * top_k < 64 * num_local_experts).
+enum class MoeLayerPath { kAuto, kMma, kDecode, kCublas };
+
+/// Owns the workspace of one MoE block sized for max_tokens at construction (about
+/// max_tokens * (top_k * (hidden + inter) + num_experts) * 2 bytes plus index buffers, and
+/// max_tokens * top_k * inter * 2 more bytes when the cuBLAS prefill path is possible). Not thread
+/// safe; one per stream. Experts [expert_begin, expert_begin + num_local_experts) live here (EP);
+/// tokens routed elsewhere contribute zeros.
+class MoeLayer {
+ public:
+  MoeLayer(int64_t max_tokens, int64_t hidden, int64_t inter, int64_t num_experts, int64_t top_k,
+           int64_t expert_begin, int64_t num_local_experts, bool renormalize);
+  ~MoeLayer();
+  MoeLayer(MoeLayer const&) = delete;
+  MoeLayer& operator=(MoeLayer const&) = delete;
+
+  /// out[t] = sum over the token's top_k local experts e of w[t, e] * down_e(silu(gate_e x[t])
+  /// * up_e x[t]). x [num_tokens, hidden], out [num_tokens, hidden] (overwritten), bf16.
+  /// 0 <= num_tokens <= max_tokens; 0 launches nothing.
+  void run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens, GemmLt& gemm,
+           cudaStream_t stream);
+
+  // Intermediates of the last run (device), valid until the next run:
+  float const* router_logits() const { return logits_; }      // [num_tokens, num_experts]
+  int32_t const* topk_ids() const { return topk_ids_; }       // [num_tokens, top_k]: global ids
+  float const* topk_weights() const { return topk_w_; }       // [num_tokens, top_k]
+  int32_t const* expert_offsets() const { return offsets_; }  // [num_local_experts + 1]
+
+  int64_t max_tokens() const { return max_tokens_; }
+
+  /// Forces a path (tests, benchmarks); kAuto by default.
+  void set_path(MoeLayerPath path) { path_ = path; }
+  /// The path the last run() took (kAuto before any run).
+  MoeLayerPath last_path() const { return last_path_; }
+  /// The path run() would pick for num_tokens on a non-capturing stream.
+  MoeLayerPath pick_path(int64_t num_tokens) const;
+
+ private:
+  void release() noexcept;
+  void run_cublas(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens,
+                  cudaStream_t stream);
+
+  int64_t max_tokens_, hidden_, inter_, num_experts_, top_k_, expert_begin_, num_local_;
+  bool renormalize_;
+  float* logits_ = nullptr;      // [max_tokens, num_experts], fp32
+  int32_t* topk_ids_ = nullptr;  // [max_tokens, top_k]
+  float* topk_w_ = nullptr;      // [max_tokens, top_k]
+  int32_t* counts_ = nullptr;    // [num_local_experts]
+  int32_t* offsets_ = nullptr;   // [num_local_experts + 1]
+  int32_t* src_ = nullptr;       // [max_tokens * top_k]
+  int32_t* slot_row_ = nullptr;  // [max_tokens * top_k]
+  int32_t* perm_ws_ = nullptr;   // moe_permute workspace
+  bf16* rows_ = nullptr;         // [max_tokens * top_k, hidden]: permuted x, then the down output
+  bf16* act_ = nullptr;          // [max_tokens * top_k, inter] (x 2 with the cuBLAS path: packed
+                                 // gate_up output, SiLU-multiplied in place, row stride 2 inter)
+  uint32_t* decode_counter_ = nullptr;  // last-block counter of the fused decode kernel
+  // cuBLAS prefill path (allocated only when it is possible for max_tokens):
+  bool cublas_ok_ = false;
+  cublasContext* cublas_ = nullptr;
+  int32_t* h_offsets_ = nullptr;  // pinned [num_local_experts + 1]
+  void** h_ptrs_ = nullptr;       // pinned [6 * num_local_experts]: A, B, C of gate_up, down
+  void** d_ptrs_ = nullptr;       // device copy of h_ptrs_
+  MoeLayerPath path_ = MoeLayerPath::kAuto, last_path_ = MoeLayerPath::kAuto;
+};
+
+// Kernels of moe_layer_kernels.cu, used by MoeLayer only.
+namespace moe_layer_detail {
+constexpr int kDecodeMaxTokens = 8, kDecodeMaxSlots = 64;
+struct DecodeRouterParams {
+  bf16 const* x;       // [num_tokens, hidden], 16-byte aligned
+  bf16 const* router;  // [num_experts, hidden]
+  float* logits;       // [num_tokens, num_experts]
+  int32_t* topk_ids;
+  float* topk_weights;
+  int32_t *expert_counts, *expert_offsets, *permuted_src, *slot_row;  // as moe_permute's
+  uint32_t* counter;  // zero before the launch; zero again after it
+  int num_tokens, hidden, num_experts, top_k, expert_begin, num_local_experts;
+  bool renormalize;
+};
+/// Router logits + top-k softmax + permute indices; num_tokens <= 8, num_tokens * top_k <= 64,
+/// num_experts <= 256, top_k <= 8, hidden % 8 == 0, num_local_experts <= 256.
+void decode_router_launch(DecodeRouterParams const& p, cudaStream_t stream);
+struct UnpermutePdlParams {
+  bf16 const* permuted_y;  // written by the preceding kernel (the down GEMM)
+  int32_t const* topk_ids;
+  float const* topk_weights;
+  int32_t const* slot_row;  // these three complete before the preceding kernel started
+  bf16* out;
+  int64_t num_tokens, hidden, top_k;
+};
+/// moe_unpermute_launch's bf16 result as a programmatic dependent launch (see the .cu).
+/// hidden % 8 == 0, top_k <= 8, permuted_y and out 16-byte aligned.
+void unpermute_pdl_launch(UnpermutePdlParams const& p, cudaStream_t stream);
+/// gate_up [rows, 2 inter] packed (moe_pack_gate_up order) -> columns [0, inter) of each row =
+/// silu(gate) * up, in place. inter % 8 == 0, inter <= 8192, 16-byte aligned.
+void silu_mul_packed_launch(bf16* gate_up, int64_t rows, int64_t inter, cudaStream_t stream);
+}  // namespace moe_layer_detail
+
+}  // namespace tandem::cuda

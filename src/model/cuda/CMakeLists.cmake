@@ -1,0 +1,38 @@
+# The Qwen3-MoE model on one GPU (src/model/cuda), its tests and the whole-model benchmark.
+# Included from the top-level CMakeLists.txt after src/backend/cuda/CMakeLists.cmake.
+#   tandem_model_cuda   Qwen3MoeCuda (static library; links the CUDA ops and the CPU model layer)
+#   test_model_cuda     golden fixtures through the engine on the GPU (GTEST_SKIP without one)
+#   bench_model_cuda    decode step / prefill at real shapes with random weights vs the roofline
+if(TANDEM_HAS_CUDA)
+  file(GLOB TANDEM_MODEL_CUDA_SRCS CONFIGURE_DEPENDS
+    ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cpp ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cu)
+  add_library(tandem_model_cuda STATIC ${TANDEM_MODEL_CUDA_SRCS})
+  target_include_directories(tandem_model_cuda PUBLIC ${CMAKE_SOURCE_DIR}/src)
+  target_link_libraries(tandem_model_cuda PUBLIC tandem_model tandem_backend_cuda)
+  target_compile_options(tandem_model_cuda PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${TANDEM_WARNINGS}>)
+  if(NOT CMAKE_CUDA_ARCHITECTURES)
+    set_target_properties(tandem_model_cuda PROPERTIES CUDA_ARCHITECTURES 90a)
+  endif()
+  # `tandem serve|generate --device cuda`
+  target_link_libraries(tandem_server PUBLIC tandem_model_cuda)
+  target_compile_definitions(tandem_server PUBLIC TANDEM_WITH_CUDA=1)
+
+  if(TANDEM_TESTS AND TARGET GTest::gtest)
+    file(GLOB TANDEM_MODEL_CUDA_TEST_SRCS CONFIGURE_DEPENDS
+      ${CMAKE_SOURCE_DIR}/tests/model/cuda/*.cpp)
+    add_executable(test_model_cuda ${TANDEM_MODEL_CUDA_TEST_SRCS})
+    target_link_libraries(test_model_cuda PRIVATE tandem_model_cuda tandem_engine GTest::gtest
+                                                  GTest::gtest_main)
+    target_include_directories(test_model_cuda PRIVATE ${CMAKE_SOURCE_DIR}/tests)
+    target_compile_definitions(test_model_cuda PRIVATE TANDEM_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+    target_compile_options(test_model_cuda PRIVATE ${TANDEM_WARNINGS})
+    gtest_discover_tests(test_model_cuda DISCOVERY_TIMEOUT 60
+      PROPERTIES ENVIRONMENT "TANDEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+  endif()
+
+  if(TANDEM_BENCH)
+    add_executable(bench_model_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_model_cuda.cpp)
+    target_link_libraries(bench_model_cuda PRIVATE tandem_model_cuda)
+    target_compile_options(bench_model_cuda PRIVATE ${TANDEM_WARNINGS})
+  endif()
+endif()

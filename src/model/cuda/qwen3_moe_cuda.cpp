@@ -1,0 +1,870 @@
+// Qwen3-MoE forward on one GPU. See qwen3_moe_cuda.h.
+#include "model/cuda/qwen3_moe_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/moe.h"
+#include "backend/cuda/moe_layer.h"
+#include "backend/cuda/norm.h"
+#include "backend/cuda/sampling.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/cuda/random_fill.h"
+#include "model/safetensors.h"
+
+namespace tandem {
+
+using cuda::bf16;
+
+namespace {
+
+// cudaMalloc'd bytes, freed on destruction.
+class DeviceMem {
+ public:
+  DeviceMem() = default;
+  explicit DeviceMem(size_t bytes) : size_(bytes) {
+    if (bytes > 0) TANDEM_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+  }
+  ~DeviceMem() {
+    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+  }
+  DeviceMem(DeviceMem&& o) noexcept : ptr_(o.ptr_), size_(o.size_) {
+    o.ptr_ = nullptr;
+    o.size_ = 0;
+  }
+  DeviceMem& operator=(DeviceMem&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(size_, o.size_);
+    return *this;
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t size() const { return size_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// cudaMallocHost'd bytes.
+class PinnedMem {
+ public:
+  PinnedMem() = default;
+  explicit PinnedMem(size_t bytes) : size_(bytes) {
+    if (bytes > 0) TANDEM_CUDA_CHECK(cudaMallocHost(&ptr_, bytes));
+  }
+  ~PinnedMem() {
+    if (ptr_ != nullptr) (void)cudaFreeHost(ptr_);
+  }
+  PinnedMem(PinnedMem&& o) noexcept : ptr_(o.ptr_), size_(o.size_) {
+    o.ptr_ = nullptr;
+    o.size_ = 0;
+  }
+  PinnedMem& operator=(PinnedMem&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(size_, o.size_);
+    return *this;
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t size() const { return size_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Host -> device copies through two pinned chunks: the read of chunk i + 1 from the mapped
+// file (page cache or disk) overlaps the DMA of chunk i.
+class Uploader {
+ public:
+  explicit Uploader(cudaStream_t stream, size_t chunk = size_t{64} << 20)
+      : stream_(stream), chunk_(chunk) {
+    for (int i = 0; i < 2; ++i) {
+      buf_[i] = PinnedMem(chunk);
+      TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+    }
+  }
+  ~Uploader() {
+    (void)cudaStreamSynchronize(stream_);
+    for (auto& e : done_) (void)cudaEventDestroy(e);
+  }
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+
+  void put(void* dst, const void* src, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += chunk_) {
+      const size_t n = std::min(chunk_, bytes - off);
+      uint8_t* staging = next();
+      std::memcpy(staging, static_cast<const uint8_t*>(src) + off, n);
+      submit(static_cast<uint8_t*>(dst) + off, n);
+    }
+  }
+  /// A staging chunk to fill by hand (at most chunk() bytes), then submit(dst, n).
+  uint8_t* next() {
+    cur_ ^= 1;
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(done_[cur_]));
+    return buf_[cur_].as<uint8_t>();
+  }
+  void submit(void* dst, size_t n) {
+    TANDEM_CUDA_CHECK(
+        cudaMemcpyAsync(dst, buf_[cur_].as<uint8_t>(), n, cudaMemcpyHostToDevice, stream_));
+    TANDEM_CUDA_CHECK(cudaEventRecord(done_[cur_], stream_));
+  }
+  size_t chunk() const { return chunk_; }
+
+ private:
+  cudaStream_t stream_;
+  size_t chunk_;
+  PinnedMem buf_[2];
+  cudaEvent_t done_[2]{};
+  int cur_ = 1;
+};
+
+// A checkpoint tensor as host bf16: the mapped bytes when stored as bf16, else converted
+// into `tmp`.
+const uint16_t* host_bf16(const Checkpoint& ckpt, const std::string& name, const Shape& shape,
+                          std::vector<uint16_t>& tmp) {
+  TensorView v = ckpt.get(name, shape);
+  if (v.dtype == DType::kBF16) return v.ptr<uint16_t>();
+  std::vector<float> f(static_cast<size_t>(v.numel()));
+  Checkpoint::to_f32(v, f.data());
+  tmp.resize(f.size());
+  for (size_t i = 0; i < f.size(); ++i) tmp[i] = f32_to_bf16(f[i]);
+  return tmp.data();
+}
+
+struct LayerW {
+  bf16* input_norm = nullptr;  // [H]
+  bf16* post_norm = nullptr;   // [H]
+  bf16* q_norm = nullptr;      // [d]
+  bf16* k_norm = nullptr;      // [d]
+  bf16* qkv = nullptr;         // [(qh + 2 kvh) d, H]
+  bf16* o = nullptr;           // [H, qh d]
+  bool moe = false;
+  bf16* router = nullptr;   // [E, H]
+  bf16* gate_up = nullptr;  // MoE: [E, 2I, H] packed (moe_pack_gate_up); dense: [2I, H]
+  bf16* down = nullptr;     // MoE: [E, H, I]; dense: [H, I]
+};
+
+// Device pointers of one forward's metadata.
+struct Meta {
+  int32_t* ids = nullptr;        // [n]
+  int32_t* positions = nullptr;  // [n]
+  int32_t* token_seq = nullptr;  // [n]
+  int64_t* slots = nullptr;      // [n]
+  int32_t* tables = nullptr;     // [num_seqs, width]
+  int32_t* rows = nullptr;       // [num_rows]: token index of each logits row
+  int64_t n = 0, width = 0, num_rows = 0;
+  int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
+};
+
+// Host-side packed metadata with the same layout.
+struct HostMeta {
+  std::vector<int32_t> ids, positions, token_seq, tables, rows;
+  std::vector<int64_t> slots;
+  int64_t num_seqs = 0, width = 0;
+};
+
+constexpr int64_t kBuckets[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256};
+
+}  // namespace
+
+void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
+  TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin,
+                    ": head_dim ", c.head_dim, " is not supported on the GPU (64 or 128)");
+  TANDEM_CHECK_KIND(kUnsupported, !c.attention_bias, origin,
+                    ": attention_bias true is not supported on the GPU");
+  const int64_t group = c.num_key_value_heads > 0 ? c.num_attention_heads / c.num_key_value_heads
+                                                  : 0;
+  TANDEM_CHECK_KIND(kUnsupported,
+                    group == 1 || group == 2 || group == 4 || group == 8 || group == 16, origin,
+                    ": num_attention_heads / num_key_value_heads = ", group,
+                    " is not supported on the GPU (1, 2, 4, 8 or 16)");
+  bool any_moe = false;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) any_moe |= c.is_moe_layer(l);
+  if (any_moe) {
+    TANDEM_CHECK_KIND(kUnsupported, c.num_experts <= 256, origin, ": num_experts ",
+                      c.num_experts, " is not supported on the GPU (at most 256)");
+    TANDEM_CHECK_KIND(kUnsupported, c.num_experts_per_tok <= 8, origin,
+                      ": num_experts_per_tok ", c.num_experts_per_tok,
+                      " is not supported on the GPU (at most 8)");
+  }
+}
+
+struct Qwen3MoeCuda::Impl {
+  const ModelConfig& c;
+  cudaStream_t stream;
+  int num_sms = 0;
+
+  // Weights.
+  std::vector<DeviceMem> mem;
+  bf16* embed = nullptr;
+  bf16* final_norm = nullptr;
+  bf16* lm_head = nullptr;  // the embedding when tied
+  std::vector<LayerW> layers;
+
+  // Activations, sized for max_tokens.
+  int64_t t_cap = 0, rows_cap = 0;
+  DeviceMem x, xn, y, qkv, q, attn, gu, act, last, logits, attn_ws;
+  // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
+  DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp;
+  PinnedMem h_sample;  // params up, results down
+  size_t attn_ws_floats = 0;
+  std::unique_ptr<cuda::GemmLt> gemm;
+  std::unique_ptr<cuda::MoeLayer> moe;
+
+  // Metadata: eager buffers (grown on demand) and the captured graphs' own.
+  DeviceMem e_tables;
+  DeviceMem e_meta, g_meta;  // ids | positions | token_seq | rows (int32 x 4 x cap) | slots
+  DeviceMem g_tables;        // [largest bucket, graph_width]
+  int64_t graph_width = 0;
+  PinnedMem h_meta;         // staging for the int32 / int64 arrays
+  PinnedMem h_tables;       // staging for block tables
+  cudaEvent_t meta_copied = nullptr;
+
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<int64_t, Graph> graphs;
+  const void* graph_kv = nullptr;  // the cache the graphs were captured against
+  int64_t graph_page_size = 0;
+
+  Impl(const ModelConfig& config, cudaStream_t s) : c(config), stream(s) {}
+  ~Impl() {
+    drop_graphs();
+    if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
+  }
+
+  void drop_graphs() {
+    for (auto& [b, g] : graphs) (void)cudaGraphExecDestroy(g.exec);
+    graphs.clear();
+    graph_kv = nullptr;
+  }
+
+  bf16* alloc(int64_t elems) {
+    mem.emplace_back(static_cast<size_t>(elems) * sizeof(bf16));
+    return mem.back().as<bf16>();
+  }
+
+  int64_t qkv_rows() const { return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim; }
+
+  void allocate_weights() {
+    const int64_t h = c.hidden_size, d = c.head_dim;
+    embed = alloc(c.vocab_size * h);
+    final_norm = alloc(h);
+    lm_head = c.tie_word_embeddings ? embed : alloc(c.vocab_size * h);
+    layers.resize(static_cast<size_t>(c.num_hidden_layers));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      LayerW& w = layers[static_cast<size_t>(l)];
+      w.input_norm = alloc(h);
+      w.post_norm = alloc(h);
+      w.q_norm = alloc(d);
+      w.k_norm = alloc(d);
+      w.qkv = alloc(qkv_rows() * h);
+      w.o = alloc(h * c.num_attention_heads * d);
+      w.moe = c.is_moe_layer(l);
+      if (w.moe) {
+        const int64_t e = c.num_experts, inter = c.moe_intermediate_size;
+        w.router = alloc(e * h);
+        w.gate_up = alloc(e * 2 * inter * h);
+        w.down = alloc(e * h * inter);
+      } else {
+        const int64_t inter = c.intermediate_size;
+        w.gate_up = alloc(2 * inter * h);
+        w.down = alloc(h * inter);
+      }
+    }
+  }
+
+  void load_weights(const Checkpoint& ckpt) {
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
+                  kvh = c.num_key_value_heads;
+    Uploader up(stream);
+    std::vector<uint16_t> tmp, tmp2;
+    auto put = [&](bf16* dst, const std::string& name, const Shape& shape) {
+      const uint16_t* src = host_bf16(ckpt, name, shape, tmp);
+      up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
+    };
+    put(embed, "model.embed_tokens.weight", {c.vocab_size, h});
+    put(final_norm, "model.norm.weight", {h});
+    if (!c.tie_word_embeddings) put(lm_head, "lm_head.weight", {c.vocab_size, h});
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      LayerW& w = layers[static_cast<size_t>(l)];
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      put(w.input_norm, p + "input_layernorm.weight", {h});
+      put(w.post_norm, p + "post_attention_layernorm.weight", {h});
+      put(w.q_norm, p + "self_attn.q_norm.weight", {d});
+      put(w.k_norm, p + "self_attn.k_norm.weight", {d});
+      put(w.qkv, p + "self_attn.q_proj.weight", {qh * d, h});
+      put(w.qkv + qh * d * h, p + "self_attn.k_proj.weight", {kvh * d, h});
+      put(w.qkv + (qh + kvh) * d * h, p + "self_attn.v_proj.weight", {kvh * d, h});
+      put(w.o, p + "self_attn.o_proj.weight", {h, qh * d});
+      if (w.moe) {
+        const int64_t inter = c.moe_intermediate_size;
+        put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
+        const size_t gu_bytes = static_cast<size_t>(2 * inter * h) * sizeof(bf16);
+        std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h));
+        for (int64_t e = 0; e < c.num_experts; ++e) {
+          const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+          std::vector<uint16_t> gate_copy;
+          const uint16_t* gate = host_bf16(ckpt, ep + "gate_proj.weight", {inter, h}, tmp);
+          if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
+            gate_copy = tmp;
+            gate = gate_copy.data();
+          }
+          const uint16_t* upw = host_bf16(ckpt, ep + "up_proj.weight", {inter, h}, tmp2);
+          cuda::moe_pack_gate_up(reinterpret_cast<const bf16*>(gate),
+                                 reinterpret_cast<const bf16*>(upw), inter, h,
+                                 reinterpret_cast<bf16*>(packed.data()));
+          up.put(w.gate_up + e * 2 * inter * h, packed.data(), gu_bytes);
+          put(w.down + e * h * inter, ep + "down_proj.weight", {h, inter});
+        }
+      } else {
+        const int64_t inter = c.intermediate_size;
+        put(w.gate_up, p + "mlp.gate_proj.weight", {inter, h});
+        put(w.gate_up + inter * h, p + "mlp.up_proj.weight", {inter, h});
+        put(w.down, p + "mlp.down_proj.weight", {h, inter});
+      }
+    }
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  void random_weights(uint64_t seed) {
+    const float a = 0.02f * std::sqrt(3.0f);
+    uint64_t k = seed * 0x100000001b3ull;
+    for (size_t i = 0; i < mem.size(); ++i) {
+      const int64_t n = static_cast<int64_t>(mem[i].size() / sizeof(bf16));
+      // Norm weights are the vectors of length hidden or head_dim: ~1, matrices ~0.
+      const bool norm = n == c.hidden_size || n == c.head_dim;
+      cuda::random_fill_bf16(mem[i].as<void>(), n, ++k, norm ? 1.0f : 0.0f, norm ? 0.05f : a,
+                             stream);
+    }
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  void allocate_activations(const CudaModelOptions& o, int64_t largest_bucket) {
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
+    t_cap = std::max(o.max_tokens, largest_bucket);
+    rows_cap = std::max<int64_t>({o.max_seqs, largest_bucket, std::min<int64_t>(t_cap, 1024)});
+    const size_t b = sizeof(bf16);
+    const auto T = static_cast<size_t>(t_cap);
+    x = DeviceMem(T * h * b);
+    xn = DeviceMem(T * h * b);
+    y = DeviceMem(T * h * b);
+    qkv = DeviceMem(T * static_cast<size_t>(qkv_rows()) * b);
+    q = DeviceMem(T * static_cast<size_t>(qh * d) * b);
+    attn = DeviceMem(T * static_cast<size_t>(qh * d) * b);
+    const int64_t dense_inter = c.intermediate_size;
+    bool any_dense = false;
+    for (const auto& w : layers) any_dense |= !w.moe;
+    if (any_dense) {
+      gu = DeviceMem(T * static_cast<size_t>(2 * dense_inter) * b);
+      act = DeviceMem(T * static_cast<size_t>(dense_inter) * b);
+    }
+    last = DeviceMem(T * h * b);
+    logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
+    const auto R = static_cast<size_t>(rows_cap);
+    constexpr size_t kTop = cuda::kMaxTopLogprobs;
+    s_params = DeviceMem(R * sizeof(cuda::SamplingRowParams));
+    s_tokens = DeviceMem(R * sizeof(int32_t));
+    s_logprobs = DeviceMem(R * sizeof(float));
+    s_top_ids = DeviceMem(R * kTop * sizeof(int32_t));
+    s_top_lp = DeviceMem(R * kTop * sizeof(float));
+    h_sample = PinnedMem(R * (sizeof(cuda::SamplingRowParams) + 8 + kTop * 8));
+    gemm = std::make_unique<cuda::GemmLt>();
+    bool any_moe = false;
+    for (const auto& w : layers) any_moe |= w.moe;
+    if (any_moe) {
+      moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
+                                             c.num_experts_per_tok, 0, c.num_experts,
+                                             c.norm_topk_prob);
+    }
+    // Split-KV workspace for the captured decode steps (and eager batches that fit it).
+    const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
+    const int64_t width = std::max<int64_t>(1, (ctx + o.page_size - 1) / o.page_size);
+    for (int64_t b = 1; b <= largest_bucket; ++b) {
+      const int64_t split = cuda::paged_attention_decode_split(b, c.num_key_value_heads, width,
+                                                               o.page_size, num_sms);
+      if (split > 0) {
+        attn_ws_floats = std::max(attn_ws_floats, cuda::paged_attention_workspace_floats(
+                                                      b, qh, d, width, o.page_size, split));
+      }
+    }
+    attn_ws = DeviceMem(attn_ws_floats * sizeof(float));
+    const size_t meta_elems = 4 * T + 2 * T;  // 4 int32 arrays + 1 int64 array (2 int32 each)
+    e_meta = DeviceMem(meta_elems * sizeof(int32_t));
+    g_meta = DeviceMem(meta_elems * sizeof(int32_t));
+    h_meta = PinnedMem(meta_elems * sizeof(int32_t));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&meta_copied, cudaEventDisableTiming));
+  }
+
+  Meta meta_at(const DeviceMem& m) const {
+    Meta r;
+    auto* base = m.as<int32_t>();
+    const int64_t T = t_cap;
+    r.ids = base;
+    r.positions = base + T;
+    r.token_seq = base + 2 * T;
+    r.rows = base + 3 * T;
+    r.slots = reinterpret_cast<int64_t*>(base + 4 * T);  // 4 * T int32: 8-byte aligned
+    return r;
+  }
+
+  // Copies `hm` into the device arrays of `dst` (tables into `tables`).
+  void upload(const HostMeta& hm, const Meta& dst, int32_t* tables) {
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(meta_copied));  // the staging is free again
+    const int64_t T = t_cap;
+    const auto n = hm.ids.size(), r = hm.rows.size(), tb = hm.tables.size();
+    const size_t tables_bytes = tb * sizeof(int32_t);
+    if (h_tables.size() < tables_bytes) h_tables = PinnedMem(tables_bytes * 2);
+    int32_t* h = h_meta.as<int32_t>();
+    std::memcpy(h, hm.ids.data(), n * 4);
+    std::memcpy(h + T, hm.positions.data(), n * 4);
+    std::memcpy(h + 2 * T, hm.token_seq.data(), n * 4);
+    std::memcpy(h + 3 * T, hm.rows.data(), r * 4);
+    std::memcpy(h + 4 * T, hm.slots.data(), n * 8);
+    std::memcpy(h_tables.as<int32_t>(), hm.tables.data(), tables_bytes);
+    auto h2d = [&](void* d, const void* s, size_t bytes) {
+      if (bytes > 0) {
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyHostToDevice, stream));
+      }
+    };
+    h2d(dst.ids, h, n * 4);
+    h2d(dst.positions, h + T, n * 4);
+    h2d(dst.token_seq, h + 2 * T, n * 4);
+    h2d(dst.rows, h + 3 * T, r * 4);
+    h2d(dst.slots, h + 4 * T, n * 8);
+    h2d(tables, h_tables.as<int32_t>(), tables_bytes);
+    TANDEM_CUDA_CHECK(cudaEventRecord(meta_copied, stream));
+  }
+
+  // Split-KV for the decode tokens (flash-decoding), when the workspace holds it.
+  int64_t pick_split(int64_t n, int64_t num_prefill, int64_t width, int64_t page_size) const {
+    if (n - num_prefill <= 0) return 0;
+    int64_t split = cuda::paged_attention_decode_split(n - num_prefill, c.num_key_value_heads,
+                                                       width, page_size, num_sms);
+    if (split > 0 &&
+        cuda::paged_attention_workspace_floats(n, c.num_attention_heads, c.head_dim, width,
+                                               page_size, split) > attn_ws_floats) {
+      split = 0;
+    }
+    return split;
+  }
+
+  // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
+  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch) {
+    const int64_t n = m.n, h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
+                  kvh = c.num_key_value_heads;
+    const int64_t page_size = kv.geometry().page_size;
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>();
+    cuda::embedding_launch({m.ids, embed, X, n, h, c.vocab_size}, stream);
+    const int64_t split = pick_split(n, m.num_prefill, m.width, page_size);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const LayerW& w = layers[static_cast<size_t>(l)];
+      if (l == 0) {
+        cuda::rms_norm_launch({X, w.input_norm, XN, n, h, eps}, stream);
+      } else {
+        cuda::add_rms_norm_launch({X, Y, w.input_norm, XN, n, h, eps}, stream);
+      }
+      gemm->run({XN, w.qkv, qkv.as<bf16>(), n, qkv_rows(), h}, stream);
+      bf16* pool = static_cast<bf16*>(kv.layer_data(l));
+      cuda::qkv_prep_launch({qkv.as<bf16>(), q.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm,
+                             m.positions, n, qh, kvh, d, page_size, eps, c.rope_theta},
+                            stream);
+      if (batch != nullptr && batch->on_layer_kv) {
+        TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+        batch->on_layer_kv(l);
+      }
+      cuda::PagedAttentionParams ap{};
+      ap.q = q.as<bf16>();
+      ap.pool = pool;
+      ap.block_table = m.tables;
+      ap.token_seq = m.token_seq;
+      ap.positions = m.positions;
+      ap.out = attn.as<bf16>();
+      ap.num_tokens = n;
+      ap.num_q_heads = qh;
+      ap.num_kv_heads = kvh;
+      ap.head_dim = d;
+      ap.page_size = page_size;
+      ap.max_pages_per_seq = m.width;
+      ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+      ap.kv_split = split;
+      ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
+      ap.num_prefill_tokens = m.num_prefill;
+      cuda::paged_attention_launch(ap, stream);
+      gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
+      cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
+      if (w.moe) {
+        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+      } else {
+        const int64_t inter = c.intermediate_size;
+        gemm->run({XN, w.gate_up, gu.as<bf16>(), n, 2 * inter, h}, stream);
+        cuda::silu_mul_launch({gu.as<bf16>(), act.as<bf16>(), n, inter}, stream);
+        gemm->run({act.as<bf16>(), w.down, Y, n, h, inter}, stream);
+      }
+    }
+    // x + y, normed; then the rows that need logits, gathered (the embedding gather with the
+    // token index as id).
+    cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
+    cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
+  }
+
+  // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
+  void head(int64_t begin, int64_t count) {
+    cuda::GemmParams gp{};
+    gp.x = last.as<bf16>() + begin * c.hidden_size;
+    gp.w = lm_head;
+    gp.y = nullptr;
+    gp.m = count;
+    gp.n = c.vocab_size;
+    gp.k = c.hidden_size;
+    gp.y_f32 = logits.as<float>();
+    gemm->run(gp, stream);
+  }
+};
+
+Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
+    : config_(std::move(config)), opts_(opts) {
+  TANDEM_CHECK_KIND(kInvalidArgument, opts_.max_tokens > 0 && opts_.max_seqs > 0,
+                    "max_tokens and max_seqs must be positive");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    TANDEM_THROW(kUnsupported, "--device cuda: no CUDA device is visible");
+  }
+  TANDEM_CHECK_KIND(kInvalidArgument, opts_.device >= 0 && opts_.device < count, "CUDA device ",
+                    opts_.device, " does not exist (", count, " visible)");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  impl_ = std::make_unique<Impl>(config_, stream_);
+  TANDEM_CUDA_CHECK(
+      cudaDeviceGetAttribute(&impl_->num_sms, cudaDevAttrMultiProcessorCount, opts_.device));
+  for (int64_t b : kBuckets) {
+    if (b <= opts_.max_seqs) buckets_.push_back(b);
+  }
+  if (buckets_.empty() || buckets_.back() < std::min<int64_t>(opts_.max_seqs, 256)) {
+    buckets_.push_back(std::min<int64_t>(opts_.max_seqs, 256));
+  }
+  if (!opts_.cuda_graphs) buckets_.clear();
+}
+
+Qwen3MoeCuda::~Qwen3MoeCuda() {
+  impl_.reset();
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+}
+
+std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
+                                                 const CudaModelOptions& opts) {
+  ModelConfig config = ModelConfig::from_dir(dir);
+  check_cuda_model_config(config, dir + "/config.json");
+  Checkpoint ckpt(dir);
+  std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(std::move(config), opts));
+  m->impl_->allocate_weights();
+  m->impl_->load_weights(ckpt);
+  m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
+  for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  return m;
+}
+
+std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::random(const ModelConfig& config,
+                                                   const CudaModelOptions& opts, uint64_t seed) {
+  check_cuda_model_config(config, "config");
+  std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(config, opts));
+  m->impl_->allocate_weights();
+  m->impl_->random_weights(seed);
+  m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
+  for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  return m;
+}
+
+KvGeometry Qwen3MoeCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
+  KvGeometry g{config_.num_hidden_layers, num_pages, config_.num_key_value_heads, page_size,
+               config_.head_dim};
+  g.dtype = DType::kBF16;
+  return g;
+}
+
+KvCache Qwen3MoeCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
+  const KvGeometry g = kv_geometry(num_pages, page_size);
+  TANDEM_CHECK_KIND(kInvalidArgument, num_pages > 0 && page_size > 0, "bad KV cache size");
+  const size_t layer_bytes = static_cast<size_t>(g.page_elems() * num_pages) * sizeof(bf16);
+  // One allocation for all layers, zeroed: a captured step's padding tokens read page 0.
+  auto pool = std::make_shared<DeviceMem>(layer_bytes * static_cast<size_t>(g.num_layers));
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(pool->as<void>(), 0, pool->size(), stream_));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KvCache::External ext;
+  for (int64_t l = 0; l < g.num_layers; ++l) {
+    ext.layers.push_back(pool->as<uint8_t>() + static_cast<size_t>(l) * layer_bytes);
+  }
+  ext.owner = pool;
+  return KvCache(g, std::move(ext));
+}
+
+std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
+  std::vector<int64_t> out;
+  for (const auto& [b, g] : impl_->graphs) out.push_back(b);
+  return out;
+}
+
+bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
+  Impl& im = *impl_;
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));  // the engine thread may be a new one
+  const auto& g = kv.geometry();
+  TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 &&
+                   g.num_kv_heads == config_.num_key_value_heads &&
+                   g.head_dim == config_.head_dim && g.num_layers == config_.num_hidden_layers,
+               "the KV cache was not made by this CUDA model");
+  const int64_t n = batch.num_tokens(), page_size = g.page_size;
+  const int64_t num_rows = batch.num_logit_rows();
+  TANDEM_CHECK_KIND(kInvalidArgument, n <= im.t_cap, "a batch of ", n,
+                    " tokens exceeds the CUDA model's max_tokens ", im.t_cap);
+  if (n == 0) return false;
+
+  // Graph eligibility: a pure decode step that fits a bucket and the captured table width.
+  bool decode = !batch.on_layer_kv && !buckets_.empty() && n <= buckets_.back() &&
+                page_size == opts_.page_size;
+  int64_t width = 1;
+  for (const auto& s : batch.seqs) {
+    width = std::max(width, s.num_pages);
+    decode = decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+  }
+  if (decode) {
+    if (im.graph_width == 0) {
+      const int64_t ctx = opts_.graph_max_context > 0 ? opts_.graph_max_context
+                                                      : config_.max_position_embeddings;
+      im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
+    }
+    decode = width <= im.graph_width;
+  }
+  const int64_t bucket =
+      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), n) : int64_t{0};
+  const int64_t rows_n = decode ? bucket : n;  // padded token count
+  const int64_t tw = decode ? im.graph_width : width;
+  const int64_t num_seqs = decode ? bucket : static_cast<int64_t>(batch.seqs.size());
+
+  // 1. Metadata on the host.
+  HostMeta hm;
+  hm.ids.assign(static_cast<size_t>(rows_n), 0);
+  hm.positions.assign(static_cast<size_t>(rows_n), 0);
+  hm.token_seq.resize(static_cast<size_t>(rows_n));
+  hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
+  hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
+  for (int64_t t = 0; t < rows_n; ++t) hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+  // Tokens of multi-token chunks go first (the attention's prefill kernel takes the leading
+  // num_prefill tokens, the decode kernel the rest); logits rows stay in batch order.
+  std::vector<int64_t> first_token(batch.seqs.size());
+  int64_t num_prefill = 0;
+  {
+    int64_t chunk_t = 0, decode_t = 0;
+    for (const auto& s : batch.seqs) num_prefill += s.num_tokens > 1 ? s.num_tokens : 0;
+    for (size_t si = 0; si < batch.seqs.size(); ++si) {
+      const int64_t k = batch.seqs[si].num_tokens;
+      first_token[si] = k > 1 ? chunk_t : num_prefill + decode_t;
+      (k > 1 ? chunk_t : decode_t) += k;
+    }
+  }
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& s = batch.seqs[si];
+    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
+    for (int64_t p = 0; p < s.num_pages; ++p) {
+      const int32_t page = s.block_table[p];
+      TANDEM_CHECK(page >= 0 && page < g.num_pages, "page ", page, " outside the KV cache");
+      hm.tables[static_cast<size_t>(static_cast<int64_t>(si) * tw + p)] = page;
+    }
+    const bool all = s.logits == LogitsMode::kAll;
+    for (int64_t i = 0; i < s.num_tokens; ++i) {
+      const int64_t t = first_token[si] + i;
+      const int64_t pos = s.start_pos + i;
+      const int32_t id = s.tokens[i];
+      TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < config_.vocab_size, "token id ", id,
+                        " is out of range [0, ", config_.vocab_size, ")");
+      hm.ids[static_cast<size_t>(t)] = id;
+      hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
+      hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
+      hm.slots[static_cast<size_t>(t)] =
+          int64_t{s.block_table[pos / page_size]} * page_size + pos % page_size;
+      if (all || (s.logits == LogitsMode::kLast && i == s.num_tokens - 1)) {
+        hm.rows.push_back(static_cast<int32_t>(t));
+      }
+    }
+  }
+  if (decode) {  // every padded row produces (discarded) logits, so the graph is fixed
+    for (int64_t r = n; r < rows_n; ++r) hm.rows.push_back(static_cast<int32_t>(r));
+  }
+
+  if (!decode) {
+    // 2a. Eager.
+    const size_t tb = hm.tables.size() * sizeof(int32_t);
+    if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
+    Meta m = im.meta_at(im.e_meta);
+    m.tables = im.e_tables.as<int32_t>();
+    m.n = n;
+    m.width = width;
+    m.num_rows = num_rows;
+    m.num_prefill = num_prefill;
+    im.upload(hm, m, m.tables);
+    im.body(m, kv, &batch);
+    return false;
+  }
+
+  // 2b. Graph replay (captured on first use of the bucket).
+  Meta m = im.meta_at(im.g_meta);
+  if (im.g_tables.size() == 0) {
+    im.g_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
+  }
+  m.tables = im.g_tables.as<int32_t>();
+  m.n = bucket;
+  m.width = im.graph_width;
+  m.num_rows = bucket;
+  if (im.graph_kv != kv.layer_data(0) || im.graph_page_size != page_size) {
+    im.drop_graphs();
+    im.graph_kv = kv.layer_data(0);
+    im.graph_page_size = page_size;
+  }
+  auto it = im.graphs.find(bucket);
+  if (it == im.graphs.end()) {
+    // Warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
+    HostMeta pad = hm;
+    std::fill(pad.slots.begin(), pad.slots.end(), -1);
+    std::fill(pad.ids.begin(), pad.ids.end(), 0);
+    im.upload(pad, m, m.tables);
+    im.body(m, kv, nullptr);
+    im.head(0, bucket);
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaGraph_t graph = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      im.body(m, kv, nullptr);
+      im.head(0, bucket);
+    } catch (...) {
+      (void)cudaStreamEndCapture(stream_, &graph);
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+      throw;
+    }
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    Impl::Graph gr;
+    const cudaError_t st = cudaGraphInstantiate(&gr.exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    TANDEM_CUDA_CHECK(st);
+    it = im.graphs.emplace(bucket, gr).first;
+  }
+  im.upload(hm, m, m.tables);
+  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
+  return true;
+}
+
+const float* Qwen3MoeCuda::forward_device(const ForwardBatch& batch, KvCache& kv) {
+  Impl& im = *impl_;
+  const int64_t rows = batch.num_logit_rows();
+  TANDEM_CHECK_KIND(kInvalidArgument, rows <= im.rows_cap, rows,
+                    " logits rows exceed the CUDA model's ", im.rows_cap);
+  if (!launch(batch, kv) && rows > 0) im.head(0, rows);
+  return im.logits.as<float>();
+}
+
+void Qwen3MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
+  Impl& im = *impl_;
+  const int64_t rows = batch.num_logit_rows(), v = config_.vocab_size;
+  if (batch.num_tokens() == 0) {
+    logits.clear();
+    return;
+  }
+  logits.resize(static_cast<size_t>(rows * v));
+  const bool done = launch(batch, kv);
+  // The head in chunks of the logits buffer (prompt logprobs of a long chunk need many rows).
+  for (int64_t begin = 0; begin < rows; begin += im.rows_cap) {
+    const int64_t count = std::min(im.rows_cap, rows - begin);
+    if (!done) im.head(begin, count);
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data() + begin * v, im.logits.as<float>(),
+                                      static_cast<size_t>(count * v) * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_));
+    // the next chunk's GEMM overwrites the buffer: the copy comes first (same stream)
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
+                                  const std::vector<DeviceSampling>& rows,
+                                  std::vector<SampledToken>& out) {
+  Impl& im = *impl_;
+  const auto R = static_cast<int64_t>(rows.size());
+  TANDEM_CHECK(R == batch.num_logit_rows(), "forward_sample: ", R, " sampling rows for ",
+               batch.num_logit_rows(), " logits rows");
+  out.clear();
+  if (batch.num_tokens() == 0) return;
+  const float* logits = forward_device(batch, kv);
+  if (R == 0) {
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
+  constexpr int64_t kTop = cuda::kMaxTopLogprobs;
+  // Layout of the pinned buffer: params [R] | tokens [R] | logprobs [R] | top ids | top lps.
+  auto* hp = im.h_sample.as<cuda::SamplingRowParams>();
+  auto* ht = reinterpret_cast<int32_t*>(hp + R);
+  auto* hl = reinterpret_cast<float*>(ht + R);
+  auto* hti = reinterpret_cast<int32_t*>(hl + R);
+  auto* htl = reinterpret_cast<float*>(hti + R * kTop);
+  int32_t max_top = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const DeviceSampling& d = rows[static_cast<size_t>(r)];
+    cuda::SamplingRowParams p;
+    p.temperature = d.temperature;
+    p.top_k = d.top_k;
+    p.top_p = d.top_p;
+    p.min_p = d.min_p;
+    p.seed = d.seed;
+    p.counter = d.counter;
+    p.want_logprob = d.logprobs >= 0 ? 1 : 0;
+    p.n_top = static_cast<int32_t>(std::clamp<int64_t>(d.logprobs, 0, kTop));
+    max_top = std::max(max_top, p.n_top);
+    hp[r] = p;
+  }
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.s_params.as<void>(), hp,
+                                    static_cast<size_t>(R) * sizeof(cuda::SamplingRowParams),
+                                    cudaMemcpyHostToDevice, stream_));
+  cuda::sample_launch({logits, DType::kF32, im.s_params.as<cuda::SamplingRowParams>(),
+                       im.s_tokens.as<int32_t>(), im.s_logprobs.as<float>(),
+                       im.s_top_ids.as<int32_t>(), im.s_top_lp.as<float>(), R,
+                       config_.vocab_size},
+                      stream_);
+  auto d2h = [&](void* dst, const void* src, size_t bytes) {
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  };
+  d2h(ht, im.s_tokens.as<void>(), static_cast<size_t>(R) * 4);
+  d2h(hl, im.s_logprobs.as<void>(), static_cast<size_t>(R) * 4);
+  if (max_top > 0) {
+    d2h(hti, im.s_top_ids.as<void>(), static_cast<size_t>(R * kTop) * 4);
+    d2h(htl, im.s_top_lp.as<void>(), static_cast<size_t>(R * kTop) * 4);
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  out.resize(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    SampledToken& o = out[static_cast<size_t>(r)];
+    o.token = ht[r];
+    o.logprob = hl[r];
+    const int32_t n = hp[r].n_top;
+    for (int32_t j = 0; j < n; ++j) {
+      if (hti[r * kTop + j] < 0) break;
+      o.top.emplace_back(hti[r * kTop + j], htl[r * kTop + j]);
+    }
+  }
+}
+
+}  // namespace tandem

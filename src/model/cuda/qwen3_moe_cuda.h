@@ -1,0 +1,97 @@
+// Qwen3-MoE on one GPU: bf16 weights in device memory, bf16 paged HND KV in device memory,
+// the layer built from the CUDA backend ops (src/backend/cuda), decode steps replayed from
+// CUDA graphs captured per batch-size bucket.
+//
+// One forward():
+//   1. the batch's metadata (ids, positions, owning sequence, KV slots, block tables, rows
+//      that need logits) is packed on the host and copied up (no other host traffic);
+//   2. a pure decode batch (one token per sequence) of n <= the largest bucket runs as the
+//      captured graph of the smallest bucket >= n, padded (padding tokens write no KV);
+//      anything else runs eagerly;
+//   3. fp32 logits rows come back to the host (forward) or stay on the device
+//      (forward_device, for benchmarks and on-device sampling).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/qwen3_moe.h"
+
+namespace tandem {
+
+struct CudaModelOptions {
+  int device = 0;
+  /// Most tokens in one forward (the engine's max_num_batched_tokens, or more).
+  int64_t max_tokens = 8192;
+  /// Most sequences in one forward (the engine's max_num_seqs).
+  int64_t max_seqs = 256;
+  /// Capture decode steps in CUDA graphs.
+  bool cuda_graphs = true;
+  /// Context a captured decode step can address (its block tables' width); 0: the model's
+  /// max_position_embeddings. Longer sequences run eagerly.
+  int64_t graph_max_context = 0;
+  /// Page size the graphs are captured for (the engine's page size).
+  int64_t page_size = 16;
+};
+
+class Qwen3MoeCuda final : public Model {
+ public:
+  /// Loads config.json and the safetensors weights of `dir` (mmap -> pinned staging ->
+  /// device). Throws kUnsupported, naming config.json and the field, for shapes the CUDA ops
+  /// do not cover (head_dim other than 64 / 128, attention bias, > 256 experts, top-k > 8).
+  static std::unique_ptr<Qwen3MoeCuda> load(const std::string& dir, const CudaModelOptions& opts);
+  /// A model of `config`'s shapes with random weights generated on the device (benchmarks at
+  /// real shapes without a checkpoint on disk): matrices ~ U(-a, a) with a = 0.02 * sqrt(3),
+  /// norms ~ 1 + U(-0.05, 0.05), deterministic in `seed`.
+  static std::unique_ptr<Qwen3MoeCuda> random(const ModelConfig& config,
+                                              const CudaModelOptions& opts, uint64_t seed);
+  ~Qwen3MoeCuda() override;
+
+  const ModelConfig& config() const override { return config_; }
+  /// bf16 pools of all KV heads.
+  KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  /// Device pools, zero-filled (a padding token of a captured step may read any page).
+  KvCache make_kv_cache(int64_t num_pages, int64_t page_size) override;
+  void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override;
+  /// Samples on the GPU (backend/cuda/sampling.h): only tokens and logprobs come back.
+  bool samples_on_device() const override { return true; }
+  void forward_sample(const ForwardBatch& batch, KvCache& kv,
+                      const std::vector<DeviceSampling>& rows,
+                      std::vector<SampledToken>& out) override;
+
+  /// As forward, leaving the fp32 logits rows [num_logit_rows, vocab] on the device (valid
+  /// until the next call; ordered on stream()).
+  const float* forward_device(const ForwardBatch& batch, KvCache& kv);
+  cudaStream_t stream() const { return stream_; }
+  /// Bytes of weights in device memory.
+  int64_t weight_bytes() const { return weight_bytes_; }
+  /// Batch-size buckets captured so far.
+  std::vector<int64_t> captured_buckets() const;
+  /// Decode-step buckets (the batch sizes graphs are captured for).
+  const std::vector<int64_t>& buckets() const { return buckets_; }
+
+  struct Impl;
+
+ private:
+  Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts);
+  // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
+  // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
+  bool launch(const ForwardBatch& batch, KvCache& kv);
+  std::unique_ptr<Impl> impl_;
+  ModelConfig config_;
+  CudaModelOptions opts_;
+  cudaStream_t stream_ = nullptr;
+  int64_t weight_bytes_ = 0;
+  std::vector<int64_t> buckets_;
+};
+
+/// Checks that the CUDA model covers `config` (throws kUnsupported naming `origin` and the
+/// field otherwise). CPU-only: the server calls it before touching the GPU.
+void check_cuda_model_config(const ModelConfig& config, const std::string& origin);
+
+}  // namespace tandem

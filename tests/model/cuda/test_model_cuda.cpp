@@ -1,0 +1,425 @@
+// The CUDA model against the CPU reference model and the transformers golden fixtures.
+//
+// bf16 weights, activations and KV on the GPU vs fp32 on the CPU: logits agree to bf16
+// accuracy, not bit for bit. A routing decision whose top-k gap is below bf16's resolution can
+// flip (another expert for that token), which moves a few rows by several percent; a bug moves
+// most rows. So
+//  - teacher-forced logits (every position of prompt + golden output) are compared row by row
+//    with the CPU model's: the relative L2 error of the rows must have median under
+//    kMedianTol, 95th percentile under kP95Tol and maximum under kMaxTol, and the argmax must
+//    agree wherever the CPU's top1-top2 margin exceeds kMarginBf16;
+//  - greedy generation through the engine (alone, batched, chunked, graphs on and off) must
+//    reproduce the golden tokens at every step up to the first one whose golden top1-top2
+//    margin is under kMarginBf16 (after that a bf16 engine may legitimately diverge), with the
+//    chosen token's logprob within kLogprobTol (ranks 2-5 within kLowerRankTol); each
+//    fixture must compare at least one step. Sampling runs on the GPU (and, in one mode, on
+//    the host from copied logits).
+// Fixtures whose shapes the GPU kernels do not cover (head_dim 8 / 16 / 32) must be refused at
+// load with an error naming config.json and the field (checked without a GPU too).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "engine/golden.h"
+#include "model/config.h"
+#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/qwen3_moe.h"
+
+namespace tandem {
+namespace {
+
+constexpr double kMedianTol = 1.5e-2;  // relative L2 error of a logits row: median,
+constexpr double kP95Tol = 5e-2;       // 95th percentile,
+constexpr double kMaxTol = 0.3;        // worst row
+constexpr double kMarginBf16 = 0.5;    // logit margin above which bf16 must agree on the argmax
+constexpr double kLogprobTol = 0.25;   // the chosen token's logprob vs the fp32 golden one
+constexpr double kLowerRankTol = 1.0;  // ranks 2-5 (a flipped routing moves them most)
+
+bool gpu_available() {
+  static const bool ok = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return n > 0;
+  }();
+  return ok;
+}
+
+bool gpu_shapes(const ModelConfig& c) { return c.head_dim == 64 || c.head_dim == 128; }
+
+std::vector<std::string> supported_dirs() {
+  std::vector<std::string> out;
+  for (const auto& d : testing::golden_dirs()) {
+    if (gpu_shapes(ModelConfig::from_dir(d))) out.push_back(d);
+  }
+  return out;
+}
+
+TEST(CudaModelConfig, UnsupportedShapesAreRefusedNamingTheField) {
+  int refused = 0;
+  for (const auto& d : testing::golden_dirs()) {
+    const ModelConfig c = ModelConfig::from_dir(d);
+    if (gpu_shapes(c)) {
+      EXPECT_NO_THROW(check_cuda_model_config(c, d + "/config.json")) << d;
+      continue;
+    }
+    try {
+      check_cuda_model_config(c, d + "/config.json");
+      ADD_FAILURE() << d << ": head_dim " << c.head_dim << " accepted";
+    } catch (const Error& e) {
+      ++refused;
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("config.json"), std::string::npos) << what;
+      EXPECT_NE(what.find("head_dim " + std::to_string(c.head_dim)), std::string::npos) << what;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GE(supported_dirs().size(), 3u);
+}
+
+// Compares logits rows [rows, vocab]; appends each row's relative L2 error to `errs`.
+// Returns the number of argmax checks made.
+int compare_rows(const std::vector<float>& got, const std::vector<float>& want, int64_t vocab,
+                 const std::string& what, std::vector<double>& errs) {
+  int checked = 0;
+  const int64_t rows = static_cast<int64_t>(want.size()) / vocab;
+  EXPECT_EQ(got.size(), want.size()) << what;
+  for (int64_t r = 0; r < rows && got.size() == want.size(); ++r) {
+    const float* g = got.data() + r * vocab;
+    const float* w = want.data() + r * vocab;
+    double num = 0, den = 0;
+    int64_t ga = 0, wa = 0, w2 = -1;
+    bool finite = true;
+    for (int64_t i = 0; i < vocab; ++i) {
+      finite = finite && std::isfinite(g[i]);
+      num += (double(g[i]) - w[i]) * (double(g[i]) - w[i]);
+      den += double(w[i]) * w[i];
+      if (g[i] > g[ga]) ga = i;
+      if (w[i] > w[wa]) wa = i;
+    }
+    EXPECT_TRUE(finite) << what << " row " << r;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (i != wa && (w2 < 0 || w[i] > w[w2])) w2 = i;
+    }
+    errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
+    if (w2 >= 0 && w[wa] - w[w2] > kMarginBf16) {
+      ++checked;
+      EXPECT_EQ(ga, wa) << what << " row " << r << " margin " << (w[wa] - w[w2]);
+    }
+  }
+  return checked;
+}
+
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
+}
+
+// One sequence, all positions' logits, in chunks of `chunk` tokens.
+std::vector<float> teacher_forced(Model& model, KvCache& kv, const std::vector<int32_t>& tokens,
+                                  int64_t chunk) {
+  const int64_t n = static_cast<int64_t>(tokens.size()), page = kv.geometry().page_size;
+  std::vector<int32_t> table(static_cast<size_t>((n + page - 1) / page));
+  std::iota(table.begin(), table.end(), 0);
+  std::reverse(table.begin(), table.end());  // non-contiguous, descending pages
+  std::vector<float> all, part;
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    ForwardBatch b;
+    ForwardSeq s;
+    s.tokens = tokens.data() + begin;
+    s.num_tokens = std::min(chunk, n - begin);
+    s.start_pos = begin;
+    s.block_table = table.data();
+    s.num_pages = static_cast<int64_t>(table.size());
+    s.logits = LogitsMode::kAll;
+    b.seqs.push_back(s);
+    model.forward(b, kv, part);
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
+class CudaGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaGolden, TeacherForcedLogitsMatchTheCpuModel) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  auto cpu = Qwen3MoeCpu::load(dir);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  const int64_t vocab = cpu->config().vocab_size;
+  std::vector<double> errs;
+  int checked = 0;
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    const auto& c = g.cases[i];
+    std::vector<int32_t> tokens = c.prompt_ids;
+    tokens.insert(tokens.end(), c.output_ids.begin(), c.output_ids.end() - 1);
+    const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
+    KvCache cpu_kv(cpu->kv_geometry(pages, 4));
+    KvCache gpu_kv = gpu->make_kv_cache(pages, 4);
+    const auto want = teacher_forced(*cpu, cpu_kv, tokens, 1 << 20);
+    const auto got = teacher_forced(*gpu, gpu_kv, tokens, 1 << 20);
+    checked += compare_rows(got, want, vocab, g.name + " case " + std::to_string(i), errs);
+    // Chunks of 7 tokens over 4-token pages: a chunk continues a cached prefix mid-page.
+    KvCache gpu_kv2 = gpu->make_kv_cache(pages, 4);
+    const auto chunked = teacher_forced(*gpu, gpu_kv2, tokens, 7);
+    checked +=
+        compare_rows(chunked, want, vocab, g.name + " chunked case " + std::to_string(i), errs);
+  }
+  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  std::printf("[ %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
+              "%d argmax checks\n",
+              g.name.c_str(), errs.size(), med, p95, worst, checked);
+  EXPECT_LT(med, kMedianTol);
+  EXPECT_LT(p95, kP95Tol);
+  EXPECT_LT(worst, kMaxTol);
+  EXPECT_GT(checked, 0);
+}
+
+// The GPU model with host sampling (logits copied back), the path requests with penalties or
+// prompt logprobs take.
+class HostSampled final : public Model {
+ public:
+  explicit HostSampled(Model& m) : m_(m) {}
+  const ModelConfig& config() const override { return m_.config(); }
+  KvGeometry kv_geometry(int64_t pages, int64_t page) const override {
+    return m_.kv_geometry(pages, page);
+  }
+  KvCache make_kv_cache(int64_t pages, int64_t page) override {
+    return m_.make_kv_cache(pages, page);
+  }
+  void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
+    m_.forward(b, kv, logits);
+  }
+
+ private:
+  Model& m_;
+};
+
+struct Result {
+  std::vector<int32_t> ids;
+  std::vector<std::vector<TokenLogprob>> top;
+  int finished = 0;
+};
+
+std::vector<Result> run_engine(Model& model, const std::vector<testing::GoldenCase>& cases,
+                               EngineConfig cfg, bool together) {
+  Engine engine(model, cfg);
+  std::vector<Result> results(cases.size());
+  auto add = [&](size_t i) {
+    GenRequest r;
+    r.id = "r" + std::to_string(i);
+    r.prompt_ids = cases[i].prompt_ids;
+    r.max_tokens = cases[i].max_tokens;
+    r.sampling.temperature = 0;
+    r.sampling.logprobs = 5;
+    engine.add(r, [&results, i](const StepOutput& o) {
+      Result& res = results[i];
+      res.ids.insert(res.ids.end(), o.token_ids.begin(), o.token_ids.end());
+      res.top.insert(res.top.end(), o.top_logprobs.begin(), o.top_logprobs.end());
+      if (o.finished) ++res.finished;
+    });
+  };
+  if (together) {
+    for (size_t i = 0; i < cases.size(); ++i) add(i);
+    while (engine.step()) {
+    }
+  } else {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      add(i);
+      while (engine.step()) {
+      }
+    }
+  }
+  EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages()) << "leaked KV pages";
+  return results;
+}
+
+// Steps compared: up to the first golden step whose top1-top2 margin is under kMarginBf16.
+int compare_greedy(const testing::Golden& g, const std::vector<Result>& results,
+                   const std::string& mode) {
+  int compared = 0;
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    const auto& c = g.cases[i];
+    const Result& r = results[i];
+    SCOPED_TRACE(g.name + " " + mode + " case " + std::to_string(i));
+    EXPECT_EQ(r.finished, 1);
+    for (size_t t = 0; t < c.output_ids.size(); ++t) {
+      const auto& top = c.top_logprobs[t];
+      if (top.size() < 2 || top[0].logprob - top[1].logprob < kMarginBf16) break;
+      const bool same = t < r.ids.size() && r.ids[t] == c.output_ids[t] && t < r.top.size() &&
+                        r.top[t].size() == top.size();
+      EXPECT_TRUE(same) << "step " << t << ": got "
+                        << (t < r.ids.size() ? std::to_string(r.ids[t]) : "nothing") << ", want "
+                        << c.output_ids[t];
+      if (!same) break;  // the rest of the case diverges
+      for (size_t k = 0; k < top.size(); ++k) {
+        // Lower ranks may swap when they are close; compare each golden id's logprob.
+        for (const auto& e : r.top[t]) {
+          if (e.id == top[k].id) {
+            EXPECT_NEAR(e.logprob, top[k].logprob, k == 0 ? kLogprobTol : kLowerRankTol)
+                << "step " << t << " rank " << k;
+          }
+        }
+      }
+      ++compared;
+    }
+  }
+  return compared;
+}
+
+TEST_P(CudaGolden, GreedyMatchesTransformers) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  struct Mode {
+    const char* name;
+    bool graphs, together;
+    int64_t budget, page;
+    bool host_sampling = false;
+  };
+  const Mode modes[] = {{"alone+graphs", true, false, 1024, 16},
+                        {"batched+graphs", true, true, 1024, 16},
+                        {"chunked+graphs", true, true, 7, 4},
+                        {"batched eager", false, true, 1024, 16},
+                        {"batched+graphs, host sampling", true, true, 1024, 16, true}};
+  for (const Mode& m : modes) {
+    CudaModelOptions o;
+    o.max_tokens = m.budget;
+    o.max_seqs = 8;
+    o.page_size = m.page;
+    o.cuda_graphs = m.graphs;
+    auto gpu = Qwen3MoeCuda::load(dir, o);
+    EngineConfig cfg;
+    cfg.max_num_seqs = 8;
+    cfg.max_batched_tokens = m.budget;
+    cfg.page_size = m.page;
+    cfg.kv_cache_mb = 64;
+    HostSampled host(*gpu);
+    Model& model = m.host_sampling ? static_cast<Model&>(host) : *gpu;
+    const auto results = run_engine(model, g.cases, cfg, m.together);
+    const int compared = compare_greedy(g, results, m.name);
+    EXPECT_GT(compared, 0) << g.name << " " << m.name << ": no step with a margin over "
+                           << kMarginBf16;
+    if (m.graphs) {
+      EXPECT_FALSE(gpu->captured_buckets().empty()) << "no decode step ran a graph";
+    }
+    std::printf("[ %s ] %s: %d greedy steps compared\n", g.name.c_str(), m.name, compared);
+  }
+}
+
+TEST_P(CudaGolden, BadInputsThrowWithoutPoisoningTheModel) {
+  const std::string dir = GetParam();
+  CudaModelOptions o;
+  o.max_tokens = 64;
+  o.max_seqs = 4;
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  KvCache kv = gpu->make_kv_cache(16, 16);
+  std::vector<int32_t> table = {3};
+  std::vector<int32_t> bad = {1, static_cast<int32_t>(gpu->config().vocab_size)};
+  ForwardBatch b;
+  b.seqs.push_back({bad.data(), 2, 0, table.data(), 1, LogitsMode::kLast});
+  std::vector<float> logits;
+  try {
+    gpu->forward(b, kv, logits);
+    ADD_FAILURE() << "out-of-range token id accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+  }
+  std::vector<int32_t> long_tokens(65, 1);
+  std::vector<int32_t> table5 = {0, 1, 2, 3, 4};
+  ForwardBatch b2;
+  b2.seqs.push_back({long_tokens.data(), 65, 0, table5.data(), 5, LogitsMode::kLast});
+  EXPECT_THROW(gpu->forward(b2, kv, logits), Error);
+  const ModelConfig& c = gpu->config();
+  KvCache host(KvGeometry{c.num_hidden_layers, 4, c.num_key_value_heads, 16, c.head_dim});
+  std::vector<int32_t> ok = {1, 2};
+  ForwardBatch b3;
+  b3.seqs.push_back({ok.data(), 2, 0, table.data(), 1, LogitsMode::kLast});
+  EXPECT_THROW(gpu->forward(b3, host, logits), Error);
+  // The model still works after the errors.
+  gpu->forward(b3, kv, logits);
+  ASSERT_EQ(static_cast<int64_t>(logits.size()), gpu->config().vocab_size);
+  for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+}
+
+// Seeded sampling on the GPU is reproducible; penalties (host path) and sampling (device path)
+// mix in one batch.
+TEST_P(CudaGolden, SeededSamplingRepeatsAndPenaltiesMix) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  EngineConfig cfg;
+  cfg.max_num_seqs = 8;
+  cfg.kv_cache_mb = 64;
+  auto run = [&](bool with_penalty) {
+    Engine engine(*gpu, cfg);
+    std::vector<std::vector<int32_t>> ids(3);
+    for (int i = 0; i < 3; ++i) {
+      GenRequest r;
+      r.id = "s" + std::to_string(i);
+      r.prompt_ids = g.cases[0].prompt_ids;
+      r.max_tokens = 16;
+      r.ignore_eos = true;
+      r.sampling.temperature = 0.8f;
+      r.sampling.top_p = 0.9f;
+      r.sampling.top_k = i == 2 ? 5 : 0;
+      r.sampling.seed = 1234 + static_cast<uint64_t>(i);
+      r.sampling.logprobs = 2;
+      if (with_penalty && i == 1) r.sampling.repetition_penalty = 1.3f;
+      engine.add(r, [&ids, i](const StepOutput& out) {
+        EXPECT_TRUE(out.error.empty()) << out.error;
+        ids[static_cast<size_t>(i)].insert(ids[static_cast<size_t>(i)].end(),
+                                           out.token_ids.begin(), out.token_ids.end());
+      });
+    }
+    while (engine.step()) {
+    }
+    EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages());
+    return ids;
+  };
+  const auto a = run(false), b = run(false), c = run(true);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(a[static_cast<size_t>(i)].size(), 16u);
+    EXPECT_EQ(a[static_cast<size_t>(i)], b[static_cast<size_t>(i)]) << "seeded request " << i;
+    for (int32_t id : c[static_cast<size_t>(i)]) {
+      EXPECT_TRUE(id >= 0 && id < gpu->config().vocab_size);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGolden, ::testing::ValuesIn(supported_dirs()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string n = std::filesystem::path(info.param).filename().string();
+                           for (char& ch : n) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace tandem

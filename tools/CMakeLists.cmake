@@ -1,0 +1,19 @@
+# tools/ executables (C++). Included from the top-level CMakeLists.txt after the tests block and
+# the tandem target:
+#   include(${CMAKE_SOURCE_DIR}/tools/CMakeLists.cmake)
+#
+# Targets:
+#   make_random_checkpoint   random bf16 Qwen3-MoE checkpoints at real shapes (tools/README.md)
+# Test (ctest): Tools.RandomCheckpoint writes a 2-layer tiny checkpoint and generates from it
+# with `tandem generate`.
+
+add_executable(make_random_checkpoint ${CMAKE_CURRENT_LIST_DIR}/make_random_checkpoint.cpp)
+target_link_libraries(make_random_checkpoint PRIVATE Threads::Threads)
+target_compile_options(make_random_checkpoint PRIVATE ${TANDEM_WARNINGS})
+
+if(TANDEM_TESTS AND TARGET tandem)
+  add_test(NAME Tools.RandomCheckpoint
+           COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_random_checkpoint.sh
+                   $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem>)
+  set_tests_properties(Tools.RandomCheckpoint PROPERTIES TIMEOUT 120)
+endif()

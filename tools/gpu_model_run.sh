@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The one script for the single-GPU machine (issue "CUDA backend on one H200"): unpacks the
+# binaries packed by tools/pack_gpu_bin.sh, runs every GPU test, then the benchmarks, and prints
+# the tables last. It builds nothing.
+#
+#   tools/gpu_model_run.sh PACK_DIR        (from the repo root; PACK_DIR holds bin.tar.xz)
+#
+# TANDEM_GPU_RUN_STEPS="name ..." runs only those steps; TANDEM_BENCH_ARGS goes to the C++
+# benchmarks (e.g. --quick). Logs and CSVs go to /tmp/gpu_model_run, and as one logs.tgz to
+# $OUT when set (the device tool brings back only a few files).
+# Wheels in .whl/ (openai and the packages it needs that the image lacks) are installed into
+# /tmp/site for the openai client step.
+#
+# Steps (each time-limited; exit status 0 only when every test step passed, not skipped):
+#   test_backend_cuda  every kernel vs its CPU reference (norms, attention, MoE GEMM and layer,
+#                      sampling, ...), fresh random inputs, poisoned outputs
+#   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
+#                      greedy through the engine (alone / batched / chunked / graphs / eager)
+#   test_server_cuda   the HTTP tests of the "Serving" issue, the real-engine ones over the GPU
+#                      model (TANDEM_TEST_DEVICE=cuda)
+#   openai_client      the official openai client against `tandem serve --device cuda`
+#   memcheck_model     compute-sanitizer memcheck over one fixture's model tests
+#   bench_moe_layer, moe_torch, bench_attention, bench_sampling, bench_model_cuda
+set -uo pipefail
+PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
+PACK=$(cd "$PACK" && pwd)
+ROOT=$(pwd)
+LOG=/tmp/gpu_model_run
+rm -rf "$LOG" && mkdir -p "$LOG"
+BIN=/tmp/tandem_gpu_bin
+rm -rf "$BIN" && mkdir -p "$BIN"
+python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+  "$PACK/bin.tar.xz" "$BIN" || { echo "cannot unpack $PACK/bin.tar.xz"; exit 2; }
+export NCCL_NVLS_ENABLE=0
+[ -d "$BIN/qwen3_tokenizer" ] && export TANDEM_QWEN3_TOKENIZER_DIR=$BIN/qwen3_tokenizer
+export TANDEM_SOURCE_DIR=$ROOT
+source "$(dirname "$0")/gpu_libs.sh"
+find_gpu_libs libcudart.so.13 libcublasLt.so.13 libcublas.so.13
+# Of the carried libraries keep only those the machine lacks (python and torch keep theirs).
+for f in "$BIN"/lib/*; do
+  ldconfig -p 2>/dev/null | grep -q "$(basename "$f") " && rm -f "$f"
+done
+echo "carried libraries used: $(ls "$BIN/lib" | tr '\n' ' ')"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$BIN/lib"
+
+{
+  echo "== machine ($(date -u +%FT%TZ))"
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
+    --format=csv,noheader 2>/dev/null
+  for b in "$BIN"/*; do
+    [ -f "$b" ] || continue
+    missing=$(ldd "$b" 2>&1 | grep -E 'not found|GLIBC' || true)
+    [ -n "$missing" ] && echo "MISSING for $(basename "$b"): $missing"
+  done
+  git -C "$ROOT" log -1 --format='commit %h %s' 2>/dev/null
+} 2>&1 | tee "$LOG/env.txt"
+
+status=0
+declare -A RC
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2
+  shift 2
+  if [ -n "${TANDEM_GPU_RUN_STEPS:-}" ] && [[ " $TANDEM_GPU_RUN_STEPS " != *" $name "* ]]; then
+    RC[$name]=skipped
+    return 0
+  fi
+  echo
+  echo "== $name [$(date -u +%H:%M:%S)]"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? from .* ran|^\[ [a-z0-9_]+ \]' \
+    "$LOG/$name.log" | head -60
+  if [ $rc -eq 0 ] && [[ $name == test_* ]] && grep -q '^\[  SKIPPED \]' "$LOG/$name.log"; then
+    echo "!! $name skipped tests on the GPU machine"
+    rc=3
+  fi
+  if [ $rc -ne 0 ]; then
+    echo "!! $name exited with $rc (124: timed out); failures / last lines:"
+    grep -B3 -A14 -E 'Failure$|FATAL|what\(\)|Error|error:' "$LOG/$name.log" | head -150
+    tail -15 "$LOG/$name.log"
+    [[ $name == bench* || $name == moe_torch ]] || status=1
+  fi
+  echo "   ($name: rc $rc, $((SECONDS - t0)) s)"
+  RC[$name]=$rc
+  # Logs so far, in case the device tool's time limit ends the script.
+  [ -n "${OUT:-}" ] && tar -C "$LOG" -czf "$OUT/logs.tgz" . 2>/dev/null
+  return 0
+}
+
+step test_backend_cuda 240 "$BIN/test_backend_cuda"
+step test_model_cuda 150 "$BIN/test_model_cuda"
+export TANDEM_TEST_DEVICE=cuda
+step test_server_cuda 120 "$BIN/test_server"
+unset TANDEM_TEST_DEVICE
+if ls "$ROOT"/.whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$ROOT"/.whl/*.whl > "$LOG/pip.log" 2>&1 || echo "!! wheel install failed"
+  export PYTHONPATH=/tmp/site
+fi
+export TANDEM_OPENAI_PYTHON=python3 TANDEM_SERVE_ARGS="--device cuda"
+step openai_client 90 "$ROOT/tests/e2e/openai_client_test.sh" "$BIN/tandem" "$ROOT"
+unset TANDEM_OPENAI_PYTHON TANDEM_SERVE_ARGS
+if command -v compute-sanitizer > /dev/null; then
+  step memcheck_model 200 compute-sanitizer --tool memcheck --error-exitcode 99 \
+    "$BIN/test_model_cuda" --gtest_filter='*TeacherForced*hub_top8*:*BadInputs*hub_top8*'
+fi
+
+export TANDEM_BENCH_CSV="$LOG/bench_moe_layer.csv"
+step bench_moe_layer 120 "$BIN/bench_moe_layer" ${TANDEM_BENCH_ARGS:-}
+step moe_torch 150 python3 "$ROOT/bench/cuda/moe_torch_baseline.py" --csv "$LOG/moe_torch.csv"
+export TANDEM_BENCH_CSV="$LOG/bench_attention.csv"
+step bench_attention 120 "$BIN/bench_attention" ${TANDEM_BENCH_ARGS:-}
+export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
+step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
+export TANDEM_BENCH_CSV="$LOG/bench_model_cuda.csv"
+step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
+# Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
+if command -v nsys > /dev/null; then
+  for b in 1 32; do
+    step "profile_decode_b$b" 150 bash -c "nsys profile -q -f true -o /tmp/prof_b$b \
+      '$BIN/bench_model_cuda' --model 30b --decode-only $b > /dev/null && \
+      nsys stats -q --report cuda_gpu_kern_sum --format csv /tmp/prof_b$b.nsys-rep"
+  done
+fi
+
+echo
+echo "== summary"
+for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
+for f in bench_moe_layer moe_torch bench_attention bench_sampling; do
+  [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
+done
+[ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
+[ -n "${OUT:-}" ] && tar -C "$LOG" -czf "$OUT/logs.tgz" .
+exit $status

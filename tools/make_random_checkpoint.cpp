@@ -1,0 +1,454 @@
+// Writes a Hugging Face style Qwen3-MoE checkpoint of random bf16 weights at real shapes, for
+// loading / memory / speed work without downloading a model: config.json,
+// generation_config.json, model.safetensors.index.json and model-0000i-of-0000N.safetensors
+// shards of at most --shard-gb GB, tensor names as the hub's Qwen3MoeForCausalLM.
+//
+//   make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b] [--layers N]
+//       [--hidden H] [--intermediate I] [--moe-intermediate M] [--experts E] [--top-k K]
+//       [--heads Q] [--kv-heads KV] [--head-dim D] [--vocab V] [--max-position P]
+//       [--rope-theta T] [--rms-norm-eps EPS] [--tie-word-embeddings] [--no-norm-topk-prob]
+//       [--seed S] [--shard-gb G] [--threads T]
+//
+// Values: matrices N(0, 0.02^2) (Irwin-Hall approximation: 4 uniforms), norms 1 + U(-0.05, 0.05).
+// Each 1 Mi-element chunk of each tensor has its own generator seeded from (seed, tensor, chunk),
+// so the output is identical for any thread count. Threads fill chunks and pwrite() them into
+// pre-sized shard files: the speed is the disk's (about 30 GB/s of generation on 16 cores).
+// Standard library + POSIX only; the safetensors header JSON is written by hand.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct Config {
+  int64_t hidden = 2048, intermediate = 6144, moe_intermediate = 768, experts = 128, top_k = 8;
+  int64_t layers = 48, heads = 32, kv_heads = 4, head_dim = 128, vocab = 151936;
+  int64_t max_position = 40960;
+  double rope_theta = 1e6, rms_norm_eps = 1e-6;
+  bool tie = false, norm_topk_prob = true;
+};
+
+Config preset(std::string const& name) {
+  Config c;  // qwen3-30b-a3b
+  if (name == "qwen3-30b-a3b") return c;
+  if (name == "qwen3-235b-a22b") {
+    c.hidden = 4096;
+    c.layers = 94;
+    c.moe_intermediate = 1536;
+    c.intermediate = 12288;
+    c.heads = 64;
+    c.kv_heads = 4;
+    return c;
+  }
+  throw std::invalid_argument("unknown --preset '" + name + "' (qwen3-30b-a3b, qwen3-235b-a22b)");
+}
+
+enum class Init { kMatrix, kNorm };
+
+struct Tensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  Init init;
+  int shard = 0;
+  uint64_t offset = 0;  // within the shard's data section
+  uint64_t numel() const {
+    uint64_t n = 1;
+    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+    return n;
+  }
+  uint64_t bytes() const { return numel() * 2; }
+};
+
+std::vector<Tensor> tensor_list(Config const& c) {
+  std::vector<Tensor> t;
+  t.push_back({"model.embed_tokens.weight", {c.vocab, c.hidden}, Init::kMatrix});
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    t.push_back({p + "input_layernorm.weight", {c.hidden}, Init::kNorm});
+    t.push_back({p + "self_attn.q_proj.weight", {c.heads * c.head_dim, c.hidden}, Init::kMatrix});
+    t.push_back(
+        {p + "self_attn.k_proj.weight", {c.kv_heads * c.head_dim, c.hidden}, Init::kMatrix});
+    t.push_back(
+        {p + "self_attn.v_proj.weight", {c.kv_heads * c.head_dim, c.hidden}, Init::kMatrix});
+    t.push_back({p + "self_attn.o_proj.weight", {c.hidden, c.heads * c.head_dim}, Init::kMatrix});
+    t.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, Init::kNorm});
+    t.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, Init::kNorm});
+    t.push_back({p + "post_attention_layernorm.weight", {c.hidden}, Init::kNorm});
+    t.push_back({p + "mlp.gate.weight", {c.experts, c.hidden}, Init::kMatrix});
+    for (int64_t e = 0; e < c.experts; ++e) {
+      const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+      t.push_back({q + "gate_proj.weight", {c.moe_intermediate, c.hidden}, Init::kMatrix});
+      t.push_back({q + "up_proj.weight", {c.moe_intermediate, c.hidden}, Init::kMatrix});
+      t.push_back({q + "down_proj.weight", {c.hidden, c.moe_intermediate}, Init::kMatrix});
+    }
+  }
+  t.push_back({"model.norm.weight", {c.hidden}, Init::kNorm});
+  if (!c.tie) t.push_back({"lm_head.weight", {c.vocab, c.hidden}, Init::kMatrix});
+  return t;
+}
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint16_t to_bf16(float f) {  // round to nearest even; values here are finite
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+/// Fills `out` with chunk `chunk` of a tensor of kind `init`.
+void fill(uint16_t* out, size_t n, Init init, uint64_t seed) {
+  uint64_t s = seed;
+  constexpr float kU16 = 1.0f / 65536.0f;
+  // Irwin-Hall: the sum of 4 U(0,1) has mean 2 and variance 1/3.
+  const float scale = 0.02f * std::sqrt(3.0f);
+  size_t i = 0;
+  if (init == Init::kMatrix) {
+    for (; i < n; ++i) {
+      const uint64_t r = splitmix(s);
+      const float sum = static_cast<float>((r & 0xFFFF) + ((r >> 16) & 0xFFFF) +
+                                           ((r >> 32) & 0xFFFF) + (r >> 48)) *
+                        kU16;
+      out[i] = to_bf16((sum - 2.0f) * scale);
+    }
+  } else {
+    for (; i < n; ++i) {
+      const float u = static_cast<float>(splitmix(s) >> 40) * 0x1p-24f;  // [0, 1)
+      out[i] = to_bf16(1.0f + 0.1f * (u - 0.5f));
+    }
+  }
+}
+
+std::string shape_json(std::vector<int64_t> const& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+std::string shard_name(int i, int n) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05d-of-%05d.safetensors", i + 1, n);
+  return buf;
+}
+
+void write_text(std::filesystem::path const& p, std::string const& s) {
+  std::ofstream f(p, std::ios::binary);
+  f << s;
+  if (!f) throw std::runtime_error("cannot write " + p.string());
+}
+
+std::string fmt_double(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  std::string s = os.str();
+  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string config_json(Config const& c) {
+  const bool qwen_ids = c.vocab > 151645;
+  const int64_t bos = qwen_ids ? 151643 : c.vocab - 2, eos = qwen_ids ? 151645 : c.vocab - 1;
+  std::ostringstream o;
+  o << "{\n"
+    << "  \"architectures\": [\n    \"Qwen3MoeForCausalLM\"\n  ],\n"
+    << "  \"attention_bias\": false,\n"
+    << "  \"attention_dropout\": 0.0,\n"
+    << "  \"bos_token_id\": " << bos << ",\n"
+    << "  \"decoder_sparse_step\": 1,\n"
+    << "  \"eos_token_id\": " << eos << ",\n"
+    << "  \"head_dim\": " << c.head_dim << ",\n"
+    << "  \"hidden_act\": \"silu\",\n"
+    << "  \"hidden_size\": " << c.hidden << ",\n"
+    << "  \"initializer_range\": 0.02,\n"
+    << "  \"intermediate_size\": " << c.intermediate << ",\n"
+    << "  \"max_position_embeddings\": " << c.max_position << ",\n"
+    << "  \"max_window_layers\": " << c.layers << ",\n"
+    << "  \"mlp_only_layers\": [],\n"
+    << "  \"model_type\": \"qwen3_moe\",\n"
+    << "  \"moe_intermediate_size\": " << c.moe_intermediate << ",\n"
+    << "  \"norm_topk_prob\": " << (c.norm_topk_prob ? "true" : "false") << ",\n"
+    << "  \"num_attention_heads\": " << c.heads << ",\n"
+    << "  \"num_experts\": " << c.experts << ",\n"
+    << "  \"num_experts_per_tok\": " << c.top_k << ",\n"
+    << "  \"num_hidden_layers\": " << c.layers << ",\n"
+    << "  \"num_key_value_heads\": " << c.kv_heads << ",\n"
+    << "  \"output_router_logits\": false,\n"
+    << "  \"rms_norm_eps\": " << fmt_double(c.rms_norm_eps) << ",\n"
+    << "  \"rope_scaling\": null,\n"
+    << "  \"rope_theta\": " << fmt_double(c.rope_theta) << ",\n"
+    << "  \"router_aux_loss_coef\": 0.001,\n"
+    << "  \"sliding_window\": null,\n"
+    << "  \"tie_word_embeddings\": " << (c.tie ? "true" : "false") << ",\n"
+    << "  \"torch_dtype\": \"bfloat16\",\n"
+    << "  \"transformers_version\": \"4.51.0\",\n"
+    << "  \"use_cache\": true,\n"
+    << "  \"use_sliding_window\": false,\n"
+    << "  \"vocab_size\": " << c.vocab << "\n"
+    << "}\n";
+  return o.str();
+}
+
+std::string generation_config_json(Config const& c) {
+  const bool qwen_ids = c.vocab > 151645;
+  const int64_t bos = qwen_ids ? 151643 : c.vocab - 2, eos = qwen_ids ? 151645 : c.vocab - 1;
+  std::ostringstream o;
+  o << "{\n  \"bos_token_id\": " << bos << ",\n  \"do_sample\": true,\n  \"eos_token_id\": [\n    "
+    << eos << ",\n    " << bos << "\n  ],\n  \"pad_token_id\": " << bos
+    << ",\n  \"temperature\": 0.6,\n  \"top_k\": 20,\n  \"top_p\": 0.95,\n"
+    << "  \"transformers_version\": \"4.51.0\"\n}\n";
+  return o.str();
+}
+
+struct Args {
+  std::string out;
+  Config c;
+  uint64_t seed = 0;
+  double shard_gb = 4.0;
+  unsigned threads = 0;
+};
+
+[[noreturn]] void usage(std::string const& msg) {
+  std::fprintf(stderr,
+               "make_random_checkpoint: %s\n"
+               "usage: make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b]\n"
+               "  [--layers N] [--hidden H] [--intermediate I] [--moe-intermediate M]\n"
+               "  [--experts E] [--top-k K] [--heads Q] [--kv-heads KV] [--head-dim D]\n"
+               "  [--vocab V] [--max-position P] [--rope-theta T] [--rms-norm-eps EPS]\n"
+               "  [--tie-word-embeddings] [--no-norm-topk-prob] [--seed S] [--shard-gb G]\n"
+               "  [--threads T]\n",
+               msg.c_str());
+  std::exit(2);
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  // The preset first, so that the other flags override it wherever they stand.
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == "--preset") a.c = preset(argv[i + 1]);
+  }
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--tie-word-embeddings") {
+      a.c.tie = true;
+      continue;
+    }
+    if (f == "--no-norm-topk-prob") {
+      a.c.norm_topk_prob = false;
+      continue;
+    }
+    if (i + 1 >= argc) usage("missing value for " + f);
+    const std::string v = argv[++i];
+    auto pos_int = [&]() -> int64_t {
+      char* end = nullptr;
+      const long long x = std::strtoll(v.c_str(), &end, 10);
+      if (end == v.c_str() || *end != '\0' || x <= 0) usage("bad value for " + f + ": " + v);
+      return x;
+    };
+    auto pos_double = [&]() -> double {
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(x > 0)) usage("bad value for " + f + ": " + v);
+      return x;
+    };
+    if (f == "--out")
+      a.out = v;
+    else if (f == "--preset")
+      continue;  // applied above
+    else if (f == "--layers")
+      a.c.layers = pos_int();
+    else if (f == "--hidden")
+      a.c.hidden = pos_int();
+    else if (f == "--intermediate")
+      a.c.intermediate = pos_int();
+    else if (f == "--moe-intermediate")
+      a.c.moe_intermediate = pos_int();
+    else if (f == "--experts")
+      a.c.experts = pos_int();
+    else if (f == "--top-k")
+      a.c.top_k = pos_int();
+    else if (f == "--heads")
+      a.c.heads = pos_int();
+    else if (f == "--kv-heads")
+      a.c.kv_heads = pos_int();
+    else if (f == "--head-dim")
+      a.c.head_dim = pos_int();
+    else if (f == "--vocab")
+      a.c.vocab = pos_int();
+    else if (f == "--max-position")
+      a.c.max_position = pos_int();
+    else if (f == "--rope-theta")
+      a.c.rope_theta = pos_double();
+    else if (f == "--rms-norm-eps")
+      a.c.rms_norm_eps = pos_double();
+    else if (f == "--seed")
+      a.seed = std::strtoull(v.c_str(), nullptr, 10);
+    else if (f == "--shard-gb")
+      a.shard_gb = pos_double();
+    else if (f == "--threads")
+      a.threads = static_cast<unsigned>(pos_int());
+    else
+      usage("unknown flag " + f);
+  }
+  if (a.out.empty()) usage("--out is required");
+  if (a.c.top_k > a.c.experts) usage("--top-k exceeds --experts");
+  if (a.c.heads % a.c.kv_heads != 0) usage("--heads must be a multiple of --kv-heads");
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    const Config& c = a.c;
+    std::vector<Tensor> tensors = tensor_list(c);
+
+    // Shards: tensors in order, a new shard when the next tensor would pass the limit.
+    const uint64_t limit = static_cast<uint64_t>(a.shard_gb * 1e9);
+    std::vector<uint64_t> shard_bytes{0};
+    for (Tensor& t : tensors) {
+      if (shard_bytes.back() > 0 && shard_bytes.back() + t.bytes() > limit)
+        shard_bytes.push_back(0);
+      t.shard = static_cast<int>(shard_bytes.size() - 1);
+      t.offset = shard_bytes.back();
+      shard_bytes.back() += t.bytes();
+    }
+    const int nshards = static_cast<int>(shard_bytes.size());
+
+    std::filesystem::create_directories(a.out);
+    const std::filesystem::path dir(a.out);
+    write_text(dir / "config.json", config_json(c));
+    write_text(dir / "generation_config.json", generation_config_json(c));
+
+    // Headers, then the pre-sized files.
+    std::vector<int> fds(nshards, -1);
+    std::vector<uint64_t> data_start(nshards);
+    uint64_t total = 0;
+    for (int s = 0; s < nshards; ++s) {
+      std::string h = "{\"__metadata__\":{\"format\":\"pt\"}";
+      for (Tensor const& t : tensors) {
+        if (t.shard != s) continue;
+        h += ",\"" + t.name + "\":{\"dtype\":\"BF16\",\"shape\":" + shape_json(t.shape) +
+             ",\"data_offsets\":[" + std::to_string(t.offset) + "," +
+             std::to_string(t.offset + t.bytes()) + "]}";
+      }
+      h += "}";
+      while ((8 + h.size()) % 8 != 0) h += ' ';  // data 8-byte aligned, as safetensors writes
+      const std::string path = (dir / shard_name(s, nshards)).string();
+      const int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0644);
+      if (fd < 0) throw std::runtime_error("cannot create " + path + ": " + std::strerror(errno));
+      fds[s] = fd;
+      uint8_t len[8];
+      for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(h.size() >> (8 * i));
+      data_start[s] = 8 + h.size();
+      if (::pwrite(fd, len, 8, 0) != 8 ||
+          ::pwrite(fd, h.data(), h.size(), 8) != static_cast<ssize_t>(h.size()) ||
+          ::ftruncate(fd, static_cast<off_t>(data_start[s] + shard_bytes[s])) != 0) {
+        throw std::runtime_error("cannot write " + path + ": " + std::strerror(errno));
+      }
+      total += shard_bytes[s];
+    }
+
+    // Work items: 1 Mi-element chunks of every tensor.
+    constexpr uint64_t kChunk = uint64_t{1} << 20;
+    struct Item {
+      uint32_t tensor;
+      uint64_t chunk;
+    };
+    std::vector<Item> items;
+    for (uint32_t i = 0; i < tensors.size(); ++i) {
+      const uint64_t n = (tensors[i].numel() + kChunk - 1) / kChunk;
+      for (uint64_t k = 0; k < n; ++k) items.push_back({i, k});
+    }
+    const unsigned threads =
+        a.threads ? a.threads : std::max(1u, std::thread::hardware_concurrency());
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::string error;
+    std::atomic_flag error_lock = ATOMIC_FLAG_INIT;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto work = [&] {
+      std::vector<uint16_t> buf(kChunk);
+      for (size_t w; !failed && (w = next.fetch_add(1)) < items.size();) {
+        const Item it = items[w];
+        Tensor const& t = tensors[it.tensor];
+        const uint64_t first = it.chunk * kChunk;
+        const size_t n = static_cast<size_t>(std::min(kChunk, t.numel() - first));
+        uint64_t seed = a.seed * 0x9E3779B97F4A7C15ull ^ (uint64_t{it.tensor} << 40) ^ it.chunk;
+        seed = splitmix(seed);
+        fill(buf.data(), n, t.init, seed);
+        const uint64_t off = data_start[t.shard] + t.offset + first * 2;
+        const char* p = reinterpret_cast<const char*>(buf.data());
+        size_t left = n * 2;
+        while (left > 0) {
+          const ssize_t wr =
+              ::pwrite(fds[t.shard], p, left, static_cast<off_t>(off + (n * 2 - left)));
+          if (wr <= 0) {
+            if (wr < 0 && errno == EINTR) continue;
+            if (!error_lock.test_and_set()) error = std::string("pwrite: ") + std::strerror(errno);
+            failed = true;
+            return;
+          }
+          p += wr;
+          left -= static_cast<size_t>(wr);
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (unsigned i = 0; i < threads; ++i) pool.emplace_back(work);
+    for (auto& th : pool) th.join();
+    for (int fd : fds) {
+      if (::close(fd) != 0 && !failed) {
+        failed = true;
+        error = std::string("close: ") + std::strerror(errno);
+      }
+    }
+    if (failed) throw std::runtime_error(error);
+
+    // The index.
+    std::string idx = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
+                      "\n  },\n  \"weight_map\": {";
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      idx += (i ? ",\n    \"" : "\n    \"") + tensors[i].name + "\": \"" +
+             shard_name(tensors[i].shard, nshards) + "\"";
+    }
+    idx += "\n  }\n}\n";
+    write_text(dir / "model.safetensors.index.json", idx);
+
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    uint64_t params = 0;
+    for (Tensor const& t : tensors) params += t.numel();
+    std::printf(
+        "%s: %zu tensors, %.3f B params, %.2f GB in %d shard(s), %.1f s (%.2f GB/s, %u threads)\n",
+        a.out.c_str(), tensors.size(), params / 1e9, total / 1e9, nshards, secs,
+        total / 1e9 / std::max(secs, 1e-9), threads);
+    return 0;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "make_random_checkpoint: %s\n", e.what());
+    return 1;
+  }
+}
