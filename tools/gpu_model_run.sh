@@ -112,10 +112,23 @@ step bench_moe_layer 120 "$BIN/bench_moe_layer" ${TANDEM_BENCH_ARGS:-}
 step moe_torch 150 python3 "$ROOT/bench/cuda/moe_torch_baseline.py" --csv "$LOG/moe_torch.csv"
 export TANDEM_BENCH_CSV="$LOG/bench_attention.csv"
 step bench_attention 120 "$BIN/bench_attention" ${TANDEM_BENCH_ARGS:-}
+export TANDEM_BENCH_CSV="$LOG/bench_gemv.csv"
+step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
 step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
 export TANDEM_BENCH_CSV="$LOG/bench_model_cuda.csv"
 step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
+# Whole-model prefill with each MoE path forced (the layer bench's routing is not the model's).
+for mp in mma cublas padded; do
+  export TANDEM_BENCH_CSV="$LOG/bench_prefill_$mp.csv"
+  step "prefill_moe_$mp" 120 "$BIN/bench_model_cuda" --model 30b --prefill-only --moe-path $mp
+done
+# One Qwen3-235B-A22B layer (real vocab) written to disk by the checkpoint tool, then loaded
+# through the safetensors path (mmap -> pinned staging -> device) and benchmarked.
+export TANDEM_BENCH_CSV="$LOG/bench_model_ckpt.csv"
+step bench_model_ckpt 200 bash -c "rm -rf /tmp/q235l && \
+  '$BIN/make_random_checkpoint' --out /tmp/q235l --preset qwen3-235b-a22b --layers 1 && \
+  '$BIN/bench_model_cuda' --checkpoint /tmp/q235l ${TANDEM_BENCH_ARGS:-}; rc=\$?; rm -rf /tmp/q235l; exit \$rc"
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -128,9 +141,14 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_moe_layer moe_torch bench_attention bench_sampling; do
+for f in bench_moe_layer moe_torch bench_attention bench_gemv bench_sampling; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
+for mp in mma cublas padded; do
+  [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
+done
+[ -f "$LOG/bench_model_ckpt.log" ] && grep -E '^== loaded' "$LOG/bench_model_ckpt.log" &&
+  sed -n '/^== summary/,$p' "$LOG/bench_model_ckpt.log"
 [ -n "${OUT:-}" ] && tar -C "$LOG" -czf "$OUT/logs.tgz" .
 exit $status

@@ -14,11 +14,14 @@
 // Models: Qwen3-30B-A3B whole (48 layers), and one Qwen3-235B-A22B layer (vocab cut to 1024 so
 // the number is the layer's; attention, MoE and norms at real shapes).
 //
-//   bench_model_cuda [--quick] [--model 30b|235b-layer|all] [--decode-only B]
+//   bench_model_cuda [--quick] [--model 30b|235b-layer|all] [--decode-only B] [--checkpoint DIR]
+//   --checkpoint DIR: that checkpoint (loaded from disk) instead of the built-in shapes.
+//   --prefill-only, --moe-path mma|cublas|padded: prefill alone, with the MoE path forced.
 //   CSV to $TANDEM_BENCH_CSV. --decode-only B: just decode at batch B, 1k context (profiling).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -70,9 +73,8 @@ Ceilings measure_ceilings(cudaStream_t s) {
   TANDEM_CUDA_CHECK(cudaMalloc(&a, bytes));
   TANDEM_CUDA_CHECK(cudaMalloc(&b, bytes));
   cuda::random_fill_bf16(a, bytes / 2, 1, 0.f, 1.f, s);
-  const double copy_ms =
-      time_ms([&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s)); },
-              20);
+  const double copy_ms = time_ms(
+      [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s)); }, 20);
   c.copy_Bps = 2.0 * bytes / (copy_ms * 1e-3);
   const int64_t n = 8192;
   TANDEM_CUDA_CHECK(cudaMalloc(&y, n * n * 2));
@@ -88,9 +90,10 @@ Ceilings measure_ceilings(cudaStream_t s) {
   TANDEM_CUDA_CHECK(cudaFree(y));
   TANDEM_CUDA_CHECK(cudaEventDestroy(e0));
   TANDEM_CUDA_CHECK(cudaEventDestroy(e1));
-  std::printf("== ceilings: copy %.0f GB/s (1 GiB D2D, read + write), cuBLASLt bf16 8192^3 %.1f "
-              "TFLOP/s\n",
-              c.copy_Bps / 1e9, c.gemm_flops / 1e12);
+  std::printf(
+      "== ceilings: copy %.0f GB/s (1 GiB D2D, read + write), cuBLASLt bf16 8192^3 %.1f "
+      "TFLOP/s\n",
+      c.copy_Bps / 1e9, c.gemm_flops / 1e12);
   return c;
 }
 
@@ -128,7 +131,8 @@ ModelConfig qwen3_235b_layer() {
 
 struct Shapes {
   double attn_bytes_layer, expert_bytes, router_bytes_layer, head_bytes, kv_bytes_token_layer;
-  double active_params_token;  // for FLOPs: 2 * this per token
+  double active_params_token;  // for FLOPs: 2 * this per token; the LM head runs for the
+                               // logits rows only (one per prompt)
 };
 
 Shapes shapes(const ModelConfig& c) {
@@ -140,11 +144,9 @@ Shapes shapes(const ModelConfig& c) {
   s.router_bytes_layer = 2.0 * c.num_experts * h;
   s.head_bytes = 2.0 * c.vocab_size * h;
   s.kv_bytes_token_layer = 2.0 * 2 * kvh * d;
-  s.active_params_token = c.num_hidden_layers * ((qh + 2 * kvh) * d * h + h * qh * d +
-                                                 c.num_experts * h +
-                                                 c.num_experts_per_tok * 3 * h *
-                                                     c.moe_intermediate_size) +
-                          c.vocab_size * h;
+  s.active_params_token =
+      c.num_hidden_layers * ((qh + 2 * kvh) * d * h + h * qh * d + c.num_experts * h +
+                             c.num_experts_per_tok * 3 * h * c.moe_intermediate_size);
   return s;
 }
 
@@ -156,25 +158,39 @@ struct Row {
 };
 
 std::vector<Row> g_rows;
+std::string g_moe_path;  // --moe-path
 
-void print_row(const Row& r) {
+void print_row(const Row& r, bool record = true) {
   std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %7.1f%% %12.0f  %s\n", r.model.c_str(),
               r.what.c_str(), static_cast<long long>(r.batch), static_cast<long long>(r.ctx), r.us,
               r.bound_us, r.us > 0 ? 100.0 * r.bound_us / r.us : 0.0, r.tokens_per_s,
               r.note.c_str());
   std::fflush(stdout);
-  g_rows.push_back(r);
+  if (record) g_rows.push_back(r);
 }
 
-void bench_model(const std::string& name, const ModelConfig& c, const Ceilings& ceil,
+void bench_model(const std::string& name, const ModelConfig& config, const Ceilings& ceil,
                  const std::vector<int64_t>& batches, const std::vector<int64_t>& ctxs,
-                 const std::vector<int64_t>& prompts, double kv_budget_bytes) {
+                 const std::vector<int64_t>& prompts, double kv_budget_bytes,
+                 const std::string& checkpoint = "") {
   CudaModelOptions o;
   o.max_tokens = 8192;
   o.max_seqs = *std::max_element(batches.begin(), batches.end());
   o.page_size = 16;
-  o.graph_max_context = *std::max_element(ctxs.begin(), ctxs.end());
-  auto model = Qwen3MoeCuda::random(c, o, 7);
+  o.graph_max_context = ctxs.empty() ? 1024 : *std::max_element(ctxs.begin(), ctxs.end());
+  o.moe_prefill_path = g_moe_path;
+  std::unique_ptr<Qwen3MoeCuda> model;
+  if (checkpoint.empty()) {
+    model = Qwen3MoeCuda::random(config, o, 7);
+  } else {  // a checkpoint on disk (tools/make_random_checkpoint): mmap -> pinned -> device
+    const auto t0 = std::chrono::steady_clock::now();
+    model = Qwen3MoeCuda::load(checkpoint, o);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("== loaded %s: %.1f GB in %.1f s (%.2f GB/s, page cache state as found)\n",
+                checkpoint.c_str(), model->weight_bytes() / 1e9, s,
+                model->weight_bytes() / 1e9 / s);
+  }
+  const ModelConfig& c = model->config();
   const Shapes s = shapes(c);
   cudaStream_t st = model->stream();
   std::printf("\n== %s: %.1f GB of weights on the device\n", name.c_str(),
@@ -192,15 +208,15 @@ void bench_model(const std::string& name, const ModelConfig& c, const Ceilings& 
   KvCache kv = model->make_kv_cache(pages, 16);
   // Random KV contents (a zero cache makes attention's softmax trivially uniform).
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f,
-                           1.f, st);
+    cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f, 1.f,
+                           st);
   }
   cudaEvent_t e0, e1;
   TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
   TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
 
-  std::printf("%-16s %-8s %6s %6s %11s %11s %8s %12s  %s\n", "model", "phase", "batch", "ctx",
-              "us", "bound_us", "%bound", "tokens/s", "note");
+  std::printf("%-16s %-8s %6s %6s %11s %11s %8s %12s  %s\n", "model", "phase", "batch", "ctx", "us",
+              "bound_us", "%bound", "tokens/s", "note");
   for (int64_t x : ctxs) {
     for (int64_t b : batches) {
       if (b * x * kv_token > kv_budget_bytes) {
@@ -214,11 +230,12 @@ void bench_model(const std::string& name, const ModelConfig& c, const Ceilings& 
       std::vector<int32_t> tables(static_cast<size_t>(b * per_seq));
       std::iota(tables.begin(), tables.end(), 0);
       std::vector<int32_t> tokens(static_cast<size_t>(b));
-      for (int64_t i = 0; i < b; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+      for (int64_t i = 0; i < b; ++i)
+        tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % c.vocab_size);
       ForwardBatch fb;
       for (int64_t i = 0; i < b; ++i) {
-        fb.seqs.push_back({tokens.data() + i, 1, x - 1, tables.data() + i * per_seq, per_seq,
-                           LogitsMode::kLast});
+        fb.seqs.push_back(
+            {tokens.data() + i, 1, x - 1, tables.data() + i * per_seq, per_seq, LogitsMode::kLast});
       }
       for (int w = 0; w < 3; ++w) model->forward_device(fb, kv);  // capture + warm
       std::vector<double> t;
@@ -245,7 +262,8 @@ void bench_model(const std::string& name, const ModelConfig& c, const Ceilings& 
   }
   for (int64_t T : prompts) {
     std::vector<int32_t> tokens(static_cast<size_t>(T));
-    for (int64_t i = 0; i < T; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 31 + 7) % c.vocab_size);
+    for (int64_t i = 0; i < T; ++i)
+      tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 31 + 7) % c.vocab_size);
     const int64_t per_seq = (T + 15) / 16;
     std::vector<int32_t> table(static_cast<size_t>(per_seq));
     std::iota(table.begin(), table.end(), 0);
@@ -263,12 +281,13 @@ void bench_model(const std::string& name, const ModelConfig& c, const Ceilings& 
       t.push_back(ms * 1e3);
     }
     const double us = median(t);
-    const double flops = 2.0 * s.active_params_token * T +
-                         c.num_hidden_layers * 2.0 * double(T) * T * c.head_dim *
-                             c.num_attention_heads;
+    const double flops =
+        2.0 * s.active_params_token * T + s.head_bytes /* 1 row: 2 flops/weight */ +
+        c.num_hidden_layers * 2.0 * double(T) * T * c.head_dim * c.num_attention_heads;
     const double bound = 1e6 * flops / ceil.gemm_flops;
     char note[128];
-    std::snprintf(note, sizeof note, "%.1f TFLOP, %%bound = MFU vs cuBLAS", flops / 1e12);
+    std::snprintf(note, sizeof note, "%.1f TFLOP, %%bound = MFU vs cuBLAS, MoE path %s",
+                  flops / 1e12, model->last_moe_path().c_str());
     print_row({name, "prefill", 1, T, us, bound, T / (us * 1e-6), note});
   }
   TANDEM_CUDA_CHECK(cudaEventDestroy(e0));
@@ -281,10 +300,16 @@ int main(int argc, char** argv) {
   bool quick = false;
   std::string which = "all";
   int64_t decode_only = 0;
+  std::string checkpoint, moe_path;
+  bool prefill_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
-    if (std::strcmp(argv[i], "--decode-only") == 0 && i + 1 < argc) decode_only = std::atoll(argv[++i]);
+    if (std::strcmp(argv[i], "--decode-only") == 0 && i + 1 < argc)
+      decode_only = std::atoll(argv[++i]);
+    if (std::strcmp(argv[i], "--checkpoint") == 0 && i + 1 < argc) checkpoint = argv[++i];
+    if (std::strcmp(argv[i], "--moe-path") == 0 && i + 1 < argc) moe_path = argv[++i];
+    if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
   }
   try {
     int n = 0;
@@ -299,14 +324,23 @@ int main(int argc, char** argv) {
     TANDEM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     std::vector<int64_t> batches =
         quick ? std::vector<int64_t>{1, 32} : std::vector<int64_t>{1, 8, 32, 128, 256};
-    std::vector<int64_t> ctxs = quick ? std::vector<int64_t>{1024}
-                                      : std::vector<int64_t>{1024, 4096};
+    std::vector<int64_t> ctxs =
+        quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 4096};
     std::vector<int64_t> prompts =
         quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 8192};
+    if (prefill_only) {
+      batches = {1};
+      ctxs = {};
+    }
     if (decode_only > 0) {
       batches = {decode_only};
       ctxs = {1024};
       prompts = {};
+    }
+    g_moe_path = moe_path;
+    if (!checkpoint.empty()) {
+      bench_model(checkpoint, ModelConfig{}, ceil, batches, ctxs, prompts, 40e9, checkpoint);
+      which = "none";
     }
     if (which == "all" || which == "30b") {
       // KV budget: what is left after the weights (61 GB) and ~8 GB of activations / logits.
@@ -318,7 +352,7 @@ int main(int argc, char** argv) {
       bench_model("qwen3-235b-layer", qwen3_235b_layer(), ceil, batches, ctxs, prompts, 40e9);
     }
     std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
-    for (const auto& r : g_rows) print_row(r);
+    for (const auto& r : g_rows) print_row(r, /*record=*/false);
     if (const char* csv = std::getenv("TANDEM_BENCH_CSV")) {
       std::ofstream f(csv);
       f << "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n";

@@ -19,8 +19,11 @@
 // The MoeLayer path (decode / mma / cublas, column "path") is the one run() picks; the cuBLAS
 // prefill path syncs the stream and cannot be captured, so it is timed eagerly (events around
 // back-to-back calls, host overhead included), and beside it the captured mma path
-// (moe_layer_mma); at <= 8 tokens moe_layer_mma is the forced mma path beside decode. At 8192
-// tokens cublas_grouped_* times cublasGemmGroupedBatchedEx alone (eager) beside the tiles.
+// (moe_layer_mma); at <= 8 tokens moe_layer_mma is the forced mma path beside decode. The
+// padded prefill path (what auto picks when the routing is balanced) is timed the same way,
+// with the forced grouped cuBLAS path beside it (moe_layer_cublas). At 8192 tokens
+// cublas_grouped_* times cublasGemmGroupedBatchedEx alone (eager) beside the tiles, and
+// cublas_padded_* the padded path's cublasGemmStridedBatchedEx alone (E x Mmax rows).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -121,6 +124,7 @@ const char* path_name(MoeLayerPath p) {
     case MoeLayerPath::kMma: return "mma";
     case MoeLayerPath::kDecode: return "decode";
     case MoeLayerPath::kCublas: return "cublas";
+    case MoeLayerPath::kPadded: return "padded";
   }
   return "?";
 }
@@ -285,9 +289,15 @@ void bench_model(Bench& b, Model const& m) {
       };
       layer.set_path(MoeLayerPath::kAuto);
       const MoeLayerPath picked = layer.pick_path(T);
-      if (picked == MoeLayerPath::kCublas) {
+      if (picked == MoeLayerPath::kCublas || picked == MoeLayerPath::kPadded) {
         const double us = b.time_eager_us(sets, launch);
         row("moe_layer", us, layer.last_path(), pytorch_us(m, T));
+        if (layer.last_path() == MoeLayerPath::kPadded) {  // the grouped cuBLAS path beside it
+          layer.set_path(MoeLayerPath::kCublas);
+          const double us_cublas = b.time_eager_us(sets, launch);
+          row("moe_layer_cublas", us_cublas, layer.last_path(), 0);
+          layer.set_path(MoeLayerPath::kAuto);
+        }
         const double us_mma = b.time_us(sets, launch);  // captured: falls back to mma
         row("moe_layer_mma", us_mma, layer.last_path(), 0);
       } else {
@@ -415,11 +425,41 @@ void bench_model(Bench& b, Model const& m) {
             (void)cublasDestroy(h);
             throw;
           }
-          (void)cublasDestroy(h);
           b.add({std::string("cublas_grouped_") + g.op, m.name, T, us, 1e6 * bytes / b.copy_Bps,
                  1e6 * flops / b.gemm_flops, bytes, flops, touched, 0});
           std::printf("   -> %.1f TFLOP/s = %.1f%% of cuBLASLt dense same shape\n",
                       flops / us * 1e-6, 100.0 * dense_us / us);
+          // MoeLayer's padded path: every expert's rows padded to Mmax (largest count rounded
+          // up to 64), one cublasGemmStridedBatchedEx over all experts, timed eagerly.
+          // TFLOP/s counts the routed rows only (padding is overhead).
+          const int64_t max_count = *std::max_element(counts.begin(), counts.end());
+          const int64_t m_pad = (max_count + 63) / 64 * 64;
+          Buf xp(E * m_pad * g.k * 2), yp(E * m_pad * g.n * 2);
+          fill_bf16(xp, 1.0f);
+          const float one = 1.0f, zero = 0.0f;
+          double us_pad = 0;
+          try {
+            us_pad = b.time_eager_us(1, [&](int) {
+              TANDEM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+                  h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(g.n), static_cast<int>(m_pad),
+                  static_cast<int>(g.k), &one, g.w, CUDA_R_16BF, static_cast<int>(g.k), g.n * g.k,
+                  xp.ptr, CUDA_R_16BF, static_cast<int>(g.k), m_pad * g.k, &zero, yp.ptr,
+                  CUDA_R_16BF, static_cast<int>(g.n), m_pad * g.n, static_cast<int>(E),
+                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            });
+          } catch (...) {
+            (void)cublasDestroy(h);
+            throw;
+          }
+          (void)cublasDestroy(h);
+          b.add({std::string("cublas_padded_") + g.op, m.name, T, us_pad, 1e6 * bytes / b.copy_Bps,
+                 1e6 * flops / b.gemm_flops, bytes, flops, touched, 0});
+          std::printf(
+              "   -> %.1f TFLOP/s routed (%.1f with padding: Mmax %lld, %.2fx the routed rows) = "
+              "%.1f%% of cuBLASLt dense same shape\n",
+              flops / us_pad * 1e-6, flops * double(E * m_pad) / double(R) / us_pad * 1e-6,
+              static_cast<long long>(m_pad), double(E * m_pad) / double(R),
+              100.0 * dense_us / us_pad);
         }
       }
     });

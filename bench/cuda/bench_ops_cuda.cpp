@@ -4,7 +4,8 @@
 // (cudaMemcpyAsync, bytes read + written) for memory-bound ops, and cuBLASLt's own bf16 rate
 // at 8192^3 for the GEMMs. bound = max(bytes / copy bandwidth, flops / GEMM rate).
 //
-//   bench_ops_cuda [--quick]       CSV to $TANDEM_BENCH_CSV when set
+//   bench_ops_cuda [--quick] [--gemv]   CSV to $TANDEM_BENCH_CSV when set
+//   (--gemv: the ceilings and the small-m GEMM section only)
 //
 // Method: inputs are random (never zeros); each op rotates among enough input/output sets to
 // exceed 3x the L2 (a set larger than that is used alone); warm-up launches first; the
@@ -28,6 +29,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/gemv.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/norm.h"
 #include "core/dtype.h"
@@ -465,12 +467,70 @@ void bench_tokens(Bench& b, int64_t T) {
   });
 }
 
+// ---------------------------------------------------------------- small-m GEMM
+// The decode GEMMs at m = 1 and 8: the gemv kernel alone, GemmLt with cuBLASLt only (tuned),
+// and GemmLt as built (tuned with gemv as one more candidate; the winner in the shape column).
+// bytes = W + x + y: the weights dominate, so the bound is ~ weight bytes / copy bandwidth.
+void bench_small_m(Bench& b) {
+  struct G {
+    const char* name;
+    int64_t n, k;
+    bool f32;
+  };
+  for (int64_t m : {1, 8}) {
+    for (G g : {G{"qkv", (kQHeads + 2 * kKvHeads) * kHeadDim, kHidden, false},
+                G{"o_proj", kHidden, kQHeads * kHeadDim, false},
+                G{"router", kExperts, kHidden, true}, G{"lm_head", kVocab, kHidden, true}}) {
+      const std::string shape = std::to_string(m) + "x" + std::to_string(g.n) + "x" +
+                                std::to_string(g.k) + (g.f32 ? " fp32 out" : "");
+      const double ysz = g.f32 ? 4.0 : 2.0;
+      const double set_bytes = (m * g.k + g.n * g.k) * 2.0 + m * g.n * ysz;
+      const double flops = 2.0 * m * g.n * g.k;
+      const int sets = b.sets_for(set_bytes);
+      Buf x(sets * m * g.k * 2), w(sets * g.n * g.k * 2),
+          y(static_cast<size_t>(sets * m * g.n * ysz));
+      fill_bf16(x);
+      fill_bf16(w, 0.05f);
+      auto params = [&](int i) {
+        GemmParams p{x.as<bf16>(i * m * g.k), w.as<bf16>(i * g.n * g.k), nullptr, m, g.n, g.k};
+        if (g.f32) {
+          p.y_f32 = y.as<float>(i * m * g.n);
+        } else {
+          p.y = y.as<bf16>(i * m * g.n);
+        }
+        return p;
+      };
+      b.guarded(std::string("gemv_") + g.name, [&] {
+        double us = b.time_us(sets, [&](int i) {
+          GemmParams p = params(i);
+          gemv_launch({p.x, p.w, p.y, p.m, p.n, p.k, p.alpha, p.y_f32}, b.stream);
+        });
+        b.add(std::string("gemv_") + g.name, m, shape, us, set_bytes, flops);
+      });
+      b.guarded(std::string("gemm_cublas_") + g.name, [&] {
+        GemmLt gemm;
+        gemm.set_gemv_enabled(false);
+        double us = b.time_us(sets, [&](int i) { gemm.run(params(i), b.stream); });
+        b.add(std::string("gemm_cublas_") + g.name, m, shape, us, set_bytes, flops);
+      });
+      b.guarded(std::string("gemm_tuned_") + g.name, [&] {
+        GemmLt gemm;
+        double us = b.time_us(sets, [&](int i) { gemm.run(params(i), b.stream); });
+        b.add(std::string("gemm_tuned_") + g.name, m,
+              shape + (gemm.num_gemv_plans() ? " (gemv)" : " (cublas)"), us, set_bytes, flops);
+      });
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Bench b;
+  bool gemv_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) b.quick = true;
+    if (std::strcmp(argv[i], "--gemv") == 0) gemv_only = true;
   }
   try {
     int dev = 0, count = 0;
@@ -490,9 +550,12 @@ int main(int argc, char** argv) {
     TANDEM_CUDA_CHECK(cudaEventCreate(&b.ev1));
     measure_ceilings(b);
     for (int64_t T : {1, 32, 128, 8192}) {
+      if (gemv_only) break;
       std::printf("== %lld tokens\n", static_cast<long long>(T));
       bench_tokens(b, T);
     }
+    std::printf("== small-m GEMM (gemv kernel, GemmLt cuBLAS only, GemmLt tuned)\n");
+    bench_small_m(b);
   } catch (std::exception const& e) {
     std::printf("FATAL: %s\n", e.what());
     return 1;

@@ -4,6 +4,8 @@
 //
 //   bench_sampling [--quick] [--bf16]
 //
+// Each case runs on both paths: "single" (one CTA per row, no workspace) and "multi" (rows split
+// over several CTAs, with a workspace of sample_workspace_bytes).
 // Cases: greedy; greedy + chosen logprob + top-20 logprobs; temperature only; top-p 0.9;
 // top-k 20 + top-p 0.95 (Qwen3's defaults); logits N(0, 2^2) plus 8 tokens raised by 8 (a
 // peaked head over a flat tail). Method as bench_ops_cuda: enough logits sets to exceed 3x the
@@ -129,8 +131,8 @@ int main(int argc, char** argv) {
     std::printf(
         "== copy %.0f GB/s (1 GiB cudaMemcpyAsync D2D, read + write); logits %s, vocab %lld\n",
         copy_Bps / 1e9, bf16 ? "bf16" : "fp32", static_cast<long long>(kVocab));
-    std::printf("%-22s %6s %10s %10s %7s %8s\n", "case", "rows", "us", "bound_us", "%bound",
-                "GB/s");
+    std::printf("%-22s %6s %-6s %10s %10s %7s %8s\n", "case", "rows", "path", "us", "bound_us",
+                "%bound", "GB/s");
 
     auto mk = [](float temp, int k, float p, int lp, int top) {
       SamplingRowParams r;
@@ -171,30 +173,34 @@ int main(int argc, char** argv) {
                                        cudaMemcpyHostToDevice));
       }
       Buf params(rows * sizeof(SamplingRowParams)), tokens(rows * 4), lp(rows * 4),
-          top_ids(rows * kMaxTopLogprobs * 4), top_lp(rows * kMaxTopLogprobs * 4);
+          top_ids(rows * kMaxTopLogprobs * 4), top_lp(rows * kMaxTopLogprobs * 4),
+          workspace(sample_workspace_bytes(rows, kVocab));
       for (Case const& c : cases) {
         std::vector<SamplingRowParams> hp(static_cast<size_t>(rows), c.p);
         for (int64_t r = 0; r < rows; ++r) hp[r].counter = static_cast<uint64_t>(r);
         TANDEM_CUDA_CHECK(cudaMemcpy(params.ptr, hp.data(), hp.size() * sizeof(SamplingRowParams),
                                      cudaMemcpyHostToDevice));
-        const double us = t.time_us(sets, [&](int i) {
-          SampleParams p{bf16 ? static_cast<void const*>(logits.as<uint16_t>(i * rows * kVocab))
-                              : static_cast<void const*>(logits.as<float>(i * rows * kVocab)),
-                         bf16 ? DType::kBF16 : DType::kF32,
-                         params.as<SamplingRowParams>(),
-                         tokens.as<int32_t>(),
-                         lp.as<float>(),
-                         top_ids.as<int32_t>(),
-                         top_lp.as<float>(),
-                         rows,
-                         kVocab};
-          sample_launch(p, t.stream);
-        });
-        const double bound = 1e6 * set_bytes / copy_Bps;
-        std::printf("%-22s %6lld %10.2f %10.2f %6.1f%% %8.0f\n", c.name,
-                    static_cast<long long>(rows), us, bound, 100.0 * bound / us,
-                    set_bytes / (us * 1e-6) / 1e9);
-        std::fflush(stdout);
+        for (bool multi : {false, true}) {
+          const double us = t.time_us(sets, [&](int i) {
+            SampleParams p{bf16 ? static_cast<void const*>(logits.as<uint16_t>(i * rows * kVocab))
+                                : static_cast<void const*>(logits.as<float>(i * rows * kVocab)),
+                           bf16 ? DType::kBF16 : DType::kF32,
+                           params.as<SamplingRowParams>(),
+                           tokens.as<int32_t>(),
+                           lp.as<float>(),
+                           top_ids.as<int32_t>(),
+                           top_lp.as<float>(),
+                           rows,
+                           kVocab,
+                           multi ? workspace.ptr : nullptr};
+            sample_launch(p, t.stream);
+          });
+          const double bound = 1e6 * set_bytes / copy_Bps;
+          std::printf("%-22s %6lld %-6s %10.2f %10.2f %6.1f%% %8.0f\n", c.name,
+                      static_cast<long long>(rows), multi ? "multi" : "single", us, bound,
+                      100.0 * bound / us, set_bytes / (us * 1e-6) / 1e9);
+          std::fflush(stdout);
+        }
       }
     }
   } catch (std::exception const& e) {

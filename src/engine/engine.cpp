@@ -168,8 +168,8 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
     if (ss.logits != LogitsMode::kLast) continue;
     const Sequence& s = *ss.seq;
     const SamplingParams& p = s.req.sampling;
-    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f ||
-        p.frequency_penalty != 0.0f || s.num_output() < s.req.min_tokens || p.logprobs > 20) {
+    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
+        s.num_output() < s.req.min_tokens || p.logprobs > 20) {
       return false;
     }
     DeviceSampling d;

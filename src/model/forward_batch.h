@@ -50,8 +50,8 @@ struct DeviceSampling {
   int32_t top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;
-  uint64_t seed = 0;     // the request's seed
-  uint64_t counter = 0;  // the draw's index in the request (its output position)
+  uint64_t seed = 0;      // the request's seed
+  uint64_t counter = 0;   // the draw's index in the request (its output position)
   int32_t logprobs = -1;  // -1: none; 0: the chosen token's; n: and the top n (<= 20)
 };
 

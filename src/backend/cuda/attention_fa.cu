@@ -345,6 +345,7 @@ constexpr size_t decode_smem_bytes() {
 template <int kD, int kGroup>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_kernel(PagedAttentionParams p, int64_t token_begin, int page_shift) {
+  pdl_wait();  // launched with launch_pdl: the previous kernel's q / KV writes first
   constexpr int kThreads = kDecodeWarps * 32, kChunks = kD / 8;
   static_assert(kGroup <= 16, "one mma row tile");
   extern __shared__ uint4 smem_raw[];
@@ -470,6 +471,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 template <int kD>
 __global__ void __launch_bounds__(kD)
     merge_kernel(PagedAttentionParams p, int64_t token_begin, int num_splits) {
+  pdl_wait();
   const int64_t tq = token_begin * p.num_q_heads + blockIdx.x;  // t * num_q_heads + h
   const int d = threadIdx.x;
   float const* gW = p.workspace + tq * num_splits * (kD + 2);
@@ -523,14 +525,15 @@ void decode_typed(PagedAttentionParams const& p, int64_t token_begin, int num_sp
   constexpr size_t smem = decode_smem_bytes<kD>();
   auto kernel = decode_kernel<kD, kGroup>;
   set_smem(kernel, smem);
-  kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
-           kDecodeWarps * 32, smem, stream>>>(p, token_begin, page_shift);
-  TANDEM_CUDA_CHECK_LAUNCH();
+  // Programmatic dependent launches: the small decode kernels' launch overlaps the previous
+  // kernel's tail (both wait for it before reading).
+  TANDEM_CUDA_CHECK(
+      launch_pdl(kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
+                 kDecodeWarps * 32, smem, stream, p, token_begin, page_shift));
   if (p.kv_split > 0) {
-    merge_kernel<kD>
-        <<<static_cast<unsigned>((p.num_tokens - token_begin) * p.num_q_heads), kD, 0, stream>>>(
-            p, token_begin, num_splits);
-    TANDEM_CUDA_CHECK_LAUNCH();
+    TANDEM_CUDA_CHECK(launch_pdl(
+        merge_kernel<kD>, static_cast<unsigned>((p.num_tokens - token_begin) * p.num_q_heads), kD,
+        0, stream, p, token_begin, num_splits));
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace tandem::cuda::detail {
 
@@ -96,6 +97,31 @@ inline int row_threads(int64_t vecs, int max_threads) {
   if (t < 32) t = 32;
   if (t > max_threads) t = max_threads;
   return static_cast<int>(t);
+}
+
+/// Programmatic dependent launch: kernels launched by launch_pdl() may be scheduled while the
+/// previous kernel in the stream is still finishing (hiding launch latency between the small
+/// kernels of a decode step); they must call pdl_wait() before touching global memory, which
+/// returns once the previous kernel has completed and its writes are visible (a no-op for a
+/// normal launch). Every thread waits, so completion stays transitive along the stream.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+/// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization
+/// allowed.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace tandem::cuda::detail

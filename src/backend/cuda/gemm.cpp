@@ -2,6 +2,7 @@
 #include "backend/cuda/gemm.h"
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/gemv.h"
 
 namespace tandem::cuda {
 
@@ -52,8 +53,8 @@ GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint3
   TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, static_cast<uint64_t>(k),
                                                  static_cast<uint64_t>(m), k));
   TANDEM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, f32_out ? CUDA_R_32F : CUDA_R_16BF,
-                                                 static_cast<uint64_t>(n),
-                                                 static_cast<uint64_t>(m), n));
+                                                 static_cast<uint64_t>(n), static_cast<uint64_t>(m),
+                                                 n));
   cublasLtMatmulPreference_t pref = nullptr;
   TANDEM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   constexpr int kCandidates = 8;
@@ -85,22 +86,60 @@ GemmLt::Plan& GemmLt::plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint3
   // Small m (decode shapes, a fixed set): the heuristic's first pick is often not the fastest
   // there, so the first eager call times the candidates (run()).
   if (m <= kTuneMaxM && !beta) {
+    plan.tune_pending = true;
     for (int i = 0; i < found; ++i) {
       if (results[i].state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(results[i].algo);
     }
+    // m <= 8 (decode): the gemv kernel (gemv.h) is one more candidate when it takes the operands
+    // (align >= 16: x and w 16-byte aligned).
+    plan.gemv_candidate = gemv_enabled_ && m <= kGemvMaxM && k % 8 == 0 && align >= 16;
   }
   return plans_.emplace(key, plan).first->second;
 }
 
+namespace {
+GemvParams gemv_params(GemmParams const& p) {
+  return {p.x, p.w, p.y, p.m, p.n, p.k, p.alpha, p.y_f32};
+}
+// The two timing events, destroyed on every exit of tune().
+struct EventPair {
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  EventPair() {
+    TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
+    try {
+      TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
+    } catch (...) {
+      (void)cudaEventDestroy(e0);
+      throw;
+    }
+  }
+  ~EventPair() {
+    (void)cudaEventDestroy(e0);
+    (void)cudaEventDestroy(e1);
+  }
+  EventPair(EventPair const&) = delete;
+  EventPair& operator=(EventPair const&) = delete;
+};
+}  // namespace
+
+size_t GemmLt::num_gemv_plans() const {
+  size_t count = 0;
+  for (auto const& [key, plan] : plans_) count += plan.use_gemv ? 1 : 0;
+  return count;
+}
+
 void GemmLt::tune(Plan& plan, GemmParams const& p, void* y, cudaStream_t stream) {
+  plan.tune_pending = false;
   std::vector<cublasLtMatmulAlgo_t> cands;
   cands.swap(plan.candidates);
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   TANDEM_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
-  if (cands.size() < 2 || cap != cudaStreamCaptureStatusNone) return;
-  cudaEvent_t e0, e1;
-  TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
-  TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
+  const GemvParams gp = gemv_params(p);
+  const bool gemv = plan.gemv_candidate && gemv_supported(gp);
+  if ((cands.size() < 2 && !gemv) || cap != cudaStreamCaptureStatusNone) return;
+  if (cands.empty()) cands.push_back(plan.algo);
+  EventPair ev;
+  cudaEvent_t e0 = ev.e0, e1 = ev.e1;
   float best = 0;
   for (const auto& algo : cands) {
     auto launch = [&] {
@@ -120,8 +159,19 @@ void GemmLt::tune(Plan& plan, GemmParams const& p, void* y, cudaStream_t stream)
       plan.algo = algo;
     }
   }
-  (void)cudaEventDestroy(e0);
-  (void)cudaEventDestroy(e1);
+  if (gemv) {  // timed the same way: one warm-up launch, then 5
+    gemv_launch(gp, stream);
+    TANDEM_CUDA_CHECK(cudaEventRecord(e0, stream));
+    for (int i = 0; i < 5; ++i) gemv_launch(gp, stream);
+    TANDEM_CUDA_CHECK(cudaEventRecord(e1, stream));
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (best == 0 || ms < best) {
+      best = ms;
+      plan.use_gemv = true;
+    }
+  }
 }
 
 void GemmLt::run(GemmParams const& p, cudaStream_t stream) {
@@ -130,10 +180,14 @@ void GemmLt::run(GemmParams const& p, cudaStream_t stream) {
   const bool f32_out = p.y_f32 != nullptr;
   void* y = f32_out ? static_cast<void*>(p.y_f32) : static_cast<void*>(p.y);
   Plan& plan = plan_for(p.m, p.n, p.k, p.beta != 0.0f, common_alignment(p.x, p.w, y), f32_out);
-  if (!plan.candidates.empty()) tune(plan, p, y, stream);
+  if (plan.tune_pending) tune(plan, p, y, stream);
+  if (plan.use_gemv) {
+    gemv_launch(gemv_params(p), stream);
+    return;
+  }
   TANDEM_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.op, &p.alpha, p.w, plan.a, p.x, plan.b, &p.beta,
-                                     y, plan.c, y, plan.c, &plan.algo, workspace_,
-                                     workspace_bytes_, stream));
+                                     y, plan.c, y, plan.c, &plan.algo, workspace_, workspace_bytes_,
+                                     stream));
 }
 
 }  // namespace tandem::cuda

@@ -39,11 +39,16 @@ class GemmLt {
 
   /// The first call of a shape with m <= kTuneMaxM and beta 0 times the heuristic's candidate
   /// algorithms on its operands (synchronising the stream once) unless the stream is being
-  /// captured; later calls and captures use the fastest.
+  /// captured; later calls and captures use the fastest. For m <= kGemvMaxM (gemv.h), beta 0
+  /// and operands gemv_launch accepts, the gemv kernel is one more candidate.
   void run(GemmParams const& p, cudaStream_t stream);
   static constexpr int64_t kTuneMaxM = 256;
   /// Number of cached plans (shapes seen).
   size_t num_plans() const { return plans_.size(); }
+  /// Number of cached plans whose tuning picked the gemv kernel.
+  size_t num_gemv_plans() const;
+  /// Whether plans created from now on may time (and pick) the gemv kernel (default true).
+  void set_gemv_enabled(bool on) { gemv_enabled_ = on; }
 
  private:
   struct Plan {
@@ -51,10 +56,14 @@ class GemmLt {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
     std::vector<cublasLtMatmulAlgo_t> candidates;  // heuristic's top picks, until timed
+    bool tune_pending = false;    // the first call times the candidates (or not, if captured)
+    bool gemv_candidate = false;  // the gemv kernel qualifies and is timed too
+    bool use_gemv = false;        // the gemv kernel won the timing
   };
   // Times the candidates on the call's own operands and keeps the fastest.
   void tune(Plan& plan, GemmParams const& p, void* y, cudaStream_t stream);
   Plan& plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint32_t align, bool f32_out);
+  bool gemv_enabled_ = true;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

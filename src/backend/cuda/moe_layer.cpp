@@ -20,6 +20,10 @@ void alloc(T*& p, int64_t count) {
 }
 // cuBLAS prefill path from this many routed rows per local expert on average.
 constexpr int64_t kCublasMinRowsPerExpert = 64;
+// Padded path: every expert's rows padded to the largest count rounded up to kPadRowsMultiple;
+// taken when num_local_experts * Mmax <= routed * kPadMaxNum / kPadMaxDen (2: the strided-
+// batched GEMM runs ~2.3x the grouped one's rate on the H200, so it wins up to 2x padding).
+constexpr int64_t kPadRowsMultiple = 64, kPadMaxNum = 2, kPadMaxDen = 1;
 
 // Programmatic dependent launches: the down GEMM and the unpermute in the decode and mma paths,
 // gate_up after the decode router.
@@ -60,9 +64,14 @@ MoeLayer::MoeLayer(int64_t max_tokens, int64_t hidden, int64_t inter, int64_t nu
     alloc(slot_row_, slots);
     alloc(perm_ws_,
           static_cast<int64_t>(moe_permute_workspace_elems(max_tokens, top_k, num_local_experts)));
-    alloc(rows_, slots * hidden);
     cublas_ok_ = slots >= kCublasMinRowsPerExpert * num_local_experts && inter / 8 <= 1024;
-    alloc(act_, slots * inter * (cublas_ok_ ? 2 : 1));
+    pad_rows_cap_ = cublas_ok_
+                        ? std::max(slots, (slots * kPadMaxNum + kPadMaxDen - 1) / kPadMaxDen +
+                                              kPadRowsMultiple * num_local_experts)
+                        : 0;
+    const int64_t buf_rows = cublas_ok_ ? pad_rows_cap_ : slots;
+    alloc(rows_, buf_rows * hidden);
+    alloc(act_, buf_rows * inter * (cublas_ok_ ? 2 : 1));
     alloc(decode_counter_, 1);
     TANDEM_CUDA_CHECK(cudaMemset(decode_counter_, 0, sizeof(uint32_t)));
     if (cublas_ok_) {
@@ -114,7 +123,7 @@ MoeLayerPath MoeLayer::pick_path(int64_t num_tokens) const {
     return MoeLayerPath::kDecode;
   }
   if (cublas_ok_ && num_tokens * top_k_ >= kCublasMinRowsPerExpert * num_local_) {
-    return MoeLayerPath::kCublas;
+    return MoeLayerPath::kPadded;  // or kCublas, decided in run() from the expert counts
   }
   return MoeLayerPath::kMma;
 }
@@ -130,7 +139,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
       (pick_path(T) != MoeLayerPath::kDecode || !aligned16(x) || !aligned16(w.router))) {
     path = MoeLayerPath::kMma;
   }
-  if (path == MoeLayerPath::kCublas) {
+  if (path == MoeLayerPath::kCublas || path == MoeLayerPath::kPadded) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TANDEM_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (!cublas_ok_ || capture != cudaStreamCaptureStatusNone) path = MoeLayerPath::kMma;
@@ -158,6 +167,10 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
         {logits_, topk_ids_, topk_w_, T, num_experts_, top_k_, renormalize_, DType::kF32}, stream);
     if (path == MoeLayerPath::kCublas) {
       run_cublas(w, x, out, T, stream);
+      return;
+    }
+    if (path == MoeLayerPath::kPadded) {
+      run_padded(w, x, out, T, stream);  // sets last_path_ (kPadded or kCublas)
       return;
     }
     // Indices only: the gate_up GEMM gathers its x rows itself (permuted_src / top_k).
@@ -194,7 +207,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
 // ld k), ldc n.
 void MoeLayer::run_cublas(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens,
                           cudaStream_t stream) {
-  const int64_t T = num_tokens, H = hidden_, I = inter_, L = num_local_;
+  const int64_t T = num_tokens, H = hidden_, L = num_local_;
   moe_permute_launch({x, topk_ids_, rows_, counts_, offsets_, src_, slot_row_, perm_ws_, T, H,
                       top_k_, expert_begin_, L},
                      stream);
@@ -202,6 +215,15 @@ void MoeLayer::run_cublas(MoeLayerWeights const& w, bf16 const* x, bf16* out, in
                                     cudaMemcpyDeviceToHost, stream));
   // Also waits for the previous run's upload of h_ptrs_ before it is rewritten below.
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  grouped_gemms(w, stream);
+  moe_unpermute_launch({rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_, DType::kBF16},
+                       stream);
+}
+
+// cublasGemmGroupedBatchedEx for gate_up and down (one group per non-empty expert) + the
+// SiLU-multiply between them, on the compact permuted rows_ (h_offsets_ valid, stream synced).
+void MoeLayer::grouped_gemms(MoeLayerWeights const& w, cudaStream_t stream) {
+  const int64_t H = hidden_, I = inter_, L = num_local_;
   std::vector<int> gm, gn, gk, glda, gldb, gldc, gsize;
   std::vector<float> alpha, beta;
   std::vector<cublasOperation_t> ta, tb;
@@ -263,6 +285,57 @@ void MoeLayer::run_cublas(MoeLayerWeights const& w, bf16 const* x, bf16* out, in
         const_cast<void const* const*>(d_ptrs_ + 3 * G), CUDA_R_16BF, glda.data(),
         const_cast<void const* const*>(d_ptrs_ + 4 * G), CUDA_R_16BF, gldb.data(), beta.data(),
         d_ptrs_ + 5 * G, CUDA_R_16BF, gldc.data(), G, gsize.data(), CUBLAS_COMPUTE_32F));
+  }
+}
+
+// Eager prefill, padded: permute indices, offsets to the host; if the experts padded to Mmax
+// rows fit (balanced routing), gather x into the padded rows (zeros past each count; slot_row
+// rewritten to the padded rows), one cublasGemmStridedBatchedEx per GEMM over all local
+// experts, unpermute. Else the cublas path's gather (compact rows) and grouped GEMMs.
+// Row-major Y_e[Mmax, n] = X_e[Mmax, k] W_e[n, k]^T as in run_cublas, batch stride Mmax k
+// (X), n k (W), Mmax n (Y).
+void MoeLayer::run_padded(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens,
+                          cudaStream_t stream) {
+  const int64_t T = num_tokens, H = hidden_, I = inter_, L = num_local_;
+  moe_permute_launch({x, topk_ids_, nullptr, counts_, offsets_, src_, slot_row_, perm_ws_, T, H,
+                      top_k_, expert_begin_, L},
+                     stream);
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(h_offsets_, offsets_, static_cast<size_t>(L + 1) * 4,
+                                    cudaMemcpyDeviceToHost, stream));
+  // Also waits for the previous run's upload of h_ptrs_ (cublas path) before it is rewritten.
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  int64_t max_count = 0;
+  for (int64_t e = 0; e < L; ++e) {
+    max_count = std::max<int64_t>(max_count, h_offsets_[e + 1] - h_offsets_[e]);
+  }
+  const int64_t routed = h_offsets_[L];
+  const int64_t m_pad = (max_count + kPadRowsMultiple - 1) / kPadRowsMultiple * kPadRowsMultiple;
+  const bool fits = L * m_pad <= pad_rows_cap_ && m_pad * std::max(2 * I, H) <= INT32_MAX;
+  const bool balanced = L * m_pad * kPadMaxDen <= routed * kPadMaxNum;
+  const bool padded = routed > 0 && fits && (path_ == MoeLayerPath::kPadded || balanced);
+  last_path_ = padded ? MoeLayerPath::kPadded : MoeLayerPath::kCublas;
+  moe_layer_detail::prefill_gather_launch({x, offsets_, src_, slot_row_, rows_, H, top_k_,
+                                           padded ? m_pad : max_count, static_cast<int>(L), padded},
+                                          stream);
+  if (!padded) {
+    grouped_gemms(w, stream);
+  } else {
+    TANDEM_CUBLAS_CHECK(cublasSetStream(cublas_, stream));
+    const float alpha = 1.0f, beta = 0.0f;
+    const int m = static_cast<int>(m_pad), batch = static_cast<int>(L);
+    // gate_up: [Mmax, 2I] packed per expert = X_e [Mmax, H] . W_gu_e [2I, H]^T
+    TANDEM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * I), m, static_cast<int>(H), &alpha,
+        w.gate_up, CUDA_R_16BF, static_cast<int>(H), 2 * I * H, rows_, CUDA_R_16BF,
+        static_cast<int>(H), m_pad * H, &beta, act_, CUDA_R_16BF, static_cast<int>(2 * I),
+        m_pad * 2 * I, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    moe_layer_detail::silu_mul_packed_launch(act_, L * m_pad, I, stream);
+    // down: [Mmax, H] = act_e [Mmax, I] (row stride 2I) . W_down_e [H, I]^T, into rows_
+    TANDEM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(H), m, static_cast<int>(I), &alpha,
+        w.down, CUDA_R_16BF, static_cast<int>(I), H * I, act_, CUDA_R_16BF, static_cast<int>(2 * I),
+        m_pad * 2 * I, &beta, rows_, CUDA_R_16BF, static_cast<int>(H), m_pad * H, batch,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   moe_unpermute_launch({rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_, DType::kBF16},
                        stream);

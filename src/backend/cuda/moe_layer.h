@@ -13,6 +13,14 @@
 //    permute with the permuted copy of x, expert offsets to the host (one stream sync),
 //    cublasGemmGroupedBatchedEx for gate_up (packed [rows, 2 inter] output), in-place
 //    SiLU-multiply on the packed rows, cublasGemmGroupedBatchedEx for down, unpermute.
+//  - padded (what kAuto picks at prefill sizes; eager only): permute indices, offsets to the
+//    host (one sync); when every local expert's rows padded to Mmax (the largest count rounded
+//    up to 64) fit, i.e. num_local_experts * Mmax <= 2 routed rows, expert e's rows go to
+//    rows [e Mmax, e Mmax + count_e) of a padded buffer (token order kept, padding zeroed) and
+//    both expert GEMMs are one cublasGemmStridedBatchedEx each over all local experts
+//    (gate_up packed [Mmax, 2 inter] per expert, in-place SiLU-multiply, down), then the
+//    unpermute reads the padded rows. Otherwise (skewed routing) it falls back to the cublas
+//    path on the same indices; last_path() says which ran.
 // CPU reference: cpu::topk_softmax + cpu::moe (see tests/backend/cuda/test_moe_gemm_cuda.cpp).
 #pragma once
 
@@ -37,14 +45,19 @@ struct MoeLayerWeights {
 /// Which implementation run() uses. kAuto picks (see above); a forced path is for tests and
 /// benchmarks and still falls back to kMma where it cannot run (kDecode: num_tokens > 8 or
 /// more than 256 experts; kCublas: the stream is capturing or the layer was built without the
-/// cuBLAS buffers, i.e. max_tokens * top_k < 64 * num_local_experts).
-enum class MoeLayerPath { kAuto, kMma, kDecode, kCublas };
+/// cuBLAS buffers, i.e. max_tokens * top_k < 64 * num_local_experts; kPadded: as kCublas, and
+/// it falls back to kCublas when the padded rows exceed the padded buffers, whatever the
+/// balance). pick_path says kPadded for prefill sizes: run() then takes kPadded or kCublas by
+/// the routing balance.
+enum class MoeLayerPath { kAuto, kMma, kDecode, kCublas, kPadded };
 
 /// Owns the workspace of one MoE block sized for max_tokens at construction (about
 /// max_tokens * (top_k * (hidden + inter) + num_experts) * 2 bytes plus index buffers, and
-/// max_tokens * top_k * inter * 2 more bytes when the cuBLAS prefill path is possible). Not thread
-/// safe; one per stream. Experts [expert_begin, expert_begin + num_local_experts) live here (EP);
-/// tokens routed elsewhere contribute zeros.
+/// when the cuBLAS prefill paths are possible, rows sized for the padded path: max(max_tokens
+/// top_k, 2 max_tokens top_k + 64 num_local_experts) rows of hidden + 2 inter instead of
+/// max_tokens top_k rows of hidden + inter). Not thread safe; one per stream. Experts
+/// [expert_begin, expert_begin + num_local_experts) live here (EP); tokens routed elsewhere
+/// contribute zeros.
 class MoeLayer {
  public:
   MoeLayer(int64_t max_tokens, int64_t hidden, int64_t inter, int64_t num_experts, int64_t top_k,
@@ -71,13 +84,20 @@ class MoeLayer {
   void set_path(MoeLayerPath path) { path_ = path; }
   /// The path the last run() took (kAuto before any run).
   MoeLayerPath last_path() const { return last_path_; }
-  /// The path run() would pick for num_tokens on a non-capturing stream.
+  /// The path run() would pick for num_tokens on a non-capturing stream (kPadded: padded, or
+  /// cublas when the routing of that run turns out skewed).
   MoeLayerPath pick_path(int64_t num_tokens) const;
 
  private:
   void release() noexcept;
   void run_cublas(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens,
                   cudaStream_t stream);
+  // kPadded (or its fallback to kCublas): sets last_path_.
+  void run_padded(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t num_tokens,
+                  cudaStream_t stream);
+  // The two cublasGemmGroupedBatchedEx + SiLU of the cublas path on rows_ (compact, permuted),
+  // h_offsets_ filled and the stream synchronised.
+  void grouped_gemms(MoeLayerWeights const& w, cudaStream_t stream);
 
   int64_t max_tokens_, hidden_, inter_, num_experts_, top_k_, expert_begin_, num_local_;
   bool renormalize_;
@@ -90,8 +110,11 @@ class MoeLayer {
   int32_t* slot_row_ = nullptr;  // [max_tokens * top_k]
   int32_t* perm_ws_ = nullptr;   // moe_permute workspace
   bf16* rows_ = nullptr;         // [max_tokens * top_k, hidden]: permuted x, then the down output
-  bf16* act_ = nullptr;          // [max_tokens * top_k, inter] (x 2 with the cuBLAS path: packed
-                                 // gate_up output, SiLU-multiplied in place, row stride 2 inter)
+                                 // ([pad_rows_cap_, hidden] with the cuBLAS paths)
+  bf16* act_ = nullptr;          // [max_tokens * top_k, inter] (with the cuBLAS paths
+                                 // [pad_rows_cap_, 2 inter]: packed gate_up output,
+                                 // SiLU-multiplied in place, row stride 2 inter)
+  int64_t pad_rows_cap_ = 0;     // rows of rows_ / act_ the padded path may use
   uint32_t* decode_counter_ = nullptr;  // last-block counter of the fused decode kernel
   // cuBLAS prefill path (allocated only when it is possible for max_tokens):
   bool cublas_ok_ = false;
@@ -133,6 +156,21 @@ void unpermute_pdl_launch(UnpermutePdlParams const& p, cudaStream_t stream);
 /// gate_up [rows, 2 inter] packed (moe_pack_gate_up order) -> columns [0, inter) of each row =
 /// silu(gate) * up, in place. inter % 8 == 0, inter <= 8192, 16-byte aligned.
 void silu_mul_packed_launch(bf16* gate_up, int64_t rows, int64_t inter, cudaStream_t stream);
+struct PrefillGatherParams {
+  bf16 const* x;                // [num_tokens, hidden]
+  int32_t const* offsets;       // [num_local_experts + 1] from moe_permute (compact rows)
+  int32_t const* permuted_src;  // token-slot of each compact row
+  int32_t* slot_row;            // padded: rewritten to the padded row of each local slot
+  bf16* rows;                   // padded: [num_local_experts * rows_per_expert, hidden]
+  int64_t hidden, top_k;
+  int64_t rows_per_expert;  // padded: Mmax; compact: the largest count (grid only)
+  int num_local_experts;
+  bool padded;
+};
+/// Padded: row e * Mmax + i = x[token of compact row offsets[e] + i] for i < count_e, zeros for
+/// count_e <= i < Mmax, and slot_row of that slot = e * Mmax + i. Compact: row offsets[e] + i =
+/// that token's x (moe_permute's permuted_x), slot_row untouched. hidden % 8 == 0.
+void prefill_gather_launch(PrefillGatherParams const& p, cudaStream_t stream);
 }  // namespace moe_layer_detail
 
 }  // namespace tandem::cuda

@@ -1,6 +1,6 @@
 // Kernels private to MoeLayer (moe_layer.cpp): the fused decode router (router dot products +
-// top-k softmax + permute indices in one launch) and the in-place SiLU-multiply on the packed
-// gate_up output of the cuBLAS prefill path.
+// top-k softmax + permute indices in one launch), the in-place SiLU-multiply on the packed
+// gate_up output of the cuBLAS prefill paths and the row gather of the padded / cublas paths.
 #include <algorithm>
 
 #include "backend/cuda/check.h"
@@ -254,7 +254,54 @@ __global__ void unpermute_pdl_kernel(UnpermutePdlParams p) {
   }
 }
 
+// Grid (rows_per_expert, num_local_experts): block (i, e) fills destination row i of expert e
+// (see prefill_gather_launch).
+template <int kVec>
+__global__ void prefill_gather_kernel(PrefillGatherParams p) {
+  const int e = blockIdx.y;
+  const int64_t i = blockIdx.x;
+  const int64_t begin = p.offsets[e], count = p.offsets[e + 1] - begin;
+  if (!p.padded && i >= count) return;
+  const int64_t dst_row = p.padded ? e * p.rows_per_expert + i : begin + i;
+  bf16* gDst = p.rows + dst_row * p.hidden;
+  if (i >= count) {  // padding: zeros (finite GEMM outputs; never read)
+    for (int64_t c = threadIdx.x * kVec; c < p.hidden; c += blockDim.x * kVec) {
+      if constexpr (kVec == 8) {
+        *reinterpret_cast<uint4*>(gDst + c) = make_uint4(0u, 0u, 0u, 0u);
+      } else {
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) gDst[c + v] = __float2bfloat16(0.f);
+      }
+    }
+    return;
+  }
+  const int32_t slot = p.permuted_src[begin + i];
+  if (p.padded && threadIdx.x == 0) p.slot_row[slot] = static_cast<int32_t>(dst_row);
+  bf16 const* gSrc = p.x + (slot / p.top_k) * p.hidden;
+  for (int64_t c = threadIdx.x * kVec; c < p.hidden; c += blockDim.x * kVec) {
+    copy_bf16<kVec>(gDst + c, gSrc + c);
+  }
+}
+
 }  // namespace
+
+void prefill_gather_launch(PrefillGatherParams const& p, cudaStream_t stream) {
+  TANDEM_CHECK(p.hidden > 0 && p.top_k >= 1 && p.num_local_experts >= 1 &&
+                   p.num_local_experts <= 65535 && p.rows_per_expert >= 0 &&
+                   p.rows_per_expert <= INT32_MAX,
+               "prefill_gather: unsupported sizes");
+  if (p.rows_per_expert == 0) return;
+  const int vec = p.hidden % 8 == 0 && aligned_to(16, p.x, p.rows) ? 8 : 1;
+  const dim3 grid(static_cast<unsigned>(p.rows_per_expert),
+                  static_cast<unsigned>(p.num_local_experts));
+  const int threads = row_threads((p.hidden + vec - 1) / vec, 256);
+  if (vec == 8) {
+    prefill_gather_kernel<8><<<grid, threads, 0, stream>>>(p);
+  } else {
+    prefill_gather_kernel<1><<<grid, threads, 0, stream>>>(p);
+  }
+  TANDEM_CUDA_CHECK_LAUNCH();
+}
 
 void unpermute_pdl_launch(UnpermutePdlParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.num_tokens >= 0 && p.num_tokens <= INT32_MAX && p.hidden % 8 == 0 &&

@@ -15,6 +15,7 @@ namespace {
 // One block per token; kVec bf16 per thread access.
 template <int kVec>
 __global__ void embedding_kernel(EmbeddingParams p) {
+  pdl_wait();
   const int64_t t = blockIdx.x;
   const int32_t id = p.ids[t];
   if (id < 0 || id >= p.vocab) __trap();  // NOTE: ids are validated at the boundary
@@ -31,6 +32,7 @@ template <int kVec, bool kAdd>
 __global__ void rms_norm_kernel(bf16 const* __restrict__ x, bf16* residual,
                                 bf16 const* __restrict__ weight, bf16* out, int64_t dim,
                                 float eps) {
+  pdl_wait();
   const int64_t row = blockIdx.x;
   bf16 const* gX = x + row * dim;
   bf16* gRes = kAdd ? residual + row * dim : nullptr;
@@ -79,12 +81,12 @@ void rms_norm_dispatch(bf16 const* x, bf16* residual, bf16 const* weight, bf16* 
   const int threads = row_threads((dim + vec - 1) / vec, 1024);
   switch (vec) {
     case 8:
-      rms_norm_kernel<8, kAdd>
-          <<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, residual, weight, out, dim, eps);
+      TANDEM_CUDA_CHECK(launch_pdl(rms_norm_kernel<8, kAdd>, static_cast<unsigned>(rows), threads,
+                                   0, stream, x, residual, weight, out, dim, eps));
       break;
     case 1:
-      rms_norm_kernel<1, kAdd>
-          <<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, residual, weight, out, dim, eps);
+      TANDEM_CUDA_CHECK(launch_pdl(rms_norm_kernel<1, kAdd>, static_cast<unsigned>(rows), threads,
+                                   0, stream, x, residual, weight, out, dim, eps));
       break;
     default: TANDEM_THROW(kUnsupported, "rms_norm: unsupported vector width ", vec);
   }
@@ -101,6 +103,7 @@ struct InvFreq {
 // [l * kPer, (l + 1) * kPer) of each half, so rotate-half pairs stay in one thread.
 template <int kHeadDim>
 __global__ void __launch_bounds__(128) qk_norm_rope_kernel(QkNormRopeParams p, InvFreq f) {
+  pdl_wait();
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kPer = kHalf / 32;  // 1 (64) or 2 (128)
   __shared__ float sCos[kHalf], sSin[kHalf];
@@ -154,6 +157,7 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(QkNormRopeParams p, I
 // Same layout as qk_norm_rope_kernel; heads [0, q) are q, [q, q + kv) k, [q + kv, q + 2 kv) v.
 template <int kHeadDim>
 __global__ void __launch_bounds__(128) qkv_prep_kernel(QkvPrepParams p, InvFreq f) {
+  pdl_wait();
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kPer = kHalf / 32;
   __shared__ float sCos[kHalf], sSin[kHalf];
@@ -171,7 +175,8 @@ __global__ void __launch_bounds__(128) qkv_prep_kernel(QkvPrepParams p, InvFreq 
   const int64_t slot = p.slot_index[t];
   const int i0 = lane * kPer;
   bf16 const* gRow = p.qkv + t * heads * kHeadDim;
-  for (int64_t h = warp; h < heads; h += nwarps) {
+  // blockIdx.y splits the token's heads over several blocks (a decode step has few tokens).
+  for (int64_t h = blockIdx.y * nwarps + warp; h < heads; h += gridDim.y * nwarps) {
     bf16 const* gSrc = gRow + h * kHeadDim;
     bf16* gDst;
     if (h < qh) {
@@ -239,8 +244,12 @@ void embedding_launch(EmbeddingParams const& p, cudaStream_t stream) {
   const int threads = row_threads((p.hidden + vec - 1) / vec, 256);
   const unsigned blocks = static_cast<unsigned>(p.num_tokens);
   switch (vec) {
-    case 8: embedding_kernel<8><<<blocks, threads, 0, stream>>>(p); break;
-    case 1: embedding_kernel<1><<<blocks, threads, 0, stream>>>(p); break;
+    case 8:
+      TANDEM_CUDA_CHECK(launch_pdl(embedding_kernel<8>, blocks, threads, 0, stream, p));
+      break;
+    case 1:
+      TANDEM_CUDA_CHECK(launch_pdl(embedding_kernel<1>, blocks, threads, 0, stream, p));
+      break;
     default: TANDEM_THROW(kUnsupported, "embedding: unsupported vector width ", vec);
   }
   TANDEM_CUDA_CHECK_LAUNCH();
@@ -285,10 +294,16 @@ void qkv_prep_launch(QkvPrepParams const& p, cudaStream_t stream) {
   const InvFreq f = make_inv_freq(p.head_dim, p.rope_theta);
   const int64_t heads = p.num_q_heads + 2 * p.num_kv_heads;
   const int threads = heads >= 4 ? 128 : static_cast<int>(std::max<int64_t>(heads, 1) * 32);
-  const unsigned blocks = static_cast<unsigned>(p.num_tokens);
+  // Few tokens: a block per (token, group of 4 heads) so a decode step spreads over the SMs.
+  const int64_t head_blocks = p.num_tokens >= 256 ? 1 : std::min<int64_t>((heads + 3) / 4, 32);
+  const dim3 blocks(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(head_blocks));
   switch (p.head_dim) {
-    case 64: qkv_prep_kernel<64><<<blocks, threads, 0, stream>>>(p, f); break;
-    case 128: qkv_prep_kernel<128><<<blocks, threads, 0, stream>>>(p, f); break;
+    case 64:
+      TANDEM_CUDA_CHECK(launch_pdl(qkv_prep_kernel<64>, blocks, threads, 0, stream, p, f));
+      break;
+    case 128:
+      TANDEM_CUDA_CHECK(launch_pdl(qkv_prep_kernel<128>, blocks, threads, 0, stream, p, f));
+      break;
     default: TANDEM_THROW(kUnsupported, "qkv_prep: unsupported head_dim ", p.head_dim);
   }
   TANDEM_CUDA_CHECK_LAUNCH();

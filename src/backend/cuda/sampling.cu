@@ -1,5 +1,7 @@
 // GPU sampling: one CTA of 1024 threads per row, a few block-wide passes over the row (it is
 // too large for shared memory: 151936 fp32 = 594 KiB). See sampling.h for the semantics.
+// With a workspace the same passes run over slices of the row, several CTAs per row (the
+// multi-CTA path, further down).
 //
 // Passes per row:
 //   1. stats: raw max + argmax (ties -> lowest id), raw min, and (when logprobs are asked for)
@@ -19,6 +21,7 @@
 //      of the n (<= 20) tokens and a sort of those.
 // NOTE: masses are fixed-point (w * 2^40 as uint64) so the shared-memory atomics that build
 // them are exact and order-independent: the same inputs always give the same cut.
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/cuda/check.h"
@@ -89,6 +92,9 @@ __device__ __forceinline__ void unpack(uint4 q, float (&r)[kVec]) {
 /// Calls f(i, value) once for every element of the row, 16-byte loads when aligned.
 /// NOTE: 64 bytes of loads are issued before they are used, so one CTA per SM keeps
 /// 64 KiB in flight (a single 16-byte load per thread would reach ~1/3 of the bandwidth).
+/// The loads of a group are predicated rather than left to a remainder loop, so short rows
+/// (the multi-CTA slices: a few vectors per thread) also issue them all at once. Each thread
+/// visits its elements in increasing index order.
 template <typename T, typename F>
 __device__ __forceinline__ void for_each(T const* row, int n, F&& f) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -97,24 +103,23 @@ __device__ __forceinline__ void for_each(T const* row, int n, F&& f) {
   if (reinterpret_cast<uintptr_t>(row) % 16 == 0) {
     uint4 const* gV = reinterpret_cast<uint4 const*>(row);
     const int nv = n / kVec, stride = static_cast<int>(blockDim.x);
-    int v = threadIdx.x;
-    for (; v + (kUnroll - 1) * stride < nv; v += kUnroll * stride) {
+    for (int v0 = threadIdx.x; v0 < nv; v0 += kUnroll * stride) {
       uint4 q[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) q[u] = gV[v + u * stride];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * stride;
+        q[u] = v < nv ? gV[v] : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        float r[kVec];
-        unpack<T, kVec>(q[u], r);
+        const int v = v0 + u * stride;
+        if (v < nv) {
+          float r[kVec];
+          unpack<T, kVec>(q[u], r);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) f((v + u * stride) * kVec + j, r[j]);
+          for (int j = 0; j < kVec; ++j) f(v * kVec + j, r[j]);
+        }
       }
-    }
-    for (; v < nv; v += stride) {
-      float r[kVec];
-      unpack<T, kVec>(gV[v], r);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) f(v * kVec + j, r[j]);
     }
     start = nv * kVec;
   }
@@ -233,12 +238,16 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
   return c;
 }
 
-/// Exp(1) variate for token `id` of draw (seed, counter); one Philox block serves 4 ids.
-__device__ __forceinline__ float exp_variate(uint64_t seed, uint64_t counter, int id) {
-  const uint4 r =
-      philox(make_uint4(static_cast<uint32_t>(id) >> 2, static_cast<uint32_t>(counter),
-                        static_cast<uint32_t>(counter >> 32), 0x53414d50u),
-             make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)));
+/// The Philox block that serves ids [4 q, 4 q + 4) of draw (seed, counter).
+__device__ __forceinline__ uint4 philox_block(uint64_t seed, uint64_t counter, uint32_t q) {
+  return philox(make_uint4(q, static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32),
+                           0x53414d50u),
+                make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)));
+}
+
+/// Exp(1) variate for token `id` of draw (seed, counter), from its Philox block
+/// r = philox_block(seed, counter, id >> 2) (one block serves 4 ids).
+__device__ __forceinline__ float exp_from_block(uint4 r, int id) {
   const int j = id & 3;
   const uint32_t b = j == 0 ? r.x : j == 1 ? r.y : j == 2 ? r.z : r.w;
   // v in [2^-24, 1 - 2^-24], both exact in fp32: E in [6e-8, 16.6], never 0 or inf.
@@ -461,6 +470,47 @@ __device__ int tie_cut(T const* row, int n, U const& u, uint32_t key, uint32_t r
   return r >= eq_cnt ? kNoId : nth_id(row, n, u, key, r, sh);
 }
 
+// ---------------------------------------------------------------- the draw
+/// -logf(E) <= 16.64 for every E that exp_from_block returns (v >= 2^-24); 17 with a margin.
+constexpr float kMaxNegLogE = 17.0f;
+/// A lower bound of the winning score whenever a token is kept: the first token of the order
+/// (d = 0) is always kept then, and its score is -logf(E) >= -logf(16.64) = -2.81.
+constexpr float kBestFloor = -2.9f;
+
+/// This thread's part of the exponential race over the kept tokens of row[0, n) (ids offset +
+/// i): best / best_id updated by (score desc, id asc). A token whose d + kMaxNegLogE is below
+/// max(the thread's best, kBestFloor) cannot win or tie (score <= fl(d + 16.64) <= fl(d + 17)
+/// < the final best), so its Philox draw is skipped: the winner is the one of the full race.
+/// (When nothing is kept the caller takes the argmax whatever this returns.)
+template <typename T>
+__device__ __forceinline__ void race(T const* row, int n, int offset, SampleUniverse const& u,
+                                     uint32_t cut_key, int cut_id, SamplingRowParams const& rp,
+                                     float& best, int& best_id) {
+  const float min_p = rp.min_p;
+  uint32_t cached_q = 0xffffffffu;  // ids < 2^23: never a real block
+  uint4 block = make_uint4(0, 0, 0, 0);
+  for_each(row, n, [&](int il, float v) {
+    const int i = il + offset;
+    const uint32_t k = u.key(v);
+    if (k < cut_key || (k == cut_key && i > cut_id)) return;
+    const Elem e = u(v);
+    if (!e.valid || (min_p > 0.0f && !(e.w >= min_p))) return;
+    if (e.d + kMaxNegLogE < fmaxf(best, kBestFloor)) return;
+    // The thread's ids come in runs of 4-16 consecutive ids (one vector load): one Philox
+    // block per 4 of them.
+    const uint32_t q = static_cast<uint32_t>(i) >> 2;
+    if (q != cached_q) {
+      cached_q = q;
+      block = philox_block(rp.seed, rp.counter, q);
+    }
+    const float score = e.d - logf(exp_from_block(block, i));
+    if (score > best || (score == best && i < best_id)) {
+      best = score;
+      best_id = i;
+    }
+  });
+}
+
 // ---------------------------------------------------------------- the kernel
 template <typename T>
 __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
@@ -559,18 +609,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     // The exponential race over the kept tokens.
     float best = -INFINITY;
     int best_id = kNoId;
-    const float min_p = rp.min_p;
-    for_each(row, n, [&](int i, float v) {
-      const uint32_t k = u.key(v);
-      if (k < cut_key || (k == cut_key && i > cut_id)) return;
-      const Elem e = u(v);
-      if (!e.valid || (min_p > 0.0f && !(e.w >= min_p))) return;
-      const float score = e.d - logf(exp_variate(rp.seed, rp.counter, i));
-      if (score > best || (score == best && i < best_id)) {
-        best = score;
-        best_id = i;
-      }
-    });
+    race(row, n, 0, u, cut_key, cut_id, rp, best, best_id);
     block_argmax(best, best_id, sh);
     // Nothing kept (min_p > 1): the argmax, as the CPU.
     if (best_id != kNoId) token = best_id;
@@ -650,7 +689,624 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   }
 }
 
+// ---------------------------------------------------------------- the multi-CTA path
+// Each row is split over S CTAs (blockIdx.x = row * S + slice), each over a contiguous slice
+// of the vocabulary (a multiple of 64 ids). The CTAs of a row meet at row barriers (an
+// arrival counter in the workspace; the grid is capped at the resident CTAs, so they all run at
+// once) and every decision is made by each CTA from the same global data, so they all take the
+// same branches:
+//   - stats: per-slice partials (argmax, mins, log-sum-exp), combined in a fixed order;
+//   - each histogram level: per-CTA shared histogram, then integer atomics into the row's
+//     global histogram (exact, so the same sums as the single-CTA path), barrier, then the
+//     same bin choice as the single-CTA path;
+//   - a tie at the cut: per-slice counts, then the slice holding the r-th tie finds its id;
+//     the other slices keep all (earlier r) or none (later r) of their ties;
+//   - the draw: per-slice race winners, combined by (score desc, id asc): the same winner;
+//   - top-n: the kept (<= 20) tokens are appended to a per-row list, sorted by slice 0.
+// Histograms rotate over 3 buffers: level L adds into buf[L % 3]; after its barrier slice 0
+// zeroes buf[(L + 2) % 3] (last read before that barrier, next added to after the next one).
+constexpr int kMaxSlices = 64;
+constexpr int kSliceAlign = 64;  // ids; keeps 16-byte loads aligned
+constexpr int kMultiThreads = 256;
+constexpr int kMultiMinBlocks = 3;  // per SM: <= 80 registers
+
+struct SlicePart {
+  float rmax;
+  int rarg;
+  float rmin_all, rmin_fin, lm, ls;
+  float best;
+  int best_id;
+  uint32_t tie[2];
+};
+
+struct RowHeader {  // zeroed by sample_launch before every kernel
+  uint32_t arrived;
+  uint32_t gathered;
+  uint32_t pad[14];
+};
+static_assert(sizeof(RowHeader) == 64);
+
+struct RowWork {
+  unsigned long long mass[3][kBins];
+  uint32_t cnt[3][kBins];
+  uint32_t g_key[kMaxTopLogprobs];
+  int g_id[kMaxTopLogprobs];
+  SlicePart part[kMaxSlices];
+};
+
+struct Ctx {
+  RowHeader* hdr;
+  RowWork* ws;
+  int S, slice, b0, nloc;
+  uint32_t nbar;  // barriers passed
+  int lvl;        // histogram levels done
+};
+
+__device__ __forceinline__ uint32_t ld_acquire(uint32_t const* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+/// All CTAs of the row: writes before it (by any of them) are visible after it (read them with
+/// __ldcg or atomics: L1 is not coherent).
+__device__ __forceinline__ void row_barrier(Ctx& c) {
+  __syncthreads();
+  ++c.nbar;
+  if (c.S > 1 && threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(&c.hdr->arrived, 1u);
+    const uint32_t target = c.nbar * static_cast<uint32_t>(c.S);
+    // The grid is capped at the resident CTAs, so the wait is short; should the row's CTAs
+    // ever not be co-resident, trap after ~2 s rather than hang the stream.
+    uint64_t t0 = 0;
+    for (uint32_t polls = 1; ld_acquire(&c.hdr->arrived) < target; ++polls) {
+      if ((polls & 1023u) == 0) {
+        const uint64_t now = globaltimer_ns();
+        if (t0 == 0) {
+          t0 = now;
+        } else if (now - t0 > 2000000000ull) {
+          __trap();
+        }
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+/// search() over the row's slices (same arguments, same result in every CTA of the row).
+template <bool kByMass, bool kWithMass, typename T, typename U>
+__device__ SearchResult search_multi(T const* srow, int nloc, U const& u, uint32_t lo, uint32_t hi,
+                                     uint64_t need, float frac, Shared& sh, Ctx& c) {
+  uint32_t above_cnt = 0;
+  uint64_t above_mass = 0;
+  bool first = true;
+  for (;;) {
+    const uint32_t width = static_cast<uint32_t>((static_cast<uint64_t>(hi) - lo) / kBins + 1);
+    __syncthreads();
+    for (int j = threadIdx.x; j < kHistCopies * kBins; j += blockDim.x) {
+      (&sh.cnt[0][0])[j] = 0;
+      if (kWithMass) (&sh.mass[0][0])[j] = 0;
+    }
+    __syncthreads();
+    const int copy = (threadIdx.x >> 5) & (kHistCopies - 1);
+    const int lane = threadIdx.x & 31;
+    for_each_uniform(srow, nloc, [&](bool ok, int, float v) {
+      int b = -1;
+      uint64_t wfp = 0;
+      if (ok) {
+        const uint32_t k = u.key(v);
+        if (k >= lo && k <= hi) {
+          const Elem e = u(v);
+          if (e.valid) {
+            b = static_cast<int>((e.key - lo) / width);
+            wfp = e.wfp;
+          }
+        }
+      }
+      if (__ballot_sync(0xffffffffu, b >= 0) == 0) return;
+      const unsigned peers = __match_any_sync(0xffffffffu, b);
+      const unsigned leaders = __ballot_sync(0xffffffffu, (peers & ((1u << lane) - 1u)) == 0u);
+      if (__popc(leaders) <= 8) {
+        for (unsigned todo = leaders; todo != 0; todo &= todo - 1u) {
+          const int l = __ffs(todo) - 1;
+          const int gb = __shfl_sync(0xffffffffu, b, l);
+          uint64_t sum = 0;
+          if (kWithMass) sum = warp_sum_u64(((peers >> l) & 1u) ? wfp : 0);
+          if (lane == l && gb >= 0) {
+            atomicAdd(&sh.cnt[copy][gb], static_cast<uint32_t>(__popc(peers)));
+            if (kWithMass) atomicAdd(&sh.mass[copy][gb], static_cast<unsigned long long>(sum));
+          }
+        }
+      } else if (b >= 0) {
+        atomicAdd(&sh.cnt[copy][b], 1u);
+        if (kWithMass) atomicAdd(&sh.mass[copy][b], static_cast<unsigned long long>(wfp));
+      }
+    });
+    __syncthreads();
+    const int buf = c.lvl % 3;
+    for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
+      uint32_t cn = 0;
+      unsigned long long ms = 0;
+      for (int k = 0; k < kHistCopies; ++k) {
+        cn += sh.cnt[k][j];
+        if (kWithMass) ms += sh.mass[k][j];
+      }
+      if (cn != 0) atomicAdd(&c.ws->cnt[buf][j], cn);
+      if (kWithMass && ms != 0) atomicAdd(&c.ws->mass[buf][j], ms);
+    }
+    row_barrier(c);
+    if (c.slice == 0) {
+      const int zb = (c.lvl + 2) % 3;
+      for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
+        c.ws->cnt[zb][j] = 0;
+        c.ws->mass[zb][j] = 0;
+      }
+    }
+    for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
+      sh.cnt[0][j] = __ldcg(&c.ws->cnt[buf][j]);
+      if (kWithMass) sh.mass[0][j] = __ldcg(&c.ws->mass[buf][j]);
+    }
+    ++c.lvl;
+    __syncthreads();
+    // The bin choice of search(), by warp 0: lane l owns bins [8 l, 8 l + 8); the suffix sums
+    // over the lanes find the lane that holds the largest bin b with A(key >= bin b) >= need
+    // (the suffix is non-increasing in b; bins past nbins are empty), then that lane walks its
+    // 8 bins from the top exactly as search() does.
+    if (threadIdx.x < 32) {
+      const int lane = static_cast<int>(threadIdx.x);
+      uint32_t c8 = 0;
+      unsigned long long m8 = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c8 += sh.cnt[0][8 * lane + j];
+        if (kWithMass) m8 += sh.mass[0][8 * lane + j];
+      }
+      if (first && kByMass && frac > 0.0f) {
+        const unsigned long long total = warp_sum_u64(m8);
+        need = static_cast<uint64_t>(ceil(static_cast<double>(frac) * static_cast<double>(total)));
+        if (need == 0) need = 1;
+      }
+      uint32_t sc = c8;  // inclusive suffix over lanes [lane, 32)
+      unsigned long long sm = m8;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t tc = __shfl_down_sync(0xffffffffu, sc, o);
+        const unsigned long long tm = __shfl_down_sync(0xffffffffu, sm, o);
+        if (lane + o < 32) {
+          sc += tc;
+          sm += tm;
+        }
+      }
+      const uint64_t suffix = kByMass ? above_mass + sm : above_cnt + sc;
+      const unsigned ok = __ballot_sync(0xffffffffu, suffix >= need);
+      if (ok == 0u) {
+        if (lane == 0) {
+          sh.need = need;
+          sh.above_cnt = above_cnt + sc;
+          sh.above_mass = above_mass + (kWithMass ? sm : 0ull);
+          sh.found = 0;
+          sh.done = 1;
+        }
+      } else if (lane == 31 - __clz(ok)) {
+        uint32_t a_cnt = above_cnt + (sc - c8);
+        uint64_t a_mass = above_mass + (kWithMass ? sm - m8 : 0ull);
+        int b = 8 * lane + 7;
+        for (; b > 8 * lane; --b) {
+          const uint64_t a = kByMass ? a_mass + sh.mass[0][b] : a_cnt + sh.cnt[0][b];
+          if (a >= need) break;
+          a_cnt += sh.cnt[0][b];
+          if (kWithMass) a_mass += sh.mass[0][b];
+        }
+        sh.need = need;
+        sh.above_cnt = a_cnt;
+        sh.above_mass = a_mass;
+        const uint32_t new_lo = lo + static_cast<uint32_t>(b) * width;
+        const uint64_t new_hi = static_cast<uint64_t>(new_lo) + width - 1;
+        sh.found = 1;
+        // Count-only searches (top-n logprobs) also stop when the whole bin is kept: the result
+        // then reads "key >= new_lo, eq_cnt tokens at the cut, all kept" (r = eq_cnt), the
+        // same kept set as narrowing down to the last key. (Not with masses: top-k's tie
+        // weight eq_mass / eq_cnt feeds top-p and must be the weight of one key.)
+        sh.done = width == 1 || (!kWithMass && a_cnt + sh.cnt[0][b] == need);
+        sh.lo = new_lo;
+        sh.hi = new_hi < hi ? static_cast<uint32_t>(new_hi) : hi;
+        sh.eq_cnt = sh.cnt[0][b];
+        sh.eq_mass = kWithMass ? sh.mass[0][b] : 0;
+      }
+    }
+    __syncthreads();
+    first = false;
+    need = sh.need;
+    above_cnt = sh.above_cnt;
+    above_mass = sh.above_mass;
+    if (sh.done) {
+      SearchResult r{sh.found != 0, sh.lo, above_cnt, sh.eq_cnt, above_mass, sh.eq_mass, need};
+      return r;
+    }
+    lo = sh.lo;
+    hi = sh.hi;
+  }
+}
+
+/// Sum over the block of a uint32 (every thread gets it).
+__device__ uint32_t block_sum_u32(uint32_t v, Shared& sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh.red_i[threadIdx.x >> 5] = static_cast<int>(v);
+  __syncthreads();
+  uint32_t r = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w)
+    r += static_cast<uint32_t>(sh.red_i[w]);
+  return r;
+}
+
+/// tie_cut() over the slices, as seen by this slice: an id cut that keeps exactly the tied
+/// tokens of this slice that the single-CTA cut keeps (b0 - 1: none, kNoId: all).
+template <typename T, typename U>
+__device__ int tie_cut_multi(T const* srow, int nloc, U const& u, uint32_t key, uint32_t r,
+                             uint32_t eq_cnt, int which, Shared& sh, Ctx& c) {
+  if (r >= eq_cnt) return kNoId;  // uniform over the row
+  uint32_t mine = 0;
+  for_each(srow, nloc, [&](int, float v) {
+    if (u.key(v) == key && u(v).valid) ++mine;
+  });
+  mine = block_sum_u32(mine, sh);
+  if (threadIdx.x == 0) c.ws->part[c.slice].tie[which] = mine;
+  row_barrier(c);
+  // Ties in the slices before this one.
+  uint32_t before = 0;
+  if (threadIdx.x < 32) {
+    for (int s = static_cast<int>(threadIdx.x); s < c.slice; s += 32)
+      before += __ldcg(&c.ws->part[s].tie[which]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
+    if (threadIdx.x == 0) sh.above_cnt = before;
+  }
+  __syncthreads();
+  before = sh.above_cnt;
+  __syncthreads();
+  if (r <= before) return c.b0 - 1;
+  if (r > before + mine) return kNoId;
+  const int id = nth_id(srow, nloc, u, key, r - before, sh);  // uniform over the block
+  return id == kNoId ? kNoId : id + c.b0;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMultiThreads, kMultiMinBlocks)
+    sample_multi_kernel(SampleParams p, int S, int slice_len) {
+  __shared__ Shared sh;
+  const int64_t row_idx = blockIdx.x / S;
+  const int slice = static_cast<int>(blockIdx.x % S);
+  const int n = static_cast<int>(p.vocab);
+  Ctx c;
+  c.hdr = reinterpret_cast<RowHeader*>(p.workspace) + row_idx;
+  c.ws = reinterpret_cast<RowWork*>(reinterpret_cast<RowHeader*>(p.workspace) + p.rows) + row_idx;
+  c.S = S;
+  c.slice = slice;
+  c.b0 = slice * slice_len;
+  c.nloc = min(slice_len, n - c.b0);
+  c.nbar = 0;
+  c.lvl = 0;
+  T const* row = static_cast<T const*>(p.logits) + row_idx * p.vocab;
+  T const* srow = row + c.b0;
+  const int nloc = c.nloc;
+  const SamplingRowParams rp = p.row_params[row_idx];
+  const bool want_top = rp.n_top > 0 && p.top_ids != nullptr && p.top_logprobs != nullptr;
+  const bool want_lp = rp.want_logprob != 0 && p.logprobs != nullptr;
+  const bool want_lse = want_top || want_lp;
+
+  if (slice == 0) {  // histogram buffers 0 and 1 (see above)
+    for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) {
+      (&c.ws->cnt[0][0])[j] = 0;
+      (&c.ws->mass[0][0])[j] = 0;
+    }
+  }
+
+  // 1. stats of the slice
+  float rmax = -INFINITY, rmin_all = INFINITY, rmin_fin = INFINITY, lm = -INFINITY, ls = 0.f;
+  int rarg = kNoId;
+  for_each(srow, nloc, [&](int il, float v) {
+    const int i = il + c.b0;
+    const float vv = v != v ? -INFINITY : v;
+    if (vv > rmax || (vv == rmax && i < rarg)) {
+      rmax = vv;
+      rarg = i;
+    }
+    rmin_all = fminf(rmin_all, vv);
+    if (isfinite(vv)) rmin_fin = fminf(rmin_fin, vv);
+    if (want_lse && vv > -INFINITY) {
+      if (vv > lm) {
+        ls = (lm == -INFINITY ? 0.f : ls * expf(lm - vv)) + 1.0f;
+        lm = vv;
+      } else {
+        ls += expf(vv - lm);
+      }
+    }
+  });
+  block_argmax(rmax, rarg, sh);
+  rmin_all = block_min(rmin_all, sh);
+  rmin_fin = block_min(rmin_fin, sh);
+  if (want_lse) {
+    const float gm = block_max(lm, sh);
+    const float part = (lm == -INFINITY || isinf(gm)) ? 0.f : ls * expf(lm - gm);
+    ls = block_sumf(part, sh);
+    lm = gm;
+  }
+  if (threadIdx.x == 0) {
+    SlicePart& sp = c.ws->part[slice];
+    sp.rmax = rmax;
+    sp.rarg = rarg;
+    sp.rmin_all = rmin_all;
+    sp.rmin_fin = rmin_fin;
+    sp.lm = lm;
+    sp.ls = ls;
+  }
+  row_barrier(c);
+  // Combine the slices (warp 0, a fixed order: the same values in every CTA of the row).
+  float lse = NAN;
+  if (threadIdx.x < 32) {
+    float gmax = -INFINITY, gmin_all = INFINITY, gmin_fin = INFINITY, glm = -INFINITY;
+    int garg = kNoId;
+    float lms[2] = {-INFINITY, -INFINITY}, lss[2] = {0.f, 0.f};
+    for (int k = 0; k < 2; ++k) {
+      const int s = static_cast<int>(threadIdx.x) + 32 * k;
+      if (s >= S) continue;
+      SlicePart const& sp = c.ws->part[s];
+      const float v = __ldcg(&sp.rmax);
+      const int id = __ldcg(&sp.rarg);
+      if (v > gmax || (v == gmax && id < garg)) {
+        gmax = v;
+        garg = id;
+      }
+      gmin_all = fminf(gmin_all, __ldcg(&sp.rmin_all));
+      gmin_fin = fminf(gmin_fin, __ldcg(&sp.rmin_fin));
+      lms[k] = __ldcg(&sp.lm);
+      lss[k] = __ldcg(&sp.ls);
+      glm = fmaxf(glm, lms[k]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, gmax, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, garg, o);
+      if (ov > gmax || (ov == gmax && oi < garg)) {
+        gmax = ov;
+        garg = oi;
+      }
+      gmin_all = fminf(gmin_all, __shfl_xor_sync(0xffffffffu, gmin_all, o));
+      gmin_fin = fminf(gmin_fin, __shfl_xor_sync(0xffffffffu, gmin_fin, o));
+      glm = fmaxf(glm, __shfl_xor_sync(0xffffffffu, glm, o));
+    }
+    if (want_lse) {
+      float sum = 0.f;
+      for (int k = 0; k < 2; ++k)
+        sum += (lms[k] == -INFINITY || isinf(glm)) ? 0.f : lss[k] * expf(lms[k] - glm);
+      sum = warp_sum(sum);
+      lse = isinf(glm) ? glm : glm + logf(sum);
+    }
+    if (threadIdx.x == 0) {
+      sh.red_f[0] = gmax;
+      sh.red_i[0] = garg;
+      sh.red_f[1] = gmin_all;
+      sh.red_f[2] = gmin_fin;
+      sh.red_f[3] = lse;
+    }
+  }
+  __syncthreads();
+  rmax = sh.red_f[0];
+  rarg = sh.red_i[0];
+  rmin_all = sh.red_f[1];
+  rmin_fin = sh.red_f[2];
+  lse = sh.red_f[3];
+  __syncthreads();
+
+  // 2-3. the token
+  int token = rarg;
+  const float m = rmax / rp.temperature;
+  if (!(rp.temperature < kGreedyBelow) && m > -INFINITY) {
+    const SampleUniverse u{rp.temperature, m};
+    const uint32_t klo = ordkey(fminf(rmin_fin, rmax) / rp.temperature), khi = ordkey(m);
+    uint32_t cut_key = 0;
+    int cut_id = kNoId;
+    const bool use_k = rp.top_k > 0 && rp.top_k < n;
+    const bool use_p = rp.top_p < 1.0f;
+    if (use_k || use_p) {
+      bool cut = false;
+      uint32_t r_cut = 0, eq_cut = 0, lo = klo;
+      uint64_t mass_k = 0;
+      if (use_k) {
+        const SearchResult s = search_multi<false, true>(
+            srow, nloc, u, klo, khi, static_cast<uint64_t>(rp.top_k), 0.f, sh, c);
+        if (s.found) {
+          cut = true;
+          cut_key = s.key;
+          r_cut = static_cast<uint32_t>(rp.top_k) - s.above_cnt;
+          eq_cut = s.eq_cnt;
+          mass_k = s.above_mass + r_cut * (s.eq_mass / s.eq_cnt);
+          lo = s.key;
+        } else {
+          mass_k = s.above_mass;
+        }
+      }
+      if (use_p) {
+        uint64_t need = 0;
+        float frac = rp.top_p;
+        if (use_k) {
+          need = static_cast<uint64_t>(
+              ceil(static_cast<double>(rp.top_p) * static_cast<double>(mass_k)));
+          if (need == 0) need = 1;
+          frac = 0.f;
+        }
+        const SearchResult s = search_multi<true, true>(srow, nloc, u, lo, khi, need, frac, sh, c);
+        if (s.found) {
+          const uint64_t w_tie = s.eq_mass / s.eq_cnt;
+          const uint64_t rem = s.need - s.above_mass;
+          uint64_t r = w_tie > 0 ? (rem + w_tie - 1) / w_tie : s.eq_cnt;
+          r = r < 1 ? 1 : (r > s.eq_cnt ? s.eq_cnt : r);
+          if (cut && s.key == cut_key && r > r_cut) r = r_cut;
+          cut = true;
+          cut_key = s.key;
+          r_cut = static_cast<uint32_t>(r);
+          eq_cut = s.eq_cnt;
+        }
+      }
+      if (cut) cut_id = tie_cut_multi(srow, nloc, u, cut_key, r_cut, eq_cut, 0, sh, c);
+    }
+    float best = -INFINITY;
+    int best_id = kNoId;
+    race(srow, nloc, c.b0, u, cut_key, cut_id, rp, best, best_id);
+    block_argmax(best, best_id, sh);
+    if (threadIdx.x == 0) {
+      c.ws->part[slice].best = best;
+      c.ws->part[slice].best_id = best_id;
+    }
+    row_barrier(c);
+    if (slice == 0 && threadIdx.x < 32) {
+      float gb = -INFINITY;
+      int gid = kNoId;
+      for (int s = static_cast<int>(threadIdx.x); s < S; s += 32) {
+        const float v = __ldcg(&c.ws->part[s].best);
+        const int id = __ldcg(&c.ws->part[s].best_id);
+        if (v > gb || (v == gb && id < gid)) {
+          gb = v;
+          gid = id;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, gb, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, gid, o);
+        if (ov > gb || (ov == gb && oi < gid)) {
+          gb = ov;
+          gid = oi;
+        }
+      }
+      if (gid != kNoId) token = gid;
+    }
+  }
+  if (token == kNoId) token = 0;
+
+  if (slice == 0 && threadIdx.x == 0) {
+    p.tokens[row_idx] = token;
+    if (p.logprobs != nullptr) p.logprobs[row_idx] = want_lp ? load_raw(row, token) - lse : NAN;
+  }
+
+  // 4. top-n logprobs
+  if (p.top_ids == nullptr || p.top_logprobs == nullptr) return;
+  int32_t* gIds = p.top_ids + row_idx * kMaxTopLogprobs;
+  float* gLp = p.top_logprobs + row_idx * kMaxTopLogprobs;
+  int nt = 0;
+  if (want_top) {
+    nt = rp.n_top < kMaxTopLogprobs ? rp.n_top : kMaxTopLogprobs;
+    nt = nt < n ? nt : n;
+    const LogprobUniverse u{lse};
+    uint32_t klo = ordkey(rmin_all - lse), khi = ordkey(rmax - lse);
+    if (klo > khi) {
+      klo = 0;
+      khi = 0xffffffffu;
+    }
+    const SearchResult s =
+        search_multi<false, false>(srow, nloc, u, klo, khi, static_cast<uint64_t>(nt), 0.f, sh, c);
+    uint32_t cut_key = 0;
+    int cut_id = kNoId;
+    if (s.found) {
+      cut_key = s.key;
+      cut_id = tie_cut_multi(srow, nloc, u, s.key, static_cast<uint32_t>(nt) - s.above_cnt,
+                             s.eq_cnt, 1, sh, c);
+    }
+    for_each(srow, nloc, [&](int il, float v) {
+      const int i = il + c.b0;
+      const uint32_t k = u.key(v);
+      if (k > cut_key || (k == cut_key && i <= cut_id)) {
+        const uint32_t slot = atomicAdd(&c.hdr->gathered, 1u);
+        if (slot < static_cast<uint32_t>(kMaxTopLogprobs)) {
+          c.ws->g_key[slot] = k;
+          c.ws->g_id[slot] = i;
+        }
+      }
+    });
+    row_barrier(c);
+    if (slice != 0) return;
+    if (threadIdx.x == 0) {
+      const uint32_t got = atomicAdd(&c.hdr->gathered, 0u);
+      int g = static_cast<int>(got < static_cast<uint32_t>(nt) ? got : static_cast<uint32_t>(nt));
+      for (int a = 0; a < g; ++a) {
+        sh.g_key[a] = __ldcg(&c.ws->g_key[a]);
+        sh.g_id[a] = __ldcg(&c.ws->g_id[a]);
+      }
+      for (int a = 1; a < g; ++a) {
+        const uint32_t k = sh.g_key[a];
+        const int id = sh.g_id[a];
+        int b = a - 1;
+        while (b >= 0 && (sh.g_key[b] < k || (sh.g_key[b] == k && sh.g_id[b] > id))) {
+          sh.g_key[b + 1] = sh.g_key[b];
+          sh.g_id[b + 1] = sh.g_id[b];
+          --b;
+        }
+        sh.g_key[b + 1] = k;
+        sh.g_id[b + 1] = id;
+      }
+      sh.n_gathered = g;
+    }
+    __syncthreads();
+    nt = sh.n_gathered;
+    if (static_cast<int>(threadIdx.x) < nt) {
+      const int id = sh.g_id[threadIdx.x];
+      gIds[threadIdx.x] = id;
+      gLp[threadIdx.x] = load_raw(row, id) - lse;
+    }
+  }
+  if (slice != 0) return;
+  for (int j = nt + static_cast<int>(threadIdx.x); j < kMaxTopLogprobs; j += blockDim.x) {
+    gIds[j] = -1;
+    gLp[j] = -INFINITY;
+  }
+}
+
+struct MultiPlan {
+  int S, slice_len;
+};
+
+/// Slices per row: as many as the device runs at once over all rows (at most kMaxSlices), so
+/// the whole grid is resident at once (the row barriers need it); at least 1.
+MultiPlan multi_plan(int64_t rows, int64_t vocab, int resident) {
+  int64_t S = std::min<int64_t>(std::max<int64_t>(resident / rows, 1), kMaxSlices);
+  int64_t len = (vocab + S - 1) / S;
+  len = (len + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
+  S = (vocab + len - 1) / len;
+  return {static_cast<int>(S), static_cast<int>(len)};
+}
+
+/// CTAs of sample_multi_kernel<T> that the device runs at once (cached per device).
+template <typename T>
+int resident_ctas() {
+  static int cache[64] = {};
+  int dev = 0;
+  TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && cache[dev] > 0) return cache[dev];
+  int sms = 0, per_sm = 0;
+  TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  TANDEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sample_multi_kernel<T>,
+                                                                  kMultiThreads, 0));
+  const int r = std::max(1, sms * std::max(per_sm, 1));
+  if (dev < 64) cache[dev] = r;
+  return r;
+}
+
 }  // namespace
+
+size_t sample_workspace_bytes(int64_t rows, int64_t vocab) {
+  (void)vocab;
+  return rows <= 0 ? 0 : static_cast<size_t>(rows) * (sizeof(RowHeader) + sizeof(RowWork));
+}
 
 void sample_launch(SampleParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.rows >= 0, "sample: rows ", p.rows);
@@ -660,6 +1316,28 @@ void sample_launch(SampleParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.rows <= INT32_MAX, "sample: too many rows ", p.rows);
   TANDEM_CHECK(p.logits != nullptr && p.row_params != nullptr && p.tokens != nullptr,
                "sample: null logits / row_params / tokens");
+  // With a workspace: the multi-CTA path, unless there are so many rows that a row gets a
+  // single slice (S = 1), where the 1024-thread single-CTA kernel is the faster one (same
+  // tokens either way).
+  if (p.workspace != nullptr && (p.dtype == DType::kF32 || p.dtype == DType::kBF16)) {
+    TANDEM_CHECK(reinterpret_cast<uintptr_t>(p.workspace) % 8 == 0,
+                 "sample: workspace not 8-byte aligned");
+    const bool f32 = p.dtype == DType::kF32;
+    const MultiPlan mp =
+        multi_plan(p.rows, p.vocab, f32 ? resident_ctas<float>() : resident_ctas<bf16>());
+    if (mp.S > 1) {
+      TANDEM_CUDA_CHECK(
+          cudaMemsetAsync(p.workspace, 0, static_cast<size_t>(p.rows) * sizeof(RowHeader), stream));
+      const unsigned blocks = static_cast<unsigned>(p.rows * mp.S);
+      if (f32) {
+        sample_multi_kernel<float><<<blocks, kMultiThreads, 0, stream>>>(p, mp.S, mp.slice_len);
+      } else {
+        sample_multi_kernel<bf16><<<blocks, kMultiThreads, 0, stream>>>(p, mp.S, mp.slice_len);
+      }
+      TANDEM_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   const unsigned blocks = static_cast<unsigned>(p.rows);
   switch (p.dtype) {
     case DType::kF32: sample_kernel<float><<<blocks, kThreads, 0, stream>>>(p); break;

@@ -1,5 +1,7 @@
 // Logits post-processing and sampling on the GPU: greedy, temperature, top-k, top-p, min-p,
-// the chosen token's logprob and the top-n logprobs, one CTA per row, per-row parameters.
+// the chosen token's logprob and the top-n logprobs, per-row parameters. Without a workspace
+// one CTA per row; with one (SampleParams::workspace) each row is split over several CTAs so
+// that small batches use the whole GPU (same tokens, see SampleParams::workspace).
 // Framework-free: a params struct in, a stream; the launch is asynchronous and CUDA-graph safe
 // (no host sync, no allocation; the grid depends only on rows).
 //
@@ -19,6 +21,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/dtype.h"
@@ -54,7 +57,18 @@ struct SampleParams {
   int32_t* top_ids;                     // [rows, kMaxTopLogprobs]
   float* top_logprobs;                  // [rows, kMaxTopLogprobs]
   int64_t rows, vocab;
+  // Scratch for the multi-CTA path, at least sample_workspace_bytes(rows, vocab) bytes (8-byte
+  // aligned; no initialisation needed; its contents are scratch between launches). nullptr:
+  // the single-CTA path (one CTA per row). Both paths give the same tokens (the same kept set
+  // and the same draw for the same (seed, counter)) and the same top-n ids; logprob values may
+  // differ in the last bits (another summation order of the log-sum-exp).
+  void* workspace = nullptr;
 };
+/// Bytes of workspace that sample_launch needs for `rows` rows (an allocation for rows_cap rows
+/// serves every launch with rows <= rows_cap).
+size_t sample_workspace_bytes(int64_t rows, int64_t vocab);
+/// Asynchronous, CUDA-graph safe (no sync, no allocation; with a workspace: one memset node of
+/// rows * 64 bytes plus one kernel whose grid depends only on rows and vocab).
 void sample_launch(SampleParams const& p, cudaStream_t stream);
 
 }  // namespace tandem::cuda

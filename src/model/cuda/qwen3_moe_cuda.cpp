@@ -177,17 +177,18 @@ struct HostMeta {
   int64_t num_seqs = 0, width = 0;
 };
 
-constexpr int64_t kBuckets[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256};
+constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
+                                80, 96, 112, 128, 160, 192, 224, 256};
 
 }  // namespace
 
 void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
-  TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin,
-                    ": head_dim ", c.head_dim, " is not supported on the GPU (64 or 128)");
+  TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin, ": head_dim ",
+                    c.head_dim, " is not supported on the GPU (64 or 128)");
   TANDEM_CHECK_KIND(kUnsupported, !c.attention_bias, origin,
                     ": attention_bias true is not supported on the GPU");
-  const int64_t group = c.num_key_value_heads > 0 ? c.num_attention_heads / c.num_key_value_heads
-                                                  : 0;
+  const int64_t group =
+      c.num_key_value_heads > 0 ? c.num_attention_heads / c.num_key_value_heads : 0;
   TANDEM_CHECK_KIND(kUnsupported,
                     group == 1 || group == 2 || group == 4 || group == 8 || group == 16, origin,
                     ": num_attention_heads / num_key_value_heads = ", group,
@@ -195,11 +196,10 @@ void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
   bool any_moe = false;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) any_moe |= c.is_moe_layer(l);
   if (any_moe) {
-    TANDEM_CHECK_KIND(kUnsupported, c.num_experts <= 256, origin, ": num_experts ",
-                      c.num_experts, " is not supported on the GPU (at most 256)");
-    TANDEM_CHECK_KIND(kUnsupported, c.num_experts_per_tok <= 8, origin,
-                      ": num_experts_per_tok ", c.num_experts_per_tok,
-                      " is not supported on the GPU (at most 8)");
+    TANDEM_CHECK_KIND(kUnsupported, c.num_experts <= 256, origin, ": num_experts ", c.num_experts,
+                      " is not supported on the GPU (at most 256)");
+    TANDEM_CHECK_KIND(kUnsupported, c.num_experts_per_tok <= 8, origin, ": num_experts_per_tok ",
+                      c.num_experts_per_tok, " is not supported on the GPU (at most 8)");
   }
 }
 
@@ -219,19 +219,20 @@ struct Qwen3MoeCuda::Impl {
   int64_t t_cap = 0, rows_cap = 0;
   DeviceMem x, xn, y, qkv, q, attn, gu, act, last, logits, attn_ws;
   // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
-  DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp;
+  DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
   PinnedMem h_sample;  // params up, results down
   size_t attn_ws_floats = 0;
   std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
+  cuda::MoeLayerPath moe_prefill_path = cuda::MoeLayerPath::kAuto;
 
   // Metadata: eager buffers (grown on demand) and the captured graphs' own.
   DeviceMem e_tables;
   DeviceMem e_meta, g_meta;  // ids | positions | token_seq | rows (int32 x 4 x cap) | slots
   DeviceMem g_tables;        // [largest bucket, graph_width]
   int64_t graph_width = 0;
-  PinnedMem h_meta;         // staging for the int32 / int64 arrays
-  PinnedMem h_tables;       // staging for block tables
+  PinnedMem h_meta;    // staging for the int32 / int64 arrays
+  PinnedMem h_tables;  // staging for block tables
   cudaEvent_t meta_copied = nullptr;
 
   struct Graph {
@@ -258,7 +259,9 @@ struct Qwen3MoeCuda::Impl {
     return mem.back().as<bf16>();
   }
 
-  int64_t qkv_rows() const { return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim; }
+  int64_t qkv_rows() const {
+    return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
+  }
 
   void allocate_weights() {
     const int64_t h = c.hidden_size, d = c.head_dim;
@@ -382,11 +385,21 @@ struct Qwen3MoeCuda::Impl {
     s_logprobs = DeviceMem(R * sizeof(float));
     s_top_ids = DeviceMem(R * kTop * sizeof(int32_t));
     s_top_lp = DeviceMem(R * kTop * sizeof(float));
+    // Multi-CTA sampling: a row spread over several blocks when there are few rows.
+    s_workspace = DeviceMem(cuda::sample_workspace_bytes(rows_cap, c.vocab_size));
     h_sample = PinnedMem(R * (sizeof(cuda::SamplingRowParams) + 8 + kTop * 8));
     gemm = std::make_unique<cuda::GemmLt>();
     bool any_moe = false;
     for (const auto& w : layers) any_moe |= w.moe;
     if (any_moe) {
+      const std::string& mp = o.moe_prefill_path;
+      TANDEM_CHECK_KIND(kInvalidArgument,
+                        mp.empty() || mp == "mma" || mp == "cublas" || mp == "padded",
+                        "moe_prefill_path must be mma, cublas or padded, not '", mp, "'");
+      moe_prefill_path = mp == "mma"      ? cuda::MoeLayerPath::kMma
+                         : mp == "cublas" ? cuda::MoeLayerPath::kCublas
+                         : mp == "padded" ? cuda::MoeLayerPath::kPadded
+                                          : cuda::MoeLayerPath::kAuto;
       moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
                                              c.num_experts_per_tok, 0, c.num_experts,
                                              c.norm_topk_prob);
@@ -395,8 +408,8 @@ struct Qwen3MoeCuda::Impl {
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
     const int64_t width = std::max<int64_t>(1, (ctx + o.page_size - 1) / o.page_size);
     for (int64_t b = 1; b <= largest_bucket; ++b) {
-      const int64_t split = cuda::paged_attention_decode_split(b, c.num_key_value_heads, width,
-                                                               o.page_size, num_sms);
+      const int64_t split =
+          cuda::paged_attention_decode_split(b, c.num_key_value_heads, width, o.page_size, num_sms);
       if (split > 0) {
         attn_ws_floats = std::max(attn_ws_floats, cuda::paged_attention_workspace_floats(
                                                       b, qh, d, width, o.page_size, split));
@@ -509,6 +522,8 @@ struct Qwen3MoeCuda::Impl {
       gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
       if (w.moe) {
+        // A forced prefill path (benchmarks) applies to eager batches only.
+        moe->set_path(batch != nullptr ? moe_prefill_path : cuda::MoeLayerPath::kAuto);
         moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
       } else {
         const int64_t inter = c.intermediate_size;
@@ -614,6 +629,17 @@ KvCache Qwen3MoeCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
   return KvCache(g, std::move(ext));
 }
 
+std::string Qwen3MoeCuda::last_moe_path() const {
+  if (!impl_->moe) return "";
+  switch (impl_->moe->last_path()) {
+    case cuda::MoeLayerPath::kMma: return "mma";
+    case cuda::MoeLayerPath::kDecode: return "decode";
+    case cuda::MoeLayerPath::kCublas: return "cublas";
+    case cuda::MoeLayerPath::kPadded: return "padded";
+    default: return "";
+  }
+}
+
 std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
   std::vector<int64_t> out;
   for (const auto& [b, g] : impl_->graphs) out.push_back(b);
@@ -644,8 +670,8 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   }
   if (decode) {
     if (im.graph_width == 0) {
-      const int64_t ctx = opts_.graph_max_context > 0 ? opts_.graph_max_context
-                                                      : config_.max_position_embeddings;
+      const int64_t ctx =
+          opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
       im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
     }
     decode = width <= im.graph_width;
@@ -663,7 +689,8 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   hm.token_seq.resize(static_cast<size_t>(rows_n));
   hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
   hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
-  for (int64_t t = 0; t < rows_n; ++t) hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+  for (int64_t t = 0; t < rows_n; ++t)
+    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
   // Tokens of multi-token chunks go first (the attention's prefill kernel takes the leading
   // num_prefill tokens, the decode kernel the rest); logits rows stay in batch order.
   std::vector<int64_t> first_token(batch.seqs.size());
@@ -839,11 +866,12 @@ void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
   TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.s_params.as<void>(), hp,
                                     static_cast<size_t>(R) * sizeof(cuda::SamplingRowParams),
                                     cudaMemcpyHostToDevice, stream_));
-  cuda::sample_launch({logits, DType::kF32, im.s_params.as<cuda::SamplingRowParams>(),
-                       im.s_tokens.as<int32_t>(), im.s_logprobs.as<float>(),
-                       im.s_top_ids.as<int32_t>(), im.s_top_lp.as<float>(), R,
-                       config_.vocab_size},
-                      stream_);
+  cuda::sample_launch(
+      {logits, DType::kF32, im.s_params.as<cuda::SamplingRowParams>(), im.s_tokens.as<int32_t>(),
+       im.s_logprobs.as<float>(), im.s_top_ids.as<int32_t>(), im.s_top_lp.as<float>(), R,
+       config_.vocab_size,
+       R <= 64 ? im.s_workspace.as<void>() : nullptr},  // multi-CTA pays off up to ~64 rows
+      stream_);
   auto d2h = [&](void* dst, const void* src, size_t bytes) {
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   };

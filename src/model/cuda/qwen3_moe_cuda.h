@@ -37,6 +37,9 @@ struct CudaModelOptions {
   int64_t graph_max_context = 0;
   /// Page size the graphs are captured for (the engine's page size).
   int64_t page_size = 16;
+  /// For benchmarks: force the MoE layer's path for eager (prefill) batches: "" (auto), "mma",
+  /// "cublas" or "padded" (backend/cuda/moe_layer.h).
+  std::string moe_prefill_path;
 };
 
 class Qwen3MoeCuda final : public Model {
@@ -72,6 +75,9 @@ class Qwen3MoeCuda final : public Model {
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Batch-size buckets captured so far.
   std::vector<int64_t> captured_buckets() const;
+  /// The MoE path the last MoE layer of the last forward took ("decode", "mma", "cublas",
+  /// "padded"; "" before any).
+  std::string last_moe_path() const;
   /// Decode-step buckets (the batch sizes graphs are captured for).
   const std::vector<int64_t>& buckets() const { return buckets_; }
 

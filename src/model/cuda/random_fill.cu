@@ -35,7 +35,7 @@ void random_fill_bf16(void* out, int64_t n, uint64_t seed, float center, float h
   TANDEM_CHECK(n >= 0, "random_fill_bf16: negative size");
   if (n == 0) return;
   fill_kernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(out), n, seed, center,
-                                         half_width);
+                                        half_width);
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -359,10 +359,24 @@ class MoeLayerCuda : public MoeCudaTest {
     std::unique_ptr<DeviceBuffer<uint16_t>> d_router, d_gate_up, d_down;
     MoeLayerWeights dev() const { return {d_router->bf(), d_gate_up->bf(), d_down->bf()}; }
   };
+  // Router rows scaled to norm 1 (logits of equal spread for every expert): balanced routing,
+  // as trained routers give, so the padded path's 2x bound is met at prefill sizes.
+  static void normalize_router_rows(Bits& router, int64_t H) {
+    const int64_t E = static_cast<int64_t>(router.size()) / H;
+    for (int64_t e = 0; e < E; ++e) {
+      double n2 = 0;
+      for (int64_t i = 0; i < H; ++i)
+        n2 += double(bf16_to_f32(router[e * H + i])) * bf16_to_f32(router[e * H + i]);
+      const float inv = n2 > 0 ? static_cast<float>(1.0 / std::sqrt(n2)) : 0.f;
+      for (int64_t i = 0; i < H; ++i)
+        router[e * H + i] = f32_to_bf16(bf16_to_f32(router[e * H + i]) * inv);
+    }
+  }
   Weights make_weights(LayerCase const& c) {
     Weights w;
     const int64_t H = c.hidden, I = c.inter, L = c.local;
     w.router = rand_bf16(c.experts * H, 1.0f / std::sqrt(static_cast<float>(H)));
+    normalize_router_rows(w.router, H);
     w.gate = rand_bf16(L * I * H, 1.0f / std::sqrt(static_cast<float>(H)));
     w.up = rand_bf16(L * I * H, 1.0f / std::sqrt(static_cast<float>(H)));
     w.down = rand_bf16(L * H * I, 1.0f / std::sqrt(static_cast<float>(I)));
@@ -423,13 +437,36 @@ std::string path_name(MoeLayerPath p) {
     case MoeLayerPath::kMma: return "mma";
     case MoeLayerPath::kDecode: return "decode";
     case MoeLayerPath::kCublas: return "cublas";
+    case MoeLayerPath::kPadded: return "padded";
   }
   return "?";
 }
 
+// The prefill path run() must have taken (kPadded or kCublas) given the expert counts of its
+// last run (MoeLayer's rule: every local expert padded to Mmax = max count rounded up to 64;
+// padded when the rows fit the buffers, sized for 2 max_tokens top_k + 64 local experts,
+// and, unless forced, L Mmax <= 2 routed rows).
+MoeLayerPath expected_prefill_path(MoeLayer const& layer, int64_t max_tokens, int64_t top_k,
+                                   int64_t L, bool forced_padded,
+                                   int64_t* max_count_out = nullptr) {
+  std::vector<int32_t> off(L + 1);
+  TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
+  TANDEM_CUDA_CHECK(
+      cudaMemcpy(off.data(), layer.expert_offsets(), (L + 1) * 4, cudaMemcpyDeviceToHost));
+  int64_t mx = 0;
+  for (int64_t e = 0; e < L; ++e) mx = std::max<int64_t>(mx, off[e + 1] - off[e]);
+  if (max_count_out) *max_count_out = mx;
+  const int64_t routed = off[L], m_pad = (mx + 63) / 64 * 64, slots = max_tokens * top_k;
+  const int64_t cap = std::max(slots, 2 * slots + 64 * L);
+  const bool fits = L * m_pad <= cap, balanced = L * m_pad <= 2 * routed;
+  return routed > 0 && fits && (forced_padded || balanced) ? MoeLayerPath::kPadded
+                                                           : MoeLayerPath::kCublas;
+}
+
 // Every case on every path: auto (checked against pick_path), then each forced path where it
-// can run (decode: <= 8 tokens; cublas: the layer has its buffers, i.e. max_tokens * top_k >=
-// 64 * local experts), which must then be the path taken.
+// can run (decode: <= 8 tokens; cublas and padded: the layer has its buffers, i.e. max_tokens *
+// top_k >= 64 * local experts), which must then be the path taken (padded: or cublas where
+// the routing does not allow it, see expected_prefill_path).
 TEST_F(MoeLayerCuda, MatchesCpuMoe) {
   SCOPED_TRACE(trace());
   const std::vector<LayerCase> cases = {
@@ -441,7 +478,9 @@ TEST_F(MoeLayerCuda, MatchesCpuMoe) {
       {2, 256, 128, 200, 8, 0, 200, false},   // 200 experts: 7 per lane in the top-k
       {600, 128, 64, 8, 2, 0, 8, true},       // 150 rows per expert: the large tile / cuBLAS
       {64, 128, 64, 128, 8, 0, 128, true},    // 128 experts, 4 rows each on average
-      {4096, 128, 64, 128, 8, 0, 128, true},  // 256 rows per expert: cuBLAS by default
+      {4096, 128, 64, 128, 8, 0, 128, true},  // 256 rows per expert: padded by default
+      {4096, 128, 64, 16, 2, 0, 16, true},    // 512 rows per expert: padded (Mmax 640)
+      {2000, 128, 64, 16, 4, 4, 8, false},    // EP slice at prefill size
   };
   for (LayerCase const& c : cases) {
     SCOPED_TRACE("tokens " + std::to_string(c.tokens) + " hidden " + std::to_string(c.hidden) +
@@ -456,7 +495,10 @@ TEST_F(MoeLayerCuda, MatchesCpuMoe) {
     const bool cublas_possible = (c.tokens + 3) * c.top_k >= 64 * c.local;
     std::vector<MoeLayerPath> paths = {MoeLayerPath::kAuto, MoeLayerPath::kMma};
     if (c.tokens <= 8) paths.push_back(MoeLayerPath::kDecode);
-    if (cublas_possible) paths.push_back(MoeLayerPath::kCublas);
+    if (cublas_possible) {
+      paths.push_back(MoeLayerPath::kCublas);
+      paths.push_back(MoeLayerPath::kPadded);
+    }
     for (MoeLayerPath path : paths) {
       SCOPED_TRACE("path " + path_name(path));
       layer.set_path(path);
@@ -464,7 +506,11 @@ TEST_F(MoeLayerCuda, MatchesCpuMoe) {
       layer.run(w.dev(), d_x.bf(), d_out.bf(), c.tokens, gemm, stream_);
       sync();
       if (c.tokens == 0) continue;
-      const MoeLayerPath want = path == MoeLayerPath::kAuto ? layer.pick_path(c.tokens) : path;
+      MoeLayerPath want = path == MoeLayerPath::kAuto ? layer.pick_path(c.tokens) : path;
+      if (want == MoeLayerPath::kPadded) {
+        want = expected_prefill_path(layer, c.tokens + 3, c.top_k, c.local,
+                                     path == MoeLayerPath::kPadded);
+      }
       EXPECT_EQ(path_name(layer.last_path()), path_name(want));
       verify(c, w, layer, x, d_out.download());
     }
@@ -478,7 +524,7 @@ TEST_F(MoeLayerCuda, PicksPaths) {
   EXPECT_EQ(layer.pick_path(8), MoeLayerPath::kDecode);
   EXPECT_EQ(layer.pick_path(9), MoeLayerPath::kMma);
   EXPECT_EQ(layer.pick_path(1023), MoeLayerPath::kMma);
-  EXPECT_EQ(layer.pick_path(1024), MoeLayerPath::kCublas);
+  EXPECT_EQ(layer.pick_path(1024), MoeLayerPath::kPadded);  // or kCublas when skewed
   // Too small for the cuBLAS buffers: never cuBLAS.
   MoeLayer small(256, 2048, 768, 128, 8, 0, 128, true);
   EXPECT_EQ(small.pick_path(256), MoeLayerPath::kMma);
@@ -531,6 +577,59 @@ TEST_F(MoeLayerCuda, ReplaysInCudaGraph) {
     }
     TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
     TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
+// Prefill routing the padded path must handle or refuse: skewed (experts 0-3 with logits of 3x
+// the spread take ~30% of the tokens each, over 4x the mean: padding to that exceeds the
+// buffers, so auto and forced padded fall back to cublas), and one expert with no rows (zero router
+// row: its logit 0 never makes the top 8 of 128; padded, forced and, when balanced, auto).
+TEST_F(MoeLayerCuda, PaddedPathRouting) {
+  SCOPED_TRACE(trace());
+  const LayerCase c{4096, 128, 64, 128, 8, 0, 128, true};
+  for (bool skewed : {true, false}) {
+    SCOPED_TRACE(skewed ? "skewed" : "expert 5 empty");
+    Weights w = make_weights(c);
+    for (int64_t i = 0; i < c.hidden; ++i) {
+      if (skewed) {
+        for (int64_t e = 0; e < 4; ++e) {
+          uint16_t& v = w.router[e * c.hidden + i];
+          v = f32_to_bf16(3.0f * bf16_to_f32(v));
+        }
+      } else {
+        w.router[5 * c.hidden + i] = 0;
+      }
+    }
+    w.d_router->upload(w.router);
+    MoeLayer layer(c.tokens, c.hidden, c.inter, c.experts, c.top_k, c.begin, c.local, c.renorm);
+    GemmLt gemm;
+    Bits x = rand_bf16(c.tokens * c.hidden);
+    DeviceBuffer<uint16_t> d_x(x), d_out(c.tokens * c.hidden);
+    EXPECT_EQ(path_name(layer.pick_path(c.tokens)), "padded");
+    for (MoeLayerPath path : {MoeLayerPath::kAuto, MoeLayerPath::kPadded}) {
+      SCOPED_TRACE("path " + path_name(path));
+      layer.set_path(path);
+      d_out.poison(0xff);
+      layer.run(w.dev(), d_x.bf(), d_out.bf(), c.tokens, gemm, stream_);
+      sync();
+      int64_t max_count = 0;
+      const MoeLayerPath want = expected_prefill_path(layer, c.tokens, c.top_k, c.local,
+                                                      path == MoeLayerPath::kPadded, &max_count);
+      EXPECT_EQ(path_name(layer.last_path()), path_name(want));
+      if (skewed) {
+        EXPECT_GT(max_count, 3 * c.tokens * c.top_k / c.local) << "routing not skewed";
+        EXPECT_EQ(path_name(layer.last_path()), "cublas");
+      } else {
+        std::vector<int32_t> off(c.local + 1);
+        TANDEM_CUDA_CHECK(
+            cudaMemcpy(off.data(), layer.expert_offsets(), off.size() * 4, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(off[6] - off[5], 0) << "expert 5 got rows";
+        if (path == MoeLayerPath::kPadded) {
+          EXPECT_EQ(path_name(layer.last_path()), "padded");
+        }
+      }
+      verify(c, w, layer, x, d_out.download());
+    }
   }
 }
 

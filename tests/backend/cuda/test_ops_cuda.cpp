@@ -259,6 +259,81 @@ TEST_F(CudaOps, QkNormRope) {
   }
 }
 
+// The fused attention prologue vs its CPU composition: split the fused qkv rows, q/k norm +
+// RoPE (cpu::qk_norm_rope), k and v into the pages (cpu::kv_write); q_out and the pool are
+// poisoned first; tokens with slot -1 must leave the pool untouched (still poison).
+TEST_F(CudaOps, QkvPrepMatchesSplitNormRopeKvWrite) {
+  SCOPED_TRACE(trace());
+  struct Shape {
+    int64_t q_heads, kv_heads, head_dim;
+  };
+  for (Shape s : {Shape{32, 4, 128}, Shape{64, 4, 128}, Shape{16, 2, 64}, Shape{2, 1, 128}}) {
+    for (int64_t tokens : {1, 5, 300}) {
+      SCOPED_TRACE("heads " + std::to_string(s.q_heads) + "/" + std::to_string(s.kv_heads) + " d " +
+                   std::to_string(s.head_dim) + " tokens " + std::to_string(tokens));
+      const int64_t d = s.head_dim, qh = s.q_heads, kvh = s.kv_heads, w = (qh + 2 * kvh) * d;
+      const int64_t page = 16, pages = tokens / page + 3;
+      Bits qkv = randn_bf16(tokens * w, 2.0f);
+      Bits qw = randn_bf16(d, 0.1f, 1.0f), kw = randn_bf16(d, 0.1f, 1.0f);
+      std::vector<int32_t> pos(tokens);
+      std::vector<int64_t> slots(tokens);
+      std::vector<int64_t> perm(pages * page);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng_);
+      for (int64_t t = 0; t < tokens; ++t) {
+        pos[t] = static_cast<int32_t>(uniform(0, 40000));
+        slots[t] = t % 7 == 3 ? -1 : perm[t];  // some tokens are padding
+      }
+      DeviceBuffer<uint16_t> d_qkv(qkv), d_qw(qw), d_kw(kw);
+      DeviceBuffer<uint16_t> d_q(tokens * qh * d), d_pool(pages * 2 * kvh * page * d);
+      DeviceBuffer<int32_t> d_pos(pos);
+      DeviceBuffer<int64_t> d_slots(slots);
+      d_q.poison(0xff);
+      d_pool.poison(0xff);
+      qkv_prep_launch({d_qkv.bf(), d_q.bf(), d_pool.bf(), d_slots.ptr, d_qw.bf(), d_kw.bf(),
+                       d_pos.ptr, tokens, qh, kvh, d, page, 1e-6f, 1e6},
+                      stream_);
+      // CPU: split, norm + rope, write into an fp32 pool of NaN.
+      std::vector<float> f = to_f32(qkv), qf(tokens * qh * d), kf(tokens * kvh * d),
+                         vf(tokens * kvh * d);
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::copy_n(f.begin() + t * w, qh * d, qf.begin() + t * qh * d);
+        std::copy_n(f.begin() + t * w + qh * d, kvh * d, kf.begin() + t * kvh * d);
+        std::copy_n(f.begin() + t * w + (qh + kvh) * d, kvh * d, vf.begin() + t * kvh * d);
+      }
+      std::vector<float> qwf = to_f32(qw), kwf = to_f32(kw);
+      cpu::qk_norm_rope({qf.data(), kf.data(), qwf.data(), kwf.data(), pos.data(), tokens, qh, kvh,
+                         d, 1e-6f, 1e6});
+      std::vector<float> pool(pages * 2 * kvh * page * d, NAN);
+      std::vector<int64_t> written;  // cpu::kv_write takes every token: pass the real ones only
+      std::vector<float> kw_rows, vw_rows;
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (slots[t] < 0) continue;
+        written.push_back(slots[t]);
+        kw_rows.insert(kw_rows.end(), kf.begin() + t * kvh * d, kf.begin() + (t + 1) * kvh * d);
+        vw_rows.insert(vw_rows.end(), vf.begin() + t * kvh * d, vf.begin() + (t + 1) * kvh * d);
+      }
+      cpu::kv_write({kw_rows.data(), vw_rows.data(), pool.data(), written.data(),
+                     static_cast<int64_t>(written.size()), kvh, d, page});
+      EXPECT_LT(rel_err(d_q.download(), qf), kTolBf16) << "q";
+      // The pool: written slots within bf16 tolerance, every other element still poison.
+      const Bits got = d_pool.download();
+      std::vector<float> got_w, ref_w;
+      int64_t leaked = 0;
+      for (size_t i = 0; i < pool.size(); ++i) {
+        if (std::isnan(pool[i])) {
+          leaked += got[i] != 0xffff;
+        } else {
+          got_w.push_back(bf16_to_f32(got[i]));
+          ref_w.push_back(pool[i]);
+        }
+      }
+      EXPECT_EQ(leaked, 0) << "elements written outside the real tokens' slots";
+      EXPECT_LT(rel_err(got_w, ref_w), kTolBf16) << "k / v in the pool";
+    }
+  }
+}
+
 TEST_F(CudaOps, QkNormRopeRejectsHeadDim96) {
   QkNormRopeParams p{};
   p.num_tokens = 1;

@@ -5,6 +5,10 @@
 // chi-square test over 20k draws compares the token frequencies with the reference
 // probabilities. Greedy tokens and logprobs are compared with the CPU directly. Fresh random
 // inputs every run (the seed is printed on failure); outputs poisoned before each launch.
+// Every test runs twice: the single-CTA path (no workspace) and the multi-CTA path (a
+// workspace), and every launch also runs the other path on the same inputs and requires the
+// same tokens row by row (the paths share the kept set and the random stream) and the same
+// top-n ids (up to near-ties in logprob).
 // Every test skips (GTEST_SKIP) when no CUDA device is visible.
 #include <gtest/gtest.h>
 
@@ -140,7 +144,7 @@ std::string describe(SamplingRowParams const& rp) {
   return os.str();
 }
 
-class CudaSampling : public ::testing::Test {
+class CudaSampling : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
     if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
@@ -151,7 +155,10 @@ class CudaSampling : public ::testing::Test {
   void TearDown() override {
     if (stream_) (void)cudaStreamDestroy(stream_);
   }
-  std::string trace() const { return "test seed " + std::to_string(seed_); }
+  std::string trace() const {
+    return "test seed " + std::to_string(seed_) + (multi() ? " multi-CTA" : " single-CTA");
+  }
+  static bool multi() { return GetParam(); }
 
   std::vector<float> randn(size_t n, float scale) {
     std::normal_distribution<float> d(0.f, scale);
@@ -169,8 +176,36 @@ class CudaSampling : public ::testing::Test {
 
   /// Runs sample_launch on `logits` ([rows, vocab] fp32 values; rounded to bf16 first when
   /// `bf16`, in which case `logits` is updated to the rounded values the GPU sees).
+  /// Also runs the other path and expects the same tokens and top ids, row by row.
   Out run(std::vector<float>& logits, std::vector<SamplingRowParams> const& rp, int64_t vocab,
           bool bf16) {
+    Out o = run_path(logits, rp, vocab, bf16, multi());
+    Out other = run_path(logits, rp, vocab, bf16, !multi());
+    for (size_t r = 0; r < rp.size(); ++r) {
+      if (o.tokens[r] != other.tokens[r]) {
+        ADD_FAILURE() << "paths disagree at row " << r << " " << describe(rp[r]) << ": "
+                      << o.tokens[r] << " vs " << other.tokens[r] << " (vocab " << vocab
+                      << (bf16 ? " bf16)" : " fp32)");
+        break;
+      }
+    }
+    // Top-n: the same ids, except that the paths' log-sum-exp may differ in the last bits, so
+    // two logits 1 ulp apart may tie in logprob on one path only: a differing id must then
+    // carry (nearly) the same logprob on both paths.
+    int bad = 0;
+    for (size_t j = 0; j < o.top_ids.size() && bad < 5; ++j) {
+      if (o.top_ids[j] == other.top_ids[j]) continue;
+      if (std::fabs(o.top_lp[j] - other.top_lp[j]) <= 1e-5f) continue;
+      ++bad;
+      ADD_FAILURE() << "top ids differ between the paths at row " << j / kTop << " slot "
+                    << j % kTop << ": " << o.top_ids[j] << " (" << o.top_lp[j] << ") vs "
+                    << other.top_ids[j] << " (" << other.top_lp[j] << ")";
+    }
+    return o;
+  }
+
+  Out run_path(std::vector<float>& logits, std::vector<SamplingRowParams> const& rp, int64_t vocab,
+               bool bf16, bool with_workspace) {
     const int64_t rows = static_cast<int64_t>(rp.size());
     EXPECT_EQ(logits.size(), static_cast<size_t>(rows * vocab));
     std::vector<uint16_t> lb;
@@ -195,6 +230,8 @@ class CudaSampling : public ::testing::Test {
     d_top_ids.poison(0x7f);
     d_lp.poison(0x7f);  // 3.4e38: neither NaN nor a plausible logprob
     d_top_lp.poison(0x7f);
+    DeviceBuffer<uint8_t> d_ws(with_workspace ? sample_workspace_bytes(rows, vocab) : 0);
+    d_ws.poison(0x5a);  // the kernel needs no initialised workspace
     SampleParams p{bf16 ? static_cast<void const*>(d_lb.ptr) : d_lf.ptr,
                    bf16 ? DType::kBF16 : DType::kF32,
                    d_rp.ptr,
@@ -203,7 +240,8 @@ class CudaSampling : public ::testing::Test {
                    d_top_ids.ptr,
                    d_top_lp.ptr,
                    rows,
-                   vocab};
+                   vocab,
+                   with_workspace ? static_cast<void*>(d_ws.ptr) : nullptr};
     sample_launch(p, stream_);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return {d_tok.download(), d_lp.download(), d_top_ids.download(), d_top_lp.download()};
@@ -267,7 +305,7 @@ SamplingRowParams greedy_row(int n_top, bool lp) {
 
 // ------------------------------------------------------------------------------ greedy
 
-TEST_F(CudaSampling, GreedyAndLogprobs) {
+TEST_P(CudaSampling, GreedyAndLogprobs) {
   SCOPED_TRACE(trace());
   for (bool bf16 : {false, true}) {
     for (int64_t vocab : {151936, 5003, 37, 1}) {
@@ -300,7 +338,7 @@ TEST_F(CudaSampling, GreedyAndLogprobs) {
 
 // ------------------------------------------------------------------------------ kept sets
 
-TEST_F(CudaSampling, TokensInKeptSet) {
+TEST_P(CudaSampling, TokensInKeptSet) {
   SCOPED_TRACE(trace());
   const float temps[] = {0.7f, 1.0f, 1.5f};
   const int32_t ks[] = {0, 1, 5, 50, 1000, 0};
@@ -388,9 +426,9 @@ TEST_F(CudaSampling, TokensInKeptSet) {
   return ::testing::AssertionFailure() << os.str();
 }
 
-TEST_F(CudaSampling, ChiSquare) {
+TEST_P(CudaSampling, ChiSquare) {
   SCOPED_TRACE(trace());
-  const int64_t vocab = 64, draws = 20000;
+  const int64_t draws = 20000;
   struct Case {
     float temp;
     int32_t k;
@@ -401,44 +439,67 @@ TEST_F(CudaSampling, ChiSquare) {
                         {1.0f, 0, 0.8f, 0.0f, false}, {1.2f, 20, 0.7f, 0.05f, false},
                         {1.0f, 0, 1.0f, 0.1f, false}, {1.0f, 7, 1.0f, 0.0f, true},
                         {1.0f, 0, 0.6f, 0.0f, true},  {0.9f, 12, 0.9f, 0.0f, true}};
-  for (bool bf16 : {false, true}) {
-    for (Case const& c : cases) {
-      std::vector<float> one = randn(vocab, 1.5f);
-      if (c.ties)
-        for (float& v : one) v = std::round(v * 2.0f) / 2.0f;
-      std::vector<float> logits(draws * vocab);
-      std::vector<SamplingRowParams> rp(draws);
-      const uint64_t seed = rng_();
-      for (int64_t r = 0; r < draws; ++r) {
-        std::copy(one.begin(), one.end(), logits.begin() + r * vocab);
-        rp[r].temperature = c.temp;
-        rp[r].top_k = c.k;
-        rp[r].top_p = c.p;
-        rp[r].min_p = c.min_p;
-        rp[r].seed = seed;
-        rp[r].counter = static_cast<uint64_t>(r);
+  // Layouts: 64 tokens, all draws in one launch (the single-CTA kernel either way); 64 live
+  // tokens spread over a 2048 vocabulary (the rest -inf) drawn 125 rows per launch, so that the
+  // multi-CTA path splits each row over several CTAs (cuts and ties across slices).
+  struct Layout {
+    int64_t vocab, launch_rows;
+  };
+  for (Layout const lay : {Layout{64, draws}, Layout{2048, 125}}) {
+    const int64_t vocab = lay.vocab;
+    for (bool bf16 : {false, true}) {
+      for (Case const& c : cases) {
+        std::vector<float> one(vocab, -kInf);
+        {
+          std::vector<float> live = randn(64, 1.5f);
+          std::vector<int64_t> pos(vocab);
+          std::iota(pos.begin(), pos.end(), 0);
+          std::shuffle(pos.begin(), pos.end(), rng_);
+          for (int j = 0; j < 64; ++j) one[pos[j]] = live[j];
+        }
+        if (c.ties)
+          for (float& v : one) v = std::round(v * 2.0f) / 2.0f;
+        const uint64_t seed = rng_();
+        SamplingRowParams base;
+        base.temperature = c.temp;
+        base.top_k = c.k;
+        base.top_p = c.p;
+        base.min_p = c.min_p;
+        base.seed = seed;
+        SCOPED_TRACE(describe(base) + (c.ties ? " ties" : "") + (bf16 ? " bf16" : " fp32") +
+                     " vocab " + std::to_string(vocab));
+        std::vector<int64_t> counts(vocab, 0), cpu_counts(vocab, 0);
+        std::vector<float> row_used;
+        for (int64_t r0 = 0; r0 < draws; r0 += lay.launch_rows) {
+          const int64_t rows = std::min(lay.launch_rows, draws - r0);
+          std::vector<float> logits(rows * vocab);
+          std::vector<SamplingRowParams> rp(rows, base);
+          for (int64_t r = 0; r < rows; ++r) {
+            std::copy(one.begin(), one.end(), logits.begin() + r * vocab);
+            rp[r].counter = static_cast<uint64_t>(r0 + r);
+          }
+          Out o = run(logits, rp, vocab, bf16);
+          if (row_used.empty()) row_used.assign(logits.begin(), logits.begin() + vocab);
+          for (int32_t t : o.tokens) {
+            ASSERT_TRUE(t >= 0 && t < vocab) << "token " << t;
+            ++counts[t];
+          }
+        }
+        std::span<const float> row(row_used.data(), static_cast<size_t>(vocab));
+        const RefDist ref = ref_dist(row, base);
+        EXPECT_TRUE(chi_square(counts, ref, draws)) << "GPU";
+        SamplerRng rng(seed);
+        for (int64_t i = 0; i < draws; ++i)
+          ++cpu_counts[sample_token(row, to_cpu(base), {}, {}, rng)];
+        EXPECT_TRUE(chi_square(cpu_counts, ref, draws)) << "CPU sampler vs the reference";
       }
-      SCOPED_TRACE(describe(rp[0]) + (c.ties ? " ties" : "") + (bf16 ? " bf16" : " fp32"));
-      Out o = run(logits, rp, vocab, bf16);
-      std::span<const float> row(logits.data(), static_cast<size_t>(vocab));
-      const RefDist ref = ref_dist(row, rp[0]);
-      std::vector<int64_t> counts(vocab, 0), cpu_counts(vocab, 0);
-      for (int32_t t : o.tokens) {
-        ASSERT_TRUE(t >= 0 && t < vocab) << "token " << t;
-        ++counts[t];
-      }
-      EXPECT_TRUE(chi_square(counts, ref, draws)) << "GPU";
-      SamplerRng rng(seed);
-      for (int64_t i = 0; i < draws; ++i)
-        ++cpu_counts[sample_token(row, to_cpu(rp[0]), {}, {}, rng)];
-      EXPECT_TRUE(chi_square(cpu_counts, ref, draws)) << "CPU sampler vs the reference";
     }
   }
 }
 
 // ------------------------------------------------------------------------------ determinism
 
-TEST_F(CudaSampling, SeededAndBatchInvariant) {
+TEST_P(CudaSampling, SeededAndBatchInvariant) {
   SCOPED_TRACE(trace());
   const int64_t vocab = 151936, rows = 8;
   std::vector<float> base = randn(vocab, 1.0f);  // flat: many plausible tokens
@@ -473,7 +534,7 @@ TEST_F(CudaSampling, SeededAndBatchInvariant) {
       << "4 counters on a flat 152k distribution gave one token";
 }
 
-TEST_F(CudaSampling, GraphReplayMatches) {
+TEST_P(CudaSampling, GraphReplayMatches) {
   SCOPED_TRACE(trace());
   const int64_t vocab = 151936, rows = 4;
   std::vector<float> logits = randn(rows * vocab, 2.0f);
@@ -493,21 +554,65 @@ TEST_F(CudaSampling, GraphReplayMatches) {
   DeviceBuffer<int32_t> d_tok(rows), d_ids(rows * kTop);
   DeviceBuffer<float> d_lp(rows), d_tlp(rows * kTop);
   d_tok.poison(0x7f);
-  SampleParams p{d_l.ptr,   DType::kF32, d_rp.ptr, d_tok.ptr, d_lp.ptr,
-                 d_ids.ptr, d_tlp.ptr,   rows,     vocab};
+  DeviceBuffer<uint8_t> d_ws(multi() ? sample_workspace_bytes(rows, vocab) : 0);
+  SampleParams p{d_l.ptr,   DType::kF32,
+                 d_rp.ptr,  d_tok.ptr,
+                 d_lp.ptr,  d_ids.ptr,
+                 d_tlp.ptr, rows,
+                 vocab,     multi() ? static_cast<void*>(d_ws.ptr) : nullptr};
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   sample_launch(p, stream_);
   TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
   TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  EXPECT_EQ(d_tok.download(), direct.tokens);
-  EXPECT_EQ(d_ids.download(), direct.top_ids);
+  for (int rep = 0; rep < 3; ++rep) {  // replays reuse the workspace
+    d_tok.poison(0x7f);
+    d_ids.poison(0x7f);
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    EXPECT_EQ(d_tok.download(), direct.tokens) << "replay " << rep;
+    EXPECT_EQ(d_ids.download(), direct.top_ids) << "replay " << rep;
+  }
   (void)cudaGraphExecDestroy(exec);
   (void)cudaGraphDestroy(graph);
 }
+
+// Both paths on inputs that stress the multi-CTA cut: logits on a coarse grid (huge ties that
+// span every slice, so top-k / top-p cuts fall inside a tie), flat and peaked rows, many
+// counters; tokens and top ids must be identical (run() compares them) and in the kept set.
+TEST_P(CudaSampling, PathsAgreeOnTies) {
+  SCOPED_TRACE(trace());
+  for (int64_t vocab : {151936, 5003, 1000}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const int64_t rows = 6;
+    std::vector<float> logits(rows * vocab);
+    std::vector<SamplingRowParams> rp(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<float> v = randn(vocab, r % 2 ? 1.5f : 4.0f);
+      for (float& x : v) x = std::round(x * 2.0f) / 2.0f;
+      std::copy(v.begin(), v.end(), logits.begin() + r * vocab);
+      rp[r].temperature = r == 5 ? 0.0f : 1.0f;
+      rp[r].top_k = r % 3 == 0 ? 50 : (r == 4 ? 3000 : 0);
+      rp[r].top_p = r % 3 == 1 ? 0.7f : (r == 2 ? 0.95f : 1.0f);
+      rp[r].min_p = r == 4 ? 0.01f : 0.0f;
+      rp[r].seed = rng_();
+      rp[r].want_logprob = 1;
+      rp[r].n_top = r % 2 ? 20 : 7;
+    }
+    for (int rep = 0; rep < 8; ++rep) {
+      for (auto& p : rp) p.counter = static_cast<uint64_t>(rep) * 977u;
+      Out o = run(logits, rp, vocab, rep % 2 == 1);
+      check_rows(logits, rp, vocab, o);
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(, CudaSampling, ::testing::Bool(),
+                         [](::testing::TestParamInfo<bool> const& i) {
+                           return std::string(i.param ? "MultiCta" : "SingleCta");
+                         });
 
 }  // namespace
 }  // namespace tandem::cuda

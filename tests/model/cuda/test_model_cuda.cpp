@@ -22,8 +22,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -189,9 +189,10 @@ TEST_P(CudaGolden, TeacherForcedLogitsMatchTheCpuModel) {
         compare_rows(chunked, want, vocab, g.name + " chunked case " + std::to_string(i), errs);
   }
   const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
-  std::printf("[ %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
-              "%d argmax checks\n",
-              g.name.c_str(), errs.size(), med, p95, worst, checked);
+  std::printf(
+      "[ %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
+      "%d argmax checks\n",
+      g.name.c_str(), errs.size(), med, p95, worst, checked);
   EXPECT_LT(med, kMedianTol);
   EXPECT_LT(p95, kP95Tol);
   EXPECT_LT(worst, kMaxTol);
@@ -393,8 +394,8 @@ TEST_P(CudaGolden, SeededSamplingRepeatsAndPenaltiesMix) {
       if (with_penalty && i == 1) r.sampling.repetition_penalty = 1.3f;
       engine.add(r, [&ids, i](const StepOutput& out) {
         EXPECT_TRUE(out.error.empty()) << out.error;
-        ids[static_cast<size_t>(i)].insert(ids[static_cast<size_t>(i)].end(),
-                                           out.token_ids.begin(), out.token_ids.end());
+        ids[static_cast<size_t>(i)].insert(ids[static_cast<size_t>(i)].end(), out.token_ids.begin(),
+                                           out.token_ids.end());
       });
     }
     while (engine.step()) {

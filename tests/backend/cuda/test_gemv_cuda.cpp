@@ -1,0 +1,306 @@
+// The small-m GEMM kernel (gemv.h) against cpu::gemm, and GemmLt with it as a tuning candidate
+// (gemm.h). Fresh random inputs every run (the seed is printed on failure); outputs poisoned
+// (NaN bytes) first and checked fully written with the bytes after them untouched; relative error
+// ||out - ref|| / ||ref||: bf16 outputs 1e-2, fp32 outputs 2e-6 sqrt(k) (fp32 accumulation in
+// another order than the reference). Every test skips (GTEST_SKIP) when no CUDA device is visible.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/ops.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/gemv.h"
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace tandem::cuda {
+namespace {
+
+constexpr double kTolBf16 = 1e-2;
+double tol_f32(int64_t k) { return 2e-6 * std::sqrt(static_cast<double>(k)); }
+constexpr size_t kGuard = 64;  // poisoned elements after each output, checked untouched
+
+bool gpu_available() {
+  static const bool ok = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return n > 0;
+  }();
+  return ok;
+}
+
+/// Device memory of `bytes`, freed on scope exit.
+struct DeviceBytes {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBytes(size_t b) : bytes(b) {
+    TANDEM_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(b, 16)));
+  }
+  ~DeviceBytes() { (void)cudaFree(ptr); }
+  DeviceBytes(DeviceBytes const&) = delete;
+  DeviceBytes& operator=(DeviceBytes const&) = delete;
+  template <typename T>
+  void upload(std::vector<T> const& host) {
+    ASSERT_LE(host.size() * sizeof(T), bytes);
+    TANDEM_CUDA_CHECK(
+        cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  template <typename T>
+  std::vector<T> download(size_t count) const {
+    std::vector<T> host(count);
+    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
+    TANDEM_CUDA_CHECK(cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  void poison() { TANDEM_CUDA_CHECK(cudaMemset(ptr, 0xff, bytes)); }
+  bf16* bf(size_t elem_offset = 0) const { return static_cast<bf16*>(ptr) + elem_offset; }
+  float* f32() const { return static_cast<float*>(ptr); }
+};
+
+using Bits = std::vector<uint16_t>;  // bf16 bit patterns on the host
+
+std::vector<float> to_f32(Bits const& b) {
+  std::vector<float> f(b.size());
+  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_f32(b[i]);
+  return f;
+}
+
+// ||out - ref|| / ||ref|| over the first ref.size() elements; non-finite output: infinity.
+double rel_err(std::vector<float> const& out, std::vector<float> const& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(out[i])) return INFINITY;
+    const double d = double(out[i]) - double(ref[i]);
+    num += d * d;
+    den += double(ref[i]) * double(ref[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+class CudaGemv : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+    seed_ = std::random_device{}();
+    rng_.seed(seed_);
+    TANDEM_CUDA_CHECK(cudaStreamCreate(&stream_));
+  }
+  void TearDown() override {
+    if (stream_) (void)cudaStreamDestroy(stream_);
+  }
+
+  Bits randn_bf16(size_t n, float scale = 1.0f) {
+    std::normal_distribution<float> d(0.f, scale);
+    Bits b(n);
+    for (auto& v : b) v = f32_to_bf16(d(rng_));
+    return b;
+  }
+  std::string trace() const { return "seed " + std::to_string(seed_); }
+
+  /// The output (bf16 or fp32) as fp32, checking that the kGuard elements after m*n are
+  /// untouched (all bytes 0xff).
+  std::vector<float> output(DeviceBytes const& y, size_t count, bool f32) {
+    std::vector<float> out(count);
+    if (f32) {
+      std::vector<float> h = y.download<float>(count + kGuard);
+      std::copy(h.begin(), h.begin() + count, out.begin());
+      for (size_t i = count; i < h.size(); ++i) {
+        uint32_t u;
+        std::memcpy(&u, &h[i], 4);
+        EXPECT_EQ(u, 0xffffffffu) << "written past the output at " << i;
+      }
+    } else {
+      Bits h = y.download<uint16_t>(count + kGuard);
+      for (size_t i = 0; i < count; ++i) out[i] = bf16_to_f32(h[i]);
+      for (size_t i = count; i < h.size(); ++i) {
+        EXPECT_EQ(h[i], 0xffffu) << "written past the output at " << i;
+      }
+    }
+    return out;
+  }
+
+  uint32_t seed_ = 0;
+  std::mt19937 rng_;
+  cudaStream_t stream_ = nullptr;
+};
+
+// ------------------------------------------------------------------------------ gemv_launch
+
+TEST_F(CudaGemv, MatchesCpuGemm) {
+  SCOPED_TRACE(trace());
+  for (int64_t k : {64, 2048, 4096}) {
+    for (int64_t n : {1, 7, 128, 5120}) {
+      const int64_t M = kGemvMaxM;
+      Bits x = randn_bf16(M * k), w = randn_bf16(n * k);
+      std::vector<float> xf = to_f32(x), wf = to_f32(w), ref(M * n);
+      cpu::gemm({xf.data(), wf.data(), ref.data(), M, n, k});  // row i does not depend on M
+      DeviceBytes d_x(x.size() * 2), d_w(w.size() * 2), d_y((M * n + kGuard) * 4);
+      d_x.upload(x);
+      d_w.upload(w);
+      for (int64_t m = 1; m <= M; ++m) {
+        std::vector<float> r(ref.begin(), ref.begin() + m * n);
+        for (bool f32 : {false, true}) {
+          SCOPED_TRACE("m " + std::to_string(m) + " n " + std::to_string(n) + " k " +
+                       std::to_string(k) + (f32 ? " fp32 out" : " bf16 out"));
+          d_y.poison();
+          GemvParams p{d_x.bf(), d_w.bf(), f32 ? nullptr : d_y.bf(), m, n, k};
+          if (f32) p.y_f32 = d_y.f32();
+          ASSERT_TRUE(gemv_supported(p));
+          gemv_launch(p, stream_);
+          EXPECT_LT(rel_err(output(d_y, m * n, f32), r), f32 ? tol_f32(k) : kTolBf16);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaGemv, AlphaAndDeterminism) {
+  SCOPED_TRACE(trace());
+  const int64_t m = 3, n = 5120, k = 2048;
+  Bits x = randn_bf16(m * k), w = randn_bf16(n * k);
+  std::vector<float> xf = to_f32(x), wf = to_f32(w), ref(m * n);
+  cpu::gemm({xf.data(), wf.data(), ref.data(), m, n, k});
+  for (auto& v : ref) v *= 0.25f;
+  DeviceBytes d_x(x.size() * 2), d_w(w.size() * 2), d_y((m * n + kGuard) * 4);
+  d_x.upload(x);
+  d_w.upload(w);
+  d_y.poison();
+  GemvParams p{d_x.bf(), d_w.bf(), nullptr, m, n, k, 0.25f, d_y.f32()};
+  gemv_launch(p, stream_);
+  std::vector<float> first = output(d_y, m * n, true);
+  EXPECT_LT(rel_err(first, ref), tol_f32(k));
+  for (int rep = 0; rep < 3; ++rep) {
+    d_y.poison();
+    gemv_launch(p, stream_);
+    std::vector<float> again = output(d_y, m * n, true);
+    EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * 4), 0) << "rep " << rep;
+  }
+}
+
+TEST_F(CudaGemv, RejectsUnsupportedOperands) {
+  DeviceBytes d_x(9 * 64 * 2 + 32), d_w(16 * 64 * 2 + 32), d_y(9 * 16 * 4);
+  auto expect_unsupported = [&](GemvParams const& p, char const* what) {
+    EXPECT_FALSE(gemv_supported(p)) << what;
+    try {
+      gemv_launch(p, stream_);
+      ADD_FAILURE() << what << ": no exception";
+    } catch (Error const& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << what << ": " << e.what();
+    }
+  };
+  expect_unsupported({d_x.bf(), d_w.bf(), d_y.bf(), 9, 16, 64}, "m 9");
+  expect_unsupported({d_x.bf(), d_w.bf(), d_y.bf(), 1, 16, 60}, "k 60");
+  expect_unsupported({d_x.bf(1), d_w.bf(), d_y.bf(), 1, 16, 64}, "x 2-byte aligned");
+  expect_unsupported({d_x.bf(), d_w.bf(4), d_y.bf(), 1, 16, 64}, "w 8-byte aligned");
+  gemv_launch({d_x.bf(), d_w.bf(), d_y.bf(), 0, 16, 64}, stream_);  // m 0: nothing to do
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// ------------------------------------------------------------------------------ GemmLt
+
+struct Shape {
+  int64_t m, n, k;
+  bool f32;
+};
+
+// m <= 8: the tuned result (cuBLAS or gemv, whichever won) matches the reference, on the tuning
+// call and later ones; then a CUDA graph captured after tuning replays on new inputs.
+TEST_F(CudaGemv, GemmLtTunedAndGraphReplay) {
+  SCOPED_TRACE(trace());
+  for (bool enabled : {true, false}) {
+    GemmLt gemm;
+    gemm.set_gemv_enabled(enabled);
+    for (Shape s :
+         {Shape{1, 5120, 2048, false}, Shape{1, 2048, 4096, false}, Shape{1, 128, 2048, true},
+          Shape{1, 7, 64, false}, Shape{8, 5120, 2048, false}, Shape{4, 128, 2048, true}}) {
+      SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
+                   std::to_string(s.k) + (s.f32 ? " fp32 out" : " bf16 out") +
+                   (enabled ? "" : ", gemv disabled"));
+      const double tol = s.f32 ? tol_f32(s.k) : kTolBf16;
+      Bits x = randn_bf16(s.m * s.k), w = randn_bf16(s.n * s.k);
+      std::vector<float> xf = to_f32(x), wf = to_f32(w), ref(s.m * s.n);
+      cpu::gemm({xf.data(), wf.data(), ref.data(), s.m, s.n, s.k});
+      DeviceBytes d_x(x.size() * 2), d_w(w.size() * 2), d_y((s.m * s.n + kGuard) * 4);
+      d_x.upload(x);
+      d_w.upload(w);
+      GemmParams p{d_x.bf(), d_w.bf(), s.f32 ? nullptr : d_y.bf(), s.m, s.n, s.k};
+      if (s.f32) p.y_f32 = d_y.f32();
+      for (int call = 0; call < 2; ++call) {  // the tuning call, then the chosen path
+        d_y.poison();
+        gemm.run(p, stream_);
+        EXPECT_LT(rel_err(output(d_y, s.m * s.n, s.f32), ref), tol) << "call " << call;
+      }
+      // Capture after tuning, replay on new inputs.
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      gemm.run(p, stream_);
+      TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+      TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      x = randn_bf16(s.m * s.k);
+      xf = to_f32(x);
+      d_x.upload(x);
+      cpu::gemm({xf.data(), wf.data(), ref.data(), s.m, s.n, s.k});
+      for (int rep = 0; rep < 2; ++rep) {
+        d_y.poison();
+        TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+        EXPECT_LT(rel_err(output(d_y, s.m * s.n, s.f32), ref), tol) << "replay " << rep;
+      }
+      TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    std::cout << "[ gemv ] GemmLt" << (enabled ? "" : " (gemv disabled)") << ": gemv won "
+              << gemm.num_gemv_plans() << " of " << gemm.num_plans() << " plans\n";
+    if (!enabled) {
+      EXPECT_EQ(gemm.num_gemv_plans(), 0u);
+    }
+  }
+}
+
+// A plan first seen during capture is not tuned: cuBLAS's heuristic pick, as before; operands
+// gemv does not take (x 8-byte aligned) go to cuBLAS too.
+TEST_F(CudaGemv, GemmLtUntunedCaptureAndUnalignedUseCublas) {
+  SCOPED_TRACE(trace());
+  const int64_t m = 1, n = 2048, k = 4096;
+  Bits x = randn_bf16(k + 8), w = randn_bf16(n * k);
+  std::vector<float> xf = to_f32(x), wf = to_f32(w), ref(n), ref4(n);
+  cpu::gemm({xf.data(), wf.data(), ref.data(), m, n, k});
+  cpu::gemm({xf.data() + 4, wf.data(), ref4.data(), m, n, k});
+  DeviceBytes d_x(x.size() * 2), d_w(w.size() * 2), d_y((n + kGuard) * 4);
+  d_x.upload(x);
+  d_w.upload(w);
+  GemmLt gemm;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  gemm.run({d_x.bf(), d_w.bf(), d_y.bf(), m, n, k}, stream_);
+  TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  d_y.poison();
+  TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+  EXPECT_LT(rel_err(output(d_y, n, false), ref), kTolBf16);
+  TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  d_y.poison();
+  gemm.run({d_x.bf(), d_w.bf(), d_y.bf(), m, n, k}, stream_);  // eager now: still untuned
+  EXPECT_LT(rel_err(output(d_y, n, false), ref), kTolBf16);
+  d_y.poison();
+  gemm.run({d_x.bf(4), d_w.bf(), d_y.bf(), m, n, k}, stream_);  // x 8-byte aligned: tuned cuBLAS
+  EXPECT_LT(rel_err(output(d_y, n, false), ref4), kTolBf16);
+  EXPECT_EQ(gemm.num_plans(), 2u);
+  EXPECT_EQ(gemm.num_gemv_plans(), 0u);
+}
+
+}  // namespace
+}  // namespace tandem::cuda
