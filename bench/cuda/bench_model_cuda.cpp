@@ -255,7 +255,7 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
                                                   touched * s.expert_bytes) +
                            s.head_bytes + static_cast<double>(b) * x * kv_token;
       const double bound = 1e6 * bytes / ceil.copy_Bps;
-      char note[128];
+      char note[192];
       std::snprintf(note, sizeof note, "%.2f GB/step, %.0f experts/layer", bytes / 1e9, touched);
       print_row({name, "decode", b, x, us, bound, b / (us * 1e-6), note});
     }
@@ -285,9 +285,10 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
         2.0 * s.active_params_token * T + s.head_bytes /* 1 row: 2 flops/weight */ +
         c.num_hidden_layers * 2.0 * double(T) * T * c.head_dim * c.num_attention_heads;
     const double bound = 1e6 * flops / ceil.gemm_flops;
-    char note[128];
-    std::snprintf(note, sizeof note, "%.1f TFLOP, %%bound = MFU vs cuBLAS, MoE path %s",
-                  flops / 1e12, model->last_moe_path().c_str());
+    char note[192];
+    std::snprintf(note, sizeof note,
+                  "%.1f TFLOP, %%bound = MFU vs cuBLAS, MoE path %s, routing max/mean %.2f",
+                  flops / 1e12, model->last_moe_path().c_str(), model->last_moe_imbalance());
     print_row({name, "prefill", 1, T, us, bound, T / (us * 1e-6), note});
   }
   TANDEM_CUDA_CHECK(cudaEventDestroy(e0));

@@ -314,12 +314,16 @@ void MoeLayer::run_padded(MoeLayerWeights const& w, bf16 const* x, bf16* out, in
   const bool balanced = L * m_pad * kPadMaxDen <= routed * kPadMaxNum;
   const bool padded = routed > 0 && fits && (path_ == MoeLayerPath::kPadded || balanced);
   last_path_ = padded ? MoeLayerPath::kPadded : MoeLayerPath::kCublas;
-  moe_layer_detail::prefill_gather_launch({x, offsets_, src_, slot_row_, rows_, H, top_k_,
-                                           padded ? m_pad : max_count, static_cast<int>(L), padded},
-                                          stream);
   if (!padded) {
+    // Unbalanced routing: the grouped cuBLAS path, its rows gathered by moe_permute (a gather
+    // grid of max_count x experts blocks would be mostly idle here).
+    moe_permute_launch({x, topk_ids_, rows_, counts_, offsets_, src_, slot_row_, perm_ws_, T, H,
+                        top_k_, expert_begin_, L},
+                       stream);
     grouped_gemms(w, stream);
   } else {
+    moe_layer_detail::prefill_gather_launch(
+        {x, offsets_, src_, slot_row_, rows_, H, top_k_, m_pad, static_cast<int>(L), true}, stream);
     TANDEM_CUBLAS_CHECK(cublasSetStream(cublas_, stream));
     const float alpha = 1.0f, beta = 0.0f;
     const int m = static_cast<int>(m_pad), batch = static_cast<int>(L);

@@ -640,6 +640,18 @@ std::string Qwen3MoeCuda::last_moe_path() const {
   }
 }
 
+double Qwen3MoeCuda::last_moe_imbalance() const {
+  if (!impl_->moe) return 0.0;
+  const int64_t e = config_.num_experts;
+  std::vector<int32_t> off(static_cast<size_t>(e + 1));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TANDEM_CUDA_CHECK(
+      cudaMemcpy(off.data(), impl_->moe->expert_offsets(), off.size() * 4, cudaMemcpyDeviceToHost));
+  int32_t mx = 0;
+  for (int64_t i = 0; i < e; ++i) mx = std::max(mx, off[i + 1] - off[i]);
+  return off[e] > 0 ? static_cast<double>(mx) * e / off[e] : 0.0;
+}
+
 std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
   std::vector<int64_t> out;
   for (const auto& [b, g] : impl_->graphs) out.push_back(b);

@@ -78,6 +78,9 @@ class Qwen3MoeCuda final : public Model {
   /// The MoE path the last MoE layer of the last forward took ("decode", "mma", "cublas",
   /// "padded"; "" before any).
   std::string last_moe_path() const;
+  /// Routing balance of the last MoE layer of the last forward: the most tokens any expert got
+  /// over the mean (1 = perfectly balanced). Synchronises the stream.
+  double last_moe_imbalance() const;
   /// Decode-step buckets (the batch sizes graphs are captured for).
   const std::vector<int64_t>& buckets() const { return buckets_; }
 
