@@ -49,8 +49,9 @@ class Qwen3MoeCuda final : public Model {
   /// do not cover (head_dim other than 64 / 128, attention bias, > 256 experts, top-k > 8).
   static std::unique_ptr<Qwen3MoeCuda> load(const std::string& dir, const CudaModelOptions& opts);
   /// A model of `config`'s shapes with random weights generated on the device (benchmarks at
-  /// real shapes without a checkpoint on disk): matrices ~ U(-a, a) with a = 0.02 * sqrt(3),
-  /// norms ~ 1 + U(-0.05, 0.05), deterministic in `seed`.
+  /// real shapes without a checkpoint on disk): matrices ~ U(-a, a) with a = 0.02 * sqrt(3)
+  /// (o_proj and the experts' down_proj 1000x smaller, so that routing stays balanced as a
+  /// trained router's), norms ~ 1 + U(-0.05, 0.05), deterministic in `seed`.
   static std::unique_ptr<Qwen3MoeCuda> random(const ModelConfig& config,
                                               const CudaModelOptions& opts, uint64_t seed);
   ~Qwen3MoeCuda() override;
