@@ -174,7 +174,6 @@ struct Meta {
 struct HostMeta {
   std::vector<int32_t> ids, positions, token_seq, tables, rows;
   std::vector<int64_t> slots;
-  int64_t num_seqs = 0, width = 0;
 };
 
 constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
