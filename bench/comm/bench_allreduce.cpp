@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_comm_util.h"
 #include "comm/cuda/check.h"
 #include "comm/cuda/cuda_comm.h"
 #include "comm/local_launcher.h"
@@ -29,17 +30,13 @@
 
 using namespace tandem;
 using namespace tandem::comm;
+using tandem::bench::median;
+using tandem::bench::Options;
 
 namespace {
 
 constexpr size_t kKiB = 1024;
 constexpr size_t kMiB = 1024 * kKiB;
-
-struct Options {
-  int world = 2;
-  int trials = 25;
-  bool quick = false;
-};
 
 // What is timed.
 enum class Op { kOneShot, kTwoShot, kOneShotReg, kNccl, kAuto };
@@ -61,12 +58,6 @@ std::string fmt_size(size_t b) {
   else
     std::snprintf(buf, sizeof(buf), "%zu KiB", b / kKiB);
   return buf;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 struct Bench {
@@ -141,14 +132,7 @@ struct Bench {
 
   // The slowest rank's value, on every rank.
   double max_over_ranks(const std::string& key, double v) {
-    auto all = comm.store().all_gather(key, std::span(reinterpret_cast<const uint8_t*>(&v), 8));
-    double m = 0;
-    for (auto& b : all) {
-      double x;
-      std::memcpy(&x, b.data(), 8);
-      m = std::max(m, x);
-    }
-    return m;
+    return bench::max_over_ranks(comm, key, v);
   }
 };
 
@@ -331,41 +315,6 @@ int bench_rank(const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--world" && i + 1 < argc)
-      opt.world = std::atoi(argv[++i]);
-    else if (a == "--trials" && i + 1 < argc)
-      opt.trials = std::atoi(argv[++i]);
-    else if (a == "--quick")
-      opt.quick = true;
-    else {
-      std::fprintf(stderr, "usage: %s [--world N] [--trials T] [--quick]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (opt.quick) opt.trials = std::min(opt.trials, 7);
-  disable_nvlink_multicast_env();
-  if (std::getenv("RANK") == nullptr) {
-    // Launcher: one child per rank; this process never touches CUDA.
-    auto results = run_local_ranks(
-        opt.world,
-        [&](int) {
-          if (bench_rank(opt) != 0) throw std::runtime_error("bench failed");
-        },
-        std::chrono::seconds(240));
-    std::string failures = describe_failures(results);
-    if (!failures.empty()) {
-      std::fprintf(stderr, "bench_allreduce failed:\n%s", failures.c_str());
-      return 1;
-    }
-    return 0;
-  }
-  try {
-    return bench_rank(opt);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_allreduce rank %s: %s\n", std::getenv("RANK"), e.what());
-    return 1;
-  }
+  return tandem::bench::comm_bench_main(argc, argv, "bench_allreduce", /*default_trials=*/25,
+                                        /*quick_trials=*/7, std::chrono::seconds(240), bench_rank);
 }

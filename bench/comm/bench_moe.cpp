@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_comm_util.h"
 #include "comm/cuda/check.h"
 #include "comm/cuda/cuda_comm.h"
 #include "comm/cuda/cuda_moe.h"
@@ -36,21 +37,11 @@
 
 using namespace tandem;
 using namespace tandem::comm;
+using tandem::bench::median;
+using tandem::bench::Options;
 using tandem::comm::moe_ref::Tokens;
 
 namespace {
-
-struct Options {
-  int world = 2;
-  int trials = 15;
-  bool quick = false;
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct Dev {
   void* p = nullptr;
@@ -99,16 +90,7 @@ struct Timer {
       if (t >= 2) per.push_back(1000.0 * ms / iters);
     }
     TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    double v = median(per);
-    auto all = comm.store().all_gather("bench_moe/t" + std::to_string(keys++),
-                                       std::span(reinterpret_cast<const uint8_t*>(&v), 8));
-    double m = 0;
-    for (auto& b : all) {
-      double x;
-      std::memcpy(&x, b.data(), 8);
-      m = std::max(m, x);
-    }
-    return m;
+    return bench::max_over_ranks(comm, "bench_moe/t" + std::to_string(keys++), median(per));
   }
 };
 
@@ -391,40 +373,6 @@ int bench_rank(const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--world" && i + 1 < argc)
-      opt.world = std::atoi(argv[++i]);
-    else if (a == "--trials" && i + 1 < argc)
-      opt.trials = std::atoi(argv[++i]);
-    else if (a == "--quick")
-      opt.quick = true;
-    else {
-      std::fprintf(stderr, "usage: %s [--world N] [--trials T] [--quick]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (opt.quick) opt.trials = std::min(opt.trials, 5);
-  disable_nvlink_multicast_env();
-  if (std::getenv("RANK") == nullptr) {
-    auto results = run_local_ranks(
-        opt.world,
-        [&](int) {
-          if (bench_rank(opt) != 0) throw std::runtime_error("bench failed");
-        },
-        std::chrono::seconds(280));
-    std::string failures = describe_failures(results);
-    if (!failures.empty()) {
-      std::fprintf(stderr, "bench_moe failed:\n%s", failures.c_str());
-      return 1;
-    }
-    return 0;
-  }
-  try {
-    return bench_rank(opt);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_moe rank %s: %s\n", std::getenv("RANK"), e.what());
-    return 1;
-  }
+  return tandem::bench::comm_bench_main(argc, argv, "bench_moe", /*default_trials=*/15,
+                                        /*quick_trials=*/5, std::chrono::seconds(280), bench_rank);
 }

@@ -27,6 +27,7 @@
 #include "backend/cuda/attention_fa.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/gemm.h"
+#include "bench_util.h"
 #include "core/dtype.h"
 
 using namespace tandem;
@@ -36,181 +37,11 @@ namespace {
 
 constexpr int64_t kHeadDim = 128, kKvHeads = 4, kPageSize = 16;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::mt19937 g_rng(20261130);
-
-/// Device allocation freed at exit of the benchmark scope.
-struct Buf {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit Buf(size_t b) : bytes(b) {
-    TANDEM_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(b, 16)));
-  }
-  ~Buf() { (void)cudaFree(ptr); }
-  Buf(Buf const&) = delete;
-  Buf& operator=(Buf const&) = delete;
-  template <typename T>
-  T* as(size_t elem_offset = 0) const {
-    return reinterpret_cast<T*>(ptr) + elem_offset;
-  }
-};
-
-// Random bf16 in [-scale, scale] from a 1 Mi-element host pattern copied with shifting offsets.
-void fill_bf16(Buf& b, float scale = 1.0f) {
-  static std::vector<uint16_t> pattern = [] {
-    std::vector<uint16_t> p(size_t{1} << 20);
-    std::uniform_real_distribution<float> d(-1.f, 1.f);
-    for (auto& v : p) v = f32_to_bf16(d(g_rng));
-    return p;
-  }();
-  std::vector<uint16_t> scaled(pattern.size());
-  for (size_t i = 0; i < pattern.size(); ++i)
-    scaled[i] = f32_to_bf16(bf16_to_f32(pattern[i]) * scale);
-  const size_t n = b.bytes / 2;
-  size_t done = 0, shift = 0;
-  while (done < n) {
-    const size_t chunk = std::min(n - done, scaled.size() - shift);
-    TANDEM_CUDA_CHECK(
-        cudaMemcpy(b.as<uint16_t>(done), scaled.data() + shift, chunk * 2, cudaMemcpyHostToDevice));
-    done += chunk;
-    shift = (shift + 7919) % (scaled.size() / 2);
-  }
-}
-template <typename T>
-void upload(Buf& b, std::vector<T> const& v) {
-  TANDEM_CUDA_CHECK(cudaMemcpy(b.ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-
-struct Row {
-  std::string op;
-  int64_t tokens;
-  std::string shape;
-  double us;     // measured per call
-  double bytes;  // fewest bytes the op must move
-  double flops;
-  double bound_us;
-};
-
-struct Bench {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
-  size_t l2 = 0;
-  int num_sms = 132;
-  double copy_Bps = 0;    // bytes read + written per second
-  double gemm_flops = 0;  // cuBLASLt bf16 8192^3
-  bool quick = false;
-  std::vector<Row> rows;
-
-  /// Input/output sets needed to exceed 3x the L2 with sets of `set_bytes`.
-  int sets_for(double set_bytes) const {
-    const double need = 3.0 * static_cast<double>(l2) / std::max(set_bytes, 1.0);
-    return static_cast<int>(std::clamp(std::ceil(need), 1.0, 64.0));
-  }
-
-  float elapsed_ms() {
-    float ms = 0;
-    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
-    return ms;
-  }
-
-  /// Median per-call microseconds of launch(i % sets), graph-captured.
-  double time_us(int sets, std::function<void(int)> const& launch) {
-    for (int i = 0; i < sets; ++i) launch(i);  // warm-up: modules, cuBLASLt plans
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-    for (int i = 0; i < sets; ++i) launch(i);
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-    const double est_ms = std::max(1e-4, static_cast<double>(elapsed_ms()) / sets);
-    int iters = static_cast<int>(std::clamp(3.0 / est_ms, 1.0, 256.0));  // ~3 ms per replay
-    iters = std::max(sets, (iters + sets - 1) / sets * sets);
-    const int reps = quick ? 5 : (est_ms * iters > 50 ? 7 : 25);
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      for (int i = 0; i < iters; ++i) launch(i % sets);
-    } catch (...) {
-      (void)cudaStreamEndCapture(stream, &graph);
-      if (graph) (void)cudaGraphDestroy(graph);
-      throw;
-    }
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    std::vector<double> per_call;
-    for (int r = 0; r < reps + 2; ++r) {
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-      TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-      TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-      if (r >= 2) per_call.push_back(1e3 * elapsed_ms() / iters);
-    }
-    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
-    return median(per_call);
-  }
-
-  void add(std::string op, int64_t tokens, std::string shape, double us, double bytes,
-           double flops) {
-    const double bound = 1e6 * std::max(bytes / copy_Bps, flops > 0 ? flops / gemm_flops : 0.0);
-    rows.push_back({std::move(op), tokens, std::move(shape), us, bytes, flops, bound});
-    const Row& r = rows.back();
-    std::printf("%-22s %6lld  %-34s %10.2f us  bound %9.2f us  %5.1f%%\n", r.op.c_str(),
-                static_cast<long long>(r.tokens), r.shape.c_str(), r.us, r.bound_us,
-                100.0 * r.bound_us / r.us);
-    std::fflush(stdout);
-  }
-
-  /// Runs one measurement, reporting a failure as a row instead of ending the run.
-  void guarded(std::string const& what, std::function<void()> const& fn) {
-    try {
-      fn();
-    } catch (std::exception const& e) {
-      std::printf("FAILED %s: %s\n", what.c_str(), e.what());
-      rows.push_back({what + " FAILED", 0, e.what(), NAN, 0, 0, NAN});
-      (void)cudaGetLastError();
-      (void)cudaDeviceSynchronize();
-    }
-  }
-};
-
-// ---------------------------------------------------------------- ceilings
-void measure_ceilings(Bench& b) {
-  const size_t bytes = size_t{1} << 30;
-  Buf src(bytes), dst(bytes);
-  fill_bf16(src);
-  std::vector<double> t;
-  for (int i = 0; i < 23; ++i) {
-    TANDEM_CUDA_CHECK(cudaEventRecord(b.ev0, b.stream));
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, b.stream));
-    TANDEM_CUDA_CHECK(cudaEventRecord(b.ev1, b.stream));
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(b.ev1));
-    if (i >= 3) t.push_back(b.elapsed_ms() * 1e-3);
-  }
-  b.copy_Bps = 2.0 * static_cast<double>(bytes) / median(t);
-
-  const int64_t n = 8192;
-  Buf x(n * n * 2), w(n * n * 2), y(n * n * 2);
-  fill_bf16(x);
-  fill_bf16(w);
-  GemmLt gemm;
-  b.gemm_flops = 1.0;  // so that add() below does not divide by zero
-  const double us = b.time_us(1, [&](int) {
-    gemm.run({x.as<bf16>(), w.as<bf16>(), y.as<bf16>(), n, n, n}, b.stream);
-  });
-  b.gemm_flops = 2.0 * n * n * n / (us * 1e-6);
-  std::printf(
-      "== ceilings: copy %.0f GB/s (1 GiB cudaMemcpyAsync D2D, read + write), "
-      "cuBLASLt bf16 8192^3 %.1f TFLOP/s (%.1f us)\n",
-      b.copy_Bps / 1e9, b.gemm_flops / 1e12, us);
-  b.add("gemm_8192^3", n, "8192x8192x8192 (the GEMM ceiling)", us, 3.0 * n * n * 2,
-        2.0 * n * n * n);
-}
+using bench::Buf;
+using bench::fill_bf16;
+using bench::g_rng;
+using bench::upload;
+using Bench = bench::OpBench;
 
 // ---------------------------------------------------------------- attention
 struct Variant {
@@ -312,22 +143,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) b.quick = true;
   }
   try {
-    int dev = 0, count = 0;
-    TANDEM_CUDA_CHECK(cudaGetDeviceCount(&count));
-    if (count == 0) {
-      std::printf("no CUDA device\n");
-      return 2;
-    }
-    cudaDeviceProp prop{};
-    TANDEM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    b.l2 = static_cast<size_t>(prop.l2CacheSize);
-    b.num_sms = prop.multiProcessorCount;
-    std::printf("== device: %s, %d SMs, L2 %.0f MB, %.0f GB\n", prop.name, prop.multiProcessorCount,
-                b.l2 / 1e6, prop.totalGlobalMem / 1e9);
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&b.stream));
-    TANDEM_CUDA_CHECK(cudaEventCreate(&b.ev0));
-    TANDEM_CUDA_CHECK(cudaEventCreate(&b.ev1));
-    measure_ceilings(b);
+    if (!b.open()) return 2;
+    b.measure_ceilings();
     std::printf("== prefill (Qwen3-30B-A3B 32q/4kv, Qwen3-235B 64q/4kv)\n");
     for (int64_t T : {2048, 8192}) {
       bench_attention(b, 32, 1, T, T, /*with_simple=*/true);
@@ -350,24 +167,5 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  std::printf("\n== table (bound = max(bytes / %.0f GB/s copy, flops / %.1f TFLOP/s GEMM))\n",
-              b.copy_Bps / 1e9, b.gemm_flops / 1e12);
-  std::printf("%-20s %6s %10s %10s %7s %9s %9s  %s\n", "op", "tokens", "us", "bound_us", "%bound",
-              "GB/s", "TFLOP/s", "shape");
-  for (Row const& r : b.rows) {
-    std::printf("%-20s %6lld %10.2f %10.2f %6.1f%% %9.0f %9.2f  %s\n", r.op.c_str(),
-                static_cast<long long>(r.tokens), r.us, r.bound_us, 100.0 * r.bound_us / r.us,
-                r.bytes / (r.us * 1e-6) / 1e9, r.flops / (r.us * 1e-6) / 1e12, r.shape.c_str());
-  }
-  if (const char* csv = std::getenv("TANDEM_BENCH_CSV")) {
-    std::ofstream f(csv);
-    f << "op,tokens,shape,us,bound_us,bytes,flops\n";
-    for (Row const& r : b.rows) {
-      f << r.op << "," << r.tokens << ",\"" << r.shape << "\"," << r.us << "," << r.bound_us << ","
-        << r.bytes << "," << r.flops << "\n";
-    }
-  }
-  int failed = 0;
-  for (Row const& r : b.rows) failed += std::isnan(r.us) ? 1 : 0;
-  return failed ? 1 : 0;
+  return b.finish();
 }

@@ -33,6 +33,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/gemm.h"
+#include "bench_util.h"
 #include "core/error.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
@@ -41,55 +42,30 @@ using namespace tandem;
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 struct Ceilings {
   double copy_Bps = 0, gemm_flops = 0;
 };
 
+// Event timing as bench::event_samples_ms, 3 warm-up calls, the upper median (not the mean of
+// the middle two); the GEMM eager (not graph-captured), the buffers filled on the device.
 Ceilings measure_ceilings(cudaStream_t s) {
   Ceilings c;
-  cudaEvent_t e0, e1;
-  TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
-  TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
-  auto time_ms = [&](auto&& fn, int reps) {
-    std::vector<double> t;
-    for (int i = 0; i < reps + 3; ++i) {
-      TANDEM_CUDA_CHECK(cudaEventRecord(e0, s));
-      fn();
-      TANDEM_CUDA_CHECK(cudaEventRecord(e1, s));
-      TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      if (i >= 3) t.push_back(ms);
-    }
-    return median(t);
-  };
+  bench::Timer t;
+  t.stream = s;
+  t.create_events();
   const size_t bytes = size_t{1} << 30;
-  void *a = nullptr, *b = nullptr, *y = nullptr;
-  TANDEM_CUDA_CHECK(cudaMalloc(&a, bytes));
-  TANDEM_CUDA_CHECK(cudaMalloc(&b, bytes));
-  cuda::random_fill_bf16(a, bytes / 2, 1, 0.f, 1.f, s);
-  const double copy_ms = time_ms(
-      [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s)); }, 20);
-  c.copy_Bps = 2.0 * bytes / (copy_ms * 1e-3);
+  bench::Buf a(bytes), b(bytes);
+  cuda::random_fill_bf16(a.ptr, bytes / 2, 1, 0.f, 1.f, s);
+  c.copy_Bps = bench::measure_copy_Bps(t, a, b, /*warmup=*/3, /*samples=*/20, bench::upper_median);
   const int64_t n = 8192;
-  TANDEM_CUDA_CHECK(cudaMalloc(&y, n * n * 2));
+  bench::Buf y(n * n * 2);
   cuda::GemmLt gemm;
-  auto* x = static_cast<cuda::bf16*>(a);
-  auto* w = static_cast<cuda::bf16*>(b);
-  auto run = [&] { gemm.run({x, w, static_cast<cuda::bf16*>(y), n, n, n}, s); };
+  auto run = [&] {
+    gemm.run({a.as<cuda::bf16>(), b.as<cuda::bf16>(), y.as<cuda::bf16>(), n, n, n}, s);
+  };
   run();
-  const double gemm_ms = time_ms(run, 10);
+  const double gemm_ms = bench::upper_median(bench::event_samples_ms(s, t.ev0, t.ev1, 3, 10, run));
   c.gemm_flops = 2.0 * n * n * n / (gemm_ms * 1e-3);
-  TANDEM_CUDA_CHECK(cudaFree(a));
-  TANDEM_CUDA_CHECK(cudaFree(b));
-  TANDEM_CUDA_CHECK(cudaFree(y));
-  TANDEM_CUDA_CHECK(cudaEventDestroy(e0));
-  TANDEM_CUDA_CHECK(cudaEventDestroy(e1));
   std::printf(
       "== ceilings: copy %.0f GB/s (1 GiB D2D, read + write), cuBLASLt bf16 8192^3 %.1f "
       "TFLOP/s\n",
@@ -211,9 +187,9 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
     cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f, 1.f,
                            st);
   }
-  cudaEvent_t e0, e1;
-  TANDEM_CUDA_CHECK(cudaEventCreate(&e0));
-  TANDEM_CUDA_CHECK(cudaEventCreate(&e1));
+  bench::Timer timer;  // events on the model's stream
+  timer.stream = st;
+  timer.create_events();
 
   std::printf("%-16s %-8s %6s %6s %11s %11s %8s %12s  %s\n", "model", "phase", "batch", "ctx", "us",
               "bound_us", "%bound", "tokens/s", "note");
@@ -238,17 +214,9 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
             {tokens.data() + i, 1, x - 1, tables.data() + i * per_seq, per_seq, LogitsMode::kLast});
       }
       for (int w = 0; w < 3; ++w) model->forward_device(fb, kv);  // capture + warm
-      std::vector<double> t;
-      for (int i = 0; i < 20; ++i) {
-        TANDEM_CUDA_CHECK(cudaEventRecord(e0, st));
-        model->forward_device(fb, kv);
-        TANDEM_CUDA_CHECK(cudaEventRecord(e1, st));
-        TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms * 1e3);
-      }
-      const double us = median(t);
+      const double us =
+          1e3 * bench::upper_median(bench::event_samples_ms(
+                    st, timer.ev0, timer.ev1, 0, 20, [&] { model->forward_device(fb, kv); }));
       const double E = c.num_experts, k = c.num_experts_per_tok;
       const double touched = E * (1.0 - std::pow(1.0 - k / E, static_cast<double>(b)));
       const double bytes = c.num_hidden_layers * (s.attn_bytes_layer + s.router_bytes_layer +
@@ -270,17 +238,9 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
     ForwardBatch fb;
     fb.seqs.push_back({tokens.data(), T, 0, table.data(), per_seq, LogitsMode::kLast});
     model->forward_device(fb, kv);
-    std::vector<double> t;
-    for (int i = 0; i < 3; ++i) {
-      TANDEM_CUDA_CHECK(cudaEventRecord(e0, st));
-      model->forward_device(fb, kv);
-      TANDEM_CUDA_CHECK(cudaEventRecord(e1, st));
-      TANDEM_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      t.push_back(ms * 1e3);
-    }
-    const double us = median(t);
+    const double us =
+        1e3 * bench::upper_median(bench::event_samples_ms(st, timer.ev0, timer.ev1, 0, 3,
+                                                          [&] { model->forward_device(fb, kv); }));
     const double flops =
         2.0 * s.active_params_token * T + s.head_bytes /* 1 row: 2 flops/weight */ +
         c.num_hidden_layers * 2.0 * double(T) * T * c.head_dim * c.num_attention_heads;
@@ -291,8 +251,6 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
                   flops / 1e12, model->last_moe_path().c_str(), model->last_moe_imbalance());
     print_row({name, "prefill", 1, T, us, bound, T / (us * 1e-6), note});
   }
-  TANDEM_CUDA_CHECK(cudaEventDestroy(e0));
-  TANDEM_CUDA_CHECK(cudaEventDestroy(e1));
 }
 
 }  // namespace
@@ -354,14 +312,12 @@ int main(int argc, char** argv) {
     }
     std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
     for (const auto& r : g_rows) print_row(r, /*record=*/false);
-    if (const char* csv = std::getenv("TANDEM_BENCH_CSV")) {
-      std::ofstream f(csv);
-      f << "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n";
-      for (const auto& r : g_rows) {
-        f << r.model << "," << r.what << "," << r.batch << "," << r.ctx << "," << r.us << ","
-          << r.bound_us << "," << r.tokens_per_s << ",\"" << r.note << "\"\n";
-      }
-    }
+    bench::write_csv(g_rows, "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n",
+                     [](std::ofstream& f, Row const& r) {
+                       f << r.model << "," << r.what << "," << r.batch << "," << r.ctx << ","
+                         << r.us << "," << r.bound_us << "," << r.tokens_per_s << ",\"" << r.note
+                         << "\"\n";
+                     });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_model_cuda: %s\n", e.what());
     return 1;

@@ -43,6 +43,7 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/moe_layer.h"
+#include "bench_util.h"
 #include "core/dtype.h"
 
 using namespace tandem;
@@ -70,46 +71,10 @@ double pytorch_us(Model const& m, int64_t tokens) {
   }
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::mt19937 g_rng(20261130);
-
-struct Buf {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit Buf(size_t b) : bytes(b) {
-    TANDEM_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(b, 16)));
-  }
-  ~Buf() { (void)cudaFree(ptr); }
-  Buf(Buf const&) = delete;
-  Buf& operator=(Buf const&) = delete;
-  template <typename T>
-  T* as(size_t elem_offset = 0) const {
-    return reinterpret_cast<T*>(ptr) + elem_offset;
-  }
-};
-
-// Random bf16 with standard deviation `scale`: 32 MiB from the host, then device copies of it
-// at shifting offsets (fast for the 5 GB of the 235B experts).
-void fill_bf16(Buf& b, float scale) {
-  const size_t n = b.bytes / 2, chunk = std::min<size_t>(n, size_t{16} << 20);
-  std::vector<uint16_t> h(chunk);
-  std::uniform_real_distribution<float> d(-scale * 1.7320508f, scale * 1.7320508f);
-  for (auto& v : h) v = f32_to_bf16(d(g_rng));
-  TANDEM_CUDA_CHECK(cudaMemcpy(b.ptr, h.data(), chunk * 2, cudaMemcpyHostToDevice));
-  size_t done = chunk, shift = 0;
-  while (done < n) {
-    shift = chunk > 1 ? (shift + 7919) % (chunk / 2) : 0;
-    const size_t len = std::min(n - done, chunk - shift);
-    TANDEM_CUDA_CHECK(
-        cudaMemcpy(b.as<uint16_t>(done), b.as<uint16_t>(shift), len * 2, cudaMemcpyDeviceToDevice));
-    done += len;
-  }
-}
+using bench::Buf;
+// Random fills here: standard deviation `scale` (not bench::fill_bf16's [-scale, scale]).
+using bench::fill_bf16_stddev;
+using bench::g_rng;
 
 struct Row {
   std::string op, model;
@@ -129,78 +94,12 @@ const char* path_name(MoeLayerPath p) {
   return "?";
 }
 
-struct Bench {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
+struct Bench : bench::Timer {
   double copy_Bps = 0, gemm_flops = 0;
-  bool quick = false;
   std::vector<Row> rows;
 
-  float elapsed_ms() {
-    float ms = 0;
-    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
-    return ms;
-  }
-
-  /// Median per-call microseconds of launch(i % sets), graph-captured.
-  double time_us(int sets, std::function<void(int)> const& launch) {
-    for (int i = 0; i < sets; ++i) launch(i);  // warm-up: cuBLASLt plans, attributes
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-    for (int i = 0; i < sets; ++i) launch(i);
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-    const double est_ms = std::max(1e-4, static_cast<double>(elapsed_ms()) / sets);
-    int iters = static_cast<int>(std::clamp(5.0 / est_ms, 1.0, 256.0));  // ~5 ms per replay
-    iters = std::max(sets, (iters + sets - 1) / sets * sets);
-    const int reps = quick ? 5 : 15;
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      for (int i = 0; i < iters; ++i) launch(i % sets);
-    } catch (...) {
-      (void)cudaStreamEndCapture(stream, &graph);
-      if (graph) (void)cudaGraphDestroy(graph);
-      throw;
-    }
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    std::vector<double> per_call;
-    for (int r = 0; r < reps + 2; ++r) {
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-      TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-      TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-      if (r >= 2) per_call.push_back(1e3 * elapsed_ms() / iters);
-    }
-    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
-    return median(per_call);
-  }
-
-  /// Median per-call microseconds of launch(i % sets), not captured (for what syncs).
-  double time_eager_us(int sets, std::function<void(int)> const& launch) {
-    for (int i = 0; i < sets; ++i) launch(i);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-    for (int i = 0; i < sets; ++i) launch(i);
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-    const double est_ms = std::max(1e-4, static_cast<double>(elapsed_ms()) / sets);
-    int iters = static_cast<int>(std::clamp(5.0 / est_ms, 1.0, 256.0));
-    iters = std::max(sets, (iters + sets - 1) / sets * sets);
-    const int reps = quick ? 5 : 15;
-    std::vector<double> per_call;
-    for (int r = 0; r < reps; ++r) {
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-      for (int i = 0; i < iters; ++i) launch(i % sets);
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-      TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-      per_call.push_back(1e3 * elapsed_ms() / iters);
-    }
-    return median(per_call);
-  }
+  // ~5 ms per replay, 15 replays (5 with --quick).
+  Bench() : bench::Timer(5.0, 15) {}
 
   void add(Row r) {
     const double bound = std::max(r.mem_us, r.compute_us);
@@ -230,31 +129,9 @@ struct Bench {
 };
 
 void measure_ceilings(Bench& b) {
-  const size_t bytes = size_t{1} << 30;
-  Buf src(bytes), dst(bytes);
-  fill_bf16(src, 1.0f);
-  std::vector<double> t;
-  for (int i = 0; i < 23; ++i) {
-    TANDEM_CUDA_CHECK(cudaEventRecord(b.ev0, b.stream));
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, b.stream));
-    TANDEM_CUDA_CHECK(cudaEventRecord(b.ev1, b.stream));
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(b.ev1));
-    if (i >= 3) t.push_back(b.elapsed_ms() * 1e-3);
-  }
-  b.copy_Bps = 2.0 * static_cast<double>(bytes) / median(t);
-  const int64_t n = 8192;
-  Buf x(n * n * 2), w(n * n * 2), y(n * n * 2);
-  fill_bf16(x, 1.0f);
-  fill_bf16(w, 1.0f);
-  GemmLt gemm;
-  const double us = b.time_us(1, [&](int) {
-    gemm.run({x.as<bf16>(), w.as<bf16>(), y.as<bf16>(), n, n, n}, b.stream);
-  });
-  b.gemm_flops = 2.0 * n * n * n / (us * 1e-6);
-  std::printf(
-      "== ceilings: copy %.0f GB/s (1 GiB cudaMemcpyAsync D2D, read + write), "
-      "cuBLASLt bf16 8192^3 %.1f TFLOP/s (%.1f us)\n",
-      b.copy_Bps / 1e9, b.gemm_flops / 1e12, us);
+  const bench::Ceilings c = bench::measure_ceilings(b, [](Buf& x) { fill_bf16_stddev(x, 1.0f); });
+  b.copy_Bps = c.copy_Bps;
+  b.gemm_flops = c.gemm_flops;
 }
 
 void bench_model(Bench& b, Model const& m) {
@@ -264,9 +141,9 @@ void bench_model(Bench& b, Model const& m) {
               m.name, static_cast<long long>(H), static_cast<long long>(I),
               static_cast<long long>(E), static_cast<long long>(K), expert_bytes / 1e6);
   Buf router(E * H * 2), gate_up(E * 2 * I * H * 2), down(E * H * I * 2);
-  fill_bf16(router, 1.0f / std::sqrt(static_cast<float>(H)));
-  fill_bf16(gate_up, 1.0f / std::sqrt(static_cast<float>(H)));  // packing is irrelevant here
-  fill_bf16(down, 1.0f / std::sqrt(static_cast<float>(I)));
+  fill_bf16_stddev(router, 1.0f / std::sqrt(static_cast<float>(H)));
+  fill_bf16_stddev(gate_up, 1.0f / std::sqrt(static_cast<float>(H)));  // packing is irrelevant here
+  fill_bf16_stddev(down, 1.0f / std::sqrt(static_cast<float>(I)));
   const MoeLayerWeights w{router.as<bf16>(), gate_up.as<bf16>(), down.as<bf16>()};
   MoeLayer layer(kMaxTokens, H, I, E, K, 0, E, true);
   GemmLt gemm;
@@ -276,7 +153,7 @@ void bench_model(Bench& b, Model const& m) {
       // Enough x sets that the experts of one call are mostly not those of the last one.
       const int sets = T <= 8 ? 16 : (T <= 256 ? 4 : 1);
       Buf x(sets * T * H * 2), out(sets * T * H * 2);
-      fill_bf16(x, 1.0f);
+      fill_bf16_stddev(x, 1.0f);
       auto launch = [&](int i) {
         layer.run(w, x.as<bf16>(i * T * H), out.as<bf16>(i * T * H), T, gemm, b.stream);
       };
@@ -335,8 +212,8 @@ void bench_model(Bench& b, Model const& m) {
           gu(R * std::max(2 * I, H) * 2);
       TANDEM_CUDA_CHECK(
           cudaMemcpy(off.ptr, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
-      fill_bf16(xr, 1.0f);
-      fill_bf16(act, 1.0f);
+      fill_bf16_stddev(xr, 1.0f);
+      fill_bf16_stddev(act, 1.0f);
       struct G {
         const char* op;
         bf16 const *x, *w;
@@ -435,7 +312,7 @@ void bench_model(Bench& b, Model const& m) {
           const int64_t max_count = *std::max_element(counts.begin(), counts.end());
           const int64_t m_pad = (max_count + 63) / 64 * 64;
           Buf xp(E * m_pad * g.k * 2), yp(E * m_pad * g.n * 2);
-          fill_bf16(xp, 1.0f);
+          fill_bf16_stddev(xp, 1.0f);
           const float one = 1.0f, zero = 0.0f;
           double us_pad = 0;
           try {
@@ -474,19 +351,9 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) b.quick = true;
   }
   try {
-    int count = 0;
-    TANDEM_CUDA_CHECK(cudaGetDeviceCount(&count));
-    if (count == 0) {
-      std::printf("no CUDA device\n");
-      return 2;
-    }
     cudaDeviceProp prop{};
-    TANDEM_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    std::printf("== device: %s, %d SMs, L2 %.0f MB, %.0f GB\n", prop.name, prop.multiProcessorCount,
-                prop.l2CacheSize / 1e6, prop.totalGlobalMem / 1e9);
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&b.stream));
-    TANDEM_CUDA_CHECK(cudaEventCreate(&b.ev0));
-    TANDEM_CUDA_CHECK(cudaEventCreate(&b.ev1));
+    if (!bench::open_device(&prop)) return 2;
+    b.create();
     measure_ceilings(b);
     for (Model const& m : kModels) bench_model(b, m);
   } catch (std::exception const& e) {
@@ -513,17 +380,13 @@ int main(int argc, char** argv) {
     if (!r.path.empty()) std::printf(" %s", r.path.c_str());
     std::printf("\n");
   }
-  if (const char* csv = std::getenv("TANDEM_BENCH_CSV")) {
-    std::ofstream f(csv);
-    f << "op,model,tokens,us,mem_bound_us,compute_bound_us,bytes,flops,experts_touched,pytorch_"
-         "us,path\n";
-    for (Row const& r : b.rows) {
-      f << r.op << "," << r.model << "," << r.tokens << "," << r.us << "," << r.mem_us << ","
-        << r.compute_us << "," << r.bytes << "," << r.flops << "," << r.experts_touched << ","
-        << r.pytorch << "," << r.path << "\n";
-    }
-  }
-  int failed = 0;
-  for (Row const& r : b.rows) failed += std::isnan(r.us) ? 1 : 0;
-  return failed ? 1 : 0;
+  bench::write_csv(b.rows,
+                   "op,model,tokens,us,mem_bound_us,compute_bound_us,bytes,flops,experts_touched,"
+                   "pytorch_us,path\n",
+                   [](std::ofstream& f, Row const& r) {
+                     f << r.op << "," << r.model << "," << r.tokens << "," << r.us << ","
+                       << r.mem_us << "," << r.compute_us << "," << r.bytes << "," << r.flops << ","
+                       << r.experts_touched << "," << r.pytorch << "," << r.path << "\n";
+                   });
+  return bench::count_failed(b.rows) ? 1 : 0;
 }

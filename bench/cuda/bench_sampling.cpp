@@ -23,6 +23,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/sampling.h"
+#include "bench_util.h"
 #include "core/dtype.h"
 
 using namespace tandem;
@@ -32,78 +33,13 @@ namespace {
 
 constexpr int64_t kVocab = 151936;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::Buf;
 
-struct Buf {
-  void* ptr = nullptr;
-  explicit Buf(size_t b) { TANDEM_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(b, 16))); }
-  ~Buf() { (void)cudaFree(ptr); }
-  Buf(Buf const&) = delete;
-  Buf& operator=(Buf const&) = delete;
-  template <typename T>
-  T* as(size_t elem_offset = 0) const {
-    return reinterpret_cast<T*>(ptr) + elem_offset;
-  }
-};
-
-struct Timer {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
-  bool quick = false;
-  float ms() {
-    float v = 0;
-    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&v, ev0, ev1));
-    return v;
-  }
-  /// Median per-call microseconds of launch(i % sets), graph-captured.
-  double time_us(int sets, std::function<void(int)> const& launch) {
-    for (int i = 0; i < sets; ++i) launch(i);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-    for (int i = 0; i < sets; ++i) launch(i);
-    TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-    const double est_ms = std::max(1e-4, static_cast<double>(ms()) / sets);
-    int iters = static_cast<int>(std::clamp(3.0 / est_ms, 1.0, 256.0));
-    iters = std::max(sets, (iters + sets - 1) / sets * sets);
-    const int reps = quick ? 5 : 15;
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < iters; ++i) launch(i % sets);
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    std::vector<double> per_call;
-    for (int r = 0; r < reps + 2; ++r) {
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev0, stream));
-      TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      TANDEM_CUDA_CHECK(cudaEventRecord(ev1, stream));
-      TANDEM_CUDA_CHECK(cudaEventSynchronize(ev1));
-      if (r >= 2) per_call.push_back(1e3 * ms() / iters);
-    }
-    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
-    return median(per_call);
-  }
-};
-
-double copy_bandwidth(Timer& t) {
+double copy_bandwidth(bench::Timer& t) {
   const size_t bytes = size_t{1} << 30;
   Buf src(bytes), dst(bytes);
   TANDEM_CUDA_CHECK(cudaMemset(src.ptr, 0x3c, bytes));
-  std::vector<double> s;
-  for (int i = 0; i < 13; ++i) {
-    TANDEM_CUDA_CHECK(cudaEventRecord(t.ev0, t.stream));
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, t.stream));
-    TANDEM_CUDA_CHECK(cudaEventRecord(t.ev1, t.stream));
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(t.ev1));
-    if (i >= 3) s.push_back(t.ms() * 1e-3);
-  }
-  return 2.0 * static_cast<double>(bytes) / median(s);
+  return bench::measure_copy_Bps(t, src, dst, /*warmup=*/3, /*samples=*/10);
 }
 
 struct Case {
@@ -114,16 +50,14 @@ struct Case {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Timer t;
+  bench::Timer t(3.0, 15);  // ~3 ms per replay, 15 replays (5 with --quick)
   bool bf16 = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) t.quick = true;
     if (!std::strcmp(argv[i], "--bf16")) bf16 = true;
   }
   try {
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&t.stream));
-    TANDEM_CUDA_CHECK(cudaEventCreate(&t.ev0));
-    TANDEM_CUDA_CHECK(cudaEventCreate(&t.ev1));
+    t.create();
     int l2 = 0;
     TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
     const double copy_Bps = copy_bandwidth(t);

@@ -22,61 +22,19 @@
 #include "backend/cuda/check.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "cuda_test_util.h"
 
 namespace tandem::cuda {
 namespace {
 
-constexpr double kTolBf16 = 1e-2;
-
-bool gpu_available() {
-  static const bool ok = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return n > 0;
-  }();
-  return ok;
-}
-
+using test_util::Bits;
+using test_util::gpu_available;
+using test_util::to_f32;
+// upload() of a wrong size throws here (TANDEM_CHECK).
 template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) {
-    TANDEM_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  explicit DeviceBuffer(std::vector<T> const& host) : DeviceBuffer(host.size()) { upload(host); }
-  ~DeviceBuffer() { (void)cudaFree(ptr); }
-  DeviceBuffer(DeviceBuffer const&) = delete;
-  DeviceBuffer& operator=(DeviceBuffer const&) = delete;
-  void upload(std::vector<T> const& host) {
-    TANDEM_CHECK(host.size() == count, "upload size");
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(ptr, host.data(), count * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count);
-    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  void poison(int byte) {
-    TANDEM_CUDA_CHECK(cudaMemset(ptr, byte, std::max<size_t>(count, 1) * sizeof(T)));
-  }
-  bf16* bf() const { return reinterpret_cast<bf16*>(ptr); }
-};
+using DeviceBuffer = test_util::DeviceBuffer<T, test_util::UploadCheck::kThrow>;
 
-using Bits = std::vector<uint16_t>;
-
-std::vector<float> to_f32(Bits const& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_f32(b[i]);
-  return f;
-}
+constexpr double kTolBf16 = 1e-2;
 
 // Relative L2 error below tol and every element finite; on failure names the worst element as
 // (token, head, dim) with both values.
@@ -132,19 +90,8 @@ struct Case {
   }
 };
 
-class CudaAttention : public ::testing::Test {
+class CudaAttention : public test_util::CudaFixture<> {
  protected:
-  void SetUp() override {
-    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-  }
-  std::string trace() const { return "seed " + std::to_string(seed_); }
-
   Bits randn_bf16(size_t n, float scale, float mean = 0.f) {
     std::normal_distribution<float> d(mean, scale);
     Bits b(n);
@@ -240,10 +187,6 @@ class CudaAttention : public ::testing::Test {
 
   /// DecodeGraphReplay with q_heads over 4 kv heads.
   void graph_replay(int64_t q_heads);
-
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-  cudaStream_t stream_ = nullptr;
 };
 
 TEST_F(CudaAttention, PrefillFromZero) {

@@ -20,25 +20,18 @@
 #include "backend/cuda/gemv.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "cuda_test_util.h"
 
 namespace tandem::cuda {
 namespace {
 
+using test_util::Bits;
+using test_util::gpu_available;
+using test_util::to_f32;
+
 constexpr double kTolBf16 = 1e-2;
 double tol_f32(int64_t k) { return 2e-6 * std::sqrt(static_cast<double>(k)); }
 constexpr size_t kGuard = 64;  // poisoned elements after each output, checked untouched
-
-bool gpu_available() {
-  static const bool ok = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return n > 0;
-  }();
-  return ok;
-}
 
 /// Device memory of `bytes`, freed on scope exit.
 struct DeviceBytes {
@@ -68,45 +61,20 @@ struct DeviceBytes {
   float* f32() const { return static_cast<float*>(ptr); }
 };
 
-using Bits = std::vector<uint16_t>;  // bf16 bit patterns on the host
-
-std::vector<float> to_f32(Bits const& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_f32(b[i]);
-  return f;
-}
-
-// ||out - ref|| / ||ref|| over the first ref.size() elements; non-finite output: infinity.
+// ||out - ref|| / ||ref|| over the first ref.size() elements; non-finite output: infinity
+// (no size expectation, unlike test_util::rel_err's default).
 double rel_err(std::vector<float> const& out, std::vector<float> const& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    const double d = double(out[i]) - double(ref[i]);
-    num += d * d;
-    den += double(ref[i]) * double(ref[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
+  return test_util::rel_err(out, ref, test_util::SizeCheck::kNone);
 }
 
-class CudaGemv : public ::testing::Test {
+class CudaGemv : public test_util::CudaFixture<> {
  protected:
-  void SetUp() override {
-    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-  }
-
   Bits randn_bf16(size_t n, float scale = 1.0f) {
     std::normal_distribution<float> d(0.f, scale);
     Bits b(n);
     for (auto& v : b) v = f32_to_bf16(d(rng_));
     return b;
   }
-  std::string trace() const { return "seed " + std::to_string(seed_); }
 
   /// The output (bf16 or fp32) as fp32, checking that the kGuard elements after m*n are
   /// untouched (all bytes 0xff).
@@ -129,10 +97,6 @@ class CudaGemv : public ::testing::Test {
     }
     return out;
   }
-
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-  cudaStream_t stream_ = nullptr;
 };
 
 // ------------------------------------------------------------------------------ gemv_launch

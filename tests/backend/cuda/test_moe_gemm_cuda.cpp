@@ -23,64 +23,16 @@
 #include "backend/cuda/moe_layer.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "cuda_test_util.h"
 
 namespace tandem::cuda {
 namespace {
 
-bool gpu_available() {
-  static const bool ok = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return n > 0;
-  }();
-  return ok;
-}
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) {
-    TANDEM_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  explicit DeviceBuffer(std::vector<T> const& host) : DeviceBuffer(host.size()) { upload(host); }
-  ~DeviceBuffer() { (void)cudaFree(ptr); }
-  DeviceBuffer(DeviceBuffer const&) = delete;
-  DeviceBuffer& operator=(DeviceBuffer const&) = delete;
-  void upload(std::vector<T> const& host) {
-    ASSERT_EQ(host.size(), count);
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(ptr, host.data(), count * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count);
-    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  void poison(int byte) {
-    TANDEM_CUDA_CHECK(cudaMemset(ptr, byte, std::max<size_t>(count, 1) * sizeof(T)));
-  }
-  bf16* bf() const { return reinterpret_cast<bf16*>(ptr); }
-};
-
-using Bits = std::vector<uint16_t>;
-
-std::vector<float> to_f32(Bits const& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_f32(b[i]);
-  return f;
-}
-Bits to_bf16(std::vector<float> const& f) {
-  Bits b(f.size());
-  for (size_t i = 0; i < f.size(); ++i) b[i] = f32_to_bf16(f[i]);
-  return b;
-}
+using test_util::Bits;
+using test_util::DeviceBuffer;
+using test_util::gpu_available;
+using test_util::to_bf16;
+using test_util::to_f32;
 
 // Relative error ||out - ref|| / ||ref|| below tol, and no element off by more than
 // 3 tol * (|ref| + rms(ref)); on failure reports the count and the first bad (row, col).
@@ -112,18 +64,8 @@ Bits to_bf16(std::vector<float> const& f) {
   return f;
 }
 
-class MoeCudaTest : public ::testing::Test {
+class MoeCudaTest : public test_util::CudaFixture<> {
  protected:
-  void SetUp() override {
-    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-  }
-  void sync() { TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   // Random bf16 in [-a, a], a = scale * sqrt(3) (standard deviation `scale`).
   Bits rand_bf16(size_t n, float scale = 1.0f) {
     std::uniform_real_distribution<float> d(-scale * 1.7320508f, scale * 1.7320508f);
@@ -134,11 +76,6 @@ class MoeCudaTest : public ::testing::Test {
   int64_t uniform(int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng_);
   }
-  std::string trace() const { return "seed " + std::to_string(seed_); }
-
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-  cudaStream_t stream_ = nullptr;
 };
 
 /// Packs E experts' HF gate [E, I, H] and up [E, I, H] into [E, 2I, H].

@@ -24,83 +24,24 @@
 #include "backend/cuda/norm.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "cuda_test_util.h"
 
 namespace tandem::cuda {
 namespace {
 
+using test_util::Bits;
+using test_util::DeviceBuffer;
+using test_util::gpu_available;
+using test_util::rel_err;
+using test_util::to_bf16;
+using test_util::to_f32;
+
 constexpr double kTolBf16 = 1e-2;
 constexpr double kTolF32 = 1e-5;
 
-bool gpu_available() {
-  static const bool ok = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return n > 0;
-  }();
-  return ok;
-}
-
 /// Device memory of `count` elements of T, freed on scope exit.
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) {
-    TANDEM_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  explicit DeviceBuffer(std::vector<T> const& host) : DeviceBuffer(host.size()) { upload(host); }
-  ~DeviceBuffer() { (void)cudaFree(ptr); }
-  DeviceBuffer(DeviceBuffer const&) = delete;
-  DeviceBuffer& operator=(DeviceBuffer const&) = delete;
-  void upload(std::vector<T> const& host) {
-    ASSERT_EQ(host.size(), count);
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(ptr, host.data(), count * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count);
-    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  /// Fills every byte (0xff: NaN for bf16 / fp32; 0x7f: 0x7f7f7f7f for int32).
-  void poison(int byte) {
-    TANDEM_CUDA_CHECK(cudaMemset(ptr, byte, std::max<size_t>(count, 1) * sizeof(T)));
-  }
-  bf16* bf() const { return reinterpret_cast<bf16*>(ptr); }
-};
-
-using Bits = std::vector<uint16_t>;  // bf16 bit patterns on the host
-
-std::vector<float> to_f32(Bits const& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_f32(b[i]);
-  return f;
-}
-Bits to_bf16(std::vector<float> const& f) {
-  Bits b(f.size());
-  for (size_t i = 0; i < f.size(); ++i) b[i] = f32_to_bf16(f[i]);
-  return b;
-}
 
 // ||out - ref|| / ||ref||; a non-finite output anywhere fails (returns infinity).
-double rel_err(std::vector<float> const& out, std::vector<float> const& ref) {
-  EXPECT_EQ(out.size(), ref.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    const double d = double(out[i]) - double(ref[i]);
-    num += d * d;
-    den += double(ref[i]) * double(ref[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-double rel_err(Bits const& out, std::vector<float> const& ref) { return rel_err(to_f32(out), ref); }
 
 // Exact comparison that reports the number of differing elements and the first one, not both
 // whole vectors (NaN never equals).
@@ -120,19 +61,8 @@ template <typename T>
                                        << first << "]: " << +out[first] << " vs " << +ref[first];
 }
 
-class CudaOps : public ::testing::Test {
+class CudaOps : public test_util::CudaFixture<> {
  protected:
-  void SetUp() override {
-    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-  }
-  void sync() { TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-
   std::vector<float> randn(size_t n, float scale = 1.0f, float mean = 0.0f) {
     std::normal_distribution<float> d(mean, scale);
     std::vector<float> v(n);
@@ -146,11 +76,6 @@ class CudaOps : public ::testing::Test {
   int64_t uniform(int64_t lo, int64_t hi) {  // [lo, hi]
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng_);
   }
-  std::string trace() const { return "seed " + std::to_string(seed_); }
-
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-  cudaStream_t stream_ = nullptr;
 };
 
 // ------------------------------------------------------------------------------ embedding

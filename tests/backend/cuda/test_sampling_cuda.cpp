@@ -26,53 +26,19 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/sampling.h"
 #include "core/dtype.h"
+#include "cuda_test_util.h"
 #include "engine/sampling.h"
 
 namespace tandem::cuda {
 namespace {
 
+using test_util::gpu_available;
+// upload() copies `count` elements without checking the host size here.
+template <typename T>
+using DeviceBuffer = test_util::DeviceBuffer<T, test_util::UploadCheck::kNone>;
+
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int kTop = kMaxTopLogprobs;
-
-bool gpu_available() {
-  static const bool ok = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return n > 0;
-  }();
-  return ok;
-}
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) {
-    TANDEM_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  explicit DeviceBuffer(std::vector<T> const& host) : DeviceBuffer(host.size()) { upload(host); }
-  ~DeviceBuffer() { (void)cudaFree(ptr); }
-  DeviceBuffer(DeviceBuffer const&) = delete;
-  DeviceBuffer& operator=(DeviceBuffer const&) = delete;
-  void upload(std::vector<T> const& host) {
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(ptr, host.data(), count * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count);
-    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-    if (count)
-      TANDEM_CUDA_CHECK(cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  void poison(int byte) {
-    TANDEM_CUDA_CHECK(cudaMemset(ptr, byte, std::max<size_t>(count, 1) * sizeof(T)));
-  }
-};
 
 /// The kept tokens and their probabilities under the CPU semantics, by a plain full sort:
 /// temperature, top-k, top-p over the top-k renormalised mass, min-p, weight > 0.
@@ -144,17 +110,8 @@ std::string describe(SamplingRowParams const& rp) {
   return os.str();
 }
 
-class CudaSampling : public ::testing::TestWithParam<bool> {
+class CudaSampling : public test_util::CudaFixture<::testing::TestWithParam<bool>> {
  protected:
-  void SetUp() override {
-    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    TANDEM_CUDA_CHECK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-  }
   std::string trace() const {
     return "test seed " + std::to_string(seed_) + (multi() ? " multi-CTA" : " single-CTA");
   }
@@ -289,10 +246,6 @@ class CudaSampling : public ::testing::TestWithParam<bool> {
       }
     }
   }
-
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-  cudaStream_t stream_ = nullptr;
 };
 
 SamplingRowParams greedy_row(int n_top, bool lp) {
