@@ -25,21 +25,32 @@ using cuda::bf16;
 
 namespace {
 
-// cudaMalloc'd bytes, freed on destruction.
-class DeviceMem {
+// Bytes from a CUDA allocator, freed on destruction; movable, not copyable.
+template <bool kPinned>
+class CudaMem {
  public:
-  DeviceMem() = default;
-  explicit DeviceMem(size_t bytes) : size_(bytes) {
-    if (bytes > 0) TANDEM_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+  CudaMem() = default;
+  explicit CudaMem(size_t bytes) : size_(bytes) {
+    if (bytes == 0) return;
+    if constexpr (kPinned) {
+      TANDEM_CUDA_CHECK(cudaMallocHost(&ptr_, bytes));
+    } else {
+      TANDEM_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+    }
   }
-  ~DeviceMem() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+  ~CudaMem() {
+    if (ptr_ == nullptr) return;
+    if constexpr (kPinned) {
+      (void)cudaFreeHost(ptr_);
+    } else {
+      (void)cudaFree(ptr_);
+    }
   }
-  DeviceMem(DeviceMem&& o) noexcept : ptr_(o.ptr_), size_(o.size_) {
+  CudaMem(CudaMem&& o) noexcept : ptr_(o.ptr_), size_(o.size_) {
     o.ptr_ = nullptr;
     o.size_ = 0;
   }
-  DeviceMem& operator=(DeviceMem&& o) noexcept {
+  CudaMem& operator=(CudaMem&& o) noexcept {
     std::swap(ptr_, o.ptr_);
     std::swap(size_, o.size_);
     return *this;
@@ -54,36 +65,8 @@ class DeviceMem {
   void* ptr_ = nullptr;
   size_t size_ = 0;
 };
-
-// cudaMallocHost'd bytes.
-class PinnedMem {
- public:
-  PinnedMem() = default;
-  explicit PinnedMem(size_t bytes) : size_(bytes) {
-    if (bytes > 0) TANDEM_CUDA_CHECK(cudaMallocHost(&ptr_, bytes));
-  }
-  ~PinnedMem() {
-    if (ptr_ != nullptr) (void)cudaFreeHost(ptr_);
-  }
-  PinnedMem(PinnedMem&& o) noexcept : ptr_(o.ptr_), size_(o.size_) {
-    o.ptr_ = nullptr;
-    o.size_ = 0;
-  }
-  PinnedMem& operator=(PinnedMem&& o) noexcept {
-    std::swap(ptr_, o.ptr_);
-    std::swap(size_, o.size_);
-    return *this;
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t size() const { return size_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t size_ = 0;
-};
+using DeviceMem = CudaMem<false>;  // cudaMalloc
+using PinnedMem = CudaMem<true>;   // cudaMallocHost
 
 // Host -> device copies through two pinned chunks: the read of chunk i + 1 from the mapped
 // file (page cache or disk) overlaps the DMA of chunk i.
