@@ -54,10 +54,15 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   return ids;
 }
 
-// The model for --device cpu|cuda; the engine config sizes the GPU model's buffers.
+// The model for --device cpu|cuda; the engine config sizes the GPU model's buffers. On the
+// GPU, a KV cache size not given (kv_cache_mb <= 0) becomes what gpu_memory_utilization
+// leaves after the model (vLLM's default behaviour); on the CPU it is the engine's default.
 std::unique_ptr<Model> load_model(const std::string& dir, const std::string& device,
-                                  const EngineConfig& engine) {
-  if (device == "cpu") return Qwen3MoeCpu::load(dir);
+                                  EngineConfig& engine, double gpu_memory_utilization = 0.9) {
+  if (device == "cpu") {
+    if (engine.kv_cache_mb <= 0) engine.kv_cache_mb = EngineConfig{}.kv_cache_mb;
+    return Qwen3MoeCpu::load(dir);
+  }
   TANDEM_CHECK_KIND(kInvalidArgument, device == "cuda", "--device must be cpu or cuda, not '",
                     device, "'");
 #ifdef TANDEM_WITH_CUDA
@@ -66,7 +71,13 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
   o.max_seqs = engine.max_num_seqs;
   o.page_size = engine.page_size;
   o.graph_max_context = engine.max_model_len;
-  return Qwen3MoeCuda::load(dir, o);
+  auto model = Qwen3MoeCuda::load(dir, o);
+  if (engine.kv_cache_mb <= 0) {
+    engine.kv_cache_mb = model->kv_cache_budget_mb(gpu_memory_utilization);
+    std::cerr << "tandem: KV cache " << engine.kv_cache_mb << " MiB (--gpu-memory-utilization "
+              << gpu_memory_utilization << ")" << std::endl;
+  }
+  return model;
 #else
   TANDEM_THROW(kUnsupported, "--device cuda: this tandem was built without CUDA");
 #endif
@@ -161,13 +172,15 @@ struct ServeArgs {
   int http_threads = 2;
   EngineConfig engine;
   std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
 };
 
 int run_serve(const ServeArgs& a) {
-  std::unique_ptr<Model> model = load_model(a.model, a.device, a.engine);
+  EngineConfig ecfg = a.engine;
+  std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
-  AsyncEngine engine(std::move(model), a.engine);
+  AsyncEngine engine(std::move(model), ecfg);
   HttpServerConfig cfg;
   cfg.host = a.host;
   cfg.port = static_cast<uint16_t>(a.port);
@@ -423,8 +436,14 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   sv->add_option("--max-waiting", srv.engine.max_waiting, "Queue limit (then 429)")
       ->check(CLI::PositiveNumber);
-  sv->add_option("--kv-cache-mb", srv.engine.kv_cache_mb, "KV cache size")
+  srv.engine.kv_cache_mb = 0;  // 0: the engine's default on the CPU, from the GPU's memory
+  sv->add_option("--kv-cache-mb", srv.engine.kv_cache_mb,
+                 "KV cache size (default: 512 on the CPU; on the GPU what "
+                 "--gpu-memory-utilization leaves after the model)")
       ->check(CLI::PositiveNumber);
+  sv->add_option("--gpu-memory-utilization", srv.gpu_memory_utilization,
+                 "Share of the GPU's memory for weights, activations and KV (--device cuda)")
+      ->check(CLI::Range(0.05, 1.0));
   sv->add_option("--page-size", srv.engine.page_size, "Tokens per KV page")
       ->check(CLI::PositiveNumber);
   bool no_prefix_cache = false;

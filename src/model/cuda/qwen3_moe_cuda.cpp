@@ -164,6 +164,14 @@ constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
 
 }  // namespace
 
+int64_t kv_cache_mb_for(size_t free_bytes, size_t total_bytes, double utilization) {
+  TANDEM_CHECK_KIND(kInvalidArgument, utilization > 0.0 && utilization <= 1.0,
+                    "--gpu-memory-utilization must be in (0, 1], not ", utilization);
+  const double keep = (1.0 - utilization) * static_cast<double>(total_bytes);
+  const double kv = static_cast<double>(free_bytes) - keep;
+  return std::max<int64_t>(64, static_cast<int64_t>(kv / (1 << 20)));
+}
+
 void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
   TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin, ": head_dim ",
                     c.head_dim, " is not supported on the GPU (64 or 128)");
@@ -623,6 +631,13 @@ KvCache Qwen3MoeCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
   }
   ext.owner = pool;
   return KvCache(g, std::move(ext));
+}
+
+int64_t Qwen3MoeCuda::kv_cache_budget_mb(double utilization) const {
+  size_t free_b = 0, total_b = 0;
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  TANDEM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return kv_cache_mb_for(free_b, total_b, utilization);
 }
 
 std::string Qwen3MoeCuda::last_moe_path() const {

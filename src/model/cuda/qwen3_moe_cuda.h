@@ -72,6 +72,9 @@ class Qwen3MoeCuda final : public Model {
   /// until the next call; ordered on stream()).
   const float* forward_device(const ForwardBatch& batch, KvCache& kv);
   cudaStream_t stream() const { return stream_; }
+  /// kv_cache_mb_for() with this device's free and total memory now (call after loading,
+  /// before the KV cache exists). utilization in (0, 1].
+  int64_t kv_cache_budget_mb(double utilization) const;
   /// Bytes of weights in device memory.
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Batch-size buckets captured so far.
@@ -99,6 +102,11 @@ class Qwen3MoeCuda final : public Model {
   int64_t weight_bytes_ = 0;
   std::vector<int64_t> buckets_;
 };
+
+/// The KV cache a GPU can give once the model is loaded, as vLLM's --gpu-memory-utilization:
+/// what is free beyond the share (1 - utilization) of the device's memory left unused, in MiB
+/// (at least 64). CPU-only arithmetic; Qwen3MoeCuda::kv_cache_budget_mb asks the device.
+int64_t kv_cache_mb_for(size_t free_bytes, size_t total_bytes, double utilization);
 
 /// Checks that the CUDA model covers `config` (throws kUnsupported naming `origin` and the
 /// field otherwise). CPU-only: the server calls it before touching the GPU.

@@ -90,6 +90,23 @@ TEST(CudaModelConfig, UnsupportedShapesAreRefusedNamingTheField) {
   EXPECT_GE(supported_dirs().size(), 3u);
 }
 
+// --gpu-memory-utilization: the KV budget is what is free beyond the share left unused.
+TEST(CudaModelConfig, KvCacheBudgetFromGpuMemory) {
+  constexpr size_t kGiB = size_t{1} << 30;
+  EXPECT_EQ(kv_cache_mb_for(80 * kGiB, 140 * kGiB, 0.9), (80 * 1024) - (14 * 1024));
+  EXPECT_EQ(kv_cache_mb_for(80 * kGiB, 140 * kGiB, 1.0), 80 * 1024);
+  EXPECT_EQ(kv_cache_mb_for(10 * kGiB, 140 * kGiB, 0.9), 64);  // less free than kept: the floor
+  for (double bad : {0.0, -0.5, 1.5}) {
+    try {
+      kv_cache_mb_for(80 * kGiB, 140 * kGiB, bad);
+      ADD_FAILURE() << "utilization " << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("--gpu-memory-utilization"), std::string::npos);
+    }
+  }
+}
+
 // Compares logits rows [rows, vocab]; appends each row's relative L2 error to `errs`.
 // Returns the number of argmax checks made.
 int compare_rows(const std::vector<float>& got, const std::vector<float>& want, int64_t vocab,
