@@ -6,6 +6,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -271,6 +272,33 @@ int follow_group(Instance& instance, const sigset_t& signals) {
   return 0;
 }
 
+// This process's instance: one rank of a process group when RANK / WORLD_SIZE / ... are set
+// (ranks defaults to the group's size), else the whole instance with its ranks as threads.
+template <typename Instance, typename Config>
+std::unique_ptr<Instance> make_instance(Config& cfg, int& ranks) {
+  if (env_world_size() > 1) {
+    if (ranks == 1) ranks = env_world_size();
+    return std::make_unique<Instance>(cfg, comm::GlooCommunicator::from_env());
+  }
+  return std::make_unique<Instance>(cfg);
+}
+
+// The leader's part: the control server (started by the caller), /metrics when asked, a
+// line on stderr, then serving until SIGINT / SIGTERM.
+int lead_instance(const InstanceArgs& a, InstanceServer& server, const sigset_t& signals,
+                  const std::string& what, std::function<std::string()> metrics_text) {
+  std::unique_ptr<MetricsEndpoint> metrics;
+  if (a.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, std::move(metrics_text));
+  }
+  std::cerr << "tandem: " << what << " on " << a.host << ":" << server.port()
+            << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
+            << std::endl;
+  wait_for_stop_signal(signals);
+  server.stop();
+  return 0;
+}
+
 int run_prefill(const InstanceArgs& a) {
   if (a.nprocs > 1) return run_local_group(a, "--tp", run_prefill);
   const sigset_t signals = block_stop_signals();
@@ -278,29 +306,15 @@ int run_prefill(const InstanceArgs& a) {
   cfg.model_dir = a.model;
   cfg.tp = a.ranks;
   cfg.engine = a.engine;
-  std::unique_ptr<PrefillInstance> instance;
-  if (env_world_size() > 1) {  // this process is one rank of the group (RANK, WORLD_SIZE, ...)
-    if (cfg.tp == 1) cfg.tp = env_world_size();
-    instance = std::make_unique<PrefillInstance>(cfg, comm::GlooCommunicator::from_env());
-  } else {
-    instance = std::make_unique<PrefillInstance>(cfg);
-  }
+  auto instance = make_instance<PrefillInstance>(cfg, cfg.tp);
   PrefillInstance& prefill = *instance;
   if (!prefill.is_leader()) return follow_group(prefill, signals);
   InstanceServer server(nullptr, &prefill, a.host, a.port);
-  std::unique_ptr<MetricsEndpoint> metrics;
-  if (a.metrics_port >= 0) {
-    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, [&] {
-      return instances_metrics_text({{"0", prefill.load()}}, {});
-    });
-  }
-  std::cerr << "tandem: prefill instance (TP=" << a.ranks << ", " << a.model << ") on " << a.host
-            << ":" << server.port()
-            << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
-            << std::endl;
-  wait_for_stop_signal(signals);
-  server.stop();
-  return 0;
+  return lead_instance(a, server, signals,
+                       "prefill instance (TP=" + std::to_string(a.ranks) + ", " + a.model + ")",
+                       [&] {
+                         return instances_metrics_text({{"0", prefill.load()}}, {});
+                       });
 }
 
 int run_decode(const InstanceArgs& a) {
@@ -312,29 +326,17 @@ int run_decode(const InstanceArgs& a) {
   cfg.engine = a.engine;
   cfg.max_decode_batch = a.max_decode_batch;
   cfg.kv_host = a.host;
-  std::unique_ptr<DecodeInstance> instance;
-  if (env_world_size() > 1) {  // this process is one rank of the group (RANK, WORLD_SIZE, ...)
-    if (cfg.dp == 1) cfg.dp = env_world_size();
-    instance = std::make_unique<DecodeInstance>(cfg, comm::GlooCommunicator::from_env());
-  } else {
-    instance = std::make_unique<DecodeInstance>(cfg);
-  }
+  auto instance = make_instance<DecodeInstance>(cfg, cfg.dp);
   DecodeInstance& decode = *instance;
   if (!decode.is_leader()) return follow_group(decode, signals);
   InstanceServer server(&decode, nullptr, a.host, a.port);
-  std::unique_ptr<MetricsEndpoint> metrics;
-  if (a.metrics_port >= 0) {
-    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, [&] {
-      return instances_metrics_text({}, {{"0", decode.load()}});
-    });
-  }
-  std::cerr << "tandem: decode instance (DP=" << cfg.dp << ", " << a.model << ") on " << a.host
-            << ":" << server.port() << ", max decode batch " << a.max_decode_batch << " per rank"
-            << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
-            << std::endl;
-  wait_for_stop_signal(signals);
-  server.stop();
-  return 0;
+  return lead_instance(a, server, signals,
+                       "decode instance (DP=" + std::to_string(cfg.dp) + ", " + a.model +
+                           "), max decode batch " + std::to_string(a.max_decode_batch) +
+                           " per rank",
+                       [&] {
+                         return instances_metrics_text({}, {{"0", decode.load()}});
+                       });
 }
 
 struct RouterArgs {
