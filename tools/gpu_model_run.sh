@@ -91,6 +91,11 @@ step() {  # step NAME TIMEOUT_S CMD...
 
 step test_backend_cuda 240 "$BIN/test_backend_cuda"
 step test_model_cuda 150 "$BIN/test_model_cuda"
+# GPU instances (issue "GPU instances"): ranks as processes sharing the GPU.
+step test_transfer_cuda 120 "$BIN/test_transfer_cuda"
+step test_model_cuda_sharded 420 "$BIN/test_model_cuda_sharded"
+step gpu_roles 420 "$ROOT/tests/e2e/gpu_roles_test.sh" "$BIN/tandem" \
+  "$ROOT/tests/data/fixtures/hub_gqa8_hd128_top8_bf16" "$ROOT/models/demo"
 export TANDEM_TEST_DEVICE=cuda
 step test_server_cuda 120 "$BIN/test_server"
 unset TANDEM_TEST_DEVICE
@@ -110,6 +115,12 @@ if command -v compute-sanitizer > /dev/null; then
     "$BIN/test_model_cuda" --gtest_filter='*TeacherForced*hub_top8*:*BadInputs*hub_top8*'
 fi
 
+export TANDEM_BENCH_CSV="$LOG/bench_kv_transfer.csv"
+step bench_kv_transfer 180 "$BIN/bench_kv_transfer"
+unset TANDEM_BENCH_CSV
+# Disaggregated (router + prefill + decode, each one process on this GPU) vs colocated serve on
+# a real-shape random Qwen3-30B-A3B checkpoint cut to TANDEM_DISAGG_LAYERS layers.
+step bench_disagg 420 "$ROOT/tools/gpu_disagg_bench.sh" "$BIN" "$LOG/bench_disagg.csv"
 export TANDEM_BENCH_CSV="$LOG/bench_moe_layer.csv"
 step bench_moe_layer 120 "$BIN/bench_moe_layer" ${TANDEM_BENCH_ARGS:-}
 step moe_torch 150 python3 "$ROOT/bench/cuda/moe_torch_baseline.py" --csv "$LOG/moe_torch.csv"
@@ -144,7 +155,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_moe_layer moe_torch bench_attention bench_gemv bench_sampling; do
+for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_sampling; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

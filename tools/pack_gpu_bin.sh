@@ -6,12 +6,14 @@
 #
 #   tools/pack_gpu_bin.sh BUILD_DIR OUT_DIR
 #
-# Then on the GPU machine: tools/gpu_model_run.sh OUT_DIR
+# Then on the GPU machine: tools/gpu_model_run.sh OUT_DIR. TANDEM_PACK_BINS="a b" packs only those
+# binaries (the device tool carries 64 MiB with the tree).
 set -euo pipefail
 build=${1:?usage: tools/pack_gpu_bin.sh BUILD_DIR OUT_DIR}
 out=${2:?usage: tools/pack_gpu_bin.sh BUILD_DIR OUT_DIR}
-bins="tandem test_server test_backend_cuda test_model_cuda bench_model_cuda bench_ops_cuda
-      bench_moe_layer bench_attention bench_sampling make_random_checkpoint"
+bins=${TANDEM_PACK_BINS:-"tandem test_server test_backend_cuda test_model_cuda bench_model_cuda bench_ops_cuda
+      bench_moe_layer bench_attention bench_sampling make_random_checkpoint
+      test_transfer_cuda test_model_cuda_sharded bench_kv_transfer"}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lib" "$out"

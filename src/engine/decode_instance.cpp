@@ -6,8 +6,6 @@
 #include "comm/local_comm.h"
 #include "core/error.h"
 #include "engine/lockstep.h"
-#include "model/qwen3_moe.h"
-#include "transfer/tcp_transfer.h"
 
 namespace tandem {
 
@@ -21,7 +19,7 @@ int64_t DecodeLoad::total_batch() const {
 }
 
 struct DecodeInstance::Rank {
-  std::unique_ptr<Qwen3MoeCpu> model;
+  std::unique_ptr<Model> model;
   std::unique_ptr<Engine> engine;
   std::mutex mu;  // engine, reserved
   // NOTE: the inbox has its own lock: a callback running inside a step (under mu) may post.
@@ -29,9 +27,11 @@ struct DecodeInstance::Rank {
   std::deque<std::function<void(Engine&)>> inbox;
   int64_t reserved = 0;  // accepted, not admitted yet
   std::atomic<int64_t> batch{0};
+  std::atomic<int64_t> free_pages{0};
 
-  int64_t load_locked() const {
+  int64_t load_locked() {
     EngineStats st = engine->stats();
+    free_pages = st.kv_pages_free;
     return st.running + st.waiting + reserved;
   }
 };
@@ -39,17 +39,9 @@ struct DecodeInstance::Rank {
 // One process per rank: rank 0's command queue and registry of running callbacks, and this
 // process's report (what its rank produced since the last iteration).
 struct DecodeInstance::Group {
-  enum Cmd : uint8_t { kReserve = 0, kAdmit = 1, kRelease = 2, kAbort = 3 };
-  struct Reservation {
+  struct Reservation {  // an accept() waiting for its rank's answer
     bool done = false;
-    bool ok = false;
-    std::string error;
-    transfer::TransferDescriptor d;
-  };
-  struct KvEvent {
-    std::string id;
-    bool ok = false;
-    std::string error;
+    DecodeReport::Reservation r;
   };
   std::unique_ptr<comm::Communicator> comm;
   std::thread thread;
@@ -61,19 +53,17 @@ struct DecodeInstance::Group {
   std::mutex mu;
   std::condition_variable cmd_cv;  // a command was queued
   std::condition_variable res_cv;  // a reservation was answered
-  ByteWriter cmds;
-  int64_t num_cmds = 0;
+  std::vector<DecodeCommand> cmds;
   std::unordered_map<std::string, std::shared_ptr<Reservation>> reservations;
   std::vector<int64_t> batch;
-  bool idle = false;  // the last iteration stepped no rank
+  std::vector<int64_t> free_pages;  // per rank, from the reports
+  bool idle = false;                // the last iteration stepped no rank
   // Rank 0 (DecodeInstance::mu_): running requests' callbacks.
   std::unordered_map<std::string, OutputCallback> callbacks;
 
   // This rank (out_mu): what goes into the next report.
   std::mutex out_mu;
-  std::vector<std::pair<std::string, Reservation>> reserved;
-  std::vector<KvEvent> kv_events;
-  std::vector<StepOutput> outputs;
+  DecodeReport report;
 };
 
 namespace {
@@ -102,11 +92,13 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config) : config_(std::move(
                     "--max-decode-batch must be at least 1");
   config_.engine.max_num_seqs = std::max(config_.engine.max_num_seqs, config_.max_decode_batch);
   for (auto& c : comm::LocalCommunicator::create_group(config_.dp)) comms_.push_back(std::move(c));
+  if (!config_.model) config_.model = cpu_model_factory(config_.model_dir);
   for (int r = 0; r < config_.dp; ++r) {
     auto rank = std::make_unique<Rank>();
-    // NOTE: loading is local (no collective), so the shards load one after another here.
-    rank->model = Qwen3MoeCpu::load(config_.model_dir, ShardSpec::decode(r, config_.dp),
-                                    comms_[static_cast<size_t>(r)].get());
+    // NOTE: the ranks are threads here, loaded one after another: a model factory whose
+    // sharded load is collective (the CUDA model) needs one process per rank.
+    rank->model =
+        config_.model(ShardSpec::decode(r, config_.dp), comms_[static_cast<size_t>(r)].get());
     rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
     ranks_.push_back(std::move(rank));
   }
@@ -128,9 +120,10 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config,
   group_ = std::make_unique<Group>();
   group_->comm = std::move(comm);
   group_->batch.assign(static_cast<size_t>(config_.dp), 0);
+  group_->free_pages.assign(static_cast<size_t>(config_.dp), 0);
+  if (!config_.model) config_.model = cpu_model_factory(config_.model_dir);
   auto rank = std::make_unique<Rank>();
-  rank->model = Qwen3MoeCpu::load(config_.model_dir, ShardSpec::decode(first_rank_, config_.dp),
-                                  group_->comm.get());
+  rank->model = config_.model(ShardSpec::decode(first_rank_, config_.dp), group_->comm.get());
   rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
   ranks_.push_back(std::move(rank));
   init_receivers();
@@ -201,9 +194,9 @@ void DecodeInstance::group_loop(comm::Communicator& comm) {
     std::vector<uint8_t> msg;
     if (leader) msg = take_commands();
     broadcast_bytes(comm, msg, 0);
-    ByteReader rd(msg);
-    if (rd.get<uint8_t>() != 0) return;  // stop
-    apply_commands(rank, rd);
+    const DecodeCommands cmds = decode_decode_commands(msg);
+    if (cmds.stop) return;
+    apply_commands(rank, cmds.cmds);
     // 2. Every rank steps when any has work (an empty batch still serves its experts).
     bool mine;
     {
@@ -234,58 +227,36 @@ void DecodeInstance::group_loop(comm::Communicator& comm) {
 
 std::vector<uint8_t> DecodeInstance::take_commands() {
   std::unique_lock<std::mutex> lock(group_->mu);
-  if (group_->idle && group_->num_cmds == 0 && !stop_) {
+  if (group_->idle && group_->cmds.empty() && !stop_) {
     // Idle: wait for a command, but send a heartbeat now and then (the other ranks wait in
     // the broadcast, which has a timeout; and they report transfer completions).
     group_->cmd_cv.wait_for(lock, std::chrono::milliseconds(20),
-                            [&] { return stop_ || group_->num_cmds > 0; });
+                            [&] { return stop_ || !group_->cmds.empty(); });
   }
-  ByteWriter w;
-  w.put<uint8_t>(stop_ ? 1 : 0);
-  w.put<int64_t>(group_->num_cmds);
-  std::vector<uint8_t>& c = group_->cmds.bytes();
-  w.bytes().insert(w.bytes().end(), c.begin(), c.end());
-  c.clear();
-  group_->num_cmds = 0;
-  return std::move(w.bytes());
+  DecodeCommands c;
+  c.stop = stop_;
+  c.cmds.swap(group_->cmds);
+  return encode_decode_commands(c);
 }
 
-void DecodeInstance::apply_commands(Rank& rank, ByteReader& rd) {
+void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>& cmds) {
   Engine& engine = *rank.engine;
-  const int64_t n = rd.get<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    const int target = rd.get<int32_t>();
-    const auto kind = static_cast<Group::Cmd>(rd.get<uint8_t>());
-    const bool mine = target == first_rank_;
-    if (kind == Group::kReserve) {
-      const std::string id = rd.get_str();
-      const int64_t num_tokens = rd.get<int64_t>();
-      transfer::KvSharding src;
-      src.num_kv_heads = rd.get<int64_t>();
-      src.tp = rd.get<int32_t>();
-      if (!mine) continue;
-      Group::Reservation res;
+  for (const DecodeCommand& c : cmds) {
+    if (c.rank != first_rank_) continue;  // another rank's
+    if (c.kind == DecodeCommand::kReserve) {
+      DecodeReport::Reservation res;
+      res.id = c.id;
       std::vector<int32_t> pages;
       {
         std::lock_guard<std::mutex> lock(rank.mu);
         res.ok = rank.load_locked() < config_.max_decode_batch &&
-                 engine.reserve_pages(num_tokens, pages);
+                 engine.reserve_pages(c.num_tokens, pages);
         if (res.ok) ++rank.reserved;
       }
       if (res.ok) {
-        const ModelConfig& mc = rank.model->config();
-        transfer::TransferDescriptor& d = res.d;
-        d.request_id = id;
-        d.dst_address = receivers_[0]->address();
-        d.dst_pages = pages;
-        d.dst_heads = {0, mc.num_key_value_heads};  // DP: every rank holds every head
-        d.src = src;
-        d.num_tokens = num_tokens;
-        d.page_size = engine.config().page_size;
-        d.head_dim = mc.head_dim;
-        d.num_layers = mc.num_hidden_layers;
+        res.d = descriptor(rank, receivers_[0]->address(), c.id, c.num_tokens, c.src, pages);
         try {
-          receivers_[0]->expect(d);  // before the descriptor leaves
+          receivers_[0]->expect(res.d);  // before the descriptor leaves
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(rank.mu);
           engine.release_pages(pages);
@@ -294,109 +265,71 @@ void DecodeInstance::apply_commands(Rank& rank, ByteReader& rd) {
           res.error = e.what();
         }
       }
-      res.done = true;
       std::lock_guard<std::mutex> lock(group_->out_mu);
-      group_->reserved.emplace_back(id, std::move(res));
-    } else if (kind == Group::kAdmit) {
-      GenRequest req = get_request(rd);
-      std::vector<int32_t> pages = rd.get_vec<int32_t>();
-      const int32_t token = rd.get<int32_t>();
-      const float logprob = rd.get<float>();
-      if (!mine) continue;
+      group_->report.reserved.push_back(std::move(res));
+    } else if (c.kind == DecodeCommand::kAdmit) {
       OutputCallback cb = [this](const StepOutput& out) {
         std::lock_guard<std::mutex> lock(group_->out_mu);
-        group_->outputs.push_back(out);
+        group_->report.outputs.push_back(out);
       };
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
-      const std::string rid = req.id;
       try {
-        engine.add_prefilled(std::move(req), cb, pages, token, logprob);
+        engine.add_prefilled(c.req, cb, c.pages, c.token, c.logprob);
       } catch (const std::exception& ex) {
-        engine.release_pages(pages);
-        finish_with(cb, rid, FinishReason::kError, ex.what());
+        engine.release_pages(c.pages);
+        finish_with(cb, c.id, FinishReason::kError, ex.what());
       }
-    } else if (kind == Group::kRelease) {
-      const std::string id = rd.get_str();
-      std::vector<int32_t> pages = rd.get_vec<int32_t>();
-      const bool cancel = rd.get<uint8_t>() != 0;
-      if (!mine) continue;
-      if (cancel) receivers_[0]->cancel(id);
+    } else if (c.kind == DecodeCommand::kRelease) {
+      if (c.cancel) receivers_[0]->cancel(c.id);
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
-      engine.release_pages(pages);
+      engine.release_pages(c.pages);
     } else {
-      const std::string id = rd.get_str();
-      if (!mine) continue;
       std::lock_guard<std::mutex> lock(rank.mu);
-      engine.abort(id);
+      engine.abort(c.id);
     }
   }
 }
 
 std::vector<uint8_t> DecodeInstance::take_report() {
-  ByteWriter w;
-  w.put<int64_t>(ranks_[0]->batch.load());
-  std::lock_guard<std::mutex> lock(group_->out_mu);
-  w.put<int64_t>(static_cast<int64_t>(group_->reserved.size()));
-  for (const auto& [id, res] : group_->reserved) {
-    w.put_str(id);
-    w.put<uint8_t>(res.ok ? 1 : 0);
-    w.put_str(res.error);
-    if (res.ok) put_descriptor(w, res.d);
+  DecodeReport rep;
+  {
+    std::lock_guard<std::mutex> lock(group_->out_mu);
+    std::swap(rep, group_->report);
   }
-  w.put<int64_t>(static_cast<int64_t>(group_->kv_events.size()));
-  for (const auto& e : group_->kv_events) {
-    w.put_str(e.id);
-    w.put<uint8_t>(e.ok ? 1 : 0);
-    w.put_str(e.error);
-  }
-  w.put<int64_t>(static_cast<int64_t>(group_->outputs.size()));
-  for (const auto& o : group_->outputs) put_step_output(w, o);
-  group_->reserved.clear();
-  group_->kv_events.clear();
-  group_->outputs.clear();
-  return std::move(w.bytes());
+  rep.batch = ranks_[0]->batch.load();
+  rep.free_pages = ranks_[0]->free_pages.load();
+  return encode_decode_report(rep);
 }
 
-void DecodeInstance::handle_report(int r, const std::vector<uint8_t>& report) {
-  ByteReader rd(report);
-  const int64_t batch = rd.get<int64_t>();
+void DecodeInstance::handle_report(int r, const std::vector<uint8_t>& bytes) {
+  DecodeReport rep = decode_decode_report(bytes);
   {
     std::lock_guard<std::mutex> lock(group_->mu);
-    group_->batch[static_cast<size_t>(r)] = batch;
-    const int64_t nres = rd.get<int64_t>();
-    for (int64_t i = 0; i < nres; ++i) {
-      const std::string id = rd.get_str();
-      auto res = std::make_shared<Group::Reservation>();
-      res->ok = rd.get<uint8_t>() != 0;
-      res->error = rd.get_str();
-      if (res->ok) res->d = get_descriptor(rd);
-      res->done = true;
-      auto it = group_->reservations.find(id);
-      if (it != group_->reservations.end()) *it->second = *res;
+    group_->batch[static_cast<size_t>(r)] = rep.batch;
+    group_->free_pages[static_cast<size_t>(r)] = rep.free_pages;
+    for (auto& res : rep.reserved) {
+      auto it = group_->reservations.find(res.id);
+      if (it == group_->reservations.end()) continue;
+      it->second->r = std::move(res);
+      it->second->done = true;
     }
   }
   group_->res_cv.notify_all();
-  const int64_t nkv = rd.get<int64_t>();
-  for (int64_t i = 0; i < nkv; ++i) {
-    const std::string id = rd.get_str();
-    const bool ok = rd.get<uint8_t>() != 0;
-    const std::string error = rd.get_str();
-    if (ok) {
+  for (const auto& e : rep.kv_events) {
+    if (e.ok) {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = pending_.find(id);
+      auto it = pending_.find(e.id);
       if (it == pending_.end()) continue;
       it->second.kv_done = true;
-      admit_if_ready(id);
+      admit_if_ready(e.id);
     } else {
-      end_pending(id, FinishReason::kError, "KV transfer failed: " + error,
+      end_pending(e.id, FinishReason::kError, "KV transfer failed: " + e.error,
                   /*cancel_transfer=*/false);
     }
   }
-  const int64_t nout = rd.get<int64_t>();
-  for (int64_t i = 0; i < nout; ++i) {
-    StepOutput out = get_step_output(rd);
+  for (const StepOutput& out : rep.outputs) {
     OutputCallback cb;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -407,6 +340,24 @@ void DecodeInstance::handle_report(int r, const std::vector<uint8_t>& report) {
     }
     if (cb) cb(out);
   }
+}
+
+transfer::TransferDescriptor DecodeInstance::descriptor(Rank& rank, const std::string& address,
+                                                        const std::string& id, int64_t num_tokens,
+                                                        const transfer::KvSharding& src,
+                                                        const std::vector<int32_t>& pages) const {
+  const ModelConfig& mc = rank.model->config();
+  transfer::TransferDescriptor d;
+  d.request_id = id;
+  d.dst_address = address;
+  d.dst_pages = pages;
+  d.dst_heads = {0, mc.num_key_value_heads};  // DP: every rank holds every head
+  d.src = src;
+  d.num_tokens = num_tokens;
+  d.page_size = rank.engine->config().page_size;
+  d.head_dim = mc.head_dim;
+  d.num_layers = mc.num_hidden_layers;
+  return d;
 }
 
 void DecodeInstance::release(int r, const std::string& id, std::vector<int32_t> pages,
@@ -425,13 +376,13 @@ void DecodeInstance::release(int r, const std::string& id, std::vector<int32_t> 
   }
   {
     std::lock_guard<std::mutex> lock(group_->mu);
-    ByteWriter& w = group_->cmds;
-    w.put<int32_t>(r);
-    w.put<uint8_t>(Group::kRelease);
-    w.put_str(id);
-    w.put_vec(pages);
-    w.put<uint8_t>(cancel ? 1 : 0);
-    ++group_->num_cmds;
+    DecodeCommand c;
+    c.kind = DecodeCommand::kRelease;
+    c.rank = r;
+    c.id = id;
+    c.pages = std::move(pages);
+    c.cancel = cancel;
+    group_->cmds.push_back(std::move(c));
   }
   group_->cmd_cv.notify_all();
 }
@@ -452,52 +403,49 @@ std::optional<transfer::TransferDescriptor> DecodeInstance::group_accept(
     {
       std::unique_lock<std::mutex> lock(group_->mu);
       group_->reservations[req.id] = res;
-      ByteWriter& w = group_->cmds;
-      w.put<int32_t>(r);
-      w.put<uint8_t>(Group::kReserve);
-      w.put_str(req.id);
-      w.put<int64_t>(static_cast<int64_t>(req.prompt_ids.size()));
-      w.put<int64_t>(src.num_kv_heads);
-      w.put<int32_t>(src.tp);
-      ++group_->num_cmds;
+      DecodeCommand c;
+      c.kind = DecodeCommand::kReserve;
+      c.rank = r;
+      c.id = req.id;
+      c.num_tokens = static_cast<int64_t>(req.prompt_ids.size());
+      c.src = src;
+      group_->cmds.push_back(std::move(c));
       group_->cmd_cv.notify_all();
       group_->res_cv.wait(lock, [&] { return res->done || dead_ || stop_; });
       group_->reservations.erase(req.id);
     }
     TANDEM_CHECK_KIND(kOutOfResources, res->done, "the decode instance is down");
-    if (!res->error.empty()) TANDEM_THROW(kInternal, res->error);
-    if (!res->ok) continue;
+    if (!res->r.error.empty()) TANDEM_THROW(kInternal, res->r.error);
+    if (!res->r.ok) continue;
     {
       std::lock_guard<std::mutex> lock(mu_);
       Pending p;
       p.req = req;
       p.on_output = std::move(on_output);
       p.rank = r;
-      p.pages = res->d.dst_pages;
+      p.pages = res->r.d.dst_pages;
       pending_.emplace(req.id, std::move(p));
     }
-    res->d.src = src;
-    return res->d;
+    res->r.d.src = src;
+    return res->r.d;
   }
   return std::nullopt;
 }
 
 void DecodeInstance::init_receivers() {
   // Each rank's transfer receiver writes into that rank's cache.
-  transfer::HostTcpOptions topts;
-  topts.bind_host = config_.kv_host;
-  topts.timeout = config_.transfer_timeout;
-  transfer_ = transfer::make_host_tcp_backend(topts);
+  transfer_ = config_.transfer ? config_.transfer
+                               : host_transfer_backend({config_.kv_host, config_.transfer_timeout});
   for (size_t r = 0; r < ranks_.size(); ++r) {
     transfer::ReceiverCallbacks cbs;
     if (group_) {  // reported to rank 0 in the next iteration
       cbs.on_complete = [this](const std::string& id, int32_t, float) {
         std::lock_guard<std::mutex> lock(group_->out_mu);
-        group_->kv_events.push_back({id, true, ""});
+        group_->report.kv_events.push_back({id, true, ""});
       };
       cbs.on_error = [this](const std::string& id, const std::string& message) {
         std::lock_guard<std::mutex> lock(group_->out_mu);
-        group_->kv_events.push_back({id, false, message});
+        group_->report.kv_events.push_back({id, false, message});
       };
     } else {
       cbs.on_complete = [this](const std::string& id, int32_t, float) {
@@ -683,7 +631,6 @@ std::optional<transfer::TransferDescriptor> DecodeInstance::accept(const GenRequ
                       "duplicate request id '", req.id, "'");
   }
   if (group_) return group_accept(req, src, std::move(on_output));
-  const ModelConfig& mc = ranks_[0]->model->config();
   // The least-loaded ranks first; the first with room and pages takes it.
   std::vector<std::pair<int64_t, int>> order;
   for (int r = 0; r < config_.dp; ++r)
@@ -706,16 +653,8 @@ std::optional<transfer::TransferDescriptor> DecodeInstance::accept(const GenRequ
       --rank.reserved;
       TANDEM_THROW(kOutOfResources, "the decode instance is down");
     }
-    transfer::TransferDescriptor d;
-    d.request_id = req.id;
-    d.dst_address = rx->address();
-    d.dst_pages = pages;
-    d.dst_heads = {0, mc.num_key_value_heads};  // DP: every rank holds every head
-    d.src = src;
-    d.num_tokens = static_cast<int64_t>(req.prompt_ids.size());
-    d.page_size = rank.engine->config().page_size;
-    d.head_dim = mc.head_dim;
-    d.num_layers = mc.num_hidden_layers;
+    const transfer::TransferDescriptor d = descriptor(
+        rank, rx->address(), req.id, static_cast<int64_t>(req.prompt_ids.size()), src, pages);
     {
       std::lock_guard<std::mutex> lock(mu_);
       Pending p;
@@ -778,14 +717,15 @@ void DecodeInstance::admit_if_ready(const std::string& id) {
     group_->callbacks[p.req.id] = std::move(cb);
     {
       std::lock_guard<std::mutex> lock(group_->mu);
-      ByteWriter& w = group_->cmds;
-      w.put<int32_t>(p.rank);
-      w.put<uint8_t>(Group::kAdmit);
-      put_request(w, p.req);
-      w.put_vec(p.pages);
-      w.put<int32_t>(token);
-      w.put<float>(logprob);
-      ++group_->num_cmds;
+      DecodeCommand c;
+      c.kind = DecodeCommand::kAdmit;
+      c.rank = p.rank;
+      c.id = p.req.id;
+      c.req = p.req;
+      c.pages = p.pages;
+      c.token = token;
+      c.logprob = logprob;
+      group_->cmds.push_back(std::move(c));
     }
     group_->cmd_cv.notify_all();
     return;
@@ -835,11 +775,11 @@ void DecodeInstance::abort(const std::string& id) {
   if (group_) {
     {
       std::lock_guard<std::mutex> lock(group_->mu);
-      ByteWriter& w = group_->cmds;
-      w.put<int32_t>(rank);
-      w.put<uint8_t>(Group::kAbort);
-      w.put_str(id);
-      ++group_->num_cmds;
+      DecodeCommand c;
+      c.kind = DecodeCommand::kAbort;
+      c.rank = rank;
+      c.id = id;
+      group_->cmds.push_back(std::move(c));
     }
     group_->cmd_cv.notify_all();
     return;
@@ -852,8 +792,12 @@ DecodeLoad DecodeInstance::load() const {
   if (group_) {
     std::lock_guard<std::mutex> lock(group_->mu);
     l.batch_per_rank = group_->batch;
+    l.kv_pages_free_per_rank = group_->free_pages;
   } else {
-    for (const auto& r : ranks_) l.batch_per_rank.push_back(r->batch.load());
+    for (const auto& r : ranks_) {
+      l.batch_per_rank.push_back(r->batch.load());
+      l.kv_pages_free_per_rank.push_back(r->free_pages.load());
+    }
   }
   l.max_decode_batch = config_.max_decode_batch;
   l.alive = !dead_ && !stop_;

@@ -32,6 +32,8 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/instance_parts.h"
+#include "engine/protocol.h"
 #include "transfer/transfer.h"
 
 namespace tandem {
@@ -39,13 +41,14 @@ namespace tandem {
 namespace comm {
 class Communicator;
 }
-class ByteReader;
 
 /// Batch size per rank against the limit (exported on /metrics, read by the router).
 struct DecodeLoad {
   std::vector<int64_t> batch_per_rank;  // running + waiting + reserved, per DP rank
   int64_t max_decode_batch = 0;         // per rank
   bool alive = true;
+  /// Free KV pages per rank as last reported (this process's instance only: not on the wire).
+  std::vector<int64_t> kv_pages_free_per_rank;
   /// The smallest rank batch: where the next request would go.
   int64_t min_batch() const;
   int64_t total_batch() const;
@@ -85,6 +88,10 @@ struct DecodeInstanceConfig {
   // NOTE: a receiver fails a transfer after this long without data, counted from accept():
   // it covers the request's wait in the prefill queue, hence longer than the backend default.
   std::chrono::milliseconds transfer_timeout{std::chrono::minutes(10)};
+  /// The parts (instance_parts.h); empty: Qwen3MoeCpu from model_dir and the host TCP backend
+  /// (bound to kv_host, with transfer_timeout). A given backend brings its own settings.
+  ModelFactory model;
+  std::shared_ptr<transfer::TransferBackend> transfer;
 };
 
 class DecodeInstance final : public DecodeClient {
@@ -136,7 +143,12 @@ class DecodeInstance final : public DecodeClient {
   void group_main();
   void group_loop(comm::Communicator& comm);
   std::vector<uint8_t> take_commands();
-  void apply_commands(Rank& rank, ByteReader& rd);
+  void apply_commands(Rank& rank, const std::vector<DecodeCommand>& cmds);
+  // The one place a rank's TransferDescriptor is made (threads and processes alike).
+  transfer::TransferDescriptor descriptor(Rank& rank, const std::string& address,
+                                          const std::string& id, int64_t num_tokens,
+                                          const transfer::KvSharding& src,
+                                          const std::vector<int32_t>& pages) const;
   std::vector<uint8_t> take_report();
   void handle_report(int r, const std::vector<uint8_t>& report);
   std::optional<transfer::TransferDescriptor> group_accept(const GenRequest& req,
@@ -161,7 +173,7 @@ class DecodeInstance final : public DecodeClient {
   std::vector<std::thread> threads_;
   int first_rank_ = 0;
   std::unique_ptr<Group> group_;  // one process per rank; null: ranks as threads
-  std::unique_ptr<transfer::TransferBackend> transfer_;
+  std::shared_ptr<transfer::TransferBackend> transfer_;
   mutable std::mutex rx_mu_;  // receivers_ (kill() drops them while others may use them)
   std::vector<std::shared_ptr<transfer::TransferReceiver>> receivers_;  // one per rank
   std::atomic<bool> stop_{false};

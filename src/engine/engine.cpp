@@ -29,6 +29,10 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
   TANDEM_CHECK_KIND(kInvalidArgument,
                     c.page_size > 0 && c.max_num_seqs > 0 && c.max_batched_tokens > 0,
                     "page_size, max_num_seqs and max_batched_tokens must be positive");
+  if (c.num_pages <= 0 && c.kv_cache_mb <= 0) {
+    c.kv_cache_mb =
+        model.kv_cache_mb_hint() > 0 ? model.kv_cache_mb_hint() : EngineConfig{}.kv_cache_mb;
+  }
   if (c.num_pages <= 0) {
     int64_t page_bytes = model.kv_geometry(1, c.page_size).page_bytes_all_layers();
     c.num_pages = std::max<int64_t>(1, c.kv_cache_mb * (1 << 20) / page_bytes);

@@ -6,8 +6,6 @@
 #include "comm/local_comm.h"
 #include "core/error.h"
 #include "engine/lockstep.h"
-#include "model/qwen3_moe.h"
-#include "transfer/tcp_transfer.h"
 
 namespace tandem {
 
@@ -20,7 +18,7 @@ constexpr double kRateWindowS = 10.0;
 
 struct PrefillInstance::Rank {
   int index = 0;  // the group rank
-  std::unique_ptr<Qwen3MoeCpu> model;
+  std::unique_ptr<Model> model;
   std::unique_ptr<KvCache> own_kv;  // ranks > 0 (rank 0 uses its engine's cache)
   KvCache* kv = nullptr;
   std::unique_ptr<transfer::TransferSender> sender;
@@ -36,60 +34,6 @@ struct PrefillInstance::Job {
   bool begun = false;    // the transfer began (after the last chunk)
   bool failed = false;   // a rank could not begin the transfer
   bool ended = false;
-};
-
-/// One step as every rank sees it: the transfers that end, the batch, where finished prompts'
-/// KV goes.
-struct PrefillInstance::Step {
-  struct Seq {
-    std::string id;
-    std::vector<int32_t> tokens;  // this chunk
-    std::vector<int32_t> table;   // block table (rank 0's page ids; every rank mirrors them)
-    int64_t start = 0;
-    LogitsMode logits = LogitsMode::kNone;
-    bool last = false;                 // the prompt's last chunk: its KV goes out now
-    transfer::TransferDescriptor dst;  // when last
-  };
-  bool stop = false;
-  std::vector<TransferEnd> ends;
-  std::vector<Seq> seqs;
-
-  ForwardBatch forward() const {
-    ForwardBatch b;
-    for (const Seq& s : seqs) {
-      b.seqs.push_back({s.tokens.data(), static_cast<int64_t>(s.tokens.size()), s.start,
-                        s.table.data(), static_cast<int64_t>(s.table.size()), s.logits});
-    }
-    return b;
-  }
-
-  static Step parse(const std::vector<uint8_t>& msg) {
-    ByteReader r(msg);
-    Step st;
-    st.stop = r.get<uint8_t>() != 0;
-    const int64_t ne = r.get<int64_t>();
-    for (int64_t i = 0; i < ne; ++i) {
-      TransferEnd e;
-      e.id = r.get_str();
-      e.ok = r.get<uint8_t>() != 0;
-      e.token = r.get<int32_t>();
-      e.logprob = r.get<float>();
-      st.ends.push_back(std::move(e));
-    }
-    const int64_t n = r.get<int64_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      Seq s;
-      s.id = r.get_str();
-      s.tokens = r.get_vec<int32_t>();
-      s.table = r.get_vec<int32_t>();
-      s.start = r.get<int64_t>();
-      s.logits = static_cast<LogitsMode>(r.get<uint8_t>());
-      s.last = r.get<uint8_t>() != 0;
-      if (s.last) s.dst = get_descriptor(r);
-      st.seqs.push_back(std::move(s));
-    }
-    return st;
-  }
 };
 
 PrefillInstance::PrefillInstance(PrefillInstanceConfig config) : config_(std::move(config)) {
@@ -110,11 +54,11 @@ PrefillInstance::PrefillInstance(PrefillInstanceConfig config,
 
 void PrefillInstance::init_ranks(int first_rank, int count) {
   first_rank_ = first_rank;
+  if (!config_.model) config_.model = cpu_model_factory(config_.model_dir);
   for (int i = 0; i < count; ++i) {
     auto rank = std::make_unique<Rank>();
-    rank->model =
-        Qwen3MoeCpu::load(config_.model_dir, ShardSpec::prefill(first_rank + i, config_.tp),
-                          comms_[static_cast<size_t>(i)].get());
+    rank->model = config_.model(ShardSpec::prefill(first_rank + i, config_.tp),
+                                comms_[static_cast<size_t>(i)].get());
     ranks_.push_back(std::move(rank));
   }
   sharding_ = {ranks_[0]->model->config().num_key_value_heads, config_.tp};
@@ -128,13 +72,13 @@ void PrefillInstance::init_ranks(int first_rank, int count) {
     // One process per rank: rank 0's page count, for the caches of the others (collective).
     comms_[0]->broadcast(&num_pages, 1, DType::kI64, 0);
   }
-  transfer_ = transfer::make_host_tcp_backend();
+  transfer_ = config_.transfer ? config_.transfer : host_transfer_backend({});
   for (int i = 0; i < count; ++i) {
     Rank& rank = *ranks_[static_cast<size_t>(i)];
     if (!rank.kv) {
       // NOTE: same page count as rank 0: every rank writes the pages rank 0 allocated.
       rank.own_kv =
-          std::make_unique<KvCache>(rank.model->kv_geometry(num_pages, config_.engine.page_size));
+          std::make_unique<KvCache>(rank.model->make_kv_cache(num_pages, config_.engine.page_size));
       rank.kv = rank.own_kv.get();
     }
     transfer::SenderCallbacks cbs;
@@ -208,14 +152,14 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
   for (;;) {
     const bool stop = take_inbox();
     ScheduledBatch batch = stop ? ScheduledBatch{} : engine_->schedule();
-    std::vector<uint8_t> msg = encode_step(batch, stop);
+    std::vector<uint8_t> msg = encode_prefill_step(make_step(batch, stop));
     broadcast_bytes(comm, msg, 0);  // 1. the step, to every rank
-    const Step step = Step::parse(msg);
+    const PrefillStep step = decode_prefill_step(msg);
     end_transfers(rank, step);  // (token 1 of earlier steps' prompts)
     if (stop) return;
     if (batch.empty()) continue;                                // (an idle heartbeat)
     std::vector<int64_t> failed = begin_transfers(rank, step);  // 2. prompts ending now
-    for (const Step::Seq& s : step.seqs) {
+    for (const PrefillStep::Seq& s : step.seqs) {
       if (s.last) jobs_.at(s.id)->begun = true;  // (whatever happens next ends the transfer)
     }
     batch.forward.on_layer_kv = [&](int64_t l) { send_layer(rank, step, l, failed); };
@@ -242,7 +186,7 @@ void PrefillInstance::follower_loop(Rank& rank, comm::Communicator& comm) {
   for (;;) {
     std::vector<uint8_t> msg;
     broadcast_bytes(comm, msg, 0);
-    const Step step = Step::parse(msg);
+    const PrefillStep step = decode_prefill_step(msg);
     end_transfers(rank, step);
     if (step.stop) return;
     if (step.seqs.empty()) continue;
@@ -260,7 +204,7 @@ void PrefillInstance::note_transfer_error(const std::string& id, int rank) {
   if (failed_transfers_.insert({id, rank}).second) ++transfer_errors_;
 }
 
-void PrefillInstance::end_transfers(Rank& rank, const Step& step) {
+void PrefillInstance::end_transfers(Rank& rank, const PrefillStep& step) {
   for (const TransferEnd& e : step.ends) {
     try {
       if (e.ok) {
@@ -274,10 +218,10 @@ void PrefillInstance::end_transfers(Rank& rank, const Step& step) {
   }
 }
 
-std::vector<int64_t> PrefillInstance::begin_transfers(Rank& rank, const Step& step) {
+std::vector<int64_t> PrefillInstance::begin_transfers(Rank& rank, const PrefillStep& step) {
   std::vector<int64_t> failed(step.seqs.size(), 0);
   for (size_t i = 0; i < step.seqs.size(); ++i) {
-    const Step::Seq& s = step.seqs[i];
+    const PrefillStep::Seq& s = step.seqs[i];
     if (!s.last) continue;
     try {
       // NOTE: the block table already covers the whole prompt (the scheduler allocated this
@@ -290,7 +234,7 @@ std::vector<int64_t> PrefillInstance::begin_transfers(Rank& rank, const Step& st
   return failed;
 }
 
-void PrefillInstance::send_layer(Rank& rank, const Step& step, int64_t layer,
+void PrefillInstance::send_layer(Rank& rank, const PrefillStep& step, int64_t layer,
                                  std::vector<int64_t>& failed) {
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     if (!step.seqs[i].last || failed[i] > 0) continue;
@@ -339,31 +283,24 @@ bool PrefillInstance::take_inbox() {
   return false;
 }
 
-std::vector<uint8_t> PrefillInstance::encode_step(const ScheduledBatch& batch, bool stop) {
-  ByteWriter w;
-  w.put<uint8_t>(stop ? 1 : 0);
-  w.put<int64_t>(static_cast<int64_t>(ends_.size()));
-  for (const TransferEnd& e : ends_) {
-    w.put_str(e.id);
-    w.put<uint8_t>(e.ok ? 1 : 0);
-    w.put(e.token);
-    w.put(e.logprob);
-  }
-  ends_.clear();
-  w.put<int64_t>(static_cast<int64_t>(batch.seqs.size()));
+PrefillStep PrefillInstance::make_step(const ScheduledBatch& batch, bool stop) {
+  PrefillStep st;
+  st.stop = stop;
+  st.ends.swap(ends_);
   for (const ScheduledSeq& ss : batch.seqs) {
-    const Sequence& s = *ss.seq;
-    const int64_t start = s.num_computed, end = start + ss.num_tokens;
-    w.put_str(s.req.id);
-    w.put_vec(s.tokens.data() + start, ss.num_tokens);
-    w.put_vec(s.pages);
-    w.put<int64_t>(start);
-    w.put<uint8_t>(static_cast<uint8_t>(ss.logits));
-    const bool last = end >= s.prompt_len;
-    w.put<uint8_t>(last ? 1 : 0);
-    if (last) put_descriptor(w, jobs_.at(s.req.id)->dst);
+    const Sequence& seq = *ss.seq;
+    const int64_t start = seq.num_computed, end = start + ss.num_tokens;
+    PrefillStep::Seq s;
+    s.id = seq.req.id;
+    s.tokens.assign(seq.tokens.begin() + start, seq.tokens.begin() + end);
+    s.table = seq.pages;
+    s.start = start;
+    s.logits = ss.logits;
+    s.last = end >= seq.prompt_len;
+    if (s.last) s.dst = jobs_.at(seq.req.id)->dst;
+    st.seqs.push_back(std::move(s));
   }
-  return std::move(w.bytes());
+  return st;
 }
 
 // ---- Rank 0's request bookkeeping. ----

@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/instance_parts.h"
+#include "engine/protocol.h"
 #include "transfer/transfer.h"
 
 namespace tandem {
@@ -64,6 +66,9 @@ struct PrefillInstanceConfig {
   std::string model_dir;
   int tp = 1;           // ranks (TP = EP)
   EngineConfig engine;  // rank 0's scheduler (max_batched_tokens: the chunk budget)
+  /// The parts (instance_parts.h); empty: Qwen3MoeCpu from model_dir and the host TCP backend.
+  ModelFactory model;
+  std::shared_ptr<transfer::TransferBackend> transfer;
 };
 
 class PrefillInstance final : public PrefillClient {
@@ -98,7 +103,6 @@ class PrefillInstance final : public PrefillClient {
  private:
   struct Rank;
   struct Job;
-  struct Step;
 
   void init_ranks(int first_rank, int count);
   void leader_loop(comm::Communicator& comm);
@@ -106,15 +110,16 @@ class PrefillInstance final : public PrefillClient {
   void rank_main(int r);
   // Rank 0: applies submissions and aborts; waits a little while idle. True: stop.
   bool take_inbox();
-  std::vector<uint8_t> encode_step(const ScheduledBatch& batch, bool stop);
+  // Rank 0: the step message of this batch (the transfer ends queued since the last one too).
+  PrefillStep make_step(const ScheduledBatch& batch, bool stop);
   // Every rank: ends the transfers of earlier steps (finish with token 1, or abort); begins
   // those of the prompts whose last chunk runs now (a failure flag per sequence); sends one
   // layer of them (from inside the forward).
-  void end_transfers(Rank& rank, const Step& step);
+  void end_transfers(Rank& rank, const PrefillStep& step);
   // Counts a failed transfer once per (request, rank).
   void note_transfer_error(const std::string& id, int rank);
-  std::vector<int64_t> begin_transfers(Rank& rank, const Step& step);
-  void send_layer(Rank& rank, const Step& step, int64_t layer, std::vector<int64_t>& failed);
+  std::vector<int64_t> begin_transfers(Rank& rank, const PrefillStep& step);
+  void send_layer(Rank& rank, const PrefillStep& step, int64_t layer, std::vector<int64_t>& failed);
   void on_output(Job& job, const StepOutput& out);
   void end_job(const std::string& id, const std::string& error, const StepOutput& first);
   void count_computed(int64_t tokens);
@@ -125,7 +130,7 @@ class PrefillInstance final : public PrefillClient {
   std::vector<std::unique_ptr<Rank>> ranks_;                // ranks_[i] is rank first_rank_ + i
   int first_rank_ = 0;
   std::unique_ptr<Engine> engine_;  // rank 0's scheduler and sampler over rank 0's shard
-  std::unique_ptr<transfer::TransferBackend> transfer_;
+  std::shared_ptr<transfer::TransferBackend> transfer_;
   std::vector<std::thread> threads_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> dead_{false};
@@ -140,12 +145,6 @@ class PrefillInstance final : public PrefillClient {
 
   // Rank 0 thread only.
   std::unordered_map<std::string, std::shared_ptr<Job>> jobs_;
-  struct TransferEnd {
-    std::string id;
-    bool ok = false;  // finish with the token, else abort
-    int32_t token = 0;
-    float logprob = 0;
-  };
   std::vector<TransferEnd> ends_;  // for the next step's message (the other ranks' senders)
 
   mutable std::mutex stats_mu_;

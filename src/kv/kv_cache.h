@@ -36,6 +36,9 @@ class KvCache {
   struct External {
     std::vector<void*> layers;
     std::shared_ptr<void> owner;
+    /// The device stream (cudaStream_t) on which the model writes the pools; a device
+    /// transfer backend orders its reads of a layer after that layer's write on it.
+    void* stream = nullptr;
   };
 
   KvCache() = default;
@@ -52,6 +55,8 @@ class KvCache {
   const float* layer(int64_t layer) const;
   /// Base of layer `layer`'s pool, host or external.
   void* layer_data(int64_t layer);
+  /// External pools: the stream the model writes them on (nullptr for host pools).
+  void* device_stream() const { return external_.stream; }
   /// The k (kv = 0) or v (kv = 1) rows of one head in one page: [page_size, head_dim].
   float* head_rows(int64_t layer, int64_t page, int kv, int64_t head);
 

@@ -34,6 +34,9 @@ class Model {
   virtual KvCache make_kv_cache(int64_t num_pages, int64_t page_size) {
     return KvCache(kv_geometry(num_pages, page_size));
   }
+  /// The KV cache size (MiB) this model would take when the engine is given none
+  /// (EngineConfig::kv_cache_mb <= 0); 0: no preference (the engine's default).
+  virtual int64_t kv_cache_mb_hint() const { return 0; }
   /// Runs the batch, writing new KV into `kv` and the requested logits rows
   /// ([batch.num_logit_rows(), vocab], fp32) into `logits`.
   virtual void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) = 0;

@@ -14,13 +14,16 @@
 
 #include "comm/gloo_comm.h"
 #include "comm/local_launcher.h"
+#include "comm/tcp_store.h"
 #include "core/error.h"
 #include "engine/decode_instance.h"
 #include "engine/engine.h"
 #include "engine/prefill_instance.h"
 #include "model/qwen3_moe.h"
 #ifdef TANDEM_WITH_CUDA
+#include "core/cuda_check.h"
 #include "model/cuda/qwen3_moe_cuda.h"
+#include "transfer/cuda/cuda_ipc_transfer.h"
 #endif
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
@@ -214,6 +217,8 @@ struct InstanceArgs {
   int nprocs = 1;         // fork this many rank processes here (a process group)
   int64_t max_decode_batch = 32;
   EngineConfig engine;
+  std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;  // --device cuda, without --kv-cache-mb
 };
 
 // Blocks SIGINT / SIGTERM in this thread and the threads it starts; wait_for_stop_signal()
@@ -243,6 +248,26 @@ int run_local_group(const InstanceArgs& a, const char* ranks_flag,
                     int (*role)(const InstanceArgs&)) {
   TANDEM_CHECK_KIND(kInvalidArgument, a.ranks == 1 || a.ranks == a.nprocs, ranks_flag, " ", a.ranks,
                     " differs from --nprocs ", a.nprocs);
+  if (a.device == "cuda") {
+    // LOCAL_RANK picks each rank's GPU; with fewer GPUs than ranks they share them (tests:
+    // CUDA IPC works between processes on one device, NCCL is then left out).
+    const int gpus = comm::run_in_child(
+        [] {
+#ifdef TANDEM_WITH_CUDA
+          int c = 0;
+          return cudaGetDeviceCount(&c) == cudaSuccess ? c : 0;
+#else
+          return 0;
+#endif
+        },
+        0);
+    TANDEM_CHECK_KIND(kUnsupported, gpus > 0, "--device cuda: no CUDA device is visible");
+    if (gpus < a.nprocs) {
+      std::cerr << "tandem: " << a.nprocs << " ranks on " << gpus
+                << " GPU(s): ranks share GPUs (tests only; no NCCL)" << std::endl;
+      ::setenv("TANDEM_ALLOW_SHARED_GPU", "1", 1);
+    }
+  }
   InstanceArgs one = a;
   one.nprocs = 1;
   one.ranks = a.nprocs;
@@ -272,14 +297,72 @@ int follow_group(Instance& instance, const sigset_t& signals) {
   return 0;
 }
 
+// The parts of this process's ranks for --device: the model factory and the KV transfer
+// backend (instance_parts.h). `store` is the process group's (null: ranks as threads).
+void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
+                  std::chrono::milliseconds transfer_timeout, ModelFactory& model,
+                  std::shared_ptr<transfer::TransferBackend>& backend) {
+  if (a.device == "cpu") return;  // the defaults: Qwen3MoeCpu, host TCP
+  TANDEM_CHECK_KIND(kInvalidArgument, a.device == "cuda", "--device must be cpu or cuda, not '",
+                    a.device, "'");
+#ifdef TANDEM_WITH_CUDA
+  check_cuda_model_config(ModelConfig::from_dir(a.model), a.model + "/config.json");
+  TANDEM_CHECK_KIND(kInvalidArgument, store != nullptr || a.ranks == 1, "--device cuda with ",
+                    a.ranks,
+                    " ranks needs one process per rank: --nprocs N (or RANK / WORLD_SIZE)");
+  CudaModelOptions o;
+  o.max_tokens = a.engine.max_batched_tokens;
+  o.max_seqs = std::max(a.engine.max_num_seqs, a.max_decode_batch);
+  o.page_size = a.engine.page_size;
+  o.graph_max_context = a.engine.max_model_len;
+  o.gpu_memory_utilization = a.gpu_memory_utilization;
+  o.store = store;
+  const int local_rank = store ? comm::RankEnv::from_env().local_rank : 0;
+  const std::string dir = a.model;
+  model = [o, dir, local_rank](const ShardSpec& shard, comm::Communicator*) mutable {
+    int gpus = 0;
+    TANDEM_CUDA_CHECK(cudaGetDeviceCount(&gpus));
+    TANDEM_CHECK_KIND(kUnsupported, gpus > 0, "--device cuda: no CUDA device is visible");
+    o.device = local_rank % gpus;
+    o.shard = shard;
+    return std::unique_ptr<Model>(Qwen3MoeCuda::load(dir, o));
+  };
+  transfer::CudaIpcOptions t;
+  t.bind_host = a.host;
+  t.timeout = transfer_timeout;
+  backend = transfer::make_cuda_ipc_backend(t);
+#else
+  (void)store;
+  (void)transfer_timeout;
+  (void)model;
+  (void)backend;
+  TANDEM_THROW(kUnsupported, "--device cuda: this tandem was built without CUDA");
+#endif
+}
+
 // This process's instance: one rank of a process group when RANK / WORLD_SIZE / ... are set
 // (ranks defaults to the group's size), else the whole instance with its ranks as threads.
+// The group's store is shared by the control-plane communicator (Gloo) and, on the GPU, the
+// model's CUDA communicators.
 template <typename Instance, typename Config>
-std::unique_ptr<Instance> make_instance(Config& cfg, int& ranks) {
+std::unique_ptr<Instance> make_instance(const InstanceArgs& a, Config& cfg, int& ranks,
+                                        std::chrono::milliseconds transfer_timeout) {
   if (env_world_size() > 1) {
     if (ranks == 1) ranks = env_world_size();
-    return std::make_unique<Instance>(cfg, comm::GlooCommunicator::from_env());
+    const comm::RankEnv env = comm::RankEnv::from_env();
+    comm::TcpStoreOptions so;
+    so.host = env.master_addr;
+    so.port = env.master_port;
+    so.rank = env.rank;
+    so.world_size = env.world_size;
+    auto store = std::make_shared<comm::TcpStore>(so);
+    InstanceArgs per = a;
+    per.ranks = ranks;
+    choose_parts(per, store, transfer_timeout, cfg.model, cfg.transfer);
+    auto gloo = std::make_unique<comm::GlooCommunicator>(*store);
+    return std::make_unique<Instance>(cfg, std::move(gloo));
   }
+  choose_parts(a, nullptr, transfer_timeout, cfg.model, cfg.transfer);
   return std::make_unique<Instance>(cfg);
 }
 
@@ -306,7 +389,7 @@ int run_prefill(const InstanceArgs& a) {
   cfg.model_dir = a.model;
   cfg.tp = a.ranks;
   cfg.engine = a.engine;
-  auto instance = make_instance<PrefillInstance>(cfg, cfg.tp);
+  auto instance = make_instance<PrefillInstance>(a, cfg, cfg.tp, std::chrono::minutes(1));
   PrefillInstance& prefill = *instance;
   if (!prefill.is_leader()) return follow_group(prefill, signals);
   InstanceServer server(nullptr, &prefill, a.host, a.port);
@@ -326,17 +409,25 @@ int run_decode(const InstanceArgs& a) {
   cfg.engine = a.engine;
   cfg.max_decode_batch = a.max_decode_batch;
   cfg.kv_host = a.host;
-  auto instance = make_instance<DecodeInstance>(cfg, cfg.dp);
+  auto instance = make_instance<DecodeInstance>(a, cfg, cfg.dp, cfg.transfer_timeout);
   DecodeInstance& decode = *instance;
   if (!decode.is_leader()) return follow_group(decode, signals);
   InstanceServer server(&decode, nullptr, a.host, a.port);
-  return lead_instance(a, server, signals,
-                       "decode instance (DP=" + std::to_string(cfg.dp) + ", " + a.model +
-                           "), max decode batch " + std::to_string(a.max_decode_batch) +
-                           " per rank",
-                       [&] {
-                         return instances_metrics_text({}, {{"0", decode.load()}});
-                       });
+  return lead_instance(
+      a, server, signals,
+      "decode instance (DP=" + std::to_string(cfg.dp) + ", " + a.model + "), max decode batch " +
+          std::to_string(a.max_decode_batch) + " per rank",
+      [&] {
+        const DecodeLoad l = decode.load();
+        std::string t = instances_metrics_text({}, {{"0", l}});
+        t += "# HELP tandem_decode_kv_pages_free Free KV pages per DP rank.\n"
+             "# TYPE tandem_decode_kv_pages_free gauge\n";
+        for (size_t r = 0; r < l.kv_pages_free_per_rank.size(); ++r) {
+          t += "tandem_decode_kv_pages_free{instance=\"0\",rank=\"" + std::to_string(r) + "\"} " +
+               std::to_string(l.kv_pages_free_per_rank[r]) + "\n";
+        }
+        return t;
+      });
 }
 
 struct RouterArgs {
@@ -480,6 +571,12 @@ int cli_main(int argc, char** argv) {
         ->check(CLI::PositiveNumber);
     cmd->add_option("--metrics-port", a->metrics_port, "Serve GET /metrics on this port (0: any)")
         ->check(CLI::Range(0, 65535));
+    cmd->add_option("--device", a->device,
+                    "cpu or cuda (one GPU per rank, LOCAL_RANK picks it; ranks may share one)");
+    cmd->add_option("--gpu-memory-utilization", a->gpu_memory_utilization,
+                    "Share of the GPU's memory for this rank's weights, activations and KV "
+                    "(--device cuda, without --kv-cache-mb)")
+        ->check(CLI::Range(0.01, 1.0));
   }
   pf->add_option("--tp", pre.ranks, "Ranks (tensor and expert parallel)")
       ->check(CLI::PositiveNumber);
@@ -493,6 +590,8 @@ int cli_main(int argc, char** argv) {
                  "Prompt tokens per step (chunk budget)")
       ->check(CLI::PositiveNumber);
   dec.engine.max_batched_tokens = 4096;
+  // 0: the engine's default on the CPU; on the GPU what --gpu-memory-utilization leaves.
+  pre.engine.kv_cache_mb = dec.engine.kv_cache_mb = 0;
   dc->add_option("--dp", dec.ranks, "Ranks (data parallel attention, expert parallel MoE)")
       ->check(CLI::PositiveNumber);
   dc->add_option("--max-decode-batch", dec.max_decode_batch, "Sequences per rank at most")

@@ -188,9 +188,15 @@ CudaComm::CudaComm(std::shared_ptr<TcpStore> store, int device, CudaAllReduceCon
                         "CudaComm: rank ", q, " runs on host '", p.host, "', rank ", rank_, " on '",
                         mine.host,
                         "': the custom all-reduce needs every rank on one host (NVLink)");
-      TANDEM_CHECK_KIND(kInvalidArgument, std::strcmp(p.bus_id, mine.bus_id) != 0,
-                        "CudaComm: ranks ", q, " and ", rank_, " share GPU ", p.bus_id,
-                        " (check LOCAL_RANK / CUDA_VISIBLE_DEVICES)");
+      if (std::strcmp(p.bus_id, mine.bus_id) == 0) {
+        // Ranks sharing one GPU (tests): CUDA IPC works between processes on one device,
+        // NCCL does not (one GPU per rank), so the custom kernels carry every size.
+        TANDEM_CHECK_KIND(kInvalidArgument, allow_shared_device(), "CudaComm: ranks ", q, " and ",
+                          rank_, " share GPU ", p.bus_id,
+                          " (check LOCAL_RANK / CUDA_VISIBLE_DEVICES, or set "
+                          "TANDEM_ALLOW_SHARED_GPU=1 for tests)");
+        shared_device_ = true;
+      }
     }
   }
   config_.max_blocks = max_blocks;
@@ -203,7 +209,9 @@ CudaComm::CudaComm(std::shared_ptr<TcpStore> store, int device, CudaAllReduceCon
       continue;
     }
     int peer_dev = -1;
-    if (cudaDeviceGetByPCIBusId(&peer_dev, peers[q].bus_id) == cudaSuccess) {
+    if (std::strcmp(peers[q].bus_id, mine.bus_id) == 0) {
+      // the same GPU: no peer access to check
+    } else if (cudaDeviceGetByPCIBusId(&peer_dev, peers[q].bus_id) == cudaSuccess) {
       int can = 0;
       TANDEM_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, peer_dev));
       TANDEM_CHECK_KIND(kUnsupported, can != 0, "CudaComm: GPU ", mine.bus_id,
@@ -224,7 +232,13 @@ CudaComm::CudaComm(std::shared_ptr<TcpStore> store, int device, CudaAllReduceCon
   params_.world_size = world_size_;
   params_.timeout_ns = static_cast<uint64_t>(config_.spin_timeout.count()) * 1000000ull;
 
-  nccl_ = std::make_unique<NcclComm>(*store_, key_ + "/nccl");
+  // Every rank agrees on whether any two ranks share a GPU (then there is no NCCL).
+  uint8_t shared = shared_device_ ? 1 : 0;
+  auto flags = store_->all_gather(key_ + "/shared", std::span(&shared, 1));
+  for (const auto& f : flags) shared_device_ = shared_device_ || (!f.empty() && f[0] != 0);
+  if (!shared_device_) {
+    nccl_ = std::make_unique<NcclComm>(*store_, key_ + "/nccl");
+  }
   store_->barrier();
 }
 
@@ -256,7 +270,26 @@ cuda::AllReduceParams CudaComm::registered_params() const {
   return p;
 }
 
+bool CudaComm::allow_shared_device() {
+  const char* v = std::getenv("TANDEM_ALLOW_SHARED_GPU");
+  return v != nullptr && std::strcmp(v, "0") != 0;
+}
+
+NcclComm& CudaComm::nccl() {
+  TANDEM_CHECK_KIND(kUnsupported, nccl_ != nullptr,
+                    "CudaComm: no NCCL communicator (ranks share a GPU)");
+  return *nccl_;
+}
+
 AllReduceAlgo CudaComm::choose(size_t bytes, bool aligned) const {
+  if (nccl_ == nullptr) {  // ranks share a GPU: the custom kernels or nothing
+    TANDEM_CHECK_KIND(kInvalidArgument, world_size_ < 2 || (aligned && bytes <= config_.max_bytes),
+                      "all_reduce of ", bytes,
+                      " bytes: ranks sharing a GPU need 16-byte aligned "
+                      "messages of at most max_bytes (",
+                      config_.max_bytes, ")");
+    return bytes <= config_.one_shot_max_bytes ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
+  }
   if (world_size_ < 2 || !aligned || bytes > config_.max_bytes) return AllReduceAlgo::kNccl;
   if (bytes <= config_.one_shot_max_bytes) return AllReduceAlgo::kOneShot;
   if (bytes <= config_.two_shot_max_bytes) return AllReduceAlgo::kTwoShot;
@@ -303,7 +336,7 @@ void CudaComm::all_reduce(void const* input, void* output, size_t count, DType d
   const bool aligned = aligned16(input) && aligned16(output);
   if (algo == AllReduceAlgo::kAuto) algo = choose(bytes, aligned);
   if (algo == AllReduceAlgo::kNccl) {
-    nccl_->all_reduce(input, output, count, dtype, stream);
+    nccl().all_reduce(input, output, count, dtype, stream);
     return;
   }
   TANDEM_CHECK_KIND(kInvalidArgument, aligned, "all_reduce (", all_reduce_algo_name(algo),
@@ -334,7 +367,7 @@ void CudaComm::all_reduce_registered(void* output, size_t count, DType dtype, cu
   const bool aligned = aligned16(output);
   if (algo == AllReduceAlgo::kAuto) algo = choose(bytes, aligned);
   if (algo == AllReduceAlgo::kNccl) {
-    nccl_->all_reduce(registered_, output, count, dtype, stream);
+    nccl().all_reduce(registered_, output, count, dtype, stream);
     return;
   }
   TANDEM_CHECK_KIND(kInvalidArgument, aligned, "all_reduce_registered (",

@@ -95,7 +95,14 @@ class CudaComm {
   int world_size() const { return world_size_; }
   int device() const { return device_; }
   const CudaAllReduceConfig& config() const { return config_; }
-  NcclComm& nccl() { return *nccl_; }
+  /// Throws kUnsupported when there is none (ranks sharing a GPU).
+  NcclComm& nccl();
+  /// True when two ranks of the group run on one GPU (tests): then there is no NCCL and the
+  /// custom kernels carry every all-reduce (up to max_bytes).
+  bool shared_device() const { return shared_device_; }
+  /// TANDEM_ALLOW_SHARED_GPU=1: ranks may share a GPU (refused otherwise: usually a wrong
+  /// LOCAL_RANK / CUDA_VISIBLE_DEVICES).
+  static bool allow_shared_device();
   TcpStore& store() { return *store_; }
 
  private:
@@ -114,7 +121,8 @@ class CudaComm {
   void* peer_bases_[cuda::kMaxRanks] = {};  // every rank's allocation, mapped here
   void* registered_ = nullptr;
   cuda::AllReduceParams params_{};  // pointers filled at init; per call: in/out/count
-  std::unique_ptr<NcclComm> nccl_;
+  std::unique_ptr<NcclComm> nccl_;  // null when ranks share a GPU
+  bool shared_device_ = false;
 };
 
 }  // namespace tandem::comm

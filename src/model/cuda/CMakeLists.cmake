@@ -8,7 +8,7 @@ if(TANDEM_HAS_CUDA)
     ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cpp ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cu)
   add_library(tandem_model_cuda STATIC ${TANDEM_MODEL_CUDA_SRCS})
   target_include_directories(tandem_model_cuda PUBLIC ${CMAKE_SOURCE_DIR}/src)
-  target_link_libraries(tandem_model_cuda PUBLIC tandem_model tandem_backend_cuda)
+  target_link_libraries(tandem_model_cuda PUBLIC tandem_model tandem_backend_cuda tandem_comm_cuda)
   target_compile_options(tandem_model_cuda PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${TANDEM_WARNINGS}>)
   if(NOT CMAKE_CUDA_ARCHITECTURES)
     set_target_properties(tandem_model_cuda PROPERTIES CUDA_ARCHITECTURES 90a)
@@ -28,6 +28,20 @@ if(TANDEM_HAS_CUDA)
     target_compile_options(test_model_cuda PRIVATE ${TANDEM_WARNINGS})
     gtest_discover_tests(test_model_cuda DISCOVERY_TIMEOUT 60
       PROPERTIES ENVIRONMENT "TANDEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+  endif()
+
+  if(TANDEM_TESTS AND TARGET GTest::gtest)
+    # The sharded model, ranks as forked processes (its own binary: nothing here may touch CUDA
+    # before the fork).
+    add_executable(test_model_cuda_sharded
+                   ${CMAKE_SOURCE_DIR}/tests/model/cuda_sharded/test_sharded_cuda.cpp)
+    target_link_libraries(test_model_cuda_sharded PRIVATE tandem_model_cuda tandem_engine
+                                                          GTest::gtest GTest::gtest_main)
+    target_include_directories(test_model_cuda_sharded PRIVATE ${CMAKE_SOURCE_DIR}/tests)
+    target_compile_definitions(test_model_cuda_sharded PRIVATE TANDEM_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+    target_compile_options(test_model_cuda_sharded PRIVATE ${TANDEM_WARNINGS})
+    gtest_discover_tests(test_model_cuda_sharded DISCOVERY_TIMEOUT 60
+      PROPERTIES ENVIRONMENT "TANDEM_SOURCE_DIR=${CMAKE_SOURCE_DIR};NCCL_NVLS_ENABLE=0")
   endif()
 
   if(TANDEM_BENCH)

@@ -14,6 +14,8 @@
 #include "backend/cuda/moe_layer.h"
 #include "backend/cuda/norm.h"
 #include "backend/cuda/sampling.h"
+#include "comm/cuda/cuda_comm.h"
+#include "comm/cuda/cuda_moe.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/random_fill.h"
@@ -149,6 +151,7 @@ struct Meta {
   int64_t* slots = nullptr;      // [n]
   int32_t* tables = nullptr;     // [num_seqs, width]
   int32_t* rows = nullptr;       // [num_rows]: token index of each logits row
+  int32_t* num_real = nullptr;   // [1]: real (unpadded) tokens, for the decode EP dispatch
   int64_t n = 0, width = 0, num_rows = 0;
   int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
 };
@@ -157,6 +160,7 @@ struct Meta {
 struct HostMeta {
   std::vector<int32_t> ids, positions, token_seq, tables, rows;
   std::vector<int64_t> slots;
+  int32_t num_real = 0;
 };
 
 constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
@@ -172,6 +176,14 @@ int64_t kv_cache_mb_for(size_t free_bytes, size_t total_bytes, double utilizatio
   return std::max<int64_t>(64, static_cast<int64_t>(kv / (1 << 20)));
 }
 
+namespace {
+void check_gqa_group(int64_t group, const std::string& origin, const char* what) {
+  TANDEM_CHECK_KIND(kUnsupported,
+                    group == 1 || group == 2 || group == 4 || group == 8 || group == 16, origin,
+                    ": ", what, " = ", group, " is not supported on the GPU (1, 2, 4, 8 or 16)");
+}
+}  // namespace
+
 void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
   TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin, ": head_dim ",
                     c.head_dim, " is not supported on the GPU (64 or 128)");
@@ -179,10 +191,7 @@ void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
                     ": attention_bias true is not supported on the GPU");
   const int64_t group =
       c.num_key_value_heads > 0 ? c.num_attention_heads / c.num_key_value_heads : 0;
-  TANDEM_CHECK_KIND(kUnsupported,
-                    group == 1 || group == 2 || group == 4 || group == 8 || group == 16, origin,
-                    ": num_attention_heads / num_key_value_heads = ", group,
-                    " is not supported on the GPU (1, 2, 4, 8 or 16)");
+  check_gqa_group(group, origin, "num_attention_heads / num_key_value_heads");
   bool any_moe = false;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) any_moe |= c.is_moe_layer(l);
   if (any_moe) {
@@ -197,6 +206,21 @@ struct Qwen3MoeCuda::Impl {
   const ModelConfig& c;
   cudaStream_t stream;
   int num_sms = 0;
+
+  // Sharding: local heads / experts / vocabulary rows, and the communicators.
+  ShardPlan plan;
+  std::shared_ptr<comm::TcpStore> store;
+  std::unique_ptr<comm::CudaComm> ar;  // all-reduce (prefill TP); the IPC base of `ep`
+  std::unique_ptr<comm::CudaMoe> ep;   // decode DP/EP dispatch / combine
+  DeviceMem ep_logits, ep_ids, ep_w, ep_act, ep_out;  // decode EP intermediates
+  int64_t ep_max_rows = 0;
+  DeviceMem lm_local;      // prefill TP: [head_chunk, vocab rows of this rank] fp32
+  int64_t head_chunk = 0;  // prefill TP: logits rows per all-reduce
+  bool tp() const { return plan.tensor_parallel() && plan.spec.size > 1; }
+  bool dp_ep() const { return plan.data_parallel() && plan.spec.size > 1; }
+  int64_t qh() const { return plan.q_heads.size(); }
+  int64_t kvh() const { return plan.kv_heads.size(); }
+  int64_t local_experts() const { return plan.experts.size(); }
 
   // Weights.
   std::vector<DeviceMem> mem;
@@ -249,15 +273,15 @@ struct Qwen3MoeCuda::Impl {
     return mem.back().as<bf16>();
   }
 
-  int64_t qkv_rows() const {
-    return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
-  }
+  int64_t qkv_rows() const { return (qh() + 2 * kvh()) * c.head_dim; }
 
   void allocate_weights() {
     const int64_t h = c.hidden_size, d = c.head_dim;
     embed = alloc(c.vocab_size * h);
     final_norm = alloc(h);
-    lm_head = c.tie_word_embeddings ? embed : alloc(c.vocab_size * h);
+    // The lm_head rows of this rank (all of them unless prefill TP): a slice of the embedding
+    // when tied.
+    lm_head = c.tie_word_embeddings ? embed + plan.vocab.begin * h : alloc(plan.vocab.size() * h);
     layers.resize(static_cast<size_t>(c.num_hidden_layers));
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       LayerW& w = layers[static_cast<size_t>(l)];
@@ -266,11 +290,11 @@ struct Qwen3MoeCuda::Impl {
       w.q_norm = alloc(d);
       w.k_norm = alloc(d);
       w.qkv = alloc(qkv_rows() * h);
-      w.o = alloc(h * c.num_attention_heads * d);
+      w.o = alloc(h * qh() * d);
       w.moe = c.is_moe_layer(l);
       if (w.moe) {
-        const int64_t e = c.num_experts, inter = c.moe_intermediate_size;
-        w.router = alloc(e * h);
+        const int64_t e = local_experts(), inter = c.moe_intermediate_size;
+        w.router = alloc(c.num_experts * h);
         w.gate_up = alloc(e * 2 * inter * h);
         w.down = alloc(e * h * inter);
       } else {
@@ -290,9 +314,32 @@ struct Qwen3MoeCuda::Impl {
       const uint16_t* src = host_bf16(ckpt, name, shape, tmp);
       up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
     };
+    // Rows [r.begin, r.end) of a [rows, cols] tensor.
+    auto put_rows = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
+                        IndexRange r) {
+      const uint16_t* src = host_bf16(ckpt, name, {rows, cols}, tmp);
+      up.put(dst, src + r.begin * cols, static_cast<size_t>(r.size() * cols) * sizeof(bf16));
+    };
+    // Columns [r.begin, r.end) of a [rows, cols] tensor (row-parallel o_proj).
+    auto put_cols = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
+                        IndexRange r) {
+      const uint16_t* src = host_bf16(ckpt, name, {rows, cols}, tmp);
+      if (r.begin == 0 && r.end == cols) {
+        up.put(dst, src, static_cast<size_t>(rows * cols) * sizeof(bf16));
+        return;
+      }
+      std::vector<uint16_t> g(static_cast<size_t>(rows * r.size()));
+      for (int64_t i = 0; i < rows; ++i) {
+        std::memcpy(g.data() + i * r.size(), src + i * cols + r.begin,
+                    static_cast<size_t>(r.size()) * sizeof(uint16_t));
+      }
+      up.put(dst, g.data(), g.size() * sizeof(uint16_t));
+    };
+    const IndexRange q_rows{plan.q_heads.begin * d, plan.q_heads.end * d};
+    const IndexRange kv_rows{plan.kv_heads.begin * d, plan.kv_heads.end * d};
     put(embed, "model.embed_tokens.weight", {c.vocab_size, h});
     put(final_norm, "model.norm.weight", {h});
-    if (!c.tie_word_embeddings) put(lm_head, "lm_head.weight", {c.vocab_size, h});
+    if (!c.tie_word_embeddings) put_rows(lm_head, "lm_head.weight", c.vocab_size, h, plan.vocab);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       LayerW& w = layers[static_cast<size_t>(l)];
       const std::string p = "model.layers." + std::to_string(l) + ".";
@@ -300,17 +347,18 @@ struct Qwen3MoeCuda::Impl {
       put(w.post_norm, p + "post_attention_layernorm.weight", {h});
       put(w.q_norm, p + "self_attn.q_norm.weight", {d});
       put(w.k_norm, p + "self_attn.k_norm.weight", {d});
-      put(w.qkv, p + "self_attn.q_proj.weight", {qh * d, h});
-      put(w.qkv + qh * d * h, p + "self_attn.k_proj.weight", {kvh * d, h});
-      put(w.qkv + (qh + kvh) * d * h, p + "self_attn.v_proj.weight", {kvh * d, h});
-      put(w.o, p + "self_attn.o_proj.weight", {h, qh * d});
+      put_rows(w.qkv, p + "self_attn.q_proj.weight", qh * d, h, q_rows);
+      put_rows(w.qkv + q_rows.size() * h, p + "self_attn.k_proj.weight", kvh * d, h, kv_rows);
+      put_rows(w.qkv + (q_rows.size() + kv_rows.size()) * h, p + "self_attn.v_proj.weight", kvh * d,
+               h, kv_rows);
+      put_cols(w.o, p + "self_attn.o_proj.weight", h, qh * d, q_rows);
       if (w.moe) {
         const int64_t inter = c.moe_intermediate_size;
         put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
         const size_t gu_bytes = static_cast<size_t>(2 * inter * h) * sizeof(bf16);
         std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h));
-        for (int64_t e = 0; e < c.num_experts; ++e) {
-          const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+        for (int64_t e = 0; e < local_experts(); ++e) {
+          const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + e) + ".";
           std::vector<uint16_t> gate_copy;
           const uint16_t* gate = host_bf16(ckpt, ep + "gate_proj.weight", {inter, h}, tmp);
           if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
@@ -362,7 +410,7 @@ struct Qwen3MoeCuda::Impl {
   }
 
   void allocate_activations(const CudaModelOptions& o, int64_t largest_bucket) {
-    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = this->qh();
     t_cap = std::max(o.max_tokens, largest_bucket);
     rows_cap = std::max<int64_t>({o.max_seqs, largest_bucket, std::min<int64_t>(t_cap, 1024)});
     const size_t b = sizeof(bf16);
@@ -404,23 +452,27 @@ struct Qwen3MoeCuda::Impl {
                          : mp == "cublas" ? cuda::MoeLayerPath::kCublas
                          : mp == "padded" ? cuda::MoeLayerPath::kPadded
                                           : cuda::MoeLayerPath::kAuto;
-      moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
-                                             c.num_experts_per_tok, 0, c.num_experts,
-                                             c.norm_topk_prob);
+      if (!dp_ep()) {
+        moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
+                                               c.num_experts_per_tok, plan.experts.begin,
+                                               local_experts(), c.norm_topk_prob);
+      }
     }
+    make_communicators(o, any_moe);
     // Split-KV workspace for the captured decode steps (and eager batches that fit it).
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
     const int64_t width = std::max<int64_t>(1, (ctx + o.page_size - 1) / o.page_size);
     for (int64_t b = 1; b <= largest_bucket; ++b) {
       const int64_t split =
-          cuda::paged_attention_decode_split(b, c.num_key_value_heads, width, o.page_size, num_sms);
+          cuda::paged_attention_decode_split(b, kvh(), width, o.page_size, num_sms);
       if (split > 0) {
         attn_ws_floats = std::max(attn_ws_floats, cuda::paged_attention_workspace_floats(
                                                       b, qh, d, width, o.page_size, split));
       }
     }
     attn_ws = DeviceMem(attn_ws_floats * sizeof(float));
-    const size_t meta_elems = 4 * T + 2 * T;  // 4 int32 arrays + 1 int64 array (2 int32 each)
+    // 4 int32 arrays + 1 int64 array (2 int32 each) + the real token count (padded to 4).
+    const size_t meta_elems = 4 * T + 2 * T + 4;
     e_meta = DeviceMem(meta_elems * sizeof(int32_t));
     g_meta = DeviceMem(meta_elems * sizeof(int32_t));
     h_meta = PinnedMem(meta_elems * sizeof(int32_t));
@@ -436,6 +488,7 @@ struct Qwen3MoeCuda::Impl {
     r.token_seq = base + 2 * T;
     r.rows = base + 3 * T;
     r.slots = reinterpret_cast<int64_t*>(base + 4 * T);  // 4 * T int32: 8-byte aligned
+    r.num_real = base + 6 * T;
     return r;
   }
 
@@ -452,6 +505,7 @@ struct Qwen3MoeCuda::Impl {
     std::memcpy(h + 2 * T, hm.token_seq.data(), n * 4);
     std::memcpy(h + 3 * T, hm.rows.data(), r * 4);
     std::memcpy(h + 4 * T, hm.slots.data(), n * 8);
+    h[6 * T] = hm.num_real;
     std::memcpy(h_tables.as<int32_t>(), hm.tables.data(), tables_bytes);
     auto h2d = [&](void* d, const void* s, size_t bytes) {
       if (bytes > 0) {
@@ -463,6 +517,7 @@ struct Qwen3MoeCuda::Impl {
     h2d(dst.token_seq, h + 2 * T, n * 4);
     h2d(dst.rows, h + 3 * T, r * 4);
     h2d(dst.slots, h + 4 * T, n * 8);
+    h2d(dst.num_real, h + 6 * T, 4);
     h2d(tables, h_tables.as<int32_t>(), tables_bytes);
     TANDEM_CUDA_CHECK(cudaEventRecord(meta_copied, stream));
   }
@@ -470,20 +525,21 @@ struct Qwen3MoeCuda::Impl {
   // Split-KV for the decode tokens (flash-decoding), when the workspace holds it.
   int64_t pick_split(int64_t n, int64_t num_prefill, int64_t width, int64_t page_size) const {
     if (n - num_prefill <= 0) return 0;
-    int64_t split = cuda::paged_attention_decode_split(n - num_prefill, c.num_key_value_heads,
-                                                       width, page_size, num_sms);
-    if (split > 0 &&
-        cuda::paged_attention_workspace_floats(n, c.num_attention_heads, c.head_dim, width,
-                                               page_size, split) > attn_ws_floats) {
+    int64_t split =
+        cuda::paged_attention_decode_split(n - num_prefill, kvh(), width, page_size, num_sms);
+    if (split > 0 && cuda::paged_attention_workspace_floats(n, qh(), c.head_dim, width, page_size,
+                                                            split) > attn_ws_floats) {
       split = 0;
     }
     return split;
   }
 
   // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
-  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch) {
-    const int64_t n = m.n, h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
-                  kvh = c.num_key_value_heads;
+  // `warmup`: a graph's first (eager) run with padding only: no collective call (the other
+  // ranks are not running it), so the decode EP MoE block is left out.
+  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch, bool warmup = false) {
+    const int64_t n = m.n, h = c.hidden_size, d = c.head_dim, qh = this->qh(), kvh = this->kvh();
+    bf16* reg = ar ? static_cast<bf16*>(ar->registered_input()) : nullptr;
     const int64_t page_size = kv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
     bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>();
@@ -501,10 +557,9 @@ struct Qwen3MoeCuda::Impl {
       cuda::qkv_prep_launch({qkv.as<bf16>(), q.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm,
                              m.positions, n, qh, kvh, d, page_size, eps, c.rope_theta},
                             stream);
-      if (batch != nullptr && batch->on_layer_kv) {
-        TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
-        batch->on_layer_kv(l);
-      }
+      // The KV of layer l is written once the stream gets here (the hook orders its reads
+      // after it on KvCache::device_stream()).
+      if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(l);
       cuda::PagedAttentionParams ap{};
       ap.q = q.as<bf16>();
       ap.pool = pool;
@@ -523,12 +578,20 @@ struct Qwen3MoeCuda::Impl {
       ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
       ap.num_prefill_tokens = m.num_prefill;
       cuda::paged_attention_launch(ap, stream);
-      gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
+      // Row-parallel o_proj (prefill TP): the partial products go straight into the
+      // all-reduce's registered buffer and come back summed over the ranks into Y.
+      gemm->run({attn.as<bf16>(), w.o, tp() ? reg : Y, n, h, qh * d}, stream);
+      if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
-      if (w.moe) {
+      if (w.moe && dp_ep()) {
+        moe_ep(w, XN, Y, m, warmup);
+      } else if (w.moe) {
         // A forced prefill path (benchmarks) applies to eager batches only.
         moe->set_path(batch != nullptr ? moe_prefill_path : cuda::MoeLayerPath::kAuto);
-        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+        // Prefill EP: this rank's experts' weighted sum (zeros for tokens routed elsewhere),
+        // into the registered buffer, then summed over the ranks.
+        moe->run({w.router, w.gate_up, w.down}, XN, tp() ? reg : Y, n, *gemm, stream);
+        if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
       } else {
         const int64_t inter = c.intermediate_size;
         gemm->run({XN, w.gate_up, gu.as<bf16>(), n, 2 * inter, h}, stream);
@@ -542,6 +605,53 @@ struct Qwen3MoeCuda::Impl {
     cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
   }
 
+  // Decode EP MoE block: router + top-k here, the tokens to their experts' ranks, this
+  // rank's experts over what arrived (grouped by local expert), the outputs back home and
+  // summed per token in ascending expert id. Token counts stay on the device (graphs).
+  void moe_ep(const LayerW& w, bf16* XN, bf16* Y, const Meta& m, bool warmup) {
+    const int64_t h = c.hidden_size, inter = c.moe_intermediate_size, E = c.num_experts,
+                  k = c.num_experts_per_tok, L = local_experts();
+    cuda::GemmParams rp{};
+    rp.x = XN;
+    rp.w = w.router;
+    rp.m = m.n;
+    rp.n = E;
+    rp.k = h;
+    rp.y_f32 = ep_logits.as<float>();
+    gemm->run(rp, stream);  // fp32 router logits, as MoeLayer
+    cuda::topk_softmax_launch({ep_logits.as<float>(), ep_ids.as<int32_t>(), ep_w.as<float>(), m.n,
+                               E, k, c.norm_topk_prob, DType::kF32},
+                              stream);
+    if (warmup) return;
+    ep->dispatch_send(XN, ep_ids.as<int32_t>(), ep_w.as<float>(), m.num_real, stream);
+    ep->dispatch_recv(stream);
+    const auto* rx = static_cast<const bf16*>(ep->recv_x());
+    cuda::MoeGemmParams gu{rx,
+                           w.gate_up,
+                           ep_act.as<bf16>(),
+                           ep->expert_offsets(),
+                           ep_max_rows,
+                           2 * inter,
+                           h,
+                           L,
+                           cuda::MoeGemmEpilogue::kSiluMul};
+    cuda::moe_gemm_launch(gu, stream);
+    cuda::MoeGemmParams dn{ep_act.as<bf16>(),
+                           w.down,
+                           ep_out.as<bf16>(),
+                           ep->expert_offsets(),
+                           ep_max_rows,
+                           h,
+                           inter,
+                           L,
+                           cuda::MoeGemmEpilogue::kPlain};
+    cuda::moe_gemm_launch(dn, stream);
+    ep->combine_send(ep_out.as<bf16>(), stream);
+    // Rows past the real tokens (padding) are not written by the combine: keep them finite.
+    TANDEM_CUDA_CHECK(cudaMemsetAsync(Y, 0, static_cast<size_t>(m.n * h) * sizeof(bf16), stream));
+    ep->combine_recv(Y, stream);
+  }
+
   // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
   void head(int64_t begin, int64_t count) {
     cuda::GemmParams gp{};
@@ -552,7 +662,69 @@ struct Qwen3MoeCuda::Impl {
     gp.n = c.vocab_size;
     gp.k = c.hidden_size;
     gp.y_f32 = logits.as<float>();
-    gemm->run(gp, stream);
+    if (!tp()) {
+      gemm->run(gp, stream);
+      return;
+    }
+    // Vocab-parallel: this rank's columns of each row, placed into a zeroed full-width row of
+    // the registered buffer; the all-reduce (a sum with every other column zero) gathers them.
+    const int64_t v = c.vocab_size, vl = plan.vocab.size();
+    auto* reg = static_cast<float*>(ar->registered_input());
+    for (int64_t b = 0; b < count; b += head_chunk) {
+      const int64_t cnt = std::min(head_chunk, count - b);
+      TANDEM_CUDA_CHECK(
+          cudaMemsetAsync(reg, 0, static_cast<size_t>(cnt * v) * sizeof(float), stream));
+      if (vl > 0) {
+        gp.x = last.as<bf16>() + (begin + b) * c.hidden_size;
+        gp.m = cnt;
+        gp.n = vl;
+        gp.y_f32 = lm_local.as<float>();
+        gemm->run(gp, stream);
+        TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(
+            reg + plan.vocab.begin, v * sizeof(float), lm_local.as<float>(), vl * sizeof(float),
+            vl * sizeof(float), cnt, cudaMemcpyDeviceToDevice, stream));
+      }
+      ar->all_reduce_registered(logits.as<float>() + b * v, static_cast<size_t>(cnt * v),
+                                DType::kF32, stream);
+    }
+  }
+
+  // The rank's CUDA communicators (collective: every rank of the group builds them now).
+  void make_communicators(const CudaModelOptions& o, bool any_moe) {
+    if (plan.spec.size <= 1) return;
+    TANDEM_CHECK_KIND(kInvalidArgument, store != nullptr,
+                      "a sharded CUDA model needs the group's store (CudaModelOptions::store)");
+    const int64_t h = c.hidden_size, v = c.vocab_size;
+    comm::CudaAllReduceConfig ac = comm::CudaAllReduceConfig::defaults(plan.spec.size);
+    if (tp()) {
+      // One buffer carries a whole step's activations and a chunk of logits rows.
+      head_chunk = std::min(rows_cap, std::max<int64_t>(1, (int64_t{32} << 20) / (4 * v)));
+      const size_t need = static_cast<size_t>(
+          std::max(t_cap * h * static_cast<int64_t>(sizeof(bf16)), head_chunk * v * 4));
+      ac.max_bytes = std::max(ac.max_bytes, (need + 4095) / 4096 * 4096);
+      lm_local =
+          DeviceMem(static_cast<size_t>(head_chunk * std::max<int64_t>(plan.vocab.size(), 1)) *
+                    sizeof(float));
+    } else {
+      ac.max_bytes = size_t(1) << 20;  // decode: the IPC base of the MoE exchange only
+    }
+    ar = std::make_unique<comm::CudaComm>(store, o.device, ac);
+    if (dp_ep() && any_moe) {
+      comm::CudaMoeConfig mc;
+      mc.num_experts = static_cast<int>(c.num_experts);
+      mc.hidden = static_cast<int>(h);
+      mc.top_k = static_cast<int>(c.num_experts_per_tok);
+      mc.max_tokens = static_cast<int>(t_cap);
+      ep = std::make_unique<comm::CudaMoe>(*ar, mc);
+      ep_max_rows = ep->max_recv_rows();
+      const auto T = static_cast<size_t>(t_cap);
+      ep_logits = DeviceMem(T * static_cast<size_t>(c.num_experts) * sizeof(float));
+      ep_ids = DeviceMem(T * static_cast<size_t>(c.num_experts_per_tok) * sizeof(int32_t));
+      ep_w = DeviceMem(T * static_cast<size_t>(c.num_experts_per_tok) * sizeof(float));
+      ep_act = DeviceMem(static_cast<size_t>(ep_max_rows * c.moe_intermediate_size) * sizeof(bf16));
+      ep_out = DeviceMem(static_cast<size_t>(ep_max_rows * h) * sizeof(bf16));
+      cuda::moe_gemm_prepare();
+    }
   }
 };
 
@@ -570,6 +742,12 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   impl_ = std::make_unique<Impl>(config_, stream_);
+  impl_->plan = ShardPlan::make(config_, opts_.shard);
+  impl_->store = opts_.store;
+  if (impl_->plan.tensor_parallel()) {
+    check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
+                    "query heads / KV heads per prefill TP rank");
+  }
   TANDEM_CUDA_CHECK(
       cudaDeviceGetAttribute(&impl_->num_sms, cudaDevAttrMultiProcessorCount, opts_.device));
   for (int64_t b : kBuckets) {
@@ -578,8 +756,11 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   if (buckets_.empty() || buckets_.back() < std::min<int64_t>(opts_.max_seqs, 256)) {
     buckets_.push_back(std::min<int64_t>(opts_.max_seqs, 256));
   }
-  if (!opts_.cuda_graphs) buckets_.clear();
+  // Prefill TP batches are prompts: eager (no decode graphs).
+  if (!opts_.cuda_graphs || impl_->plan.tensor_parallel()) buckets_.clear();
 }
+
+const ShardPlan& Qwen3MoeCuda::shard() const { return impl_->plan; }
 
 Qwen3MoeCuda::~Qwen3MoeCuda() {
   impl_.reset();
@@ -611,8 +792,7 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::random(const ModelConfig& config,
 }
 
 KvGeometry Qwen3MoeCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
-  KvGeometry g{config_.num_hidden_layers, num_pages, config_.num_key_value_heads, page_size,
-               config_.head_dim};
+  KvGeometry g{config_.num_hidden_layers, num_pages, impl_->kvh(), page_size, config_.head_dim};
   g.dtype = DType::kBF16;
   return g;
 }
@@ -630,6 +810,7 @@ KvCache Qwen3MoeCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
     ext.layers.push_back(pool->as<uint8_t>() + static_cast<size_t>(l) * layer_bytes);
   }
   ext.owner = pool;
+  ext.stream = stream_;
   return KvCache(g, std::move(ext));
 }
 
@@ -638,6 +819,10 @@ int64_t Qwen3MoeCuda::kv_cache_budget_mb(double utilization) const {
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   TANDEM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   return kv_cache_mb_for(free_b, total_b, utilization);
+}
+
+int64_t Qwen3MoeCuda::kv_cache_mb_hint() const {
+  return opts_.gpu_memory_utilization > 0 ? kv_cache_budget_mb(opts_.gpu_memory_utilization) : 0;
 }
 
 std::string Qwen3MoeCuda::last_moe_path() const {
@@ -673,15 +858,16 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   Impl& im = *impl_;
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));  // the engine thread may be a new one
   const auto& g = kv.geometry();
-  TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 &&
-                   g.num_kv_heads == config_.num_key_value_heads &&
+  TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 && g.num_kv_heads == im.kvh() &&
                    g.head_dim == config_.head_dim && g.num_layers == config_.num_hidden_layers,
                "the KV cache was not made by this CUDA model");
   const int64_t n = batch.num_tokens(), page_size = g.page_size;
   const int64_t num_rows = batch.num_logit_rows();
   TANDEM_CHECK_KIND(kInvalidArgument, n <= im.t_cap, "a batch of ", n,
                     " tokens exceeds the CUDA model's max_tokens ", im.t_cap);
-  if (n == 0) return false;
+  if (n == 0 && !im.dp_ep()) return false;
+  // NOTE: a decode EP rank with nothing to do still runs one (zero-token) step: its experts
+  // serve the other ranks' tokens, and every rank makes the same collective calls per step.
 
   // Graph eligibility: a pure decode step that fits a bucket and the captured table width.
   bool decode = !batch.on_layer_kv && !buckets_.empty() && n <= buckets_.back() &&
@@ -701,9 +887,11 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   }
   const int64_t bucket =
       decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), n) : int64_t{0};
-  const int64_t rows_n = decode ? bucket : n;  // padded token count
+  const bool zero = n == 0;  // decode EP, nothing of our own
+  const int64_t rows_n = decode ? bucket : std::max<int64_t>(n, 1);  // padded token count
   const int64_t tw = decode ? im.graph_width : width;
-  const int64_t num_seqs = decode ? bucket : static_cast<int64_t>(batch.seqs.size());
+  const int64_t num_seqs =
+      decode ? bucket : std::max<int64_t>(1, static_cast<int64_t>(batch.seqs.size()));
 
   // 1. Metadata on the host.
   HostMeta hm;
@@ -711,6 +899,7 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   hm.positions.assign(static_cast<size_t>(rows_n), 0);
   hm.token_seq.resize(static_cast<size_t>(rows_n));
   hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
+  hm.num_real = static_cast<int32_t>(n);
   hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
   for (int64_t t = 0; t < rows_n; ++t)
     hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
@@ -765,12 +954,12 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
     Meta m = im.meta_at(im.e_meta);
     m.tables = im.e_tables.as<int32_t>();
-    m.n = n;
+    m.n = rows_n;  // n, or one padding token for a zero-token EP step
     m.width = width;
     m.num_rows = num_rows;
     m.num_prefill = num_prefill;
     im.upload(hm, m, m.tables);
-    im.body(m, kv, &batch);
+    im.body(m, kv, zero ? nullptr : &batch);
     return false;
   }
 
@@ -795,7 +984,7 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     std::fill(pad.slots.begin(), pad.slots.end(), -1);
     std::fill(pad.ids.begin(), pad.ids.end(), 0);
     im.upload(pad, m, m.tables);
-    im.body(m, kv, nullptr);
+    im.body(m, kv, nullptr, /*warmup=*/true);
     im.head(0, bucket);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     cudaGraph_t graph = nullptr;
@@ -834,6 +1023,10 @@ void Qwen3MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
   const int64_t rows = batch.num_logit_rows(), v = config_.vocab_size;
   if (batch.num_tokens() == 0) {
     logits.clear();
+    if (im.dp_ep()) {  // the zero-token step of a decode EP rank
+      launch(batch, kv);
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
     return;
   }
   logits.resize(static_cast<size_t>(rows * v));
@@ -858,7 +1051,13 @@ void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
   TANDEM_CHECK(R == batch.num_logit_rows(), "forward_sample: ", R, " sampling rows for ",
                batch.num_logit_rows(), " logits rows");
   out.clear();
-  if (batch.num_tokens() == 0) return;
+  if (batch.num_tokens() == 0) {
+    if (im.dp_ep()) {  // the zero-token step of a decode EP rank
+      launch(batch, kv);
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    return;
+  }
   const float* logits = forward_device(batch, kv);
   if (R == 0) {
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));

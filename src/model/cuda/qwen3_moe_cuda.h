@@ -24,6 +24,10 @@
 
 namespace tandem {
 
+namespace comm {
+class TcpStore;
+}
+
 struct CudaModelOptions {
   int device = 0;
   /// Most tokens in one forward (the engine's max_num_batched_tokens, or more).
@@ -40,13 +44,28 @@ struct CudaModelOptions {
   /// For benchmarks: force the MoE layer's path for eager (prefill) batches: "" (auto), "mma",
   /// "cublas" or "padded" (backend/cuda/moe_layer.h).
   std::string moe_prefill_path;
+  /// > 0: kv_cache_mb_hint() is what this share of the device's memory leaves after the model
+  /// (vLLM's --gpu-memory-utilization); 0: no hint.
+  double gpu_memory_utilization = 0;
+  /// Which slice of the model this rank holds (model/shard.h): the whole model (kSingle),
+  /// prefill TP/EP (heads and experts split, o_proj and the MoE block all-reduced with our
+  /// one-shot / two-shot kernels, vocab-parallel lm_head) or decode DP/EP (attention
+  /// replicated, experts split, tokens to their experts by our CUDA-IPC dispatch / combine
+  /// inside the decode graphs).
+  ShardSpec shard;
+  /// The group's bootstrap store (required when shard.size > 1; one process per rank): the
+  /// rank's CUDA communicators rendezvous through it. Kept alive by the model.
+  std::shared_ptr<comm::TcpStore> store;
 };
 
 class Qwen3MoeCuda final : public Model {
  public:
   /// Loads config.json and the safetensors weights of `dir` (mmap -> pinned staging ->
-  /// device). Throws kUnsupported, naming config.json and the field, for shapes the CUDA ops
-  /// do not cover (head_dim other than 64 / 128, attention bias, > 256 experts, top-k > 8).
+  /// device): the slice opts.shard names. Throws kUnsupported, naming config.json and the
+  /// field, for shapes the CUDA ops do not cover (head_dim other than 64 / 128, attention
+  /// bias, > 256 experts, top-k > 8, a local GQA group other than 1/2/4/8/16).
+  /// Sharded (opts.shard.size > 1) the load is collective: every rank of the group loads its
+  /// model at the same time (the communicators are built then).
   static std::unique_ptr<Qwen3MoeCuda> load(const std::string& dir, const CudaModelOptions& opts);
   /// A model of `config`'s shapes with random weights generated on the device (benchmarks at
   /// real shapes without a checkpoint on disk): matrices ~ U(-a, a) with a = 0.02 * sqrt(3)
@@ -57,10 +76,16 @@ class Qwen3MoeCuda final : public Model {
   ~Qwen3MoeCuda() override;
 
   const ModelConfig& config() const override { return config_; }
-  /// bf16 pools of all KV heads.
+  /// What this rank holds.
+  const ShardPlan& shard() const;
+  /// bf16 pools of this rank's KV heads (all of them unless prefill TP).
   KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const override;
   /// Device pools, zero-filled (a padding token of a captured step may read any page).
   KvCache make_kv_cache(int64_t num_pages, int64_t page_size) override;
+  /// Sharded, the call is collective as Qwen3MoeCpu::forward's: prefill TP ranks pass the
+  /// same batch; decode DP/EP ranks their own (an empty one still runs a zero-token step,
+  /// serving this rank's experts). batch.on_layer_kv(l) runs once layer l's KV write has been
+  /// enqueued on the cache's stream (KvCache::device_stream()), not when it has completed.
   void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override;
   /// Samples on the GPU (backend/cuda/sampling.h): only tokens and logprobs come back.
   bool samples_on_device() const override { return true; }
@@ -75,6 +100,7 @@ class Qwen3MoeCuda final : public Model {
   /// kv_cache_mb_for() with this device's free and total memory now (call after loading,
   /// before the KV cache exists). utilization in (0, 1].
   int64_t kv_cache_budget_mb(double utilization) const;
+  int64_t kv_cache_mb_hint() const override;
   /// Bytes of weights in device memory.
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Batch-size buckets captured so far.

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Streaming load client (stdlib only, like `vllm bench serve`): token-id prompts of a fixed
+length, a fixed concurrency, ignore_eos; prints output tok/s and TTFT / ITL percentiles (ms).
+
+  bench/serve_load.py --url http://127.0.0.1:8000 --concurrency 32 --requests 64 \
+      --prompt-len 1024 --max-tokens 256 [--vocab 151936] [--label router] [--csv FILE]
+"""
+import argparse, http.client, json, random, statistics, threading, time, urllib.parse
+
+
+def pct(v, q):
+    if not v:
+        return float("nan")
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+
+
+def one(url, prompt, max_tokens, out):
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=1200)
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "return_token_ids": True})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    stamps, ok, buf = [], False, b""
+    while True:
+        chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(1)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.decode().removeprefix("data: ").strip()
+            if data == "[DONE]":
+                ok = ok or bool(stamps)
+                continue
+            try:
+                j = json.loads(data)
+            except ValueError:
+                continue
+            if "error" in j:
+                continue
+            now = time.perf_counter()
+            for c in j.get("choices", []):
+                k = len(c.get("token_ids") or []) or (1 if c.get("text") else 0)
+                stamps.extend([now] * k)
+                if c.get("finish_reason") == "length":
+                    ok = True
+    conn.close()
+    out.append({"ok": ok, "t0": t0, "stamps": stamps})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=0, help="default: 2 x concurrency")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--csv", default="")
+    a = ap.parse_args()
+    n = a.requests or 2 * a.concurrency
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, a.vocab - 10) for _ in range(a.prompt_len)] for _ in range(n)]
+    results, lock, idx = [], threading.Lock(), [0]
+
+    def worker():
+        while True:
+            with lock:
+                if idx[0] >= n:
+                    return
+                i = idx[0]
+                idx[0] += 1
+            one(a.url, prompts[i], a.max_tokens, results)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=worker) for _ in range(a.concurrency)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(len(r["stamps"]) for r in ok)
+    ttft = [1e3 * (r["stamps"][0] - r["t0"]) for r in ok if r["stamps"]]
+    itl = [1e3 * (b - a_) for r in ok for a_, b in zip(r["stamps"], r["stamps"][1:])]
+    row = {"label": a.label, "concurrency": a.concurrency, "ok": f"{len(ok)}/{n}",
+           "tok_s": tokens / wall, "ttft_p50": pct(ttft, .5), "ttft_p99": pct(ttft, .99),
+           "itl_p50": pct(itl, .5), "itl_p99": pct(itl, .99)}
+    print("| {label} | {concurrency} | {ok} | {tok_s:.0f} | {ttft_p50:.1f} | {ttft_p99:.1f} | "
+          "{itl_p50:.2f} | {itl_p99:.2f} |".format(**row), flush=True)
+    if a.csv:
+        new = not __import__("os").path.exists(a.csv)
+        with open(a.csv, "a") as f:
+            if new:
+                f.write(",".join(row) + "\n")
+            f.write(",".join(str(v) for v in row.values()) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,998 @@
+// The CUDA IPC transfer backend. See cuda_ipc_transfer.h.
+#include "transfer/cuda/cuda_ipc_transfer.h"
+
+#include <arpa/inet.h>
+#include <cuda_runtime.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "transfer/cuda/kv_copy.h"
+
+namespace tandem::transfer {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// ---- Control frames: u32 type | u32 body bytes | body (host byte order: one host). ----
+
+enum Msg : uint32_t {
+  kHello = 1,       // sender -> receiver: (nothing)
+  kHelloReply = 2,  // PoolInfo
+  kBegin = 3,       // id, src rank
+  kBeginReply = 4,  // id, ok, message
+  kFinish = 5,      // id, src rank, first token, logprob
+  kAbort = 6,       // id, src rank, message
+  kCancel = 7,      // receiver -> sender: id
+  kCancelAck = 8,   // sender -> receiver: id
+};
+
+constexpr uint32_t kMaxBody = 1 << 20;
+
+class Writer {
+ public:
+  template <typename T>
+  Writer& put(const T& v) {
+    const auto* p = reinterpret_cast<const uint8_t*>(&v);
+    b_.insert(b_.end(), p, p + sizeof(T));
+    return *this;
+  }
+  Writer& str(const std::string& s) {
+    put<uint32_t>(static_cast<uint32_t>(s.size()));
+    b_.insert(b_.end(), s.begin(), s.end());
+    return *this;
+  }
+  const std::vector<uint8_t>& bytes() const { return b_; }
+
+ private:
+  std::vector<uint8_t> b_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<uint8_t>& b) : p_(b.data()), end_(b.data() + b.size()) {}
+  template <typename T>
+  T get() {
+    T v{};
+    TANDEM_CHECK_KIND(kIo, static_cast<size_t>(end_ - p_) >= sizeof(T), "truncated control frame");
+    std::memcpy(&v, p_, sizeof(T));
+    p_ += sizeof(T);
+    return v;
+  }
+  std::string str() {
+    const auto n = get<uint32_t>();
+    TANDEM_CHECK_KIND(kIo, static_cast<size_t>(end_ - p_) >= n, "truncated control frame");
+    std::string s(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    return s;
+  }
+
+ private:
+  const uint8_t* p_;
+  const uint8_t* end_;
+};
+
+bool write_all(int fd, const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* data, size_t n) {
+  auto* p = static_cast<uint8_t*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// One socket with a write lock (several threads send on it; one reader thread reads).
+struct Socket {
+  int fd = -1;
+  std::mutex write_mu;
+  std::atomic<bool> alive{true};
+
+  bool send(uint32_t type, const Writer& w) {
+    const auto& body = w.bytes();
+    uint32_t hdr[2] = {type, static_cast<uint32_t>(body.size())};
+    std::lock_guard<std::mutex> lock(write_mu);
+    if (!alive) return false;
+    if (!write_all(fd, hdr, sizeof(hdr)) || !write_all(fd, body.data(), body.size())) {
+      alive = false;
+      return false;
+    }
+    return true;
+  }
+  bool recv(uint32_t& type, std::vector<uint8_t>& body) {
+    uint32_t hdr[2];
+    if (!read_all(fd, hdr, sizeof(hdr)) || hdr[1] > kMaxBody) return false;
+    type = hdr[0];
+    body.resize(hdr[1]);
+    return read_all(fd, body.data(), body.size());
+  }
+  void shutdown() {
+    alive = false;
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  }
+  ~Socket() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+std::pair<std::string, int> split_address(const std::string& a) {
+  const auto colon = a.rfind(':');
+  TANDEM_CHECK_KIND(kInvalidArgument, colon != std::string::npos && colon + 1 < a.size(),
+                    "bad KV receiver address '", a, "' (host:port)");
+  return {a.substr(0, colon), std::atoi(a.c_str() + colon + 1)};
+}
+
+int connect_to(const std::string& address, std::chrono::milliseconds timeout) {
+  auto [host, port] = split_address(address);
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  TANDEM_CHECK_KIND(kIo, rc == 0 && res != nullptr, "cannot resolve KV receiver ", address, ": ",
+                    gai_strerror(rc));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int err = fd < 0 ? -1 : ::connect(fd, res->ai_addr, res->ai_addrlen);
+  ::freeaddrinfo(res);
+  if (err != 0) {
+    if (fd >= 0) ::close(fd);
+    TANDEM_THROW(kIo, "cannot connect to KV receiver ", address, ": ", std::strerror(errno));
+  }
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  timeval tv{};
+  tv.tv_sec = timeout.count() / 1000;
+  tv.tv_usec = (timeout.count() % 1000) * 1000;
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+// What a receiver tells its senders about its pool (registration, once per sender process).
+struct PoolInfo {
+  cudaIpcMemHandle_t handle;
+  uint64_t base;  // the pool pointer in the receiver's process (used by a same-process sender)
+  int32_t pid;
+  int32_t pad;
+  int64_t num_layers, num_pages, num_kv_heads, page_size, head_dim, layer_stride;  // bytes
+};
+
+// The device pool of a cache: one allocation, layers at a fixed stride.
+void pool_of(KvCache& cache, uint8_t*& base, int64_t& stride) {
+  const KvGeometry& g = cache.geometry();
+  TANDEM_CHECK_KIND(kInvalidArgument, !cache.is_host() && g.dtype == DType::kBF16,
+                    "the cuda-ipc KV transfer needs a device bf16 KV cache (a GPU model's)");
+  base = static_cast<uint8_t*>(cache.layer_data(0));
+  stride = static_cast<int64_t>(g.page_elems() * g.num_pages) * 2;
+  for (int64_t l = 1; l < g.num_layers; ++l) {
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      static_cast<uint8_t*>(cache.layer_data(l)) == base + l * stride,
+                      "the cuda-ipc KV transfer needs the layers in one allocation");
+  }
+}
+
+int device_of(const void* ptr) {
+  cudaPointerAttributes attr{};
+  TANDEM_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr));
+  TANDEM_CHECK_KIND(kInvalidArgument, attr.type == cudaMemoryTypeDevice,
+                    "the KV cache is not in device memory");
+  return attr.device;
+}
+
+// ======================================= receiver ======================================
+
+class IpcReceiver final : public TransferReceiver {
+ public:
+  IpcReceiver(KvCache& cache, ReceiverCallbacks cbs, const CudaIpcOptions& opts)
+      : cache_(cache), cbs_(std::move(cbs)), opts_(opts) {
+    const KvGeometry& g = cache.geometry();
+    uint8_t* base = nullptr;
+    int64_t stride = 0;
+    pool_of(cache, base, stride);
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_of(base)));
+    info_ = {};
+    TANDEM_CUDA_CHECK(cudaIpcGetMemHandle(&info_.handle, base));
+    info_.base = reinterpret_cast<uint64_t>(base);
+    info_.pid = static_cast<int32_t>(::getpid());
+    info_.num_layers = g.num_layers;
+    info_.num_pages = g.num_pages;
+    info_.num_kv_heads = g.num_kv_heads;
+    info_.page_size = g.page_size;
+    info_.head_dim = g.head_dim;
+    info_.layer_stride = stride;
+
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    TANDEM_CHECK_KIND(kIo, listen_fd_ >= 0, "socket: ", std::strerror(errno));
+    int one = 1;
+    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = 0;
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      ::inet_pton(AF_INET, opts_.bind_host.c_str(), &addr.sin_addr) == 1,
+                      "cuda-ipc receiver: bad bind host '", opts_.bind_host, "' (an IPv4 address)");
+    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(listen_fd_, 64) != 0) {
+      const std::string why = std::strerror(errno);
+      ::close(listen_fd_);
+      TANDEM_THROW(kIo, "cuda-ipc receiver: cannot listen on ", opts_.bind_host, ": ", why);
+    }
+    socklen_t len = sizeof(addr);
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    address_ = (opts_.advertise_host.empty() ? opts_.bind_host : opts_.advertise_host) + ":" +
+               std::to_string(ntohs(addr.sin_port));
+    accept_thread_ = std::thread([this] { accept_loop(); });
+    timer_thread_ = std::thread([this] { timer_loop(); });
+  }
+
+  ~IpcReceiver() override {
+    stop_ = true;
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    ::close(listen_fd_);
+    timer_cv_.notify_all();
+    if (accept_thread_.joinable()) accept_thread_.join();
+    if (timer_thread_.joinable()) timer_thread_.join();
+    std::vector<std::shared_ptr<Conn>> conns;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      conns = conns_;
+    }
+    for (auto& c : conns) c->sock.shutdown();
+    for (auto& c : conns) {
+      if (c->reader.joinable()) c->reader.join();
+    }
+  }
+
+  std::string address() const override { return address_; }
+
+  void expect(const TransferDescriptor& d) override {
+    d.validate();
+    const KvGeometry& g = cache_.geometry();
+    const std::string where = "KV transfer of request '" + d.request_id + "': ";
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      d.dst_heads.size() == g.num_kv_heads && d.head_dim == g.head_dim &&
+                          d.num_layers == g.num_layers && d.page_size == g.page_size,
+                      where, "descriptor geometry (", d.dst_heads.size(), " heads x ", d.head_dim,
+                      ", ", d.num_layers, " layers, page ", d.page_size,
+                      ") does not match this cache (", g.num_kv_heads, " x ", g.head_dim, ", ",
+                      g.num_layers, ", page ", g.page_size, ")");
+    const int64_t need = (d.num_tokens + g.page_size - 1) / g.page_size;
+    std::set<int32_t> seen;
+    for (int64_t i = 0; i < need; ++i) {
+      const int32_t p = d.dst_pages[static_cast<size_t>(i)];
+      TANDEM_CHECK_KIND(kInvalidArgument, p >= 0 && p < g.num_pages && seen.insert(p).second, where,
+                        "page id ", p, " out of range [0, ", g.num_pages, ") or repeated");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    TANDEM_CHECK_KIND(kInvalidArgument, !expected_.count(d.request_id), where, "already expected");
+    Expected e;
+    e.d = d;
+    for (int r : d.senders()) e.senders.insert(r);
+    e.deadline = Clock::now() + opts_.timeout;
+    expected_.emplace(d.request_id, std::move(e));
+  }
+
+  bool cancel(const std::string& id) override {
+    std::vector<std::shared_ptr<Conn>> begun;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = expected_.find(id);
+      if (it == expected_.end()) return false;
+      for (auto& [r, c] : it->second.begun) begun.push_back(c);
+      expected_.erase(it);
+    }
+    drain(id, begun);
+    return true;
+  }
+
+  std::optional<TransferProgress> progress(const std::string& id) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = expected_.find(id);
+    if (it == expected_.end()) return std::nullopt;
+    TransferProgress p;
+    p.senders_expected = static_cast<int>(it->second.senders.size());
+    p.senders_finished = static_cast<int>(it->second.finished.size());
+    p.pieces_expected = it->second.d.num_layers * p.senders_expected;
+    p.pieces_received = it->second.d.num_layers * p.senders_finished;
+    return p;
+  }
+
+ private:
+  struct Conn {
+    Socket sock;
+    std::thread reader;
+  };
+  struct Expected {
+    TransferDescriptor d;
+    std::set<int> senders, finished;
+    std::map<int, std::shared_ptr<Conn>> begun;  // src rank -> its control connection
+    int32_t token = 0;
+    float logprob = 0;
+    Clock::time_point deadline;
+  };
+
+  void accept_loop() {
+    while (!stop_) {
+      const int fd = ::accept(listen_fd_, nullptr, nullptr);
+      if (fd < 0) {
+        if (stop_) return;
+        continue;
+      }
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      auto c = std::make_shared<Conn>();
+      c->sock.fd = fd;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      conns_.push_back(c);
+      c->reader = std::thread([this, c] { serve(c); });
+    }
+  }
+
+  // Makes every sender that began `id` stop and drain its copies (CANCEL -> CANCEL_ACK):
+  // once this returns, nothing writes the request's pages any more.
+  void drain(const std::string& id, const std::vector<std::shared_ptr<Conn>>& begun) {
+    if (begun.empty()) return;
+    std::unique_lock<std::mutex> lock(mu_);
+    int& waiting = draining_[id];
+    for (auto& c : begun) {
+      if (c->sock.send(kCancel, Writer().str(id))) ++waiting;
+    }
+    drain_cv_.wait_for(lock, opts_.control_timeout, [&] { return draining_[id] <= 0 || stop_; });
+    draining_.erase(id);
+  }
+
+  void fail(const std::string& id, const std::string& why,
+            const std::vector<std::shared_ptr<Conn>>& drain_first) {
+    drain(id, drain_first);
+    if (cbs_.on_error) cbs_.on_error(id, why);
+  }
+
+  void serve(std::shared_ptr<Conn> c) {
+    uint32_t type = 0;
+    std::vector<uint8_t> body;
+    while (c->sock.recv(type, body)) {
+      try {
+        Reader rd(body);
+        if (type == kHello) {
+          Writer w;
+          w.put(info_);
+          c->sock.send(kHelloReply, w);
+        } else if (type == kBegin) {
+          const std::string id = rd.str();
+          const int rank = rd.get<int32_t>();
+          std::string error;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = expected_.find(id);
+            if (it == expected_.end()) {
+              error = "request '" + id + "' is not expected by " + address_ +
+                      " (cancelled, timed out or never reserved)";
+            } else if (!it->second.senders.count(rank) || it->second.begun.count(rank)) {
+              error = "request '" + id + "': prefill rank " + std::to_string(rank) +
+                      " does not send to " + address_ + " or began twice";
+            } else {
+              it->second.begun[rank] = c;
+            }
+          }
+          c->sock.send(kBeginReply, Writer().str(id).put<uint8_t>(error.empty()).str(error));
+        } else if (type == kFinish) {
+          const std::string id = rd.str();
+          const int rank = rd.get<int32_t>();
+          const auto token = rd.get<int32_t>();
+          const auto lp = rd.get<float>();
+          bool done = false;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = expected_.find(id);
+            if (it == expected_.end() || !it->second.begun.count(rank)) continue;
+            it->second.finished.insert(rank);
+            it->second.token = token;
+            it->second.logprob = lp;
+            done = it->second.finished == it->second.senders;
+            if (done) expected_.erase(it);
+          }
+          if (done && cbs_.on_complete) cbs_.on_complete(id, token, lp);
+        } else if (type == kAbort) {
+          const std::string id = rd.str();
+          const int rank = rd.get<int32_t>();
+          const std::string why = rd.str();
+          std::vector<std::shared_ptr<Conn>> others;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = expected_.find(id);
+            if (it == expected_.end()) continue;
+            for (auto& [r, oc] : it->second.begun) {
+              if (r != rank) others.push_back(oc);
+            }
+            expected_.erase(it);
+          }
+          fail(id, "prefill rank " + std::to_string(rank) + " aborted: " + why, others);
+        } else if (type == kCancelAck) {
+          const std::string id = rd.str();
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = draining_.find(id);
+          if (it != draining_.end()) --it->second;
+          drain_cv_.notify_all();
+        }
+      } catch (const std::exception&) {
+        break;  // a malformed frame: drop the connection (its requests fail below)
+      }
+    }
+    c->sock.alive = false;
+    // Lost: the requests that began on this connection fail (the sender is gone: no writes).
+    std::vector<std::pair<std::string, std::vector<std::shared_ptr<Conn>>>> failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = expected_.begin(); it != expected_.end();) {
+        bool mine = false;
+        for (auto& [r, oc] : it->second.begun) mine = mine || oc == c;
+        if (mine && it->second.finished.size() < it->second.senders.size()) {
+          std::vector<std::shared_ptr<Conn>> others;
+          for (auto& [r, oc] : it->second.begun) {
+            if (oc != c) others.push_back(oc);
+          }
+          failed.emplace_back(it->first, std::move(others));
+          it = expected_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      drain_cv_.notify_all();
+    }
+    for (auto& [id, others] : failed) {
+      fail(id, "lost the control connection of a prefill rank sending to " + address_, others);
+    }
+  }
+
+  void timer_loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      timer_cv_.wait_for(lock, std::chrono::milliseconds(100));
+      const auto now = Clock::now();
+      std::vector<std::pair<std::string, std::vector<std::shared_ptr<Conn>>>> expired;
+      for (auto it = expected_.begin(); it != expected_.end();) {
+        if (it->second.deadline <= now) {
+          std::vector<std::shared_ptr<Conn>> begun;
+          for (auto& [r, c] : it->second.begun) begun.push_back(c);
+          expired.emplace_back(it->first, std::move(begun));
+          it = expected_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      lock.unlock();
+      for (auto& [id, begun] : expired) {
+        fail(id,
+             "KV transfer timed out at " + address_ + " after " +
+                 std::to_string(opts_.timeout.count()) + " ms",
+             begun);
+      }
+      lock.lock();
+    }
+  }
+
+  KvCache& cache_;
+  ReceiverCallbacks cbs_;
+  CudaIpcOptions opts_;
+  PoolInfo info_{};
+  int listen_fd_ = -1;
+  std::string address_;
+  std::atomic<bool> stop_{false};
+  std::thread accept_thread_, timer_thread_;
+  std::condition_variable timer_cv_, drain_cv_;
+  mutable std::mutex mu_;  // expected_, conns_, draining_
+  std::unordered_map<std::string, Expected> expected_;
+  std::vector<std::shared_ptr<Conn>> conns_;
+  std::unordered_map<std::string, int> draining_;  // request -> CANCEL_ACKs outstanding
+};
+
+// ======================================== sender =======================================
+
+class IpcSender final : public TransferSender {
+ public:
+  IpcSender(const KvCache& cache, const KvSharding& sharding, int rank, SenderCallbacks cbs,
+            const CudaIpcOptions& opts)
+      : cache_(const_cast<KvCache&>(cache)),
+        sharding_(sharding),
+        rank_(rank),
+        cbs_(std::move(cbs)),
+        opts_(opts) {
+    sharding_.validate();
+    pool_of(cache_, base_, stride_);
+    device_ = device_of(base_);
+    model_stream_ = static_cast<cudaStream_t>(cache_.device_stream());
+    TANDEM_CHECK_KIND(
+        kInvalidArgument, cache_.geometry().num_kv_heads == sharding_.held(rank).size(),
+        "cuda-ipc sender of rank ", rank, ": the cache holds ", cache_.geometry().num_kv_heads,
+        " heads, the sharding ", sharding_.held(rank).size());
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    worker_ = std::thread([this] { work_loop(); });
+  }
+
+  ~IpcSender() override {
+    {
+      std::lock_guard<std::mutex> lock(work_mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+    (void)cudaSetDevice(device_);
+    (void)cudaStreamSynchronize(copy_stream_);
+    std::map<std::string, std::shared_ptr<Peer>> peers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      peers.swap(peers_);
+      for (auto& [id, r] : reqs_) free_tables(*r);
+      reqs_.clear();
+    }
+    for (auto& [a, p] : peers) p->sock.shutdown();
+    for (auto& [a, p] : peers) {
+      if (p->reader.joinable()) p->reader.join();
+      if (p->mapped && p->info.pid != ::getpid()) (void)cudaIpcCloseMemHandle(p->base);
+    }
+    (void)cudaStreamDestroy(copy_stream_);
+  }
+
+  void begin(const std::string& request, std::vector<TransferDescriptor> destinations,
+             std::vector<int32_t> src_pages) override {
+    const KvGeometry& g = cache_.geometry();
+    const std::string where = "KV transfer of request '" + request + "'";
+    TANDEM_CHECK_KIND(kInvalidArgument, !destinations.empty(), where, ": no destinations");
+    auto req = std::make_shared<Req>();
+    req->id = request;
+    req->num_tokens = destinations.front().num_tokens;
+    req->num_layers = destinations.front().num_layers;
+    for (auto& d : destinations) {
+      d.validate();
+      const std::string at = where + " to " + d.dst_address + ": ";
+      TANDEM_CHECK_KIND(kInvalidArgument, d.request_id == request && d.src == sharding_, at,
+                        "descriptor of request '", d.request_id, "' sharded ", d.src.str(),
+                        " does not fit this rank (", sharding_.str(), ")");
+      TANDEM_CHECK_KIND(kInvalidArgument,
+                        d.head_dim == g.head_dim && d.num_layers == g.num_layers &&
+                            d.num_tokens == req->num_tokens,
+                        at, "geometry differs from this cache's or another destination's");
+      auto slice = plan_head_slice(sharding_, rank_, d.dst_heads);
+      if (!slice) continue;
+      Dest dest;
+      dest.d = d;
+      dest.slice = *slice;
+      req->dests.push_back(std::move(dest));
+    }
+    const int64_t need = (req->num_tokens + g.page_size - 1) / g.page_size;
+    TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(src_pages.size()) >= need, where, ": ",
+                      src_pages.size(), " source pages cannot hold ", req->num_tokens, " tokens");
+    for (int64_t i = 0; i < need; ++i) {
+      const int32_t p = src_pages[static_cast<size_t>(i)];
+      TANDEM_CHECK_KIND(kInvalidArgument, p >= 0 && p < g.num_pages, where, ": source page id ", p,
+                        " out of range [0, ", g.num_pages, ")");
+    }
+    req->sent.assign(static_cast<size_t>(req->num_layers), 0);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      TANDEM_CHECK_KIND(kInvalidArgument, !reqs_.count(request), where, ": already begun");
+    }
+    // Registration (once per receiver) and BEGIN: the receiver checks it expects this rank.
+    for (Dest& dest : req->dests) {
+      const KvGeometry& rg = (dest.peer = peer(dest.d.dst_address))->geometry;
+      TANDEM_CHECK_KIND(kInvalidArgument,
+                        rg.num_kv_heads == dest.d.dst_heads.size() && rg.head_dim == g.head_dim &&
+                            rg.num_layers == g.num_layers && rg.page_size == dest.d.page_size,
+                        where, ": the receiver at ", dest.d.dst_address,
+                        " has another geometry than its descriptor");
+      call_begin(*dest.peer, request);
+    }
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    req->d_src = upload(src_pages);
+    for (Dest& dest : req->dests) dest.d_dst = upload(dest.d.dst_pages);
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&req->copied, cudaEventDisableTiming));
+    std::lock_guard<std::mutex> lock(mu_);
+    reqs_[request] = req;
+  }
+
+  void send_layer(const std::string& request, int64_t layer, TokenRange tokens) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = reqs_.find(request);
+    TANDEM_CHECK_KIND(kInvalidArgument, it != reqs_.end(), "send_layer: request '", request,
+                      "' was not begun");
+    Req& r = *it->second;
+    TANDEM_CHECK_KIND(kInvalidArgument, layer >= 0 && layer < r.num_layers, "send_layer: layer ",
+                      layer, " out of range");
+    const int64_t end = tokens.end < 0 ? r.num_tokens : tokens.end;
+    int64_t& sent = r.sent[static_cast<size_t>(layer)];
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      tokens.begin == sent && end > tokens.begin && end <= r.num_tokens,
+                      "send_layer: tokens [", tokens.begin, ", ", end, ") of layer ", layer,
+                      " do not follow on from ", sent);
+    sent = end;
+    if (r.failed || r.dests.empty()) return;
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    // The copies start once the model's write of this layer is done (stream order).
+    cudaEvent_t written = nullptr;
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&written, cudaEventDisableTiming));
+    TANDEM_CUDA_CHECK(cudaEventRecord(written, model_stream_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written, 0));
+    TANDEM_CUDA_CHECK(cudaEventDestroy(written));
+    const KvGeometry& g = cache_.geometry();
+    for (const Dest& dest : r.dests) {
+      if (dest.cancelled || !dest.peer->sock.alive) continue;
+      transfer::cuda::KvCopyParams p{};
+      p.src = reinterpret_cast<const uint16_t*>(base_ + layer * stride_);
+      p.dst = reinterpret_cast<uint16_t*>(dest.peer->base + layer * dest.peer->stride);
+      p.src_table = r.d_src;
+      p.dst_table = dest.d_dst;
+      p.token_begin = tokens.begin;
+      p.token_end = end;
+      p.src_heads = static_cast<int32_t>(g.num_kv_heads);
+      p.dst_heads = static_cast<int32_t>(dest.peer->geometry.num_kv_heads);
+      p.src_head_offset = static_cast<int32_t>(dest.slice.src_offset);
+      p.dst_head_offset = static_cast<int32_t>(dest.slice.dst_offset);
+      p.num_heads = static_cast<int32_t>(dest.slice.num_heads());
+      p.src_page_size = static_cast<int32_t>(g.page_size);
+      p.dst_page_size = static_cast<int32_t>(dest.peer->geometry.page_size);
+      p.head_dim = static_cast<int32_t>(g.head_dim);
+      transfer::cuda::kv_copy_launch(p, copy_stream_);
+    }
+    TANDEM_CUDA_CHECK(cudaEventRecord(r.copied, copy_stream_));
+  }
+
+  void finish(const std::string& request, int32_t first_token, float logprob) override {
+    std::shared_ptr<Req> r = take(request, /*check_whole=*/true);
+    if (!r) return;
+    // Once the copies completed: FINISH to every destination.
+    post([this, r, first_token, logprob] {
+      (void)cudaEventSynchronize(r->copied);
+      bool ok = !r->failed;
+      for (const Dest& dest : r->dests) {
+        if (dest.cancelled) continue;
+        Writer w;
+        w.str(r->id).put<int32_t>(rank_).put(first_token).put(logprob);
+        ok = dest.peer->sock.send(kFinish, w) && ok;
+      }
+      done(*r, ok ? "" : "lost the control connection to a KV receiver");
+    });
+  }
+
+  void abort(const std::string& request) override {
+    std::shared_ptr<Req> r = take(request, /*check_whole=*/false);
+    if (!r) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      r->callback_done = true;  // no callback after abort
+    }
+    post([this, r] {
+      (void)cudaEventSynchronize(r->copied);  // drained before the receiver frees the pages
+      for (const Dest& dest : r->dests) {
+        if (dest.cancelled) continue;
+        dest.peer->sock.send(
+            kAbort, Writer().str(r->id).put<int32_t>(rank_).str("aborted by the prefill instance"));
+      }
+      done(*r, "");
+    });
+  }
+
+ private:
+  struct Peer {
+    std::string address;
+    Socket sock;
+    std::thread reader;
+    PoolInfo info{};
+    KvGeometry geometry;
+    uint8_t* base = nullptr;
+    int64_t stride = 0;
+    bool mapped = false;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool hello = false;
+    std::map<std::string, std::pair<bool, std::string>> begun;  // BEGIN replies
+  };
+  struct Dest {
+    TransferDescriptor d;
+    HeadSlice slice;
+    std::shared_ptr<Peer> peer;
+    int32_t* d_dst = nullptr;
+    bool cancelled = false;
+  };
+  struct Req {
+    std::string id;
+    std::vector<Dest> dests;
+    int32_t* d_src = nullptr;
+    std::vector<int64_t> sent;
+    int64_t num_tokens = 0, num_layers = 0;
+    cudaEvent_t copied = nullptr;
+    bool failed = false;
+    bool callback_done = false;
+  };
+
+  int32_t* upload(const std::vector<int32_t>& table) {
+    int32_t* d = nullptr;
+    TANDEM_CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(1, table.size()) * sizeof(int32_t)));
+    TANDEM_CUDA_CHECK(
+        cudaMemcpy(d, table.data(), table.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    return d;
+  }
+  static void free_tables(Req& r) {
+    if (r.d_src) (void)cudaFree(r.d_src);
+    for (Dest& d : r.dests) {
+      if (d.d_dst) (void)cudaFree(d.d_dst);
+    }
+    if (r.copied) (void)cudaEventDestroy(r.copied);
+    r.d_src = nullptr;
+    r.copied = nullptr;
+    for (Dest& d : r.dests) d.d_dst = nullptr;
+  }
+
+  // Removes a begun request; the model stream then waits for its copies (its pages may be
+  // reused by the next forward only after them).
+  std::shared_ptr<Req> take(const std::string& request, bool check_whole) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = reqs_.find(request);
+    if (it == reqs_.end()) return nullptr;
+    std::shared_ptr<Req> r = it->second;
+    if (check_whole && !r->failed) {
+      for (int64_t l = 0; l < r->num_layers; ++l) {
+        TANDEM_CHECK_KIND(kInvalidArgument, r->sent[static_cast<size_t>(l)] == r->num_tokens,
+                          "finish: layer ", l, " of request '", request, "' is not whole");
+      }
+    }
+    reqs_.erase(it);
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(model_stream_, r->copied, 0));
+    return r;
+  }
+
+  void done(Req& r, const std::string& error) {
+    (void)cudaSetDevice(device_);
+    free_tables(r);
+    bool cb;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cb = !r.callback_done;
+      r.callback_done = true;
+    }
+    if (!cb) return;
+    if (error.empty()) {
+      if (cbs_.on_sent) cbs_.on_sent(r.id);
+    } else if (cbs_.on_error) {
+      cbs_.on_error(r.id, error);
+    }
+  }
+
+  void post(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(work_mu_);
+      work_.push_back(std::move(fn));
+    }
+    work_cv_.notify_one();
+  }
+
+  void work_loop() {
+    (void)cudaSetDevice(device_);
+    std::unique_lock<std::mutex> lock(work_mu_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stop_ || !work_.empty(); });
+      if (work_.empty() && stop_) return;
+      auto fn = std::move(work_.front());
+      work_.pop_front();
+      lock.unlock();
+      try {
+        fn();
+      } catch (...) {
+      }
+      lock.lock();
+    }
+  }
+
+  // The control connection to a receiver, made and registered at first use.
+  std::shared_ptr<Peer> peer(const std::string& address) {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    {
+      std::lock_guard<std::mutex> l2(mu_);
+      auto it = peers_.find(address);
+      if (it != peers_.end() && it->second->sock.alive) return it->second;
+      if (it != peers_.end()) peers_.erase(it);  // (its reader ends by itself)
+    }
+    auto p = std::make_shared<Peer>();
+    p->address = address;
+    p->sock.fd = connect_to(address, opts_.control_timeout);
+    p->reader = std::thread([this, p] { read_peer(p); });
+    p->sock.send(kHello, Writer());
+    {
+      std::unique_lock<std::mutex> pl(p->mu);
+      if (!p->cv.wait_for(pl, opts_.control_timeout, [&] { return p->hello || !p->sock.alive; }) ||
+          !p->hello) {
+        pl.unlock();
+        p->sock.shutdown();
+        p->reader.join();
+        TANDEM_THROW(kIo, "KV receiver ", address, " did not answer the registration");
+      }
+    }
+    const PoolInfo& in = p->info;
+    p->geometry = {in.num_layers, in.num_pages, in.num_kv_heads, in.page_size, in.head_dim};
+    p->geometry.dtype = DType::kBF16;
+    p->stride = in.layer_stride;
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    if (in.pid == ::getpid()) {
+      p->base = reinterpret_cast<uint8_t*>(in.base);
+    } else {
+      void* mapped = nullptr;
+      const cudaError_t st =
+          cudaIpcOpenMemHandle(&mapped, in.handle, cudaIpcMemLazyEnablePeerAccess);
+      if (st != cudaSuccess) {
+        (void)cudaGetLastError();
+        p->sock.shutdown();
+        p->reader.join();
+        TANDEM_THROW(kIo, "cannot map the KV pool of receiver ", address,
+                     " (CUDA IPC: ", cudaGetErrorString(st), "): is it on another host?");
+      }
+      p->base = static_cast<uint8_t*>(mapped);
+      p->mapped = true;
+    }
+    std::lock_guard<std::mutex> l2(mu_);
+    peers_[address] = p;
+    return p;
+  }
+
+  void call_begin(Peer& p, const std::string& id) {
+    TANDEM_CHECK_KIND(kIo, p.sock.send(kBegin, Writer().str(id).put<int32_t>(rank_)),
+                      "lost the control connection to KV receiver ", p.address);
+    std::unique_lock<std::mutex> lock(p.mu);
+    const bool answered = p.cv.wait_for(lock, opts_.control_timeout,
+                                        [&] { return p.begun.count(id) || !p.sock.alive; });
+    TANDEM_CHECK_KIND(kIo, answered && p.begun.count(id), "KV receiver ", p.address,
+                      " did not answer BEGIN of request '", id, "'");
+    auto [ok, msg] = p.begun[id];
+    p.begun.erase(id);
+    TANDEM_CHECK_KIND(kInvalidArgument, ok, "KV receiver refused request '", id, "': ", msg);
+  }
+
+  void read_peer(std::shared_ptr<Peer> p) {
+    uint32_t type = 0;
+    std::vector<uint8_t> body;
+    while (p->sock.recv(type, body)) {
+      try {
+        Reader rd(body);
+        if (type == kHelloReply) {
+          std::lock_guard<std::mutex> lock(p->mu);
+          p->info = rd.get<PoolInfo>();
+          p->hello = true;
+          p->cv.notify_all();
+        } else if (type == kBeginReply) {
+          const std::string id = rd.str();
+          const bool ok = rd.get<uint8_t>() != 0;
+          const std::string msg = rd.str();
+          std::lock_guard<std::mutex> lock(p->mu);
+          p->begun[id] = {ok, msg};
+          p->cv.notify_all();
+        } else if (type == kCancel) {
+          const std::string id = rd.str();
+          std::shared_ptr<Req> r;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = reqs_.find(id);
+            if (it != reqs_.end()) {
+              r = it->second;
+              for (Dest& d : r->dests) {
+                if (d.peer == p) d.cancelled = true;
+              }
+            }
+          }
+          // Copies already enqueued for it finish before the receiver hears back.
+          (void)cudaSetDevice(device_);
+          (void)cudaStreamSynchronize(copy_stream_);
+          p->sock.send(kCancelAck, Writer().str(id));
+          if (r) error_once(*r, "the KV receiver at " + p->address + " cancelled the request");
+        }
+      } catch (const std::exception&) {
+        break;
+      }
+    }
+    p->sock.alive = false;
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      p->cv.notify_all();
+    }
+    // Lost: the requests with a destination there fail.
+    std::vector<std::shared_ptr<Req>> lost;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, r] : reqs_) {
+        for (const Dest& d : r->dests) {
+          if (d.peer == p) {
+            lost.push_back(r);
+            break;
+          }
+        }
+      }
+    }
+    for (auto& r : lost) error_once(*r, "lost the control connection to KV receiver " + p->address);
+  }
+
+  void error_once(Req& r, const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      r.failed = true;
+      if (r.callback_done) return;
+      r.callback_done = true;
+    }
+    if (cbs_.on_error) cbs_.on_error(r.id, why);
+  }
+
+  KvCache& cache_;
+  KvSharding sharding_;
+  int rank_;
+  SenderCallbacks cbs_;
+  CudaIpcOptions opts_;
+  uint8_t* base_ = nullptr;
+  int64_t stride_ = 0;
+  int device_ = 0;
+  cudaStream_t model_stream_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;
+  std::mutex peers_mu_;  // serialises connecting
+  std::mutex mu_;        // reqs_, peers_, Req fields
+  std::map<std::string, std::shared_ptr<Peer>> peers_;
+  std::unordered_map<std::string, std::shared_ptr<Req>> reqs_;
+  std::mutex work_mu_;
+  std::condition_variable work_cv_;
+  std::deque<std::function<void()>> work_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+class CudaIpcBackend final : public TransferBackend {
+ public:
+  explicit CudaIpcBackend(CudaIpcOptions opts) : opts_(std::move(opts)) {}
+  std::string_view name() const override { return "cuda-ipc"; }
+  std::unique_ptr<TransferSender> make_sender(const KvCache& cache, const KvSharding& sharding,
+                                              int rank, SenderCallbacks callbacks) override {
+    return std::make_unique<IpcSender>(cache, sharding, rank, std::move(callbacks), opts_);
+  }
+  std::unique_ptr<TransferReceiver> make_receiver(KvCache& cache,
+                                                  ReceiverCallbacks callbacks) override {
+    return std::make_unique<IpcReceiver>(cache, std::move(callbacks), opts_);
+  }
+
+ private:
+  CudaIpcOptions opts_;
+};
+
+}  // namespace
+
+std::unique_ptr<TransferBackend> make_cuda_ipc_backend(CudaIpcOptions options) {
+  return std::make_unique<CudaIpcBackend>(std::move(options));
+}
+
+}  // namespace tandem::transfer

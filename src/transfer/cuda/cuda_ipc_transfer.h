@@ -1,0 +1,46 @@
+// The device transfer backend within a host: KV pages move from the prefill ranks' device
+// pools straight into the decode ranks' reserved device pages over CUDA IPC (a peer GPU's
+// memory mapped into the sender, NVLink; or the same GPU when instances share one), with the
+// head split / merge of transfer/head_map.h done by the copy kernel (kv_copy.h).
+//
+// Registration is once per (sender process, receiver): at the first request a sender connects
+// to the receiver's control address (TCP), gets its pool's IPC handle and geometry and maps it;
+// every later request to that receiver reuses the mapping. Per request:
+//   begin      BEGIN over the control connection (the receiver checks it expects this rank);
+//              the page tables go to the device.
+//   send_layer the copy of layer l's head run waits for the model's KV write of layer l (an
+//              event on KvCache::device_stream()) on the sender's copy stream, then runs:
+//              the prefill forward goes on with layer l + 1 meanwhile (no host sync).
+//   finish     the model stream waits for the copies (the pages stay unchanged until then);
+//              once the copies completed, FINISH(first token) tells the receiver, which
+//              completes the request when every sending rank's FINISH arrived.
+// Failure isolation as the TCP backend: a lost control connection fails the requests that
+// began on it, on both sides; the receiver times a request out `timeout` after expect();
+// cancel() on the receiver makes each sender that began the request stop and drain its copies
+// before it returns (so no write reaches the pages afterwards).
+// Same process (tests): the receiver's pool pointer is used directly (IPC handles do not open
+// in the process that made them).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "transfer/transfer.h"
+
+namespace tandem::transfer {
+
+struct CudaIpcOptions {
+  std::string bind_host = "127.0.0.1";  // receivers' control listeners
+  std::string advertise_host;           // host in address(); empty: bind_host
+  /// Receiver: a request not complete this long after expect() fails (covers prefill queueing).
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  /// Control round trips (connect, BEGIN, CANCEL) fail after this.
+  std::chrono::milliseconds control_timeout{std::chrono::seconds(10)};
+};
+
+/// The "cuda-ipc" backend. Caches must be device bf16 pools made by a GPU model
+/// (Model::make_kv_cache), one allocation for all layers.
+std::unique_ptr<TransferBackend> make_cuda_ipc_backend(CudaIpcOptions options = {});
+
+}  // namespace tandem::transfer
