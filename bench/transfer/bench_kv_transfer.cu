@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -156,11 +157,21 @@ int main(int argc, char** argv) {
         const auto t0 = Clock::now();
         cudaEvent_t last = nullptr;
         TANDEM_CUDA_CHECK(cudaEventCreate(&last));
-        for (int64_t l = 0; l < layers; ++l) {
-          if (with_compute)
+        if (with_compute) {
+          for (int64_t l = 0; l < layers; ++l) {
             spin_kernel<<<1, 32, 0, model_stream>>>(static_cast<long long>(clock_khz));
-          for (auto& tx : txs)
-            for (auto& id : ids) tx->send_layer(id, l);
+            for (auto& tx : txs)
+              for (auto& id : ids) tx->send_layer(id, l);
+          }
+        } else {  // each sender on its own thread, as prefill ranks are their own processes
+          std::vector<std::thread> threads;
+          for (auto& tx : txs) {
+            threads.emplace_back([&, t = tx.get()] {
+              for (int64_t l = 0; l < layers; ++l)
+                for (auto& id : ids) t->send_layer(id, l);
+            });
+          }
+          for (auto& t : threads) t.join();
         }
         TANDEM_CUDA_CHECK(cudaEventRecord(last, model_stream));
         for (auto& tx : txs)

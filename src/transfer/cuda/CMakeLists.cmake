@@ -1,10 +1,10 @@
-# The device KV transfer backend (CUDA IPC within a host), its test and benchmark. Included
-# from the top-level CMakeLists.txt (CUDA only).
-#   tandem_transfer_cuda   make_cuda_ipc_backend(), the kv_copy kernel
-#   test_transfer_cuda     kv_copy vs its CPU reference; sender -> receiver across two
-#                          processes on one GPU (skips without a GPU)
-#   bench_kv_transfer      a 6000-token Qwen3-235B-shaped KV: GB/s beside cudaMemcpy D2D
-if(TANDEM_HAS_CUDA)
+#The device KV transfer backend(CUDA IPC within a host), its test and benchmark.Included
+#from the top - level CMakeLists.txt(CUDA only).
+#tandem_transfer_cuda make_cuda_ipc_backend(), the kv_copy kernel
+#test_transfer_cuda kv_copy vs its CPU reference; sender->receiver across two
+#processes on one GPU(skips without a GPU)
+#bench_kv_transfer a 6000 - token Qwen3 - 235B - shaped KV : GB / s beside cudaMemcpy D2D
+if (TANDEM_HAS_CUDA)
   file(GLOB TANDEM_TRANSFER_CUDA_SRCS CONFIGURE_DEPENDS
     ${CMAKE_SOURCE_DIR}/src/transfer/cuda/*.cpp ${CMAKE_SOURCE_DIR}/src/transfer/cuda/*.cu)
   add_library(tandem_transfer_cuda STATIC ${TANDEM_TRANSFER_CUDA_SRCS})

@@ -539,6 +539,7 @@ class IpcSender final : public TransferSender {
         " heads, the sharding ", sharding_.held(rank).size());
     TANDEM_CUDA_CHECK(cudaSetDevice(device_));
     TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&written_, cudaEventDisableTiming));
     worker_ = std::thread([this] { work_loop(); });
   }
 
@@ -563,6 +564,7 @@ class IpcSender final : public TransferSender {
       if (p->reader.joinable()) p->reader.join();
       if (p->mapped && p->info.pid != ::getpid()) (void)cudaIpcCloseMemHandle(p->base);
     }
+    (void)cudaEventDestroy(written_);
     (void)cudaStreamDestroy(copy_stream_);
   }
 
@@ -641,31 +643,34 @@ class IpcSender final : public TransferSender {
     if (r.failed || r.dests.empty()) return;
     TANDEM_CUDA_CHECK(cudaSetDevice(device_));
     // The copies start once the model's write of this layer is done (stream order).
-    cudaEvent_t written = nullptr;
-    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&written, cudaEventDisableTiming));
-    TANDEM_CUDA_CHECK(cudaEventRecord(written, model_stream_));
-    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written, 0));
-    TANDEM_CUDA_CHECK(cudaEventDestroy(written));
+    TANDEM_CUDA_CHECK(cudaEventRecord(written_, model_stream_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written_, 0));
     const KvGeometry& g = cache_.geometry();
+    transfer::cuda::KvCopyParams p{};
+    p.src = reinterpret_cast<const uint16_t*>(base_ + layer * stride_);
+    p.src_table = r.d_src;
+    p.token_begin = tokens.begin;
+    p.token_end = end;
+    p.src_heads = static_cast<int32_t>(g.num_kv_heads);
+    p.src_page_size = static_cast<int32_t>(g.page_size);
+    p.head_dim = static_cast<int32_t>(g.head_dim);
+    // Every destination of the layer in one launch (up to kKvCopyMaxDests at a time).
     for (const Dest& dest : r.dests) {
       if (dest.cancelled || !dest.peer->sock.alive) continue;
-      transfer::cuda::KvCopyParams p{};
-      p.src = reinterpret_cast<const uint16_t*>(base_ + layer * stride_);
-      p.dst = reinterpret_cast<uint16_t*>(dest.peer->base + layer * dest.peer->stride);
-      p.src_table = r.d_src;
-      p.dst_table = dest.d_dst;
-      p.token_begin = tokens.begin;
-      p.token_end = end;
-      p.src_heads = static_cast<int32_t>(g.num_kv_heads);
-      p.dst_heads = static_cast<int32_t>(dest.peer->geometry.num_kv_heads);
-      p.src_head_offset = static_cast<int32_t>(dest.slice.src_offset);
-      p.dst_head_offset = static_cast<int32_t>(dest.slice.dst_offset);
-      p.num_heads = static_cast<int32_t>(dest.slice.num_heads());
-      p.src_page_size = static_cast<int32_t>(g.page_size);
-      p.dst_page_size = static_cast<int32_t>(dest.peer->geometry.page_size);
-      p.head_dim = static_cast<int32_t>(g.head_dim);
-      transfer::cuda::kv_copy_launch(p, copy_stream_);
+      transfer::cuda::KvCopyDest& d = p.dests[p.num_dests++];
+      d.dst = reinterpret_cast<uint16_t*>(dest.peer->base + layer * dest.peer->stride);
+      d.dst_table = dest.d_dst;
+      d.dst_heads = static_cast<int32_t>(dest.peer->geometry.num_kv_heads);
+      d.dst_head_offset = static_cast<int32_t>(dest.slice.dst_offset);
+      d.src_head_offset = static_cast<int32_t>(dest.slice.src_offset);
+      d.num_heads = static_cast<int32_t>(dest.slice.num_heads());
+      d.dst_page_size = static_cast<int32_t>(dest.peer->geometry.page_size);
+      if (p.num_dests == transfer::cuda::kKvCopyMaxDests) {
+        transfer::cuda::kv_copy_launch(p, copy_stream_);
+        p.num_dests = 0;
+      }
     }
+    transfer::cuda::kv_copy_launch(p, copy_stream_);
     TANDEM_CUDA_CHECK(cudaEventRecord(r.copied, copy_stream_));
   }
 
@@ -961,8 +966,9 @@ class IpcSender final : public TransferSender {
   int device_ = 0;
   cudaStream_t model_stream_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;
-  std::mutex peers_mu_;  // serialises connecting
-  std::mutex mu_;        // reqs_, peers_, Req fields
+  cudaEvent_t written_ = nullptr;  // reused: "the model wrote this layer" (send_layer, under mu_)
+  std::mutex peers_mu_;            // serialises connecting
+  std::mutex mu_;                  // reqs_, peers_, Req fields
   std::map<std::string, std::shared_ptr<Peer>> peers_;
   std::unordered_map<std::string, std::shared_ptr<Req>> reqs_;
   std::mutex work_mu_;

@@ -10,73 +10,104 @@ namespace tandem::transfer::cuda {
 
 namespace {
 
-__device__ __host__ inline int64_t pool_index(int64_t page, int kv, int64_t head, int64_t slot,
-                                              int64_t heads, int64_t page_size, int64_t head_dim) {
-  return (((page * 2 + kv) * heads + head) * page_size + slot) * head_dim;
-}
+constexpr int kThreads = 256;
+constexpr int kBatch = 4;  // 16-byte loads in flight per thread before the stores
 
-// One thread per 16 bytes; consecutive threads walk consecutive tokens of one (k|v, head), so
-// reads and writes stay contiguous inside a page.
-__global__ void kv_copy_kernel(KvCopyParams p) {
-  const int64_t vec_per_row = p.head_dim / 8;
-  const int64_t ntok = p.token_end - p.token_begin;
-  const int64_t total = ntok * 2 * p.num_heads * vec_per_row;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t v = i % vec_per_row;
-    const int64_t r = i / vec_per_row;
-    const int64_t tok = p.token_begin + r % ntok;
-    const int64_t kvh = r / ntok;
-    const int64_t h = kvh % p.num_heads;
-    const int kv = static_cast<int>(kvh / p.num_heads);
-    const int64_t sp = p.src_table[tok / p.src_page_size], dp = p.dst_table[tok / p.dst_page_size];
-    const int64_t s = pool_index(sp, kv, p.src_head_offset + h, tok % p.src_page_size, p.src_heads,
-                                 p.src_page_size, p.head_dim);
-    const int64_t d = pool_index(dp, kv, p.dst_head_offset + h, tok % p.dst_page_size, p.dst_heads,
-                                 p.dst_page_size, p.head_dim);
-    reinterpret_cast<uint4*>(p.dst + d)[v] = reinterpret_cast<const uint4*>(p.src + s)[v];
+// One block per (source page slot, k|v, destination): the slot's tokens of every moved head.
+// Within a head the source rows are contiguous; each destination row is found through its
+// page table (page sizes may differ). 32-bit index math except the pool offsets.
+__global__ void __launch_bounds__(kThreads) kv_copy_kernel(const __grid_constant__ KvCopyParams p) {
+  const KvCopyDest& d = p.dests[blockIdx.z];
+  const int sps = p.src_page_size, dps = d.dst_page_size, vpr = p.head_dim >> 3;
+  const int64_t slot = p.token_begin / sps + blockIdx.x;
+  const int kv = static_cast<int>(blockIdx.y);
+  const int t0 = static_cast<int>(max(slot * sps, p.token_begin));
+  const int t1 = static_cast<int>(min((slot + 1) * sps, p.token_end));
+  const int per_head = (t1 - t0) * vpr;
+  const int total = per_head * d.num_heads;
+  const int64_t sp = p.src_table[slot];
+  const uint4* src = reinterpret_cast<const uint4*>(p.src) +
+                     ((sp * 2 + kv) * p.src_heads + d.src_head_offset) * int64_t{sps} * vpr;
+  const int first = t0 - static_cast<int>(slot) * sps;  // row of t0 in the source page
+  for (int base = threadIdx.x; base < total; base += kThreads * kBatch) {
+    uint4 v[kBatch];
+    int idx[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      idx[j] = base + j * kThreads;
+      if (idx[j] < total) {
+        const int h = idx[j] / per_head, r = idx[j] - h * per_head;
+        const int tl = r / vpr, c = r - tl * vpr;
+        v[j] = src[(h * sps + first + tl) * vpr + c];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (idx[j] < total) {
+        const int h = idx[j] / per_head, r = idx[j] - h * per_head;
+        const int tl = r / vpr, c = r - tl * vpr;
+        const int t = t0 + tl;
+        const int64_t dp = d.dst_table[t / dps];
+        uint4* dst =
+            reinterpret_cast<uint4*>(d.dst) +
+            (((dp * 2 + kv) * d.dst_heads + d.dst_head_offset + h) * int64_t{dps} + t % dps) * vpr;
+        dst[c] = v[j];
+      }
+    }
   }
 }
 
 void check(const KvCopyParams& p) {
   TANDEM_CHECK_KIND(kInvalidArgument, p.head_dim > 0 && p.head_dim % 8 == 0, "kv_copy: head_dim ",
                     p.head_dim, " is not a multiple of 8");
+  TANDEM_CHECK_KIND(kInvalidArgument, p.num_dests >= 0 && p.num_dests <= kKvCopyMaxDests,
+                    "kv_copy: ", p.num_dests, " destinations (at most ", kKvCopyMaxDests, ")");
   TANDEM_CHECK_KIND(kInvalidArgument,
-                    p.num_heads > 0 && p.src_head_offset >= 0 && p.dst_head_offset >= 0 &&
-                        p.src_head_offset + p.num_heads <= p.src_heads &&
-                        p.dst_head_offset + p.num_heads <= p.dst_heads,
-                    "kv_copy: heads [", p.src_head_offset, ", +", p.num_heads, ") of ", p.src_heads,
-                    " -> [", p.dst_head_offset, ", +", p.num_heads, ") of ", p.dst_heads);
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    p.token_begin >= 0 && p.token_begin <= p.token_end && p.src_page_size > 0 &&
-                        p.dst_page_size > 0,
+                    p.token_begin >= 0 && p.token_begin <= p.token_end && p.src_page_size > 0,
                     "kv_copy: bad token range or page size");
+  for (int i = 0; i < p.num_dests; ++i) {
+    const KvCopyDest& d = p.dests[i];
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      d.num_heads > 0 && d.src_head_offset >= 0 && d.dst_head_offset >= 0 &&
+                          d.src_head_offset + d.num_heads <= p.src_heads &&
+                          d.dst_head_offset + d.num_heads <= d.dst_heads && d.dst_page_size > 0,
+                      "kv_copy: heads [", d.src_head_offset, ", +", d.num_heads, ") of ",
+                      p.src_heads, " -> [", d.dst_head_offset, ", +", d.num_heads, ") of ",
+                      d.dst_heads);
+  }
 }
 
 }  // namespace
 
 void kv_copy_launch(const KvCopyParams& p, void* stream) {
   check(p);
-  const int64_t total = (p.token_end - p.token_begin) * 2 * p.num_heads * (p.head_dim / 8);
-  if (total == 0) return;
-  constexpr int kThreads = 256;
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 132 * 16);
-  kv_copy_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p);
+  if (p.token_end == p.token_begin || p.num_dests == 0) return;
+  const int64_t slots = (p.token_end - 1) / p.src_page_size - p.token_begin / p.src_page_size + 1;
+  const dim3 grid(static_cast<unsigned>(slots), 2, static_cast<unsigned>(p.num_dests));
+  kv_copy_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void kv_copy_reference(const KvCopyParams& p) {
   check(p);
-  for (int64_t tok = p.token_begin; tok < p.token_end; ++tok) {
-    const int64_t sp = p.src_table[tok / p.src_page_size], dp = p.dst_table[tok / p.dst_page_size];
-    for (int kv = 0; kv < 2; ++kv) {
-      for (int64_t h = 0; h < p.num_heads; ++h) {
-        const int64_t s = pool_index(sp, kv, p.src_head_offset + h, tok % p.src_page_size,
-                                     p.src_heads, p.src_page_size, p.head_dim);
-        const int64_t d = pool_index(dp, kv, p.dst_head_offset + h, tok % p.dst_page_size,
-                                     p.dst_heads, p.dst_page_size, p.head_dim);
-        std::copy(p.src + s, p.src + s + p.head_dim, p.dst + d);
+  const int64_t hd = p.head_dim;
+  for (int i = 0; i < p.num_dests; ++i) {
+    const KvCopyDest& d = p.dests[i];
+    for (int64_t tok = p.token_begin; tok < p.token_end; ++tok) {
+      const int64_t sp = p.src_table[tok / p.src_page_size],
+                    dp = d.dst_table[tok / d.dst_page_size];
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int64_t h = 0; h < d.num_heads; ++h) {
+          const int64_t s =
+              (((sp * 2 + kv) * p.src_heads + d.src_head_offset + h) * p.src_page_size +
+               tok % p.src_page_size) *
+              hd;
+          const int64_t o =
+              (((dp * 2 + kv) * d.dst_heads + d.dst_head_offset + h) * d.dst_page_size +
+               tok % d.dst_page_size) *
+              hd;
+          std::copy(p.src + s, p.src + s + hd, d.dst + o);
+        }
       }
     }
   }

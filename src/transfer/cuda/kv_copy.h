@@ -1,7 +1,8 @@
-// Copies a head run of a request's KV pages from one HND pool into another (device memory,
-// possibly a peer's: CUDA IPC), token by token, so the two sides may differ in page size, in
-// the heads they hold and in page ids: the device path of the transfer engine's head split /
-// merge (transfer/head_map.h). Framework-free: a params struct in, a stream.
+// Copies head runs of a request's KV pages from one HND pool into one or more others (device
+// memory, possibly a peer's: CUDA IPC), token by token, so the sides may differ in page size,
+// in the heads they hold and in page ids: the device path of the transfer engine's head split /
+// merge (transfer/head_map.h). One launch serves up to kKvCopyMaxDests destinations (a split
+// to several decode ranks is one kernel per layer). Framework-free: a params struct in, a stream.
 // CPU reference: kv_copy_reference (same params over host memory).
 #pragma once
 
@@ -9,26 +10,35 @@
 
 namespace tandem::transfer::cuda {
 
-/// One layer's copy. Pools are bf16 [num_pages, 2 (k, v), heads, page_size, head_dim].
-struct KvCopyParams {
-  const uint16_t* src;       // source layer pool (bf16 bits)
-  uint16_t* dst;             // destination layer pool (bf16 bits)
-  const int32_t* src_table;  // [ceil(token_end / src_page_size)] source page of each page slot
-  const int32_t* dst_table;  // [ceil(token_end / dst_page_size)]
-  int64_t token_begin = 0;   // prompt positions [token_begin, token_end) move
-  int64_t token_end = 0;
-  int32_t src_heads = 0;        // heads of the source pool
-  int32_t dst_heads = 0;        // heads of the destination pool
-  int32_t src_head_offset = 0;  // source pool index of the first head moved
-  int32_t dst_head_offset = 0;  // destination pool index of the first head moved
-  int32_t num_heads = 0;        // heads moved
-  int32_t src_page_size = 0;
+constexpr int kKvCopyMaxDests = 8;
+
+/// Where one destination's heads go. Pools are bf16 [num_pages, 2 (k, v), heads, page_size,
+/// head_dim].
+struct KvCopyDest {
+  uint16_t* dst = nullptr;             // destination layer pool (bf16 bits)
+  const int32_t* dst_table = nullptr;  // [ceil(token_end / dst_page_size)] page of each slot
+  int32_t dst_heads = 0;               // heads of the destination pool
+  int32_t dst_head_offset = 0;         // destination pool index of the first head moved
+  int32_t src_head_offset = 0;         // source pool index of the first head moved
+  int32_t num_heads = 0;               // heads moved
   int32_t dst_page_size = 0;
+};
+
+/// One layer's copy to every destination.
+struct KvCopyParams {
+  const uint16_t* src = nullptr;       // source layer pool (bf16 bits)
+  const int32_t* src_table = nullptr;  // [ceil(token_end / src_page_size)]
+  int64_t token_begin = 0;             // prompt positions [token_begin, token_end) move
+  int64_t token_end = 0;
+  int32_t src_heads = 0;  // heads of the source pool
+  int32_t src_page_size = 0;
   int32_t head_dim = 0;  // multiple of 8 (16-byte rows)
+  int32_t num_dests = 0;
+  KvCopyDest dests[kKvCopyMaxDests];
 };
 
 /// Launches the copy on `stream` (a cudaStream_t). Throws kInvalidArgument for a head_dim that
-/// is not a multiple of 8 or an empty / inverted range of heads.
+/// is not a multiple of 8, a head range outside a pool, or more than kKvCopyMaxDests dests.
 void kv_copy_launch(const KvCopyParams& p, void* stream);
 
 /// The same copy on host memory (the test's reference).

@@ -114,19 +114,21 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
           p.token_begin = tb;
           p.token_end = tokens;
           p.src_heads = src_heads;
-          p.dst_heads = dst_heads;
-          p.src_head_offset = so;
-          p.dst_head_offset = dof;
-          p.num_heads = nh;
           p.src_page_size = sps;
-          p.dst_page_size = dps;
           p.head_dim = hd;
+          p.num_dests = 1;
+          cuda::KvCopyDest& dd = p.dests[0];
+          dd.dst_heads = dst_heads;
+          dd.src_head_offset = so;
+          dd.dst_head_offset = dof;
+          dd.num_heads = nh;
+          dd.dst_page_size = dps;
           // Reference on the host.
           std::vector<uint16_t> want = dst;
           p.src = src.data();
-          p.dst = want.data();
+          dd.dst = want.data();
           p.src_table = st.data();
-          p.dst_table = dt.data();
+          dd.dst_table = dt.data();
           cuda::kv_copy_reference(p);
           // The kernel.
           uint16_t *d_src, *d_dst;
@@ -140,9 +142,9 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
           TANDEM_CUDA_CHECK(cudaMemcpy(d_st, st.data(), st.size() * 4, cudaMemcpyHostToDevice));
           TANDEM_CUDA_CHECK(cudaMemcpy(d_dt, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice));
           p.src = d_src;
-          p.dst = d_dst;
+          dd.dst = d_dst;
           p.src_table = d_st;
-          p.dst_table = d_dt;
+          dd.dst_table = d_dt;
           cuda::kv_copy_launch(p, nullptr);
           std::vector<uint16_t> got(dst.size());
           TANDEM_CUDA_CHECK(cudaMemcpy(got.data(), d_dst, got.size() * 2, cudaMemcpyDeviceToHost));
@@ -156,6 +158,80 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
             std::fprintf(stderr,
                          "trial %d: mismatch (hd %d, heads %d->%d, %d from %d/%d, pages %d/%d)\n",
                          trial, hd, src_heads, dst_heads, nh, so, dof, sps, dps);
+            return 1;
+          }
+        }
+        return 0;
+      },
+      2);
+  EXPECT_EQ(rc, 0);
+}
+
+// A split 4 -> 1+1+1+1 in one launch: each destination its own page size, pages and head.
+TEST(KvCopy, SeveralDestinationsInOneLaunch) {
+  REQUIRE_GPU();
+  const int rc = comm::run_in_child(
+      [] {
+        constexpr int hd = 128, heads = 4, sps = 16;
+        constexpr int64_t tokens = 333, snp = 30;
+        std::vector<uint16_t> src(static_cast<size_t>(snp * 2 * heads * sps * hd));
+        fill_random(src, 7);
+        auto st = random_pages((tokens + sps - 1) / sps, snp, 8);
+        cuda::KvCopyParams p{};
+        p.token_begin = 5;
+        p.token_end = tokens;
+        p.src_heads = heads;
+        p.src_page_size = sps;
+        p.head_dim = hd;
+        p.num_dests = heads;
+        std::vector<std::vector<uint16_t>> want(heads), got(heads);
+        std::vector<std::vector<int32_t>> dt(heads);
+        std::vector<uint16_t*> d_dst(heads);
+        std::vector<int32_t*> d_dt(heads);
+        for (int i = 0; i < heads; ++i) {
+          const int dps = 4 << i;
+          const int64_t dnp = (tokens + dps - 1) / dps + 3;
+          want[i].assign(static_cast<size_t>(dnp * 2 * dps * hd), kPoison);
+          dt[i] = random_pages((tokens + dps - 1) / dps, dnp, 20 + i);
+          cuda::KvCopyDest& d = p.dests[i];
+          d.dst_heads = 1;
+          d.src_head_offset = i;
+          d.num_heads = 1;
+          d.dst_page_size = dps;
+          TANDEM_CUDA_CHECK(cudaMalloc(&d_dst[i], want[i].size() * 2));
+          TANDEM_CUDA_CHECK(
+              cudaMemcpy(d_dst[i], want[i].data(), want[i].size() * 2, cudaMemcpyHostToDevice));
+          TANDEM_CUDA_CHECK(cudaMalloc(&d_dt[i], dt[i].size() * 4));
+          TANDEM_CUDA_CHECK(
+              cudaMemcpy(d_dt[i], dt[i].data(), dt[i].size() * 4, cudaMemcpyHostToDevice));
+        }
+        cuda::KvCopyParams h = p;
+        h.src = src.data();
+        h.src_table = st.data();
+        for (int i = 0; i < heads; ++i) {
+          h.dests[i].dst = want[i].data();
+          h.dests[i].dst_table = dt[i].data();
+        }
+        cuda::kv_copy_reference(h);
+        uint16_t* d_src = nullptr;
+        int32_t* d_st = nullptr;
+        TANDEM_CUDA_CHECK(cudaMalloc(&d_src, src.size() * 2));
+        TANDEM_CUDA_CHECK(cudaMemcpy(d_src, src.data(), src.size() * 2, cudaMemcpyHostToDevice));
+        TANDEM_CUDA_CHECK(cudaMalloc(&d_st, st.size() * 4));
+        TANDEM_CUDA_CHECK(cudaMemcpy(d_st, st.data(), st.size() * 4, cudaMemcpyHostToDevice));
+        p.src = d_src;
+        p.src_table = d_st;
+        for (int i = 0; i < heads; ++i) {
+          p.dests[i].dst = d_dst[i];
+          p.dests[i].dst_table = d_dt[i];
+        }
+        cuda::kv_copy_launch(p, nullptr);
+        for (int i = 0; i < heads; ++i) {
+          got[i].resize(want[i].size());
+          TANDEM_CUDA_CHECK(
+              cudaMemcpy(got[i].data(), d_dst[i], got[i].size() * 2, cudaMemcpyDeviceToHost));
+          if (got[i] != want[i]) {
+            std::fprintf(stderr, "destination %d differs\n", i);
             return 1;
           }
         }
@@ -249,18 +325,19 @@ TEST(CudaIpc, PrefillRanksToDecodeRankAcrossProcesses) {
             for (int64_t l = 0; l < kLayers; ++l) {
               cuda::KvCopyParams p{};
               p.src = s.data() + l * 20 * 2 * 2 * 4 * kHd;
-              p.dst = want.data() + l * 12 * 2 * kHeads * 8 * kHd;
               p.src_table = st.data();
-              p.dst_table = d.dst_pages.data();
               p.token_end = kTokens;
               p.src_heads = 2;
-              p.dst_heads = kHeads;
-              p.src_head_offset = 0;
-              p.dst_head_offset = 2 * pr;
-              p.num_heads = 2;
               p.src_page_size = 4;
-              p.dst_page_size = 8;
               p.head_dim = kHd;
+              p.num_dests = 1;
+              p.dests[0].dst = want.data() + l * 12 * 2 * kHeads * 8 * kHd;
+              p.dests[0].dst_table = d.dst_pages.data();
+              p.dests[0].dst_heads = kHeads;
+              p.dests[0].src_head_offset = 0;
+              p.dests[0].dst_head_offset = 2 * pr;
+              p.dests[0].num_heads = 2;
+              p.dests[0].dst_page_size = 8;
               cuda::kv_copy_reference(p);
             }
           }
