@@ -11,11 +11,12 @@
 //   prefill.submit(req, *dst, on_done);   // KV -> dst; on_done(first) -> decode.prefilled()
 //   // ... tokens stream through `out` from the rank's thread.
 //
-// The ranks run as threads of this process (LocalCommunicator), or one process per rank (a
-// process group, e.g. GlooCommunicator from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT):
-// there rank 0 holds the registry, and each lockstep iteration it broadcasts the commands of
-// the client calls (reserve on rank r, admit, release, abort) and gathers back what each rank
-// produced (reservations with the rank's receiver address, outputs, transfer events, load).
+// The ranks run as threads of this process (a thread-local communicator group) or one process
+// per rank (e.g. Gloo from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); both run the same
+// loop: rank 0 holds the registry, and each lockstep iteration it broadcasts the commands of the
+// client calls (reserve on rank r, admit, release, abort: engine/protocol.h), every rank applies
+// its own and steps, and rank 0 gathers what each rank produced (reservations with the rank's
+// receiver address, outputs, transfer events, load).
 #pragma once
 
 #include <atomic>
@@ -136,55 +137,63 @@ class DecodeInstance final : public DecodeClient {
     StepOutput first;
   };
 
-  struct Group;  // one process per rank
-  void rank_main(int r, comm::Communicator& comm);
+  // Every rank's loop, threads and processes alike: rank 0's commands (the client calls since
+  // the last iteration) to every rank, a step when any rank has work, each rank's report back.
+  void rank_main(Rank& rank);
+  void rank_loop(Rank& rank);
   void init_receivers();
-  // Process group: every process's loop; rank 0's command queue and the ranks' reports.
-  void group_main();
-  void group_loop(comm::Communicator& comm);
   std::vector<uint8_t> take_commands();
   void apply_commands(Rank& rank, const std::vector<DecodeCommand>& cmds);
-  // The one place a rank's TransferDescriptor is made (threads and processes alike).
+  // The one place a rank's TransferDescriptor is made.
   transfer::TransferDescriptor descriptor(Rank& rank, const std::string& address,
                                           const std::string& id, int64_t num_tokens,
                                           const transfer::KvSharding& src,
                                           const std::vector<int32_t>& pages) const;
-  std::vector<uint8_t> take_report();
+  std::vector<uint8_t> take_report(Rank& rank);
   void handle_report(int r, const std::vector<uint8_t>& report);
-  std::optional<transfer::TransferDescriptor> group_accept(const GenRequest& req,
-                                                           const transfer::KvSharding& src,
-                                                           OutputCallback on_output);
+  // Queues a command for the next iteration (rank 0).
+  void queue(DecodeCommand c);
   void release(int r, const std::string& id, std::vector<int32_t> pages, bool cancel);
-  void lockstep_loop(Rank& rank, comm::Communicator& comm);
   // Admits the request if its KV and its first output are both in (called under mu_; the
-  // admission itself runs on the rank's thread).
+  // admission itself runs on the rank in the next iteration).
   void admit_if_ready(const std::string& id);
-  void post(int r, std::function<void(Engine&)> fn);
   // Ends a pending request: cancels its transfer (unless the transfer itself failed: from the
   // receiver's callback, which must not cancel), releases its pages, finishes it.
   void end_pending(const std::string& id, FinishReason reason, const std::string& error,
                    bool cancel_transfer = true);
-  std::shared_ptr<transfer::TransferReceiver> receiver(int rank) const;  // null once killed
+  // Rank 0 after a failure: every accepted and running request ends with `why`.
+  void fail_all(const std::string& why);
+  void stop_ranks();
   OutputCallback guard(OutputCallback cb, const std::string& id);
 
   DecodeInstanceConfig config_;
-  std::vector<std::unique_ptr<comm::Communicator>> comms_;  // rank r's, LocalCommunicator
-  std::vector<std::unique_ptr<Rank>> ranks_;
-  std::vector<std::thread> threads_;
+  std::vector<std::unique_ptr<Rank>> ranks_;  // this process's ranks (all of them as threads)
   int first_rank_ = 0;
-  std::unique_ptr<Group> group_;  // one process per rank; null: ranks as threads
   std::shared_ptr<transfer::TransferBackend> transfer_;
-  mutable std::mutex rx_mu_;  // receivers_ (kill() drops them while others may use them)
-  std::vector<std::shared_ptr<transfer::TransferReceiver>> receivers_;  // one per rank
   std::atomic<bool> stop_{false};
   std::atomic<bool> dead_{false};
-  std::mutex wake_mu_;
-  std::condition_variable wake_cv_;
-  uint64_t wake_seq_ = 0;
 
-  mutable std::mutex mu_;                             // the registry below
-  std::unordered_map<std::string, Pending> pending_;  // request id -> accepted request
-  std::unordered_map<std::string, int> running_ids_;  // request id -> rank
+  // Rank 0 (leader_mu_): the next iteration's commands, accept() calls waiting for their rank's
+  // reservation, the per-rank load as last reported.
+  struct Reservation {
+    bool done = false;
+    DecodeReport::Reservation r;
+  };
+  mutable std::mutex leader_mu_;
+  std::condition_variable cmd_cv_;  // a command was queued
+  std::condition_variable res_cv_;  // a reservation was answered
+  std::vector<DecodeCommand> cmds_;
+  std::unordered_map<std::string, std::shared_ptr<Reservation>> reservations_;
+  std::vector<int64_t> batch_, free_pages_;
+  bool idle_ = false;  // the last iteration stepped no rank
+  std::mutex done_mu_;
+  std::condition_variable done_cv_;
+  int running_ranks_ = 0;  // this process's rank threads still in their loop
+
+  mutable std::mutex mu_;                                      // the registry below (rank 0)
+  std::unordered_map<std::string, Pending> pending_;           // request id -> accepted request
+  std::unordered_map<std::string, int> running_ids_;           // request id -> rank
+  std::unordered_map<std::string, OutputCallback> callbacks_;  // running requests' outputs
 };
 
 }  // namespace tandem
