@@ -20,6 +20,7 @@
 get_filename_component(TANDEM_COMM_ROOT "${CMAKE_CURRENT_LIST_DIR}/../.." ABSOLUTE)
 
 set(TANDEM_COMM_BASE_SRCS ${TANDEM_COMM_ROOT}/src/comm/tcp_store.cpp
+                          ${TANDEM_COMM_ROOT}/src/comm/group_watchdog.cpp
                           ${TANDEM_COMM_ROOT}/src/comm/local_launcher.cpp)
 add_library(tandem_comm_base STATIC ${TANDEM_COMM_BASE_SRCS})
 target_include_directories(tandem_comm_base PUBLIC ${TANDEM_COMM_ROOT}/src)

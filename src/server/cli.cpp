@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "comm/gloo_comm.h"
+#include "comm/group_watchdog.h"
 #include "comm/local_launcher.h"
 #include "comm/tcp_store.h"
 #include "core/error.h"
@@ -282,6 +283,9 @@ int run_local_group(const InstanceArgs& a, const char* ranks_flag,
   return failures.empty() ? 0 : 1;
 }
 
+// This process's rank watchdog (process groups only); disarmed once the instance is stopping.
+std::unique_ptr<comm::GroupWatchdog> g_watchdog;
+
 // A rank > 0 serves until rank 0 stops the group; a signal here ends the process at once
 // (its peers see the group fail).
 template <typename Instance>
@@ -289,6 +293,7 @@ int follow_group(Instance& instance, const sigset_t& signals) {
   std::atomic<bool> group_done{false};
   std::thread([&] {
     instance.wait();
+    g_watchdog.reset();  // a normal stop: rank 0 goes away next
     group_done = true;
     ::kill(::getpid(), SIGTERM);
   }).detach();
@@ -359,7 +364,16 @@ std::unique_ptr<Instance> make_instance(const InstanceArgs& a, Config& cfg, int&
     InstanceArgs per = a;
     per.ranks = ranks;
     choose_parts(per, store, transfer_timeout, cfg.model, cfg.transfer);
-    auto gloo = std::make_unique<comm::GlooCommunicator>(*store);
+    auto gloo = std::make_unique<comm::GlooCommunicator>(*store);  // (every rank is up now)
+    // A dead rank (or rank 0's store gone) is noticed within 2 s, off the data path: the
+    // process exits non-zero, the router sees the instance fail (its requests end with an
+    // error) and the supervisor restarts the group.
+    g_watchdog = std::make_unique<comm::GroupWatchdog>(
+        store, [rank = env.rank](int, const std::string& why) {
+          std::cerr << "tandem: rank " << rank << ": the instance lost a rank (" << why
+                    << "): exiting" << std::endl;
+          std::_Exit(3);
+        });
     return std::make_unique<Instance>(cfg, std::move(gloo));
   }
   choose_parts(a, nullptr, transfer_timeout, cfg.model, cfg.transfer);
@@ -378,6 +392,7 @@ int lead_instance(const InstanceArgs& a, InstanceServer& server, const sigset_t&
             << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
   wait_for_stop_signal(signals);
+  g_watchdog.reset();  // stopping: the other ranks go away next
   server.stop();
   return 0;
 }

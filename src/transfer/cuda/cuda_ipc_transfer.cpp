@@ -671,7 +671,6 @@ class IpcSender final : public TransferSender {
       }
     }
     transfer::cuda::kv_copy_launch(p, copy_stream_);
-    TANDEM_CUDA_CHECK(cudaEventRecord(r.copied, copy_stream_));
   }
 
   void finish(const std::string& request, int32_t first_token, float logprob) override {
@@ -775,6 +774,8 @@ class IpcSender final : public TransferSender {
     }
     reqs_.erase(it);
     TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    // Everything enqueued on the copy stream so far covers this request's copies.
+    TANDEM_CUDA_CHECK(cudaEventRecord(r->copied, copy_stream_));
     TANDEM_CUDA_CHECK(cudaStreamWaitEvent(model_stream_, r->copied, 0));
     return r;
   }
