@@ -104,11 +104,7 @@ GlooCommunicator::GlooCommunicator(TcpStore& store, GlooOptions options,
 
 std::unique_ptr<GlooCommunicator> GlooCommunicator::from_env(GlooOptions options) {
   const RankEnv env = RankEnv::from_env();
-  TcpStoreOptions so;
-  so.host = env.master_addr;
-  so.port = env.master_port;
-  so.rank = env.rank;
-  so.world_size = env.world_size;
+  TcpStoreOptions so = TcpStoreOptions::of(env);
   so.timeout = options.timeout;
   auto store = std::make_unique<TcpStore>(so);
   TcpStore* raw = store.get();

@@ -102,6 +102,15 @@ int parse_int_env(const char* name, const char* fallback) {
 
 }  // namespace
 
+TcpStoreOptions TcpStoreOptions::of(const RankEnv& env) {
+  TcpStoreOptions o;
+  o.host = env.master_addr;
+  o.port = env.master_port;
+  o.rank = env.rank;
+  o.world_size = env.world_size;
+  return o;
+}
+
 RankEnv RankEnv::from_env() {
   RankEnv env;
   env.rank = parse_int_env("RANK", nullptr);

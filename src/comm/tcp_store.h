@@ -34,6 +34,9 @@ struct TcpStoreOptions {
   int world_size = 1;
   /// Bounds connecting, every blocking get() and the barrier.
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+
+  /// The options of rank env.rank in the group env describes (rank 0 at MASTER_ADDR:PORT).
+  static TcpStoreOptions of(const RankEnv& env);
 };
 
 class TcpStoreServer;

@@ -355,12 +355,7 @@ std::unique_ptr<Instance> make_instance(const InstanceArgs& a, Config& cfg, int&
   if (env_world_size() > 1) {
     if (ranks == 1) ranks = env_world_size();
     const comm::RankEnv env = comm::RankEnv::from_env();
-    comm::TcpStoreOptions so;
-    so.host = env.master_addr;
-    so.port = env.master_port;
-    so.rank = env.rank;
-    so.world_size = env.world_size;
-    auto store = std::make_shared<comm::TcpStore>(so);
+    auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
     InstanceArgs per = a;
     per.ranks = ranks;
     choose_parts(per, store, transfer_timeout, cfg.model, cfg.transfer);

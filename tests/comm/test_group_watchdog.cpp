@@ -18,11 +18,7 @@ namespace {
 
 std::shared_ptr<TcpStore> group_store() {
   const RankEnv env = RankEnv::from_env();
-  TcpStoreOptions o;
-  o.host = env.master_addr;
-  o.port = env.master_port;
-  o.rank = env.rank;
-  o.world_size = env.world_size;
+  TcpStoreOptions o = TcpStoreOptions::of(env);
   o.timeout = std::chrono::seconds(10);
   return std::make_shared<TcpStore>(o);
 }

@@ -115,12 +115,7 @@ std::unique_ptr<CudaComm> CudaComm::from_env(const CudaAllReduceConfig& config) 
   TANDEM_CUDA_CHECK(cudaGetDeviceCount(&ndev));
   TANDEM_CHECK_KIND(kInvalidArgument, ndev > 0, "no CUDA device visible");
   const int device = env.local_rank % ndev;
-  TcpStoreOptions opts;
-  opts.host = env.master_addr;
-  opts.port = env.master_port;
-  opts.rank = env.rank;
-  opts.world_size = env.world_size;
-  auto store = std::make_shared<TcpStore>(opts);
+  auto store = std::make_shared<TcpStore>(TcpStoreOptions::of(env));
   return std::make_unique<CudaComm>(std::move(store), device, config);
 }
 

@@ -90,12 +90,7 @@ int check_greedy(const testing::Golden& g, const std::vector<size_t>& cases,
 void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<size_t>& cases,
               int* compared) {
   const comm::RankEnv env = comm::RankEnv::from_env();
-  comm::TcpStoreOptions so;
-  so.host = env.master_addr;
-  so.port = env.master_port;
-  so.rank = env.rank;
-  so.world_size = env.world_size;
-  auto store = std::make_shared<comm::TcpStore>(so);
+  auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
   comm::GlooCommunicator gloo(*store);
   const testing::Golden g = testing::load_golden(dir);
   CudaModelOptions o;

@@ -259,12 +259,7 @@ TEST(CudaIpc, PrefillRanksToDecodeRankAcrossProcesses) {
       3,
       [&](int rank) {
         comm::RankEnv env = comm::RankEnv::from_env();
-        comm::TcpStoreOptions so;
-        so.host = env.master_addr;
-        so.port = env.master_port;
-        so.rank = env.rank;
-        so.world_size = env.world_size;
-        comm::TcpStore store(so);
+        comm::TcpStore store(comm::TcpStoreOptions::of(env));
         auto backend = make_cuda_ipc_backend();
         TransferDescriptor d;
         d.request_id = "a";
