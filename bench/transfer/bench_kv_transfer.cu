@@ -160,15 +160,13 @@ int main(int argc, char** argv) {
         if (with_compute) {
           for (int64_t l = 0; l < layers; ++l) {
             spin_kernel<<<1, 32, 0, model_stream>>>(static_cast<long long>(clock_khz));
-            for (auto& tx : txs)
-              for (auto& id : ids) tx->send_layer(id, l);
+            for (auto& tx : txs) tx->send_layers(ids, l);
           }
         } else {  // each sender on its own thread, as prefill ranks are their own processes
           std::vector<std::thread> threads;
           for (auto& tx : txs) {
             threads.emplace_back([&, t = tx.get()] {
-              for (int64_t l = 0; l < layers; ++l)
-                for (auto& id : ids) t->send_layer(id, l);
+              for (int64_t l = 0; l < layers; ++l) t->send_layers(ids, l);
             });
           }
           for (auto& t : threads) t.join();

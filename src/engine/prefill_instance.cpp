@@ -236,14 +236,18 @@ std::vector<int64_t> PrefillInstance::begin_transfers(Rank& rank, const PrefillS
 
 void PrefillInstance::send_layer(Rank& rank, const PrefillStep& step, int64_t layer,
                                  std::vector<int64_t>& failed) {
+  // Every prompt that ends in this step at once (a device backend: one copy launch).
+  std::vector<std::string> ids;
+  std::vector<size_t> seq_of;
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     if (!step.seqs[i].last || failed[i] > 0) continue;
-    try {
-      rank.sender->send_layer(step.seqs[i].id, layer);
-    } catch (const std::exception&) {
-      failed[i] = 1;
-      rank.sender->abort(step.seqs[i].id);
-    }
+    ids.push_back(step.seqs[i].id);
+    seq_of.push_back(i);
+  }
+  if (ids.empty()) return;
+  for (size_t k : rank.sender->send_layers(ids, layer)) {
+    failed[seq_of[k]] = 1;
+    rank.sender->abort(ids[k]);
   }
 }
 

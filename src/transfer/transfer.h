@@ -117,6 +117,21 @@ class TransferSender {
   /// layer reaches num_tokens. A no-op once the request failed. Throws
   /// Error(kInvalidArgument) on a layer or range that breaks these rules.
   virtual void send_layer(const std::string& request, int64_t layer, TokenRange tokens = {}) = 0;
+  /// The whole of layer `layer` of several requests at once (the prefill forward's hook: every
+  /// prompt that ends in this step); a device backend moves them in one launch. Returns the
+  /// indices of the requests send_layer would have refused (they moved nothing); the others
+  /// went out. The default calls send_layer for each.
+  virtual std::vector<size_t> send_layers(const std::vector<std::string>& requests, int64_t layer) {
+    std::vector<size_t> refused;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      try {
+        send_layer(requests[i], layer);
+      } catch (const std::exception&) {
+        refused.push_back(i);
+      }
+    }
+    return refused;
+  }
   /// Ends the request after its last send_layer: every destination gets the first sampled
   /// token and its logprob. Throws Error(kInvalidArgument) if a layer is not whole.
   virtual void finish(const std::string& request, int32_t first_token, float logprob) = 0;

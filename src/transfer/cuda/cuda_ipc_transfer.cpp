@@ -627,50 +627,25 @@ class IpcSender final : public TransferSender {
 
   void send_layer(const std::string& request, int64_t layer, TokenRange tokens) override {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = reqs_.find(request);
-    TANDEM_CHECK_KIND(kInvalidArgument, it != reqs_.end(), "send_layer: request '", request,
-                      "' was not begun");
-    Req& r = *it->second;
-    TANDEM_CHECK_KIND(kInvalidArgument, layer >= 0 && layer < r.num_layers, "send_layer: layer ",
-                      layer, " out of range");
-    const int64_t end = tokens.end < 0 ? r.num_tokens : tokens.end;
-    int64_t& sent = r.sent[static_cast<size_t>(layer)];
-    TANDEM_CHECK_KIND(kInvalidArgument,
-                      tokens.begin == sent && end > tokens.begin && end <= r.num_tokens,
-                      "send_layer: tokens [", tokens.begin, ", ", end, ") of layer ", layer,
-                      " do not follow on from ", sent);
-    sent = end;
-    if (r.failed || r.dests.empty()) return;
-    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
-    // The copies start once the model's write of this layer is done (stream order).
-    TANDEM_CUDA_CHECK(cudaEventRecord(written_, model_stream_));
-    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written_, 0));
-    const KvGeometry& g = cache_.geometry();
-    transfer::cuda::KvCopyParams p{};
-    p.src = reinterpret_cast<const uint16_t*>(base_ + layer * stride_);
-    p.src_table = r.d_src;
-    p.token_begin = tokens.begin;
-    p.token_end = end;
-    p.src_heads = static_cast<int32_t>(g.num_kv_heads);
-    p.src_page_size = static_cast<int32_t>(g.page_size);
-    p.head_dim = static_cast<int32_t>(g.head_dim);
-    // Every destination of the layer in one launch (up to kKvCopyMaxDests at a time).
-    for (const Dest& dest : r.dests) {
-      if (dest.cancelled || !dest.peer->sock.alive) continue;
-      transfer::cuda::KvCopyDest& d = p.dests[p.num_dests++];
-      d.dst = reinterpret_cast<uint16_t*>(dest.peer->base + layer * dest.peer->stride);
-      d.dst_table = dest.d_dst;
-      d.dst_heads = static_cast<int32_t>(dest.peer->geometry.num_kv_heads);
-      d.dst_head_offset = static_cast<int32_t>(dest.slice.dst_offset);
-      d.src_head_offset = static_cast<int32_t>(dest.slice.src_offset);
-      d.num_heads = static_cast<int32_t>(dest.slice.num_heads());
-      d.dst_page_size = static_cast<int32_t>(dest.peer->geometry.page_size);
-      if (p.num_dests == transfer::cuda::kKvCopyMaxDests) {
-        transfer::cuda::kv_copy_launch(p, copy_stream_);
-        p.num_dests = 0;
+    std::vector<Piece> pieces;
+    take_piece(request, layer, tokens, pieces);
+    launch(pieces, layer);
+  }
+
+  std::vector<size_t> send_layers(const std::vector<std::string>& requests,
+                                  int64_t layer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Piece> pieces;
+    std::vector<size_t> refused;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      try {
+        take_piece(requests[i], layer, {}, pieces);
+      } catch (const std::exception&) {
+        refused.push_back(i);
       }
     }
-    transfer::cuda::kv_copy_launch(p, copy_stream_);
+    launch(pieces, layer);
+    return refused;
   }
 
   void finish(const std::string& request, int32_t first_token, float logprob) override {
@@ -740,6 +715,67 @@ class IpcSender final : public TransferSender {
     bool failed = false;
     bool callback_done = false;
   };
+
+  struct Piece {  // tokens of one request's layer to move
+    Req* req;
+    int64_t begin, end;
+  };
+
+  // Checks and records the next token range of `request`'s layer (under mu_); adds it to
+  // `pieces` unless the request failed or owes nobody.
+  void take_piece(const std::string& request, int64_t layer, TokenRange tokens,
+                  std::vector<Piece>& pieces) {
+    auto it = reqs_.find(request);
+    TANDEM_CHECK_KIND(kInvalidArgument, it != reqs_.end(), "send_layer: request '", request,
+                      "' was not begun");
+    Req& r = *it->second;
+    TANDEM_CHECK_KIND(kInvalidArgument, layer >= 0 && layer < r.num_layers, "send_layer: layer ",
+                      layer, " out of range");
+    const int64_t end = tokens.end < 0 ? r.num_tokens : tokens.end;
+    int64_t& sent = r.sent[static_cast<size_t>(layer)];
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      tokens.begin == sent && end > tokens.begin && end <= r.num_tokens,
+                      "send_layer: tokens [", tokens.begin, ", ", end, ") of layer ", layer,
+                      " of request '", request, "' do not follow on from ", sent);
+    sent = end;
+    if (!r.failed && !r.dests.empty()) pieces.push_back({&r, tokens.begin, end});
+  }
+
+  // One copy launch per kKvCopyMaxDests (request, destination) pairs of layer `layer`, once
+  // the model's write of the layer is done (stream order). Under mu_.
+  void launch(const std::vector<Piece>& pieces, int64_t layer) {
+    if (pieces.empty()) return;
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    TANDEM_CUDA_CHECK(cudaEventRecord(written_, model_stream_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written_, 0));
+    const KvGeometry& g = cache_.geometry();
+    transfer::cuda::KvCopyParams p{};
+    p.src = reinterpret_cast<const uint16_t*>(base_ + layer * stride_);
+    p.src_heads = static_cast<int32_t>(g.num_kv_heads);
+    p.src_page_size = static_cast<int32_t>(g.page_size);
+    p.head_dim = static_cast<int32_t>(g.head_dim);
+    for (const Piece& piece : pieces) {
+      for (const Dest& dest : piece.req->dests) {
+        if (dest.cancelled || !dest.peer->sock.alive) continue;
+        transfer::cuda::KvCopyDest& d = p.dests[p.num_dests++];
+        d.src_table = piece.req->d_src;
+        d.token_begin = piece.begin;
+        d.token_end = piece.end;
+        d.dst = reinterpret_cast<uint16_t*>(dest.peer->base + layer * dest.peer->stride);
+        d.dst_table = dest.d_dst;
+        d.dst_heads = static_cast<int32_t>(dest.peer->geometry.num_kv_heads);
+        d.dst_head_offset = static_cast<int32_t>(dest.slice.dst_offset);
+        d.src_head_offset = static_cast<int32_t>(dest.slice.src_offset);
+        d.num_heads = static_cast<int32_t>(dest.slice.num_heads());
+        d.dst_page_size = static_cast<int32_t>(dest.peer->geometry.page_size);
+        if (p.num_dests == transfer::cuda::kKvCopyMaxDests) {
+          transfer::cuda::kv_copy_launch(p, copy_stream_);
+          p.num_dests = 0;
+        }
+      }
+    }
+    transfer::cuda::kv_copy_launch(p, copy_stream_);
+  }
 
   int32_t* upload(const std::vector<int32_t>& table) {
     int32_t* d = nullptr;

@@ -19,13 +19,14 @@ constexpr int kBatch = 4;  // 16-byte loads in flight per thread before the stor
 __global__ void __launch_bounds__(kThreads) kv_copy_kernel(const __grid_constant__ KvCopyParams p) {
   const KvCopyDest& d = p.dests[blockIdx.z];
   const int sps = p.src_page_size, dps = d.dst_page_size, vpr = p.head_dim >> 3;
-  const int64_t slot = p.token_begin / sps + blockIdx.x;
+  const int64_t slot = d.token_begin / sps + blockIdx.x;
+  if (d.token_end <= d.token_begin || slot * sps >= d.token_end) return;  // (grid: longest dest)
   const int kv = static_cast<int>(blockIdx.y);
-  const int t0 = static_cast<int>(max(slot * sps, p.token_begin));
-  const int t1 = static_cast<int>(min((slot + 1) * sps, p.token_end));
+  const int t0 = static_cast<int>(max(slot * sps, d.token_begin));
+  const int t1 = static_cast<int>(min((slot + 1) * sps, d.token_end));
   const int per_head = (t1 - t0) * vpr;
   const int total = per_head * d.num_heads;
-  const int64_t sp = p.src_table[slot];
+  const int64_t sp = d.src_table[slot];
   const uint4* src = reinterpret_cast<const uint4*>(p.src) +
                      ((sp * 2 + kv) * p.src_heads + d.src_head_offset) * int64_t{sps} * vpr;
   const int first = t0 - static_cast<int>(slot) * sps;  // row of t0 in the source page
@@ -62,11 +63,11 @@ void check(const KvCopyParams& p) {
                     p.head_dim, " is not a multiple of 8");
   TANDEM_CHECK_KIND(kInvalidArgument, p.num_dests >= 0 && p.num_dests <= kKvCopyMaxDests,
                     "kv_copy: ", p.num_dests, " destinations (at most ", kKvCopyMaxDests, ")");
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    p.token_begin >= 0 && p.token_begin <= p.token_end && p.src_page_size > 0,
-                    "kv_copy: bad token range or page size");
+  TANDEM_CHECK_KIND(kInvalidArgument, p.src_page_size > 0, "kv_copy: bad source page size");
   for (int i = 0; i < p.num_dests; ++i) {
     const KvCopyDest& d = p.dests[i];
+    TANDEM_CHECK_KIND(kInvalidArgument, d.token_begin >= 0 && d.token_begin <= d.token_end,
+                      "kv_copy: bad token range [", d.token_begin, ", ", d.token_end, ")");
     TANDEM_CHECK_KIND(kInvalidArgument,
                       d.num_heads > 0 && d.src_head_offset >= 0 && d.dst_head_offset >= 0 &&
                           d.src_head_offset + d.num_heads <= p.src_heads &&
@@ -81,8 +82,15 @@ void check(const KvCopyParams& p) {
 
 void kv_copy_launch(const KvCopyParams& p, void* stream) {
   check(p);
-  if (p.token_end == p.token_begin || p.num_dests == 0) return;
-  const int64_t slots = (p.token_end - 1) / p.src_page_size - p.token_begin / p.src_page_size + 1;
+  int64_t slots = 0;
+  for (int i = 0; i < p.num_dests; ++i) {
+    const KvCopyDest& d = p.dests[i];
+    if (d.token_end > d.token_begin) {
+      slots = std::max(slots,
+                       (d.token_end - 1) / p.src_page_size - d.token_begin / p.src_page_size + 1);
+    }
+  }
+  if (slots == 0) return;
   const dim3 grid(static_cast<unsigned>(slots), 2, static_cast<unsigned>(p.num_dests));
   kv_copy_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   TANDEM_CUDA_CHECK(cudaGetLastError());
@@ -93,8 +101,8 @@ void kv_copy_reference(const KvCopyParams& p) {
   const int64_t hd = p.head_dim;
   for (int i = 0; i < p.num_dests; ++i) {
     const KvCopyDest& d = p.dests[i];
-    for (int64_t tok = p.token_begin; tok < p.token_end; ++tok) {
-      const int64_t sp = p.src_table[tok / p.src_page_size],
+    for (int64_t tok = d.token_begin; tok < d.token_end; ++tok) {
+      const int64_t sp = d.src_table[tok / p.src_page_size],
                     dp = d.dst_table[tok / d.dst_page_size];
       for (int kv = 0; kv < 2; ++kv) {
         for (int64_t h = 0; h < d.num_heads; ++h) {

@@ -2,8 +2,9 @@
 // memory, possibly a peer's: CUDA IPC), token by token, so the sides may differ in page size,
 // in the heads they hold and in page ids: the device path of the transfer engine's head split /
 // merge (transfer/head_map.h). One launch serves up to kKvCopyMaxDests destinations (a split
-// to several decode ranks is one kernel per layer). Framework-free: a params struct in, a stream.
-// CPU reference: kv_copy_reference (same params over host memory).
+// to several decode ranks, or the prompts of several requests, is one kernel per layer).
+// Framework-free: a params struct in, a stream. CPU reference: kv_copy_reference (same params over
+// host memory).
 #pragma once
 
 #include <cstdint>
@@ -12,9 +13,12 @@ namespace tandem::transfer::cuda {
 
 constexpr int kKvCopyMaxDests = 8;
 
-/// Where one destination's heads go. Pools are bf16 [num_pages, 2 (k, v), heads, page_size,
-/// head_dim].
+/// Where one destination's heads go, from which source pages and tokens. Pools are bf16
+/// [num_pages, 2 (k, v), heads, page_size, head_dim].
 struct KvCopyDest {
+  const int32_t* src_table = nullptr;  // [ceil(token_end / src_page_size)] source page of a slot
+  int64_t token_begin = 0;             // prompt positions [token_begin, token_end) move
+  int64_t token_end = 0;
   uint16_t* dst = nullptr;             // destination layer pool (bf16 bits)
   const int32_t* dst_table = nullptr;  // [ceil(token_end / dst_page_size)] page of each slot
   int32_t dst_heads = 0;               // heads of the destination pool
@@ -24,13 +28,11 @@ struct KvCopyDest {
   int32_t dst_page_size = 0;
 };
 
-/// One layer's copy to every destination.
+/// One layer's copy to every destination (of one request or several: each destination has its
+/// own source pages and tokens).
 struct KvCopyParams {
-  const uint16_t* src = nullptr;       // source layer pool (bf16 bits)
-  const int32_t* src_table = nullptr;  // [ceil(token_end / src_page_size)]
-  int64_t token_begin = 0;             // prompt positions [token_begin, token_end) move
-  int64_t token_end = 0;
-  int32_t src_heads = 0;  // heads of the source pool
+  const uint16_t* src = nullptr;  // source layer pool (bf16 bits)
+  int32_t src_heads = 0;          // heads of the source pool
   int32_t src_page_size = 0;
   int32_t head_dim = 0;  // multiple of 8 (16-byte rows)
   int32_t num_dests = 0;

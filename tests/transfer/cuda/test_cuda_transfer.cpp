@@ -111,13 +111,13 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
           fill_random(src, rng());
           auto st = random_pages(sp_need, snp, rng()), dt = random_pages(dp_need, dnp, rng());
           cuda::KvCopyParams p{};
-          p.token_begin = tb;
-          p.token_end = tokens;
           p.src_heads = src_heads;
           p.src_page_size = sps;
           p.head_dim = hd;
           p.num_dests = 1;
           cuda::KvCopyDest& dd = p.dests[0];
+          dd.token_begin = tb;
+          dd.token_end = tokens;
           dd.dst_heads = dst_heads;
           dd.src_head_offset = so;
           dd.dst_head_offset = dof;
@@ -127,7 +127,7 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
           std::vector<uint16_t> want = dst;
           p.src = src.data();
           dd.dst = want.data();
-          p.src_table = st.data();
+          dd.src_table = st.data();
           dd.dst_table = dt.data();
           cuda::kv_copy_reference(p);
           // The kernel.
@@ -143,7 +143,7 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
           TANDEM_CUDA_CHECK(cudaMemcpy(d_dt, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice));
           p.src = d_src;
           dd.dst = d_dst;
-          p.src_table = d_st;
+          dd.src_table = d_st;
           dd.dst_table = d_dt;
           cuda::kv_copy_launch(p, nullptr);
           std::vector<uint16_t> got(dst.size());
@@ -178,8 +178,6 @@ TEST(KvCopy, SeveralDestinationsInOneLaunch) {
         fill_random(src, 7);
         auto st = random_pages((tokens + sps - 1) / sps, snp, 8);
         cuda::KvCopyParams p{};
-        p.token_begin = 5;
-        p.token_end = tokens;
         p.src_heads = heads;
         p.src_page_size = sps;
         p.head_dim = hd;
@@ -194,6 +192,8 @@ TEST(KvCopy, SeveralDestinationsInOneLaunch) {
           want[i].assign(static_cast<size_t>(dnp * 2 * dps * hd), kPoison);
           dt[i] = random_pages((tokens + dps - 1) / dps, dnp, 20 + i);
           cuda::KvCopyDest& d = p.dests[i];
+          d.token_begin = 5 + i;  // (as if four requests: other ranges, one launch)
+          d.token_end = tokens - 7 * i;
           d.dst_heads = 1;
           d.src_head_offset = i;
           d.num_heads = 1;
@@ -207,8 +207,8 @@ TEST(KvCopy, SeveralDestinationsInOneLaunch) {
         }
         cuda::KvCopyParams h = p;
         h.src = src.data();
-        h.src_table = st.data();
         for (int i = 0; i < heads; ++i) {
+          h.dests[i].src_table = st.data();
           h.dests[i].dst = want[i].data();
           h.dests[i].dst_table = dt[i].data();
         }
@@ -220,8 +220,8 @@ TEST(KvCopy, SeveralDestinationsInOneLaunch) {
         TANDEM_CUDA_CHECK(cudaMalloc(&d_st, st.size() * 4));
         TANDEM_CUDA_CHECK(cudaMemcpy(d_st, st.data(), st.size() * 4, cudaMemcpyHostToDevice));
         p.src = d_src;
-        p.src_table = d_st;
         for (int i = 0; i < heads; ++i) {
+          p.dests[i].src_table = d_st;
           p.dests[i].dst = d_dst[i];
           p.dests[i].dst_table = d_dt[i];
         }
@@ -320,12 +320,12 @@ TEST(CudaIpc, PrefillRanksToDecodeRankAcrossProcesses) {
             for (int64_t l = 0; l < kLayers; ++l) {
               cuda::KvCopyParams p{};
               p.src = s.data() + l * 20 * 2 * 2 * 4 * kHd;
-              p.src_table = st.data();
-              p.token_end = kTokens;
               p.src_heads = 2;
               p.src_page_size = 4;
               p.head_dim = kHd;
               p.num_dests = 1;
+              p.dests[0].src_table = st.data();
+              p.dests[0].token_end = kTokens;
               p.dests[0].dst = want.data() + l * 12 * 2 * kHeads * 8 * kHd;
               p.dests[0].dst_table = d.dst_pages.data();
               p.dests[0].dst_heads = kHeads;
