@@ -209,7 +209,7 @@ TEST(Sampling, GreedySeesLogitBias) {
   EXPECT_EQ(sample_token(x, p, {}, {}, rng), 2);
   p.logit_bias = {{0, -100.0f}};
   EXPECT_EQ(sample_token(x, p, {}, {}, rng), 1);
-  p.logit_bias = {{0, -0.05f}, {1, 0.05f}};
+  p.logit_bias = {{0, -0.1f}, {1, 0.1f}};  // 1.9 < 2.0
   EXPECT_EQ(sample_token(x, p, {}, {}, rng), 1);
   EXPECT_EQ(x[0], 2.0f);  // the input logits are not modified
   p.logit_bias = {{3, 1.0f}};
