@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "core/error.h"
 #include "server/tokenizer/detokenizer.h"
@@ -373,6 +374,53 @@ TEST(ChatParser, CorpusAtDemoTokenBoundaries) {
 TEST(ChatParser, CorpusAtQwen3TokenBoundaries) {
   TANDEM_REQUIRE_QWEN3(qwen);
   check_token_boundaries(*qwen, "qwen3");
+}
+
+TEST(ChatParser, RandomTextsGiveTheSameResultAtAnySplit) {
+  // Texts glued from tag fragments and JSON / XML pieces: whatever they are, the result must
+  // not depend on how the text is split, and valid calls must have JSON object arguments.
+  const std::vector<std::string> pieces = {
+      "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_", "</thi", "{", "}", "[", "]",
+      "\"name\"", "\"arguments\"", ": ", ", ", "\"get_weather\"", "\"x\\\"y\"", "12", "-3.5e2",
+      "true", "null", "<function=get_weather>", "<parameter=days>", "<parameter=city>",
+      "</parameter>", "</function>", "<param", "\n", " ", "  \n\n", "Emma", "\xc3\xa9", "<", ">",
+      // Whole calls (so that valid ones occur), possibly cut or glued to other pieces.
+      "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Bath\"}}\n</tool_call>",
+      "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": [1, {\"b\": null}]}}</tool_call>",
+      "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+      "</tool_call>",
+      "<tool_call>\n<function=get_weather>\n<parameter=city>\nBath\n</parameter>\n</function>"};
+  std::mt19937 rng(7);
+  size_t calls = 0, failed = 0, reasoned = 0;
+  for (int iter = 0; iter < 1500; ++iter) {
+    std::string text;
+    const int n = 1 + int(rng() % 24);
+    for (int i = 0; i < n; ++i) text += pieces[rng() % pieces.size()];
+    ChatParserOptions o;
+    o.reasoning = rng() % 4 != 0;
+    o.start = ReasoningStart(rng() % 3);
+    o.tools_format = ToolFormat(rng() % 3);
+    o.tools = kTools;
+    const Result whole = parse_pieces(o, {text});
+    expect_valid_arguments(whole, text.c_str());
+    calls += whole.calls.size();
+    failed += whole.failed.size();
+    reasoned += !whole.reasoning.empty();
+    std::vector<std::string> split;
+    size_t i = 0;
+    while (i < text.size()) {
+      size_t len = 1 + rng() % 6;
+      size_t j = std::min(text.size(), i + len);
+      while (j < text.size() && (static_cast<unsigned char>(text[j]) & 0xC0) == 0x80) ++j;
+      split.push_back(text.substr(i, j - i));
+      i = j;
+    }
+    ASSERT_EQ(parse_pieces(o, split), whole) << ojson(text).dump();
+  }
+  // The corpus reached every outcome.
+  EXPECT_GT(calls, 50u);
+  EXPECT_GT(failed, 20u);
+  EXPECT_GT(reasoned, 50u);
 }
 
 TEST(ChatParser, ArgumentsStreamAsTheyArrive) {
