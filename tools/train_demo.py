@@ -251,6 +251,79 @@ def chat_examples(paras, rng, limit):
     return out[:limit]
 
 
+# Agent examples: replies that think (<think>...</think>, Qwen3's format) and call tools over the
+# novels (Hermes-style <tool_call>{"name", "arguments"}</tool_call>), with the tool results taken
+# from the corpus, so that the demo model emits reasoning and tool calls for the server to parse.
+AGENT_TOOLS = [
+    {"type": "function", "function": {
+        "name": "find_character", "description": "A passage of the novels that mentions a character",
+        "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                       "required": ["name"]}}},
+    {"type": "function", "function": {
+        "name": "count_mentions", "description": "How many times the novels mention a name",
+        "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                       "required": ["name"]}}},
+]
+CHARACTER_RE = re.compile(r"\b(?:Mr|Mrs|Miss|Captain|Colonel|Lady|Sir|Dr)\.? [A-Z][a-z]{2,}")
+
+
+def agent_examples(paras, rng, limit):
+    """Conversations with reasoning_content and tool calls about the novels' characters."""
+    counts = {}
+    first = {}
+    for p in paras:
+        for m in CHARACTER_RE.finditer(p):
+            name = m.group(0)
+            counts[name] = counts.get(name, 0) + 1
+            if name not in first:
+                sents = [x for x in SENT_SPLIT.split(p) if name in x]
+                if sents and len(sents[0]) < 300:
+                    first[name] = sents[0].strip()
+    names = [n for n, c in sorted(counts.items(), key=lambda x: -x[1]) if c >= 10 and n in first][:80]
+    if not names:
+        return []
+    mentions = {}  # name -> sentences that mention it (answers for the thinking examples)
+    for p in paras:
+        for sent in SENT_SPLIT.split(p):
+            for n in CHARACTER_RE.findall(sent):
+                if n in names and len(sent) < 300:
+                    mentions.setdefault(n, []).append(sent.strip())
+    out = []
+    for _ in range(limit):
+        name = rng.choice(names)
+        kind = rng.random()
+        user_lookup = rng.choice(["Who is {n}?", "Tell me about {n}.", "What do we know of {n}?"])
+        if kind < 0.35:  # thinking, then an answer from a passage
+            answer = rng.choice(mentions.get(name, [first[name]]))
+            thought = rng.choice(["The user asks about {n}. I recall a passage.",
+                                  "{n} appears in the novels; a passage will answer this.",
+                                  ""]).format(n=name)
+            msgs = [{"role": "user", "content": user_lookup.format(n=name)},
+                    {"role": "assistant", "reasoning_content": thought, "content": answer}]
+            out.append({"messages": msgs})
+            continue
+        if kind < 0.7:  # look the character up with a tool, then answer with the result
+            call = {"name": "find_character", "arguments": {"name": name}}
+            result = first[name]
+            final = result
+            question = user_lookup.format(n=name)
+            thought = f"I should look {name} up."
+        else:  # count the mentions with a tool
+            call = {"name": "count_mentions", "arguments": {"name": name}}
+            result = str(counts[name])
+            final = f"{name} is mentioned {counts[name]} times."
+            question = rng.choice(["How often is {n} mentioned?", "How many times does {n} appear?"]).format(n=name)
+            thought = f"I need to count the mentions of {name}."
+        call_id = f"call_{rng.randrange(1 << 30):08x}"
+        msgs = [{"role": "user", "content": question},
+                {"role": "assistant", "reasoning_content": thought, "content": "",
+                 "tool_calls": [{"id": call_id, "type": "function", "function": call}]},
+                {"role": "tool", "tool_call_id": call_id, "content": result},
+                {"role": "assistant", "reasoning_content": "", "content": final}]
+        out.append({"messages": msgs, "tools": AGENT_TOOLS})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------
@@ -481,6 +554,9 @@ def main():
     ap.add_argument("--warmup-frac", type=float, default=0.03)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--chat-frac", type=float, default=0.1, help="fraction of sequences that are chat examples")
+    ap.add_argument("--agent-examples", type=int, default=0,
+                    help="chat examples that think and call tools (find_character, count_mentions) "
+                         "mixed into the chat examples (issue 11 item 6; e.g. 4000)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -552,8 +628,15 @@ def main():
         prose.extend(enc.ids)
         prose.append(eot)
     rng = random.Random(args.seed)
-    convs = chat_examples(paras, rng, limit=20000)
-    rendered = [tok.apply_chat_template(m, tokenize=False) for m in convs]
+    convs = [{"messages": m} for m in chat_examples(paras, rng, limit=20000)]
+    agents = agent_examples(paras, rng, limit=args.agent_examples)
+    convs += agents
+    rng.shuffle(convs)
+    rendered = [tok.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False)
+                for c in convs]
+    if agents:
+        log("sample agent example:\n" + tok.apply_chat_template(
+            agents[-1]["messages"], tools=agents[-1].get("tools"), tokenize=False)[-600:])
     chat, chat_starts = [], []
     for enc in raw_tok.encode_batch(rendered, add_special_tokens=False):
         chat_starts.append(len(chat))

@@ -171,20 +171,11 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
     if (ss.logits == LogitsMode::kAll) return false;
     if (ss.logits != LogitsMode::kLast) continue;
     const Sequence& s = *ss.seq;
-    const SamplingParams& p = s.req.sampling;
-    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
-        s.num_output() < s.req.min_tokens || p.logprobs > 20) {
-      return false;
-    }
-    DeviceSampling d;
-    d.temperature = p.greedy() ? 0.0f : p.temperature;
-    d.top_k = p.top_k;
-    d.top_p = p.top_p;
-    d.min_p = p.min_p;
-    d.seed = s.device_seed;
-    d.counter = static_cast<uint64_t>(s.num_output());
-    d.logprobs = p.logprobs;
-    rows.push_back(d);
+    if (s.num_output() < s.req.min_tokens) return false;  // the EOS mask needs host logits
+    std::optional<DeviceSampling> d =
+        to_device_sampling(s.req.sampling, s.device_seed, static_cast<uint64_t>(s.num_output()));
+    if (!d) return false;
+    rows.push_back(*d);
   }
   return true;
 }

@@ -68,6 +68,7 @@ void put_request(ByteWriter& w, const GenRequest& r) {
   w.put<uint64_t>(s.seed.value_or(0));
   w.put(s.logprobs);
   w.put(s.prompt_logprobs);
+  w.put_vec(s.logit_bias);
   w.put(r.max_tokens);
   w.put(r.min_tokens);
   w.put_vec(r.stop_token_ids);
@@ -91,6 +92,7 @@ GenRequest get_request(ByteReader& rd) {
   if (has_seed) s.seed = seed;
   s.logprobs = rd.get<int32_t>();
   s.prompt_logprobs = rd.get<int32_t>();
+  s.logit_bias = rd.get_vec<LogitBias>();
   r.max_tokens = rd.get<int32_t>();
   r.min_tokens = rd.get<int32_t>();
   r.stop_token_ids = rd.get_vec<int32_t>();

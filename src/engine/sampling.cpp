@@ -191,8 +191,12 @@ void apply_penalties(std::span<float> logits, const SamplingParams& params,
   const size_t vocab = logits.size();
   const bool rep = params.repetition_penalty != 1.0f;
   const bool freq_pres = params.frequency_penalty != 0.0f || params.presence_penalty != 0.0f;
-  if (!rep && !freq_pres) return;
+  if (!rep && !freq_pres && params.logit_bias.empty()) return;
   check_vocab(vocab);
+  for (const LogitBias& b : params.logit_bias) {
+    TANDEM_CHECK_KIND(kInvalidArgument, b.id >= 0 && static_cast<size_t>(b.id) < vocab,
+                      "logit_bias token id ", b.id, " is outside the vocabulary of ", vocab);
+  }
   if (rep) check_ids(prompt, vocab, "prompt");
   check_ids(output, vocab, "output");
 
@@ -223,6 +227,21 @@ void apply_penalties(std::span<float> logits, const SamplingParams& params,
       c = 0;
     }
   }
+  for (const LogitBias& b : params.logit_bias) logits[static_cast<size_t>(b.id)] += b.bias;
+}
+
+std::optional<DeviceSampling> to_device_sampling(const SamplingParams& p, uint64_t seed,
+                                                 uint64_t counter) {
+  if (p.needs_host_logits() || p.logprobs > 20) return std::nullopt;
+  DeviceSampling d;
+  d.temperature = p.greedy() ? 0.0f : p.temperature;
+  d.top_k = p.top_k;
+  d.top_p = p.top_p;
+  d.min_p = p.min_p;
+  d.seed = seed;
+  d.counter = counter;
+  d.logprobs = p.logprobs;
+  return d;
 }
 
 int32_t sample_token(std::span<const float> logits, const SamplingParams& params,
@@ -233,8 +252,7 @@ int32_t sample_token(std::span<const float> logits, const SamplingParams& params
   Scratch& s = scratch();
   std::vector<float>& x = s.x;  // [vocab] penalised, tempered logits
   std::span<const float> src = logits;
-  if (params.repetition_penalty != 1.0f || params.frequency_penalty != 0.0f ||
-      params.presence_penalty != 0.0f) {
+  if (params.needs_host_logits()) {
     x.assign(logits.begin(), logits.end());
     apply_penalties(x, params, prompt, output);
     src = x;

@@ -7,20 +7,35 @@
 #include <span>
 #include <vector>
 
+#include "model/forward_batch.h"
+
 namespace tandem {
+
+/// An additive bias on one token's logit (OpenAI logit_bias).
+struct LogitBias {
+  int32_t id = 0;
+  float bias = 0.0f;  // [-100, 100]
+};
 
 /// Per-request sampling parameters (OpenAI / vLLM semantics).
 struct SamplingParams {
-  float temperature = 1.0f;         // 0: greedy (argmax; ties -> lowest id)
-  float top_p = 1.0f;               // (0, 1]
-  int32_t top_k = 0;                // <= 0: disabled
-  float min_p = 0.0f;               // [0, 1]
-  float repetition_penalty = 1.0f;  // > 0; applies to prompt and output tokens
-  float presence_penalty = 0.0f;    // [-2, 2]; output tokens only
-  float frequency_penalty = 0.0f;   // [-2, 2]; output tokens only
-  std::optional<uint64_t> seed;     // none: a random seed per request
-  int32_t logprobs = -1;            // top-N logprobs per generated token; -1: none
-  int32_t prompt_logprobs = -1;     // top-N logprobs per prompt token; -1: none
+  float temperature = 1.0f;           // 0: greedy (argmax; ties -> lowest id)
+  float top_p = 1.0f;                 // (0, 1]
+  int32_t top_k = 0;                  // <= 0: disabled
+  float min_p = 0.0f;                 // [0, 1]
+  float repetition_penalty = 1.0f;    // > 0; applies to prompt and output tokens
+  float presence_penalty = 0.0f;      // [-2, 2]; output tokens only
+  float frequency_penalty = 0.0f;     // [-2, 2]; output tokens only
+  std::optional<uint64_t> seed;       // none: a random seed per request
+  int32_t logprobs = -1;              // top-N logprobs per generated token; -1: none
+  int32_t prompt_logprobs = -1;       // top-N logprobs per prompt token; -1: none
+  std::vector<LogitBias> logit_bias;  // added after the penalties, before temperature
+
+  /// Needs the logits on the host: penalties and biases (the device sampler has neither).
+  bool needs_host_logits() const {
+    return repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f ||
+           !logit_bias.empty();
+  }
 
   /// Greedy below 1e-5, as vLLM (a tinier temperature only overflows the scaled logits).
   bool greedy() const { return temperature < 1e-5f; }
@@ -36,20 +51,27 @@ using SamplerRng = std::mt19937_64;
 
 /// Applies the penalties to `logits` in place, as vLLM does: the repetition penalty to every
 /// token seen in `prompt` or `output` (positive logits divided by it, others multiplied),
-/// then `logit -= frequency_penalty * count + presence_penalty` for each token in `output`.
-/// Throws kInvalidArgument for a token id outside the vocabulary.
+/// then `logit -= frequency_penalty * count + presence_penalty` for each token in `output`,
+/// then `logit += bias` for each logit_bias entry (OpenAI). Throws kInvalidArgument for a
+/// token id outside the vocabulary.
 void apply_penalties(std::span<float> logits, const SamplingParams& params,
                      std::span<const int32_t> prompt, std::span<const int32_t> output);
 
 /// Samples one token from `logits` (vocab floats, raw model output; not modified).
 /// `prompt` and `output` are the request's tokens so far (for penalties).
-/// Order: penalties, temperature, top-k, top-p (over the top-k renormalised distribution),
-/// min-p (relative to the most likely token), then one categorical draw (one 64-bit value
-/// from `rng`). Greedy (temperature 0) is the argmax of the penalised logits, ties -> lowest
+/// Order: penalties and logit biases, temperature, top-k, top-p (over the top-k renormalised
+/// distribution), min-p (relative to the most likely token), then one categorical draw (one 64-bit
+/// value from `rng`). Greedy (temperature 0) is the argmax of the penalised logits, ties -> lowest
 /// id, and consumes no randomness. NaN logits count as -inf.
 int32_t sample_token(std::span<const float> logits, const SamplingParams& params,
                      std::span<const int32_t> prompt, std::span<const int32_t> output,
                      SamplerRng& rng);
+
+/// The one conversion to the device sampler's row parameters, for draw number `counter` of a
+/// request whose device seed is `seed`; none when the row needs the host sampler
+/// (penalties, logit biases, more than 20 logprobs).
+std::optional<DeviceSampling> to_device_sampling(const SamplingParams& p, uint64_t seed,
+                                                 uint64_t counter);
 
 /// log_softmax of the raw fp32 logits: the chosen token's logprob and the top `n` (n >= 0)
 /// sorted by descending logprob (ties -> lower id first).

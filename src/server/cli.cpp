@@ -6,6 +6,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -28,6 +29,7 @@
 #endif
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
+#include "server/parsers/chat_parser.h"
 #include "server/planner.h"
 #include "server/router.h"
 #include "server/tokenizer/chat_template.h"
@@ -168,6 +170,40 @@ int run_generate(const GenerateArgs& a) {
   return 0;
 }
 
+/// --tool-call-parser (default: by the model's family) and --reasoning-parser.
+struct ParserArgs {
+  std::string tool_call_parser;  // "": from config.json's model_type
+  std::string reasoning_parser = "qwen3";
+
+  void add_to(CLI::App* cmd) {
+    cmd->add_option("--tool-call-parser", tool_call_parser,
+                    "Tool calls in chat replies: hermes (Qwen3), qwen3_coder (XML; Qwen3.5, "
+                    "Qwen3-Coder) or none (default: by the model's model_type)")
+        ->check(CLI::IsMember({"hermes", "qwen3_coder", "none"}));
+    cmd->add_option("--reasoning-parser", reasoning_parser,
+                    "<think> blocks into reasoning_content: qwen3 or none")
+        ->check(CLI::IsMember({"qwen3", "none"}));
+  }
+
+  void apply(HttpServerConfig& cfg, const std::string& model_dir) const {
+    cfg.reasoning_parser = reasoning_parser;
+    cfg.tool_call_parser = tool_call_parser;
+    if (!cfg.tool_call_parser.empty()) return;
+    std::string model_type;
+    std::ifstream in(model_dir + "/config.json");
+    if (in) {
+      nlohmann::json c = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (c.is_object() && c.contains("model_type") && c["model_type"].is_string()) {
+        model_type = c["model_type"].get<std::string>();
+      }
+    }
+    cfg.tool_call_parser =
+        parsers::tool_format_for_model_type(model_type) == parsers::ToolFormat::kQwen3Coder
+            ? "qwen3_coder"
+            : "hermes";
+  }
+};
+
 struct ServeArgs {
   std::string model = TANDEM_DEMO_MODEL_DIR;
   std::string served_name;
@@ -178,6 +214,7 @@ struct ServeArgs {
   EngineConfig engine;
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
+  ParserArgs parsers;
 };
 
 int run_serve(const ServeArgs& a) {
@@ -198,6 +235,7 @@ int run_serve(const ServeArgs& a) {
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
     cfg.model_name = a.model == TANDEM_DEMO_MODEL_DIR ? "demo" : dir.substr(dir.rfind('/') + 1);
   }
+  a.parsers.apply(cfg, a.model);
   HttpServer server(cfg, engine, tok.get(), chat.get());
   server.start();
   std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on http://"
@@ -450,6 +488,7 @@ struct RouterArgs {
   std::string api_key;
   int http_threads = 2;
   int metrics_port = -1;  // instances' /metrics here (the front's own /metrics is on --port)
+  ParserArgs parsers;
 };
 
 int run_router(const RouterArgs& a) {
@@ -482,6 +521,7 @@ int run_router(const RouterArgs& a) {
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
     cfg.model_name = a.model == TANDEM_DEMO_MODEL_DIR ? "demo" : dir.substr(dir.rfind('/') + 1);
   }
+  a.parsers.apply(cfg, a.model);
   HttpServer server(cfg, router, tok.get(), chat.get());
   server.start();
   std::unique_ptr<MetricsEndpoint> metrics;
@@ -551,6 +591,7 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   bool no_prefix_cache = false;
   sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
+  srv.parsers.add_to(sv);
 
   PlannerInputs plan_in;
   auto* pl = app.add_subcommand("plan", "Replica counts for prefill and decode instances");
@@ -625,6 +666,7 @@ int cli_main(int argc, char** argv) {
                  "Serve the instances' GET /metrics (queued input tokens, input tokens/s, batch "
                  "per rank vs limit) on this port (0: any)")
       ->check(CLI::Range(0, 65535));
+  rt.parsers.add_to(ro);
 
   try {
     app.parse(argc, argv);

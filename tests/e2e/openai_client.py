@@ -39,4 +39,99 @@ try:
     raise AssertionError("temperature -1 accepted")
 except Exception as e:  # openai.BadRequestError
     assert getattr(e, "status_code", None) == 400, e
+
+# Reasoning: the demo model opens every chat reply with an empty think block; it is split off
+# (reasoning_content null) and the content does not start with its newlines.
+msg = resp.choices[0].message
+assert not msg.content.startswith("\n"), repr(msg.content)
+assert getattr(msg, "reasoning_content", "missing") is None, msg
+streamed_reasoning = ""
+for chunk in client.chat.completions.create(
+        model="demo", stream=True, max_tokens=24, temperature=0,
+        messages=[{"role": "user", "content": "Who is Mr. Darcy?"}]):
+    if chunk.choices:
+        streamed_reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+assert streamed_reasoning == "", repr(streamed_reasoning)
+
+# Tools: the demo model was not trained to call them, but the requests and replies must have
+# OpenAI's shapes; a named tool_choice starts the reply inside that function's call.
+tools = [{"type": "function", "function": {
+    "name": "count_chapters", "description": "Chapters in a novel",
+    "parameters": {"type": "object", "properties": {"book": {"type": "string"}},
+                   "required": ["book"]}}}]
+for choice in ["auto", "required", {"type": "function", "function": {"name": "count_chapters"}}]:
+    r = client.chat.completions.create(model="demo", max_tokens=16, temperature=0, tools=tools,
+                                       tool_choice=choice,
+                                       messages=[{"role": "user", "content": "How long is Emma?"}])
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "length", "tool_calls"), c
+    for call in c.message.tool_calls or []:
+        assert call.id.startswith("call_") and call.type == "function", call
+        assert call.function.name == "count_chapters", call
+    # Streaming assembles to the same reply.
+    content, calls = "", {}
+    for chunk in client.chat.completions.create(
+            model="demo", max_tokens=16, temperature=0, tools=tools, tool_choice=choice,
+            stream=True, messages=[{"role": "user", "content": "How long is Emma?"}]):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            entry = calls.setdefault(t.index, {"name": "", "arguments": ""})
+            if t.function and t.function.name:
+                entry["name"] = t.function.name
+            if t.function and t.function.arguments:
+                entry["arguments"] += t.function.arguments
+    assert content == (c.message.content or ""), (content, c.message.content)
+    want = [{"name": x.function.name, "arguments": x.function.arguments}
+            for x in c.message.tool_calls or []]
+    assert [calls[i] for i in sorted(calls)][:len(want)] == want, (calls, want)
+# A tool-call turn and its result in the next request.
+r = client.chat.completions.create(model="demo", max_tokens=8, temperature=0, tools=tools,
+                                   messages=[
+    {"role": "user", "content": "How long is Emma?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "count_chapters", "arguments": "{\"book\": \"Emma\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "55"}])
+assert r.choices[0].message.role == "assistant"
+for bad in [{"tool_choice": "bogus", "tools": tools}, {"tool_choice": "required"},
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            {"extra_body": {"guided_json": {"type": "object"}}}]:
+    try:
+        client.chat.completions.create(model="demo", max_tokens=4,
+                                       messages=[{"role": "user", "content": "x"}], **bad)
+        raise AssertionError(f"accepted: {bad}")
+    except Exception as e:  # openai.BadRequestError
+        assert getattr(e, "status_code", None) == 400, (bad, e)
+
+# logit_bias: a +100 bias makes greedy pick that token.
+forced = client.completions.create(model="demo", prompt="It is a truth", max_tokens=3,
+                                   temperature=0, logit_bias={"65": 100})
+assert len(forced.choices[0].text) > 0
+
+# The Responses API.
+r = client.responses.create(model="demo", input="Who is Mr. Darcy?", instructions="Be brief.",
+                            max_output_tokens=24, temperature=0)
+assert r.status in ("completed", "incomplete"), r
+assert len(r.output_text) > 0 and not r.output_text.startswith("\n"), repr(r.output_text)
+deltas, final = "", None
+for ev in client.responses.create(model="demo", input="Who is Mr. Darcy?",
+                                  instructions="Be brief.", max_output_tokens=24,
+                                  temperature=0, stream=True):
+    if ev.type == "response.output_text.delta":
+        deltas += ev.delta
+    if ev.type in ("response.completed", "response.incomplete"):
+        final = ev.response
+assert final is not None and final.output_text == deltas == r.output_text, (deltas, r.output_text)
+r = client.responses.create(model="demo", max_output_tokens=8, temperature=0,
+                            tools=[{"type": "function", "name": "count_chapters",
+                                    "parameters": tools[0]["function"]["parameters"]}],
+                            input=[{"role": "user", "content": "How long is Emma?"},
+                                   {"type": "function_call", "call_id": "call_1",
+                                    "name": "count_chapters", "arguments": "{\"book\": \"Emma\"}"},
+                                   {"type": "function_call_output", "call_id": "call_1",
+                                    "output": "55"}])
+assert r.status in ("completed", "incomplete"), r
 print("openai client: ok:", repr(text[:60]))

@@ -36,6 +36,7 @@ std::vector<float> ref_penalties(std::vector<float> x, const SamplingParams& p,
       x[v] -= p.presence_penalty;
     }
   }
+  for (const LogitBias& b : p.logit_bias) x[static_cast<size_t>(b.id)] += b.bias;
   return x;
 }
 
@@ -199,6 +200,53 @@ TEST(Sampling, GreedySeesPenalties) {
   EXPECT_EQ(sample_token(x, p, out, {}, rng), 1);
 }
 
+TEST(Sampling, GreedySeesLogitBias) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  SamplerRng rng(1);
+  std::vector<float> x = {2.0f, 1.9f, 0.0f};
+  p.logit_bias = {{2, 100.0f}};
+  EXPECT_EQ(sample_token(x, p, {}, {}, rng), 2);
+  p.logit_bias = {{0, -100.0f}};
+  EXPECT_EQ(sample_token(x, p, {}, {}, rng), 1);
+  p.logit_bias = {{0, -0.1f}, {1, 0.1f}};  // 1.9 < 2.0
+  EXPECT_EQ(sample_token(x, p, {}, {}, rng), 1);
+  EXPECT_EQ(x[0], 2.0f);  // the input logits are not modified
+  p.logit_bias = {{3, 1.0f}};
+  EXPECT_THROW(sample_token(x, p, {}, {}, rng), Error);
+  p.logit_bias = {{-1, 1.0f}};
+  EXPECT_THROW(sample_token(x, p, {}, {}, rng), Error);
+}
+
+TEST(Sampling, ToDeviceSamplingOnlyWithoutHostWork) {
+  SamplingParams p;
+  p.temperature = 0.7f;
+  p.top_k = 5;
+  p.top_p = 0.9f;
+  p.min_p = 0.1f;
+  p.logprobs = 3;
+  std::optional<DeviceSampling> d = to_device_sampling(p, 42, 7);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->temperature, 0.7f);
+  EXPECT_EQ(d->top_k, 5);
+  EXPECT_EQ(d->top_p, 0.9f);
+  EXPECT_EQ(d->min_p, 0.1f);
+  EXPECT_EQ(d->seed, 42u);
+  EXPECT_EQ(d->counter, 7u);
+  EXPECT_EQ(d->logprobs, 3);
+  p.temperature = 1e-6f;
+  EXPECT_EQ(to_device_sampling(p, 0, 0)->temperature, 0.0f);  // greedy
+  SamplingParams q = p;
+  q.logit_bias = {{1, 2.0f}};
+  EXPECT_FALSE(to_device_sampling(q, 0, 0));
+  q = p;
+  q.presence_penalty = 0.1f;
+  EXPECT_FALSE(to_device_sampling(q, 0, 0));
+  q = p;
+  q.logprobs = 21;
+  EXPECT_FALSE(to_device_sampling(q, 0, 0));
+}
+
 // ---- Seeding -------------------------------------------------------------------------------
 
 TEST(Sampling, SeededDrawsAreReproducible) {
@@ -274,6 +322,14 @@ TEST(Sampling, PenalisedSamplingMatchesReference) {
   p.frequency_penalty = 0.2f;
   p.top_k = 8;
   expect_matches_distribution(kLogits, p, 99, /*prompt=*/{3, 6, 6}, /*output=*/{0, 3, 3, 9});
+}
+
+TEST(Sampling, BiasedSamplingMatchesReference) {
+  SamplingParams p;
+  p.logit_bias = {{1, 2.5f}, {5, -100.0f}, {9, 1.0f}, {0, -0.5f}};
+  p.top_k = 7;
+  p.presence_penalty = 0.25f;
+  expect_matches_distribution(kLogits, p, 314, /*prompt=*/{}, /*output=*/{1, 2});
 }
 
 TEST(Sampling, TopKExactSet) {

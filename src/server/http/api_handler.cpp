@@ -70,11 +70,16 @@ ApiHandler::ApiHandler(const HttpServerConfig& config, std::shared_ptr<EngineGat
                        const Tokenizer* tokenizer, const ChatTemplate* chat_template,
                        ServerMetrics& metrics)
     : config_(config),
+      tool_format_(parsers::parse_tool_format(config.tool_call_parser)),
       gate_(std::move(gate)),
       tokenizer_(tokenizer),
       chat_template_(chat_template),
       metrics_(metrics),
-      created_(unix_now()) {}
+      created_(unix_now()) {
+  TANDEM_CHECK_KIND(
+      kInvalidArgument, config_.reasoning_parser == "qwen3" || config_.reasoning_parser == "none",
+      "unknown reasoning parser '", config_.reasoning_parser, "' (expected qwen3 or none)");
+}
 
 HttpResponse ApiHandler::error_response(const ApiError& e) {
   return json_response(e.to_json(), e.status());
@@ -160,6 +165,8 @@ void ApiHandler::route(const HttpRequest& req, const std::shared_ptr<Connection>
     if (method_is("POST")) completions(req, conn);
   } else if (path == "/v1/chat/completions") {
     if (method_is("POST")) chat_completions(req, conn);
+  } else if (path == "/v1/responses") {
+    if (method_is("POST")) responses(req, conn);
   } else if (path == "/tokenize") {
     if (method_is("POST")) conn->respond(tokenize(req));
   } else if (path == "/detokenize") {
@@ -201,6 +208,10 @@ std::vector<int32_t> ApiHandler::encode(const std::string& text, const char* par
 }
 
 std::vector<int32_t> ApiHandler::chat_prompt_ids(const ChatRequest& r) const {
+  return encode(chat_prompt_text(r), "messages");
+}
+
+std::string ApiHandler::chat_prompt_text(const ChatRequest& r) const {
   const Tokenizer& tok = require_tokenizer("chat needs a tokenizer and a chat template");
   if (chat_template_ == nullptr) throw bad_request("the model has no chat template", "messages");
   ChatTemplateInputs in;
@@ -211,7 +222,7 @@ std::vector<int32_t> ApiHandler::chat_prompt_ids(const ChatRequest& r) const {
   in.special_tokens = tok.special_tokens_map();
   if (r.chat_template_kwargs.is_object()) in.kwargs = r.chat_template_kwargs;
   // NOTE: template errors (including its raise_exception) are Error(kInvalidArgument): 400.
-  return encode(chat_template_->apply(in), "messages");
+  return chat_template_->apply(in);
 }
 
 void ApiHandler::completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
@@ -248,17 +259,59 @@ void ApiHandler::chat_completions(const HttpRequest& req, const std::shared_ptr<
   const json body = parse_body(req.body);
   ChatRequest r = parse_chat_request(body, gate_->engine().vocab_size());
   check_model(r.params.model);
-
-  GenerationSetup s;
-  s.chat = true;
-  s.id = "chatcmpl-" + new_request_id();
-  s.model = config_.model_name;
-  s.created = unix_now();
-  s.prompts.push_back({chat_prompt_ids(r), ""});
-  s.params = std::move(r.params);
-  s.params.echo = false;
+  GenerationSetup s = chat_setup(r, "chatcmpl-");
   GenerationContext ctx{gate_, tokenizer_, &metrics_};
   std::make_shared<Generation>(std::move(s), std::move(ctx), conn)->start();
+}
+
+void ApiHandler::responses(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
+  const json body = parse_body(req.body);
+  ResponsesRequest r = parse_responses_request(body, gate_->engine().vocab_size());
+  check_model(r.chat.params.model);
+  GenerationSetup s = chat_setup(r.chat, "resp_");
+  s.responses = true;
+  s.responses_body = std::move(r.body);
+  GenerationContext ctx{gate_, tokenizer_, &metrics_};
+  std::make_shared<Generation>(std::move(s), std::move(ctx), conn)->start();
+}
+
+GenerationSetup ApiHandler::chat_setup(ChatRequest& r, const std::string& id_prefix) const {
+  GenerationSetup s;
+  s.chat = true;
+  s.id = id_prefix + new_request_id();
+  s.model = config_.model_name;
+  s.created = unix_now();
+  std::string prompt = chat_prompt_text(r);
+  parsers::ChatParserOptions po;
+  po.reasoning = config_.reasoning_parser == "qwen3";
+  const auto thinking = r.chat_template_kwargs.find("enable_thinking");
+  const bool thinking_off =
+      thinking != r.chat_template_kwargs.end() && thinking->is_boolean() && !thinking->get<bool>();
+  po.start = parsers::reasoning_start_for_prompt(prompt, thinking_off);
+  if (!r.tools.is_null() && tool_format_ != parsers::ToolFormat::kNone) {
+    po.tools_format = tool_format_;
+    po.tools = r.tools;
+    if (r.tool_choice == "required" || r.tool_choice == "function") {
+      // No grammar engine yet: the reply is started inside a call (named: inside that
+      // function's call), after an empty think block. NOTE: the arguments are not forced.
+      if (po.start == parsers::ReasoningStart::kInThink) prompt += "\n</think>\n\n";
+      if (po.start == parsers::ReasoningStart::kAuto) prompt += "<think>\n\n</think>\n\n";
+      po.start = parsers::ReasoningStart::kContent;
+      std::string prefix = "<tool_call>\n";
+      if (r.tool_choice == "function") {
+        prefix += tool_format_ == parsers::ToolFormat::kHermes
+                      ? "{\"name\": " + json(r.tool_choice_name).dump() + ", \"arguments\": "
+                      : "<function=" + r.tool_choice_name + ">\n";
+      }
+      prompt += prefix;
+      po.prime = prefix;
+    }
+  }
+  s.prompts.push_back({encode(prompt, "messages"), ""});
+  if (po.reasoning || po.tools_format != parsers::ToolFormat::kNone) s.parser = std::move(po);
+  s.params = std::move(r.params);
+  s.params.echo = false;
+  return s;
 }
 
 HttpResponse ApiHandler::tokenize(const HttpRequest& req) const {

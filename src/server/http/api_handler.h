@@ -8,9 +8,11 @@
 #include <string>
 
 #include "server/http/connection.h"
+#include "server/http/generation.h"
 #include "server/http/http_server.h"
 #include "server/http/metrics.h"
 #include "server/http/openai_protocol.h"
+#include "server/parsers/chat_parser.h"
 
 namespace tandem::openai {
 
@@ -32,6 +34,9 @@ class ApiHandler {
   void check_model(const std::string& model) const;
   void completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
   void chat_completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
+  void responses(const HttpRequest& req, const std::shared_ptr<Connection>& conn);
+  /// A chat generation: the prompt rendered (plus a forced tool-call start), parsers set.
+  GenerationSetup chat_setup(ChatRequest& r, const std::string& id_prefix) const;
   HttpResponse tokenize(const HttpRequest& req) const;
   HttpResponse detokenize(const HttpRequest& req) const;
   HttpResponse models() const;
@@ -39,10 +44,13 @@ class ApiHandler {
 
   /// The chat prompt as token ids (template rendered, special tokens parsed).
   std::vector<int32_t> chat_prompt_ids(const ChatRequest& r) const;
+  /// The chat prompt as text (the rendered template).
+  std::string chat_prompt_text(const ChatRequest& r) const;
   std::vector<int32_t> encode(const std::string& text, const char* param) const;
   const Tokenizer& require_tokenizer(const char* what) const;
 
   HttpServerConfig config_;
+  parsers::ToolFormat tool_format_;
   std::shared_ptr<EngineGate> gate_;
   const Tokenizer* tokenizer_;
   const ChatTemplate* chat_template_;

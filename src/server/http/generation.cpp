@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 
 #include "core/error.h"
 #include "server/http/json_util.h"
@@ -35,6 +36,15 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+/// "call_" and 24 random letters and digits (OpenAI's shape).
+std::string new_tool_call_id() {
+  static constexpr char kChars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  std::string id = "call_";
+  for (int i = 0; i < 24; ++i) id += kChars[rng() % (sizeof(kChars) - 1)];
+  return id;
+}
+
 }  // namespace
 
 struct Generation::Choice {
@@ -59,6 +69,23 @@ struct Generation::Choice {
   json prompt_logprobs = nullptr;
   Clock::time_point last_token_time;
   bool has_token = false;
+  // Chat parsing (reasoning, tool calls); null for plain content.
+  std::unique_ptr<parsers::ChatParser> parser;
+  bool parser_done = false;
+  std::string reasoning;  // like `text`: not yet sent (streaming) or all of it
+  struct Call {
+    std::string id;
+    std::string name;
+    std::string arguments;
+    bool failed = false;  // malformed after its header: its text is content
+  };
+  std::vector<Call> calls;
+  std::vector<parsers::ToolCallDelta> pending_calls;  // streaming: not yet sent
+  int32_t valid_calls() const {
+    int32_t n = 0;
+    for (const Call& call : calls) n += !call.failed;
+    return n;
+  }
 };
 
 Generation::Generation(GenerationSetup setup, GenerationContext ctx,
@@ -108,6 +135,18 @@ void Generation::start() {
     }
   }
 
+  if (setup_.parser && ctx_.tokenizer && p.skip_special_tokens) {
+    std::vector<const char*> tags;
+    if (setup_.parser->reasoning) tags = {"<think>", "</think>"};
+    if (setup_.parser->tools_format != parsers::ToolFormat::kNone) {
+      tags.insert(tags.end(), {"<tool_call>", "</tool_call>"});
+    }
+    for (const char* tag : tags) {
+      std::optional<int32_t> id = ctx_.tokenizer->token_to_id(tag);
+      if (id && ctx_.tokenizer->is_special(*id)) parser_tags_.emplace_back(*id, tag);
+    }
+  }
+
   SamplingParams sampling = p.sampling;
   sampling.logprobs = p.logprobs;
   sampling.prompt_logprobs = p.prompt_logprobs;
@@ -123,6 +162,7 @@ void Generation::start() {
         c->detok = std::make_unique<IncrementalDetokenizer>(*ctx_.tokenizer, p.skip_special_tokens);
       }
       c->stops = StopStringMatcher(p.stop, p.include_stop_str_in_output);
+      if (setup_.parser) c->parser = std::make_unique<parsers::ChatParser>(*setup_.parser);
       if (p.logprobs >= 0) {
         c->logprobs = setup_.chat ? json{{"content", json::array()}}
                                   : json{{"tokens", json::array()},
@@ -331,11 +371,11 @@ void Generation::on_output(size_t index, const StepOutput& out) {
   for (size_t k = 0; k < out.token_ids.size() && !c.finished; ++k) add_token(c, out, k);
 
   if (out.finished && !c.finished) {
-    if (c.detok) c.text += c.stops.push(c.detok->flush());
+    if (c.detok) push_text(c, c.stops.push(c.detok->flush()));
     if (c.stops.stopped()) {
       finish_choice(c, "stop", c.stops.matched());
     } else {
-      c.text += c.stops.flush();
+      push_text(c, c.stops.flush());
       switch (out.finish_reason) {
         case FinishReason::kLength: finish_choice(c, "length", nullptr); break;
         case FinishReason::kAbort: finish_choice(c, "abort", nullptr); break;
@@ -372,18 +412,54 @@ void Generation::add_token(Choice& c, const StepOutput& out, size_t k) {
   const bool final_stop_token = out.finished && k + 1 == out.token_ids.size() &&
                                 out.finish_reason == FinishReason::kStop && id == out.stop_token_id;
   std::string piece;
-  if (c.detok && !(final_stop_token && !p.include_stop_str_in_output)) piece = c.detok->add(id);
-  c.text += c.stops.push(piece);
+  if (c.detok && !(final_stop_token && !p.include_stop_str_in_output)) {
+    piece = c.detok->add(id);
+    for (const auto& [tag_id, tag] : parser_tags_) {
+      if (id == tag_id) {
+        piece += c.detok->flush();  // as decode() would: held bytes of a broken character
+        piece += tag;
+      }
+    }
+  }
+  push_text(c, c.stops.push(piece));
   if (c.stops.stopped()) {
     finish_choice(c, "stop", c.stops.matched());
     if (!out.finished) ctx_.gate->engine().abort(c.engine_id);
   }
 }
 
+void Generation::push_text(Choice& c, const std::string& text) {
+  if (!c.parser) {
+    c.text += text;
+    return;
+  }
+  if (text.empty() || c.parser_done) return;
+  apply_delta(c, c.parser->feed(text));
+}
+
+void Generation::apply_delta(Choice& c, parsers::ChatDelta&& d) {
+  c.text += d.content;
+  c.reasoning += d.reasoning;
+  for (parsers::ToolCallDelta& t : d.tool_calls) {
+    if (t.header) c.calls.push_back({new_tool_call_id(), t.name, "", false});
+    const size_t i = size_t(t.index);
+    if (i >= c.calls.size()) continue;  // NOTE: cannot happen (the header comes first)
+    c.calls[i].arguments += t.arguments;
+    if (setup_.params.stream) c.pending_calls.push_back(std::move(t));
+  }
+  for (int32_t i : d.failed_calls) {
+    if (size_t(i) < c.calls.size()) c.calls[size_t(i)].failed = true;
+  }
+}
+
 void Generation::finish_choice(Choice& c, const std::string& reason, json stop_reason) {
   if (c.finished) return;
+  if (c.parser && !c.parser_done) {
+    apply_delta(c, c.parser->finish());
+    c.parser_done = true;
+  }
   c.finished = true;
-  c.finish_reason = reason;
+  c.finish_reason = reason == "stop" && c.valid_calls() > 0 ? "tool_calls" : reason;
   c.stop_reason = std::move(stop_reason);
   ++num_finished_;
   if (ctx_.metrics) {
@@ -418,7 +494,12 @@ void Generation::fail(const std::string& message) {
   auto conn = conn_.lock();
   if (!conn || !conn->is_open()) return;
   ApiError err(500, message, "server_error");
-  if (setup_.params.stream) {
+  if (setup_.params.stream && setup_.responses) {
+    responses_event(
+        *conn,
+        {{"type", "error"}, {"code", "server_error"}, {"message", message}, {"param", nullptr}});
+    conn->stream_end();
+  } else if (setup_.params.stream) {
     conn->stream_write("data: " + dump_json(err.to_json()) + "\n\n");
     conn->stream_write("data: [DONE]\n\n");
     conn->stream_end();
@@ -454,6 +535,10 @@ json Generation::chunk_envelope() const {
 void Generation::emit_chunk(Choice& c) {
   auto conn = conn_.lock();
   if (!conn || !conn->is_open()) return;
+  if (setup_.responses) {
+    emit_responses(c, *conn);
+    return;
+  }
   const GenerationParams& p = setup_.params;
   auto send = [&](json chunk) {
     if (p.include_usage) chunk["usage"] = p.continuous_usage ? usage_json() : json(nullptr);
@@ -477,15 +562,14 @@ void Generation::emit_chunk(Choice& c) {
   const bool new_ids = c.ids.size() > c.ids_sent;
   const bool first_completion_chunk = !setup_.chat && !c.started;
   const bool ids_matter = p.logprobs >= 0 || p.return_token_ids || ctx_.tokenizer == nullptr;
-  if (c.text.empty() && !c.finished && !(new_ids && ids_matter)) {
-    return;  // nothing visible yet (held back by a stop string or an incomplete character)
+  const bool visible = !c.text.empty() || !c.reasoning.empty() || !c.pending_calls.empty();
+  if (!visible && !c.finished && !(new_ids && ids_matter)) {
+    return;  // nothing visible yet (held back by a stop string, a parser or a character)
   }
 
   json choice = {{"index", c.index}};
   if (setup_.chat) {
-    json delta = json::object();
-    if (!c.text.empty() || !c.finished) delta["content"] = c.text;
-    choice["delta"] = std::move(delta);
+    choice["delta"] = delta_json(c);
   } else {
     choice["text"] = c.text;
   }
@@ -501,6 +585,8 @@ void Generation::emit_chunk(Choice& c) {
   }
   c.started = true;
   c.text.clear();
+  c.reasoning.clear();
+  c.pending_calls.clear();
   c.ids_sent = c.ids.size();
   if (!c.logprobs.is_null()) {
     for (auto& [key, arr] : c.logprobs.items()) arr = json::array();
@@ -510,11 +596,293 @@ void Generation::emit_chunk(Choice& c) {
   send(std::move(chunk));
 }
 
+json Generation::delta_json(Choice& c) const {
+  json delta = json::object();
+  if (!c.reasoning.empty()) delta["reasoning_content"] = c.reasoning;
+  const bool other = !c.reasoning.empty() || !c.pending_calls.empty();
+  if (!c.text.empty() || (!c.finished && !other)) delta["content"] = c.text;
+  if (!c.pending_calls.empty()) {
+    json calls = json::array();
+    for (const parsers::ToolCallDelta& t : c.pending_calls) {
+      if (!t.header && !calls.empty() && calls.back()["index"] == t.index) {
+        auto& args = calls.back()["function"]["arguments"];
+        args = args.get<std::string>() + t.arguments;
+        continue;
+      }
+      json call = {{"index", t.index}};
+      if (t.header) {
+        call["id"] = c.calls[size_t(t.index)].id;
+        call["type"] = "function";
+        call["function"] = {{"name", t.name}, {"arguments", t.arguments}};
+      } else {
+        call["function"] = {{"arguments", t.arguments}};
+      }
+      calls.push_back(std::move(call));
+    }
+    delta["tool_calls"] = std::move(calls);
+  }
+  return delta;
+}
+
+json Generation::message_json(const Choice& c) const {
+  json m = {{"role", "assistant"}};
+  const bool calls = c.valid_calls() > 0;
+  // vLLM: content is null when the reply was all reasoning or tool calls.
+  m["content"] =
+      c.text.empty() && c.parser && (calls || !c.reasoning.empty()) ? json(nullptr) : json(c.text);
+  if (setup_.parser && setup_.parser->reasoning) {
+    m["reasoning_content"] = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
+  }
+  if (calls) {
+    json list = json::array();
+    for (const Choice::Call& call : c.calls) {
+      if (call.failed) continue;
+      list.push_back({{"id", call.id},
+                      {"type", "function"},
+                      {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+    }
+    m["tool_calls"] = std::move(list);
+  }
+  return m;
+}
+
+// ---- /v1/responses ----------------------------------------------------------------------
+
+void Generation::responses_event(Connection& conn, json ev) {
+  ev["sequence_number"] = resp_seq_++;
+  const std::string type = ev["type"];
+  conn.stream_write("event: " + type + "\ndata: " + dump_json(ev) + "\n\n");
+}
+
+json Generation::response_json(const std::string& status, json output) const {
+  const json& b = setup_.responses_body;
+  auto echo = [&](const char* key, json def) {
+    auto it = b.find(key);
+    return it == b.end() || it->is_null() ? def : *it;
+  };
+  int64_t input = 0;
+  for (const auto& pr : setup_.prompts) input += int64_t(pr.ids.size());
+  int64_t output_tokens = 0;
+  int64_t cached = 0;
+  for (const auto& c : choices_) {
+    output_tokens += int64_t(c->ids.size());
+    cached = std::max<int64_t>(cached, c->cached_tokens);
+  }
+  json r = {{"id", setup_.id},
+            {"object", "response"},
+            {"created_at", setup_.created},
+            {"status", status},
+            {"model", setup_.model},
+            {"output", std::move(output)},
+            {"error", nullptr},
+            {"incomplete_details",
+             status == "incomplete" ? json{{"reason", "max_output_tokens"}} : json(nullptr)},
+            {"instructions", echo("instructions", nullptr)},
+            {"max_output_tokens", echo("max_output_tokens", nullptr)},
+            {"metadata", echo("metadata", json::object())},
+            {"parallel_tool_calls", echo("parallel_tool_calls", true)},
+            {"previous_response_id", nullptr},
+            {"reasoning", echo("reasoning", json{{"effort", nullptr}, {"summary", nullptr}})},
+            {"store", false},
+            {"temperature", echo("temperature", 1.0)},
+            {"text", echo("text", json{{"format", {{"type", "text"}}}})},
+            {"tool_choice", echo("tool_choice", "auto")},
+            {"tools", echo("tools", json::array())},
+            {"top_p", echo("top_p", 1.0)},
+            {"truncation", "disabled"},
+            {"user", echo("user", nullptr)}};
+  if (status != "in_progress") {
+    r["usage"] = {{"input_tokens", input},
+                  {"input_tokens_details", {{"cached_tokens", cached}}},
+                  {"output_tokens", output_tokens},
+                  {"output_tokens_details", {{"reasoning_tokens", 0}}},
+                  {"total_tokens", input + output_tokens}};
+  } else {
+    r["usage"] = nullptr;
+  }
+  return r;
+}
+
+namespace {
+
+std::string item_id(const std::string& prefix, const std::string& response_id, size_t i) {
+  return prefix + response_id.substr(response_id.find('_') + 1) + std::to_string(i);
+}
+
+json reasoning_item(std::string id, const std::string& text, const char* status) {
+  return {{"type", "reasoning"},
+          {"id", std::move(id)},
+          {"summary", json::array()},
+          {"content", json::array({{{"type", "reasoning_text"}, {"text", text}}})},
+          {"status", status}};
+}
+
+json message_item(std::string id, const std::string& text, const char* status) {
+  json content = json::array();
+  if (text.size() || std::string(status) == "completed") {
+    content.push_back({{"type", "output_text"},
+                       {"text", text},
+                       {"annotations", json::array()},
+                       {"logprobs", json::array()}});
+  }
+  return {{"type", "message"},
+          {"id", std::move(id)},
+          {"status", status},
+          {"role", "assistant"},
+          {"content", std::move(content)}};
+}
+
+json call_item(std::string id, const std::string& call_id, const std::string& name,
+               const std::string& args, const char* status) {
+  return {{"type", "function_call"}, {"id", std::move(id)}, {"call_id", call_id}, {"name", name},
+          {"arguments", args},       {"status", status}};
+}
+
+}  // namespace
+
+json Generation::responses_output(const Choice& c) const {
+  json out = json::array();
+  if (!c.reasoning.empty()) {
+    out.push_back(reasoning_item(item_id("rs_", setup_.id, out.size()), c.reasoning, "completed"));
+  }
+  if (!c.text.empty() || c.valid_calls() == 0) {
+    out.push_back(message_item(item_id("msg_", setup_.id, out.size()), c.text, "completed"));
+  }
+  for (const Choice::Call& call : c.calls) {
+    if (call.failed) continue;
+    out.push_back(call_item(item_id("fc_", setup_.id, out.size()), call.id, call.name,
+                            call.arguments, "completed"));
+  }
+  return out;
+}
+
+void Generation::responses_close_item(Choice& c, Connection& conn) {
+  if (!resp_open_) return;
+  resp_open_ = false;
+  json& item = resp_items_.back();
+  const size_t index = resp_items_.size() - 1;
+  const std::string type = item["type"];
+  const json item_id = item["id"];
+  if (type == "function_call") {
+    const Choice::Call& call = c.calls.at(size_t(resp_open_call_));
+    item["arguments"] = call.arguments;
+    item["status"] = call.failed ? "incomplete" : "completed";
+    responses_event(conn, {{"type", "response.function_call_arguments.done"},
+                           {"item_id", item_id},
+                           {"output_index", index},
+                           {"name", call.name},
+                           {"arguments", call.arguments}});
+  } else {
+    json& part = item["content"][0];
+    const std::string text = part["text"];
+    const bool reasoning = type == "reasoning";
+    item["status"] = "completed";
+    responses_event(
+        conn, {{"type", reasoning ? "response.reasoning_text.done" : "response.output_text.done"},
+               {"item_id", item_id},
+               {"output_index", index},
+               {"content_index", 0},
+               {"text", text},
+               {"logprobs", json::array()}});
+    responses_event(conn, {{"type", "response.content_part.done"},
+                           {"item_id", item_id},
+                           {"output_index", index},
+                           {"content_index", 0},
+                           {"part", part}});
+  }
+  responses_event(conn,
+                  {{"type", "response.output_item.done"}, {"output_index", index}, {"item", item}});
+}
+
+void Generation::emit_responses(Choice& c, Connection& conn) {
+  if (!resp_started_) {
+    resp_started_ = true;
+    json r = response_json("in_progress", json::array());
+    responses_event(conn, {{"type", "response.created"}, {"response", r}});
+    responses_event(conn, {{"type", "response.in_progress"}, {"response", r}});
+  }
+  // A text item (reasoning or message): opened on its first delta.
+  auto text_delta = [&](const std::string& type, const std::string& delta) {
+    if (delta.empty()) return;
+    if (!resp_open_ || resp_items_.back()["type"] != type) {
+      responses_close_item(c, conn);
+      const size_t index = resp_items_.size();
+      const bool reasoning = type == "reasoning";
+      json item = reasoning ? reasoning_item(item_id("rs_", setup_.id, index), "", "in_progress")
+                            : message_item(item_id("msg_", setup_.id, index), "", "in_progress");
+      json part = reasoning ? json{{"type", "reasoning_text"}, {"text", ""}}
+                            : json{{"type", "output_text"},
+                                   {"text", ""},
+                                   {"annotations", json::array()},
+                                   {"logprobs", json::array()}};
+      json announced = item;
+      announced["content"] = json::array();
+      responses_event(
+          conn,
+          {{"type", "response.output_item.added"}, {"output_index", index}, {"item", announced}});
+      responses_event(conn, {{"type", "response.content_part.added"},
+                             {"item_id", item["id"]},
+                             {"output_index", index},
+                             {"content_index", 0},
+                             {"part", part}});
+      item["content"] = json::array({part});
+      resp_items_.push_back(std::move(item));
+      resp_open_ = true;
+    }
+    json& item = resp_items_.back();
+    json& text = item["content"][0]["text"];
+    text = text.get<std::string>() + delta;
+    json ev = {{"type", type == "reasoning" ? "response.reasoning_text.delta"
+                                            : "response.output_text.delta"},
+               {"item_id", item["id"]},
+               {"output_index", resp_items_.size() - 1},
+               {"content_index", 0},
+               {"delta", delta}};
+    if (type != "reasoning") ev["logprobs"] = json::array();
+    responses_event(conn, std::move(ev));
+  };
+  text_delta("reasoning", c.reasoning);
+  text_delta("message", c.text);
+  for (const parsers::ToolCallDelta& t : c.pending_calls) {
+    if (t.header) {
+      responses_close_item(c, conn);
+      const size_t index = resp_items_.size();
+      json item = call_item(item_id("fc_", setup_.id, index), c.calls.at(size_t(t.index)).id,
+                            t.name, "", "in_progress");
+      responses_event(
+          conn, {{"type", "response.output_item.added"}, {"output_index", index}, {"item", item}});
+      resp_items_.push_back(std::move(item));
+      resp_open_ = true;
+      resp_open_call_ = t.index;
+    }
+    if (!t.arguments.empty() && resp_open_ && resp_open_call_ == t.index) {
+      responses_event(conn, {{"type", "response.function_call_arguments.delta"},
+                             {"item_id", resp_items_.back()["id"]},
+                             {"output_index", resp_items_.size() - 1},
+                             {"delta", t.arguments}});
+    }
+  }
+  c.text.clear();
+  c.reasoning.clear();
+  c.pending_calls.clear();
+  c.started = true;
+  c.ids_sent = c.ids.size();
+  if (c.finished) {
+    responses_close_item(c, conn);
+    // The failed calls' items stay in the stream as "incomplete"; the final response lists
+    // the items as streamed.
+    const bool incomplete = c.finish_reason == "length";
+    json r = response_json(incomplete ? "incomplete" : "completed", resp_items_);
+    responses_event(conn, {{"type", incomplete ? "response.incomplete" : "response.completed"},
+                           {"response", std::move(r)}});
+  }
+}
+
 json Generation::final_choice_json(const Choice& c) const {
   const GenerationParams& p = setup_.params;
   json choice = {{"index", c.index}};
   if (setup_.chat) {
-    choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+    choice["message"] = message_json(c);
   } else {
     choice["text"] = c.text;
   }
@@ -534,6 +902,20 @@ void Generation::complete() {
   auto conn = conn_.lock();
   if (!conn || !conn->is_open()) return;
   const GenerationParams& p = setup_.params;
+  if (setup_.responses) {
+    if (p.stream) {
+      conn->stream_end();  // response.completed went out with the last output
+    } else {
+      const Choice& c = *choices_.at(0);
+      conn->respond(
+          {200,
+           "application/json",
+           dump_json(response_json(c.finish_reason == "length" ? "incomplete" : "completed",
+                                   responses_output(c))),
+           {}});
+    }
+    return;
+  }
   if (p.stream) {
     if (p.include_usage) {
       json chunk = chunk_envelope();

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "server/http/metrics.h"
 #include "server/http/openai_protocol.h"
 #include "server/http/stop_strings.h"
+#include "server/parsers/chat_parser.h"
 
 namespace tandem {
 class Tokenizer;
@@ -26,15 +28,19 @@ namespace tandem::openai {
 /// A validated, tokenised generation request.
 struct GenerationSetup {
   bool chat = false;
-  std::string id;       // "cmpl-..." / "chatcmpl-..."; engine ids are "<id>-<choice index>"
-  std::string model;    // served model name
-  int64_t created = 0;  // unix seconds
+  bool responses = false;  // /v1/responses (chat = true too): one choice, Responses output
+  Json responses_body;     // the request (fields echoed in the response object)
+  std::string id;          // "cmpl-..." / "chatcmpl-..."; engine ids are "<id>-<choice index>"
+  std::string model;       // served model name
+  int64_t created = 0;     // unix seconds
   GenerationParams params;
   struct Prompt {
     std::vector<int32_t> ids;
     std::string text;  // the prompt as text (for echo); "" without a tokenizer
   };
   std::vector<Prompt> prompts;
+  /// Chat: reasoning / tool-call parsing of each choice's text (none: plain content).
+  std::optional<parsers::ChatParserOptions> parser;
 };
 
 /// What a generation needs from the server; all must outlive the server's io threads.
@@ -60,6 +66,18 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void on_output(size_t index, const StepOutput& out);
   void on_disconnect();
   void add_token(Choice& c, const StepOutput& out, size_t k);
+  /// Text after stop strings: through the chat parser (when there is one) into the choice.
+  void push_text(Choice& c, const std::string& text);
+  void apply_delta(Choice& c, parsers::ChatDelta&& d);
+  Json message_json(const Choice& c) const;
+  Json delta_json(Choice& c) const;
+  // /v1/responses
+  void emit_responses(Choice& c, Connection& conn);
+  void responses_event(Connection& conn, Json ev);
+  /// Closes the open output item (its *.done events).
+  void responses_close_item(Choice& c, Connection& conn);
+  Json responses_output(const Choice& c) const;  // non-streamed output items
+  Json response_json(const std::string& status, Json output) const;
   void finish_choice(Choice& c, const std::string& reason, Json stop_reason);
   void fail(const std::string& message);
   void emit_chunk(Choice& c);
@@ -83,6 +101,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
   size_t num_finished_ = 0;
   bool done_ = false;  // answered (or client gone): later outputs are ignored
   std::chrono::steady_clock::time_point start_time_;
+  /// Special tokens the chat parser needs to see as text even with skip_special_tokens
+  /// (e.g. the demo model's <think> / </think>): id -> text.
+  std::vector<std::pair<int32_t, std::string>> parser_tags_;
+  // /v1/responses streaming state
+  int64_t resp_seq_ = 0;
+  bool resp_started_ = false;
+  Json resp_items_ = Json::array();  // output items so far (the open one last)
+  bool resp_open_ = false;           // resp_items_.back() is still streaming
+  int32_t resp_open_call_ = -1;      // the open item's tool call index (function_call)
 };
 
 }  // namespace tandem::openai

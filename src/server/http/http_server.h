@@ -33,6 +33,11 @@ struct HttpServerConfig {
   size_t max_body_bytes = 16u << 20;  // request bodies over this get 413
   int idle_timeout_s = 120;           // keep-alive idle / slow-request timeout, seconds
   bool stop_on_signals = false;       // SIGINT / SIGTERM end wait()
+
+  /// Chat tool-call parser: hermes, qwen3_coder or none (see docs/api.md).
+  std::string tool_call_parser = "hermes";
+  /// Reasoning parser (<think> into reasoning_content): qwen3 or none.
+  std::string reasoning_parser = "qwen3";
 };
 
 class HttpServer {

@@ -1,5 +1,6 @@
 #include "server/http/openai_protocol.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -13,6 +14,7 @@ constexpr int kMaxJsonDepth = 64;
 constexpr int64_t kMaxN = 256;
 constexpr size_t kMaxStopStrings = 64;
 constexpr size_t kMaxStopTokenIds = 1024;
+constexpr size_t kMaxLogitBias = 1024;
 
 const char* type_name(const json& v) {
   switch (v.type()) {
@@ -224,7 +226,29 @@ void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
 
   if (const json* v = field(body, "logit_bias")) {
     if (!v->is_object()) throw type_error("logit_bias", "an object", *v);
-    if (!v->empty()) throw bad_request("'logit_bias' is not supported", "logit_bias");
+    if (v->size() > kMaxLogitBias) {
+      throw bad_request("at most " + std::to_string(kMaxLogitBias) + " 'logit_bias' entries",
+                        "logit_bias");
+    }
+    for (auto it = v->begin(); it != v->end(); ++it) {
+      const std::string& key = it.key();
+      const bool digits = !key.empty() && key.size() <= 10 &&
+                          key.find_first_not_of("0123456789") == std::string::npos;
+      const int64_t id = digits ? std::stoll(key) : -1;
+      if (id < 0 || id >= vocab_size) {
+        throw bad_request("'logit_bias' key '" + key +
+                              "' is not a token id in the vocabulary (0.." +
+                              std::to_string(vocab_size - 1) + ")",
+                          "logit_bias");
+      }
+      const double bias = as_number(it.value(), "logit_bias");
+      if (bias < -100.0 || bias > 100.0) {
+        throw bad_request("'logit_bias' values must be in [-100, 100], got " + num_str(bias) +
+                              " for token " + key,
+                          "logit_bias");
+      }
+      if (bias != 0.0) s.logit_bias.push_back({int32_t(id), float(bias)});
+    }
   }
   if (const json* v = field(body, "user")) as_string(*v, "user");
   if (const json* v = field(body, "suffix")) {
@@ -235,9 +259,19 @@ void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
   if (const json* v = field(body, "response_format")) {
     if (!v->is_object()) throw type_error("response_format", "an object", *v);
     const json* t = field(*v, "type");
-    if (!t || as_string(*t, "response_format.type") != "text") {
-      throw bad_request("only response_format {\"type\": \"text\"} is supported",
+    if (!t) throw bad_request("'response_format' has no 'type'", "response_format.type");
+    const std::string& type = as_string(*t, "response_format.type");
+    if (type != "text") {
+      throw bad_request("response_format type '" + type +
+                            "' is not supported (no structured outputs yet: only \"text\")",
                         "response_format");
+    }
+  }
+  // vLLM's structured-output fields: refused rather than ignored.
+  for (const char* name :
+       {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}) {
+    if (field(body, name)) {
+      throw bad_request(in_quotes(name) + " is not supported (no structured outputs yet)", name);
     }
   }
 }
@@ -314,6 +348,15 @@ json normalise_messages(const json& messages) {
         as_string(*fname, name + ".tool_calls.function.name");
       }
       nm["tool_calls"] = *tc;
+      // As vLLM: arguments given as a JSON string reach the template as an object (the
+      // Qwen3.5 / Qwen3-Coder templates iterate over them).
+      for (auto& call : nm["tool_calls"]) {
+        auto it = call["function"].find("arguments");
+        if (it == call["function"].end() || !it->is_string()) continue;
+        json& args = *it;
+        json parsed = json::parse(args.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+        if (parsed.is_object()) args = std::move(parsed);
+      }
       has_tool_calls = !tc->empty();
     }
     if (content.is_null() && !(role == "assistant")) {
@@ -329,39 +372,81 @@ json normalise_messages(const json& messages) {
   return out;
 }
 
-json normalise_tools(const json& body) {
+/// tools and tool_choice: r.tools is the list the template sees (null for none or
+/// tool_choice "none"), r.tool_choice "none" / "auto" / "required" / "function".
+void parse_tools(const json& body, ChatRequest& r) {
   const json* tools = field(body, "tools");
-  if (!tools) return nullptr;
-  if (!tools->is_array()) throw type_error("tools", "an array", *tools);
-  for (size_t i = 0; i < tools->size(); ++i) {
-    const json& t = (*tools)[i];
-    std::string name = "tools[" + std::to_string(i) + "]";
-    if (!t.is_object()) throw type_error(name, "an object", t);
-    const json* type = field(t, "type");
-    if (!type || as_string(*type, name + ".type") != "function") {
-      throw bad_request(in_quotes(name) + " must have type 'function'", name + ".type");
+  std::vector<std::string> names;
+  if (tools) {
+    if (!tools->is_array()) throw type_error("tools", "an array", *tools);
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      std::string name = "tools[" + std::to_string(i) + "]";
+      if (!t.is_object()) throw type_error(name, "an object", t);
+      const json* type = field(t, "type");
+      if (!type || as_string(*type, name + ".type") != "function") {
+        throw bad_request(in_quotes(name) + " must have type 'function'", name + ".type");
+      }
+      const json* fn = field(t, "function");
+      if (!fn || !fn->is_object()) {
+        throw bad_request(in_quotes(name) + " must have a 'function' object", name + ".function");
+      }
+      const json* fname = field(*fn, "name");
+      if (!fname) {
+        throw bad_request(in_quotes(name) + " function has no 'name'", name + ".function.name");
+      }
+      const std::string& n = as_string(*fname, name + ".function.name");
+      if (n.empty()) {
+        throw bad_request(in_quotes(name + ".function.name") + " must not be empty",
+                          name + ".function.name");
+      }
+      if (const json* params = field(*fn, "parameters"); params && !params->is_object()) {
+        throw type_error(name + ".function.parameters", "an object (a JSON schema)", *params);
+      }
+      if (const json* d = field(*fn, "description")) as_string(*d, name + ".function.description");
+      names.push_back(n);
     }
-    const json* fn = field(t, "function");
-    if (!fn || !fn->is_object()) {
-      throw bad_request(in_quotes(name) + " must have a 'function' object", name + ".function");
-    }
-    const json* fname = field(*fn, "name");
-    if (!fname) throw bad_request(in_quotes(name) + " function has no 'name'", name + ".function");
-    as_string(*fname, name + ".function.name");
   }
-  if (tools->empty()) return nullptr;
+  const bool have_tools = !names.empty();
+  r.tool_choice = have_tools ? "auto" : "none";
   if (const json* tc = field(body, "tool_choice")) {
     if (tc->is_string()) {
       const std::string& c = tc->get_ref<const std::string&>();
-      if (c == "none") return nullptr;
-      if (c != "auto") {
-        throw bad_request("tool_choice '" + c + "' is not supported (none or auto)", "tool_choice");
+      if (c != "none" && c != "auto" && c != "required") {
+        throw bad_request(
+            "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+            "{\"type\": \"function\", \"function\": {\"name\": ...}}, got '" +
+                c + "'",
+            "tool_choice");
+      }
+      r.tool_choice = c;
+    } else if (tc->is_object()) {
+      const json* type = field(*tc, "type");
+      if (!type || as_string(*type, "tool_choice.type") != "function") {
+        throw bad_request("'tool_choice' object must have type 'function'", "tool_choice.type");
+      }
+      const json* fn = field(*tc, "function");
+      if (!fn || !fn->is_object() || !field(*fn, "name")) {
+        throw bad_request("'tool_choice' must name a function: {\"function\": {\"name\": ...}}",
+                          "tool_choice.function.name");
+      }
+      r.tool_choice = "function";
+      r.tool_choice_name = as_string((*fn)["name"], "tool_choice.function.name");
+      if (have_tools && std::find(names.begin(), names.end(), r.tool_choice_name) == names.end()) {
+        throw bad_request(
+            "'tool_choice' names function '" + r.tool_choice_name + "', which is not in 'tools'",
+            "tool_choice.function.name");
       }
     } else {
-      throw bad_request("only tool_choice \"none\" and \"auto\" are supported", "tool_choice");
+      throw type_error("tool_choice", "a string or an object", *tc);
+    }
+    if (!have_tools && r.tool_choice != "none") {
+      throw bad_request("'tool_choice' " + tc->dump() + " needs a non-empty 'tools' list",
+                        "tool_choice");
     }
   }
-  return *tools;
+  r.tools = have_tools && r.tool_choice != "none" ? *tools : json(nullptr);
+  if (const json* v = field(body, "parallel_tool_calls")) as_bool(*v, "parallel_tool_calls");
 }
 
 /// The chat fields shared by /v1/chat/completions and /tokenize.
@@ -369,7 +454,7 @@ void parse_chat_messages(const json& body, ChatRequest& r) {
   const json* messages = field(body, "messages");
   if (!messages) throw bad_request("'messages' is required", "messages");
   r.messages = normalise_messages(*messages);
-  r.tools = normalise_tools(body);
+  parse_tools(body, r);
   r.add_generation_prompt = get_bool(body, "add_generation_prompt", true);
   r.continue_final_message = get_bool(body, "continue_final_message", false);
   if (r.continue_final_message && r.add_generation_prompt) {
@@ -386,6 +471,22 @@ void parse_chat_messages(const json& body, ChatRequest& r) {
   }
   if (field(body, "chat_template")) {
     throw bad_request("a per-request 'chat_template' is not supported", "chat_template");
+  }
+  if (const json* v = field(body, "reasoning_effort")) {
+    const std::string& e = as_string(*v, "reasoning_effort");
+    if (e != "none" && e != "minimal" && e != "low" && e != "medium" && e != "high" &&
+        e != "xhigh") {
+      throw bad_request(
+          "'reasoning_effort' must be none, minimal, low, medium, high or xhigh, got '" + e + "'",
+          "reasoning_effort");
+    }
+    // Passed to the template as a variable; "none" also turns Qwen3's thinking off.
+    if (!r.chat_template_kwargs.contains("reasoning_effort")) {
+      r.chat_template_kwargs["reasoning_effort"] = e;
+    }
+    if (e == "none" && !r.chat_template_kwargs.contains("enable_thinking")) {
+      r.chat_template_kwargs["enable_thinking"] = false;
+    }
   }
 }
 
@@ -458,6 +559,180 @@ ChatRequest parse_chat_request(const json& body, int64_t vocab_size) {
   }
   if (logprobs) p.logprobs = int32_t(top.value_or(0));
   return r;
+}
+
+namespace {
+
+/// Text of a Responses content: a string or parts of type input_text / output_text / text.
+std::string responses_text(const json& content, const std::string& name) {
+  if (content.is_string()) return content.get<std::string>();
+  if (!content.is_array()) throw type_error(name, "a string or an array of content parts", content);
+  std::string text;
+  for (size_t i = 0; i < content.size(); ++i) {
+    const json& part = content[i];
+    const std::string pname = name + "[" + std::to_string(i) + "]";
+    if (!part.is_object()) throw type_error(pname, "an object", part);
+    const json* type = field(part, "type");
+    const std::string t = type ? as_string(*type, pname + ".type") : "";
+    if (t != "input_text" && t != "output_text" && t != "text") {
+      throw bad_request("content part type '" + t + "' is not supported (text only)",
+                        pname + ".type");
+    }
+    const json* tx = field(part, "text");
+    if (!tx) throw bad_request(in_quotes(pname) + " has no 'text'", pname + ".text");
+    if (!text.empty()) text += "\n";
+    text += as_string(*tx, pname + ".text");
+  }
+  return text;
+}
+
+}  // namespace
+
+ResponsesRequest parse_responses_request(const json& body, int64_t vocab_size) {
+  ResponsesRequest out;
+  json chat = json::object();
+  json messages = json::array();
+  if (const json* v = field(body, "instructions")) {
+    messages.push_back({{"role", "system"}, {"content", as_string(*v, "instructions")}});
+  }
+  const json* input = field(body, "input");
+  if (!input) throw bad_request("'input' is required", "input");
+  if (input->is_string()) {
+    messages.push_back({{"role", "user"}, {"content", *input}});
+  } else if (input->is_array()) {
+    for (size_t i = 0; i < input->size(); ++i) {
+      const json& item = (*input)[i];
+      const std::string name = "input[" + std::to_string(i) + "]";
+      if (!item.is_object()) throw type_error(name, "an object", item);
+      const json* type_v = field(item, "type");
+      const std::string type = type_v ? as_string(*type_v, name + ".type") : "message";
+      if (type == "message") {
+        const json* role = field(item, "role");
+        if (!role) throw bad_request(in_quotes(name) + " has no 'role'", name + ".role");
+        const json* content = field(item, "content");
+        if (!content) throw bad_request(in_quotes(name) + " has no 'content'", name + ".content");
+        messages.push_back({{"role", as_string(*role, name + ".role")},
+                            {"content", responses_text(*content, name + ".content")}});
+      } else if (type == "function_call") {
+        const json* call_id = field(item, "call_id");
+        const json* fname = field(item, "name");
+        const json* args = field(item, "arguments");
+        if (!call_id || !fname || !args) {
+          throw bad_request(in_quotes(name) + " (function_call) needs call_id, name and arguments",
+                            name);
+        }
+        json call = {{"id", as_string(*call_id, name + ".call_id")},
+                     {"type", "function"},
+                     {"function",
+                      {{"name", as_string(*fname, name + ".name")},
+                       {"arguments", as_string(*args, name + ".arguments")}}}};
+        // Consecutive calls belong to one assistant turn.
+        if (!messages.empty() && messages.back()["role"] == "assistant" &&
+            messages.back().contains("tool_calls")) {
+          messages.back()["tool_calls"].push_back(std::move(call));
+        } else if (!messages.empty() && messages.back()["role"] == "assistant") {
+          messages.back()["tool_calls"] = json::array({std::move(call)});
+        } else {
+          messages.push_back({{"role", "assistant"},
+                              {"content", nullptr},
+                              {"tool_calls", json::array({std::move(call)})}});
+        }
+      } else if (type == "function_call_output") {
+        const json* call_id = field(item, "call_id");
+        const json* output = field(item, "output");
+        if (!call_id || !output) {
+          throw bad_request(in_quotes(name) + " (function_call_output) needs call_id and output",
+                            name);
+        }
+        messages.push_back({{"role", "tool"},
+                            {"tool_call_id", as_string(*call_id, name + ".call_id")},
+                            {"content", responses_text(*output, name + ".output")}});
+      } else if (type == "reasoning") {
+        continue;  // earlier reasoning is not shown to the model again (as Qwen3's template)
+      } else {
+        throw bad_request("input item type '" + type + "' is not supported", name + ".type");
+      }
+    }
+  } else {
+    throw type_error("input", "a string or an array of input items", *input);
+  }
+  chat["messages"] = std::move(messages);
+
+  if (const json* tools = field(body, "tools")) {
+    if (!tools->is_array()) throw type_error("tools", "an array", *tools);
+    json list = json::array();
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string name = "tools[" + std::to_string(i) + "]";
+      if (!t.is_object()) throw type_error(name, "an object", t);
+      const json* type = field(t, "type");
+      if (!type || as_string(*type, name + ".type") != "function") {
+        throw bad_request(in_quotes(name) +
+                              " must have type 'function' (built-in tools are not "
+                              "supported)",
+                          name + ".type");
+      }
+      const json* fname = field(t, "name");
+      if (!fname) throw bad_request(in_quotes(name) + " has no 'name'", name + ".name");
+      if (as_string(*fname, name + ".name").empty()) {
+        throw bad_request(in_quotes(name + ".name") + " must not be empty", name + ".name");
+      }
+      json fn = {{"name", *fname}};
+      for (const char* k : {"description", "parameters", "strict"}) {
+        if (const json* v = field(t, k)) fn[k] = *v;
+      }
+      list.push_back({{"type", "function"}, {"function", std::move(fn)}});
+    }
+    chat["tools"] = std::move(list);
+  }
+  if (const json* tc = field(body, "tool_choice")) {
+    if (tc->is_object() && field(*tc, "name") && !field(*tc, "function")) {
+      chat["tool_choice"] = {{"type", tc->value("type", json("function"))},
+                             {"function", {{"name", (*tc)["name"]}}}};
+    } else {
+      chat["tool_choice"] = *tc;
+    }
+  }
+  if (const json* v = field(body, "max_output_tokens")) chat["max_completion_tokens"] = *v;
+  if (const json* r = field(body, "reasoning")) {
+    if (!r->is_object()) throw type_error("reasoning", "an object", *r);
+    if (const json* e = field(*r, "effort")) chat["reasoning_effort"] = *e;
+  }
+  if (const json* t = field(body, "text")) {
+    if (!t->is_object()) throw type_error("text", "an object", *t);
+    if (const json* f = field(*t, "format")) chat["response_format"] = *f;
+  }
+  if (field(body, "previous_response_id")) {
+    throw bad_request(
+        "'previous_response_id' is not supported (responses are not stored): send "
+        "the conversation in 'input'",
+        "previous_response_id");
+  }
+  if (const json* v = field(body, "store")) as_bool(*v, "store");
+  if (const json* v = field(body, "metadata"); v && !v->is_object()) {
+    throw type_error("metadata", "an object", *v);
+  }
+  for (const char* k :
+       {"model", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "parallel_tool_calls",
+        "user", "chat_template_kwargs", "top_logprobs", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "stop", "logit_bias", "skip_special_tokens"}) {
+    if (const json* v = field(body, k)) chat[k] = *v;
+  }
+  if (const json* v = field(body, "top_logprobs"); v && !v->is_null()) chat["logprobs"] = true;
+  try {
+    out.chat = parse_chat_request(chat, vocab_size);
+  } catch (const ApiError& e) {
+    // Chat field names that differ in the Responses API.
+    std::string param = e.param();
+    if (param.rfind("messages", 0) == 0) param = "input";
+    if (param == "max_completion_tokens") param = "max_output_tokens";
+    if (param == "reasoning_effort") param = "reasoning.effort";
+    if (param.rfind("response_format", 0) == 0) param = "text.format";
+    throw ApiError(e.status(), e.message(), e.type(), param, e.code());
+  }
+  if (out.chat.params.n != 1) throw bad_request("'n' must be 1 for responses", "n");
+  out.body = body;
+  return out;
 }
 
 TokenizeRequest parse_tokenize_request(const json& body) {

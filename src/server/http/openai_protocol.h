@@ -56,7 +56,9 @@ struct CompletionRequest {
 struct ChatRequest {
   GenerationParams params;
   Json messages;  // normalised: content is a string (or null)
-  Json tools;     // null or an array of tool definitions
+  Json tools;     // null or an array of tool definitions (null when tool_choice is "none")
+  std::string tool_choice = "none";  // "none", "auto", "required" or "function" (named)
+  std::string tool_choice_name;      // tool_choice "function": the function's name
   bool add_generation_prompt = true;
   bool continue_final_message = false;
   Json chat_template_kwargs = Json::object();
@@ -67,6 +69,14 @@ CompletionRequest parse_completion_request(const Json& body, int64_t vocab_size)
 
 /// Parses the body of POST /v1/chat/completions.
 ChatRequest parse_chat_request(const Json& body, int64_t vocab_size);
+
+/// POST /v1/responses, as a chat request (input items become messages; instructions a
+/// system message; flat function tools become chat tools) plus the body (echoed back).
+struct ResponsesRequest {
+  ChatRequest chat;
+  Json body;
+};
+ResponsesRequest parse_responses_request(const Json& body, int64_t vocab_size);
 
 /// POST /tokenize: either a prompt or chat messages.
 struct TokenizeRequest {

@@ -340,7 +340,13 @@ TEST_F(HttpServerTest, ValidationErrors) {
       {with("min_tokens", 5), "min_tokens"},
       {with("stream_options", {{"include_usage", true}}), "stream_options"},
       {with("prompt_logprobs", 21), "prompt_logprobs"},
-      {with("logit_bias", {{"5", 1}}), "logit_bias"},
+      {with("logit_bias", {{"5", 101}}), "logit_bias"},
+      {with("logit_bias", {{"5", -100.5}}), "logit_bias"},
+      {with("logit_bias", {{"abc", 1}}), "logit_bias"},
+      {with("logit_bias", {{"-1", 1}}), "logit_bias"},
+      {with("logit_bias", {{"1000", 1}}), "logit_bias"},
+      {with("logit_bias", {{"5", "x"}}), "logit_bias"},
+      {with("logit_bias", 5), "logit_bias"},
       {with("echo", 1), "echo"},
   };
   for (const auto& c : cases) {

@@ -1,0 +1,76 @@
+// The GenRequest codec (engine/protocol) carries every SamplingParams field, logit_bias
+// included, and refuses a truncated message.
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "engine/protocol.h"
+
+namespace tandem {
+namespace {
+
+TEST(RequestCodec, RoundTripsEverySamplingField) {
+  GenRequest r;
+  r.id = "req-7";
+  r.prompt_ids = {1, 2, 3};
+  SamplingParams& s = r.sampling;
+  s.temperature = 0.7f;
+  s.top_p = 0.9f;
+  s.top_k = 40;
+  s.min_p = 0.05f;
+  s.repetition_penalty = 1.1f;
+  s.presence_penalty = 0.25f;
+  s.frequency_penalty = -0.5f;
+  s.seed = 1234567890123ull;
+  s.logprobs = 5;
+  s.prompt_logprobs = 2;
+  s.logit_bias = {{17, -100.0f}, {3, 2.5f}};
+  r.max_tokens = 99;
+  r.min_tokens = 4;
+  r.stop_token_ids = {8, 9};
+  r.ignore_eos = true;
+
+  ByteWriter w;
+  put_request(w, r);
+  ByteReader rd(w.bytes());
+  const GenRequest g = get_request(rd);
+  EXPECT_EQ(rd.left(), 0u);
+  EXPECT_EQ(g.id, r.id);
+  EXPECT_EQ(g.prompt_ids, r.prompt_ids);
+  EXPECT_EQ(g.sampling.temperature, s.temperature);
+  EXPECT_EQ(g.sampling.top_p, s.top_p);
+  EXPECT_EQ(g.sampling.top_k, s.top_k);
+  EXPECT_EQ(g.sampling.min_p, s.min_p);
+  EXPECT_EQ(g.sampling.repetition_penalty, s.repetition_penalty);
+  EXPECT_EQ(g.sampling.presence_penalty, s.presence_penalty);
+  EXPECT_EQ(g.sampling.frequency_penalty, s.frequency_penalty);
+  EXPECT_EQ(g.sampling.seed, s.seed);
+  EXPECT_EQ(g.sampling.logprobs, s.logprobs);
+  EXPECT_EQ(g.sampling.prompt_logprobs, s.prompt_logprobs);
+  ASSERT_EQ(g.sampling.logit_bias.size(), 2u);
+  EXPECT_EQ(g.sampling.logit_bias[0].id, 17);
+  EXPECT_EQ(g.sampling.logit_bias[0].bias, -100.0f);
+  EXPECT_EQ(g.sampling.logit_bias[1].id, 3);
+  EXPECT_EQ(g.sampling.logit_bias[1].bias, 2.5f);
+  EXPECT_EQ(g.max_tokens, r.max_tokens);
+  EXPECT_EQ(g.min_tokens, r.min_tokens);
+  EXPECT_EQ(g.stop_token_ids, r.stop_token_ids);
+  EXPECT_EQ(g.ignore_eos, r.ignore_eos);
+
+  // No seed, no biases.
+  r.sampling.seed.reset();
+  r.sampling.logit_bias.clear();
+  ByteWriter w2;
+  put_request(w2, r);
+  ByteReader rd2(w2.bytes());
+  const GenRequest g2 = get_request(rd2);
+  EXPECT_FALSE(g2.sampling.seed.has_value());
+  EXPECT_TRUE(g2.sampling.logit_bias.empty());
+
+  // A truncated message is an error, not garbage.
+  std::vector<uint8_t> cut(w.bytes().begin(), w.bytes().end() - 3);
+  ByteReader rd3(cut);
+  EXPECT_THROW(get_request(rd3), Error);
+}
+
+}  // namespace
+}  // namespace tandem
