@@ -3,8 +3,10 @@ BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8000
+PREFIX ?= /usr/local
 
-.PHONY: all deps configure build build-all test run format format-check tidy clean
+.PHONY: all deps configure build build-all test run install install-files validate-deploy format format-check \
+        tidy clean
 
 all: build
 
@@ -27,11 +29,34 @@ build-all: configure
 test: build-all
 	cd $(BUILD_DIR) && TANDEM_QWEN3_TOKENIZER_DIR="$$($(CURDIR)/tools/fetch_qwen3_tokenizer.sh)" \
 	  TANDEM_REQUIRE_QWEN3_TOKENIZER=1 ctest --output-on-failure -j $(JOBS)
+	tests/soak/soak.sh $(BUILD_DIR)/tandem 60 16  # the short soak (docs/operations.md)
 
 run: build
 	@echo "Try:  curl -s localhost:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "        -d '{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"Tell me a story\"}]}'"
 	$(BUILD_DIR)/tandem serve --port $(PORT)
+
+# A relocatable install: PREFIX/bin/tandem finds the demo model at ../share/tandem/demo
+# (relative to the executable), wherever PREFIX is moved.
+install: build install-files
+
+install-files:
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/tandem
+	install -m 755 $(BUILD_DIR)/tandem $(DESTDIR)$(PREFIX)/bin/tandem
+	rm -rf $(DESTDIR)$(PREFIX)/share/tandem/demo
+	cp -R models/demo $(DESTDIR)$(PREFIX)/share/tandem/demo
+	install -d $(DESTDIR)$(PREFIX)/share/tandem/deploy
+	cp -R deploy/. $(DESTDIR)$(PREFIX)/share/tandem/deploy/
+
+# CI: every Kubernetes manifest in deploy/ against the bundled Kubernetes schemas (PyPI
+# kubernetes-validate, installed once into the build directory; validation is offline).
+KV_DIR ?= $(BUILD_DIR)/kubernetes-validate
+KV_VERSION ?= 1.37.0
+validate-deploy:
+	@[ -d $(KV_DIR)/kubernetes_validate ] || python3 -m pip install -q --disable-pip-version-check \
+	  --target $(KV_DIR) kubernetes-validate==$(KV_VERSION)
+	PYTHONPATH=$(KV_DIR) python3 -m kubernetes_validate --strict --quiet deploy/k8s/*.yaml
+	@python3 -c 'import json, sys; [json.load(open(f)) for f in sys.argv[1:]]' deploy/grafana/*.json
 
 SOURCES = git ls-files '*.h' '*.cpp' '*.cu' '*.cuh'
 

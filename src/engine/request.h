@@ -39,6 +39,9 @@ struct StepOutput {
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_token_id = -1;  // the EOS / stop id that finished it, if any
   std::string error;           // finish_reason == kError
+  // kError for a request that never started for lack of capacity (e.g. a router queue
+  // timeout): the client may retry after this many seconds (the HTTP front answers 429).
+  int32_t retry_after_s = 0;
 };
 
 /// Called on the engine thread; must not block.

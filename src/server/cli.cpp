@@ -6,6 +6,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -42,6 +43,21 @@
 namespace tandem {
 
 namespace {
+
+// The embedded demo model: next to an installed binary (PREFIX/bin/tandem ->
+// PREFIX/share/tandem/demo, wherever PREFIX was moved), else the source tree it was built from.
+const std::string& demo_model_dir() {
+  static const std::string dir = [] {
+    std::error_code ec;
+    const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) {
+      const auto p = (exe.parent_path() / ".." / "share" / "tandem" / "demo").lexically_normal();
+      if (std::filesystem::exists(p / "config.json", ec)) return p.string();
+    }
+    return std::string(TANDEM_DEMO_MODEL_DIR);
+  }();
+  return dir;
+}
 
 std::vector<int32_t> parse_ids(const std::string& s) {
   std::vector<int32_t> ids;
@@ -91,7 +107,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
 }
 
 struct GenerateArgs {
-  std::string model = TANDEM_DEMO_MODEL_DIR;
+  std::string model = demo_model_dir();
   std::string prompt;
   std::string prompt_ids;
   int max_tokens = 64;
@@ -204,13 +220,51 @@ struct ParserArgs {
   }
 };
 
+// The HTTP front's flags (tandem serve and tandem router).
+struct HttpArgs {
+  std::vector<std::string> allowed_origins;
+  int idle_timeout_s = HttpServerConfig{}.idle_timeout_s;
+  int header_timeout_s = HttpServerConfig{}.header_timeout_s;
+  int drain_seconds = HttpServerConfig{}.drain_seconds;
+  bool disable_access_log = false;
+};
+
+void add_http_options(CLI::App* cmd, HttpArgs& h) {
+  cmd->add_option("--allowed-origins", h.allowed_origins,
+                  "CORS: origins allowed to call from a browser, comma-separated ('*': any; "
+                  "default: none)")
+      ->delimiter(',');
+  cmd->add_option("--http-idle-timeout", h.idle_timeout_s,
+                  "Seconds a keep-alive connection may wait for its next request")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--http-header-timeout", h.header_timeout_s,
+                  "Seconds a started request has to send its headers and body")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--drain-seconds", h.drain_seconds,
+                  "On SIGTERM: seconds in-flight requests may take before they end with an error")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--disable-access-log", h.disable_access_log,
+                "No access-log line per request on stderr");
+}
+
+void apply_http_args(const HttpArgs& h, HttpServerConfig& cfg) {
+  cfg.allowed_origins = h.allowed_origins;
+  cfg.idle_timeout_s = h.idle_timeout_s;
+  cfg.header_timeout_s = h.header_timeout_s;
+  cfg.drain_seconds = h.drain_seconds;
+  if (!h.disable_access_log) {
+    cfg.access_log = [](const std::string& line) { std::cerr << line + "\n" << std::flush; };
+  }
+}
+
 struct ServeArgs {
-  std::string model = TANDEM_DEMO_MODEL_DIR;
+  std::string model = demo_model_dir();
   std::string served_name;
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string api_key;
   int http_threads = 2;
+  HttpArgs http;
   EngineConfig engine;
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
@@ -229,11 +283,12 @@ int run_serve(const ServeArgs& a) {
   cfg.api_key = a.api_key;
   cfg.num_threads = a.http_threads;
   cfg.stop_on_signals = true;
+  apply_http_args(a.http, cfg);
   cfg.model_name = a.served_name;
   if (cfg.model_name.empty()) {
     std::string dir = a.model;
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    cfg.model_name = a.model == TANDEM_DEMO_MODEL_DIR ? "demo" : dir.substr(dir.rfind('/') + 1);
+    cfg.model_name = a.model == demo_model_dir() ? "demo" : dir.substr(dir.rfind('/') + 1);
   }
   a.parsers.apply(cfg, a.model);
   HttpServer server(cfg, engine, tok.get(), chat.get());
@@ -248,13 +303,14 @@ int run_serve(const ServeArgs& a) {
 // ---- Disaggregated roles: tandem prefill / decode / router. ----
 
 struct InstanceArgs {
-  std::string model = TANDEM_DEMO_MODEL_DIR;
+  std::string model = demo_model_dir();
   int ranks = 1;  // --tp (prefill) or --dp (decode)
   std::string host = "127.0.0.1";
   int port = 0;           // control protocol (the router connects here); KV receivers: free ports
   int metrics_port = -1;  // GET /metrics here (-1: none)
   int nprocs = 1;         // fork this many rank processes here (a process group)
   int64_t max_decode_batch = 32;
+  int drain_seconds = 30;  // SIGTERM: requests in flight may finish this long
   EngineConfig engine;
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;  // --device cuda, without --kv-cache-mb
@@ -425,8 +481,8 @@ int lead_instance(const InstanceArgs& a, InstanceServer& server, const sigset_t&
             << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
   wait_for_stop_signal(signals);
-  g_watchdog.reset();  // stopping: the other ranks go away next
-  server.stop();
+  server.drain(std::chrono::seconds(a.drain_seconds));  // in-flight requests finish, then stop
+  g_watchdog.reset();                                   // stopping: the other ranks go away next
   return 0;
 }
 
@@ -479,7 +535,7 @@ int run_decode(const InstanceArgs& a) {
 }
 
 struct RouterArgs {
-  std::string model = TANDEM_DEMO_MODEL_DIR;  // tokenizer and chat template
+  std::string model = demo_model_dir();  // tokenizer and chat template
   std::string served_name;
   std::vector<std::string> prefill;
   std::vector<std::string> decode;
@@ -489,24 +545,23 @@ struct RouterArgs {
   int http_threads = 2;
   int metrics_port = -1;  // instances' /metrics here (the front's own /metrics is on --port)
   ParserArgs parsers;
+  HttpArgs http;
+  int max_queue = static_cast<int>(RouterConfig{}.max_queue);
+  double queue_timeout_s = 30;
+  double resolve_interval_s = 10;
 };
 
 int run_router(const RouterArgs& a) {
-  // NOTE: decode first, so the prefill connections (whose callbacks reach the decode ones)
-  // close first.
-  std::vector<std::unique_ptr<RemoteDecode>> decode;
-  std::vector<std::unique_ptr<RemotePrefill>> prefill;
-  std::vector<PrefillClient*> ps;
-  std::vector<DecodeClient*> ds;
-  for (const auto& e : a.prefill) {
-    prefill.push_back(std::make_unique<RemotePrefill>(e));
-    ps.push_back(prefill.back().get());
-  }
-  for (const auto& e : a.decode) {
-    decode.push_back(std::make_unique<RemoteDecode>(e));
-    ds.push_back(decode.back().get());
-  }
-  Router router(ps, ds);
+  RouterConfig rcfg;
+  rcfg.max_queue = static_cast<size_t>(a.max_queue);
+  rcfg.queue_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.queue_timeout_s * 1e3));
+  rcfg.resolve_interval =
+      std::chrono::milliseconds(static_cast<int64_t>(a.resolve_interval_s * 1e3));
+  // The instances may start before or after the router, and come and go: it connects to
+  // each when it answers (see Router).
+  Router router(rcfg);
+  for (const auto& e : a.prefill) router.watch_prefill(e);
+  for (const auto& e : a.decode) router.watch_decode(e);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
   HttpServerConfig cfg;
@@ -515,11 +570,14 @@ int run_router(const RouterArgs& a) {
   cfg.api_key = a.api_key;
   cfg.num_threads = a.http_threads;
   cfg.stop_on_signals = true;
+  apply_http_args(a.http, cfg);
+  cfg.ready = [&router] { return router.ready(); };
+  cfg.extra_metrics = [&router] { return router.metrics_text(); };
   cfg.model_name = a.served_name;
   if (cfg.model_name.empty()) {  // as tandem serve names it
     std::string dir = a.model;
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    cfg.model_name = a.model == TANDEM_DEMO_MODEL_DIR ? "demo" : dir.substr(dir.rfind('/') + 1);
+    cfg.model_name = a.model == demo_model_dir() ? "demo" : dir.substr(dir.rfind('/') + 1);
   }
   a.parsers.apply(cfg, a.model);
   HttpServer server(cfg, router, tok.get(), chat.get());
@@ -530,7 +588,7 @@ int run_router(const RouterArgs& a) {
                                                 [&] { return router.metrics_text(); });
   }
   std::cerr << "tandem: router on http://" << cfg.host << ":" << server.port() << " over "
-            << ps.size() << " prefill and " << ds.size() << " decode instance(s)"
+            << a.prefill.size() << " prefill and " << a.decode.size() << " decode address(es)"
             << (metrics ? ", instances' /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
   server.wait();
@@ -542,6 +600,8 @@ int run_router(const RouterArgs& a) {
 int cli_main(int argc, char** argv) {
   CLI::App app{"Tandem: a disaggregated MoE inference server"};
   app.require_subcommand(1);
+  // --help shows every option's default (subcommands inherit this).
+  app.option_defaults()->always_capture_default();
 
   GenerateArgs gen;
   auto* g = app.add_subcommand("generate", "Generate from one prompt");
@@ -568,7 +628,8 @@ int cli_main(int argc, char** argv) {
   sv->add_option("--host", srv.host, "Address to listen on");
   sv->add_option("--port", srv.port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
   sv->add_option("--api-key", srv.api_key, "Require 'Authorization: Bearer KEY'");
-  sv->add_option("--http-threads", srv.http_threads)->check(CLI::Range(1, 256));
+  sv->add_option("--http-threads", srv.http_threads, "HTTP io threads")->check(CLI::Range(1, 256));
+  add_http_options(sv, srv.http);
   sv->add_option("--device", srv.device, "cpu or cuda (one GPU)");
   sv->add_option("--max-num-seqs", srv.engine.max_num_seqs, "Running sequences at most")
       ->check(CLI::PositiveNumber);
@@ -620,6 +681,10 @@ int cli_main(int argc, char** argv) {
         ->check(CLI::PositiveNumber);
     cmd->add_option("--page-size", a->engine.page_size, "Tokens per KV page")
         ->check(CLI::PositiveNumber);
+    cmd->add_option(
+           "--drain-seconds", a->drain_seconds,
+           "On SIGTERM: seconds the requests in flight may take (routers send nothing new)")
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--metrics-port", a->metrics_port, "Serve GET /metrics on this port (0: any)")
         ->check(CLI::Range(0, 65535));
     cmd->add_option("--device", a->device,
@@ -650,10 +715,12 @@ int cli_main(int argc, char** argv) {
 
   RouterArgs rt;
   auto* ro = app.add_subcommand("router", "OpenAI front over prefill and decode instances");
-  ro->add_option("--prefill", rt.prefill, "Prefill instances HOST:PORT[,...]")
+  ro->add_option("--prefill", rt.prefill,
+                 "Prefill instances HOST:PORT[,...] (a host name may resolve to several)")
       ->required()
       ->delimiter(',');
-  ro->add_option("--decode", rt.decode, "Decode instances HOST:PORT[,...]")
+  ro->add_option("--decode", rt.decode,
+                 "Decode instances HOST:PORT[,...] (a host name may resolve to several)")
       ->required()
       ->delimiter(',');
   ro->add_option("--model", rt.model, "Model directory for the tokenizer and chat template");
@@ -661,7 +728,18 @@ int cli_main(int argc, char** argv) {
   ro->add_option("--host", rt.host, "Address to listen on");
   ro->add_option("--port", rt.port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
   ro->add_option("--api-key", rt.api_key, "Require 'Authorization: Bearer KEY'");
-  ro->add_option("--http-threads", rt.http_threads)->check(CLI::Range(1, 256));
+  ro->add_option("--http-threads", rt.http_threads, "HTTP io threads")->check(CLI::Range(1, 256));
+  add_http_options(ro, rt.http);
+  ro->add_option("--max-queue", rt.max_queue,
+                 "Requests that may wait in the router while every decode instance is at its "
+                 "batch limit (then 429)")
+      ->check(CLI::NonNegativeNumber);
+  ro->add_option("--queue-timeout", rt.queue_timeout_s,
+                 "Seconds a request may wait in the router queue (then 429 with Retry-After)")
+      ->check(CLI::PositiveNumber);
+  ro->add_option("--resolve-interval", rt.resolve_interval_s,
+                 "Seconds between DNS lookups of instance host names (one instance per address)")
+      ->check(CLI::PositiveNumber);
   ro->add_option("--metrics-port", rt.metrics_port,
                  "Serve the instances' GET /metrics (queued input tokens, input tokens/s, batch "
                  "per rank vs limit) on this port (0: any)")

@@ -1,9 +1,11 @@
 #include "server/instance_api.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -80,22 +82,61 @@ int connect_to(const std::string& endpoint) {
   addrinfo* res = nullptr;
   const int gai = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
   TANDEM_CHECK_KIND(kIo, gai == 0, "instance ", endpoint, ": ", ::gai_strerror(gai));
+  // NOTE: non-blocking, with a timeout: an address that does not answer at all (a pod that is
+  // gone) must not hold the router's monitor for the kernel's two minutes.
   int fd = -1;
+  std::string why = "no address";
   for (addrinfo* a = res; a && fd < 0; a = a->ai_next) {
     fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-    if (fd >= 0 && ::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+    if (fd < 0) continue;
+    const int flags = ::fcntl(fd, F_GETFL, 0);
+    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd pfd{fd, POLLOUT, 0};
+      rc = ::poll(&pfd, 1, 1000);
+      int err = 0;
+      socklen_t len = sizeof(err);
+      if (rc == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0) {
+        rc = 0;
+      } else {
+        errno = rc == 0 ? ETIMEDOUT : (err != 0 ? err : errno);
+        rc = -1;
+      }
+    }
+    if (rc != 0) {
+      why = std::strerror(errno);
       ::close(fd);
       fd = -1;
+      continue;
     }
+    ::fcntl(fd, F_SETFL, flags);
   }
   ::freeaddrinfo(res);
-  TANDEM_CHECK_KIND(kIo, fd >= 0, "cannot connect to instance ", endpoint);
+  TANDEM_CHECK_KIND(kIo, fd >= 0, "cannot connect to instance ", endpoint, ": ", why);
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   return fd;
 }
 
 // ---- Codecs. ----
+
+void put_stats(ByteWriter& w, const EngineStats& s) {
+  for (int64_t v : {s.running, s.waiting, s.kv_pages_total, s.kv_pages_free, s.prefix_cache_queries,
+                    s.prefix_cache_hits, s.prompt_tokens, s.generation_tokens, s.preemptions}) {
+    w.put<int64_t>(v);
+  }
+}
+
+EngineStats get_stats(ByteReader& r) {
+  EngineStats s;
+  for (int64_t* v :
+       {&s.running, &s.waiting, &s.kv_pages_total, &s.kv_pages_free, &s.prefix_cache_queries,
+        &s.prefix_cache_hits, &s.prompt_tokens, &s.generation_tokens, &s.preemptions}) {
+    *v = r.get<int64_t>();
+  }
+  return s;
+}
 
 // A reply: serial, ok, (error kind, message) or body.
 std::vector<uint8_t> reply_ok(uint64_t serial, const std::vector<uint8_t>& body) {
@@ -175,7 +216,9 @@ void MetricsEndpoint::loop() {
       req.append(buf, static_cast<size_t>(n));
     }
     std::string body, status = "200 OK";
-    if (req.rfind("GET /metrics", 0) == 0) {
+    if (req.rfind("GET /health ", 0) == 0 || req.rfind("GET /ready ", 0) == 0) {
+      body = "ok\n";  // (probes: the process serves)
+    } else if (req.rfind("GET /metrics", 0) == 0) {
       try {
         body = render_();
       } catch (const std::exception& e) {
@@ -285,6 +328,27 @@ InstanceServer::InstanceServer(DecodeClient* decode, PrefillClient* prefill,
 
 InstanceServer::~InstanceServer() { stop(); }
 
+size_t InstanceServer::live_requests() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (auto& c : conns_) {
+    std::lock_guard<std::mutex> l(c->ids_mu);
+    if (c->open) n += c->ids.size();
+  }
+  return n;
+}
+
+void InstanceServer::drain(std::chrono::milliseconds grace) {
+  draining_ = true;
+  const auto until = std::chrono::steady_clock::now() + grace;
+  // (a moment first, so the routers' next load poll sees it before the last request ends)
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  while (live_requests() > 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  stop();
+}
+
 void InstanceServer::stop() {
   if (stop_.exchange(true)) return;
   ::shutdown(listen_fd_, SHUT_RDWR);
@@ -351,13 +415,21 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
           body.put_vec(l.batch_per_rank);
           body.put(l.max_decode_batch);
           body.put<uint8_t>(l.alive ? 1 : 0);
+          // Then the engine counters (KV pages, prefix cache) for the router's /metrics, and
+          // whether it drains.
+          auto* di = dynamic_cast<DecodeInstance*>(decode_);
+          put_stats(body, di ? di->stats() : EngineStats{});
+          body.put<uint8_t>(draining_ ? 1 : 0);
         } else {
           PrefillLoad l = prefill_->load();
           body.put(l.queued_input_tokens);
           body.put(l.input_tokens_total);
           body.put(l.input_tokens_per_s);
           body.put<uint8_t>(l.alive ? 1 : 0);
+          body.put<uint8_t>(draining_ ? 1 : 0);
         }
+      } else if (type == kAccept && decode_ && draining_) {
+        body.put<uint8_t>(0);  // draining: no room for anything new
       } else if (type == kAccept && decode_) {
         GenRequest req = get_request(r);
         transfer::KvSharding src;
@@ -381,6 +453,7 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
           put_descriptor(body, *dst);
         }
       } else if (type == kSubmit && prefill_) {
+        TANDEM_CHECK_KIND(kIo, !draining_, "the prefill instance is draining");
         GenRequest req = get_request(r);
         transfer::TransferDescriptor dst = get_descriptor(r);
         const std::string id = req.id;
@@ -473,7 +546,8 @@ bool InstanceConnection::send(uint32_t type, const std::vector<uint8_t>& body) {
   return alive_ && write_frame(fd_, type, body);
 }
 
-std::vector<uint8_t> InstanceConnection::call(uint32_t type, const std::vector<uint8_t>& body) {
+std::vector<uint8_t> InstanceConnection::call(uint32_t type, const std::vector<uint8_t>& body,
+                                              std::chrono::milliseconds timeout) {
   uint64_t serial;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -485,10 +559,15 @@ std::vector<uint8_t> InstanceConnection::call(uint32_t type, const std::vector<u
   w.bytes().insert(w.bytes().end(), body.begin(), body.end());
   const bool sent = send(type, w.bytes());
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return !sent || !alive_ || replies_[serial].done; });
+  const bool answered =
+      cv_.wait_for(lock, timeout, [&] { return !sent || !alive_ || replies_[serial].done; });
   Reply rep = std::move(replies_[serial]);
   replies_.erase(serial);
   lock.unlock();
+  if (!answered) {
+    ::shutdown(fd_, SHUT_RDWR);  // the reader ends: the connection counts as lost
+    TANDEM_THROW(kIo, "instance ", endpoint_, " did not answer within ", timeout.count(), " ms");
+  }
   TANDEM_CHECK_KIND(kIo, rep.done, "lost the connection to instance ", endpoint_);
   ByteReader r(rep.bytes);
   r.get<uint64_t>();
@@ -499,15 +578,114 @@ std::vector<uint8_t> InstanceConnection::call(uint32_t type, const std::vector<u
   return r.get_vec<uint8_t>();
 }
 
-RemoteDecode::RemoteDecode(const std::string& endpoint) {
-  conn_ = std::make_unique<InstanceConnection>(
-      endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
-      nullptr);
-  std::vector<uint8_t> info = conn_->call(kHello, {});
-  ByteReader r(info);
-  TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 1, endpoint, " is not a decode instance");
-  max_model_len_ = r.get<int64_t>();
-  vocab_size_ = r.get<int64_t>();
+// ---- InstanceLink. ----
+
+InstanceLink::InstanceLink(std::string endpoint, InstanceConnection::OnPush on_push,
+                           std::function<void()> on_lost, OnConnect on_connect)
+    : endpoint_(std::move(endpoint)),
+      on_push_(std::move(on_push)),
+      on_lost_(std::move(on_lost)),
+      on_connect_(std::move(on_connect)) {}
+
+void InstanceLink::close() {
+  std::shared_ptr<InstanceConnection> c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    c.swap(conn_);
+    next_try_ = std::chrono::steady_clock::time_point::max();
+  }
+  c.reset();  // (joins its reader, unless a call in flight still holds it)
+}
+
+std::shared_ptr<InstanceConnection> InstanceLink::get() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return conn_ && conn_->alive() ? conn_ : nullptr;
+}
+
+std::string InstanceLink::last_error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_error_;
+}
+
+bool InstanceLink::poll() {
+  std::lock_guard<std::mutex> attempt(connect_mu_);
+  std::shared_ptr<InstanceConnection> dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (conn_ && conn_->alive()) return true;
+    dead.swap(conn_);  // lost: dropped below (outside the lock), then retried
+    if (std::chrono::steady_clock::now() < next_try_) return false;
+  }
+  dead.reset();  // NOTE: joins its reader thread, so its on_lost has finished
+  try {
+    auto c = std::make_shared<InstanceConnection>(endpoint_, on_push_, on_lost_);
+    if (on_connect_) on_connect_(*c);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (next_try_ == std::chrono::steady_clock::time_point::max()) return false;  // closed
+    conn_ = std::move(c);
+    backoff_ = std::chrono::milliseconds(100);
+    last_error_.clear();
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (next_try_ != std::chrono::steady_clock::time_point::max()) {
+      next_try_ = std::chrono::steady_clock::now() + backoff_;
+      backoff_ = std::min<std::chrono::milliseconds>(backoff_ * 2, std::chrono::seconds(5));
+    }
+    const Error* err = dynamic_cast<const Error*>(&e);
+    last_error_ = err ? err->message() : e.what();
+  }
+  return false;
+}
+
+// ---- Remote instances. ----
+
+namespace {
+constexpr std::chrono::milliseconds kLoadTimeout{2000};
+}  // namespace
+
+RemoteDecode::RemoteDecode(const std::string& endpoint)
+    : link_(
+          endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
+          [this] { on_lost(); },
+          [this, endpoint](InstanceConnection& c) {
+            std::vector<uint8_t> info = c.call(kHello, {}, kLoadTimeout);
+            ByteReader r(info);
+            TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 1, endpoint,
+                              " is not a decode instance");
+            max_model_len_ = r.get<int64_t>();
+            vocab_size_ = r.get<int64_t>();
+          }) {
+  link_.poll();  // connect now when it is up (else the router's monitor retries)
+}
+
+std::shared_ptr<InstanceConnection> RemoteDecode::conn(const char* what) const {
+  auto c = link_.get();
+  TANDEM_CHECK_KIND(kIo, c != nullptr, what, ": decode instance ", link_.endpoint(),
+                    " is not connected");
+  return c;
+}
+
+void RemoteDecode::on_lost() {
+  std::unordered_map<std::string, OutputCallback> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = callbacks_.begin(); it != callbacks_.end();) {
+      if (accepting_.count(it->first)) {
+        ++it;  // (its accept() call ends with the loss and cleans up)
+      } else {
+        all.insert(std::move(*it));
+        it = callbacks_.erase(it);
+      }
+    }
+  }
+  for (auto& [id, cb] : all) {
+    StepOutput out;
+    out.id = id;
+    out.finished = true;
+    out.finish_reason = FinishReason::kError;
+    out.error = "lost the connection to decode instance " + link_.endpoint();
+    if (cb) cb(out);
+  }
 }
 
 void RemoteDecode::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
@@ -530,72 +708,114 @@ std::optional<transfer::TransferDescriptor> RemoteDecode::accept(const GenReques
   {
     std::lock_guard<std::mutex> lock(mu_);
     callbacks_[req.id] = std::move(on_output);  // before the call: outputs may follow at once
+    accepting_.insert(req.id);  // a loss meanwhile is this call's (it throws), not the callback's
   }
   ByteWriter w;
   put_request(w, req);
   w.put<int64_t>(src.num_kv_heads);
   w.put<int32_t>(src.tp);
+  std::shared_ptr<InstanceConnection> c;
+  std::optional<transfer::TransferDescriptor> dst;
   try {
-    std::vector<uint8_t> body = conn_->call(kAccept, w.bytes());
+    c = conn("accept");
+    std::vector<uint8_t> body = c->call(kAccept, w.bytes());
     ByteReader r(body);
-    if (r.get<uint8_t>() == 1) return get_descriptor(r);
+    if (r.get<uint8_t>() == 1) dst = get_descriptor(r);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
+    accepting_.erase(req.id);
     callbacks_.erase(req.id);
     throw;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  callbacks_.erase(req.id);
-  return std::nullopt;
+  OutputCallback orphan;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accepting_.erase(req.id);
+    auto it = callbacks_.find(req.id);
+    if (!dst) {
+      if (it != callbacks_.end()) callbacks_.erase(it);
+    } else if (!c->alive() && it != callbacks_.end()) {
+      orphan = std::move(it->second);  // accepted, then lost before on_lost could see it
+      callbacks_.erase(it);
+    }
+  }
+  if (orphan) {
+    StepOutput out;
+    out.id = req.id;
+    out.finished = true;
+    out.finish_reason = FinishReason::kError;
+    out.error = "lost the connection to decode instance " + link_.endpoint();
+    orphan(out);
+  }
+  return dst;
 }
 
 void RemoteDecode::prefilled(const std::string& id, const StepOutput& first) {
   ByteWriter w;
   w.put_str(id);
   put_step_output(w, first);
-  conn_->send(kPrefilled, w.bytes());
+  if (auto c = link_.get()) c->send(kPrefilled, w.bytes());
 }
 
 void RemoteDecode::fail(const std::string& id, const std::string& error) {
   ByteWriter w;
   w.put_str(id);
   w.put_str(error);
-  conn_->send(kFail, w.bytes());
+  if (auto c = link_.get()) c->send(kFail, w.bytes());
 }
 
 void RemoteDecode::abort(const std::string& id) {
   ByteWriter w;
   w.put_str(id);
   w.put_str("");
-  conn_->send(kAbort, w.bytes());
+  if (auto c = link_.get()) c->send(kAbort, w.bytes());
 }
 
 DecodeLoad RemoteDecode::load() const {
   DecodeLoad l;
   try {
-    std::vector<uint8_t> body = conn_->call(kLoad, {});
+    if (!link_.poll()) {
+      l.alive = false;
+      return l;
+    }
+    std::vector<uint8_t> body = conn("load")->call(kLoad, {}, kLoadTimeout);
     ByteReader r(body);
     l.batch_per_rank = r.get_vec<int64_t>();
     l.max_decode_batch = r.get<int64_t>();
     l.alive = r.get<uint8_t>() != 0;
+    if (r.left() >= 9 * sizeof(int64_t)) {
+      EngineStats s = get_stats(r);
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_ = s;
+    }
+    if (r.left() >= 1) draining_ = r.get<uint8_t>() != 0;
   } catch (const std::exception&) {
     l.alive = false;
   }
   return l;
 }
 
-RemotePrefill::RemotePrefill(const std::string& endpoint) {
-  conn_ = std::make_unique<InstanceConnection>(
-      endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
-      [this] { on_lost(); });
-  std::vector<uint8_t> info = conn_->call(kHello, {});
-  ByteReader r(info);
-  TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 0, endpoint,
-                    " is not a prefill instance");
-  r.get<int64_t>();
-  r.get<int64_t>();
-  sharding_.num_kv_heads = r.get<int64_t>();
-  sharding_.tp = r.get<int32_t>();
+RemotePrefill::RemotePrefill(const std::string& endpoint)
+    : link_(
+          endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
+          [this] { on_lost(); },
+          [this, endpoint](InstanceConnection& c) {
+            std::vector<uint8_t> info = c.call(kHello, {}, kLoadTimeout);
+            ByteReader r(info);
+            TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 0, endpoint,
+                              " is not a prefill instance");
+            r.get<int64_t>();
+            r.get<int64_t>();
+            std::lock_guard<std::mutex> lock(sharding_mu_);
+            sharding_.num_kv_heads = r.get<int64_t>();
+            sharding_.tp = r.get<int32_t>();
+          }) {
+  link_.poll();
+}
+
+transfer::KvSharding RemotePrefill::kv_sharding() const {
+  std::lock_guard<std::mutex> lock(sharding_mu_);
+  return sharding_;
 }
 
 void RemotePrefill::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
@@ -636,7 +856,10 @@ void RemotePrefill::submit(const GenRequest& req, transfer::TransferDescriptor d
   put_request(w, req);
   put_descriptor(w, dst);
   try {
-    conn_->call(kSubmit, w.bytes());
+    auto c = link_.get();
+    TANDEM_CHECK_KIND(kIo, c != nullptr, "prefill instance ", link_.endpoint(),
+                      " is not connected");
+    c->call(kSubmit, w.bytes());
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     done_.erase(req.id);
@@ -652,18 +875,25 @@ void RemotePrefill::abort(const std::string& id) {
   ByteWriter w;
   w.put_str(id);
   w.put_str("");
-  conn_->send(kAbort, w.bytes());
+  if (auto c = link_.get()) c->send(kAbort, w.bytes());
 }
 
 PrefillLoad RemotePrefill::load() const {
   PrefillLoad l;
   try {
-    std::vector<uint8_t> body = conn_->call(kLoad, {});
+    if (!link_.poll()) {
+      l.alive = false;
+      return l;
+    }
+    auto c = link_.get();
+    TANDEM_CHECK_KIND(kIo, c != nullptr, "lost");
+    std::vector<uint8_t> body = c->call(kLoad, {}, kLoadTimeout);
     ByteReader r(body);
     l.queued_input_tokens = r.get<int64_t>();
     l.input_tokens_total = r.get<int64_t>();
     l.input_tokens_per_s = r.get<double>();
     l.alive = r.get<uint8_t>() != 0;
+    if (r.left() >= 1) draining_ = r.get<uint8_t>() != 0;
   } catch (const std::exception&) {
     l.alive = false;
   }

@@ -9,11 +9,15 @@
 //                       kPrefilled(id, first output), kFail(id, error), kAbort(id), kLoad
 //   instance -> router: kReply(serial, ok | error kind + message, body), kOutput(StepOutput),
 //                       kPrefillDone(id, error, first output)
-// A lost connection: the instance aborts the requests that came through it; the router sees
-// the instance as down (load().alive false), which ends its requests with an error.
+// A lost connection: the instance aborts the requests that came through it; the client ends
+// the requests it had there with an error and reports the instance down (load().alive false)
+// until it reconnects: load() retries with backoff (100 ms doubling to 5 s), so an instance
+// that starts after the router, or restarts on the same address, is used (again) once it
+// answers.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -22,6 +26,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "engine/decode_instance.h"
@@ -29,7 +34,7 @@
 
 namespace tandem {
 
-/// A minimal HTTP endpoint answering every GET with render()'s Prometheus text (the
+/// A minimal HTTP endpoint answering GET /metrics with render()'s Prometheus text (the
 /// instances' and the router's /metrics: queued input tokens, input tokens/s, batch per rank
 /// against --max-decode-batch). One thread; one request per connection.
 class MetricsEndpoint {
@@ -61,9 +66,15 @@ class InstanceServer {
   int port() const { return port_; }
   /// Closes the listener and the connections (aborting their requests); idempotent.
   void stop();
+  /// Graceful stop (SIGTERM): the instance reports itself draining (routers send it nothing
+  /// new; a decode instance refuses new requests as full), the requests it has may finish
+  /// within `grace`, then stop().
+  void drain(std::chrono::milliseconds grace);
+  bool draining() const { return draining_; }
 
  private:
   struct Conn;
+  size_t live_requests();
   void accept_loop();
   void serve(std::shared_ptr<Conn> conn);
 
@@ -72,6 +83,7 @@ class InstanceServer {
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> draining_{false};
   std::thread accept_thread_;
   std::mutex mu_;
   std::vector<std::shared_ptr<Conn>> conns_;
@@ -87,8 +99,10 @@ class InstanceConnection {
   InstanceConnection(const std::string& endpoint, OnPush on_push, std::function<void()> on_lost);
   ~InstanceConnection();
   /// Sends a call and waits for its reply body; rethrows the instance's Error (same kind).
-  /// Throws Error(kIo) when the connection is lost.
-  std::vector<uint8_t> call(uint32_t type, const std::vector<uint8_t>& body);
+  /// Throws Error(kIo) when the connection is lost, or when no reply came within `timeout`
+  /// (then the connection is shut down: an instance that hangs counts as lost).
+  std::vector<uint8_t> call(uint32_t type, const std::vector<uint8_t>& body,
+                            std::chrono::milliseconds timeout = std::chrono::seconds(30));
   /// Sends a one-way message (no reply); false when the connection is lost.
   bool send(uint32_t type, const std::vector<uint8_t>& body);
   bool alive() const { return alive_; }
@@ -114,11 +128,44 @@ class InstanceConnection {
   std::thread reader_;
 };
 
-/// A decode instance in another process (its rank 0's InstanceServer).
+/// A connection to one instance that heals: poll() drops a lost connection and reconnects
+/// when the backoff allows (100 ms, doubling to 5 s; reset by a success). Thread-safe.
+class InstanceLink {
+ public:
+  /// Runs on a fresh connection before it is used (the hello); throws to refuse it.
+  using OnConnect = std::function<void(InstanceConnection&)>;
+  InstanceLink(std::string endpoint, InstanceConnection::OnPush on_push,
+               std::function<void()> on_lost, OnConnect on_connect);
+  /// Closes the connection (on_lost is not called).
+  void close();
+  /// The live connection, or null.
+  std::shared_ptr<InstanceConnection> get() const;
+  /// Heals the connection (see above). True when it was connected at the start of the call
+  /// and still is: a loss is always reported by one false, even when it reconnects at once.
+  bool poll();
+  const std::string& endpoint() const { return endpoint_; }
+  /// Why the last connection attempt failed ("" after a success).
+  std::string last_error() const;
+
+ private:
+  std::string endpoint_;
+  InstanceConnection::OnPush on_push_;
+  std::function<void()> on_lost_;
+  OnConnect on_connect_;
+  mutable std::mutex mu_;
+  std::mutex connect_mu_;  // one attempt at a time
+  std::shared_ptr<InstanceConnection> conn_;
+  std::chrono::steady_clock::time_point next_try_{};
+  std::chrono::milliseconds backoff_{100};
+  std::string last_error_;
+};
+
+/// A decode instance in another process (its rank 0's InstanceServer). Connects at once when
+/// it can, else later (load() heals the connection; alive false meanwhile).
 class RemoteDecode final : public DecodeClient {
  public:
   explicit RemoteDecode(const std::string& endpoint);
-  ~RemoteDecode() override { conn_.reset(); }  // NOTE: first: its reader calls into members
+  ~RemoteDecode() override { link_.close(); }  // NOTE: first: its reader calls into members
   std::optional<transfer::TransferDescriptor> accept(const GenRequest& req,
                                                      const transfer::KvSharding& src,
                                                      OutputCallback on_output) override;
@@ -126,24 +173,42 @@ class RemoteDecode final : public DecodeClient {
   void fail(const std::string& id, const std::string& error) override;
   void abort(const std::string& id) override;
   DecodeLoad load() const override;
+  /// 0 until the first connection.
   int64_t max_model_len() const override { return max_model_len_; }
   int64_t vocab_size() const override { return vocab_size_; }
+  const std::string& endpoint() const { return link_.endpoint(); }
+  /// The instance's engine counters as of the last load() (of its rank 0 in a process
+  /// group).
+  EngineStats stats() const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return stats_;
+  }
+  /// The instance said it is draining (SIGTERM): usable by its live requests only.
+  bool draining() const { return draining_; }
 
  private:
   void on_push(uint32_t type, const std::vector<uint8_t>& payload);
-  std::unique_ptr<InstanceConnection> conn_;
-  int64_t max_model_len_ = 0;
-  int64_t vocab_size_ = 0;
+  void on_lost();
+  std::shared_ptr<InstanceConnection> conn(const char* what) const;
+  mutable std::mutex stats_mu_;
+  mutable EngineStats stats_;
+  mutable std::atomic<bool> draining_{false};
+  std::atomic<int64_t> max_model_len_{0};
+  std::atomic<int64_t> vocab_size_{0};
   std::mutex mu_;
   std::unordered_map<std::string, OutputCallback> callbacks_;
+  std::unordered_set<std::string> accepting_;  // accept() calls in flight
+  mutable InstanceLink link_;  // NOTE: last: its reader thread uses the members above
 };
 
 /// A prefill instance in another process.
 class RemotePrefill final : public PrefillClient {
  public:
   explicit RemotePrefill(const std::string& endpoint);
-  ~RemotePrefill() override { conn_.reset(); }  // NOTE: first: its reader calls into members
-  transfer::KvSharding kv_sharding() const override { return sharding_; }
+  ~RemotePrefill() override { link_.close(); }  // NOTE: first: its reader calls into members
+  transfer::KvSharding kv_sharding() const override;
+  const std::string& endpoint() const { return link_.endpoint(); }
+  bool draining() const { return draining_; }
   void submit(const GenRequest& req, transfer::TransferDescriptor dst,
               PrefillDone on_done) override;
   void abort(const std::string& id) override;
@@ -152,10 +217,12 @@ class RemotePrefill final : public PrefillClient {
  private:
   void on_push(uint32_t type, const std::vector<uint8_t>& payload);
   void on_lost();
-  std::unique_ptr<InstanceConnection> conn_;
+  mutable std::mutex sharding_mu_;
   transfer::KvSharding sharding_;
+  mutable std::atomic<bool> draining_{false};
   std::mutex mu_;
   std::unordered_map<std::string, PrefillDone> done_;  // id -> its callback
+  mutable InstanceLink link_;  // NOTE: last: its reader thread uses the members above
 };
 
 }  // namespace tandem

@@ -5,14 +5,24 @@
 // fewest queued input tokens (it prefills and hands the KV over), then tokens stream from the
 // decode instance through the callback.
 //
-// A decode instance that dies (load().alive false) ends only its own requests, with an error,
-// and is never picked again; a failed prefill ends its request on the decode side with an
-// error (DecodeClient::fail).
+// Membership heals: a monitor thread polls every instance's load; an instance that does not
+// answer (load().alive false) is marked unready, its requests end with an error, and it is
+// routed around; when it answers again (remote clients reconnect with backoff, so a restarted
+// instance on the same address comes back) it is re-admitted. Transitions are logged. An
+// endpoint given as a DNS name is re-resolved: one member per address.
+//
+// Capacity: when every usable decode instance is at its batch limit, requests wait in a
+// bounded FIFO queue (max_queue, queue_timeout) and are placed as slots free up; a full
+// queue is refused at once (Error kOutOfResources: 429) and a timed-out request ends with
+// an error carrying retry_after_s (429 before any output). No usable instance at all is not
+// "full": Error(kIo) (503).
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,65 +40,108 @@ struct RouterConfig {
   // How often the instances' loads (and liveness) are fetched. Picking uses these, plus what
   // the router itself placed since: no per-request round trip to every instance.
   std::chrono::milliseconds health_interval{20};
+  size_t max_queue = 256;                             // requests waiting for a decode slot
+  std::chrono::milliseconds queue_timeout{30000};     // then they end with a retryable error
+  std::chrono::milliseconds resolve_interval{10000};  // DNS names are re-resolved this often
+  // Membership transitions (instance up / down / added); null: stderr.
+  std::function<void(const std::string&)> log;
 };
 
 /// One line per instance for /metrics and logs.
 struct RouterSnapshot {
   std::vector<PrefillLoad> prefill;
   std::vector<DecodeLoad> decode;
+  std::vector<std::string> prefill_names, decode_names;  // the addresses
   int64_t live_requests = 0;
+  int64_t queued_requests = 0;
 };
 
 class Router final : public EngineClient {
  public:
-  /// The instances must outlive the router; at least one of each.
+  /// Fixed instances (they must outlive the router); at least one of each.
   Router(std::vector<PrefillClient*> prefill, std::vector<DecodeClient*> decode,
          RouterConfig config = {});
-  /// Stops the health monitor (live requests are left to their instances).
+  /// No instance yet: add them with watch_prefill / watch_decode.
+  explicit Router(RouterConfig config);
+  /// Stops the monitor; requests still queued end with kAbort (live ones are left to their
+  /// instances).
   ~Router() override;
 
+  /// Instances at "host:port" over the control protocol (RemotePrefill / RemoteDecode): one
+  /// per address the host resolves to, re-resolved every resolve_interval (a Kubernetes
+  /// headless Service). Nothing needs to be up yet.
+  void watch_prefill(const std::string& endpoint);
+  void watch_decode(const std::string& endpoint);
+
   /// Throws Error(kInvalidArgument) for a request that can never run (decided by the decode
-  /// instance) and Error(kOutOfResources) when every decode instance is at its batch limit or
-  /// no instance of a role is up.
+  /// instance), Error(kIo) when no instance of a role is usable, Error(kOutOfResources) when
+  /// every decode instance is at its batch limit and the queue is full.
   void submit(GenRequest request, OutputCallback on_output) override;
   void abort(const std::string& id) override;
   EngineStats stats() const override;
-  int64_t max_model_len() const override { return max_model_len_; }
-  int64_t vocab_size() const override { return vocab_size_; }
+  /// Of the decode instances seen so far (before any: a large placeholder, so requests are
+  /// refused with 503 rather than as too long).
+  int64_t max_model_len() const override;
+  int64_t vocab_size() const override;
 
+  /// At least one prefill and one decode instance usable (GET /ready).
+  bool ready() const;
   RouterSnapshot snapshot() const;
   /// Prometheus text: queued input tokens and input tokens/s per prefill instance, batch per
-  /// rank vs --max-decode-batch per decode instance, liveness.
+  /// rank vs --max-decode-batch per decode instance, liveness, the router queue.
   std::string metrics_text() const;
 
  private:
   struct Live;
-  void refresh_loads();
-  int pick_prefill(int64_t prompt_tokens);
-  std::vector<int> decode_order() const;
-  void note_accepted(int decode);
-  void monitor();
-  void end_dead_decode(int d);
+  struct Queued;
+  struct Prefill;
+  struct Decode;
+  struct Watch;
+  enum class Place { kPlaced, kFull, kNone };
 
-  std::vector<PrefillClient*> prefill_;
-  std::vector<DecodeClient*> decode_;
+  void add_prefill(const std::string& name, PrefillClient* client,
+                   std::unique_ptr<PrefillClient> owned);
+  void add_decode(const std::string& name, DecodeClient* client,
+                  std::unique_ptr<DecodeClient> owned);
+  std::vector<std::shared_ptr<Prefill>> prefills() const;
+  std::vector<std::shared_ptr<Decode>> decodes() const;
+  Place place(const GenRequest& req, const std::shared_ptr<Live>& live, const OutputCallback& relay,
+              std::string& why);
+  std::shared_ptr<Prefill> pick_prefill(int64_t prompt_tokens);
+  std::vector<std::shared_ptr<Decode>> decode_order() const;
+  void refresh();
+  void resolve_watches(bool force);
+  void drain_queue();
+  void monitor();
+  void end_dead_decode(const std::shared_ptr<Decode>& d);
+  void log(const std::string& line) const;
+  void finish(const std::string& id, const std::shared_ptr<Live>& live, FinishReason reason,
+              const std::string& error, int32_t retry_after_s);
+
   RouterConfig config_;
-  int64_t max_model_len_ = 0;
-  int64_t vocab_size_ = 0;
-  std::vector<std::atomic<bool>> decode_dead_;
-  mutable std::mutex load_mu_;  // the loads as last fetched, plus placements since
-  std::vector<PrefillLoad> prefill_loads_;
-  std::vector<DecodeLoad> decode_loads_;
+  mutable std::mutex members_mu_;  // the member lists (they only grow)
+  std::vector<std::shared_ptr<Prefill>> prefill_;
+  std::vector<std::shared_ptr<Decode>> decode_;
+  std::vector<std::unique_ptr<Watch>> watches_;
+  mutable std::mutex load_mu_;             // every member's load and up flag, plus placements since
+  std::atomic<int64_t> max_model_len_{0};  // 0: no decode instance seen yet
+  std::atomic<int64_t> vocab_size_{0};
+
   struct Registry {  // shared with the requests' callbacks, which may outlive the router
     std::mutex mu;
     std::unordered_map<std::string, std::shared_ptr<Live>> live;
     std::atomic<int64_t> generated{0};
+    std::function<void()> on_finished;  // wakes the monitor (a slot may have freed)
   };
   std::shared_ptr<Registry> reg_ = std::make_shared<Registry>();
 
-  std::mutex mu_;  // stop_
+  mutable std::mutex queue_mu_;
+  std::deque<std::shared_ptr<Queued>> queue_;
+
+  std::mutex mu_;  // stop_, wake_
   std::condition_variable stop_cv_;
   bool stop_ = false;
+  bool wake_ = false;
   std::thread monitor_;
 };
 

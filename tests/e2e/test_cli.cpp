@@ -1,6 +1,7 @@
 // The tandem binary end to end: `tandem generate --json` reproduces transformers on every
 // golden fixture, and bad input gives a clear error and exit code 1, never a crash.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -111,6 +112,68 @@ TEST(Cli, BadInputGivesClearErrors) {
     }
   }
   fs::remove_all(tmp);
+}
+
+TEST(Cli, HelpShowsEveryDefault) {
+  struct Want {
+    const char* cmd;
+    std::vector<std::pair<std::string, std::string>> flags;  // flag, its default
+  };
+  for (const Want& w : std::vector<Want>{
+           {"router",
+            {{"--max-queue", "=256"},
+             {"--queue-timeout", "=30"},
+             {"--drain-seconds", "=30"},
+             {"--http-idle-timeout", "=120"},
+             {"--http-header-timeout", "=30"},
+             {"--resolve-interval", "=10"},
+             {"--port", "=8000"}}},
+           {"serve", {{"--port", "=8000"}, {"--drain-seconds", "=30"}, {"--page-size", "="}}},
+           {"decode", {{"--max-decode-batch", "=32"}, {"--dp", "=1"}}},
+           {"prefill", {{"--tp", "=1"}}},
+       }) {
+    CmdResult r = run(std::string(w.cmd) + " --help");
+    ASSERT_EQ(r.status, 0) << r.out;
+    for (const auto& [flag, def] : w.flags) {
+      const size_t at = r.out.find("  " + flag + " ");
+      ASSERT_NE(at, std::string::npos) << w.cmd << " " << flag << "\n" << r.out;
+      const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
+      EXPECT_NE(line.find(def), std::string::npos) << w.cmd << ": " << line;
+    }
+  }
+}
+
+// An install moved elsewhere still finds its demo model next to the binary.
+TEST(Cli, RelocatableInstallFindsTheDemoModel) {
+  namespace fs = std::filesystem;
+  const fs::path prefix = fs::temp_directory_path() / ("tandem-prefix-" + std::to_string(getpid()));
+  fs::remove_all(prefix);
+  fs::create_directories(prefix / "bin");
+  fs::create_directories(prefix / "share" / "tandem");
+  fs::copy_file(fs::path(TANDEM_BINARY_DIR) / "tandem", prefix / "bin" / "tandem");
+  fs::permissions(prefix / "bin" / "tandem", fs::perms::owner_all);
+  fs::copy(fs::path(TANDEM_SOURCE_DIR) / "models" / "demo", prefix / "share" / "tandem" / "demo",
+           fs::copy_options::recursive);
+  const fs::path moved = prefix.string() + "-moved";
+  fs::remove_all(moved);
+  fs::rename(prefix, moved);
+  auto run_in = [&](const std::string& args) {
+    CmdResult r;
+    FILE* p = popen(((moved / "bin" / "tandem").string() + " " + args + " 2>&1").c_str(), "r");
+    std::array<char, 4096> buf;
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+    int st = pclose(p);
+    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return r;
+  };
+  CmdResult help = run_in("generate --help");
+  EXPECT_NE(help.out.find((moved / "share" / "tandem" / "demo").string()), std::string::npos)
+      << help.out;
+  CmdResult gen = run_in("generate --prompt-ids 1,2,3 --max-tokens 3 --temperature 0 --json");
+  EXPECT_EQ(gen.status, 0) << gen.out;
+  EXPECT_EQ(nlohmann::json::parse(gen.out).at("ids").size(), 3u);
+  fs::remove_all(moved);
 }
 
 }  // namespace

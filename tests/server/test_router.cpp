@@ -5,8 +5,15 @@
 //  - prefill TP=4 on a model with 2 KV heads (replicated heads, every head sent once);
 //  - TP=2 on an MQA model;
 //  - 32 concurrent requests spread over two decode instances;
-//  - a decode instance killed mid-stream ends only its requests, with an error.
+//  - a decode instance killed mid-stream ends only its requests, with an error;
+//  - membership heals: a router started before its instances serves once they are up, marks
+//    a dead one unready (503, not 429), and re-admits it restarted on the same port;
+//  - the bounded router queue: requests wait for a slot, time out retryably, overflow to 429.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -37,6 +44,7 @@ struct Result {
   std::vector<std::vector<TokenLogprob>> top;
   FinishReason reason = FinishReason::kNone;
   std::string error;
+  int32_t retry_after_s = 0;
   int finished = 0;
 };
 
@@ -54,6 +62,7 @@ class Collector {
       if (o.finished) {
         r.reason = o.finish_reason;
         r.error = o.error;
+        r.retry_after_s = o.retry_after_s;
         ++r.finished;
         ++done_;
         cv_.notify_all();
@@ -137,7 +146,7 @@ struct Cluster {
   std::unique_ptr<Router> router;
 
   Cluster(const std::string& dir, int tp, int dp, int num_decode = 1, int64_t max_decode_batch = 32,
-          bool remote = false) {
+          bool remote = false, RouterConfig rcfg = {}) {
     PrefillInstanceConfig pc;
     pc.model_dir = dir;
     pc.tp = tp;
@@ -166,7 +175,7 @@ struct Cluster {
         ds.back() = remote_decode.back().get();
       }
     }
-    router = std::make_unique<Router>(std::vector<PrefillClient*>{p}, ds);
+    router = std::make_unique<Router>(std::vector<PrefillClient*>{p}, ds, rcfg);
   }
   // Stops decode instance i like a crashed process (and its control server with it).
   void kill_decode(size_t i) {
@@ -452,14 +461,303 @@ TEST(Disaggregated, AbortAndMetrics) {
   }
   EngineStats st = cluster.decode[0]->stats();
   EXPECT_EQ(st.kv_pages_free, st.kv_pages_total);
-  const std::string m = cluster.router->metrics_text();
+  // (The router's loads are up to one health interval old.)
+  std::string m;
+  for (int i = 0; i < 100; ++i) {
+    m = cluster.router->metrics_text();
+    if (m.find("tandem_decode_batch{instance=\"0\",rank=\"1\"} 0") != std::string::npos) break;
+    std::this_thread::sleep_for(10ms);
+  }
   EXPECT_NE(m.find("tandem_prefill_queued_input_tokens{instance=\"0\"} 0"), std::string::npos) << m;
   EXPECT_NE(m.find("tandem_decode_batch{instance=\"0\",rank=\"1\"} 0"), std::string::npos) << m;
   EXPECT_GT(cluster.prefill->load().input_tokens_total, 0);
+  // The front's engine stats aggregate the decode instances' KV pages (not 0).
+  EXPECT_EQ(cluster.router->stats().kv_pages_total, st.kv_pages_total);
   EXPECT_GT(cluster.prefill->load().input_tokens_per_s, 0.0);  // (over the last 10 s)
   // A request that can never run is refused synchronously.
   GenRequest bad = greedy("bad", {}, 4);
   EXPECT_THROW(cluster.router->submit(bad, nullptr), Error);
+}
+
+// ---- Membership that heals, and the router queue. ----
+
+// A loopback port nothing listens on now (bound, then released).
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+bool wait_for(const std::function<bool()>& cond, std::chrono::milliseconds timeout = 10s) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return cond();
+}
+
+ErrorKind submit_error(Router& router, const GenRequest& req) {
+  try {
+    router.submit(req, [](const StepOutput&) {});
+  } catch (const Error& e) {
+    return e.kind();
+  }
+  ADD_FAILURE() << "submit did not throw";
+  return ErrorKind::kInternal;
+}
+
+struct DecodeProcess {  // a decode instance and its control server, like one process
+  std::unique_ptr<DecodeInstance> instance;
+  std::unique_ptr<InstanceServer> server;
+  DecodeProcess(const std::string& dir, int port) {
+    DecodeInstanceConfig dc;
+    dc.model_dir = dir;
+    dc.dp = 1;
+    dc.engine = small_engine();
+    instance = std::make_unique<DecodeInstance>(dc);
+    server = std::make_unique<InstanceServer>(instance.get(), nullptr, "127.0.0.1", port);
+  }
+  void kill() {  // as kill -9 would: the connection drops, nothing more is sent
+    instance->kill();
+    server->stop();
+  }
+};
+
+TEST(RouterMembership, StartsBeforeItsInstancesAndReadmitsARestartedOne) {
+  const std::string dir = fixture("hub_gqa_top2");
+  testing::Golden g = testing::load_golden(dir);
+  const int pport = free_port(), dport = free_port();
+  std::mutex log_mu;
+  std::vector<std::string> log;
+  RouterConfig rc;
+  rc.log = [&](const std::string& l) {
+    std::lock_guard<std::mutex> lock(log_mu);
+    log.push_back(l);
+  };
+  auto owned = std::make_unique<Router>(rc);
+  Router& router = *owned;
+  router.watch_prefill("127.0.0.1:" + std::to_string(pport));
+  router.watch_decode("localhost:" + std::to_string(dport));  // a name, resolved
+  EXPECT_FALSE(router.ready());
+  // Nothing up: unavailable (503), not "at the batch limit" (429).
+  EXPECT_EQ(submit_error(router, greedy("early", g.cases[0].prompt_ids, 4)), ErrorKind::kIo);
+
+  PrefillInstanceConfig pc;
+  pc.model_dir = dir;
+  pc.tp = 1;
+  pc.engine = small_engine();
+  PrefillInstance prefill(pc);
+  InstanceServer pserver(nullptr, &prefill, "127.0.0.1", pport);
+  auto decode = std::make_unique<DecodeProcess>(dir, dport);
+  ASSERT_TRUE(wait_for([&] { return router.ready(); })) << "the router never saw its instances";
+  std::vector<GenRequest> reqs = many_requests(g, 4, 8, "up");
+  for (const Result& r : run_router(router, reqs)) {
+    EXPECT_EQ(r.reason, FinishReason::kLength) << r.error;
+  }
+
+  // Killed during load: its requests end with an error, the router turns unready, and new
+  // requests are refused as unavailable.
+  Collector c(16);
+  std::vector<GenRequest> running = many_requests(g, 16, 700, "dying");
+  for (size_t i = 0; i < running.size(); ++i) router.submit(running[i], c.callback(i));
+  ASSERT_TRUE(c.wait_tokens(1));
+  const int64_t on_victim = decode->instance->load().total_batch();
+  ASSERT_GT(on_victim, 0);
+  decode->kill();
+  ASSERT_TRUE(c.wait_all(30s));
+  int errors = 0;
+  for (const Result& r : c.results()) {
+    EXPECT_EQ(r.finished, 1);
+    if (r.reason == FinishReason::kError) {
+      ++errors;
+      EXPECT_NE(r.error.find("decode instance"), std::string::npos) << r.error;
+    } else {
+      EXPECT_EQ(r.ids.size(), 700u);  // finished before the kill
+    }
+  }
+  EXPECT_GE(errors, 1);  // (one may finish between the count and the kill)
+  ASSERT_TRUE(wait_for([&] { return !router.ready(); }));
+  EXPECT_EQ(submit_error(router, greedy("down", g.cases[0].prompt_ids, 4)), ErrorKind::kIo);
+
+  // Restarted on the same port: re-admitted, and serves.
+  decode = std::make_unique<DecodeProcess>(dir, dport);
+  ASSERT_TRUE(wait_for([&] { return router.ready(); }))
+      << "the restarted instance was not re-admitted";
+  for (const Result& r : run_router(router, many_requests(g, 4, 8, "again"))) {
+    EXPECT_EQ(r.reason, FinishReason::kLength) << r.error;
+  }
+  owned.reset();  // (before the instances, as a process would end)
+  int ups = 0, downs = 0;
+  for (const auto& l : log) {
+    const bool d = l.find("decode instance 127.0.0.1:") != std::string::npos;
+    ups += d && l.find("is up") != std::string::npos;
+    downs += d && l.find("unready") != std::string::npos;
+  }
+  EXPECT_EQ(ups, 2);
+  EXPECT_EQ(downs, 1);
+}
+
+// Deterministic instances for the queue: a decode side with `cap` slots whose requests run
+// until finish_one(), and a prefill side that is done at once.
+class SlotDecode final : public DecodeClient {
+ public:
+  explicit SlotDecode(int64_t cap) : cap_(cap) {}
+  std::optional<transfer::TransferDescriptor> accept(const GenRequest& req,
+                                                     const transfer::KvSharding&,
+                                                     OutputCallback cb) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<int64_t>(live_.size()) >= cap_) return std::nullopt;
+    live_.emplace_back(req.id, std::move(cb));
+    return transfer::TransferDescriptor{};
+  }
+  void prefilled(const std::string&, const StepOutput&) override {}
+  void fail(const std::string& id, const std::string& e) override {
+    end(id, FinishReason::kError, e);
+  }
+  void abort(const std::string& id) override { end(id, FinishReason::kAbort, ""); }
+  DecodeLoad load() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    DecodeLoad l;
+    l.batch_per_rank = {static_cast<int64_t>(live_.size())};
+    l.max_decode_batch = cap_;
+    return l;
+  }
+  int64_t max_model_len() const override { return 1000; }
+  int64_t vocab_size() const override { return 100; }
+  void finish_one() {
+    std::string id;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (live_.empty()) return;
+      id = live_.front().first;
+    }
+    end(id, FinishReason::kLength, "");
+  }
+  size_t live() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_.size();
+  }
+
+ private:
+  void end(const std::string& id, FinishReason reason, const std::string& error) {
+    OutputCallback cb;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = live_.begin(); it != live_.end(); ++it) {
+        if (it->first == id) {
+          cb = std::move(it->second);
+          live_.erase(it);
+          break;
+        }
+      }
+    }
+    if (!cb) return;
+    StepOutput out;
+    out.id = id;
+    out.finished = true;
+    out.finish_reason = reason;
+    out.error = error;
+    cb(out);
+  }
+  int64_t cap_;
+  mutable std::mutex mu_;
+  std::vector<std::pair<std::string, OutputCallback>> live_;
+};
+
+class InstantPrefill final : public PrefillClient {
+ public:
+  transfer::KvSharding kv_sharding() const override { return {}; }
+  void submit(const GenRequest&, transfer::TransferDescriptor, PrefillDone done) override {
+    done("", StepOutput{});
+  }
+  void abort(const std::string&) override {}
+  PrefillLoad load() const override { return {}; }
+};
+
+TEST(RouterQueue, WaitsForASlotTimesOutRetryablyAndOverflows) {
+  SlotDecode decode(1);
+  InstantPrefill prefill;
+  RouterConfig rc;
+  rc.max_queue = 2;
+  rc.queue_timeout = 300ms;
+  rc.log = [](const std::string&) {};
+  Router router({&prefill}, {&decode}, rc);
+  auto req = [](const std::string& id) { return greedy(id, {1, 2, 3}, 4); };
+  {  // A second request waits for the slot, then runs.
+    Collector c(2);
+    router.submit(req("a"), c.callback(0));
+    router.submit(req("b"), c.callback(1));  // queued, not refused
+    EXPECT_EQ(router.snapshot().queued_requests, 1);
+    decode.finish_one();
+    ASSERT_TRUE(wait_for([&] { return decode.live() == 1; }));  // b took the freed slot
+    EXPECT_EQ(router.snapshot().queued_requests, 0);
+    decode.finish_one();
+    ASSERT_TRUE(c.wait_all());
+    for (const Result& r : c.results()) EXPECT_EQ(r.reason, FinishReason::kLength) << r.error;
+  }
+  {  // Behind a request that holds the slot: the queued ones time out with a retryable
+     // error; beyond --max-queue they are refused at once (429); a queued one can be aborted.
+    Collector c(3);
+    router.submit(req("x"), c.callback(0));
+    router.submit(req("y"), c.callback(1));
+    router.submit(req("z"), c.callback(2));
+    EXPECT_EQ(router.snapshot().queued_requests, 2);
+    EXPECT_EQ(submit_error(router, req("overflow")), ErrorKind::kOutOfResources);
+    router.abort("z");
+    ASSERT_TRUE(wait_for([&] { return c.results()[1].finished == 1; }, 5s));
+    std::vector<Result> got = c.results();
+    EXPECT_EQ(got[1].reason, FinishReason::kError);
+    EXPECT_NE(got[1].error.find("router queue"), std::string::npos) << got[1].error;
+    EXPECT_NE(got[1].error.find("batch limit"), std::string::npos) << got[1].error;
+    EXPECT_EQ(got[1].retry_after_s, 1);
+    EXPECT_EQ(got[2].reason, FinishReason::kAbort);
+    EXPECT_EQ(got[0].finished, 0);  // still holds the slot
+    decode.finish_one();
+    ASSERT_TRUE(c.wait_all());
+    EXPECT_EQ(c.results()[0].reason, FinishReason::kLength);
+  }
+}
+
+// A decode instance draining (SIGTERM): the router sends it nothing new but lets its running
+// request finish; new requests go to the other instance; then it stops.
+TEST(RouterMembership, DrainingDecodeInstanceLeavesThePoolFirst) {
+  SlotDecode slot_a(4), slot_b(4);
+  InstantPrefill prefill;
+  InstanceServer server_a(&slot_a, nullptr, "127.0.0.1", 0);
+  InstanceServer server_b(&slot_b, nullptr, "127.0.0.1", 0);
+  RemoteDecode a("127.0.0.1:" + std::to_string(server_a.port()));
+  RemoteDecode b("127.0.0.1:" + std::to_string(server_b.port()));
+  RouterConfig rc;
+  rc.log = [](const std::string&) {};
+  Router router({&prefill}, {&a, &b}, rc);
+  ASSERT_TRUE(wait_for([&] { return router.ready(); }));
+  auto req = [](const std::string& id) { return greedy(id, {1, 2, 3}, 4); };
+  Collector c(4);
+  router.submit(req("first"), c.callback(0));
+  const bool on_a = slot_a.live() == 1;
+  SlotDecode& victim = on_a ? slot_a : slot_b;
+  SlotDecode& other = on_a ? slot_b : slot_a;
+  InstanceServer& victim_server = on_a ? server_a : server_b;
+  ASSERT_EQ(victim.live(), 1u);
+  std::thread drainer([&] { victim_server.drain(10s); });
+  ASSERT_TRUE(wait_for([&] { return victim_server.draining(); }));
+  std::this_thread::sleep_for(100ms);  // (the router's next load poll sees it)
+  for (int i = 1; i < 4; ++i) router.submit(req("next" + std::to_string(i)), c.callback(i));
+  EXPECT_EQ(victim.live(), 1u);  // nothing new there
+  EXPECT_EQ(other.live(), 3u);
+  victim.finish_one();  // the running request completes normally
+  drainer.join();       // and the drain ends once it has (not after 10 s)
+  for (int i = 0; i < 3; ++i) other.finish_one();
+  ASSERT_TRUE(c.wait_all());
+  for (const Result& r : c.results()) EXPECT_EQ(r.reason, FinishReason::kLength) << r.error;
+  EXPECT_TRUE(router.ready());  // the other instance serves on
 }
 
 }  // namespace

@@ -82,7 +82,9 @@ ApiHandler::ApiHandler(const HttpServerConfig& config, std::shared_ptr<EngineGat
 }
 
 HttpResponse ApiHandler::error_response(const ApiError& e) {
-  return json_response(e.to_json(), e.status());
+  HttpResponse r = json_response(e.to_json(), e.status());
+  if (e.status() == 429 || e.status() == 503) r.headers.emplace_back("Retry-After", "1");
+  return r;
 }
 
 void ApiHandler::handle(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {

@@ -20,6 +20,14 @@ struct HttpRequest {
   std::string path;           // target without the query string
   std::string authorization;  // the Authorization header ("" when absent)
   std::string body;
+  std::string request_id;  // X-Request-Id as sent (sanitised), or a fresh one; echoed back
+};
+
+/// What a handler reports for the request's access-log line (-1: not applicable).
+struct RequestLog {
+  int64_t prompt_tokens = -1;
+  int64_t output_tokens = -1;
+  double ttft_s = -1;  // seconds from the request to its first output token
 };
 
 /// One HTTP response header + body (non-streaming).
@@ -50,6 +58,9 @@ class Connection {
   virtual void on_disconnect(std::function<void()> fn) = 0;
   /// False once the client is gone.
   virtual bool is_open() const = 0;
+
+  /// Filled in by the handler (on the strand); the transport logs it with the response.
+  RequestLog log;
 };
 
 /// Routes engine callbacks (engine thread) to connections (their strands) while the server
@@ -78,6 +89,38 @@ class EngineGate {
     live_.erase(id);
   }
 
+  /// Every engine output passes here (engine thread): a finished one is untracked, and an
+  /// abort issued by fail_all() becomes an error with its message.
+  StepOutput on_engine_output(const std::string& id, const StepOutput& out) {
+    StepOutput o = out;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (o.finished) {
+      live_.erase(id);
+      if (!fail_message_.empty() && o.finish_reason == FinishReason::kAbort) {
+        o.finish_reason = FinishReason::kError;
+        o.error = fail_message_;
+      }
+    }
+    return o;
+  }
+
+  size_t live_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_.size();
+  }
+
+  /// Aborts every live engine request; their finished outputs become errors with `message`
+  /// (the end of a drain). The gate stays open, so the errors reach the clients.
+  void fail_all(const std::string& message) {
+    std::unordered_set<std::string> live;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fail_message_ = message;
+      live = live_;
+    }
+    for (const auto& id : live) engine_.abort(id);
+  }
+
   /// Closes the gate (no more posts) and aborts every live engine request.
   void close_and_abort_all() {
     std::unordered_set<std::string> live;
@@ -94,6 +137,7 @@ class EngineGate {
   std::mutex mu_;
   bool open_ = true;
   std::unordered_set<std::string> live_;
+  std::string fail_message_;  // set by fail_all()
 };
 
 }  // namespace tandem::openai

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "server/http/api_handler.h"
 #include "server/http/json_util.h"
 #include "server/tokenizer/detokenizer.h"
 #include "server/tokenizer/tokenizer.h"
@@ -194,8 +195,8 @@ void Generation::start() {
     std::string id = c.engine_id;
     gate->track(id);
     try {
-      engine.submit(std::move(r), [gate, conn, self, index, id](const StepOutput& out) {
-        if (out.finished) gate->untrack(id);
+      engine.submit(std::move(r), [gate, conn, self, index, id](const StepOutput& o) {
+        StepOutput out = gate->on_engine_output(id, o);  // (untracks a finished one)
         gate->post(conn, [self, index, out] { self->on_output(index, out); });
       });
     } catch (...) {
@@ -210,6 +211,10 @@ void Generation::start() {
           throw ApiError(429, "The server is busy (" + e.message() + "); retry later.",
                          "rate_limit_error", "", "queue_full");
         }
+        if (e.kind() == ErrorKind::kIo) {  // e.g. no instance reachable behind a router
+          throw ApiError(503, "The server is unavailable (" + e.message() + "); retry later.",
+                         "server_error", "", "service_unavailable");
+        }
         throw ApiError(500, e.message(), "server_error");
       }
     }
@@ -222,6 +227,7 @@ void Generation::start() {
     on_disconnect();
     return;
   }
+  conn->log.prompt_tokens = prompt_tokens;
   if (p.stream) conn->stream_begin();
   conn->on_disconnect([self] { self->on_disconnect(); });
 }
@@ -327,7 +333,7 @@ void Generation::on_output(size_t index, const StepOutput& out) {
   Choice& c = *choices_[index];
   if (c.finished) return;  // e.g. the abort that follows a stop-string match
   if (out.finish_reason == FinishReason::kError) {
-    fail(out.error.empty() ? "the engine failed this request" : out.error);
+    fail(out.error.empty() ? "the engine failed this request" : out.error, out.retry_after_s);
     return;
   }
   const GenerationParams& p = setup_.params;
@@ -354,6 +360,10 @@ void Generation::on_output(size_t index, const StepOutput& out) {
     }
   }
 
+  if (!out.token_ids.empty() && !c.has_token) {
+    auto conn = conn_.lock();
+    if (conn && conn->log.ttft_s < 0) conn->log.ttft_s = seconds_since(start_time_);
+  }
   if (!out.token_ids.empty() && ctx_.metrics) {
     const auto now = Clock::now();
     if (!c.has_token) {
@@ -478,14 +488,17 @@ void Generation::abort_all() {
 void Generation::on_disconnect() {
   if (done_) return;
   done_ = true;
+  if (auto conn = conn_.lock()) conn->log.output_tokens = output_tokens();
   abort_all();
   for (auto& c : choices_) finish_choice(*c, "abort", nullptr);
 }
 
-void Generation::fail(const std::string& message) {
+void Generation::fail(const std::string& message, int32_t retry_after_s) {
   done_ = true;
   abort_all();
+  bool started = false;
   for (auto& c : choices_) {
+    started = started || c->started || c->got_output;
     if (!c->finished) {
       c->finished = true;
       if (ctx_.metrics) ctx_.metrics->count_sequence("error");
@@ -493,6 +506,19 @@ void Generation::fail(const std::string& message) {
   }
   auto conn = conn_.lock();
   if (!conn || !conn->is_open()) return;
+  conn->log.output_tokens = output_tokens();
+  if (retry_after_s > 0 && !started) {
+    // Never started for lack of capacity (e.g. a router queue timeout): 429, even for a
+    // stream (the transport has not sent its head yet).
+    HttpResponse r = ApiHandler::error_response(
+        ApiError(429, "The server is busy (" + message + "); retry later.", "rate_limit_error", "",
+                 "queue_full"));
+    for (auto& [k, v] : r.headers) {
+      if (k == "Retry-After") v = std::to_string(retry_after_s);
+    }
+    conn->respond(std::move(r));
+    return;
+  }
   ApiError err(500, message, "server_error");
   if (setup_.params.stream && setup_.responses) {
     responses_event(
@@ -897,10 +923,17 @@ json Generation::final_choice_json(const Choice& c) const {
   return choice;
 }
 
+int64_t Generation::output_tokens() const {
+  int64_t n = 0;
+  for (const auto& c : choices_) n += int64_t(c->ids.size());
+  return n;
+}
+
 void Generation::complete() {
   done_ = true;
   auto conn = conn_.lock();
   if (!conn || !conn->is_open()) return;
+  conn->log.output_tokens = output_tokens();
   const GenerationParams& p = setup_.params;
   if (setup_.responses) {
     if (p.stream) {

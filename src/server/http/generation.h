@@ -79,7 +79,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   Json responses_output(const Choice& c) const;  // non-streamed output items
   Json response_json(const std::string& status, Json output) const;
   void finish_choice(Choice& c, const std::string& reason, Json stop_reason);
-  void fail(const std::string& message);
+  void fail(const std::string& message, int32_t retry_after_s = 0);
+  int64_t output_tokens() const;
   void emit_chunk(Choice& c);
   void complete();
   void abort_all();

@@ -2,13 +2,18 @@
 // by a few threads; each session lives on its own strand. Requests are parsed by Beast;
 // responses (whole or chunked SSE) are written from a per-session queue. While a response is
 // being produced a read stays pending on the socket, so a client that goes away is noticed
-// at once and its engine requests are aborted.
+// at once and its engine requests are aborted. HEAD is answered as GET without the body,
+// OPTIONS (CORS preflights) here, /ready here; every response carries X-Request-Id, and one
+// access-log line is written per request. A stream's head goes out with its first bytes, so
+// a generation that fails before any output can still answer with a status (e.g. 429).
 #include "server/http/http_server.h"
 
+#include <atomic>
 #include <boost/asio.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cinttypes>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -34,12 +39,43 @@ constexpr size_t kHeaderLimit = 64 * 1024;
 constexpr size_t kMaxPipelinedBytes = 1 << 20;  // read ahead while answering, at most
 constexpr size_t kMaxQueuedBytes = 64 << 20;    // unsent output of a client that stopped reading
 
+using Clock = std::chrono::steady_clock;
+
 /// What every session shares with the server.
 struct ServerCore {
   HttpServerConfig config;
   openai::ApiHandler* api = nullptr;
   ServerMetrics* metrics = nullptr;
+  mutable std::atomic<bool> draining{false};
+  mutable std::atomic<int> in_flight{0};  // requests read whose response is not fully written
+
+  /// The Access-Control-Allow-Origin value for this Origin ("" : not allowed / no CORS).
+  std::string allow_origin(const std::string& origin) const {
+    if (origin.empty()) return "";
+    for (const auto& o : config.allowed_origins) {
+      if (o == "*") return "*";
+      if (o == origin) return origin;
+    }
+    return "";
+  }
 };
+
+/// X-Request-Id as sent, when it is short printable ASCII without spaces; else "".
+std::string sanitize_request_id(std::string_view id) {
+  if (id.empty() || id.size() > 128) return "";
+  for (char ch : id) {
+    if (ch <= ' ' || ch > '~') return "";
+  }
+  return std::string(id);
+}
+
+std::string log_number(int64_t v) { return v < 0 ? "-" : std::to_string(v); }
+std::string log_ms(double s) {
+  if (s < 0) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", s * 1e3);
+  return buf;
+}
 
 std::string status_line(int status) {
   std::string reason(bhttp::obsolete_reason(bhttp::int_to_status(unsigned(status))));
@@ -67,27 +103,22 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     head += "Content-Type: " + r.content_type + "\r\n";
     head += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
     for (const auto& [k, v] : r.headers) head.append(k).append(": ").append(v).append("\r\n");
+    head += common_headers();
     head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-    head += r.body;
+    if (!head_only_) head += r.body;  // HEAD: the GET response's head, no body
     enqueue(std::move(head));
     mark_complete();
   }
 
   void stream_begin() override {
-    if (!begin_response(200)) return;
-    chunked_ = !http10_;
-    if (http10_) keep_alive_ = false;  // HTTP/1.0 has no chunks: the stream ends at close
-    std::string head = status_line(200);
-    head +=
-        "Server: tandem\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-        "X-Accel-Buffering: no\r\n";
-    if (chunked_) head += "Transfer-Encoding: chunked\r\n";
-    head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-    enqueue(std::move(head));
+    if (closed_ || !in_request_ || response_started_) return;
+    stream_pending_ = true;  // the head goes out with the first bytes (see send_stream_head)
   }
 
   void stream_write(std::string data) override {
     if (closed_ || !in_request_ || response_complete_ || data.empty()) return;
+    if (stream_pending_) send_stream_head();
+    if (!response_started_) return;
     if (chunked_) {
       char size[32];
       std::snprintf(size, sizeof(size), "%zx\r\n", data.size());
@@ -99,6 +130,8 @@ class Session final : public openai::Connection, public std::enable_shared_from_
 
   void stream_end() override {
     if (closed_ || !in_request_ || response_complete_) return;
+    if (stream_pending_) send_stream_head();
+    if (!response_started_) return;
     if (chunked_) enqueue("0\r\n\r\n");
     mark_complete();
   }
@@ -116,12 +149,26 @@ class Session final : public openai::Connection, public std::enable_shared_from_
 
  private:
   // --- reading requests ---
+  // Between requests: the idle timeout until the first byte of the next one arrives.
   void do_read() {
+    if (closed_) return;
+    if (buffer_.size() > 0) return read_header();
+    stream_.expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
+    stream_.async_read_some(buffer_.prepare(4096),
+                            [self = shared_from_this()](beast::error_code ec, size_t n) {
+                              if (ec) return self->read_failed(ec);
+                              self->buffer_.commit(n);
+                              self->read_header();
+                            });
+  }
+
+  // A request has started: its headers and body get the header timeout, together.
+  void read_header() {
     if (closed_) return;
     parser_.emplace();
     parser_->body_limit(core_.config.max_body_bytes);
     parser_->header_limit(kHeaderLimit);
-    stream_.expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
+    stream_.expires_after(std::chrono::seconds(core_.config.header_timeout_s));
     bhttp::async_read_header(stream_, buffer_, *parser_,
                              beast::bind_front_handler(&Session::on_header, shared_from_this()));
   }
@@ -133,7 +180,6 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     if (beast::iequals(req[bhttp::field::expect], "100-continue")) {
       enqueue("HTTP/1.1 100 Continue\r\n\r\n");
     }
-    stream_.expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
     bhttp::async_read(stream_, buffer_, *parser_,
                       beast::bind_front_handler(&Session::on_body, shared_from_this()));
   }
@@ -144,9 +190,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     parser_.reset();
     keep_alive_ = req.keep_alive();
     http10_ = req.version() < 11;
-    in_request_ = true;
-    response_started_ = false;
-    response_complete_ = false;
+    begin_request();
     stream_.expires_never();  // generations may take long; a disconnect is watched instead
 
     openai::HttpRequest r;
@@ -155,7 +199,23 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     r.path = std::string(target.substr(0, target.find('?')));
     r.authorization = std::string(req[bhttp::field::authorization]);
     r.body = std::move(req.body());
+    const auto rid = req["X-Request-Id"];
+    r.request_id = sanitize_request_id(std::string_view(rid.data(), rid.size()));
+    if (r.request_id.empty()) r.request_id = openai::new_request_id();
+    request_id_ = r.request_id;
+    method_ = r.method;
+    path_ = r.path;
+    allow_origin_ = core_.allow_origin(std::string(req[bhttp::field::origin]));
+    head_only_ = req.method() == bhttp::verb::head;
+    if (head_only_) r.method = "GET";
     try {
+      if (core_.draining && r.path != "/health" && r.path != "/metrics") {
+        keep_alive_ = false;
+        return respond(openai::ApiHandler::error_response(openai::ApiError(
+            503, "The server is shutting down.", "server_error", "", "service_unavailable")));
+      }
+      if (req.method() == bhttp::verb::options) return options(req);
+      if (r.path == "/ready") return ready(r);
       core_.api->handle(r, shared_from_this());
     } catch (...) {
       // handle() answers every error itself; this is a last resort (e.g. out of memory).
@@ -179,24 +239,131 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     close();  // closed, cut off or timed out: nobody to answer
   }
 
+  /// OPTIONS: a CORS preflight (Origin + Access-Control-Request-Method) is allowed for the
+  /// configured origins only; any other OPTIONS gets the methods.
+  void options(const bhttp::request<bhttp::string_body>& req) {
+    const bool preflight = !req[bhttp::field::origin].empty() &&
+                           !req[bhttp::field::access_control_request_method].empty();
+    if (preflight && allow_origin_.empty()) {
+      return respond(openai::ApiHandler::error_response(
+          openai::ApiError(400, "Disallowed CORS origin (see --allowed-origins)",
+                           "invalid_request_error", "", "cors_origin_not_allowed")));
+    }
+    openai::HttpResponse r{204, "text/plain", "", {}};
+    r.headers.emplace_back("Allow", "GET, POST, HEAD, OPTIONS");
+    if (preflight) {
+      std::string headers(req[bhttp::field::access_control_request_headers]);
+      r.headers.emplace_back("Access-Control-Allow-Methods", "GET, POST, HEAD, OPTIONS");
+      r.headers.emplace_back(
+          "Access-Control-Allow-Headers",
+          headers.empty() ? "Authorization, Content-Type, X-Request-Id" : headers);
+      r.headers.emplace_back("Access-Control-Max-Age", "600");
+    }
+    respond(std::move(r));
+  }
+
+  /// GET /ready: 200 while the server can serve generations (see HttpServerConfig::ready).
+  void ready(const openai::HttpRequest& r) {
+    if (r.method != "GET") {
+      openai::HttpResponse e = openai::ApiHandler::error_response(
+          openai::ApiError(405, "Method " + r.method + " is not allowed for /ready (use GET)",
+                           "invalid_request_error", "", "method_not_allowed"));
+      e.headers.emplace_back("Allow", "GET");
+      return respond(std::move(e));
+    }
+    const bool ok = !core_.draining && (!core_.config.ready || core_.config.ready());
+    respond({ok ? 200 : 503,
+             "application/json",
+             ok ? "{\"status\":\"ready\"}" : "{\"status\":\"not ready\"}",
+             {}});
+  }
+
   /// Answers a request that could not be parsed, then closes the connection.
   void error_and_close(int status, const std::string& message) {
     keep_alive_ = false;
-    in_request_ = true;
-    response_started_ = false;
-    response_complete_ = false;
+    head_only_ = false;
+    if (!in_request_) {
+      begin_request();
+      method_ = "-";
+      path_ = "-";
+      request_id_ = openai::new_request_id();
+    }
     std::string type = status >= 500 ? "server_error" : "invalid_request_error";
     std::string code = status == 413 ? "request_too_large" : "";
     respond(openai::ApiHandler::error_response(
         openai::ApiError(status, message, std::move(type), "", std::move(code))));
   }
 
+  void begin_request() {
+    in_request_ = true;
+    response_started_ = false;
+    response_complete_ = false;
+    stream_pending_ = false;
+    status_ = 0;
+    log = {};
+    request_start_ = Clock::now();
+    if (!counted_) {
+      counted_ = true;
+      ++core_.in_flight;
+    }
+  }
+
+  /// The request is over (answered, or its client gone): one access-log line.
+  void end_request(bool client_gone) {
+    if (!counted_) return;
+    counted_ = false;
+    --core_.in_flight;
+    const double secs = std::chrono::duration<double>(Clock::now() - request_start_).count();
+    if (!client_gone && status_ == 200 && core_.metrics) {
+      core_.metrics->observe_request(log.ttft_s, secs);
+    }
+    if (!core_.config.access_log) return;
+    std::string line =
+        "tandem: access id=" + request_id_ + " method=" + method_ + " path=" + path_ +
+        " status=" + std::to_string(status_ == 0 && client_gone ? 499 : status_) +
+        (client_gone ? " client_gone=1" : "") + " prompt_tokens=" + log_number(log.prompt_tokens) +
+        " output_tokens=" + log_number(log.output_tokens) + " ttft_ms=" + log_ms(log.ttft_s) +
+        " duration_ms=" + log_ms(secs);
+    try {
+      core_.config.access_log(line);
+    } catch (...) {  // NOTE: a failing log sink must not take the connection down
+    }
+  }
+
   // --- writing responses ---
   bool begin_response(int status) {
     if (closed_ || !in_request_ || response_started_) return false;
     response_started_ = true;
+    stream_pending_ = false;
+    status_ = status;
+    if (core_.draining) keep_alive_ = false;
     if (core_.metrics) core_.metrics->count_response(status);
     return true;
+  }
+
+  /// X-Request-Id and, for an allowed Origin, the CORS headers.
+  std::string common_headers() const {
+    std::string h = "X-Request-Id: " + request_id_ + "\r\n";
+    if (!allow_origin_.empty()) {
+      h += "Access-Control-Allow-Origin: " + allow_origin_ + "\r\n";
+      h += "Access-Control-Expose-Headers: X-Request-Id\r\n";
+      if (allow_origin_ != "*") h += "Vary: Origin\r\n";
+    }
+    return h;
+  }
+
+  void send_stream_head() {
+    if (!begin_response(200)) return;
+    chunked_ = !http10_;
+    if (http10_) keep_alive_ = false;  // HTTP/1.0 has no chunks: the stream ends at close
+    std::string head = status_line(200);
+    head +=
+        "Server: tandem\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+        "X-Accel-Buffering: no\r\n";
+    if (chunked_) head += "Transfer-Encoding: chunked\r\n";
+    head += common_headers();
+    head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    enqueue(std::move(head));
   }
 
   void enqueue(std::string bytes) {
@@ -240,6 +407,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     in_request_ = false;
     response_complete_ = false;
     on_disconnect_ = nullptr;
+    end_request(false);
     if (watching_) {
       // The watch read ends with operation_aborted (or with data) and goes on in on_watch.
       beast::error_code ec;
@@ -285,6 +453,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   void close() {
     if (closed_) return;
     closed_ = true;
+    end_request(true);
     beast::error_code ec;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
     stream_.socket().close(ec);
@@ -328,6 +497,12 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   bool chunked_ = true;
   bool watching_ = false;
   bool closed_ = false;
+  bool stream_pending_ = false;  // stream_begin() called, its head not sent yet
+  bool head_only_ = false;       // a HEAD request: no body
+  bool counted_ = false;         // counted in core_.in_flight
+  int status_ = 0;               // of the current response (for the access log)
+  std::string request_id_, method_, path_, allow_origin_;
+  Clock::time_point request_start_;
 };
 
 class Listener : public std::enable_shared_from_this<Listener> {
@@ -382,6 +557,8 @@ struct HttpServer::Impl {
     core.config = std::move(cfg);
     core.api = &api;
     core.metrics = &metrics;
+    metrics.set_model_name(core.config.model_name);
+    metrics.set_extra(core.config.extra_metrics);
   }
 
   // NOTE: declaration order matters: sessions (owned by handlers inside ioc) refer to core,
@@ -401,6 +578,7 @@ struct HttpServer::Impl {
   std::condition_variable cv;
   bool started = false;
   bool stop_requested = false;
+  bool signalled = false;
   bool stopped = false;
 };
 
@@ -447,6 +625,7 @@ void HttpServer::start() {
       if (ec) return;
       std::lock_guard<std::mutex> lock(m.mu);
       m.stop_requested = true;
+      m.signalled = true;
       m.cv.notify_all();
     });
   }
@@ -460,9 +639,50 @@ uint16_t HttpServer::port() const { return impl_->port; }
 const ServerMetrics& HttpServer::metrics() const { return impl_->metrics; }
 
 void HttpServer::wait() {
+  bool signalled = false;
   {
     std::unique_lock<std::mutex> lock(impl_->mu);
     impl_->cv.wait(lock, [&] { return impl_->stop_requested || impl_->stopped; });
+    signalled = impl_->signalled && !impl_->stopped;
+  }
+  if (signalled) {
+    drain(std::chrono::seconds(impl_->core.config.drain_seconds));
+  } else {
+    stop();
+  }
+}
+
+bool HttpServer::draining() const { return impl_->core.draining; }
+
+int HttpServer::in_flight() const { return impl_->core.in_flight; }
+
+void HttpServer::drain(std::chrono::milliseconds grace) {
+  Impl& m = *impl_;
+  bool started = false;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.stopped) return;
+    started = m.started;
+  }
+  if (!started) return stop();
+  m.core.draining = true;
+  auto wait_idle = [&](Clock::time_point deadline) {
+    while (m.core.in_flight > 0 && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return m.core.in_flight == 0;
+  };
+  const int before = m.core.in_flight;
+  if (m.core.config.access_log) {
+    m.core.config.access_log("tandem: draining: " + std::to_string(before) +
+                             " request(s) in flight, up to " + std::to_string(grace.count()) +
+                             " ms");
+  }
+  if (!wait_idle(Clock::now() + grace)) {
+    // The rest end with an error (a stream: an error event, then [DONE]).
+    m.gate->fail_all("the server is shutting down (the drain time of " +
+                     std::to_string(grace.count() / 1000.0) + " s is over)");
+    wait_idle(Clock::now() + std::chrono::seconds(5));
   }
   stop();
 }

@@ -1,5 +1,6 @@
 #include "server/http/metrics.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace tandem {
@@ -36,19 +37,22 @@ void Histogram::observe(double value) {
   ++count_;
 }
 
-void Histogram::render(std::string& out, const std::string& name, const std::string& help) const {
+void Histogram::render(std::string& out, const std::string& name, const std::string& help,
+                       const std::string& labels) const {
   header(out, name, "histogram", help);
+  const std::string pre = labels.empty() ? "" : labels + ",";
+  const std::string own = labels.empty() ? "" : "{" + labels + "}";
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t cumulative = 0;
   for (size_t i = 0; i < bounds_.size(); ++i) {
     cumulative += counts_[i];
-    out += name + "_bucket{le=\"" + format_double(bounds_[i]) + "\"} " +
+    out += name + "_bucket{" + pre + "le=\"" + format_double(bounds_[i]) + "\"} " +
            std::to_string(cumulative) + "\n";
   }
   cumulative += counts_.back();
-  out += name + "_bucket{le=\"+Inf\"} " + std::to_string(cumulative) + "\n";
-  out += name + "_sum " + format_double(sum_) + "\n";
-  out += name + "_count " + std::to_string(count_) + "\n";
+  out += name + "_bucket{" + pre + "le=\"+Inf\"} " + std::to_string(cumulative) + "\n";
+  out += name + "_sum" + own + " " + format_double(sum_) + "\n";
+  out += name + "_count" + own + " " + std::to_string(count_) + "\n";
 }
 
 ServerMetrics::ServerMetrics()
@@ -57,7 +61,27 @@ ServerMetrics::ServerMetrics()
       itl_({0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
             0.075, 0.1,    0.15,  0.2,  0.3,   0.4,  0.5,   0.75, 1.0,  2.5}),
       e2e_({0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,  5.0,
-            10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0}) {}
+            10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0}),
+      prefill_time_({0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,  5.0,
+                     10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0}),
+      decode_time_({0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,  5.0,
+                    10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0}) {}
+
+void ServerMetrics::observe_request(double ttft_s, double duration_s) {
+  if (ttft_s < 0) return;
+  prefill_time_.observe(ttft_s);
+  decode_time_.observe(std::max(0.0, duration_s - ttft_s));
+}
+
+void ServerMetrics::set_model_name(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  model_name_ = name;
+}
+
+void ServerMetrics::set_extra(std::function<std::string()> extra) {
+  std::lock_guard<std::mutex> lock(mu_);
+  extra_ = std::move(extra);
+}
 
 void ServerMetrics::count_sequence(const std::string& outcome) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -71,8 +95,14 @@ void ServerMetrics::count_response(int status) {
 
 std::string ServerMetrics::render(const EngineStats& s) const {
   std::string out;
+  std::string model;
+  std::map<std::string, uint64_t> seq_copy;
+  std::function<std::string()> extra;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    model = model_name_;
+    seq_copy = sequences_;
+    extra = extra_;
     header(out, "tandem_requests_finished_total", "counter",
            "Generated sequences by outcome (finish reason, or error).");
     // Always list the usual outcomes so dashboards see zeros.
@@ -121,6 +151,44 @@ std::string ServerMetrics::render(const EngineStats& s) const {
          double(s.generation_tokens));
   scalar(out, "tandem_num_preemptions_total", "counter", "Sequences preempted by the engine.",
          double(s.preemptions));
+
+  // The same under vLLM's names and labels (what its Grafana dashboard queries).
+  std::string esc;
+  for (char ch : model) {
+    if (ch == '"' || ch == '\\') esc += '\\';
+    esc += ch == '\n' ? ' ' : ch;
+  }
+  const std::string label = "model_name=\"" + esc + "\"";
+  auto vllm = [&](const std::string& name, const char* type, const std::string& help,
+                  double value) {
+    header(out, name, type, help);
+    out += name + "{" + label + "} " + format_double(value) + "\n";
+  };
+  vllm("vllm:num_requests_running", "gauge", "Requests running.", double(s.running));
+  vllm("vllm:num_requests_waiting", "gauge", "Requests waiting.", double(s.waiting));
+  vllm("vllm:kv_cache_usage_perc", "gauge", "KV cache usage (0..1).",
+       s.kv_pages_total > 0 ? double(s.kv_pages_total - s.kv_pages_free) / s.kv_pages_total : 0.0);
+  vllm("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+       double(s.prefix_cache_queries));
+  vllm("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+       double(s.prefix_cache_hits));
+  vllm("vllm:num_preemptions_total", "counter", "Preemptions.", double(s.preemptions));
+  vllm("vllm:prompt_tokens_total", "counter", "Prompt tokens.", double(prompt_tokens_.load()));
+  vllm("vllm:generation_tokens_total", "counter", "Generated tokens.",
+       double(generation_tokens_.load()));
+  header(out, "vllm:request_success_total", "counter", "Finished requests by finish reason.");
+  for (const char* k : {"stop", "length", "abort"}) {
+    auto it = seq_copy.find(k);
+    out += "vllm:request_success_total{" + label + ",finished_reason=\"" + k + "\"} " +
+           std::to_string(it == seq_copy.end() ? 0 : it->second) + "\n";
+  }
+  ttft_.render(out, "vllm:time_to_first_token_seconds", "Time to first token.", label);
+  itl_.render(out, "vllm:inter_token_latency_seconds", "Time between output tokens.", label);
+  e2e_.render(out, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", label);
+  prefill_time_.render(out, "vllm:request_prefill_time_seconds",
+                       "Request arrival to first token (includes queueing).", label);
+  decode_time_.render(out, "vllm:request_decode_time_seconds", "First token to last token.", label);
+  if (extra) out += extra();
   return out;
 }
 

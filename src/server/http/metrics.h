@@ -1,9 +1,12 @@
-// Front-end metrics in the Prometheus text exposition format (GET /metrics).
+// Front-end metrics in the Prometheus text exposition format (GET /metrics): tandem_* names,
+// and the same figures under vLLM's names (vllm:*, label model_name), so dashboards built
+// for vLLM work unchanged (docs/operations.md lists them).
 #pragma once
 
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -18,8 +21,10 @@ class Histogram {
  public:
   explicit Histogram(std::vector<double> bounds);
   void observe(double value);
-  /// Appends the `_bucket`, `_sum` and `_count` lines of metric `name`.
-  void render(std::string& out, const std::string& name, const std::string& help) const;
+  /// Appends the `_bucket`, `_sum` and `_count` lines of metric `name`; labels (e.g.
+  /// `model_name="x"`) go on every line.
+  void render(std::string& out, const std::string& name, const std::string& help,
+              const std::string& labels = "") const;
 
  private:
   std::vector<double> bounds_;
@@ -45,6 +50,13 @@ class ServerMetrics {
   Histogram& ttft() { return ttft_; }                // seconds, submit -> first token
   Histogram& inter_token_latency() { return itl_; }  // seconds between tokens
   Histogram& e2e_latency() { return e2e_; }          // seconds, request -> last token
+  /// One HTTP generation answered: its time to first token and whole duration (seconds);
+  /// they make the prefill (request -> first token) and decode (first -> last) times.
+  void observe_request(double ttft_s, double duration_s);
+  /// The model_name label of the vllm:* metrics.
+  void set_model_name(const std::string& name);
+  /// Text appended to render() (e.g. the router's per-instance metrics); null: none.
+  void set_extra(std::function<std::string()> extra);
 
   /// The whole exposition, engine gauges and counters included.
   std::string render(const EngineStats& stats) const;
@@ -58,6 +70,10 @@ class ServerMetrics {
   Histogram ttft_;
   Histogram itl_;
   Histogram e2e_;
+  Histogram prefill_time_;
+  Histogram decode_time_;
+  std::string model_name_ = "tandem";
+  std::function<std::string()> extra_;
 };
 
 }  // namespace tandem

@@ -114,6 +114,8 @@ class FakeEngine final : public EngineClient {
   }
   /// From now on every request fails with kError after this many tokens (-1: never).
   void set_error_after(int n) { error_after_ = n; }
+  /// The failures of set_error_after carry this retry_after_s (a request never started).
+  void set_retry_after(int s) { retry_after_ = s; }
   /// Pauses / resumes token generation (to hold requests live).
   void set_paused(bool p) {
     paused_ = p;
@@ -172,6 +174,7 @@ class FakeEngine final : public EngineClient {
           out.finished = true;
           out.finish_reason = FinishReason::kError;
           out.error = "fake engine failure";
+          out.retry_after_s = retry_after_;
         } else {
           auto script = opt_.scripts.find(r.prompt_ids.back());
           int32_t tok = script != opt_.scripts.end() && size_t(l.generated) < script->second.size()
@@ -225,6 +228,7 @@ class FakeEngine final : public EngineClient {
   std::vector<GenRequest> submitted_;
   int64_t generated_ = 0;
   std::atomic<int> error_after_{-1};
+  std::atomic<int> retry_after_{0};
   std::atomic<bool> paused_{false};
   bool stop_ = false;
   std::thread thread_;  // NOTE: last member: started after the others exist

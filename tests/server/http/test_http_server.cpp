@@ -655,6 +655,7 @@ TEST_F(HttpServerTest, RawHttpEdgeCases) {
 TEST_F(HttpServerTest, IdleAndSlowClientsAreClosed) {
   HttpServerConfig cfg;
   cfg.idle_timeout_s = 1;
+  cfg.header_timeout_s = 1;
   start({}, cfg);
   auto t0 = std::chrono::steady_clock::now();
   // Half a request line, then silence: closed after the timeout, nothing answered.
