@@ -336,6 +336,22 @@ std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, ShardedGolden, ::testing::ValuesIn(testing::golden_dirs()),
                          param_name);
 
+// Block-FP8 checkpoints (tools/make_fp8_fixtures.py): TP=2 splits a 128-row KV scale block
+// between the ranks, TP=4 gives each rank 64 query rows of a block and replicated 64-row KV heads;
+// the weights and their scale blocks are split together.
+std::vector<std::string> fp8_golden_dirs() {
+  std::vector<std::string> dirs;
+  for (const auto& e :
+       std::filesystem::directory_iterator(testing::source_dir() + "/tests/data/fixtures_fp8")) {
+    if (std::filesystem::exists(e.path() / "golden.json")) dirs.push_back(e.path().string());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8Fixtures, ShardedGolden, ::testing::ValuesIn(fp8_golden_dirs()),
+                         param_name);
+
 // ---- Over Gloo (ranks as threads, loopback TCP). ----
 
 void run_gloo_group(int world, const std::function<void(Communicator&)>& body) {
