@@ -78,7 +78,8 @@ std::vector<int32_t> greedy_text(Model& m, std::vector<int32_t> tokens, int gen)
     std::vector<float> lg;
     m.forward(b, kv, lg);
     cached = static_cast<int64_t>(tokens.size());
-    tokens.push_back(static_cast<int32_t>(std::max_element(lg.begin(), lg.begin() + v) - lg.begin()));
+    tokens.push_back(
+        static_cast<int32_t>(std::max_element(lg.begin(), lg.begin() + v) - lg.begin()));
   }
   return tokens;
 }
@@ -106,7 +107,8 @@ void compare(const std::vector<float>& ref, const std::vector<float>& q, int64_t
     std::vector<double> lr = log_softmax(r, v), lq = log_softmax(x, v);
     double kl = 0;
     for (int64_t i = 0; i < v; ++i) {
-      kl += std::exp(lr[static_cast<size_t>(i)]) * (lr[static_cast<size_t>(i)] - lq[static_cast<size_t>(i)]);
+      kl += std::exp(lr[static_cast<size_t>(i)]) *
+            (lr[static_cast<size_t>(i)] - lq[static_cast<size_t>(i)]);
     }
     a.kl_sum += kl;
     a.kl_max = std::max(a.kl_max, kl);
@@ -148,13 +150,15 @@ int main(int argc, char** argv) {
       std::cout << "# " << name << " (from " << in << ")\n" << format_report(r);
       return o.out_dir;
     };
-    const std::string src_label = src.quant.quantized() ? std::string(weight_quant_name(src.quant.method))
-                                                        : std::string(dtype_name(src.dtype));
+    const std::string src_label = src.quant.quantized()
+                                      ? std::string(weight_quant_name(src.quant.method))
+                                      : std::string(dtype_name(src.dtype));
     if (!src.quant.quantized()) {
       const std::string fp8 = convert(model, WeightQuant::kFp8Block, "fp8");
       variants.push_back({"block FP8 (128x128)", fp8});
       variants.push_back({"MXFP8 (1x32)", convert(model, WeightQuant::kMxfp8, "mxfp8")});
-      variants.push_back({"MXFP8 from block FP8", convert(fp8, WeightQuant::kMxfp8, "mxfp8_from_fp8")});
+      variants.push_back(
+          {"MXFP8 from block FP8", convert(fp8, WeightQuant::kMxfp8, "mxfp8_from_fp8")});
     } else {
       variants.push_back({"MXFP8 (1x32)", convert(model, WeightQuant::kMxfp8, "mxfp8")});
     }
@@ -183,7 +187,8 @@ int main(int argc, char** argv) {
     for (const auto& [label, dir] : variants) {
       auto q = Qwen3MoeCpu::load(dir);
       Accuracy a;
-      for (size_t i = 0; i < texts.size(); ++i) compare(ref_logits[i], all_logits(*q, texts[i]), v, a);
+      for (size_t i = 0; i < texts.size(); ++i)
+        compare(ref_logits[i], all_logits(*q, texts[i]), v, a);
       std::printf("| %s | %lld | %.4f | %.3e | %.3e |\n", label.c_str(),
                   static_cast<long long>(a.positions), double(a.agree) / double(a.positions),
                   a.kl_sum / double(a.positions), a.kl_max);

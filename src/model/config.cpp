@@ -218,7 +218,8 @@ QuantConfig read_quantization_config(const FieldReader& top) {
     const std::string fmt = r.get_string("fmt", /*nullable=*/true).value_or("e4m3");
     TANDEM_CHECK_KIND(kUnsupported, fmt == "e4m3", origin, ": field '", r.name("fmt"),
                       "': unsupported FP8 format '", fmt, "' (supported: e4m3)");
-    const std::string act = r.get_string("activation_scheme", /*nullable=*/true).value_or("dynamic");
+    const std::string act =
+        r.get_string("activation_scheme", /*nullable=*/true).value_or("dynamic");
     TANDEM_CHECK_KIND(kUnsupported, act == "dynamic", origin, ": field '",
                       r.name("activation_scheme"), "': unsupported activation scheme '", act,
                       "' (supported: dynamic)");
@@ -231,8 +232,8 @@ QuantConfig read_quantization_config(const FieldReader& top) {
       got += (i ? ", " : "") + std::to_string((*block)[i]);
     }
     got += "]";
-    TANDEM_CHECK_KIND(kUnsupported, *block == std::vector<int64_t>({128, 128}), origin,
-                      ": field '", r.name("weight_block_size"), "': unsupported block size ", got,
+    TANDEM_CHECK_KIND(kUnsupported, *block == std::vector<int64_t>({128, 128}), origin, ": field '",
+                      r.name("weight_block_size"), "': unsupported block size ", got,
                       " (supported: [128, 128])");
     q.method = WeightQuant::kFp8Block;
     q.block_rows = 128;
@@ -263,8 +264,7 @@ QuantConfig read_quantization_config(const FieldReader& top) {
       ignore = read_string_list(r, "ignored_layers");
     }
     TANDEM_CHECK_KIND(kUnsupported, upper(algo) == "MXFP8", origin, ": field '", algo_field,
-                      "': unsupported ModelOpt quant_algo '", algo,
-                      "' (supported: MXFP8)");
+                      "': unsupported ModelOpt quant_algo '", algo, "' (supported: MXFP8)");
     q.method = WeightQuant::kMxfp8;
     q.block_rows = 1;
     q.block_cols = 32;

@@ -25,8 +25,8 @@ std::string_view weight_quant_name(WeightQuant q);
 
 struct QuantConfig {
   WeightQuant method = WeightQuant::kNone;
-  int64_t block_rows = 0;  // output-dim elements per scale (128 block FP8, 1 MXFP8)
-  int64_t block_cols = 0;  // input-dim elements per scale (128 block FP8, 32 MXFP8)
+  int64_t block_rows = 0;                  // output-dim elements per scale (128 block FP8, 1 MXFP8)
+  int64_t block_cols = 0;                  // input-dim elements per scale (128 block FP8, 32 MXFP8)
   std::vector<std::string> not_converted;  // modules_to_not_convert (fp8) / ignore (modelopt)
 
   bool quantized() const { return method != WeightQuant::kNone; }

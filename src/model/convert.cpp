@@ -26,7 +26,8 @@ namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 std::string safetensors_dtype(DType t) {
@@ -146,8 +147,7 @@ Quantized quantize(const std::vector<float>& w, int64_t rows, int64_t cols, Weig
         const double ref = w[k];
         const double err = std::fabs(static_cast<double>(deq) - ref);
         const double bound =
-            std::max(std::fabs(ref) * 0.0625, static_cast<double>(s) * (1.0 / 1024)) *
-            (1.0 + 1e-6);
+            std::max(std::fabs(ref) * 0.0625, static_cast<double>(s) * (1.0 / 1024)) * (1.0 + 1e-6);
         se += err * err;
         sr += ref * ref;
         me = std::max(me, err);
@@ -185,7 +185,8 @@ std::string header_bytes(const std::vector<const OutTensor*>& tensors) {
   while ((js.size() + 8) % 8 != 0) js += ' ';
   std::string out(8, '\0');
   const uint64_t n = js.size();
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out + js;
 }
 
@@ -218,8 +219,8 @@ ConvertReport convert_checkpoint(const ConvertOptions& o) {
   const ModelConfig config = ModelConfig::from_dir(o.in_dir);  // validates the input
   std::error_code ec;
   TANDEM_CHECK_KIND(kInvalidArgument,
-                    !fs::exists(o.out_dir, ec) || (fs::is_directory(o.out_dir, ec) &&
-                                                   fs::is_empty(o.out_dir, ec)),
+                    !fs::exists(o.out_dir, ec) ||
+                        (fs::is_directory(o.out_dir, ec) && fs::is_empty(o.out_dir, ec)),
                     o.out_dir, ": the output directory exists and is not empty");
   TANDEM_CHECK_KIND(kInvalidArgument, o.shard_bytes > 0, "convert: shard size must be positive");
   const Checkpoint ckpt(o.in_dir);
@@ -228,8 +229,8 @@ ConvertReport convert_checkpoint(const ConvertOptions& o) {
   // Plan the output tensors.
   std::vector<std::string> names = ckpt.names();
   std::sort(names.begin(), names.end(), NameOrder{});
-  const std::string in_scale = config.quant.method == WeightQuant::kMxfp8 ? ".weight_scale"
-                                                                          : ".weight_scale_inv";
+  const std::string in_scale =
+      config.quant.method == WeightQuant::kMxfp8 ? ".weight_scale" : ".weight_scale_inv";
   std::vector<OutTensor> plan;
   ConvertReport report;
   std::vector<std::string> ignore;  // modules left unquantized (for the config)
@@ -244,7 +245,8 @@ ConvertReport convert_checkpoint(const ConvertOptions& o) {
     const bool is_linear = !kind.empty() && v.shape.ndim() == 2;
     // A linear the input kept unquantized (modules_to_not_convert) stays so.
     const bool kept_by_input = is_linear && config.quant.quantized() && !stored_f8;
-    const bool whole_blocks = o.format != WeightQuant::kMxfp8 || (is_linear && v.shape[1] % 32 == 0);
+    const bool whole_blocks =
+        o.format != WeightQuant::kMxfp8 || (is_linear && v.shape[1] % 32 == 0);
     OutTensor t;
     t.name = n;
     t.src = n;
@@ -386,9 +388,10 @@ ConvertReport convert_checkpoint(const ConvertOptions& o) {
                                   {"kv_cache_scheme", nullptr},
                                   {"ignore", skip},
                                   {"producer", {{"name", "tandem convert"}}}};
-    Json hf = {{"producer", {{"name", "tandem convert"}}},
-               {"quantization",
-                {{"quant_algo", "MXFP8"}, {"kv_cache_quant_algo", nullptr}, {"exclude_modules", skip}}}};
+    Json hf = {
+        {"producer", {{"name", "tandem convert"}}},
+        {"quantization",
+         {{"quant_algo", "MXFP8"}, {"kv_cache_quant_algo", nullptr}, {"exclude_modules", skip}}}};
     write_text((fs::path(o.out_dir) / "hf_quant_config.json").string(), hf.dump(2) + "\n");
   } else {
     cfg["quantization_config"] = {{"quant_method", "fp8"},

@@ -40,13 +40,12 @@ bool WeightReader::is_quantized(const std::string& name) const {
 
 void WeightReader::read(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
                         IndexRange col_range, float* dst) const {
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    0 <= row_range.begin && row_range.begin <= row_range.end &&
-                        row_range.end <= rows && 0 <= col_range.begin &&
-                        col_range.begin <= col_range.end && col_range.end <= cols,
-                    "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end,
-                    ") x columns [", col_range.begin, ", ", col_range.end, ") outside ",
-                    shape_str(rows, cols));
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
+          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
+      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
+      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
   TensorView src = ckpt_.get(name, {rows, cols});
   if (src.dtype == DType::kF8E4M3) {
     read_fp8(name, src, rows, cols, row_range, col_range, dst);
@@ -74,16 +73,16 @@ void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_
                     " has no quantization_config (its scales cannot be known)");
   const std::string scale_name = quant_.scale_name(name);
   TANDEM_CHECK_KIND(kInvalidArgument, ckpt_.has(scale_name), file, ": tensor '", name,
-                    "' is F8_E4M3 (", weight_quant_name(quant_.method),
-                    ") but its scale tensor '", scale_name, "' is missing from ", ckpt_.dir());
+                    "' is F8_E4M3 (", weight_quant_name(quant_.method), ") but its scale tensor '",
+                    scale_name, "' is missing from ", ckpt_.dir());
   const int64_t br = quant_.block_rows, bc = quant_.block_cols;
   const int64_t srows = (rows + br - 1) / br, scols = (cols + bc - 1) / bc;
   const TensorView sv = ckpt_.get(scale_name);
   const std::string sfile = ckpt_.file_of(scale_name);
   TANDEM_CHECK_KIND(kInvalidArgument, sv.shape == Shape({srows, scols}), sfile, ": scale tensor '",
                     scale_name, "' has shape ", sv.shape.str(), ", expected ",
-                    shape_str(srows, scols), " for '", name, "' of shape ",
-                    shape_str(rows, cols), " in ", br, "x", bc, " blocks");
+                    shape_str(srows, scols), " for '", name, "' of shape ", shape_str(rows, cols),
+                    " in ", br, "x", bc, " blocks");
 
   // The scale rows this range touches, as f32.
   const int64_t s0 = row_range.begin / br;
@@ -101,17 +100,16 @@ void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_
       scale[i] = e8m0_to_f32(codes[i]);
     }
   } else {
-    TANDEM_CHECK_KIND(kInvalidArgument,
-                      sv.dtype == DType::kF32 || sv.dtype == DType::kBF16 ||
-                          sv.dtype == DType::kF16,
-                      sfile, ": scale tensor '", scale_name, "' has dtype ", dtype_name(sv.dtype),
-                      ", expected f32");
+    TANDEM_CHECK_KIND(
+        kInvalidArgument,
+        sv.dtype == DType::kF32 || sv.dtype == DType::kBF16 || sv.dtype == DType::kF16, sfile,
+        ": scale tensor '", scale_name, "' has dtype ", dtype_name(sv.dtype), ", expected f32");
     Checkpoint::to_f32(sv, scale.data(), s0, s1);
     for (size_t i = 0; i < scale.size(); ++i) {
       TANDEM_CHECK_KIND(kInvalidArgument, std::isfinite(scale[i]), sfile, ": scale tensor '",
                         scale_name, "': non-finite scale ", scale[i], " at [",
-                        s0 + static_cast<int64_t>(i) / scols, ", ",
-                        static_cast<int64_t>(i) % scols, "]");
+                        s0 + static_cast<int64_t>(i) / scols, ", ", static_cast<int64_t>(i) % scols,
+                        "]");
     }
   }
 

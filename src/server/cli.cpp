@@ -560,14 +560,14 @@ int run_convert(const ConvertArgs& a) {
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   int last_pct = -1;
   o.progress = [&](int64_t done, int64_t total, uint64_t bytes, uint64_t total_bytes) {
-    const int pct = total_bytes > 0 ? static_cast<int>(100.0 * double(bytes) / double(total_bytes))
-                                    : 100;
+    const int pct =
+        total_bytes > 0 ? static_cast<int>(100.0 * double(bytes) / double(total_bytes)) : 100;
     if (!tty && pct / 10 == last_pct / 10 && done != total) return;  // a line per 10% in logs
     if (tty && pct == last_pct && done != total) return;
     last_pct = pct;
     char line[160];
-    std::snprintf(line, sizeof line, "convert: %3d%% [%-30s] %lld/%lld tensors, %.1f/%.1f MB",
-                  pct, std::string(static_cast<size_t>(pct * 30 / 100), '#').c_str(),
+    std::snprintf(line, sizeof line, "convert: %3d%% [%-30s] %lld/%lld tensors, %.1f/%.1f MB", pct,
+                  std::string(static_cast<size_t>(pct * 30 / 100), '#').c_str(),
                   static_cast<long long>(done), static_cast<long long>(total), double(bytes) / 1e6,
                   double(total_bytes) / 1e6);
     std::cerr << (tty ? "\r" : "") << line << (tty && done != total ? "" : "\n") << std::flush;

@@ -88,8 +88,8 @@ TEST(DType, F8E4M3DecodeAndRounding) {
   EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0x7f)));
   EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0xff)));
   // Midpoints round to the even code; the rest to the nearest, over every magnitude.
-  EXPECT_EQ(f32_to_f8e4m3(1.0625f), 0x38);   // between 1.0 (0x38) and 1.125 (0x39)
-  EXPECT_EQ(f32_to_f8e4m3(1.1875f), 0x3a);   // between 1.125 and 1.25 (0x3a)
+  EXPECT_EQ(f32_to_f8e4m3(1.0625f), 0x38);                // between 1.0 (0x38) and 1.125 (0x39)
+  EXPECT_EQ(f32_to_f8e4m3(1.1875f), 0x3a);                // between 1.125 and 1.25 (0x3a)
   EXPECT_EQ(f32_to_f8e4m3(std::ldexp(1.0f, -10)), 0x00);  // half the smallest subnormal
   EXPECT_EQ(f32_to_f8e4m3(std::ldexp(3.0f, -10)), 0x02);
   EXPECT_EQ(f32_to_f8e4m3(-INFINITY), 0xfe);

@@ -1,7 +1,6 @@
 // The tandem binary end to end: `tandem generate --json` reproduces transformers on every
 // golden fixture, and bad input gives a clear error and exit code 1, never a crash.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <array>

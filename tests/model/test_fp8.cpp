@@ -92,7 +92,8 @@ void write_st(const std::string& path, const std::vector<Entry>& entries) {
   Json h = Json::object();
   uint64_t off = 0;
   for (const Entry& e : entries) {
-    h[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {off, off + e.bytes.size()}}};
+    h[e.name] = {
+        {"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {off, off + e.bytes.size()}}};
     off += e.bytes.size();
   }
   std::string hs = h.dump();
@@ -262,8 +263,10 @@ Synthetic synthetic(int64_t rows, int64_t cols, uint32_t seed) {
     s.codes.push_back(c);
   }
   std::uniform_real_distribution<float> u(1e-3f, 2.f);
-  for (int64_t i = 0; i < ((rows + 127) / 128) * ((cols + 127) / 128); ++i) s.scale_inv.push_back(u(rng));
-  for (int64_t i = 0; i < rows * ((cols + 31) / 32); ++i) s.e8m0.push_back(static_cast<uint8_t>(110 + rng() % 30));
+  for (int64_t i = 0; i < ((rows + 127) / 128) * ((cols + 127) / 128); ++i)
+    s.scale_inv.push_back(u(rng));
+  for (int64_t i = 0; i < rows * ((cols + 31) / 32); ++i)
+    s.e8m0.push_back(static_cast<uint8_t>(110 + rng() % 30));
   return s;
 }
 
@@ -300,8 +303,8 @@ TEST(WeightReader, AnyRangeTakesEachElementsOwnBlockScale) {
     };
     // Narrower than a block, straddling blocks, the partial edge, empty, the whole tensor.
     const std::vector<std::pair<IndexRange, IndexRange>> ranges = {
-        {{0, 64}, {0, 300}},   {{64, 192}, {100, 260}}, {{127, 129}, {127, 129}},
-        {{150, 200}, {256, 300}}, {{10, 10}, {0, 300}},  {{0, 200}, {0, 300}},
+        {{0, 64}, {0, 300}},      {{64, 192}, {100, 260}}, {{127, 129}, {127, 129}},
+        {{150, 200}, {256, 300}}, {{10, 10}, {0, 300}},    {{0, 200}, {0, 300}},
         {{5, 6}, {290, 300}}};
     for (const auto& [r, c] : ranges) {
       std::vector<float> out(static_cast<size_t>(r.size() * c.size()), NAN);
@@ -413,7 +416,10 @@ TEST(Fp8Config, UnknownFormatsAreRefusedNamingTheField) {
   auto bad = [&](const std::function<void(Json&)>& edit, const std::string& msg) {
     expect_error([&] { parse_with(edit); }, {"m/config.json: ", msg});
   };
-  bad([](Json& j) { j["quantization_config"]["weight_block_size"] = {64, 64}; },
+  bad(
+      [](Json& j) {
+        j["quantization_config"]["weight_block_size"] = {64, 64};
+      },
       "field 'quantization_config.weight_block_size': unsupported block size [64, 64] "
       "(supported: [128, 128])");
   bad([](Json& j) { j["quantization_config"]["weight_block_size"] = {128}; },
@@ -432,18 +438,23 @@ TEST(Fp8Config, UnknownFormatsAreRefusedNamingTheField) {
       "missing field 'quantization_config.quant_method'");
   bad([](Json& j) { j["quantization_config"]["modules_to_not_convert"] = "lm_head"; },
       "field 'quantization_config.modules_to_not_convert': expected a list of strings");
-  bad([](Json& j) { j["quantization_config"] = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}}; },
+  bad(
+      [](Json& j) {
+        j["quantization_config"] = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}};
+      },
       "field 'quantization_config.quant_algo': unsupported ModelOpt quant_algo 'NVFP4'");
-  bad([](Json& j) {
+  bad(
+      [](Json& j) {
         j["quantization_config"] = {{"quant_method", "modelopt"},
                                     {"quantization", {{"quant_algo", "FP8"}}}};
       },
       "field 'quantization_config.quantization.quant_algo': unsupported ModelOpt quant_algo 'FP8'");
   // The accepted spellings of MXFP8.
-  for (const Json& q : {Json{{"quant_method", "modelopt"}, {"quant_algo", "MXFP8"}, {"ignore", {"lm_head"}}},
-                        Json{{"quant_method", "modelopt"},
-                             {"quantization", {{"quant_algo", "mxfp8"}, {"exclude_modules", {"lm_head"}}}}},
-                        Json{{"quant_method", "mxfp8"}, {"ignored_layers", {"lm_head"}}}}) {
+  for (const Json& q :
+       {Json{{"quant_method", "modelopt"}, {"quant_algo", "MXFP8"}, {"ignore", {"lm_head"}}},
+        Json{{"quant_method", "modelopt"},
+             {"quantization", {{"quant_algo", "mxfp8"}, {"exclude_modules", {"lm_head"}}}}},
+        Json{{"quant_method", "mxfp8"}, {"ignored_layers", {"lm_head"}}}}) {
     ModelConfig c = parse_with([&](Json& j) { j["quantization_config"] = q; });
     EXPECT_EQ(c.quant.method, WeightQuant::kMxfp8) << q.dump();
     EXPECT_EQ(c.quant.block_rows, 1);
@@ -466,14 +477,14 @@ TEST(Fp8Config, UnknownFormatsAreRefusedNamingTheField) {
 // ---- Quantizers. ----
 
 TEST(Quantize, Mxfp8ScaleIsTheSmallestPowerOfTwoThatFits) {
-  EXPECT_EQ(mxfp8_scale_code(448.f), 127);           // fits exactly at scale 1
-  EXPECT_EQ(mxfp8_scale_code(448.0001f), 128);       // just over: scale 2
-  EXPECT_EQ(mxfp8_scale_code(224.f), 126);           // 224 * 2 = 448 at scale 1/2
+  EXPECT_EQ(mxfp8_scale_code(448.f), 127);      // fits exactly at scale 1
+  EXPECT_EQ(mxfp8_scale_code(448.0001f), 128);  // just over: scale 2
+  EXPECT_EQ(mxfp8_scale_code(224.f), 126);      // 224 * 2 = 448 at scale 1/2
   EXPECT_EQ(mxfp8_scale_code(224.0001f), 127);
-  EXPECT_EQ(mxfp8_scale_code(1.f), 127 - 8);          // 1 / 2^-8 = 256 <= 448 < 512
+  EXPECT_EQ(mxfp8_scale_code(1.f), 127 - 8);  // 1 / 2^-8 = 256 <= 448 < 512
   EXPECT_EQ(mxfp8_scale_code(0.f), 127);
-  EXPECT_EQ(mxfp8_scale_code(1e-40f), 0);             // clamped to 2^-127
-  EXPECT_EQ(mxfp8_scale_code(3e38f), 127 + 120);      // 448 * 2^120 >= 3e38 > 448 * 2^119
+  EXPECT_EQ(mxfp8_scale_code(1e-40f), 0);         // clamped to 2^-127
+  EXPECT_EQ(mxfp8_scale_code(3e38f), 127 + 120);  // 448 * 2^120 >= 3e38 > 448 * 2^119
   std::mt19937 rng(9);
   std::uniform_real_distribution<float> mant(0.5f, 1.f);
   std::uniform_int_distribution<int> expo(-60, 60);
@@ -490,7 +501,8 @@ TEST(Quantize, RoundTripWithinE4M3Bound) {
   std::mt19937 rng(4);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> w(static_cast<size_t>(rows * cols));
-  for (size_t i = 0; i < w.size(); ++i) w[i] = nd(rng) * std::ldexp(1.f, static_cast<int>(i % 7) - 3);
+  for (size_t i = 0; i < w.size(); ++i)
+    w[i] = nd(rng) * std::ldexp(1.f, static_cast<int>(i % 7) - 3);
   w[5] = 0.f;
   // MXFP8.
   std::vector<uint8_t> q(w.size()), e(static_cast<size_t>(rows * 7));
