@@ -85,8 +85,8 @@ void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_
                     " in ", br, "x", bc, " blocks");
 
   // The scale rows this range touches, as f32.
-  const int64_t s0 = row_range.begin / br;
-  const int64_t s1 = row_range.size() == 0 ? s0 : (row_range.end + br - 1) / br;
+  const IndexRange sr = block_range(row_range, br);
+  const int64_t s0 = sr.begin, s1 = sr.end;
   std::vector<float> scale(static_cast<size_t>((s1 - s0) * scols));
   if (quant_.method == WeightQuant::kMxfp8) {
     TANDEM_CHECK_KIND(kInvalidArgument, sv.dtype == DType::kE8M0, sfile, ": scale tensor '",

@@ -462,6 +462,17 @@ TEST(ShardPlan, RangesAndKvOwners) {
   EXPECT_TRUE(d.sends_kv());
 }
 
+TEST(ShardPlan, ScaleBlocksOfAShard) {
+  // A 64-row KV head of a 128-row block, one straddling two, whole blocks, empty.
+  EXPECT_EQ(block_range({64, 128}, 128), (IndexRange{0, 1}));
+  EXPECT_EQ(block_range({0, 64}, 128), (IndexRange{0, 1}));
+  EXPECT_EQ(block_range({100, 200}, 128), (IndexRange{0, 2}));
+  EXPECT_EQ(block_range({256, 512}, 128), (IndexRange{2, 4}));
+  EXPECT_EQ(block_range({300, 300}, 128), (IndexRange{2, 2}));
+  EXPECT_EQ(block_range({5, 37}, 32), (IndexRange{0, 2}));
+  EXPECT_THROW(block_range({5, 3}, 32), Error);
+}
+
 TEST(ShardPlan, ClearErrorsWhenTheModelDoesNotSplit) {
   auto message = [](const ModelConfig& c, const ShardSpec& s) {
     try {
