@@ -3,7 +3,9 @@
 // and to MXFP8 from that block FP8; teacher-forced over the source model's own greedy text
 // (from the prompts of its golden.json, or --prompt-ids), every position's top-1 agreement
 // with the source and the mean / max KL(P_source || P_quantized) in nats.
-//   build/bench_quant_accuracy [--model DIR] [--gen N] [--also DIR ...]
+// With --text FILE, also every checkpoint's perplexity on that text (tokenized with the
+// source's tokenizer, windows of 256 tokens, every token but each window's first predicted).
+//   build/bench_quant_accuracy [--model DIR] [--gen N] [--also DIR ...] [--text FILE]
 // A source that is itself quantized (a block-FP8 fixture) skips the block-FP8 row.
 #include <unistd.h>
 
@@ -14,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -22,6 +25,7 @@
 #include "core/error.h"
 #include "model/convert.h"
 #include "model/qwen3_moe.h"
+#include "server/tokenizer/tokenizer.h"
 
 #ifndef TANDEM_DEMO_MODEL_DIR
 #define TANDEM_DEMO_MODEL_DIR "models/demo"
@@ -93,6 +97,18 @@ std::vector<double> log_softmax(const float* x, int64_t v) {
   return out;
 }
 
+// Sum of -log p(token t | tokens < t) over a window, and the number of tokens predicted.
+std::pair<double, int64_t> window_nll(Model& m, const std::vector<int32_t>& w) {
+  const int64_t v = m.config().vocab_size;
+  std::vector<float> lg = all_logits(m, w);
+  double nll = 0;
+  for (size_t t = 1; t < w.size(); ++t) {
+    std::vector<double> lp = log_softmax(lg.data() + static_cast<int64_t>(t - 1) * v, v);
+    nll -= lp[static_cast<size_t>(w[t])];
+  }
+  return {nll, static_cast<int64_t>(w.size()) - 1};
+}
+
 struct Accuracy {
   int64_t positions = 0, agree = 0;
   double kl_sum = 0, kl_max = 0;
@@ -122,16 +138,20 @@ int main(int argc, char** argv) {
   std::string model = TANDEM_DEMO_MODEL_DIR;
   int gen = 200;
   std::vector<std::string> also;
+  std::string text_file;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--model" && i + 1 < argc) {
       model = argv[++i];
     } else if (a == "--gen" && i + 1 < argc) {
       gen = std::atoi(argv[++i]);
+    } else if (a == "--text" && i + 1 < argc) {
+      text_file = argv[++i];
     } else if (a == "--also" && i + 1 < argc) {
       also.push_back(argv[++i]);
     } else {
-      std::cerr << "usage: bench_quant_accuracy [--model DIR] [--gen N] [--also DIR ...]\n";
+      std::cerr
+          << "usage: bench_quant_accuracy [--model DIR] [--gen N] [--also DIR ...] [--text FILE]\n";
       return 2;
     }
   }
@@ -182,16 +202,47 @@ int main(int argc, char** argv) {
     }
     std::printf("\nsource %s (%s), %zu sequences, %d generated tokens each, teacher-forced\n",
                 model.c_str(), src_label.c_str(), texts.size(), gen);
-    std::printf("| checkpoint | positions | top-1 agreement | mean KL (nats) | max KL |\n");
-    std::printf("| --- | --- | --- | --- | --- |\n");
+    // Held-out text in windows of 256 tokens.
+    std::vector<std::vector<int32_t>> windows;
+    if (!text_file.empty()) {
+      std::ifstream tin(text_file, std::ios::binary);
+      TANDEM_CHECK_KIND(kNotFound, tin.good(), text_file, ": cannot open");
+      const std::string text((std::istreambuf_iterator<char>(tin)),
+                             std::istreambuf_iterator<char>());
+      const std::vector<int32_t> ids = Tokenizer::from_dir(model)->encode(text, false);
+      for (size_t b = 0; b + 1 < ids.size(); b += 256) {
+        windows.emplace_back(ids.begin() + static_cast<int64_t>(b),
+                             ids.begin() + static_cast<int64_t>(std::min(ids.size(), b + 256)));
+      }
+      std::printf("held-out text %s: %zu tokens in %zu windows\n", text_file.c_str(), ids.size(),
+                  windows.size());
+    }
+    auto perplexity = [&](Model& m) {
+      double nll = 0;
+      int64_t n = 0;
+      for (const auto& w : windows) {
+        auto [a, b] = window_nll(m, w);
+        nll += a;
+        n += b;
+      }
+      return n > 0 ? std::exp(nll / double(n)) : 0.0;
+    };
+    std::printf("| checkpoint | positions | top-1 agreement | mean KL (nats) | max KL |%s\n",
+                windows.empty() ? "" : " perplexity |");
+    std::printf("| --- | --- | --- | --- | --- |%s\n", windows.empty() ? "" : " --- |");
+    if (!windows.empty()) {
+      std::printf("| %s (source) | | 1 | 0 | 0 | %.3f |\n", src_label.c_str(), perplexity(*ref));
+    }
     for (const auto& [label, dir] : variants) {
       auto q = Qwen3MoeCpu::load(dir);
       Accuracy a;
       for (size_t i = 0; i < texts.size(); ++i)
         compare(ref_logits[i], all_logits(*q, texts[i]), v, a);
-      std::printf("| %s | %lld | %.4f | %.3e | %.3e |\n", label.c_str(),
+      std::printf("| %s | %lld | %.4f | %.3e | %.3e |", label.c_str(),
                   static_cast<long long>(a.positions), double(a.agree) / double(a.positions),
                   a.kl_sum / double(a.positions), a.kl_max);
+      if (!windows.empty()) std::printf(" %.3f |", perplexity(*q));
+      std::printf("\n");
     }
     fs::remove_all(tmp);
   } catch (const Error& e) {
