@@ -20,7 +20,7 @@
 #                      model (TANDEM_TEST_DEVICE=cuda)
 #   openai_client      the official openai client against `tandem serve --device cuda`
 #   memcheck_model     compute-sanitizer memcheck over one fixture's model tests
-#   bench_moe_layer, moe_torch, bench_attention, bench_sampling, bench_model_cuda
+#   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_sampling, bench_model_cuda
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
 PACK=$(cd "$PACK" && pwd)
@@ -128,6 +128,7 @@ export TANDEM_BENCH_CSV="$LOG/bench_attention.csv"
 step bench_attention 120 "$BIN/bench_attention" ${TANDEM_BENCH_ARGS:-}
 export TANDEM_BENCH_CSV="$LOG/bench_gemv.csv"
 step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
+[ -x "$BIN/bench_fp8_gemm" ] && step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
 step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
 export TANDEM_BENCH_CSV="$LOG/bench_model_cuda.csv"
@@ -155,7 +156,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_sampling; do
+for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_sampling; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

@@ -13,6 +13,7 @@
 # Steps: 1. test_backend_cuda: every kernel vs the CPU reference (fresh random inputs, poisoned
 # outputs, bf16 1e-2 / fp32 1e-5 relative, integer outputs exact); 2. bench_ops_cuda: per-kernel
 # time beside the measured copy-bandwidth / GEMM-rate bound at 1, 32, 128, 8192 tokens;
+# 2b. bench_fp8_gemm (when present): block-scaled FP8 GEMM vs bf16 on Qwen3-30B-A3B shapes;
 # 3. the tests again under compute-sanitizer memcheck (out-of-bounds / misaligned accesses),
 # time-limited: a timeout there is reported, not counted as a failure.
 set -uo pipefail
@@ -78,6 +79,16 @@ if [ $rc -ne 0 ]; then
   status=1
 fi
 
+# 2b. Block-scaled FP8 GEMM beside the bf16 one (when the binary was packed).
+if [ -x "$BIN/bench_fp8_gemm" ]; then
+  step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
+  if [ "${RC[bench_fp8_gemm]}" -ne 0 ]; then
+    echo "!! bench_fp8_gemm exited with ${RC[bench_fp8_gemm]} (124: timed out); last lines:"
+    tail -5 "$LOG/bench_fp8_gemm.log"
+    status=1
+  fi
+fi
+
 # 3. Memory checker (Firecracker machines run it; seen working 2026-11-04).
 if command -v compute-sanitizer > /dev/null; then
   step memcheck 100 compute-sanitizer --tool memcheck --error-exitcode 99 \
@@ -100,6 +111,7 @@ echo
 echo "== summary: test_backend_cuda rc=${RC[test_backend_cuda]} bench rc=${RC[bench_ops_cuda]}" \
      "memcheck rc=${RC[memcheck]} (logs in $LOG)"
 grep -hE '^\[  (PASSED|FAILED) ' "$LOG/test_backend_cuda.log" 2>/dev/null
+[ -f "$LOG/bench_fp8_gemm.log" ] && { echo "== bench_fp8_gemm"; cat "$LOG/bench_fp8_gemm.log"; }
 # The benchmark's table, last.
 sed -n '/^== ceilings/p;/^== table/,$p' "$LOG/bench_ops_cuda.log"
 exit $status

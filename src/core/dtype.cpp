@@ -1,5 +1,6 @@
 #include "core/dtype.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -74,20 +75,22 @@ float f8e4m3_to_f32(uint8_t v) {
 
 uint8_t f32_to_f8e4m3(float f) {
   if (std::isnan(f)) return 0x7f;
-  uint8_t sign = std::signbit(f) ? 0x80 : 0;
-  float a = std::fabs(f);
-  if (a >= 448.0f) return sign | 0x7e;
-  // Brute force over the 127 finite magnitudes: exact round-to-nearest-even.
-  uint8_t best = 0;
-  float best_err = a;
-  for (uint8_t c = 1; c <= 0x7e; ++c) {
-    float err = std::fabs(f8e4m3_to_f32(c) - a);
-    if (err < best_err || (err == best_err && (c & 1) == 0 && (best & 1) == 1)) {
-      best = c;
-      best_err = err;
-    }
+  const uint32_t u = f32_bits(f);
+  const auto sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x43e00000u) return sign | 0x7e;  // |f| >= 448 (and inf): saturate
+  if (a < 0x3c800000u) {
+    // Below 2^-6, E4M3's smallest normal: subnormals m * 2^-9. Scaling by 2^9 is exact and
+    // nearbyint rounds to nearest even (default mode); m == 8 is the smallest normal, 0x08.
+    const auto m = static_cast<uint32_t>(std::nearbyint(f32_from_bits(a) * 512.0f));
+    return static_cast<uint8_t>(sign | m);
   }
-  return sign | best;
+  // Normal: keep 3 of the 23 mantissa bits, rounding to nearest even (a carry into the
+  // exponent is the correct result); rebias 127 -> 7.
+  const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+  const uint32_t e = (r >> 23) - 120u;
+  const uint32_t code = (e << 3) | ((r >> 20) & 7u);
+  return static_cast<uint8_t>(sign | std::min<uint32_t>(code, 0x7eu));
 }
 
 }  // namespace tandem

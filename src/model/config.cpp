@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -183,7 +184,112 @@ std::optional<double> read_rope_object(const FieldReader& top, const char* field
   return r.get_double("rope_theta", 0.0);
 }
 
+/// A list of strings (modules_to_not_convert, ignore); empty when absent or null.
+std::vector<std::string> read_string_list(const FieldReader& r, const char* field) {
+  std::vector<std::string> out;
+  const Json* v = r.find_non_null(field);
+  if (v == nullptr) return out;
+  if (!v->is_array()) r.type_error(field, *v, "a list of strings");
+  for (const Json& e : *v) {
+    if (!e.is_string()) r.type_error(field, e, "a list of strings");
+    out.push_back(e.get<std::string>());
+  }
+  return out;
+}
+
+std::string upper(std::string s) {
+  for (char& ch : s) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  return s;
+}
+
+/// quantization_config: block-scaled FP8 (Qwen / DeepSeek "fp8") or ModelOpt MXFP8.
+QuantConfig read_quantization_config(const FieldReader& top) {
+  QuantConfig q;
+  const char* field = "quantization_config";
+  const Json* v = top.find_non_null(field);
+  if (v == nullptr) return q;
+  if (!v->is_object()) top.type_error(field, *v, "an object");
+  FieldReader r(*v, top.origin(), std::string(field) + ".");
+  const std::string& origin = top.origin();
+  std::optional<std::string> method = r.get_string("quant_method");
+  TANDEM_CHECK_KIND(kInvalidArgument, method.has_value(), origin, ": missing field '",
+                    r.name("quant_method"), "'");
+  if (*method == "fp8") {
+    const std::string fmt = r.get_string("fmt", /*nullable=*/true).value_or("e4m3");
+    TANDEM_CHECK_KIND(kUnsupported, fmt == "e4m3", origin, ": field '", r.name("fmt"),
+                      "': unsupported FP8 format '", fmt, "' (supported: e4m3)");
+    const std::string act =
+        r.get_string("activation_scheme", /*nullable=*/true).value_or("dynamic");
+    TANDEM_CHECK_KIND(kUnsupported, act == "dynamic", origin, ": field '",
+                      r.name("activation_scheme"), "': unsupported activation scheme '", act,
+                      "' (supported: dynamic)");
+    std::optional<std::vector<int64_t>> block = r.get_int_list("weight_block_size");
+    TANDEM_CHECK_KIND(kUnsupported, block.has_value(), origin, ": missing field '",
+                      r.name("weight_block_size"),
+                      "' (only block-scaled FP8, weight_block_size [128, 128], is supported)");
+    std::string got = "[";
+    for (size_t i = 0; i < block->size(); ++i) {
+      got += (i ? ", " : "") + std::to_string((*block)[i]);
+    }
+    got += "]";
+    TANDEM_CHECK_KIND(kUnsupported, *block == std::vector<int64_t>({128, 128}), origin, ": field '",
+                      r.name("weight_block_size"), "': unsupported block size ", got,
+                      " (supported: [128, 128])");
+    q.method = WeightQuant::kFp8Block;
+    q.block_rows = 128;
+    q.block_cols = 128;
+    q.not_converted = read_string_list(r, "modules_to_not_convert");
+    return q;
+  }
+  if (*method == "modelopt" || *method == "mxfp8") {
+    // ModelOpt in config.json: {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore"};
+    // as hf_quant_config.json nests it: {"quantization": {"quant_algo", "exclude_modules"}};
+    // MiniMax-style {"quant_method": "mxfp8", "ignored_layers"}.
+    std::string algo = "MXFP8";
+    std::string algo_field = r.name("quant_algo");
+    std::vector<std::string> ignore;
+    if (*method == "modelopt") {
+      const Json* nested = r.find_non_null("quantization");
+      if (nested != nullptr) {
+        if (!nested->is_object()) r.type_error("quantization", *nested, "an object");
+        FieldReader n(*nested, origin, r.name("quantization") + ".");
+        algo = n.get_string("quant_algo", /*nullable=*/true).value_or("");
+        algo_field = n.name("quant_algo");
+        ignore = read_string_list(n, "exclude_modules");
+      } else {
+        algo = r.get_string("quant_algo", /*nullable=*/true).value_or("");
+        ignore = read_string_list(r, "ignore");
+      }
+    } else {
+      ignore = read_string_list(r, "ignored_layers");
+    }
+    TANDEM_CHECK_KIND(kUnsupported, upper(algo) == "MXFP8", origin, ": field '", algo_field,
+                      "': unsupported ModelOpt quant_algo '", algo, "' (supported: MXFP8)");
+    q.method = WeightQuant::kMxfp8;
+    q.block_rows = 1;
+    q.block_cols = 32;
+    q.not_converted = std::move(ignore);
+    return q;
+  }
+  TANDEM_THROW(kUnsupported, origin, ": field '", r.name("quant_method"),
+               "': unsupported quantization method '", *method,
+               "' (supported: fp8 with weight_block_size [128, 128], modelopt MXFP8)");
+}
+
 }  // namespace
+
+std::string_view weight_quant_name(WeightQuant q) {
+  switch (q) {
+    case WeightQuant::kNone: return "none";
+    case WeightQuant::kFp8Block: return "fp8 (128x128 blocks)";
+    case WeightQuant::kMxfp8: return "mxfp8";
+  }
+  return "?";
+}
+
+std::string QuantConfig::scale_name(const std::string& weight_name) const {
+  return weight_name + (method == WeightQuant::kMxfp8 ? "_scale" : "_scale_inv");
+}
 
 bool ModelConfig::is_moe_layer(int64_t layer) const {
   // transformers Qwen3MoeDecoderLayer:
@@ -320,6 +426,8 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
   } else if (tdt) {
     c.dtype = dtype_from_torch_name(*tdt, origin, "torch_dtype");
   }
+
+  c.quant = read_quantization_config(r);
 
   // Special tokens.
   if (const Json* bos = r.find_non_null("bos_token_id")) {

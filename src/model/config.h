@@ -3,11 +3,36 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/dtype.h"
 
 namespace tandem {
+
+/// How the checkpoint stores its quantized linear weights (config.json quantization_config).
+/// Only the linears (attention q/k/v/o, MLP and expert gate/up/down) are ever quantized; the
+/// router, norms, embedding and lm_head stay as stored. A linear is quantized exactly when its
+/// `weight` is stored as F8_E4M3 (modules_to_not_convert / ignore keep theirs in bf16).
+enum class WeightQuant : uint8_t {
+  kNone,
+  kFp8Block,  // quant_method "fp8": W = e4m3 * weight_scale_inv (f32) per 128x128 block
+  kMxfp8,     // quant_method "modelopt", quant_algo "MXFP8": W = e4m3 * 2^(e - 127) per 1x32,
+              // weight_scale holding e (E8M0 as U8)
+};
+
+std::string_view weight_quant_name(WeightQuant q);
+
+struct QuantConfig {
+  WeightQuant method = WeightQuant::kNone;
+  int64_t block_rows = 0;                  // output-dim elements per scale (128 block FP8, 1 MXFP8)
+  int64_t block_cols = 0;                  // input-dim elements per scale (128 block FP8, 32 MXFP8)
+  std::vector<std::string> not_converted;  // modules_to_not_convert (fp8) / ignore (modelopt)
+
+  bool quantized() const { return method != WeightQuant::kNone; }
+  /// The scale tensor beside `<module>.weight`: "weight_scale_inv" or "weight_scale".
+  std::string scale_name(const std::string& weight_name) const;
+};
 
 /// Qwen3-MoE hyper-parameters (config.json, model_type "qwen3_moe"). Both spellings are
 /// accepted: the hub one (num_experts, rope_theta, torch_dtype) and the transformers-5 one
@@ -36,6 +61,7 @@ struct ModelConfig {
   DType dtype = DType::kBF16;          // the checkpoint's declared dtype
   std::vector<int64_t> eos_token_ids;  // from generation_config.json, else config.json
   int64_t bos_token_id = -1;
+  QuantConfig quant;  // quantization_config; kNone when absent
 
   /// True when layer `layer` uses the sparse MoE block (Qwen3MoeDecoderLayer rule).
   bool is_moe_layer(int64_t layer) const;

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include "backend/cpu/ops.h"
 #include "comm/communicator.h"
 #include "comm/moe_dispatch.h"
 #include "core/error.h"
+#include "model/quant.h"
 #include "model/safetensors.h"
 
 namespace tandem {
@@ -30,36 +32,30 @@ struct RowSlice {
 };
 
 // Concatenates row slices along the outermost dim (fused QKV, fused gate/up), reading only
-// the rows asked for.
-HostTensor load_rows(const Checkpoint& ckpt, const std::vector<RowSlice>& slices, int64_t cols) {
+// the rows asked for (F8_E4M3 weights dequantized with their scales, model/quant.h).
+HostTensor load_rows(const WeightReader& wr, const std::vector<RowSlice>& slices, int64_t cols) {
   int64_t total = 0;
   for (const auto& s : slices) total += s.range.size();
   HostTensor t(DType::kF32, {total, cols});
   float* dst = t.ptr<float>();
   for (const auto& s : slices) {
-    TensorView src = ckpt.get(s.name, {s.rows, cols});
-    Checkpoint::to_f32(src, dst, s.range.begin, s.range.end);
+    wr.read(s.name, s.rows, cols, s.range, {0, cols}, dst);
     dst += s.range.size() * cols;
   }
   return t;
 }
 
+// A whole [rows, cols] weight.
+HostTensor load_matrix(const WeightReader& wr, const std::string& name, int64_t rows,
+                       int64_t cols) {
+  return load_rows(wr, {{name, rows, {0, rows}}}, cols);
+}
+
 // Columns [range) of a [rows, cols] tensor (row-parallel o_proj), reading only those.
-HostTensor load_cols(const Checkpoint& ckpt, const std::string& name, int64_t rows, int64_t cols,
+HostTensor load_cols(const WeightReader& wr, const std::string& name, int64_t rows, int64_t cols,
                      IndexRange range) {
-  TensorView src = ckpt.get(name, {rows, cols});
-  if (range.begin == 0 && range.end == cols) {
-    HostTensor t(DType::kF32, {rows, cols});
-    Checkpoint::to_f32(src, t.ptr<float>());
-    return t;
-  }
-  TensorView flat = src;  // [rows * cols]: element ranges are row ranges
-  flat.shape = Shape{rows * cols};
-  const int64_t w = range.size();
-  HostTensor t(DType::kF32, {rows, w});
-  for (int64_t i = 0; i < rows; ++i) {
-    Checkpoint::to_f32(flat, t.ptr<float>() + i * w, i * cols + range.begin, i * cols + range.end);
-  }
+  HostTensor t(DType::kF32, {rows, range.size()});
+  wr.read(name, rows, cols, {0, rows}, range, t.ptr<float>());
   return t;
 }
 
@@ -93,7 +89,7 @@ std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Sha
   }
   Checkpoint ckpt(dir);
   std::unique_ptr<Qwen3MoeCpu> model(new Qwen3MoeCpu(std::move(config), plan, comm));
-  model->load_weights(ckpt);
+  model->load_weights(ckpt, (std::filesystem::path(dir) / "config.json").string());
   if (plan.data_parallel() && plan.experts.size() > 0) {
     const auto& c = model->config_;
     model->all_to_all_ = std::make_unique<comm::MoeAllToAll>(*comm, c.num_experts, c.hidden_size,
@@ -102,16 +98,17 @@ std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Sha
   return model;
 }
 
-void Qwen3MoeCpu::load_weights(const Checkpoint& ckpt) {
+void Qwen3MoeCpu::load_weights(const Checkpoint& ckpt, const std::string& config_path) {
   const auto& c = config_;
+  const WeightReader wr(ckpt, c.quant, config_path);
   const int64_t h = c.hidden_size, d = c.head_dim;
   const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
   const IndexRange q_rows{plan_.q_heads.begin * d, plan_.q_heads.end * d};
   const IndexRange kv_rows{plan_.kv_heads.begin * d, plan_.kv_heads.end * d};
-  embed_ = load_f32(ckpt, "model.embed_tokens.weight", {c.vocab_size, h});
+  embed_ = load_matrix(wr, "model.embed_tokens.weight", c.vocab_size, h);
   norm_ = load_f32(ckpt, "model.norm.weight", {h});
   if (!c.tie_word_embeddings) {
-    lm_head_ = load_rows(ckpt, {{"lm_head.weight", c.vocab_size, plan_.vocab}}, h);
+    lm_head_ = load_rows(wr, {{"lm_head.weight", c.vocab_size, plan_.vocab}}, h);
   }
   layers_.resize(static_cast<size_t>(c.num_hidden_layers));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -121,30 +118,30 @@ void Qwen3MoeCpu::load_weights(const Checkpoint& ckpt) {
     layer.post_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {h});
     layer.q_norm = load_f32(ckpt, p + "self_attn.q_norm.weight", {d});
     layer.k_norm = load_f32(ckpt, p + "self_attn.k_norm.weight", {d});
-    layer.qkv = load_rows(ckpt,
+    layer.qkv = load_rows(wr,
                           {{p + "self_attn.q_proj.weight", qh * d, q_rows},
                            {p + "self_attn.k_proj.weight", kvh * d, kv_rows},
                            {p + "self_attn.v_proj.weight", kvh * d, kv_rows}},
                           h);
-    layer.o = load_cols(ckpt, p + "self_attn.o_proj.weight", h, qh * d, q_rows);
+    layer.o = load_cols(wr, p + "self_attn.o_proj.weight", h, qh * d, q_rows);
     layer.moe = c.is_moe_layer(l);
     if (layer.moe) {
       const int64_t inter = c.moe_intermediate_size;
       const IndexRange all{0, inter};
-      layer.router = load_f32(ckpt, p + "mlp.gate.weight", {c.num_experts, h});
+      layer.router = load_matrix(wr, p + "mlp.gate.weight", c.num_experts, h);
       for (int64_t e = plan_.experts.begin; e < plan_.experts.end; ++e) {
         const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
         layer.gate_up.push_back(load_rows(
-            ckpt, {{ep + "gate_proj.weight", inter, all}, {ep + "up_proj.weight", inter, all}}, h));
-        layer.down.push_back(load_f32(ckpt, ep + "down_proj.weight", {h, inter}));
+            wr, {{ep + "gate_proj.weight", inter, all}, {ep + "up_proj.weight", inter, all}}, h));
+        layer.down.push_back(load_matrix(wr, ep + "down_proj.weight", h, inter));
       }
     } else {
       const int64_t inter = c.intermediate_size;
       const IndexRange all{0, inter};
       layer.gate_up.push_back(load_rows(
-          ckpt, {{p + "mlp.gate_proj.weight", inter, all}, {p + "mlp.up_proj.weight", inter, all}},
+          wr, {{p + "mlp.gate_proj.weight", inter, all}, {p + "mlp.up_proj.weight", inter, all}},
           h));
-      layer.down.push_back(load_f32(ckpt, p + "mlp.down_proj.weight", {h, inter}));
+      layer.down.push_back(load_matrix(wr, p + "mlp.down_proj.weight", h, inter));
     }
     for (auto& t : layer.gate_up) layer.gate_up_ptrs.push_back(t.ptr<float>());
     for (auto& t : layer.down) layer.down_ptrs.push_back(t.ptr<float>());

@@ -91,7 +91,7 @@ class Qwen3MoeCpu final : public Model {
   };
 
   Qwen3MoeCpu(ModelConfig config, ShardPlan plan, comm::Communicator* comm);
-  void load_weights(const Checkpoint& ckpt);
+  void load_weights(const Checkpoint& ckpt, const std::string& config_path);
   // y = this rank's part of the MoE block for the n rows of xn; sums over ranks included.
   void moe_block(const Layer& layer, const float* xn, const int32_t* topk_ids, const float* topk_w,
                  int64_t n, float* y);

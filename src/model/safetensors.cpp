@@ -262,6 +262,13 @@ TensorView Checkpoint::get(const std::string& name, const Shape& expected) const
   return v;
 }
 
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  out.reserve(index_.size());
+  for (const auto& [name, pos] : index_) out.push_back(name);
+  return out;
+}
+
 std::string Checkpoint::file_of(const std::string& name) const {
   auto it = index_.find(name);
   TANDEM_CHECK_KIND(kNotFound, it != index_.end(), dir_, ": tensor '", name,
@@ -305,6 +312,10 @@ void Checkpoint::to_f32(const TensorView& src, float* dst, int64_t row_begin, in
       }
       return;
     }
+    case DType::kF8E4M3:
+      TANDEM_THROW(kUnsupported,
+                   "to_f32: an F8_E4M3 tensor holds quantized values: read it with its scales "
+                   "(model/quant.h WeightReader)");
     default:
       TANDEM_THROW(kUnsupported, "to_f32: unsupported dtype ", dtype_name(src.dtype),
                    " (bf16, f16, f32 only)");

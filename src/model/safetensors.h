@@ -47,6 +47,8 @@ class Checkpoint {
   TensorView get(const std::string& name) const;
   /// get() plus a shape check; the error names the file, the tensor, both shapes.
   TensorView get(const std::string& name, const Shape& expected) const;
+  /// Every tensor name, sorted.
+  std::vector<std::string> names() const;
   /// The file a tensor lives in (for error messages).
   std::string file_of(const std::string& name) const;
 

@@ -69,6 +69,13 @@ ShardPlan ShardPlan::make(const ModelConfig& c, const ShardSpec& spec) {
   return p;
 }
 
+IndexRange block_range(IndexRange r, int64_t block) {
+  TANDEM_CHECK(block > 0 && r.begin >= 0 && r.begin <= r.end, "block_range: bad range [", r.begin,
+               ", ", r.end, ") or block ", block);
+  const int64_t b = r.begin / block;
+  return r.size() == 0 ? IndexRange{b, b} : IndexRange{b, (r.end + block - 1) / block};
+}
+
 int ShardPlan::kv_head_owner(int64_t head) const {
   if (spec.mode != ShardMode::kPrefillTpEp) return spec.rank;
   const int64_t t = spec.size;

@@ -42,6 +42,12 @@ struct IndexRange {
   bool operator==(const IndexRange&) const = default;
 };
 
+/// The blocks of `block` elements that elements `r` touch: [r.begin / block, ceil(r.end /
+/// block)), empty for an empty range. A quantized weight's shard takes these scale rows /
+/// columns with its own rows / columns, so a shard narrower than a block (or straddling two)
+/// carries the scales of every element it holds; neighbouring shards may share a block.
+IndexRange block_range(IndexRange r, int64_t block);
+
 /// What one rank holds, derived from the config and the spec, validated once.
 struct ShardPlan {
   ShardSpec spec;

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,7 @@
 #include "engine/decode_instance.h"
 #include "engine/engine.h"
 #include "engine/prefill_instance.h"
+#include "model/convert.h"
 #include "model/qwen3_moe.h"
 #ifdef TANDEM_WITH_CUDA
 #include "core/cuda_check.h"
@@ -597,6 +599,42 @@ int run_router(const RouterArgs& a) {
 
 }  // namespace
 
+struct ConvertArgs {
+  std::string model;
+  std::string out;
+  std::string format;
+  double shard_gb = 4.0;
+};
+
+// tandem convert: a progress line on stderr, the per-kind error table on stdout.
+int run_convert(const ConvertArgs& a) {
+  ConvertOptions o;
+  o.in_dir = a.model;
+  o.out_dir = a.out;
+  TANDEM_CHECK_KIND(kInvalidArgument, a.format == "mxfp8" || a.format == "fp8",
+                    "--format must be mxfp8 or fp8 (128x128 blocks), not '", a.format, "'");
+  o.format = a.format == "mxfp8" ? WeightQuant::kMxfp8 : WeightQuant::kFp8Block;
+  o.shard_bytes = static_cast<uint64_t>(a.shard_gb * double(1ull << 30));
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  int last_pct = -1;
+  o.progress = [&](int64_t done, int64_t total, uint64_t bytes, uint64_t total_bytes) {
+    const int pct =
+        total_bytes > 0 ? static_cast<int>(100.0 * double(bytes) / double(total_bytes)) : 100;
+    if (!tty && pct / 10 == last_pct / 10 && done != total) return;  // a line per 10% in logs
+    if (tty && pct == last_pct && done != total) return;
+    last_pct = pct;
+    char line[160];
+    std::snprintf(line, sizeof line, "convert: %3d%% [%-30s] %lld/%lld tensors, %.1f/%.1f MB", pct,
+                  std::string(static_cast<size_t>(pct * 30 / 100), '#').c_str(),
+                  static_cast<long long>(done), static_cast<long long>(total), double(bytes) / 1e6,
+                  double(total_bytes) / 1e6);
+    std::cerr << (tty ? "\r" : "") << line << (tty && done != total ? "" : "\n") << std::flush;
+  };
+  ConvertReport r = convert_checkpoint(o);
+  std::cout << "wrote " << a.out << " (" << a.format << ")\n" << format_report(r);
+  return 0;
+}
+
 int cli_main(int argc, char** argv) {
   CLI::App app{"Tandem: a disaggregated MoE inference server"};
   app.require_subcommand(1);
@@ -667,6 +705,15 @@ int cli_main(int argc, char** argv) {
   pl->add_option("--dp", plan_in.decode_dp, "Ranks per decode instance");
   pl->add_option("--max-decode-batch", plan_in.max_decode_batch, "Per-rank batch threshold");
   pl->add_option("--utilisation", plan_in.target_utilisation, "Planned fraction of capacity");
+
+  ConvertArgs conv;
+  auto* cv = app.add_subcommand(
+      "convert", "Quantize a checkpoint's linear weights statically (MXFP8 or 128x128 block FP8)");
+  cv->add_option("--model", conv.model, "Input checkpoint (bf16, block FP8 or MXFP8)")->required();
+  cv->add_option("--out", conv.out, "Output directory (new or empty)")->required();
+  cv->add_option("--format", conv.format, "mxfp8 or fp8")->required();
+  cv->add_option("--shard-gb", conv.shard_gb, "Safetensors file size limit")
+      ->check(CLI::PositiveNumber);
 
   InstanceArgs pre, dec;
   auto* pf = app.add_subcommand("prefill", "Run a prefill instance (TP=EP ranks), for a router");
@@ -751,6 +798,7 @@ int cli_main(int argc, char** argv) {
     if (pf->parsed()) return run_prefill(pre);
     if (dc->parsed()) return run_decode(dec);
     if (ro->parsed()) return run_router(rt);
+    if (cv->parsed()) return run_convert(conv);
     if (pl->parsed()) {
       PlannerOutput out = plan_replicas(plan_in);
       nlohmann::json j = {{"prefill_instances", out.prefill_instances},

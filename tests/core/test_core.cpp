@@ -59,6 +59,68 @@ TEST(DType, F8E4M3RoundTrip) {
   EXPECT_EQ(f8e4m3_to_f32(f32_to_f8e4m3(1000.f)), 448.f);
 }
 
+// Exhaustive reference: the nearest of the 127 finite magnitudes, ties to the even code.
+uint8_t f8e4m3_nearest(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  if (a >= 448.0f) return sign | 0x7e;
+  uint8_t best = 0;
+  float best_err = a;
+  for (uint8_t c = 1; c <= 0x7e; ++c) {
+    const float err = std::fabs(f8e4m3_to_f32(c) - a);
+    if (err < best_err || (err == best_err && (c & 1) == 0 && (best & 1) == 1)) {
+      best = c;
+      best_err = err;
+    }
+  }
+  return sign | best;
+}
+
+TEST(DType, F8E4M3DecodeAndRounding) {
+  EXPECT_EQ(f8e4m3_to_f32(0x38), 1.0f);
+  EXPECT_EQ(f8e4m3_to_f32(0x7e), 448.0f);
+  EXPECT_EQ(f8e4m3_to_f32(0xfe), -448.0f);
+  EXPECT_EQ(f8e4m3_to_f32(0x08), std::ldexp(1.0f, -6));  // smallest normal
+  EXPECT_EQ(f8e4m3_to_f32(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(f8e4m3_to_f32(0x07), 7 * std::ldexp(1.0f, -9));
+  EXPECT_EQ(f8e4m3_to_f32(0x39), 1.125f);
+  EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0x7f)));
+  EXPECT_TRUE(std::isnan(f8e4m3_to_f32(0xff)));
+  // Midpoints round to the even code; the rest to the nearest, over every magnitude.
+  EXPECT_EQ(f32_to_f8e4m3(1.0625f), 0x38);                // between 1.0 (0x38) and 1.125 (0x39)
+  EXPECT_EQ(f32_to_f8e4m3(1.1875f), 0x3a);                // between 1.125 and 1.25 (0x3a)
+  EXPECT_EQ(f32_to_f8e4m3(std::ldexp(1.0f, -10)), 0x00);  // half the smallest subnormal
+  EXPECT_EQ(f32_to_f8e4m3(std::ldexp(3.0f, -10)), 0x02);
+  EXPECT_EQ(f32_to_f8e4m3(-INFINITY), 0xfe);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> mant(-1.f, 1.f);
+  std::uniform_int_distribution<int> expo(-14, 10);
+  for (int i = 0; i < 200000; ++i) {
+    const float x = std::ldexp(mant(rng), expo(rng));
+    ASSERT_EQ(f32_to_f8e4m3(x), f8e4m3_nearest(x)) << x;
+  }
+  for (uint32_t c = 0; c < 0x7f; ++c) {  // every midpoint between neighbouring codes
+    const float lo = f8e4m3_to_f32(static_cast<uint8_t>(c));
+    const float hi = f8e4m3_to_f32(static_cast<uint8_t>(c + 1));
+    const float mid = 0.5f * (lo + hi);
+    ASSERT_EQ(f32_to_f8e4m3(mid), f8e4m3_nearest(mid)) << c;
+    ASSERT_EQ(f32_to_f8e4m3(-mid), f8e4m3_nearest(-mid)) << c;
+  }
+}
+
+TEST(DType, E8M0Decode) {
+  EXPECT_EQ(e8m0_to_f32(127), 1.0f);
+  EXPECT_EQ(e8m0_to_f32(130), 8.0f);
+  EXPECT_EQ(e8m0_to_f32(1), std::ldexp(1.0f, -126));
+  EXPECT_EQ(e8m0_to_f32(0), std::ldexp(1.0f, -127));
+  EXPECT_EQ(e8m0_to_f32(254), std::ldexp(1.0f, 127));
+  EXPECT_TRUE(std::isnan(e8m0_to_f32(255)));
+  EXPECT_EQ(dtype_from_safetensors("F8_E4M3"), DType::kF8E4M3);
+  EXPECT_EQ(dtype_from_safetensors("F8_E8M0"), DType::kE8M0);
+  EXPECT_EQ(dtype_size(DType::kF8E4M3), 1u);
+}
+
 TEST(Tensor, ShapeAndExpect) {
   HostTensor t(DType::kBF16, {2, 3, 4});
   EXPECT_EQ(t.numel(), 24);

@@ -176,5 +176,34 @@ TEST(Cli, RelocatableInstallFindsTheDemoModel) {
   fs::remove_all(moved);
 }
 
+// tandem convert: the block-FP8 fixture to MXFP8 (progress line, error table), which
+// `tandem generate` then serves; bad arguments exit 1 with a message.
+TEST(Cli, ConvertToMxfp8ThenGenerate) {
+  namespace fs = std::filesystem;
+  const std::string src = testing::source_dir() + "/tests/data/fixtures_fp8/hub_fp8_block128";
+  const fs::path out = fs::temp_directory_path() / ("tandem_cli_mxfp8_" + std::to_string(getpid()));
+  fs::remove_all(out);
+  CmdResult r = run("convert --format mxfp8 --model " + src + " --out " + out.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("100%"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("experts.down_proj"), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(out / "hf_quant_config.json"));
+  auto g = testing::load_golden(src);
+  r = run("generate --model " + out.string() + " --prompt-ids " + join(g.cases[1].prompt_ids) +
+          " --max-tokens 5 --temperature 0 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("ids").size(), 5u);
+  r = run("convert --format mxfp8 --model " + src + " --out " + out.string());
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("not empty"), std::string::npos) << r.out;
+  r = run("convert --format int4 --model " + src + " --out " + out.string() + "_x");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--format must be mxfp8 or fp8"), std::string::npos) << r.out;
+  r = run("convert --format fp8 --model /nonexistent/dir --out " + out.string() + "_y");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("/nonexistent/dir"), std::string::npos) << r.out;
+  fs::remove_all(out);
+}
+
 }  // namespace
 }  // namespace tandem

@@ -336,6 +336,22 @@ std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, ShardedGolden, ::testing::ValuesIn(testing::golden_dirs()),
                          param_name);
 
+// Block-FP8 checkpoints (tools/make_fp8_fixtures.py): TP=2 splits a 128-row KV scale block
+// between the ranks, TP=4 gives each rank 64 query rows of a block and replicated 64-row KV heads;
+// the weights and their scale blocks are split together.
+std::vector<std::string> fp8_golden_dirs() {
+  std::vector<std::string> dirs;
+  for (const auto& e :
+       std::filesystem::directory_iterator(testing::source_dir() + "/tests/data/fixtures_fp8")) {
+    if (std::filesystem::exists(e.path() / "golden.json")) dirs.push_back(e.path().string());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8Fixtures, ShardedGolden, ::testing::ValuesIn(fp8_golden_dirs()),
+                         param_name);
+
 // ---- Over Gloo (ranks as threads, loopback TCP). ----
 
 void run_gloo_group(int world, const std::function<void(Communicator&)>& body) {
@@ -444,6 +460,17 @@ TEST(ShardPlan, RangesAndKvOwners) {
   EXPECT_EQ(d.experts, (IndexRange{12, 16}));
   EXPECT_EQ(d.vocab, (IndexRange{0, 250}));
   EXPECT_TRUE(d.sends_kv());
+}
+
+TEST(ShardPlan, ScaleBlocksOfAShard) {
+  // A 64-row KV head of a 128-row block, one straddling two, whole blocks, empty.
+  EXPECT_EQ(block_range({64, 128}, 128), (IndexRange{0, 1}));
+  EXPECT_EQ(block_range({0, 64}, 128), (IndexRange{0, 1}));
+  EXPECT_EQ(block_range({100, 200}, 128), (IndexRange{0, 2}));
+  EXPECT_EQ(block_range({256, 512}, 128), (IndexRange{2, 4}));
+  EXPECT_EQ(block_range({300, 300}, 128), (IndexRange{2, 2}));
+  EXPECT_EQ(block_range({5, 37}, 32), (IndexRange{0, 2}));
+  EXPECT_THROW(block_range({5, 3}, 32), Error);
 }
 
 TEST(ShardPlan, ClearErrorsWhenTheModelDoesNotSplit) {

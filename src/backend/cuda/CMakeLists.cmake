@@ -9,6 +9,7 @@
 #   bench_ops_cuda        per-kernel timings beside the copy-bandwidth / GEMM-rate bound
 #   bench_sampling        sample_launch timings beside the copy bound of reading the logits
 #   bench_moe_layer       the MoE block and grouped expert GEMMs beside the same bounds
+#   bench_fp8_gemm        cuBLASLt block-scaled FP8 GEMM beside the bf16 GEMM, real shapes
 # None of them links Gloo or NCCL (the GPU machine has no libgloo).
 
 if(TANDEM_HAS_CUDA)
@@ -58,6 +59,10 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_moe_layer ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_moe_layer.cpp)
     target_link_libraries(bench_moe_layer PRIVATE tandem_backend_cuda)
     target_compile_options(bench_moe_layer PRIVATE ${TANDEM_WARNINGS})
+    # Block-scaled FP8 GEMM beside the bf16 one (bench/cuda/bench_fp8_gemm.cpp).
+    add_executable(bench_fp8_gemm ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_fp8_gemm.cpp)
+    target_link_libraries(bench_fp8_gemm PRIVATE tandem_backend_cuda)
+    target_compile_options(bench_fp8_gemm PRIVATE ${TANDEM_WARNINGS})
   endif()
 endif()
 

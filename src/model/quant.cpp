@@ -1,0 +1,178 @@
+#include "model/quant.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace tandem {
+
+namespace {
+
+std::array<float, 256> make_f8_table() {
+  std::array<float, 256> t{};
+  for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = f8e4m3_to_f32(static_cast<uint8_t>(c));
+  return t;
+}
+
+bool is_f8_nan(uint8_t c) { return (c & 0x7f) == 0x7f; }
+
+std::string shape_str(int64_t a, int64_t b) { return Shape{a, b}.str(); }
+
+}  // namespace
+
+const float* f8e4m3_table() {
+  static const std::array<float, 256> table = make_f8_table();
+  return table.data();
+}
+
+WeightReader::WeightReader(const Checkpoint& ckpt, const QuantConfig& quant,
+                           std::string config_origin)
+    : ckpt_(ckpt), quant_(quant), config_origin_(std::move(config_origin)) {}
+
+bool WeightReader::is_quantized(const std::string& name) const {
+  return ckpt_.get(name).dtype == DType::kF8E4M3;
+}
+
+void WeightReader::read(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
+                        IndexRange col_range, float* dst) const {
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
+          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
+      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
+      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
+  TensorView src = ckpt_.get(name, {rows, cols});
+  if (src.dtype == DType::kF8E4M3) {
+    read_fp8(name, src, rows, cols, row_range, col_range, dst);
+    return;
+  }
+  const int64_t w = col_range.size();
+  if (col_range.begin == 0 && col_range.end == cols) {
+    Checkpoint::to_f32(src, dst, row_range.begin, row_range.end);
+    return;
+  }
+  TensorView flat = src;  // [rows * cols]: element ranges are row ranges
+  flat.shape = Shape{rows * cols};
+  for (int64_t i = row_range.begin; i < row_range.end; ++i) {
+    Checkpoint::to_f32(flat, dst + (i - row_range.begin) * w, i * cols + col_range.begin,
+                       i * cols + col_range.end);
+  }
+}
+
+void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_t rows,
+                            int64_t cols, IndexRange row_range, IndexRange col_range,
+                            float* dst) const {
+  const std::string file = ckpt_.file_of(name);
+  TANDEM_CHECK_KIND(kInvalidArgument, quant_.quantized(), file, ": tensor '", name,
+                    "' is stored as F8_E4M3 but ", config_origin_,
+                    " has no quantization_config (its scales cannot be known)");
+  const std::string scale_name = quant_.scale_name(name);
+  TANDEM_CHECK_KIND(kInvalidArgument, ckpt_.has(scale_name), file, ": tensor '", name,
+                    "' is F8_E4M3 (", weight_quant_name(quant_.method), ") but its scale tensor '",
+                    scale_name, "' is missing from ", ckpt_.dir());
+  const int64_t br = quant_.block_rows, bc = quant_.block_cols;
+  const int64_t srows = (rows + br - 1) / br, scols = (cols + bc - 1) / bc;
+  const TensorView sv = ckpt_.get(scale_name);
+  const std::string sfile = ckpt_.file_of(scale_name);
+  TANDEM_CHECK_KIND(kInvalidArgument, sv.shape == Shape({srows, scols}), sfile, ": scale tensor '",
+                    scale_name, "' has shape ", sv.shape.str(), ", expected ",
+                    shape_str(srows, scols), " for '", name, "' of shape ", shape_str(rows, cols),
+                    " in ", br, "x", bc, " blocks");
+
+  // The scale rows this range touches, as f32.
+  const IndexRange sr = block_range(row_range, br);
+  const int64_t s0 = sr.begin, s1 = sr.end;
+  std::vector<float> scale(static_cast<size_t>((s1 - s0) * scols));
+  if (quant_.method == WeightQuant::kMxfp8) {
+    TANDEM_CHECK_KIND(kInvalidArgument, sv.dtype == DType::kE8M0, sfile, ": scale tensor '",
+                      scale_name, "' has dtype ", dtype_name(sv.dtype),
+                      ", expected E8M0 (U8 or F8_E8M0) for MXFP8");
+    const auto* codes = static_cast<const uint8_t*>(sv.data) + s0 * scols;
+    for (size_t i = 0; i < scale.size(); ++i) {
+      TANDEM_CHECK_KIND(kInvalidArgument, codes[i] != 0xff, sfile, ": scale tensor '", scale_name,
+                        "': E8M0 code 0xff (NaN) at [", s0 + static_cast<int64_t>(i) / scols, ", ",
+                        static_cast<int64_t>(i) % scols, "]");
+      scale[i] = e8m0_to_f32(codes[i]);
+    }
+  } else {
+    TANDEM_CHECK_KIND(
+        kInvalidArgument,
+        sv.dtype == DType::kF32 || sv.dtype == DType::kBF16 || sv.dtype == DType::kF16, sfile,
+        ": scale tensor '", scale_name, "' has dtype ", dtype_name(sv.dtype), ", expected f32");
+    Checkpoint::to_f32(sv, scale.data(), s0, s1);
+    for (size_t i = 0; i < scale.size(); ++i) {
+      TANDEM_CHECK_KIND(kInvalidArgument, std::isfinite(scale[i]), sfile, ": scale tensor '",
+                        scale_name, "': non-finite scale ", scale[i], " at [",
+                        s0 + static_cast<int64_t>(i) / scols, ", ", static_cast<int64_t>(i) % scols,
+                        "]");
+    }
+  }
+
+  const float* table = f8e4m3_table();
+  const auto* codes = static_cast<const uint8_t*>(q.data);
+  const int64_t w = col_range.size();
+  for (int64_t i = row_range.begin; i < row_range.end; ++i) {
+    const uint8_t* row = codes + i * cols;
+    const float* srow = scale.data() + (i / br - s0) * scols;
+    float* out = dst + (i - row_range.begin) * w;
+    for (int64_t j = col_range.begin; j < col_range.end; ++j) {
+      const uint8_t c = row[j];
+      TANDEM_CHECK_KIND(kInvalidArgument, !is_f8_nan(c), file, ": tensor '", name,
+                        "': E4M3 NaN code at [", i, ", ", j, "]");
+      out[j - col_range.begin] = table[c] * srow[j / bc];
+    }
+  }
+}
+
+void quantize_fp8_block(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scale_inv) {
+  constexpr int64_t kB = 128;
+  const int64_t scols = (cols + kB - 1) / kB;
+  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+      const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
+      float amax = 0.f;
+      for (int64_t i = r0; i < r1; ++i) {
+        for (int64_t j = c0; j < c1; ++j) amax = std::max(amax, std::fabs(w[i * cols + j]));
+      }
+      const float s = amax > 0.f ? amax / 448.0f : 1.0f;
+      scale_inv[(r0 / kB) * scols + c0 / kB] = s;
+      for (int64_t i = r0; i < r1; ++i) {
+        for (int64_t j = c0; j < c1; ++j) q[i * cols + j] = f32_to_f8e4m3(w[i * cols + j] / s);
+      }
+    }
+  }
+}
+
+uint8_t mxfp8_scale_code(float amax) {
+  if (!(amax > 0.f)) return 127;
+  TANDEM_CHECK(std::isfinite(amax), "mxfp8_scale_code: non-finite block maximum ", amax);
+  // The smallest e with amax <= 448 * 2^e (exact comparisons in double).
+  int e = std::ilogb(amax) - 8;
+  while (std::ldexp(448.0, e) < amax) ++e;
+  while (std::ldexp(448.0, e - 1) >= amax) --e;
+  return static_cast<uint8_t>(std::clamp(e, -127, 127) + 127);
+}
+
+void quantize_mxfp8(const float* w, int64_t rows, int64_t cols, uint8_t* q, uint8_t* e8m0) {
+  constexpr int64_t kB = 32;
+  const int64_t scols = (cols + kB - 1) / kB;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = w + i * cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+      const int64_t c1 = std::min(cols, c0 + kB);
+      float amax = 0.f;
+      for (int64_t j = c0; j < c1; ++j) amax = std::max(amax, std::fabs(row[j]));
+      const uint8_t code = mxfp8_scale_code(amax);
+      e8m0[i * scols + c0 / kB] = code;
+      const int shift = 127 - static_cast<int>(code);  // w / 2^(code - 127)
+      for (int64_t j = c0; j < c1; ++j) q[i * cols + j] = f32_to_f8e4m3(std::ldexp(row[j], shift));
+    }
+  }
+}
+
+}  // namespace tandem

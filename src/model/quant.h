@@ -1,0 +1,68 @@
+// Quantized linear weights (config.h QuantConfig): the dequantizing reader every CPU load goes
+// through, and the block-FP8 / MXFP8 quantizers of `tandem convert`.
+//
+//   block FP8 (Qwen / DeepSeek "fp8"): weight F8_E4M3 [N, K], weight_scale_inv F32
+//     [ceil(N / 128), ceil(K / 128)]; W[i][j] = e4m3(q[i][j]) * scale_inv[i / 128][j / 128].
+//   MXFP8 (ModelOpt "MXFP8"): weight F8_E4M3 [N, K], weight_scale U8 (E8M0) [N, ceil(K / 32)];
+//     W[i][j] = e4m3(q[i][j]) * 2^(e[i][j / 32] - 127).
+// Both products are computed in fp32 (for MXFP8 exact: a power of two), as torch does.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "model/safetensors.h"
+#include "model/shard.h"
+
+namespace tandem {
+
+/// The 256 E4M3 codes as f32 (exact; the NaN codes 0x7f and 0xff are NaN).
+const float* f8e4m3_table();
+
+/// Reads [rows, cols] weights as fp32: bf16 / f16 / f32 as stored, F8_E4M3 dequantized with
+/// its scale tensor. Only the requested rows x columns are read and each element takes the
+/// scale of its own block, so a shard narrower than a block (or straddling two) loads exactly
+/// the values of the whole tensor. Errors name the file, the tensor and the field.
+class WeightReader {
+ public:
+  /// `config_origin` names config.json in errors.
+  WeightReader(const Checkpoint& ckpt, const QuantConfig& quant, std::string config_origin);
+
+  /// dst: [row_range.size(), col_range.size()] row-major.
+  void read(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
+            IndexRange col_range, float* dst) const;
+  /// The whole [rows, cols] tensor.
+  void read(const std::string& name, int64_t rows, int64_t cols, float* dst) const {
+    read(name, rows, cols, {0, rows}, {0, cols}, dst);
+  }
+  /// True when `name` is stored as F8_E4M3 (and so needs its scales).
+  bool is_quantized(const std::string& name) const;
+
+  const Checkpoint& checkpoint() const { return ckpt_; }
+  const QuantConfig& quant() const { return quant_; }
+
+ private:
+  void read_fp8(const std::string& name, const TensorView& q, int64_t rows, int64_t cols,
+                IndexRange row_range, IndexRange col_range, float* dst) const;
+
+  const Checkpoint& ckpt_;
+  QuantConfig quant_;
+  std::string config_origin_;
+};
+
+/// Block FP8 as Qwen and DeepSeek publish it: per 128x128 block (partial at the edges)
+/// scale_inv = amax / 448 (1 for an all-zero block), q = e4m3(w / scale_inv).
+/// q: [rows, cols]; scale_inv: [ceil(rows / 128), ceil(cols / 128)].
+void quantize_fp8_block(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scale_inv);
+
+/// MXFP8: per 1x32 block along the input dim (the last one partial when cols % 32 != 0) the
+/// smallest power-of-two scale 2^(e - 127) with amax / scale <= 448 (so nothing saturates; the
+/// E8M0 code e is clamped to [0, 254], 127 for an all-zero block), q = e4m3(w / scale).
+/// q: [rows, cols]; e8m0: [rows, ceil(cols / 32)].
+void quantize_mxfp8(const float* w, int64_t rows, int64_t cols, uint8_t* q, uint8_t* e8m0);
+
+/// The E8M0 code quantize_mxfp8 picks for a block whose largest magnitude is `amax`.
+uint8_t mxfp8_scale_code(float amax);
+
+}  // namespace tandem
