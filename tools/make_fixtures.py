@@ -730,8 +730,10 @@ def main():
         bad = check_against(committed, outdir, [s["name"] for s in specs])
         shutil.rmtree(outdir)
         sys.exit(1 if bad else 0)
-    total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(outdir) for f in fs)
-    print(f"total size of {outdir}: {total / 1e6:.2f} MB")
+    # This script's fixtures only (tools/make_qwen35_fixtures.py keeps its own budget).
+    total = sum(os.path.getsize(os.path.join(r, f))
+                for s in FIXTURES for r, _, fs in os.walk(os.path.join(outdir, s["name"])) for f in fs)
+    print(f"total size of the {len(FIXTURES)} Qwen3-MoE fixtures in {outdir}: {total / 1e6:.2f} MB")
     assert total < SIZE_LIMIT, "fixtures exceed the 10 MB budget"
 
 

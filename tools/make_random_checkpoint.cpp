@@ -1,15 +1,21 @@
-// Writes a Hugging Face style Qwen3-MoE checkpoint of random bf16 weights at real shapes, for
-// loading / memory / speed work without downloading a model: config.json,
+// Writes a Hugging Face style Qwen3-MoE or Qwen3.5-MoE checkpoint of random bf16 weights at real
+// shapes, for loading / memory / speed work without downloading a model: config.json,
 // generation_config.json, model.safetensors.index.json and model-0000i-of-0000N.safetensors
-// shards of at most --shard-gb GB, tensor names as the hub's Qwen3MoeForCausalLM.
+// shards of at most --shard-gb GB, tensor names as the hub's Qwen3MoeForCausalLM, or (a
+// qwen3.5 preset) as Qwen3_5MoeForConditionalGeneration's language model (image-text layout,
+// model.language_model.*, no vision tower or MTP weights).
 //
-//   make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b] [--layers N]
+//   make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b|qwen3.5-35b-a3b|
+//       qwen3.5-397b-a17b] [--layers N]
 //       [--hidden H] [--intermediate I] [--moe-intermediate M] [--experts E] [--top-k K]
 //       [--heads Q] [--kv-heads KV] [--head-dim D] [--vocab V] [--max-position P]
 //       [--rope-theta T] [--rms-norm-eps EPS] [--tie-word-embeddings] [--no-norm-topk-prob]
 //       [--seed S] [--shard-gb G] [--threads T]
+//   Qwen3.5 only: [--full-attention-interval N] [--linear-key-heads H] [--linear-value-heads H]
+//       [--linear-key-dim D] [--linear-value-dim D] [--shared-intermediate I]
 //
-// Values: matrices N(0, 0.02^2) (Irwin-Hall approximation: 4 uniforms), norms 1 + U(-0.05, 0.05).
+// Values: matrices N(0, 0.02^2) (Irwin-Hall approximation: 4 uniforms), norms 1 + U(-0.05, 0.05)
+// (Qwen3.5's zero-centred (1 + w) norms U(-0.05, 0.05), A_log log U(1, 16)).
 // Each 1 Mi-element chunk of each tensor has its own generator seeded from (seed, tensor, chunk),
 // so the output is identical for any thread count. Threads fill chunks and pwrite() them into
 // pre-sized shard files: the speed is the disk's (about 30 GB/s of generation on 16 cores).
@@ -43,6 +49,10 @@ struct Config {
   int64_t max_position = 40960;
   double rope_theta = 1e6, rms_norm_eps = 1e-6;
   bool tie = false, norm_topk_prob = true;
+  // Qwen3.5 hybrid (gated DeltaNet + gated attention, shared expert).
+  bool qwen35 = false;
+  int64_t full_interval = 4, lin_k_heads = 16, lin_v_heads = 32, lin_k_dim = 128, lin_v_dim = 128;
+  int64_t conv_kernel = 4, shared_intermediate = 512;
 };
 
 Config preset(std::string const& name) {
@@ -57,10 +67,41 @@ Config preset(std::string const& name) {
     c.kv_heads = 4;
     return c;
   }
-  throw std::invalid_argument("unknown --preset '" + name + "' (qwen3-30b-a3b, qwen3-235b-a22b)");
+  if (name == "qwen3.5-35b-a3b" || name == "qwen3.5-397b-a17b") {
+    // Qwen/Qwen3.5-35B-A3B's published config.json (text_config).
+    c.qwen35 = true;
+    c.hidden = 2048;
+    c.layers = 40;
+    c.experts = 256;
+    c.top_k = 8;
+    c.moe_intermediate = 512;
+    c.shared_intermediate = 512;
+    c.intermediate = 512;
+    c.heads = 16;
+    c.kv_heads = 2;
+    c.head_dim = 256;
+    c.vocab = 248320;
+    c.max_position = 262144;
+    c.rope_theta = 1e7;
+    if (name == "qwen3.5-397b-a17b") {  // its model card: 60 layers, 512 experts top-10
+      c.hidden = 4096;
+      c.layers = 60;
+      c.experts = 512;
+      c.top_k = 10;
+      c.moe_intermediate = 1024;
+      c.shared_intermediate = 1024;
+      c.intermediate = 1024;
+      c.heads = 32;
+      c.lin_v_heads = 64;
+    }
+    return c;
+  }
+  throw std::invalid_argument(
+      "unknown --preset '" + name +
+      "' (qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b, qwen3.5-397b-a17b)");
 }
 
-enum class Init { kMatrix, kNorm };
+enum class Init { kMatrix, kNorm, kZeroNorm, kALog };
 
 struct Tensor {
   std::string name;
@@ -76,7 +117,58 @@ struct Tensor {
   uint64_t bytes() const { return numel() * 2; }
 };
 
+// Qwen3.5: every full_interval-th layer is gated full attention, the others gated DeltaNet;
+// every layer a routed MoE with a shared expert.
+std::vector<Tensor> qwen35_tensor_list(Config const& c) {
+  std::vector<Tensor> t;
+  const std::string root = "model.language_model.";
+  const int64_t h = c.hidden, key_dim = c.lin_k_heads * c.lin_k_dim;
+  const int64_t value_dim = c.lin_v_heads * c.lin_v_dim, conv_dim = 2 * key_dim + value_dim;
+  t.push_back({root + "embed_tokens.weight", {c.vocab, h}, Init::kMatrix});
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const std::string p = root + "layers." + std::to_string(l) + ".";
+    t.push_back({p + "input_layernorm.weight", {h}, Init::kZeroNorm});
+    if ((l + 1) % c.full_interval == 0) {
+      const std::string a = p + "self_attn.";
+      t.push_back({a + "q_proj.weight", {c.heads * c.head_dim * 2, h}, Init::kMatrix});
+      t.push_back({a + "k_proj.weight", {c.kv_heads * c.head_dim, h}, Init::kMatrix});
+      t.push_back({a + "v_proj.weight", {c.kv_heads * c.head_dim, h}, Init::kMatrix});
+      t.push_back({a + "o_proj.weight", {h, c.heads * c.head_dim}, Init::kMatrix});
+      t.push_back({a + "q_norm.weight", {c.head_dim}, Init::kZeroNorm});
+      t.push_back({a + "k_norm.weight", {c.head_dim}, Init::kZeroNorm});
+    } else {
+      const std::string a = p + "linear_attn.";
+      t.push_back({a + "in_proj_qkv.weight", {conv_dim, h}, Init::kMatrix});
+      t.push_back({a + "in_proj_z.weight", {value_dim, h}, Init::kMatrix});
+      t.push_back({a + "in_proj_b.weight", {c.lin_v_heads, h}, Init::kMatrix});
+      t.push_back({a + "in_proj_a.weight", {c.lin_v_heads, h}, Init::kMatrix});
+      t.push_back({a + "conv1d.weight", {conv_dim, 1, c.conv_kernel}, Init::kMatrix});
+      t.push_back({a + "dt_bias", {c.lin_v_heads}, Init::kNorm});
+      t.push_back({a + "A_log", {c.lin_v_heads}, Init::kALog});
+      t.push_back({a + "norm.weight", {c.lin_v_dim}, Init::kNorm});
+      t.push_back({a + "out_proj.weight", {h, value_dim}, Init::kMatrix});
+    }
+    t.push_back({p + "post_attention_layernorm.weight", {h}, Init::kZeroNorm});
+    t.push_back({p + "mlp.gate.weight", {c.experts, h}, Init::kMatrix});
+    for (int64_t e = 0; e < c.experts; ++e) {
+      const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+      t.push_back({q + "gate_proj.weight", {c.moe_intermediate, h}, Init::kMatrix});
+      t.push_back({q + "up_proj.weight", {c.moe_intermediate, h}, Init::kMatrix});
+      t.push_back({q + "down_proj.weight", {h, c.moe_intermediate}, Init::kMatrix});
+    }
+    const std::string sh = p + "mlp.shared_expert.";
+    t.push_back({sh + "gate_proj.weight", {c.shared_intermediate, h}, Init::kMatrix});
+    t.push_back({sh + "up_proj.weight", {c.shared_intermediate, h}, Init::kMatrix});
+    t.push_back({sh + "down_proj.weight", {h, c.shared_intermediate}, Init::kMatrix});
+    t.push_back({p + "mlp.shared_expert_gate.weight", {1, h}, Init::kMatrix});
+  }
+  t.push_back({root + "norm.weight", {h}, Init::kZeroNorm});
+  if (!c.tie) t.push_back({"lm_head.weight", {c.vocab, h}, Init::kMatrix});
+  return t;
+}
+
 std::vector<Tensor> tensor_list(Config const& c) {
+  if (c.qwen35) return qwen35_tensor_list(c);
   std::vector<Tensor> t;
   t.push_back({"model.embed_tokens.weight", {c.vocab, c.hidden}, Init::kMatrix});
   for (int64_t l = 0; l < c.layers; ++l) {
@@ -134,9 +226,11 @@ void fill(uint16_t* out, size_t n, Init init, uint64_t seed) {
       out[i] = to_bf16((sum - 2.0f) * scale);
     }
   } else {
+    const float base = init == Init::kZeroNorm ? 0.0f : 1.0f;
     for (; i < n; ++i) {
       const float u = static_cast<float>(splitmix(s) >> 40) * 0x1p-24f;  // [0, 1)
-      out[i] = to_bf16(1.0f + 0.1f * (u - 0.5f));
+      out[i] = init == Init::kALog ? to_bf16(std::log(1.0f + 15.0f * u))
+                                   : to_bf16(base + 0.1f * (u - 0.5f));
     }
   }
 }
@@ -168,7 +262,61 @@ std::string fmt_double(double v) {
   return s;
 }
 
+// Qwen3.5: the published image-text layout (language model under text_config; the vision
+// config abridged: its weights are not written and text serving skips it).
+std::string qwen35_config_json(Config const& c) {
+  const bool qwen_ids = c.vocab > 248044;
+  const int64_t bos = qwen_ids ? 248044 : c.vocab - 2, eos = qwen_ids ? 248046 : c.vocab - 1;
+  std::ostringstream o;
+  o << "{\n"
+    << "  \"architectures\": [\n    \"Qwen3_5MoeForConditionalGeneration\"\n  ],\n"
+    << "  \"model_type\": \"qwen3_5_moe\",\n"
+    << "  \"text_config\": {\n"
+    << "    \"attention_bias\": false,\n"
+    << "    \"attn_output_gate\": true,\n"
+    << "    \"bos_token_id\": " << bos << ",\n"
+    << "    \"dtype\": \"bfloat16\",\n"
+    << "    \"eos_token_id\": " << eos << ",\n"
+    << "    \"full_attention_interval\": " << c.full_interval << ",\n"
+    << "    \"head_dim\": " << c.head_dim << ",\n"
+    << "    \"hidden_act\": \"silu\",\n"
+    << "    \"hidden_size\": " << c.hidden << ",\n"
+    << "    \"linear_conv_kernel_dim\": " << c.conv_kernel << ",\n"
+    << "    \"linear_key_head_dim\": " << c.lin_k_dim << ",\n"
+    << "    \"linear_num_key_heads\": " << c.lin_k_heads << ",\n"
+    << "    \"linear_num_value_heads\": " << c.lin_v_heads << ",\n"
+    << "    \"linear_value_head_dim\": " << c.lin_v_dim << ",\n"
+    << "    \"mamba_ssm_dtype\": \"float32\",\n"
+    << "    \"max_position_embeddings\": " << c.max_position << ",\n"
+    << "    \"model_type\": \"qwen3_5_moe_text\",\n"
+    << "    \"moe_intermediate_size\": " << c.moe_intermediate << ",\n"
+    << "    \"mtp_num_hidden_layers\": 0,\n"
+    << "    \"num_attention_heads\": " << c.heads << ",\n"
+    << "    \"num_experts\": " << c.experts << ",\n"
+    << "    \"num_experts_per_tok\": " << c.top_k << ",\n"
+    << "    \"num_hidden_layers\": " << c.layers << ",\n"
+    << "    \"num_key_value_heads\": " << c.kv_heads << ",\n"
+    << "    \"rms_norm_eps\": " << fmt_double(c.rms_norm_eps) << ",\n"
+    << "    \"rope_parameters\": {\n"
+    << "      \"mrope_interleaved\": true,\n"
+    << "      \"mrope_section\": [11, 11, 10],\n"
+    << "      \"partial_rotary_factor\": 0.25,\n"
+    << "      \"rope_theta\": " << fmt_double(c.rope_theta) << ",\n"
+    << "      \"rope_type\": \"default\"\n"
+    << "    },\n"
+    << "    \"shared_expert_intermediate_size\": " << c.shared_intermediate << ",\n"
+    << "    \"tie_word_embeddings\": " << (c.tie ? "true" : "false") << ",\n"
+    << "    \"vocab_size\": " << c.vocab << "\n"
+    << "  },\n"
+    << "  \"tie_word_embeddings\": " << (c.tie ? "true" : "false") << ",\n"
+    << "  \"transformers_version\": \"5.24.0\",\n"
+    << "  \"vision_config\": {\"depth\": 0, \"model_type\": \"qwen3_5_moe_vision\"}\n"
+    << "}\n";
+  return o.str();
+}
+
 std::string config_json(Config const& c) {
+  if (c.qwen35) return qwen35_config_json(c);
   const bool qwen_ids = c.vocab > 151645;
   const int64_t bos = qwen_ids ? 151643 : c.vocab - 2, eos = qwen_ids ? 151645 : c.vocab - 1;
   std::ostringstream o;
@@ -212,8 +360,9 @@ std::string config_json(Config const& c) {
 }
 
 std::string generation_config_json(Config const& c) {
-  const bool qwen_ids = c.vocab > 151645;
-  const int64_t bos = qwen_ids ? 151643 : c.vocab - 2, eos = qwen_ids ? 151645 : c.vocab - 1;
+  const bool qwen_ids = c.qwen35 ? c.vocab > 248044 : c.vocab > 151645;
+  const int64_t bos = qwen_ids ? (c.qwen35 ? 248044 : 151643) : c.vocab - 2;
+  const int64_t eos = qwen_ids ? (c.qwen35 ? 248046 : 151645) : c.vocab - 1;
   std::ostringstream o;
   o << "{\n  \"bos_token_id\": " << bos << ",\n  \"do_sample\": true,\n  \"eos_token_id\": [\n    "
     << eos << ",\n    " << bos << "\n  ],\n  \"pad_token_id\": " << bos
@@ -233,12 +382,16 @@ struct Args {
 [[noreturn]] void usage(std::string const& msg) {
   std::fprintf(stderr,
                "make_random_checkpoint: %s\n"
-               "usage: make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b]\n"
+               "usage: make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b|\n"
+               "  qwen3.5-35b-a3b|qwen3.5-397b-a17b]\n"
                "  [--layers N] [--hidden H] [--intermediate I] [--moe-intermediate M]\n"
                "  [--experts E] [--top-k K] [--heads Q] [--kv-heads KV] [--head-dim D]\n"
                "  [--vocab V] [--max-position P] [--rope-theta T] [--rms-norm-eps EPS]\n"
                "  [--tie-word-embeddings] [--no-norm-topk-prob] [--seed S] [--shard-gb G]\n"
-               "  [--threads T]\n",
+               "  [--threads T]\n"
+               "  Qwen3.5: [--full-attention-interval N] [--linear-key-heads H]\n"
+               "  [--linear-value-heads H] [--linear-key-dim D] [--linear-value-dim D]\n"
+               "  [--shared-intermediate I]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -303,6 +456,18 @@ Args parse(int argc, char** argv) {
       a.c.rope_theta = pos_double();
     else if (f == "--rms-norm-eps")
       a.c.rms_norm_eps = pos_double();
+    else if (f == "--full-attention-interval")
+      a.c.full_interval = pos_int();
+    else if (f == "--linear-key-heads")
+      a.c.lin_k_heads = pos_int();
+    else if (f == "--linear-value-heads")
+      a.c.lin_v_heads = pos_int();
+    else if (f == "--linear-key-dim")
+      a.c.lin_k_dim = pos_int();
+    else if (f == "--linear-value-dim")
+      a.c.lin_v_dim = pos_int();
+    else if (f == "--shared-intermediate")
+      a.c.shared_intermediate = pos_int();
     else if (f == "--seed")
       a.seed = std::strtoull(v.c_str(), nullptr, 10);
     else if (f == "--shard-gb")
@@ -315,6 +480,12 @@ Args parse(int argc, char** argv) {
   if (a.out.empty()) usage("--out is required");
   if (a.c.top_k > a.c.experts) usage("--top-k exceeds --experts");
   if (a.c.heads % a.c.kv_heads != 0) usage("--heads must be a multiple of --kv-heads");
+  if (a.c.qwen35 && a.c.lin_v_heads % a.c.lin_k_heads != 0) {
+    usage("--linear-value-heads must be a multiple of --linear-key-heads");
+  }
+  if (a.c.qwen35 && a.c.full_interval > a.c.layers) {
+    usage("--full-attention-interval exceeds --layers (no full-attention layer)");
+  }
   return a;
 }
 

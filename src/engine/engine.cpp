@@ -33,9 +33,28 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
     c.kv_cache_mb =
         model.kv_cache_mb_hint() > 0 ? model.kv_cache_mb_hint() : EngineConfig{}.kv_cache_mb;
   }
+  // Hybrid models: one recurrent state slot per running sequence plus the prefix cache's
+  // state checkpoints, out of the same budget.
+  if (model.state_slot_elems() > 0 && c.enable_prefix_cache) {
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      c.state_checkpoint_interval > 0 && c.num_state_checkpoints >= 0,
+                      "state_checkpoint_interval must be positive");
+    c.state_checkpoint_interval =
+        (c.state_checkpoint_interval + c.page_size - 1) / c.page_size * c.page_size;
+    if (c.num_state_checkpoints == 0) c.num_state_checkpoints = c.max_num_seqs;
+  } else {
+    c.num_state_checkpoints = 0;
+  }
+  const int64_t state_bytes = model.state_slot_elems() * static_cast<int64_t>(sizeof(float)) *
+                              (c.max_num_seqs + c.num_state_checkpoints);
   if (c.num_pages <= 0) {
     int64_t page_bytes = model.kv_geometry(1, c.page_size).page_bytes_all_layers();
-    c.num_pages = std::max<int64_t>(1, c.kv_cache_mb * (1 << 20) / page_bytes);
+    const int64_t budget = c.kv_cache_mb * (1 << 20);
+    TANDEM_CHECK_KIND(kInvalidArgument, state_bytes < budget, "a KV cache of ", c.kv_cache_mb,
+                      " MiB cannot hold the recurrent states of max_num_seqs ", c.max_num_seqs,
+                      " sequences and ", c.num_state_checkpoints, " prefix-cache checkpoints (",
+                      state_bytes, " bytes)");
+    c.num_pages = std::max<int64_t>(1, (budget - state_bytes) / page_bytes);
   }
   // The pool must hold at least one sequence of full length, or scheduling could stall.
   int64_t min_pages = (c.max_model_len + c.page_size - 1) / c.page_size;
@@ -61,7 +80,25 @@ Engine::Engine(Model& model, const EngineConfig& config)
       config_(resolve(model, config)),
       blocks_(config_.num_pages, config_.page_size, config_.enable_prefix_cache),
       kv_(model.make_kv_cache(config_.num_pages, config_.page_size)),
-      scheduler_(blocks_, config_.max_num_seqs, config_.max_batched_tokens) {}
+      scheduler_(blocks_, config_.max_num_seqs, config_.max_batched_tokens,
+                 model.state_slot_elems() > 0 ? config_.max_num_seqs : 0) {
+  if (model.state_slot_elems() > 0) {
+    kv_.allocate_states(config_.max_num_seqs + config_.num_state_checkpoints,
+                        model.state_slot_elems());
+    if (config_.num_state_checkpoints > 0) {
+      scheduler_.enable_state_checkpoints(static_cast<int32_t>(config_.max_num_seqs),
+                                          config_.num_state_checkpoints,
+                                          config_.state_checkpoint_interval);
+    }
+  }
+}
+
+void Engine::copy_states(const std::vector<StateCopy>& copies) {
+  const int64_t n = kv_.state_slot_elems();
+  for (const StateCopy& c : copies) {
+    std::copy_n(kv_.state(c.src), n, kv_.state(c.dst));
+  }
+}
 
 void Engine::validate(const GenRequest& req) const {
   const int64_t vocab = model_.config().vocab_size;
@@ -100,7 +137,11 @@ bool Engine::reserve_pages(int64_t num_tokens, std::vector<int32_t>& pages) {
 void Engine::release_pages(const std::vector<int32_t>& pages) { blocks_.release(pages); }
 
 void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector<int32_t> pages,
-                           int32_t first_token, float first_logprob) {
+                           int32_t first_token, float first_logprob, std::vector<float> state) {
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    static_cast<int64_t>(state.size()) == model_.state_slot_elems(), "request '",
+                    req.id, "': a prefilled request of this model carries ",
+                    model_.state_slot_elems(), " floats of recurrent state, got ", state.size());
   validate(req);
   const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
   TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(pages.size()) * config_.page_size >= n,
@@ -123,6 +164,7 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
   seq->req = std::move(req);
   seq->on_output = std::move(on_output);
   seq->tokens.push_back(first_token);
+  seq->initial_state = std::move(state);
   Sequence& s = *seq;
   scheduler_.add(std::move(seq));
   ++counters_.generation_tokens;
@@ -162,7 +204,21 @@ bool Engine::step() {
 
 ScheduledBatch Engine::schedule() {
   if (!scheduler_.has_work()) return {};
-  return scheduler_.schedule();
+  ScheduledBatch batch = scheduler_.schedule();
+  copy_states(batch.state_restores);   // prefix-cache hits of hybrid models resume here
+  for (const auto& ss : batch.seqs) {  // prefilled elsewhere: the state that came with it
+    Sequence& s = *ss.seq;
+    if (s.initial_state.empty()) continue;
+    std::copy(s.initial_state.begin(), s.initial_state.end(), kv_.state(s.state_slot));
+    s.initial_state = {};
+  }
+  return batch;
+}
+
+std::span<const float> Engine::sequence_state(const std::string& id) {
+  Sequence* s = scheduler_.find(id);
+  if (s == nullptr || s->state_slot < 0) return {};
+  return {kv_.state(s->state_slot), static_cast<size_t>(kv_.state_slot_elems())};
 }
 
 bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling>& rows) const {
@@ -204,6 +260,7 @@ bool Engine::forward(const ScheduledBatch& batch) {
 void Engine::complete(const ScheduledBatch& batch) {
   if (batch.empty()) return;
   scheduler_.commit(batch);
+  copy_states(scheduler_.take_state_saves());  // before a finished sequence frees its slot
   process_outputs(batch, logits_);
 }
 

@@ -6,6 +6,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <unordered_map>
 
@@ -26,6 +27,11 @@ struct EngineConfig {
   int64_t max_model_len = 0;          // 0: the model's max_position_embeddings
   int64_t max_waiting = 1024;         // queue limit; submit beyond it fails (429)
   bool enable_prefix_cache = true;
+  // Hybrid models (recurrent state per sequence): the prefix cache checkpoints the state every
+  // state_checkpoint_interval prompt tokens (rounded up to whole pages) into at most
+  // num_state_checkpoints slots (0: max_num_seqs), out of the kv_cache_mb budget.
+  int64_t state_checkpoint_interval = 64;
+  int64_t num_state_checkpoints = 0;
 };
 
 /// Single-threaded engine core. Not thread-safe; AsyncEngine wraps it in a thread.
@@ -45,8 +51,13 @@ class Engine {
   /// prefill instance. The first token is reported through on_output at once; decoding
   /// continues from it (a seeded stream skips the draw the prefill instance used for it).
   /// Takes ownership of the pages.
+  /// Hybrid models: `state` is the prompt's final recurrent state (state_slot_elems floats,
+  /// the layout of Model::state_slot_elems), restored into the sequence's slot at admission.
   void add_prefilled(GenRequest request, OutputCallback on_output, std::vector<int32_t> pages,
-                     int32_t first_token, float first_logprob);
+                     int32_t first_token, float first_logprob, std::vector<float> state = {});
+  /// Hybrid models: a live running sequence's recurrent state (its state slot), e.g. for a
+  /// prefill instance to send after the prompt; empty when it holds none.
+  std::span<const float> sequence_state(const std::string& id);
   /// Throws Error(kInvalidArgument) for a request that can never run. Thread-safe.
   void validate(const GenRequest& request) const;
   /// Aborts a request: pages freed now, finished callback with kAbort.
@@ -78,6 +89,7 @@ class Engine {
 
  private:
   void process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits);
+  void copy_states(const std::vector<StateCopy>& copies);
   /// The batch's rows as device sampling requests; false when a row needs host logits
   /// (prompt logprobs, penalties, min_tokens masking).
   bool device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling>& rows) const;

@@ -6,8 +6,13 @@
 
 namespace tandem {
 
-Scheduler::Scheduler(BlockManager& blocks, int64_t max_num_seqs, int64_t max_batched_tokens)
-    : blocks_(blocks), max_num_seqs_(max_num_seqs), max_batched_tokens_(max_batched_tokens) {}
+Scheduler::Scheduler(BlockManager& blocks, int64_t max_num_seqs, int64_t max_batched_tokens,
+                     int64_t num_state_slots)
+    : blocks_(blocks),
+      max_num_seqs_(max_num_seqs),
+      max_batched_tokens_(max_batched_tokens),
+      slots_(num_state_slots),
+      stateful_(num_state_slots > 0) {}
 
 void Scheduler::add(std::unique_ptr<Sequence> seq) {
   Sequence* s = seq.get();
@@ -41,8 +46,52 @@ void Scheduler::free_pages(Sequence& seq) {
   seq.num_computed = 0;
 }
 
+void Scheduler::release_slot(Sequence& seq) {
+  if (seq.state_slot >= 0) slots_.release(seq.state_slot);
+  seq.state_slot = -1;
+}
+
+void Scheduler::enable_state_checkpoints(int32_t first_slot, int64_t capacity, int64_t interval) {
+  const int64_t ps = blocks_.page_size();
+  TANDEM_CHECK(stateful_ && capacity > 0 && interval > 0 && interval % ps == 0,
+               "state checkpoints need state slots, a capacity and an interval of whole pages (",
+               interval, " tokens, pages of ", ps, ")");
+  checkpoints_ = std::make_unique<StateCheckpoints>(first_slot, capacity);
+  checkpoint_interval_ = interval;
+}
+
+int64_t Scheduler::limit_chunk(const Sequence& s, int64_t chunk) const {
+  if (!checkpoints_ || s.num_computed >= s.prompt_len) return chunk;
+  const int64_t next = (s.num_computed / checkpoint_interval_ + 1) * checkpoint_interval_;
+  return next < s.num_computed + chunk && next <= s.prompt_len ? next - s.num_computed : chunk;
+}
+
+int32_t Scheduler::match_with_checkpoint(Sequence& s, int64_t max_pages) {
+  const int64_t ps = blocks_.page_size();
+  int64_t matched = blocks_.match_prefix(s.tokens, max_pages, s.pages, s.page_hashes);
+  if (!stateful_) {
+    s.num_computed = matched * ps;
+    return -1;
+  }
+  // A hybrid model resumes only where its recurrent state was checkpointed.
+  int64_t keep = 0;
+  int32_t slot = -1;
+  for (int64_t j = matched; j > 0 && checkpoints_; --j) {
+    if ((slot = checkpoints_->find(s.page_hashes[static_cast<size_t>(j - 1)])) >= 0) {
+      keep = j;
+      break;
+    }
+  }
+  blocks_.release(std::span<const int32_t>(s.pages).subspan(static_cast<size_t>(keep)));
+  s.pages.resize(static_cast<size_t>(keep));
+  s.page_hashes.resize(static_cast<size_t>(keep));
+  s.num_computed = keep * ps;
+  return slot;
+}
+
 void Scheduler::preempt(Sequence* seq) {
   free_pages(*seq);
+  release_slot(*seq);  // recomputed from its first token, so from a zero state
   running_.remove(seq);
   waiting_.push_front(seq);
   ++preemptions_;
@@ -69,8 +118,8 @@ ScheduledBatch Scheduler::schedule() {
   // 1. Running sequences: decode tokens and unfinished prefill chunks.
   for (auto it = running_.begin(); it != running_.end() && budget > 0;) {
     Sequence* s = *it;
-    int64_t chunk =
-        std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
+    int64_t chunk = limit_chunk(
+        *s, std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget));
     bool ok = ensure_pages(*s, s->num_computed + chunk);
     while (!ok && running_.back() != s) {
       preempt(running_.back());  // the newest sequence gives its pages back
@@ -88,19 +137,24 @@ ScheduledBatch Scheduler::schedule() {
   while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(running_.size()) < max_num_seqs_) {
     Sequence* s = waiting_.front();
     const int64_t ps = blocks_.page_size();
+    int32_t restore = -1;
     if (s->pages.empty()) {
       // Reuse cached prompt pages; at least one token is always computed (for logits).
       int64_t max_pages = (static_cast<int64_t>(s->tokens.size()) - 1) / ps;
       if (s->req.sampling.prompt_logprobs >= 0 && !s->prompt_logprobs_done) max_pages = 0;
-      int64_t matched = blocks_.match_prefix(s->tokens, max_pages, s->pages, s->page_hashes);
-      s->num_computed = matched * ps;
+      restore = match_with_checkpoint(*s, max_pages);
     }
-    int64_t chunk =
-        std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
+    int64_t chunk = limit_chunk(
+        *s, std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget));
     if (!ensure_pages(*s, s->num_computed + chunk)) {
       free_pages(*s);  // do not hold cached pages while waiting
       break;
     }
+    if (stateful_ && s->state_slot < 0 && (s->state_slot = slots_.allocate()) < 0) {
+      free_pages(*s);  // no state slot free: wait for a running sequence to end
+      break;
+    }
+    if (restore >= 0) batch.state_restores.push_back({restore, s->state_slot});
     if (!s->admitted_once) {
       s->admitted_once = true;
       s->num_cached_prompt = s->num_computed;
@@ -115,7 +169,7 @@ ScheduledBatch Scheduler::schedule() {
     Sequence* s = ss.seq;
     batch.forward.seqs.push_back({s->tokens.data() + s->num_computed, ss.num_tokens,
                                   s->num_computed, s->pages.data(),
-                                  static_cast<int64_t>(s->pages.size()), ss.logits});
+                                  static_cast<int64_t>(s->pages.size()), ss.logits, s->state_slot});
   }
   return batch;
 }
@@ -134,6 +188,13 @@ void Scheduler::commit(const ScheduledBatch& batch) {
       blocks_.publish(s.pages[static_cast<size_t>(pi)], h, toks);
       s.page_hashes.push_back(h);
     }
+    // Hybrid prefix cache: the state at a checkpoint position of the prompt.
+    if (checkpoints_ && s.num_computed > 0 && s.num_computed <= s.prompt_len &&
+        s.num_computed % checkpoint_interval_ == 0) {
+      const int32_t dst =
+          checkpoints_->insert(s.page_hashes[static_cast<size_t>(s.num_computed / ps - 1)]);
+      if (dst >= 0) state_saves_.push_back({s.state_slot, dst});
+    }
   }
 }
 
@@ -147,6 +208,7 @@ std::unique_ptr<Sequence> Scheduler::remove(const std::string& id) {
   if (w != waiting_.end()) waiting_.erase(w);
   blocks_.release(seq->pages);
   seq->pages.clear();
+  release_slot(*seq);
   return seq;
 }
 

@@ -1,5 +1,7 @@
 #include "kv/kv_cache.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace tandem {
@@ -41,6 +43,67 @@ float* KvCache::head_rows(int64_t layer, int64_t page, int kv, int64_t head) {
   const auto& g = geometry_;
   return this->layer(layer) + page * g.page_elems() +
          ((static_cast<int64_t>(kv) * g.num_kv_heads + head) * g.page_size) * g.head_dim;
+}
+
+void KvCache::allocate_states(int64_t num_slots, int64_t slot_elems) {
+  TANDEM_CHECK(num_slots > 0 && slot_elems > 0, "bad state slots: ", num_slots, " x ", slot_elems);
+  states_ = HostTensor(DType::kF32, {num_slots, slot_elems});
+  std::fill(states_.ptr<float>(), states_.ptr<float>() + num_slots * slot_elems, 0.0f);
+  num_state_slots_ = num_slots;
+  state_slot_elems_ = slot_elems;
+}
+
+float* KvCache::state(int64_t slot) {
+  TANDEM_CHECK(slot >= 0 && slot < num_state_slots_, "state slot ", slot, " outside [0, ",
+               num_state_slots_, ")");
+  return states_.ptr<float>() + slot * state_slot_elems_;
+}
+
+StateCheckpoints::StateCheckpoints(int32_t first_slot, int64_t capacity) : capacity_(capacity) {
+  TANDEM_CHECK(first_slot >= 0 && capacity >= 0, "bad state checkpoints: ", capacity, " from slot ",
+               first_slot);
+  for (int64_t i = capacity - 1; i >= 0; --i) free_.push_back(first_slot + static_cast<int32_t>(i));
+}
+
+int32_t StateCheckpoints::find(uint64_t hash) {
+  auto it = map_.find(hash);
+  if (it == map_.end()) return -1;
+  lru_.splice(lru_.end(), lru_, it->second.lru);
+  return it->second.slot;
+}
+
+int32_t StateCheckpoints::insert(uint64_t hash) {
+  if (capacity_ == 0 || map_.count(hash)) return -1;
+  if (free_.empty()) {  // evict the least recently used checkpoint
+    auto old = map_.find(lru_.front());
+    free_.push_back(old->second.slot);
+    map_.erase(old);
+    lru_.pop_front();
+  }
+  const int32_t slot = free_.back();
+  free_.pop_back();
+  map_.emplace(hash, Entry{slot, lru_.insert(lru_.end(), hash)});
+  return slot;
+}
+
+StateSlotAllocator::StateSlotAllocator(int64_t num_slots)
+    : used_(static_cast<size_t>(num_slots), false) {
+  for (int64_t s = num_slots - 1; s >= 0; --s) free_.push_back(static_cast<int32_t>(s));
+}
+
+int32_t StateSlotAllocator::allocate() {
+  if (free_.empty()) return -1;
+  int32_t s = free_.back();
+  free_.pop_back();
+  used_[static_cast<size_t>(s)] = true;
+  return s;
+}
+
+void StateSlotAllocator::release(int32_t slot) {
+  TANDEM_CHECK(slot >= 0 && slot < num_slots() && used_[static_cast<size_t>(slot)],
+               "double free of state slot ", slot);
+  used_[static_cast<size_t>(slot)] = false;
+  free_.push_back(slot);
 }
 
 PageAllocator::PageAllocator(int64_t num_pages) : refs_(static_cast<size_t>(num_pages), 0) {

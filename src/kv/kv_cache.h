@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <list>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "core/dtype.h"
@@ -60,10 +62,65 @@ class KvCache {
   /// The k (kv = 0) or v (kv = 1) rows of one head in one page: [page_size, head_dim].
   float* head_rows(int64_t layer, int64_t page, int kv, int64_t head);
 
+  /// Hybrid models: per-sequence recurrent state slots beside the pages, host fp32
+  /// [num_slots, slot_elems] (the model defines a slot's layout). Allocated once, zeroed.
+  void allocate_states(int64_t num_slots, int64_t slot_elems);
+  int64_t num_state_slots() const { return num_state_slots_; }
+  int64_t state_slot_elems() const { return state_slot_elems_; }
+  /// Base of one slot: [slot_elems] floats.
+  float* state(int64_t slot);
+
  private:
   KvGeometry geometry_;
   std::vector<HostTensor> pools_;
   External external_;
+  HostTensor states_;  // [num_state_slots, state_slot_elems]
+  int64_t num_state_slots_ = 0, state_slot_elems_ = 0;
+};
+
+/// The prefix cache of hybrid models: recurrent-state checkpoints at page-aligned prompt
+/// positions, keyed by the chain hash (BlockManager::page_hash) of the last page before the
+/// position, held in KvCache state slots [first_slot, first_slot + capacity); the least
+/// recently used one is evicted. Not thread-safe: owned by the engine thread.
+class StateCheckpoints {
+ public:
+  StateCheckpoints(int32_t first_slot, int64_t capacity);
+
+  int64_t size() const { return static_cast<int64_t>(map_.size()); }
+  int64_t capacity() const { return capacity_; }
+  /// The slot of the checkpoint after the page `hash`, or -1; a hit becomes the most recent.
+  int32_t find(uint64_t hash);
+  /// A slot to write the checkpoint for `hash` into, evicting the least recently used one
+  /// when full; -1 when `hash` already has one (or capacity is 0).
+  int32_t insert(uint64_t hash);
+
+ private:
+  struct Entry {
+    int32_t slot;
+    std::list<uint64_t>::iterator lru;
+  };
+  int64_t capacity_;
+  std::unordered_map<uint64_t, Entry> map_;
+  std::list<uint64_t> lru_;    // oldest first
+  std::vector<int32_t> free_;  // slots not holding a checkpoint
+};
+
+/// Hands out state slot ids (one per running sequence of a hybrid model), lowest first. Not
+/// thread-safe: owned by the engine thread.
+class StateSlotAllocator {
+ public:
+  explicit StateSlotAllocator(int64_t num_slots);
+
+  int64_t num_slots() const { return static_cast<int64_t>(used_.size()); }
+  int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
+  /// A free slot, or -1 when none is left.
+  int32_t allocate();
+  /// Frees a slot in use (throws on a double free).
+  void release(int32_t slot);
+
+ private:
+  std::vector<bool> used_;
+  std::vector<int32_t> free_;  // stack; lowest ids handed out first
 };
 
 /// Hands out page ids with reference counts (a page shared by the prefix cache has more

@@ -276,6 +276,199 @@ QuantConfig read_quantization_config(const FieldReader& top) {
                "' (supported: fp8 with weight_block_size [128, 128], modelopt MXFP8)");
 }
 
+// ---- Qwen3.5 hybrid MoE (qwen3_5_moe: image-text, language model under text_config;
+// qwen3_5_moe_text: text only). Defaults as transformers' Qwen3_5MoeTextConfig (5.x).
+constexpr const char* kQwen35ModelType = "qwen3_5_moe";
+constexpr const char* kQwen35TextModelType = "qwen3_5_moe_text";
+constexpr const char* kQwen35Architecture = "Qwen3_5MoeForConditionalGeneration";
+constexpr const char* kQwen35TextArchitecture = "Qwen3_5MoeForCausalLM";
+
+void check_architectures(const FieldReader& r, const char* expected) {
+  const Json* archs = r.find_non_null("architectures");
+  if (archs == nullptr) return;
+  if (!archs->is_array()) r.type_error("architectures", *archs, "a list of strings");
+  for (const Json& a : *archs) {
+    if (!a.is_string()) r.type_error("architectures", a, "a list of strings");
+    TANDEM_CHECK_KIND(kUnsupported, a.get<std::string>() == expected, r.origin(),
+                      ": field 'architectures': unsupported architecture '", a.get<std::string>(),
+                      "' (supported: ", expected, ")");
+  }
+}
+
+// The rope object of a Qwen3.5 text config: default RoPE with partial_rotary_factor and the
+// multimodal mrope_section / mrope_interleaved (text positions are equal in all three sections,
+// so mrope reduces to plain RoPE for text).
+void read_qwen3_5_rope(const FieldReader& t, ModelConfig& c) {
+  c.rope_theta = t.get_double("rope_theta", 10000.0);
+  c.partial_rotary_factor = t.get_double("partial_rotary_factor", 0.25);
+  const Json* v = t.find_non_null("rope_parameters");
+  if (v == nullptr) v = t.find_non_null("rope_scaling");
+  if (v != nullptr) {
+    if (!v->is_object()) t.type_error("rope_parameters", *v, "an object");
+    FieldReader r(*v, t.origin(), t.name("rope_parameters."));
+    std::optional<std::string> type = r.get_string("rope_type", /*nullable=*/true);
+    if (!type) type = r.get_string("type", /*nullable=*/true);
+    TANDEM_CHECK_KIND(kUnsupported, !type || *type == "default" || *type == "mrope", t.origin(),
+                      ": field '", r.name("rope_type"), "': unsupported RoPE type '",
+                      type.value_or(""), "' (supported: default)");
+    c.rope_theta = r.get_double("rope_theta", c.rope_theta);
+    c.partial_rotary_factor = r.get_double("partial_rotary_factor", c.partial_rotary_factor);
+    (void)r.get_int_list("mrope_section");
+    (void)r.get_bool("mrope_interleaved", false);
+  }
+  (void)t.get_int_list("mrope_section");
+  (void)t.get_bool("mrope_interleaved", false);
+  TANDEM_CHECK_KIND(kInvalidArgument, c.rope_theta > 0.0, t.origin(), ": field '",
+                    t.name("rope_theta"), "' must be positive, got ", c.rope_theta);
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    c.partial_rotary_factor > 0.0 && c.partial_rotary_factor <= 1.0, t.origin(),
+                    ": field '", t.name("partial_rotary_factor"), "' must be in (0, 1], got ",
+                    c.partial_rotary_factor);
+}
+
+ModelConfig qwen3_5_from_json(const Json& j, const FieldReader& top,
+                              const std::string& model_type) {
+  const std::string& origin = top.origin();
+  ModelConfig c;
+  c.model_type = model_type;
+  const Json* text = &j;
+  std::string prefix;
+  if (model_type == kQwen35ModelType) {
+    check_architectures(top, kQwen35Architecture);
+    c.architecture = kQwen35Architecture;
+    c.weight_prefix = "model.language_model.";
+    text = top.find_non_null("text_config");
+    TANDEM_CHECK_KIND(kInvalidArgument, text != nullptr, origin,
+                      ": missing required field 'text_config' (model_type ", model_type, ")");
+    if (!text->is_object()) top.type_error("text_config", *text, "an object");
+    prefix = "text_config.";
+  } else {
+    check_architectures(top, kQwen35TextArchitecture);
+    c.architecture = kQwen35TextArchitecture;
+    c.weight_prefix = "model.";
+  }
+  FieldReader t(*text, origin, prefix);
+
+  c.vocab_size = t.get_int("vocab_size", 248320);
+  c.hidden_size = t.get_int("hidden_size", 2048);
+  c.num_hidden_layers = t.get_int("num_hidden_layers", 40);
+  c.num_attention_heads = t.get_int("num_attention_heads", 16);
+  c.num_key_value_heads = t.get_int("num_key_value_heads", 2);
+  c.head_dim = t.get_int("head_dim", 256);
+  c.max_position_embeddings = t.get_int("max_position_embeddings", 32768);
+  c.rms_norm_eps = t.get_double("rms_norm_eps", 1e-6);
+  c.linear_conv_kernel_dim = t.get_int("linear_conv_kernel_dim", 4);
+  c.linear_key_head_dim = t.get_int("linear_key_head_dim", 128);
+  c.linear_value_head_dim = t.get_int("linear_value_head_dim", 128);
+  c.linear_num_key_heads = t.get_int("linear_num_key_heads", 16);
+  c.linear_num_value_heads = t.get_int("linear_num_value_heads", 32);
+  c.moe_intermediate_size = t.get_int("moe_intermediate_size", 512);
+  c.shared_expert_intermediate_size = t.get_int("shared_expert_intermediate_size", 512);
+  c.intermediate_size = c.shared_expert_intermediate_size;
+  c.num_experts = t.get_int("num_experts", 256);
+  c.num_experts_per_tok = t.get_int("num_experts_per_tok", 8);
+  c.norm_topk_prob = true;  // Qwen3.5's router always renormalises the top-k weights
+  c.decoder_sparse_step = 1;
+  c.attn_output_gate = t.get_bool("attn_output_gate", true);
+  c.mtp_num_hidden_layers = t.get_int("mtp_num_hidden_layers", 0);
+  // The image-text class declares tie_word_embeddings at the top level; text_config's
+  // is the fallback.
+  c.tie_word_embeddings = t.get_bool("tie_word_embeddings", false);
+  if (text != &j)
+    c.tie_word_embeddings = top.get_bool("tie_word_embeddings", c.tie_word_embeddings);
+
+  for (const char* f : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "max_position_embeddings",
+                        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                        "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
+                        "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok"}) {
+    check_positive(origin, t.name(f).c_str(), t.get_int(f, 1));
+  }
+  TANDEM_CHECK_KIND(kInvalidArgument, c.num_attention_heads % c.num_key_value_heads == 0, origin,
+                    ": field '", t.name("num_attention_heads"), "' (", c.num_attention_heads,
+                    ") is not divisible by field '", t.name("num_key_value_heads"), "' (",
+                    c.num_key_value_heads, ")");
+  TANDEM_CHECK_KIND(kInvalidArgument, c.linear_num_value_heads % c.linear_num_key_heads == 0,
+                    origin, ": field '", t.name("linear_num_value_heads"), "' (",
+                    c.linear_num_value_heads, ") is not divisible by field '",
+                    t.name("linear_num_key_heads"), "' (", c.linear_num_key_heads, ")");
+  TANDEM_CHECK_KIND(kInvalidArgument, c.num_experts_per_tok <= c.num_experts, origin, ": field '",
+                    t.name("num_experts_per_tok"), "' (", c.num_experts_per_tok,
+                    ") exceeds field '", t.name("num_experts"), "' (", c.num_experts, ")");
+  TANDEM_CHECK_KIND(kInvalidArgument, c.rms_norm_eps > 0.0, origin, ": field '",
+                    t.name("rms_norm_eps"), "' must be positive, got ", c.rms_norm_eps);
+  TANDEM_CHECK_KIND(kInvalidArgument, c.mtp_num_hidden_layers >= 0, origin, ": field '",
+                    t.name("mtp_num_hidden_layers"), "' must be >= 0");
+
+  // What the forward does not implement: fail loudly.
+  TANDEM_CHECK_KIND(kUnsupported, !t.get_bool("attention_bias", false), origin, ": field '",
+                    t.name("attention_bias"), "': attention biases are not supported");
+  TANDEM_CHECK_KIND(kUnsupported, c.attn_output_gate, origin, ": field '",
+                    t.name("attn_output_gate"),
+                    "': attention without the output gate is not supported");
+  if (std::optional<std::string> act = t.get_string("hidden_act")) {
+    TANDEM_CHECK_KIND(kUnsupported, *act == "silu", origin, ": field '", t.name("hidden_act"),
+                      "': unsupported activation '", *act, "' (supported: silu)");
+  }
+  if (std::optional<std::string> sd = t.get_string("mamba_ssm_dtype", /*nullable=*/true)) {
+    c.ssm_state_dtype = dtype_from_torch_name(*sd, origin, t.name("mamba_ssm_dtype").c_str());
+    TANDEM_CHECK_KIND(kUnsupported, c.ssm_state_dtype == DType::kF32, origin, ": field '",
+                      t.name("mamba_ssm_dtype"), "': unsupported recurrent state dtype '", *sd,
+                      "' (supported: float32)");
+  }
+  read_qwen3_5_rope(t, c);
+  TANDEM_CHECK_KIND(kInvalidArgument, c.rotary_dim() >= 2, origin, ": field '",
+                    t.name("partial_rotary_factor"), "' (", c.partial_rotary_factor,
+                    ") leaves no rotary dims of head_dim ", c.head_dim);
+
+  // layer_types, else every full_attention_interval-th layer is full attention.
+  if (t.find_non_null("layer_types") != nullptr) {
+    const Json& lt = *t.find_non_null("layer_types");
+    if (!lt.is_array()) t.type_error("layer_types", lt, "a list of strings");
+    for (const Json& e : lt) {
+      if (!e.is_string()) t.type_error("layer_types", e, "a list of strings");
+      const std::string s = e.get<std::string>();
+      if (s == "full_attention") {
+        c.layer_types.push_back(ModelConfig::LayerType::kFullAttention);
+      } else if (s == "linear_attention") {
+        c.layer_types.push_back(ModelConfig::LayerType::kLinearAttention);
+      } else {
+        TANDEM_THROW(kUnsupported, origin, ": field '", t.name("layer_types"), "': entry ",
+                     c.layer_types.size(), " is an unsupported layer type '", s,
+                     "' (supported: full_attention, linear_attention)");
+      }
+    }
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      static_cast<int64_t>(c.layer_types.size()) == c.num_hidden_layers, origin,
+                      ": field '", t.name("layer_types"), "' has ", c.layer_types.size(),
+                      " entries for ", c.num_hidden_layers, " layers");
+  } else {
+    const int64_t every = t.get_int("full_attention_interval", 4);
+    check_positive(origin, t.name("full_attention_interval").c_str(), every);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      c.layer_types.push_back((l + 1) % every == 0 ? ModelConfig::LayerType::kFullAttention
+                                                   : ModelConfig::LayerType::kLinearAttention);
+    }
+  }
+
+  std::optional<std::string> dt = t.get_string("dtype", /*nullable=*/true);
+  if (!dt) dt = t.get_string("torch_dtype", /*nullable=*/true);
+  if (!dt) dt = top.get_string("dtype", /*nullable=*/true);
+  if (!dt) dt = top.get_string("torch_dtype", /*nullable=*/true);
+  if (dt) c.dtype = dtype_from_torch_name(*dt, origin, "dtype");
+
+  if (const Json* bos = t.find_non_null("bos_token_id")) {
+    c.bos_token_id = t.as_int("bos_token_id", *bos);
+  }
+  c.eos_token_ids = t.get_int_or_list("eos_token_id").value_or(std::vector<int64_t>{});
+  for (int64_t id : c.eos_token_ids) {
+    TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < c.vocab_size, origin, ": field '",
+                      t.name("eos_token_id"), "': token ", id, " is outside the vocabulary [0, ",
+                      c.vocab_size, ")");
+  }
+  return c;
+}
+
 }  // namespace
 
 std::string_view weight_quant_name(WeightQuant q) {
@@ -291,7 +484,13 @@ std::string QuantConfig::scale_name(const std::string& weight_name) const {
   return weight_name + (method == WeightQuant::kMxfp8 ? "_scale" : "_scale_inv");
 }
 
+int64_t ModelConfig::rotary_dim() const {
+  // transformers: int(head_dim * partial_rotary_factor), rotated in halves.
+  return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor) / 2 * 2;
+}
+
 bool ModelConfig::is_moe_layer(int64_t layer) const {
+  if (is_hybrid()) return true;  // Qwen3.5: every layer is sparse
   // transformers Qwen3MoeDecoderLayer:
   //   (layer_idx not in mlp_only_layers) and
   //   (num_experts > 0 and (layer_idx + 1) % decoder_sparse_step == 0)
@@ -310,9 +509,13 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
   std::optional<std::string> model_type = r.get_string("model_type");
   TANDEM_CHECK_KIND(kInvalidArgument, model_type.has_value(), origin,
                     ": missing required field 'model_type'");
+  if (*model_type == kQwen35ModelType || *model_type == kQwen35TextModelType) {
+    return qwen3_5_from_json(j, r, *model_type);
+  }
   TANDEM_CHECK_KIND(kUnsupported, *model_type == kModelType, origin,
                     ": field 'model_type': unsupported model_type '", *model_type,
-                    "' (supported: ", kModelType, ")");
+                    "' (supported: ", kModelType, ", ", kQwen35ModelType, ", ",
+                    kQwen35TextModelType, ")");
   c.model_type = *model_type;
   c.architecture = kArchitecture;
   if (const Json* archs = r.find_non_null("architectures")) {

@@ -63,6 +63,27 @@ struct ModelConfig {
   int64_t bos_token_id = -1;
   QuantConfig quant;  // quantization_config; kNone when absent
 
+  // Qwen3.5 hybrid MoE (model_type "qwen3_5_moe" / "qwen3_5_moe_text"); empty layer_types for
+  // Qwen3-MoE. Every Qwen3.5 layer is MoE with a shared expert; full-attention layers use the
+  // fields above (head_dim, heads, rope_theta), linear-attention layers the linear_* ones.
+  enum class LayerType : uint8_t { kFullAttention, kLinearAttention };
+  std::vector<LayerType> layer_types;    // one per layer
+  std::string weight_prefix = "model.";  // "model.language_model." for the image-text layout
+  int64_t linear_num_key_heads = 0;
+  int64_t linear_num_value_heads = 0;
+  int64_t linear_key_head_dim = 0;
+  int64_t linear_value_head_dim = 0;
+  int64_t linear_conv_kernel_dim = 0;
+  int64_t shared_expert_intermediate_size = 0;
+  double partial_rotary_factor = 1.0;   // RoPE on the first head_dim * factor dims
+  bool attn_output_gate = false;        // q_proj emits a sigmoid gate per head
+  int64_t mtp_num_hidden_layers = 0;    // MTP weights (mtp.*) are not loaded
+  DType ssm_state_dtype = DType::kF32;  // mamba_ssm_dtype: the recurrent state's dtype
+
+  bool is_hybrid() const { return !layer_types.empty(); }
+  /// Rotary dims of a full-attention head (even).
+  int64_t rotary_dim() const;
+
   /// True when layer `layer` uses the sparse MoE block (Qwen3MoeDecoderLayer rule).
   bool is_moe_layer(int64_t layer) const;
 

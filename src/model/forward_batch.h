@@ -20,6 +20,9 @@ struct ForwardSeq {
   const int32_t* block_table = nullptr;  // [num_pages] covering start_pos + num_tokens
   int64_t num_pages = 0;
   LogitsMode logits = LogitsMode::kLast;
+  /// Hybrid models: the sequence's recurrent state slot in the KvCache (-1: none). A chunk
+  /// at start_pos 0 starts the state from zeros; a later chunk continues it.
+  int32_t state_slot = -1;
 };
 
 struct ForwardBatch {

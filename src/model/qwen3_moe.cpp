@@ -78,6 +78,10 @@ std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir) {
 std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const ShardSpec& shard,
                                                comm::Communicator* comm) {
   ModelConfig config = ModelConfig::from_dir(dir);
+  TANDEM_CHECK_KIND(
+      kUnsupported, !config.is_hybrid(), dir, "/config.json: model_type '", config.model_type,
+      "' is a hybrid model: this path (sharded roles, Qwen3MoeCpu) serves qwen3_moe only; ",
+      "tandem generate / serve run it on the CPU");
   ShardPlan plan = ShardPlan::make(config, shard);
   if (shard.mode != ShardMode::kSingle) {
     TANDEM_CHECK_KIND(kInvalidArgument, comm != nullptr, shard_mode_name(shard.mode),

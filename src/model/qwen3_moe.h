@@ -37,6 +37,10 @@ class Model {
   /// The KV cache size (MiB) this model would take when the engine is given none
   /// (EngineConfig::kv_cache_mb <= 0); 0: no preference (the engine's default).
   virtual int64_t kv_cache_mb_hint() const { return 0; }
+  /// Hybrid models: floats of one sequence's recurrent state over all its layers (one
+  /// KvCache state slot; every sequence of a batch passes its ForwardSeq::state_slot). 0: the
+  /// model keeps no per-sequence state.
+  virtual int64_t state_slot_elems() const { return 0; }
   /// Runs the batch, writing new KV into `kv` and the requested logits rows
   /// ([batch.num_logit_rows(), vocab], fp32) into `logits`.
   virtual void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) = 0;

@@ -24,6 +24,7 @@
 #include "engine/engine.h"
 #include "engine/prefill_instance.h"
 #include "model/convert.h"
+#include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
 #ifdef TANDEM_WITH_CUDA
 #include "core/cuda_check.h"
@@ -86,10 +87,16 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
                                   EngineConfig& engine, double gpu_memory_utilization = 0.9) {
   if (device == "cpu") {
     if (engine.kv_cache_mb <= 0) engine.kv_cache_mb = EngineConfig{}.kv_cache_mb;
-    return Qwen3MoeCpu::load(dir);
+    return load_cpu_model(dir);  // by config.json's model_type
   }
   TANDEM_CHECK_KIND(kInvalidArgument, device == "cuda", "--device must be cpu or cuda, not '",
                     device, "'");
+  {
+    const ModelConfig mc = ModelConfig::from_dir(dir);
+    TANDEM_CHECK_KIND(kUnsupported, !mc.is_hybrid(), dir, "/config.json: model_type '",
+                      mc.model_type, "' (Qwen3.5 hybrid) is not supported with --device cuda yet",
+                      " (use --device cpu)");
+  }
 #ifdef TANDEM_WITH_CUDA
   CudaModelOptions o;
   o.max_tokens = engine.max_batched_tokens;

@@ -73,6 +73,18 @@ std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CliGolden, ::testing::ValuesIn(testing::golden_dirs()),
                          param_name);
+// Qwen3.5 hybrid checkpoints (the CPU model is picked by config.json's model_type).
+INSTANTIATE_TEST_SUITE_P(Hybrid, CliGolden, ::testing::ValuesIn(testing::hybrid_golden_dirs()),
+                         param_name);
+
+TEST(Cli, HybridModelOnTheGpuIsRefusedNamingConfigJson) {
+  for (const auto& dir : testing::hybrid_golden_dirs()) {
+    CmdResult r = run("generate --device cuda --model " + dir + " --prompt-ids 1,2");
+    EXPECT_EQ(r.status, 1) << r.out;
+    EXPECT_NE(r.out.find(dir + "/config.json"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("--device cuda"), std::string::npos) << r.out;
+  }
+}
 
 TEST(Cli, BadInputGivesClearErrors) {
   auto fixture = testing::golden_dirs().front();

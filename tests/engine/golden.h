@@ -50,17 +50,38 @@ inline Golden load_golden(const std::string& dir) {
   return g;
 }
 
-/// Every fixture directory (tests/data/fixtures/*) plus the demo model when present.
+/// Qwen3.5 hybrid fixtures (tests/data/fixtures/qwen35_*, tools/make_qwen35_fixtures.py).
+inline bool is_hybrid_fixture(const std::filesystem::path& dir) {
+  return dir.filename().string().rfind("qwen35_", 0) == 0;
+}
+
+/// Every Qwen3-MoE fixture directory (tests/data/fixtures/*, not the hybrid ones) plus the
+/// demo model when present.
 inline std::vector<std::string> golden_dirs() {
   std::vector<std::string> dirs;
   namespace fs = std::filesystem;
   for (const auto& e : fs::directory_iterator(source_dir() + "/tests/data/fixtures")) {
-    if (fs::exists(e.path() / "golden.json")) dirs.push_back(e.path().string());
+    if (fs::exists(e.path() / "golden.json") && !is_hybrid_fixture(e.path())) {
+      dirs.push_back(e.path().string());
+    }
   }
   std::sort(dirs.begin(), dirs.end());
   if (fs::exists(source_dir() + "/models/demo/golden.json")) {
     dirs.push_back(source_dir() + "/models/demo");
   }
+  return dirs;
+}
+
+/// The Qwen3.5 hybrid fixtures.
+inline std::vector<std::string> hybrid_golden_dirs() {
+  std::vector<std::string> dirs;
+  namespace fs = std::filesystem;
+  for (const auto& e : fs::directory_iterator(source_dir() + "/tests/data/fixtures")) {
+    if (fs::exists(e.path() / "golden.json") && is_hybrid_fixture(e.path())) {
+      dirs.push_back(e.path().string());
+    }
+  }
+  std::sort(dirs.begin(), dirs.end());
   return dirs;
 }
 

@@ -95,3 +95,60 @@ TEST(BlockManager, DisabledCacheNeverMatches) {
 
 }  // namespace
 }  // namespace tandem
+
+namespace tandem {
+namespace {
+
+TEST(StateSlots, AllocateLowestFirstReleaseAndDoubleFree) {
+  StateSlotAllocator a(3);
+  EXPECT_EQ(a.num_slots(), 3);
+  EXPECT_EQ(a.allocate(), 0);
+  EXPECT_EQ(a.allocate(), 1);
+  EXPECT_EQ(a.allocate(), 2);
+  EXPECT_EQ(a.allocate(), -1);  // exhausted
+  EXPECT_EQ(a.num_free(), 0);
+  a.release(1);
+  EXPECT_EQ(a.num_free(), 1);
+  EXPECT_EQ(a.allocate(), 1);
+  a.release(2);
+  EXPECT_THROW(a.release(2), Error);
+  EXPECT_THROW(a.release(7), Error);
+  StateSlotAllocator none(0);
+  EXPECT_EQ(none.allocate(), -1);
+}
+
+TEST(StateSlots, KvCacheStatesAreZeroedAndSeparate) {
+  KvCache kv(KvGeometry{1, 2, 1, 4, 8});
+  EXPECT_EQ(kv.num_state_slots(), 0);
+  EXPECT_THROW(kv.state(0), Error);
+  kv.allocate_states(3, 5);
+  EXPECT_EQ(kv.num_state_slots(), 3);
+  EXPECT_EQ(kv.state_slot_elems(), 5);
+  for (int s = 0; s < 3; ++s) {
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(kv.state(s)[i], 0.0f);
+  }
+  kv.state(1)[4] = 2.0f;
+  EXPECT_EQ(kv.state(2)[0], 0.0f);
+  EXPECT_EQ(kv.state(0) + 5, kv.state(1));
+  EXPECT_THROW(kv.state(3), Error);
+  EXPECT_THROW(kv.allocate_states(0, 5), Error);
+}
+
+TEST(StateSlots, CheckpointsFindInsertAndEvictLeastRecentlyUsed) {
+  StateCheckpoints c(/*first_slot=*/4, /*capacity=*/2);
+  EXPECT_EQ(c.find(11), -1);
+  const int32_t a = c.insert(11), b = c.insert(22);
+  EXPECT_EQ(std::set<int32_t>({a, b}), std::set<int32_t>({4, 5}));
+  EXPECT_EQ(c.insert(11), -1);  // already checkpointed
+  EXPECT_EQ(c.find(11), a);     // 11 becomes the most recent: 22 is evicted next
+  EXPECT_EQ(c.insert(33), b);
+  EXPECT_EQ(c.find(22), -1);
+  EXPECT_EQ(c.find(11), a);
+  EXPECT_EQ(c.find(33), b);
+  EXPECT_EQ(c.size(), 2);
+  StateCheckpoints none(0, 0);
+  EXPECT_EQ(none.insert(1), -1);
+}
+
+}  // namespace
+}  // namespace tandem

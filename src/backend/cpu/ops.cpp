@@ -132,11 +132,14 @@ void add_rms_norm(const AddRmsNormParams& p) {
 }
 
 void qk_norm_rope(const QkNormRopeParams& p) {
-  const int64_t half = p.head_dim / 2;
-  // inv_freq in fp32 as transformers computes it: 1 / theta^(2i/d).
+  const int64_t rot = p.rotary_dim > 0 ? p.rotary_dim : p.head_dim;
+  TANDEM_CHECK(rot % 2 == 0 && rot <= p.head_dim, "rotary_dim ", rot,
+               " must be even and <= ", p.head_dim);
+  const int64_t half = rot / 2;
+  // inv_freq in fp32 as transformers computes it: 1 / theta^(2i/rot).
   std::vector<float> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
-    float expo = static_cast<float>(2 * i) / static_cast<float>(p.head_dim);
+    float expo = static_cast<float>(2 * i) / static_cast<float>(rot);
     inv_freq[static_cast<size_t>(i)] =
         1.0f / static_cast<float>(std::pow(static_cast<float>(p.rope_theta), expo));
   }
@@ -297,6 +300,221 @@ void moe(const MoeParams& p) {
       float* o = p.out + t * p.hidden;
       const float* yi = y.data() + i * p.hidden;
       for (int64_t d = 0; d < p.hidden; ++d) o[d] += w * yi[d];
+    }
+  }
+}
+
+void causal_conv1d(const CausalConv1dParams& p) {
+  const int64_t n = p.num_tokens, kw = p.kernel, hist = kw - 1;
+  TANDEM_CHECK(kw >= 1, "causal_conv1d: kernel must be >= 1");
+  pool().parallel_for(p.channels, 64, [&](int64_t c0, int64_t c1) {
+    std::vector<float> xin(static_cast<size_t>(hist + n));  // (state, x) of one channel
+    for (int64_t c = c0; c < c1; ++c) {
+      float* st = p.state + c * hist;
+      const float* w = p.weight + c * kw;
+      for (int64_t j = 0; j < hist; ++j) xin[static_cast<size_t>(j)] = st[j];
+      for (int64_t t = 0; t < n; ++t) xin[static_cast<size_t>(hist + t)] = p.x[t * p.channels + c];
+      for (int64_t t = 0; t < n; ++t) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < kw; ++j) acc += w[j] * xin[static_cast<size_t>(t + j)];
+        p.out[t * p.channels + c] = p.silu ? silu(acc) : acc;
+      }
+      for (int64_t j = 0; j < hist; ++j) st[j] = xin[static_cast<size_t>(n + j)];
+    }
+  });
+}
+
+void deltanet_gates(const DeltaNetGatesParams& p) {
+  const int64_t stride = p.stride > 0 ? p.stride : p.heads;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const float b = p.b[r * stride + h];
+      const float x = p.a[r * stride + h] + p.dt_bias[h];
+      const float sp = x > 20.0f ? x : std::log1p(std::exp(x));
+      p.beta[r * p.heads + h] = 1.0f / (1.0f + std::exp(-b));
+      p.g[r * p.heads + h] = -std::exp(p.a_log[h]) * sp;
+    }
+  }
+}
+
+void gated_delta_rule(const GatedDeltaRuleParams& p) {
+  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dk = p.k_dim, dv = p.v_dim;
+  TANDEM_CHECK(hk > 0 && hv % hk == 0, "gated_delta_rule: ", hv, " value heads over ", hk,
+               " key heads");
+  const int64_t group = hv / hk;
+  const int64_t qk_stride = p.stride > 0 ? p.stride : hk * dk;
+  const int64_t v_stride = p.stride > 0 ? p.stride : hv * dv;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  // One work item per value head: its state is private to it.
+  pool().parallel_for(hv, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> q(static_cast<size_t>(dk)), k(static_cast<size_t>(dk)),
+        delta(static_cast<size_t>(dv));
+    for (int64_t h = h0; h < h1; ++h) {
+      float* S = p.state + h * dk * dv;  // [dk, dv]
+      const int64_t kh = h / group;
+      for (int64_t t = 0; t < p.num_tokens; ++t) {
+        const float* qt = p.q + t * qk_stride + kh * dk;
+        const float* kt = p.k + t * qk_stride + kh * dk;
+        const float* vt = p.v + t * v_stride + h * dv;
+        float qinv = 1.0f, kinv = 1.0f;
+        if (p.l2norm_qk) {
+          float qs = 0.f, ks = 0.f;
+          for (int64_t i = 0; i < dk; ++i) {
+            qs += qt[i] * qt[i];
+            ks += kt[i] * kt[i];
+          }
+          qinv = 1.0f / std::sqrt(qs + 1e-6f);
+          kinv = 1.0f / std::sqrt(ks + 1e-6f);
+        }
+        for (int64_t i = 0; i < dk; ++i) {
+          q[static_cast<size_t>(i)] = qt[i] * qinv * q_scale;
+          k[static_cast<size_t>(i)] = kt[i] * kinv;
+        }
+        const float decay = std::exp(p.g[t * hv + h]);
+        const float beta = p.beta[t * hv + h];
+        // S = decay * S, and kv_mem = S^T k in the same pass.
+        std::fill(delta.begin(), delta.end(), 0.f);
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = S + i * dv;
+          const float ki = k[static_cast<size_t>(i)];
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] *= decay;
+            delta[static_cast<size_t>(j)] += row[j] * ki;
+          }
+        }
+        for (int64_t j = 0; j < dv; ++j) {
+          delta[static_cast<size_t>(j)] = (vt[j] - delta[static_cast<size_t>(j)]) * beta;
+        }
+        float* o = p.out + (t * hv + h) * dv;
+        std::fill(o, o + dv, 0.f);
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = S + i * dv;
+          const float ki = k[static_cast<size_t>(i)], qi = q[static_cast<size_t>(i)];
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] += ki * delta[static_cast<size_t>(j)];
+            o[j] += row[j] * qi;
+          }
+        }
+      }
+    }
+  });
+}
+
+void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int64_t chunk) {
+  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dk = p.k_dim, dv = p.v_dim;
+  TANDEM_CHECK(hk > 0 && hv % hk == 0 && chunk > 0, "gated_delta_rule_chunked: ", hv,
+               " value heads over ", hk, " key heads, chunk ", chunk);
+  const int64_t group = hv / hk;
+  const int64_t qk_stride = p.stride > 0 ? p.stride : hk * dk;
+  const int64_t v_stride = p.stride > 0 ? p.stride : hv * dv;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  pool().parallel_for(hv, 1, [&](int64_t h0, int64_t h1) {
+    const size_t C = static_cast<size_t>(chunk);
+    std::vector<float> q(C * dk), k(C * dk), v(C * dv), beta(C), G(C), A(C * C);
+    std::vector<float> U(C * dv), W(C * dk), vn(C * dv), row(static_cast<size_t>(dv));
+    for (int64_t h = h0; h < h1; ++h) {
+      float* S = p.state + h * dk * dv;  // [dk, dv]
+      const int64_t kh = h / group;
+      for (int64_t c0 = 0; c0 < p.num_tokens; c0 += chunk) {
+        const int64_t L = std::min(chunk, p.num_tokens - c0);
+        // Normalised q, k; beta; cumulative log decay G within the chunk.
+        float acc = 0.f;
+        for (int64_t i = 0; i < L; ++i) {
+          const int64_t t = c0 + i;
+          const float* qt = p.q + t * qk_stride + kh * dk;
+          const float* kt = p.k + t * qk_stride + kh * dk;
+          float qinv = 1.0f, kinv = 1.0f;
+          if (p.l2norm_qk) {
+            float qs = 0.f, ks = 0.f;
+            for (int64_t d = 0; d < dk; ++d) {
+              qs += qt[d] * qt[d];
+              ks += kt[d] * kt[d];
+            }
+            qinv = 1.0f / std::sqrt(qs + 1e-6f);
+            kinv = 1.0f / std::sqrt(ks + 1e-6f);
+          }
+          for (int64_t d = 0; d < dk; ++d) {
+            q[i * dk + d] = qt[d] * qinv * q_scale;
+            k[i * dk + d] = kt[d] * kinv;
+          }
+          std::copy_n(p.v + t * v_stride + h * dv, dv, v.data() + i * dv);
+          beta[i] = p.beta[t * hv + h];
+          acc += p.g[t * hv + h];
+          G[i] = acc;
+        }
+        // A (strictly lower) and the forward substitution for U and W.
+        for (int64_t i = 0; i < L; ++i) {
+          for (int64_t j = 0; j < i; ++j) {
+            A[i * C + j] =
+                beta[i] * dot1(k.data() + i * dk, k.data() + j * dk, dk) * std::exp(G[i] - G[j]);
+          }
+          const float eg = std::exp(G[i]);
+          for (int64_t d = 0; d < dv; ++d) U[i * dv + d] = beta[i] * v[i * dv + d];
+          for (int64_t d = 0; d < dk; ++d) W[i * dk + d] = beta[i] * k[i * dk + d] * eg;
+          for (int64_t j = 0; j < i; ++j) {
+            const float a = A[i * C + j];
+            for (int64_t d = 0; d < dv; ++d) U[i * dv + d] -= a * U[j * dv + d];
+            for (int64_t d = 0; d < dk; ++d) W[i * dk + d] -= a * W[j * dk + d];
+          }
+        }
+        // V' = U - W S; out = exp(G) q S + causal (q k^T decay) V'.
+        for (int64_t i = 0; i < L; ++i) {
+          for (int64_t d = 0; d < dv; ++d) vn[i * dv + d] = U[i * dv + d];
+          for (int64_t e = 0; e < dk; ++e) {
+            const float w = W[i * dk + e];
+            const float* Se = S + e * dv;
+            for (int64_t d = 0; d < dv; ++d) vn[i * dv + d] -= w * Se[d];
+          }
+        }
+        for (int64_t i = 0; i < L; ++i) {
+          float* o = p.out + ((c0 + i) * hv + h) * dv;
+          std::fill(row.begin(), row.end(), 0.f);
+          const float eg = std::exp(G[i]);
+          for (int64_t e = 0; e < dk; ++e) {
+            const float qe = q[i * dk + e] * eg;
+            const float* Se = S + e * dv;
+            for (int64_t d = 0; d < dv; ++d) row[static_cast<size_t>(d)] += qe * Se[d];
+          }
+          for (int64_t j = 0; j <= i; ++j) {
+            const float a = dot1(q.data() + i * dk, k.data() + j * dk, dk) * std::exp(G[i] - G[j]);
+            for (int64_t d = 0; d < dv; ++d) row[static_cast<size_t>(d)] += a * vn[j * dv + d];
+          }
+          std::copy(row.begin(), row.end(), o);
+        }
+        // S = exp(G_last) S + (k exp(G_last - G))^T V'.
+        const float glast = G[L - 1], decay = std::exp(glast);
+        for (int64_t e = 0; e < dk; ++e) {
+          float* Se = S + e * dv;
+          for (int64_t d = 0; d < dv; ++d) Se[d] *= decay;
+          for (int64_t j = 0; j < L; ++j) {
+            const float kj = k[j * dk + e] * std::exp(glast - G[j]);
+            for (int64_t d = 0; d < dv; ++d) Se[d] += kj * vn[j * dv + d];
+          }
+        }
+      }
+    }
+  });
+}
+
+void gated_rms_norm(const GatedRmsNormParams& p) {
+  pool().parallel_for(p.rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* o = p.out + r * p.dim;
+      const float* z = p.gate + r * p.dim;
+      rms_norm_row(p.x + r * p.dim, p.weight, o, p.dim, p.eps);
+      for (int64_t i = 0; i < p.dim; ++i) o[i] *= silu(z[i]);
+    }
+  });
+}
+
+void sigmoid_gate(const SigmoidGateParams& p) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* x = p.x + r * p.dim;
+    const float* g = p.gate + r * p.gate_stride;
+    float* o = p.out + r * p.dim;
+    for (int64_t i = 0; i < p.dim; ++i) {
+      const float s = 1.0f / (1.0f + std::exp(-(p.per_row ? g[0] : g[i])));
+      o[i] = p.accumulate ? o[i] + x[i] * s : x[i] * s;
     }
   }
 }

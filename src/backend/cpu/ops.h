@@ -58,6 +58,7 @@ struct QkNormRopeParams {
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim;
   float eps;
   double rope_theta;
+  int64_t rotary_dim = 0;  // partial RoPE on the first rotary_dim dims (even); 0: head_dim
 };
 void qk_norm_rope(const QkNormRopeParams& p);
 
@@ -117,5 +118,83 @@ struct MoeParams {
   int64_t num_tokens, hidden, inter, top_k, expert_begin, num_local_experts;
 };
 void moe(const MoeParams& p);
+
+// ---- Qwen3.5 hybrid layers (gated DeltaNet, gated attention, shared expert) -----------------
+
+/// Depthwise causal conv1d with optional SiLU over one sequence's new tokens, continuing from
+/// the kernel - 1 previous inputs in `state`:
+///   out[t, c] = silu(sum_j weight[c, j] * x'[t + j, c]),  x' = (state[c, :], x[:, c])
+/// and state becomes the last kernel - 1 inputs of x'. Zeros in state start a new sequence.
+/// Prefill in chunks equals one prefill; a decode step is num_tokens == 1.
+struct CausalConv1dParams {
+  const float* x;       // [num_tokens, channels]
+  const float* weight;  // [channels, kernel]
+  float* state;         // [channels, kernel - 1], in/out
+  float* out;           // [num_tokens, channels]; must not alias x
+  int64_t num_tokens, channels, kernel;
+  bool silu = true;
+};
+void causal_conv1d(const CausalConv1dParams& p);
+
+/// DeltaNet gates per token and value head: beta = sigmoid(b),
+/// g = -exp(a_log) * softplus(a + dt_bias) (softplus linear above 20, as torch).
+struct DeltaNetGatesParams {
+  const float* b;        // [rows, heads] (row stride `stride`)
+  const float* a;        // [rows, heads] (row stride `stride`)
+  const float* a_log;    // [heads]
+  const float* dt_bias;  // [heads]
+  float* beta;           // [rows, heads]
+  float* g;              // [rows, heads]
+  int64_t rows, heads;
+  int64_t stride = 0;  // floats between rows of a and b; 0: heads
+};
+void deltanet_gates(const DeltaNetGatesParams& p);
+
+/// The gated delta rule over one sequence's new tokens, token by token, with an fp32 state
+/// per value head. q and k are L2-normalised (x / sqrt(sum x^2 + 1e-6)) when l2norm_qk, q is
+/// scaled by 1 / sqrt(k_dim); value head h reads q/k head h / (num_v_heads / num_k_heads).
+/// Per token: S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q  (S: [k_dim, v_dim]).
+struct GatedDeltaRuleParams {
+  const float* q;     // [num_tokens, num_k_heads, k_dim] (row stride `stride`)
+  const float* k;     // [num_tokens, num_k_heads, k_dim] (row stride `stride`)
+  const float* v;     // [num_tokens, num_v_heads, v_dim] (row stride `stride`)
+  const float* g;     // [num_tokens, num_v_heads], log decay (<= 0)
+  const float* beta;  // [num_tokens, num_v_heads]
+  float* state;       // [num_v_heads, k_dim, v_dim], in/out (zeros: a new sequence)
+  float* out;         // [num_tokens, num_v_heads, v_dim]
+  int64_t num_tokens, num_k_heads, num_v_heads, k_dim, v_dim;
+  int64_t stride = 0;  // floats between tokens of q, k and v; 0: dense per tensor
+  bool l2norm_qk = true;
+};
+void gated_delta_rule(const GatedDeltaRuleParams& p);
+/// The same rule in chunks of `chunk` tokens (the WY / UT form prefill kernels use): per chunk
+/// with cumulative decays G, A = strictly-lower beta_i k_i.k_j exp(G_i - G_j), U = (I + A)^-1
+/// (beta v), W = (I + A)^-1 (beta k exp(G)), V' = U - W S, out = exp(G) q S + causal
+/// (q k^T exp(G_i - G_j)) V', S = exp(G_last) S + (k exp(G_last - G))^T V'. Equal to
+/// gated_delta_rule up to rounding; the reference for chunked GPU kernels.
+void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int64_t chunk = 64);
+
+/// RMSNorm gated by silu: out = weight * rms_norm(x) * silu(gate), per row (plain weight).
+struct GatedRmsNormParams {
+  const float* x;       // [rows, dim]
+  const float* gate;    // [rows, dim]
+  const float* weight;  // [dim]
+  float* out;           // [rows, dim]; may alias x
+  int64_t rows, dim;
+  float eps;
+};
+void gated_rms_norm(const GatedRmsNormParams& p);
+
+/// out[r, i] = x[r, i] * sigmoid(gate[r * gate_stride + (per_row ? 0 : i)]) (or out += it):
+/// the attention output gate (per element) and the shared expert's gate (one per row).
+struct SigmoidGateParams {
+  const float* x;     // [rows, dim]
+  const float* gate;  // [rows, gate_stride]
+  float* out;         // [rows, dim]; may alias x unless accumulate
+  int64_t rows, dim, gate_stride;
+  bool per_row = false;
+  bool accumulate = false;
+};
+void sigmoid_gate(const SigmoidGateParams& p);
 
 }  // namespace tandem::cpu

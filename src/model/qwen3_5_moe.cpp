@@ -1,0 +1,347 @@
+#include "model/qwen3_5_moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+#include "model/safetensors.h"
+
+namespace tandem {
+
+namespace {
+
+// `name` (bf16/f16/f32 on disk) as an fp32 tensor of the expected shape; `plus_one` stores
+// 1 + w (the zero-centred RMSNorm weights), computed in fp32 as transformers does.
+HostTensor load_f32(const Checkpoint& ckpt, const std::string& name, const Shape& shape,
+                    bool plus_one = false) {
+  TensorView src = ckpt.get(name, shape);
+  HostTensor t(DType::kF32, shape);
+  Checkpoint::to_f32(src, t.ptr<float>());
+  if (plus_one) {
+    float* p = t.ptr<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) p[i] = 1.0f + p[i];
+  }
+  return t;
+}
+
+// [sum rows, cols]: the tensors' rows one after the other (fused projections).
+HostTensor load_concat(const Checkpoint& ckpt,
+                       const std::vector<std::pair<std::string, int64_t>>& parts, int64_t cols) {
+  int64_t total = 0;
+  for (const auto& [name, rows] : parts) total += rows;
+  HostTensor t(DType::kF32, {total, cols});
+  float* dst = t.ptr<float>();
+  for (const auto& [name, rows] : parts) {
+    Checkpoint::to_f32(ckpt.get(name, {rows, cols}), dst);
+    dst += rows * cols;
+  }
+  return t;
+}
+
+// Expert e of a fused [experts, rows, cols] tensor.
+HostTensor load_expert(const Checkpoint& ckpt, const std::string& name, int64_t experts, int64_t e,
+                       int64_t rows, int64_t cols) {
+  TensorView src = ckpt.get(name, {experts, rows, cols});
+  HostTensor t(DType::kF32, {rows, cols});
+  Checkpoint::to_f32(src, t.ptr<float>(), e, e + 1);
+  return t;
+}
+
+}  // namespace
+
+Qwen35MoeCpu::Qwen35MoeCpu(ModelConfig config) : config_(std::move(config)) {
+  const auto& c = config_;
+  key_dim_ = c.linear_num_key_heads * c.linear_key_head_dim;
+  value_dim_ = c.linear_num_value_heads * c.linear_value_head_dim;
+  conv_dim_ = 2 * key_dim_ + value_dim_;
+}
+
+Qwen35MoeCpu::~Qwen35MoeCpu() = default;
+
+std::unique_ptr<Qwen35MoeCpu> Qwen35MoeCpu::load(const std::string& dir) {
+  ModelConfig config = ModelConfig::from_dir(dir);
+  TANDEM_CHECK_KIND(kUnsupported, config.is_hybrid(), dir, "/config.json: model_type '",
+                    config.model_type, "' is not a Qwen3.5 hybrid model");
+  Checkpoint ckpt(dir);
+  std::unique_ptr<Qwen35MoeCpu> model(new Qwen35MoeCpu(std::move(config)));
+  model->load_weights(ckpt);
+  return model;
+}
+
+void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt) {
+  const auto& c = config_;
+  const int64_t h = c.hidden_size, d = c.head_dim;
+  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+  const int64_t kern = c.linear_conv_kernel_dim;
+  const int64_t inter = c.moe_intermediate_size, sinter = c.shared_expert_intermediate_size;
+  const std::string& root = c.weight_prefix;
+  embed_ = load_f32(ckpt, root + "embed_tokens.weight", {c.vocab_size, h});
+  norm_ = load_f32(ckpt, root + "norm.weight", {h}, /*plus_one=*/true);
+  if (!c.tie_word_embeddings) lm_head_ = load_f32(ckpt, "lm_head.weight", {c.vocab_size, h});
+
+  layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& layer = layers_[static_cast<size_t>(l)];
+    const std::string p = root + "layers." + std::to_string(l) + ".";
+    layer.linear =
+        c.layer_types[static_cast<size_t>(l)] == ModelConfig::LayerType::kLinearAttention;
+    layer.index = layer.linear ? num_linear_++ : num_attention_++;
+    layer.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {h}, true);
+    layer.post_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {h}, true);
+    if (layer.linear) {
+      const std::string a = p + "linear_attn.";
+      layer.in_proj = load_concat(ckpt,
+                                  {{a + "in_proj_qkv.weight", conv_dim_},
+                                   {a + "in_proj_z.weight", value_dim_},
+                                   {a + "in_proj_b.weight", hv},
+                                   {a + "in_proj_a.weight", hv}},
+                                  h);
+      HostTensor conv = load_f32(ckpt, a + "conv1d.weight", {conv_dim_, 1, kern});
+      layer.conv = HostTensor(DType::kF32, {conv_dim_, kern});
+      std::memcpy(layer.conv.ptr<float>(), conv.ptr<float>(), sizeof(float) * conv_dim_ * kern);
+      layer.a_log = load_f32(ckpt, a + "A_log", {hv});
+      layer.dt_bias = load_f32(ckpt, a + "dt_bias", {hv});
+      layer.out_norm = load_f32(ckpt, a + "norm.weight", {dv});
+      layer.out_proj = load_f32(ckpt, a + "out_proj.weight", {h, value_dim_});
+    } else {
+      const std::string a = p + "self_attn.";
+      layer.qkv = load_concat(ckpt,
+                              {{a + "q_proj.weight", qh * 2 * d},
+                               {a + "k_proj.weight", kvh * d},
+                               {a + "v_proj.weight", kvh * d}},
+                              h);
+      layer.o = load_f32(ckpt, a + "o_proj.weight", {h, qh * d});
+      layer.q_norm = load_f32(ckpt, a + "q_norm.weight", {d}, true);
+      layer.k_norm = load_f32(ckpt, a + "k_norm.weight", {d}, true);
+    }
+    const std::string m = p + "mlp.";
+    layer.router = load_f32(ckpt, m + "gate.weight", {c.num_experts, h});
+    // Experts: fused 3D (transformers 5) or one tensor per expert (the hub).
+    const bool fused = ckpt.has(m + "experts.gate_up_proj");
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      if (fused) {
+        layer.gate_up.push_back(
+            load_expert(ckpt, m + "experts.gate_up_proj", c.num_experts, e, 2 * inter, h));
+        layer.down.push_back(
+            load_expert(ckpt, m + "experts.down_proj", c.num_experts, e, h, inter));
+      } else {
+        const std::string ep = m + "experts." + std::to_string(e) + ".";
+        layer.gate_up.push_back(load_concat(
+            ckpt, {{ep + "gate_proj.weight", inter}, {ep + "up_proj.weight", inter}}, h));
+        layer.down.push_back(load_f32(ckpt, ep + "down_proj.weight", {h, inter}));
+      }
+    }
+    for (auto& t : layer.gate_up) layer.gate_up_ptrs.push_back(t.ptr<float>());
+    for (auto& t : layer.down) layer.down_ptrs.push_back(t.ptr<float>());
+    layer.shared_gate_up = load_concat(ckpt,
+                                       {{m + "shared_expert.gate_proj.weight", sinter},
+                                        {m + "shared_expert.up_proj.weight", sinter}},
+                                       h);
+    layer.shared_down = load_f32(ckpt, m + "shared_expert.down_proj.weight", {h, sinter});
+    layer.shared_gate = load_f32(ckpt, m + "shared_expert_gate.weight", {1, h});
+  }
+  TANDEM_CHECK_KIND(kUnsupported, num_attention_ > 0, ckpt.dir(),
+                    "/config.json: layer_types has no full_attention layer");
+}
+
+KvGeometry Qwen35MoeCpu::kv_geometry(int64_t num_pages, int64_t page_size) const {
+  return {num_attention_, num_pages, config_.num_key_value_heads, page_size, config_.head_dim};
+}
+
+int64_t Qwen35MoeCpu::state_elems_per_layer() const {
+  const auto& c = config_;
+  return conv_dim_ * (c.linear_conv_kernel_dim - 1) +
+         c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+}
+
+int64_t Qwen35MoeCpu::state_slot_elems() const {
+  return std::max<int64_t>(1, num_linear_ * state_elems_per_layer());
+}
+
+void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
+  const auto& c = config_;
+  const int64_t h = c.hidden_size, d = c.head_dim;
+  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t kern = c.linear_conv_kernel_dim;
+  const int64_t in_w = conv_dim_ + value_dim_ + 2 * hv;  // in_proj row: qkv | z | b | a
+  const int64_t page_size = kv.geometry().page_size;
+  const int64_t n = batch.num_tokens();
+  TANDEM_CHECK(kv.geometry().num_layers == num_attention_ && kv.geometry().num_kv_heads == kvh &&
+                   kv.geometry().head_dim == d,
+               "KV cache geometry does not match the model");
+  logits.clear();
+  if (n == 0) return;
+  if (num_linear_ > 0) {
+    TANDEM_CHECK(kv.state_slot_elems() == state_slot_elems(),
+                 "the KV cache has no state slots for this hybrid model");
+  }
+
+  // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
+  std::vector<int32_t> ids(static_cast<size_t>(n)), positions(static_cast<size_t>(n)),
+      token_seq(static_cast<size_t>(n));
+  std::vector<int64_t> slots(static_cast<size_t>(n)), seq_begin(batch.seqs.size());
+  int64_t max_pages = 1;
+  for (const auto& s : batch.seqs) max_pages = std::max(max_pages, s.num_pages);
+  std::vector<int32_t> tables(batch.seqs.size() * static_cast<size_t>(max_pages), 0);
+  int64_t t = 0;
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& s = batch.seqs[si];
+    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
+    if (num_linear_ > 0) {
+      TANDEM_CHECK(s.state_slot >= 0 && s.state_slot < kv.num_state_slots(), "sequence ", si,
+                   " has no state slot (", s.state_slot, ")");
+      // A sequence computed from its first token starts from a zero state.
+      if (s.start_pos == 0) {
+        float* st = kv.state(s.state_slot);
+        std::fill(st, st + kv.state_slot_elems(), 0.0f);
+      }
+    }
+    std::memcpy(tables.data() + si * static_cast<size_t>(max_pages), s.block_table,
+                sizeof(int32_t) * static_cast<size_t>(s.num_pages));
+    seq_begin[si] = t;
+    for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
+      int64_t pos = s.start_pos + i;
+      ids[static_cast<size_t>(t)] = s.tokens[i];
+      positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
+      token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
+      slots[static_cast<size_t>(t)] = s.block_table[pos / page_size] * page_size + pos % page_size;
+    }
+  }
+
+  // Activations.                                    // shapes
+  auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
+  std::vector<float> x = buf(n * h);                         // [n, hidden] residual stream
+  std::vector<float> xn = buf(n * h);                        // [n, hidden] normed
+  std::vector<float> y = buf(n * h);                         // [n, hidden] block output
+  std::vector<float> qkv = buf(n * (qh * 2 + 2 * kvh) * d);  // attention projections
+  std::vector<float> q = buf(n * qh * d), gate = buf(n * qh * d);
+  std::vector<float> k = buf(n * kvh * d), v = buf(n * kvh * d);
+  std::vector<float> attn = buf(n * std::max(qh * d, value_dim_));  // [n, qh*d] | [n, v_dim]
+  std::vector<float> proj = buf(n * in_w);                          // DeltaNet in_proj rows
+  std::vector<float> mixed = buf(n * conv_dim_), conv_out = buf(n * conv_dim_);
+  std::vector<float> z = buf(n * value_dim_);
+  std::vector<float> beta = buf(n * hv), g = buf(n * hv);
+  std::vector<float> router = buf(n * c.num_experts);
+  std::vector<int32_t> topk_ids(static_cast<size_t>(n * c.num_experts_per_tok));
+  std::vector<float> topk_w(topk_ids.size());
+  const int64_t sinter = c.shared_expert_intermediate_size;
+  std::vector<float> sgu = buf(n * 2 * sinter), sact = buf(n * sinter), sout = buf(n * h);
+  std::vector<float> sgate = buf(n);
+
+  cpu::embedding({ids.data(), embed_.ptr<float>(), x.data(), n, h, c.vocab_size});
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& layer = layers_[static_cast<size_t>(l)];
+    if (l == 0) {
+      cpu::rms_norm({x.data(), layer.input_norm.ptr<float>(), xn.data(), n, h, eps});
+    } else {
+      cpu::add_rms_norm({x.data(), y.data(), layer.input_norm.ptr<float>(), xn.data(), n, h, eps});
+    }
+    if (!layer.linear) {
+      // Gated full attention: q_proj rows are (query, gate) per head.
+      const int64_t w = (qh * 2 + 2 * kvh) * d;
+      cpu::gemm({xn.data(), layer.qkv.ptr<float>(), qkv.data(), n, w, h});
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = qkv.data() + i * w;
+        for (int64_t hh = 0; hh < qh; ++hh) {
+          std::memcpy(q.data() + (i * qh + hh) * d, row + hh * 2 * d, sizeof(float) * d);
+          std::memcpy(gate.data() + (i * qh + hh) * d, row + hh * 2 * d + d, sizeof(float) * d);
+        }
+        std::memcpy(k.data() + i * kvh * d, row + qh * 2 * d, sizeof(float) * kvh * d);
+        std::memcpy(v.data() + i * kvh * d, row + qh * 2 * d + kvh * d, sizeof(float) * kvh * d);
+      }
+      cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
+                         positions.data(), n, qh, kvh, d, eps, c.rope_theta, c.rotary_dim()});
+      float* pool = kv.layer(layer.index);
+      cpu::kv_write({k.data(), v.data(), pool, slots.data(), n, kvh, d, page_size});
+      cpu::paged_attention({q.data(), pool, tables.data(), token_seq.data(), positions.data(),
+                            attn.data(), n, qh, kvh, d, page_size, max_pages,
+                            1.0f / std::sqrt(static_cast<float>(d))});
+      cpu::sigmoid_gate({attn.data(), gate.data(), attn.data(), n, qh * d, qh * d});
+      cpu::gemm({attn.data(), layer.o.ptr<float>(), y.data(), n, h, qh * d});
+    } else {
+      // Gated DeltaNet: one fused projection, then per sequence conv + delta rule on its state.
+      cpu::gemm({xn.data(), layer.in_proj.ptr<float>(), proj.data(), n, in_w, h});
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = proj.data() + i * in_w;
+        std::memcpy(mixed.data() + i * conv_dim_, row, sizeof(float) * conv_dim_);
+        std::memcpy(z.data() + i * value_dim_, row + conv_dim_, sizeof(float) * value_dim_);
+      }
+      cpu::deltanet_gates({proj.data() + conv_dim_ + value_dim_,
+                           proj.data() + conv_dim_ + value_dim_ + hv, layer.a_log.ptr<float>(),
+                           layer.dt_bias.ptr<float>(), beta.data(), g.data(), n, hv, in_w});
+      for (size_t si = 0; si < batch.seqs.size(); ++si) {
+        const ForwardSeq& s = batch.seqs[si];
+        const int64_t t0 = seq_begin[si], ns = s.num_tokens;
+        float* conv_state = kv.state(s.state_slot) + layer.index * state_elems_per_layer();
+        float* rec_state = conv_state + conv_dim_ * (kern - 1);
+        float* co = conv_out.data() + t0 * conv_dim_;
+        cpu::causal_conv1d({mixed.data() + t0 * conv_dim_, layer.conv.ptr<float>(), conv_state, co,
+                            ns, conv_dim_, kern});
+        cpu::gated_delta_rule({co, co + key_dim_, co + 2 * key_dim_, g.data() + t0 * hv,
+                               beta.data() + t0 * hv, rec_state, attn.data() + t0 * value_dim_, ns,
+                               hk, hv, dk, dv, conv_dim_});
+      }
+      cpu::gated_rms_norm(
+          {attn.data(), z.data(), layer.out_norm.ptr<float>(), attn.data(), n * hv, dv, eps});
+      cpu::gemm({attn.data(), layer.out_proj.ptr<float>(), y.data(), n, h, value_dim_});
+    }
+    if (batch.on_layer_kv && !layer.linear) batch.on_layer_kv(layer.index);
+
+    // MoE block: routed experts (top-k renormalised) + sigmoid-gated shared expert.
+    cpu::add_rms_norm({x.data(), y.data(), layer.post_norm.ptr<float>(), xn.data(), n, h, eps});
+    cpu::gemm({xn.data(), layer.router.ptr<float>(), router.data(), n, c.num_experts, h});
+    cpu::topk_softmax({router.data(), topk_ids.data(), topk_w.data(), n, c.num_experts,
+                       c.num_experts_per_tok, true});
+    cpu::moe({xn.data(), topk_ids.data(), topk_w.data(), layer.gate_up_ptrs.data(),
+              layer.down_ptrs.data(), y.data(), n, h, c.moe_intermediate_size,
+              c.num_experts_per_tok, 0, c.num_experts});
+    cpu::gemm({xn.data(), layer.shared_gate_up.ptr<float>(), sgu.data(), n, 2 * sinter, h});
+    cpu::silu_mul({sgu.data(), sact.data(), n, sinter});
+    cpu::gemm({sact.data(), layer.shared_down.ptr<float>(), sout.data(), n, h, sinter});
+    cpu::gemm({xn.data(), layer.shared_gate.ptr<float>(), sgate.data(), n, 1, h});
+    cpu::sigmoid_gate({sout.data(), sgate.data(), y.data(), n, h, 1, /*per_row=*/true,
+                       /*accumulate=*/true});
+  }
+
+  // Final norm and lm_head on the rows that need logits only.
+  std::vector<int64_t> rows;
+  t = 0;
+  for (const auto& s : batch.seqs) {
+    if (s.logits == LogitsMode::kAll) {
+      for (int64_t i = 0; i < s.num_tokens; ++i) rows.push_back(t + i);
+    } else if (s.logits == LogitsMode::kLast) {
+      rows.push_back(t + s.num_tokens - 1);
+    }
+    t += s.num_tokens;
+  }
+  const int64_t r = static_cast<int64_t>(rows.size());
+  std::vector<float> last = buf(r * h);
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t src = rows[static_cast<size_t>(i)];
+    for (int64_t j = 0; j < h; ++j) {
+      last[static_cast<size_t>(i * h + j)] =
+          x[static_cast<size_t>(src * h + j)] + y[static_cast<size_t>(src * h + j)];
+    }
+  }
+  cpu::rms_norm({last.data(), norm_.ptr<float>(), last.data(), r, h, eps});
+  logits.resize(static_cast<size_t>(r * c.vocab_size));
+  const float* head = c.tie_word_embeddings ? embed_.ptr<float>() : lm_head_.ptr<float>();
+  cpu::gemm({last.data(), head, logits.data(), r, c.vocab_size, h});
+}
+
+std::unique_ptr<Model> load_cpu_model(const std::string& dir) {
+  ModelConfig config = ModelConfig::from_dir(dir);
+  if (config.is_hybrid()) return Qwen35MoeCpu::load(dir);
+  return Qwen3MoeCpu::load(dir);
+}
+
+}  // namespace tandem
