@@ -33,7 +33,7 @@ TEST(GroupWatchdog, NoticesAKilledRankWithinItsTimeout) {
         const auto t0 = std::chrono::steady_clock::now();
         WatchdogOptions o;
         o.interval = std::chrono::milliseconds(50);
-        o.timeout = std::chrono::milliseconds(600);
+        o.timeout = std::chrono::milliseconds(1500);  // (a loaded CI machine delays threads)
         auto dog = std::make_unique<GroupWatchdog>(
             store,
             [&](int r, const std::string&) {
@@ -48,11 +48,11 @@ TEST(GroupWatchdog, NoticesAKilledRankWithinItsTimeout) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1000));
           ::kill(::getpid(), SIGKILL);
         }
-        for (int i = 0; i < 400 && lost == -5; ++i) {
+        for (int i = 0; i < 1000 && lost == -5; ++i) {
           std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
         TANDEM_CHECK(lost == 2, "rank ", rank, ": lost ", lost.load());
-        TANDEM_CHECK(when_ms > 1000 && when_ms < 3000, "noticed after ", when_ms.load(), " ms");
+        TANDEM_CHECK(when_ms > 2000 && when_ms < 8000, "noticed after ", when_ms.load(), " ms");
         dog.reset();
         store->set("done/" + std::to_string(rank), "1");
         if (rank == 0) store->get("done/1");  // rank 1 still reads the store served here
@@ -71,11 +71,11 @@ TEST(GroupWatchdog, QuietWhileEveryRankLives) {
         auto store = group_store();
         std::atomic<bool> lost{false};
         WatchdogOptions o;
-        o.interval = std::chrono::milliseconds(20);
-        o.timeout = std::chrono::milliseconds(300);
+        o.interval = std::chrono::milliseconds(50);
+        o.timeout = std::chrono::milliseconds(2000);
         auto dog = std::make_unique<GroupWatchdog>(
             store, [&](int, const std::string&) { lost = true; }, o);
-        std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+        std::this_thread::sleep_for(std::chrono::milliseconds(3000));
         TANDEM_CHECK(!lost, "rank ", rank, ": a live rank was reported lost");
         store->barrier();
         dog.reset();

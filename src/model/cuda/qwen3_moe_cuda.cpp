@@ -185,6 +185,8 @@ void check_gqa_group(int64_t group, const std::string& origin, const char* what)
 }  // namespace
 
 void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
+  TANDEM_CHECK_KIND(kUnsupported, !c.is_hybrid(), origin, ": model_type '", c.model_type,
+                    "' (a hybrid DeltaNet model) is not supported on the GPU yet");
   TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin, ": head_dim ",
                     c.head_dim, " is not supported on the GPU (64 or 128)");
   TANDEM_CHECK_KIND(kUnsupported, !c.attention_bias, origin,
