@@ -19,6 +19,7 @@ std::vector<float> fp8_pack_weight_scales(const float* scale_inv, int64_t n, int
 
 Fp8GemmLt::Fp8GemmLt(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   TANDEM_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  TANDEM_CUDA_CHECK(cudaMalloc(&scale_placeholder_, 256));
   if (workspace_bytes_ > 0) TANDEM_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
 }
 
@@ -31,6 +32,7 @@ Fp8GemmLt::~Fp8GemmLt() {
     cublasLtMatmulDescDestroy(plan.op);
   }
   if (workspace_) cudaFree(workspace_);
+  if (scale_placeholder_) cudaFree(scale_placeholder_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -59,6 +61,11 @@ Fp8GemmLt::Plan& Fp8GemmLt::plan_for(int64_t m_pad, int64_t n, int64_t k) {
   set(CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb));
   set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode));
   set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode));
+  // NOTE: the heuristic answers INVALID_VALUE for block scales without scale pointers (seen on
+  // the H200 with cuBLASLt 13.1): set placeholders; run() sets the real ones per call.
+  const void* placeholder = scale_placeholder_;
+  set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder, sizeof(placeholder));
+  set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder, sizeof(placeholder));
   if (st == CUBLAS_STATUS_SUCCESS) {
     st = cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, static_cast<uint64_t>(k),
                                     static_cast<uint64_t>(n), k);

@@ -81,6 +81,7 @@ class Fp8GemmLt {
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
+  void* scale_placeholder_ = nullptr;  // [256 B] scale pointer for plan creation
   size_t workspace_bytes_ = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t>, Plan> plans_;
 };
