@@ -36,6 +36,20 @@ struct ForwardBatch {
     for (const auto& s : seqs) n += s.num_tokens;
     return n;
   }
+  /// The token index (into the flattened batch) of each logits row, in batch order.
+  std::vector<int64_t> logit_token_rows() const {
+    std::vector<int64_t> rows;
+    int64_t t = 0;
+    for (const auto& s : seqs) {
+      if (s.logits == LogitsMode::kAll) {
+        for (int64_t i = 0; i < s.num_tokens; ++i) rows.push_back(t + i);
+      } else if (s.logits == LogitsMode::kLast) {
+        rows.push_back(t + s.num_tokens - 1);
+      }
+      t += s.num_tokens;
+    }
+    return rows;
+  }
   /// Rows of logits the forward returns, in batch order.
   int64_t num_logit_rows() const {
     int64_t n = 0;

@@ -309,16 +309,7 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
   }
 
   // Final norm and lm_head on the rows that need logits only.
-  std::vector<int64_t> rows;
-  t = 0;
-  for (const auto& s : batch.seqs) {
-    if (s.logits == LogitsMode::kAll) {
-      for (int64_t i = 0; i < s.num_tokens; ++i) rows.push_back(t + i);
-    } else if (s.logits == LogitsMode::kLast) {
-      rows.push_back(t + s.num_tokens - 1);
-    }
-    t += s.num_tokens;
-  }
+  const std::vector<int64_t> rows = batch.logit_token_rows();
   const int64_t r = static_cast<int64_t>(rows.size());
   std::vector<float> last(static_cast<size_t>(r * h));
   for (int64_t i = 0; i < r; ++i) {
