@@ -19,6 +19,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/random_fill.h"
+#include "model/quant.h"
 #include "model/safetensors.h"
 
 namespace tandem {
@@ -118,13 +119,19 @@ class Uploader {
 };
 
 // A checkpoint tensor as host bf16: the mapped bytes when stored as bf16, else converted
-// into `tmp`.
-const uint16_t* host_bf16(const Checkpoint& ckpt, const std::string& name, const Shape& shape,
+// into `tmp` (block-FP8 / MXFP8 linears dequantized by the WeightReader, as the CPU model
+// loads them; the weights then take bf16's bytes on the device).
+const uint16_t* host_bf16(const WeightReader& wr, const std::string& name, const Shape& shape,
                           std::vector<uint16_t>& tmp) {
-  TensorView v = ckpt.get(name, shape);
+  TensorView v = wr.checkpoint().get(name, shape);
   if (v.dtype == DType::kBF16) return v.ptr<uint16_t>();
   std::vector<float> f(static_cast<size_t>(v.numel()));
-  Checkpoint::to_f32(v, f.data());
+  if (wr.is_quantized(name)) {
+    TANDEM_CHECK(shape.ndim() == 2, name, ": a quantized tensor must be a matrix");
+    wr.read(name, shape[0], shape[1], f.data());
+  } else {
+    Checkpoint::to_f32(v, f.data());
+  }
   tmp.resize(f.size());
   for (size_t i = 0; i < f.size(); ++i) tmp[i] = f32_to_bf16(f[i]);
   return tmp.data();
@@ -307,25 +314,25 @@ struct Qwen3MoeCuda::Impl {
     }
   }
 
-  void load_weights(const Checkpoint& ckpt) {
+  void load_weights(const WeightReader& wr) {
     const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                   kvh = c.num_key_value_heads;
     Uploader up(stream);
     std::vector<uint16_t> tmp, tmp2;
     auto put = [&](bf16* dst, const std::string& name, const Shape& shape) {
-      const uint16_t* src = host_bf16(ckpt, name, shape, tmp);
+      const uint16_t* src = host_bf16(wr, name, shape, tmp);
       up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
     };
     // Rows [r.begin, r.end) of a [rows, cols] tensor.
     auto put_rows = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
                         IndexRange r) {
-      const uint16_t* src = host_bf16(ckpt, name, {rows, cols}, tmp);
+      const uint16_t* src = host_bf16(wr, name, {rows, cols}, tmp);
       up.put(dst, src + r.begin * cols, static_cast<size_t>(r.size() * cols) * sizeof(bf16));
     };
     // Columns [r.begin, r.end) of a [rows, cols] tensor (row-parallel o_proj).
     auto put_cols = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
                         IndexRange r) {
-      const uint16_t* src = host_bf16(ckpt, name, {rows, cols}, tmp);
+      const uint16_t* src = host_bf16(wr, name, {rows, cols}, tmp);
       if (r.begin == 0 && r.end == cols) {
         up.put(dst, src, static_cast<size_t>(rows * cols) * sizeof(bf16));
         return;
@@ -362,12 +369,12 @@ struct Qwen3MoeCuda::Impl {
         for (int64_t e = 0; e < local_experts(); ++e) {
           const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + e) + ".";
           std::vector<uint16_t> gate_copy;
-          const uint16_t* gate = host_bf16(ckpt, ep + "gate_proj.weight", {inter, h}, tmp);
+          const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, h}, tmp);
           if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
             gate_copy = tmp;
             gate = gate_copy.data();
           }
-          const uint16_t* upw = host_bf16(ckpt, ep + "up_proj.weight", {inter, h}, tmp2);
+          const uint16_t* upw = host_bf16(wr, ep + "up_proj.weight", {inter, h}, tmp2);
           cuda::moe_pack_gate_up(reinterpret_cast<const bf16*>(gate),
                                  reinterpret_cast<const bf16*>(upw), inter, h,
                                  reinterpret_cast<bf16*>(packed.data()));
@@ -774,9 +781,10 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
   ModelConfig config = ModelConfig::from_dir(dir);
   check_cuda_model_config(config, dir + "/config.json");
   Checkpoint ckpt(dir);
+  const WeightReader reader(ckpt, config.quant, dir + "/config.json");
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(std::move(config), opts));
   m->impl_->allocate_weights();
-  m->impl_->load_weights(ckpt);
+  m->impl_->load_weights(reader);
   m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
   return m;

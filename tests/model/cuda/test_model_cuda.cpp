@@ -59,11 +59,20 @@ bool gpu_available() {
 
 bool gpu_shapes(const ModelConfig& c) { return c.head_dim == 64 || c.head_dim == 128; }
 
+// The golden fixtures the GPU kernels cover, and the block-FP8 ones (tests/data/fixtures_fp8:
+// dequantized to bf16 at load, as the CPU model dequantizes them to fp32).
 std::vector<std::string> supported_dirs() {
   std::vector<std::string> out;
   for (const auto& d : testing::golden_dirs()) {
     if (gpu_shapes(ModelConfig::from_dir(d))) out.push_back(d);
   }
+  namespace fs = std::filesystem;
+  std::vector<std::string> fp8;
+  for (const auto& e : fs::directory_iterator(testing::source_dir() + "/tests/data/fixtures_fp8")) {
+    if (fs::exists(e.path() / "golden.json")) fp8.push_back(e.path().string());
+  }
+  std::sort(fp8.begin(), fp8.end());
+  out.insert(out.end(), fp8.begin(), fp8.end());
   return out;
 }
 
