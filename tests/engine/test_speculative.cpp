@@ -5,14 +5,19 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <random>
 
 #include "core/error.h"
+#include "engine/decode_instance.h"
 #include "engine/engine.h"
+#include "engine/prefill_instance.h"
 #include "engine/speculative.h"
 #include "golden.h"
 #include "model/qwen3_5_moe.h"
@@ -429,6 +434,70 @@ TEST_F(SpecSamplingTest, WrongAcceptanceRuleFailsTheBound) {
   EXPECT_GT(x2, chi_square_bound(df)) << "df " << df;
   std::cout << "always accept: chi-square " << x2 << " (df " << df << ", bound "
             << chi_square_bound(df) << ")\n";
+}
+
+// A decode instance (DP = 2, EP MoE) speculates too: each rank drafts with its own copy of the
+// MTP layer (no collectives) and verifies with its ordinary lockstep forward; the tokens are one
+// engine's, without speculation.
+TEST(SpecDecodeInstance, SameTokensAsOneEngine) {
+  const std::string dir = testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2";
+  std::vector<GenRequest> reqs;
+  for (int i = 0; i < 4; ++i) {
+    GenRequest r;
+    r.id = "d" + std::to_string(i);
+    r.prompt_ids = std::vector<int32_t>(static_cast<size_t>(5 + 11 * i), 3 + i);
+    r.max_tokens = 14;
+    r.sampling.temperature = 0;
+    reqs.push_back(r);
+  }
+  auto ref_model = Qwen3MoeCpu::load(dir);
+  const RunResult want = run(*ref_model, reqs, EngineConfig{});
+
+  DecodeInstanceConfig cfg;
+  cfg.model_dir = dir;
+  cfg.dp = 2;
+  cfg.engine.num_pages = 256;
+  cfg.engine.num_speculative_tokens = 3;
+  cfg.max_decode_batch = 4;
+  const std::string mtp = mtp_dir(dir);
+  cfg.model = [dir, mtp](const ShardSpec& shard,
+                         comm::Communicator* comm) -> std::unique_ptr<Model> {
+    auto m = Qwen3MoeCpu::load(dir, shard, comm);
+    m->load_mtp(mtp);
+    return m;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, std::vector<int32_t>> got;
+  int finished = 0;
+  DecodeInstance d(cfg);
+  PrefillInstanceConfig pcfg;
+  pcfg.model_dir = dir;
+  pcfg.engine.num_pages = 256;
+  PrefillInstance p(pcfg);
+  for (const GenRequest& r : reqs) {
+    auto dst = d.accept(r, p.kv_sharding(), [&, id = r.id](const StepOutput& o) {
+      std::lock_guard<std::mutex> lock(mu);
+      got[id].insert(got[id].end(), o.token_ids.begin(), o.token_ids.end());
+      if (o.finished) {
+        ++finished;
+        cv.notify_all();
+      }
+    });
+    ASSERT_TRUE(dst.has_value());
+    p.submit(r, *dst, [&d, id = r.id](const std::string& error, const StepOutput& first) {
+      if (error.empty()) {
+        d.prefilled(id, first);
+      } else {
+        d.fail(id, error);
+      }
+    });
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return finished == 4; }));
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[reqs[i].id], want.outs[i].ids) << i;
 }
 
 // ---- Configuration ---------------------------------------------------------------------
