@@ -263,7 +263,7 @@ def self_generate(p, cfg, n_tokens, T, temperature, dev, seed):
     """Text sampled from the target itself (windows of T tokens from random first tokens): the
     distribution the drafts are verified against, no corpus or tokenizer needed."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    out, B = [], 64
+    out, B = [], max(1, min(64, -(-n_tokens // T)))
     while sum(len(x) for x in out) < n_tokens:
         seq = torch.randint(0, cfg.vocab, (B, 1), generator=gen).to(dev)
         with torch.no_grad():
