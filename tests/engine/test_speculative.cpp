@@ -206,6 +206,50 @@ TEST_P(SpecLosslessTest, GreedyTokensUnchangedForK1To4) {
   }
 }
 
+// Token-level stops, min_tokens, penalties and logit_bias act inside the accepted drafts exactly
+// as they do one token at a time (the drafts mostly right, so stops land inside accepted runs).
+TEST(SpecLossless, StopsPenaltiesAndMinTokensInsideAcceptedDrafts) {
+  const std::string dir = testing::source_dir() + "/models/demo";
+  if (!fs::exists(dir + "/golden.json")) GTEST_SKIP() << "no demo model";
+  auto model = load_with_mtp(dir);
+  const Golden g = testing::load_golden(dir);
+  std::vector<GenRequest> reqs;
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    const auto& c = g.cases[i];
+    GenRequest r;
+    r.prompt_ids = c.prompt_ids;
+    r.max_tokens = 40;
+    r.sampling.temperature = 0;
+    r.sampling.logprobs = 2;
+    GenRequest stop = r;  // stops at a token of its continuation
+    stop.id = "stop" + std::to_string(i);
+    stop.stop_token_ids = {c.output_ids[std::min<size_t>(6, c.output_ids.size() - 1)]};
+    reqs.push_back(stop);
+    GenRequest pen = r;  // penalties change the argmax
+    pen.id = "pen" + std::to_string(i);
+    pen.sampling.repetition_penalty = 1.5f;
+    pen.sampling.frequency_penalty = 0.4f;
+    pen.sampling.logit_bias = {{c.output_ids[0], -5.0f}};
+    reqs.push_back(pen);
+    GenRequest min = r;  // EOS and a stop id suppressed for 10 tokens
+    min.id = "min" + std::to_string(i);
+    min.min_tokens = 10;
+    min.stop_token_ids = {c.output_ids[std::min<size_t>(3, c.output_ids.size() - 1)]};
+    reqs.push_back(min);
+  }
+  const RunResult ref = run(*model, reqs, EngineConfig{});
+  for (int64_t k = 1; k <= kMaxSpeculativeTokens; ++k) {
+    EngineConfig spec;
+    spec.num_speculative_tokens = k;
+    spec.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
+    const RunResult r = run(*model, reqs, spec);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      expect_same(r.outs[i], ref.outs[i], reqs[i].id + " K = " + std::to_string(k));
+    }
+    EXPECT_GT(r.stats.spec_num_accepted_tokens, 0);
+  }
+}
+
 std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
   std::string n = fs::path(info.param).filename().string();
   for (auto& ch : n) {
