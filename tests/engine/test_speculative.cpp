@@ -55,6 +55,7 @@ struct Out {
   std::vector<int32_t> ids;
   std::vector<float> lps;
   std::vector<std::vector<TokenLogprob>> top;
+  std::vector<float> prompt_lps;
   FinishReason reason = FinishReason::kNone;
   int finished = 0;
 };
@@ -80,6 +81,8 @@ RunResult run(Model& model, const std::vector<GenRequest>& reqs, const EngineCon
         o.ids.insert(o.ids.end(), s.token_ids.begin(), s.token_ids.end());
         o.lps.insert(o.lps.end(), s.token_logprobs.begin(), s.token_logprobs.end());
         o.top.insert(o.top.end(), s.top_logprobs.begin(), s.top_logprobs.end());
+        o.prompt_lps.insert(o.prompt_lps.end(), s.prompt_token_logprobs.begin(),
+                            s.prompt_token_logprobs.end());
         if (s.finished) {
           o.reason = s.finish_reason;
           ++o.finished;
@@ -113,6 +116,10 @@ void expect_same(const Out& got, const Out& want, const std::string& what) {
   EXPECT_EQ(got.finished, 1);
   EXPECT_EQ(got.reason, want.reason);
   ASSERT_EQ(got.ids, want.ids);
+  ASSERT_EQ(got.prompt_lps.size(), want.prompt_lps.size());
+  for (size_t t = 0; t < got.prompt_lps.size(); ++t) {
+    EXPECT_NEAR(got.prompt_lps[t], want.prompt_lps[t], 1e-5) << "prompt position " << t;
+  }
   ASSERT_EQ(got.lps.size(), want.lps.size());
   for (size_t t = 0; t < got.lps.size(); ++t) {
     EXPECT_NEAR(got.lps[t], want.lps[t], 1e-5) << "position " << t;
@@ -206,8 +213,9 @@ TEST_P(SpecLosslessTest, GreedyTokensUnchangedForK1To4) {
   }
 }
 
-// Token-level stops, min_tokens, penalties and logit_bias act inside the accepted drafts exactly
-// as they do one token at a time (the drafts mostly right, so stops land inside accepted runs).
+// Token-level stops, min_tokens, penalties, logit_bias and prompt logprobs act inside the accepted
+// drafts exactly as they do one token at a time (the drafts mostly right, so stops land inside
+// accepted runs).
 TEST(SpecLossless, StopsPenaltiesAndMinTokensInsideAcceptedDrafts) {
   const std::string dir = testing::source_dir() + "/models/demo";
   if (!fs::exists(dir + "/golden.json")) GTEST_SKIP() << "no demo model";
@@ -236,6 +244,10 @@ TEST(SpecLossless, StopsPenaltiesAndMinTokensInsideAcceptedDrafts) {
     min.min_tokens = 10;
     min.stop_token_ids = {c.output_ids[std::min<size_t>(3, c.output_ids.size() - 1)]};
     reqs.push_back(min);
+    GenRequest plp = r;  // prompt logprobs (the prompt bypasses the prefix cache)
+    plp.id = "plp" + std::to_string(i);
+    plp.sampling.prompt_logprobs = 2;
+    reqs.push_back(plp);
   }
   const RunResult ref = run(*model, reqs, EngineConfig{});
   for (int64_t k = 1; k <= kMaxSpeculativeTokens; ++k) {
