@@ -34,7 +34,12 @@ using testing::Golden;
 // Random MTP weights for a fixture, written once per process (acceptance near zero: the
 // output must not change anyway).
 const std::string& mtp_dir(const std::string& model_dir) {
-  static std::map<std::string, std::string> dirs;
+  struct Dirs : std::map<std::string, std::string> {
+    ~Dirs() {
+      for (const auto& [model, dir] : *this) fs::remove_all(dir);
+    }
+  };
+  static Dirs dirs;
   std::string& d = dirs[model_dir];
   if (d.empty()) {
     d = (fs::temp_directory_path() / ("tandem_mtp_" + fs::path(model_dir).filename().string() +
