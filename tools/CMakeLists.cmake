@@ -17,3 +17,11 @@ if(TANDEM_TESTS AND TARGET tandem)
                    $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem>)
   set_tests_properties(Tools.RandomCheckpoint PROPERTIES TIMEOUT 120)
 endif()
+if(TANDEM_TESTS AND TARGET tandem)
+  # make_random_checkpoint --mtp + --speculative-config, and tools/train_mtp.py (skips without
+  # a python that has torch).
+  add_test(NAME Tools.MtpTools
+           COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_mtp_tools.sh
+                   $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem> ${CMAKE_SOURCE_DIR})
+  set_tests_properties(Tools.MtpTools PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77)
+endif()

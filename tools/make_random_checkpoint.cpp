@@ -10,10 +10,12 @@
 //       [--hidden H] [--intermediate I] [--moe-intermediate M] [--experts E] [--top-k K]
 //       [--heads Q] [--kv-heads KV] [--head-dim D] [--vocab V] [--max-position P]
 //       [--rope-theta T] [--rms-norm-eps EPS] [--tie-word-embeddings] [--no-norm-topk-prob]
-//       [--seed S] [--shard-gb G] [--threads T]
+//       [--seed S] [--shard-gb G] [--threads T] [--mtp]
 //   Qwen3.5 only: [--full-attention-interval N] [--linear-key-heads H] [--linear-value-heads H]
 //       [--linear-key-dim D] [--linear-value-dim D] [--shared-intermediate I]
 //
+// --mtp (Qwen3-MoE): also an MTP layer (mtp.fc, mtp.pre_fc_norm_{embedding,hidden},
+// mtp.layers.0.* as a decoder layer, mtp.norm), for speculative decoding benchmarks.
 // Values: matrices N(0, 0.02^2) (Irwin-Hall approximation: 4 uniforms), norms 1 + U(-0.05, 0.05)
 // (Qwen3.5's zero-centred (1 + w) norms U(-0.05, 0.05), A_log log U(1, 16)).
 // Each 1 Mi-element chunk of each tensor has its own generator seeded from (seed, tensor, chunk),
@@ -49,6 +51,7 @@ struct Config {
   int64_t max_position = 40960;
   double rope_theta = 1e6, rms_norm_eps = 1e-6;
   bool tie = false, norm_topk_prob = true;
+  bool mtp = false;
   // Qwen3.5 hybrid (gated DeltaNet + gated attention, shared expert).
   bool qwen35 = false;
   int64_t full_interval = 4, lin_k_heads = 16, lin_v_heads = 32, lin_k_dim = 128, lin_v_dim = 128;
@@ -171,8 +174,10 @@ std::vector<Tensor> tensor_list(Config const& c) {
   if (c.qwen35) return qwen35_tensor_list(c);
   std::vector<Tensor> t;
   t.push_back({"model.embed_tokens.weight", {c.vocab, c.hidden}, Init::kMatrix});
-  for (int64_t l = 0; l < c.layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
+  for (int64_t l = 0; l < c.layers + (c.mtp ? 1 : 0); ++l) {
+    // The MTP layer (--mtp) is one more decoder layer under mtp.layers.0.
+    const std::string p =
+        l < c.layers ? "model.layers." + std::to_string(l) + "." : std::string("mtp.layers.0.");
     t.push_back({p + "input_layernorm.weight", {c.hidden}, Init::kNorm});
     t.push_back({p + "self_attn.q_proj.weight", {c.heads * c.head_dim, c.hidden}, Init::kMatrix});
     t.push_back(
@@ -193,6 +198,12 @@ std::vector<Tensor> tensor_list(Config const& c) {
   }
   t.push_back({"model.norm.weight", {c.hidden}, Init::kNorm});
   if (!c.tie) t.push_back({"lm_head.weight", {c.vocab, c.hidden}, Init::kMatrix});
+  if (c.mtp) {
+    t.push_back({"mtp.fc.weight", {c.hidden, 2 * c.hidden}, Init::kMatrix});
+    t.push_back({"mtp.pre_fc_norm_embedding.weight", {c.hidden}, Init::kNorm});
+    t.push_back({"mtp.pre_fc_norm_hidden.weight", {c.hidden}, Init::kNorm});
+    t.push_back({"mtp.norm.weight", {c.hidden}, Init::kNorm});
+  }
   return t;
 }
 
@@ -388,7 +399,7 @@ struct Args {
                "  [--experts E] [--top-k K] [--heads Q] [--kv-heads KV] [--head-dim D]\n"
                "  [--vocab V] [--max-position P] [--rope-theta T] [--rms-norm-eps EPS]\n"
                "  [--tie-word-embeddings] [--no-norm-topk-prob] [--seed S] [--shard-gb G]\n"
-               "  [--threads T]\n"
+               "  [--threads T] [--mtp]\n"
                "  Qwen3.5: [--full-attention-interval N] [--linear-key-heads H]\n"
                "  [--linear-value-heads H] [--linear-key-dim D] [--linear-value-dim D]\n"
                "  [--shared-intermediate I]\n",
@@ -410,6 +421,10 @@ Args parse(int argc, char** argv) {
     }
     if (f == "--no-norm-topk-prob") {
       a.c.norm_topk_prob = false;
+      continue;
+    }
+    if (f == "--mtp") {
+      a.c.mtp = true;
       continue;
     }
     if (i + 1 >= argc) usage("missing value for " + f);
@@ -478,6 +493,7 @@ Args parse(int argc, char** argv) {
       usage("unknown flag " + f);
   }
   if (a.out.empty()) usage("--out is required");
+  if (a.c.mtp && a.c.qwen35) usage("--mtp: Qwen3-MoE presets only");
   if (a.c.top_k > a.c.experts) usage("--top-k exceeds --experts");
   if (a.c.heads % a.c.kv_heads != 0) usage("--heads must be a multiple of --kv-heads");
   if (a.c.qwen35 && a.c.lin_v_heads % a.c.lin_k_heads != 0) {

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "engine/speculative.h"
 
 namespace tandem {
 
@@ -47,8 +48,20 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
   }
   const int64_t state_bytes = model.state_slot_elems() * static_cast<int64_t>(sizeof(float)) *
                               (c.max_num_seqs + c.num_state_checkpoints);
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      c.num_speculative_tokens >= 0 && c.num_speculative_tokens <= kMaxSpeculativeTokens,
+      "num_speculative_tokens must be in [0, ", kMaxSpeculativeTokens, "], not ",
+      c.num_speculative_tokens);
+  TANDEM_CHECK_KIND(kInvalidArgument, c.num_speculative_tokens == 0 || model.has_mtp(),
+                    "speculative decoding (num_speculative_tokens ", c.num_speculative_tokens,
+                    ") needs the model's MTP layer, which is not loaded");
   if (c.num_pages <= 0) {
     int64_t page_bytes = model.kv_geometry(1, c.page_size).page_bytes_all_layers();
+    // The MTP layer's KV shares the page ids: a page costs both.
+    if (c.num_speculative_tokens > 0) {
+      page_bytes += model.mtp_kv_geometry(1, c.page_size).page_bytes_all_layers();
+    }
     const int64_t budget = c.kv_cache_mb * (1 << 20);
     TANDEM_CHECK_KIND(kInvalidArgument, state_bytes < budget, "a KV cache of ", c.kv_cache_mb,
                       " MiB cannot hold the recurrent states of max_num_seqs ", c.max_num_seqs,
@@ -82,6 +95,10 @@ Engine::Engine(Model& model, const EngineConfig& config)
       kv_(model.make_kv_cache(config_.num_pages, config_.page_size)),
       scheduler_(blocks_, config_.max_num_seqs, config_.max_batched_tokens,
                  model.state_slot_elems() > 0 ? config_.max_num_seqs : 0) {
+  if (speculating()) {
+    mtp_kv_ = KvCache(model.mtp_kv_geometry(config_.num_pages, config_.page_size));
+    counters_.spec_accepted_per_pos.assign(static_cast<size_t>(config_.num_speculative_tokens), 0);
+  }
   if (model.state_slot_elems() > 0) {
     kv_.allocate_states(config_.max_num_seqs + config_.num_state_checkpoints,
                         model.state_slot_elems());
@@ -205,6 +222,7 @@ bool Engine::step() {
 ScheduledBatch Engine::schedule() {
   if (!scheduler_.has_work()) return {};
   ScheduledBatch batch = scheduler_.schedule();
+  if (speculating()) batch.forward.hidden_out = &hidden_;  // the MTP layer's input
   copy_states(batch.state_restores);   // prefix-cache hits of hybrid models resume here
   for (const auto& ss : batch.seqs) {  // prefilled elsewhere: the state that came with it
     Sequence& s = *ss.seq;
@@ -238,7 +256,8 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
 
 bool Engine::forward(const ScheduledBatch& batch) {
   try {
-    sampled_on_device_ = model_.samples_on_device() && device_rows(batch, device_rows_);
+    sampled_on_device_ =
+        !speculating() && model_.samples_on_device() && device_rows(batch, device_rows_);
     if (sampled_on_device_) {
       model_.forward_sample(batch.forward, kv_, device_rows_, sampled_);
     } else {
@@ -262,12 +281,13 @@ void Engine::complete(const ScheduledBatch& batch) {
   scheduler_.commit(batch);
   copy_states(scheduler_.take_state_saves());  // before a finished sequence frees its slot
   process_outputs(batch, logits_);
+  if (speculating()) draft();
 }
 
 void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {
   const int64_t vocab = model_.config().vocab_size;
   const auto& eos = model_.config().eos_token_ids;
-  int64_t row = 0;
+  int64_t row = 0, token_row = 0;
   for (const auto& ss : batch.seqs) {
     Sequence& s = *ss.seq;
     const int64_t start = s.num_computed - ss.num_tokens;
@@ -275,7 +295,13 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
         ss.logits == LogitsMode::kAll ? ss.num_tokens : (ss.logits == LogitsMode::kLast ? 1 : 0);
     const int64_t first_row = row;
     row += rows;
+    const int64_t hidden_row = token_row;
+    token_row += ss.num_tokens;
     counters_.prompt_tokens += std::max<int64_t>(0, std::min(s.num_computed, s.prompt_len) - start);
+    if (ss.verify) {
+      process_verify(ss, logits, first_row, hidden_row);
+      continue;
+    }
     // Prompt logprobs: row i predicts the token at position start + i + 1.
     if (ss.logits == LogitsMode::kAll) {
       const int32_t k = s.req.sampling.prompt_logprobs;
@@ -288,7 +314,10 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
       }
       if (s.num_computed >= s.prompt_len) s.prompt_logprobs_done = true;
     }
-    if (s.num_computed != static_cast<int64_t>(s.tokens.size())) continue;  // mid-prefill
+    if (s.num_computed != static_cast<int64_t>(s.tokens.size())) {  // mid-prefill
+      note_computed(s, start, ss.num_tokens, hidden_row);
+      continue;
+    }
 
     StepOutput out;
     out.id = s.req.id;
@@ -339,12 +368,22 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     }
     s.tokens.push_back(token);
     ++counters_.generation_tokens;
+    note_computed(s, start, ss.num_tokens, hidden_row);
 
     finish_if_done(s, out);
   }
 }
 
 void Engine::finish_if_done(Sequence& s, StepOutput& out) {
+  const FinishReason reason = finish_reason_of(s, out);
+  if (reason != FinishReason::kNone) {
+    finish(s, reason, out);
+  } else {
+    emit(s, out);
+  }
+}
+
+FinishReason Engine::finish_reason_of(const Sequence& s, StepOutput& out) const {
   const int32_t token = s.tokens.back();
   const auto& eos = model_.config().eos_token_ids;
   FinishReason reason = FinishReason::kNone;
@@ -358,11 +397,7 @@ void Engine::finish_if_done(Sequence& s, StepOutput& out) {
              static_cast<int64_t>(s.tokens.size()) >= config_.max_model_len) {
     reason = FinishReason::kLength;
   }
-  if (reason != FinishReason::kNone) {
-    finish(s, reason, out);
-  } else {
-    emit(s, out);
-  }
+  return reason;
 }
 
 EngineStats Engine::stats() const {
@@ -375,6 +410,229 @@ EngineStats Engine::stats() const {
   st.prefix_cache_hits = blocks_.hit_tokens();
   st.preemptions = scheduler_.preemptions();
   return st;
+}
+
+// ---- MTP speculative decoding ----------------------------------------------------------
+
+namespace {
+
+// The logits a row samples from: `raw`, or a copy with EOS and the stop ids masked while the
+// sequence is below min_tokens (as the non-speculative path masks them).
+std::span<const float> masked_row(const Sequence& s, int64_t output_index,
+                                  std::span<const float> raw, const std::vector<int64_t>& eos,
+                                  std::vector<float>& masked) {
+  if (output_index >= s.req.min_tokens) return raw;
+  const auto vocab = static_cast<int64_t>(raw.size());
+  masked.assign(raw.begin(), raw.end());
+  for (int64_t id : eos) {
+    if (id >= 0 && id < vocab && !s.req.ignore_eos) masked[static_cast<size_t>(id)] = -INFINITY;
+  }
+  for (int32_t id : s.req.stop_token_ids) {
+    if (id >= 0 && id < vocab) masked[static_cast<size_t>(id)] = -INFINITY;
+  }
+  return masked;
+}
+
+}  // namespace
+
+void Engine::note_computed(const Sequence& s, int64_t start, int64_t count, int64_t hidden_row) {
+  if (!speculating() || !s.req.allow_speculation || count <= 0) return;
+  computed_.push_back({s.req.id, start, count, hidden_row});
+}
+
+void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& logits,
+                            int64_t first_row, int64_t hidden_row) {
+  Sequence& s = *ss.seq;
+  const int64_t vocab = model_.config().vocab_size;
+  const auto& eos = model_.config().eos_token_ids;
+  const int64_t start = s.num_computed - ss.num_tokens;  // the last token's position
+  const int64_t k = ss.num_tokens - 1;                   // drafts
+  const std::vector<int32_t> drafts(s.spec_tokens.begin() + 1, s.spec_tokens.end());
+  const std::vector<float> q_all = std::move(s.draft_probs);  // [k, vocab] or empty (one-hot)
+  s.spec_tokens.clear();
+  s.draft_probs.clear();
+  ++counters_.spec_num_drafts;
+  counters_.spec_num_draft_tokens += k;
+
+  StepOutput out;
+  out.id = s.req.id;
+  const SamplingParams& sp = s.req.sampling;
+  std::vector<float> masked, p;
+  FinishReason reason = FinishReason::kNone;
+  int64_t emitted = 0;
+  // Row j is the target's distribution after the last token and drafts 1..j: each row
+  // samples exactly as a non-speculative step would, then the next row only if its draft
+  // was accepted.
+  for (int64_t j = 0; j <= k; ++j) {
+    std::span<const float> raw(logits.data() + (first_row + j) * vocab, static_cast<size_t>(vocab));
+    std::span<const float> from = masked_row(s, s.num_output(), raw, eos, masked);
+    std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_len));
+    std::span<const int32_t> output(s.tokens.data() + s.prompt_len,
+                                    static_cast<size_t>(s.num_output()));
+    int32_t token = 0;
+    bool accepted = false;
+    if (j < k) {
+      const int32_t d = drafts[static_cast<size_t>(j)];
+      if (config_.spec_forced_accept_prob >= 0.0) {  // benchmarks only
+        accepted = uniform_draw(forced_accept_rng_) < config_.spec_forced_accept_prob;
+        token = accepted ? d : sample_token(from, sp, prompt, output, s.rng);
+      } else if (sp.greedy()) {
+        token = sample_token(from, sp, prompt, output, s.rng);  // the argmax; no draw
+        accepted = token == d;
+      } else {
+        token_distribution(from, sp, prompt, output, p);
+        std::span<const float> q;
+        if (!q_all.empty()) q = {q_all.data() + j * vocab, static_cast<size_t>(vocab)};
+        const AcceptResult r = accept_draft(p, q, d, s.rng);
+        token = r.token;
+        accepted = r.accepted;
+      }
+    } else {
+      token = sample_token(from, sp, prompt, output, s.rng);  // every draft accepted: the bonus
+    }
+    out.token_ids.push_back(token);
+    if (sp.logprobs >= 0) {  // from the target's raw logits, as without speculation
+      out.token_logprobs.push_back(token_logprob(raw, token));
+      if (sp.logprobs > 0) out.top_logprobs.push_back(top_logprobs(raw, sp.logprobs));
+    }
+    s.tokens.push_back(token);
+    ++counters_.generation_tokens;
+    ++emitted;
+    if (accepted) {
+      ++counters_.spec_num_accepted_tokens;
+      ++counters_.spec_accepted_per_pos[static_cast<size_t>(j)];
+    }
+    reason = finish_reason_of(s, out);
+    if (reason != FinishReason::kNone || !accepted) break;
+  }
+  // Positions start .. start + emitted - 1 hold the last token and the accepted drafts; the KV
+  // of the rejected ones is dead, and the pages past the live tokens go back to the pool.
+  s.num_computed = start + emitted;
+  const int64_t ps = config_.page_size;
+  const auto keep = static_cast<size_t>((static_cast<int64_t>(s.tokens.size()) + ps - 1) / ps);
+  if (s.pages.size() > keep) {
+    blocks_.release(std::span<const int32_t>(s.pages).subspan(keep));
+    s.pages.resize(keep);
+  }
+  if (reason != FinishReason::kNone) {
+    finish(s, reason, out);
+    return;
+  }
+  note_computed(s, start, emitted, hidden_row);
+  emit(s, out);
+}
+
+void Engine::draft() {
+  std::vector<Computed> computed = std::move(computed_);
+  computed_.clear();
+  const ModelConfig& mc = model_.config();
+  const int64_t h = mc.hidden_size, vocab = mc.vocab_size, ps = config_.page_size;
+
+  // 1. The MTP layer over every position the target computed this step: position t takes the
+  // target's hidden state at t and the token at t + 1 (known for all of them now), so its KV
+  // follows the target's. A decoding sequence's last row gives its first draft.
+  ForwardBatch fb;
+  std::vector<float> hin;           // [tokens, hidden]
+  std::vector<Sequence*> drafting;  // sequences that draft, in batch order
+  std::vector<int64_t> num_drafts;  // their K for this step
+  for (const Computed& c : computed) {
+    Sequence* s = scheduler_.find(c.id);
+    if (s == nullptr) continue;  // finished this step
+    s->spec_tokens.clear();
+    s->draft_probs.clear();
+    const auto n = static_cast<int64_t>(s->tokens.size());
+    int64_t k = 0;
+    if (s->num_computed + 1 == n && s->num_computed == c.start + c.count) {
+      // Drafts past max_tokens or the context are never used.
+      k = std::min({config_.num_speculative_tokens,
+                    static_cast<int64_t>(s->req.max_tokens) - s->num_output() - 1,
+                    config_.max_model_len - 1 - s->num_computed});
+      // Chained drafts write MTP KV up to position num_computed + k - 2.
+      const int64_t need_tokens = s->num_computed + k - 1;
+      const int64_t need = (need_tokens + ps - 1) / ps - static_cast<int64_t>(s->pages.size());
+      if (k > 1 && need > 0 && !blocks_.allocate(need, s->pages)) {
+        k = std::min(k, static_cast<int64_t>(s->pages.size()) * ps - s->num_computed + 1);
+      }
+      k = std::max<int64_t>(k, 0);
+    }
+    fb.seqs.push_back({s->tokens.data() + c.start + 1, c.count, c.start, s->pages.data(),
+                       static_cast<int64_t>(s->pages.size()),
+                       k > 0 ? LogitsMode::kLast : LogitsMode::kNone, -1});
+    hin.insert(hin.end(), hidden_.begin() + c.hidden_row * h,
+               hidden_.begin() + (c.hidden_row + c.count) * h);
+    if (k > 0) {
+      drafting.push_back(s);
+      num_drafts.push_back(k);
+    }
+  }
+  if (fb.seqs.empty()) return;
+  std::vector<float> logits, hout;
+  model_.mtp_forward(fb, hin.data(), mtp_kv_, logits, hout);
+
+  // 2. Drafts: draft j + 1 from the pass before; chained passes run the MTP layer on its own
+  // output (hidden state and draft) one position further.
+  const auto& eos = mc.eos_token_ids;
+  std::vector<float> masked, q;
+  std::vector<int32_t> out_ctx;
+  std::vector<size_t> live(drafting.size());  // indices into drafting of this pass's rows
+  for (size_t i = 0; i < live.size(); ++i) live[i] = i;
+  for (int64_t j = 0; !live.empty(); ++j) {
+    for (size_t r = 0; r < live.size(); ++r) {
+      Sequence& s = *drafting[live[r]];
+      if (s.spec_tokens.empty()) s.spec_tokens.push_back(s.tokens.back());
+      std::span<const float> raw(logits.data() + static_cast<int64_t>(r) * vocab,
+                                 static_cast<size_t>(vocab));
+      std::span<const float> from = masked_row(s, s.num_output() + j, raw, eos, masked);
+      const SamplingParams& sp = s.req.sampling;
+      // Penalties see the output so far and the drafts before this one.
+      out_ctx.clear();
+      if (sp.needs_host_logits()) {
+        out_ctx.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
+        out_ctx.insert(out_ctx.end(), s.spec_tokens.begin() + 1, s.spec_tokens.end());
+      }
+      std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_len));
+      int32_t d = 0;
+      if (sp.greedy()) {
+        d = sample_token(from, sp, prompt, out_ctx, s.rng);  // the argmax; no draw
+      } else {
+        token_distribution(from, sp, prompt, out_ctx, q);
+        d = sample_from_weights(q, s.rng);
+        if (d < 0) d = 0;
+        s.draft_probs.insert(s.draft_probs.end(), q.begin(), q.end());
+      }
+      s.spec_tokens.push_back(d);
+    }
+    // The next pass: the sequences that want another draft.
+    std::vector<size_t> next;
+    ForwardBatch chain;
+    std::vector<float> chain_hidden;
+    for (size_t r = 0; r < live.size(); ++r) {
+      Sequence& s = *drafting[live[r]];
+      if (j + 1 >= num_drafts[live[r]]) continue;
+      next.push_back(live[r]);
+      chain.seqs.push_back({&s.spec_tokens.back(), 1, s.num_computed + j, s.pages.data(),
+                            static_cast<int64_t>(s.pages.size()), LogitsMode::kLast, -1});
+      chain_hidden.insert(chain_hidden.end(), hout.begin() + static_cast<int64_t>(r) * h,
+                          hout.begin() + static_cast<int64_t>(r + 1) * h);
+    }
+    live = std::move(next);
+    if (live.empty()) break;
+    model_.mtp_forward(chain, chain_hidden.data(), mtp_kv_, logits, hout);
+  }
+
+  if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)
+    for (Sequence* s : drafting) {
+      std::vector<int32_t> d(s->spec_tokens.begin() + 1, s->spec_tokens.end());
+      const size_t k = d.size();
+      config_.spec_draft_hook(s->req.id, s->tokens, d);
+      d.resize(std::min(d.size(), k));
+      for (int32_t& t : d) t = std::clamp<int32_t>(t, 0, static_cast<int32_t>(vocab - 1));
+      s->spec_tokens.resize(1);
+      s->spec_tokens.insert(s->spec_tokens.end(), d.begin(), d.end());
+      if (d.empty()) s->spec_tokens.clear();
+      s->draft_probs.clear();
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -32,6 +33,18 @@ struct EngineConfig {
   // num_state_checkpoints slots (0: max_num_seqs), out of the kv_cache_mb budget.
   int64_t state_checkpoint_interval = 64;
   int64_t num_state_checkpoints = 0;
+  // MTP speculative decoding (engine/speculative.h): drafts per sequence and step, 1..4 (0:
+  // off). The model's MTP layer must be loaded (Model::load_mtp); its KV pages are counted
+  // with the target's.
+  int64_t num_speculative_tokens = 0;
+  // Benchmarks only, NOT lossless: accept each draft with this probability whatever the
+  // target says (models a given acceptance rate on random weights); < 0: off.
+  double spec_forced_accept_prob = -1.0;
+  // Tests only: may replace a sequence's drafts after the MTP drafted them (given its tokens
+  // so far); replaced drafts count as deterministic (q one-hot) in rejection sampling.
+  using SpecHookFn = std::function<void(const std::string& id, std::span<const int32_t> tokens,
+                                        std::vector<int32_t>& drafts)>;
+  SpecHookFn spec_draft_hook;
 };
 
 /// Single-threaded engine core. Not thread-safe; AsyncEngine wraps it in a thread.
@@ -96,6 +109,21 @@ class Engine {
   void finish(Sequence& seq, FinishReason reason, StepOutput& out);
   /// Finishes on EOS / stop id / length, else reports the output.
   void finish_if_done(Sequence& seq, StepOutput& out);
+  /// Why the sequence ends after its last token (kNone: it goes on); sets out.stop_token_id.
+  FinishReason finish_reason_of(const Sequence& seq, StepOutput& out) const;
+
+  // MTP speculative decoding (engine/speculative.h).
+  bool speculating() const { return config_.num_speculative_tokens > 0; }
+  /// Accepts a verified sequence's drafts (rows first_row.. of `logits`), appends the accepted
+  /// tokens and the target's next one, rolls back the KV of the rejected positions.
+  void process_verify(const ScheduledSeq& ss, const std::vector<float>& logits, int64_t first_row,
+                      int64_t hidden_row);
+  /// Remembers a sequence whose target positions [start, start + count) were computed this
+  /// step (hidden_ rows from hidden_row on), for draft().
+  void note_computed(const Sequence& s, int64_t start, int64_t count, int64_t hidden_row);
+  /// After the outputs: the MTP layer over the positions computed this step (its KV follows
+  /// the target's), then the drafts of every decoding sequence, chained K times.
+  void draft();
 
   Model& model_;
   EngineConfig config_;
@@ -107,6 +135,15 @@ class Engine {
   std::vector<SampledToken> sampled_;  // this step's tokens when sampled on the device
   bool sampled_on_device_ = false;
   EngineStats counters_;
+  // Speculative decoding.
+  KvCache mtp_kv_;             // the MTP layer's KV (same page ids as kv_)
+  std::vector<float> hidden_;  // [batch tokens, hidden] this step's target hidden states
+  struct Computed {
+    std::string id;
+    int64_t start = 0, count = 0, hidden_row = 0;
+  };
+  std::vector<Computed> computed_;
+  SamplerRng forced_accept_rng_{0x5eed};  // spec_forced_accept_prob draws
 };
 
 /// The engine on its own thread, behind the thread-safe EngineClient interface.

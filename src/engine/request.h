@@ -22,6 +22,9 @@ struct GenRequest {
   int32_t min_tokens = 0;               // EOS / stop ids suppressed before this many tokens
   std::vector<int32_t> stop_token_ids;  // finish with reason kStop (token included)
   bool ignore_eos = false;
+  // False: never speculate for this request (one token per step), e.g. when a per-request
+  // logits processor (structured outputs) must see every token before the next is drafted.
+  bool allow_speculation = true;
 };
 
 /// Tokens produced for one request since the last callback.
@@ -58,6 +61,12 @@ struct EngineStats {
   int64_t prompt_tokens = 0;         // total prompt tokens computed
   int64_t generation_tokens = 0;     // total tokens generated
   int64_t preemptions = 0;
+  // MTP speculative decoding, as vLLM counts it: verified draft sequences, their draft
+  // tokens, the accepted ones, and accepted drafts by position (0: the first draft).
+  int64_t spec_num_drafts = 0;
+  int64_t spec_num_draft_tokens = 0;
+  int64_t spec_num_accepted_tokens = 0;
+  std::vector<int64_t> spec_accepted_per_pos;  // [num_speculative_tokens]; empty when off
 };
 
 /// The engine as the front end sees it. Thread-safe.

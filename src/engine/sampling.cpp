@@ -381,6 +381,102 @@ int32_t sample_token(std::span<const float> logits, const SamplingParams& params
   return kept_id(0);
 }
 
+void token_distribution(std::span<const float> logits, const SamplingParams& params,
+                        std::span<const int32_t> prompt, std::span<const int32_t> output,
+                        std::vector<float>& probs) {
+  const size_t vocab = logits.size();
+  check_vocab(vocab);
+  std::vector<float> x(logits.begin(), logits.end());  // [vocab] penalised, then tempered
+  if (params.needs_host_logits()) apply_penalties(x, params, prompt, output);
+  probs.assign(vocab, 0.0f);
+  if (params.greedy()) {
+    probs[static_cast<size_t>(argmax(x))] = 1.0f;
+    return;
+  }
+  float m = -kInf;
+  for (float& v : x) {
+    v = std::isnan(v) ? -kInf : v / params.temperature;
+    m = v > m ? v : m;
+  }
+  if (m == -kInf) {
+    probs[static_cast<size_t>(argmax(x))] = 1.0f;
+    return;
+  }
+  auto weight = [m](float v) { return m == kInf ? (v == kInf ? 1.0f : 0.0f) : exp_nonpos(v - m); };
+  const bool use_top_k = params.top_k > 0 && static_cast<size_t>(params.top_k) < vocab;
+  const bool use_top_p = params.top_p < 1.0f;
+  // The kept tokens and their weights, in sample_token's order.
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  if (use_top_k || use_top_p) {
+    ids.resize(vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::stable_sort(ids.begin(), ids.end(), [&x](int32_t a, int32_t b) {
+      return x[static_cast<size_t>(a)] > x[static_cast<size_t>(b)];
+    });  // descending logit, ties -> lower id
+    if (use_top_k) ids.resize(static_cast<size_t>(params.top_k));
+    for (int32_t id : ids) w.push_back(weight(x[static_cast<size_t>(id)]));
+    if (use_top_p) {
+      double z = 0.0;
+      if (use_top_k) {
+        for (float v : w) z += v;
+      } else {
+        std::vector<float> all(vocab);
+        for (size_t i = 0; i < vocab; ++i) all[i] = weight(x[i]);
+        z = sum(all.data(), vocab);
+      }
+      const double target = static_cast<double>(params.top_p) * z;
+      double cum = 0.0;
+      size_t keep = 0;
+      while (keep < ids.size() && (keep == 0 || cum < target)) cum += w[keep++];
+      ids.resize(keep);
+      w.resize(keep);
+    }
+  } else {
+    ids.resize(vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    for (size_t i = 0; i < vocab; ++i) w.push_back(weight(x[i]));
+  }
+  if (params.min_p > 0.0f) {
+    size_t out = 0;
+    for (size_t j = 0; j < ids.size(); ++j) {
+      if (w[j] >= params.min_p) {
+        ids[out] = ids[j];
+        w[out] = w[j];
+        ++out;
+      }
+    }
+    ids.resize(out);
+    w.resize(out);
+    if (out == 0) {
+      probs[static_cast<size_t>(argmax(x))] = 1.0f;
+      return;
+    }
+  }
+  const double z = sum(w.data(), w.size());
+  for (size_t j = 0; j < ids.size(); ++j) {
+    probs[static_cast<size_t>(ids[j])] = static_cast<float>(static_cast<double>(w[j]) / z);
+  }
+}
+
+double uniform_draw(SamplerRng& rng) { return uniform01(rng); }
+
+int32_t sample_from_weights(std::span<const float> weights, SamplerRng& rng) {
+  const double total = sum(weights.data(), weights.size());
+  const double target = uniform01(rng) * total;
+  if (!(total > 0.0)) return -1;
+  double cum = 0.0;
+  for (size_t j = 0; j < weights.size(); ++j) {
+    if (weights[j] <= 0.0f) continue;
+    cum += weights[j];
+    if (target < cum) return static_cast<int32_t>(j);
+  }
+  for (size_t j = weights.size(); j-- > 0;) {  // rounding: the last token with weight
+    if (weights[j] > 0.0f) return static_cast<int32_t>(j);
+  }
+  return -1;
+}
+
 float token_logprob(std::span<const float> logits, int32_t token) {
   check_vocab(logits.size());
   TANDEM_CHECK_KIND(kInvalidArgument, token >= 0 && static_cast<size_t>(token) < logits.size(),

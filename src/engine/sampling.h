@@ -67,6 +67,20 @@ int32_t sample_token(std::span<const float> logits, const SamplingParams& params
                      std::span<const int32_t> prompt, std::span<const int32_t> output,
                      SamplerRng& rng);
 
+/// The exact distribution sample_token() draws from, as `probs` (vocab floats summing to 1):
+/// the same penalties, temperature, top-k, top-p, min-p and tie order. Greedy: one-hot at the
+/// argmax. Speculative decoding compares the target's and the draft's distributions with it.
+void token_distribution(std::span<const float> logits, const SamplingParams& params,
+                        std::span<const int32_t> prompt, std::span<const int32_t> output,
+                        std::vector<float>& probs);
+
+/// One categorical draw over non-negative `weights` (not necessarily normalised), one 64-bit
+/// value from `rng`; -1 when every weight is zero.
+int32_t sample_from_weights(std::span<const float> weights, SamplerRng& rng);
+
+/// A uniform double in [0, 1) from one 64-bit value of `rng` (53 bits).
+double uniform_draw(SamplerRng& rng);
+
 /// The one conversion to the device sampler's row parameters, for draw number `counter` of a
 /// request whose device seed is `seed`; none when the row needs the host sampler
 /// (penalties, logit biases, more than 20 logprobs).

@@ -120,7 +120,14 @@ ScheduledBatch Scheduler::schedule() {
     Sequence* s = *it;
     int64_t chunk = limit_chunk(
         *s, std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget));
-    bool ok = ensure_pages(*s, s->num_computed + chunk);
+    // Speculative decoding: the last token and its drafts, when the budget and the free pages
+    // allow (drafts never preempt anyone: without room the step decodes one token).
+    const auto spec = static_cast<int64_t>(s->spec_tokens.size());
+    const bool verify = spec > 1 && s->num_computed + 1 == static_cast<int64_t>(s->tokens.size()) &&
+                        spec <= budget && ensure_pages(*s, s->num_computed + spec);
+    if (!verify) s->spec_tokens.clear();
+    if (verify) chunk = spec;
+    bool ok = verify || ensure_pages(*s, s->num_computed + chunk);
     while (!ok && running_.back() != s) {
       preempt(running_.back());  // the newest sequence gives its pages back
       ok = ensure_pages(*s, s->num_computed + chunk);
@@ -130,6 +137,10 @@ ScheduledBatch Scheduler::schedule() {
       break;
     }
     take(s, chunk);
+    if (verify) {
+      batch.seqs.back().verify = true;
+      batch.seqs.back().logits = LogitsMode::kAll;
+    }
     ++it;
   }
 
@@ -167,8 +178,8 @@ ScheduledBatch Scheduler::schedule() {
 
   for (const auto& ss : batch.seqs) {
     Sequence* s = ss.seq;
-    batch.forward.seqs.push_back({s->tokens.data() + s->num_computed, ss.num_tokens,
-                                  s->num_computed, s->pages.data(),
+    const int32_t* tokens = ss.verify ? s->spec_tokens.data() : s->tokens.data() + s->num_computed;
+    batch.forward.seqs.push_back({tokens, ss.num_tokens, s->num_computed, s->pages.data(),
                                   static_cast<int64_t>(s->pages.size()), ss.logits, s->state_slot});
   }
   return batch;

@@ -32,6 +32,10 @@ struct Sequence {
   bool admitted_once = false;
   bool prompt_logprobs_done = false;
   StepOutput prompt_out;  // prompt logprobs gathered across chunks
+  // MTP speculative decoding (engine/speculative.h): the last token followed by its drafts,
+  // verified together in the next step; empty when there are none.
+  std::vector<int32_t> spec_tokens;
+  std::vector<float> draft_probs;  // [drafts, vocab] the draft distributions; empty: one-hot
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
@@ -40,6 +44,7 @@ struct ScheduledSeq {
   Sequence* seq;
   int64_t num_tokens;  // tokens computed this step, starting at seq->num_computed
   LogitsMode logits;
+  bool verify = false;  // seq->spec_tokens (the last token and its drafts), logits for each
 };
 
 /// A copy of one KvCache state slot into another (hybrid models' prefix cache).

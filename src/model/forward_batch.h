@@ -30,6 +30,10 @@ struct ForwardBatch {
   /// Optional: called with each layer's index once that layer's new KV is in the cache (the
   /// prefill instance streams a finished prompt's KV layer by layer while later layers run).
   std::function<void(int64_t layer)> on_layer_kv;
+  /// Optional (MTP speculative decoding, Model::has_mtp()): receives every token's final
+  /// hidden state, after the final norm ([num_tokens, hidden], batch order), the input of the
+  /// MTP layer.
+  std::vector<float>* hidden_out = nullptr;
 
   int64_t num_tokens() const {
     int64_t n = 0;

@@ -147,6 +147,14 @@ void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt) {
                     "/config.json: layer_types has no full_attention layer");
 }
 
+void Qwen35MoeCpu::load_mtp(const std::string& dir) {
+  TANDEM_THROW(kUnsupported, dir,
+               ": MTP speculative decoding of Qwen3.5 hybrid models (model_type '",
+               config_.model_type,
+               "') is not supported yet: the DeltaNet states of rejected drafts cannot be rolled "
+               "back; serve it without --speculative-config");
+}
+
 KvGeometry Qwen35MoeCpu::kv_geometry(int64_t num_pages, int64_t page_size) const {
   return {num_attention_, num_pages, config_.num_key_value_heads, page_size, config_.head_dim};
 }

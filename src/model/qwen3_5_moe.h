@@ -31,6 +31,9 @@ class Qwen35MoeCpu final : public Model {
   int64_t state_slot_elems() const override;
   /// As Model::forward; every sequence needs a state slot of `kv` (kv.allocate_states).
   void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override;
+  /// Refused for now: speculation here must also roll back the DeltaNet states of rejected
+  /// drafts (per-position states during the verify), which is not built yet.
+  void load_mtp(const std::string& dir) override;
 
   /// Floats of one linear-attention layer's part of a state slot.
   int64_t state_elems_per_layer() const;

@@ -66,6 +66,28 @@ void Model::forward_sample(const ForwardBatch&, KvCache&, const std::vector<Devi
   TANDEM_THROW(kUnsupported, "this model samples on the host only");
 }
 
+void Model::load_mtp(const std::string&) {
+  TANDEM_THROW(kUnsupported, "model_type '", config().model_type,
+               "': MTP speculative decoding is not supported by this model yet");
+}
+
+KvGeometry Model::mtp_kv_geometry(int64_t, int64_t) const {
+  TANDEM_THROW(kUnsupported, "this model has no MTP layer");
+}
+
+void Model::mtp_forward(const ForwardBatch&, const float*, KvCache&, std::vector<float>&,
+                        std::vector<float>&) {
+  TANDEM_THROW(kUnsupported, "this model has no MTP layer");
+}
+
+struct Qwen3MoeCpu::Mtp {
+  HostTensor fc;      // [hidden, 2 * hidden] over [embedding; hidden]
+  HostTensor norm_e;  // [hidden] pre_fc_norm_embedding
+  HostTensor norm_h;  // [hidden] pre_fc_norm_hidden
+  HostTensor norm;    // [hidden] the final norm before the shared lm_head
+  Layer layer;        // all heads, all experts
+};
+
 Qwen3MoeCpu::Qwen3MoeCpu(ModelConfig config, ShardPlan plan, comm::Communicator* comm)
     : config_(std::move(config)), plan_(plan), comm_(comm) {}
 
@@ -312,6 +334,20 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
   const std::vector<int64_t> rows = batch.logit_token_rows();
   const int64_t r = static_cast<int64_t>(rows.size());
   std::vector<float> last(static_cast<size_t>(r * h));
+  if (batch.hidden_out != nullptr) {
+    // Every row's final hidden state (MTP drafting); the logits rows are copies of some (the
+    // norm is per row, so the bits are those of the path below).
+    std::vector<float>& hid = *batch.hidden_out;
+    hid.resize(static_cast<size_t>(n * h));
+    for (size_t i = 0; i < hid.size(); ++i) hid[i] = x[i] + y[i];
+    cpu::rms_norm({hid.data(), norm_.ptr<float>(), hid.data(), n, h, eps});
+    for (int64_t i = 0; i < r; ++i) {
+      std::memcpy(last.data() + i * h, hid.data() + rows[static_cast<size_t>(i)] * h,
+                  sizeof(float) * h);
+    }
+    lm_head(last.data(), r, logits);
+    return;
+  }
   for (int64_t i = 0; i < r; ++i) {
     const int64_t src = rows[static_cast<size_t>(i)];
     for (int64_t j = 0; j < h; ++j) {
@@ -321,6 +357,170 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
   }
   cpu::rms_norm({last.data(), norm_.ptr<float>(), last.data(), r, h, eps});
   lm_head(last.data(), r, logits);
+}
+
+void Qwen3MoeCpu::load_mtp(const std::string& dir) {
+  TANDEM_CHECK_KIND(kUnsupported, plan_.spec.mode != ShardMode::kPrefillTpEp,
+                    "MTP speculative decoding: prefill instances (TP) do not speculate");
+  const auto& c = config_;
+  Checkpoint ckpt(dir);
+  TANDEM_CHECK_KIND(kNotFound, ckpt.has("mtp.fc.weight"), dir,
+                    ": no MTP weights (tensor 'mtp.fc.weight' not found); the checkpoint needs "
+                    "mtp.* tensors, or give the MTP layer's directory as \"model\" in "
+                    "--speculative-config (tools/train_mtp.py writes one)");
+  const WeightReader wr(ckpt, c.quant, (std::filesystem::path(dir) / "config.json").string());
+  const int64_t h = c.hidden_size, d = c.head_dim;
+  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  auto m = std::make_unique<Mtp>();
+  m->fc = load_matrix(wr, "mtp.fc.weight", h, 2 * h);
+  m->norm_e = load_f32(ckpt, "mtp.pre_fc_norm_embedding.weight", {h});
+  m->norm_h = load_f32(ckpt, "mtp.pre_fc_norm_hidden.weight", {h});
+  m->norm = load_f32(ckpt, "mtp.norm.weight", {h});
+  Layer& layer = m->layer;
+  const std::string p = "mtp.layers.0.";
+  layer.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {h});
+  layer.post_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {h});
+  layer.q_norm = load_f32(ckpt, p + "self_attn.q_norm.weight", {d});
+  layer.k_norm = load_f32(ckpt, p + "self_attn.k_norm.weight", {d});
+  layer.qkv = load_rows(wr,
+                        {{p + "self_attn.q_proj.weight", qh * d, {0, qh * d}},
+                         {p + "self_attn.k_proj.weight", kvh * d, {0, kvh * d}},
+                         {p + "self_attn.v_proj.weight", kvh * d, {0, kvh * d}}},
+                        h);
+  layer.o = load_matrix(wr, p + "self_attn.o_proj.weight", h, qh * d);
+  layer.moe = ckpt.has(p + "mlp.gate.weight");
+  if (layer.moe) {
+    const int64_t inter = c.moe_intermediate_size;
+    const IndexRange all{0, inter};
+    layer.router = load_matrix(wr, p + "mlp.gate.weight", c.num_experts, h);
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+      layer.gate_up.push_back(load_rows(
+          wr, {{ep + "gate_proj.weight", inter, all}, {ep + "up_proj.weight", inter, all}}, h));
+      layer.down.push_back(load_matrix(wr, ep + "down_proj.weight", h, inter));
+    }
+  } else {
+    const int64_t inter = c.intermediate_size;
+    const IndexRange all{0, inter};
+    layer.gate_up.push_back(load_rows(
+        wr, {{p + "mlp.gate_proj.weight", inter, all}, {p + "mlp.up_proj.weight", inter, all}}, h));
+    layer.down.push_back(load_matrix(wr, p + "mlp.down_proj.weight", h, inter));
+  }
+  for (auto& t : layer.gate_up) layer.gate_up_ptrs.push_back(t.ptr<float>());
+  for (auto& t : layer.down) layer.down_ptrs.push_back(t.ptr<float>());
+  mtp_ = std::move(m);
+}
+
+KvGeometry Qwen3MoeCpu::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
+  return {1, num_pages, config_.num_key_value_heads, page_size, config_.head_dim};
+}
+
+void Qwen3MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& kv,
+                              std::vector<float>& logits, std::vector<float>& hidden_out) {
+  TANDEM_CHECK(mtp_ != nullptr, "mtp_forward: no MTP layer loaded");
+  const auto& c = config_;
+  const Layer& layer = mtp_->layer;
+  const int64_t h = c.hidden_size, d = c.head_dim;
+  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  const int64_t page_size = kv.geometry().page_size;
+  const int64_t n = batch.num_tokens();
+  TANDEM_CHECK(kv.geometry().num_layers == 1 && kv.geometry().num_kv_heads == kvh &&
+                   kv.geometry().head_dim == d,
+               "MTP KV cache geometry does not match the model");
+  logits.clear();
+  hidden_out.clear();
+  if (n == 0) return;
+
+  // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
+  std::vector<int32_t> ids(static_cast<size_t>(n)), positions(static_cast<size_t>(n)),
+      token_seq(static_cast<size_t>(n));
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  int64_t max_pages = 1;
+  for (const auto& s : batch.seqs) max_pages = std::max(max_pages, s.num_pages);
+  std::vector<int32_t> tables(batch.seqs.size() * static_cast<size_t>(max_pages), 0);
+  int64_t t = 0;
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& s = batch.seqs[si];
+    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
+    std::memcpy(tables.data() + si * static_cast<size_t>(max_pages), s.block_table,
+                sizeof(int32_t) * static_cast<size_t>(s.num_pages));
+    for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
+      const int64_t pos = s.start_pos + i;
+      ids[static_cast<size_t>(t)] = s.tokens[i];
+      positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
+      token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
+      slots[static_cast<size_t>(t)] = s.block_table[pos / page_size] * page_size + pos % page_size;
+    }
+  }
+
+  auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  // x = fc([norm_e(embed(t + 1)); norm_h(h_t)])       // shapes
+  std::vector<float> e = buf(n * h), hn = buf(n * h);  // [n, hidden]
+  std::vector<float> cat = buf(n * 2 * h);             // [n, 2 hidden]
+  cpu::embedding({ids.data(), embed_.ptr<float>(), e.data(), n, h, c.vocab_size});
+  cpu::rms_norm({e.data(), mtp_->norm_e.ptr<float>(), e.data(), n, h, eps});
+  cpu::rms_norm({hidden, mtp_->norm_h.ptr<float>(), hn.data(), n, h, eps});
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(cat.data() + i * 2 * h, e.data() + i * h, sizeof(float) * h);
+    std::memcpy(cat.data() + i * 2 * h + h, hn.data() + i * h, sizeof(float) * h);
+  }
+  std::vector<float> x = buf(n * h), xn = buf(n * h), y = buf(n * h);
+  cpu::gemm({cat.data(), mtp_->fc.ptr<float>(), x.data(), n, h, 2 * h});
+
+  // The decoder layer (all heads and experts here: no collectives).
+  std::vector<float> qkv = buf(n * (qh + 2 * kvh) * d);
+  std::vector<float> q = buf(n * qh * d), k = buf(n * kvh * d), v = buf(n * kvh * d);
+  std::vector<float> attn = buf(n * qh * d);
+  cpu::rms_norm({x.data(), layer.input_norm.ptr<float>(), xn.data(), n, h, eps});
+  cpu::gemm({xn.data(), layer.qkv.ptr<float>(), qkv.data(), n, (qh + 2 * kvh) * d, h});
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = qkv.data() + i * (qh + 2 * kvh) * d;
+    std::memcpy(q.data() + i * qh * d, row, sizeof(float) * qh * d);
+    std::memcpy(k.data() + i * kvh * d, row + qh * d, sizeof(float) * kvh * d);
+    std::memcpy(v.data() + i * kvh * d, row + (qh + kvh) * d, sizeof(float) * kvh * d);
+  }
+  cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
+                     positions.data(), n, qh, kvh, d, eps, c.rope_theta});
+  cpu::kv_write({k.data(), v.data(), kv.layer(0), slots.data(), n, kvh, d, page_size});
+  cpu::paged_attention({q.data(), kv.layer(0), tables.data(), token_seq.data(), positions.data(),
+                        attn.data(), n, qh, kvh, d, page_size, max_pages,
+                        1.0f / std::sqrt(static_cast<float>(d))});
+  cpu::gemm({attn.data(), layer.o.ptr<float>(), y.data(), n, h, qh * d});
+  cpu::add_rms_norm({x.data(), y.data(), layer.post_norm.ptr<float>(), xn.data(), n, h, eps});
+  if (layer.moe) {
+    std::vector<float> router = buf(n * c.num_experts);
+    std::vector<int32_t> topk_ids(static_cast<size_t>(n * c.num_experts_per_tok));
+    std::vector<float> topk_w(topk_ids.size());
+    cpu::gemm({xn.data(), layer.router.ptr<float>(), router.data(), n, c.num_experts, h});
+    cpu::topk_softmax({router.data(), topk_ids.data(), topk_w.data(), n, c.num_experts,
+                       c.num_experts_per_tok, c.norm_topk_prob});
+    cpu::moe({xn.data(), topk_ids.data(), topk_w.data(), layer.gate_up_ptrs.data(),
+              layer.down_ptrs.data(), y.data(), n, h, c.moe_intermediate_size,
+              c.num_experts_per_tok, 0, c.num_experts});
+  } else {
+    std::vector<float> gu = buf(n * 2 * c.intermediate_size), act = buf(n * c.intermediate_size);
+    cpu::gemm({xn.data(), layer.gate_up_ptrs[0], gu.data(), n, 2 * c.intermediate_size, h});
+    cpu::silu_mul({gu.data(), act.data(), n, c.intermediate_size});
+    cpu::gemm({act.data(), layer.down_ptrs[0], y.data(), n, h, c.intermediate_size});
+  }
+
+  // mtp.norm and the shared lm_head on the rows asked for.
+  const std::vector<int64_t> rows = batch.logit_token_rows();
+  const int64_t r = static_cast<int64_t>(rows.size());
+  hidden_out.resize(static_cast<size_t>(r * h));
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t src = rows[static_cast<size_t>(i)];
+    for (int64_t j = 0; j < h; ++j) {
+      hidden_out[static_cast<size_t>(i * h + j)] =
+          x[static_cast<size_t>(src * h + j)] + y[static_cast<size_t>(src * h + j)];
+    }
+  }
+  cpu::rms_norm({hidden_out.data(), mtp_->norm.ptr<float>(), hidden_out.data(), r, h, eps});
+  lm_head(hidden_out.data(), r, logits);
 }
 
 }  // namespace tandem

@@ -44,6 +44,24 @@ class Model {
   /// Runs the batch, writing new KV into `kv` and the requested logits rows
   /// ([batch.num_logit_rows(), vocab], fp32) into `logits`.
   virtual void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) = 0;
+  // MTP speculative decoding (engine/speculative.h). The draft / verify / accept split: the
+  // engine verifies with forward() (several tokens per sequence, logits for each, hidden_out),
+  // and drafts with mtp_forward(), one pass over every drafting sequence per draft position.
+  /// Loads the MTP layer (mtp.* tensors) from the checkpoint in `dir` (the model's own
+  /// directory or a separate one). Throws kNotFound naming the directory when it has none,
+  /// kUnsupported for a model without MTP support.
+  virtual void load_mtp(const std::string& dir);
+  virtual bool has_mtp() const { return false; }
+  /// The MTP layer's own KV pool: one layer, indexed by the same page ids (block tables) as
+  /// the target's KV, so a page holds both and admission counts both.
+  virtual KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const;
+  /// One MTP pass. batch.seqs[i].tokens are the tokens t + 1 for positions start_pos..,
+  /// `hidden` [batch.num_tokens(), hidden] the hidden states at positions t (the target's
+  /// hidden_out, or the previous pass's `hidden_out` when chaining); writes the MTP KV of those
+  /// positions into `mtp_kv`. `logits` [rows, vocab] and `hidden_out` [rows, hidden] (after
+  /// mtp.norm) for the rows the batch asks logits of (ForwardBatch::logit_token_rows).
+  virtual void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                           std::vector<float>& logits, std::vector<float>& hidden_out);
   /// True when forward_sample() is available (a GPU model: the logits never leave it).
   virtual bool samples_on_device() const { return false; }
   /// Runs the batch and samples each logits row (batch order; every row kLast) on the
@@ -79,6 +97,16 @@ class Qwen3MoeCpu final : public Model {
   ///    its experts to the others), and gets its own logits rows.
   void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override;
 
+  /// The MTP layer: mtp.fc [hidden, 2 hidden] over [RMSNorm_e(embed(t + 1)); RMSNorm_h(h_t)]
+  /// (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden), mtp.layers.0 (a Qwen3-MoE decoder
+  /// layer: all heads and experts on this rank, no collectives), mtp.norm; embedding and
+  /// lm_head shared. Not with ShardMode::kPrefillTpEp (prefill instances do not speculate).
+  void load_mtp(const std::string& dir) override;
+  bool has_mtp() const override { return mtp_ != nullptr; }
+  KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                   std::vector<float>& logits, std::vector<float>& hidden_out) override;
+
  private:
   struct Layer {
     HostTensor input_norm;  // [hidden]
@@ -102,6 +130,8 @@ class Qwen3MoeCpu final : public Model {
   // logits [rows, vocab] from the final hidden rows `last` [rows, hidden] (normed).
   void lm_head(const float* last, int64_t rows, std::vector<float>& logits);
 
+  struct Mtp;
+
   ModelConfig config_;
   ShardPlan plan_;
   comm::Communicator* comm_ = nullptr;
@@ -111,6 +141,7 @@ class Qwen3MoeCpu final : public Model {
   HostTensor norm_;     // [hidden]
   HostTensor lm_head_;  // [this rank's vocab rows, hidden]; empty when tied
   std::vector<Layer> layers_;
+  std::unique_ptr<Mtp> mtp_;
 };
 
 }  // namespace tandem

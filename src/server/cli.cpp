@@ -23,6 +23,7 @@
 #include "engine/decode_instance.h"
 #include "engine/engine.h"
 #include "engine/prefill_instance.h"
+#include "engine/speculative.h"
 #include "model/convert.h"
 #include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
@@ -115,6 +116,27 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
 #endif
 }
 
+// --speculative-config (tandem generate / serve / decode): the MTP layer from the model's own
+// checkpoint or "model", K drafts per step. Empty: no speculation.
+void add_speculative_option(CLI::App* cmd, std::string& json) {
+  cmd->add_option("--speculative-config", json,
+                  "Speculative decoding, as vLLM: '{\"method\": \"mtp\", "
+                  "\"num_speculative_tokens\": K}' (K 1..4; optionally \"model\": DIR, the MTP "
+                  "weights' directory; default: the model's own mtp.* tensors)");
+}
+
+// Loads the MTP layer into `model` and sets the engine's K.
+void apply_speculative(const std::string& json, const std::string& model_dir,
+                       const std::string& device, Model& model, EngineConfig& engine) {
+  if (json.empty()) return;
+  const SpeculativeConfig sc = parse_speculative_config(json);
+  TANDEM_CHECK_KIND(kUnsupported, device == "cpu",
+                    "--speculative-config: not supported with --device ", device,
+                    " yet (use --device cpu)");
+  model.load_mtp(sc.model.empty() ? model_dir : sc.model);
+  engine.num_speculative_tokens = sc.num_speculative_tokens;
+}
+
 struct GenerateArgs {
   std::string model = demo_model_dir();
   std::string prompt;
@@ -129,12 +151,15 @@ struct GenerateArgs {
   bool json = false;
   bool ignore_eos = false;
   std::string device = "cpu";
+  std::string speculative_config;
 };
 
 int run_generate(const GenerateArgs& a) {
   EngineConfig cfg;
   cfg.max_num_seqs = 1;
+  if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
   std::unique_ptr<Model> model = load_model(a.model, a.device, cfg);
+  apply_speculative(a.speculative_config, a.model, a.device, *model, cfg);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   GenRequest req;
   req.id = "cli";
@@ -182,6 +207,12 @@ int run_generate(const GenerateArgs& a) {
     j["ids"] = ids;
     j["text"] = tok ? tok->decode(ids, /*skip_special=*/true) : "";
     j["logprobs"] = logprobs;
+    if (cfg.num_speculative_tokens > 0) {
+      const EngineStats st = engine.stats();
+      j["spec"] = {{"steps", st.spec_num_drafts},
+                   {"draft_tokens", st.spec_num_draft_tokens},
+                   {"accepted_tokens", st.spec_num_accepted_tokens}};
+    }
     std::cout << j.dump() << "\n";
   } else {
     if (detok) std::cout << detok->flush();
@@ -278,11 +309,14 @@ struct ServeArgs {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
   ParserArgs parsers;
+  std::string speculative_config;
 };
 
 int run_serve(const ServeArgs& a) {
   EngineConfig ecfg = a.engine;
+  if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
   std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
+  apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
   AsyncEngine engine(std::move(model), ecfg);
@@ -323,6 +357,7 @@ struct InstanceArgs {
   EngineConfig engine;
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;  // --device cuda, without --kv-cache-mb
+  std::string speculative_config;       // decode instances only
 };
 
 // Blocks SIGINT / SIGTERM in this thread and the threads it starts; wait_for_stop_signal()
@@ -522,6 +557,21 @@ int run_decode(const InstanceArgs& a) {
   cfg.engine = a.engine;
   cfg.max_decode_batch = a.max_decode_batch;
   cfg.kv_host = a.host;
+  if (!a.speculative_config.empty()) {
+    // Each rank loads the whole MTP layer (all heads and experts): drafting needs no
+    // collectives; the verify is the rank's ordinary (collective) forward.
+    const SpeculativeConfig sc = parse_speculative_config(a.speculative_config);
+    TANDEM_CHECK_KIND(kUnsupported, a.device == "cpu",
+                      "--speculative-config: not supported with --device ", a.device,
+                      " yet (use --device cpu)");
+    cfg.engine.num_speculative_tokens = sc.num_speculative_tokens;
+    cfg.model = [dir = a.model, mtp = sc.model.empty() ? a.model : sc.model](
+                    const ShardSpec& shard, comm::Communicator* comm) -> std::unique_ptr<Model> {
+      std::unique_ptr<Model> m = Qwen3MoeCpu::load(dir, shard, comm);
+      m->load_mtp(mtp);
+      return m;
+    };
+  }
   auto instance = make_instance<DecodeInstance>(a, cfg, cfg.dp, cfg.transfer_timeout);
   DecodeInstance& decode = *instance;
   if (!decode.is_leader()) return follow_group(decode, signals);
@@ -665,6 +715,7 @@ int cli_main(int argc, char** argv) {
   g->add_flag("--json", gen.json, "Print {ids, text, logprobs} as JSON");
   g->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at EOS");
   g->add_option("--device", gen.device, "cpu or cuda (one GPU)");
+  add_speculative_option(g, gen.speculative_config);
 
   ServeArgs srv;
   auto* sv = app.add_subcommand("serve", "Serve the OpenAI API (one colocated instance)");
@@ -697,6 +748,7 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   bool no_prefix_cache = false;
   sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
+  add_speculative_option(sv, srv.speculative_config);
   srv.parsers.add_to(sv);
 
   PlannerInputs plan_in;
@@ -766,6 +818,7 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   dc->add_option("--max-decode-batch", dec.max_decode_batch, "Sequences per rank at most")
       ->check(CLI::PositiveNumber);
+  add_speculative_option(dc, dec.speculative_config);
 
   RouterArgs rt;
   auto* ro = app.add_subcommand("router", "OpenAI front over prefill and decode instances");

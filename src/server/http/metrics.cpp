@@ -151,6 +151,21 @@ std::string ServerMetrics::render(const EngineStats& s) const {
          double(s.generation_tokens));
   scalar(out, "tandem_num_preemptions_total", "counter", "Sequences preempted by the engine.",
          double(s.preemptions));
+  const bool spec = !s.spec_accepted_per_pos.empty();  // speculative decoding on
+  if (spec) {
+    scalar(out, "tandem_spec_decode_num_drafts_total", "counter",
+           "Draft sequences verified (one per sequence and step).", double(s.spec_num_drafts));
+    scalar(out, "tandem_spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+           double(s.spec_num_draft_tokens));
+    scalar(out, "tandem_spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+           double(s.spec_num_accepted_tokens));
+    header(out, "tandem_spec_decode_num_accepted_tokens_per_pos_total", "counter",
+           "Draft tokens accepted, by draft position (0: the first draft).");
+    for (size_t i = 0; i < s.spec_accepted_per_pos.size(); ++i) {
+      out += "tandem_spec_decode_num_accepted_tokens_per_pos_total{position=\"" +
+             std::to_string(i) + "\"} " + std::to_string(s.spec_accepted_per_pos[i]) + "\n";
+    }
+  }
 
   // The same under vLLM's names and labels (what its Grafana dashboard queries).
   std::string esc;
@@ -176,6 +191,20 @@ std::string ServerMetrics::render(const EngineStats& s) const {
   vllm("vllm:prompt_tokens_total", "counter", "Prompt tokens.", double(prompt_tokens_.load()));
   vllm("vllm:generation_tokens_total", "counter", "Generated tokens.",
        double(generation_tokens_.load()));
+  if (spec) {
+    vllm("vllm:spec_decode_num_drafts_total", "counter", "Draft sequences verified.",
+         double(s.spec_num_drafts));
+    vllm("vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+         double(s.spec_num_draft_tokens));
+    vllm("vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+         double(s.spec_num_accepted_tokens));
+    header(out, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+           "Draft tokens accepted, by draft position.");
+    for (size_t i = 0; i < s.spec_accepted_per_pos.size(); ++i) {
+      out += "vllm:spec_decode_num_accepted_tokens_per_pos_total{" + label + ",position=\"" +
+             std::to_string(i) + "\"} " + std::to_string(s.spec_accepted_per_pos[i]) + "\n";
+    }
+  }
   header(out, "vllm:request_success_total", "counter", "Finished requests by finish reason.");
   for (const char* k : {"stop", "length", "abort"}) {
     auto it = seq_copy.find(k);
