@@ -1,10 +1,17 @@
 // FP8-weight small-m GEMM for decode. See fp8_linear.h.
 //
-// The structure of gemv.cu: a warp owns R rows of W at a time (grid-stride over the rows);
-// each lane loads 16 bytes (16 E4M3) of each row per step, U steps unrolled with the loads
-// first (U * R = 8 loads of 16 bytes in flight per lane). A 16-byte chunk lies in one 128-deep
-// K block: its 16 products with each x row are summed in fp32, then scaled by the row's block
-// scale into the accumulator. W is read with L1::no_allocate so that L1 keeps x.
+// On the tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation), with the weights as the
+// A operand and the m <= 16 tokens as B (one or two 8-token n tiles), so no MMA work is spent
+// on padding weight rows and each converted weight serves every token. A block of 8 warps owns
+// 16 weight rows; warp w takes the 128-deep K blocks w, w + 8, ... (two 64-deep tiles each).
+// Per tile a lane loads 16 bytes (16 E4M3) of weight rows g and g + 8 (g = lane / 4) at column
+// 16 t (t = lane % 4) straight from global memory (streamed, L1::no_allocate) and the same
+// 16 columns of its tokens' x rows (L1-cached), converts the codes in registers
+// (fp8_dequant.cuh) and uses bytes 4 s .. 4 s + 3 as k step s: K permuted inside the tile
+// identically for both operands (as moe_gemm_fp8.cu). A K block's MMAs go to a second
+// accumulator, scaled into the output accumulator by each row's block scale. Loads for two K
+// blocks (8 x 16 bytes per lane) are in flight before their MMAs. The 8 warps' partial sums
+// meet in shared memory and warp 0 adds them in a fixed order: deterministic.
 #include <algorithm>
 #include <atomic>
 
@@ -15,9 +22,10 @@
 namespace tandem::cuda {
 namespace {
 
-constexpr int kMaxWarpsPerBlock = 4;
+constexpr int kWarps = 8;
+constexpr int kUnroll = 2;  // K blocks whose loads are issued together
 
-__device__ __forceinline__ uint4 load_stream(uint4 const* p) {
+__device__ __forceinline__ uint4 load_stream(void const* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -25,153 +33,144 @@ __device__ __forceinline__ uint4 load_stream(uint4 const* p) {
   return v;
 }
 
-// bf16x2 word -> two fp32.
-__device__ __forceinline__ float lo_f32(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float hi_f32(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
-
-// 16 E4M3 (one uint4) -> 8 bf16x2 words, element order kept.
-__device__ __forceinline__ void dequant16(uint4 const& v, uint32_t (&b)[8]) {
-  detail::e4m3x4_to_bf16(v.x, b[0], b[1]);
-  detail::e4m3x4_to_bf16(v.y, b[2], b[3]);
-  detail::e4m3x4_to_bf16(v.z, b[4], b[5]);
-  detail::e4m3x4_to_bf16(v.w, b[6], b[7]);
+__device__ __forceinline__ uint32_t word(uint4 const& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// U steps of one lane: chunk c = base + 32 u (16 elements of K) of each of the R rows and of
-// each of the M rows of x (two 16-byte loads each). kGuard: chunks past nchunk are skipped.
-template <int M, int R, int U, bool kGuard>
-__device__ __forceinline__ void step(uint4 const* x4, uint4 const* const (&wr)[R],
-                                     float const* const (&sr)[R], int64_t base, int64_t nchunk,
-                                     float (&acc)[M][R]) {
-  uint4 wv[U][R];
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// NT 8-token n tiles (m <= 8 NT). Accumulator [nt][v]: v = 0, 1: weight row g, tokens
+// 8 nt + 2 t + v; v = 2, 3: row g + 8.
+template <int NT, bool F32>
+__global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(Fp8GemvParams p) {
+  __shared__ float red[kWarps][NT * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t n = p.n, k = p.k, m = p.m;
+  const int64_t kb_count = fp8_row_scale_cols(k);
+  const int64_t r0 = int64_t{blockIdx.x} * 16;
+  const int64_t ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);  // clamped: loads only
+  uint8_t const* wa = p.w + ra * k;
+  uint8_t const* wb = p.w + rb * k;
+  float const* sa = p.w_scale + ra * kb_count;
+  float const* sb = p.w_scale + rb * kb_count;
+  // x rows of this lane's B fragments (tokens g + 8 nt); null past m.
+  bf16 const* xr[NT];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t c = base + 32 * u;
+  for (int nt = 0; nt < NT; ++nt) xr[nt] = g + 8 * nt < m ? p.x + (g + 8 * nt) * k : nullptr;
+
+  float acc[NT][4];
 #pragma unroll
-    for (int r = 0; r < R; ++r) wv[u][r] = !kGuard || c < nchunk ? load_stream(wr[r] + c) : uint4{};
-  }
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t c = base + 32 * u;
-    if (kGuard && c >= nchunk) continue;
-    float s[R];
+    for (int v = 0; v < 4; ++v) acc[nt][v] = 0.f;
+
+  for (int64_t kb0 = warp; kb0 < kb_count; kb0 += int64_t{kWarps} * kUnroll) {
+    // Loads first: kUnroll K blocks x 2 tiles x rows g, g + 8.
+    uint4 qa[kUnroll][2], qb[kUnroll][2];
+    float sca[kUnroll], scb[kUnroll];
 #pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = __ldg(sr[r] + (c >> 3));  // 8 chunks per K block
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t kb = kb0 + int64_t{kWarps} * u;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      uint32_t wb[8];
-      dequant16(wv[u][r], wb);
+      for (int j = 0; j < 2; ++j) {
+        const int64_t col = kb * 128 + 64 * j + 16 * t;
+        const bool ok = kb < kb_count && col < k;
+        qa[u][j] = ok ? load_stream(wa + col) : uint4{};
+        qb[u][j] = ok ? load_stream(wb + col) : uint4{};
+      }
+      sca[u] = kb < kb_count ? __ldg(sa + kb) : 0.f;
+      scb[u] = kb < kb_count ? __ldg(sb + kb) : 0.f;
+    }
 #pragma unroll
-      for (int i = 0; i < M; ++i) {
-        const uint4 xa = __ldg(x4 + (i * nchunk + c) * 2);
-        const uint4 xb = __ldg(x4 + (i * nchunk + c) * 2 + 1);
-        uint32_t const xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        float part = 0.f;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t kb = kb0 + int64_t{kWarps} * u;
+      if (kb >= kb_count) break;  // warp-uniform
+      float blk[NT][4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          part = fmaf(lo_f32(xw[j]), lo_f32(wb[j]), part);
-          part = fmaf(hi_f32(xw[j]), hi_f32(wb[j]), part);
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) blk[nt][v] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int64_t col = kb * 128 + 64 * j + 16 * t;
+        uint4 xv[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const bool ok = xr[nt] != nullptr && col < k;
+          xv[nt][0] = ok ? __ldg(reinterpret_cast<uint4 const*>(xr[nt] + col)) : uint4{};
+          xv[nt][1] = ok ? __ldg(reinterpret_cast<uint4 const*>(xr[nt] + col + 8)) : uint4{};
         }
-        acc[i][r] = fmaf(s[r], part, acc[i][r]);
-      }
-    }
-  }
-}
-
-template <int M, int R, int U, bool F32>
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, M <= 2 ? 5 : (M <= 4 ? 3 : 2))
-    fp8_gemv_kernel(Fp8GemvParams p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t{gridDim.x} * (blockDim.x >> 5);
-  const int64_t warp = int64_t{blockIdx.x} * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int64_t n = p.n, nchunk = p.k / 16;  // 16-byte chunks per row of W
-  const int64_t kb = fp8_row_scale_cols(p.k);
-  uint4 const* x4 = reinterpret_cast<uint4 const*>(p.x);
-  uint4 const* w4 = reinterpret_cast<uint4 const*>(p.w);
-  for (int64_t row0 = warp * R; row0 < n; row0 += warps * R) {
-    uint4 const* wr[R];
-    float const* sr[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < n ? row0 + r : row0;
-      wr[r] = w4 + row * nchunk;
-      sr[r] = p.w_scale + row * kb;
-    }
-    float acc[M][R];
+        for (int s = 0; s < 4; ++s) {
+          uint32_t a0, a1, a2, a3;
+          detail::e4m3x4_to_bf16(word(qa[u][j], s), a0, a2);
+          detail::e4m3x4_to_bf16(word(qb[u][j], s), a1, a3);
 #pragma unroll
-    for (int i = 0; i < M; ++i) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[i][r] = 0.f;
-    }
-    for (int64_t base = lane; base < nchunk; base += 32 * U) {
-      if (base - lane + 32 * U <= nchunk) {  // warp-uniform
-        step<M, R, U, false>(x4, wr, sr, base, nchunk, acc);
-      } else {
-        step<M, R, U, true>(x4, wr, sr, base, nchunk, acc);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], o);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (lane == (i * R + r) % 32 && row0 + r < n) {
-          if constexpr (F32) {
-            p.y_f32[i * n + row0 + r] = acc[i][r];
-          } else {
-            p.y[i * n + row0 + r] = __float2bfloat16_rn(acc[i][r]);
+          for (int nt = 0; nt < NT; ++nt) {
+            // Elements 4 s .. 4 s + 3 of the lane's 16: pairs 2 s and 2 s + 1.
+            const uint32_t b0 = word(xv[nt][s >> 1], (2 * s) & 3);
+            const uint32_t b1 = word(xv[nt][s >> 1], (2 * s + 1) & 3);
+            mma_bf16(blk[nt], a0, a1, a2, a3, b0, b1);
           }
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        acc[nt][0] = fmaf(sca[u], blk[nt][0], acc[nt][0]);
+        acc[nt][1] = fmaf(sca[u], blk[nt][1], acc[nt][1]);
+        acc[nt][2] = fmaf(scb[u], blk[nt][2], acc[nt][2]);
+        acc[nt][3] = fmaf(scb[u], blk[nt][3], acc[nt][3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) red[warp][nt * 4 + v][lane] = acc[nt][v];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += red[w][nt * 4 + v][lane];
+      const int64_t row = r0 + g + 8 * (v >> 1), tok = 8 * nt + 2 * t + (v & 1);
+      if (row < n && tok < m) {
+        if constexpr (F32) {
+          p.y_f32[tok * n + row] = sum;
+        } else {
+          p.y[tok * n + row] = __float2bfloat16_rn(sum);
+        }
+      }
     }
   }
 }
 
-int sm_count() {
-  static std::atomic<int> cache[64] = {};
-  int dev = 0;
-  TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) dev = 0;
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
-template <int M, bool F32>
-void launch_m(Fp8GemvParams const& p, cudaStream_t stream) {
-  constexpr int R = M <= 2 ? 1 : 2;
-  constexpr int U = 8 / R;
-  const int64_t row_warps = (p.n + R - 1) / R;
-  const int sms = sm_count();
-  const int wpb = row_warps >= int64_t{4} * sms ? kMaxWarpsPerBlock : 1;
-  const int64_t max_blocks = int64_t{16} * sms * kMaxWarpsPerBlock / wpb;
-  const int64_t blocks = std::min<int64_t>((row_warps + wpb - 1) / wpb, max_blocks);
-  fp8_gemv_kernel<M, R, U, F32>
-      <<<static_cast<unsigned>(blocks), static_cast<unsigned>(wpb * 32), 0, stream>>>(p);
+template <int NT, bool F32>
+void launch_nt(Fp8GemvParams const& p, cudaStream_t stream) {
+  const int64_t blocks = (p.n + 15) / 16;
+  TANDEM_CHECK(blocks <= INT32_MAX, "fp8_gemv: n too large: ", p.n);
+  fp8_gemv_kernel<NT, F32><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
 }
 
 template <bool F32>
 void dispatch(Fp8GemvParams const& p, cudaStream_t stream) {
-  switch (p.m) {
-    case 1: launch_m<1, F32>(p, stream); break;
-    case 2: launch_m<2, F32>(p, stream); break;
-    case 3: launch_m<3, F32>(p, stream); break;
-    case 4: launch_m<4, F32>(p, stream); break;
-    case 5: launch_m<5, F32>(p, stream); break;
-    case 6: launch_m<6, F32>(p, stream); break;
-    case 7: launch_m<7, F32>(p, stream); break;
-    case 8: launch_m<8, F32>(p, stream); break;
-    default: TANDEM_THROW(kUnsupported, "fp8_gemv: m ", p.m, " > ", kFp8GemvMaxM);
+  if (p.m <= 8) {
+    launch_nt<1, F32>(p, stream);
+  } else if (p.m <= 16) {
+    launch_nt<2, F32>(p, stream);
+  } else {
+    TANDEM_THROW(kUnsupported, "fp8_gemv: m ", p.m, " > ", kFp8GemvMaxM);
   }
 }
 
@@ -208,7 +207,7 @@ void fp8_gemv_launch(Fp8GemvParams const& p, cudaStream_t stream) {
   if (p.m == 0) return;
   TANDEM_CHECK_KIND(kUnsupported, fp8_gemv_supported(p), "fp8_gemv: unsupported operands (m ", p.m,
                     " n ", p.n, " k ", p.k,
-                    "; needs 1 <= m <= 8, k % 16 == 0, 16-byte aligned x and w, row scales)");
+                    "; needs 1 <= m <= 16, k % 16 == 0, 16-byte aligned x and w, row scales)");
   if (p.y_f32 != nullptr) {
     dispatch<true>(p, stream);
   } else {

@@ -10,8 +10,8 @@
 // repeating each block row (fp8_expand_row_scales), which also makes any row slice (a TP shard
 // narrower than 128 rows, the packed gate/up order of the MoE experts) a plain row gather.
 //
-//  - fp8_gemv_launch: y[m, n] = x[m, k] W^T for 1 <= m <= 8 (dense linears at decode): one warp
-//    per row (two for m > 2), 16-byte loads of 16 E4M3 each, 8 in flight per lane.
+//  - fp8_gemv_launch: y[m, n] = x[m, k] W^T for 1 <= m <= 16 (dense linears at decode) on the
+//    tensor cores: 16 weight rows per block of 8 warps splitting K, 16-byte loads of 16 E4M3.
 //  - the MoE grouped GEMM (moe_gemm.h) takes E4M3 experts through MoeGemmParams::w_fp8 /
 //    w_scale (mma.sync bf16 with the weights converted in registers), and a dense matrix as one
 //    expert without offsets (MoeGemmParams::expert_offsets null): the FP8 linear for m > 8.
@@ -48,9 +48,9 @@ struct Fp8GemvParams {
   float* y_f32 = nullptr;  // when set, the output is fp32 here ([m, n]) and y is unused
 };
 
-constexpr int64_t kFp8GemvMaxM = 8;
+constexpr int64_t kFp8GemvMaxM = 16;
 
-/// True when fp8_gemv_launch accepts p: 1 <= m <= 8, n >= 1, k >= 16 and k % 16 == 0, x and w
+/// True when fp8_gemv_launch accepts p: 1 <= m <= 16, n >= 1, k >= 16 and k % 16 == 0, x and w
 /// 16-byte aligned, w_scale and the output set.
 bool fp8_gemv_supported(Fp8GemvParams const& p);
 

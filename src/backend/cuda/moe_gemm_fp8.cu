@@ -3,19 +3,20 @@
 //
 // The CTA / grid layout, row-tile scan, gather, PDL and epilogues of moe_gemm.cu; what differs
 // is the weight operand:
-//   - the B tile in shared memory is E4M3 (BN x 64 bytes per stage, half bf16's), filled by
-//     16-byte cp.async;
-//   - no ldmatrix: a thread reads the 16 codes of its n row (g = lane / 4) at bytes
-//     [16 t, 16 t + 16) of the 64-deep K tile (t = lane % 4), converts them to bf16 in
-//     registers (fp8_dequant.cuh) and uses bytes 4 s .. 4 s + 3 as the B fragment of k step s.
-//     That permutes K inside the tile (mma k 2t + j + 8h <-> tile column 16 t + 4 s + 2 h + j),
-//     so the A fragments are read with the same permutation (16-byte loads of row g at
-//     elements 16 t .. 16 t + 15: conflict-free with the 144-byte row stride);
-//   - the MMAs of one 128-deep K block accumulate into a second accumulator, added to the
-//     output accumulator times the block's scale of each column (n) when the block ends.
-// Tiles (64-deep K, so two K tiles per scale block): small 16 x 32 (8 stages, 2 warps), medium
-// 64 x 64 (4 stages, 4 warps), large 128 x 128 (3 stages, 8 warps, 1 CTA / SM), picked as
-// moe_gemm_pick_tile picks.
+//   - the K tile is one 128-deep scale block; the B tile in shared memory is E4M3 (BN x 128
+//     bytes per stage), filled by 16-byte cp.async, 16-byte chunk c of row r stored at chunk
+//     c ^ 4 (r & 1) (bank-conflict-free reads below);
+//   - no ldmatrix: per 64-deep half of the tile a thread reads the 16 codes of its n row
+//     (g = lane / 4) at bytes [16 t, 16 t + 16) of the half (t = lane % 4), converts them to
+//     bf16 in registers (fp8_dequant.cuh) and uses bytes 4 s .. 4 s + 3 as the B fragment of
+//     k step s. That permutes K inside the half (mma k 2t + j + 8h <-> column 16 t + 4 s +
+//     2 h + j), so the A fragments are read with the same permutation (16-byte loads of row g
+//     at elements 16 t .. 16 t + 15 of the half: conflict-free with the 272-byte row stride);
+//   - the tile's MMAs accumulate into a second accumulator, added to the output accumulator
+//     times the block's scale of each column (n) at the end of the tile.
+// Tiles: small 16 x 32 (6 stages, 2 warps), medium 64 x 64 (3 stages, 4 warps), large
+// 128 x 128 (3 stages, 8 warps, 1 CTA / SM), picked as moe_gemm_pick_tile picks; a dense
+// matrix (no offsets) takes the small tile up to 128 rows (more CTAs).
 #include <algorithm>
 #include <atomic>
 
@@ -30,23 +31,23 @@ namespace {
 
 template <int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages, int kMinBlocks>
 struct Fp8Tile {
-  static constexpr int BM = kBM, BN = kBN, BK = 64, kWarpsN_ = kWarpsN, kStagesN = kStages;
+  static constexpr int BM = kBM, BN = kBN, BK = 128, kWarpsN_ = kWarpsN, kStagesN = kStages;
   static constexpr int kMinBlocksPerSm = kMinBlocks;
   static constexpr int kThreads = kWarpsM * kWarpsN * 32;
   static constexpr int kWM = BM / kWarpsM, kWN = BN / kWarpsN;
   static constexpr int kMI = kWM / 16, kNI = kWN / 8;
-  static constexpr int kLdA = BK + 8;  // bf16 elements (144 bytes)
+  static constexpr int kLdA = BK + 8;  // bf16 elements (272 bytes: 16 mod 128)
   static constexpr int kStageABytes = BM * kLdA * 2, kStageBBytes = BN * BK;  // bytes
   static constexpr size_t kSmemBytes = size_t{kStages} * (kStageABytes + kStageBBytes);
   static constexpr int kChunksA = BM * BK / 8, kChunksB = BN * BK / 16;  // 16-byte chunks
   static_assert(BM % (16 * kWarpsM) == 0, "warp tile rows: multiple of 16");
   static_assert(kWN % (2 * kMoeGateUpInterleave) == 0, "a warp holds whole gate/up pairs");
   static_assert(kChunksA % kThreads == 0 && kChunksB % kThreads == 0, "whole chunks per thread");
-  static_assert(kFp8BlockK % BK == 0, "K tiles inside one scale block");
+  static_assert(BK == kFp8BlockK, "one K tile per scale block");
 };
 
-using Fp8Small = Fp8Tile<16, 32, 1, 2, 8, 1>;
-using Fp8Medium = Fp8Tile<64, 64, 2, 2, 4, 1>;
+using Fp8Small = Fp8Tile<16, 32, 1, 2, 6, 1>;
+using Fp8Medium = Fp8Tile<64, 64, 2, 2, 3, 1>;
 using Fp8Large = Fp8Tile<128, 128, 2, 4, 3, 1>;
 
 __device__ __forceinline__ uint32_t smem_addr(void const* p) {
@@ -183,10 +184,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
     for (int i = 0; i < Cfg::kChunksB / kThreads; ++i) {
       const int c = tid + i * kThreads;
-      const int r = c / (BK / 16), col = (c % (BK / 16)) * 16;
+      const int r = c / (BK / 16), chunk = c % (BK / 16), col = chunk * 16;
       const bool ok = r < n_rows && k0 + col < K;
-      cp_async16(sBs + r * BK + col, ok ? gW + static_cast<int64_t>(r) * K + k0 + col : p.w_fp8,
-                 ok);
+      // Swizzled: chunk ^ 4 on odd rows, so that rows g and g + 1 of one read fall in
+      // different banks.
+      cp_async16(sBs + r * BK + (chunk ^ ((r & 1) << 2)) * 16,
+                 ok ? gW + static_cast<int64_t>(r) * K + k0 + col : p.w_fp8, ok);
     }
   };
 
@@ -251,37 +254,45 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 
     bf16 const* sAs = sA + (kt % kStages) * (BM * kLdA);
     uint8_t const* sBs = sB + (kt % kStages) * Cfg::kStageBBytes;
-    uint4 bq[kNI];
 #pragma unroll
-    for (int ni = 0; ni < kNI; ++ni) bq[ni] = lds128(sBs + (b_row + ni * 8) * BK + t * 16);
+    for (int h = 0; h < 2; ++h) {  // the two 64-deep halves of the tile
+      uint4 bq[kNI];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      uint4 a[kMI][2];
-#pragma unroll
-      for (int mi = 0; mi < kMI; ++mi) {
-        a[mi][0] = lds128(sAs + (a_row + mi * 16) * kLdA + t * 16 + half * 8);
-        a[mi][1] = lds128(sAs + (a_row + mi * 16 + 8) * kLdA + t * 16 + half * 8);
+      for (int ni = 0; ni < kNI; ++ni) {
+        const int r = b_row + ni * 8;
+        bq[ni] = lds128(sBs + r * BK + (((4 * h + t) ^ ((r & 1) << 2)) * 16));
       }
 #pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
-        const int s = 2 * half + sub;
-        uint32_t b[kNI][2];
-#pragma unroll
-        for (int ni = 0; ni < kNI; ++ni)
-          detail::e4m3x4_to_bf16(word(bq[ni], s), b[ni][0], b[ni][1]);
+      for (int half = 0; half < 2; ++half) {
+        uint4 a[kMI][2];
 #pragma unroll
         for (int mi = 0; mi < kMI; ++mi) {
-          const uint32_t a0 = word(a[mi][0], 2 * sub), a1 = word(a[mi][1], 2 * sub);
-          const uint32_t a2 = word(a[mi][0], 2 * sub + 1), a3 = word(a[mi][1], 2 * sub + 1);
+          const int col = 64 * h + t * 16 + half * 8;
+          a[mi][0] = lds128(sAs + (a_row + mi * 16) * kLdA + col);
+          a[mi][1] = lds128(sAs + (a_row + mi * 16 + 8) * kLdA + col);
+        }
 #pragma unroll
-          for (int ni = 0; ni < kNI; ++ni)
-            mma_bf16(blk[mi][ni], a0, a1, a2, a3, b[ni][0], b[ni][1]);
+        for (int sub = 0; sub < 2; ++sub) {
+          const int s = 2 * half + sub;
+          uint32_t b[kNI][2];
+#pragma unroll
+          for (int ni = 0; ni < kNI; ++ni) {
+            detail::e4m3x4_to_bf16(word(bq[ni], s), b[ni][0], b[ni][1]);
+          }
+#pragma unroll
+          for (int mi = 0; mi < kMI; ++mi) {
+            const uint32_t a0 = word(a[mi][0], 2 * sub), a1 = word(a[mi][1], 2 * sub);
+            const uint32_t a2 = word(a[mi][0], 2 * sub + 1), a3 = word(a[mi][1], 2 * sub + 1);
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni) {
+              mma_bf16(blk[mi][ni], a0, a1, a2, a3, b[ni][0], b[ni][1]);
+            }
+          }
         }
       }
     }
-    // End of a 128-deep scale block (or of K): scale the block's sums into the output.
-    const int k_end = (kt + 1) * BK;
-    if (k_end % kFp8BlockK == 0 || kt + 1 == k_tiles) {
+    // End of the tile (a 128-deep scale block): scale its sums into the output.
+    {
 #pragma unroll
       for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
@@ -291,7 +302,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
             acc[mi][ni][v] = fmaf(sc[ni][v & 1], blk[mi][ni][v], acc[mi][ni][v]);
             blk[mi][ni][v] = 0.f;
           }
-      if (kt + 1 < k_tiles) load_scales(k_end / static_cast<int>(kFp8BlockK));
+      if (kt + 1 < k_tiles) load_scales(kt + 1);
     }
   }
   cp_async_wait<0>();
@@ -407,8 +418,11 @@ void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream) {
       aligned(p.x, 16) && aligned(p.w_fp8, 16) && aligned(p.y, 16) && aligned(p.w_scale, 4),
       "moe_gemm (fp8): x, w_fp8, y must be 16-byte aligned");
   if (p.max_rows == 0) return;
-  const MoeGemmTile tile =
+  MoeGemmTile tile =
       p.tile == MoeGemmTile::kAuto ? moe_gemm_pick_tile(p.max_rows, p.num_experts) : p.tile;
+  if (p.tile == MoeGemmTile::kAuto && p.expert_offsets == nullptr && p.max_rows <= 128) {
+    tile = MoeGemmTile::kSmall;
+  }
   switch (tile) {
     case MoeGemmTile::kSmall: launch_epilogue<Fp8Small>(p, stream); break;
     case MoeGemmTile::kMedium: launch_epilogue<Fp8Medium>(p, stream); break;

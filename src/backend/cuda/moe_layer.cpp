@@ -142,7 +142,10 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   if (path == MoeLayerPath::kCublas || path == MoeLayerPath::kPadded) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TANDEM_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (!cublas_ok_ || capture != cudaStreamCaptureStatusNone) path = MoeLayerPath::kMma;
+    // FP8 experts: no cuBLAS FP8 grouped GEMM here; the FP8 grouped GEMM (mma path) instead.
+    if (!cublas_ok_ || capture != cudaStreamCaptureStatusNone || w.gate_up_fp8 != nullptr) {
+      path = MoeLayerPath::kMma;
+    }
   }
   last_path_ = path;
   if (path == MoeLayerPath::kDecode) {
@@ -182,6 +185,8 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
       x, w.gate_up, act_, offsets_, rows, 2 * I, H, num_local_, MoeGemmEpilogue::kSiluMul};
   gate_up.gather_src = src_;
   gate_up.gather_div = top_k_;
+  gate_up.w_fp8 = w.gate_up_fp8;
+  gate_up.w_scale = w.gate_up_scale;
   // After the decode router (which lets it start early): hide the launch latency.
   if (path == MoeLayerPath::kDecode && kDownPdl) gate_up.pdl = MoeGemmPdl::kWaitFirst;
   moe_gemm_launch(gate_up, stream);
@@ -190,6 +195,8 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   MoeGemmParams down{
       act_, w.down, rows_, offsets_, rows, H, I, num_local_, MoeGemmEpilogue::kPlain};
   down.pdl = kDownPdl ? MoeGemmPdl::kPrefetchWeights : MoeGemmPdl::kOff;
+  down.w_fp8 = w.down_fp8;
+  down.w_scale = w.down_scale;
   moe_gemm_launch(down, stream);
   if (kDownPdl && aligned16(out)) {
     moe_layer_detail::unpermute_pdl_launch(

@@ -40,6 +40,14 @@ struct MoeLayerWeights {
   bf16 const* router;   // [num_experts, hidden]
   bf16 const* gate_up;  // [num_local_experts, 2 * inter, hidden], packed by moe_pack_gate_up
   bf16 const* down;     // [num_local_experts, hidden, inter]
+  // FP8 experts (fp8_linear.h; gate_up and down then unused): E4M3 codes in the layouts above
+  // and their row scales ([num_local_experts, 2 * inter, ceil(hidden / 128)] packed as the
+  // rows, [num_local_experts, hidden, ceil(inter / 128)]). The decode and mma paths take them;
+  // a prefill batch that would take the cuBLAS paths runs the mma path (FP8 grouped GEMM).
+  uint8_t const* gate_up_fp8 = nullptr;
+  float const* gate_up_scale = nullptr;
+  uint8_t const* down_fp8 = nullptr;
+  float const* down_scale = nullptr;
 };
 
 /// Which implementation run() uses. kAuto picks (see above); a forced path is for tests and

@@ -18,7 +18,9 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/fp8_linear.h"
+#include "backend/cuda/gemm.h"
 #include "backend/cuda/moe_gemm.h"
+#include "backend/cuda/moe_layer.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
@@ -178,7 +180,7 @@ TEST_F(Fp8LinearCuda, GemvMatchesReference) {
       fp8_gemv_launch({dx.bf(), dw.ptr, ds.ptr, nullptr, m, s.n, s.k, dyf.ptr}, stream_);
       const auto yf = dyf.download();
       for (size_t i = out; i < out + kGuard; ++i) ASSERT_TRUE(std::isnan(yf[i]));
-      EXPECT_LT(rel_err(std::vector<float>(yf.begin(), yf.begin() + out), ref), 1e-5);
+      EXPECT_LT(rel_err(std::vector<float>(yf.begin(), yf.begin() + out), ref), 3e-5);
     }
   }
 }
@@ -201,7 +203,7 @@ TEST_F(Fp8LinearCuda, GemvOnRowSlices) {
     DeviceBuffer<float> dy(static_cast<size_t>(m * n));
     dy.poison(0xff);
     fp8_gemv_launch({dx.bf(), dw.ptr, ds.ptr, nullptr, m, n, w.k, dy.ptr}, stream_);
-    EXPECT_LT(rel_err(dy.download(), ref_gemm(x, m, w, r0, n)), 1e-5);
+    EXPECT_LT(rel_err(dy.download(), ref_gemm(x, m, w, r0, n)), 3e-5);
   }
 }
 
@@ -321,6 +323,74 @@ TEST_F(Fp8LinearCuda, DenseGemmMatchesReference) {
       EXPECT_LT(rel_err(to_f32(Bits(y.begin(), y.begin() + m * w.n)), ref_gemm(x, m, w, 0, w.n)),
                 6e-3);
     }
+  }
+}
+
+// The whole MoE block with FP8 experts against the same block over their dequantized bf16
+// weights (the bf16 block is tested against cpu::moe in test_moe_gemm_cuda.cpp): the decode
+// path (<= 8 tokens), the mma path, and a prefill batch that picks the cuBLAS paths with bf16
+// weights (FP8 runs the mma path there). Same router, so the same routing; the outputs differ
+// by the bf16 rounding of the dequantized weights only.
+TEST_F(Fp8LinearCuda, MoeLayerMatchesDequantizedBf16) {
+  const int64_t H = 256, I = 96, E = 16, top_k = 4, max_tokens = 600;
+  std::vector<uint8_t> q_gu, q_dn;
+  std::vector<float> s_gu, s_dn;
+  Bits gu16, dn16;
+  const int64_t kbh = fp8_row_scale_cols(H);
+  for (int64_t e = 0; e < E; ++e) {
+    Fp8Matrix g = rand_matrix(I, H), u = rand_matrix(I, H), d = rand_matrix(H, I);
+    // Small codes' scales: keep the products moderate (bf16 activations in and out).
+    std::vector<uint8_t> pq(static_cast<size_t>(2 * I * H));
+    moe_pack_gate_up_rows(g.q.data(), u.q.data(), I, static_cast<size_t>(H), pq.data());
+    q_gu.insert(q_gu.end(), pq.begin(), pq.end());
+    std::vector<float> ps(static_cast<size_t>(2 * I * kbh));
+    const auto gs = g.row_scale(), us = u.row_scale();
+    moe_pack_gate_up_rows(gs.data(), us.data(), I, static_cast<size_t>(kbh) * 4, ps.data());
+    s_gu.insert(s_gu.end(), ps.begin(), ps.end());
+    q_dn.insert(q_dn.end(), d.q.begin(), d.q.end());
+    const auto ds = d.row_scale();
+    s_dn.insert(s_dn.end(), ds.begin(), ds.end());
+    Bits gb(static_cast<size_t>(I * H)), ub(gb.size()), pb(2 * gb.size());
+    for (int64_t r = 0; r < I; ++r) {
+      for (int64_t c = 0; c < H; ++c) {
+        gb[r * H + c] = f32_to_bf16(g.at(r, c));
+        ub[r * H + c] = f32_to_bf16(u.at(r, c));
+      }
+    }
+    moe_pack_gate_up(reinterpret_cast<bf16 const*>(gb.data()),
+                     reinterpret_cast<bf16 const*>(ub.data()), I, H,
+                     reinterpret_cast<bf16*>(pb.data()));
+    gu16.insert(gu16.end(), pb.begin(), pb.end());
+    for (int64_t r = 0; r < H; ++r) {
+      for (int64_t c = 0; c < I; ++c) dn16.push_back(f32_to_bf16(d.at(r, c)));
+    }
+  }
+  const Bits router = randn_bf16(static_cast<size_t>(E * H));
+  DeviceBuffer<uint16_t> drouter(router), dgu16(gu16), ddn16(dn16);
+  DeviceBuffer<uint8_t> dqgu(q_gu), dqdn(q_dn);
+  DeviceBuffer<float> dsgu(s_gu), dsdn(s_dn);
+  MoeLayerWeights w16{drouter.bf(), dgu16.bf(), ddn16.bf()};
+  MoeLayerWeights w8{drouter.bf(), nullptr, nullptr, dqgu.ptr, dsgu.ptr, dqdn.ptr, dsdn.ptr};
+  MoeLayer layer(max_tokens, H, I, E, top_k, 0, E, true);
+  GemmLt gemm;
+  for (const int64_t T : {1, 5, 8, 40, 600}) {
+    SCOPED_TRACE(trace() + " tokens " + std::to_string(T));
+    // Unit-variance x scaled down: the random codes' values reach 448 times their scale.
+    Bits x = randn_bf16(static_cast<size_t>(T * H));
+    for (auto& v : x) v = f32_to_bf16(bf16_to_f32(v) * 0.25f);
+    DeviceBuffer<uint16_t> dx(x), out16(static_cast<size_t>(T * H)),
+        out8(static_cast<size_t>(T * H));
+    out16.poison(0xff);
+    out8.poison(0xff);
+    layer.run(w16, dx.bf(), out16.bf(), T, gemm, stream_);
+    const MoeLayerPath bf16_path = layer.last_path();
+    layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
+    const MoeLayerPath fp8_path = layer.last_path();
+    EXPECT_EQ(fp8_path,
+              bf16_path == MoeLayerPath::kDecode ? MoeLayerPath::kDecode : MoeLayerPath::kMma);
+    const auto ref = to_f32(out16.download());
+    std::vector<double> refd(ref.begin(), ref.end());
+    EXPECT_LT(rel_err(to_f32(out8.download()), refd), 1e-2);
   }
 }
 
