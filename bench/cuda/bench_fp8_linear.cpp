@@ -1,8 +1,8 @@
 // FP8-weight linears (backend/cuda/fp8_linear.h) beside the bf16 ones in the same run, at
 // Qwen3-30B-A3B's decode shapes:
-//   dense: fused QKV (2048 -> 5120), o_proj (4096 -> 2048) at m = 1 / 4 / 8 / 32 / 128: bf16
+//   dense: fused QKV (2048 -> 5120), o_proj (4096 -> 2048) at m = 1 / 4 / 8 / 16 / 32 / 128: bf16
 //     GemmLt (gemv kernel or cuBLASLt, whichever its tuning picks) vs FP8 (fp8_gemv_launch for
-//     m <= 8, the FP8 grouped GEMM as one dense expert above);
+//     m <= 16, the FP8 grouped GEMM as one dense expert above);
 //   MoE: 128 experts, gate_up (2048 -> 2 x 768, SiLU-multiply) and down (768 -> 2048) for
 //     1 / 8 / 32 / 128 tokens x top-8, uniform random routing: moe_gemm_launch bf16 vs FP8.
 // Per case: microseconds, weight bytes read per second (each distinct expert once) and its
@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   const double hbm = ceil.copy_Bps;
   const size_t l2_multiple = size_t{4} * static_cast<size_t>(prop.l2CacheSize);
 
-  std::printf("\n== dense linears: bf16 GemmLt vs FP8 (gemv for m <= 8, grouped GEMM above)\n");
+  std::printf("\n== dense linears: bf16 GemmLt vs FP8 (gemv for m <= 16, grouped GEMM above)\n");
   std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s\n", "shape", "m", "bf16 us", "GB/s", "fp8 us",
               "GB/s", "%hbm", "x bf16");
   struct Dense {
@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
           std::make_unique<Buf>(static_cast<size_t>(d.n * cuda::fp8_row_scale_cols(d.k)) * 4));
       fill_scales(*s8.back());
     }
-    for (const int64_t m : {1, 4, 8, 32, 128}) {
+    for (const int64_t m : {1, 4, 8, 16, 32, 128}) {
       Buf x(static_cast<size_t>(m * d.k) * 2), y(static_cast<size_t>(m * d.n) * 2);
       fill_bf16(x);
       const double us16 = t.time_us(sets, [&](int i) {
