@@ -23,13 +23,14 @@ namespace tandem::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kUnroll = 2;  // K blocks whose loads are issued together
+constexpr int kUnroll = 4;  // K blocks whose loads are issued together
 
 __device__ __forceinline__ uint4 load_stream(void const* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  // Not volatile (read-only data, no side effects): the compiler may schedule it freely.
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 
@@ -39,8 +40,7 @@ __device__ __forceinline__ uint32_t word(uint4 const& v, int i) {
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -178,7 +178,51 @@ bool aligned(void const* ptr, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
+// One thread per 16 codes: exact bf16 values (fp8_dequant.cuh), times the row's block scale in
+// fp32, rounded to bf16.
+__global__ void fp8_dequantize_kernel(uint8_t const* q, float const* scale, int64_t rows,
+                                      int64_t cols, bf16* out) {
+  const int64_t per_row = cols / 16, chunks = rows * per_row, kb = fp8_row_scale_cols(cols);
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < chunks; i += stride) {
+    const int64_t r = i / per_row, c = (i % per_row) * 16;
+    const float s = __ldg(scale + r * kb + c / 128);
+    const uint4 v = load_stream(q + r * cols + c);
+    uint32_t w[8];
+    detail::e4m3x4_to_bf16(v.x, w[0], w[1]);
+    detail::e4m3x4_to_bf16(v.y, w[2], w[3]);
+    detail::e4m3x4_to_bf16(v.z, w[4], w[5]);
+    detail::e4m3x4_to_bf16(v.w, w[6], w[7]);
+    uint32_t o[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float lo = __uint_as_float(w[j] << 16) * s,
+                  hi = __uint_as_float(w[j] & 0xffff0000u) * s;
+      __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+      o[j] = *reinterpret_cast<uint32_t*>(&b);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + r * cols + c);
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
+
 }  // namespace
+
+void fp8_dequantize_launch(uint8_t const* q, float const* row_scale, int64_t rows, int64_t cols,
+                           bf16* out, cudaStream_t stream) {
+  TANDEM_CHECK(rows >= 0 && cols > 0 && cols % 16 == 0, "fp8_dequantize: bad shape ", rows, " x ",
+               cols, " (cols % 16 == 0)");
+  TANDEM_CHECK(
+      q != nullptr && row_scale != nullptr && out != nullptr && aligned(q, 16) && aligned(out, 16),
+      "fp8_dequantize: q and out must be 16-byte aligned");
+  if (rows == 0) return;
+  const int64_t chunks = rows * (cols / 16);
+  const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, 132 * 16);
+  fp8_dequantize_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(q, row_scale, rows, cols,
+                                                                           out);
+  TANDEM_CUDA_CHECK_LAUNCH();
+}
 
 std::vector<float> fp8_expand_row_scales(const float* block_scales, int64_t n, int64_t k,
                                          int64_t block_rows) {

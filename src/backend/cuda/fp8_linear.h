@@ -58,4 +58,10 @@ bool fp8_gemv_supported(Fp8GemvParams const& p);
 /// CUDA-graph safe, deterministic (no atomics).
 void fp8_gemv_launch(Fp8GemvParams const& p, cudaStream_t stream);
 
+/// out[r][c] = bf16(e4m3(q[r][c]) * row_scale[r][c / 128]) (the fp32 product rounded to bf16:
+/// what the bf16 model loads), for the bf16 GEMMs of prefill-sized batches. q [rows, cols],
+/// out [rows, cols] bf16, cols % 16 == 0, q and out 16-byte aligned. Asynchronous, capturable.
+void fp8_dequantize_launch(uint8_t const* q, float const* row_scale, int64_t rows, int64_t cols,
+                           bf16* out, cudaStream_t stream);
+
 }  // namespace tandem::cuda

@@ -263,6 +263,7 @@ struct Qwen3MoeCuda::Impl {
   // Activations, sized for max_tokens.
   int64_t t_cap = 0, rows_cap = 0;
   DeviceMem x, xn, y, qkv, q, attn, gu, act, last, logits, attn_ws;
+  DeviceMem dq;  // [n, k] bf16: an FP8 dense linear dequantized (m above the gemv's)
   // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
   DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
   PinnedMem h_sample;  // params up, results down
@@ -603,11 +604,22 @@ struct Qwen3MoeCuda::Impl {
         moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
                                                c.num_experts_per_tok, plan.experts.begin,
                                                local_experts(), c.norm_topk_prob);
+        bool fp8_experts = false;
+        for (const auto& w : layers) fp8_experts |= w.moe && static_cast<bool>(w.gate_up8);
+        if (fp8_experts) moe->reserve_fp8_prefill();
       }
     }
-    // The FP8 grouped GEMM's tiles (the dense FP8 linears above the gemv's m too) before any
-    // graph capture.
+    // The FP8 grouped GEMM's tiles before any graph capture; the dense FP8 linears' bf16
+    // scratch for m above the gemv's.
     if (!fp8_allocs.empty()) cuda::moe_gemm_prepare();
+    int64_t dq_elems = 0;
+    for (const auto& w : layers) {
+      if (w.qkv8) dq_elems = std::max(dq_elems, qkv_rows() * h);
+      if (w.o8) dq_elems = std::max(dq_elems, h * qh * d);
+      if (!w.moe && w.gate_up8) dq_elems = std::max(dq_elems, 2 * dense_inter * h);
+      if (!w.moe && w.down8) dq_elems = std::max(dq_elems, h * dense_inter);
+    }
+    if (dq_elems > 0) dq = DeviceMem(static_cast<size_t>(dq_elems) * sizeof(bf16));
     make_communicators(o, any_moe);
     // Split-KV workspace for the captured decode steps (and eager batches that fit it).
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
@@ -769,10 +781,10 @@ struct Qwen3MoeCuda::Impl {
       cuda::fp8_gemv_launch({x, w8.q, w8.s, y, m, n, k}, stream);
       return;
     }
-    cuda::MoeGemmParams p{x, nullptr, y, nullptr, m, n, k, 1};
-    p.w_fp8 = w8.q;
-    p.w_scale = w8.s;
-    cuda::moe_gemm_launch(p, stream);
+    // Above the gemv's m: dequantized into the scratch, then the bf16 GEMM (measured faster
+    // than the FP8 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
+    cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
+    gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
   }
 
   // Decode EP MoE block: router + top-k here, the tokens to their experts' ranks, this

@@ -207,12 +207,30 @@ TEST_F(Fp8LinearCuda, GemvOnRowSlices) {
   }
 }
 
+// The prefill dequantization: bf16(e4m3 * scale), exactly the bf16 model's load.
+TEST_F(Fp8LinearCuda, DequantizeMatchesTheLoad) {
+  const Fp8Matrix w = rand_matrix(130, 400);
+  DeviceBuffer<uint8_t> dw(w.q);
+  DeviceBuffer<float> ds(w.row_scale());
+  DeviceBuffer<uint16_t> out(static_cast<size_t>(w.n * w.k) + kGuard);
+  out.poison(0xff);
+  fp8_dequantize_launch(dw.ptr, ds.ptr, w.n, w.k, out.bf(), stream_);
+  const auto got = out.download();
+  for (int64_t r = 0; r < w.n; ++r) {
+    for (int64_t c = 0; c < w.k; ++c) {
+      ASSERT_EQ(got[r * w.k + c], f32_to_bf16(w.at(r, c))) << r << "," << c;
+    }
+  }
+  for (size_t i = static_cast<size_t>(w.n * w.k); i < got.size(); ++i) ASSERT_EQ(got[i], 0xffff);
+  EXPECT_THROW(fp8_dequantize_launch(dw.ptr, ds.ptr, 2, 24, out.bf(), stream_), Error);
+}
+
 TEST_F(Fp8LinearCuda, GemvRejectsUnsupported) {
   DeviceBuffer<uint16_t> dx(64);
   DeviceBuffer<uint8_t> dw(64);
   DeviceBuffer<float> ds(8);
   DeviceBuffer<uint16_t> dy(64);
-  EXPECT_THROW(fp8_gemv_launch({dx.bf(), dw.ptr, ds.ptr, dy.bf(), 9, 2, 16}, stream_), Error);
+  EXPECT_THROW(fp8_gemv_launch({dx.bf(), dw.ptr, ds.ptr, dy.bf(), 17, 2, 16}, stream_), Error);
   EXPECT_THROW(fp8_gemv_launch({dx.bf(), dw.ptr, ds.ptr, dy.bf(), 1, 2, 24}, stream_), Error);
   EXPECT_THROW(fp8_gemv_launch({dx.bf(), dw.ptr, nullptr, dy.bf(), 1, 2, 16}, stream_), Error);
   fp8_gemv_launch({dx.bf(), dw.ptr, ds.ptr, dy.bf(), 0, 2, 16}, stream_);  // m 0: nothing
@@ -385,12 +403,23 @@ TEST_F(Fp8LinearCuda, MoeLayerMatchesDequantizedBf16) {
     layer.run(w16, dx.bf(), out16.bf(), T, gemm, stream_);
     const MoeLayerPath bf16_path = layer.last_path();
     layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
-    const MoeLayerPath fp8_path = layer.last_path();
-    EXPECT_EQ(fp8_path,
-              bf16_path == MoeLayerPath::kDecode ? MoeLayerPath::kDecode : MoeLayerPath::kMma);
+    EXPECT_EQ(layer.last_path(), bf16_path);
     const auto ref = to_f32(out16.download());
+    const auto got8 = out8.download();
+    if (bf16_path == MoeLayerPath::kCublas || bf16_path == MoeLayerPath::kPadded) {
+      // The experts dequantized on the device are the bf16 weights: the same result, bit for bit.
+      EXPECT_EQ(got8, out16.download()) << "prefill path " << static_cast<int>(bf16_path);
+    }
     std::vector<double> refd(ref.begin(), ref.end());
-    EXPECT_LT(rel_err(to_f32(out8.download()), refd), 1e-2);
+    EXPECT_LT(rel_err(to_f32(got8), refd), 1e-2);
+    if (T == 600) {  // the FP8 grouped GEMM at prefill size instead
+      layer.set_fp8_prefill_dequant(false);
+      out8.poison(0xff);
+      layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
+      EXPECT_EQ(layer.last_path(), MoeLayerPath::kMma);
+      EXPECT_LT(rel_err(to_f32(out8.download()), refd), 1e-2);
+      layer.set_fp8_prefill_dequant(true);
+    }
   }
 }
 
