@@ -2,7 +2,7 @@
 // Qwen3-30B-A3B's decode shapes:
 //   dense: fused QKV (2048 -> 5120), o_proj (4096 -> 2048) at m = 1 / 4 / 8 / 16 / 32 / 128: bf16
 //     GemmLt (gemv kernel or cuBLASLt, whichever its tuning picks) vs FP8 (fp8_gemv_launch for
-//     m <= 16, the FP8 grouped GEMM as one dense expert above);
+//     m <= 16; above, what the model does: dequantized to bf16, then GemmLt);
 //   MoE: 128 experts, gate_up (2048 -> 2 x 768, SiLU-multiply) and down (768 -> 2048) for
 //     1 / 8 / 32 / 128 tokens x top-8, uniform random routing: moe_gemm_launch bf16 vs FP8.
 // Per case: microseconds, weight bytes read per second (each distinct expert once) and its
@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
   const double hbm = ceil.copy_Bps;
   const size_t l2_multiple = size_t{4} * static_cast<size_t>(prop.l2CacheSize);
 
-  std::printf("\n== dense linears: bf16 GemmLt vs FP8 (gemv for m <= 16, grouped GEMM above)\n");
+  std::printf(
+      "\n== dense linears: bf16 GemmLt vs FP8 (gemv for m <= 16, dequantize + bf16 GEMM above)\n");
   std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s\n", "shape", "m", "bf16 us", "GB/s", "fp8 us",
               "GB/s", "%hbm", "x bf16");
   struct Dense {
@@ -92,6 +93,7 @@ int main(int argc, char** argv) {
           std::make_unique<Buf>(static_cast<size_t>(d.n * cuda::fp8_row_scale_cols(d.k)) * 4));
       fill_scales(*s8.back());
     }
+    Buf dq(wb16);
     for (const int64_t m : {1, 4, 8, 16, 32, 128}) {
       Buf x(static_cast<size_t>(m * d.k) * 2), y(static_cast<size_t>(m * d.n) * 2);
       fill_bf16(x);
@@ -104,12 +106,11 @@ int main(int argc, char** argv) {
           cuda::fp8_gemv_launch({x.as<cuda::bf16>(), w8[i]->as<uint8_t>(), s8[i]->as<float>(),
                                  y.as<cuda::bf16>(), m, d.n, d.k},
                                 t.stream);
-        } else {
-          cuda::MoeGemmParams p{
-              x.as<cuda::bf16>(), nullptr, y.as<cuda::bf16>(), nullptr, m, d.n, d.k, 1};
-          p.w_fp8 = w8[i]->as<uint8_t>();
-          p.w_scale = s8[i]->as<float>();
-          cuda::moe_gemm_launch(p, t.stream);
+        } else {  // the model's choice above the gemv: dequantize, then the bf16 GEMM
+          cuda::fp8_dequantize_launch(w8[i]->as<uint8_t>(), s8[i]->as<float>(), d.n, d.k,
+                                      dq.as<cuda::bf16>(), t.stream);
+          gemm.run({x.as<cuda::bf16>(), dq.as<cuda::bf16>(), y.as<cuda::bf16>(), m, d.n, d.k},
+                   t.stream);
         }
       });
       const double bw16 = wb16 / (us16 * 1e-6), bw8 = wb8 / (us8 * 1e-6);
