@@ -19,6 +19,8 @@
 // matrix (no offsets) takes the small tile up to 128 rows (more CTAs).
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/fp8_dequant.cuh"
@@ -29,11 +31,15 @@ namespace tandem::cuda::moe_gemm_detail {
 
 namespace {
 
-template <int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages, int kMinBlocks>
+// kWarpsK 2: two warps per warp tile, one per 64-deep half of every K tile (twice the warps
+// per SM for the latency-bound decode shapes), their sums added through shared memory.
+template <int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages, int kMinBlocks, int kWarpsK = 1>
 struct Fp8Tile {
   static constexpr int BM = kBM, BN = kBN, BK = 128, kWarpsN_ = kWarpsN, kStagesN = kStages;
+  static constexpr int kWarpsM_ = kWarpsM, kWarpsK_ = kWarpsK;
+  static_assert(kWarpsK == 1 || kWarpsK == 2, "K halves per tile");
   static constexpr int kMinBlocksPerSm = kMinBlocks;
-  static constexpr int kThreads = kWarpsM * kWarpsN * 32;
+  static constexpr int kThreads = kWarpsM * kWarpsN * kWarpsK * 32;
   static constexpr int kWM = BM / kWarpsM, kWN = BN / kWarpsN;
   static constexpr int kMI = kWM / 16, kNI = kWN / 8;
   static constexpr int kLdA = BK + 8;  // bf16 elements (272 bytes: 16 mod 128)
@@ -47,6 +53,7 @@ struct Fp8Tile {
 };
 
 using Fp8Small = Fp8Tile<16, 32, 1, 2, 6, 1>;
+using Fp8SmallK2 = Fp8Tile<16, 32, 1, 2, 6, 1, 2>;
 using Fp8Medium = Fp8Tile<64, 64, 2, 2, 3, 1>;
 using Fp8Large = Fp8Tile<128, 128, 2, 4, 3, 1>;
 
@@ -211,7 +218,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     }
   }
 
-  const int wm = warp / Cfg::kWarpsN_, wn = warp % Cfg::kWarpsN_;
+  constexpr int kTileWarps = Cfg::kWarpsM_ * Cfg::kWarpsN_;
+  const int wk = warp / kTileWarps, wt = warp % kTileWarps;
+  const int wm = wt / Cfg::kWarpsN_, wn = wt % Cfg::kWarpsN_;
   const int g = lane >> 2, t = lane & 3;
   float acc[kMI][kNI][4], blk[kMI][kNI][4];
 #pragma unroll
@@ -251,6 +260,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     uint8_t const* sBs = sB + (kt % kStages) * Cfg::kStageBBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the two 64-deep halves of the tile
+      if (Cfg::kWarpsK_ == 2 && h != wk) continue;
       uint4 bq[kNI];
 #pragma unroll
       for (int ni = 0; ni < kNI; ++ni) {
@@ -301,6 +311,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     }
   }
   cp_async_wait<0>();
+  if constexpr (Cfg::kWarpsK_ == 2) {
+    // The second K half's sums to the first's warps (the stages are free once all arrived).
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(smem_u4);
+    constexpr int kPer = kMI * kNI * 4;
+    if (wk == 1) {
+#pragma unroll
+      for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            red[(wt * kPer + (mi * kNI + ni) * 4 + v) * 32 + lane] = acc[mi][ni][v];
+          }
+    }
+    __syncthreads();
+    if (wk == 1) return;
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          acc[mi][ni][v] += red[(wt * kPer + (mi * kNI + ni) * 4 + v) * 32 + lane];
+        }
+  }
 
   // 4. Epilogue, as moe_gemm.cu: accumulator (mi, ni)[2 h + v] is row 16 mi + g + 8 h, column
   // 8 ni + 2 t + v of the warp tile.
@@ -390,6 +426,16 @@ void launch_epilogue(MoeGemmParams const& p, cudaStream_t stream) {
 
 bool aligned(void const* p, uintptr_t b) { return reinterpret_cast<uintptr_t>(p) % b == 0; }
 
+// The small tile with two warps per warp tile along K (default), or one (TANDEM_FP8_SPLITK=0:
+// for measuring the two).
+bool small_split_k() {
+  static const bool on = [] {
+    const char* e = std::getenv("TANDEM_FP8_SPLITK");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
+
 }  // namespace
 
 void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream) {
@@ -419,7 +465,13 @@ void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream) {
     tile = MoeGemmTile::kSmall;
   }
   switch (tile) {
-    case MoeGemmTile::kSmall: launch_epilogue<Fp8Small>(p, stream); break;
+    case MoeGemmTile::kSmall:
+      if (small_split_k()) {
+        launch_epilogue<Fp8SmallK2>(p, stream);
+      } else {
+        launch_epilogue<Fp8Small>(p, stream);
+      }
+      break;
     case MoeGemmTile::kMedium: launch_epilogue<Fp8Medium>(p, stream); break;
     default: launch_epilogue<Fp8Large>(p, stream); break;  // the large tiles
   }
@@ -428,6 +480,8 @@ void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream) {
 void moe_gemm_fp8_prepare() {
   raise_smem<Fp8Small, false>();
   raise_smem<Fp8Small, true>();
+  raise_smem<Fp8SmallK2, false>();
+  raise_smem<Fp8SmallK2, true>();
   raise_smem<Fp8Medium, false>();
   raise_smem<Fp8Medium, true>();
   raise_smem<Fp8Large, false>();
