@@ -20,7 +20,8 @@
 #                      model (TANDEM_TEST_DEVICE=cuda)
 #   openai_client      the official openai client against `tandem serve --device cuda`
 #   memcheck_model     compute-sanitizer memcheck over one fixture's model tests
-#   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_sampling, bench_model_cuda
+#   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
+#   bench_model_cuda (also with --fp8)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
 PACK=$(cd "$PACK" && pwd)
@@ -133,6 +134,11 @@ export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
 step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
 export TANDEM_BENCH_CSV="$LOG/bench_model_cuda.csv"
 step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
+# Block FP8 beside bf16 in one run (Qwen3-30B-A3B, decode 1 / 32, prefill 2k; the weights
+# E4M3 in device memory): the "FP8 vs bf16" table. Then the FP8-weight kernels alone.
+export TANDEM_BENCH_CSV="$LOG/bench_model_fp8.csv"
+step bench_model_fp8 300 "$BIN/bench_model_cuda" --model 30b --quick --fp8
+[ -x "$BIN/bench_fp8_linear" ] && step bench_fp8_linear 200 "$BIN/bench_fp8_linear" --quick
 # Whole-model prefill with each MoE path forced (the layer bench's routing is not the model's).
 for mp in mma cublas padded; do
   export TANDEM_BENCH_CSV="$LOG/bench_prefill_$mp.csv"
@@ -156,10 +162,11 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_sampling; do
+for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
+[ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
 done

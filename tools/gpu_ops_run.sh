@@ -14,6 +14,7 @@
 # outputs, bf16 1e-2 / fp32 1e-5 relative, integer outputs exact); 2. bench_ops_cuda: per-kernel
 # time beside the measured copy-bandwidth / GEMM-rate bound at 1, 32, 128, 8192 tokens;
 # 2b. bench_fp8_gemm (when present): block-scaled FP8 GEMM vs bf16 on Qwen3-30B-A3B shapes;
+# 2c. bench_fp8_linear (when present): FP8-weight gemv / grouped GEMM vs bf16 at decode shapes;
 # 3. the tests again under compute-sanitizer memcheck (out-of-bounds / misaligned accesses),
 # time-limited: a timeout there is reported, not counted as a failure.
 set -uo pipefail
@@ -89,6 +90,16 @@ if [ -x "$BIN/bench_fp8_gemm" ]; then
   fi
 fi
 
+# 2c. FP8-weight gemv / grouped GEMM beside the bf16 ones (when the binary was packed).
+if [ -x "$BIN/bench_fp8_linear" ]; then
+  step bench_fp8_linear 200 "$BIN/bench_fp8_linear"
+  if [ "${RC[bench_fp8_linear]}" -ne 0 ]; then
+    echo "!! bench_fp8_linear exited with ${RC[bench_fp8_linear]} (124: timed out); last lines:"
+    tail -5 "$LOG/bench_fp8_linear.log"
+    status=1
+  fi
+fi
+
 # 3. Memory checker (Firecracker machines run it; seen working 2026-11-04).
 if command -v compute-sanitizer > /dev/null; then
   step memcheck 100 compute-sanitizer --tool memcheck --error-exitcode 99 \
@@ -112,6 +123,7 @@ echo "== summary: test_backend_cuda rc=${RC[test_backend_cuda]} bench rc=${RC[be
      "memcheck rc=${RC[memcheck]} (logs in $LOG)"
 grep -hE '^\[  (PASSED|FAILED) ' "$LOG/test_backend_cuda.log" 2>/dev/null
 [ -f "$LOG/bench_fp8_gemm.log" ] && { echo "== bench_fp8_gemm"; cat "$LOG/bench_fp8_gemm.log"; }
+[ -f "$LOG/bench_fp8_linear.log" ] && { echo "== bench_fp8_linear"; cat "$LOG/bench_fp8_linear.log"; }
 # The benchmark's table, last.
 sed -n '/^== ceilings/p;/^== table/,$p' "$LOG/bench_ops_cuda.log"
 exit $status

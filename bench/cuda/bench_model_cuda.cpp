@@ -18,6 +18,10 @@
 //   --checkpoint DIR: that checkpoint (loaded from disk) instead of the built-in shapes.
 //   --prefill-only, --moe-path mma|cublas|padded: prefill alone, with the MoE path forced.
 //   CSV to $TANDEM_BENCH_CSV. --decode-only B: just decode at batch B, 1k context (profiling).
+//   --fp8: each built-in model twice in the same run, bf16 then block FP8 (the linears E4M3 with
+//   128x128 block scales in device memory, backend/cuda/fp8_linear.h; router, norms, embedding
+//   and lm_head bf16 as in Qwen's FP8 checkpoints), then FP8's speed-up over bf16 per decode row
+//   and its share of the FP8 roofline (the same byte count with the linears at 1 byte / weight).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -115,8 +119,10 @@ Shapes shapes(const ModelConfig& c) {
   Shapes s{};
   const double h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                kvh = c.num_key_value_heads;
-  s.attn_bytes_layer = 2.0 * ((qh + 2 * kvh) * d * h + h * qh * d) + 2.0 * (2 * h + 2 * d);
-  s.expert_bytes = 2.0 * 3 * h * c.moe_intermediate_size;
+  // Block FP8: one byte per linear weight plus a 4-byte scale per 128 (row scales).
+  const double wb = c.quant.method == WeightQuant::kFp8Block ? 1.0 + 4.0 / 128 : 2.0;
+  s.attn_bytes_layer = wb * ((qh + 2 * kvh) * d * h + h * qh * d) + 2.0 * (2 * h + 2 * d);
+  s.expert_bytes = wb * 3 * h * c.moe_intermediate_size;
   s.router_bytes_layer = 2.0 * c.num_experts * h;
   s.head_bytes = 2.0 * c.vocab_size * h;
   s.kv_bytes_token_layer = 2.0 * 2 * kvh * d;
@@ -134,6 +140,7 @@ struct Row {
 };
 
 std::vector<Row> g_rows;
+bool g_fp8 = false;      // --fp8
 std::string g_moe_path;  // --moe-path
 
 void print_row(const Row& r, bool record = true) {
@@ -169,8 +176,8 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
   const ModelConfig& c = model->config();
   const Shapes s = shapes(c);
   cudaStream_t st = model->stream();
-  std::printf("\n== %s: %.1f GB of weights on the device\n", name.c_str(),
-              model->weight_bytes() / 1e9);
+  std::printf("\n== %s: %.1f GB of weights on the device (%lld FP8 linears)\n", name.c_str(),
+              model->weight_bytes() / 1e9, static_cast<long long>(model->fp8_linears()));
   // The KV pool for the largest decode configuration that fits the budget (and the prompts).
   const double kv_token = s.kv_bytes_token_layer * c.num_hidden_layers;
   int64_t max_tokens = 0;
@@ -253,6 +260,39 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
   }
 }
 
+// The block-FP8 variant of a config (Qwen's published layout: 128x128 blocks).
+ModelConfig fp8_of(ModelConfig c) {
+  c.quant.method = WeightQuant::kFp8Block;
+  c.quant.block_rows = 128;
+  c.quant.block_cols = 128;
+  return c;
+}
+
+// Each FP8 row beside the bf16 row of the same model, phase, batch and context.
+void print_fp8_comparison() {
+  std::printf(
+      "\n== FP8 vs bf16 (same run): speed-up = bf16 us / FP8 us; %%fp8-roofline = FP8 "
+      "bound / FP8 time\n");
+  std::printf("%-16s %-8s %6s %6s %11s %11s %9s %13s\n", "model", "phase", "batch", "ctx",
+              "bf16 us", "fp8 us", "speed-up", "%fp8-roofline");
+  for (const Row& f : g_rows) {
+    const std::string suffix = "-fp8";
+    if (f.model.size() <= suffix.size() ||
+        f.model.compare(f.model.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    const std::string base = f.model.substr(0, f.model.size() - suffix.size());
+    for (const Row& b : g_rows) {
+      if (b.model == base && b.what == f.what && b.batch == f.batch && b.ctx == f.ctx && b.us > 0 &&
+          f.us > 0) {
+        std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %8.2fx %12.1f%%\n", base.c_str(),
+                    f.what.c_str(), static_cast<long long>(f.batch), static_cast<long long>(f.ctx),
+                    b.us, f.us, b.us / f.us, f.what == "decode" ? 100.0 * f.bound_us / f.us : 0.0);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -269,6 +309,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--checkpoint") == 0 && i + 1 < argc) checkpoint = argv[++i];
     if (std::strcmp(argv[i], "--moe-path") == 0 && i + 1 < argc) moe_path = argv[++i];
     if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
+    if (std::strcmp(argv[i], "--fp8") == 0) g_fp8 = true;
   }
   try {
     int n = 0;
@@ -306,10 +347,16 @@ int main(int argc, char** argv) {
       const ModelConfig c = qwen3_30b();
       const double budget = static_cast<double>(free_b) - 61.1e9 - 10e9;
       bench_model("qwen3-30b-a3b", c, ceil, batches, ctxs, prompts, budget);
+      if (g_fp8) bench_model("qwen3-30b-a3b-fp8", fp8_of(c), ceil, batches, ctxs, prompts, budget);
     }
     if (which == "all" || which == "235b-layer") {
       bench_model("qwen3-235b-layer", qwen3_235b_layer(), ceil, batches, ctxs, prompts, 40e9);
+      if (g_fp8) {
+        bench_model("qwen3-235b-layer-fp8", fp8_of(qwen3_235b_layer()), ceil, batches, ctxs,
+                    prompts, 40e9);
+      }
     }
+    if (g_fp8) print_fp8_comparison();
     std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
     for (const auto& r : g_rows) print_row(r, /*record=*/false);
     bench::write_csv(g_rows, "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n",

@@ -64,9 +64,8 @@ void WeightReader::read(const std::string& name, int64_t rows, int64_t cols, Ind
   }
 }
 
-void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_t rows,
-                            int64_t cols, IndexRange row_range, IndexRange col_range,
-                            float* dst) const {
+std::vector<float> WeightReader::read_scales(const std::string& name, int64_t rows, int64_t cols,
+                                             int64_t s0, int64_t s1) const {
   const std::string file = ckpt_.file_of(name);
   TANDEM_CHECK_KIND(kInvalidArgument, quant_.quantized(), file, ": tensor '", name,
                     "' is stored as F8_E4M3 but ", config_origin_,
@@ -83,10 +82,6 @@ void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_
                     scale_name, "' has shape ", sv.shape.str(), ", expected ",
                     shape_str(srows, scols), " for '", name, "' of shape ", shape_str(rows, cols),
                     " in ", br, "x", bc, " blocks");
-
-  // The scale rows this range touches, as f32.
-  const IndexRange sr = block_range(row_range, br);
-  const int64_t s0 = sr.begin, s1 = sr.end;
   std::vector<float> scale(static_cast<size_t>((s1 - s0) * scols));
   if (quant_.method == WeightQuant::kMxfp8) {
     TANDEM_CHECK_KIND(kInvalidArgument, sv.dtype == DType::kE8M0, sfile, ": scale tensor '",
@@ -112,6 +107,70 @@ void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_
                         "]");
     }
   }
+  return scale;
+}
+
+bool WeightReader::fp8_columns_splittable(IndexRange col_range, int64_t block_cols) {
+  if (block_cols <= 0) return false;
+  const int64_t off = col_range.begin % block_cols;
+  return off == 0 || col_range.size() <= block_cols - off;
+}
+
+void WeightReader::read_fp8_codes(const std::string& name, int64_t rows, int64_t cols,
+                                  IndexRange row_range, IndexRange col_range, uint8_t* q,
+                                  float* row_scales) const {
+  constexpr int64_t kBlockK = 128;  // the GPU kernels' K block
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
+          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
+      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
+      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
+  const TensorView src = ckpt_.get(name, {rows, cols});
+  const std::string file = ckpt_.file_of(name);
+  TANDEM_CHECK_KIND(kInvalidArgument, src.dtype == DType::kF8E4M3, file, ": tensor '", name,
+                    "' has dtype ", dtype_name(src.dtype), ", expected F8_E4M3 (block FP8)");
+  TANDEM_CHECK_KIND(kUnsupported,
+                    quant_.method == WeightQuant::kFp8Block && quant_.block_cols == kBlockK &&
+                        quant_.block_rows > 0,
+                    config_origin_, ": quantization_config ", weight_quant_name(quant_.method),
+                    " with ", quant_.block_rows, "x", quant_.block_cols,
+                    " blocks cannot stay FP8 on the GPU (block FP8 with 128-wide blocks can)");
+  TANDEM_CHECK_KIND(kUnsupported, fp8_columns_splittable(col_range, kBlockK), file, ": tensor '",
+                    name, "': columns [", col_range.begin, ", ", col_range.end,
+                    ") straddle its 128-column scale blocks (cannot stay FP8)");
+  const int64_t br = quant_.block_rows;
+  const IndexRange sr = block_range(row_range, br);
+  const std::vector<float> scale = read_scales(name, rows, cols, sr.begin, sr.end);
+  const int64_t scols = (cols + kBlockK - 1) / kBlockK, w = col_range.size();
+  const int64_t kb = (w + kBlockK - 1) / kBlockK, b0 = col_range.begin / kBlockK;
+  const auto* codes = static_cast<const uint8_t*>(src.data);
+  for (int64_t i = row_range.begin; i < row_range.end; ++i) {
+    const uint8_t* row = codes + i * cols + col_range.begin;
+    uint8_t* out = q + (i - row_range.begin) * w;
+    for (int64_t j = 0; j < w; ++j) {
+      TANDEM_CHECK_KIND(kInvalidArgument, (row[j] & 0x7f) != 0x7f, file, ": tensor '", name,
+                        "': E4M3 NaN code at [", i, ", ", col_range.begin + j, "]");
+    }
+    std::memcpy(out, row, static_cast<size_t>(w));
+    const float* srow = scale.data() + (i / br - sr.begin) * scols;
+    for (int64_t j = 0; j < kb; ++j) row_scales[(i - row_range.begin) * kb + j] = srow[b0 + j];
+  }
+}
+
+void WeightReader::read_fp8(const std::string& name, const TensorView& q, int64_t rows,
+                            int64_t cols, IndexRange row_range, IndexRange col_range,
+                            float* dst) const {
+  const std::string file = ckpt_.file_of(name);
+  TANDEM_CHECK_KIND(kInvalidArgument, quant_.quantized(), file, ": tensor '", name,
+                    "' is stored as F8_E4M3 but ", config_origin_,
+                    " has no quantization_config (its scales cannot be known)");
+  const int64_t br = quant_.block_rows, bc = quant_.block_cols;
+  const int64_t scols = (cols + bc - 1) / bc;
+  // The scale rows this range touches, as f32.
+  const IndexRange sr = block_range(row_range, br);
+  const int64_t s0 = sr.begin;
+  const std::vector<float> scale = read_scales(name, rows, cols, sr.begin, sr.end);
 
   const float* table = f8e4m3_table();
   const auto* codes = static_cast<const uint8_t*>(q.data);

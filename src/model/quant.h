@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "model/safetensors.h"
@@ -39,10 +40,26 @@ class WeightReader {
   /// True when `name` is stored as F8_E4M3 (and so needs its scales).
   bool is_quantized(const std::string& name) const;
 
+  /// Block FP8 kept as stored (the GPU's FP8 linears, backend/cuda/fp8_linear.h): the E4M3
+  /// codes of rows x columns of `name` into q ([row_range.size(), col_range.size()]) and their
+  /// row scales into row_scales ([row_range.size(), ceil(col_range.size() / 128)]: the scale of
+  /// each row's block for every 128 columns of the range). Needs block FP8 with 128-wide column
+  /// blocks and a column range whose 128-column groups each lie in one block
+  /// (fp8_columns_splittable); errors name the file, the tensor and the field, as read's.
+  void read_fp8_codes(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
+                      IndexRange col_range, uint8_t* q, float* row_scales) const;
+  /// Whether read_fp8_codes can take col_range: it starts on a block boundary or lies inside
+  /// one block (a shard narrower than a block keeps that block's scales).
+  static bool fp8_columns_splittable(IndexRange col_range, int64_t block_cols);
+
   const Checkpoint& checkpoint() const { return ckpt_; }
   const QuantConfig& quant() const { return quant_; }
 
  private:
+  // The scale tensor of `name` as f32 rows [s0, s1) of its [ceil(rows / br), ceil(cols / bc)],
+  // validated (presence, shape, dtype, finite).
+  std::vector<float> read_scales(const std::string& name, int64_t rows, int64_t cols, int64_t s0,
+                                 int64_t s1) const;
   void read_fp8(const std::string& name, const TensorView& q, int64_t rows, int64_t cols,
                 IndexRange row_range, IndexRange col_range, float* dst) const;
 

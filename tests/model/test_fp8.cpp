@@ -322,6 +322,67 @@ TEST(WeightReader, AnyRangeTakesEachElementsOwnBlockScale) {
   }
 }
 
+// The codes kept as stored (the GPU's FP8 linears): every element's code, and per row the scale
+// of its block for each 128 columns of the range; column ranges on a block boundary or inside
+// one block (a shard narrower than a block) load, a straddling one is refused naming the tensor.
+TEST(WeightReader, Fp8CodesWithRowScales) {
+  const int64_t rows = 200, cols = 300;
+  Synthetic s = synthetic(rows, cols, 4);
+  TempDir dir;
+  write_st(dir.file("model.safetensors"),
+           {{"fp8.weight", "F8_E4M3", {rows, cols}, s.codes},
+            {"fp8.weight_scale_inv", "F32", {2, 3}, raw(s.scale_inv)},
+            {"mx.weight", "F8_E4M3", {rows, cols}, s.codes},
+            {"mx.weight_scale", "U8", {rows, 10}, s.e8m0},
+            {"plain.weight", "F32", {3, 4}, raw(std::vector<float>(12, 0.5f))}});
+  Checkpoint ckpt(dir.path());
+  WeightReader wr(ckpt, quant_of(WeightQuant::kFp8Block), "config.json");
+  const std::vector<std::pair<IndexRange, IndexRange>> ranges = {{{0, 200}, {0, 300}},
+                                                                 {{64, 96}, {128, 300}},
+                                                                 {{100, 164}, {64, 128}},
+                                                                 {{199, 200}, {256, 300}},
+                                                                 {{0, 3}, {0, 128}}};
+  for (const auto& [r, c] : ranges) {
+    SCOPED_TRACE(std::to_string(r.begin) + ".." + std::to_string(r.end) + " x " +
+                 std::to_string(c.begin) + ".." + std::to_string(c.end));
+    const int64_t kb = (c.size() + 127) / 128;
+    std::vector<uint8_t> q(static_cast<size_t>(r.size() * c.size()), 0x7f);
+    std::vector<float> rs(static_cast<size_t>(r.size() * kb), NAN);
+    wr.read_fp8_codes("fp8.weight", rows, cols, r, c, q.data(), rs.data());
+    for (int64_t i = r.begin; i < r.end; ++i) {
+      for (int64_t j = c.begin; j < c.end; ++j) {
+        const size_t o = static_cast<size_t>((i - r.begin) * c.size() + j - c.begin);
+        ASSERT_EQ(q[o], s.codes[static_cast<size_t>(i * cols + j)]) << i << "," << j;
+        // The dequantized value the CPU model loads: code times this row scale.
+        const float scale = rs[static_cast<size_t>((i - r.begin) * kb + (j - c.begin) / 128)];
+        ASSERT_EQ(scale, s.scale_inv[static_cast<size_t>((i / 128) * 3 + j / 128)])
+            << i << "," << j;
+      }
+    }
+  }
+  EXPECT_TRUE(WeightReader::fp8_columns_splittable({64, 128}, 128));
+  EXPECT_TRUE(WeightReader::fp8_columns_splittable({128, 300}, 128));
+  EXPECT_FALSE(WeightReader::fp8_columns_splittable({64, 192}, 128));
+  std::vector<uint8_t> q(rows * cols);
+  std::vector<float> rs(rows * 3);
+  expect_error(
+      [&] {
+        wr.read_fp8_codes("fp8.weight", rows, cols, {0, 8}, {64, 192}, q.data(), rs.data());
+      },
+      {"fp8.weight", "straddle"});
+  expect_error(
+      [&] {
+        wr.read_fp8_codes("plain.weight", 3, 4, {0, 3}, {0, 4}, q.data(), rs.data());
+      },
+      {"plain.weight", "F8_E4M3"});
+  WeightReader mx(ckpt, quant_of(WeightQuant::kMxfp8), "config.json");
+  expect_error(
+      [&] {
+        mx.read_fp8_codes("mx.weight", rows, cols, {0, 8}, {0, 300}, q.data(), rs.data());
+      },
+      {"config.json", "mxfp8"});
+}
+
 TEST(WeightReader, BadScalesNameTheTensor) {
   Synthetic s = synthetic(64, 64, 5);
   std::vector<uint8_t> nan_codes(64 * 2, 127);

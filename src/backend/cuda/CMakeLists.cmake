@@ -10,6 +10,7 @@
 #   bench_sampling        sample_launch timings beside the copy bound of reading the logits
 #   bench_moe_layer       the MoE block and grouped expert GEMMs beside the same bounds
 #   bench_fp8_gemm        cuBLASLt block-scaled FP8 GEMM beside the bf16 GEMM, real shapes
+#   bench_fp8_linear      FP8-weight gemv / grouped GEMM beside the bf16 ones, decode shapes
 # None of them links Gloo or NCCL (the GPU machine has no libgloo).
 
 if(TANDEM_HAS_CUDA)
@@ -63,6 +64,10 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_fp8_gemm ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_fp8_gemm.cpp)
     target_link_libraries(bench_fp8_gemm PRIVATE tandem_backend_cuda)
     target_compile_options(bench_fp8_gemm PRIVATE ${TANDEM_WARNINGS})
+    # FP8-weight gemv / grouped GEMM beside the bf16 ones (bench/cuda/bench_fp8_linear.cpp).
+    add_executable(bench_fp8_linear ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_fp8_linear.cpp)
+    target_link_libraries(bench_fp8_linear PRIVATE tandem_backend_cuda)
+    target_compile_options(bench_fp8_linear PRIVATE ${TANDEM_WARNINGS})
   endif()
 endif()
 

@@ -11,6 +11,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/moe_gemm.h"
+#include "backend/cuda/moe_gemm_fp8.h"
 
 namespace tandem::cuda {
 
@@ -375,6 +376,11 @@ MoeGemmTile moe_gemm_pick_tile(int64_t max_rows, int64_t num_experts) {
 }
 
 void moe_gemm_launch(MoeGemmParams const& p, cudaStream_t stream) {
+  if (p.w_fp8 != nullptr) {
+    moe_gemm_detail::moe_gemm_fp8_launch(p, stream);
+    return;
+  }
+  TANDEM_CHECK(p.expert_offsets != nullptr, "moe_gemm: expert_offsets is null (bf16 weights)");
   TANDEM_CHECK(p.max_rows >= 0 && p.num_experts >= 1 && p.n > 0 && p.k > 0,
                "moe_gemm: bad sizes: max_rows ", p.max_rows, " experts ", p.num_experts, " n ", p.n,
                " k ", p.k);
@@ -408,6 +414,24 @@ void moe_gemm_prepare() {
   raise_smem_both<LargeTile>();
   raise_smem_both<LargeK64Tile>();
   raise_smem_both<Large256Tile>();
+  moe_gemm_detail::moe_gemm_fp8_prepare();
+}
+
+void moe_pack_gate_up_rows(void const* gate, void const* up, int64_t inter, size_t row_bytes,
+                           void* packed) {
+  TANDEM_CHECK(inter > 0 && row_bytes > 0 && inter % kMoeGateUpInterleave == 0,
+               "moe_pack_gate_up_rows: inter must be a positive multiple of ", kMoeGateUpInterleave,
+               ", got ", inter);
+  constexpr int64_t G = kMoeGateUpInterleave;
+  auto const* g = static_cast<uint8_t const*>(gate);
+  auto const* u = static_cast<uint8_t const*>(up);
+  auto* out = static_cast<uint8_t*>(packed);
+  for (int64_t j = 0; j < inter / G; ++j) {
+    for (int64_t i = 0; i < G; ++i) {
+      std::memcpy(out + (2 * G * j + i) * row_bytes, g + (G * j + i) * row_bytes, row_bytes);
+      std::memcpy(out + (2 * G * j + G + i) * row_bytes, u + (G * j + i) * row_bytes, row_bytes);
+    }
+  }
 }
 
 void moe_pack_gate_up(bf16 const* gate, bf16 const* up, int64_t inter, int64_t hidden,

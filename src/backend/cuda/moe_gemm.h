@@ -46,7 +46,9 @@ struct MoeGemmParams {
   bf16 const* w;                  // [num_experts, n, k]; kSiluMul: n = 2 * inter, packed
   bf16* y;                        // [max_rows, n] (kPlain) or [max_rows, n / 2] (kSiluMul)
   int32_t const* expert_offsets;  // [num_experts + 1] on the device: rows of expert e are
-                                  // [offsets[e], offsets[e + 1]); offsets[num_experts] <= max_rows
+                                  // [offsets[e], offsets[e + 1]); offsets[num_experts] <= max_rows.
+                                  // FP8 only: null with num_experts 1 = a dense matrix over
+                                  // max_rows rows (the FP8 linear for m > 8)
   int64_t max_rows;               // host-side upper bound on the routed rows (tokens * top_k)
   int64_t n, k, num_experts;
   MoeGemmEpilogue epilogue = MoeGemmEpilogue::kPlain;
@@ -66,6 +68,12 @@ struct MoeGemmParams {
   //     expert_offsets and gather_src must be complete before that kernel started (e.g. the
   //     down GEMM after gate_up).
   MoeGemmPdl pdl = MoeGemmPdl::kOff;
+  // FP8 experts (fp8_linear.h): when w_fp8 is set, w is unused and the weights are E4M3
+  // [num_experts, n, k] (kSiluMul: packed as moe_pack_gate_up packs rows) with row scales
+  // w_scale [num_experts, n, ceil(k / 128)] (the same row order); k % 16 == 0. The weights are
+  // converted to bf16 in registers, the scales applied per 128-deep K block in fp32.
+  uint8_t const* w_fp8 = nullptr;
+  float const* w_scale = nullptr;
 };
 
 /// Rows at and past offsets[num_experts] of y are left untouched. Requirements (checked):
@@ -80,6 +88,11 @@ void moe_gemm_prepare();
 
 /// The tile moe_gemm_launch picks for kAuto.
 MoeGemmTile moe_gemm_pick_tile(int64_t max_rows, int64_t num_experts);
+
+/// moe_pack_gate_up on rows of `row_bytes` bytes (E4M3 codes: hidden bytes; their row scales:
+/// ceil(hidden / 128) floats).
+void moe_pack_gate_up_rows(void const* gate, void const* up, int64_t inter, size_t row_bytes,
+                           void* packed);
 
 /// Packs one expert's Hugging Face gate_proj [inter, hidden] and up_proj [inter, hidden] into
 /// packed [2 * inter, hidden]: rows 16 j .. 16 j + 7 are gate rows 8 j .. 8 j + 7, rows

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/moe.h"
 #include "core/dtype.h"
 
@@ -98,8 +99,8 @@ void MoeLayer::release() noexcept {
        {static_cast<void*>(logits_), static_cast<void*>(topk_ids_), static_cast<void*>(topk_w_),
         static_cast<void*>(counts_), static_cast<void*>(offsets_), static_cast<void*>(src_),
         static_cast<void*>(slot_row_), static_cast<void*>(perm_ws_), static_cast<void*>(rows_),
-        static_cast<void*>(act_), static_cast<void*>(decode_counter_),
-        static_cast<void*>(d_ptrs_)}) {
+        static_cast<void*>(act_), static_cast<void*>(decode_counter_), static_cast<void*>(d_ptrs_),
+        static_cast<void*>(dq_gate_up_), static_cast<void*>(dq_down_)}) {
     if (p) (void)cudaFree(p);
   }
   if (h_offsets_) (void)cudaFreeHost(h_offsets_);
@@ -114,6 +115,13 @@ void MoeLayer::release() noexcept {
   topk_w_ = nullptr;
   counts_ = offsets_ = src_ = slot_row_ = perm_ws_ = nullptr;
   rows_ = act_ = nullptr;
+  dq_gate_up_ = dq_down_ = nullptr;
+}
+
+void MoeLayer::reserve_fp8_prefill() {
+  if (dq_gate_up_ != nullptr || !cublas_ok_) return;
+  alloc(dq_gate_up_, num_local_ * 2 * inter_ * hidden_);
+  alloc(dq_down_, num_local_ * hidden_ * inter_);
 }
 
 MoeLayerPath MoeLayer::pick_path(int64_t num_tokens) const {
@@ -142,7 +150,22 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   if (path == MoeLayerPath::kCublas || path == MoeLayerPath::kPadded) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TANDEM_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (!cublas_ok_ || capture != cudaStreamCaptureStatusNone) path = MoeLayerPath::kMma;
+    if (!cublas_ok_ || capture != cudaStreamCaptureStatusNone ||
+        (w.gate_up_fp8 != nullptr && !fp8_prefill_dequant_)) {
+      path = MoeLayerPath::kMma;
+    }
+  }
+  // FP8 experts on the cuBLAS paths: this layer's experts dequantized to bf16 first.
+  MoeLayerWeights wd = w;
+  if ((path == MoeLayerPath::kCublas || path == MoeLayerPath::kPadded) &&
+      w.gate_up_fp8 != nullptr) {
+    reserve_fp8_prefill();
+    fp8_dequantize_launch(w.gate_up_fp8, w.gate_up_scale, num_local_ * 2 * I, H, dq_gate_up_,
+                          stream);
+    fp8_dequantize_launch(w.down_fp8, w.down_scale, num_local_ * H, I, dq_down_, stream);
+    wd.gate_up = dq_gate_up_;
+    wd.down = dq_down_;
+    wd.gate_up_fp8 = wd.down_fp8 = nullptr;
   }
   last_path_ = path;
   if (path == MoeLayerPath::kDecode) {
@@ -166,11 +189,11 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
     topk_softmax_launch(
         {logits_, topk_ids_, topk_w_, T, num_experts_, top_k_, renormalize_, DType::kF32}, stream);
     if (path == MoeLayerPath::kCublas) {
-      run_cublas(w, x, out, T, stream);
+      run_cublas(wd, x, out, T, stream);
       return;
     }
     if (path == MoeLayerPath::kPadded) {
-      run_padded(w, x, out, T, stream);  // sets last_path_ (kPadded or kCublas)
+      run_padded(wd, x, out, T, stream);  // sets last_path_ (kPadded or kCublas)
       return;
     }
     // Indices only: the gate_up GEMM gathers its x rows itself (permuted_src / top_k).
@@ -182,6 +205,8 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
       x, w.gate_up, act_, offsets_, rows, 2 * I, H, num_local_, MoeGemmEpilogue::kSiluMul};
   gate_up.gather_src = src_;
   gate_up.gather_div = top_k_;
+  gate_up.w_fp8 = w.gate_up_fp8;
+  gate_up.w_scale = w.gate_up_scale;
   // After the decode router (which lets it start early): hide the launch latency.
   if (path == MoeLayerPath::kDecode && kDownPdl) gate_up.pdl = MoeGemmPdl::kWaitFirst;
   moe_gemm_launch(gate_up, stream);
@@ -190,6 +215,8 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   MoeGemmParams down{
       act_, w.down, rows_, offsets_, rows, H, I, num_local_, MoeGemmEpilogue::kPlain};
   down.pdl = kDownPdl ? MoeGemmPdl::kPrefetchWeights : MoeGemmPdl::kOff;
+  down.w_fp8 = w.down_fp8;
+  down.w_scale = w.down_scale;
   moe_gemm_launch(down, stream);
   if (kDownPdl && aligned16(out)) {
     moe_layer_detail::unpermute_pdl_launch(

@@ -40,6 +40,16 @@ struct MoeLayerWeights {
   bf16 const* router;   // [num_experts, hidden]
   bf16 const* gate_up;  // [num_local_experts, 2 * inter, hidden], packed by moe_pack_gate_up
   bf16 const* down;     // [num_local_experts, hidden, inter]
+  // FP8 experts (fp8_linear.h; gate_up and down then unused): E4M3 codes in the layouts above
+  // and their row scales ([num_local_experts, 2 * inter, ceil(hidden / 128)] packed as the
+  // rows, [num_local_experts, hidden, ceil(inter / 128)]). The decode and mma paths take them;
+  // a prefill batch that picks the cuBLAS paths dequantizes the layer's experts into a bf16
+  // scratch (allocated on first use, num_local_experts * 3 * inter * hidden bf16) and runs them
+  // on the bf16 weights (set_fp8_prefill_dequant(false): the mma path instead).
+  uint8_t const* gate_up_fp8 = nullptr;
+  float const* gate_up_scale = nullptr;
+  uint8_t const* down_fp8 = nullptr;
+  float const* down_scale = nullptr;
 };
 
 /// Which implementation run() uses. kAuto picks (see above); a forced path is for tests and
@@ -80,6 +90,12 @@ class MoeLayer {
 
   int64_t max_tokens() const { return max_tokens_; }
 
+  /// FP8 experts at prefill sizes: dequantize to bf16 for the cuBLAS paths (default true) or run
+  /// the FP8 grouped GEMM (mma path).
+  void set_fp8_prefill_dequant(bool on) { fp8_prefill_dequant_ = on; }
+  /// Allocates that scratch now (when the cuBLAS paths are possible for max_tokens), so that a
+  /// later prefill does not allocate beside a full KV cache.
+  void reserve_fp8_prefill();
   /// Forces a path (tests, benchmarks); kAuto by default.
   void set_path(MoeLayerPath path) { path_ = path; }
   /// The path the last run() took (kAuto before any run).
@@ -123,6 +139,9 @@ class MoeLayer {
   void** h_ptrs_ = nullptr;       // pinned [6 * num_local_experts]: A, B, C of gate_up, down
   void** d_ptrs_ = nullptr;       // device copy of h_ptrs_
   MoeLayerPath path_ = MoeLayerPath::kAuto, last_path_ = MoeLayerPath::kAuto;
+  bool fp8_prefill_dequant_ = true;
+  bf16* dq_gate_up_ = nullptr;  // FP8 experts dequantized for the cuBLAS paths (lazy)
+  bf16* dq_down_ = nullptr;
 };
 
 // Kernels of moe_layer_kernels.cu, used by MoeLayer only.

@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_layer.h"
@@ -137,6 +139,14 @@ const uint16_t* host_bf16(const WeightReader& wr, const std::string& name, const
   return tmp.data();
 }
 
+// A linear kept in block FP8 (backend/cuda/fp8_linear.h): E4M3 codes [n, k] and row scales
+// [n, ceil(k / 128)]; null when the linear is bf16.
+struct Fp8Mat {
+  uint8_t* q = nullptr;
+  float* s = nullptr;
+  explicit operator bool() const { return q != nullptr; }
+};
+
 struct LayerW {
   bf16* input_norm = nullptr;  // [H]
   bf16* post_norm = nullptr;   // [H]
@@ -148,6 +158,9 @@ struct LayerW {
   bf16* router = nullptr;   // [E, H]
   bf16* gate_up = nullptr;  // MoE: [E, 2I, H] packed (moe_pack_gate_up); dense: [2I, H]
   bf16* down = nullptr;     // MoE: [E, H, I]; dense: [H, I]
+  // FP8 copies (block-FP8 checkpoints, CudaModelOptions::fp8_weights): when set, the bf16
+  // pointer of the same linear is null. gate_up8 packed as gate_up (codes and scale rows).
+  Fp8Mat qkv8, o8, gate_up8, down8;
 };
 
 // Device pointers of one forward's metadata.
@@ -232,7 +245,16 @@ struct Qwen3MoeCuda::Impl {
   int64_t local_experts() const { return plan.experts.size(); }
 
   // Weights.
-  std::vector<DeviceMem> mem;
+  std::vector<DeviceMem> mem;   // bf16
+  std::vector<DeviceMem> mem8;  // FP8 codes and their row scales
+  // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
+  bool fp8 = false;
+  struct Fp8Alloc {
+    Fp8Mat m;
+    int64_t codes, scales;
+    bool out;  // an output projection (random_weights' smaller scale)
+  };
+  std::vector<Fp8Alloc> fp8_allocs;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;
   bf16* lm_head = nullptr;  // the embedding when tied
@@ -241,6 +263,7 @@ struct Qwen3MoeCuda::Impl {
   // Activations, sized for max_tokens.
   int64_t t_cap = 0, rows_cap = 0;
   DeviceMem x, xn, y, qkv, q, attn, gu, act, last, logits, attn_ws;
+  DeviceMem dq;  // [n, k] bf16: an FP8 dense linear dequantized (m above the gemv's)
   // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
   DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
   PinnedMem h_sample;  // params up, results down
@@ -284,7 +307,33 @@ struct Qwen3MoeCuda::Impl {
 
   int64_t qkv_rows() const { return (qh() + 2 * kvh()) * c.head_dim; }
 
-  void allocate_weights() {
+  // `count` FP8 matrices [n, k] back to back (one allocation each for codes and scales).
+  Fp8Mat alloc8(int64_t count, int64_t n, int64_t k, bool out) {
+    const int64_t codes = count * n * k, scales = count * n * cuda::fp8_row_scale_cols(k);
+    mem8.emplace_back(static_cast<size_t>(codes));
+    Fp8Mat m;
+    m.q = mem8.back().as<uint8_t>();
+    mem8.emplace_back(static_cast<size_t>(scales) * sizeof(float));
+    m.s = mem8.back().as<float>();
+    fp8_allocs.push_back({m, codes, scales, out});
+    return m;
+  }
+
+  // Whether the linear [n, k] read from `names` (columns `cols` of each) stays FP8: FP8 on,
+  // shapes the FP8 kernels take (k % 16, n % 8), columns on 128-column blocks, and every
+  // tensor stored as F8_E4M3 (wr null: the random model, all of them).
+  bool keep_fp8(const WeightReader* wr, const std::vector<std::string>& names, int64_t n, int64_t k,
+                IndexRange cols) const {
+    if (!fp8 || k % 16 != 0 || n % 8 != 0) return false;
+    if (!WeightReader::fp8_columns_splittable(cols, cuda::kFp8BlockK)) return false;
+    if (wr == nullptr) return true;
+    for (const std::string& name : names) {
+      if (!wr->is_quantized(name)) return false;
+    }
+    return true;
+  }
+
+  void allocate_weights(const WeightReader* wr) {
     const int64_t h = c.hidden_size, d = c.head_dim;
     embed = alloc(c.vocab_size * h);
     final_norm = alloc(h);
@@ -298,18 +347,54 @@ struct Qwen3MoeCuda::Impl {
       w.post_norm = alloc(h);
       w.q_norm = alloc(d);
       w.k_norm = alloc(d);
-      w.qkv = alloc(qkv_rows() * h);
-      w.o = alloc(h * qh() * d);
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      const IndexRange all_h{0, h}, q_cols{plan.q_heads.begin * d, plan.q_heads.end * d};
+      if (keep_fp8(wr,
+                   {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                    p + "self_attn.v_proj.weight"},
+                   qkv_rows(), h, all_h)) {
+        w.qkv8 = alloc8(1, qkv_rows(), h, false);
+      } else {
+        w.qkv = alloc(qkv_rows() * h);
+      }
+      if (keep_fp8(wr, {p + "self_attn.o_proj.weight"}, h, qh() * d, q_cols)) {
+        w.o8 = alloc8(1, h, qh() * d, true);
+      } else {
+        w.o = alloc(h * qh() * d);
+      }
       w.moe = c.is_moe_layer(l);
       if (w.moe) {
         const int64_t e = local_experts(), inter = c.moe_intermediate_size;
         w.router = alloc(c.num_experts * h);
-        w.gate_up = alloc(e * 2 * inter * h);
-        w.down = alloc(e * h * inter);
+        std::vector<std::string> gu_names, down_names;
+        for (int64_t x = 0; x < e; ++x) {
+          const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + x) + ".";
+          gu_names.push_back(ep + "gate_proj.weight");
+          gu_names.push_back(ep + "up_proj.weight");
+          down_names.push_back(ep + "down_proj.weight");
+        }
+        // Both expert GEMMs FP8 or neither (MoeLayerWeights takes one kind).
+        if (keep_fp8(wr, gu_names, 2 * inter, h, all_h) &&
+            keep_fp8(wr, down_names, h, inter, {0, inter})) {
+          w.gate_up8 = alloc8(e, 2 * inter, h, false);
+          w.down8 = alloc8(e, h, inter, true);
+        } else {
+          w.gate_up = alloc(e * 2 * inter * h);
+          w.down = alloc(e * h * inter);
+        }
       } else {
         const int64_t inter = c.intermediate_size;
-        w.gate_up = alloc(2 * inter * h);
-        w.down = alloc(h * inter);
+        if (keep_fp8(wr, {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, 2 * inter, h,
+                     all_h)) {
+          w.gate_up8 = alloc8(1, 2 * inter, h, false);
+        } else {
+          w.gate_up = alloc(2 * inter * h);
+        }
+        if (keep_fp8(wr, {p + "mlp.down_proj.weight"}, h, inter, {0, inter})) {
+          w.down8 = alloc8(1, h, inter, true);
+        } else {
+          w.down = alloc(h * inter);
+        }
       }
     }
   }
@@ -344,6 +429,16 @@ struct Qwen3MoeCuda::Impl {
       }
       up.put(dst, g.data(), g.size() * sizeof(uint16_t));
     };
+    // FP8: rows x columns of an F8_E4M3 tensor as codes + row scales, at row `row0` of dst.
+    auto put8 = [&](const Fp8Mat& dst, int64_t row0, const std::string& name, int64_t rows,
+                    int64_t cols, IndexRange rr, IndexRange cr) {
+      const int64_t w = cr.size(), kb = cuda::fp8_row_scale_cols(w);
+      std::vector<uint8_t> q(static_cast<size_t>(rr.size() * w));
+      std::vector<float> sc(static_cast<size_t>(rr.size() * kb));
+      wr.read_fp8_codes(name, rows, cols, rr, cr, q.data(), sc.data());
+      up.put(dst.q + row0 * w, q.data(), q.size());
+      up.put(dst.s + row0 * kb, sc.data(), sc.size() * sizeof(float));
+    };
     const IndexRange q_rows{plan.q_heads.begin * d, plan.q_heads.end * d};
     const IndexRange kv_rows{plan.kv_heads.begin * d, plan.kv_heads.end * d};
     put(embed, "model.embed_tokens.weight", {c.vocab_size, h});
@@ -356,12 +451,42 @@ struct Qwen3MoeCuda::Impl {
       put(w.post_norm, p + "post_attention_layernorm.weight", {h});
       put(w.q_norm, p + "self_attn.q_norm.weight", {d});
       put(w.k_norm, p + "self_attn.k_norm.weight", {d});
-      put_rows(w.qkv, p + "self_attn.q_proj.weight", qh * d, h, q_rows);
-      put_rows(w.qkv + q_rows.size() * h, p + "self_attn.k_proj.weight", kvh * d, h, kv_rows);
-      put_rows(w.qkv + (q_rows.size() + kv_rows.size()) * h, p + "self_attn.v_proj.weight", kvh * d,
-               h, kv_rows);
-      put_cols(w.o, p + "self_attn.o_proj.weight", h, qh * d, q_rows);
-      if (w.moe) {
+      if (w.qkv8) {
+        put8(w.qkv8, 0, p + "self_attn.q_proj.weight", qh * d, h, q_rows, {0, h});
+        put8(w.qkv8, q_rows.size(), p + "self_attn.k_proj.weight", kvh * d, h, kv_rows, {0, h});
+        put8(w.qkv8, q_rows.size() + kv_rows.size(), p + "self_attn.v_proj.weight", kvh * d, h,
+             kv_rows, {0, h});
+      } else {
+        put_rows(w.qkv, p + "self_attn.q_proj.weight", qh * d, h, q_rows);
+        put_rows(w.qkv + q_rows.size() * h, p + "self_attn.k_proj.weight", kvh * d, h, kv_rows);
+        put_rows(w.qkv + (q_rows.size() + kv_rows.size()) * h, p + "self_attn.v_proj.weight",
+                 kvh * d, h, kv_rows);
+      }
+      if (w.o8) {
+        put8(w.o8, 0, p + "self_attn.o_proj.weight", h, qh * d, {0, h}, q_rows);
+      } else {
+        put_cols(w.o, p + "self_attn.o_proj.weight", h, qh * d, q_rows);
+      }
+      if (w.moe && w.gate_up8) {
+        const int64_t inter = c.moe_intermediate_size, kbh = cuda::fp8_row_scale_cols(h);
+        put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
+        std::vector<uint8_t> gq(static_cast<size_t>(inter * h)), uq(gq.size()), pq(2 * gq.size());
+        std::vector<float> gs(static_cast<size_t>(inter * kbh)), us(gs.size()), ps(2 * gs.size());
+        for (int64_t e = 0; e < local_experts(); ++e) {
+          const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + e) + ".";
+          wr.read_fp8_codes(ep + "gate_proj.weight", inter, h, {0, inter}, {0, h}, gq.data(),
+                            gs.data());
+          wr.read_fp8_codes(ep + "up_proj.weight", inter, h, {0, inter}, {0, h}, uq.data(),
+                            us.data());
+          cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(h),
+                                      pq.data());
+          cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter,
+                                      static_cast<size_t>(kbh) * sizeof(float), ps.data());
+          up.put(w.gate_up8.q + e * 2 * inter * h, pq.data(), pq.size());
+          up.put(w.gate_up8.s + e * 2 * inter * kbh, ps.data(), ps.size() * sizeof(float));
+          put8(w.down8, e * h, ep + "down_proj.weight", h, inter, {0, h}, {0, inter});
+        }
+      } else if (w.moe) {
         const int64_t inter = c.moe_intermediate_size;
         put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
         const size_t gu_bytes = static_cast<size_t>(2 * inter * h) * sizeof(bf16);
@@ -383,9 +508,18 @@ struct Qwen3MoeCuda::Impl {
         }
       } else {
         const int64_t inter = c.intermediate_size;
-        put(w.gate_up, p + "mlp.gate_proj.weight", {inter, h});
-        put(w.gate_up + inter * h, p + "mlp.up_proj.weight", {inter, h});
-        put(w.down, p + "mlp.down_proj.weight", {h, inter});
+        if (w.gate_up8) {
+          put8(w.gate_up8, 0, p + "mlp.gate_proj.weight", inter, h, {0, inter}, {0, h});
+          put8(w.gate_up8, inter, p + "mlp.up_proj.weight", inter, h, {0, inter}, {0, h});
+        } else {
+          put(w.gate_up, p + "mlp.gate_proj.weight", {inter, h});
+          put(w.gate_up + inter * h, p + "mlp.up_proj.weight", {inter, h});
+        }
+        if (w.down8) {
+          put8(w.down8, 0, p + "mlp.down_proj.weight", h, inter, {0, h}, {0, inter});
+        } else {
+          put(w.down, p + "mlp.down_proj.weight", {h, inter});
+        }
       }
     }
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -414,6 +548,11 @@ struct Qwen3MoeCuda::Impl {
           std::find(outputs.begin(), outputs.end(), mem[i].as<void>()) != outputs.end();
       cuda::random_fill_bf16(mem[i].as<void>(), n, ++k, norm ? 1.0f : 0.0f,
                              norm ? 0.05f : (out ? 1e-3f * a : a), stream);
+    }
+    // FP8 linears: codes of U(-1, 1), the scale the half-width (the same distribution).
+    for (const Fp8Alloc& f : fp8_allocs) {
+      cuda::random_fill_fp8(f.m.q, f.codes, ++k, stream);
+      cuda::fill_f32(f.m.s, f.scales, f.out ? 1e-3f * a : a, stream);
     }
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
@@ -465,8 +604,22 @@ struct Qwen3MoeCuda::Impl {
         moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
                                                c.num_experts_per_tok, plan.experts.begin,
                                                local_experts(), c.norm_topk_prob);
+        bool fp8_experts = false;
+        for (const auto& w : layers) fp8_experts |= w.moe && static_cast<bool>(w.gate_up8);
+        if (fp8_experts) moe->reserve_fp8_prefill();
       }
     }
+    // The FP8 grouped GEMM's tiles before any graph capture; the dense FP8 linears' bf16
+    // scratch for m above the gemv's.
+    if (!fp8_allocs.empty()) cuda::moe_gemm_prepare();
+    int64_t dq_elems = 0;
+    for (const auto& w : layers) {
+      if (w.qkv8) dq_elems = std::max(dq_elems, qkv_rows() * h);
+      if (w.o8) dq_elems = std::max(dq_elems, h * qh * d);
+      if (!w.moe && w.gate_up8) dq_elems = std::max(dq_elems, 2 * dense_inter * h);
+      if (!w.moe && w.down8) dq_elems = std::max(dq_elems, h * dense_inter);
+    }
+    if (dq_elems > 0) dq = DeviceMem(static_cast<size_t>(dq_elems) * sizeof(bf16));
     make_communicators(o, any_moe);
     // Split-KV workspace for the captured decode steps (and eager batches that fit it).
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
@@ -561,7 +714,7 @@ struct Qwen3MoeCuda::Impl {
       } else {
         cuda::add_rms_norm_launch({X, Y, w.input_norm, XN, n, h, eps}, stream);
       }
-      gemm->run({XN, w.qkv, qkv.as<bf16>(), n, qkv_rows(), h}, stream);
+      linear(XN, w.qkv, w.qkv8, qkv.as<bf16>(), n, qkv_rows(), h);
       bf16* pool = static_cast<bf16*>(kv.layer_data(l));
       cuda::qkv_prep_launch({qkv.as<bf16>(), q.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm,
                              m.positions, n, qh, kvh, d, page_size, eps, c.rope_theta},
@@ -589,7 +742,7 @@ struct Qwen3MoeCuda::Impl {
       cuda::paged_attention_launch(ap, stream);
       // Row-parallel o_proj (prefill TP): the partial products go straight into the
       // all-reduce's registered buffer and come back summed over the ranks into Y.
-      gemm->run({attn.as<bf16>(), w.o, tp() ? reg : Y, n, h, qh * d}, stream);
+      linear(attn.as<bf16>(), w.o, w.o8, tp() ? reg : Y, n, h, qh * d);
       if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
       if (w.moe && dp_ep()) {
@@ -599,19 +752,39 @@ struct Qwen3MoeCuda::Impl {
         moe->set_path(batch != nullptr ? moe_prefill_path : cuda::MoeLayerPath::kAuto);
         // Prefill EP: this rank's experts' weighted sum (zeros for tokens routed elsewhere),
         // into the registered buffer, then summed over the ranks.
-        moe->run({w.router, w.gate_up, w.down}, XN, tp() ? reg : Y, n, *gemm, stream);
+        moe->run({w.router, w.gate_up, w.down, w.gate_up8.q, w.gate_up8.s, w.down8.q, w.down8.s},
+                 XN, tp() ? reg : Y, n, *gemm, stream);
         if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
       } else {
         const int64_t inter = c.intermediate_size;
-        gemm->run({XN, w.gate_up, gu.as<bf16>(), n, 2 * inter, h}, stream);
+        linear(XN, w.gate_up, w.gate_up8, gu.as<bf16>(), n, 2 * inter, h);
         cuda::silu_mul_launch({gu.as<bf16>(), act.as<bf16>(), n, inter}, stream);
-        gemm->run({act.as<bf16>(), w.down, Y, n, h, inter}, stream);
+        linear(act.as<bf16>(), w.down, w.down8, Y, n, h, inter);
       }
     }
     // x + y, normed; then the rows that need logits, gathered (the embedding gather with the
     // token index as id).
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
     cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
+  }
+
+  // y[m, n] = x[m, k] W^T: bf16 through GemmLt, FP8 through fp8_gemv (m <= 8) or the FP8
+  // grouped GEMM as one dense expert (backend/cuda/fp8_linear.h).
+  void linear(const bf16* x, const bf16* w, const Fp8Mat& w8, bf16* y, int64_t m, int64_t n,
+              int64_t k) {
+    if (!w8) {
+      gemm->run({x, w, y, m, n, k}, stream);
+      return;
+    }
+    if (m == 0) return;
+    if (m <= cuda::kFp8GemvMaxM) {
+      cuda::fp8_gemv_launch({x, w8.q, w8.s, y, m, n, k}, stream);
+      return;
+    }
+    // Above the gemv's m: dequantized into the scratch, then the bf16 GEMM (measured faster
+    // than the FP8 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
+    cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
+    gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
   }
 
   // Decode EP MoE block: router + top-k here, the tokens to their experts' ranks, this
@@ -644,6 +817,8 @@ struct Qwen3MoeCuda::Impl {
                            h,
                            L,
                            cuda::MoeGemmEpilogue::kSiluMul};
+    gu.w_fp8 = w.gate_up8.q;
+    gu.w_scale = w.gate_up8.s;
     cuda::moe_gemm_launch(gu, stream);
     cuda::MoeGemmParams dn{ep_act.as<bf16>(),
                            w.down,
@@ -654,6 +829,8 @@ struct Qwen3MoeCuda::Impl {
                            inter,
                            L,
                            cuda::MoeGemmEpilogue::kPlain};
+    dn.w_fp8 = w.down8.q;
+    dn.w_scale = w.down8.s;
     cuda::moe_gemm_launch(dn, stream);
     ep->combine_send(ep_out.as<bf16>(), stream);
     // Rows past the real tokens (padding) are not written by the combine: keep them finite.
@@ -753,6 +930,13 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   impl_ = std::make_unique<Impl>(config_, stream_);
   impl_->plan = ShardPlan::make(config_, opts_.shard);
   impl_->store = opts_.store;
+  // Block FP8 stays FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for comparisons).
+  const char* env = std::getenv("TANDEM_CUDA_FP8");
+  const bool env_off =
+      env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
+                         std::strcmp(env, "dequant") == 0);
+  impl_->fp8 = opts_.fp8_weights && !env_off && config_.quant.method == WeightQuant::kFp8Block &&
+               config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0;
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
                     "query heads / KV heads per prefill TP rank");
@@ -771,6 +955,8 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
 
 const ShardPlan& Qwen3MoeCuda::shard() const { return impl_->plan; }
 
+int64_t Qwen3MoeCuda::fp8_linears() const { return static_cast<int64_t>(impl_->fp8_allocs.size()); }
+
 Qwen3MoeCuda::~Qwen3MoeCuda() {
   impl_.reset();
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
@@ -783,10 +969,11 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
   Checkpoint ckpt(dir);
   const WeightReader reader(ckpt, config.quant, dir + "/config.json");
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(std::move(config), opts));
-  m->impl_->allocate_weights();
+  m->impl_->allocate_weights(&reader);
   m->impl_->load_weights(reader);
   m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  for (const auto& d : m->impl_->mem8) m->weight_bytes_ += static_cast<int64_t>(d.size());
   return m;
 }
 
@@ -794,10 +981,11 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::random(const ModelConfig& config,
                                                    const CudaModelOptions& opts, uint64_t seed) {
   check_cuda_model_config(config, "config");
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(config, opts));
-  m->impl_->allocate_weights();
+  m->impl_->allocate_weights(nullptr);
   m->impl_->random_weights(seed);
   m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  for (const auto& d : m->impl_->mem8) m->weight_bytes_ += static_cast<int64_t>(d.size());
   return m;
 }
 

@@ -53,6 +53,12 @@ struct CudaModelOptions {
   /// replicated, experts split, tokens to their experts by our CUDA-IPC dispatch / combine
   /// inside the decode graphs).
   ShardSpec shard;
+  /// Block-FP8 checkpoints (quantization_config fp8, 128-wide blocks): keep the quantized
+  /// linears E4M3 in device memory with their block scales (half bf16's bytes; the FP8 kernels
+  /// of backend/cuda/fp8_linear.h). false, or TANDEM_CUDA_FP8=0 in the environment: dequantize
+  /// them to bf16 at load (the comparison path). random() keeps FP8 when its config says
+  /// block FP8. MXFP8 checkpoints are dequantized to bf16 either way.
+  bool fp8_weights = true;
   /// The group's bootstrap store (required when shard.size > 1; one process per rank): the
   /// rank's CUDA communicators rendezvous through it. Kept alive by the model.
   std::shared_ptr<comm::TcpStore> store;
@@ -101,6 +107,8 @@ class Qwen3MoeCuda final : public Model {
   /// before the KV cache exists). utilization in (0, 1].
   int64_t kv_cache_budget_mb(double utilization) const;
   int64_t kv_cache_mb_hint() const override;
+  /// Linears (or groups of experts) kept FP8 in device memory (0: all bf16).
+  int64_t fp8_linears() const;
   /// Bytes of weights in device memory.
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Batch-size buckets captured so far.

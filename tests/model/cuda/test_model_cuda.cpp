@@ -439,6 +439,53 @@ TEST_P(CudaGolden, SeededSamplingRepeatsAndPenaltiesMix) {
   }
 }
 
+// Block FP8 kept FP8 on the device (the default) against the same checkpoint dequantized to
+// bf16 at load (CudaModelOptions::fp8_weights false): every quantized linear stays FP8 (half the
+// bytes), and the teacher-forced logits agree as two bf16 models do (whole prompts: the FP8
+// grouped GEMM for the dense linears; chunks of 7 and 1 tokens: the FP8 gemv and the decode MoE
+// path). The golden tests above run the FP8 model against the CPU and transformers.
+TEST(CudaFp8, KeepsFp8AndMatchesTheDequantizedModel) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = testing::source_dir() + "/tests/data/fixtures_fp8/hub_fp8_block128";
+  const testing::Golden g = testing::load_golden(dir);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto fp8 = Qwen3MoeCuda::load(dir, o);
+  o.fp8_weights = false;
+  auto bf16 = Qwen3MoeCuda::load(dir, o);
+  const ModelConfig& c = fp8->config();
+  // qkv, o, gate_up and down of every layer (the experts of a layer count once per GEMM) but
+  // the fixture's modules_to_not_convert (layer 2's o_proj stays bf16).
+  EXPECT_EQ(fp8->fp8_linears(), 4 * c.num_hidden_layers - 1);
+  EXPECT_EQ(bf16->fp8_linears(), 0);
+  EXPECT_LT(fp8->weight_bytes(), bf16->weight_bytes());
+  std::vector<double> errs;
+  int checked = 0;
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    const auto& cs = g.cases[i];
+    std::vector<int32_t> tokens = cs.prompt_ids;
+    tokens.insert(tokens.end(), cs.output_ids.begin(), cs.output_ids.end() - 1);
+    const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
+    for (const int64_t chunk : {int64_t{1} << 20, int64_t{7}, int64_t{1}}) {
+      KvCache kv8 = fp8->make_kv_cache(pages, 4), kv16 = bf16->make_kv_cache(pages, 4);
+      const auto got = teacher_forced(*fp8, kv8, tokens, chunk);
+      const auto want = teacher_forced(*bf16, kv16, tokens, chunk);
+      checked +=
+          compare_rows(got, want, c.vocab_size,
+                       "case " + std::to_string(i) + " chunk " + std::to_string(chunk), errs);
+    }
+  }
+  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  std::printf("[ fp8 vs dequantized ] rows %zu: relative error median %.2e p95 %.2e max %.2e\n",
+              errs.size(), med, p95, worst);
+  EXPECT_LT(med, kMedianTol);
+  EXPECT_LT(p95, kP95Tol);
+  EXPECT_LT(worst, kMaxTol);
+  EXPECT_GT(checked, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGolden, ::testing::ValuesIn(supported_dirs()),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string n = std::filesystem::path(info.param).filename().string();

@@ -46,7 +46,11 @@ int visible_gpus() {
 
 std::vector<std::string> dirs_for(int ranks) {
   std::vector<std::string> out;
-  for (const auto& d : testing::golden_dirs()) {
+  // The golden fixtures and the block-FP8 one (its linears stay FP8 on the GPU: the TP slices
+  // of o_proj's columns and the EP experts keep their block scales).
+  std::vector<std::string> dirs = testing::golden_dirs();
+  dirs.push_back(testing::source_dir() + "/tests/data/fixtures_fp8/hub_fp8_block128");
+  for (const auto& d : dirs) {
     const ModelConfig c = ModelConfig::from_dir(d);
     if (c.head_dim != 64 && c.head_dim != 128) continue;
     try {

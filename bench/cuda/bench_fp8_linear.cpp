@@ -1,0 +1,199 @@
+// FP8-weight linears (backend/cuda/fp8_linear.h) beside the bf16 ones in the same run, at
+// Qwen3-30B-A3B's decode shapes:
+//   dense: fused QKV (2048 -> 5120), o_proj (4096 -> 2048) at m = 1 / 4 / 8 / 16 / 32 / 128: bf16
+//     GemmLt (gemv kernel or cuBLASLt, whichever its tuning picks) vs FP8 (fp8_gemv_launch for
+//     m <= 16; above, what the model does: dequantized to bf16, then GemmLt);
+//   MoE: 128 experts, gate_up (2048 -> 2 x 768, SiLU-multiply) and down (768 -> 2048) for
+//     1 / 8 / 32 / 128 tokens x top-8, uniform random routing: moe_gemm_launch bf16 vs FP8.
+// Per case: microseconds, weight bytes read per second (each distinct expert once) and its
+// share of the measured copy bandwidth (the HBM roofline), the FP8 / bf16 speed-up.
+// Graph-timed (bench_util.h Timer) over enough weight sets to exceed L2.
+//   bench_fp8_linear [--quick]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/fp8_linear.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/moe_gemm.h"
+#include "bench_util.h"
+
+using namespace tandem;
+using namespace tandem::bench;
+
+namespace {
+
+void fill_fp8(Buf& b) {
+  static std::vector<uint8_t> pattern = [] {
+    std::vector<uint8_t> p(size_t{1} << 20);
+    std::uniform_int_distribution<int> d(0, 255);
+    for (auto& v : p) {
+      int c = d(g_rng);
+      while ((c & 0x7f) == 0x7f) c = d(g_rng);
+      v = static_cast<uint8_t>(c);
+    }
+    return p;
+  }();
+  size_t done = 0;
+  while (done < b.bytes) {
+    const size_t chunk = std::min(b.bytes - done, pattern.size());
+    TANDEM_CUDA_CHECK(
+        cudaMemcpy(b.as<uint8_t>(done), pattern.data(), chunk, cudaMemcpyHostToDevice));
+    done += chunk;
+  }
+}
+
+void fill_scales(Buf& b) {
+  std::vector<float> s(b.bytes / 4);
+  std::uniform_real_distribution<float> d(1e-3f, 1e-2f);
+  for (auto& v : s) v = d(g_rng);
+  upload(b, s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cudaDeviceProp prop;
+  if (!open_device(&prop)) return 0;
+  Timer t;
+  t.create();
+  for (int i = 1; i < argc; ++i) t.quick = t.quick || std::strcmp(argv[i], "--quick") == 0;
+  const Ceilings ceil = measure_ceilings(t, [](Buf& b) { fill_bf16(b); });
+  // A copy reads and writes: the HBM rate is about copy_Bps.
+  const double hbm = ceil.copy_Bps;
+  const size_t l2_multiple = size_t{4} * static_cast<size_t>(prop.l2CacheSize);
+
+  std::printf(
+      "\n== dense linears: bf16 GemmLt vs FP8 (gemv for m <= 16, dequantize + bf16 GEMM above)\n");
+  std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s\n", "shape", "m", "bf16 us", "GB/s", "fp8 us",
+              "GB/s", "%hbm", "x bf16");
+  struct Dense {
+    const char* name;
+    int64_t n, k;
+  };
+  cuda::GemmLt gemm;
+  for (const Dense d : {Dense{"qkv", 5120, 2048}, Dense{"o_proj", 2048, 4096}}) {
+    const size_t wb16 = static_cast<size_t>(d.n * d.k) * 2, wb8 = wb16 / 2;
+    const int sets = static_cast<int>(std::max<size_t>(2, l2_multiple / wb8 + 1));
+    std::vector<std::unique_ptr<Buf>> w16, w8, s8;
+    for (int i = 0; i < sets; ++i) {
+      w16.push_back(std::make_unique<Buf>(wb16));
+      fill_bf16(*w16.back(), 0.05f);
+      w8.push_back(std::make_unique<Buf>(wb8));
+      fill_fp8(*w8.back());
+      s8.push_back(
+          std::make_unique<Buf>(static_cast<size_t>(d.n * cuda::fp8_row_scale_cols(d.k)) * 4));
+      fill_scales(*s8.back());
+    }
+    Buf dq(wb16);
+    for (const int64_t m : {1, 4, 8, 16, 32, 128}) {
+      Buf x(static_cast<size_t>(m * d.k) * 2), y(static_cast<size_t>(m * d.n) * 2);
+      fill_bf16(x);
+      const double us16 = t.time_us(sets, [&](int i) {
+        gemm.run({x.as<cuda::bf16>(), w16[i]->as<cuda::bf16>(), y.as<cuda::bf16>(), m, d.n, d.k},
+                 t.stream);
+      });
+      const double us8 = t.time_us(sets, [&](int i) {
+        if (m <= cuda::kFp8GemvMaxM) {
+          cuda::fp8_gemv_launch({x.as<cuda::bf16>(), w8[i]->as<uint8_t>(), s8[i]->as<float>(),
+                                 y.as<cuda::bf16>(), m, d.n, d.k},
+                                t.stream);
+        } else {  // the model's choice above the gemv: dequantize, then the bf16 GEMM
+          cuda::fp8_dequantize_launch(w8[i]->as<uint8_t>(), s8[i]->as<float>(), d.n, d.k,
+                                      dq.as<cuda::bf16>(), t.stream);
+          gemm.run({x.as<cuda::bf16>(), dq.as<cuda::bf16>(), y.as<cuda::bf16>(), m, d.n, d.k},
+                   t.stream);
+        }
+      });
+      const double bw16 = wb16 / (us16 * 1e-6), bw8 = wb8 / (us8 * 1e-6);
+      std::printf("%-8s %5lld | %9.2f %7.0f | %9.2f %7.0f %5.0f%% | %6.2f\n", d.name,
+                  static_cast<long long>(m), us16, bw16 / 1e9, us8, bw8 / 1e9, 100 * bw8 / hbm,
+                  us16 / us8);
+    }
+  }
+
+  std::printf(
+      "\n== MoE grouped GEMM, 128 experts, top-8: bf16 vs FP8 (weights of each distinct "
+      "expert read once)\n");
+  std::printf("%-8s %5s %7s | %9s %7s | %9s %7s %6s | %6s\n", "gemm", "tok", "experts", "bf16 us",
+              "GB/s", "fp8 us", "GB/s", "%hbm", "x bf16");
+  const int64_t E = 128, H = 2048, I = 768, top_k = 8;
+  Buf gu16(static_cast<size_t>(E * 2 * I * H) * 2), dn16(static_cast<size_t>(E * H * I) * 2);
+  Buf gu8(static_cast<size_t>(E * 2 * I * H)), dn8(static_cast<size_t>(E * H * I));
+  Buf gus(static_cast<size_t>(E * 2 * I * cuda::fp8_row_scale_cols(H)) * 4);
+  Buf dns(static_cast<size_t>(E * H * cuda::fp8_row_scale_cols(I)) * 4);
+  fill_bf16(gu16, 0.05f);
+  fill_bf16(dn16, 0.05f);
+  fill_fp8(gu8);
+  fill_fp8(dn8);
+  fill_scales(gus);
+  fill_scales(dns);
+  for (const int64_t T : {1, 8, 32, 128}) {
+    const int64_t rows = T * top_k;
+    const int sets = 16;  // routings cycled (so the experts of one call are not all in L2)
+    std::vector<std::unique_ptr<Buf>> offs;
+    std::vector<double> distinct;
+    for (int s = 0; s < sets; ++s) {
+      std::vector<int32_t> count(E, 0);
+      std::set<int64_t> used;
+      for (int64_t tok = 0; tok < T; ++tok) {
+        std::vector<int64_t> ids(E);
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), g_rng);
+        for (int64_t j = 0; j < top_k; ++j) {
+          ++count[ids[j]];
+          used.insert(ids[j]);
+        }
+      }
+      std::vector<int32_t> off(E + 1, 0);
+      for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + count[e];
+      offs.push_back(std::make_unique<Buf>(off.size() * 4));
+      upload(*offs.back(), off);
+      distinct.push_back(static_cast<double>(used.size()));
+    }
+    const double mean_experts = std::accumulate(distinct.begin(), distinct.end(), 0.0) / sets;
+    Buf x(static_cast<size_t>(rows * H) * 2), act(static_cast<size_t>(rows * I) * 2),
+        y(static_cast<size_t>(rows * H) * 2);
+    fill_bf16(x);
+    fill_bf16(act);
+    for (const bool is_gu : {true, false}) {
+      const int64_t n = is_gu ? 2 * I : H, k = is_gu ? H : I;
+      auto params = [&](int s, bool fp8) {
+        cuda::MoeGemmParams p{
+            is_gu ? x.as<cuda::bf16>() : act.as<cuda::bf16>(),
+            is_gu ? gu16.as<cuda::bf16>() : dn16.as<cuda::bf16>(),
+            is_gu ? act.as<cuda::bf16>() : y.as<cuda::bf16>(),
+            offs[s]->as<int32_t>(),
+            rows,
+            n,
+            k,
+            E,
+            is_gu ? cuda::MoeGemmEpilogue::kSiluMul : cuda::MoeGemmEpilogue::kPlain};
+        if (fp8) {
+          p.w = nullptr;
+          p.w_fp8 = is_gu ? gu8.as<uint8_t>() : dn8.as<uint8_t>();
+          p.w_scale = is_gu ? gus.as<float>() : dns.as<float>();
+        }
+        return p;
+      };
+      const double us16 =
+          t.time_us(sets, [&](int s) { cuda::moe_gemm_launch(params(s, false), t.stream); });
+      const double us8 =
+          t.time_us(sets, [&](int s) { cuda::moe_gemm_launch(params(s, true), t.stream); });
+      const double wbytes8 = mean_experts * static_cast<double>(n * k);
+      const double bw16 = 2 * wbytes8 / (us16 * 1e-6), bw8 = wbytes8 / (us8 * 1e-6);
+      std::printf("%-8s %5lld %7.1f | %9.2f %7.0f | %9.2f %7.0f %5.0f%% | %6.2f\n",
+                  is_gu ? "gate_up" : "down", static_cast<long long>(T), mean_experts, us16,
+                  bw16 / 1e9, us8, bw8 / 1e9, 100 * bw8 / hbm, us16 / us8);
+    }
+  }
+  return 0;
+}

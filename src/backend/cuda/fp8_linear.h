@@ -1,0 +1,67 @@
+// FP8-weight linears for decode and the MoE experts (W8A16): bf16 activations x E4M3 weights
+// with one f32 scale per weight row and 128-deep K block, fp32 accumulation, bf16 (or fp32)
+// out. The weights stay E4M3 in device memory (half bf16's bytes); the kernels convert them to
+// bf16 in registers (exactly: every E4M3 value is a bf16 value) and apply the block scale to the
+// fp32 partial sum of each 128-deep K block, so the result is the bf16 / fp32 math over the
+// dequantized weights W[i][j] = e4m3(q[i][j]) * scale[i][j / 128] (the CPU reference).
+//
+// Scale layout ("row scales"): f32 [n, ceil(k / 128)], the scale of row i and K block j. A
+// checkpoint's block-FP8 weight_scale_inv [ceil(n / 128), ceil(k / 128)] expands to it by
+// repeating each block row (fp8_expand_row_scales), which also makes any row slice (a TP shard
+// narrower than 128 rows, the packed gate/up order of the MoE experts) a plain row gather.
+//
+//  - fp8_gemv_launch: y[m, n] = x[m, k] W^T for 1 <= m <= 16 (dense linears at decode) on the
+//    tensor cores: 16 weight rows per block of 8 warps splitting K, 16-byte loads of 16 E4M3.
+//  - the MoE grouped GEMM (moe_gemm.h) takes E4M3 experts through MoeGemmParams::w_fp8 /
+//    w_scale (mma.sync bf16 with the weights converted in registers), and a dense matrix as one
+//    expert without offsets (MoeGemmParams::expert_offsets null): the FP8 linear for m > 8.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace tandem::cuda {
+
+using bf16 = __nv_bfloat16;
+
+/// K elements per scale.
+constexpr int64_t kFp8BlockK = 128;
+/// Scale columns of a row of k elements.
+__host__ __device__ constexpr int64_t fp8_row_scale_cols(int64_t k) {
+  return (k + kFp8BlockK - 1) / kFp8BlockK;
+}
+
+/// Block scales [ceil(n / block_rows), ceil(k / 128)] (row-major) -> row scales [n, ceil(k / 128)]
+/// (host). block_rows: the checkpoint's block height (128 for Qwen's block FP8).
+std::vector<float> fp8_expand_row_scales(const float* block_scales, int64_t n, int64_t k,
+                                         int64_t block_rows);
+
+struct Fp8GemvParams {
+  bf16 const* x;         // [m, k], 16-byte aligned
+  uint8_t const* w;      // [n, k] E4M3, 16-byte aligned
+  float const* w_scale;  // [n, ceil(k / 128)] row scales
+  bf16* y;               // [m, n]
+  int64_t m, n, k;
+  float* y_f32 = nullptr;  // when set, the output is fp32 here ([m, n]) and y is unused
+};
+
+constexpr int64_t kFp8GemvMaxM = 16;
+
+/// True when fp8_gemv_launch accepts p: 1 <= m <= 16, n >= 1, k >= 16 and k % 16 == 0, x and w
+/// 16-byte aligned, w_scale and the output set.
+bool fp8_gemv_supported(Fp8GemvParams const& p);
+
+/// m == 0 is a no-op; throws kUnsupported when !fp8_gemv_supported(p). Asynchronous,
+/// CUDA-graph safe, deterministic (no atomics).
+void fp8_gemv_launch(Fp8GemvParams const& p, cudaStream_t stream);
+
+/// out[r][c] = bf16(e4m3(q[r][c]) * row_scale[r][c / 128]) (the fp32 product rounded to bf16:
+/// what the bf16 model loads), for the bf16 GEMMs of prefill-sized batches. q [rows, cols],
+/// out [rows, cols] bf16, cols % 16 == 0, q and out 16-byte aligned. Asynchronous, capturable.
+void fp8_dequantize_launch(uint8_t const* q, float const* row_scale, int64_t rows, int64_t cols,
+                           bf16* out, cudaStream_t stream);
+
+}  // namespace tandem::cuda
