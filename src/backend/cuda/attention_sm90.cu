@@ -55,7 +55,7 @@ struct Grow {
   void* ptr = nullptr;
   size_t bytes = 0;
   bool pinned = false;
-  void reserve(size_t need, cudaStream_t stream) {
+  [[maybe_unused]] void reserve(size_t need, cudaStream_t stream) {
     if (need <= bytes) return;
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
     release();
@@ -254,7 +254,8 @@ void PrefillAttentionPlan::run(PagedAttentionParams const& p, cudaStream_t strea
                p.page_size, ", ", p.max_pages_per_seq, " pages) differs from the plan (",
                m.num_prefill, ", ", m.q_heads, "/", m.kv_heads, ", ", m.head_dim, ", ", m.page_size,
                ", ", m.max_pages, ")");
-  TANDEM_CHECK(detail::aligned_to(16, p.q, p.out, p.pool), "PrefillAttentionPlan: unaligned tensors");
+  TANDEM_CHECK(detail::aligned_to(16, p.q, p.out, p.pool),
+               "PrefillAttentionPlan: unaligned tensors");
   const int64_t d = m.head_dim, P = m.page_size, H = m.kv_heads;
   flashinfer_sm90::Args a;
   a.q = p.q;
