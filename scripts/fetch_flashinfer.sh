@@ -27,6 +27,16 @@ if [[ -f "$stamp" ]]; then
   echo "$dest"
   exit 0
 fi
+# One fetch at a time per destination (several builds may configure at once).
+mkdir -p "$(dirname "$dest")"
+if command -v flock >/dev/null 2>&1; then
+  exec 9>"$dest.lock"
+  flock 9
+  if [[ -f "$stamp" ]]; then
+    echo "$dest"
+    exit 0
+  fi
+fi
 
 pick_python() {
   for py in python3 python; do
