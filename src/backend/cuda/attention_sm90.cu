@@ -20,8 +20,6 @@ namespace tandem::cuda {
 
 namespace {
 
-constexpr int64_t kHeadDim = 128;
-
 #if TANDEM_HAS_FLASHINFER
 
 // One page of one prefill sequence to gather: its block-table row and page index, where its
@@ -33,6 +31,7 @@ struct GatherEntry {
 // Block (entry, kv head, k|v): copies `count` rows of head_dim bf16 of one page's head slice
 // (contiguous in the HND page) to rows [dst, dst + count) of that head's keys in
 // ws[k|v, kv_head, key, :] (also contiguous).
+template <int kHeadDim>
 __global__ void gather_kv_kernel(bf16 const* __restrict__ pool, int32_t const* __restrict__ table,
                                  GatherEntry const* __restrict__ entries, bf16* __restrict__ ws,
                                  int64_t num_kv_heads, int64_t page_size, int64_t max_pages,
@@ -139,7 +138,9 @@ bool PrefillAttentionPlan::plan(PrefillPlanArgs const& a, cudaStream_t stream) {
   if (!built()) return no("built without FlashInfer (TANDEM_FLASHINFER)");
   if (static_cast<int32_t>(path_) < 0) return no("TANDEM_PREFILL_ATTENTION=fa2");
   if (a.num_prefill_tokens <= 0) return no("no prefill tokens");
-  if (a.head_dim != kHeadDim) return no("head_dim " + std::to_string(a.head_dim) + " (128 only)");
+  if (a.head_dim != 128 && a.head_dim != 256) {
+    return no("head_dim " + std::to_string(a.head_dim) + " (128 or 256 only)");
+  }
   if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0) return no("heads");
   if (!device_supported()) return no("not a compute capability 9.0 device");
   TANDEM_CHECK(a.token_seq != nullptr && a.positions != nullptr && a.page_size > 0 &&
@@ -173,7 +174,8 @@ bool PrefillAttentionPlan::plan(PrefillPlanArgs const& a, cudaStream_t stream) {
     t = e;
   }
   works *= a.num_q_heads;
-  const bool gathered = path_ == PrefillKvPath::kGathered ||
+  // head_dim 256: only the ragged kernel is built (gathered whatever the path).
+  const bool gathered = a.head_dim == 256 || path_ == PrefillKvPath::kGathered ||
                         (path_ == PrefillKvPath::kAuto && keys <= max_gather_keys_);
   int64_t entries = 0;
   {
@@ -201,7 +203,7 @@ bool PrefillAttentionPlan::plan(PrefillPlanArgs const& a, cudaStream_t stream) {
   if (gathered) {
     m.entries.reserve(static_cast<size_t>(entries) * sizeof(GatherEntry), stream);
     m.entries_pinned.reserve(static_cast<size_t>(entries) * sizeof(GatherEntry), stream);
-    m.gather.reserve(static_cast<size_t>(2 * a.num_kv_heads * keys * kHeadDim) * sizeof(bf16),
+    m.gather.reserve(static_cast<size_t>(2 * a.num_kv_heads * keys * a.head_dim) * sizeof(bf16),
                      stream);
     auto* h = static_cast<GatherEntry*>(m.entries_pinned.ptr);
     int64_t k = 0;
@@ -271,19 +273,23 @@ void PrefillAttentionPlan::run(PagedAttentionParams const& p, cudaStream_t strea
   cudaError_t st = cudaSuccess;
   if (planned_path_ == PrefillKvPath::kGathered) {
     bf16* ws = static_cast<bf16*>(m.gather.ptr);
-    if (m.num_entries > 0) {
-      gather_kv_kernel<<<dim3(static_cast<unsigned>(m.num_entries), static_cast<unsigned>(H), 2),
-                         256, 0, stream>>>(p.pool, p.block_table,
-                                           static_cast<GatherEntry const*>(m.entries.ptr), ws, H, P,
-                                           m.max_pages, m.nnz_kv);
-      TANDEM_CUDA_CHECK_LAUNCH();
+    const dim3 grid(static_cast<unsigned>(m.num_entries), static_cast<unsigned>(H), 2);
+    auto const* entries = static_cast<GatherEntry const*>(m.entries.ptr);
+    if (d == 128) {
+      gather_kv_kernel<128><<<grid, 256, 0, stream>>>(p.pool, p.block_table, entries, ws, H, P,
+                                                      m.max_pages, m.nnz_kv);
+    } else {
+      gather_kv_kernel<256><<<grid, 256, 0, stream>>>(p.pool, p.block_table, entries, ws, H, P,
+                                                      m.max_pages, m.nnz_kv);
     }
+    TANDEM_CUDA_CHECK_LAUNCH();
     a.k = ws;
     a.v = ws + H * m.nnz_kv * d;
     a.k_stride_n = a.v_stride_n = d;
     a.k_stride_h = a.v_stride_h = m.nnz_kv * d;
     a.nnz_kv = m.nnz_kv;
-    st = flashinfer_sm90::run_ragged_hd128(a, stream);
+    st = d == 128 ? flashinfer_sm90::run_ragged_hd128(a, stream)
+                  : flashinfer_sm90::run_ragged_hd256(a, stream);
   } else {
     a.k = p.pool;
     a.v = p.pool + H * P * d;

@@ -15,8 +15,9 @@
 //              into a contiguous [k|v, kv_head, key, head_dim] workspace, then FlashInfer's
 //              ragged kernel loads 128 x 128 tiles with TMA. Costs one copy of the keys
 //              (2 * kv_heads * head_dim * 2 bytes per key: ~2% of an 8k prefill).
-// Supported: bf16, head_dim 128, GQA group 1..16, any page size, sequences whose chunk
-// queries sit at the end of their keys (positions kv_len - queries .. kv_len - 1, increasing).
+// Supported: bf16, head_dim 128 (both paths) and 256 (Qwen3.5; kGathered only: FlashInfer's
+// paged kernel at 256 is untuned and not built), any GQA group, any page size, sequences whose
+// chunk queries sit at the end of their keys (positions kv_len - queries .. kv_len - 1).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -3,10 +3,10 @@
 // poisoned with NaN bit patterns before each launch; block-table entries past a sequence's
 // pages hold invalid page ids (a read past the end faults); odd lengths, page and tile
 // boundaries, several sequences, chunks after a cached history, GQA groups 1..16, page sizes
-// 8..128, decode tokens after the prefill part; both K/V paths (paged in place, gathered). When
-// the kernels are not built (or the GPU is not sm90) every case checks instead that plan()
-// declines and the launch falls back to the FA2 kernel, still against the reference. Skips
-// without a GPU, except the host-only tests at the end.
+// 8..128, decode tokens after the prefill part; both K/V paths (paged in place, gathered);
+// head_dim 128 and 256. When the kernels are not built (or the GPU is not sm90) every case
+// checks instead that plan() declines and the launch falls back to the FA2 kernel, still
+// against the reference. Skips without a GPU, except the host-only tests at the end.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -103,7 +103,9 @@ class CudaAttentionSm90 : public test_util::CudaFixture<> {
     return b;
   }
 
-  void check(Case const& c, PrefillAttentionPlan& plan) {
+  // direct: calls plan.run() itself instead of paged_attention_launch (head_dim 256, which the
+  // launcher's other kernels do not take here; prefill tokens only).
+  void check(Case const& c, PrefillAttentionPlan& plan, bool direct = false) {
     SCOPED_TRACE(c.name());
     const int64_t ps = c.page_size;
     std::vector<SeqSpec> seqs = c.prefill;
@@ -144,7 +146,7 @@ class CudaAttentionSm90 : public test_util::CudaFixture<> {
     const bool planned = plan.plan({token_seq.data(), positions.data(), num_prefill, c.q_heads,
                                     c.kv_heads, c.head_dim, ps, max_pages},
                                    stream_);
-    const bool want = expect_sm90() && c.head_dim == 128;
+    const bool want = expect_sm90() && (c.head_dim == 128 || c.head_dim == 256);
     ASSERT_EQ(planned, want) << plan.why();
     d_out.poison(0xff);
     PagedAttentionParams p{d_q.bf(),   d_pool.bf(), d_table.ptr, d_seq.ptr,  d_pos.ptr,
@@ -152,22 +154,28 @@ class CudaAttentionSm90 : public test_util::CudaFixture<> {
                            ps,         max_pages,   scale};
     p.num_prefill_tokens = num_prefill;
     p.prefill_plan = &plan;
-    paged_attention_launch(p, stream_);
+    if (direct) {
+      ASSERT_EQ(num_prefill, tokens);
+      plan.run(p, stream_);
+    } else {
+      paged_attention_launch(p, stream_);
+    }
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     EXPECT_TRUE(close(d_out.download(), ref, c.q_heads, c.head_dim));
   }
 
-  void check_both(Case const& c) {
+  void check_both(Case const& c, bool direct = false) {
     {
       SCOPED_TRACE("paged");
-      check(c, paged_);
-      if (paged_.ready()) {
-        EXPECT_EQ(paged_.path(), PrefillKvPath::kPaged);
+      check(c, paged_, direct);
+      if (paged_.ready()) {  // head_dim 256 is always gathered
+        EXPECT_EQ(paged_.path(),
+                  c.head_dim == 128 ? PrefillKvPath::kPaged : PrefillKvPath::kGathered);
       }
     }
     {
       SCOPED_TRACE("gathered");
-      check(c, gathered_);
+      check(c, gathered_, direct);
       if (gathered_.ready()) {
         EXPECT_EQ(gathered_.path(), PrefillKvPath::kGathered);
       }
@@ -224,6 +232,15 @@ TEST_F(CudaAttentionSm90, SkewedScores) {
   Case c{32, 4, 128, 16, {{400, 180}, {300, 300}}, {{2500, 1}}};
   c.q_mean = 2.0f;
   check_both(c);
+}
+
+TEST_F(CudaAttentionSm90, HeadDim256) {
+  SCOPED_TRACE(trace());
+  // Qwen3.5's gated attention (16 q / 2 kv heads x 256): the ragged kernel, prefill only.
+  if (!expect_sm90()) GTEST_SKIP() << "FlashInfer sm90 kernels not built or not an sm90 GPU";
+  check_both({16, 2, 256, 16, {{300, 300}}, {}}, /*direct=*/true);
+  check_both({16, 2, 256, 16, {{129, 129}, {1000, 77}, {5, 5}}, {}}, /*direct=*/true);
+  check_both({32, 2, 256, 64, {{600 + 65, 65}, {64, 64}}, {}}, /*direct=*/true);
 }
 
 TEST_F(CudaAttentionSm90, AutoPathAndFallbacks) {

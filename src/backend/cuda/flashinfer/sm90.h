@@ -33,7 +33,7 @@ std::string plan(void* int_ws, void* pinned, size_t bytes, int32_t* qo_indptr, i
 
 /// Int workspace bytes a plan needs for `works` (q tile, q head) pairs (upper bound).
 size_t plan_bytes(int64_t works, int num_sms);
-/// Query rows per CTA tile of the kernels (the work unit of the plan): 128 for head_dim 128.
+/// Query rows per CTA tile of the kernels (the work unit of the plan): 128 at head_dim 128, 256.
 constexpr int kCtaQ = 128;
 
 /// One launch: bf16 q / k / v / o with element strides; causal (queries at the end of their
@@ -59,5 +59,8 @@ struct Args {
 cudaError_t run_paged_hd128(Args const& a, cudaStream_t stream);
 /// Contiguous ("ragged") K/V: TMA loads of 128 x 128 tiles.
 cudaError_t run_ragged_hd128(Args const& a, cudaStream_t stream);
+/// The same at head_dim 256 (Qwen3.5's gated attention): 128 x 64 tiles. (FlashInfer's paged
+/// kernel at 256 uses untuned 32-key tiles: not built.)
+cudaError_t run_ragged_hd256(Args const& a, cudaStream_t stream);
 
 }  // namespace tandem::cuda::flashinfer_sm90
