@@ -297,8 +297,10 @@ TEST(CudaAttentionSm90Host, PlanDeclines) {
     // A sequence's chunk with a gap in its positions: declined (the FA2 kernel handles it).
     const std::vector<int32_t> gap = {0, 1, 3, 5, 6};
     EXPECT_FALSE(plan.plan({seq.data(), gap.data(), 5, 32, 4, 128, 16, 4}, nullptr));
-    // Keys past the block table: a caller bug.
-    EXPECT_THROW(plan.plan({seq.data(), pos.data(), 5, 32, 4, 128, 16, 1}, nullptr), Error);
+    // Keys past the block table (sequence 1 has 7 keys: 2 pages of 4, the table 1): a caller
+    // bug.
+    EXPECT_THROW(plan.plan({seq.data(), pos.data(), 5, 32, 4, 128, 4, 1}, nullptr), Error);
+    EXPECT_FALSE(plan.ready());
     EXPECT_TRUE(plan.plan({seq.data(), pos.data(), 5, 32, 4, 128, 16, 4}, nullptr)) << plan.why();
     TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
   }
