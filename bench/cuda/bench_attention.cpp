@@ -2,11 +2,10 @@
 // Qwen3-30B-A3B, 64 of Qwen3-235B-A22B): the tensor-core prefill and split-KV decode kernels
 // behind paged_attention_launch beside the first simple kernel, and for prefill FlashInfer's
 // sm90 kernels through PrefillAttentionPlan (attn_prefill_fi_paged: pages read in place;
-// attn_prefill_fi_gathered: keys gathered, then TMA; attn_prefill_fi_kv176 / _kv192 the same with
-// wider key tiles) when built, each beside its bound measured in the same run: cuBLASLt's own bf16
-// rate at 8192^3 for prefill (FLOPs = 4 * causal pairs * head_dim * q_heads), the device-to-device
-// copy bandwidth (cudaMemcpyAsync, bytes read + written) for decode (bytes = the KV read + q +
-// out).
+// attn_prefill_fi_gathered: keys gathered, then TMA) when built, each beside its bound measured
+// in the same run: cuBLASLt's own bf16 rate at 8192^3 for prefill (FLOPs = 4 * causal pairs *
+// head_dim * q_heads), the device-to-device copy bandwidth (cudaMemcpyAsync, bytes read +
+// written) for decode (bytes = the KV read + q + out).
 //
 //   bench_attention [--quick] [--prefill-only]     CSV to $TANDEM_BENCH_CSV when set
 //
@@ -27,7 +26,6 @@
 #include <numeric>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "backend/cuda/attention.h"
@@ -91,21 +89,16 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
   const int64_t simple_split =
       prefill ? 0 : paged_attention_pick_split(T, kKvHeads, pages_per_seq, kPageSize, b.num_sms);
   std::vector<Variant> variants;
-  PrefillAttentionPlan fi_paged(PrefillKvPath::kPaged), fi_gathered(PrefillKvPath::kGathered),
-      fi_kv176(PrefillKvPath::kGathered, 65536, 176),
-      fi_kv192(PrefillKvPath::kGathered, 65536, 192);
+  PrefillAttentionPlan fi_paged(PrefillKvPath::kPaged), fi_gathered(PrefillKvPath::kGathered);
   if (prefill) {
     variants.push_back({"attn_prefill", PagedAttentionAlgo::kAuto, T, 0});
     const PrefillPlanArgs pa{hseq.data(), hpos.data(), T,         q_heads,
                              kKvHeads,    kHeadDim,    kPageSize, pages_per_seq};
-    const std::pair<PrefillAttentionPlan*, const char*> fi[] = {
-        {&fi_paged, "attn_prefill_fi_paged"},
-        {&fi_gathered, "attn_prefill_fi_gathered"},
-        {&fi_kv176, "attn_prefill_fi_kv176"},
-        {&fi_kv192, "attn_prefill_fi_kv192"}};
-    for (auto [pl, name] : fi) {
+    for (auto* pl : {&fi_paged, &fi_gathered}) {
       if (pl->plan(pa, b.stream)) {
-        variants.push_back({name, PagedAttentionAlgo::kAuto, T, 0, -1, pl});
+        const bool paged = pl == &fi_paged;
+        variants.push_back({paged ? "attn_prefill_fi_paged" : "attn_prefill_fi_gathered",
+                            PagedAttentionAlgo::kAuto, T, 0, -1, pl});
       } else {
         std::printf("(FlashInfer sm90 prefill not run: %s)\n", pl->why().c_str());
       }

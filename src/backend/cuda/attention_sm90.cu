@@ -14,7 +14,6 @@
 #endif
 #if TANDEM_HAS_FLASHINFER
 #include "backend/cuda/flashinfer/sm90.h"
-#include "backend/cuda/flashinfer/sm90_tiles.h"
 #endif
 
 namespace tandem::cuda {
@@ -97,13 +96,8 @@ struct PrefillAttentionPlan::Impl {
   }
 };
 
-PrefillAttentionPlan::PrefillAttentionPlan(PrefillKvPath path, int64_t max_gather_keys, int tile_kv)
-    : impl_(new Impl), path_(path), max_gather_keys_(max_gather_keys), tile_kv_(tile_kv) {
-  if (char const* env = std::getenv("TANDEM_PREFILL_TILE_KV")) tile_kv_ = std::atoi(env);
-  TANDEM_CHECK_KIND(kInvalidArgument, tile_kv_ == 128 || tile_kv_ == 176 || tile_kv_ == 192,
-                    "PrefillAttentionPlan: tile_kv (TANDEM_PREFILL_TILE_KV) must be 128, 176 or "
-                    "192, not ",
-                    tile_kv_);
+PrefillAttentionPlan::PrefillAttentionPlan(PrefillKvPath path, int64_t max_gather_keys)
+    : impl_(new Impl), path_(path), max_gather_keys_(max_gather_keys) {
   if (char const* env = std::getenv("TANDEM_PREFILL_ATTENTION")) {
     const std::string v = env;
     if (v == "fa2") {
@@ -294,10 +288,8 @@ void PrefillAttentionPlan::run(PagedAttentionParams const& p, cudaStream_t strea
     a.k_stride_n = a.v_stride_n = d;
     a.k_stride_h = a.v_stride_h = m.nnz_kv * d;
     a.nnz_kv = m.nnz_kv;
-    st = d == 256          ? flashinfer_sm90::run_ragged_hd256(a, stream)
-         : tile_kv_ == 176 ? flashinfer_sm90::run_ragged_hd128_kv176(a, stream)
-         : tile_kv_ == 192 ? flashinfer_sm90::run_ragged_hd128_kv192(a, stream)
-                           : flashinfer_sm90::run_ragged_hd128(a, stream);
+    st = d == 128 ? flashinfer_sm90::run_ragged_hd128(a, stream)
+                  : flashinfer_sm90::run_ragged_hd256(a, stream);
   } else {
     a.k = p.pool;
     a.v = p.pool + H * P * d;

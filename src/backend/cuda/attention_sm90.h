@@ -47,12 +47,10 @@ struct PrefillPlanArgs {
 class PrefillAttentionPlan {
  public:
   /// max_gather_keys: the most keys (summed over the prefill sequences) kAuto gathers; the
-  /// workspace grows to what a plan needs. tile_kv: keys per tile of the gathered head_dim 128
-  /// kernel, 128 (FlashInfer's causal default), 176 or 192. The environment variables
-  /// TANDEM_PREFILL_ATTENTION (fa2 | paged | gathered | auto; fa2: plan() always returns false)
-  /// and TANDEM_PREFILL_TILE_KV override `path` and `tile_kv`, for A/B runs.
+  /// workspace grows to what a plan needs. The environment variable TANDEM_PREFILL_ATTENTION
+  /// (fa2 | paged | gathered) overrides `path` (fa2: plan() always returns false), for A/B runs.
   explicit PrefillAttentionPlan(PrefillKvPath path = PrefillKvPath::kAuto,
-                                int64_t max_gather_keys = 65536, int tile_kv = 128);
+                                int64_t max_gather_keys = 65536);
   ~PrefillAttentionPlan();
   PrefillAttentionPlan(PrefillAttentionPlan const&) = delete;
   PrefillAttentionPlan& operator=(PrefillAttentionPlan const&) = delete;
@@ -82,7 +80,6 @@ class PrefillAttentionPlan {
   PrefillKvPath path_;
   PrefillKvPath planned_path_ = PrefillKvPath::kAuto;
   int64_t max_gather_keys_;
-  int tile_kv_;
   bool ready_ = false;
   std::string why_;
 };

@@ -234,23 +234,6 @@ TEST_F(CudaAttentionSm90, SkewedScores) {
   check_both(c);
 }
 
-TEST_F(CudaAttentionSm90, WideKeyTiles) {
-  SCOPED_TRACE(trace());
-  // The gathered head_dim 128 kernel with 176 / 192 keys per tile: the causal diagonal of a
-  // 128-query tile then crosses two key tiles at most offsets.
-  for (int tile : {176, 192}) {
-    SCOPED_TRACE("tile_kv " + std::to_string(tile));
-    PrefillAttentionPlan plan(PrefillKvPath::kGathered, 65536, tile);
-    for (int64_t len : {1, 100, 176, 192, 300, 1000})
-      check({32, 4, 128, 16, {{len, len}}, {}}, plan);
-    check({32, 4, 128, 16, {{37 + 200, 200}, {1001, 77}, {3000 + 333, 333}}, {{40, 1}}}, plan);
-    check({64, 4, 128, 32, {{150, 150}, {90, 40}, {513, 257}}, {{17, 1}, {900, 1}}}, plan);
-    Case skew{8, 1, 128, 16, {{2053, 2053}}, {}};
-    skew.q_mean = 2.f;
-    check(skew, plan);
-  }
-}
-
 TEST_F(CudaAttentionSm90, HeadDim256) {
   SCOPED_TRACE(trace());
   // Qwen3.5's gated attention (16 q / 2 kv heads x 256): the ragged kernel, prefill only.
