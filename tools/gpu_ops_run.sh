@@ -15,6 +15,8 @@
 # time beside the measured copy-bandwidth / GEMM-rate bound at 1, 32, 128, 8192 tokens;
 # 2b. bench_fp8_gemm (when present): block-scaled FP8 GEMM vs bf16 on Qwen3-30B-A3B shapes;
 # 2c. bench_fp8_linear (when present): FP8-weight gemv / grouped GEMM vs bf16 at decode shapes;
+# 2d. bench_attention --prefill-only (when present) and bench/cuda/attention_torch_baseline.py:
+# prefill attention (ours FA2, FlashInfer sm90) beside PyTorch SDPA cuDNN / flash, same run;
 # 3. the tests again under compute-sanitizer memcheck (out-of-bounds / misaligned accesses),
 # time-limited: a timeout there is reported, not counted as a failure.
 set -uo pipefail
@@ -100,6 +102,21 @@ if [ -x "$BIN/bench_fp8_linear" ]; then
   fi
 fi
 
+# 2d. Prefill attention (when packed): ours (FA2 kernel) and FlashInfer sm90 beside PyTorch SDPA
+# (cuDNN, flash backends) in the same run, with the ratios (bench/cuda/attention_torch_baseline.py).
+if [ -x "$BIN/bench_attention" ]; then
+  export TANDEM_BENCH_CSV="$LOG/bench_attention.csv"
+  step bench_attention 200 "$BIN/bench_attention" --prefill-only
+  if [ "${RC[bench_attention]}" -ne 0 ]; then
+    echo "!! bench_attention exited with ${RC[bench_attention]} (124: timed out); last lines:"
+    tail -5 "$LOG/bench_attention.log"
+    status=1
+  fi
+  step attention_torch 200 python3 "$(dirname "$0")/../bench/cuda/attention_torch_baseline.py" \
+    --ours "$LOG/bench_attention.csv" --csv "$LOG/attention_torch.csv" ||
+    echo "(attention_torch_baseline.py exited with ${RC[attention_torch]})"
+fi
+
 # 3. Memory checker (Firecracker machines run it; seen working 2026-11-04).
 if command -v compute-sanitizer > /dev/null; then
   step memcheck 100 compute-sanitizer --tool memcheck --error-exitcode 99 \
@@ -124,6 +141,10 @@ echo "== summary: test_backend_cuda rc=${RC[test_backend_cuda]} bench rc=${RC[be
 grep -hE '^\[  (PASSED|FAILED) ' "$LOG/test_backend_cuda.log" 2>/dev/null
 [ -f "$LOG/bench_fp8_gemm.log" ] && { echo "== bench_fp8_gemm"; cat "$LOG/bench_fp8_gemm.log"; }
 [ -f "$LOG/bench_fp8_linear.log" ] && { echo "== bench_fp8_linear"; cat "$LOG/bench_fp8_linear.log"; }
+[ -f "$LOG/bench_attention.log" ] && { echo "== bench_attention --prefill-only";
+  grep -E 'TFLOP/s|FAILED|not run' "$LOG/bench_attention.log"; }
+[ -f "$LOG/attention_torch.log" ] && { echo "== prefill attention vs PyTorch SDPA";
+  cat "$LOG/attention_torch.log"; }
 # The benchmark's table, last.
 sed -n '/^== ceilings/p;/^== table/,$p' "$LOG/bench_ops_cuda.log"
 exit $status

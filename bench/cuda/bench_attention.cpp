@@ -1,11 +1,16 @@
 // Paged attention on the GPU at Qwen3 shapes (head_dim 128, page 16, 4 kv heads; 32 q heads of
 // Qwen3-30B-A3B, 64 of Qwen3-235B-A22B): the tensor-core prefill and split-KV decode kernels
-// behind paged_attention_launch beside the first simple kernel, each beside its bound measured
+// behind paged_attention_launch beside the first simple kernel, and for prefill FlashInfer's
+// sm90 kernels through PrefillAttentionPlan (attn_prefill_fi_paged: pages read in place;
+// attn_prefill_fi_gathered: keys gathered, then TMA) when built, each beside its bound measured
 // in the same run: cuBLASLt's own bf16 rate at 8192^3 for prefill (FLOPs = 4 * causal pairs *
 // head_dim * q_heads), the device-to-device copy bandwidth (cudaMemcpyAsync, bytes read +
 // written) for decode (bytes = the KV read + q + out).
 //
-//   bench_attention [--quick]       CSV to $TANDEM_BENCH_CSV when set
+//   bench_attention [--quick] [--prefill-only]     CSV to $TANDEM_BENCH_CSV when set
+//
+// Prefill rows also print TFLOP/s; bench/cuda/attention_torch_baseline.py --ours CSV prints
+// PyTorch SDPA (cuDNN, flash) at the same shapes beside them with the ratios.
 //
 // Method as bench_ops_cuda: random inputs, enough input sets to exceed 3x the L2, warm-up,
 // launches captured in a CUDA graph and replayed, median per-call time over replays.
@@ -25,6 +30,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_fa.h"
+#include "backend/cuda/attention_sm90.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/gemm.h"
 #include "bench_util.h"
@@ -49,6 +55,7 @@ struct Variant {
   PagedAttentionAlgo algo;
   int64_t num_prefill_tokens, kv_split;
   int prefill_variant = -1;  // >= 0: detail::paged_attention_prefill_variant (block shapes)
+  PrefillAttentionPlan* plan = nullptr;  // FlashInfer sm90 (planned before timing)
 };
 
 // `seqs` sequences of `ctx` cached tokens each, whose last `queries` positions are queried
@@ -82,8 +89,20 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
   const int64_t simple_split =
       prefill ? 0 : paged_attention_pick_split(T, kKvHeads, pages_per_seq, kPageSize, b.num_sms);
   std::vector<Variant> variants;
+  PrefillAttentionPlan fi_paged(PrefillKvPath::kPaged), fi_gathered(PrefillKvPath::kGathered);
   if (prefill) {
     variants.push_back({"attn_prefill", PagedAttentionAlgo::kAuto, T, 0});
+    const PrefillPlanArgs pa{hseq.data(), hpos.data(), T,         q_heads,
+                             kKvHeads,    kHeadDim,    kPageSize, pages_per_seq};
+    for (auto* pl : {&fi_paged, &fi_gathered}) {
+      if (pl->plan(pa, b.stream)) {
+        const bool paged = pl == &fi_paged;
+        variants.push_back({paged ? "attn_prefill_fi_paged" : "attn_prefill_fi_gathered",
+                            PagedAttentionAlgo::kAuto, T, 0, -1, pl});
+      } else {
+        std::printf("(FlashInfer sm90 prefill not run: %s)\n", pl->why().c_str());
+      }
+    }
     if (with_simple) {
       variants.push_back({"attn_prefill_8w2b", PagedAttentionAlgo::kPrefill, T, 0, 1});
       variants.push_back({"attn_prefill_4w2b", PagedAttentionAlgo::kPrefill, T, 0, 2});
@@ -123,6 +142,7 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
                                ws.as<float>()};
         p.num_prefill_tokens = v.num_prefill_tokens;
         p.algo = v.algo;
+        p.prefill_plan = v.plan;
         if (v.prefill_variant >= 0) {
           cuda::detail::paged_attention_prefill_variant(p, v.prefill_variant, b.stream);
         } else {
@@ -131,6 +151,11 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
       });
       b.add(v.name, T, shape + (prefill ? "" : ", split " + std::to_string(v.kv_split)), us,
             kv_bytes + 4.0 * nq, 4.0 * pairs * q_heads * kHeadDim);
+      if (prefill) {
+        std::printf("  %s %lldq T %lld: %.1f TFLOP/s\n", v.name.c_str(),
+                    static_cast<long long>(q_heads), static_cast<long long>(T),
+                    4.0 * pairs * q_heads * kHeadDim / (us * 1e-6) / 1e12);
+      }
     });
   }
 }
@@ -139,8 +164,10 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
 
 int main(int argc, char** argv) {
   Bench b;
+  bool prefill_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) b.quick = true;
+    if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
   }
   try {
     if (!b.open()) return 2;
@@ -150,6 +177,7 @@ int main(int argc, char** argv) {
       bench_attention(b, 32, 1, T, T, /*with_simple=*/true);
       bench_attention(b, 64, 1, T, T, /*with_simple=*/false);
     }
+    if (prefill_only) return b.finish();
     std::printf("== decode (Qwen3-30B-A3B 32q/4kv)\n");
     for (int64_t ctx : {1024, 4096}) {
       for (int64_t seqs : {1, 8, 32, 128, 256}) {

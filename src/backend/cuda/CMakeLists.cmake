@@ -34,6 +34,56 @@ if(TANDEM_HAS_CUDA)
     set_target_properties(tandem_backend_cuda PROPERTIES CUDA_ARCHITECTURES 90a)
   endif()
 
+  # FlashInfer's Hopper (sm90, FA3-style) prefill attention behind PrefillAttentionPlan
+  # (attention_sm90.h). AUTO: built when scripts/fetch_flashinfer.sh gets the headers (PyPI
+  # wheels flashinfer-python and nvidia-cuda-cccl, downloaded, not installed, into the cache
+  # dir; nothing committed), skipped with a message otherwise; ON: a failed fetch is an error;
+  # OFF: not built (the FA2 kernel serves every prefill). TANDEM_FLASHINFER_DIR: an unpacked
+  # tree of the script's layout to use instead of fetching. The kernel TUs take minutes and
+  # ~3.5 GB each: one instantiation each (bf16, head_dim 128, causal), in a job pool of 1.
+  set(TANDEM_FLASHINFER AUTO CACHE STRING "FlashInfer sm90 prefill attention (AUTO, ON, OFF)")
+  set(TANDEM_FLASHINFER_DIR "" CACHE PATH "Unpacked FlashInfer headers (scripts/fetch_flashinfer.sh layout)")
+  set(TANDEM_HAS_FLASHINFER OFF)
+  if(NOT TANDEM_FLASHINFER STREQUAL "OFF")
+    set(_fi_dir "${TANDEM_FLASHINFER_DIR}")
+    if(NOT _fi_dir)
+      execute_process(COMMAND ${TANDEM_BACKEND_CUDA_ROOT}/scripts/fetch_flashinfer.sh
+                      OUTPUT_VARIABLE _fi_dir ERROR_VARIABLE _fi_err RESULT_VARIABLE _fi_rc
+                      OUTPUT_STRIP_TRAILING_WHITESPACE)
+      if(NOT _fi_rc EQUAL 0)
+        set(_fi_dir "")
+      endif()
+    endif()
+    if(_fi_dir AND EXISTS "${_fi_dir}/include/flashinfer/attention/hopper/prefill_sm90.cuh")
+      set(TANDEM_HAS_FLASHINFER ON)
+    elseif(TANDEM_FLASHINFER STREQUAL "ON")
+      message(FATAL_ERROR "TANDEM_FLASHINFER=ON but the FlashInfer headers are missing: ${_fi_err}")
+    else()
+      message(STATUS "FlashInfer headers not fetched (${_fi_err}); prefill attention uses the FA2 kernel")
+    endif()
+  endif()
+  message(STATUS "Tandem FlashInfer sm90 prefill attention: ${TANDEM_HAS_FLASHINFER}")
+  if(TANDEM_HAS_FLASHINFER)
+    file(GLOB TANDEM_FLASHINFER_SRCS CONFIGURE_DEPENDS
+      ${TANDEM_BACKEND_CUDA_ROOT}/src/backend/cuda/flashinfer/*.cu)
+    add_library(tandem_flashinfer_sm90 STATIC ${TANDEM_FLASHINFER_SRCS})
+    # The newer CCCL goes before the toolkit's (cuda::fast_mod_div); FlashInfer's own tree last.
+    target_include_directories(tandem_flashinfer_sm90 BEFORE PRIVATE ${_fi_dir}/cccl)
+    target_include_directories(tandem_flashinfer_sm90 PRIVATE ${TANDEM_BACKEND_CUDA_ROOT}/src
+      ${_fi_dir}/include ${_fi_dir}/cutlass/include ${_fi_dir}/cutlass/tools/util/include)
+    # CUTLASS reaches cuTensorMapEncodeTiled through cudaGetDriverEntryPoint: no libcuda link.
+    target_link_libraries(tandem_flashinfer_sm90 PRIVATE CUDA::cudart)
+    # Third-party templates: their warnings are not ours to fix (-w).
+    target_compile_options(tandem_flashinfer_sm90 PRIVATE
+      $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr --expt-extended-lambda -w>)
+    target_compile_definitions(tandem_flashinfer_sm90 PRIVATE NDEBUG)
+    set_target_properties(tandem_flashinfer_sm90 PROPERTIES CUDA_ARCHITECTURES 90a
+                          CUDA_STANDARD 20 JOB_POOL_COMPILE tandem_flashinfer_pool)
+    set_property(GLOBAL APPEND PROPERTY JOB_POOLS tandem_flashinfer_pool=1)
+    target_link_libraries(tandem_backend_cuda PRIVATE tandem_flashinfer_sm90)
+    target_compile_definitions(tandem_backend_cuda PUBLIC TANDEM_HAS_FLASHINFER=1)
+  endif()
+
   if(TANDEM_TESTS AND TARGET GTest::gtest)
     include(GoogleTest)
     file(GLOB TANDEM_BACKEND_CUDA_TEST_SRCS CONFIGURE_DEPENDS

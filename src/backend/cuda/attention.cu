@@ -4,6 +4,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_fa.h"
+#include "backend/cuda/attention_sm90.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
 
@@ -327,7 +328,11 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
                                   : (p.kv_split > 0 || p.num_tokens <= kDecodeMaxTokens)
                                       ? 0
                                       : p.num_tokens;
-      detail::paged_attention_prefill(p, num_prefill, stream);
+      if (p.prefill_plan != nullptr && p.prefill_plan->ready() && num_prefill > 0) {
+        p.prefill_plan->run(p, stream);
+      } else {
+        detail::paged_attention_prefill(p, num_prefill, stream);
+      }
       detail::paged_attention_decode(p, num_prefill, static_cast<int>(num_splits), stream);
       return;
     }

@@ -12,6 +12,8 @@ namespace tandem::cuda {
 
 using bf16 = __nv_bfloat16;
 
+class PrefillAttentionPlan;  // attention_sm90.h
+
 /// Writes new k, v rows into HND pages: pool[page, 0 (k) | 1 (v), head, slot, :].
 /// slot_index < 0: the token is skipped (padding of a captured batch). head_dim 64 or 128.
 struct KvWriteParams {
@@ -55,11 +57,15 @@ struct PagedAttentionParams {
   /// tokens after them are decode tokens (few per sequence). -1: not known.
   int64_t num_prefill_tokens = -1;
   PagedAttentionAlgo algo = PagedAttentionAlgo::kAuto;
+  /// With algo kAuto and num_prefill_tokens > 0: a ready plan of exactly these prefill tokens
+  /// (attention_sm90.h) runs them on FlashInfer's Hopper kernels instead of the FA2 kernel.
+  PrefillAttentionPlan const* prefill_plan = nullptr;
 };
 /// The attention entry point. With algo kAuto:
 ///   num_prefill_tokens >= 0: tokens [0, num_prefill_tokens) run the prefill kernel (a block
-///     per 128 (token, q head) rows of one kv head, each K/V tile loaded once for them), the
-///     rest the decode kernel (a block per token, kv head and split of kv_split keys; each key
+///     per 128 (token, q head) rows of one kv head, each K/V tile loaded once for them; or
+///     FlashInfer's sm90 kernel through prefill_plan when it is ready), the rest the decode
+///     kernel (a block per token, kv head and split of kv_split keys; each key
 ///     loaded once for the group's q heads).
 ///   num_prefill_tokens == -1 (not known): every token runs the decode kernel when
 ///     kv_split > 0 or num_tokens <= 256, else the prefill kernel. Both are correct for any

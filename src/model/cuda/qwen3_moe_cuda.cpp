@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_sm90.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/gemm.h"
@@ -174,6 +175,7 @@ struct Meta {
   int32_t* num_real = nullptr;   // [1]: real (unpadded) tokens, for the decode EP dispatch
   int64_t n = 0, width = 0, num_rows = 0;
   int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
+  const cuda::PrefillAttentionPlan* prefill_plan = nullptr;  // FlashInfer sm90, when planned
 };
 
 // Host-side packed metadata with the same layout.
@@ -268,6 +270,7 @@ struct Qwen3MoeCuda::Impl {
   DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
   PinnedMem h_sample;  // params up, results down
   size_t attn_ws_floats = 0;
+  cuda::PrefillAttentionPlan prefill_plan;  // eager prefill chunks: planned once per forward
   std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
   cuda::MoeLayerPath moe_prefill_path = cuda::MoeLayerPath::kAuto;
@@ -739,6 +742,7 @@ struct Qwen3MoeCuda::Impl {
       ap.kv_split = split;
       ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
       ap.num_prefill_tokens = m.num_prefill;
+      ap.prefill_plan = m.prefill_plan;
       cuda::paged_attention_launch(ap, stream);
       // Row-parallel o_proj (prefill TP): the partial products go straight into the
       // all-reduce's registered buffer and come back summed over the ranks into Y.
@@ -1157,6 +1161,12 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     m.num_rows = num_rows;
     m.num_prefill = num_prefill;
     im.upload(hm, m, m.tables);
+    if (num_prefill > 0 &&
+        im.prefill_plan.plan({hm.token_seq.data(), hm.positions.data(), num_prefill, im.qh(),
+                              im.kvh(), config_.head_dim, page_size, width},
+                             stream_)) {
+      m.prefill_plan = &im.prefill_plan;
+    }
     im.body(m, kv, zero ? nullptr : &batch);
     return false;
   }
