@@ -13,6 +13,9 @@
 
 #include "engine/engine.h"
 #include "model/qwen3_moe.h"
+#ifdef TANDEM_WITH_CUDA
+#include "model/cuda/qwen3_moe_cuda.h"
+#endif
 #include "server/grammar/grammar.h"
 #include "server/http/http_client.h"
 #include "server/http/http_server.h"
@@ -29,6 +32,24 @@ using testing::sse_events;
 
 constexpr int32_t kThink = 8126, kThinkEnd = 8127;
 
+// TANDEM_TEST_DEVICE=cuda (tools/gpu_model_run.sh): the GPU model, whose constrained rows come
+// back to the host sampler.
+std::unique_ptr<Model> load_model(const std::string& dir, const EngineConfig& cfg) {
+  const char* dev = std::getenv("TANDEM_TEST_DEVICE");
+  if (dev != nullptr && std::string(dev) == "cuda") {
+#ifdef TANDEM_WITH_CUDA
+    CudaModelOptions o;
+    o.max_tokens = cfg.max_batched_tokens;
+    o.max_seqs = cfg.max_num_seqs;
+    o.page_size = cfg.page_size;
+    return Qwen3MoeCuda::load(dir, o);
+#else
+    throw std::runtime_error("TANDEM_TEST_DEVICE=cuda: built without CUDA");
+#endif
+  }
+  return Qwen3MoeCpu::load(dir);
+}
+
 class StructuredHttpTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -38,7 +59,7 @@ class StructuredHttpTest : public ::testing::Test {
     EngineConfig cfg;
     cfg.max_num_seqs = 16;
     cfg.kv_cache_mb = 32;
-    engine_ = new AsyncEngine(Qwen3MoeCpu::load(dir), cfg);
+    engine_ = new AsyncEngine(load_model(dir, cfg), cfg);
     HttpServerConfig hc;
     hc.host = "127.0.0.1";
     hc.port = 0;
