@@ -34,8 +34,9 @@ class TokenConstraint {
   virtual bool accept(int32_t token, std::string& error) = 0;
 };
 
-/// One worker thread that fills the next-token masks of a step's constrained rows while the
-/// model's forward runs (off the critical path): start() hands it the jobs, wait() joins.
+/// Worker threads that fill the next-token masks of a step's constrained rows while the
+/// model's forward runs (off the critical path): start() hands them the jobs, wait() joins.
+/// Thread k fills jobs k, k + n, ... (n threads: a quarter of the hardware threads, 1 to 4).
 class MaskWorker {
  public:
   struct Job {
@@ -44,7 +45,7 @@ class MaskWorker {
     bool* active = nullptr;                 // set to fill_next_mask's result
     std::string* error = nullptr;           // a fill that threw: its message (active false)
   };
-  explicit MaskWorker(int64_t vocab);
+  explicit MaskWorker(int64_t vocab, int num_threads = 0);
   ~MaskWorker();
   MaskWorker(const MaskWorker&) = delete;
   MaskWorker& operator=(const MaskWorker&) = delete;
@@ -55,16 +56,18 @@ class MaskWorker {
   void wait();
 
  private:
-  void loop();
-  void run(const std::vector<Job>& jobs) const;
+  void loop(int index);
+  void run(int index) const;
 
   int64_t words_;
+  int num_threads_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Job> jobs_;
-  bool pending_ = false;  // start()ed, not yet done
+  int64_t generation_ = 0;  // start() count
+  int running_ = 0;         // threads still filling the current jobs
   bool stop_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace tandem

@@ -165,5 +165,32 @@ TEST(EngineConstraint, FinishedAndAbortedRequestsReleaseTheirConstraint) {
   EXPECT_TRUE(wa.expired());
 }
 
+TEST(MaskWorker, EveryJobFilledOnceBySeveralThreads) {
+  for (int threads : {1, 3}) {
+    MaskWorker w(/*vocab=*/100, threads);
+    for (int round = 0; round < 20; ++round) {
+      const int n = round % 7;  // 0 jobs too
+      std::vector<std::shared_ptr<ScriptConstraint>> cs;
+      std::vector<std::vector<uint32_t>> masks(static_cast<size_t>(n));
+      std::unique_ptr<bool[]> active(new bool[static_cast<size_t>(n) + 1]());
+      std::vector<std::string> errors(static_cast<size_t>(n));
+      std::vector<MaskWorker::Job> jobs;
+      for (int i = 0; i < n; ++i) {
+        cs.push_back(std::make_shared<ScriptConstraint>(std::vector<int32_t>{i + 1}));
+        jobs.push_back(
+            {cs.back().get(), &masks[size_t(i)], &active[size_t(i)], &errors[size_t(i)]});
+      }
+      w.start(std::move(jobs));
+      w.wait();
+      for (int i = 0; i < n; ++i) {
+        EXPECT_EQ(cs[size_t(i)]->fill_threads.size(), 1u);
+        ASSERT_EQ(masks[size_t(i)].size(), 4u);
+        EXPECT_TRUE(active[size_t(i)]);
+        EXPECT_EQ(masks[size_t(i)][0], 1u << (i + 1));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tandem
