@@ -195,6 +195,15 @@ TEST_F(StructuredHttpTest, JsonSchemaRepliesValidateStreamedOrNot) {
     auto s = post("/v1/chat/completions", body);
     ASSERT_EQ(s.status, 200) << s.body;
     EXPECT_EQ(stream_message(s)["content"], msg["content"]) << "seed " << seed;
+    if (seed == 1) {  // n = 2: each choice has its own grammar state, both validate
+      json two = body;
+      two["stream"] = false;
+      two["n"] = 2;
+      json j2 = chat(two);
+      ASSERT_EQ(j2["choices"].size(), 2u) << j2.dump();
+      for (const auto& c : j2["choices"]) expect_person(c["message"]["content"]);
+      EXPECT_NE(j2["choices"][0]["message"]["content"], j2["choices"][1]["message"]["content"]);
+    }
   }
 }
 
