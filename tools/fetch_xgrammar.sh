@@ -35,6 +35,7 @@ pick_python() {
 }
 py="$(pick_python)" || { echo "fetch_xgrammar: needs python3 with pip" >&2; exit 1; }
 
+export PIP_ROOT_USER_ACTION=ignore  # (CI runs as root)
 mkdir -p "$cache_root"
 tmp="$(mktemp -d "$cache_root/.xgrammar.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
