@@ -21,7 +21,7 @@
 #   openai_client      the official openai client against `tandem serve --device cuda`
 #   memcheck_model     compute-sanitizer memcheck over one fixture's model tests
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
-#   bench_model_cuda (also with --fp8)
+#   bench_grammar, bench_model_cuda (also with --fp8)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
 PACK=$(cd "$PACK" && pwd)
@@ -132,6 +132,12 @@ step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
 [ -x "$BIN/bench_fp8_gemm" ] && step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
 step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
+# Structured outputs: grammar compile and per-step mask fill with the Qwen3 vocabulary on this
+# machine's CPU (the masks are filled on the host while the GPU runs the step; compare with the
+# decode step of bench_model_cuda below at the same batch).
+[ -x "$BIN/bench_grammar" ] && [ -d "$BIN/qwen3_tokenizer" ] &&
+  step bench_grammar 120 "$BIN/bench_grammar" --tokenizer "$BIN/qwen3_tokenizer" \
+    --model "$ROOT/models/demo"
 export TANDEM_BENCH_CSV="$LOG/bench_model_cuda.csv"
 step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
 # Block FP8 beside bf16 in one run (Qwen3-30B-A3B, decode 1 / 32, prefill 2k; the weights
@@ -162,7 +168,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling; do
+for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

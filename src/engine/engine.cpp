@@ -187,6 +187,12 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
   ++counters_.generation_tokens;
   StepOutput out;
   out.id = s.req.id;
+  std::string rejected;
+  if (s.req.constraint && !s.req.constraint->accept(first_token, rejected)) {
+    out.error = rejected;
+    finish(s, FinishReason::kError, out);
+    return;
+  }
   out.token_ids.push_back(first_token);
   if (s.req.sampling.logprobs >= 0) out.token_logprobs.push_back(first_logprob);
   finish_if_done(s, out);
@@ -246,6 +252,7 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
     if (ss.logits != LogitsMode::kLast) continue;
     const Sequence& s = *ss.seq;
     if (s.num_output() < s.req.min_tokens) return false;  // the EOS mask needs host logits
+    if (s.req.constraint) return false;                   // so does a token constraint
     std::optional<DeviceSampling> d =
         to_device_sampling(s.req.sampling, s.device_seed, static_cast<uint64_t>(s.num_output()));
     if (!d) return false;
@@ -254,7 +261,23 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
   return true;
 }
 
+void Engine::start_masks(const ScheduledBatch& batch) {
+  std::vector<MaskWorker::Job> jobs;
+  for (const auto& ss : batch.seqs) {
+    Sequence& s = *ss.seq;
+    s.mask_active = false;
+    const bool samples = ss.logits != LogitsMode::kNone &&
+                         s.num_computed + ss.num_tokens == static_cast<int64_t>(s.tokens.size());
+    if (!s.req.constraint || !samples) continue;
+    jobs.push_back({s.req.constraint.get(), &s.mask, &s.mask_active, &s.mask_error});
+  }
+  if (jobs.empty()) return;
+  if (!masks_) masks_ = std::make_unique<MaskWorker>(model_.config().vocab_size);
+  masks_->start(std::move(jobs));
+}
+
 bool Engine::forward(const ScheduledBatch& batch) {
+  start_masks(batch);  // overlaps the model's forward
   try {
     sampled_on_device_ =
         !speculating() && model_.samples_on_device() && device_rows(batch, device_rows_);
@@ -264,6 +287,7 @@ bool Engine::forward(const ScheduledBatch& batch) {
       model_.forward(batch.forward, kv_, logits_);
     }
   } catch (const std::exception& e) {
+    if (masks_) masks_->wait();  // the worker reads these sequences' constraints
     // Fail only the requests of this step; the engine keeps serving.
     for (const auto& ss : batch.seqs) {
       StepOutput out;
@@ -287,6 +311,7 @@ void Engine::complete(const ScheduledBatch& batch) {
 void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {
   const int64_t vocab = model_.config().vocab_size;
   const auto& eos = model_.config().eos_token_ids;
+  if (masks_) masks_->wait();  // this step's token masks (start_masks)
   int64_t row = 0, token_row = 0;
   for (const auto& ss : batch.seqs) {
     Sequence& s = *ss.seq;
@@ -328,6 +353,12 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     }
     if (sampled_on_device_) {  // token and logprobs came from the device
       const SampledToken& st = sampled_[static_cast<size_t>(first_row + rows - 1)];
+      std::string rejected;  // (constrained rows are sampled on the host: device_rows)
+      if (s.req.constraint && !s.req.constraint->accept(st.token, rejected)) {
+        out.error = rejected;
+        finish(s, FinishReason::kError, out);
+        continue;
+      }
       out.token_ids.push_back(st.token);
       if (s.req.sampling.logprobs >= 0) {
         out.token_logprobs.push_back(st.logprob);
@@ -356,10 +387,26 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
       }
       sample_from = masked;
     }
+    if (!s.mask_error.empty()) {
+      out.error = s.mask_error;
+      finish(s, FinishReason::kError, out);
+      continue;
+    }
+    if (s.mask_active) {  // the constraint's allowed tokens (structured outputs)
+      if (masked.empty()) masked.assign(raw.begin(), raw.end());
+      apply_token_bitmask(masked, s.mask);
+      sample_from = masked;
+    }
     std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_len));
     std::span<const int32_t> output(s.tokens.data() + s.prompt_len,
                                     static_cast<size_t>(s.num_output()));
     const int32_t token = sample_token(sample_from, s.req.sampling, prompt, output, s.rng);
+    std::string rejected;
+    if (s.req.constraint && !s.req.constraint->accept(token, rejected)) {
+      out.error = rejected;
+      finish(s, FinishReason::kError, out);
+      continue;
+    }
     out.token_ids.push_back(token);
     if (s.req.sampling.logprobs >= 0) {
       out.token_logprobs.push_back(token_logprob(raw, token));
@@ -436,7 +483,8 @@ std::span<const float> masked_row(const Sequence& s, int64_t output_index,
 }  // namespace
 
 void Engine::note_computed(const Sequence& s, int64_t start, int64_t count, int64_t hidden_row) {
-  if (!speculating() || !s.req.allow_speculation || count <= 0) return;
+  // A constrained request never speculates: its grammar must see each token before the next.
+  if (!speculating() || !s.req.allow_speculation || s.req.constraint || count <= 0) return;
   computed_.push_back({s.req.id, start, count, hidden_row});
 }
 
@@ -636,6 +684,12 @@ void Engine::draft() {
 }
 
 // ---------------------------------------------------------------------------------------
+
+std::vector<int32_t> AsyncEngine::eos_token_ids() const {
+  std::vector<int32_t> ids;
+  for (int64_t id : model_->config().eos_token_ids) ids.push_back(static_cast<int32_t>(id));
+  return ids;
+}
 
 AsyncEngine::AsyncEngine(std::unique_ptr<Model> model, const EngineConfig& config)
     : model_(std::move(model)), engine_(*model_, config) {

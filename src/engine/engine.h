@@ -124,6 +124,9 @@ class Engine {
   /// After the outputs: the MTP layer over the positions computed this step (its KV follows
   /// the target's), then the drafts of every decoding sequence, chained K times.
   void draft();
+  /// Constrained rows that sample this step: their masks filled on the worker (during the
+  /// forward; process_outputs waits).
+  void start_masks(const ScheduledBatch& batch);
 
   Model& model_;
   EngineConfig config_;
@@ -134,6 +137,7 @@ class Engine {
   std::vector<DeviceSampling> device_rows_;
   std::vector<SampledToken> sampled_;  // this step's tokens when sampled on the device
   bool sampled_on_device_ = false;
+  std::unique_ptr<MaskWorker> masks_;  // created at the first constrained request
   EngineStats counters_;
   // Speculative decoding.
   KvCache mtp_kv_;             // the MTP layer's KV (same page ids as kv_)
@@ -157,6 +161,7 @@ class AsyncEngine final : public EngineClient {
   EngineStats stats() const override;
   int64_t max_model_len() const override { return engine_.max_model_len(); }
   int64_t vocab_size() const override { return model_->config().vocab_size; }
+  std::vector<int32_t> eos_token_ids() const override;
   const Model& model() const { return *model_; }
 
  private:

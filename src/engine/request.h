@@ -3,9 +3,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "engine/constraint.h"
 #include "engine/sampling.h"
 
 namespace tandem {
@@ -25,6 +27,10 @@ struct GenRequest {
   // False: never speculate for this request (one token per step), e.g. when a per-request
   // logits processor (structured outputs) must see every token before the next is drafted.
   bool allow_speculation = true;
+  // Structured outputs / thinking budget: restricts each sampled token (null: none). One per
+  // request (it holds the request's grammar state); in-process only (the lockstep and router
+  // codecs do not carry it), released when the request finishes.
+  std::shared_ptr<TokenConstraint> constraint;
 };
 
 /// Tokens produced for one request since the last callback.
@@ -83,6 +89,11 @@ class EngineClient {
   virtual EngineStats stats() const = 0;
   virtual int64_t max_model_len() const = 0;
   virtual int64_t vocab_size() const = 0;
+  /// Whether submit() honours GenRequest::constraint (false: e.g. a router, whose codec
+  /// cannot carry it; the HTTP front then refuses structured outputs).
+  virtual bool supports_constraints() const { return true; }
+  /// The ids that end a generation (the model's EOS ids); empty when unknown.
+  virtual std::vector<int32_t> eos_token_ids() const { return {}; }
 };
 
 }  // namespace tandem

@@ -244,6 +244,18 @@ std::optional<DeviceSampling> to_device_sampling(const SamplingParams& p, uint64
   return d;
 }
 
+void apply_token_bitmask(std::span<float> logits, std::span<const uint32_t> mask) {
+  const size_t n = logits.size();
+  for (size_t w = 0; w * 32 < n; ++w) {
+    const uint32_t bits = w < mask.size() ? mask[w] : 0u;
+    if (bits == 0xFFFFFFFFu) continue;
+    const size_t end = std::min(n, w * 32 + 32);
+    for (size_t i = w * 32; i < end; ++i) {
+      if (((bits >> (i - w * 32)) & 1u) == 0) logits[i] = -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
 int32_t sample_token(std::span<const float> logits, const SamplingParams& params,
                      std::span<const int32_t> prompt, std::span<const int32_t> output,
                      SamplerRng& rng) {

@@ -80,6 +80,10 @@ int32_t sample_from_weights(std::span<const float> weights, SamplerRng& rng);
 
 /// A uniform double in [0, 1) from one 64-bit value of `rng` (53 bits).
 double uniform_draw(SamplerRng& rng);
+/// Structured outputs: sets every logit whose bit in `mask` is clear to -inf (mask: packed
+/// int32 words, bit id % 32 of word id / 32 set = allowed; xgrammar's layout). Tokens past
+/// the mask's bits are disallowed. The CPU reference of the CUDA apply_token_bitmask.
+void apply_token_bitmask(std::span<float> logits, std::span<const uint32_t> mask);
 
 /// The one conversion to the device sampler's row parameters, for draw number `counter` of a
 /// request whose device seed is `seed`; none when the row needs the host sampler

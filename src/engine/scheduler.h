@@ -36,6 +36,10 @@ struct Sequence {
   // verified together in the next step; empty when there are none.
   std::vector<int32_t> spec_tokens;
   std::vector<float> draft_probs;  // [drafts, vocab] the draft distributions; empty: one-hot
+  // req.constraint's next-token mask, filled by the engine's MaskWorker during the forward.
+  std::vector<uint32_t> mask;
+  bool mask_active = false;
+  std::string mask_error;
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };

@@ -83,6 +83,7 @@ class Router final : public EngineClient {
   /// refused with 503 rather than as too long).
   int64_t max_model_len() const override;
   int64_t vocab_size() const override;
+  bool supports_constraints() const override { return false; }  // the codec cannot carry one
 
   /// At least one prefill and one decode instance usable (GET /ready).
   bool ready() const;

@@ -1,6 +1,8 @@
 """The official `openai` Python client against a running `tandem serve` (demo model).
 
 Usage: python openai_client.py BASE_URL. Exits non-zero on any mismatch."""
+import json
+import re
 import sys
 
 from openai import OpenAI
@@ -98,13 +100,70 @@ r = client.chat.completions.create(model="demo", max_tokens=8, temperature=0, to
 assert r.choices[0].message.role == "assistant"
 for bad in [{"tool_choice": "bogus", "tools": tools}, {"tool_choice": "required"},
             {"tools": [{"type": "function", "function": {"description": "no name"}}]},
-            {"extra_body": {"guided_json": {"type": "object"}}}]:
+            {"extra_body": {"guided_json": {"type": "no such type"}}},
+            {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}},
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": 5}}}}]:
     try:
         client.chat.completions.create(model="demo", max_tokens=4,
                                        messages=[{"role": "user", "content": "x"}], **bad)
         raise AssertionError(f"accepted: {bad}")
     except Exception as e:  # openai.BadRequestError
         assert getattr(e, "status_code", None) == 400, (bad, e)
+
+# Structured outputs (xgrammar): json_schema replies validate (jsonschema from PyPI when the
+# venv has it), tool_choice required / named give calls whose arguments validate, regex and
+# choice match; streamed equals non-streamed.
+try:
+    import jsonschema
+
+    def validate(obj, schema):
+        jsonschema.validate(obj, schema)
+except ImportError:  # (TANDEM_OPENAI_PYTHON without jsonschema): the checks below suffice
+    def validate(obj, schema):
+        assert isinstance(obj, dict) and set(obj) <= set(schema["properties"]), (obj, schema)
+        for k in schema.get("required", []):
+            assert k in obj, (obj, k)
+person = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "color"]}
+for seed in (1, 2, 3):
+    kw = dict(model="demo", max_tokens=80, temperature=1.0, seed=seed,
+              messages=[{"role": "user", "content": "Describe Emma as JSON."}],
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "person", "schema": person,
+                                               "strict": True}})
+    r = client.chat.completions.create(**kw)
+    obj = json.loads(r.choices[0].message.content)
+    validate(obj, person)
+    assert obj["color"] in ("red", "green", "blue") and 0 <= obj["age"] <= 120, obj
+    streamed = "".join(ch.choices[0].delta.content or ""
+                       for ch in client.chat.completions.create(stream=True, **kw) if ch.choices)
+    assert streamed == r.choices[0].message.content, (streamed, r.choices[0].message.content)
+book_tool = [{"type": "function", "function": {
+    "name": "count_chapters", "description": "Chapters in a novel",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"book": {"enum": ["Emma", "Persuasion"]},
+                                  "volume": {"type": "integer", "minimum": 1, "maximum": 3}},
+                   "required": ["book", "volume"]}}}]
+for choice in ["required", {"type": "function", "function": {"name": "count_chapters"}}]:
+    r = client.chat.completions.create(model="demo", max_tokens=200, temperature=1.0, seed=4,
+                                       tools=book_tool, tool_choice=choice,
+                                       messages=[{"role": "user", "content": "How long is Emma?"}])
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+    call = c.message.tool_calls[0]
+    assert call.function.name == "count_chapters", call
+    validate(json.loads(call.function.arguments), book_tool[0]["function"]["parameters"])
+r = client.completions.create(model="demo", prompt="The date:", max_tokens=20, temperature=1.0,
+                              extra_body={"structured_outputs": {"regex": "[0-9]{4}-[0-9]{2}"}})
+assert re.fullmatch(r"[0-9]{4}-[0-9]{2}", r.choices[0].text), r.choices[0].text
+r = client.chat.completions.create(model="demo", max_tokens=10, temperature=1.0,
+                                   messages=[{"role": "user", "content": "Emma or Anne?"}],
+                                   extra_body={"guided_choice": ["Emma", "Anne"]})
+assert r.choices[0].message.content in ("Emma", "Anne"), r.choices[0].message.content
 
 # logit_bias: a +100 bias makes greedy pick that token.
 forced = client.completions.create(model="demo", prompt="It is a truth", max_tokens=3,

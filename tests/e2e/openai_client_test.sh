@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs tests/e2e/openai_client.py (official openai client from PyPI, in a cached venv)
+# Runs tests/e2e/openai_client.py (official openai client and jsonschema from PyPI, in a cached venv)
 # against `tandem serve` on the demo model. Exit 77 (skipped) when the client cannot be
 # installed (no network); any other failure fails the test.
 #   TANDEM_OPENAI_PYTHON  a python that imports openai already (skips the venv; the GPU machine)
@@ -9,8 +9,8 @@ bin="$1"; src="$2"
 py="${TANDEM_OPENAI_PYTHON:-}"
 if [ -z "$py" ]; then
   venv="${TANDEM_CACHE_DIR:-${HOME:-/tmp}/.cache/tandem}/openai-venv"
-  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
-    python3 -m venv "$venv" >/dev/null 2>&1 && "$venv/bin/pip" install -q openai >/dev/null 2>&1 \
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import openai, jsonschema" 2>/dev/null; then
+    python3 -m venv "$venv" >/dev/null 2>&1 && "$venv/bin/pip" install -q openai jsonschema >/dev/null 2>&1 \
       || { echo "cannot install the openai client: skipped"; exit 77; }
   fi
   py="$venv/bin/python"

@@ -15,6 +15,39 @@ namespace tandem::openai {
 
 namespace {
 
+const char* in_param_words(grammar::GrammarKind k) {
+  switch (k) {
+    case grammar::GrammarKind::kJsonObject: return "JSON object format";
+    case grammar::GrammarKind::kJsonSchema: return "JSON schema";
+    case grammar::GrammarKind::kRegex: return "regex";
+    case grammar::GrammarKind::kChoice: return "choice";
+    case grammar::GrammarKind::kEbnf: return "grammar";
+  }
+  return "grammar";
+}
+
+/// tool_choice "required" / named with Hermes calls: the JSON of one call after the primed
+/// "<tool_call>\n": {"name": <one of the tools (or the named one)>, "arguments": <that tool's
+/// parameters schema>}, then "\n</tool_call>".
+grammar::GrammarSpec tool_call_grammar(const Json& tools, const std::string& only) {
+  Json alternatives = Json::array();
+  for (const auto& t : tools) {
+    const Json& fn = t["function"];
+    const std::string name = fn["name"].get<std::string>();
+    if (!only.empty() && name != only) continue;
+    Json params = fn.contains("parameters") && fn["parameters"].is_object()
+                      ? fn["parameters"]
+                      : Json{{"type", "object"}};
+    alternatives.push_back({{"type", "object"},
+                            {"properties", {{"name", {{"const", name}}}, {"arguments", params}}},
+                            {"required", Json::array({"name", "arguments"})}});
+  }
+  grammar::GrammarSpec g{grammar::GrammarKind::kJsonSchema};
+  g.text = (alternatives.size() == 1 ? alternatives[0] : Json{{"anyOf", alternatives}}).dump();
+  g.suffix = "\n</tool_call>";
+  return g;
+}
+
 using json = Json;
 
 int64_t unix_now() {
@@ -252,9 +285,52 @@ void ApiHandler::completions(const HttpRequest& req, const std::shared_ptr<Conne
     }
     s.prompts.push_back(std::move(prompt));
   }
+  s.make_constraint = constraint_factory(r.params, r.params.structured, r.params.structured_param,
+                                         grammar::ThinkStart::kContent);
   s.params = std::move(r.params);
   GenerationContext ctx{gate_, tokenizer_, &metrics_};
   std::make_shared<Generation>(std::move(s), std::move(ctx), conn)->start();
+}
+
+grammar::GrammarCompiler& ApiHandler::grammars() const {
+  std::call_once(grammars_once_, [&] {
+    const Tokenizer& tok = require_tokenizer("structured outputs need one");
+    grammars_ = std::make_unique<grammar::GrammarCompiler>(tok, gate_->engine().vocab_size(),
+                                                           gate_->engine().eos_token_ids());
+  });
+  return *grammars_;
+}
+
+std::function<std::shared_ptr<TokenConstraint>()> ApiHandler::constraint_factory(
+    const GenerationParams& p, std::optional<grammar::GrammarSpec> spec, const std::string& param,
+    grammar::ThinkStart think) const {
+  const bool budget = p.thinking_token_budget >= 0 && think != grammar::ThinkStart::kContent;
+  if (!spec && !budget) return nullptr;
+  if (!tokenizer_) throw no_tokenizer("structured outputs need one");
+  if (!gate_->engine().supports_constraints()) {
+    throw bad_request("structured outputs and thinking_token_budget are not supported here",
+                      spec ? param : "thinking_token_budget");
+  }
+  grammar::GrammarCompiler& gc = grammars();
+  grammar::ConstraintOptions o;
+  o.think = think;
+  o.think_start_id = gc.think_start_id();
+  o.think_end_id = gc.think_end_id();
+  o.thinking_budget = budget ? p.thinking_token_budget : -1;
+  o.vocab_size = gc.vocab_size();
+  if (budget && o.think_end_id < 0) {
+    throw bad_request("'thinking_token_budget' needs a tokenizer with a </think> token",
+                      "thinking_token_budget");
+  }
+  if (spec) {
+    try {
+      o.grammar = gc.compile(*spec);
+    } catch (const Error& e) {
+      throw bad_request(std::string("invalid ") + in_param_words(spec->kind) + ": " + e.message(),
+                        param);
+    }
+  }
+  return [o] { return grammar::make_constraint(o); };
 }
 
 void ApiHandler::chat_completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
@@ -290,26 +366,41 @@ GenerationSetup ApiHandler::chat_setup(ChatRequest& r, const std::string& id_pre
   const bool thinking_off =
       thinking != r.chat_template_kwargs.end() && thinking->is_boolean() && !thinking->get<bool>();
   po.start = parsers::reasoning_start_for_prompt(prompt, thinking_off);
+  std::optional<grammar::GrammarSpec> spec = r.params.structured;
+  std::string spec_param = r.params.structured_param;
   if (!r.tools.is_null() && tool_format_ != parsers::ToolFormat::kNone) {
     po.tools_format = tool_format_;
     po.tools = r.tools;
     if (r.tool_choice == "required" || r.tool_choice == "function") {
-      // No grammar engine yet: the reply is started inside a call (named: inside that
-      // function's call), after an empty think block. NOTE: the arguments are not forced.
+      if (spec) {
+        throw bad_request("'" + spec_param + "' cannot be combined with tool_choice \"" +
+                              r.tool_choice + "\" (the call is forced by its own grammar)",
+                          spec_param);
+      }
+      // The reply starts inside a call, after an empty think block. Hermes: a grammar forces
+      // the call's JSON ({"name", "arguments"} valid against the tool's schema) and its end.
       if (po.start == parsers::ReasoningStart::kInThink) prompt += "\n</think>\n\n";
       if (po.start == parsers::ReasoningStart::kAuto) prompt += "<think>\n\n</think>\n\n";
       po.start = parsers::ReasoningStart::kContent;
       std::string prefix = "<tool_call>\n";
-      if (r.tool_choice == "function") {
-        prefix += tool_format_ == parsers::ToolFormat::kHermes
-                      ? "{\"name\": " + json(r.tool_choice_name).dump() + ", \"arguments\": "
-                      : "<function=" + r.tool_choice_name + ">\n";
+      if (tool_format_ == parsers::ToolFormat::kHermes) {
+        spec = tool_call_grammar(r.tools, r.tool_choice == "function" ? r.tool_choice_name : "");
+        spec_param = "tools";
+      } else if (r.tool_choice == "function") {  // qwen3_coder: the function is forced
+        prefix += "<function=" + r.tool_choice_name + ">\n";
       }
       prompt += prefix;
       po.prime = prefix;
     }
   }
   s.prompts.push_back({encode(prompt, "messages"), ""});
+  grammar::ThinkStart think = grammar::ThinkStart::kContent;
+  if (po.reasoning && po.start == parsers::ReasoningStart::kInThink) {
+    think = grammar::ThinkStart::kInThink;
+  } else if (po.reasoning && po.start == parsers::ReasoningStart::kAuto) {
+    think = grammar::ThinkStart::kAuto;
+  }
+  s.make_constraint = constraint_factory(r.params, spec, spec_param, think);
   if (po.reasoning || po.tools_format != parsers::ToolFormat::kNone) s.parser = std::move(po);
   s.params = std::move(r.params);
   s.params.echo = false;

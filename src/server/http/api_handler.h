@@ -3,10 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
+#include "server/grammar/grammar.h"
 #include "server/http/connection.h"
 #include "server/http/generation.h"
 #include "server/http/http_server.h"
@@ -48,6 +52,12 @@ class ApiHandler {
   std::string chat_prompt_text(const ChatRequest& r) const;
   std::vector<int32_t> encode(const std::string& text, const char* param) const;
   const Tokenizer& require_tokenizer(const char* what) const;
+  /// The request's token constraint (structured outputs, thinking budget) as a factory for
+  /// its choices; null when it has none. Compile errors are 400s naming the field.
+  std::function<std::shared_ptr<TokenConstraint>()> constraint_factory(
+      const GenerationParams& p, std::optional<grammar::GrammarSpec> spec, const std::string& param,
+      grammar::ThinkStart think) const;
+  grammar::GrammarCompiler& grammars() const;
 
   HttpServerConfig config_;
   parsers::ToolFormat tool_format_;
@@ -56,6 +66,8 @@ class ApiHandler {
   const ChatTemplate* chat_template_;
   ServerMetrics& metrics_;
   int64_t created_;  // unix seconds at start (for /v1/models)
+  mutable std::once_flag grammars_once_;
+  mutable std::unique_ptr<grammar::GrammarCompiler> grammars_;  // at the first grammar
 };
 
 /// A fresh request id suffix: 16 hex digits, unique within the process.

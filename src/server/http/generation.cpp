@@ -188,6 +188,7 @@ void Generation::start() {
     r.min_tokens = p.min_tokens;
     r.stop_token_ids = p.stop_token_ids;
     r.ignore_eos = p.ignore_eos;
+    if (setup_.make_constraint) r.constraint = setup_.make_constraint();
 
     std::shared_ptr<EngineGate> gate = ctx_.gate;
     std::weak_ptr<Connection> conn = conn_;

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -41,6 +42,8 @@ struct GenerationSetup {
   std::vector<Prompt> prompts;
   /// Chat: reasoning / tool-call parsing of each choice's text (none: plain content).
   std::optional<parsers::ChatParserOptions> parser;
+  /// Structured outputs / thinking budget: a fresh constraint per choice (null: none).
+  std::function<std::shared_ptr<TokenConstraint>()> make_constraint;
 };
 
 /// What a generation needs from the server; all must outlive the server's io threads.

@@ -145,7 +145,127 @@ std::vector<int32_t> token_ids(const json& v, const std::string& name, int64_t v
   return ids;
 }
 
-/// Options common to both generation endpoints.
+/// A JSON schema given as an object or as a JSON string holding one.
+std::string schema_text(const json& v, const std::string& name) {
+  json schema = v;
+  if (v.is_string()) {
+    schema = json::parse(v.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (schema.is_discarded()) {
+      throw bad_request(in_quotes(name) + " is not valid JSON", name);
+    }
+  }
+  if (!schema.is_object()) throw type_error(name, "a JSON schema object", schema);
+  return schema.dump();
+}
+
+/// response_format (OpenAI), structured_outputs and the older guided_* fields (vLLM): at most
+/// one grammar per request, named by the field it came from (`structured_param`).
+void parse_structured_outputs(const json& body, GenerationParams& p) {
+  using grammar::GrammarKind;
+  auto set = [&](grammar::GrammarSpec spec, const std::string& param) {
+    if (p.structured) {
+      throw bad_request("only one structured output may be given: " +
+                            in_quotes(p.structured_param) + " and " + in_quotes(param),
+                        param);
+    }
+    p.structured = std::move(spec);
+    p.structured_param = param;
+  };
+  auto choices = [&](const json& v, const std::string& name) {
+    if (!v.is_array() || v.empty()) throw type_error(name, "a non-empty array of strings", v);
+    grammar::GrammarSpec g{GrammarKind::kChoice};
+    for (const auto& c : v) {
+      if (as_string(c, name).empty()) throw bad_request("choices must not be empty", name);
+      g.choices.push_back(c.get<std::string>());
+    }
+    return g;
+  };
+  auto text = [&](GrammarKind kind, const json& v, const std::string& name) {
+    grammar::GrammarSpec g{kind};
+    g.text = as_string(v, name);
+    if (g.text.empty()) throw bad_request(in_quotes(name) + " must not be empty", name);
+    return g;
+  };
+  if (const json* v = field(body, "response_format")) {
+    if (!v->is_object()) throw type_error("response_format", "an object", *v);
+    const json* t = field(*v, "type");
+    if (!t) throw bad_request("'response_format' has no 'type'", "response_format.type");
+    const std::string& type = as_string(*t, "response_format.type");
+    if (type == "json_object") {
+      set({GrammarKind::kJsonObject}, "response_format");
+    } else if (type == "json_schema") {
+      const json* js = field(*v, "json_schema");
+      if (!js || !js->is_object()) {
+        throw bad_request("'response_format' of type json_schema needs a 'json_schema' object",
+                          "response_format.json_schema");
+      }
+      if (const json* n = field(*js, "name")) as_string(*n, "response_format.json_schema.name");
+      const json* schema = field(*js, "schema");
+      if (!schema) {
+        throw bad_request("'response_format.json_schema' has no 'schema'",
+                          "response_format.json_schema.schema");
+      }
+      grammar::GrammarSpec g{GrammarKind::kJsonSchema};
+      g.text = schema_text(*schema, "response_format.json_schema.schema");
+      if (const json* st = field(*js, "strict")) {
+        g.strict = as_bool(*st, "response_format.json_schema.strict");
+      }
+      set(std::move(g), "response_format.json_schema.schema");
+    } else if (type != "text") {
+      throw bad_request("response_format type '" + type +
+                            "' is not supported (\"text\", \"json_object\", \"json_schema\")",
+                        "response_format.type");
+    }
+  }
+  if (const json* so = field(body, "structured_outputs")) {
+    if (!so->is_object()) throw type_error("structured_outputs", "an object", *so);
+    if (const json* v = field(*so, "json")) {
+      grammar::GrammarSpec g{GrammarKind::kJsonSchema};
+      g.text = schema_text(*v, "structured_outputs.json");
+      set(std::move(g), "structured_outputs.json");
+    }
+    if (const json* v = field(*so, "regex")) {
+      set(text(GrammarKind::kRegex, *v, "structured_outputs.regex"), "structured_outputs.regex");
+    }
+    if (const json* v = field(*so, "choice")) {
+      set(choices(*v, "structured_outputs.choice"), "structured_outputs.choice");
+    }
+    if (const json* v = field(*so, "grammar")) {
+      set(text(GrammarKind::kEbnf, *v, "structured_outputs.grammar"), "structured_outputs.grammar");
+    }
+    if (const json* v = field(*so, "json_object");
+        v && as_bool(*v, "structured_outputs.json_object")) {
+      set({GrammarKind::kJsonObject}, "structured_outputs.json_object");
+    }
+    for (const char* name : {"structural_tag", "whitespace_pattern"}) {
+      if (field(*so, name)) {
+        throw bad_request("'structured_outputs." + std::string(name) + "' is not supported",
+                          "structured_outputs." + std::string(name));
+      }
+    }
+    if (!p.structured) {
+      throw bad_request(
+          "'structured_outputs' needs one of 'json', 'regex', 'choice', 'grammar', 'json_object'",
+          "structured_outputs");
+    }
+  }
+  if (const json* v = field(body, "guided_json")) {
+    grammar::GrammarSpec g{GrammarKind::kJsonSchema};
+    g.text = schema_text(*v, "guided_json");
+    set(std::move(g), "guided_json");
+  }
+  if (const json* v = field(body, "guided_regex")) {
+    set(text(GrammarKind::kRegex, *v, "guided_regex"), "guided_regex");
+  }
+  if (const json* v = field(body, "guided_choice")) {
+    set(choices(*v, "guided_choice"), "guided_choice");
+  }
+  if (const json* v = field(body, "guided_grammar")) {
+    set(text(GrammarKind::kEbnf, *v, "guided_grammar"), "guided_grammar");
+  }
+}
+
+/// Validates the fields both generation endpoints share.
 void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
   if (const json* v = field(body, "model")) p.model = as_string(*v, "model");
   p.stream = get_bool(body, "stream", false);
@@ -256,23 +376,9 @@ void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
       throw bad_request("'suffix' is not supported", "suffix");
     }
   }
-  if (const json* v = field(body, "response_format")) {
-    if (!v->is_object()) throw type_error("response_format", "an object", *v);
-    const json* t = field(*v, "type");
-    if (!t) throw bad_request("'response_format' has no 'type'", "response_format.type");
-    const std::string& type = as_string(*t, "response_format.type");
-    if (type != "text") {
-      throw bad_request("response_format type '" + type +
-                            "' is not supported (no structured outputs yet: only \"text\")",
-                        "response_format");
-    }
-  }
-  // vLLM's structured-output fields: refused rather than ignored.
-  for (const char* name :
-       {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}) {
-    if (field(body, name)) {
-      throw bad_request(in_quotes(name) + " is not supported (no structured outputs yet)", name);
-    }
+  parse_structured_outputs(body, p);
+  if (auto b = get_int(body, "thinking_token_budget", 0, std::numeric_limits<int32_t>::max())) {
+    p.thinking_token_budget = int32_t(*b);
   }
 }
 
@@ -700,7 +806,18 @@ ResponsesRequest parse_responses_request(const json& body, int64_t vocab_size) {
   }
   if (const json* t = field(body, "text")) {
     if (!t->is_object()) throw type_error("text", "an object", *t);
-    if (const json* f = field(*t, "format")) chat["response_format"] = *f;
+    if (const json* f = field(*t, "format")) {
+      chat["response_format"] = *f;
+      // The Responses API flattens json_schema: {"type", "name", "schema", "strict"}.
+      if (f->is_object() && f->value("type", json()) == "json_schema" &&
+          !f->contains("json_schema")) {
+        json js = json::object();
+        for (const char* k : {"name", "schema", "strict", "description"}) {
+          if (f->contains(k)) js[k] = (*f)[k];
+        }
+        chat["response_format"] = {{"type", "json_schema"}, {"json_schema", js}};
+      }
+    }
   }
   if (field(body, "previous_response_id")) {
     throw bad_request(
@@ -727,8 +844,15 @@ ResponsesRequest parse_responses_request(const json& body, int64_t vocab_size) {
     if (param.rfind("messages", 0) == 0) param = "input";
     if (param == "max_completion_tokens") param = "max_output_tokens";
     if (param == "reasoning_effort") param = "reasoning.effort";
-    if (param.rfind("response_format", 0) == 0) param = "text.format";
+    if (param.rfind("response_format.json_schema.", 0) == 0) {
+      param = "text.format." + param.substr(std::string("response_format.json_schema.").size());
+    } else if (param.rfind("response_format", 0) == 0) {
+      param = "text.format";
+    }
     throw ApiError(e.status(), e.message(), e.type(), param, e.code());
+  }
+  if (out.chat.params.structured_param.rfind("response_format", 0) == 0) {
+    out.chat.params.structured_param = "text.format.schema";
   }
   if (out.chat.params.n != 1) throw bad_request("'n' must be 1 for responses", "n");
   out.body = body;

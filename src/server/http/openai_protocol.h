@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/sampling.h"
+#include "server/grammar/grammar.h"
 #include "server/http/api_error.h"
 
 namespace tandem::openai {
@@ -40,6 +41,11 @@ struct GenerationParams {
   bool echo = false;                        // completions: the prompt is prepended to the output
   bool return_token_ids = false;            // vLLM: token ids in the response
   bool return_tokens_as_token_ids = false;  // vLLM: logprob tokens as "token_id:<id>"
+  // Structured outputs (response_format, structured_outputs, guided_*): the grammar and the
+  // field it came from (400s name it).
+  std::optional<grammar::GrammarSpec> structured;
+  std::string structured_param;
+  int32_t thinking_token_budget = -1;  // vLLM: think-block tokens before </think>; -1: none
 };
 
 /// A completions prompt before tokenisation: text or token ids.

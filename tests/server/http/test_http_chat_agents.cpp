@@ -226,9 +226,10 @@ TEST_F(HttpChatAgentTest, NextTurnWithToolResults) {
 }
 
 TEST_F(HttpChatAgentTest, NamedToolChoiceStartsInsideTheCall) {
-  start_with_reply(
-      "{\"city\": \"Bath\"}}\n</tool_call>", kUser, kTools,
-      "<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ");
+  // The prompt opens the call; a grammar forces the named function and its arguments (the
+  // fake engine plays the reply; tests/server/grammar check the grammar with a real model).
+  start_with_reply("{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Bath\"}}\n</tool_call>",
+                   kUser, kTools, "<think>\n\n</think>\n\n<tool_call>\n");
   json choice_named = {{"type", "function"}, {"function", {{"name", "get_weather"}}}};
   auto [choice, s] = both({{"messages", kUser}, {"tools", kTools}, {"tool_choice", choice_named}});
   ASSERT_EQ(choice["message"]["tool_calls"].size(), 1u) << choice;
@@ -282,11 +283,13 @@ TEST_F(HttpChatAgentTest, Validation) {
       param({{"tools", kTools}, {"tool_choice", {{"type", "x"}, {"function", {{"name", "f"}}}}}}),
       "tool_choice.type");
   EXPECT_EQ(param({{"reasoning_effort", 3}}), "reasoning_effort");
-  EXPECT_EQ(param({{"guided_json", {{"type", "object"}}}}), "guided_json");
-  EXPECT_EQ(param({{"structured_outputs", {{"json", {{"type", "object"}}}}}}),
-            "structured_outputs");
-  EXPECT_EQ(param({{"guided_regex", "a+"}}), "guided_regex");
-  EXPECT_EQ(param({{"response_format", {{"type", "json_object"}}}}), "response_format");
+  EXPECT_EQ(param({{"guided_json", "{not json"}}), "guided_json");
+  EXPECT_EQ(param({{"structured_outputs", {{"json", {{"type", "nonsense"}}}}}}),
+            "structured_outputs.json");
+  EXPECT_EQ(param({{"guided_regex", "(a+"}}), "guided_regex");
+  EXPECT_EQ(param({{"response_format", {{"type", "json_schema"}}}}), "response_format.json_schema");
+  EXPECT_EQ(param({{"tools", kTools}, {"tool_choice", "required"}, {"guided_regex", "a"}}),
+            "guided_regex");
   // Accepted.
   for (json tc : {json("none"), json("auto"), json("required"),
                   json{{"type", "function"}, {"function", {{"name", "count_chapters"}}}}}) {
@@ -453,7 +456,8 @@ TEST_F(HttpChatAgentTest, ResponsesValidation) {
   EXPECT_EQ(param({{"input", "x"}, {"previous_response_id", "resp_1"}}), "previous_response_id");
   EXPECT_EQ(param({{"input", "x"}, {"max_output_tokens", 0}}), "max_output_tokens");
   EXPECT_EQ(param({{"input", "x"}, {"text", {{"format", {{"type", "json_schema"}}}}}}),
-            "text.format");
+            "text.format.schema");
+  EXPECT_EQ(param({{"input", "x"}, {"text", {{"format", {{"type", "xml"}}}}}}), "text.format");
   EXPECT_EQ(param({{"input", {{{"type", "message"}, {"role", "wizard"}, {"content", "x"}}}}}),
             "input");
   EXPECT_EQ(param({{"input", "x"}, {"tool_choice", "required"}}), "tool_choice");

@@ -130,8 +130,11 @@ TEST(Protocol, ErrorsNameTheParam) {
   EXPECT_EQ(param_of({{"prompt", {1}}, {"top_p", -0.0}}), "top_p");
   EXPECT_EQ(param_of({{"prompt", {1}}, {"best_of", 3}}), "best_of");
   EXPECT_EQ(param_of({{"prompt", {1}}, {"suffix", "x"}}), "suffix");
-  EXPECT_EQ(param_of({{"prompt", {1}}, {"response_format", {{"type", "json_object"}}}}),
-            "response_format");
+  EXPECT_EQ(param_of({{"prompt", {1}}, {"response_format", {{"type", "xml"}}}}),
+            "response_format.type");
+  EXPECT_EQ(param_of({{"prompt", {1}}, {"structured_outputs", {{"choice", {1, 2}}}}}),
+            "structured_outputs.choice");
+  EXPECT_EQ(param_of({{"prompt", {1}}, {"thinking_token_budget", -2}}), "thinking_token_budget");
 }
 
 TEST(Protocol, ChatMessagesNormalised) {

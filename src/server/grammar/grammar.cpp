@@ -1,0 +1,259 @@
+#include "server/grammar/grammar.h"
+
+#include <xgrammar/xgrammar.h>
+
+#include <algorithm>
+#include <atomic>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "core/error.h"
+#include "server/tokenizer/tokenizer.h"
+
+namespace tandem::grammar {
+
+class CompiledGrammar {
+ public:
+  CompiledGrammar(xgrammar::CompiledGrammar g, std::vector<int32_t> stop_ids,
+                  std::shared_ptr<const std::vector<uint32_t>> also)
+      : grammar(std::move(g)), stop_ids(std::move(stop_ids)), also_allowed(std::move(also)) {}
+  xgrammar::CompiledGrammar grammar;
+  std::vector<int32_t> stop_ids;
+  // JSON grammars: the mask is ANDed with this one (tokens without raw control bytes).
+  // NOTE: xgrammar 0.2.8's strings with minLength / maxLength admit raw control characters
+  // (U+0000..U+001F but CR / LF), which JSON forbids; our JSON is compact, so no control byte
+  // but a suffix's newline is ever valid.
+  std::shared_ptr<const std::vector<uint32_t>> also_allowed;
+};
+
+namespace {
+
+std::atomic<int64_t> g_live{0};
+
+/// Special tokens the grammar may spell (their text is what the chat parser reads): the
+/// tool-call tags. Other special tokens (the think tags too: the engine gates on their ids) are
+/// never allowed by a grammar.
+bool grammar_visible(const std::string& s) { return s == "<tool_call>" || s == "</tool_call>"; }
+
+std::string ebnf_literal(const std::string& s) { return nlohmann::json(s).dump(); }
+
+void set_bit(std::span<uint32_t> mask, int32_t id) {
+  if (id >= 0 && static_cast<size_t>(id) / 32 < mask.size()) {
+    mask[static_cast<size_t>(id) / 32] |= 1u << (static_cast<uint32_t>(id) % 32);
+  }
+}
+
+class Constraint final : public TokenConstraint {
+ public:
+  explicit Constraint(const ConstraintOptions& o) : o_(o) {
+    if (o.grammar) {
+      matcher_.emplace(o.grammar->grammar, o.grammar->stop_ids,
+                       /*terminate_without_stop_token=*/false, /*max_rollback_tokens=*/0);
+    }
+    switch (o.think) {
+      case ThinkStart::kContent: phase_ = Phase::kGrammar; break;
+      case ThinkStart::kInThink: phase_ = Phase::kThinking; break;
+      case ThinkStart::kAuto: phase_ = Phase::kFirst; break;
+    }
+    if (o.think_end_id < 0) phase_ = Phase::kGrammar;  // no single-token </think>: no gating
+    ++g_live;
+  }
+  ~Constraint() override { --g_live; }
+
+  bool fill_next_mask(std::span<uint32_t> mask) override {
+    if (phase_ == Phase::kThinking) {
+      if (o_.thinking_budget < 0 || think_tokens_ < o_.thinking_budget) return false;
+      std::fill(mask.begin(), mask.end(), 0u);  // the budget is spent: </think> only
+      set_bit(mask, o_.think_end_id);
+      return true;
+    }
+    if (!matcher_) return false;
+    if (matcher_->IsTerminated()) {
+      std::fill(mask.begin(), mask.end(), 0u);
+      for (int32_t id : o_.grammar->stop_ids) set_bit(mask, id);
+      return true;
+    }
+    int64_t shape = static_cast<int64_t>(mask.size());
+    DLTensor t{};
+    t.data = mask.data();
+    t.device = DLDevice{kDLCPU, 0};
+    t.ndim = 1;
+    t.dtype = DLDataType{kDLInt, 32, 1};
+    t.shape = &shape;
+    bool needed = matcher_->FillNextTokenBitmask(&t);
+    if (const auto& also = o_.grammar->also_allowed) {
+      for (size_t i = 0; i < mask.size() && i < also->size(); ++i) mask[i] &= (*also)[i];
+      needed = true;
+    }
+    if (phase_ == Phase::kFirst && needed && o_.think_start_id >= 0) {
+      set_bit(mask, o_.think_start_id);  // the reply may open a think block first
+    }
+    return needed;
+  }
+
+  bool accept(int32_t token, std::string& error) override {
+    if (phase_ == Phase::kFirst) {
+      if (token == o_.think_start_id) {
+        phase_ = Phase::kThinking;
+        return true;
+      }
+      phase_ = Phase::kGrammar;
+    }
+    if (phase_ == Phase::kThinking) {
+      if (token == o_.think_end_id) {
+        phase_ = Phase::kGrammar;
+      } else {
+        ++think_tokens_;
+      }
+      return true;
+    }
+    if (!matcher_) return true;
+    if (matcher_->AcceptToken(token)) return true;
+    error = "structured output: token " + std::to_string(token) +
+            " does not continue the requested format";
+    return false;
+  }
+
+ private:
+  enum class Phase { kFirst, kThinking, kGrammar };
+  ConstraintOptions o_;
+  std::optional<xgrammar::GrammarMatcher> matcher_;
+  Phase phase_ = Phase::kGrammar;
+  int32_t think_tokens_ = 0;
+};
+
+}  // namespace
+
+std::string GrammarSpec::key() const {
+  std::string k = std::to_string(static_cast<int>(kind)) + (strict ? "s" : "n") +
+                  std::to_string(suffix.size()) + ":" + suffix + "|";
+  if (kind == GrammarKind::kChoice) return k + nlohmann::json(choices).dump();
+  return k + text;
+}
+
+struct GrammarCompiler::Impl {
+  Impl(xgrammar::TokenizerInfo info) : info(info), compiler(info, /*max_threads=*/2, false) {}
+  xgrammar::TokenizerInfo info;
+  xgrammar::GrammarCompiler compiler;
+  std::vector<int32_t> stop_ids;
+  std::shared_ptr<const std::vector<uint32_t>> no_control_bytes;  // see CompiledGrammar
+};
+
+GrammarCompiler::GrammarCompiler(const Tokenizer& tok, int64_t vocab_size,
+                                 std::vector<int32_t> stop_ids, size_t cache_capacity)
+    : vocab_size_(std::max<int64_t>(vocab_size, tok.vocab_size())),
+      capacity_(std::max<size_t>(1, cache_capacity)) {
+  std::vector<std::string> vocab(static_cast<size_t>(tok.vocab_size()));
+  for (int32_t id = 0; id < static_cast<int32_t>(vocab.size()); ++id) {
+    if (tok.is_special(id)) {
+      std::string s = tok.id_to_token(id);
+      if (grammar_visible(s)) vocab[static_cast<size_t>(id)] = s;  // else "": never allowed
+    } else {
+      vocab[static_cast<size_t>(id)] = std::string(tok.token_bytes(id));
+    }
+  }
+  if (stop_ids.empty() && tok.eos_token_id()) stop_ids.push_back(*tok.eos_token_id());
+  std::erase_if(stop_ids, [&](int32_t id) { return id < 0 || id >= vocab_size_; });
+  TANDEM_CHECK_KIND(kInvalidArgument, !stop_ids.empty(),
+                    "structured outputs need the model's EOS token id");
+  auto find = [&](const char* s) {
+    std::optional<int32_t> id = tok.token_to_id(s);
+    return id ? *id : -1;
+  };
+  think_start_id_ = find("<think>");
+  think_end_id_ = find("</think>");
+  xgrammar::TokenizerInfo info(vocab, xgrammar::VocabType::RAW, static_cast<int>(vocab_size_),
+                               stop_ids);
+  impl_ = std::make_unique<Impl>(info);
+  auto clean =
+      std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(bitmask_words(vocab_size_)));
+  for (int32_t id = 0; id < static_cast<int32_t>(vocab.size()); ++id) {
+    const bool ok = std::none_of(vocab[size_t(id)].begin(), vocab[size_t(id)].end(), [](char c) {
+      return static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\r';
+    });
+    if (ok) (*clean)[size_t(id) / 32] |= 1u << (static_cast<uint32_t>(id) % 32);
+  }
+  for (int32_t id : stop_ids) (*clean)[size_t(id) / 32] |= 1u << (static_cast<uint32_t>(id) % 32);
+  impl_->no_control_bytes = std::move(clean);
+  impl_->stop_ids = std::move(stop_ids);
+}
+
+GrammarCompiler::~GrammarCompiler() = default;
+
+std::shared_ptr<const CompiledGrammar> GrammarCompiler::compile(const GrammarSpec& spec) {
+  const std::string key = spec.key();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = cache_.find(key); it != cache_.end()) {
+    ++hits_;
+    return it->second;
+  }
+  std::shared_ptr<const CompiledGrammar> out;
+  try {
+    std::optional<xgrammar::Grammar> g;
+    switch (spec.kind) {
+      case GrammarKind::kJsonObject:
+        g = xgrammar::Grammar::FromJSONSchema(R"({"type": "object"})", /*any_whitespace=*/false,
+                                              std::nullopt, std::nullopt, /*strict_mode=*/false);
+        break;
+      case GrammarKind::kJsonSchema:
+        g = xgrammar::Grammar::FromJSONSchema(spec.text, /*any_whitespace=*/false, std::nullopt,
+                                              std::nullopt, spec.strict);
+        break;
+      case GrammarKind::kRegex: g = xgrammar::Grammar::FromRegex(spec.text); break;
+      case GrammarKind::kChoice: {
+        std::string ebnf = "root ::=";
+        for (size_t i = 0; i < spec.choices.size(); ++i) {
+          ebnf += (i ? " | " : " ") + ebnf_literal(spec.choices[i]);
+        }
+        g = xgrammar::Grammar::FromEBNF(ebnf);
+        break;
+      }
+      case GrammarKind::kEbnf: g = xgrammar::Grammar::FromEBNF(spec.text); break;
+    }
+    if (!spec.suffix.empty()) {
+      g = xgrammar::Grammar::Concat(
+          {*g, xgrammar::Grammar::FromEBNF("root ::= " + ebnf_literal(spec.suffix))});
+    }
+    const bool json =
+        spec.kind == GrammarKind::kJsonSchema || spec.kind == GrammarKind::kJsonObject;
+    out = std::make_shared<CompiledGrammar>(impl_->compiler.CompileGrammar(*g), impl_->stop_ids,
+                                            json ? impl_->no_control_bytes : nullptr);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": keep the reason only.
+    std::string msg = e.what();
+    if (size_t cc = msg.find(".cc:"); cc != std::string::npos) {
+      if (size_t colon = msg.find(": ", cc + 4); colon != std::string::npos) {
+        msg = msg.substr(colon + 2);
+      }
+    }
+    while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
+    throw Error(ErrorKind::kInvalidArgument, msg);
+  }
+  cache_.emplace(key, out);
+  order_.push_back(key);
+  while (cache_.size() > capacity_) {
+    cache_.erase(order_.front());
+    order_.pop_front();
+  }
+  return out;
+}
+
+int64_t GrammarCompiler::cache_hits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hits_;
+}
+
+size_t GrammarCompiler::cache_size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cache_.size();
+}
+
+std::shared_ptr<TokenConstraint> make_constraint(const ConstraintOptions& options) {
+  return std::make_shared<Constraint>(options);
+}
+
+int64_t live_constraints() { return g_live.load(); }
+
+}  // namespace tandem::grammar

@@ -1,0 +1,303 @@
+// Structured outputs: xgrammar grammars over the demo tokenizer. Random walks (a uniformly
+// random allowed token at every step, the stop token as soon as it is allowed half the time)
+// stand in for a model that would write anything: whatever the walk, the output must follow
+// the grammar.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <random>
+#include <regex>
+
+#include "core/error.h"
+#include "engine/constraint.h"
+#include "engine/sampling.h"
+#include "server/grammar/grammar.h"
+#include "server/tokenizer/tokenizer.h"
+
+namespace tandem::grammar {
+namespace {
+
+const Tokenizer& demo_tok() {
+  static std::unique_ptr<Tokenizer> t =
+      Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) + "/models/demo");
+  return *t;
+}
+constexpr int64_t kVocab = 8192;  // the demo model's (the tokenizer has 8128 ids)
+constexpr int32_t kImEnd = 8125;
+
+GrammarCompiler& compiler() {
+  static GrammarCompiler c(demo_tok(), kVocab, {kImEnd});
+  return c;
+}
+
+std::vector<int32_t> allowed(std::span<const uint32_t> mask) {
+  std::vector<int32_t> ids;
+  for (int32_t i = 0; i < kVocab; ++i) {
+    if (bitmask_allows(mask, i)) ids.push_back(i);
+  }
+  return ids;
+}
+
+/// Walks the constraint with random allowed tokens until the stop token; returns the text
+/// (without the stop token). Fails the test when it does not end within max_steps.
+/// `short_pick` > 0: the shortest of that many random allowed tokens (open-ended grammars such
+/// as json_object then close in a few hundred tokens).
+std::string walk(TokenConstraint& c, uint64_t seed, int max_steps = 400, int short_pick = 0) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  std::vector<int32_t> out;
+  for (int step = 0; step < max_steps; ++step) {
+    EXPECT_TRUE(c.fill_next_mask(mask)) << "step " << step << ": the grammar must restrict";
+    std::vector<int32_t> ids = allowed(mask);
+    EXPECT_FALSE(ids.empty());
+    if (ids.empty()) break;
+    // Ids past the tokenizer and special tokens other than the stop id are never allowed.
+    for (int32_t id : ids) {
+      EXPECT_LT(id, demo_tok().vocab_size());
+      if (demo_tok().is_special(id)) EXPECT_EQ(id, kImEnd);
+    }
+    const bool can_stop = std::find(ids.begin(), ids.end(), kImEnd) != ids.end();
+    int32_t t = can_stop && (ids.size() == 1 || rng() % 2 == 0) ? kImEnd : ids[rng() % ids.size()];
+    for (int k = 1; k < short_pick && t != kImEnd; ++k) {
+      const int32_t u = ids[rng() % ids.size()];
+      if (u != kImEnd && demo_tok().token_bytes(u).size() < demo_tok().token_bytes(t).size()) t = u;
+    }
+    std::string err;
+    EXPECT_TRUE(c.accept(t, err)) << err;
+    if (t == kImEnd) return demo_tok().decode(out);
+    out.push_back(t);
+  }
+  ADD_FAILURE() << "no stop within " << max_steps << " tokens: " << demo_tok().decode(out);
+  return demo_tok().decode(out);
+}
+
+std::shared_ptr<TokenConstraint> constraint(const GrammarSpec& spec) {
+  ConstraintOptions o;
+  o.grammar = compiler().compile(spec);
+  o.vocab_size = kVocab;
+  return make_constraint(o);
+}
+
+const char* kPersonSchema = R"({
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "member": {"type": "boolean"},
+    "color": {"enum": ["red", "green", "blue"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}
+  },
+  "required": ["name", "age", "member", "color", "tags"],
+  "additionalProperties": false
+})";
+
+/// The checks of kPersonSchema (a validator for this one schema).
+void expect_person(const std::string& text) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << "not JSON: " << text << " "
+                                 << nlohmann::json(text).dump(-1, ' ', true);
+  ASSERT_TRUE(j.is_object()) << text;
+  EXPECT_EQ(j.size(), 5u) << text;
+  ASSERT_TRUE(j.contains("name") && j["name"].is_string()) << text;
+  size_t chars = 0;  // code points
+  for (unsigned char ch : j["name"].get<std::string>()) chars += (ch & 0xC0) != 0x80;
+  EXPECT_LE(chars, 6u) << text;
+  ASSERT_TRUE(j.contains("age") && j["age"].is_number_integer()) << text;
+  EXPECT_GE(j["age"].get<int64_t>(), 0) << text;
+  EXPECT_LE(j["age"].get<int64_t>(), 120) << text;
+  ASSERT_TRUE(j.contains("member") && j["member"].is_boolean()) << text;
+  ASSERT_TRUE(j.contains("color") && j["color"].is_string()) << text;
+  const std::string color = j["color"];
+  EXPECT_TRUE(color == "red" || color == "green" || color == "blue") << text;
+  ASSERT_TRUE(j.contains("tags") && j["tags"].is_array()) << text;
+  EXPECT_LE(j["tags"].size(), 2u) << text;
+  for (const auto& t : j["tags"]) EXPECT_TRUE(t.is_string()) << text;
+}
+
+TEST(Grammar, JsonSchemaWalksAlwaysValidate) {
+  GrammarSpec spec{GrammarKind::kJsonSchema, kPersonSchema};
+  for (uint64_t seed = 1; seed <= 30; ++seed) {
+    auto c = constraint(spec);
+    expect_person(walk(*c, seed));
+  }
+}
+
+TEST(Grammar, JsonObjectIsAnObject) {
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    auto c = constraint({GrammarKind::kJsonObject});
+    std::string text = walk(*c, seed, 3000, /*short_pick=*/16);
+    // Syntax only: a random walk writes numbers like 1e53663922 (valid JSON, over a double).
+    // (nlohmann refuses those: exponents are cut before checking.)
+    const std::string tame =
+        std::regex_replace(text, std::regex("([0-9.])([eE][-+]?)[0-9]{3,}"), "$1$21");
+    EXPECT_TRUE(nlohmann::json::accept(tame)) << nlohmann::json(text).dump(-1, ' ', true);
+    EXPECT_EQ(text.rfind("{", 0), 0u) << text;
+    EXPECT_EQ(text.back(), '}') << text;
+  }
+}
+
+TEST(Grammar, RegexChoiceAndEbnf) {
+  GrammarSpec re{GrammarKind::kRegex, "[a-c]{2,4}-[0-9]{3}"};
+  GrammarSpec choice{GrammarKind::kChoice};
+  choice.choices = {"yes", "no", "maybe \"so\""};
+  GrammarSpec ebnf{GrammarKind::kEbnf,
+                   "root ::= \"(\" num (\"+\" num)? \")\"\nnum ::= [1-9] [0-9]? [0-9]?"};
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    std::string a = walk(*constraint(re), seed);
+    EXPECT_TRUE(std::regex_match(a, std::regex("[a-c]{2,4}-[0-9]{3}"))) << a;
+    std::string b = walk(*constraint(choice), seed);
+    EXPECT_TRUE(b == "yes" || b == "no" || b == "maybe \"so\"") << b;
+    std::string e = walk(*constraint(ebnf), seed);
+    EXPECT_TRUE(std::regex_match(e, std::regex(R"(\([1-9][0-9]{0,2}(\+[1-9][0-9]{0,2})?\))"))) << e;
+  }
+}
+
+TEST(Grammar, SuffixFollowsTheGrammar) {
+  GrammarSpec spec{GrammarKind::kJsonSchema,
+                   R"({"type": "object", "properties": {"x": {"type": "boolean"}},
+                       "required": ["x"]})"};
+  spec.suffix = "\n</tool_call>";
+  for (uint64_t seed = 1; seed <= 10; ++seed) {
+    std::string text = walk(*constraint(spec), seed);
+    EXPECT_TRUE(text == "{\"x\": true}\n</tool_call>" || text == "{\"x\": false}\n</tool_call>")
+        << text;
+  }
+}
+
+TEST(Grammar, RejectsATokenOutsideTheGrammar) {
+  auto c = constraint({GrammarKind::kChoice, "", {"yes"}});
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  ASSERT_TRUE(c->fill_next_mask(mask));
+  std::vector<int32_t> bad = demo_tok().encode("no");
+  ASSERT_FALSE(bitmask_allows(mask, bad[0]));
+  std::string err;
+  EXPECT_FALSE(c->accept(bad[0], err));
+  EXPECT_NE(err.find("does not continue"), std::string::npos) << err;
+}
+
+TEST(Grammar, BadGrammarsThrowInvalidArgument) {
+  auto expect_bad = [](const GrammarSpec& spec) {
+    try {
+      compiler().compile(spec);
+      ADD_FAILURE() << "compiled: " << spec.text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+      EXPECT_FALSE(std::string(e.what()).empty());
+    }
+  };
+  expect_bad({GrammarKind::kJsonSchema, R"({"type": "no such type"})"});
+  expect_bad({GrammarKind::kJsonSchema, R"({"type": "object", "properties": 5})"});
+  expect_bad({GrammarKind::kRegex, "(unclosed"});
+  expect_bad({GrammarKind::kEbnf, "root ::= undefined_rule"});
+  expect_bad({GrammarKind::kEbnf, "not a grammar"});
+}
+
+TEST(Grammar, CompiledGrammarsAreCached) {
+  GrammarCompiler c(demo_tok(), kVocab, {kImEnd}, /*cache_capacity=*/2);
+  GrammarSpec a{GrammarKind::kRegex, "a+"}, b{GrammarKind::kRegex, "b+"},
+      d{GrammarKind::kRegex, "d+"};
+  auto ga = c.compile(a);
+  EXPECT_EQ(c.compile(a), ga);  // the same compiled grammar
+  EXPECT_EQ(c.cache_hits(), 1);
+  GrammarSpec a2 = a;
+  a2.suffix = "!";  // a different key
+  EXPECT_NE(c.compile(a2), ga);
+  c.compile(b);
+  c.compile(d);  // capacity 2: a is evicted
+  EXPECT_EQ(c.cache_size(), 2u);
+  const int64_t hits = c.cache_hits();
+  EXPECT_NE(c.compile(a), ga);
+  EXPECT_EQ(c.cache_hits(), hits);
+}
+
+TEST(Grammar, GrammarStartsAfterThinkEnd) {
+  const int32_t think = compiler().think_start_id(), end = compiler().think_end_id();
+  ASSERT_GE(think, 0);
+  ASSERT_GE(end, 0);
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  std::vector<int32_t> words = demo_tok().encode("anything at all");
+  for (ThinkStart start : {ThinkStart::kInThink, ThinkStart::kAuto}) {
+    ConstraintOptions o;
+    o.grammar = compiler().compile({GrammarKind::kChoice, "", {"yes"}});
+    o.think = start;
+    o.think_start_id = think;
+    o.think_end_id = end;
+    o.vocab_size = kVocab;
+    auto c = make_constraint(o);
+    std::string err;
+    if (start == ThinkStart::kAuto) {  // the first token may open the think block
+      ASSERT_TRUE(c->fill_next_mask(mask));
+      EXPECT_TRUE(bitmask_allows(mask, think));
+      EXPECT_FALSE(bitmask_allows(mask, words[0]));
+      ASSERT_TRUE(c->accept(think, err));
+    }
+    for (int32_t w : words) {  // reasoning is free
+      EXPECT_FALSE(c->fill_next_mask(mask));
+      ASSERT_TRUE(c->accept(w, err)) << err;
+    }
+    ASSERT_TRUE(c->accept(end, err));
+    EXPECT_EQ(walk(*c, 7), "yes");
+  }
+  // kAuto without a think block: the grammar from the first token.
+  ConstraintOptions o;
+  o.grammar = compiler().compile({GrammarKind::kChoice, "", {"yes"}});
+  o.think = ThinkStart::kAuto;
+  o.think_start_id = think;
+  o.think_end_id = end;
+  auto c = make_constraint(o);
+  std::string err;
+  EXPECT_FALSE(c->accept(words[0], err));
+}
+
+TEST(Grammar, ThinkingBudgetForcesThinkEnd) {
+  const int32_t end = compiler().think_end_id();
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  for (int32_t budget : {0, 3}) {
+    ConstraintOptions o;  // no grammar: the budget alone
+    o.think = ThinkStart::kInThink;
+    o.think_start_id = compiler().think_start_id();
+    o.think_end_id = end;
+    o.thinking_budget = budget;
+    o.vocab_size = kVocab;
+    auto c = make_constraint(o);
+    std::string err;
+    for (int32_t i = 0; i < budget; ++i) {
+      EXPECT_FALSE(c->fill_next_mask(mask)) << i;
+      ASSERT_TRUE(c->accept(100 + i, err));
+    }
+    ASSERT_TRUE(c->fill_next_mask(mask));
+    EXPECT_EQ(allowed(mask), std::vector<int32_t>{end});
+    ASSERT_TRUE(c->accept(end, err));
+    EXPECT_FALSE(c->fill_next_mask(mask));  // after the block: free again
+  }
+}
+
+TEST(Grammar, ConstraintsAreReleased) {
+  const int64_t before = live_constraints();
+  {
+    auto a = constraint({GrammarKind::kJsonObject});
+    auto b = constraint({GrammarKind::kJsonObject});
+    EXPECT_EQ(live_constraints(), before + 2);
+  }
+  EXPECT_EQ(live_constraints(), before);
+}
+
+TEST(Grammar, HostBitmaskMatchesAReference) {
+  std::mt19937_64 rng(3);
+  for (int64_t vocab : {1, 31, 32, 33, 1000, 8192}) {
+    std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(vocab)));
+    for (auto& w : mask) w = static_cast<uint32_t>(rng());
+    if (vocab == 1000) std::fill(mask.begin(), mask.end(), 0xFFFFFFFFu);
+    std::vector<float> logits(static_cast<size_t>(vocab));
+    for (auto& x : logits) x = static_cast<float>(rng() % 1000) / 10.0f;
+    std::vector<float> want = logits;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (!((mask[size_t(i / 32)] >> (i % 32)) & 1u)) want[size_t(i)] = -INFINITY;
+    }
+    apply_token_bitmask(logits, mask);
+    EXPECT_EQ(logits, want) << vocab;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::grammar
