@@ -286,6 +286,37 @@ TEST(SchedulerPolicy, RampsUpUntilTheModelIsReady) {
   EXPECT_THROW(sch.set_step_time_target(0.01, 0), Error);
 }
 
+TEST(SchedulerPolicy, VerifiesDraftsAsTheTokenBudgetDoes) {
+  // MTP drafts: a decode row with drafts is verified (the last token and its drafts) under the
+  // policy too.
+  BlockManager blocks(256, 16, false);
+  Scheduler sch(blocks, 8, 512);
+  sch.set_step_time_target(0.010, 16);
+  TrueCost cost;
+  for (int i = 1; i <= 4; ++i) {  // a fit from synthetic steps
+    StepShape sh;
+    sh.add(0, 64 * i, false);
+    sh.add(100, 1, true);
+    sch.observe_step(sh, cost(sh));
+  }
+  ASSERT_TRUE(sch.cost_model().ready());
+  sch.add(make_seq("a", 8));
+  ScheduledBatch b = sch.schedule();
+  ASSERT_EQ(b.seqs.size(), 1u);
+  EXPECT_EQ(b.seqs[0].num_tokens, 8);
+  sch.commit(b);
+  Sequence* s = sch.find("a");
+  s->tokens.push_back(40);
+  s->spec_tokens = {40, 41, 42};
+  b = sch.schedule();
+  ASSERT_EQ(b.seqs.size(), 1u);
+  EXPECT_TRUE(b.seqs[0].verify);
+  EXPECT_EQ(b.seqs[0].num_tokens, 3);
+  EXPECT_EQ(b.seqs[0].logits, LogitsMode::kAll);
+  EXPECT_EQ(b.forward.seqs[0].tokens, s->spec_tokens.data());
+  EXPECT_EQ(b.shape.decode_rows, 3);
+}
+
 TEST(SchedulerMetrics, QueueTimeAndIterationTokens) {
   BlockManager blocks(64, 4, false);
   Scheduler sch(blocks, /*max_num_seqs=*/1, /*max_batched_tokens=*/100);
