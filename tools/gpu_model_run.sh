@@ -20,6 +20,8 @@
 #                      model (TANDEM_TEST_DEVICE=cuda)
 #   openai_client      the official openai client against `tandem serve --device cuda`
 #   memcheck_model     compute-sanitizer memcheck over one fixture's model tests
+#   bench_itl          colocated serve at concurrency 128, step-time policy off vs auto: ITL
+#                      p50 / p99, output tok/s and their ratios (tools/gpu_itl_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
 #   bench_grammar, bench_model_cuda (also with --fp8)
 set -uo pipefail
@@ -122,6 +124,8 @@ unset TANDEM_BENCH_CSV
 # Disaggregated (router + prefill + decode, each one process on this GPU) vs colocated serve on
 # a real-shape random Qwen3-30B-A3B checkpoint cut to TANDEM_DISAGG_LAYERS layers.
 step bench_disagg 420 "$ROOT/tools/gpu_disagg_bench.sh" "$BIN" "$LOG/bench_disagg.csv"
+# Steady ITL (step-time policy off vs auto, same load: concurrency 128, 1024 / 256 tokens).
+step bench_itl 420 "$ROOT/tools/gpu_itl_bench.sh" "$BIN" "$LOG/bench_itl.csv"
 export TANDEM_BENCH_CSV="$LOG/bench_moe_layer.csv"
 step bench_moe_layer 120 "$BIN/bench_moe_layer" ${TANDEM_BENCH_ARGS:-}
 step moe_torch 150 python3 "$ROOT/bench/cuda/moe_torch_baseline.py" --csv "$LOG/moe_torch.csv"
@@ -168,7 +172,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_kv_transfer bench_disagg bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling bench_grammar; do
+for f in bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

@@ -561,6 +561,8 @@ EngineStats DecodeInstance::stats() const {
     sum.prompt_tokens += s.prompt_tokens;
     sum.generation_tokens += s.generation_tokens;
     sum.preemptions += s.preemptions;
+    sum.queue_time.add(s.queue_time);
+    sum.iteration_tokens.add(s.iteration_tokens);
   }
   return sum;
 }

@@ -99,6 +99,7 @@ Engine::Engine(Model& model, const EngineConfig& config)
     mtp_kv_ = KvCache(model.mtp_kv_geometry(config_.num_pages, config_.page_size));
     counters_.spec_accepted_per_pos.assign(static_cast<size_t>(config_.num_speculative_tokens), 0);
   }
+  scheduler_.set_step_time_target(config_.step_time_target_ms / 1000.0, config_.min_prefill_chunk);
   if (model.state_slot_elems() > 0) {
     kv_.allocate_states(config_.max_num_seqs + config_.num_state_checkpoints,
                         model.state_slot_elems());
@@ -229,6 +230,7 @@ ScheduledBatch Engine::schedule() {
   if (!scheduler_.has_work()) return {};
   ScheduledBatch batch = scheduler_.schedule();
   if (speculating()) batch.forward.hidden_out = &hidden_;  // the MTP layer's input
+  step_start_ = std::chrono::steady_clock::now();
   copy_states(batch.state_restores);   // prefix-cache hits of hybrid models resume here
   for (const auto& ss : batch.seqs) {  // prefilled elsewhere: the state that came with it
     Sequence& s = *ss.seq;
@@ -306,6 +308,9 @@ void Engine::complete(const ScheduledBatch& batch) {
   copy_states(scheduler_.take_state_saves());  // before a finished sequence frees its slot
   process_outputs(batch, logits_);
   if (speculating()) draft();
+  scheduler_.observe_step(  // the step's time for the step-time model
+      batch.shape,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count());
 }
 
 void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {
@@ -456,6 +461,8 @@ EngineStats Engine::stats() const {
   st.prefix_cache_queries = blocks_.query_tokens();
   st.prefix_cache_hits = blocks_.hit_tokens();
   st.preemptions = scheduler_.preemptions();
+  st.queue_time = scheduler_.queue_time();
+  st.iteration_tokens = scheduler_.iteration_tokens();
   return st;
 }
 

@@ -2,6 +2,7 @@
 //   step(): schedule -> build the batch -> forward -> sample -> post-process.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -25,8 +26,12 @@ struct EngineConfig {
   int64_t kv_cache_mb = 512;          // KV budget when num_pages is 0
   int64_t max_num_seqs = 64;          // running sequences at most
   int64_t max_batched_tokens = 1024;  // tokens per step (chunked prefill budget)
-  int64_t max_model_len = 0;          // 0: the model's max_position_embeddings
-  int64_t max_waiting = 1024;         // queue limit; submit beyond it fails (429)
+  // Prompt chunks sized to a per-step time target (Scheduler::set_step_time_target): > 0 that
+  // many ms, < 0 auto (twice the decode rows' predicted time), 0 off (the token budget only).
+  double step_time_target_ms = 0;
+  int64_t min_prefill_chunk = 16;  // prompt tokens a step computes at least (policy on)
+  int64_t max_model_len = 0;       // 0: the model's max_position_embeddings
+  int64_t max_waiting = 1024;      // queue limit; submit beyond it fails (429)
   bool enable_prefix_cache = true;
   // Hybrid models (recurrent state per sequence): the prefix cache checkpoints the state every
   // state_checkpoint_interval prompt tokens (rounded up to whole pages) into at most
@@ -147,7 +152,8 @@ class Engine {
     int64_t start = 0, count = 0, hidden_row = 0;
   };
   std::vector<Computed> computed_;
-  SamplerRng forced_accept_rng_{0x5eed};  // spec_forced_accept_prob draws
+  SamplerRng forced_accept_rng_{0x5eed};              // spec_forced_accept_prob draws
+  std::chrono::steady_clock::time_point step_start_;  // schedule() -> complete(): the step time
 };
 
 /// The engine on its own thread, behind the thread-safe EngineClient interface.

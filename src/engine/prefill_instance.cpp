@@ -176,6 +176,12 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
       job.computed = now;
     }
     if (ok) engine_->complete(batch);  // 4. sample token 1: the transfers can finish
+    {
+      const EngineStats st = engine_->stats();
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      queue_time_ = st.queue_time;
+      iteration_tokens_ = st.iteration_tokens;
+    }
     for (size_t i = 0; i < step.seqs.size(); ++i) {
       if (failed[i] > 0) engine_->abort(step.seqs[i].id);  // ends it as failed (no-op if done)
     }
@@ -409,6 +415,8 @@ PrefillLoad PrefillInstance::load() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   l.queued_input_tokens = queued_tokens_;
   l.input_tokens_total = computed_total_;
+  l.queue_time = queue_time_;
+  l.iteration_tokens = iteration_tokens_;
   // Tokens computed over the last kRateWindowS seconds.
   const double since = now_s() - kRateWindowS;
   while (!rate_window_.empty() && rate_window_.front().first < since) rate_window_.pop_front();

@@ -41,6 +41,8 @@ struct PrefillLoad {
   int64_t input_tokens_total = 0;   // prompt tokens computed so far
   double input_tokens_per_s = 0;    // prompt tokens computed over the last 10 s, per second
   bool alive = true;
+  HistogramCounts queue_time;        // rank 0's engine (EngineStats)
+  HistogramCounts iteration_tokens;  // likewise
 };
 
 /// Called once when a prefill ends, except after abort(): error empty and `first` the first
@@ -150,6 +152,7 @@ class PrefillInstance final : public PrefillClient {
   mutable std::mutex stats_mu_;
   int64_t queued_tokens_ = 0;
   int64_t computed_total_ = 0;
+  HistogramCounts queue_time_, iteration_tokens_;               // rank 0's engine, after each step
   mutable std::deque<std::pair<double, int64_t>> rate_window_;  // (seconds, tokens) per step
 };
 

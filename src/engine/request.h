@@ -1,9 +1,11 @@
 // What the front end hands the engine, and what the engine streams back.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -56,6 +58,38 @@ struct StepOutput {
 /// Called on the engine thread; must not block.
 using OutputCallback = std::function<void(const StepOutput&)>;
 
+/// Counts of a histogram with fixed upper bounds (the bounds live with the metric, e.g.
+/// kQueueTimeBounds); summed over ranks and instances with add().
+struct HistogramCounts {
+  std::vector<uint64_t> buckets;  // per bound, not cumulative; one more for +Inf
+  double sum = 0;
+  uint64_t count = 0;
+
+  void observe(std::span<const double> bounds, double value) {
+    if (buckets.size() != bounds.size() + 1) buckets.assign(bounds.size() + 1, 0);
+    size_t i = 0;
+    while (i < bounds.size() && value > bounds[i]) ++i;
+    ++buckets[i];
+    sum += value;
+    ++count;
+  }
+  void add(const HistogramCounts& o) {
+    if (o.buckets.size() > buckets.size()) buckets.resize(o.buckets.size(), 0);
+    for (size_t i = 0; i < o.buckets.size(); ++i) buckets[i] += o.buckets[i];
+    sum += o.sum;
+    count += o.count;
+  }
+};
+
+/// vllm:request_queue_time_seconds' bounds (seconds; those of the other request-latency
+/// histograms: vLLM's request latency buckets with 0.01 / 0.05 / 0.1 in front).
+inline constexpr std::array<double, 21> kQueueTimeBounds = {
+    0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,  5.0,
+    10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0};
+/// vllm:iteration_tokens_total's bounds (tokens per engine step; vLLM's buckets).
+inline constexpr std::array<double, 13> kIterationTokensBounds = {
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
+
 /// Counters exported on /metrics.
 struct EngineStats {
   int64_t running = 0;
@@ -73,6 +107,8 @@ struct EngineStats {
   int64_t spec_num_draft_tokens = 0;
   int64_t spec_num_accepted_tokens = 0;
   std::vector<int64_t> spec_accepted_per_pos;  // [num_speculative_tokens]; empty when off
+  HistogramCounts queue_time;                  // seconds, arrival at the engine -> first scheduled
+  HistogramCounts iteration_tokens;            // tokens computed per engine step
 };
 
 /// The engine as the front end sees it. Thread-safe.

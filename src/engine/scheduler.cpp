@@ -1,10 +1,140 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <unordered_set>
 
 #include "core/error.h"
 
 namespace tandem {
+
+// ---- The step-time model. ----
+
+namespace {
+// The terms, scaled to be about 1 at a typical step (the fit's conditioning).
+constexpr std::array<double, StepCostModel::kTerms> kScale = {1.0, 1.0 / 64, 1.0 / 65536,
+                                                              1.0 / 1024, 1.0 / 1048576};
+constexpr double kForget = 0.995;
+
+std::array<double, StepCostModel::kTerms> terms(const StepShape& s) {
+  return {1.0, s.decode_rows * kScale[1], s.decode_context * kScale[2],
+          s.prefill_tokens * kScale[3], s.prefill_context * kScale[4]};
+}
+
+// Positions attended to by tokens at [start, start + n): sum of (p + 1).
+double context_sum(int64_t start, int64_t n) {
+  return static_cast<double>(n) * static_cast<double>(start) +
+         0.5 * static_cast<double>(n) * static_cast<double>(n + 1);
+}
+}  // namespace
+
+void StepShape::add(int64_t start, int64_t n, bool decode) {
+  if (decode) {
+    decode_rows += static_cast<double>(n);
+    decode_context += context_sum(start, n);
+  } else {
+    prefill_tokens += static_cast<double>(n);
+    prefill_context += context_sum(start, n);
+  }
+}
+
+void StepCostModel::observe(const StepShape& shape, double seconds) {
+  if (!(seconds >= 0) || !std::isfinite(seconds)) return;
+  const auto x = terms(shape);
+  for (double& v : xtx_) v *= kForget;
+  for (double& v : xty_) v *= kForget;
+  for (int i = 0; i < kTerms; ++i) {
+    for (int j = 0; j < kTerms; ++j) xtx_[i * kTerms + j] += x[i] * x[j];
+    xty_[i] += x[i] * seconds;
+  }
+  ++num_steps_;
+  if (shape.prefill_tokens > 0) ++num_prefill_steps_;
+  solve();
+}
+
+void StepCostModel::solve() {
+  // Least squares over the active terms (a tiny ridge for terms the data does not pin down);
+  // a negative coefficient leaves the active set and the rest is refit.
+  std::array<bool, kTerms> active;
+  active.fill(true);
+  for (int round = 0; round < kTerms; ++round) {
+    std::array<double, kTerms*(kTerms + 1)> m{};  // augmented [A | b]
+    for (int i = 0; i < kTerms; ++i) {
+      for (int j = 0; j < kTerms; ++j) {
+        m[i * (kTerms + 1) + j] = active[i] && active[j] ? xtx_[i * kTerms + j] : 0.0;
+      }
+      m[i * (kTerms + 1) + i] += active[i] ? 1e-9 * (1.0 + xtx_[i * kTerms + i]) : 1.0;
+      m[i * (kTerms + 1) + kTerms] = active[i] ? xty_[i] : 0.0;
+    }
+    for (int c = 0; c < kTerms; ++c) {  // Gaussian elimination, partial pivoting
+      int piv = c;
+      for (int r = c + 1; r < kTerms; ++r) {
+        if (std::abs(m[r * (kTerms + 1) + c]) > std::abs(m[piv * (kTerms + 1) + c])) piv = r;
+      }
+      for (int k = 0; k <= kTerms; ++k)
+        std::swap(m[c * (kTerms + 1) + k], m[piv * (kTerms + 1) + k]);
+      const double d = m[c * (kTerms + 1) + c];
+      if (std::abs(d) < 1e-300) continue;
+      for (int r = 0; r < kTerms; ++r) {
+        if (r == c) continue;
+        const double f = m[r * (kTerms + 1) + c] / d;
+        for (int k = c; k <= kTerms; ++k) m[r * (kTerms + 1) + k] -= f * m[c * (kTerms + 1) + k];
+      }
+    }
+    std::array<double, kTerms> th{};
+    int worst = -1;
+    for (int i = 0; i < kTerms; ++i) {
+      const double d = m[i * (kTerms + 1) + i];
+      th[i] = active[i] && std::abs(d) > 1e-300 ? m[i * (kTerms + 1) + kTerms] / d : 0.0;
+      if (active[i] && th[i] < 0 && (worst < 0 || th[i] < th[worst])) worst = i;
+    }
+    theta_ = th;
+    if (worst < 0) return;
+    active[worst] = false;
+  }
+  for (double& t : theta_) t = std::max(0.0, t);
+}
+
+double StepCostModel::predict(const StepShape& shape) const {
+  const auto x = terms(shape);
+  double t = 0;
+  for (int i = 0; i < kTerms; ++i) t += theta_[i] * x[i];
+  return t;
+}
+
+double StepCostModel::prefill_cost(int64_t start, int64_t n) const {
+  if (n <= 0) return 0;
+  return theta_[3] * kScale[3] * static_cast<double>(n) +
+         theta_[4] * kScale[4] * context_sum(start, n);
+}
+
+int64_t StepCostModel::prefill_tokens_within(double seconds, int64_t start) const {
+  if (!(seconds > 0)) return 0;
+  // cost(n) = B n + A n^2 with B = d' + e' (start + 0.5), A = e' / 2.
+  const double e = theta_[4] * kScale[4];
+  const double b = theta_[3] * kScale[3] + e * (static_cast<double>(start) + 0.5);
+  const double a = 0.5 * e;
+  double n;
+  if (a > 0) {
+    n = (-b + std::sqrt(b * b + 4 * a * seconds)) / (2 * a);
+  } else if (b > 0) {
+    n = seconds / b;
+  } else {
+    return std::numeric_limits<int64_t>::max();
+  }
+  if (!(n < 1e15)) return std::numeric_limits<int64_t>::max();
+  return static_cast<int64_t>(std::floor(n));
+}
+
+std::array<double, StepCostModel::kTerms> StepCostModel::coefficients() const {
+  std::array<double, kTerms> c{};
+  for (int i = 0; i < kTerms; ++i) c[i] = theta_[i] * kScale[i];
+  return c;
+}
+
+// ---- The scheduler. ----
 
 Scheduler::Scheduler(BlockManager& blocks, int64_t max_num_seqs, int64_t max_batched_tokens,
                      int64_t num_state_slots)
@@ -12,10 +142,42 @@ Scheduler::Scheduler(BlockManager& blocks, int64_t max_num_seqs, int64_t max_bat
       max_num_seqs_(max_num_seqs),
       max_batched_tokens_(max_batched_tokens),
       slots_(num_state_slots),
-      stateful_(num_state_slots > 0) {}
+      stateful_(num_state_slots > 0),
+      clock_([] {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+      }) {}
+
+void Scheduler::set_step_time_target(double target_s, int64_t min_prefill_chunk) {
+  TANDEM_CHECK_KIND(kInvalidArgument, std::isfinite(target_s) && min_prefill_chunk >= 1,
+                    "the step time target must be a number (0: off, < 0: auto) and the minimum "
+                    "prefill chunk at least 1 token, not ",
+                    target_s, " and ", min_prefill_chunk);
+  target_s_ = target_s;
+  min_prefill_chunk_ = min_prefill_chunk;
+}
+
+void Scheduler::observe_step(const StepShape& shape, double seconds) {
+  cost_.observe(shape, seconds);
+}
+
+void Scheduler::decay_arrivals(double now) {
+  if (now > arrivals_at_) {
+    const double f = std::exp(-(now - arrivals_at_) / kArrivalWindowS);
+    arrived_tokens_ *= f;
+    arrived_context_ *= f;
+  }
+  arrivals_at_ = std::max(arrivals_at_, now);
+}
 
 void Scheduler::add(std::unique_ptr<Sequence> seq) {
   Sequence* s = seq.get();
+  const double now = clock_();
+  if (s->arrival_s < 0) s->arrival_s = now;
+  decay_arrivals(now);
+  const int64_t todo = static_cast<int64_t>(s->tokens.size()) - s->num_computed;
+  arrived_tokens_ += static_cast<double>(todo);
+  arrived_context_ += context_sum(s->num_computed, todo);
   TANDEM_CHECK_KIND(kInvalidArgument, seqs_.count(s->req.id) == 0, "duplicate request id '",
                     s->req.id, "'");
   seqs_.emplace(s->req.id, std::move(seq));
@@ -108,6 +270,8 @@ LogitsMode logits_mode(const Sequence& s, int64_t chunk) {
 }  // namespace
 
 ScheduledBatch Scheduler::schedule() {
+  last_target_s_ = 0;
+  if (target_s_ != 0) return schedule_timed();
   ScheduledBatch batch;
   int64_t budget = max_batched_tokens_;
   auto take = [&](Sequence* s, int64_t chunk) {
@@ -166,22 +330,197 @@ ScheduledBatch Scheduler::schedule() {
       break;
     }
     if (restore >= 0) batch.state_restores.push_back({restore, s->state_slot});
-    if (!s->admitted_once) {
-      s->admitted_once = true;
-      s->num_cached_prompt = s->num_computed;
-      blocks_.count_query(s->prompt_len, s->num_computed);
-    }
+    admitted(*s);
     waiting_.pop_front();
     running_.push_back(s);
     take(s, chunk);
   }
+  finish_batch(batch);
+  return batch;
+}
 
+void Scheduler::admitted(Sequence& s) {
+  if (s.admitted_once) return;
+  s.admitted_once = true;
+  s.num_cached_prompt = s.num_computed;
+  blocks_.count_query(s.prompt_len, s.num_computed);
+  queue_time_.observe(kQueueTimeBounds, std::max(0.0, clock_() - s.arrival_s));
+}
+
+void Scheduler::finish_batch(ScheduledBatch& batch) {
+  int64_t tokens = 0;
   for (const auto& ss : batch.seqs) {
     Sequence* s = ss.seq;
-    const int32_t* tokens = ss.verify ? s->spec_tokens.data() : s->tokens.data() + s->num_computed;
-    batch.forward.seqs.push_back({tokens, ss.num_tokens, s->num_computed, s->pages.data(),
+    const int32_t* toks = ss.verify ? s->spec_tokens.data() : s->tokens.data() + s->num_computed;
+    const bool decode = ss.verify || (ss.num_tokens == 1 && s->num_computed >= s->prompt_len);
+    batch.shape.add(s->num_computed, ss.num_tokens, decode);
+    tokens += ss.num_tokens;
+    batch.forward.seqs.push_back({toks, ss.num_tokens, s->num_computed, s->pages.data(),
                                   static_cast<int64_t>(s->pages.size()), ss.logits, s->state_slot});
   }
+  if (tokens > 0) iteration_tokens_.observe(kIterationTokensBounds, static_cast<double>(tokens));
+}
+
+namespace {
+bool is_decode_row(const Sequence& s) {
+  return s.num_computed >= s.prompt_len &&
+         static_cast<int64_t>(s.tokens.size()) - s.num_computed == 1;
+}
+}  // namespace
+
+// The step-time policy: every decode row first (pages taken from the newest sequences, as in
+// schedule()), then prompt chunks of running and then waiting sequences sized by the model so
+// that the step meets the target; never below the starvation floor (set_step_time_target).
+ScheduledBatch Scheduler::schedule_timed() {
+  ScheduledBatch batch;
+  int64_t budget = max_batched_tokens_;
+  std::unordered_set<const Sequence*> taken;
+  StepShape decode_shape;
+  auto take = [&](Sequence* s, int64_t chunk) {
+    batch.seqs.push_back({s, chunk, logits_mode(*s, chunk)});
+    taken.insert(s);
+    budget -= chunk;
+  };
+
+  // 1. Decode rows, in admission order.
+  bool out_of_pages = false;
+  for (auto it = running_.begin(); it != running_.end() && budget > 0;) {
+    Sequence* s = *it;
+    if (!is_decode_row(*s)) {
+      ++it;
+      continue;
+    }
+    // Speculative decoding: the last token and its drafts, as schedule() does.
+    const auto spec = static_cast<int64_t>(s->spec_tokens.size());
+    const bool verify = spec > 1 && spec <= budget && ensure_pages(*s, s->num_computed + spec);
+    if (!verify) s->spec_tokens.clear();
+    const int64_t chunk = verify ? spec : 1;
+    bool ok = verify || ensure_pages(*s, s->num_computed + 1);
+    while (!ok && running_.back() != s) {
+      preempt(running_.back());  // newer than s, so not taken yet
+      ok = ensure_pages(*s, s->num_computed + 1);
+    }
+    if (!ok) {
+      preempt(s);
+      out_of_pages = true;
+      break;
+    }
+    decode_shape.add(s->num_computed, chunk, true);
+    take(s, chunk);
+    if (verify) {
+      batch.seqs.back().verify = true;
+      batch.seqs.back().logits = LogitsMode::kAll;
+    }
+    ++it;
+  }
+
+  // 2. The prefill budget: time left under the target, and the starvation floor. Auto: a
+  // decode step over every live sequence (the waiting ones that could run counted as decode
+  // rows at their prompt's length), times clamp(1.25 / (1 - u), 2, 3), u the share of time the
+  // prompts arriving lately need (their predicted prefill time per second, over ~2 s): steps
+  // twice the decode rows' time, up to 3x (the ITL goal: p99 <= 3x p50) when the prompts need
+  // more to keep up.
+  const double decode_time = cost_.predict(decode_shape);
+  double target = target_s_;
+  if (target < 0) {
+    StepShape all = decode_shape;
+    int64_t room = max_num_seqs_ - static_cast<int64_t>(batch.seqs.size());
+    for (Sequence* s : running_) {
+      if (room > 0 && taken.count(s) == 0) {
+        all.add(static_cast<int64_t>(s->tokens.size()) - 1, 1, true);
+        --room;
+      }
+    }
+    for (size_t i = 0; room > 0 && i < waiting_.size(); ++i, --room) {
+      all.add(static_cast<int64_t>(waiting_[i]->tokens.size()) - 1, 1, true);
+    }
+    decay_arrivals(clock_());
+    StepShape arrived;
+    arrived.prefill_tokens = arrived_tokens_;
+    arrived.prefill_context = arrived_context_;
+    const double u = (cost_.predict(arrived) - cost_.predict(StepShape{})) / kArrivalWindowS;
+    target = cost_.predict(all) * std::clamp(1.25 / (1.0 - std::min(u, 0.9)), 2.0, 3.0);
+  }
+  last_target_s_ = cost_.ready() ? target : 0;
+  double time_left = target - decode_time;
+  std::vector<Sequence*> prefills;
+  for (Sequence* s : running_) {
+    if (taken.count(s) == 0 && !is_decode_row(*s)) prefills.push_back(s);
+  }
+  int64_t floor_left = min_prefill_chunk_;
+  // No fit yet (the first steps): the prompt tokens of a step double from the floor, so the
+  // fit sees chunks of several sizes and no step is much longer than the last.
+  const bool fitted = cost_.ready();
+  int64_t ramp_left = min_prefill_chunk_ << std::min<int64_t>(cost_.num_steps(), 20);
+  auto size_chunk = [&](const Sequence& s) {
+    const int64_t avail = static_cast<int64_t>(s.tokens.size()) - s.num_computed;
+    const int64_t n =
+        fitted ? std::max(cost_.prefill_tokens_within(time_left, s.num_computed), floor_left)
+               : ramp_left;
+    return limit_chunk(s, std::min({n, avail, budget}));
+  };
+  auto account = [&](const Sequence& s, int64_t chunk) {
+    floor_left = std::max<int64_t>(0, floor_left - chunk);
+    ramp_left = std::max<int64_t>(0, ramp_left - chunk);
+    time_left -= cost_.prefill_cost(s.num_computed, chunk);
+  };
+
+  // 3. Running sequences' prompt chunks (pages: from newer sequences not in this step).
+  for (Sequence* s : prefills) {
+    if (out_of_pages || budget <= 0) break;
+    if (std::find(running_.begin(), running_.end(), s) == running_.end()) continue;  // preempted
+    const int64_t chunk = size_chunk(*s);
+    if (chunk <= 0) break;
+    bool ok = ensure_pages(*s, s->num_computed + chunk);
+    while (!ok) {
+      Sequence* victim = nullptr;
+      for (auto r = running_.rbegin(); r != running_.rend() && *r != s; ++r) {
+        if (taken.count(*r) == 0) {
+          victim = *r;
+          break;
+        }
+      }
+      if (victim == nullptr) break;
+      preempt(victim);
+      ok = ensure_pages(*s, s->num_computed + chunk);
+    }
+    if (!ok) {
+      if (batch.seqs.empty()) preempt(s);  // nothing else runs: as schedule() does
+      out_of_pages = true;
+      break;
+    }
+    account(*s, chunk);
+    take(s, chunk);
+  }
+
+  // 4. Waiting sequences, first come first served.
+  while (!out_of_pages && !waiting_.empty() && budget > 0 &&
+         static_cast<int64_t>(running_.size()) < max_num_seqs_) {
+    Sequence* s = waiting_.front();
+    const int64_t ps = blocks_.page_size();
+    int32_t restore = -1;
+    if (s->pages.empty()) {
+      int64_t max_pages = (static_cast<int64_t>(s->tokens.size()) - 1) / ps;
+      if (s->req.sampling.prompt_logprobs >= 0 && !s->prompt_logprobs_done) max_pages = 0;
+      restore = match_with_checkpoint(*s, max_pages);
+    }
+    const int64_t chunk = size_chunk(*s);
+    if (chunk <= 0 || !ensure_pages(*s, s->num_computed + chunk)) {
+      free_pages(*s);
+      break;
+    }
+    if (stateful_ && s->state_slot < 0 && (s->state_slot = slots_.allocate()) < 0) {
+      free_pages(*s);
+      break;
+    }
+    if (restore >= 0) batch.state_restores.push_back({restore, s->state_slot});
+    admitted(*s);
+    waiting_.pop_front();
+    running_.push_back(s);
+    account(*s, chunk);
+    take(s, chunk);
+  }
+  finish_batch(batch);
   return batch;
 }
 

@@ -1,8 +1,11 @@
-// Continuous-batching scheduler: chunked prefill under a token budget, paged KV with
-// prefix caching, admission control and preemption by recompute.
+// Continuous-batching scheduler: chunked prefill under a token budget (or sized to a per-step
+// time target from an online model of the step time), paged KV with prefix caching,
+// admission control and preemption by recompute.
 #pragma once
 
+#include <array>
 #include <deque>
+#include <functional>
 #include <list>
 #include <memory>
 #include <string>
@@ -28,6 +31,7 @@ struct Sequence {
   int32_t state_slot = -1;            // hybrid models: recurrent state slot while running
   std::vector<float> initial_state;   // prefilled elsewhere: restored into the slot at admission
   SamplerRng rng;
+  double arrival_s = -1;     // when the scheduler got it (its clock; queue-time metric)
   uint64_t device_seed = 0;  // the seed of on-device sampling (the request's, else random)
   bool admitted_once = false;
   bool prompt_logprobs_done = false;
@@ -56,8 +60,48 @@ struct StateCopy {
   int32_t src = -1, dst = -1;
 };
 
+/// What a step computes, in the terms of the step-time model (StepCostModel).
+struct StepShape {
+  double decode_rows = 0;      // sequences computing one token after their prompt
+  double decode_context = 0;   // KV positions those rows attend to, summed
+  double prefill_tokens = 0;   // other tokens (prompt chunks, recomputation)
+  double prefill_context = 0;  // KV positions the prefill tokens attend to, summed
+  /// Adds a chunk of n tokens at positions [start, start + n).
+  void add(int64_t start, int64_t n, bool decode);
+};
+
+/// An online least-squares model of a step's duration (seconds),
+///   t = a + b*decode_rows + c*decode_context + d*prefill_tokens + e*prefill_context,
+/// fit from measured steps with exponential forgetting (weight 0.995^age, ~200 steps), every
+/// coefficient kept >= 0 (a coefficient the fit wants negative is dropped from the fit).
+class StepCostModel {
+ public:
+  static constexpr int kTerms = 5;
+  void observe(const StepShape& shape, double seconds);
+  double predict(const StepShape& shape) const;
+  /// The time n prefill tokens at positions [start, start + n) add to a step.
+  double prefill_cost(int64_t start, int64_t n) const;
+  /// The most prefill tokens from position `start` that fit in `seconds` (0 when none;
+  /// INT64_MAX when prefill costs nothing in the fit).
+  int64_t prefill_tokens_within(double seconds, int64_t start) const;
+  /// Enough steps seen to size chunks: 4 with prefill tokens.
+  bool ready() const { return num_prefill_steps_ >= 4; }
+  int64_t num_steps() const { return num_steps_; }
+  /// a..e in seconds per unit of the terms above.
+  std::array<double, kTerms> coefficients() const;
+
+ private:
+  void solve();
+  std::array<double, kTerms * kTerms> xtx_{};
+  std::array<double, kTerms> xty_{};
+  std::array<double, kTerms> theta_{};  // of the scaled terms
+  int64_t num_steps_ = 0;
+  int64_t num_prefill_steps_ = 0;
+};
+
 struct ScheduledBatch {
   std::vector<ScheduledSeq> seqs;
+  StepShape shape;  // for the step-time model (Scheduler::observe_step)
   ForwardBatch forward;
   /// Before the forward: checkpoints restored into the state slots of admitted sequences.
   std::vector<StateCopy> state_restores;
@@ -74,8 +118,31 @@ class Scheduler {
   void add(std::unique_ptr<Sequence> seq);
   /// Picks this step's work: running sequences first (decode and unfinished prefill, in
   /// admission order), then waiting ones FCFS. Preempts the newest running sequence when
-  /// pages run out.
+  /// pages run out. With a step-time target (set_step_time_target) and a fitted model: every
+  /// decode row first, then prompt chunks sized so that the step's predicted time meets the
+  /// target, within the token budget; see set_step_time_target for the starvation rule.
   ScheduledBatch schedule();
+  /// The step-time policy. target_s > 0: that many seconds per step; < 0: auto, the predicted
+  /// time of a decode step over every live sequence (running, and waiting ones up to
+  /// max_num_seqs counted as decode rows) times clamp(1.25 / (1 - u), 2, 3), u the share of time
+  /// the prompts that arrived over the last ~2 s need for their prefill (so that prefill keeps
+  /// up with arrivals, 25% to spare); 0: off (the token budget only). Never starved: a
+  /// step with prompt work computes at least min_prefill_chunk prompt tokens (within the token
+  /// budget and what is left of the prompts), whatever the decode rows take.
+  void set_step_time_target(double target_s, int64_t min_prefill_chunk = 16);
+  /// After a step's forward (and sampling): its measured duration, for the model.
+  void observe_step(const StepShape& shape, double seconds);
+  const StepCostModel& cost_model() const { return cost_; }
+  /// The target the last schedule() sized prefill to (seconds; 0: it did not). Until the
+  /// model is fit (StepCostModel::ready) the policy's steps take min_prefill_chunk * 2^k
+  /// prompt tokens at most, k the steps seen so far.
+  double last_step_target() const { return last_target_s_; }
+  /// The clock of arrival and queue times (seconds; default: steady_clock).
+  void set_clock(std::function<double()> clock) { clock_ = std::move(clock); }
+  /// Seconds from add() to first scheduled, per admitted sequence (kQueueTimeBounds).
+  const HistogramCounts& queue_time() const { return queue_time_; }
+  /// Tokens per non-empty schedule() (kIterationTokensBounds).
+  const HistogramCounts& iteration_tokens() const { return iteration_tokens_; }
   /// After the forward: marks the scheduled tokens computed and publishes full prompt
   /// pages to the prefix cache.
   void commit(const ScheduledBatch& batch);
@@ -101,6 +168,10 @@ class Scheduler {
   const StateCheckpoints* state_checkpoints() const { return checkpoints_.get(); }
 
  private:
+  ScheduledBatch schedule_timed();
+  void decay_arrivals(double now);
+  void finish_batch(ScheduledBatch& batch);
+  void admitted(Sequence& s);
   bool ensure_pages(Sequence& seq, int64_t num_tokens);
   void preempt(Sequence* seq);
   void free_pages(Sequence& seq);
@@ -123,6 +194,17 @@ class Scheduler {
   std::unique_ptr<StateCheckpoints> checkpoints_;
   int64_t checkpoint_interval_ = 0;
   std::vector<StateCopy> state_saves_;
+  double target_s_ = 0;
+  int64_t min_prefill_chunk_ = 16;
+  double last_target_s_ = 0;
+  StepCostModel cost_;
+  std::function<double()> clock_;
+  HistogramCounts queue_time_;
+  HistogramCounts iteration_tokens_;
+  // Prompt work arrived lately (auto target): tokens and their context, decayed by
+  // exp(-age / kArrivalWindowS).
+  static constexpr double kArrivalWindowS = 2.0;
+  double arrived_tokens_ = 0, arrived_context_ = 0, arrivals_at_ = 0;
 };
 
 }  // namespace tandem

@@ -121,11 +121,27 @@ int connect_to(const std::string& endpoint) {
 
 // ---- Codecs. ----
 
+void put_histogram(ByteWriter& w, const HistogramCounts& h) {
+  w.put_vec(h.buckets);
+  w.put<double>(h.sum);
+  w.put<uint64_t>(h.count);
+}
+
+HistogramCounts get_histogram(ByteReader& r) {
+  HistogramCounts h;
+  h.buckets = r.get_vec<uint64_t>();
+  h.sum = r.get<double>();
+  h.count = r.get<uint64_t>();
+  return h;
+}
+
 void put_stats(ByteWriter& w, const EngineStats& s) {
   for (int64_t v : {s.running, s.waiting, s.kv_pages_total, s.kv_pages_free, s.prefix_cache_queries,
                     s.prefix_cache_hits, s.prompt_tokens, s.generation_tokens, s.preemptions}) {
     w.put<int64_t>(v);
   }
+  put_histogram(w, s.queue_time);
+  put_histogram(w, s.iteration_tokens);
 }
 
 EngineStats get_stats(ByteReader& r) {
@@ -135,6 +151,8 @@ EngineStats get_stats(ByteReader& r) {
         &s.prefix_cache_hits, &s.prompt_tokens, &s.generation_tokens, &s.preemptions}) {
     *v = r.get<int64_t>();
   }
+  s.queue_time = get_histogram(r);
+  s.iteration_tokens = get_histogram(r);
   return s;
 }
 
@@ -427,6 +445,8 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
           body.put(l.input_tokens_per_s);
           body.put<uint8_t>(l.alive ? 1 : 0);
           body.put<uint8_t>(draining_ ? 1 : 0);
+          put_histogram(body, l.queue_time);  // (for the router's /metrics)
+          put_histogram(body, l.iteration_tokens);
         }
       } else if (type == kAccept && decode_ && draining_) {
         body.put<uint8_t>(0);  // draining: no room for anything new
@@ -894,6 +914,10 @@ PrefillLoad RemotePrefill::load() const {
     l.input_tokens_per_s = r.get<double>();
     l.alive = r.get<uint8_t>() != 0;
     if (r.left() >= 1) draining_ = r.get<uint8_t>() != 0;
+    if (r.left() > 0) {
+      l.queue_time = get_histogram(r);
+      l.iteration_tokens = get_histogram(r);
+    }
   } catch (const std::exception&) {
     l.alive = false;
   }

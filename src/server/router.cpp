@@ -757,6 +757,13 @@ EngineStats Router::stats() const {
     st.prefix_cache_queries += e.prefix_cache_queries;
     st.prefix_cache_hits += e.prefix_cache_hits;
     st.preemptions += e.preemptions;
+    st.queue_time.add(e.queue_time);  // (a prefilled request queues at its prefill instance)
+    st.iteration_tokens.add(e.iteration_tokens);
+  }
+  for (const auto& p : s.prefill) {
+    if (!p.alive) continue;
+    st.queue_time.add(p.queue_time);
+    st.iteration_tokens.add(p.iteration_tokens);
   }
   for (const auto& d : s.decode) st.running += d.alive ? d.total_batch() : 0;
   st.waiting = std::max<int64_t>(0, s.live_requests - st.running);

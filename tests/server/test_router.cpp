@@ -473,7 +473,13 @@ TEST(Disaggregated, AbortAndMetrics) {
   EXPECT_GT(cluster.prefill->load().input_tokens_total, 0);
   // The front's engine stats aggregate the decode instances' KV pages (not 0).
   EXPECT_EQ(cluster.router->stats().kv_pages_total, st.kv_pages_total);
-  EXPECT_GT(cluster.prefill->load().input_tokens_per_s, 0.0);  // (over the last 10 s)
+  // ... and the engines' histograms: the prefill instance's queue times (the 4 that streamed
+  // were scheduled there at least) and the tokens per step of both kinds of instance.
+  const EngineStats rs = cluster.router->stats();
+  EXPECT_GE(rs.queue_time.count, 4u);
+  EXPECT_GT(st.iteration_tokens.count, 0u);                     // the decode instance's steps
+  EXPECT_GT(rs.iteration_tokens.sum, st.iteration_tokens.sum);  // and the prefill instance's
+  EXPECT_GT(cluster.prefill->load().input_tokens_per_s, 0.0);   // (over the last 10 s)
   // A request that can never run is refused synchronously.
   GenRequest bad = greedy("bad", {}, 4);
   EXPECT_THROW(cluster.router->submit(bad, nullptr), Error);

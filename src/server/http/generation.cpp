@@ -128,6 +128,7 @@ void Generation::start() {
       }
       max_tokens[i] = int32_t(max_len - plen);
     }
+    max_tokens_param_ = std::max(max_tokens_param_, max_tokens[i]);
     if (p.min_tokens > max_tokens[i]) {
       throw bad_request("'min_tokens' (" + std::to_string(p.min_tokens) +
                             ") is larger than the tokens left for the completion (" +
@@ -477,6 +478,13 @@ void Generation::finish_choice(Choice& c, const std::string& reason, json stop_r
     ctx_.metrics->count_sequence(reason);
     ctx_.metrics->add_generation_tokens(int64_t(c.ids.size()));
     ctx_.metrics->e2e_latency().observe(seconds_since(start_time_));
+    ctx_.metrics->observe_sequence(int64_t(setup_.prompts[c.prompt].ids.size()),
+                                   int64_t(c.ids.size()));
+    if (num_finished_ == choices_.size()) {
+      int64_t most = 0;
+      for (const auto& o : choices_) most = std::max(most, int64_t(o->ids.size()));
+      ctx_.metrics->observe_request_params(setup_.params.n, max_tokens_param_, most);
+    }
   }
 }
 

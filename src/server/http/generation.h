@@ -103,7 +103,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::weak_ptr<Connection> conn_;
   std::vector<std::unique_ptr<Choice>> choices_;
   size_t num_finished_ = 0;
-  bool done_ = false;  // answered (or client gone): later outputs are ignored
+  int32_t max_tokens_param_ = 0;  // the effective max_tokens (largest over the prompts)
+  bool done_ = false;             // answered (or client gone): later outputs are ignored
   std::chrono::steady_clock::time_point start_time_;
   /// Special tokens the chat parser needs to see as text even with skip_special_tokens
   /// (e.g. the demo model's <think> / </think>): id -> text.

@@ -39,21 +39,48 @@ void Histogram::observe(double value) {
 
 void Histogram::render(std::string& out, const std::string& name, const std::string& help,
                        const std::string& labels) const {
+  HistogramCounts c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    c.buckets = counts_;
+    c.sum = sum_;
+    c.count = count_;
+  }
+  render(out, name, help, labels, bounds_, c);
+}
+
+void Histogram::render(std::string& out, const std::string& name, const std::string& help,
+                       const std::string& labels, std::span<const double> bounds,
+                       const HistogramCounts& counts) {
   header(out, name, "histogram", help);
   const std::string pre = labels.empty() ? "" : labels + ",";
   const std::string own = labels.empty() ? "" : "{" + labels + "}";
-  std::lock_guard<std::mutex> lock(mu_);
+  // (counts of no observation yet may be empty: all zero)
+  auto at = [&](size_t i) { return i < counts.buckets.size() ? counts.buckets[i] : 0; };
   uint64_t cumulative = 0;
-  for (size_t i = 0; i < bounds_.size(); ++i) {
-    cumulative += counts_[i];
-    out += name + "_bucket{" + pre + "le=\"" + format_double(bounds_[i]) + "\"} " +
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    cumulative += at(i);
+    out += name + "_bucket{" + pre + "le=\"" + format_double(bounds[i]) + "\"} " +
            std::to_string(cumulative) + "\n";
   }
-  cumulative += counts_.back();
+  for (size_t i = bounds.size(); i < counts.buckets.size(); ++i) cumulative += at(i);
   out += name + "_bucket{" + pre + "le=\"+Inf\"} " + std::to_string(cumulative) + "\n";
-  out += name + "_sum" + own + " " + format_double(sum_) + "\n";
-  out += name + "_count" + own + " " + std::to_string(count_) + "\n";
+  out += name + "_sum" + own + " " + format_double(counts.sum) + "\n";
+  out += name + "_count" + own + " " + std::to_string(counts.count) + "\n";
 }
+
+namespace {
+// vLLM's build_1_2_5_buckets, up to 1M tokens (vLLM stops at max_model_len).
+std::vector<double> buckets_1_2_5() {
+  std::vector<double> b;
+  for (double m = 1; m <= 1e6; m *= 10) {
+    for (double k : {1.0, 2.0, 5.0}) {
+      if (k * m <= 1e6) b.push_back(k * m);
+    }
+  }
+  return b;
+}
+}  // namespace
 
 ServerMetrics::ServerMetrics()
     : ttft_({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -65,7 +92,23 @@ ServerMetrics::ServerMetrics()
       prefill_time_({0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,  5.0,
                      10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0}),
       decode_time_({0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,  5.0,
-                    10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0}) {}
+                    10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0}),
+      prompt_len_(buckets_1_2_5()),
+      generation_len_(buckets_1_2_5()),
+      max_tokens_(buckets_1_2_5()),
+      max_generated_(buckets_1_2_5()),
+      n_({1, 2, 5, 10, 20}) {}
+
+void ServerMetrics::observe_sequence(int64_t prompt_tokens, int64_t generation_tokens) {
+  prompt_len_.observe(double(prompt_tokens));
+  generation_len_.observe(double(generation_tokens));
+}
+
+void ServerMetrics::observe_request_params(int64_t n, int64_t max_tokens, int64_t max_generated) {
+  n_.observe(double(n));
+  max_tokens_.observe(double(max_tokens));
+  max_generated_.observe(double(max_generated));
+}
 
 void ServerMetrics::observe_request(double ttft_s, double duration_s) {
   if (ttft_s < 0) return;
@@ -166,6 +209,21 @@ std::string ServerMetrics::render(const EngineStats& s) const {
              std::to_string(i) + "\"} " + std::to_string(s.spec_accepted_per_pos[i]) + "\n";
     }
   }
+  prefill_time_.render(out, "tandem_request_prefill_time_seconds",
+                       "Request arrival to first token (includes queueing).");
+  decode_time_.render(out, "tandem_request_decode_time_seconds", "First token to last token.");
+  Histogram::render(out, "tandem_request_queue_time_seconds",
+                    "Arrival at the engine to first scheduled.", "", kQueueTimeBounds,
+                    s.queue_time);
+  Histogram::render(out, "tandem_iteration_tokens_total", "Tokens computed per engine step.", "",
+                    kIterationTokensBounds, s.iteration_tokens);
+  prompt_len_.render(out, "tandem_request_prompt_tokens", "Prompt tokens per sequence.");
+  generation_len_.render(out, "tandem_request_generation_tokens", "Generated tokens per sequence.");
+  max_tokens_.render(out, "tandem_request_params_max_tokens",
+                     "The max_tokens of each request (the effective one when not given).");
+  n_.render(out, "tandem_request_params_n", "The n of each request.");
+  max_generated_.render(out, "tandem_request_max_num_generation_tokens",
+                        "The most tokens one choice of a request generated.");
 
   // The same under vLLM's names and labels (what its Grafana dashboard queries).
   std::string esc;
@@ -217,6 +275,19 @@ std::string ServerMetrics::render(const EngineStats& s) const {
   prefill_time_.render(out, "vllm:request_prefill_time_seconds",
                        "Request arrival to first token (includes queueing).", label);
   decode_time_.render(out, "vllm:request_decode_time_seconds", "First token to last token.", label);
+  Histogram::render(out, "vllm:request_queue_time_seconds",
+                    "Arrival at the engine to first scheduled.", label, kQueueTimeBounds,
+                    s.queue_time);
+  Histogram::render(out, "vllm:iteration_tokens_total", "Tokens per engine step.", label,
+                    kIterationTokensBounds, s.iteration_tokens);
+  prompt_len_.render(out, "vllm:request_prompt_tokens", "Prompt tokens per sequence.", label);
+  generation_len_.render(out, "vllm:request_generation_tokens", "Generated tokens per sequence.",
+                         label);
+  max_tokens_.render(out, "vllm:request_params_max_tokens", "The max_tokens request parameter.",
+                     label);
+  n_.render(out, "vllm:request_params_n", "The n request parameter.", label);
+  max_generated_.render(out, "vllm:request_max_num_generation_tokens",
+                        "The most tokens one choice of a request generated.", label);
   if (extra) out += extra();
   return out;
 }

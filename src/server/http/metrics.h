@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,10 @@ class Histogram {
   /// `model_name="x"`) go on every line.
   void render(std::string& out, const std::string& name, const std::string& help,
               const std::string& labels = "") const;
+  /// The same for counts kept elsewhere (the engine's, EngineStats).
+  static void render(std::string& out, const std::string& name, const std::string& help,
+                     const std::string& labels, std::span<const double> bounds,
+                     const HistogramCounts& counts);
 
  private:
   std::vector<double> bounds_;
@@ -53,6 +58,11 @@ class ServerMetrics {
   /// One HTTP generation answered: its time to first token and whole duration (seconds);
   /// they make the prefill (request -> first token) and decode (first -> last) times.
   void observe_request(double ttft_s, double duration_s);
+  /// One generated sequence (a choice) ended: its prompt and generated tokens.
+  void observe_sequence(int64_t prompt_tokens, int64_t generation_tokens);
+  /// Every choice of one request ended: its n, max_tokens (the effective one) and the most
+  /// tokens one of its choices generated.
+  void observe_request_params(int64_t n, int64_t max_tokens, int64_t max_generated);
   /// The model_name label of the vllm:* metrics.
   void set_model_name(const std::string& name);
   /// Text appended to render() (e.g. the router's per-instance metrics); null: none.
@@ -72,6 +82,11 @@ class ServerMetrics {
   Histogram e2e_;
   Histogram prefill_time_;
   Histogram decode_time_;
+  Histogram prompt_len_;      // tokens, 1-2-5 buckets (as vLLM's, up to 1M)
+  Histogram generation_len_;  // likewise
+  Histogram max_tokens_;      // likewise
+  Histogram max_generated_;   // likewise
+  Histogram n_;               // 1, 2, 5, 10, 20
   std::string model_name_ = "tandem";
   std::function<std::string()> extra_;
 };

@@ -418,6 +418,30 @@ TEST_F(HttpServerTest, VllmMetricNamesWithModelName) {
            "vllm:request_decode_time_seconds_count" + L + " 2",
            std::string("# TYPE vllm:e2e_request_latency_seconds histogram"),
            std::string("\nextra_metric 7\n"),
+           // Per-sequence and per-request histograms: prompts of 2 and 1 tokens, 5 + 3
+           // generated, n = 1 each, max_tokens 5 and 3.
+           "vllm:request_prompt_tokens_count" + L + " 2",
+           "vllm:request_prompt_tokens_sum" + L + " 3",
+           std::string("vllm:request_prompt_tokens_bucket{model_name=\"my-model\",le=") +
+               "\"1\"} 1",
+           "vllm:request_generation_tokens_sum" + L + " 8",
+           "vllm:request_params_max_tokens_sum" + L + " 8",
+           std::string("vllm:request_params_max_tokens_bucket{model_name=\"my-model\",le=") +
+               "\"2\"} 0",
+           std::string("vllm:request_params_max_tokens_bucket{model_name=\"my-model\",le=") +
+               "\"5\"} 2",
+           "vllm:request_params_n_count" + L + " 2",
+           "vllm:request_params_n_sum" + L + " 2",
+           "vllm:request_max_num_generation_tokens_sum" + L + " 8",
+           std::string("tandem_request_prompt_tokens_sum 3"),
+           std::string("tandem_request_prefill_time_seconds_count 2"),
+           // The engine's (none from this fake engine: zero counts, every bucket listed).
+           "vllm:request_queue_time_seconds_count" + L + " 0",
+           std::string("vllm:iteration_tokens_total_bucket{model_name=\"my-model\",le=") +
+               "\"16384\"} 0",
+           "vllm:iteration_tokens_total_count" + L + " 0",
+           std::string("tandem_request_queue_time_seconds_count 0"),
+           std::string("tandem_iteration_tokens_total_count 0"),
        }) {
     EXPECT_NE(t.find(needle), std::string::npos) << needle << "\n" << t;
   }

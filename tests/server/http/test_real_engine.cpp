@@ -255,5 +255,69 @@ TEST(HybridServe, CompletionsMatchGoldenAloneAndConcurrent) {
   }
 }
 
+// The engine's histograms on /metrics over the real engine: the queue time of every sequence,
+// and tokens per step that add up to what the requests computed (prompt + output - 1 each).
+TEST(RealEngineMetrics, QueueTimeAndIterationTokensMatchTheRequests) {
+  const std::string dir = std::string(TANDEM_SOURCE_DIR) + "/models/demo";
+  EngineConfig cfg;
+  cfg.max_num_seqs = 8;
+  cfg.kv_cache_mb = 32;
+  cfg.enable_prefix_cache = false;  // every prompt token computed
+  cfg.step_time_target_ms = -1;     // the policy on (auto): the sums do not depend on it
+  AsyncEngine engine(load_model(dir, cfg), cfg);
+  HttpServerConfig hc;
+  hc.host = "127.0.0.1";
+  hc.port = 0;
+  hc.model_name = "demo";
+  HttpServer server(hc, engine, nullptr, nullptr);
+  server.start();
+  const std::string base = "http://127.0.0.1:" + std::to_string(server.port());
+  HttpClient c;
+  // 3 sequences: 5 prompt + 4 output tokens; twice (n = 2) 3 prompt + 3 output tokens.
+  ASSERT_EQ(c.post(base + "/v1/completions",
+                   nlohmann::json{
+                       {"prompt", {11, 12, 13, 14, 15}}, {"max_tokens", 4}, {"ignore_eos", true}})
+                .status,
+            200);
+  ASSERT_EQ(c.post(base + "/v1/completions",
+                   nlohmann::json{
+                       {"prompt", {21, 22, 23}}, {"max_tokens", 3}, {"n", 2}, {"ignore_eos", true}})
+                .status,
+            200);
+  auto value = [](const std::string& text, const std::string& key) {
+    const size_t at = text.find("\n" + key + " ");
+    if (at == std::string::npos) return -1.0;
+    return std::stod(text.substr(at + key.size() + 2));
+  };
+  std::string t;
+  for (int i = 0; i < 200; ++i) {
+    t = c.get(base + "/metrics").body;
+    // (the engine's figures are published after its step, the response may come first)
+    if (value(t, "vllm:request_params_n_count{model_name=\"demo\"}") == 2 &&
+        value(t, "tandem_iteration_tokens_total_sum") >= 18) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const std::string L = "{model_name=\"demo\"}";
+  EXPECT_EQ(value(t, "vllm:request_queue_time_seconds_count" + L), 3) << t;
+  const double queued = value(t, "vllm:request_queue_time_seconds_sum" + L);
+  EXPECT_GE(queued, 0.0);
+  EXPECT_LE(queued, value(t, "vllm:e2e_request_latency_seconds_sum" + L));
+  // (5 + 4 - 1) + 2 * (3 + 3 - 1) tokens computed; at least 4 steps (the first request alone).
+  EXPECT_EQ(value(t, "vllm:iteration_tokens_total_sum" + L), 18) << t;
+  EXPECT_GE(value(t, "vllm:iteration_tokens_total_count" + L), 4);
+  EXPECT_EQ(value(t, "vllm:iteration_tokens_total_bucket{model_name=\"demo\",le=\"16384\"}"),
+            value(t, "vllm:iteration_tokens_total_count" + L));
+  EXPECT_EQ(value(t, "tandem_iteration_tokens_total_sum"), 18);
+  EXPECT_EQ(value(t, "tandem_request_queue_time_seconds_count"), 3);
+  EXPECT_EQ(value(t, "vllm:request_prompt_tokens_sum" + L), 11);
+  EXPECT_EQ(value(t, "vllm:request_generation_tokens_sum" + L), 10);
+  EXPECT_EQ(value(t, "vllm:request_params_max_tokens_sum" + L), 7);
+  EXPECT_EQ(value(t, "vllm:request_params_n_sum" + L), 3);
+  EXPECT_EQ(value(t, "vllm:request_max_num_generation_tokens_sum" + L), 7);
+  EXPECT_EQ(value(t, "vllm:generation_tokens_total" + L), 10);
+}
+
 }  // namespace
 }  // namespace tandem
