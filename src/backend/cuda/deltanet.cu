@@ -171,6 +171,94 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
   }
 }
 
+// Multi-token chunks: one warp per (kCols value columns, value head, sequence) holding its
+// [k_dim, kCols] state slice in registers over the chunk (lane l: column l % kCols of the
+// block's, rows [part * kRows, (part + 1) * kRows) with part = l / kCols; k_dim 128 splits the
+// rows over two lanes so that 64 state values fit a lane's registers without spills, and a
+// dot product ends with one shuffle). A token needs no block-wide reduction: q, k of the next
+// token are prefetched into registers while this one computes, then staged through a per-warp
+// double buffer (one __syncwarp per token). Four partial sums shorten the dependency chains.
+template <int kDk>
+struct ChunkShape {
+  static constexpr int kSplit = kDk >= 128 ? 2 : 1;
+  static constexpr int kCols = 32 / kSplit;
+  static constexpr int kRows = kDk / kSplit;
+};
+template <int kDk>
+__global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRuleParams p) {
+  using Sh = ChunkShape<kDk>;
+  constexpr int kPer = (kDk + 31) / 32;  // q / k elements each lane stages
+  __shared__ float sQ[2][kDk], sK[2][kDk];
+  const int lane = threadIdx.x;
+  const int part = lane / Sh::kCols, r0 = part * Sh::kRows;
+  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * Sh::kCols + lane % Sh::kCols;
+  const int64_t h = blockIdx.y, s = blockIdx.z;
+  const int64_t kh = h / (hv / hk);
+  const bool col = j < dv;
+  const Ws ws = ws_at(p.workspace, p.num_tokens, hk, hv, kDk);
+  const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
+  const int32_t slot = p.seqs.state_slot[s];
+  float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
+  float S[Sh::kRows];
+#pragma unroll
+  for (int i = 0; i < Sh::kRows; ++i) S[i] = (!zero && col) ? gS[(r0 + i) * dv + j] : 0.f;
+
+  bf16 const* gV = p.qkv + 2 * hk * kDk + h * dv + j;
+  float nq[kPer], nk[kPer], nv = 0.f, ng = 0.f, nb = 0.f;
+  auto fetch = [&](int64_t t) {
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int i = lane + 32 * e;
+      nq[e] = i < kDk ? ws.q[(t * hk + kh) * kDk + i] : 0.f;
+      nk[e] = i < kDk ? ws.k[(t * hk + kh) * kDk + i] : 0.f;
+    }
+    nv = col ? __bfloat162float(gV[t * p.qkv_stride]) : 0.f;
+    ng = ws.g[t * hv + h];
+    nb = ws.beta[t * hv + h];
+  };
+  if (begin < end) fetch(begin);
+  for (int64_t t = begin; t < end; ++t) {
+    const int buf = static_cast<int>((t - begin) & 1);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int i = lane + 32 * e;
+      if (i < kDk) {
+        sQ[buf][i] = nq[e];
+        sK[buf][i] = nk[e];
+      }
+    }
+    __syncwarp();
+    const float decay = expf(ng), beta = nb, v = nv;
+    if (t + 1 < end) fetch(t + 1);
+    float const* k = sK[buf] + r0;
+    float const* q = sQ[buf] + r0;
+    float kv[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < Sh::kRows; ++i) {
+      S[i] *= decay;
+      kv[i & 3] += S[i] * k[i];
+    }
+    float kvs = (kv[0] + kv[1]) + (kv[2] + kv[3]);
+    if constexpr (Sh::kSplit == 2) kvs += __shfl_xor_sync(0xffffffffu, kvs, 16);
+    const float delta = (v - kvs) * beta;
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < Sh::kRows; ++i) {
+      S[i] += k[i] * delta;
+      o[i & 3] += S[i] * q[i];
+    }
+    float os = (o[0] + o[1]) + (o[2] + o[3]);
+    if constexpr (Sh::kSplit == 2) os += __shfl_xor_sync(0xffffffffu, os, 16);
+    if (col && part == 0) p.out[(t * hv + h) * dv + j] = os;
+  }
+  if (gS != nullptr && col) {
+#pragma unroll
+    for (int i = 0; i < Sh::kRows; ++i) gS[(r0 + i) * dv + j] = S[i];
+  }
+}
+
 // ---------------------------------------------------------------- gated rms norm
 // One warp per row.
 __global__ void __launch_bounds__(128) gated_rms_norm_kernel(GatedRmsNormParams p) {
@@ -186,6 +274,18 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(GatedRmsNormParams 
   bf16* o = p.out + r * p.dim;
   for (int64_t i = lane; i < p.dim; i += 32) {
     o[i] = __float2bfloat16_rn(p.weight[i] * (x[i] * inv) * silu_f(__bfloat162float(z[i])));
+  }
+}
+
+template <int kDk>
+void delta_rule_dispatch(GatedDeltaRuleParams const& p, dim3 grid, bool decode,
+                         cudaStream_t stream) {
+  if (decode) {
+    delta_rule_kernel<kDk><<<grid, kDeltaWarps * 32, 0, stream>>>(p);
+  } else {
+    constexpr int kCols = ChunkShape<kDk>::kCols;
+    const dim3 g(static_cast<unsigned>((p.v_dim + kCols - 1) / kCols), grid.y, grid.z);
+    delta_rule_chunk_kernel<kDk><<<g, 32, 0, stream>>>(p);
   }
 }
 
@@ -246,12 +346,14 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
   if (p.seqs.num_seqs == 0) return;
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
                   static_cast<unsigned>(p.seqs.num_seqs));
-  constexpr int threads = kDeltaWarps * 32;
+  // A decode step (one token per sequence): 4 warps split the state's rows (4x the warps
+  // for the state's one read and write); otherwise a warp holds whole columns over the chunk.
+  const bool decode = p.num_tokens == p.seqs.num_seqs;
   switch (p.k_dim) {
-    case 16: delta_rule_kernel<16><<<grid, threads, 0, stream>>>(p); break;
-    case 32: delta_rule_kernel<32><<<grid, threads, 0, stream>>>(p); break;
-    case 64: delta_rule_kernel<64><<<grid, threads, 0, stream>>>(p); break;
-    case 128: delta_rule_kernel<128><<<grid, threads, 0, stream>>>(p); break;
+    case 16: delta_rule_dispatch<16>(p, grid, decode, stream); break;
+    case 32: delta_rule_dispatch<32>(p, grid, decode, stream); break;
+    case 64: delta_rule_dispatch<64>(p, grid, decode, stream); break;
+    case 128: delta_rule_dispatch<128>(p, grid, decode, stream); break;
     default: TANDEM_THROW(kUnsupported, "gated_delta_rule: unsupported k_dim ", p.k_dim);
   }
   TANDEM_CUDA_CHECK_LAUNCH();

@@ -50,8 +50,10 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream);
 ///   q, k L2-normalised (x / sqrt(sum x^2 + 1e-6)), q scaled by 1 / sqrt(k_dim); value head h
 ///   reads q/k head h / (num_v_heads / num_k_heads); per token
 ///   S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q   (S: [k_dim, v_dim], fp32).
-/// k_dim 16, 32, 64 or 128 (kUnsupported otherwise); v_dim any multiple of 8 (<= 256).
-/// The recurrence runs over each sequence's tokens one after another; `workspace` holds the
+/// k_dim 16, 32, 64 or 128 (kUnsupported otherwise); v_dim at most 256.
+/// The recurrence runs over each sequence's tokens one after another (a decode step, one token
+/// per sequence: 4 warps per 32 value columns split the state's rows; otherwise a warp holds
+/// its columns' whole state slice in registers over the chunk); `workspace` holds the
 /// normalised q, k and the gates.
 struct GatedDeltaRuleParams {
   bf16 const* qkv;       // [num_tokens, qkv_stride]: q [hk, dk] | k [hk, dk] | v [hv, dv]

@@ -257,11 +257,13 @@ TEST_F(CudaDeltaNet, DeltaRuleShapes) {
   delta_case(mixed, 1, 2, 32, 32);    // fixture qwen35_vl_hd256: 1 k / 2 v heads of 32
   delta_case(mixed, 2, 2, 64, 48);    // v_dim not a multiple of 32
   delta_case(mixed, 2, 4, 128, 128);  // Qwen3.5 head sizes (16 k / 32 v heads at full size)
+  delta_case(mixed, 1, 2, 128, 40);   // rows split over two lanes, a partial column block
 }
 
 TEST_F(CudaDeltaNet, DeltaRuleDecode) {
   SCOPED_TRACE(trace());
-  // A decode batch: one token per sequence, one of them padding, one fresh (a 1-token prompt).
+  // A decode batch (the decode kernel: one token per sequence), one of them padding, one fresh
+  // (a 1-token prompt). The batches above take the chunk kernel.
   std::vector<SeqSpec> dec;
   for (int i = 0; i < 9; ++i) dec.push_back({1, i == 4, i == 7});
   delta_case(dec, 4, 8, 128, 128);
