@@ -17,7 +17,10 @@ __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x));
 
 // ---------------------------------------------------------------- causal conv1d
 // One thread per (token, channel): the kernel's inputs come from x (earlier tokens of the same
-// sequence) or from the sequence's window (the positions before its first new token).
+// sequence) or from the sequence's window (the positions before its first new token). kDecode
+// (one token per sequence): the thread is the window's only reader, so it also shifts the
+// window (no conv1d_state_kernel launch).
+template <bool kDecode>
 __global__ void conv1d_kernel(CausalConv1dParams p) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t t = blockIdx.x;
@@ -41,6 +44,12 @@ __global__ void conv1d_kernel(CausalConv1dParams p) {
     acc += __bfloat162float(p.weight[c * p.kernel + j]) * v;
   }
   p.out[t * p.channels + c] = __float2bfloat16_rn(p.silu ? silu_f(acc) : acc);
+  if constexpr (kDecode) {
+    if (slot < 0) return;
+    float* w = p.states + slot * p.state_stride + c * hist;
+    for (int j = 0; j + 1 < hist; ++j) w[j] = zero ? 0.f : w[j + 1];
+    w[hist - 1] = __bfloat162float(p.x[t * p.x_stride + c]);
+  }
 }
 
 // One thread per (sequence, channel): the window becomes the last kernel - 1 inputs. Runs
@@ -311,8 +320,13 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream) {
   constexpr int threads = 128;
   const int64_t cblocks = (p.channels + threads - 1) / threads;
   TANDEM_CHECK(cblocks <= 65535, "causal_conv1d: too many channels ", p.channels);
-  conv1d_kernel<<<dim3(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(cblocks)),
-                  threads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(cblocks));
+  if (p.num_tokens == p.seqs.num_seqs) {  // a decode step: one token per sequence
+    conv1d_kernel<true><<<grid, threads, 0, stream>>>(p);
+    TANDEM_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  conv1d_kernel<false><<<grid, threads, 0, stream>>>(p);
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.seqs.num_seqs > 0) {
     conv1d_state_kernel<<<dim3(static_cast<unsigned>(p.seqs.num_seqs),
