@@ -19,9 +19,10 @@ namespace tandem::cuda {
 using bf16 = __nv_bfloat16;
 
 /// The sequences of a batch as the DeltaNet ops see them: each sequence's tokens contiguous
-/// (at least one), sequences in token order; num_tokens == num_seqs is a decode step. A sequence whose slot is < 0 (padding of a captured batch) reads
-/// a zero state and writes none; a fresh one (its first token is position 0) starts from zero.
-/// Its state slot s lives at `states + s * state_stride` of the op's state pointer.
+/// (at least one), sequences in token order; num_tokens == num_seqs is a decode step. A sequence
+/// whose slot is < 0 (padding of a captured batch) reads a zero state and writes none; a fresh one
+/// (its first token is position 0) starts from zero. Its state slot s lives at `states + s *
+/// state_stride` of the op's state pointer.
 struct DeltaNetSeqs {
   int32_t const* seq_begin;   // [num_seqs + 1]: first token of each sequence, then num_tokens
   int32_t const* token_seq;   // [num_tokens]: sequence of each token
