@@ -185,9 +185,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
 // block's and rows [part * 16, part * 16 + 16), part = l / kCols (kSplit = k_dim / 16 parts), so
 // a lane keeps 16 state values, a dot product ends with log2(kSplit) shuffles, and a 1-sequence
 // prefill still has several warps per SM (32 value heads x 128 columns: 1024 warps). A token
-// needs no block-wide reduction. Tokens go in groups of 8: the next group's q, k, v and gates
-// are loaded into registers while this group computes (a load's latency, not the arithmetic,
-// set the time per token with one token of look-ahead), then staged through shared memory.
+// needs no block-wide reduction: q, k of the next token are prefetched into registers while
+// this one computes, then staged through a per-warp double buffer (one __syncwarp per token).
 template <int kDk>
 struct ChunkShape {
   static constexpr int kRows = 16;
@@ -197,9 +196,8 @@ struct ChunkShape {
 template <int kDk>
 __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRuleParams p) {
   using Sh = ChunkShape<kDk>;
-  constexpr int kPer = (kDk + 31) / 32;  // q / k elements each lane stages per token
-  constexpr int kGroup = 8;              // tokens loaded together (hides the loads' latency)
-  __shared__ float sQ[kGroup][kDk], sK[kGroup][kDk];
+  constexpr int kPer = (kDk + 31) / 32;  // q / k elements each lane stages
+  __shared__ float sQ[2][kDk], sK[2][kDk];
   const int lane = threadIdx.x;
   const int part = lane / Sh::kCols, r0 = part * Sh::kRows;
   const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim;
@@ -217,71 +215,54 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
   for (int i = 0; i < Sh::kRows; ++i) S[i] = (!zero && col) ? gS[(r0 + i) * dv + j] : 0.f;
 
   bf16 const* gV = p.qkv + 2 * hk * kDk + h * dv + j;
-  // The next group's q, k, v, g, beta, loaded while this group computes.
-  float nq[kGroup][kPer], nk[kGroup][kPer], nv[kGroup], ng[kGroup], nb[kGroup];
-  auto fetch = [&](int64_t t0) {
+  float nq[kPer], nk[kPer], nv = 0.f, ng = 0.f, nb = 0.f;
+  auto fetch = [&](int64_t t) {
 #pragma unroll
-    for (int u = 0; u < kGroup; ++u) {
-      const int64_t t = t0 + u < end ? t0 + u : end - 1;  // past the end: a harmless reload
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const int i = lane + 32 * e;
-        nq[u][e] = i < kDk ? ws.q[(t * hk + kh) * kDk + i] : 0.f;
-        nk[u][e] = i < kDk ? ws.k[(t * hk + kh) * kDk + i] : 0.f;
-      }
-      nv[u] = col ? __bfloat162float(gV[t * p.qkv_stride]) : 0.f;
-      ng[u] = ws.g[t * hv + h];
-      nb[u] = ws.beta[t * hv + h];
+    for (int e = 0; e < kPer; ++e) {
+      const int i = lane + 32 * e;
+      nq[e] = i < kDk ? ws.q[(t * hk + kh) * kDk + i] : 0.f;
+      nk[e] = i < kDk ? ws.k[(t * hk + kh) * kDk + i] : 0.f;
     }
+    nv = col ? __bfloat162float(gV[t * p.qkv_stride]) : 0.f;
+    ng = ws.g[t * hv + h];
+    nb = ws.beta[t * hv + h];
   };
   if (begin < end) fetch(begin);
-  for (int64_t t0 = begin; t0 < end; t0 += kGroup) {
-    __syncwarp();  // every lane is done with the previous group's sQ / sK
-    float cv[kGroup], cg[kGroup], cb[kGroup];
+  for (int64_t t = begin; t < end; ++t) {
+    const int buf = static_cast<int>((t - begin) & 1);
 #pragma unroll
-    for (int u = 0; u < kGroup; ++u) {
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const int i = lane + 32 * e;
-        if (i < kDk) {
-          sQ[u][i] = nq[u][e];
-          sK[u][i] = nk[u][e];
-        }
+    for (int e = 0; e < kPer; ++e) {
+      const int i = lane + 32 * e;
+      if (i < kDk) {
+        sQ[buf][i] = nq[e];
+        sK[buf][i] = nk[e];
       }
-      cv[u] = nv[u];
-      cg[u] = ng[u];
-      cb[u] = nb[u];
     }
     __syncwarp();
-    if (t0 + kGroup < end) fetch(t0 + kGroup);
+    const float decay = expf(ng), beta = nb, v = nv;
+    if (t + 1 < end) fetch(t + 1);
+    float const* k = sK[buf] + r0;
+    float const* q = sQ[buf] + r0;
+    float kv[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int u = 0; u < kGroup; ++u) {
-      const int64_t t = t0 + u;
-      if (t >= end) break;
-      const float decay = expf(cg[u]), beta = cb[u];
-      float const* k = sK[u] + r0;
-      float const* q = sQ[u] + r0;
-      float kv[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < Sh::kRows; ++i) {
-        S[i] *= decay;
-        kv[i & 3] += S[i] * k[i];
-      }
-      float kvs = (kv[0] + kv[1]) + (kv[2] + kv[3]);
-#pragma unroll
-      for (int off = Sh::kCols; off < 32; off <<= 1) kvs += __shfl_xor_sync(0xffffffffu, kvs, off);
-      const float delta = (cv[u] - kvs) * beta;
-      float o[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < Sh::kRows; ++i) {
-        S[i] += k[i] * delta;
-        o[i & 3] += S[i] * q[i];
-      }
-      float os = (o[0] + o[1]) + (o[2] + o[3]);
-#pragma unroll
-      for (int off = Sh::kCols; off < 32; off <<= 1) os += __shfl_xor_sync(0xffffffffu, os, off);
-      if (col && part == 0) p.out[(t * hv + h) * dv + j] = os;
+    for (int i = 0; i < Sh::kRows; ++i) {
+      S[i] *= decay;
+      kv[i & 3] += S[i] * k[i];
     }
+    float kvs = (kv[0] + kv[1]) + (kv[2] + kv[3]);
+#pragma unroll
+    for (int off = Sh::kCols; off < 32; off <<= 1) kvs += __shfl_xor_sync(0xffffffffu, kvs, off);
+    const float delta = (v - kvs) * beta;
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < Sh::kRows; ++i) {
+      S[i] += k[i] * delta;
+      o[i & 3] += S[i] * q[i];
+    }
+    float os = (o[0] + o[1]) + (o[2] + o[3]);
+#pragma unroll
+    for (int off = Sh::kCols; off < 32; off <<= 1) os += __shfl_xor_sync(0xffffffffu, os, off);
+    if (col && part == 0) p.out[(t * hv + h) * dv + j] = os;
   }
   if (gS != nullptr && col) {
 #pragma unroll
