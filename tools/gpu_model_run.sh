@@ -23,7 +23,8 @@
 #   bench_itl          colocated serve at concurrency 128, step-time policy off vs auto: ITL
 #                      p50 / p99, output tok/s and their ratios (tools/gpu_itl_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
-#   bench_grammar, bench_model_cuda (also with --fp8)
+#   bench_grammar, bench_model_cuda (also with --fp8),
+#   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
 PACK=$(cd "$PACK" && pwd)
@@ -160,6 +161,14 @@ export TANDEM_BENCH_CSV="$LOG/bench_model_ckpt.csv"
 step bench_model_ckpt 200 bash -c "rm -rf /tmp/q235l && \
   '$BIN/make_random_checkpoint' --out /tmp/q235l --preset qwen3-235b-a22b --layers 1 && \
   '$BIN/bench_model_cuda' --checkpoint /tmp/q235l ${TANDEM_BENCH_ARGS:-}; rc=\$?; rm -rf /tmp/q235l; exit \$rc"
+# Qwen3.5-35B-A3B, 4 layers (3 DeltaNet + 1 gated attention) at real shapes with the real
+# vocab, written by the checkpoint tool (~7.5 GB) and loaded by Qwen35MoeCuda (when packed).
+if [ -x "$BIN/bench_qwen35_cuda" ]; then
+  export TANDEM_BENCH_CSV="$LOG/bench_qwen35_cuda.csv"
+  step bench_qwen35_cuda 300 bash -c "rm -rf /tmp/q35l && \
+    '$BIN/make_random_checkpoint' --out /tmp/q35l --preset qwen3.5-35b-a3b --layers 4 && \
+    '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_BENCH_ARGS:-}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
+fi
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -177,6 +186,7 @@ for f in bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch benc
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
 [ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
+[ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
 done

@@ -17,6 +17,7 @@
 # 2c. bench_fp8_linear (when present): FP8-weight gemv / grouped GEMM vs bf16 at decode shapes;
 # 2d. bench_attention --prefill-only (when present) and bench/cuda/attention_torch_baseline.py:
 # prefill attention (ours FA2, FlashInfer sm90) beside PyTorch SDPA cuDNN / flash, same run;
+# 2e. bench_deltanet (when present): Qwen3.5 conv1d + gated delta rule, decode and prefill;
 # 3. the tests again under compute-sanitizer memcheck (out-of-bounds / misaligned accesses),
 # time-limited: a timeout there is reported, not counted as a failure.
 set -uo pipefail
@@ -117,6 +118,16 @@ if [ -x "$BIN/bench_attention" ]; then
     echo "(attention_torch_baseline.py exited with ${RC[attention_torch]})"
 fi
 
+# 2e. Qwen3.5 DeltaNet ops (conv1d, gated delta rule) at Qwen3.5-35B-A3B shapes (when packed).
+if [ -x "$BIN/bench_deltanet" ]; then
+  TANDEM_BENCH_CSV="$LOG/bench_deltanet.csv" step bench_deltanet 200 "$BIN/bench_deltanet"
+  if [ "${RC[bench_deltanet]}" -ne 0 ]; then
+    echo "!! bench_deltanet exited with ${RC[bench_deltanet]} (124: timed out); last lines:"
+    tail -5 "$LOG/bench_deltanet.log"
+    status=1
+  fi
+fi
+
 # 3. Memory checker (Firecracker machines run it; seen working 2026-11-04).
 if command -v compute-sanitizer > /dev/null; then
   step memcheck 100 compute-sanitizer --tool memcheck --error-exitcode 99 \
@@ -141,6 +152,7 @@ echo "== summary: test_backend_cuda rc=${RC[test_backend_cuda]} bench rc=${RC[be
 grep -hE '^\[  (PASSED|FAILED) ' "$LOG/test_backend_cuda.log" 2>/dev/null
 [ -f "$LOG/bench_fp8_gemm.log" ] && { echo "== bench_fp8_gemm"; cat "$LOG/bench_fp8_gemm.log"; }
 [ -f "$LOG/bench_fp8_linear.log" ] && { echo "== bench_fp8_linear"; cat "$LOG/bench_fp8_linear.log"; }
+[ -f "$LOG/bench_deltanet.log" ] && { echo "== bench_deltanet"; sed -n '/^== table/,$p' "$LOG/bench_deltanet.log"; }
 [ -f "$LOG/bench_attention.log" ] && { echo "== bench_attention --prefill-only";
   grep -E 'TFLOP/s|FAILED|not run' "$LOG/bench_attention.log"; }
 [ -f "$LOG/attention_torch.log" ] && { echo "== prefill attention vs PyTorch SDPA";

@@ -112,10 +112,7 @@ Engine::Engine(Model& model, const EngineConfig& config)
 }
 
 void Engine::copy_states(const std::vector<StateCopy>& copies) {
-  const int64_t n = kv_.state_slot_elems();
-  for (const StateCopy& c : copies) {
-    std::copy_n(kv_.state(c.src), n, kv_.state(c.dst));
-  }
+  for (const StateCopy& c : copies) kv_.copy_state(c.src, c.dst);  // host or device slots
 }
 
 void Engine::validate(const GenRequest& req) const {
@@ -235,7 +232,7 @@ ScheduledBatch Engine::schedule() {
   for (const auto& ss : batch.seqs) {  // prefilled elsewhere: the state that came with it
     Sequence& s = *ss.seq;
     if (s.initial_state.empty()) continue;
-    std::copy(s.initial_state.begin(), s.initial_state.end(), kv_.state(s.state_slot));
+    kv_.write_state(s.state_slot, s.initial_state.data());
     s.initial_state = {};
   }
   return batch;
@@ -244,7 +241,7 @@ ScheduledBatch Engine::schedule() {
 std::span<const float> Engine::sequence_state(const std::string& id) {
   Sequence* s = scheduler_.find(id);
   if (s == nullptr || s->state_slot < 0) return {};
-  return {kv_.state(s->state_slot), static_cast<size_t>(kv_.state_slot_elems())};
+  return kv_.read_state(s->state_slot);
 }
 
 bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling>& rows) const {

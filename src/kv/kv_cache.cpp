@@ -22,6 +22,8 @@ KvCache::KvCache(const KvGeometry& g, External external)
     : geometry_(g), external_(std::move(external)) {
   TANDEM_CHECK(static_cast<int64_t>(external_.layers.size()) == g.num_layers && g.num_layers > 0,
                "external KV pools: ", external_.layers.size(), " for ", g.num_layers, " layers");
+  TANDEM_CHECK(!external_.alloc_states == !external_.copy_states,
+               "external KV pools: alloc_states and copy_states come together");
 }
 
 float* KvCache::layer(int64_t layer) {
@@ -47,16 +49,55 @@ float* KvCache::head_rows(int64_t layer, int64_t page, int kv, int64_t head) {
 
 void KvCache::allocate_states(int64_t num_slots, int64_t slot_elems) {
   TANDEM_CHECK(num_slots > 0 && slot_elems > 0, "bad state slots: ", num_slots, " x ", slot_elems);
-  states_ = HostTensor(DType::kF32, {num_slots, slot_elems});
-  std::fill(states_.ptr<float>(), states_.ptr<float>() + num_slots * slot_elems, 0.0f);
+  if (external_.alloc_states) {
+    device_states_owner_ =
+        external_.alloc_states(static_cast<size_t>(num_slots * slot_elems) * sizeof(float));
+    device_states_ = static_cast<float*>(device_states_owner_.get());
+    TANDEM_CHECK(device_states_ != nullptr, "device state slots: allocation failed");
+  } else {
+    states_ = HostTensor(DType::kF32, {num_slots, slot_elems});
+    std::fill(states_.ptr<float>(), states_.ptr<float>() + num_slots * slot_elems, 0.0f);
+  }
   num_state_slots_ = num_slots;
   state_slot_elems_ = slot_elems;
 }
 
 float* KvCache::state(int64_t slot) {
+  TANDEM_CHECK(!states_on_device(), "the state slots are in device memory");
+  return state_data(slot);
+}
+
+float* KvCache::state_data(int64_t slot) {
   TANDEM_CHECK(slot >= 0 && slot < num_state_slots_, "state slot ", slot, " outside [0, ",
                num_state_slots_, ")");
-  return states_.ptr<float>() + slot * state_slot_elems_;
+  float* base = states_on_device() ? device_states_ : states_.ptr<float>();
+  return base + slot * state_slot_elems_;
+}
+
+void KvCache::copy_state(int64_t src, int64_t dst) {
+  const size_t bytes = static_cast<size_t>(state_slot_elems_) * sizeof(float);
+  if (states_on_device()) {
+    external_.copy_states(state_data(dst), state_data(src), bytes, 3);
+  } else {
+    std::copy_n(state(src), state_slot_elems_, state(dst));
+  }
+}
+
+void KvCache::write_state(int64_t slot, const float* host) {
+  const size_t bytes = static_cast<size_t>(state_slot_elems_) * sizeof(float);
+  if (states_on_device()) {
+    external_.copy_states(state_data(slot), host, bytes, 1);
+  } else {
+    std::copy_n(host, state_slot_elems_, state(slot));
+  }
+}
+
+std::span<const float> KvCache::read_state(int64_t slot) {
+  const auto n = static_cast<size_t>(state_slot_elems_);
+  if (!states_on_device()) return {state(slot), n};
+  state_readback_.resize(n);
+  external_.copy_states(state_readback_.data(), state_data(slot), n * sizeof(float), 2);
+  return {state_readback_.data(), n};
 }
 
 StateCheckpoints::StateCheckpoints(int32_t first_slot, int64_t capacity) : capacity_(capacity) {

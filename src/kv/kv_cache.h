@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -41,6 +43,13 @@ class KvCache {
     /// The device stream (cudaStream_t) on which the model writes the pools; a device
     /// transfer backend orders its reads of a layer after that layer's write on it.
     void* stream = nullptr;
+    /// Hybrid models whose state slots live in device memory (both set, or neither):
+    /// alloc_states returns `bytes` zeroed bytes (the returned owner frees them) for
+    /// allocate_states; copy_states copies `bytes` (kind: 1 host -> device, 2 device -> host,
+    /// 3 device -> device, as cudaMemcpyKind) and returns once the copy is complete, ordered
+    /// after the model's work on the stream.
+    std::function<std::shared_ptr<void>(size_t bytes)> alloc_states;
+    std::function<void(void* dst, const void* src, size_t bytes, int kind)> copy_states;
   };
 
   KvCache() = default;
@@ -62,19 +71,33 @@ class KvCache {
   /// The k (kv = 0) or v (kv = 1) rows of one head in one page: [page_size, head_dim].
   float* head_rows(int64_t layer, int64_t page, int kv, int64_t head);
 
-  /// Hybrid models: per-sequence recurrent state slots beside the pages, host fp32
-  /// [num_slots, slot_elems] (the model defines a slot's layout). Allocated once, zeroed.
+  /// Hybrid models: per-sequence recurrent state slots beside the pages, fp32
+  /// [num_slots, slot_elems] (the model defines a slot's layout). Allocated once, zeroed; in
+  /// host memory, or in device memory when the External pools came with alloc_states.
   void allocate_states(int64_t num_slots, int64_t slot_elems);
   int64_t num_state_slots() const { return num_state_slots_; }
   int64_t state_slot_elems() const { return state_slot_elems_; }
-  /// Base of one slot: [slot_elems] floats.
+  /// True when the state slots are in device memory.
+  bool states_on_device() const { return device_states_ != nullptr; }
+  /// Base of one host slot: [slot_elems] floats (throws for device slots).
   float* state(int64_t slot);
+  /// Base of one slot, host or device: [slot_elems] floats.
+  float* state_data(int64_t slot);
+  /// Slot `src` copied into slot `dst` (host or device).
+  void copy_state(int64_t src, int64_t dst);
+  /// Slot `slot` set from host floats [slot_elems].
+  void write_state(int64_t slot, const float* host);
+  /// Slot `slot` as host floats: the slot itself, or a copy valid until the next call.
+  std::span<const float> read_state(int64_t slot);
 
  private:
   KvGeometry geometry_;
   std::vector<HostTensor> pools_;
   External external_;
   HostTensor states_;  // [num_state_slots, state_slot_elems]
+  std::shared_ptr<void> device_states_owner_;
+  float* device_states_ = nullptr;  // [num_state_slots, state_slot_elems] in device memory
+  std::vector<float> state_readback_;
   int64_t num_state_slots_ = 0, state_slot_elems_ = 0;
 };
 

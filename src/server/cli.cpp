@@ -29,6 +29,7 @@
 #include "model/qwen3_moe.h"
 #ifdef TANDEM_WITH_CUDA
 #include "core/cuda_check.h"
+#include "model/cuda/qwen3_5_moe_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "transfer/cuda/cuda_ipc_transfer.h"
 #endif
@@ -92,18 +93,21 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
   }
   TANDEM_CHECK_KIND(kInvalidArgument, device == "cuda", "--device must be cpu or cuda, not '",
                     device, "'");
-  {
-    const ModelConfig mc = ModelConfig::from_dir(dir);
-    TANDEM_CHECK_KIND(kUnsupported, !mc.is_hybrid(), dir, "/config.json: model_type '",
-                      mc.model_type, "' (Qwen3.5 hybrid) is not supported with --device cuda yet",
-                      " (use --device cpu)");
-  }
 #ifdef TANDEM_WITH_CUDA
   CudaModelOptions o;
   o.max_tokens = engine.max_batched_tokens;
   o.max_seqs = engine.max_num_seqs;
   o.page_size = engine.page_size;
   o.graph_max_context = engine.max_model_len;
+  if (ModelConfig::from_dir(dir).is_hybrid()) {  // Qwen3.5: one GPU
+    auto model = Qwen35MoeCuda::load(dir, o);
+    if (engine.kv_cache_mb <= 0) {
+      engine.kv_cache_mb = model->kv_cache_budget_mb(gpu_memory_utilization);
+      std::cerr << "tandem: KV cache " << engine.kv_cache_mb << " MiB (--gpu-memory-utilization "
+                << gpu_memory_utilization << ")" << std::endl;
+    }
+    return model;
+  }
   auto model = Qwen3MoeCuda::load(dir, o);
   if (engine.kv_cache_mb <= 0) {
     engine.kv_cache_mb = model->kv_cache_budget_mb(gpu_memory_utilization);
@@ -468,7 +472,8 @@ void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
     TANDEM_CHECK_KIND(kUnsupported, gpus > 0, "--device cuda: no CUDA device is visible");
     o.device = local_rank % gpus;
     o.shard = shard;
-    return std::unique_ptr<Model>(Qwen3MoeCuda::load(dir, o));
+    // Qwen3.5 runs on one GPU (Qwen35MoeCuda refuses a sharded ShardSpec).
+    return load_cuda_model(dir, o);
   };
   transfer::CudaIpcOptions t;
   t.bind_host = a.host;

@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <memory>
 #include <numeric>
 #include <set>
+#include <vector>
 
 #include "core/error.h"
 #include "kv/block_manager.h"
@@ -132,6 +135,58 @@ TEST(StateSlots, KvCacheStatesAreZeroedAndSeparate) {
   EXPECT_EQ(kv.state(0) + 5, kv.state(1));
   EXPECT_THROW(kv.state(3), Error);
   EXPECT_THROW(kv.allocate_states(0, 5), Error);
+}
+
+TEST(StateSlots, HostSlotsCopyWriteRead) {
+  KvCache kv(KvGeometry{1, 2, 1, 4, 8});
+  kv.allocate_states(3, 4);
+  EXPECT_FALSE(kv.states_on_device());
+  const float v[4] = {1, 2, 3, 4};
+  kv.write_state(2, v);
+  kv.copy_state(2, 0);
+  const auto r = kv.read_state(0);
+  ASSERT_EQ(r.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(r[i], v[i]);
+  EXPECT_EQ(kv.state(1)[0], 0.0f);
+  EXPECT_EQ(kv.state_data(1), kv.state(1));
+}
+
+// Device state slots (a GPU model's): allocated and copied through the External hooks. Here
+// the "device" is host memory and the hooks record each copy's kind.
+TEST(StateSlots, DeviceSlotsGoThroughTheHooks) {
+  std::vector<int> kinds;
+  size_t allocated = 0;
+  float pool_data[16] = {};
+  KvCache::External ext;
+  ext.layers = {pool_data};
+  ext.alloc_states = [&](size_t bytes) {
+    allocated = bytes;
+    return std::shared_ptr<void>(new float[bytes / sizeof(float)](),
+                                 [](void* p) { delete[] static_cast<float*>(p); });
+  };
+  ext.copy_states = [&](void* dst, const void* src, size_t bytes, int kind) {
+    kinds.push_back(kind);
+    std::memcpy(dst, src, bytes);
+  };
+  KvCache kv(KvGeometry{1, 1, 1, 4, 2}, ext);
+  kv.allocate_states(3, 4);
+  EXPECT_TRUE(kv.states_on_device());
+  EXPECT_EQ(allocated, 3 * 4 * sizeof(float));
+  EXPECT_THROW(kv.state(0), Error);  // no host view of device slots
+  const float v[4] = {5, 6, 7, 8};
+  kv.write_state(1, v);
+  kv.copy_state(1, 2);
+  const auto r = kv.read_state(2);
+  ASSERT_EQ(r.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(r[i], v[i]);
+  EXPECT_EQ(kinds, (std::vector<int>{1, 3, 2}));
+  EXPECT_EQ(kv.state_data(2), kv.state_data(0) + 8);
+  EXPECT_THROW(kv.copy_state(1, 3), Error);
+  // One hook without the other is refused.
+  KvCache::External half;
+  half.layers = {pool_data};
+  half.alloc_states = ext.alloc_states;
+  EXPECT_THROW(KvCache(KvGeometry{1, 1, 1, 4, 2}, half), Error);
 }
 
 TEST(StateSlots, CheckpointsFindInsertAndEvictLeastRecentlyUsed) {

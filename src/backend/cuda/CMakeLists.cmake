@@ -11,6 +11,7 @@
 #   bench_moe_layer       the MoE block and grouped expert GEMMs beside the same bounds
 #   bench_fp8_gemm        cuBLASLt block-scaled FP8 GEMM beside the bf16 GEMM, real shapes
 #   bench_fp8_linear      FP8-weight gemv / grouped GEMM beside the bf16 ones, decode shapes
+#   bench_deltanet        Qwen3.5 conv1d + gated delta rule (decode, prefill) beside the bounds
 # None of them links Gloo or NCCL (the GPU machine has no libgloo).
 
 if(TANDEM_HAS_CUDA)
@@ -110,6 +111,10 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_moe_layer ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_moe_layer.cpp)
     target_link_libraries(bench_moe_layer PRIVATE tandem_backend_cuda)
     target_compile_options(bench_moe_layer PRIVATE ${TANDEM_WARNINGS})
+    # Qwen3.5 DeltaNet ops (conv1d, gated delta rule) at Qwen3.5-35B-A3B shapes.
+    add_executable(bench_deltanet ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_deltanet.cpp)
+    target_link_libraries(bench_deltanet PRIVATE tandem_backend_cuda)
+    target_compile_options(bench_deltanet PRIVATE ${TANDEM_WARNINGS})
     # Block-scaled FP8 GEMM beside the bf16 one (bench/cuda/bench_fp8_gemm.cpp).
     add_executable(bench_fp8_gemm ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_fp8_gemm.cpp)
     target_link_libraries(bench_fp8_gemm PRIVATE tandem_backend_cuda)

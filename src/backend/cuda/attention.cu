@@ -42,11 +42,13 @@ constexpr int kAttnWarps = 4;
 // the group's q (fp32 in shared memory), an online softmax per warp keeps (max, sum, acc),
 // and the 4 warps merge at the end. Lane l accumulates V dims [l * kDPer, (l + 1) * kDPer).
 // The merge takes kMergeGroups heads per pass: one pass for groups <= 8, two for group 16 (an
-// sAcc of all 16 heads would pass the 48 KiB of static shared memory at head_dim 128).
+// sAcc of all 16 heads would pass the 48 KiB of static shared memory at head_dim 128); at
+// head_dim 256 (Qwen3.5) 4 heads per pass.
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int kDPer = kHeadDim / 32;
-  constexpr int kMergeGroups = kGroup < 8 ? kGroup : 8;
+  constexpr int kMaxMerge = kHeadDim == 256 ? 4 : 8;
+  constexpr int kMergeGroups = kGroup < kMaxMerge ? kGroup : kMaxMerge;
   static_assert(kGroup % kMergeGroups == 0, "whole merge passes");
   __shared__ float sQ[kGroup][kHeadDim];
   __shared__ float sP[kAttnWarps][32][kGroup];
@@ -271,7 +273,7 @@ int64_t paged_attention_decode_split(int64_t num_tokens, int64_t num_kv_heads,
 
 void kv_write_launch(KvWriteParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.num_tokens >= 0 && p.num_kv_heads > 0 && p.page_size > 0, "kv_write: bad sizes");
-  if (p.head_dim != 64 && p.head_dim != 128) {
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
     TANDEM_THROW(kUnsupported, "kv_write: unsupported head_dim ", p.head_dim);
   }
   TANDEM_CHECK(aligned_to(16, p.k, p.v, p.pool), "kv_write: pointers must be 16-byte aligned");
@@ -283,6 +285,7 @@ void kv_write_launch(KvWriteParams const& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: kv_write_kernel<64><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p); break;
     case 128: kv_write_kernel<128><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p); break;
+    case 256: kv_write_kernel<256><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p); break;
     default: TANDEM_THROW(kUnsupported, "kv_write: unsupported head_dim ", p.head_dim);
   }
   TANDEM_CUDA_CHECK_LAUNCH();
@@ -292,7 +295,7 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
   TANDEM_CHECK(
       p.num_tokens >= 0 && p.num_kv_heads > 0 && p.page_size > 0 && p.max_pages_per_seq > 0,
       "paged_attention: bad sizes");
-  if (p.head_dim != 64 && p.head_dim != 128) {
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
     TANDEM_THROW(kUnsupported, "paged_attention: unsupported head_dim ", p.head_dim);
   }
   if (p.num_q_heads % p.num_kv_heads != 0) {
@@ -314,7 +317,8 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
   TANDEM_CHECK(num_splits <= 65535, "paged_attention: too many splits ", num_splits);
   TANDEM_CHECK(p.num_prefill_tokens >= -1 && p.num_prefill_tokens <= p.num_tokens,
                "paged_attention: num_prefill_tokens ", p.num_prefill_tokens, " of ", p.num_tokens);
-  switch (p.algo) {
+  // head_dim 256 (Qwen3.5): the simple kernel only, whatever the algo.
+  switch (p.head_dim == 256 ? PagedAttentionAlgo::kSimple : p.algo) {
     case PagedAttentionAlgo::kSimple: break;
     case PagedAttentionAlgo::kPrefill:
       detail::paged_attention_prefill(p, p.num_tokens, stream);
@@ -344,6 +348,9 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
       break;
     case 128:
       paged_attention_group<128>(p, static_cast<int>(group), static_cast<int>(num_splits), stream);
+      break;
+    case 256:
+      paged_attention_group<256>(p, static_cast<int>(group), static_cast<int>(num_splits), stream);
       break;
     default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported head_dim ", p.head_dim);
   }

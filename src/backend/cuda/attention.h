@@ -15,7 +15,7 @@ using bf16 = __nv_bfloat16;
 class PrefillAttentionPlan;  // attention_sm90.h
 
 /// Writes new k, v rows into HND pages: pool[page, 0 (k) | 1 (v), head, slot, :].
-/// slot_index < 0: the token is skipped (padding of a captured batch). head_dim 64 or 128.
+/// slot_index < 0: the token is skipped (padding of a captured batch). head_dim 64, 128, 256.
 struct KvWriteParams {
   bf16 const* k;              // [num_tokens, num_kv_heads, head_dim]
   bf16 const* v;              // [num_tokens, num_kv_heads, head_dim]
@@ -35,7 +35,8 @@ enum class PagedAttentionAlgo : int32_t {
 
 /// Causal GQA attention over paged HND KV: query token t of sequence token_seq[t] at
 /// position positions[t] attends to positions [0, positions[t]] of that sequence.
-/// head_dim 64 or 128; group = num_q_heads / num_kv_heads in {1, 2, 4, 8, 16}; page_size a
+/// head_dim 64 or 128 (256: the simple kernel whatever `algo`); group = num_q_heads /
+/// num_kv_heads in {1, 2, 4, 8, 16}; page_size a
 /// power of two. Tokens of one sequence are contiguous in the batch, positions increasing.
 /// With kv_split > 0 the decode kernels split each token's keys into pieces of kv_split that
 /// write fp32 partial states to workspace, merged by a second kernel (flash-decoding), so a

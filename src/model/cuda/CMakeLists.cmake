@@ -3,6 +3,7 @@
 #   tandem_model_cuda   Qwen3MoeCuda (static library; links the CUDA ops and the CPU model layer)
 #   test_model_cuda     golden fixtures through the engine on the GPU (GTEST_SKIP without one)
 #   bench_model_cuda    decode step / prefill at real shapes with random weights vs the roofline
+#   bench_qwen35_cuda   the same for Qwen3.5 (Qwen35MoeCuda) from a checkpoint on disk
 if(TANDEM_HAS_CUDA)
   file(GLOB TANDEM_MODEL_CUDA_SRCS CONFIGURE_DEPENDS
     ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cpp ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cu)
@@ -48,5 +49,9 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_model_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_model_cuda.cpp)
     target_link_libraries(bench_model_cuda PRIVATE tandem_model_cuda)
     target_compile_options(bench_model_cuda PRIVATE ${TANDEM_WARNINGS})
+    # Qwen3.5 (Qwen35MoeCuda) from a checkpoint on disk: decode steps and prefill vs the bounds.
+    add_executable(bench_qwen35_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_qwen35_cuda.cpp)
+    target_link_libraries(bench_qwen35_cuda PRIVATE tandem_model_cuda)
+    target_compile_options(bench_qwen35_cuda PRIVATE ${TANDEM_WARNINGS})
   endif()
 endif()

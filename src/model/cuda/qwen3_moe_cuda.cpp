@@ -21,6 +21,7 @@
 #include "comm/cuda/cuda_moe.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "model/cuda/cuda_mem.h"
 #include "model/cuda/random_fill.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -28,117 +29,12 @@
 namespace tandem {
 
 using cuda::bf16;
+using cuda_model::DeviceMem;
+using cuda_model::host_bf16;
+using cuda_model::PinnedMem;
+using cuda_model::Uploader;
 
 namespace {
-
-// Bytes from a CUDA allocator, freed on destruction; movable, not copyable.
-template <bool kPinned>
-class CudaMem {
- public:
-  CudaMem() = default;
-  explicit CudaMem(size_t bytes) : size_(bytes) {
-    if (bytes == 0) return;
-    if constexpr (kPinned) {
-      TANDEM_CUDA_CHECK(cudaMallocHost(&ptr_, bytes));
-    } else {
-      TANDEM_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
-    }
-  }
-  ~CudaMem() {
-    if (ptr_ == nullptr) return;
-    if constexpr (kPinned) {
-      (void)cudaFreeHost(ptr_);
-    } else {
-      (void)cudaFree(ptr_);
-    }
-  }
-  CudaMem(CudaMem&& o) noexcept : ptr_(o.ptr_), size_(o.size_) {
-    o.ptr_ = nullptr;
-    o.size_ = 0;
-  }
-  CudaMem& operator=(CudaMem&& o) noexcept {
-    std::swap(ptr_, o.ptr_);
-    std::swap(size_, o.size_);
-    return *this;
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t size() const { return size_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t size_ = 0;
-};
-using DeviceMem = CudaMem<false>;  // cudaMalloc
-using PinnedMem = CudaMem<true>;   // cudaMallocHost
-
-// Host -> device copies through two pinned chunks: the read of chunk i + 1 from the mapped
-// file (page cache or disk) overlaps the DMA of chunk i.
-class Uploader {
- public:
-  explicit Uploader(cudaStream_t stream, size_t chunk = size_t{64} << 20)
-      : stream_(stream), chunk_(chunk) {
-    for (int i = 0; i < 2; ++i) {
-      buf_[i] = PinnedMem(chunk);
-      TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
-    }
-  }
-  ~Uploader() {
-    (void)cudaStreamSynchronize(stream_);
-    for (auto& e : done_) (void)cudaEventDestroy(e);
-  }
-  Uploader(const Uploader&) = delete;
-  Uploader& operator=(const Uploader&) = delete;
-
-  void put(void* dst, const void* src, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += chunk_) {
-      const size_t n = std::min(chunk_, bytes - off);
-      uint8_t* staging = next();
-      std::memcpy(staging, static_cast<const uint8_t*>(src) + off, n);
-      submit(static_cast<uint8_t*>(dst) + off, n);
-    }
-  }
-  /// A staging chunk to fill by hand (at most chunk() bytes), then submit(dst, n).
-  uint8_t* next() {
-    cur_ ^= 1;
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(done_[cur_]));
-    return buf_[cur_].as<uint8_t>();
-  }
-  void submit(void* dst, size_t n) {
-    TANDEM_CUDA_CHECK(
-        cudaMemcpyAsync(dst, buf_[cur_].as<uint8_t>(), n, cudaMemcpyHostToDevice, stream_));
-    TANDEM_CUDA_CHECK(cudaEventRecord(done_[cur_], stream_));
-  }
-  size_t chunk() const { return chunk_; }
-
- private:
-  cudaStream_t stream_;
-  size_t chunk_;
-  PinnedMem buf_[2];
-  cudaEvent_t done_[2]{};
-  int cur_ = 1;
-};
-
-// A checkpoint tensor as host bf16: the mapped bytes when stored as bf16, else converted
-// into `tmp` (block-FP8 / MXFP8 linears dequantized by the WeightReader, as the CPU model
-// loads them; the weights then take bf16's bytes on the device).
-const uint16_t* host_bf16(const WeightReader& wr, const std::string& name, const Shape& shape,
-                          std::vector<uint16_t>& tmp) {
-  TensorView v = wr.checkpoint().get(name, shape);
-  if (v.dtype == DType::kBF16) return v.ptr<uint16_t>();
-  std::vector<float> f(static_cast<size_t>(v.numel()));
-  if (wr.is_quantized(name)) {
-    TANDEM_CHECK(shape.ndim() == 2, name, ": a quantized tensor must be a matrix");
-    wr.read(name, shape[0], shape[1], f.data());
-  } else {
-    Checkpoint::to_f32(v, f.data());
-  }
-  tmp.resize(f.size());
-  for (size_t i = 0; i < f.size(); ++i) tmp[i] = f32_to_bf16(f[i]);
-  return tmp.data();
-}
 
 // A linear kept in block FP8 (backend/cuda/fp8_linear.h): E4M3 codes [n, k] and row scales
 // [n, ceil(k / 128)]; null when the linear is bf16.
@@ -207,10 +103,28 @@ void check_gqa_group(int64_t group, const std::string& origin, const char* what)
 }  // namespace
 
 void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
-  TANDEM_CHECK_KIND(kUnsupported, !c.is_hybrid(), origin, ": model_type '", c.model_type,
-                    "' (a hybrid DeltaNet model) is not supported on the GPU yet");
-  TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin, ": head_dim ",
-                    c.head_dim, " is not supported on the GPU (64 or 128)");
+  if (c.is_hybrid()) {
+    // Qwen3.5 (Qwen35MoeCuda): gated attention at head_dim 64 / 128 / 256, DeltaNet layers
+    // within the CUDA DeltaNet ops (backend/cuda/deltanet.h).
+    TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256,
+                      origin, ": head_dim ", c.head_dim,
+                      " is not supported on the GPU (64, 128 or 256)");
+    const int64_t dk = c.linear_key_head_dim;
+    TANDEM_CHECK_KIND(kUnsupported, dk == 16 || dk == 32 || dk == 64 || dk == 128, origin,
+                      ": linear_key_head_dim ", dk,
+                      " is not supported on the GPU (16, 32, 64 or 128)");
+    TANDEM_CHECK_KIND(kUnsupported, c.linear_value_head_dim > 0 && c.linear_value_head_dim <= 256,
+                      origin, ": linear_value_head_dim ", c.linear_value_head_dim,
+                      " is not supported on the GPU (at most 256)");
+    TANDEM_CHECK_KIND(kUnsupported, c.linear_conv_kernel_dim >= 2 && c.linear_conv_kernel_dim <= 8,
+                      origin, ": linear_conv_kernel_dim ", c.linear_conv_kernel_dim,
+                      " is not supported on the GPU (2 to 8)");
+    TANDEM_CHECK_KIND(kUnsupported, c.ssm_state_dtype == DType::kF32, origin,
+                      ": mamba_ssm_dtype other than float32 is not supported on the GPU");
+  } else {
+    TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin, ": head_dim ",
+                      c.head_dim, " is not supported on the GPU (64 or 128)");
+  }
   TANDEM_CHECK_KIND(kUnsupported, !c.attention_bias, origin,
                     ": attention_bias true is not supported on the GPU");
   const int64_t group =
@@ -970,6 +884,8 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
                                                  const CudaModelOptions& opts) {
   ModelConfig config = ModelConfig::from_dir(dir);
   check_cuda_model_config(config, dir + "/config.json");
+  TANDEM_CHECK_KIND(kUnsupported, !config.is_hybrid(), dir, "/config.json: model_type '",
+                    config.model_type, "' is a Qwen3.5 hybrid: load it with Qwen35MoeCuda");
   Checkpoint ckpt(dir);
   const WeightReader reader(ckpt, config.quant, dir + "/config.json");
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(std::move(config), opts));
@@ -984,6 +900,7 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
 std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::random(const ModelConfig& config,
                                                    const CudaModelOptions& opts, uint64_t seed) {
   check_cuda_model_config(config, "config");
+  TANDEM_CHECK_KIND(kUnsupported, !config.is_hybrid(), "config: a Qwen3.5 hybrid model");
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(config, opts));
   m->impl_->allocate_weights(nullptr);
   m->impl_->random_weights(seed);

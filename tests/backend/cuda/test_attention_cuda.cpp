@@ -242,6 +242,17 @@ TEST_F(CudaAttention, GroupsAndHeadDims) {
   }
 }
 
+// Qwen3.5's gated attention: head_dim 256 (every algo runs the simple kernel), GQA 1 to 16
+// (Qwen3.5-35B-A3B: 16 q / 2 kv heads; 397B-A17B: 32 / 2), prefill, decode and split-KV.
+TEST_F(CudaAttention, HeadDim256) {
+  SCOPED_TRACE(trace());
+  for (int64_t group : {1, 2, 4, 8, 16}) {
+    check({2 * group, 2, 256, 16, {{100, 60}, {33, 1}, {260, 1}}});
+  }
+  check({16, 2, 256, 16, {{1, 1}, {700, 1}, {17, 1}}, 3});
+  check({32, 2, 256, 16, {{301, 301}}});
+}
+
 TEST_F(CudaAttention, PageSizes) {
   SCOPED_TRACE(trace());
   for (int64_t ps : {8, 32, 64, 128}) {

@@ -32,30 +32,14 @@
 #include "engine/engine.h"
 #include "engine/golden.h"
 #include "model/config.h"
+#include "model/cuda/cuda_golden_util.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/qwen3_moe.h"
 
 namespace tandem {
 namespace {
 
-constexpr double kMedianTol = 1.5e-2;  // relative L2 error of a logits row: median,
-constexpr double kP95Tol = 5e-2;       // 95th percentile,
-constexpr double kMaxTol = 0.3;        // worst row
-constexpr double kMarginBf16 = 0.5;    // logit margin above which bf16 must agree on the argmax
-constexpr double kLogprobTol = 0.25;   // the chosen token's logprob vs the fp32 golden one
-constexpr double kLowerRankTol = 1.0;  // ranks 2-5 (a flipped routing moves them most)
-
-bool gpu_available() {
-  static const bool ok = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return n > 0;
-  }();
-  return ok;
-}
+using namespace cuda_golden;  // NOLINT: the shared rule (cuda_golden_util.h)
 
 bool gpu_shapes(const ModelConfig& c) { return c.head_dim == 64 || c.head_dim == 128; }
 
@@ -116,69 +100,6 @@ TEST(CudaModelConfig, KvCacheBudgetFromGpuMemory) {
   }
 }
 
-// Compares logits rows [rows, vocab]; appends each row's relative L2 error to `errs`.
-// Returns the number of argmax checks made.
-int compare_rows(const std::vector<float>& got, const std::vector<float>& want, int64_t vocab,
-                 const std::string& what, std::vector<double>& errs) {
-  int checked = 0;
-  const int64_t rows = static_cast<int64_t>(want.size()) / vocab;
-  EXPECT_EQ(got.size(), want.size()) << what;
-  for (int64_t r = 0; r < rows && got.size() == want.size(); ++r) {
-    const float* g = got.data() + r * vocab;
-    const float* w = want.data() + r * vocab;
-    double num = 0, den = 0;
-    int64_t ga = 0, wa = 0, w2 = -1;
-    bool finite = true;
-    for (int64_t i = 0; i < vocab; ++i) {
-      finite = finite && std::isfinite(g[i]);
-      num += (double(g[i]) - w[i]) * (double(g[i]) - w[i]);
-      den += double(w[i]) * w[i];
-      if (g[i] > g[ga]) ga = i;
-      if (w[i] > w[wa]) wa = i;
-    }
-    EXPECT_TRUE(finite) << what << " row " << r;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (i != wa && (w2 < 0 || w[i] > w[w2])) w2 = i;
-    }
-    errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
-    if (w2 >= 0 && w[wa] - w[w2] > kMarginBf16) {
-      ++checked;
-      EXPECT_EQ(ga, wa) << what << " row " << r << " margin " << (w[wa] - w[w2]);
-    }
-  }
-  return checked;
-}
-
-double quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
-}
-
-// One sequence, all positions' logits, in chunks of `chunk` tokens.
-std::vector<float> teacher_forced(Model& model, KvCache& kv, const std::vector<int32_t>& tokens,
-                                  int64_t chunk) {
-  const int64_t n = static_cast<int64_t>(tokens.size()), page = kv.geometry().page_size;
-  std::vector<int32_t> table(static_cast<size_t>((n + page - 1) / page));
-  std::iota(table.begin(), table.end(), 0);
-  std::reverse(table.begin(), table.end());  // non-contiguous, descending pages
-  std::vector<float> all, part;
-  for (int64_t begin = 0; begin < n; begin += chunk) {
-    ForwardBatch b;
-    ForwardSeq s;
-    s.tokens = tokens.data() + begin;
-    s.num_tokens = std::min(chunk, n - begin);
-    s.start_pos = begin;
-    s.block_table = table.data();
-    s.num_pages = static_cast<int64_t>(table.size());
-    s.logits = LogitsMode::kAll;
-    b.seqs.push_back(s);
-    model.forward(b, kv, part);
-    all.insert(all.end(), part.begin(), part.end());
-  }
-  return all;
-}
-
 class CudaGolden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -223,98 +144,6 @@ TEST_P(CudaGolden, TeacherForcedLogitsMatchTheCpuModel) {
   EXPECT_LT(p95, kP95Tol);
   EXPECT_LT(worst, kMaxTol);
   EXPECT_GT(checked, 0);
-}
-
-// The GPU model with host sampling (logits copied back), the path requests with penalties or
-// prompt logprobs take.
-class HostSampled final : public Model {
- public:
-  explicit HostSampled(Model& m) : m_(m) {}
-  const ModelConfig& config() const override { return m_.config(); }
-  KvGeometry kv_geometry(int64_t pages, int64_t page) const override {
-    return m_.kv_geometry(pages, page);
-  }
-  KvCache make_kv_cache(int64_t pages, int64_t page) override {
-    return m_.make_kv_cache(pages, page);
-  }
-  void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
-    m_.forward(b, kv, logits);
-  }
-
- private:
-  Model& m_;
-};
-
-struct Result {
-  std::vector<int32_t> ids;
-  std::vector<std::vector<TokenLogprob>> top;
-  int finished = 0;
-};
-
-std::vector<Result> run_engine(Model& model, const std::vector<testing::GoldenCase>& cases,
-                               EngineConfig cfg, bool together) {
-  Engine engine(model, cfg);
-  std::vector<Result> results(cases.size());
-  auto add = [&](size_t i) {
-    GenRequest r;
-    r.id = "r" + std::to_string(i);
-    r.prompt_ids = cases[i].prompt_ids;
-    r.max_tokens = cases[i].max_tokens;
-    r.sampling.temperature = 0;
-    r.sampling.logprobs = 5;
-    engine.add(r, [&results, i](const StepOutput& o) {
-      Result& res = results[i];
-      res.ids.insert(res.ids.end(), o.token_ids.begin(), o.token_ids.end());
-      res.top.insert(res.top.end(), o.top_logprobs.begin(), o.top_logprobs.end());
-      if (o.finished) ++res.finished;
-    });
-  };
-  if (together) {
-    for (size_t i = 0; i < cases.size(); ++i) add(i);
-    while (engine.step()) {
-    }
-  } else {
-    for (size_t i = 0; i < cases.size(); ++i) {
-      add(i);
-      while (engine.step()) {
-      }
-    }
-  }
-  EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages()) << "leaked KV pages";
-  return results;
-}
-
-// Steps compared: up to the first golden step whose top1-top2 margin is under kMarginBf16.
-int compare_greedy(const testing::Golden& g, const std::vector<Result>& results,
-                   const std::string& mode) {
-  int compared = 0;
-  for (size_t i = 0; i < g.cases.size(); ++i) {
-    const auto& c = g.cases[i];
-    const Result& r = results[i];
-    SCOPED_TRACE(g.name + " " + mode + " case " + std::to_string(i));
-    EXPECT_EQ(r.finished, 1);
-    for (size_t t = 0; t < c.output_ids.size(); ++t) {
-      const auto& top = c.top_logprobs[t];
-      if (top.size() < 2 || top[0].logprob - top[1].logprob < kMarginBf16) break;
-      const bool same = t < r.ids.size() && r.ids[t] == c.output_ids[t] && t < r.top.size() &&
-                        r.top[t].size() == top.size();
-      EXPECT_TRUE(same) << "step " << t << ": got "
-                        << (t < r.ids.size() ? std::to_string(r.ids[t]) : "nothing") << ", want "
-                        << c.output_ids[t];
-      if (!same) break;  // the rest of the case diverges
-      for (size_t k = 0; k < top.size(); ++k) {
-        // Lower ranks may swap when they are close; compare each golden id's logprob.
-        for (const auto& e : r.top[t]) {
-          if (e.id == top[k].id) {
-            EXPECT_NEAR(e.logprob, top[k].logprob, k == 0 ? kLogprobTol : kLowerRankTol)
-                << "step " << t << " rank " << k;
-          }
-        }
-      }
-      ++compared;
-    }
-  }
-  return compared;
 }
 
 TEST_P(CudaGolden, GreedyMatchesTransformers) {

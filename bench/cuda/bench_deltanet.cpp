@@ -1,0 +1,127 @@
+// Qwen3.5 DeltaNet layer ops at Qwen3.5-35B-A3B shapes (16 k / 32 v heads of 128, conv over
+// 8192 channels, kernel 4): the causal conv1d and the gated delta rule for a decode step of
+// 1, 32 and 128 sequences (each with a 64 KiB fp32 state per value head: 4 MiB per sequence,
+// read and written once) and for one prefill sequence of 1024 / 8192 tokens; beside the bound
+// measured in the same run (bench_util.h: bytes / device copy bandwidth, flops / cuBLASLt bf16
+// rate). The prefill kernel is the sequential (recurrent) one: its bound is the FLOP one of a
+// chunked tensor-core kernel it does not reach, so the %bound column says how far it is.
+//
+//   bench_deltanet [--quick]   CSV to $TANDEM_BENCH_CSV when set
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/deltanet.h"
+#include "bench_util.h"
+
+using namespace tandem;
+using namespace tandem::cuda;
+
+namespace {
+
+constexpr int64_t kHk = 16, kHv = 32, kDk = 128, kDv = 128, kKernel = 4;
+constexpr int64_t kConv = 2 * kHk * kDk + kHv * kDv;    // 8192
+constexpr int64_t kProj = kConv + kHv * kDv + 2 * kHv;  // qkv | z | b | a
+
+using bench::Buf;
+using bench::fill_bf16;
+using Bench = bench::OpBench;
+
+// One batch: `seqs` sequences of `len` tokens each, slots 0..seqs-1, none fresh.
+struct Seqs {
+  Buf begin, token_seq, slot, fresh;
+  int64_t n;
+  Seqs(int64_t seqs, int64_t len)
+      : begin((seqs + 1) * 4), token_seq(seqs * len * 4), slot(seqs * 4), fresh(seqs * 4), n(seqs) {
+    std::vector<int32_t> b(seqs + 1), ts(seqs * len), sl(seqs), fr(seqs, 0);
+    for (int64_t s = 0; s <= seqs; ++s) b[s] = static_cast<int32_t>(s * len);
+    for (int64_t t = 0; t < seqs * len; ++t) ts[t] = static_cast<int32_t>(t / len);
+    std::iota(sl.begin(), sl.end(), 0);
+    bench::upload(begin, b);
+    bench::upload(token_seq, ts);
+    bench::upload(slot, sl);
+    bench::upload(fresh, fr);
+  }
+  DeltaNetSeqs view() const {
+    return {begin.as<int32_t>(), token_seq.as<int32_t>(), slot.as<int32_t>(), fresh.as<int32_t>(),
+            n};
+  }
+};
+
+void bench_case(Bench& b, int64_t seqs, int64_t len) {
+  const int64_t T = seqs * len;
+  const std::string shape = std::to_string(seqs) + " seq x " + std::to_string(len) + " tok";
+  Seqs sq(seqs, len);
+  Buf proj(T * kProj * 2), conv_out(T * kConv * 2), out(T * kHv * kDv * 4);
+  fill_bf16(proj);
+  const int64_t conv_state = kConv * (kKernel - 1), rec_state = kHv * kDk * kDv;
+  Buf states(seqs * (conv_state + rec_state) * 4);
+  TANDEM_CUDA_CHECK(cudaMemset(states.ptr, 0, states.bytes));
+  Buf w(kConv * kKernel * 2), a_log(kHv * 4), dt(kHv * 4);
+  fill_bf16(w, 0.5f);
+  TANDEM_CUDA_CHECK(cudaMemset(a_log.ptr, 0, a_log.bytes));
+  TANDEM_CUDA_CHECK(cudaMemset(dt.ptr, 0, dt.bytes));
+  Buf ws(gated_delta_rule_workspace_floats(T, kHk, kHv, kDk) * 4);
+  const int64_t slot_stride = conv_state + rec_state;
+
+  b.guarded("causal_conv1d", [&] {
+    CausalConv1dParams p{
+        proj.as<bf16>(), w.as<bf16>(), states.as<float>(), conv_out.as<bf16>(), sq.view(), T, kConv,
+        kKernel,         kProj,        slot_stride};
+    const double us = b.time_us(1, [&](int) { causal_conv1d_launch(p, b.stream); });
+    // x read, out written, the window read and written.
+    const double bytes = T * kConv * 2.0 * 2 + seqs * conv_state * 4.0 * 2;
+    b.add("causal_conv1d", T, shape, us, bytes, 2.0 * T * kConv * kKernel);
+  });
+  b.guarded("gated_delta_rule", [&] {
+    GatedDeltaRuleParams p{};
+    p.qkv = conv_out.as<bf16>();
+    p.b = proj.as<bf16>() + kConv + kHv * kDv;
+    p.a = p.b + kHv;
+    p.a_log = a_log.as<float>();
+    p.dt_bias = dt.as<float>();
+    p.states = states.as<float>() + conv_state;
+    p.out = out.as<float>();
+    p.workspace = ws.as<float>();
+    p.seqs = sq.view();
+    p.num_tokens = T;
+    p.num_k_heads = kHk;
+    p.num_v_heads = kHv;
+    p.k_dim = kDk;
+    p.v_dim = kDv;
+    p.qkv_stride = kConv;
+    p.ab_stride = kProj;
+    p.state_stride = slot_stride;
+    const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
+    // qkv read, out written (fp32), the state read and written once per sequence.
+    const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;
+    // Per token and value head: decay, S^T k, the rank-1 update, S^T q: ~6 dk dv flops (the
+    // chunked form does about the same on tensor cores).
+    b.add("gated_delta_rule", T, shape, us, bytes, 6.0 * T * kHv * kDk * kDv);
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Bench b;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) b.quick = true;
+  }
+  try {
+    if (!b.open()) return 2;
+    b.measure_ceilings();
+    for (int64_t seqs : {1, 32, 128}) bench_case(b, seqs, 1);  // decode steps
+    bench_case(b, 1, 1024);
+    if (!b.quick) bench_case(b, 1, 8192);
+  } catch (std::exception const& e) {
+    std::printf("FATAL: %s\n", e.what());
+    return 1;
+  }
+  return b.finish();
+}

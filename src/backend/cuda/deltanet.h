@@ -1,0 +1,89 @@
+// CUDA ops of the Qwen3.5 gated DeltaNet (linear attention) layer: the causal depthwise conv1d
+// over the qkv channels (prefill and decode update in one launch), the gated delta rule with an
+// fp32 recurrent state per value head (recurrent over the tokens of each sequence, parallel
+// over sequences, value heads and value columns; the state is read and written once per
+// launch) and the RMSNorm gated by silu(z). bf16 activations in, fp32 inside and in the state.
+// Framework-free: a params struct in, a stream; launches are asynchronous and CUDA-graph safe
+// (every launch shape depends on num_tokens, num_seqs and the model's sizes only).
+// CPU references: cpu::causal_conv1d, cpu::deltanet_gates, cpu::gated_delta_rule,
+// cpu::gated_rms_norm (src/backend/cpu/ops.h).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace tandem::cuda {
+
+using bf16 = __nv_bfloat16;
+
+/// The sequences of a batch as the DeltaNet ops see them: each sequence's tokens contiguous
+/// (at least one), sequences in token order; num_tokens == num_seqs is a decode step. A sequence
+/// whose slot is < 0 (padding of a captured batch) reads a zero state and writes none; a fresh one
+/// (its first token is position 0) starts from zero. Its state slot s lives at `states + s *
+/// state_stride` of the op's state pointer.
+struct DeltaNetSeqs {
+  int32_t const* seq_begin;   // [num_seqs + 1]: first token of each sequence, then num_tokens
+  int32_t const* token_seq;   // [num_tokens]: sequence of each token
+  int32_t const* state_slot;  // [num_seqs]: state slot, < 0: padding
+  int32_t const* fresh;       // [num_seqs]: 1: zero initial state
+  int64_t num_seqs;
+};
+
+/// Depthwise causal conv1d (+ SiLU) over the new tokens of each sequence, continuing from its
+/// window of kernel - 1 previous inputs, which becomes the last kernel - 1 inputs:
+///   out[t, c] = silu(sum_j weight[c, j] * x'[t + j, c]),  x' = (window[c, :], x[:, c]).
+/// kernel in [2, 8]. A decode step is one token per sequence.
+struct CausalConv1dParams {
+  bf16 const* x;       // [num_tokens, x_stride]: channels [0, channels) of each row
+  bf16 const* weight;  // [channels, kernel]
+  float* states;       // per slot: [channels, kernel - 1] at states + slot * state_stride
+  bf16* out;           // [num_tokens, channels]; must not alias x
+  DeltaNetSeqs seqs;
+  int64_t num_tokens, channels, kernel, x_stride, state_stride;
+  bool silu = true;
+};
+void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream);
+
+/// The gated delta rule on the conv output, the gates computed from the projection:
+///   beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias) per token and value head;
+///   q, k L2-normalised (x / sqrt(sum x^2 + 1e-6)), q scaled by 1 / sqrt(k_dim); value head h
+///   reads q/k head h / (num_v_heads / num_k_heads); per token
+///   S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q   (S: [k_dim, v_dim], fp32).
+/// k_dim 16, 32, 64 or 128 (kUnsupported otherwise); v_dim at most 256.
+/// The recurrence runs over each sequence's tokens one after another (a decode step, one token
+/// per sequence: 4 warps per 32 value columns split the state's rows; otherwise a warp holds
+/// its columns' whole state slice in registers over the chunk); `workspace` holds the
+/// normalised q, k and the gates.
+struct GatedDeltaRuleParams {
+  bf16 const* qkv;       // [num_tokens, qkv_stride]: q [hk, dk] | k [hk, dk] | v [hv, dv]
+  bf16 const* b;         // [num_tokens, ab_stride]: columns [0, num_v_heads)
+  bf16 const* a;         // [num_tokens, ab_stride]: columns [0, num_v_heads)
+  float const* a_log;    // [num_v_heads]
+  float const* dt_bias;  // [num_v_heads]
+  float* states;         // per slot: [num_v_heads, k_dim, v_dim] at states + slot * state_stride
+  float* out;            // [num_tokens, num_v_heads, v_dim]
+  float* workspace;      // gated_delta_rule_workspace_floats(...)
+  DeltaNetSeqs seqs;
+  int64_t num_tokens, num_k_heads, num_v_heads, k_dim, v_dim, qkv_stride, ab_stride, state_stride;
+};
+void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream);
+/// fp32 elements of GatedDeltaRuleParams::workspace for num_tokens tokens.
+size_t gated_delta_rule_workspace_floats(int64_t num_tokens, int64_t num_k_heads,
+                                         int64_t num_v_heads, int64_t k_dim);
+
+/// RMSNorm gated by silu, per row of `dim` (rows = tokens * heads):
+///   out = weight * x / sqrt(mean(x^2) + eps) * silu(gate), fp32 in, bf16 out.
+/// Row r = t * heads + h reads its gate at gate + t * gate_stride + h * dim.
+struct GatedRmsNormParams {
+  float const* x;       // [rows, dim]
+  bf16 const* gate;     // see above
+  float const* weight;  // [dim] (plain weight)
+  bf16* out;            // [rows, dim]
+  int64_t rows, dim, heads, gate_stride;
+  float eps;
+};
+void gated_rms_norm_launch(GatedRmsNormParams const& p, cudaStream_t stream);
+
+}  // namespace tandem::cuda

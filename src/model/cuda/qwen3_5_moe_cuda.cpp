@@ -1,0 +1,950 @@
+// Qwen3.5 hybrid MoE forward on one GPU. See qwen3_5_moe_cuda.h.
+#include "model/cuda/qwen3_5_moe_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/deltanet.h"
+#include "backend/cuda/gated_attention.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/moe.h"
+#include "backend/cuda/moe_layer.h"
+#include "backend/cuda/norm.h"
+#include "backend/cuda/sampling.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/cuda/cuda_mem.h"
+#include "model/quant.h"
+#include "model/safetensors.h"
+
+namespace tandem {
+
+using cuda::bf16;
+using cuda_model::DeviceMem;
+using cuda_model::host_bf16;
+using cuda_model::PinnedMem;
+using cuda_model::Uploader;
+
+namespace {
+
+struct LayerW {
+  bool linear = false;
+  int64_t index = 0;           // among the layers of its kind: KV layer or state part
+  bf16* input_norm = nullptr;  // [H], 1 + w
+  bf16* post_norm = nullptr;   // [H], 1 + w
+  // Gated attention.
+  bf16* qkv = nullptr;     // [(2 qh + 2 kvh) d, H]: q_proj (query | gate per head), k, v
+  bf16* o = nullptr;       // [H, qh d]
+  bf16* q_norm = nullptr;  // [d], 1 + w
+  bf16* k_norm = nullptr;  // [d], 1 + w
+  // Gated DeltaNet.
+  bf16* in_proj = nullptr;    // [in_rows, H]: qkv | z | b | a | zero rows (to a multiple of 8)
+  bf16* conv = nullptr;       // [conv_dim, kernel]
+  float* a_log = nullptr;     // [hv]
+  float* dt_bias = nullptr;   // [hv]
+  float* out_norm = nullptr;  // [dv] (plain weight)
+  bf16* out_proj = nullptr;   // [H, value_dim]
+  // MoE + shared expert.
+  bf16* router = nullptr;          // [E, H]
+  bf16* gate_up = nullptr;         // [E, 2I, H] packed (moe_pack_gate_up)
+  bf16* down = nullptr;            // [E, H, I]
+  bf16* shared_gate_up = nullptr;  // [2 SI, H]: gate rows, then up rows
+  bf16* shared_down = nullptr;     // [H, SI]
+  bf16* shared_gate = nullptr;     // [H]
+};
+
+// Device pointers of one forward's metadata.
+struct Meta {
+  int32_t* ids = nullptr;        // [n]
+  int32_t* positions = nullptr;  // [n]
+  int32_t* token_seq = nullptr;  // [n]: attention's sequence (block-table row) of each token
+  int32_t* rows = nullptr;       // [num_rows]: token index of each logits row
+  int64_t* slots = nullptr;      // [n]
+  int32_t* tables = nullptr;     // [num_seqs, width]
+  // DeltaNet: sequences in token order.
+  int32_t* dn_begin = nullptr;      // [num_seqs + 1]
+  int32_t* dn_token_seq = nullptr;  // [n]
+  int32_t* dn_slot = nullptr;       // [num_seqs]
+  int32_t* dn_fresh = nullptr;      // [num_seqs]
+  int64_t n = 0, width = 0, num_rows = 0, num_seqs = 0;
+  int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
+};
+
+struct HostMeta {
+  std::vector<int32_t> ids, positions, token_seq, tables, rows;
+  std::vector<int64_t> slots;
+  std::vector<int32_t> dn_begin, dn_token_seq, dn_slot, dn_fresh;
+};
+
+constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
+                                80, 96, 112, 128, 160, 192, 224, 256};
+
+// A host float vector as bf16 bits.
+std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
+  std::vector<uint16_t> b(f.size());
+  for (size_t i = 0; i < f.size(); ++i) b[i] = f32_to_bf16(f[i]);
+  return b;
+}
+
+}  // namespace
+
+struct Qwen35MoeCuda::Impl {
+  const ModelConfig& c;
+  cudaStream_t stream;
+  int num_sms = 0;
+
+  // Sizes.
+  int64_t num_linear = 0, num_attention = 0;
+  int64_t key_dim = 0, value_dim = 0, conv_dim = 0, in_rows = 0, in_used = 0;
+
+  // Weights.
+  std::vector<DeviceMem> mem;
+  bf16* embed = nullptr;
+  bf16* final_norm = nullptr;
+  bf16* lm_head = nullptr;  // the embedding when tied
+  std::vector<LayerW> layers;
+
+  // Activations, sized for t_cap tokens.
+  int64_t t_cap = 0, rows_cap = 0, s_cap = 0;
+  DeviceMem x, xn, y, proj, q, gate, attn, conv_out, core, dn_ws, sgu, sact, sout, last, logits,
+      attn_ws;
+  size_t attn_ws_floats = 0;
+  // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
+  DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
+  PinnedMem h_sample;  // params up, results down
+  std::unique_ptr<cuda::GemmLt> gemm;
+  std::unique_ptr<cuda::MoeLayer> moe;
+
+  // Metadata: eager buffers and the captured graphs' own.
+  DeviceMem e_tables, e_meta, g_meta, g_tables;
+  int64_t graph_width = 0;
+  PinnedMem h_meta, h_tables;
+  cudaEvent_t meta_copied = nullptr;
+
+  std::map<int64_t, cudaGraphExec_t> graphs;
+  const void* graph_kv = nullptr;      // the cache the graphs were captured against
+  const void* graph_states = nullptr;  // and its state slots
+  int64_t graph_page_size = 0;
+
+  Impl(const ModelConfig& config, cudaStream_t s) : c(config), stream(s) {
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
+    conv_dim = 2 * key_dim + value_dim;
+    in_used = conv_dim + value_dim + 2 * c.linear_num_value_heads;
+    in_rows = (in_used + 7) / 8 * 8;
+  }
+  ~Impl() {
+    drop_graphs();
+    if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
+  }
+  void drop_graphs() {
+    for (auto& [b, g] : graphs) (void)cudaGraphExecDestroy(g);
+    graphs.clear();
+    graph_kv = nullptr;
+    graph_states = nullptr;
+  }
+
+  int64_t qkv_rows() const {
+    return (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
+  }
+  int64_t state_per_layer() const {
+    return conv_dim * (c.linear_conv_kernel_dim - 1) +
+           c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+  }
+  int64_t slot_elems() const { return std::max<int64_t>(1, num_linear * state_per_layer()); }
+
+  template <typename T>
+  T* alloc(int64_t elems) {
+    mem.emplace_back(static_cast<size_t>(elems) * sizeof(T));
+    return mem.back().as<T>();
+  }
+
+  void allocate_weights() {
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
+    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+    const int64_t E = c.num_experts, inter = c.moe_intermediate_size,
+                  sinter = c.shared_expert_intermediate_size;
+    embed = alloc<bf16>(c.vocab_size * h);
+    final_norm = alloc<bf16>(h);
+    lm_head = c.tie_word_embeddings ? embed : alloc<bf16>(c.vocab_size * h);
+    layers.resize(static_cast<size_t>(c.num_hidden_layers));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      LayerW& w = layers[static_cast<size_t>(l)];
+      w.linear = c.layer_types[static_cast<size_t>(l)] == ModelConfig::LayerType::kLinearAttention;
+      w.index = w.linear ? num_linear++ : num_attention++;
+      w.input_norm = alloc<bf16>(h);
+      w.post_norm = alloc<bf16>(h);
+      if (w.linear) {
+        w.in_proj = alloc<bf16>(in_rows * h);
+        w.conv = alloc<bf16>(conv_dim * c.linear_conv_kernel_dim);
+        w.a_log = alloc<float>(hv);
+        w.dt_bias = alloc<float>(hv);
+        w.out_norm = alloc<float>(dv);
+        w.out_proj = alloc<bf16>(h * value_dim);
+      } else {
+        w.qkv = alloc<bf16>(qkv_rows() * h);
+        w.o = alloc<bf16>(h * qh * d);
+        w.q_norm = alloc<bf16>(d);
+        w.k_norm = alloc<bf16>(d);
+      }
+      w.router = alloc<bf16>(E * h);
+      w.gate_up = alloc<bf16>(E * 2 * inter * h);
+      w.down = alloc<bf16>(E * h * inter);
+      w.shared_gate_up = alloc<bf16>(2 * sinter * h);
+      w.shared_down = alloc<bf16>(h * sinter);
+      w.shared_gate = alloc<bf16>(h);
+    }
+    TANDEM_CHECK_KIND(kUnsupported, num_attention > 0, "config.json: layer_types has no ",
+                      "full_attention layer");
+  }
+
+  void load_weights(const WeightReader& wr) {
+    const Checkpoint& ckpt = wr.checkpoint();
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
+                  kvh = c.num_key_value_heads;
+    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+    const int64_t kern = c.linear_conv_kernel_dim, E = c.num_experts;
+    const int64_t inter = c.moe_intermediate_size, sinter = c.shared_expert_intermediate_size;
+    const std::string& root = c.weight_prefix;
+    Uploader up(stream);
+    std::vector<uint16_t> tmp, tmp2;
+    auto put = [&](bf16* dst, const std::string& name, const Shape& shape) {
+      const uint16_t* src = host_bf16(wr, name, shape, tmp);
+      up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
+    };
+    // A vector as fp32 (optionally 1 + w, computed in fp32 as transformers does).
+    auto f32 = [&](const std::string& name, const Shape& shape, bool plus_one) {
+      TensorView v = ckpt.get(name, shape);
+      std::vector<float> f(static_cast<size_t>(v.numel()));
+      Checkpoint::to_f32(v, f.data());
+      if (plus_one) {
+        for (float& e : f) e += 1.0f;
+      }
+      return f;
+    };
+    auto put_norm = [&](bf16* dst, const std::string& name, int64_t n) {
+      const std::vector<uint16_t> b = to_bf16_bits(f32(name, {n}, true));
+      up.put(dst, b.data(), b.size() * sizeof(uint16_t));
+    };
+    auto put_f32 = [&](float* dst, const std::string& name, int64_t n) {
+      const std::vector<float> f = f32(name, {n}, false);
+      up.put(dst, f.data(), f.size() * sizeof(float));
+    };
+    put(embed, root + "embed_tokens.weight", {c.vocab_size, h});
+    put_norm(final_norm, root + "norm.weight", h);
+    if (!c.tie_word_embeddings) put(lm_head, "lm_head.weight", {c.vocab_size, h});
+    std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      LayerW& w = layers[static_cast<size_t>(l)];
+      const std::string p = root + "layers." + std::to_string(l) + ".";
+      put_norm(w.input_norm, p + "input_layernorm.weight", h);
+      put_norm(w.post_norm, p + "post_attention_layernorm.weight", h);
+      if (w.linear) {
+        const std::string a = p + "linear_attn.";
+        put(w.in_proj, a + "in_proj_qkv.weight", {conv_dim, h});
+        put(w.in_proj + conv_dim * h, a + "in_proj_z.weight", {value_dim, h});
+        put(w.in_proj + (conv_dim + value_dim) * h, a + "in_proj_b.weight", {hv, h});
+        put(w.in_proj + (conv_dim + value_dim + hv) * h, a + "in_proj_a.weight", {hv, h});
+        if (in_rows > in_used) {
+          TANDEM_CUDA_CHECK(cudaMemsetAsync(w.in_proj + in_used * h, 0,
+                                            static_cast<size_t>((in_rows - in_used) * h) * 2,
+                                            stream));
+        }
+        put(w.conv, a + "conv1d.weight", {conv_dim, 1, kern});
+        put_f32(w.a_log, a + "A_log", hv);
+        put_f32(w.dt_bias, a + "dt_bias", hv);
+        put_f32(w.out_norm, a + "norm.weight", dv);
+        put(w.out_proj, a + "out_proj.weight", {h, value_dim});
+      } else {
+        const std::string a = p + "self_attn.";
+        put(w.qkv, a + "q_proj.weight", {qh * 2 * d, h});
+        put(w.qkv + qh * 2 * d * h, a + "k_proj.weight", {kvh * d, h});
+        put(w.qkv + (qh * 2 * d + kvh * d) * h, a + "v_proj.weight", {kvh * d, h});
+        put(w.o, a + "o_proj.weight", {h, qh * d});
+        put_norm(w.q_norm, a + "q_norm.weight", d);
+        put_norm(w.k_norm, a + "k_norm.weight", d);
+      }
+      const std::string m = p + "mlp.";
+      put(w.router, m + "gate.weight", {E, h});
+      // Experts: fused 3D (transformers 5) or one tensor per expert (the hub).
+      const bool fused = ckpt.has(m + "experts.gate_up_proj");
+      std::vector<float> ef;
+      for (int64_t e = 0; e < E; ++e) {
+        const uint16_t *gate = nullptr, *upw = nullptr;
+        std::vector<uint16_t> gate_copy;
+        if (fused) {
+          TensorView gu = ckpt.get(m + "experts.gate_up_proj", {E, 2 * inter, h});
+          if (gu.dtype == DType::kBF16) {
+            gate = gu.ptr<uint16_t>() + e * 2 * inter * h;
+          } else {
+            ef.resize(static_cast<size_t>(2 * inter * h));
+            Checkpoint::to_f32(gu, ef.data(), e, e + 1);
+            gate_copy = to_bf16_bits(ef);
+            gate = gate_copy.data();
+          }
+          upw = gate + inter * h;
+        } else {
+          const std::string ep = m + "experts." + std::to_string(e) + ".";
+          gate = host_bf16(wr, ep + "gate_proj.weight", {inter, h}, tmp);
+          if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
+            gate_copy = tmp;
+            gate = gate_copy.data();
+          }
+          upw = host_bf16(wr, ep + "up_proj.weight", {inter, h}, tmp2);
+        }
+        cuda::moe_pack_gate_up(reinterpret_cast<const bf16*>(gate),
+                               reinterpret_cast<const bf16*>(upw), inter, h,
+                               reinterpret_cast<bf16*>(packed.data()));
+        up.put(w.gate_up + e * 2 * inter * h, packed.data(), packed.size() * sizeof(uint16_t));
+        if (fused) {
+          TensorView dn = ckpt.get(m + "experts.down_proj", {E, h, inter});
+          if (dn.dtype == DType::kBF16) {
+            up.put(w.down + e * h * inter, dn.ptr<uint16_t>() + e * h * inter,
+                   static_cast<size_t>(h * inter) * sizeof(uint16_t));
+          } else {
+            ef.resize(static_cast<size_t>(h * inter));
+            Checkpoint::to_f32(dn, ef.data(), e, e + 1);
+            const std::vector<uint16_t> b = to_bf16_bits(ef);
+            up.put(w.down + e * h * inter, b.data(), b.size() * sizeof(uint16_t));
+          }
+        } else {
+          put(w.down + e * h * inter, m + "experts." + std::to_string(e) + ".down_proj.weight",
+              {h, inter});
+        }
+      }
+      put(w.shared_gate_up, m + "shared_expert.gate_proj.weight", {sinter, h});
+      put(w.shared_gate_up + sinter * h, m + "shared_expert.up_proj.weight", {sinter, h});
+      put(w.shared_down, m + "shared_expert.down_proj.weight", {h, sinter});
+      put(w.shared_gate, m + "shared_expert_gate.weight", {1, h});
+    }
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  void allocate_activations(const CudaModelOptions& o, int64_t largest_bucket) {
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
+    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+    const int64_t sinter = c.shared_expert_intermediate_size;
+    t_cap = std::max(o.max_tokens, largest_bucket);
+    rows_cap = std::max<int64_t>({o.max_seqs, largest_bucket, std::min<int64_t>(t_cap, 1024)});
+    s_cap = std::max(o.max_seqs, largest_bucket);
+    const auto T = static_cast<size_t>(t_cap);
+    const size_t b = sizeof(bf16);
+    x = DeviceMem(T * h * b);
+    xn = DeviceMem(T * h * b);
+    y = DeviceMem(T * h * b);
+    proj = DeviceMem(T * static_cast<size_t>(std::max(qkv_rows(), in_rows)) * b);
+    q = DeviceMem(T * static_cast<size_t>(qh * d) * b);
+    gate = DeviceMem(T * static_cast<size_t>(qh * d) * b);
+    attn = DeviceMem(T * static_cast<size_t>(std::max(qh * d, value_dim)) * b);
+    if (num_linear > 0) {
+      conv_out = DeviceMem(T * static_cast<size_t>(conv_dim) * b);
+      core = DeviceMem(T * static_cast<size_t>(hv * dv) * sizeof(float));
+      dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(t_cap, c.linear_num_key_heads, hv,
+                                                                c.linear_key_head_dim) *
+                        sizeof(float));
+    }
+    sgu = DeviceMem(T * static_cast<size_t>(2 * sinter) * b);
+    sact = DeviceMem(T * static_cast<size_t>(sinter) * b);
+    sout = DeviceMem(T * h * b);
+    last = DeviceMem(T * h * b);
+    logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
+    const auto R = static_cast<size_t>(rows_cap);
+    constexpr size_t kTop = cuda::kMaxTopLogprobs;
+    s_params = DeviceMem(R * sizeof(cuda::SamplingRowParams));
+    s_tokens = DeviceMem(R * sizeof(int32_t));
+    s_logprobs = DeviceMem(R * sizeof(float));
+    s_top_ids = DeviceMem(R * kTop * sizeof(int32_t));
+    s_top_lp = DeviceMem(R * kTop * sizeof(float));
+    s_workspace = DeviceMem(cuda::sample_workspace_bytes(rows_cap, c.vocab_size));
+    h_sample = PinnedMem(R * (sizeof(cuda::SamplingRowParams) + 8 + kTop * 8));
+    gemm = std::make_unique<cuda::GemmLt>();
+    moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
+                                           c.num_experts_per_tok, 0, c.num_experts, true);
+    const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
+    const int64_t width = std::max<int64_t>(1, (ctx + o.page_size - 1) / o.page_size);
+    for (int64_t bb = 1; bb <= largest_bucket; ++bb) {
+      const int64_t split = cuda::paged_attention_decode_split(bb, c.num_key_value_heads, width,
+                                                               o.page_size, num_sms);
+      if (split > 0) {
+        attn_ws_floats = std::max(attn_ws_floats, cuda::paged_attention_workspace_floats(
+                                                      bb, qh, d, width, o.page_size, split));
+      }
+    }
+    attn_ws = DeviceMem(attn_ws_floats * sizeof(float));
+    const size_t meta = meta_elems();
+    e_meta = DeviceMem(meta * sizeof(int32_t));
+    g_meta = DeviceMem(meta * sizeof(int32_t));
+    h_meta = PinnedMem(meta * sizeof(int32_t));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&meta_copied, cudaEventDisableTiming));
+  }
+
+  // int32 elements of a metadata buffer: ids | positions | token_seq | rows | slots (int64) |
+  // dn_token_seq (T each) | dn_begin (S + 1) | dn_slot | dn_fresh (S each), padded.
+  size_t meta_elems() const { return static_cast<size_t>(7 * t_cap + 3 * s_cap + 8); }
+  Meta meta_at(const DeviceMem& m) const {
+    Meta r;
+    auto* base = m.as<int32_t>();
+    const int64_t T = t_cap, S = s_cap;
+    r.ids = base;
+    r.positions = base + T;
+    r.token_seq = base + 2 * T;
+    r.rows = base + 3 * T;
+    r.slots = reinterpret_cast<int64_t*>(base + 4 * T);  // 4 T int32: 8-byte aligned
+    r.dn_token_seq = base + 6 * T;
+    r.dn_begin = base + 7 * T;
+    r.dn_slot = base + 7 * T + S + 1;
+    r.dn_fresh = base + 7 * T + 2 * S + 1;
+    return r;
+  }
+
+  void upload(const HostMeta& hm, const Meta& dst, int32_t* tables) {
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(meta_copied));  // the staging is free again
+    const int64_t T = t_cap, S = s_cap;
+    const size_t tb = hm.tables.size() * sizeof(int32_t);
+    if (h_tables.size() < tb) h_tables = PinnedMem(tb * 2);
+    int32_t* h = h_meta.as<int32_t>();
+    auto stage = [&](int64_t off, const void* src, size_t bytes, void* d) {
+      if (bytes == 0) return;
+      std::memcpy(h + off, src, bytes);
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(d, h + off, bytes, cudaMemcpyHostToDevice, stream));
+    };
+    const size_t n = hm.ids.size();
+    stage(0, hm.ids.data(), n * 4, dst.ids);
+    stage(T, hm.positions.data(), n * 4, dst.positions);
+    stage(2 * T, hm.token_seq.data(), n * 4, dst.token_seq);
+    stage(3 * T, hm.rows.data(), hm.rows.size() * 4, dst.rows);
+    stage(4 * T, hm.slots.data(), n * 8, dst.slots);
+    stage(6 * T, hm.dn_token_seq.data(), hm.dn_token_seq.size() * 4, dst.dn_token_seq);
+    stage(7 * T, hm.dn_begin.data(), hm.dn_begin.size() * 4, dst.dn_begin);
+    stage(7 * T + S + 1, hm.dn_slot.data(), hm.dn_slot.size() * 4, dst.dn_slot);
+    stage(7 * T + 2 * S + 1, hm.dn_fresh.data(), hm.dn_fresh.size() * 4, dst.dn_fresh);
+    if (tb > 0) {
+      std::memcpy(h_tables.as<int32_t>(), hm.tables.data(), tb);
+      TANDEM_CUDA_CHECK(
+          cudaMemcpyAsync(tables, h_tables.as<int32_t>(), tb, cudaMemcpyHostToDevice, stream));
+    }
+    TANDEM_CUDA_CHECK(cudaEventRecord(meta_copied, stream));
+  }
+
+  int64_t pick_split(int64_t n, int64_t num_prefill, int64_t width, int64_t page_size) const {
+    if (n - num_prefill <= 0) return 0;
+    int64_t split = cuda::paged_attention_decode_split(n - num_prefill, c.num_key_value_heads,
+                                                       width, page_size, num_sms);
+    if (split > 0 &&
+        cuda::paged_attention_workspace_floats(n, c.num_attention_heads, c.head_dim, width,
+                                               page_size, split) > attn_ws_floats) {
+      split = 0;
+    }
+    return split;
+  }
+
+  // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
+  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch) {
+    const int64_t n = m.n, h = c.hidden_size, d = c.head_dim;
+    const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+    const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+    const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+    const int64_t kern = c.linear_conv_kernel_dim, sinter = c.shared_expert_intermediate_size;
+    const int64_t page_size = kv.geometry().page_size;
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *P = proj.as<bf16>();
+    float* states = num_linear > 0 ? kv.state_data(0) : nullptr;
+    const int64_t slot_stride = num_linear > 0 ? kv.state_slot_elems() : 0;
+    const cuda::DeltaNetSeqs seqs{m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh, m.num_seqs};
+    cuda::embedding_launch({m.ids, embed, X, n, h, c.vocab_size}, stream);
+    const int64_t split = pick_split(n, m.num_prefill, m.width, page_size);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const LayerW& w = layers[static_cast<size_t>(l)];
+      if (l == 0) {
+        cuda::rms_norm_launch({X, w.input_norm, XN, n, h, eps}, stream);
+      } else {
+        cuda::add_rms_norm_launch({X, Y, w.input_norm, XN, n, h, eps}, stream);
+      }
+      if (!w.linear) {
+        gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
+        bf16* pool = static_cast<bf16*>(kv.layer_data(w.index));
+        cuda::gated_qkv_prep_launch(
+            {P, q.as<bf16>(), gate.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm, m.positions, n,
+             qh, kvh, d, page_size, c.rotary_dim(), eps, c.rope_theta},
+            stream);
+        if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(w.index);
+        cuda::PagedAttentionParams ap{};
+        ap.q = q.as<bf16>();
+        ap.pool = pool;
+        ap.block_table = m.tables;
+        ap.token_seq = m.token_seq;
+        ap.positions = m.positions;
+        ap.out = attn.as<bf16>();
+        ap.num_tokens = n;
+        ap.num_q_heads = qh;
+        ap.num_kv_heads = kvh;
+        ap.head_dim = d;
+        ap.page_size = page_size;
+        ap.max_pages_per_seq = m.width;
+        ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+        ap.kv_split = split;
+        ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
+        ap.num_prefill_tokens = m.num_prefill;
+        cuda::paged_attention_launch(ap, stream);
+        cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
+                                 stream);
+        gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
+      } else {
+        // One fused projection [qkv | z | b | a], the conv and the delta rule per sequence on
+        // its state slot, the gated norm, out_proj.
+        gemm->run({XN, w.in_proj, P, n, in_rows, h}, stream);
+        float* conv_state = states + w.index * state_per_layer();
+        float* rec_state = conv_state + conv_dim * (kern - 1);
+        cuda::causal_conv1d_launch({P, w.conv, conv_state, conv_out.as<bf16>(), seqs, n, conv_dim,
+                                    kern, in_rows, slot_stride},
+                                   stream);
+        cuda::GatedDeltaRuleParams dp{};
+        dp.qkv = conv_out.as<bf16>();
+        dp.b = P + conv_dim + value_dim;
+        dp.a = P + conv_dim + value_dim + hv;
+        dp.a_log = w.a_log;
+        dp.dt_bias = w.dt_bias;
+        dp.states = rec_state;
+        dp.out = core.as<float>();
+        dp.workspace = dn_ws.as<float>();
+        dp.seqs = seqs;
+        dp.num_tokens = n;
+        dp.num_k_heads = hk;
+        dp.num_v_heads = hv;
+        dp.k_dim = dk;
+        dp.v_dim = dv;
+        dp.qkv_stride = conv_dim;
+        dp.ab_stride = in_rows;
+        dp.state_stride = slot_stride;
+        cuda::gated_delta_rule_launch(dp, stream);
+        cuda::gated_rms_norm_launch({core.as<float>(), P + conv_dim, w.out_norm, attn.as<bf16>(),
+                                     n * hv, dv, hv, in_rows, eps},
+                                    stream);
+        gemm->run({attn.as<bf16>(), w.out_proj, Y, n, h, value_dim}, stream);
+      }
+      // MoE block: routed experts + the sigmoid-gated shared expert.
+      cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
+      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+      gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
+      cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
+      gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+      cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
+    }
+    cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
+    cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
+  }
+
+  // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
+  void head(int64_t begin, int64_t count) {
+    cuda::GemmParams gp{};
+    gp.x = last.as<bf16>() + begin * c.hidden_size;
+    gp.w = lm_head;
+    gp.m = count;
+    gp.n = c.vocab_size;
+    gp.k = c.hidden_size;
+    gp.y_f32 = logits.as<float>();
+    gemm->run(gp, stream);
+  }
+};
+
+Qwen35MoeCuda::Qwen35MoeCuda(ModelConfig config, const CudaModelOptions& opts)
+    : config_(std::move(config)), opts_(opts) {
+  TANDEM_CHECK_KIND(kInvalidArgument, opts_.max_tokens > 0 && opts_.max_seqs > 0,
+                    "max_tokens and max_seqs must be positive");
+  TANDEM_CHECK_KIND(kUnsupported, opts_.shard.size <= 1,
+                    "Qwen3.5 on the GPU runs on one GPU only (no sharding yet)");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    TANDEM_THROW(kUnsupported, "--device cuda: no CUDA device is visible");
+  }
+  TANDEM_CHECK_KIND(kInvalidArgument, opts_.device >= 0 && opts_.device < count, "CUDA device ",
+                    opts_.device, " does not exist (", count, " visible)");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  impl_ = std::make_unique<Impl>(config_, stream_);
+  TANDEM_CUDA_CHECK(
+      cudaDeviceGetAttribute(&impl_->num_sms, cudaDevAttrMultiProcessorCount, opts_.device));
+  for (int64_t b : kBuckets) {
+    if (b <= opts_.max_seqs) buckets_.push_back(b);
+  }
+  if (buckets_.empty() || buckets_.back() < std::min<int64_t>(opts_.max_seqs, 256)) {
+    buckets_.push_back(std::min<int64_t>(opts_.max_seqs, 256));
+  }
+  if (!opts_.cuda_graphs) buckets_.clear();
+}
+
+Qwen35MoeCuda::~Qwen35MoeCuda() {
+  impl_.reset();
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+}
+
+std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
+                                                   const CudaModelOptions& opts) {
+  ModelConfig config = ModelConfig::from_dir(dir);
+  TANDEM_CHECK_KIND(kUnsupported, config.is_hybrid(), dir, "/config.json: model_type '",
+                    config.model_type, "' is not a Qwen3.5 hybrid model");
+  check_cuda_model_config(config, dir + "/config.json");
+  Checkpoint ckpt(dir);
+  const WeightReader reader(ckpt, config.quant, dir + "/config.json");
+  std::unique_ptr<Qwen35MoeCuda> m(new Qwen35MoeCuda(std::move(config), opts));
+  m->impl_->allocate_weights();
+  m->impl_->load_weights(reader);
+  m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
+  for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  return m;
+}
+
+int64_t Qwen35MoeCuda::num_linear_layers() const { return impl_->num_linear; }
+int64_t Qwen35MoeCuda::num_attention_layers() const { return impl_->num_attention; }
+
+KvGeometry Qwen35MoeCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
+  KvGeometry g{impl_->num_attention, num_pages, config_.num_key_value_heads, page_size,
+               config_.head_dim};
+  g.dtype = DType::kBF16;
+  return g;
+}
+
+int64_t Qwen35MoeCuda::state_slot_elems() const {
+  return impl_->num_linear > 0 ? impl_->slot_elems() : 0;
+}
+
+KvCache Qwen35MoeCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
+  const KvGeometry g = kv_geometry(num_pages, page_size);
+  TANDEM_CHECK_KIND(kInvalidArgument, num_pages > 0 && page_size > 0, "bad KV cache size");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const size_t layer_bytes = static_cast<size_t>(g.page_elems() * num_pages) * sizeof(bf16);
+  auto pool = std::make_shared<DeviceMem>(layer_bytes * static_cast<size_t>(g.num_layers));
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(pool->as<void>(), 0, pool->size(), stream_));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KvCache::External ext;
+  for (int64_t l = 0; l < g.num_layers; ++l) {
+    ext.layers.push_back(pool->as<uint8_t>() + static_cast<size_t>(l) * layer_bytes);
+  }
+  ext.owner = pool;
+  ext.stream = stream_;
+  cudaStream_t s = stream_;
+  const int device = opts_.device;
+  ext.alloc_states = [s, device](size_t bytes) {
+    TANDEM_CUDA_CHECK(cudaSetDevice(device));
+    auto m = std::make_shared<DeviceMem>(bytes);
+    TANDEM_CUDA_CHECK(cudaMemsetAsync(m->as<void>(), 0, bytes, s));
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
+    return std::shared_ptr<void>(m, m->as<void>());
+  };
+  ext.copy_states = [s, device](void* dst, const void* src, size_t bytes, int kind) {
+    TANDEM_CUDA_CHECK(cudaSetDevice(device));
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, static_cast<cudaMemcpyKind>(kind), s));
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
+  };
+  return KvCache(g, std::move(ext));
+}
+
+int64_t Qwen35MoeCuda::kv_cache_budget_mb(double utilization) const {
+  size_t free_b = 0, total_b = 0;
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  TANDEM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return kv_cache_mb_for(free_b, total_b, utilization);
+}
+
+int64_t Qwen35MoeCuda::kv_cache_mb_hint() const {
+  return opts_.gpu_memory_utilization > 0 ? kv_cache_budget_mb(opts_.gpu_memory_utilization) : 0;
+}
+
+std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const {
+  std::vector<int64_t> out;
+  for (const auto& [b, g] : impl_->graphs) out.push_back(b);
+  return out;
+}
+
+bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
+  Impl& im = *impl_;
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const auto& g = kv.geometry();
+  TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 &&
+                   g.num_kv_heads == config_.num_key_value_heads &&
+                   g.head_dim == config_.head_dim && g.num_layers == im.num_attention,
+               "the KV cache was not made by this CUDA model");
+  if (im.num_linear > 0) {
+    TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == im.slot_elems(),
+                 "the KV cache has no device state slots for this hybrid model");
+  }
+  const int64_t n = batch.num_tokens(), page_size = g.page_size;
+  const int64_t num_rows = batch.num_logit_rows();
+  TANDEM_CHECK_KIND(kInvalidArgument, n <= im.t_cap, "a batch of ", n,
+                    " tokens exceeds the CUDA model's max_tokens ", im.t_cap);
+  TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(batch.seqs.size()) <= im.s_cap,
+                    "a batch of ", batch.seqs.size(), " sequences exceeds the CUDA model's ",
+                    im.s_cap);
+  if (n == 0) return false;
+
+  bool decode = !batch.on_layer_kv && !buckets_.empty() && n <= buckets_.back() &&
+                page_size == opts_.page_size;
+  int64_t width = 1;
+  for (const auto& s : batch.seqs) {
+    width = std::max(width, s.num_pages);
+    decode = decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+  }
+  if (decode) {
+    if (im.graph_width == 0) {
+      const int64_t ctx =
+          opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
+      im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
+    }
+    decode = width <= im.graph_width;
+  }
+  const int64_t bucket =
+      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), n) : int64_t{0};
+  const int64_t rows_n = decode ? bucket : n;  // padded token count
+  const int64_t tw = decode ? im.graph_width : width;
+  const int64_t num_seqs = decode ? bucket : static_cast<int64_t>(batch.seqs.size());
+
+  // 1. Metadata on the host.
+  HostMeta hm;
+  hm.ids.assign(static_cast<size_t>(rows_n), 0);
+  hm.positions.assign(static_cast<size_t>(rows_n), 0);
+  hm.token_seq.resize(static_cast<size_t>(rows_n));
+  hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
+  hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
+  hm.dn_token_seq.resize(static_cast<size_t>(rows_n));
+  for (int64_t t = 0; t < rows_n; ++t) {
+    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+    hm.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+  }
+  // Tokens of multi-token chunks go first (the attention's prefill kernel takes the leading
+  // num_prefill tokens); logits rows stay in batch order.
+  std::vector<int64_t> first_token(batch.seqs.size());
+  int64_t num_prefill = 0;
+  {
+    int64_t chunk_t = 0, decode_t = 0;
+    for (const auto& s : batch.seqs) num_prefill += s.num_tokens > 1 ? s.num_tokens : 0;
+    for (size_t si = 0; si < batch.seqs.size(); ++si) {
+      const int64_t k = batch.seqs[si].num_tokens;
+      first_token[si] = k > 1 ? chunk_t : num_prefill + decode_t;
+      (k > 1 ? chunk_t : decode_t) += k;
+    }
+  }
+  // DeltaNet sequences in token order: the chunks, then the decode tokens (each group in
+  // batch order), then padding sequences of one token.
+  std::vector<size_t> order(batch.seqs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return first_token[a] < first_token[b]; });
+  for (size_t oi = 0; oi < order.size(); ++oi) {
+    const size_t si = order[oi];
+    const ForwardSeq& s = batch.seqs[si];
+    hm.dn_begin.push_back(static_cast<int32_t>(first_token[si]));
+    hm.dn_slot.push_back(s.state_slot);
+    hm.dn_fresh.push_back(s.start_pos == 0 ? 1 : 0);
+    for (int64_t i = 0; i < s.num_tokens; ++i) {
+      hm.dn_token_seq[static_cast<size_t>(first_token[si] + i)] = static_cast<int32_t>(oi);
+    }
+  }
+  for (int64_t t = n; t < rows_n; ++t) {  // padding: one token, no slot
+    hm.dn_begin.push_back(static_cast<int32_t>(t));
+    hm.dn_slot.push_back(-1);
+    hm.dn_fresh.push_back(0);
+  }
+  hm.dn_begin.push_back(static_cast<int32_t>(rows_n));
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& s = batch.seqs[si];
+    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
+    if (im.num_linear > 0) {
+      TANDEM_CHECK(s.state_slot >= 0 && s.state_slot < kv.num_state_slots(), "sequence ", si,
+                   " has no state slot (", s.state_slot, ")");
+    }
+    for (int64_t p = 0; p < s.num_pages; ++p) {
+      const int32_t page = s.block_table[p];
+      TANDEM_CHECK(page >= 0 && page < g.num_pages, "page ", page, " outside the KV cache");
+      hm.tables[static_cast<size_t>(static_cast<int64_t>(si) * tw + p)] = page;
+    }
+    const bool all = s.logits == LogitsMode::kAll;
+    for (int64_t i = 0; i < s.num_tokens; ++i) {
+      const int64_t t = first_token[si] + i;
+      const int64_t pos = s.start_pos + i;
+      const int32_t id = s.tokens[i];
+      TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < config_.vocab_size, "token id ", id,
+                        " is out of range [0, ", config_.vocab_size, ")");
+      hm.ids[static_cast<size_t>(t)] = id;
+      hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
+      hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
+      hm.slots[static_cast<size_t>(t)] =
+          int64_t{s.block_table[pos / page_size]} * page_size + pos % page_size;
+      if (all || (s.logits == LogitsMode::kLast && i == s.num_tokens - 1)) {
+        hm.rows.push_back(static_cast<int32_t>(t));
+      }
+    }
+  }
+  if (decode) {  // every padded row produces (discarded) logits, so the graph is fixed
+    for (int64_t r = n; r < rows_n; ++r) hm.rows.push_back(static_cast<int32_t>(r));
+  }
+
+  if (!decode) {
+    const size_t tb = hm.tables.size() * sizeof(int32_t);
+    if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
+    Meta m = im.meta_at(im.e_meta);
+    m.tables = im.e_tables.as<int32_t>();
+    m.n = rows_n;
+    m.width = width;
+    m.num_rows = num_rows;
+    m.num_seqs = num_seqs;
+    m.num_prefill = num_prefill;
+    im.upload(hm, m, m.tables);
+    im.body(m, kv, &batch);
+    return false;
+  }
+
+  // Graph replay (captured on first use of the bucket).
+  Meta m = im.meta_at(im.g_meta);
+  if (im.g_tables.size() == 0) {
+    im.g_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
+  }
+  m.tables = im.g_tables.as<int32_t>();
+  m.n = bucket;
+  m.width = im.graph_width;
+  m.num_rows = bucket;
+  m.num_seqs = bucket;
+  m.num_prefill = 0;
+  const void* states = im.num_linear > 0 ? kv.state_data(0) : nullptr;
+  if (im.graph_kv != kv.layer_data(0) || im.graph_states != states ||
+      im.graph_page_size != page_size) {
+    im.drop_graphs();
+    im.graph_kv = kv.layer_data(0);
+    im.graph_states = states;
+    im.graph_page_size = page_size;
+  }
+  auto it = im.graphs.find(bucket);
+  if (it == im.graphs.end()) {
+    // Warm-up run (GEMM plans, workspaces) with padding only: no KV, no state is written.
+    HostMeta pad = hm;
+    std::fill(pad.slots.begin(), pad.slots.end(), -1);
+    std::fill(pad.ids.begin(), pad.ids.end(), 0);
+    std::fill(pad.dn_slot.begin(), pad.dn_slot.end(), -1);
+    im.upload(pad, m, m.tables);
+    im.body(m, kv, nullptr);
+    im.head(0, bucket);
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaGraph_t graph = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      im.body(m, kv, nullptr);
+      im.head(0, bucket);
+    } catch (...) {
+      (void)cudaStreamEndCapture(stream_, &graph);
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+      throw;
+    }
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    TANDEM_CUDA_CHECK(st);
+    it = im.graphs.emplace(bucket, exec).first;
+  }
+  im.upload(hm, m, m.tables);
+  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  return true;
+}
+
+void Qwen35MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
+  Impl& im = *impl_;
+  const int64_t rows = batch.num_logit_rows(), v = config_.vocab_size;
+  logits.clear();
+  if (batch.num_tokens() == 0) return;
+  logits.resize(static_cast<size_t>(rows * v));
+  const bool done = launch(batch, kv);
+  for (int64_t begin = 0; begin < rows; begin += im.rows_cap) {
+    const int64_t count = std::min(im.rows_cap, rows - begin);
+    if (!done) im.head(begin, count);
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data() + begin * v, im.logits.as<float>(),
+                                      static_cast<size_t>(count * v) * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_));
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void Qwen35MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
+                                   const std::vector<DeviceSampling>& rows,
+                                   std::vector<SampledToken>& out) {
+  Impl& im = *impl_;
+  const auto R = static_cast<int64_t>(rows.size());
+  TANDEM_CHECK(R == batch.num_logit_rows(), "forward_sample: ", R, " sampling rows for ",
+               batch.num_logit_rows(), " logits rows");
+  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R, " logits rows exceed the CUDA model's ",
+                    im.rows_cap);
+  out.clear();
+  if (batch.num_tokens() == 0) return;
+  if (!launch(batch, kv) && R > 0) im.head(0, R);
+  if (R == 0) {
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
+  constexpr int64_t kTop = cuda::kMaxTopLogprobs;
+  // The pinned buffer: params [R] | tokens [R] | logprobs [R] | top ids | top logprobs.
+  auto* hp = im.h_sample.as<cuda::SamplingRowParams>();
+  auto* ht = reinterpret_cast<int32_t*>(hp + R);
+  auto* hl = reinterpret_cast<float*>(ht + R);
+  auto* hti = reinterpret_cast<int32_t*>(hl + R);
+  auto* htl = reinterpret_cast<float*>(hti + R * kTop);
+  int32_t max_top = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const DeviceSampling& d = rows[static_cast<size_t>(r)];
+    cuda::SamplingRowParams p;
+    p.temperature = d.temperature;
+    p.top_k = d.top_k;
+    p.top_p = d.top_p;
+    p.min_p = d.min_p;
+    p.seed = d.seed;
+    p.counter = d.counter;
+    p.want_logprob = d.logprobs >= 0 ? 1 : 0;
+    p.n_top = static_cast<int32_t>(std::clamp<int64_t>(d.logprobs, 0, kTop));
+    max_top = std::max(max_top, p.n_top);
+    hp[r] = p;
+  }
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.s_params.as<void>(), hp,
+                                    static_cast<size_t>(R) * sizeof(cuda::SamplingRowParams),
+                                    cudaMemcpyHostToDevice, stream_));
+  cuda::sample_launch(
+      {im.logits.as<float>(), DType::kF32, im.s_params.as<cuda::SamplingRowParams>(),
+       im.s_tokens.as<int32_t>(), im.s_logprobs.as<float>(), im.s_top_ids.as<int32_t>(),
+       im.s_top_lp.as<float>(), R, config_.vocab_size,
+       R <= 64 ? im.s_workspace.as<void>() : nullptr},  // multi-CTA pays off up to ~64 rows
+      stream_);
+  auto d2h = [&](void* dst, const void* src, size_t bytes) {
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  };
+  d2h(ht, im.s_tokens.as<void>(), static_cast<size_t>(R) * 4);
+  d2h(hl, im.s_logprobs.as<void>(), static_cast<size_t>(R) * 4);
+  if (max_top > 0) {
+    d2h(hti, im.s_top_ids.as<void>(), static_cast<size_t>(R * kTop) * 4);
+    d2h(htl, im.s_top_lp.as<void>(), static_cast<size_t>(R * kTop) * 4);
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  out.resize(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    SampledToken& o = out[static_cast<size_t>(r)];
+    o.token = ht[r];
+    o.logprob = hl[r];
+    for (int32_t j = 0; j < hp[r].n_top; ++j) {
+      if (hti[r * kTop + j] < 0) break;
+      o.top.emplace_back(hti[r * kTop + j], htl[r * kTop + j]);
+    }
+  }
+}
+
+std::unique_ptr<Model> load_cuda_model(const std::string& dir, const CudaModelOptions& opts) {
+  const ModelConfig config = ModelConfig::from_dir(dir);
+  if (config.is_hybrid()) return Qwen35MoeCuda::load(dir, opts);
+  return Qwen3MoeCuda::load(dir, opts);
+}
+
+}  // namespace tandem

@@ -1,0 +1,86 @@
+// Qwen3.5 hybrid MoE on one GPU: bf16 weights in device memory, bf16 paged HND KV for the
+// full-attention layers, fp32 per-sequence state slots (conv window + recurrent state per
+// DeltaNet layer, the layout of Qwen35MoeCpu) in device memory, the layers built from the CUDA
+// backend ops (backend/cuda/deltanet.h, gated_attention.h and the Qwen3 ones), decode steps
+// replayed from CUDA graphs captured per batch-size bucket.
+//
+// One forward():
+//   1. the batch's metadata (ids, positions, owning sequence, KV slots, block tables, rows
+//      that need logits, and per sequence its token range, state slot and whether it starts
+//      at position 0) is packed on the host and copied up;
+//   2. a pure decode batch (one token per sequence) of n <= the largest bucket runs as the
+//      captured graph of the smallest bucket >= n, padded (padding tokens write no KV and
+//      padding sequences no state); anything else runs eagerly;
+//   3. fp32 logits rows come back to the host (forward), or are sampled on the device
+//      (forward_sample: only tokens and logprobs come back).
+// The (1 + w) zero-centred RMSNorm weights are stored as 1 + w (added in fp32 at load, then
+// rounded to bf16). One GPU only (no sharding yet).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/qwen3_moe.h"
+
+namespace tandem {
+
+class Qwen35MoeCuda final : public Model {
+ public:
+  /// Loads config.json (model_type qwen3_5_moe or qwen3_5_moe_text) and the safetensors weights
+  /// of `dir` (both layouts; experts fused 3D or one tensor per expert). Throws kUnsupported,
+  /// naming config.json and the field, for shapes the CUDA ops do not cover
+  /// (check_cuda_model_config) or a sharded opts.shard.
+  static std::unique_ptr<Qwen35MoeCuda> load(const std::string& dir, const CudaModelOptions& opts);
+  ~Qwen35MoeCuda() override;
+
+  const ModelConfig& config() const override { return config_; }
+  /// bf16 pools of the full-attention layers only (num_layers = their count).
+  KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  /// Device pools, zero-filled; the state slots (KvCache::allocate_states) go to device memory.
+  KvCache make_kv_cache(int64_t num_pages, int64_t page_size) override;
+  /// As Qwen35MoeCpu: per DeltaNet layer the conv window [conv_dim, kernel - 1], then the
+  /// recurrent state [linear_num_value_heads, linear_key_head_dim, linear_value_head_dim].
+  int64_t state_slot_elems() const override;
+  /// As Model::forward; every sequence needs a state slot of `kv` (a cache made by this model).
+  void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override;
+  /// Samples on the GPU (backend/cuda/sampling.h): only tokens and logprobs come back.
+  bool samples_on_device() const override { return true; }
+  void forward_sample(const ForwardBatch& batch, KvCache& kv,
+                      const std::vector<DeviceSampling>& rows,
+                      std::vector<SampledToken>& out) override;
+  int64_t kv_cache_mb_hint() const override;
+
+  cudaStream_t stream() const { return stream_; }
+  /// kv_cache_mb_for() with this device's free and total memory now.
+  int64_t kv_cache_budget_mb(double utilization) const;
+  int64_t weight_bytes() const { return weight_bytes_; }
+  /// Batch-size buckets captured so far.
+  std::vector<int64_t> captured_buckets() const;
+  int64_t num_linear_layers() const;
+  int64_t num_attention_layers() const;
+
+  struct Impl;
+
+ private:
+  Qwen35MoeCuda(ModelConfig config, const CudaModelOptions& opts);
+  // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
+  // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
+  bool launch(const ForwardBatch& batch, KvCache& kv);
+  std::unique_ptr<Impl> impl_;
+  ModelConfig config_;
+  CudaModelOptions opts_;
+  cudaStream_t stream_ = nullptr;
+  int64_t weight_bytes_ = 0;
+  std::vector<int64_t> buckets_;
+};
+
+/// The CUDA model for the checkpoint in `dir`, picked by config.json's model_type (qwen3_moe:
+/// Qwen3MoeCuda; qwen3_5_moe / qwen3_5_moe_text: Qwen35MoeCuda, one GPU only).
+std::unique_ptr<Model> load_cuda_model(const std::string& dir, const CudaModelOptions& opts);
+
+}  // namespace tandem

@@ -1,0 +1,267 @@
+// The Qwen3.5 hybrid CUDA model (Qwen35MoeCuda) against the CPU reference model (Qwen35MoeCpu)
+// and the transformers golden fixtures (tests/data/fixtures/qwen35_*), by the margin rule of
+// the Qwen3-MoE CUDA golden tests (cuda_golden_util.h, test_model_cuda.cpp): greedy generation
+// through the engine alone, batched, chunked, with and without decode graphs, and a second
+// round of the same prompts in one engine (prefix-cache hits resume from the state
+// checkpoints copied between device slots), each step up to the first golden margin under
+// kMarginBf16; teacher-forced logits row by row (one prefill and chunks of 7 tokens over 4-token
+// pages) by the hybrid statistics below. The config check runs without a GPU.
+//
+// Why the teacher-forced rows get wider statistics than Qwen3-MoE's: the qwen35 fixtures were
+// drawn for fp32 (router gaps down to 7e-4, under bf16's resolution), and in a hybrid model a
+// routing decision that bf16 flips at one position reaches every later position of the
+// sequence through the DeltaNet state (in Qwen3-MoE it moves one row). Measured on the CPU
+// reference with its weights and activations rounded to bf16 where the GPU model rounds them
+// (a local experiment, 2026-12-01): row errors median 1.6e-2 / 1.5e-2, p95 3.6e-2 / 1.0e-1,
+// max 0.31 / 0.99 (text / vl fixture), 2 of 282 and 8 of 327 argmax checks flipped, the vl
+// flips at case 2 rows 18, 20, 276, 300 to the very tokens the H200 gives. So: median under
+// kHybridMedianTol (a bug moves most rows), p95 under kHybridP95Tol, at most kHybridFlips of
+// the argmax checks (margin > kMarginBf16) flipped; the worst row is reported.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "engine/golden.h"
+#include "model/config.h"
+#include "model/cuda/cuda_golden_util.h"
+#include "model/cuda/qwen3_5_moe_cuda.h"
+#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/qwen3_5_moe.h"
+
+namespace tandem {
+namespace {
+
+using namespace cuda_golden;  // NOLINT: the shared rule (cuda_golden_util.h)
+
+constexpr double kHybridMedianTol = 2.5e-2;
+constexpr double kHybridP95Tol = 0.2;
+constexpr double kHybridFlips = 0.05;
+
+// compare_rows without failing on a flipped argmax: the number of checks and of flips.
+struct RowStats {
+  int checked = 0, flipped = 0;
+};
+RowStats compare_rows_hybrid(const std::vector<float>& got, const std::vector<float>& want,
+                             int64_t vocab, const std::string& what, std::vector<double>& errs) {
+  RowStats st;
+  const int64_t rows = static_cast<int64_t>(want.size()) / vocab;
+  EXPECT_EQ(got.size(), want.size()) << what;
+  for (int64_t r = 0; r < rows && got.size() == want.size(); ++r) {
+    const float* g = got.data() + r * vocab;
+    const float* w = want.data() + r * vocab;
+    double num = 0, den = 0;
+    int64_t ga = 0, wa = 0, w2 = -1;
+    bool finite = true;
+    for (int64_t i = 0; i < vocab; ++i) {
+      finite = finite && std::isfinite(g[i]);
+      num += (double(g[i]) - w[i]) * (double(g[i]) - w[i]);
+      den += double(w[i]) * w[i];
+      if (g[i] > g[ga]) ga = i;
+      if (w[i] > w[wa]) wa = i;
+    }
+    EXPECT_TRUE(finite) << what << " row " << r;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (i != wa && (w2 < 0 || w[i] > w[w2])) w2 = i;
+    }
+    errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
+    if (w2 >= 0 && w[wa] - w[w2] > kMarginBf16) {
+      ++st.checked;
+      if (ga != wa) {
+        ++st.flipped;
+        std::printf("  %s row %lld: argmax %lld, reference %lld (margin %.3f)\n", what.c_str(),
+                    static_cast<long long>(r), static_cast<long long>(ga),
+                    static_cast<long long>(wa), w[wa] - w[w2]);
+      }
+    }
+  }
+  return st;
+}
+
+TEST(CudaQwen35Config, HybridFixturesAcceptedBadShapesRefused) {
+  const auto dirs = testing::hybrid_golden_dirs();
+  ASSERT_GE(dirs.size(), 2u);
+  for (const auto& d : dirs) {
+    const ModelConfig c = ModelConfig::from_dir(d);
+    EXPECT_NO_THROW(check_cuda_model_config(c, d + "/config.json")) << d;
+    struct Bad {
+      const char* field;
+      void (*set)(ModelConfig&);
+    };
+    const Bad bads[] = {
+        {"head_dim 96", [](ModelConfig& m) { m.head_dim = 96; }},
+        {"linear_key_head_dim 48", [](ModelConfig& m) { m.linear_key_head_dim = 48; }},
+        {"linear_value_head_dim 512", [](ModelConfig& m) { m.linear_value_head_dim = 512; }},
+        {"linear_conv_kernel_dim 9", [](ModelConfig& m) { m.linear_conv_kernel_dim = 9; }},
+    };
+    for (const Bad& b : bads) {
+      ModelConfig m = c;
+      b.set(m);
+      try {
+        check_cuda_model_config(m, d + "/config.json");
+        ADD_FAILURE() << d << ": " << b.field << " accepted";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+        const std::string what = e.what();
+        EXPECT_NE(what.find("config.json"), std::string::npos) << what;
+        EXPECT_NE(what.find(b.field), std::string::npos) << what;
+      }
+    }
+  }
+}
+
+class CudaQwen35Golden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaQwen35Golden, TeacherForcedLogitsMatchTheCpuModel) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  auto cpu = Qwen35MoeCpu::load(dir);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto gpu = Qwen35MoeCuda::load(dir, o);
+  EXPECT_EQ(gpu->state_slot_elems(), cpu->state_slot_elems());  // one slot layout
+  const int64_t vocab = cpu->config().vocab_size;
+  std::vector<double> errs;
+  int checked = 0, flipped = 0;
+  auto add = [&](const RowStats& st) {
+    checked += st.checked;
+    flipped += st.flipped;
+  };
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    const auto& c = g.cases[i];
+    std::vector<int32_t> tokens = c.prompt_ids;
+    tokens.insert(tokens.end(), c.output_ids.begin(), c.output_ids.end() - 1);
+    const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
+    KvCache cpu_kv(cpu->kv_geometry(pages, 4));
+    cpu_kv.allocate_states(1, cpu->state_slot_elems());
+    KvCache gpu_kv = gpu->make_kv_cache(pages, 4);
+    gpu_kv.allocate_states(2, gpu->state_slot_elems());
+    const auto want = teacher_forced(*cpu, cpu_kv, tokens, 1 << 20, 0);
+    const auto got = teacher_forced(*gpu, gpu_kv, tokens, 1 << 20, 1);
+    add(compare_rows_hybrid(got, want, vocab, g.name + " case " + std::to_string(i), errs));
+    // Chunks of 7 tokens over 4-token pages: the state and the KV continue mid-page.
+    KvCache gpu_kv2 = gpu->make_kv_cache(pages, 4);
+    gpu_kv2.allocate_states(1, gpu->state_slot_elems());
+    const auto chunked = teacher_forced(*gpu, gpu_kv2, tokens, 7, 0);
+    add(compare_rows_hybrid(chunked, want, vocab, g.name + " chunked case " + std::to_string(i),
+                            errs));
+  }
+  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  std::printf(
+      "[ %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
+      "%d argmax checks, %d flipped\n",
+      g.name.c_str(), errs.size(), med, p95, worst, checked, flipped);
+  EXPECT_LT(med, kHybridMedianTol);
+  EXPECT_LT(p95, kHybridP95Tol);
+  EXPECT_LE(flipped, kHybridFlips * checked);
+  EXPECT_GT(checked, 0);
+}
+
+TEST_P(CudaQwen35Golden, GreedyMatchesTransformers) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  struct Mode {
+    const char* name;
+    bool graphs, together;
+    int64_t budget, page;
+    bool twice = false;  // every prompt a second time in the same engine: prefix-cache hits
+    bool host_sampling = false;
+  };
+  const Mode modes[] = {{"alone+graphs", true, false, 1024, 16},
+                        {"batched+graphs", true, true, 1024, 16},
+                        {"chunked+graphs", true, true, 7, 4},
+                        {"batched eager", false, true, 1024, 16},
+                        {"alone twice (prefix cache)+graphs", true, false, 1024, 16, true},
+                        {"batched+graphs, host sampling", true, true, 1024, 16, false, true}};
+  for (const Mode& m : modes) {
+    CudaModelOptions o;
+    o.max_tokens = m.budget;
+    o.max_seqs = 8;
+    o.page_size = m.page;
+    o.cuda_graphs = m.graphs;
+    auto gpu = Qwen35MoeCuda::load(dir, o);
+    EngineConfig cfg;
+    cfg.max_num_seqs = 8;
+    cfg.max_batched_tokens = m.budget;
+    cfg.page_size = m.page;
+    cfg.kv_cache_mb = 64;
+    cfg.state_checkpoint_interval = 16;
+    std::vector<testing::GoldenCase> cases = g.cases;
+    if (m.twice) cases.insert(cases.end(), g.cases.begin(), g.cases.end());
+    HostSampled host(*gpu);
+    Model& model = m.host_sampling ? static_cast<Model&>(host) : *gpu;
+    const auto results = run_engine(model, cases, cfg, m.together);
+    testing::Golden gg = g;
+    gg.cases = cases;
+    const int compared = compare_greedy(gg, results, m.name);
+    EXPECT_GT(compared, 0) << g.name << " " << m.name << ": no step with a margin over "
+                           << kMarginBf16;
+    if (m.graphs) {
+      EXPECT_FALSE(gpu->captured_buckets().empty()) << "no decode step ran a graph";
+    }
+    std::printf("[ %s ] %s: %d greedy steps compared\n", g.name.c_str(), m.name, compared);
+  }
+}
+
+TEST_P(CudaQwen35Golden, BadInputsThrowWithoutPoisoningTheModel) {
+  const std::string dir = GetParam();
+  CudaModelOptions o;
+  o.max_tokens = 64;
+  o.max_seqs = 4;
+  auto gpu = Qwen35MoeCuda::load(dir, o);
+  KvCache kv = gpu->make_kv_cache(16, 16);
+  kv.allocate_states(2, gpu->state_slot_elems());
+  std::vector<int32_t> table = {3};
+  std::vector<int32_t> ok = {1, 2};
+  std::vector<float> logits;
+  ForwardBatch no_slot;  // a sequence without a state slot
+  no_slot.seqs.push_back({ok.data(), 2, 0, table.data(), 1, LogitsMode::kLast, -1});
+  EXPECT_THROW(gpu->forward(no_slot, kv, logits), Error);
+  ForwardBatch bad_id;
+  std::vector<int32_t> bad = {1, static_cast<int32_t>(gpu->config().vocab_size)};
+  bad_id.seqs.push_back({bad.data(), 2, 0, table.data(), 1, LogitsMode::kLast, 0});
+  try {
+    gpu->forward(bad_id, kv, logits);
+    ADD_FAILURE() << "out-of-range token id accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+  }
+  KvCache no_states = gpu->make_kv_cache(16, 16);  // no allocate_states
+  ForwardBatch fine;
+  fine.seqs.push_back({ok.data(), 2, 0, table.data(), 1, LogitsMode::kLast, 0});
+  EXPECT_THROW(gpu->forward(fine, no_states, logits), Error);
+  // The Qwen3-MoE class refuses the hybrid checkpoint.
+  EXPECT_THROW(Qwen3MoeCuda::load(dir, o), Error);
+  // The model still works after the errors.
+  gpu->forward(fine, kv, logits);
+  ASSERT_EQ(static_cast<int64_t>(logits.size()), gpu->config().vocab_size);
+  for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaQwen35Golden,
+                         ::testing::ValuesIn(testing::hybrid_golden_dirs()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string n = std::filesystem::path(info.param).filename().string();
+                           for (char& ch : n) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace tandem
