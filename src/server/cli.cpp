@@ -739,12 +739,12 @@ int cli_main(int argc, char** argv) {
   sv->add_option("--max-num-batched-tokens", srv.engine.max_batched_tokens,
                  "Tokens per step (chunked prefill budget; a cap under --step-time-target-ms)")
       ->check(CLI::PositiveNumber);
-  srv.engine.step_time_target_ms = -1;
+  srv.engine.step_time_target_ms = 0;
   sv->add_option("--step-time-target-ms", srv.engine.step_time_target_ms,
                  "Size prompt chunks so that a step takes about this long, decode rows first, "
                  "from a model of the step time fit online (ms; -1: auto, 2-3x the time of a "
-                 "decode step over every live sequence; 0: off, the token budget alone). A step "
-                 "with prompt work still computes at least 16 prompt tokens")
+                 "decode step over every live sequence; 0 (default): off, the token budget "
+                 "alone). A step with prompt work still computes at least 16 prompt tokens")
       ->check(CLI::Range(-1.0, 1e6));
   sv->add_option("--max-waiting", srv.engine.max_waiting, "Queue limit (then 429)")
       ->check(CLI::PositiveNumber);
