@@ -19,6 +19,7 @@
 #include "server/grammar/grammar.h"
 #include "server/http/http_client.h"
 #include "server/http/http_server.h"
+#include "server/http/test_model.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
 
@@ -32,24 +33,6 @@ using testing::sse_events;
 
 constexpr int32_t kThink = 8126, kThinkEnd = 8127;
 
-// TANDEM_TEST_DEVICE=cuda (tools/gpu_model_run.sh): the GPU model, whose constrained rows come
-// back to the host sampler.
-std::unique_ptr<Model> load_model(const std::string& dir, const EngineConfig& cfg) {
-  const char* dev = std::getenv("TANDEM_TEST_DEVICE");
-  if (dev != nullptr && std::string(dev) == "cuda") {
-#ifdef TANDEM_WITH_CUDA
-    CudaModelOptions o;
-    o.max_tokens = cfg.max_batched_tokens;
-    o.max_seqs = cfg.max_num_seqs;
-    o.page_size = cfg.page_size;
-    return Qwen3MoeCuda::load(dir, o);
-#else
-    throw std::runtime_error("TANDEM_TEST_DEVICE=cuda: built without CUDA");
-#endif
-  }
-  return Qwen3MoeCpu::load(dir);
-}
-
 class StructuredHttpTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -62,9 +45,8 @@ class StructuredHttpTest : public ::testing::Test {
     // On the GPU a prefix-cache hit computes the prompt's last token in another GEMM shape, and
     // bf16 rounding may then move a sampled token (docs/architecture.md): the streamed and the
     // non-streamed request of one seed are compared, so both compute the whole prompt there.
-    const char* dev = std::getenv("TANDEM_TEST_DEVICE");
-    if (dev != nullptr && std::string(dev) == "cuda") cfg.enable_prefix_cache = false;
-    engine_ = new AsyncEngine(load_model(dir, cfg), cfg);
+    if (testing::test_device_is_cuda()) cfg.enable_prefix_cache = false;
+    engine_ = new AsyncEngine(testing::load_test_model(dir, cfg), cfg);
     HttpServerConfig hc;
     hc.host = "127.0.0.1";
     hc.port = 0;

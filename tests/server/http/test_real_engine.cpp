@@ -14,6 +14,7 @@
 #endif
 #include "server/http/http_client.h"
 #include "server/http/http_server.h"
+#include "server/http/test_model.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
 
@@ -24,23 +25,6 @@ using testing::HttpClient;
 using testing::HttpResult;
 using testing::sse_events;
 
-// TANDEM_TEST_DEVICE=cuda runs these tests over the GPU model (tools/gpu_model_run.sh).
-std::unique_ptr<Model> load_model(const std::string& dir, const EngineConfig& cfg) {
-  const char* dev = std::getenv("TANDEM_TEST_DEVICE");
-  if (dev != nullptr && std::string(dev) == "cuda") {
-#ifdef TANDEM_WITH_CUDA
-    CudaModelOptions o;
-    o.max_tokens = cfg.max_batched_tokens;
-    o.max_seqs = cfg.max_num_seqs;
-    o.page_size = cfg.page_size;
-    return Qwen3MoeCuda::load(dir, o);
-#else
-    throw std::runtime_error("TANDEM_TEST_DEVICE=cuda: built without CUDA");
-#endif
-  }
-  return Qwen3MoeCpu::load(dir);
-}
-
 class RealEngineTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -50,7 +34,7 @@ class RealEngineTest : public ::testing::Test {
     EngineConfig cfg;
     cfg.max_num_seqs = 64;
     cfg.kv_cache_mb = 64;
-    engine_ = new AsyncEngine(load_model(dir, cfg), cfg);
+    engine_ = new AsyncEngine(testing::load_test_model(dir, cfg), cfg);
     HttpServerConfig hc;
     hc.host = "127.0.0.1";
     hc.port = 0;
@@ -264,7 +248,7 @@ TEST(RealEngineMetrics, QueueTimeAndIterationTokensMatchTheRequests) {
   cfg.kv_cache_mb = 32;
   cfg.enable_prefix_cache = false;  // every prompt token computed
   cfg.step_time_target_ms = -1;     // the policy on (auto): the sums do not depend on it
-  AsyncEngine engine(load_model(dir, cfg), cfg);
+  AsyncEngine engine(testing::load_test_model(dir, cfg), cfg);
   HttpServerConfig hc;
   hc.host = "127.0.0.1";
   hc.port = 0;
