@@ -32,8 +32,8 @@ start() {
 }
 common=(--model "$ck" --device cuda --max-model-len 2048)
 concs="32"; [ "${TANDEM_DISAGG_QUICK:-0}" = 1 ] || concs="32 128"
-echo "| path | concurrency | ok | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| path | concurrency | ok | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 start dec decode "${common[@]}" --port 0 --max-decode-batch 128 --kv-cache-mb 16000
 start pre prefill "${common[@]}" --port 0 --kv-cache-mb 8000 --max-num-batched-tokens 8192
 start router router --model "$ck" --served-model-name m --prefill "$pre_addr" --decode "$dec_addr" --port 0

@@ -20,8 +20,8 @@ dir=$(mktemp -d)
 pid=
 cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir" "$ck"; }
 trap cleanup EXIT
-echo "| step-time target ms | concurrency | ok | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| step-time target ms | concurrency | ok | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for t in $targets; do
   "$BIN/tandem" serve --model "$ck" --device cuda --max-model-len 2048 --served-model-name m \
     --port 0 --max-num-seqs 128 --max-num-batched-tokens 8192 --kv-cache-mb 24000 \
