@@ -259,19 +259,33 @@ def corpus_tokens(model_dir, corpus, max_chars):
     return ids
 
 
-def self_generate(p, cfg, n_tokens, T, temperature, dev, seed):
+def self_generate(p, cfg, n_tokens, T, temperatures, dev, seed, batch, max_seconds=0.0):
     """Text sampled from the target itself (windows of T tokens from random first tokens): the
-    distribution the drafts are verified against, no corpus or tokenizer needed."""
+    distribution the drafts are verified against, no corpus or tokenizer needed. The batches
+    cycle through `temperatures` (0: greedy, the continuations a greedy request verifies)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    out, B = [], max(1, min(64, -(-n_tokens // T)))
+    out, B, i = [], max(1, min(batch, -(-n_tokens // T))), 0
+    auto = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else None
+    t0 = time.time()
     while sum(len(x) for x in out) < n_tokens:
+        if max_seconds > 0 and out and time.time() - t0 > max_seconds:
+            break  # the time cap: what was generated so far
+        temperature = temperatures[i % len(temperatures)]
+        i += 1
         seq = torch.randint(0, cfg.vocab, (B, 1), generator=gen).to(dev)
         with torch.no_grad():
             for _ in range(T - 1):
-                h = target_hidden(p, seq, cfg)[:, -1].float()
+                if auto:
+                    with auto:
+                        h = target_hidden(p, seq, cfg)[:, -1].float()
+                else:
+                    h = target_hidden(p, seq, cfg)[:, -1].float()
                 logits = h @ lm_head(p, cfg).t().float()
-                probs = torch.softmax(logits / max(temperature, 1e-5), -1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(dev)
+                if temperature <= 0:
+                    nxt = logits.argmax(-1, keepdim=True)
+                else:
+                    probs = torch.softmax(logits / temperature, -1)
+                    nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(dev)
                 seq = torch.cat([seq, nxt], 1)
         out.extend(seq.tolist())
     return [t for row in out for t in row][:n_tokens]
@@ -318,7 +332,14 @@ def main():
     ap.add_argument("--synthetic-tokens", type=int, default=0, help="random tokens instead (tests)")
     ap.add_argument("--self-generate", type=int, default=0,
                     help="train on this many tokens sampled from the target itself (no corpus)")
-    ap.add_argument("--gen-temperature", type=float, default=1.0)
+    ap.add_argument("--gen-temperature", default="1.0",
+                    help="sampling temperature(s) of --self-generate, comma-separated, cycled per "
+                         "batch (0: greedy)")
+    ap.add_argument("--gen-batch", type=int, default=512, help="sequences generated at once")
+    ap.add_argument("--gen-minutes", type=float, default=0.0,
+                    help="stop generating after this long (0: when --self-generate tokens are made)")
+    ap.add_argument("--eval-every", type=int, default=100,
+                    help="held-out agreement every this many steps; the best state is kept")
     ap.add_argument("--eval-ids", default="",
                     help="comma-separated ids (prompt then a greedy continuation): print the "
                          "greedy K = 1 agreement on them after training (bf16-rounded weights)")
@@ -349,8 +370,9 @@ def main():
         ids = torch.randint(0, cfg.vocab, (args.synthetic_tokens,)).tolist()
     elif args.self_generate > 0:
         t0 = time.time()
-        ids = self_generate(p, cfg, args.self_generate, args.seq_len, args.gen_temperature, dev,
-                            args.seed)
+        temps = [float(x) for x in str(args.gen_temperature).split(",") if x]
+        ids = self_generate(p, cfg, args.self_generate, args.seq_len, temps, dev, args.seed,
+                            args.gen_batch, 60.0 * args.gen_minutes)
         log(f"generated {len(ids)} tokens from the target in {time.time() - t0:.1f} s")
     elif args.corpus:
         ids = corpus_tokens(args.model, args.corpus, args.max_corpus_chars)
@@ -392,9 +414,17 @@ def main():
         starts = torch.randint(0, len(src) - T - 1, (n,), device=dev)
         return src[starts[:, None] + torch.arange(T, device=dev)[None, :]]
 
+    def held_agreement():
+        g = torch.Generator(device="cpu").manual_seed(args.seed + 1)  # the same windows each time
+        starts = torch.randint(0, len(held) - T - 1, (64,), generator=g).to(dev)
+        wins = held[starts[:, None] + torch.arange(T, device=dev)[None, :]]
+        with torch.no_grad():
+            return sum(losses(wins[i:i + 16])[2].item() for i in range(0, 64, 16)) / 4
+
     t0 = time.time()
     budget = args.minutes * 60
     step, seen, hist = 0, 0, []
+    best = (-1.0, 0, None)  # held-out agreement, step, state
     while True:
         if args.steps and step >= args.steps:
             break
@@ -414,10 +444,21 @@ def main():
         if step % 50 == 1 or args.steps:
             log(f"step {step}: ce {ce.item():.3f} kl {kl.item():.3f} agree {agree.item():.3f}")
             hist.append({"step": step, "ce": ce.item(), "kl": kl.item(), "agree": agree.item()})
+        if args.eval_every > 0 and step % args.eval_every == 0:
+            a = held_agreement()
+            hist.append({"step": step, "held_out_agree": a})
+            if a > best[0]:
+                best = (a, step, {k: v.detach().clone() for k, v in m.items()})
 
-    with torch.no_grad():
-        agrees = [losses(batch(held, min(args.batch, 16)))[2].item() for _ in range(4)]
-    agreement = sum(agrees) / len(agrees)
+    # The best state by held-out agreement (training longer than the data supports memorises
+    # the training windows: the training agreement keeps rising while the held-out one falls).
+    final = held_agreement()
+    if best[2] is not None and best[0] > final:
+        log(f"keeping step {best[1]}'s state (held-out {best[0]:.3f} > final {final:.3f})")
+        with torch.no_grad():
+            for k in m:
+                m[k].copy_(best[2][k])
+    agreement = max(final, best[0])
     log(f"held-out top-1 agreement with the target (first-draft greedy acceptance): {agreement:.3f}")
 
     if args.eval_ids:

@@ -100,6 +100,7 @@ Engine::Engine(Model& model, const EngineConfig& config)
     counters_.spec_accepted_per_pos.assign(static_cast<size_t>(config_.num_speculative_tokens), 0);
   }
   scheduler_.set_step_time_target(config_.step_time_target_ms / 1000.0, config_.min_prefill_chunk);
+  if (config_.warm_up) model.warm_up(kv_, config_.max_num_seqs);
   if (model.state_slot_elems() > 0) {
     kv_.allocate_states(config_.max_num_seqs + config_.num_state_checkpoints,
                         model.state_slot_elems());

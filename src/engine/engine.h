@@ -30,8 +30,12 @@ struct EngineConfig {
   // many ms, < 0 auto (twice the decode rows' predicted time), 0 off (the token budget only).
   double step_time_target_ms = 0;
   int64_t min_prefill_chunk = 16;  // prompt tokens a step computes at least (policy on)
-  int64_t max_model_len = 0;       // 0: the model's max_position_embeddings
-  int64_t max_waiting = 1024;      // queue limit; submit beyond it fails (429)
+  // Model::warm_up at construction: the CUDA model captures its decode graphs for every batch
+  // size up to max_num_seqs before the first request (as vLLM does at startup) instead of on
+  // first use, where a capture stalls every running sequence's next token.
+  bool warm_up = false;
+  int64_t max_model_len = 0;   // 0: the model's max_position_embeddings
+  int64_t max_waiting = 1024;  // queue limit; submit beyond it fails (429)
   bool enable_prefix_cache = true;
   // Hybrid models (recurrent state per sequence): the prefix cache checkpoints the state every
   // state_checkpoint_interval prompt tokens (rounded up to whole pages) into at most

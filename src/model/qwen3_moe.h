@@ -62,6 +62,13 @@ class Model {
   /// mtp.norm) for the rows the batch asks logits of (ForwardBatch::logit_token_rows).
   virtual void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                            std::vector<float>& logits, std::vector<float>& hidden_out);
+  /// Before serving: captures what the model would otherwise capture on first use (the CUDA
+  /// model's decode graphs for every batch-size bucket up to max_batch), so that no request
+  /// pays for it mid-stream. May write into `kv` (contents the engine has not handed out).
+  virtual void warm_up(KvCache& kv, int64_t max_batch) {
+    (void)kv;
+    (void)max_batch;
+  }
   /// True when forward_sample() is available (a GPU model: the logits never leave it).
   virtual bool samples_on_device() const { return false; }
   /// Runs the batch and samples each logits row (batch order; every row kLast) on the

@@ -739,6 +739,7 @@ int cli_main(int argc, char** argv) {
   sv->add_option("--max-num-batched-tokens", srv.engine.max_batched_tokens,
                  "Tokens per step (chunked prefill budget; a cap under --step-time-target-ms)")
       ->check(CLI::PositiveNumber);
+  srv.engine.warm_up = true;  // the GPU model's decode graphs before the first request
   srv.engine.step_time_target_ms = 0;
   sv->add_option("--step-time-target-ms", srv.engine.step_time_target_ms,
                  "Size prompt chunks so that a step takes about this long, decode rows first, "

@@ -967,6 +967,25 @@ double Qwen3MoeCuda::last_moe_imbalance() const {
   return off[e] > 0 ? static_cast<double>(mx) * e / off[e] : 0.0;
 }
 
+void Qwen3MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
+  if (impl_->plan.spec.size > 1 || buckets_.empty()) return;
+  const int32_t token = 0, page = 0;
+  for (const int64_t bucket : buckets_) {
+    if (bucket > std::max<int64_t>(1, max_batch)) break;
+    ForwardBatch batch;  // bucket one-token sequences at position 0 of page 0
+    for (int64_t i = 0; i < bucket; ++i) {
+      ForwardSeq s;
+      s.tokens = &token;
+      s.num_tokens = 1;
+      s.block_table = &page;
+      s.num_pages = 1;
+      batch.seqs.push_back(s);
+    }
+    launch(batch, kv);  // captures the bucket's graph, then replays it once
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
   std::vector<int64_t> out;
   for (const auto& [b, g] : impl_->graphs) out.push_back(b);

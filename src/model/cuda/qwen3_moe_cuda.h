@@ -111,6 +111,9 @@ class Qwen3MoeCuda final : public Model {
   int64_t fp8_linears() const;
   /// Bytes of weights in device memory.
   int64_t weight_bytes() const { return weight_bytes_; }
+  /// Captures the decode graph of every bucket <= max_batch (single-GPU models; a sharded
+  /// model's ranks capture together on first use). Writes page 0 of `kv`.
+  void warm_up(KvCache& kv, int64_t max_batch) override;
   /// Batch-size buckets captured so far.
   std::vector<int64_t> captured_buckets() const;
   /// The MoE path the last MoE layer of the last forward took ("decode", "mma", "cublas",
