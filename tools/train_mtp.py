@@ -151,17 +151,22 @@ def rope(x, pos, theta):  # x [B, T, H, d], rotate-half
     return (x.float() * cos + rot.float() * sin).to(x.dtype)
 
 
-def causal_attention(q, k, v):  # [B, H, T, d], scale 1/sqrt(d)
-    if hasattr(F, "scaled_dot_product_attention"):
+def causal_attention(q, k, v):  # q [B, H, T, d], k / v [B, H, S, d] (S >= T: the last T are q's)
+    T, S = q.shape[-2], k.shape[-2]
+    if hasattr(F, "scaled_dot_product_attention") and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    T = q.shape[-2]  # torch < 2.0
-    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if hasattr(F, "scaled_dot_product_attention") and T == 1:
+        return F.scaled_dot_product_attention(q, k, v)  # one query sees every cached key
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # torch < 2.0
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(S - T + 1)
+    s = s.masked_fill(mask, float("-inf"))
     return (torch.softmax(s, -1) @ v.float()).to(q.dtype)
 
 
-def decoder_layer(p, pre, x, cfg, moe):
-    """One Qwen3-MoE decoder layer; p maps names (without `pre`) to tensors."""
+def decoder_layer(p, pre, x, cfg, moe, cache=None, pos0=0):
+    """One Qwen3-MoE decoder layer; p maps names (without `pre`) to tensors. With `cache` (a
+    dict kept per layer), x holds the tokens at positions pos0.. and the keys / values of the
+    earlier positions come from (and the new ones go to) the cache."""
     B, T, H = x.shape
     g = lambda n: p[pre + n]
     xn = rms_norm(x, g("input_layernorm.weight"), cfg.eps)
@@ -170,8 +175,13 @@ def decoder_layer(p, pre, x, cfg, moe):
     v = (xn @ g("self_attn.v_proj.weight").t()).view(B, T, cfg.kvh, cfg.d)
     q = rms_norm(q, g("self_attn.q_norm.weight"), cfg.eps)
     k = rms_norm(k, g("self_attn.k_norm.weight"), cfg.eps)
-    pos = torch.arange(T, device=x.device)
+    pos = torch.arange(T, device=x.device) + pos0
     q, k = rope(q, pos, cfg.theta), rope(k, pos, cfg.theta)
+    if cache is not None:
+        if "k" in cache:
+            k = torch.cat([cache["k"], k], 1)
+            v = torch.cat([cache["v"], v], 1)
+        cache["k"], cache["v"] = k, v
     rep = cfg.qh // cfg.kvh
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
@@ -211,6 +221,15 @@ def target_hidden(p, ids, cfg):
     for l in range(cfg.layers):
         x = decoder_layer(p, f"model.layers.{l}.", x, cfg, cfg.is_moe(l))
     return rms_norm(x, p["model.norm.weight"], cfg.eps)
+
+
+def target_step(p, tok, cfg, cache, pos):
+    """The final hidden state (after model.norm) of one new token per sequence, tok [B] at
+    position pos, with the keys / values of the earlier positions in `cache` ({layer: dict})."""
+    x = p["model.embed_tokens.weight"][tok][:, None]
+    for l in range(cfg.layers):
+        x = decoder_layer(p, f"model.layers.{l}.", x, cfg, cfg.is_moe(l), cache.setdefault(l, {}), pos)
+    return rms_norm(x, p["model.norm.weight"], cfg.eps)[:, -1]
 
 
 def mtp_forward(p, m, ids_next, hidden, cfg):
@@ -264,6 +283,7 @@ def self_generate(p, cfg, n_tokens, T, temperatures, dev, seed, batch, max_secon
     distribution the drafts are verified against, no corpus or tokenizer needed. The batches
     cycle through `temperatures` (0: greedy, the continuations a greedy request verifies)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    dgen = torch.Generator(device=dev).manual_seed(seed)  # sampling where the logits are
     out, B, i = [], max(1, min(batch, -(-n_tokens // T))), 0
     auto = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else None
     t0 = time.time()
@@ -273,19 +293,20 @@ def self_generate(p, cfg, n_tokens, T, temperatures, dev, seed, batch, max_secon
         temperature = temperatures[i % len(temperatures)]
         i += 1
         seq = torch.randint(0, cfg.vocab, (B, 1), generator=gen).to(dev)
+        cache = {}  # one token per step against the cached keys / values
         with torch.no_grad():
-            for _ in range(T - 1):
+            for t in range(T - 1):
                 if auto:
                     with auto:
-                        h = target_hidden(p, seq, cfg)[:, -1].float()
+                        h = target_step(p, seq[:, -1], cfg, cache, t).float()
                 else:
-                    h = target_hidden(p, seq, cfg)[:, -1].float()
+                    h = target_step(p, seq[:, -1], cfg, cache, t).float()
                 logits = h @ lm_head(p, cfg).t().float()
                 if temperature <= 0:
                     nxt = logits.argmax(-1, keepdim=True)
                 else:
                     probs = torch.softmax(logits / temperature, -1)
-                    nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(dev)
+                    nxt = torch.multinomial(probs, 1, generator=dgen)
                 seq = torch.cat([seq, nxt], 1)
         out.extend(seq.tolist())
     return [t for row in out for t in row][:n_tokens]
