@@ -3,6 +3,8 @@ BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8000
+# The demo model speculates with its own MTP head (models/demo/model-mtp.safetensors); SERVE_FLAGS= turns it off.
+SERVE_FLAGS ?= --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
 PREFIX ?= /usr/local
 
 .PHONY: all deps configure build build-all test run install install-files validate-deploy format format-check \
@@ -34,7 +36,7 @@ test: build-all
 run: build
 	@echo "Try:  curl -s localhost:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "        -d '{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"Tell me a story\"}]}'"
-	$(BUILD_DIR)/tandem serve --port $(PORT)
+	$(BUILD_DIR)/tandem serve --port $(PORT) $(SERVE_FLAGS)
 
 # A relocatable install: PREFIX/bin/tandem finds the demo model at ../share/tandem/demo
 # (relative to the executable), wherever PREFIX is moved.
