@@ -346,7 +346,7 @@ struct Qwen35MoeCuda::Impl {
       conv_out = DeviceMem(T * static_cast<size_t>(conv_dim) * b);
       core = DeviceMem(T * static_cast<size_t>(hv * dv) * sizeof(float));
       dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(t_cap, c.linear_num_key_heads, hv,
-                                                                c.linear_key_head_dim) *
+                                                                c.linear_key_head_dim, dv) *
                         sizeof(float));
     }
     sgu = DeviceMem(T * static_cast<size_t>(2 * sinter) * b);
