@@ -352,9 +352,41 @@ __device__ __forceinline__ uint32_t pack2(bf16 lo, bf16 hi) {
 __device__ __forceinline__ uint32_t ld32(bf16 const* p) {
   return *reinterpret_cast<uint32_t const*>(p);
 }
-// Fragments (lane = 4 g + t). A 16x16 at (r0, k0) of a row-major [m][k] tile (k contiguous).
+// Fragments (lane = 4 g + t), by ldmatrix from 16-byte aligned rows (kLdmatrix) or by 32-/16-bit
+// shared loads (the reference layout of the PTX fragment tables).
+constexpr bool kLdmatrix = true;
+__device__ __forceinline__ uint32_t saddr(void const* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], void const* p, bool trans) {
+  if (trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(saddr(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(saddr(p)));
+  }
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t& b0, uint32_t& b1, void const* p, bool trans) {
+  if (trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(saddr(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(saddr(p)));
+  }
+}
+// A 16x16 at (r0, k0) of a row-major [m][k] tile (k contiguous).
 __device__ __forceinline__ void frag_a(uint32_t (&a)[4], bf16 const* s, int ld, int r0, int k0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {
+    ldsm_x4(a, s + (r0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8, false);
+    return;
+  }
   bf16 const* p = s + (r0 + g) * ld + k0 + 2 * t;
   a[0] = ld32(p);
   a[1] = ld32(p + 8 * ld);
@@ -364,6 +396,11 @@ __device__ __forceinline__ void frag_a(uint32_t (&a)[4], bf16 const* s, int ld, 
 // A 16x16 at (r0, k0) of A = X^T, X a row-major [k][m] tile.
 __device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], bf16 const* s, int ld, int r0, int k0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {
+    ldsm_x4(a, s + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + r0 + ((lane >> 3) & 1) * 8,
+            true);
+    return;
+  }
   bf16 const* p = s + (k0 + 2 * t) * ld + r0 + g;
   a[0] = pack2(p[0], p[ld]);
   a[1] = pack2(p[8], p[ld + 8]);
@@ -371,17 +408,25 @@ __device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], bf16 const* s, int ld
   a[3] = pack2(p[8 * ld + 8], p[9 * ld + 8]);
 }
 // B 16x8 at (k0, n0) of B = X^T, X a row-major [n][k] tile (k contiguous).
-__device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld, int k0,
-                                          int n0) {
+__device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld,
+                                          int k0, int n0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {  // lanes 16..31: addresses unused, kept in the tile
+    ldsm_x2(b0, b1, s + (n0 + (lane & 7)) * ld + k0 + ((lane >> 3) & 1) * 8, false);
+    return;
+  }
   bf16 const* p = s + (n0 + g) * ld + k0 + 2 * t;
   b0 = ld32(p);
   b1 = ld32(p + 8);
 }
 // B 16x8 at (k0, n0) of a row-major [k][n] tile.
-__device__ __forceinline__ void frag_b_kn(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld, int k0,
-                                          int n0) {
+__device__ __forceinline__ void frag_b_kn(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld,
+                                          int k0, int n0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {
+    ldsm_x2(b0, b1, s + (k0 + (lane & 15)) * ld + n0, true);
+    return;
+  }
   bf16 const* p = s + (k0 + 2 * t) * ld + n0 + g;
   b0 = pack2(p[0], p[ld]);
   b1 = pack2(p[8 * ld], p[9 * ld]);
