@@ -52,6 +52,64 @@ __global__ void conv1d_kernel(CausalConv1dParams p) {
   }
 }
 
+// Prefill, kernel 4, 8-channel aligned rows: a thread owns 8 channels (16-byte loads and
+// stores) over a tile of kConvTokens tokens, keeping the previous 3 inputs in registers while
+// the tokens stay in one sequence (refilled from x or the window where a sequence starts).
+// Same products in the same order as conv1d_kernel, so the two agree bit for bit.
+constexpr int kConvTokens = 16;
+__global__ void __launch_bounds__(128) conv1d_prefill4_kernel(CausalConv1dParams p) {
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (c0 >= p.channels) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvTokens;
+  const int64_t t1 = t0 + kConvTokens < p.num_tokens ? t0 + kConvTokens : p.num_tokens;
+  float w[8][4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // weight[c0 .. c0 + 8, 0 .. 4): 32 bf16, 64 bytes
+    float v[8];
+    load_bf16<8>(p.weight + c0 * 4 + q * 8, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w[2 * q + e / 4][e % 4] = v[e];
+  }
+  float prev[3][8];
+  int32_t cur_seq = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int32_t s = p.seqs.token_seq[t];
+    if (s != cur_seq) {  // a sequence starts at t (or the tile does): the 3 inputs before t
+      cur_seq = s;
+      const int64_t begin = p.seqs.seq_begin[s];
+      const int32_t slot = p.seqs.state_slot[s];
+      const bool zero = slot < 0 || p.seqs.fresh[s] != 0;
+      float const* win = zero ? nullptr : p.states + slot * p.state_stride + c0 * 3;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        const int64_t r = t - 3 + j;
+        if (r >= begin) {
+          load_bf16<8>(p.x + r * p.x_stride + c0, prev[j]);
+        } else {
+          const int64_t m = r - begin;  // -3 .. -1: window entry 3 + m
+#pragma unroll
+          for (int e = 0; e < 8; ++e) prev[j][e] = zero ? 0.f : win[e * 3 + 3 + m];
+        }
+      }
+    }
+    float cur[8], o[8];
+    load_bf16<8>(p.x + t * p.x_stride + c0, cur);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float acc = 0.f;
+      acc += w[e][0] * prev[0][e];
+      acc += w[e][1] * prev[1][e];
+      acc += w[e][2] * prev[2][e];
+      acc += w[e][3] * cur[e];
+      o[e] = p.silu ? silu_f(acc) : acc;
+      prev[0][e] = prev[1][e];
+      prev[1][e] = prev[2][e];
+      prev[2][e] = cur[e];
+    }
+    store_bf16<8>(p.out + t * p.channels + c0, o);
+  }
+}
+
 // One thread per (sequence, channel): the window becomes the last kernel - 1 inputs. Runs
 // after conv1d_kernel (which reads the old window).
 __global__ void conv1d_state_kernel(CausalConv1dParams p) {
@@ -408,8 +466,8 @@ __device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], bf16 const* s, int ld
   a[3] = pack2(p[8 * ld + 8], p[9 * ld + 8]);
 }
 // B 16x8 at (k0, n0) of B = X^T, X a row-major [n][k] tile (k contiguous).
-__device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld,
-                                          int k0, int n0) {
+__device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld, int k0,
+                                          int n0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   if constexpr (kLdmatrix) {  // lanes 16..31: addresses unused, kept in the tile
     ldsm_x2(b0, b1, s + (n0 + (lane & 7)) * ld + k0 + ((lane >> 3) & 1) * 8, false);
@@ -420,8 +478,8 @@ __device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, bf16 const
   b1 = ld32(p + 8);
 }
 // B 16x8 at (k0, n0) of a row-major [k][n] tile.
-__device__ __forceinline__ void frag_b_kn(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld,
-                                          int k0, int n0) {
+__device__ __forceinline__ void frag_b_kn(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld, int k0,
+                                          int n0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   if constexpr (kLdmatrix) {
     ldsm_x2(b0, b1, s + (k0 + (lane & 15)) * ld + n0, true);
@@ -949,7 +1007,19 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream) {
     TANDEM_CUDA_CHECK_LAUNCH();
     return;
   }
-  conv1d_kernel<false><<<grid, threads, 0, stream>>>(p);
+  const bool vec = p.kernel == 4 && p.channels % 8 == 0 && p.x_stride % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.weight) % 16 == 0;
+  if (vec) {
+    const int64_t vblocks = (p.channels / 8 + threads - 1) / threads;
+    conv1d_prefill4_kernel<<<dim3(static_cast<unsigned>((p.num_tokens + kConvTokens - 1) /
+                                                        kConvTokens),
+                                  static_cast<unsigned>(vblocks)),
+                             threads, 0, stream>>>(p);
+  } else {
+    conv1d_kernel<false><<<grid, threads, 0, stream>>>(p);
+  }
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.seqs.num_seqs > 0) {
     conv1d_state_kernel<<<dim3(static_cast<unsigned>(p.seqs.num_seqs),

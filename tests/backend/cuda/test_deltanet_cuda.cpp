@@ -228,6 +228,7 @@ TEST_F(CudaDeltaNet, ConvPrefillAndDecode) {
   const std::vector<SeqSpec> mixed = {
       {37, true}, {1}, {2, false}, {70, false}, {5, true}, {1, false, true}, {3, true}};
   for (int64_t channels : {8, 200, 8192}) conv_case(mixed, channels, 4);
+  conv_case(mixed, 100, 4);  // channels not a multiple of 8: the per-channel kernel
   conv_case(mixed, 96, 2);
   conv_case(mixed, 96, 8);
   conv_case({{1}, {1}, {1, true}, {1, false, true}, {1}}, 8192, 4);
