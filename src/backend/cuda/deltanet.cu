@@ -526,11 +526,11 @@ struct WyShape {
   static constexpr int kLdT = kChunk + 8;  // bf16 rows of T
   static size_t smem_bytes(int64_t dvp) {
     return (3 * kChunk * kLdK + kChunk * (dvp + 8) + kChunk * kLdT) * sizeof(bf16) +
-           (kChunk * kLdA + 3 * kChunk) * sizeof(float);
+           (kChunk * kLdA + 4 * kChunk) * sizeof(float);
   }
 };
 template <int kDk>
-__global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p) {
+__global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p, bool vec_v) {
   using Sh = WyShape<kDk>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim, n = p.num_tokens;
@@ -543,21 +543,41 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p) {
   float* sA = reinterpret_cast<float*>(sV + kChunk * ldv);
   float* sGam = sA + kChunk * Sh::kLdA;
   float* sBeta = sGam + kChunk;
-  int* sSeq = reinterpret_cast<int*>(sBeta + kChunk);
+  float* sKsc = sBeta + kChunk;  // beta G per row
+  int* sSeq = reinterpret_cast<int*>(sKsc + kChunk);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kChunk, h = blockIdx.y;
   const int64_t kh = h / (hv / hk);
   const Ws ws = ws_at(p);
 
-  // Row metadata; gamma = the sum of g over the earlier tokens of the row's sequence in the tile.
-  float graw = 0.f;
+  // K, Q and (when its rows are 16-byte aligned) V by cp.async, zero-filled past the end (and
+  // V past dv); meanwhile the row metadata; gamma = the sum of g over the earlier tokens of the
+  // row's sequence in the tile.
+  constexpr int kVec = kDk / 8;
+  for (int i = tid; i < kChunk * kVec; i += blockDim.x) {
+    const int r = i / kVec, c = (i % kVec) * 8;
+    const int64_t t = t0 + r;
+    const int64_t ts = t < n ? t : 0;
+    cp_async16(sK + r * Sh::kLdK + c, ws.kb + (ts * hk + kh) * kDk + c, t < n);
+    cp_async16(sQ + r * Sh::kLdK + c, ws.qb + (ts * hk + kh) * kDk + c, t < n);
+  }
+  bf16 const* gv = p.qkv + 2 * hk * kDk + h * dv;
+  if (vec_v) {
+    const int vv = dvp / 8;
+    for (int i = tid; i < kChunk * vv; i += blockDim.x) {
+      const int r = i / vv, c = (i % vv) * 8;
+      const int64_t t = t0 + r;
+      const bool ok = t < n && c < dv;
+      cp_async16(sV + r * ldv + c, gv + (ok ? t * p.qkv_stride + c : 0), ok);
+    }
+  }
+  cp_async_commit();
   if (tid < kChunk) {
     const int64_t t = t0 + tid;
     const bool valid = t < n;
     sSeq[tid] = valid ? p.seqs.token_seq[t] : -1 - tid;  // rows past the end: no pairs
-    graw = valid ? ws.g[t * hv + h] : 0.f;
+    sGam[tid] = valid ? ws.g[t * hv + h] : 0.f;
     sBeta[tid] = valid ? ws.beta[t * hv + h] : 0.f;
-    sGam[tid] = graw;
   }
   __syncthreads();
   float gam = 0.f;
@@ -565,21 +585,12 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p) {
     const int seq = sSeq[tid];
     for (int r = 0; r <= tid; ++r) gam += sSeq[r] == seq ? sGam[r] : 0.f;
   }
-  // K and Q (bf16, 16 bytes at a time).
-  constexpr int kVec = kDk / 8;
-  for (int i = tid; i < kChunk * kVec; i += blockDim.x) {
-    const int r = i / kVec, c = (i % kVec) * 8;
-    const int64_t t = t0 + r;
-    uint4 kv = make_uint4(0, 0, 0, 0), qv = kv;
-    if (t < n) {
-      kv = *reinterpret_cast<uint4 const*>(ws.kb + (t * hk + kh) * kDk + c);
-      qv = *reinterpret_cast<uint4 const*>(ws.qb + (t * hk + kh) * kDk + c);
-    }
-    *reinterpret_cast<uint4*>(sK + r * Sh::kLdK + c) = kv;
-    *reinterpret_cast<uint4*>(sQ + r * Sh::kLdK + c) = qv;
+  cp_async_wait<0>();
+  __syncthreads();  // sGam (raw g) read by all; the tiles landed
+  if (tid < kChunk) {
+    sGam[tid] = gam;
+    sKsc[tid] = sBeta[tid] * expf(gam);
   }
-  __syncthreads();  // sGam (raw g) read by all
-  if (tid < kChunk) sGam[tid] = gam;
   __syncthreads();
 
   // K K^T and Q K^T, masked and decayed: warp w owns rows [16 w, 16 w + 16).
@@ -652,17 +663,34 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p) {
   } else {
     // Meanwhile the other warps scale: beta G K and beta V (zero past dv and the end).
     const int u = tid - kChunk;
-    for (int i = u; i < kChunk * kDk; i += kChunk) {
-      const int r = i / kDk, c = i % kDk;
-      const float s = sBeta[r] * expf(sGam[r]);
-      sKs[r * Sh::kLdK + c] = __float2bfloat16_rn(s * __bfloat162float(sK[r * Sh::kLdK + c]));
+    for (int i = u; i < kChunk * kVec; i += kChunk) {
+      const int r = i / kVec, c = (i % kVec) * 8;
+      float v[8];
+      load_bf16<8>(sK + r * Sh::kLdK + c, v);
+      const float sc = sKsc[r];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] *= sc;
+      store_bf16<8>(sKs + r * Sh::kLdK + c, v);
     }
-    bf16 const* gv = p.qkv + 2 * hk * kDk + h * dv;
-    for (int i = u; i < kChunk * dvp; i += kChunk) {
-      const int r = i / dvp, c = i % dvp;
-      const int64_t t = t0 + r;
-      const float v = (t < n && c < dv) ? __bfloat162float(gv[t * p.qkv_stride + c]) : 0.f;
-      sV[r * ldv + c] = __float2bfloat16_rn(sBeta[r] * v);
+    if (vec_v) {
+      const int vv = dvp / 8;
+      for (int i = u; i < kChunk * vv; i += kChunk) {
+        const int r = i / vv, c = (i % vv) * 8;
+        float v[8];
+        load_bf16<8>(sV + r * ldv + c, v);
+        const float b = sBeta[r];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] *= b;
+        store_bf16<8>(sV + r * ldv + c, v);
+      }
+    } else {
+#pragma unroll 8
+      for (int i = u; i < kChunk * dvp; i += kChunk) {
+        const int r = i / dvp, c = i % dvp;
+        const int64_t t = t0 + r;
+        const float v = (t < n && c < dv) ? __bfloat162float(gv[t * p.qkv_stride + c]) : 0.f;
+        sV[r * ldv + c] = __float2bfloat16_rn(sBeta[r] * v);
+      }
     }
   }
   __syncthreads();
@@ -697,7 +725,7 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p) {
 }
 
 // chunk_state_kernel: one block of 4 warps per (32 value columns, value head, sequence), over
-// the sequence's chunks in order; the next chunk's tiles arrive by cp.async (double buffer)
+// the sequence's chunks in order; the next two chunks' tiles arrive by cp.async (three stages)
 // while this one computes. The state [dk, 32] stays in the fp32 accumulators (warp w: rows
 // [w dk / 4, (w + 1) dk / 4)), a bf16 copy in sS is the operand of W S and Q S.
 template <int kDk>
@@ -706,8 +734,9 @@ struct StateShape {
   static constexpr int kLdP = kChunk + 8;
   static constexpr int kLdV = 32 + 8;
   static constexpr int kStage = 3 * kChunk * kLdK + kChunk * kLdP + kChunk * kLdV;  // bf16
+  static constexpr int kStages = 3;
   static constexpr size_t kSmemBytes =
-      (2 * kStage + kDk * kLdV + 2 * kChunk * kLdV) * sizeof(bf16) + kChunk * sizeof(float);
+      (kStages * kStage + kDk * kLdV + 2 * kChunk * kLdV) * sizeof(bf16) + kChunk * sizeof(float);
   static constexpr int kMt = kDk / 64;  // 16-row tiles of the state per warp
 };
 template <int kDk>
@@ -715,7 +744,7 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
   using Sh = StateShape<kDk>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sStage = reinterpret_cast<bf16*>(smem_raw);
-  bf16* sS = sStage + 2 * Sh::kStage;
+  bf16* sS = sStage + Sh::kStages * Sh::kStage;
   bf16* sU = sS + kDk * Sh::kLdV;
   bf16* sUt = sU + kChunk * Sh::kLdV;
   float* sGam = reinterpret_cast<float*>(sUt + kChunk * Sh::kLdV);
@@ -801,22 +830,25 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
     return (tid < kChunk && tt >= begin && tt < end) ? ws.gam[tt * hv + h] : 0.f;
   };
 
+  // Three stages: chunk m + 2 is in flight while m computes (a commit group per chunk, empty
+  // past the last, so wait_group 2 always means "chunk m landed").
   issue(m_first, 0);
-  float cur_g = gam_of(m_first);
+  if (m_first + 1 <= m_last) {
+    issue(m_first + 1, 1);
+  } else {
+    cp_async_commit();
+  }
+  float cur_g = gam_of(m_first), nxt_g = gam_of(m_first + 1);
   for (int64_t m = m_first; m <= m_last; ++m) {
-    const int st = static_cast<int>((m - m_first) & 1);
-    const bool next = m < m_last;
-    float nxt_g = 0.f;
-    if (next) {
-      issue(m + 1, st ^ 1);
-      nxt_g = gam_of(m + 1);
-    }
-    if (tid < kChunk) sGam[tid] = cur_g;
-    if (next) {
-      cp_async_wait<1>();
+    const int st = static_cast<int>((m - m_first) % Sh::kStages);
+    if (m + 2 <= m_last) {
+      issue(m + 2, (st + 2) % Sh::kStages);
     } else {
-      cp_async_wait<0>();
+      cp_async_commit();
     }
+    const float nxt2_g = gam_of(m + 2);
+    if (tid < kChunk) sGam[tid] = cur_g;
+    cp_async_wait<2>();
     __syncthreads();  // this chunk's tiles, sGam, sS
     bf16 const* sW = sStage + st * Sh::kStage;
     bf16 const* sQ = sW + kChunk * Sh::kLdK;
@@ -910,6 +942,7 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
     write_sS();
     __syncthreads();  // sS for the next chunk; this stage, sU, sUt, sGam free
     cur_g = nxt_g;
+    nxt_g = nxt2_g;
   }
   if (gS != nullptr) {
 #pragma unroll
@@ -939,9 +972,12 @@ void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
   const int64_t tiles = (p.num_tokens + kChunk - 1) / kChunk;
   TANDEM_CHECK(tiles <= INT32_MAX, "gated_delta_rule: too many tokens");
   const size_t wy_smem = WyShape<kDk>::smem_bytes(pad_cols(p.v_dim));
+  // V by 16-byte cp.async when its rows allow (the model's and the benchmark's always do).
+  const bool vec_v =
+      p.v_dim % 8 == 0 && p.qkv_stride % 8 == 0 && reinterpret_cast<uintptr_t>(p.qkv) % 16 == 0;
   raise_smem(chunk_wy_kernel<kDk>, wy_smem);
   chunk_wy_kernel<kDk><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_v_heads)),
-                         128, wy_smem, stream>>>(p);
+                         128, wy_smem, stream>>>(p, vec_v);
   TANDEM_CUDA_CHECK_LAUNCH();
   constexpr size_t st_smem = StateShape<kDk>::kSmemBytes;
   raise_smem(chunk_state_kernel<kDk>, st_smem);

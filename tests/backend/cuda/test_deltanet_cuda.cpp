@@ -299,6 +299,7 @@ TEST_F(CudaDeltaNet, DeltaRuleChunked) {
   delta_case(mixed, 1, 3, 128, 40);
   delta_case(mixed, 2, 2, 64, 64);
   delta_case(mixed, 1, 2, 64, 256);
+  delta_case(mixed, 1, 2, 64, 36);               // v_dim not a multiple of 8: V by scalar loads
   delta_case({{64, true}}, 1, 1, 128, 128);      // exactly one chunk
   delta_case({{2, false}, {1}}, 2, 4, 128, 96);  // a 2-token prefill beside a decode token
 }
