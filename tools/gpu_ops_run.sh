@@ -17,7 +17,9 @@
 # 2c. bench_fp8_linear (when present): FP8-weight gemv / grouped GEMM vs bf16 at decode shapes;
 # 2d. bench_attention --prefill-only (when present) and bench/cuda/attention_torch_baseline.py:
 # prefill attention (ours FA2, FlashInfer sm90) beside PyTorch SDPA cuDNN / flash, same run;
-# 2e. bench_deltanet (when present): Qwen3.5 conv1d + gated delta rule, decode and prefill;
+# 2e. bench_deltanet (when present): Qwen3.5 conv1d + gated delta rule, decode and prefill,
+# then bench/cuda/deltanet_torch_baseline.py (fla's Triton kernel, transformers' torch reference)
+# when the flash-linear-attention wheels are in BINARY_DIR/whl (or $TANDEM_FLA_WHEELS);
 # 3. the tests again under compute-sanitizer memcheck (out-of-bounds / misaligned accesses),
 # time-limited: a timeout there is reported, not counted as a failure.
 set -uo pipefail
@@ -126,6 +128,17 @@ if [ -x "$BIN/bench_deltanet" ]; then
     tail -5 "$LOG/bench_deltanet.log"
     status=1
   fi
+  # Beside flash-linear-attention's Triton kernel and transformers' torch reference, same run:
+  # the wheels (flash-linear-attention, fla-core, einops; `pip download --no-deps` elsewhere)
+  # in $TANDEM_FLA_WHEELS (default BINARY_DIR/whl), installed offline into /tmp.
+  whl=${TANDEM_FLA_WHEELS:-$BIN/whl}
+  if ls "$whl"/*.whl > /dev/null 2>&1; then
+    pip install -q --no-deps --no-index --target /tmp/tandem_fla "$whl"/*.whl > "$LOG/fla_pip.log" 2>&1 ||
+      for w in "$whl"/*.whl; do python3 -m zipfile -e "$w" /tmp/tandem_fla; done
+    PYTHONPATH=/tmp/tandem_fla step deltanet_torch 200 python3 \
+      "$(dirname "$0")/../bench/cuda/deltanet_torch_baseline.py" --ours "$LOG/bench_deltanet.csv" \
+      --csv "$LOG/deltanet_torch.csv" || echo "(deltanet_torch_baseline.py exited with ${RC[deltanet_torch]})"
+  fi
 fi
 
 # 3. Memory checker (Firecracker machines run it; seen working 2026-11-04).
@@ -153,6 +166,7 @@ grep -hE '^\[  (PASSED|FAILED) ' "$LOG/test_backend_cuda.log" 2>/dev/null
 [ -f "$LOG/bench_fp8_gemm.log" ] && { echo "== bench_fp8_gemm"; cat "$LOG/bench_fp8_gemm.log"; }
 [ -f "$LOG/bench_fp8_linear.log" ] && { echo "== bench_fp8_linear"; cat "$LOG/bench_fp8_linear.log"; }
 [ -f "$LOG/bench_deltanet.log" ] && { echo "== bench_deltanet"; sed -n '/^== table/,$p' "$LOG/bench_deltanet.log"; }
+[ -f "$LOG/deltanet_torch.log" ] && { echo "== gated delta rule vs fla / transformers"; cat "$LOG/deltanet_torch.log"; }
 [ -f "$LOG/bench_attention.log" ] && { echo "== bench_attention --prefill-only";
   grep -E 'TFLOP/s|FAILED|not run' "$LOG/bench_attention.log"; }
 [ -f "$LOG/attention_torch.log" ] && { echo "== prefill attention vs PyTorch SDPA";

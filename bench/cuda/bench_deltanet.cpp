@@ -3,8 +3,12 @@
 // 1, 32 and 128 sequences (each with a 64 KiB fp32 state per value head: 4 MiB per sequence,
 // read and written once) and for one prefill sequence of 1024 / 8192 tokens; beside the bound
 // measured in the same run (bench_util.h: bytes / device copy bandwidth, flops / cuBLASLt bf16
-// rate). The prefill kernel is the sequential (recurrent) one: its bound is the FLOP one of a
-// chunked tensor-core kernel it does not reach, so the %bound column says how far it is.
+// rate). Prefill runs twice: the chunked tensor-core form (gated_delta_rule, what the model
+// uses) and the per-token recurrence (gated_delta_rule_seq); the FLOP bound of both is the
+// rule's minimum, 6 dk dv per token and value head (the chunked form does about 2x that on
+// tensor cores: K K^T, Q K^T, the WY products, W S, Q S, P U, K^T U).
+// bench/cuda/deltanet_torch_baseline.py times flash-linear-attention's Triton kernel and
+// transformers' torch chunked reference at the same shapes.
 //
 //   bench_deltanet [--quick]   CSV to $TANDEM_BENCH_CSV when set
 #include <cuda_runtime_api.h>
@@ -66,7 +70,7 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
   fill_bf16(w, 0.5f);
   TANDEM_CUDA_CHECK(cudaMemset(a_log.ptr, 0, a_log.bytes));
   TANDEM_CUDA_CHECK(cudaMemset(dt.ptr, 0, dt.bytes));
-  Buf ws(gated_delta_rule_workspace_floats(T, kHk, kHv, kDk) * 4);
+  Buf ws(gated_delta_rule_workspace_floats(T, kHk, kHv, kDk, kDv) * 4);
   const int64_t slot_stride = conv_state + rec_state;
 
   b.guarded("causal_conv1d", [&] {
@@ -78,32 +82,37 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
     const double bytes = T * kConv * 2.0 * 2 + seqs * conv_state * 4.0 * 2;
     b.add("causal_conv1d", T, shape, us, bytes, 2.0 * T * kConv * kKernel);
   });
-  b.guarded("gated_delta_rule", [&] {
-    GatedDeltaRuleParams p{};
-    p.qkv = conv_out.as<bf16>();
-    p.b = proj.as<bf16>() + kConv + kHv * kDv;
-    p.a = p.b + kHv;
-    p.a_log = a_log.as<float>();
-    p.dt_bias = dt.as<float>();
-    p.states = states.as<float>() + conv_state;
-    p.out = out.as<float>();
-    p.workspace = ws.as<float>();
-    p.seqs = sq.view();
-    p.num_tokens = T;
-    p.num_k_heads = kHk;
-    p.num_v_heads = kHv;
-    p.k_dim = kDk;
-    p.v_dim = kDv;
-    p.qkv_stride = kConv;
-    p.ab_stride = kProj;
-    p.state_stride = slot_stride;
-    const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
-    // qkv read, out written (fp32), the state read and written once per sequence.
-    const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;
-    // Per token and value head: decay, S^T k, the rank-1 update, S^T q: ~6 dk dv flops (the
-    // chunked form does about the same on tensor cores).
-    b.add("gated_delta_rule", T, shape, us, bytes, 6.0 * T * kHv * kDk * kDv);
-  });
+  for (bool sequential : {false, true}) {
+    if (sequential && len == 1) break;  // decode has one kernel
+    const char* name = sequential ? "gated_delta_rule_seq" : "gated_delta_rule";
+    b.guarded(name, [&] {
+      GatedDeltaRuleParams p{};
+      p.qkv = conv_out.as<bf16>();
+      p.b = proj.as<bf16>() + kConv + kHv * kDv;
+      p.a = p.b + kHv;
+      p.a_log = a_log.as<float>();
+      p.dt_bias = dt.as<float>();
+      p.states = states.as<float>() + conv_state;
+      p.out = out.as<float>();
+      p.workspace = ws.as<float>();
+      p.seqs = sq.view();
+      p.num_tokens = T;
+      p.num_k_heads = kHk;
+      p.num_v_heads = kHv;
+      p.k_dim = kDk;
+      p.v_dim = kDv;
+      p.qkv_stride = kConv;
+      p.ab_stride = kProj;
+      p.state_stride = slot_stride;
+      p.sequential = sequential;
+      const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
+      // qkv read, out written (fp32), the state read and written once per sequence.
+      const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;
+      // Per token and value head: decay, S^T k, the rank-1 update, S^T q: ~6 dk dv flops (the
+      // chunked form does about the same on tensor cores).
+      b.add(name, T, shape, us, bytes, 6.0 * T * kHv * kDk * kDv);
+    });
+  }
 }
 
 }  // namespace
@@ -118,7 +127,10 @@ int main(int argc, char** argv) {
     b.measure_ceilings();
     for (int64_t seqs : {1, 32, 128}) bench_case(b, seqs, 1);  // decode steps
     bench_case(b, 1, 1024);
-    if (!b.quick) bench_case(b, 1, 8192);
+    if (!b.quick) {
+      bench_case(b, 1, 8192);
+      bench_case(b, 8, 1024);
+    }
   } catch (std::exception const& e) {
     std::printf("FATAL: %s\n", e.what());
     return 1;

@@ -1,7 +1,10 @@
 // Qwen3.5 hybrid MoE on one GPU (Qwen35MoeCuda) from a checkpoint on disk, e.g. a slice of
 // Qwen3.5-35B-A3B at real shapes written by the checkpoint tool:
 //   make_random_checkpoint --out /tmp/q35 --preset qwen3.5-35b-a3b --layers 4
-//   bench_qwen35_cuda --checkpoint /tmp/q35 [--quick]        CSV to $TANDEM_BENCH_CSV
+//   bench_qwen35_cuda --checkpoint /tmp/q35 [--quick] [--prefill TOKENS] [--prefill-only]
+//                                                              CSV to $TANDEM_BENCH_CSV
+// A/B: TANDEM_PREFILL_ATTENTION=fa2 (our FA2 kernel instead of FlashInfer's sm90 prefill),
+// TANDEM_DELTA_RULE=sequential (the per-token delta rule instead of the chunked one).
 // Each number beside its bound measured in the same run (bench_util.h):
 //   - decode step (one token for each of B sequences with `ctx` tokens of context, the captured
 //     graph, greedy sampling on the device) vs the HBM roofline: (weights touched + KV read +
@@ -18,6 +21,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -77,13 +81,18 @@ double now_us() {
 
 int main(int argc, char** argv) {
   std::string dir;
-  bool quick = false;
+  bool quick = false, prefill_only = false;
+  int64_t prefill_arg = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--checkpoint") == 0 && i + 1 < argc) dir = argv[++i];
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
+    if (std::strcmp(argv[i], "--prefill") == 0 && i + 1 < argc) prefill_arg = std::atoll(argv[++i]);
   }
-  if (dir.empty()) {
-    std::printf("usage: bench_qwen35_cuda --checkpoint DIR [--quick]\n");
+  if (dir.empty() || (prefill_arg != 0 && prefill_arg < 16)) {
+    std::printf(
+        "usage: bench_qwen35_cuda --checkpoint DIR [--quick] [--prefill TOKENS] "
+        "[--prefill-only]\n");
     return 2;
   }
   bench::OpBench b;
@@ -91,7 +100,7 @@ int main(int argc, char** argv) {
   try {
     if (!b.open()) return 2;
     b.measure_ceilings();
-    const int64_t prefill_t = quick ? 2048 : 8192;
+    const int64_t prefill_t = prefill_arg > 0 ? prefill_arg : (quick ? 2048 : 8192);
     const std::vector<int64_t> batches = {1, 32, 128};
     const std::vector<int64_t> contexts =
         quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 8192};
@@ -113,6 +122,7 @@ int main(int argc, char** argv) {
 
     // Decode: B sequences at ctx - 1 (pages 0..ctx/page of sequence b at b * pages_per_seq).
     for (int64_t ctx : contexts) {
+      if (prefill_only) break;
       for (int64_t B : batches) {
         b.guarded("decode", [&] {
           const int64_t per_seq = (ctx + page - 1) / page;

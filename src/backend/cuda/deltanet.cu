@@ -52,6 +52,64 @@ __global__ void conv1d_kernel(CausalConv1dParams p) {
   }
 }
 
+// Prefill, kernel 4, 8-channel aligned rows: a thread owns 8 channels (16-byte loads and
+// stores) over a tile of kConvTokens tokens, keeping the previous 3 inputs in registers while
+// the tokens stay in one sequence (refilled from x or the window where a sequence starts).
+// Same products in the same order as conv1d_kernel, so the two agree bit for bit.
+constexpr int kConvTokens = 16;
+__global__ void __launch_bounds__(128) conv1d_prefill4_kernel(CausalConv1dParams p) {
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (c0 >= p.channels) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvTokens;
+  const int64_t t1 = t0 + kConvTokens < p.num_tokens ? t0 + kConvTokens : p.num_tokens;
+  float w[8][4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // weight[c0 .. c0 + 8, 0 .. 4): 32 bf16, 64 bytes
+    float v[8];
+    load_bf16<8>(p.weight + c0 * 4 + q * 8, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w[2 * q + e / 4][e % 4] = v[e];
+  }
+  float prev[3][8];
+  int32_t cur_seq = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int32_t s = p.seqs.token_seq[t];
+    if (s != cur_seq) {  // a sequence starts at t (or the tile does): the 3 inputs before t
+      cur_seq = s;
+      const int64_t begin = p.seqs.seq_begin[s];
+      const int32_t slot = p.seqs.state_slot[s];
+      const bool zero = slot < 0 || p.seqs.fresh[s] != 0;
+      float const* win = zero ? nullptr : p.states + slot * p.state_stride + c0 * 3;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        const int64_t r = t - 3 + j;
+        if (r >= begin) {
+          load_bf16<8>(p.x + r * p.x_stride + c0, prev[j]);
+        } else {
+          const int64_t m = r - begin;  // -3 .. -1: window entry 3 + m
+#pragma unroll
+          for (int e = 0; e < 8; ++e) prev[j][e] = zero ? 0.f : win[e * 3 + 3 + m];
+        }
+      }
+    }
+    float cur[8], o[8];
+    load_bf16<8>(p.x + t * p.x_stride + c0, cur);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float acc = 0.f;
+      acc += w[e][0] * prev[0][e];
+      acc += w[e][1] * prev[1][e];
+      acc += w[e][2] * prev[2][e];
+      acc += w[e][3] * cur[e];
+      o[e] = p.silu ? silu_f(acc) : acc;
+      prev[0][e] = prev[1][e];
+      prev[1][e] = prev[2][e];
+      prev[2][e] = cur[e];
+    }
+    store_bf16<8>(p.out + t * p.channels + c0, o);
+  }
+}
+
 // One thread per (sequence, channel): the window becomes the last kernel - 1 inputs. Runs
 // after conv1d_kernel (which reads the old window).
 __global__ void conv1d_state_kernel(CausalConv1dParams p) {
@@ -74,19 +132,62 @@ __global__ void conv1d_state_kernel(CausalConv1dParams p) {
 }
 
 // ---------------------------------------------------------------- delta rule
-// Workspace layout: qn [n, hk, dk] | kn [n, hk, dk] | beta [n, hv] | g [n, hv].
+// Workspace layout (floats, each region 16-byte aligned): qn [n, hk, dk] | kn [n, hk, dk] |
+// beta [n, hv] | g [n, hv] | the chunked form's W [n, hv, dk] bf16 | U' [n, hv, dvp] bf16 |
+// P [n, hv, kChunk] bf16 | gamma [n, hv] fp32. The chunked form keeps the normalised q, k in
+// bf16 inside the qn region (qb [n, hk, dk] then kb [n, hk, dk]): it never reads the fp32 ones.
+constexpr int kChunk = 64;  // tokens per chunk of the chunked form
+__host__ __device__ inline int64_t pad_cols(int64_t dv) { return (dv + 31) / 32 * 32; }
+__host__ __device__ inline int64_t align4(int64_t floats) { return (floats + 3) / 4 * 4; }
 struct Ws {
   float *q, *k, *beta, *g;
+  bf16 *qb, *kb, *w, *u, *p;
+  float* gam;
 };
-__host__ __device__ inline Ws ws_at(float* w, int64_t n, int64_t hk, int64_t hv, int64_t dk) {
-  return {w, w + n * hk * dk, w + 2 * n * hk * dk, w + 2 * n * hk * dk + n * hv};
+// Float offsets of the regions (Ws order: q k beta g w u p gam) and the total.
+struct WsOffsets {
+  int64_t k, beta, g, w, u, p, gam, total;
+};
+__host__ __device__ inline WsOffsets ws_offsets(int64_t n, int64_t hk, int64_t hv, int64_t dk,
+                                                int64_t dv) {
+  WsOffsets o{};
+  o.k = align4(n * hk * dk);
+  o.beta = o.k + align4(n * hk * dk);
+  o.g = o.beta + align4(n * hv);
+  o.w = o.g + align4(n * hv);
+  o.u = o.w + align4(n * hv * dk / 2);
+  o.p = o.u + align4(n * hv * pad_cols(dv) / 2);
+  o.gam = o.p + align4(n * hv * kChunk / 2);
+  o.total = o.gam + align4(n * hv);
+  return o;
+}
+__host__ __device__ inline Ws ws_at(float* w, int64_t n, int64_t hk, int64_t hv, int64_t dk,
+                                    int64_t dv) {
+  const WsOffsets o = ws_offsets(n, hk, hv, dk, dv);
+  Ws ws{};
+  ws.q = w;
+  ws.k = w + o.k;
+  ws.beta = w + o.beta;
+  ws.g = w + o.g;
+  ws.w = reinterpret_cast<bf16*>(w + o.w);
+  ws.u = reinterpret_cast<bf16*>(w + o.u);
+  ws.p = reinterpret_cast<bf16*>(w + o.p);
+  ws.gam = w + o.gam;
+  ws.qb = reinterpret_cast<bf16*>(w);
+  ws.kb = ws.qb + n * hk * dk;
+  return ws;
+}
+__host__ __device__ inline Ws ws_at(GatedDeltaRuleParams const& p) {
+  return ws_at(p.workspace, p.num_tokens, p.num_k_heads, p.num_v_heads, p.k_dim, p.v_dim);
 }
 
-// One block per token: a warp per q / k head normalises it (fp32); threads compute the gates.
+// One block per token: a warp per q / k head normalises it (fp32; kBf16: stored as bf16 for the
+// chunked form's tensor cores); threads compute the gates.
+template <bool kBf16>
 __global__ void __launch_bounds__(128) delta_prep_kernel(GatedDeltaRuleParams p) {
   const int64_t t = blockIdx.x;
   const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dk = p.k_dim;
-  const Ws ws = ws_at(p.workspace, p.num_tokens, hk, hv, dk);
+  const Ws ws = ws_at(p);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const float q_scale = rsqrtf(static_cast<float>(dk));
   bf16 const* row = p.qkv + t * p.qkv_stride;
@@ -100,8 +201,16 @@ __global__ void __launch_bounds__(128) delta_prep_kernel(GatedDeltaRuleParams p)
     ss = warp_sum(ss);
     const bool is_q = h < hk;
     const float inv = 1.0f / sqrtf(ss + 1e-6f) * (is_q ? q_scale : 1.0f);
-    float* dst = (is_q ? ws.q + (t * hk + h) * dk : ws.k + (t * hk + h - hk) * dk);
-    for (int64_t i = lane; i < dk; i += 32) dst[i] = __bfloat162float(src[i]) * inv;
+    const int64_t off = (t * hk + (is_q ? h : h - hk)) * dk;
+    if constexpr (kBf16) {
+      bf16* dst = (is_q ? ws.qb : ws.kb) + off;
+      for (int64_t i = lane; i < dk; i += 32) {
+        dst[i] = __float2bfloat16_rn(__bfloat162float(src[i]) * inv);
+      }
+    } else {
+      float* dst = (is_q ? ws.q : ws.k) + off;
+      for (int64_t i = lane; i < dk; i += 32) dst[i] = __bfloat162float(src[i]) * inv;
+    }
   }
   for (int64_t h = threadIdx.x; h < hv; h += blockDim.x) {
     const float b = __bfloat162float(p.b[t * p.ab_stride + h]);
@@ -127,7 +236,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
   const int64_t h = blockIdx.y, s = blockIdx.z;
   const int64_t kh = h / (hv / hk);
   const bool col = j < dv;
-  const Ws ws = ws_at(p.workspace, p.num_tokens, hk, hv, kDk);
+  const Ws ws = ws_at(p);
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
@@ -205,7 +314,7 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
   const int64_t h = blockIdx.y, s = blockIdx.z;
   const int64_t kh = h / (hv / hk);
   const bool col = j < dv;
-  const Ws ws = ws_at(p.workspace, p.num_tokens, hk, hv, kDk);
+  const Ws ws = ws_at(p);
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
@@ -270,6 +379,614 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
   }
 }
 
+// ---------------------------------------------------------------- chunked delta rule
+// The chunkwise (WY / UT) form on tensor cores, for prefill. Tokens are cut into global tiles
+// of kChunk (tile m: tokens [64 m, 64 m + 64)); a tile's tokens of one sequence form a chunk (a
+// sequence's tokens are contiguous, so a chunk is the tile's piece of it). Per chunk and value
+// head, with gamma_i = sum of g over the chunk's tokens up to i, G_i = exp(gamma_i), S0 the state
+// before the chunk:
+//   A = strictly lower (beta_i exp(gamma_i - gamma_j) k_i . k_j), T = (I + A)^-1,
+//   W = T diag(beta G) K,  U' = T diag(beta) V                    (chunk_wy_kernel, parallel)
+//   U = U' - W S0,  O = diag(G) Q S0 + P U,  P = lower-incl. (exp(gamma_i - gamma_j) q_i . k_j),
+//   S = G_last S0 + K^T diag(exp(gamma_last - gamma_j)) U        (chunk_state_kernel, in order)
+// Entries between tokens of different sequences are masked, so T is block diagonal per chunk.
+// mma.sync m16n8k16 bf16 -> fp32 on operands in padded shared tiles (row strides of 8 extra
+// bf16 make the fragment loads conflict-free); the state stays fp32 in the accumulators of
+// chunk_state_kernel over the whole sequence (a bf16 copy in shared memory is the operand).
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t const (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two bf16 as one fragment register, `lo` in the low half.
+__device__ __forceinline__ uint32_t pack2(bf16 lo, bf16 hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+__device__ __forceinline__ uint32_t ld32(bf16 const* p) {
+  return *reinterpret_cast<uint32_t const*>(p);
+}
+// Fragments (lane = 4 g + t), by ldmatrix from 16-byte aligned rows (kLdmatrix) or by 32-/16-bit
+// shared loads (the reference layout of the PTX fragment tables).
+constexpr bool kLdmatrix = true;
+__device__ __forceinline__ uint32_t saddr(void const* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], void const* p, bool trans) {
+  if (trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(saddr(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(saddr(p)));
+  }
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t& b0, uint32_t& b1, void const* p, bool trans) {
+  if (trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(saddr(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(saddr(p)));
+  }
+}
+// A 16x16 at (r0, k0) of a row-major [m][k] tile (k contiguous).
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], bf16 const* s, int ld, int r0, int k0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {
+    ldsm_x4(a, s + (r0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8, false);
+    return;
+  }
+  bf16 const* p = s + (r0 + g) * ld + k0 + 2 * t;
+  a[0] = ld32(p);
+  a[1] = ld32(p + 8 * ld);
+  a[2] = ld32(p + 8);
+  a[3] = ld32(p + 8 * ld + 8);
+}
+// A 16x16 at (r0, k0) of A = X^T, X a row-major [k][m] tile.
+__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], bf16 const* s, int ld, int r0, int k0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {
+    ldsm_x4(a, s + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + r0 + ((lane >> 3) & 1) * 8,
+            true);
+    return;
+  }
+  bf16 const* p = s + (k0 + 2 * t) * ld + r0 + g;
+  a[0] = pack2(p[0], p[ld]);
+  a[1] = pack2(p[8], p[ld + 8]);
+  a[2] = pack2(p[8 * ld], p[9 * ld]);
+  a[3] = pack2(p[8 * ld + 8], p[9 * ld + 8]);
+}
+// B 16x8 at (k0, n0) of B = X^T, X a row-major [n][k] tile (k contiguous).
+__device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld, int k0,
+                                          int n0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {  // lanes 16..31: addresses unused, kept in the tile
+    ldsm_x2(b0, b1, s + (n0 + (lane & 7)) * ld + k0 + ((lane >> 3) & 1) * 8, false);
+    return;
+  }
+  bf16 const* p = s + (n0 + g) * ld + k0 + 2 * t;
+  b0 = ld32(p);
+  b1 = ld32(p + 8);
+}
+// B 16x8 at (k0, n0) of a row-major [k][n] tile.
+__device__ __forceinline__ void frag_b_kn(uint32_t& b0, uint32_t& b1, bf16 const* s, int ld, int k0,
+                                          int n0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kLdmatrix) {
+    ldsm_x2(b0, b1, s + (k0 + (lane & 15)) * ld + n0, true);
+    return;
+  }
+  bf16 const* p = s + (k0 + 2 * t) * ld + n0 + g;
+  b0 = pack2(p[0], p[ld]);
+  b1 = pack2(p[8 * ld], p[9 * ld]);
+}
+// acc[nt] += A[r0 : r0 + 16, 0 : kK] * B[0 : kK, n0 + 8 nt : n0 + 8 nt + 8], A row-major
+// [m][k], B row-major [k][n].
+template <int kNt, int kK>
+__device__ __forceinline__ void warp_gemm_kn(float (&acc)[kNt][4], bf16 const* sa, int lda, int r0,
+                                             bf16 const* sb, int ldb, int n0) {
+#pragma unroll
+  for (int kk = 0; kk < kK; kk += 16) {
+    uint32_t a[4];
+    frag_a(a, sa, lda, r0, kk);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      uint32_t b0, b1;
+      frag_b_kn(b0, b1, sb, ldb, kk, n0 + 8 * nt);
+      mma16816(acc[nt], a, b0, b1);
+    }
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, void const* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// chunk_wy_kernel: one block of 4 warps per (tile, value head). Shared tiles.
+template <int kDk>
+struct WyShape {
+  static constexpr int kLdK = kDk + 8;     // bf16 rows of K, Q, beta G K
+  static constexpr int kLdA = kChunk + 4;  // fp32 rows of A (16-byte aligned)
+  static constexpr int kLdT = kChunk + 8;  // bf16 rows of T
+  static size_t smem_bytes(int64_t dvp) {
+    return (3 * kChunk * kLdK + kChunk * (dvp + 8) + kChunk * kLdT) * sizeof(bf16) +
+           (kChunk * kLdA + 4 * kChunk) * sizeof(float);
+  }
+};
+template <int kDk>
+__global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p, bool vec_v) {
+  using Sh = WyShape<kDk>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim, n = p.num_tokens;
+  const int dvp = static_cast<int>(pad_cols(dv)), ldv = dvp + 8;
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sQ = sK + kChunk * Sh::kLdK;
+  bf16* sKs = sQ + kChunk * Sh::kLdK;
+  bf16* sT = sKs + kChunk * Sh::kLdK;
+  bf16* sV = sT + kChunk * Sh::kLdT;
+  float* sA = reinterpret_cast<float*>(sV + kChunk * ldv);
+  float* sGam = sA + kChunk * Sh::kLdA;
+  float* sBeta = sGam + kChunk;
+  float* sKsc = sBeta + kChunk;  // beta G per row
+  int* sSeq = reinterpret_cast<int*>(sKsc + kChunk);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kChunk, h = blockIdx.y;
+  const int64_t kh = h / (hv / hk);
+  const Ws ws = ws_at(p);
+
+  // K, Q and (when its rows are 16-byte aligned) V by cp.async, zero-filled past the end (and
+  // V past dv); meanwhile the row metadata; gamma = the sum of g over the earlier tokens of the
+  // row's sequence in the tile.
+  constexpr int kVec = kDk / 8;
+  for (int i = tid; i < kChunk * kVec; i += blockDim.x) {
+    const int r = i / kVec, c = (i % kVec) * 8;
+    const int64_t t = t0 + r;
+    const int64_t ts = t < n ? t : 0;
+    cp_async16(sK + r * Sh::kLdK + c, ws.kb + (ts * hk + kh) * kDk + c, t < n);
+    cp_async16(sQ + r * Sh::kLdK + c, ws.qb + (ts * hk + kh) * kDk + c, t < n);
+  }
+  bf16 const* gv = p.qkv + 2 * hk * kDk + h * dv;
+  if (vec_v) {
+    const int vv = dvp / 8;
+    for (int i = tid; i < kChunk * vv; i += blockDim.x) {
+      const int r = i / vv, c = (i % vv) * 8;
+      const int64_t t = t0 + r;
+      const bool ok = t < n && c < dv;
+      cp_async16(sV + r * ldv + c, gv + (ok ? t * p.qkv_stride + c : 0), ok);
+    }
+  }
+  cp_async_commit();
+  if (tid < kChunk) {
+    const int64_t t = t0 + tid;
+    const bool valid = t < n;
+    sSeq[tid] = valid ? p.seqs.token_seq[t] : -1 - tid;  // rows past the end: no pairs
+    sGam[tid] = valid ? ws.g[t * hv + h] : 0.f;
+    sBeta[tid] = valid ? ws.beta[t * hv + h] : 0.f;
+  }
+  __syncthreads();
+  float gam = 0.f;
+  if (tid < kChunk) {
+    const int seq = sSeq[tid];
+    for (int r = 0; r <= tid; ++r) gam += sSeq[r] == seq ? sGam[r] : 0.f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // sGam (raw g) read by all; the tiles landed
+  if (tid < kChunk) {
+    sGam[tid] = gam;
+    sKsc[tid] = sBeta[tid] * expf(gam);
+  }
+  __syncthreads();
+
+  // K K^T and Q K^T, masked and decayed: warp w owns rows [16 w, 16 w + 16).
+  {
+    const int r0 = 16 * warp;
+    float ak[8][4] = {}, aq[8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kDk; kk += 16) {
+      uint32_t fk[4], fq[4];
+      frag_a(fk, sK, Sh::kLdK, r0, kk);
+      frag_a(fq, sQ, Sh::kLdK, r0, kk);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        uint32_t b0, b1;
+        frag_b_nk(b0, b1, sK, Sh::kLdK, kk, 8 * nt);
+        mma16816(ak[nt], fk, b0, b1);
+        mma16816(aq[nt], fq, b0, b1);
+      }
+    }
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = r0 + g + 8 * hh;
+      const int si = sSeq[i];
+      const float gi = sGam[i], bi = sBeta[i];
+      const int64_t ti = t0 + i;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        float pv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 8 * nt + 2 * t + e;
+          const bool same = sSeq[j] == si;
+          const float dec = (same && j <= i) ? expf(gi - sGam[j]) : 0.f;
+          sA[i * Sh::kLdA + j] = j < i ? bi * dec * ak[nt][2 * hh + e] : 0.f;
+          pv[e] = dec * aq[nt][2 * hh + e];
+        }
+        if (ti < n) {
+          *reinterpret_cast<__nv_bfloat162*>(ws.p + (ti * hv + h) * kChunk + 8 * nt + 2 * t) =
+              __floats2bfloat162_rn(pv[0], pv[1]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  if (tid < kChunk) {
+    // T = (I + A)^-1 by forward substitution, thread c owning column c (in registers; the
+    // rows of A are broadcast reads): x_i = [i == c] - sum_{j < i} A_ij x_j.
+    const int c = tid;
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float acc[4] = {i == c ? 1.f : 0.f, 0.f, 0.f, 0.f};
+      float const* arow = sA + i * Sh::kLdA;
+#pragma unroll
+      for (int j = 0; j + 4 <= i; j += 4) {
+        const float4 a4 = *reinterpret_cast<float4 const*>(arow + j);
+        acc[0] -= a4.x * x[j];
+        acc[1] -= a4.y * x[j + 1];
+        acc[2] -= a4.z * x[j + 2];
+        acc[3] -= a4.w * x[j + 3];
+      }
+#pragma unroll
+      for (int j = i & ~3; j < i; ++j) acc[0] -= arow[j] * x[j];
+      x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    }
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + c] = __float2bfloat16_rn(x[i]);
+  } else {
+    // Meanwhile the other warps scale: beta G K and beta V (zero past dv and the end).
+    const int u = tid - kChunk;
+    for (int i = u; i < kChunk * kVec; i += kChunk) {
+      const int r = i / kVec, c = (i % kVec) * 8;
+      float v[8];
+      load_bf16<8>(sK + r * Sh::kLdK + c, v);
+      const float sc = sKsc[r];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] *= sc;
+      store_bf16<8>(sKs + r * Sh::kLdK + c, v);
+    }
+    if (vec_v) {
+      const int vv = dvp / 8;
+      for (int i = u; i < kChunk * vv; i += kChunk) {
+        const int r = i / vv, c = (i % vv) * 8;
+        float v[8];
+        load_bf16<8>(sV + r * ldv + c, v);
+        const float b = sBeta[r];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] *= b;
+        store_bf16<8>(sV + r * ldv + c, v);
+      }
+    } else {
+#pragma unroll 8
+      for (int i = u; i < kChunk * dvp; i += kChunk) {
+        const int r = i / dvp, c = i % dvp;
+        const int64_t t = t0 + r;
+        const float v = (t < n && c < dv) ? __bfloat162float(gv[t * p.qkv_stride + c]) : 0.f;
+        sV[r * ldv + c] = __float2bfloat16_rn(sBeta[r] * v);
+      }
+    }
+  }
+  __syncthreads();
+
+  // W = T (beta G K), U' = T (beta V), 32 columns at a time; rows past the end are not stored.
+  const int r0 = 16 * warp, g = lane >> 2, t = lane & 3;
+  auto store = [&](float(&acc)[4][4], bf16* dst, int64_t ld, int col0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t ti = t0 + r0 + g + 8 * hh;
+      if (ti >= n) continue;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        *reinterpret_cast<__nv_bfloat162*>(dst + (ti * hv + h) * ld + col0 + 8 * nt + 2 * t) =
+            __floats2bfloat162_rn(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+      }
+    }
+  };
+#pragma unroll 1
+  for (int c0 = 0; c0 < kDk; c0 += 32) {
+    float acc[4][4] = {};
+    warp_gemm_kn<4, kChunk>(acc, sT, Sh::kLdT, r0, sKs + c0, Sh::kLdK, 0);
+    store(acc, ws.w, kDk, c0);
+  }
+#pragma unroll 1
+  for (int c0 = 0; c0 < dvp; c0 += 32) {
+    float acc[4][4] = {};
+    warp_gemm_kn<4, kChunk>(acc, sT, Sh::kLdT, r0, sV + c0, ldv, 0);
+    store(acc, ws.u, dvp, c0);
+  }
+  if (tid < kChunk && t0 + tid < n) ws.gam[(t0 + tid) * hv + h] = sGam[tid];
+}
+
+// chunk_state_kernel: one block of 4 warps per (32 value columns, value head, sequence), over
+// the sequence's chunks in order; the next two chunks' tiles arrive by cp.async (three stages)
+// while this one computes. The state [dk, 32] stays in the fp32 accumulators (warp w: rows
+// [w dk / 4, (w + 1) dk / 4)), a bf16 copy in sS is the operand of W S and Q S.
+template <int kDk>
+struct StateShape {
+  static constexpr int kLdK = kDk + 8;
+  static constexpr int kLdP = kChunk + 8;
+  static constexpr int kLdV = 32 + 8;
+  static constexpr int kStage = 3 * kChunk * kLdK + kChunk * kLdP + kChunk * kLdV;  // bf16
+  static constexpr int kStages = 3;
+  static constexpr size_t kSmemBytes =
+      (kStages * kStage + kDk * kLdV + 2 * kChunk * kLdV) * sizeof(bf16) + kChunk * sizeof(float);
+  static constexpr int kMt = kDk / 64;  // 16-row tiles of the state per warp
+};
+template <int kDk>
+__global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p) {
+  using Sh = StateShape<kDk>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sStage = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sS = sStage + Sh::kStages * Sh::kStage;
+  bf16* sU = sS + kDk * Sh::kLdV;
+  bf16* sUt = sU + kChunk * Sh::kLdV;
+  float* sGam = reinterpret_cast<float*>(sUt + kChunk * Sh::kLdV);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim, dvp = pad_cols(dv);
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 32, h = blockIdx.y, s = blockIdx.z;
+  const int64_t kh = h / (hv / hk);
+  const Ws ws = ws_at(p);
+  const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
+  if (begin >= end) return;
+  const int32_t slot = p.seqs.state_slot[s];
+  float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
+
+  // The state: accS[mt][nt] holds rows srow(mt) + g (+ 8), columns 8 nt + 2 t (+ 1).
+  const int srow0 = warp * (kDk / 4);
+  float accS[Sh::kMt][4][4];
+#pragma unroll
+  for (int mt = 0; mt < Sh::kMt; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = srow0 + 16 * mt + g + 8 * (e >> 1);
+        const int64_t c = col0 + 8 * nt + 2 * t + (e & 1);
+        accS[mt][nt][e] = (!zero && c < dv) ? gS[r * dv + c] : 0.f;
+      }
+    }
+  }
+  auto write_sS = [&] {
+#pragma unroll
+    for (int mt = 0; mt < Sh::kMt; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = srow0 + 16 * mt + g + 8 * hh;
+          *reinterpret_cast<__nv_bfloat162*>(sS + r * Sh::kLdV + 8 * nt + 2 * t) =
+              __floats2bfloat162_rn(accS[mt][nt][2 * hh], accS[mt][nt][2 * hh + 1]);
+        }
+      }
+    }
+  };
+  write_sS();
+
+  const int64_t m_first = begin / kChunk, m_last = (end - 1) / kChunk;
+  // Tiles of chunk m into stage st; rows outside the chunk are zero-filled.
+  auto issue = [&](int64_t m, int st) {
+    bf16* sW = sStage + st * Sh::kStage;
+    bf16* sQ = sW + kChunk * Sh::kLdK;
+    bf16* sK = sQ + kChunk * Sh::kLdK;
+    bf16* sP = sK + kChunk * Sh::kLdK;
+    bf16* sUp = sP + kChunk * Sh::kLdP;
+    const int64_t t0 = m * kChunk;
+    constexpr int kVec = kDk / 8;
+    for (int i = tid; i < kChunk * kVec; i += blockDim.x) {
+      const int r = i / kVec, c = (i % kVec) * 8;
+      const int64_t tt = t0 + r;
+      const bool v = tt >= begin && tt < end;
+      const int64_t ts = v ? tt : begin;  // a valid address either way
+      cp_async16(sW + r * Sh::kLdK + c, ws.w + (ts * hv + h) * kDk + c, v);
+      cp_async16(sQ + r * Sh::kLdK + c, ws.qb + (ts * hk + kh) * kDk + c, v);
+      cp_async16(sK + r * Sh::kLdK + c, ws.kb + (ts * hk + kh) * kDk + c, v);
+    }
+    for (int i = tid; i < kChunk * (kChunk / 8); i += blockDim.x) {
+      const int r = i / (kChunk / 8), c = (i % (kChunk / 8)) * 8;
+      const int64_t tt = t0 + r;
+      const bool v = tt >= begin && tt < end;
+      const int64_t ts = v ? tt : begin;
+      cp_async16(sP + r * Sh::kLdP + c, ws.p + (ts * hv + h) * kChunk + c, v);
+    }
+    for (int i = tid; i < kChunk * 4; i += blockDim.x) {
+      const int r = i / 4, c = (i % 4) * 8;
+      const int64_t tt = t0 + r;
+      const bool v = tt >= begin && tt < end;
+      const int64_t ts = v ? tt : begin;
+      cp_async16(sUp + r * Sh::kLdV + c, ws.u + (ts * hv + h) * dvp + col0 + c, v);
+    }
+    cp_async_commit();
+  };
+  auto gam_of = [&](int64_t m) {
+    const int64_t tt = m * kChunk + tid;
+    return (tid < kChunk && tt >= begin && tt < end) ? ws.gam[tt * hv + h] : 0.f;
+  };
+
+  // Three stages: chunk m + 2 is in flight while m computes (a commit group per chunk, empty
+  // past the last, so wait_group 2 always means "chunk m landed").
+  issue(m_first, 0);
+  if (m_first + 1 <= m_last) {
+    issue(m_first + 1, 1);
+  } else {
+    cp_async_commit();
+  }
+  float cur_g = gam_of(m_first), nxt_g = gam_of(m_first + 1);
+  for (int64_t m = m_first; m <= m_last; ++m) {
+    const int st = static_cast<int>((m - m_first) % Sh::kStages);
+    if (m + 2 <= m_last) {
+      issue(m + 2, (st + 2) % Sh::kStages);
+    } else {
+      cp_async_commit();
+    }
+    const float nxt2_g = gam_of(m + 2);
+    if (tid < kChunk) sGam[tid] = cur_g;
+    cp_async_wait<2>();
+    __syncthreads();  // this chunk's tiles, sGam, sS
+    bf16 const* sW = sStage + st * Sh::kStage;
+    bf16 const* sQ = sW + kChunk * Sh::kLdK;
+    bf16 const* sK = sQ + kChunk * Sh::kLdK;
+    bf16 const* sP = sK + kChunk * Sh::kLdK;
+    bf16 const* sUp = sP + kChunk * Sh::kLdP;
+    const int64_t t0 = m * kChunk;
+    const int lo = begin > t0 ? static_cast<int>(begin - t0) : 0;
+    const int hi = end - t0 < kChunk ? static_cast<int>(end - t0) : kChunk;
+    const float g_last = sGam[hi - 1];
+
+    // U = U' - W S0 and Q S0 for the warp's 16 token rows.
+    const int r0 = 16 * warp;
+    float accU[4][4] = {}, accO[4][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kDk; kk += 16) {
+      uint32_t aw[4], aq[4];
+      frag_a(aw, sW, Sh::kLdK, r0, kk);
+      frag_a(aq, sQ, Sh::kLdK, r0, kk);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        uint32_t b0, b1;
+        frag_b_kn(b0, b1, sS, Sh::kLdV, kk, 8 * nt);
+        mma16816(accU[nt], aw, b0, b1);
+        mma16816(accO[nt], aq, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = r0 + g + 8 * hh;
+      const bool in = i >= lo && i < hi;
+      const float gi = sGam[i];
+      const float f = in ? expf(g_last - gi) : 0.f;
+      const float gq = in ? expf(gi) : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int j = 8 * nt + 2 * t;
+        const float2 up =
+            __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(sUp + i * Sh::kLdV + j));
+        const float u0 = in ? up.x - accU[nt][2 * hh] : 0.f;
+        const float u1 = in ? up.y - accU[nt][2 * hh + 1] : 0.f;
+        *reinterpret_cast<__nv_bfloat162*>(sU + i * Sh::kLdV + j) = __floats2bfloat162_rn(u0, u1);
+        *reinterpret_cast<__nv_bfloat162*>(sUt + i * Sh::kLdV + j) =
+            __floats2bfloat162_rn(f * u0, f * u1);
+        accO[nt][2 * hh] *= gq;
+        accO[nt][2 * hh + 1] *= gq;
+      }
+    }
+    __syncthreads();  // sU, sUt complete; every warp is done with sS
+
+    // O = diag(G) Q S0 + P U.
+    warp_gemm_kn<4, kChunk>(accO, sP, Sh::kLdP, r0, sU, Sh::kLdV, 0);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = r0 + g + 8 * hh;
+      if (i < lo || i >= hi) continue;
+      float* o = p.out + ((t0 + i) * hv + h) * dv;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t c = col0 + 8 * nt + 2 * t + e;
+          if (c < dv) o[c] = accO[nt][2 * hh + e];
+        }
+      }
+    }
+    // S = G_last S0 + K^T Ut.
+    const float decay = expf(g_last);
+#pragma unroll
+    for (int mt = 0; mt < Sh::kMt; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) accS[mt][nt][e] *= decay;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kChunk; kk += 16) {
+#pragma unroll
+      for (int mt = 0; mt < Sh::kMt; ++mt) {
+        uint32_t a[4];
+        frag_a_t(a, sK, Sh::kLdK, srow0 + 16 * mt, kk);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          uint32_t b0, b1;
+          frag_b_kn(b0, b1, sUt, Sh::kLdV, kk, 8 * nt);
+          mma16816(accS[mt][nt], a, b0, b1);
+        }
+      }
+    }
+    write_sS();
+    __syncthreads();  // sS for the next chunk; this stage, sU, sUt, sGam free
+    cur_g = nxt_g;
+    nxt_g = nxt2_g;
+  }
+  if (gS != nullptr) {
+#pragma unroll
+    for (int mt = 0; mt < Sh::kMt; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = srow0 + 16 * mt + g + 8 * (e >> 1);
+          const int64_t c = col0 + 8 * nt + 2 * t + (e & 1);
+          if (c < dv) gS[r * dv + c] = accS[mt][nt][e];
+        }
+      }
+    }
+  }
+}
+
+template <class Kernel>
+void raise_smem(Kernel kernel, size_t bytes) {
+  // NOTE: cudaFuncSetAttribute is not a stream operation, so it is legal during capture.
+  TANDEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(bytes)));
+}
+
+template <int kDk>
+void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
+  const int64_t tiles = (p.num_tokens + kChunk - 1) / kChunk;
+  TANDEM_CHECK(tiles <= INT32_MAX, "gated_delta_rule: too many tokens");
+  const size_t wy_smem = WyShape<kDk>::smem_bytes(pad_cols(p.v_dim));
+  // V by 16-byte cp.async when its rows allow (the model's and the benchmark's always do).
+  const bool vec_v =
+      p.v_dim % 8 == 0 && p.qkv_stride % 8 == 0 && reinterpret_cast<uintptr_t>(p.qkv) % 16 == 0;
+  raise_smem(chunk_wy_kernel<kDk>, wy_smem);
+  chunk_wy_kernel<kDk><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_v_heads)),
+                         128, wy_smem, stream>>>(p, vec_v);
+  TANDEM_CUDA_CHECK_LAUNCH();
+  constexpr size_t st_smem = StateShape<kDk>::kSmemBytes;
+  raise_smem(chunk_state_kernel<kDk>, st_smem);
+  const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
+                  static_cast<unsigned>(p.seqs.num_seqs));
+  chunk_state_kernel<kDk><<<grid, 128, st_smem, stream>>>(p);
+  TANDEM_CUDA_CHECK_LAUNCH();
+}
+
 // ---------------------------------------------------------------- gated rms norm
 // One warp per row.
 __global__ void __launch_bounds__(128) gated_rms_norm_kernel(GatedRmsNormParams p) {
@@ -326,7 +1043,19 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream) {
     TANDEM_CUDA_CHECK_LAUNCH();
     return;
   }
-  conv1d_kernel<false><<<grid, threads, 0, stream>>>(p);
+  const bool vec = p.kernel == 4 && p.channels % 8 == 0 && p.x_stride % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.weight) % 16 == 0;
+  if (vec) {
+    const int64_t vblocks = (p.channels / 8 + threads - 1) / threads;
+    conv1d_prefill4_kernel<<<dim3(static_cast<unsigned>((p.num_tokens + kConvTokens - 1) /
+                                                        kConvTokens),
+                                  static_cast<unsigned>(vblocks)),
+                             threads, 0, stream>>>(p);
+  } else {
+    conv1d_kernel<false><<<grid, threads, 0, stream>>>(p);
+  }
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.seqs.num_seqs > 0) {
     conv1d_state_kernel<<<dim3(static_cast<unsigned>(p.seqs.num_seqs),
@@ -337,8 +1066,8 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream) {
 }
 
 size_t gated_delta_rule_workspace_floats(int64_t num_tokens, int64_t num_k_heads,
-                                         int64_t num_v_heads, int64_t k_dim) {
-  return static_cast<size_t>(num_tokens * (2 * num_k_heads * k_dim + 2 * num_v_heads));
+                                         int64_t num_v_heads, int64_t k_dim, int64_t v_dim) {
+  return static_cast<size_t>(ws_offsets(num_tokens, num_k_heads, num_v_heads, k_dim, v_dim).total);
 }
 
 void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
@@ -357,14 +1086,27 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
   TANDEM_CHECK(p.num_v_heads <= 65535, "gated_delta_rule: too many value heads");
   if (p.num_tokens == 0) return;
   TANDEM_CHECK(p.workspace != nullptr, "gated_delta_rule: no workspace");
-  delta_prep_kernel<<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
+  // A decode step (one token per sequence): 4 warps split the state's rows (4x the warps
+  // for the state's one read and write). Prefill: the chunked tensor-core form (k_dim 64 or
+  // 128), else (or when asked) a warp holds whole columns over the tokens.
+  const bool decode = p.num_tokens == p.seqs.num_seqs;
+  const bool chunked = !decode && !p.sequential && (p.k_dim == 64 || p.k_dim == 128);
+  if (chunked) {
+    delta_prep_kernel<true><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
+    TANDEM_CUDA_CHECK_LAUNCH();
+    if (p.seqs.num_seqs == 0) return;
+    if (p.k_dim == 64) {
+      chunked_dispatch<64>(p, stream);
+    } else {
+      chunked_dispatch<128>(p, stream);
+    }
+    return;
+  }
+  delta_prep_kernel<false><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.seqs.num_seqs == 0) return;
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
                   static_cast<unsigned>(p.seqs.num_seqs));
-  // A decode step (one token per sequence): 4 warps split the state's rows (4x the warps
-  // for the state's one read and write); otherwise a warp holds whole columns over the chunk.
-  const bool decode = p.num_tokens == p.seqs.num_seqs;
   switch (p.k_dim) {
     case 16: delta_rule_dispatch<16>(p, grid, decode, stream); break;
     case 32: delta_rule_dispatch<32>(p, grid, decode, stream); break;

@@ -52,10 +52,13 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream);
 ///   reads q/k head h / (num_v_heads / num_k_heads); per token
 ///   S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q   (S: [k_dim, v_dim], fp32).
 /// k_dim 16, 32, 64 or 128 (kUnsupported otherwise); v_dim at most 256.
-/// The recurrence runs over each sequence's tokens one after another (a decode step, one token
-/// per sequence: 4 warps per 32 value columns split the state's rows; otherwise a warp holds
-/// its columns' whole state slice in registers over the chunk); `workspace` holds the
-/// normalised q, k and the gates.
+/// A decode step (one token per sequence): the recurrence, 4 warps per 32 value columns
+/// splitting the state's rows. Prefill (k_dim 64 or 128): the chunked form on tensor cores
+/// (chunks of 64 tokens: the WY representation of each chunk in parallel, then the chunks of a
+/// sequence in order, the state fp32 in the accumulators, bf16 operands: bf16-level error);
+/// with `sequential` (or k_dim 16 / 32) the recurrence over the tokens, a warp holding its
+/// columns' state slice in registers (fp32 throughout). `workspace` holds the normalised q, k,
+/// the gates and the chunked form's intermediates.
 struct GatedDeltaRuleParams {
   bf16 const* qkv;       // [num_tokens, qkv_stride]: q [hk, dk] | k [hk, dk] | v [hv, dv]
   bf16 const* b;         // [num_tokens, ab_stride]: columns [0, num_v_heads)
@@ -67,11 +70,12 @@ struct GatedDeltaRuleParams {
   float* workspace;      // gated_delta_rule_workspace_floats(...)
   DeltaNetSeqs seqs;
   int64_t num_tokens, num_k_heads, num_v_heads, k_dim, v_dim, qkv_stride, ab_stride, state_stride;
+  bool sequential = false;  // prefill by the per-token recurrence (reference, benchmarks)
 };
 void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream);
 /// fp32 elements of GatedDeltaRuleParams::workspace for num_tokens tokens.
 size_t gated_delta_rule_workspace_floats(int64_t num_tokens, int64_t num_k_heads,
-                                         int64_t num_v_heads, int64_t k_dim);
+                                         int64_t num_v_heads, int64_t k_dim, int64_t v_dim);
 
 /// RMSNorm gated by silu, per row of `dim` (rows = tokens * heads):
 ///   out = weight * x / sqrt(mean(x^2) + eps) * silu(gate), fp32 in, bf16 out.

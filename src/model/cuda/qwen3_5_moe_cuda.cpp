@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_sm90.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/deltanet.h"
 #include "backend/cuda/gated_attention.h"
@@ -74,6 +76,7 @@ struct Meta {
   int32_t* dn_fresh = nullptr;      // [num_seqs]
   int64_t n = 0, width = 0, num_rows = 0, num_seqs = 0;
   int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
+  const cuda::PrefillAttentionPlan* prefill_plan = nullptr;  // FlashInfer sm90, when planned
 };
 
 struct HostMeta {
@@ -118,6 +121,15 @@ struct Qwen35MoeCuda::Impl {
   // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
   DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
   PinnedMem h_sample;  // params up, results down
+  // Eager prefill chunks: FlashInfer's sm90 prefill (head_dim 256: its gathered-KV path),
+  // planned once per forward for every attention layer; FA2 when it does not plan.
+  cuda::PrefillAttentionPlan prefill_plan;
+  // TANDEM_DELTA_RULE=sequential: prefill by the per-token delta rule (A/B runs; the default is
+  // the chunked tensor-core form).
+  const bool sequential_delta_rule = [] {
+    const char* e = std::getenv("TANDEM_DELTA_RULE");
+    return e != nullptr && std::strcmp(e, "sequential") == 0;
+  }();
   std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
 
@@ -346,7 +358,7 @@ struct Qwen35MoeCuda::Impl {
       conv_out = DeviceMem(T * static_cast<size_t>(conv_dim) * b);
       core = DeviceMem(T * static_cast<size_t>(hv * dv) * sizeof(float));
       dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(t_cap, c.linear_num_key_heads, hv,
-                                                                c.linear_key_head_dim) *
+                                                                c.linear_key_head_dim, dv) *
                         sizeof(float));
     }
     sgu = DeviceMem(T * static_cast<size_t>(2 * sinter) * b);
@@ -491,6 +503,7 @@ struct Qwen35MoeCuda::Impl {
         ap.kv_split = split;
         ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
         ap.num_prefill_tokens = m.num_prefill;
+        ap.prefill_plan = m.prefill_plan;
         cuda::paged_attention_launch(ap, stream);
         cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
                                  stream);
@@ -522,6 +535,7 @@ struct Qwen35MoeCuda::Impl {
         dp.qkv_stride = conv_dim;
         dp.ab_stride = in_rows;
         dp.state_stride = slot_stride;
+        dp.sequential = sequential_delta_rule;
         cuda::gated_delta_rule_launch(dp, stream);
         cuda::gated_rms_norm_launch({core.as<float>(), P + conv_dim, w.out_norm, attn.as<bf16>(),
                                      n * hv, dv, hv, in_rows, eps},
@@ -799,6 +813,13 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     m.num_seqs = num_seqs;
     m.num_prefill = num_prefill;
     im.upload(hm, m, m.tables);
+    if (num_prefill > 0 && im.num_attention > 0 &&
+        im.prefill_plan.plan(
+            {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
+             config_.num_key_value_heads, config_.head_dim, page_size, width},
+            stream_)) {
+      m.prefill_plan = &im.prefill_plan;
+    }
     im.body(m, kv, &batch);
     return false;
   }

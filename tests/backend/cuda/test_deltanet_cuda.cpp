@@ -35,6 +35,9 @@ using DeviceBuffer = test_util::DeviceBuffer<T, test_util::UploadCheck::kThrow>;
 
 constexpr double kTolBf16 = 1e-2;
 constexpr double kTolF32 = 1e-4;  // fp32 recurrences, other summation order and expf
+// The chunked delta rule: bf16 tensor-core operands (q, k, W, U', the state copy); a numpy
+// model of the same roundings gives 2.5e-3 .. 3.7e-3 on these inputs.
+constexpr double kTolChunked = 1.5e-2;
 
 /// A sequence of a batch: its new tokens, whether it starts at position 0, whether it is
 /// padding (no slot).
@@ -88,7 +91,10 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
   };
 
   void conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel);
-  void delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk, int64_t dv);
+  /// Runs the rule on a random batch and compares with the CPU reference; `sequential` asks
+  /// for the per-token prefill instead of the chunked one.
+  void delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+                  bool sequential = false);
 };
 
 void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel) {
@@ -135,9 +141,10 @@ void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels,
 }
 
 void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk,
-                              int64_t dv) {
+                              int64_t dv, bool sequential) {
   SCOPED_TRACE("hk " + std::to_string(hk) + " hv " + std::to_string(hv) + " dk " +
-               std::to_string(dk) + " dv " + std::to_string(dv));
+               std::to_string(dk) + " dv " + std::to_string(dv) +
+               (sequential ? " sequential" : ""));
   const Batch b = make_batch(seqs);
   const int64_t n = b.tokens;
   const int64_t width = 2 * hk * dk + hv * dv, qkv_stride = width + 8, ab_stride = 2 * hv + 3;
@@ -150,7 +157,11 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   DeviceBuffer<uint16_t> d_qkv(to_bf16(qkv)), d_ab(to_bf16(ab));
   DeviceBuffer<float> d_alog(a_log), d_dt(dt_bias), d_states(states);
   DeviceBuffer<float> d_out(static_cast<size_t>(n * hv * dv));
-  DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk));
+  DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk, dv));
+  // The chunked form takes prefill batches at k_dim 64 / 128 (launch's dispatch).
+  const bool chunked =
+      !sequential && n != static_cast<int64_t>(seqs.size()) && (dk == 64 || dk == 128);
+  const double tol = chunked ? kTolChunked : kTolF32;
   DeviceSeqs ds(b);
   d_out.poison(0xff);
   d_ws.poison(0xff);
@@ -172,6 +183,7 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   p.qkv_stride = qkv_stride;
   p.ab_stride = ab_stride;
   p.state_stride = slot_stride;
+  p.sequential = sequential;
   gated_delta_rule_launch(p, stream_);
   sync();
   // Reference: gates over the batch, then the rule per sequence on a copy of its state.
@@ -193,8 +205,20 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
       std::copy(st.begin(), st.end(), ref_states.begin() + b.slot[s] * slot_stride);
     }
   }
-  EXPECT_LT(rel_err(d_out.download(), ref_out), kTolF32);
-  EXPECT_LT(rel_err(d_states.download(), ref_states), kTolF32);
+  EXPECT_LT(rel_err(d_out.download(), ref_out), tol);
+  // Per slot, so an untouched slot or a wrong one shows; the gaps between slots keep their
+  // values exactly.
+  const std::vector<float> got = d_states.download();
+  const int64_t per = hv * dk * dv;
+  for (int64_t sl = 0; sl < b.num_slots; ++sl) {
+    const auto at = static_cast<size_t>(sl * slot_stride);
+    std::vector<float> g1(got.begin() + at, got.begin() + at + per);
+    std::vector<float> r1(ref_states.begin() + at, ref_states.begin() + at + per);
+    EXPECT_LT(rel_err(g1, r1), tol) << "slot " << sl;
+    for (int64_t i = per; i < slot_stride; ++i) {
+      EXPECT_EQ(got[at + i], ref_states[at + i]) << "slot " << sl << " gap " << i;
+    }
+  }
 }
 
 TEST_F(CudaDeltaNet, ConvPrefillAndDecode) {
@@ -204,6 +228,7 @@ TEST_F(CudaDeltaNet, ConvPrefillAndDecode) {
   const std::vector<SeqSpec> mixed = {
       {37, true}, {1}, {2, false}, {70, false}, {5, true}, {1, false, true}, {3, true}};
   for (int64_t channels : {8, 200, 8192}) conv_case(mixed, channels, 4);
+  conv_case(mixed, 100, 4);  // channels not a multiple of 8: the per-channel kernel
   conv_case(mixed, 96, 2);
   conv_case(mixed, 96, 8);
   conv_case({{1}, {1}, {1, true}, {1, false, true}, {1}}, 8192, 4);
@@ -253,11 +278,98 @@ TEST_F(CudaDeltaNet, DeltaRuleShapes) {
   SCOPED_TRACE(trace());
   const std::vector<SeqSpec> mixed = {{37, true},       {1},        {70, false}, {2, true},
                                       {1, false, true}, {17, false}};
-  delta_case(mixed, 2, 4, 16, 16);    // fixture qwen35_text_hd64: 2 k / 4 v heads of 16
-  delta_case(mixed, 1, 2, 32, 32);    // fixture qwen35_vl_hd256: 1 k / 2 v heads of 32
-  delta_case(mixed, 2, 2, 64, 48);    // v_dim not a multiple of 32
-  delta_case(mixed, 2, 4, 128, 128);  // Qwen3.5 head sizes (16 k / 32 v heads at full size)
-  delta_case(mixed, 1, 2, 128, 40);   // rows split over two lanes, a partial column block
+  delta_case(mixed, 2, 4, 16, 16);          // fixture qwen35_text_hd64: 2 k / 4 v heads of 16
+  delta_case(mixed, 1, 2, 32, 32);          // fixture qwen35_vl_hd256: 1 k / 2 v heads of 32
+  delta_case(mixed, 2, 2, 64, 48);          // v_dim not a multiple of 32
+  delta_case(mixed, 2, 4, 128, 128);        // Qwen3.5 head sizes (16 k / 32 v heads at full size)
+  delta_case(mixed, 1, 2, 128, 40);         // rows split over two lanes, a partial column block
+  delta_case(mixed, 2, 4, 128, 128, true);  // the sequential prefill at full precision
+  delta_case(mixed, 2, 2, 64, 48, true);
+}
+
+TEST_F(CudaDeltaNet, DeltaRuleChunked) {
+  SCOPED_TRACE(trace());
+  // The chunked form: sequences shorter than a chunk, ending on / next to chunk boundaries,
+  // spanning several chunks, starting mid-chunk (the tiles are global over the batch), fresh,
+  // continuing and padding; k_dim 128 and 64; v_dim 128, partial column blocks, 256.
+  const std::vector<SeqSpec> mixed = {{1, true},        {63, false}, {64, true},       {65, false},
+                                      {130, true},      {5, false},  {1, false},       {200, false},
+                                      {3, false, true}, {129, true}, {66, false, true}};
+  delta_case(mixed, 2, 4, 128, 128);
+  delta_case(mixed, 1, 3, 128, 40);
+  delta_case(mixed, 2, 2, 64, 64);
+  delta_case(mixed, 1, 2, 64, 256);
+  delta_case(mixed, 1, 2, 64, 36);               // v_dim not a multiple of 8: V by scalar loads
+  delta_case({{64, true}}, 1, 1, 128, 128);      // exactly one chunk
+  delta_case({{2, false}, {1}}, 2, 4, 128, 96);  // a 2-token prefill beside a decode token
+}
+
+TEST_F(CudaDeltaNet, DeltaRuleChunkedPiecesEqualOnePrefill) {
+  SCOPED_TRACE(trace());
+  // One sequence prefilled in pieces (1, 70, 64, 198 tokens: every piece starts at a different
+  // offset in its chunk), the state carried in its slot, equals one 333-token prefill and the
+  // CPU reference.
+  const int64_t hk = 2, hv = 4, dk = 128, dv = 128, n = 333;
+  const int64_t width = 2 * hk * dk + hv * dv, ab_stride = 2 * hv;
+  std::vector<float> qkv = randn_bf(static_cast<size_t>(n * width));
+  std::vector<float> ab = randn_bf(static_cast<size_t>(n * ab_stride), 1.5f);
+  std::vector<float> a_log = randn(static_cast<size_t>(hv), 0.5f, -1.f);
+  std::vector<float> dt_bias = randn(static_cast<size_t>(hv), 0.5f);
+  DeviceBuffer<uint16_t> d_qkv(to_bf16(qkv)), d_ab(to_bf16(ab));
+  DeviceBuffer<float> d_alog(a_log), d_dt(dt_bias);
+  DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk, dv));
+  const auto run = [&](std::vector<int64_t> const& pieces, DeviceBuffer<float>& st,
+                       DeviceBuffer<float>& out) {
+    int64_t t0 = 0;
+    for (int64_t len : pieces) {
+      std::vector<int32_t> begin = {0, static_cast<int32_t>(len)}, ts(len, 0), slot = {0},
+                           fresh = {t0 == 0 ? 1 : 0};
+      DeviceBuffer<int32_t> d_b(begin), d_ts(ts), d_sl(slot), d_fr(fresh);
+      GatedDeltaRuleParams p{};
+      p.qkv = d_qkv.bf() + t0 * width;
+      p.b = d_ab.bf() + t0 * ab_stride;
+      p.a = d_ab.bf() + t0 * ab_stride + hv;
+      p.a_log = d_alog.ptr;
+      p.dt_bias = d_dt.ptr;
+      p.states = st.ptr;
+      p.out = out.ptr + t0 * hv * dv;
+      p.workspace = d_ws.ptr;
+      p.seqs = {d_b.ptr, d_ts.ptr, d_sl.ptr, d_fr.ptr, 1};
+      p.num_tokens = len;
+      p.num_k_heads = hk;
+      p.num_v_heads = hv;
+      p.k_dim = dk;
+      p.v_dim = dv;
+      p.qkv_stride = width;
+      p.ab_stride = ab_stride;
+      p.state_stride = hv * dk * dv;
+      gated_delta_rule_launch(p, stream_);
+      sync();
+      t0 += len;
+    }
+  };
+  const auto count = static_cast<size_t>(hv * dk * dv),
+             out_count = static_cast<size_t>(n * hv * dv);
+  DeviceBuffer<float> s1(count), s2(count), o1(out_count), o2(out_count);
+  s1.poison(0xff);  // fresh: the old state is never read
+  s2.poison(0xff);
+  o1.poison(0xff);
+  o2.poison(0xff);
+  d_ws.poison(0xff);
+  run({n}, s1, o1);
+  run({1, 70, 64, 198}, s2, o2);
+  std::vector<float> beta(static_cast<size_t>(n * hv)), g(beta.size());
+  cpu::deltanet_gates({ab.data(), ab.data() + hv, a_log.data(), dt_bias.data(), beta.data(),
+                       g.data(), n, hv, ab_stride});
+  std::vector<float> ref_out(out_count), ref_state(count, 0.f);
+  cpu::gated_delta_rule({qkv.data(), qkv.data() + hk * dk, qkv.data() + 2 * hk * dk, g.data(),
+                         beta.data(), ref_state.data(), ref_out.data(), n, hk, hv, dk, dv, width});
+  const std::vector<float> out1 = o1.download(), out2 = o2.download();
+  EXPECT_LT(rel_err(out1, ref_out), kTolChunked);
+  EXPECT_LT(rel_err(out2, ref_out), kTolChunked);
+  EXPECT_LT(rel_err(out2, out1), kTolChunked);
+  EXPECT_LT(rel_err(s1.download(), ref_state), kTolChunked);
+  EXPECT_LT(rel_err(s2.download(), ref_state), kTolChunked);
 }
 
 TEST_F(CudaDeltaNet, DeltaRuleDecode) {
@@ -272,8 +384,10 @@ TEST_F(CudaDeltaNet, DeltaRuleDecode) {
 
 TEST_F(CudaDeltaNet, DeltaRuleLongPrefill) {
   SCOPED_TRACE(trace());
-  // A long chunk: the state carried in registers over 700 tokens.
+  // Long sequences: the state carried over 700 tokens (11 chunks; the sequential prefill in
+  // registers over them).
   delta_case({{700, true}, {300, false}}, 2, 4, 128, 128);
+  delta_case({{700, true}, {300, false}}, 2, 4, 128, 128, true);
 }
 
 TEST_F(CudaDeltaNet, DeltaRuleRejectsUnsupported) {
