@@ -1,5 +1,7 @@
 // Activation quantization for the block-scaled FP8 GEMM (fp8_gemm.h): per token and
-// 128-column group, s = amax / 448 and q = e4m3(x / s). One warp per group, 4 columns a lane.
+// 128-column group, s = amax / 448 and q = e4m3(x * (448 / amax)) (fp8_linear.h: the FP8
+// activation numerics, shared with the grouped GEMM's in-kernel quantizer). One warp per
+// group, 4 columns a lane.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -34,10 +36,11 @@ __global__ void fp8_quantize_act_kernel(const __nv_bfloat16* __restrict__ x,
   for (int off = 16; off > 0; off >>= 1)
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   const float s = amax > 0.f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+  const float inv = amax > 0.f ? fminf(__fdiv_rn(448.0f, amax), 3.402823466e38f) : 1.0f;
   uint32_t packed = 0;
   for (int i = 0; i < 4; ++i) {
     const __nv_fp8_storage_t c =
-        __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+        __nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3);
     packed |= static_cast<uint32_t>(c) << (8 * i);
   }
   *reinterpret_cast<uint32_t*>(q + row * k + col) = packed;

@@ -207,6 +207,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   gate_up.gather_div = top_k_;
   gate_up.w_fp8 = w.gate_up_fp8;
   gate_up.w_scale = w.gate_up_scale;
+  gate_up.fp8_activations = fp8_activations_;
   // After the decode router (which lets it start early): hide the launch latency.
   if (path == MoeLayerPath::kDecode && kDownPdl) gate_up.pdl = MoeGemmPdl::kWaitFirst;
   moe_gemm_launch(gate_up, stream);
@@ -217,6 +218,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   down.pdl = kDownPdl ? MoeGemmPdl::kPrefetchWeights : MoeGemmPdl::kOff;
   down.w_fp8 = w.down_fp8;
   down.w_scale = w.down_scale;
+  down.fp8_activations = fp8_activations_;
   moe_gemm_launch(down, stream);
   if (kDownPdl && aligned16(out)) {
     moe_layer_detail::unpermute_pdl_launch(

@@ -93,6 +93,10 @@ class MoeLayer {
   /// FP8 experts at prefill sizes: dequantize to bf16 for the cuBLAS paths (default true) or run
   /// the FP8 grouped GEMM (mma path).
   void set_fp8_prefill_dequant(bool on) { fp8_prefill_dequant_ = on; }
+  /// FP8 experts on the decode and mma paths: W8A8 on the FP8 tensor cores, the activations
+  /// quantized per token and 128-column group in the GEMMs (MoeGemmParams::fp8_activations),
+  /// or (false, the default) W8A16 with the weights converted to bf16.
+  void set_fp8_activations(bool on) { fp8_activations_ = on; }
   /// Allocates that scratch now (when the cuBLAS paths are possible for max_tokens), so that a
   /// later prefill does not allocate beside a full KV cache.
   void reserve_fp8_prefill();
@@ -140,6 +144,7 @@ class MoeLayer {
   void** d_ptrs_ = nullptr;       // device copy of h_ptrs_
   MoeLayerPath path_ = MoeLayerPath::kAuto, last_path_ = MoeLayerPath::kAuto;
   bool fp8_prefill_dequant_ = true;
+  bool fp8_activations_ = false;
   bf16* dq_gate_up_ = nullptr;  // FP8 experts dequantized for the cuBLAS paths (lazy)
   bf16* dq_down_ = nullptr;
 };
