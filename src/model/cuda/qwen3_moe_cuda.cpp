@@ -165,6 +165,10 @@ struct Qwen3MoeCuda::Impl {
   std::vector<DeviceMem> mem8;  // FP8 codes and their row scales
   // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
   bool fp8 = false;
+  // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs and
+  // the dense linears above the gemv's m quantize their activations per token and 128-column
+  // group in the kernel (backend/cuda/fp8_linear.h); off: W8A16 (the dequantized numerics).
+  bool fp8_act = false;
   struct Fp8Alloc {
     Fp8Mat m;
     int64_t codes, scales;
@@ -524,6 +528,7 @@ struct Qwen3MoeCuda::Impl {
         bool fp8_experts = false;
         for (const auto& w : layers) fp8_experts |= w.moe && static_cast<bool>(w.gate_up8);
         if (fp8_experts) moe->reserve_fp8_prefill();
+        moe->set_fp8_activations(fp8_act);
       }
     }
     // The FP8 grouped GEMM's tiles before any graph capture; the dense FP8 linears' bf16
@@ -699,8 +704,16 @@ struct Qwen3MoeCuda::Impl {
       cuda::fp8_gemv_launch({x, w8.q, w8.s, y, m, n, k}, stream);
       return;
     }
+    if (fp8_act) {  // W8A8: the FP8 tensor-core grouped GEMM as one dense expert
+      cuda::MoeGemmParams p{x, nullptr, y, nullptr, m, n, k, 1};
+      p.w_fp8 = w8.q;
+      p.w_scale = w8.s;
+      p.fp8_activations = true;
+      cuda::moe_gemm_launch(p, stream);
+      return;
+    }
     // Above the gemv's m: dequantized into the scratch, then the bf16 GEMM (measured faster
-    // than the FP8 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
+    // than the W8A16 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
     cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
     gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
   }
@@ -737,6 +750,7 @@ struct Qwen3MoeCuda::Impl {
                            cuda::MoeGemmEpilogue::kSiluMul};
     gu.w_fp8 = w.gate_up8.q;
     gu.w_scale = w.gate_up8.s;
+    gu.fp8_activations = fp8_act;
     cuda::moe_gemm_launch(gu, stream);
     cuda::MoeGemmParams dn{ep_act.as<bf16>(),
                            w.down,
@@ -749,6 +763,7 @@ struct Qwen3MoeCuda::Impl {
                            cuda::MoeGemmEpilogue::kPlain};
     dn.w_fp8 = w.down8.q;
     dn.w_scale = w.down8.s;
+    dn.fp8_activations = fp8_act;
     cuda::moe_gemm_launch(dn, stream);
     ep->combine_send(ep_out.as<bf16>(), stream);
     // Rows past the real tokens (padding) are not written by the combine: keep them finite.
@@ -855,6 +870,9 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                          std::strcmp(env, "dequant") == 0);
   impl_->fp8 = opts_.fp8_weights && !env_off && config_.quant.method == WeightQuant::kFp8Block &&
                config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0;
+  const char* env_act = std::getenv("TANDEM_CUDA_FP8_ACT");
+  impl_->fp8_act = impl_->fp8 && env_act != nullptr &&
+                   (std::strcmp(env_act, "1") == 0 || std::strcmp(env_act, "on") == 0);
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
                     "query heads / KV heads per prefill TP rank");
