@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/fp8_dense.h"
 #include "model/cuda/random_fill.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -169,6 +170,10 @@ struct Qwen3MoeCuda::Impl {
   // the dense linears above the gemv's m quantize their activations per token and 128-column
   // group in the kernel (backend/cuda/fp8_linear.h); off: W8A16 (the dequantized numerics).
   bool fp8_act = false;
+  // With fp8_act: the dense FP8 linears from kFp8LtMinRows rows on (prefill) through cuBLASLt's
+  // block-scaled FP8 GEMM (model/cuda/fp8_dense.h); below, the W8A8 grouped GEMM.
+  static constexpr int64_t kFp8LtMinRows = 512;
+  std::unique_ptr<cuda_model::Fp8DenseLt> fp8_lt;
   struct Fp8Alloc {
     Fp8Mat m;
     int64_t codes, scales;
@@ -542,6 +547,9 @@ struct Qwen3MoeCuda::Impl {
       if (!w.moe && w.down8) dq_elems = std::max(dq_elems, h * dense_inter);
     }
     if (dq_elems > 0) dq = DeviceMem(static_cast<size_t>(dq_elems) * sizeof(bf16));
+    if (dq_elems > 0 && fp8_act && t_cap >= kFp8LtMinRows) {
+      fp8_lt = std::make_unique<cuda_model::Fp8DenseLt>(t_cap, std::max({h, qh * d, dense_inter}));
+    }
     make_communicators(o, any_moe);
     // Split-KV workspace for the captured decode steps (and eager batches that fit it).
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
@@ -704,7 +712,8 @@ struct Qwen3MoeCuda::Impl {
       cuda::fp8_gemv_launch({x, w8.q, w8.s, y, m, n, k}, stream);
       return;
     }
-    if (fp8_act) {  // W8A8: the FP8 tensor-core grouped GEMM as one dense expert
+    if (fp8_act) {  // W8A8: cuBLASLt at prefill sizes, else the tensor-core grouped GEMM
+      if (m >= kFp8LtMinRows && fp8_lt && fp8_lt->run(x, w8.q, w8.s, y, m, n, k, stream)) return;
       cuda::MoeGemmParams p{x, nullptr, y, nullptr, m, n, k, 1};
       p.w_fp8 = w8.q;
       p.w_scale = w8.s;
