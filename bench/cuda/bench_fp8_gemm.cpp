@@ -1,7 +1,7 @@
 // Block-scaled FP8 GEMM (backend/cuda/fp8_gemm.h: cuBLASLt 1x128 activations x 128x128 weights)
 // beside the bf16 cuBLASLt GEMM (gemm.h) on the same shapes in the same run: Qwen3-30B-A3B's
 // fused QKV (2048 -> 5120), o_proj (4096 -> 2048), one expert's gate/up (2048 -> 1536) and
-// down (768 -> 2048), lm_head (2048 -> 151936) at m = 1 / 32 / 128 / 1024 / 8192 tokens.
+// down (768 -> 2048), lm_head (2048 -> 151936) at m = 1 / 32 / 128 / 512 / 2048 / 8192 tokens.
 // Per shape: microseconds and TFLOP/s of bf16, FP8 GEMM alone, FP8 with the activation
 // quantization (the separate pass a fused producer would remove), the FP8 / bf16 speed-up, and
 // our W8A8 grouped GEMM as one dense expert (moe_gemm.h fp8_activations: bf16 x quantized in
@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
                           {"expert gate_up", 1536, 2048},
                           {"expert down", 2048, 768},
                           {"lm_head", 151936, 2048}};
-  const int64_t ms[] = {1, 32, 128, 1024, 8192};
+  const int64_t ms[] = {1, 32, 128, 512, 2048, 8192};
   std::printf("%-15s %6s %6s %6s | %9s %7s | %9s %7s | %9s %7s | %7s %7s | %9s %7s %7s\n", "shape",
               "m", "n", "k", "bf16 us", "TF/s", "fp8 us", "TF/s", "+quant us", "TF/s", "x gemm",
               "x +q", "w8a8 us", "TF/s", "x bf16");

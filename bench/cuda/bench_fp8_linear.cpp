@@ -8,7 +8,8 @@
 //     2048) for 1 / 8 / 32 / 128 tokens x top-8 (uniform random routing; weight bytes and their
 //     share of the copy bandwidth, the HBM roofline) and 512 / 2048 / 8192 tokens (TFLOP/s):
 //     moe_gemm_launch bf16 vs FP8 W8A16 vs FP8 W8A8;
-//   MoE layer (MoeLayer::run: router, top-k, both GEMMs, unpermute) at 1 / 8 / 32 / 128 tokens:
+//   MoE layer (MoeLayer::run: router, top-k, both GEMMs, unpermute) at 1 / 8 / 32 / 128 tokens
+//     (graphs) and 2048 (eager; W8A8 on the mma path, the others on the cuBLAS paths):
 //     bf16, W8A16, W8A8, and W8A8's share of its FP8 roofline (the distinct experts' E4M3 bytes
 //     and scales + the bf16 router, over the copy bandwidth).
 // Graph-timed (bench_util.h Timer) over enough weight sets / routings to exceed L2.
@@ -80,9 +81,9 @@ int main(int argc, char** argv) {
   std::printf(
       "\n== dense linears: bf16 GemmLt vs FP8 W8A16 (gemv for m <= 16, dequantize + bf16 GEMM "
       "above) vs FP8 W8A8 (tensor-core grouped GEMM, one dense expert)\n");
-  std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s | %9s %7s %6s | %6s\n", "shape", "m",
+  std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s | %9s %7s %6s | %6s | %11s\n", "shape", "m",
               "bf16 us", "GB/s", "w8a16 us", "GB/s", "%hbm", "x bf16", "w8a8 us", "GB/s", "%hbm",
-              "x bf16");
+              "x bf16", "w8a8 med us");
   struct Dense {
     const char* name;
     int64_t n, k;
@@ -102,7 +103,7 @@ int main(int argc, char** argv) {
       fill_scales(*s8.back());
     }
     Buf dq(wb16);
-    for (const int64_t m : {1, 4, 8, 16, 32, 128}) {
+    for (const int64_t m : {1, 4, 8, 16, 32, 128, 256}) {
       Buf x(static_cast<size_t>(m * d.k) * 2), y(static_cast<size_t>(m * d.n) * 2);
       fill_bf16(x);
       const double us16 = t.time_us(sets, [&](int i) {
@@ -121,21 +122,26 @@ int main(int argc, char** argv) {
                    t.stream);
         }
       });
-      const double usa8 = t.time_us(sets, [&](int i) {
-        cuda::MoeGemmParams p{
-            x.as<cuda::bf16>(), nullptr, y.as<cuda::bf16>(), nullptr, m, d.n, d.k, 1};
-        p.w_fp8 = w8[i]->as<uint8_t>();
-        p.w_scale = s8[i]->as<float>();
-        p.fp8_activations = true;
-        cuda::moe_gemm_launch(p, t.stream);
-      });
+      auto w8a8 = [&](cuda::MoeGemmTile tile) {
+        return t.time_us(sets, [&](int i) {
+          cuda::MoeGemmParams p{
+              x.as<cuda::bf16>(), nullptr, y.as<cuda::bf16>(), nullptr, m, d.n, d.k, 1};
+          p.w_fp8 = w8[i]->as<uint8_t>();
+          p.w_scale = s8[i]->as<float>();
+          p.fp8_activations = true;
+          p.tile = tile;
+          cuda::moe_gemm_launch(p, t.stream);
+        });
+      };
+      const double usa8 = w8a8(cuda::MoeGemmTile::kAuto);
+      const double usa8m = w8a8(cuda::MoeGemmTile::kMedium);  // the tile choice, measured
       const double bw16 = wb16 / (us16 * 1e-6), bw8 = wb8 / (us8 * 1e-6),
                    bwa8 = wb8 / (usa8 * 1e-6);
       std::printf(
           "%-8s %5lld | %9.2f %7.0f | %9.2f %7.0f %5.0f%% | %6.2f | %9.2f %7.0f %5.0f%% | "
-          "%6.2f\n",
+          "%6.2f | %11.2f\n",
           d.name, static_cast<long long>(m), us16, bw16 / 1e9, us8, bw8 / 1e9, 100 * bw8 / hbm,
-          us16 / us8, usa8, bwa8 / 1e9, 100 * bwa8 / hbm, us16 / usa8);
+          us16 / us8, usa8, bwa8 / 1e9, 100 * bwa8 / hbm, us16 / usa8, usa8m);
     }
   }
 
@@ -242,25 +248,32 @@ int main(int argc, char** argv) {
     const cuda::MoeLayerWeights w8{router.as<cuda::bf16>(), nullptr,         nullptr,
                                    gu8.as<uint8_t>(),       gus.as<float>(), dn8.as<uint8_t>(),
                                    dns.as<float>()};
-    constexpr int64_t kLayerMax = 128;
+    constexpr int64_t kLayerMax = 2048;
     cuda::MoeLayer layer(kLayerMax, H, I, E, top_k, 0, E, true);
     const double expert_bytes8 =
         3.0 * H * I + 4.0 * (2 * I * cuda::fp8_row_scale_cols(H) + H * cuda::fp8_row_scale_cols(I));
-    for (const int64_t T : {1, 8, 32, 128}) {
-      const int sets = 16;
+    // 2048 tokens (prefill): eager, so that bf16 and W8A16 take the cuBLAS paths run() picks
+    // (W8A16 dequantizing the layer's experts first, as the model does now); W8A8 on the mma
+    // path (set_fp8_prefill_dequant(false)).
+    for (const int64_t T : {1, 8, 32, 128, 2048}) {
+      const bool prefill = T > 128;
+      const int sets = prefill ? 2 : 16;
       Buf x(static_cast<size_t>(sets * T * H) * 2), out(static_cast<size_t>(sets * T * H) * 2);
       fill_bf16(x);
       auto run = [&](cuda::MoeLayerWeights const& w) {
-        return t.time_us(sets, [&](int i) {
+        auto launch = [&](int i) {
           layer.run(w, x.as<cuda::bf16>(i * T * H), out.as<cuda::bf16>(i * T * H), T, gemm,
                     t.stream);
-        });
+        };
+        return prefill ? t.time_eager_us(sets, launch) : t.time_us(sets, launch);
       };
       const double us16 = run(w16);
       layer.set_fp8_activations(false);
       const double us8 = run(w8);
       layer.set_fp8_activations(true);
+      layer.set_fp8_prefill_dequant(false);
       const double usa8 = run(w8);
+      layer.set_fp8_prefill_dequant(true);
       layer.set_fp8_activations(false);
       const double touched = E * (1.0 - std::pow(1.0 - double(top_k) / E, double(T)));
       const double roof_us = 1e6 * (touched * expert_bytes8 + E * H * 2.0) / hbm;
