@@ -166,9 +166,10 @@ struct Qwen3MoeCuda::Impl {
   std::vector<DeviceMem> mem8;  // FP8 codes and their row scales
   // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
   bool fp8 = false;
-  // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs and
-  // the dense linears above the gemv's m quantize their activations per token and 128-column
-  // group in the kernel (backend/cuda/fp8_linear.h); off: W8A16 (the dequantized numerics).
+  // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs (decode
+  // and prefill, the mma path) and the dense linears above the gemv's m quantize their
+  // activations per token and 128-column group (backend/cuda/fp8_linear.h); off: W8A16 (the
+  // dequantized numerics).
   bool fp8_act = false;
   // With fp8_act: the dense FP8 linears from kFp8LtMinRows rows on (prefill) through cuBLASLt's
   // block-scaled FP8 GEMM (model/cuda/fp8_dense.h); below, the W8A8 grouped GEMM.
@@ -532,8 +533,11 @@ struct Qwen3MoeCuda::Impl {
                                                local_experts(), c.norm_topk_prob);
         bool fp8_experts = false;
         for (const auto& w : layers) fp8_experts |= w.moe && static_cast<bool>(w.gate_up8);
-        if (fp8_experts) moe->reserve_fp8_prefill();
+        // W8A8: prefill-sized batches too on the FP8 grouped GEMM (mma path), no bf16 copy of
+        // the experts; W8A16: they dequantize into that copy for the cuBLAS paths.
         moe->set_fp8_activations(fp8_act);
+        moe->set_fp8_prefill_dequant(!fp8_act);
+        if (fp8_experts && !fp8_act) moe->reserve_fp8_prefill();
       }
     }
     // The FP8 grouped GEMM's tiles before any graph capture; the dense FP8 linears' bf16
