@@ -22,8 +22,9 @@
 //   128x128 block scales in device memory, backend/cuda/fp8_linear.h; router, norms, embedding
 //   and lm_head bf16 as in Qwen's FP8 checkpoints), then FP8's speed-up over bf16 per decode row
 //   and its share of the FP8 roofline (the same byte count with the linears at 1 byte / weight).
-//   --fp8-act: --fp8 plus a third run of the 30B in block FP8 with FP8 activations (W8A8 on the
-//   FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1), rows "-fp8a".
+//   --fp8-act: (with or without --fp8) a run of the 30B in block FP8 with FP8 activations (W8A8
+//   on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1), rows "-fp8a". --batches 1,32,128: the
+//   decode batches to run.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -143,7 +144,7 @@ struct Row {
 
 std::vector<Row> g_rows;
 bool g_fp8 = false;      // --fp8
-bool g_fp8_act = false;  // --fp8-act: also block FP8 with W8A8 (TANDEM_CUDA_FP8_ACT=1)
+bool g_fp8_act = false;  // --fp8-act: block FP8 with W8A8 (TANDEM_CUDA_FP8_ACT=1)
 std::string g_moe_path;  // --moe-path
 
 void print_row(const Row& r, bool record = true) {
@@ -307,6 +308,7 @@ int main(int argc, char** argv) {
   int64_t decode_only = 0;
   std::string checkpoint, moe_path;
   bool prefill_only = false;
+  std::string batches_arg;  // --batches 1,32,128: the decode batches instead of the defaults
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
@@ -316,7 +318,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--moe-path") == 0 && i + 1 < argc) moe_path = argv[++i];
     if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
     if (std::strcmp(argv[i], "--fp8") == 0) g_fp8 = true;
-    if (std::strcmp(argv[i], "--fp8-act") == 0) g_fp8 = g_fp8_act = true;
+    if (std::strcmp(argv[i], "--fp8-act") == 0) g_fp8_act = true;
+    if (std::strcmp(argv[i], "--batches") == 0 && i + 1 < argc) batches_arg = argv[++i];
   }
   try {
     int n = 0;
@@ -335,6 +338,14 @@ int main(int argc, char** argv) {
         quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 4096};
     std::vector<int64_t> prompts =
         quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 8192};
+    if (!batches_arg.empty()) {
+      batches.clear();
+      for (size_t p = 0; p < batches_arg.size();) {
+        const size_t comma = std::min(batches_arg.find(',', p), batches_arg.size());
+        batches.push_back(std::atoll(batches_arg.substr(p, comma - p).c_str()));
+        p = comma + 1;
+      }
+    }
     if (prefill_only) {
       batches = {1};
       ctxs = {};
@@ -368,7 +379,7 @@ int main(int argc, char** argv) {
                     prompts, 40e9);
       }
     }
-    if (g_fp8) print_fp8_comparison();
+    if (g_fp8 || g_fp8_act) print_fp8_comparison();
     std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
     for (const auto& r : g_rows) print_row(r, /*record=*/false);
     bench::write_csv(g_rows, "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n",
