@@ -81,9 +81,9 @@ int main(int argc, char** argv) {
   std::printf(
       "\n== dense linears: bf16 GemmLt vs FP8 W8A16 (gemv for m <= 16, dequantize + bf16 GEMM "
       "above) vs FP8 W8A8 (tensor-core grouped GEMM, one dense expert)\n");
-  std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s | %9s %7s %6s | %6s | %11s\n", "shape", "m",
-              "bf16 us", "GB/s", "w8a16 us", "GB/s", "%hbm", "x bf16", "w8a8 us", "GB/s", "%hbm",
-              "x bf16", "w8a8 med us");
+  std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s | %9s %7s %6s | %6s | %11s | %9s %6s\n",
+              "shape", "m", "bf16 us", "GB/s", "w8a16 us", "GB/s", "%hbm", "x bf16", "w8a8 us",
+              "GB/s", "%hbm", "x bf16", "w8a8 med us", "w8a8pq us", "x bf16");
   struct Dense {
     const char* name;
     int64_t n, k;
@@ -135,13 +135,27 @@ int main(int argc, char** argv) {
       };
       const double usa8 = w8a8(cuda::MoeGemmTile::kAuto);
       const double usa8m = w8a8(cuda::MoeGemmTile::kMedium);  // the tile choice, measured
+      // Pre-quantized activations: the quantization pass + the GEMM loading E4M3.
+      Buf xq(static_cast<size_t>(m * d.k)),
+          xs(static_cast<size_t>(m * cuda::fp8_row_scale_cols(d.k)) * 4);
+      const double uspq = t.time_us(sets, [&](int i) {
+        cuda::fp8_quantize_rows_launch(x.as<cuda::bf16>(), xq.as<uint8_t>(), xs.as<float>(), m, d.k,
+                                       t.stream);
+        cuda::MoeGemmParams p{nullptr, nullptr, y.as<cuda::bf16>(), nullptr, m, d.n, d.k, 1};
+        p.w_fp8 = w8[i]->as<uint8_t>();
+        p.w_scale = s8[i]->as<float>();
+        p.fp8_activations = true;
+        p.x_fp8 = xq.as<uint8_t>();
+        p.x_scale = xs.as<float>();
+        cuda::moe_gemm_launch(p, t.stream);
+      });
       const double bw16 = wb16 / (us16 * 1e-6), bw8 = wb8 / (us8 * 1e-6),
                    bwa8 = wb8 / (usa8 * 1e-6);
       std::printf(
           "%-8s %5lld | %9.2f %7.0f | %9.2f %7.0f %5.0f%% | %6.2f | %9.2f %7.0f %5.0f%% | "
-          "%6.2f | %11.2f\n",
+          "%6.2f | %11.2f | %9.2f %6.2f\n",
           d.name, static_cast<long long>(m), us16, bw16 / 1e9, us8, bw8 / 1e9, 100 * bw8 / hbm,
-          us16 / us8, usa8, bwa8 / 1e9, 100 * bwa8 / hbm, us16 / usa8, usa8m);
+          us16 / us8, usa8, bwa8 / 1e9, 100 * bwa8 / hbm, us16 / usa8, usa8m, uspq, us16 / uspq);
     }
   }
 
@@ -221,16 +235,27 @@ int main(int argc, char** argv) {
         p.fp8_activations = true;
         cuda::moe_gemm_launch(p, t.stream);
       });
+      Buf xq(static_cast<size_t>(rows * k)),
+          xs(static_cast<size_t>(rows * cuda::fp8_row_scale_cols(k)) * 4);
+      const double uspq = t.time_us(sets, [&](int s) {
+        cuda::MoeGemmParams p = params(s, true);
+        cuda::fp8_quantize_rows_launch(p.x, xq.as<uint8_t>(), xs.as<float>(), rows, k, t.stream);
+        p.fp8_activations = true;
+        p.x_fp8 = xq.as<uint8_t>();
+        p.x_scale = xs.as<float>();
+        cuda::moe_gemm_launch(p, t.stream);
+      });
       const double wbytes8 = mean_experts * static_cast<double>(n * k);
       const double flops = 2.0 * static_cast<double>(rows * n * k);
       const double bw16 = 2 * wbytes8 / (us16 * 1e-6), bw8 = wbytes8 / (us8 * 1e-6),
                    bwa8 = wbytes8 / (usa8 * 1e-6);
       std::printf(
           "%-8s %5lld %7.1f | %9.2f %7.0f %6.1f | %9.2f %7.0f %5.0f%% %6.1f | %6.2f | %9.2f %7.0f "
-          "%5.0f%% %6.1f | %6.2f\n",
+          "%5.0f%% %6.1f | %6.2f | pq %9.2f %5.0f%% %6.2f\n",
           is_gu ? "gate_up" : "down", static_cast<long long>(T), mean_experts, us16, bw16 / 1e9,
           flops / us16 * 1e-6, us8, bw8 / 1e9, 100 * bw8 / hbm, flops / us8 * 1e-6, us16 / us8,
-          usa8, bwa8 / 1e9, 100 * bwa8 / hbm, flops / usa8 * 1e-6, us16 / usa8);
+          usa8, bwa8 / 1e9, 100 * bwa8 / hbm, flops / usa8 * 1e-6, us16 / usa8, uspq,
+          100 * wbytes8 / (uspq * 1e-6) / hbm, us16 / uspq);
     }
   }
 
@@ -238,8 +263,9 @@ int main(int argc, char** argv) {
       "\n== MoE layer (router, top-k, gate_up, down, unpermute), 128 experts, top-8: bf16 vs FP8 "
       "W8A16 vs W8A8; roofline: distinct experts' E4M3 bytes + scales + bf16 router over the copy "
       "bandwidth\n");
-  std::printf("%5s %7s | %9s | %9s %6s | %9s %6s | %9s %6s\n", "tok", "experts", "bf16 us",
-              "w8a16 us", "x bf16", "w8a8 us", "x bf16", "roof us", "%roof");
+  std::printf("%5s %7s | %9s | %9s %6s | %9s %6s | %9s %6s | %9s %6s %6s\n", "tok", "experts",
+              "bf16 us", "w8a16 us", "x bf16", "w8a8 us", "x bf16", "w8a8pq us", "x bf16",
+              "roof us", "%roof", "%roof pq");
   {
     Buf router(static_cast<size_t>(E * H) * 2);
     fill_bf16(router, 0.02f);
@@ -270,16 +296,19 @@ int main(int argc, char** argv) {
       const double us16 = run(w16);
       layer.set_fp8_activations(false);
       const double us8 = run(w8);
-      layer.set_fp8_activations(true);
+      layer.set_fp8_activations(true, false);  // quantized in the GEMM kernels
       layer.set_fp8_prefill_dequant(false);
       const double usa8 = run(w8);
+      layer.set_fp8_activations(true, true);  // one quantization pass before each GEMM
+      const double uspq = run(w8);
       layer.set_fp8_prefill_dequant(true);
       layer.set_fp8_activations(false);
       const double touched = E * (1.0 - std::pow(1.0 - double(top_k) / E, double(T)));
       const double roof_us = 1e6 * (touched * expert_bytes8 + E * H * 2.0) / hbm;
-      std::printf("%5lld %7.1f | %9.2f | %9.2f %6.2f | %9.2f %6.2f | %9.2f %5.0f%%\n",
-                  static_cast<long long>(T), touched, us16, us8, us16 / us8, usa8, us16 / usa8,
-                  roof_us, 100 * roof_us / usa8);
+      std::printf(
+          "%5lld %7.1f | %9.2f | %9.2f %6.2f | %9.2f %6.2f | %9.2f %6.2f | %9.2f %5.0f%% %5.0f%%\n",
+          static_cast<long long>(T), touched, us16, us8, us16 / us8, usa8, us16 / usa8, uspq,
+          us16 / uspq, roof_us, 100 * roof_us / usa8, 100 * roof_us / uspq);
     }
   }
   return 0;

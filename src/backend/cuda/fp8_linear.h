@@ -76,4 +76,11 @@ void fp8_gemv_launch(Fp8GemvParams const& p, cudaStream_t stream);
 void fp8_dequantize_launch(uint8_t const* q, float const* row_scale, int64_t rows, int64_t cols,
                            bf16* out, cudaStream_t stream);
 
+/// The FP8 activation numerics above over x [m, k] (bf16, 8-byte aligned): q [m, k] E4M3 (4-byte
+/// aligned) and scale [m, ceil(k / 128)] row-major (a last partial group of k % 128 columns is
+/// its own group), for the W8A8 grouped GEMM's pre-quantized input (MoeGemmParams::x_fp8).
+/// k % 16 == 0. One warp per group; asynchronous, capturable.
+void fp8_quantize_rows_launch(bf16 const* x, uint8_t* q, float* scale, int64_t m, int64_t k,
+                              cudaStream_t stream);
+
 }  // namespace tandem::cuda

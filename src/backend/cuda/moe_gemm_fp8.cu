@@ -465,6 +465,9 @@ void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream) {
     tile = MoeGemmTile::kSmall;
   }
   if (p.fp8_activations) {
+    TANDEM_CHECK((p.x_fp8 == nullptr) == (p.x_scale == nullptr) && aligned(p.x_fp8, 16) &&
+                     aligned(p.x_scale, 4),
+                 "moe_gemm (fp8): x_fp8 and x_scale go together, x_fp8 16-byte aligned");
     moe_gemm_w8a8_launch(p, tile, stream);
     return;
   }

@@ -51,11 +51,15 @@ struct W8A8Tile {
   static constexpr size_t kSmemBytes =
       size_t{kStages} * (kStageABytes + kStageBBytes) + kQABytes + BM * sizeof(float);
   static constexpr int kChunksA = BM * BK / 8, kChunksB = BN * BK / 16;  // 16-byte chunks
-  static constexpr int kQuantRows = kThreads / 16;                       // rows per quant pass
+  // Pre-quantized A (MoeGemmParams::x_fp8): E4M3 stages of BM x 128 bytes, no bf16 stages.
+  static constexpr int kChunksAQ = BM * BK / 16;
+  static constexpr size_t kSmemBytesPreQ = size_t{kStages} * (kQABytes + kStageBBytes);
+  static constexpr int kQuantRows = kThreads / 16;  // rows per quant pass
   static_assert(BM % (16 * kWarpsM) == 0, "warp tile rows: multiple of 16");
   static_assert(kWN % (2 * kMoeGateUpInterleave) == 0, "a warp holds whole gate/up pairs");
   static_assert(kChunksA % kThreads == 0 && kChunksB % kThreads == 0, "whole chunks per thread");
   static_assert(BM % kQuantRows == 0, "whole quant passes");
+  static_assert(kChunksAQ % kThreads == 0, "whole E4M3 A chunks per thread");
   static_assert(BK == kFp8BlockK, "one K tile per scale block");
 };
 
@@ -99,7 +103,9 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
-template <class Cfg, bool kSilu>
+// kPreQ: the activations come quantized (p.x_fp8 / p.x_scale, fp8_quantize_rows_launch), loaded
+// by cp.async straight into E4M3 stages; no quant pass, one barrier per K tile.
+template <class Cfg, bool kSilu, bool kPreQ>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     moe_gemm_w8a8_kernel(MoeGemmParams p, int n_tiles) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kLdA = Cfg::kLdA;
@@ -174,28 +180,43 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   for (int r = tid; r < rows; r += kThreads) {
     const int64_t src =
         p.gather_src != nullptr ? p.gather_src[row0 + r] / gather_div : int64_t{row0} + r;
-    sXRow[r] = src * K;
+    sXRow[r] = src;
   }
   __syncthreads();
   uint8_t const* gW = p.w_fp8 + (static_cast<int64_t>(expert) * N + n0) * K;
   float const* gS = p.w_scale + (static_cast<int64_t>(expert) * N + n0) * KB;
   uint8_t* smem = reinterpret_cast<uint8_t*>(smem_u4);
+  // Not kPreQ: bf16 A stages, B stages, one E4M3 A buffer + its row scales. kPreQ: E4M3 A
+  // stages (at sQA + stage * kQABytes), B stages.
   bf16* sA = reinterpret_cast<bf16*>(smem);
-  uint8_t* sB = smem + kStages * Cfg::kStageABytes;
-  uint8_t* sQA = sB + kStages * Cfg::kStageBBytes;                 // [BM][128] E4M3
-  float* sAScale = reinterpret_cast<float*>(sQA + Cfg::kQABytes);  // [BM]
+  uint8_t* sB = kPreQ ? smem + kStages * Cfg::kQABytes : smem + kStages * Cfg::kStageABytes;
+  uint8_t* sQA = kPreQ ? smem : sB + kStages * Cfg::kStageBBytes;  // [BM][128] E4M3
+  float* sAScale = reinterpret_cast<float*>(sQA + Cfg::kQABytes);  // [BM] (not kPreQ)
 
   const int k_tiles = (K + BK - 1) / BK;
   auto load_stage_a = [&](int stage, int kt) {
     const int k0 = kt * BK;
-    bf16* sAs = sA + stage * (BM * kLdA);
+    if constexpr (kPreQ) {
+      uint8_t* sAs = sQA + stage * Cfg::kQABytes;
 #pragma unroll
-    for (int i = 0; i < Cfg::kChunksA / kThreads; ++i) {
-      const int c = tid + i * kThreads;
-      const int r = c / (BK / 8), col = (c % (BK / 8)) * 8;
-      if (r >= rows) continue;  // never read: the quant pass skips rows past the real ones
-      const bool ok = k0 + col < K;
-      cp_async16(sAs + r * kLdA + col, ok ? p.x + sXRow[r] + k0 + col : p.x, ok);
+      for (int i = 0; i < Cfg::kChunksAQ / kThreads; ++i) {
+        const int c = tid + i * kThreads;
+        const int r = c / (BK / 16), chunk = c % (BK / 16), col = chunk * 16;
+        if (r >= rows) continue;  // rows past the real ones: their outputs are never stored
+        const bool ok = k0 + col < K;
+        cp_async16(sAs + r * BK + (chunk ^ (r & 1)) * 16,
+                   ok ? p.x_fp8 + sXRow[r] * K + k0 + col : p.x_fp8, ok);
+      }
+    } else {
+      bf16* sAs = sA + stage * (BM * kLdA);
+#pragma unroll
+      for (int i = 0; i < Cfg::kChunksA / kThreads; ++i) {
+        const int c = tid + i * kThreads;
+        const int r = c / (BK / 8), col = (c % (BK / 8)) * 8;
+        if (r >= rows) continue;  // never read: the quant pass skips rows past the real ones
+        const bool ok = k0 + col < K;
+        cp_async16(sAs + r * kLdA + col, ok ? p.x + sXRow[r] * K + k0 + col : p.x, ok);
+      }
     }
   };
   auto load_stage_b = [&](int stage, int kt) {
@@ -257,6 +278,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     }
   };
   load_scales(0);
+  // kPreQ: this thread's rows' activation scales (rows a_row + 16 mi + 8 h), current block.
+  float sa_next[kMI][2];
+  auto load_act_scales = [&](int kb) {
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wm * Cfg::kWM + g + mi * 16 + 8 * h;
+        sa_next[mi][h] = r < rows ? __ldg(p.x_scale + sXRow[r] * KB + kb) : 0.f;
+      }
+    }
+  };
+  if constexpr (kPreQ) load_act_scales(0);
 
   const int a_row = wm * Cfg::kWM + g;           // + 16 mi (+ 8)
   const int b_row = wn * Cfg::kWN + g;           // + 8 ni
@@ -272,7 +306,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     cp_async_commit();
 
     // 2. Quantize the stage's real rows: per row, s = amax / 448, q = e4m3(x * 448 / amax).
-    {
+    if constexpr (!kPreQ) {
       bf16 const* sAs = sA + (kt % kStages) * (BM * kLdA);
       for (int rb = 0; rb < rows; rb += Cfg::kQuantRows) {  // uniform across the CTA
         const int r = rb + q_row;
@@ -303,11 +337,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
           if (q_col == 0) sAScale[r] = s;
         }
       }
+      __syncthreads();
     }
-    __syncthreads();
 
     // 3. The tile's MMAs: 4 k steps of 32, two 16-byte chunks per operand row.
     uint8_t const* sBs = sB + (kt % kStages) * Cfg::kStageBBytes;
+    uint8_t const* sAq = kPreQ ? sQA + (kt % kStages) * Cfg::kQABytes : sQA;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       uint4 a[kMI][2], b[kNI];
@@ -316,7 +351,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = a_row + mi * 16 + 8 * h;
-          a[mi][h] = lds128(sQA + r * BK + (((2 * t + c) ^ (r & 1)) * 16));
+          a[mi][h] = lds128(sAq + r * BK + (((2 * t + c) ^ (r & 1)) * 16));
         }
       }
 #pragma unroll
@@ -345,7 +380,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = a_row + mi * 16 + 8 * h;
-          sa[mi][h] = r < rows ? sAScale[r] : 0.f;
+          if constexpr (kPreQ) {
+            sa[mi][h] = sa_next[mi][h];
+          } else {
+            sa[mi][h] = r < rows ? sAScale[r] : 0.f;
+          }
         }
       }
 #pragma unroll
@@ -358,7 +397,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
             acc[mi][ni][v] = fmaf(f, blk[mi][ni][v], acc[mi][ni][v]);
             blk[mi][ni][v] = 0.f;
           }
-      if (kt + 1 < k_tiles) load_scales(kt + 1);
+      if (kt + 1 < k_tiles) {
+        load_scales(kt + 1);
+        if constexpr (kPreQ) load_act_scales(kt + 1);
+      }
     }
   }
   cp_async_wait<0>();
@@ -400,22 +442,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   }
 }
 
-template <class Cfg, bool kSilu>
+template <class Cfg, bool kSilu, bool kPreQ>
 void raise_smem() {
-  if constexpr (Cfg::kSmemBytes > 48 * 1024) {
+  constexpr size_t kBytes = kPreQ ? Cfg::kSmemBytesPreQ : Cfg::kSmemBytes;
+  if constexpr (kBytes > 48 * 1024) {
     static std::atomic<uint64_t> raised{0};
     int dev = 0;
     TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
     if (dev >= 64 || !((raised.load(std::memory_order_relaxed) >> dev) & 1u)) {
-      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_w8a8_kernel<Cfg, kSilu>,
+      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_w8a8_kernel<Cfg, kSilu, kPreQ>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(Cfg::kSmemBytes)));
+                                             static_cast<int>(kBytes)));
       if (dev < 64) raised.fetch_or(uint64_t{1} << dev, std::memory_order_relaxed);
     }
   }
 }
 
-template <class Cfg, bool kSilu>
+template <class Cfg, bool kSilu, bool kPreQ>
 void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
   const int64_t n_tiles = (p.n + Cfg::BN - 1) / Cfg::BN;
   const int64_t m_tiles =
@@ -424,12 +467,12 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
           : std::min(p.max_rows, p.max_rows / Cfg::BM + std::min(p.num_experts, p.max_rows));
   const int64_t blocks = m_tiles * n_tiles;
   TANDEM_CHECK(blocks <= INT32_MAX, "moe_gemm (fp8 w8a8): grid too large: ", blocks);
-  auto kernel = moe_gemm_w8a8_kernel<Cfg, kSilu>;
-  raise_smem<Cfg, kSilu>();
+  auto kernel = moe_gemm_w8a8_kernel<Cfg, kSilu, kPreQ>;
+  raise_smem<Cfg, kSilu, kPreQ>();
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(Cfg::kThreads);
-  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+  cfg.dynamicSmemBytes = kPreQ ? Cfg::kSmemBytesPreQ : Cfg::kSmemBytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -440,32 +483,46 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
   TANDEM_CUDA_CHECK_LAUNCH();
 }
 
-template <class Cfg>
+template <class Cfg, bool kPreQ>
 void launch_epilogue(MoeGemmParams const& p, cudaStream_t stream) {
   switch (p.epilogue) {
-    case MoeGemmEpilogue::kPlain: launch_tile<Cfg, false>(p, stream); break;
-    case MoeGemmEpilogue::kSiluMul: launch_tile<Cfg, true>(p, stream); break;
+    case MoeGemmEpilogue::kPlain: launch_tile<Cfg, false, kPreQ>(p, stream); break;
+    case MoeGemmEpilogue::kSiluMul: launch_tile<Cfg, true, kPreQ>(p, stream); break;
     default: TANDEM_THROW(kUnsupported, "moe_gemm (fp8 w8a8): unsupported epilogue");
   }
 }
 
 }  // namespace
 
-void moe_gemm_w8a8_launch(MoeGemmParams const& p, MoeGemmTile tile, cudaStream_t stream) {
+template <bool kPreQ>
+void launch_tiles(MoeGemmParams const& p, MoeGemmTile tile, cudaStream_t stream) {
   switch (tile) {
-    case MoeGemmTile::kSmall: launch_epilogue<W8A8Small>(p, stream); break;
-    case MoeGemmTile::kMedium: launch_epilogue<W8A8Medium>(p, stream); break;
-    default: launch_epilogue<W8A8Large>(p, stream); break;  // the large tiles
+    case MoeGemmTile::kSmall: launch_epilogue<W8A8Small, kPreQ>(p, stream); break;
+    case MoeGemmTile::kMedium: launch_epilogue<W8A8Medium, kPreQ>(p, stream); break;
+    default: launch_epilogue<W8A8Large, kPreQ>(p, stream); break;  // the large tiles
+  }
+}
+
+template <class Cfg>
+void raise_all() {
+  raise_smem<Cfg, false, false>();
+  raise_smem<Cfg, true, false>();
+  raise_smem<Cfg, false, true>();
+  raise_smem<Cfg, true, true>();
+}
+
+void moe_gemm_w8a8_launch(MoeGemmParams const& p, MoeGemmTile tile, cudaStream_t stream) {
+  if (p.x_fp8 != nullptr) {
+    launch_tiles<true>(p, tile, stream);
+  } else {
+    launch_tiles<false>(p, tile, stream);
   }
 }
 
 void moe_gemm_w8a8_prepare() {
-  raise_smem<W8A8Small, false>();
-  raise_smem<W8A8Small, true>();
-  raise_smem<W8A8Medium, false>();
-  raise_smem<W8A8Medium, true>();
-  raise_smem<W8A8Large, false>();
-  raise_smem<W8A8Large, true>();
+  raise_all<W8A8Small>();
+  raise_all<W8A8Medium>();
+  raise_all<W8A8Large>();
 }
 
 }  // namespace tandem::cuda::moe_gemm_detail

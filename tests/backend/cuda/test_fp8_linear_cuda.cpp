@@ -313,6 +313,41 @@ TEST_F(Fp8LinearCuda, DequantizeMatchesTheLoad) {
   EXPECT_THROW(fp8_dequantize_launch(dw.ptr, ds.ptr, 2, 24, out.bf(), stream_), Error);
 }
 
+// fp8_quantize_rows_launch: codes and row-major scales bit for bit against the CPU reference,
+// a partial last group (k % 128 != 0), an all-zero row, poisoned outputs checked past the end.
+TEST_F(Fp8LinearCuda, QuantizeRowsMatchesReference) {
+  for (const int64_t k : {16, 272, 2048}) {
+    const int64_t m = 37, kb = fp8_row_scale_cols(k);
+    SCOPED_TRACE(trace() + " k " + std::to_string(k));
+    Bits x = randn_bf16(static_cast<size_t>(m * k));
+    for (int64_t j = 0; j < k; ++j) x[5 * k + j] = 0;  // an all-zero row: scale 1, codes 0
+    for (int64_t j = 0; j < k; ++j) x[7 * k + j] = f32_to_bf16(bf16_to_f32(x[7 * k + j]) * 1e-6f);
+    DeviceBuffer<uint16_t> dx(x);
+    DeviceBuffer<uint8_t> dq(static_cast<size_t>(m * k) + kGuard);
+    DeviceBuffer<float> ds(static_cast<size_t>(m * kb) + kGuard);
+    dq.poison(0xff);
+    ds.poison(0xff);
+    fp8_quantize_rows_launch(dx.bf(), dq.ptr, ds.ptr, m, k, stream_);
+    const auto q = dq.download();
+    const auto sc = ds.download();
+    std::vector<float> g(128);
+    std::vector<uint8_t> gq(128);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t c0 = 0; c0 < k; c0 += 128) {
+        const int64_t w = std::min<int64_t>(128, k - c0);
+        for (int64_t j = 0; j < w; ++j) g[j] = bf16_to_f32(x[i * k + c0 + j]);
+        const float s = test_util::fp8_quantize_group_ref(g.data(), w, gq.data());
+        ASSERT_EQ(sc[i * kb + c0 / 128], s) << "row " << i << " group " << c0 / 128;
+        for (int64_t j = 0; j < w; ++j) {
+          ASSERT_EQ(q[i * k + c0 + j], gq[j]) << "row " << i << " col " << c0 + j;
+        }
+      }
+    }
+    for (size_t i = static_cast<size_t>(m * k); i < q.size(); ++i) ASSERT_EQ(q[i], 0xff);
+    for (size_t i = static_cast<size_t>(m * kb); i < sc.size(); ++i) ASSERT_TRUE(std::isnan(sc[i]));
+  }
+}
+
 TEST_F(Fp8LinearCuda, GemvRejectsUnsupported) {
   DeviceBuffer<uint16_t> dx(64);
   DeviceBuffer<uint8_t> dw(64);
@@ -395,38 +430,50 @@ void Fp8LinearCuda::check_moe_gemm(bool w8a8) {
   DeviceBuffer<int32_t> doff(offsets), dsrc(src);
   DeviceBuffer<uint8_t> dqd(q_down), dqg(q_gu);
   DeviceBuffer<float> dsd(s_down), dsg(s_gu);
-  for (const MoeGemmTile tile : kTiles) {
-    SCOPED_TRACE(trace() + " tile " + std::to_string(static_cast<int>(tile)));
-    for (const bool silu_mul : {false, true}) {
-      const int64_t n_out = silu_mul ? I : N;
-      DeviceBuffer<uint16_t> dy(static_cast<size_t>(max_rows * n_out) + kGuard);
-      dy.poison(0xff);
-      MoeGemmParams p{
-          dx.bf(),  nullptr,  dy.bf(),
-          doff.ptr, max_rows, silu_mul ? 2 * I : N,
-          K,        E,        silu_mul ? MoeGemmEpilogue::kSiluMul : MoeGemmEpilogue::kPlain,
-          tile};
-      p.gather_src = dsrc.ptr;
-      p.gather_div = top_k;
-      p.w_fp8 = silu_mul ? dqg.ptr : dqd.ptr;
-      p.w_scale = silu_mul ? dsg.ptr : dsd.ptr;
-      p.fp8_activations = w8a8;
-      moe_gemm_launch(p, stream_);
-      const auto y = dy.download();
-      for (size_t i = static_cast<size_t>(rows * n_out); i < y.size(); ++i) {
-        ASSERT_EQ(y[i], 0xffff) << "wrote past the routed rows at " << i;
-      }
-      const Bits got(y.begin(), y.begin() + rows * n_out);
-      const double err = rel_err(to_f32(got), silu_mul ? ref_act : ref_down);
-      if (!w8a8) {
-        EXPECT_LT(err, 6e-3) << (silu_mul ? "gate_up" : "down");
-      } else {
-        EXPECT_LT(rel_err(to_f32(got), silu_mul ? q_act_ref : q_down_ref), 5e-3)
-            << (silu_mul ? "gate_up" : "down") << " vs the quantized-activation reference";
-        EXPECT_LT(err, 8e-2) << (silu_mul ? "gate_up" : "down") << " vs the bf16 reference";
+  // W8A8 with the activations quantized in the kernel, and pre-quantized (x_fp8 / x_scale by
+  // fp8_quantize_rows_launch over the tokens, gathered like x).
+  DeviceBuffer<uint8_t> dxq(x.size());
+  DeviceBuffer<float> dxs(static_cast<size_t>(T * kb));
+  if (w8a8) fp8_quantize_rows_launch(dx.bf(), dxq.ptr, dxs.ptr, T, K, stream_);
+  for (const bool prequant : w8a8 ? std::vector<bool>{false, true} : std::vector<bool>{false})
+    for (const MoeGemmTile tile : kTiles) {
+      SCOPED_TRACE(trace() + " tile " + std::to_string(static_cast<int>(tile)) +
+                   (prequant ? " prequant" : ""));
+      for (const bool silu_mul : {false, true}) {
+        const int64_t n_out = silu_mul ? I : N;
+        DeviceBuffer<uint16_t> dy(static_cast<size_t>(max_rows * n_out) + kGuard);
+        dy.poison(0xff);
+        MoeGemmParams p{
+            dx.bf(),  nullptr,  dy.bf(),
+            doff.ptr, max_rows, silu_mul ? 2 * I : N,
+            K,        E,        silu_mul ? MoeGemmEpilogue::kSiluMul : MoeGemmEpilogue::kPlain,
+            tile};
+        p.gather_src = dsrc.ptr;
+        p.gather_div = top_k;
+        p.w_fp8 = silu_mul ? dqg.ptr : dqd.ptr;
+        p.w_scale = silu_mul ? dsg.ptr : dsd.ptr;
+        p.fp8_activations = w8a8;
+        if (prequant) {
+          p.x = nullptr;
+          p.x_fp8 = dxq.ptr;
+          p.x_scale = dxs.ptr;
+        }
+        moe_gemm_launch(p, stream_);
+        const auto y = dy.download();
+        for (size_t i = static_cast<size_t>(rows * n_out); i < y.size(); ++i) {
+          ASSERT_EQ(y[i], 0xffff) << "wrote past the routed rows at " << i;
+        }
+        const Bits got(y.begin(), y.begin() + rows * n_out);
+        const double err = rel_err(to_f32(got), silu_mul ? ref_act : ref_down);
+        if (!w8a8) {
+          EXPECT_LT(err, 6e-3) << (silu_mul ? "gate_up" : "down");
+        } else {
+          EXPECT_LT(rel_err(to_f32(got), silu_mul ? q_act_ref : q_down_ref), 5e-3)
+              << (silu_mul ? "gate_up" : "down") << " vs the quantized-activation reference";
+          EXPECT_LT(err, 8e-2) << (silu_mul ? "gate_up" : "down") << " vs the bf16 reference";
+        }
       }
     }
-  }
 }
 
 // A dense matrix as one expert without offsets (the FP8 linear above the gemv's m).
@@ -457,8 +504,22 @@ void Fp8LinearCuda::check_dense_gemm(bool w8a8) {
       if (!w8a8) {
         EXPECT_LT(rel_err(got, ref_gemm(x, m, w, 0, w.n)), 6e-3);
       } else {
-        EXPECT_LT(rel_err(got, ref_gemm_w8a8(x, m, w, 0, w.n)), 5e-3);
+        const auto refq = ref_gemm_w8a8(x, m, w, 0, w.n);
+        EXPECT_LT(rel_err(got, refq), 5e-3);
         EXPECT_LT(rel_err(got, ref_gemm(x, m, w, 0, w.n)), 8e-2);
+        // Pre-quantized: the same numerics.
+        DeviceBuffer<uint8_t> dxq(x.size());
+        DeviceBuffer<float> dxs(static_cast<size_t>(m * fp8_row_scale_cols(w.k)));
+        fp8_quantize_rows_launch(dx.bf(), dxq.ptr, dxs.ptr, m, w.k, stream_);
+        dy.poison(0xff);
+        p.x = nullptr;
+        p.x_fp8 = dxq.ptr;
+        p.x_scale = dxs.ptr;
+        moe_gemm_launch(p, stream_);
+        const auto y2 = dy.download();
+        for (size_t i = static_cast<size_t>(m * w.n); i < y2.size(); ++i) ASSERT_EQ(y2[i], 0xffff);
+        EXPECT_LT(rel_err(to_f32(Bits(y2.begin(), y2.begin() + m * w.n)), refq), 5e-3)
+            << "prequant";
       }
     }
   }
@@ -532,13 +593,21 @@ TEST_F(Fp8LinearCuda, MoeLayerMatchesDequantizedBf16) {
     }
     std::vector<double> refd(ref.begin(), ref.end());
     EXPECT_LT(rel_err(to_f32(got8), refd), 1e-2);
-    // W8A8 on the decode and mma paths: within the activations' E4M3 error of the bf16 block.
-    layer.set_fp8_activations(true);
-    out8.poison(0xff);
-    layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
+    // W8A8 on the decode and mma paths: within the activations' E4M3 error of the bf16 block;
+    // in-kernel and pre-quantized activations: the same numerics, the same bits.
+    Bits w8a8_bits[2];
+    for (const bool prequant : {false, true}) {
+      layer.set_fp8_activations(true, prequant);
+      out8.poison(0xff);
+      layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
+      w8a8_bits[prequant] = out8.download();
+      if (layer.last_path() == MoeLayerPath::kDecode || layer.last_path() == MoeLayerPath::kMma) {
+        EXPECT_LT(rel_err(to_f32(w8a8_bits[prequant]), refd), 8e-2) << "w8a8 " << prequant;
+        EXPECT_NE(w8a8_bits[prequant], got8) << "w8a8 ran the w8a16 kernels";
+      }
+    }
     if (layer.last_path() == MoeLayerPath::kDecode || layer.last_path() == MoeLayerPath::kMma) {
-      EXPECT_LT(rel_err(to_f32(out8.download()), refd), 8e-2) << "w8a8";
-      EXPECT_NE(out8.download(), got8) << "w8a8 ran the w8a16 kernels";
+      EXPECT_EQ(w8a8_bits[0], w8a8_bits[1]) << "in-kernel vs pre-quantized activations";
     }
     layer.set_fp8_activations(false);
     if (T == 600) {  // the FP8 grouped GEMM at prefill size instead
@@ -547,10 +616,12 @@ TEST_F(Fp8LinearCuda, MoeLayerMatchesDequantizedBf16) {
       layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
       EXPECT_EQ(layer.last_path(), MoeLayerPath::kMma);
       EXPECT_LT(rel_err(to_f32(out8.download()), refd), 1e-2);
-      layer.set_fp8_activations(true);
-      out8.poison(0xff);
-      layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
-      EXPECT_LT(rel_err(to_f32(out8.download()), refd), 8e-2) << "w8a8 prefill";
+      for (const bool prequant : {false, true}) {
+        layer.set_fp8_activations(true, prequant);
+        out8.poison(0xff);
+        layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
+        EXPECT_LT(rel_err(to_f32(out8.download()), refd), 8e-2) << "w8a8 prefill " << prequant;
+      }
       layer.set_fp8_activations(false);
       layer.set_fp8_prefill_dequant(true);
     }
