@@ -23,6 +23,11 @@
 //     times (activation scale of the row) x (weight scale of the column) at the end of every
 //     128-deep K block (DeepSeek-V3's promotion interval; Hopper's FP8 MMAs accumulate with
 //     reduced precision inside an instruction chain).
+// Pre-quantized activations (MoeGemmParams::x_fp8 / x_scale, made by one fp8_quantize_rows_launch
+// pass): the E4M3 rows go by cp.async straight into E4M3 A stages (same swizzle), the row scales
+// are read per K block from global memory; no quant pass and one barrier per K tile. (On the
+// H200 the in-kernel quantization made this kernel slower than the W8A16 one at every size:
+// every CTA of an n-tile row repeats it, between two barriers in every K tile.)
 // Tiles: small 16 x 32 (6 stages, 2 warps), medium 64 x 64 (4 stages, 4 warps), large
 // 128 x 128 (3 stages, 8 warps, 1 CTA / SM), picked as moe_gemm_fp8.cu picks.
 #include <cuda_fp8.h>

@@ -167,12 +167,12 @@ struct Qwen3MoeCuda::Impl {
   // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
   bool fp8 = false;
   // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs (decode
-  // and prefill, the mma path) and the dense linears above the gemv's m quantize their
-  // activations per token and 128-column group (backend/cuda/fp8_linear.h); off: W8A16 (the
-  // dequantized numerics).
+  // and prefill, the mma path; activations quantized by one pass before each GEMM) and the dense
+  // linears at prefill sizes (cuBLASLt) quantize their activations per token and 128-column
+  // group (backend/cuda/fp8_linear.h); off: W8A16 (the dequantized numerics).
   bool fp8_act = false;
   // With fp8_act: the dense FP8 linears from kFp8LtMinRows rows on (prefill) through cuBLASLt's
-  // block-scaled FP8 GEMM (model/cuda/fp8_dense.h); below, the W8A8 grouped GEMM.
+  // block-FP8 GEMM (model/cuda/fp8_dense.h); below, as W8A16.
   static constexpr int64_t kFp8LtMinRows = 512;
   std::unique_ptr<cuda_model::Fp8DenseLt> fp8_lt;
   struct Fp8Alloc {
@@ -716,13 +716,10 @@ struct Qwen3MoeCuda::Impl {
       cuda::fp8_gemv_launch({x, w8.q, w8.s, y, m, n, k}, stream);
       return;
     }
-    if (fp8_act) {  // W8A8: cuBLASLt at prefill sizes, else the tensor-core grouped GEMM
-      if (m >= kFp8LtMinRows && fp8_lt && fp8_lt->run(x, w8.q, w8.s, y, m, n, k, stream)) return;
-      cuda::MoeGemmParams p{x, nullptr, y, nullptr, m, n, k, 1};
-      p.w_fp8 = w8.q;
-      p.w_scale = w8.s;
-      p.fp8_activations = true;
-      cuda::moe_gemm_launch(p, stream);
+    // W8A8 at prefill sizes: cuBLASLt's block-scaled FP8 GEMM. Between 16 and kFp8LtMinRows rows
+    // the dequantized bf16 GEMM stays (measured faster than the W8A8 grouped GEMM as one dense
+    // expert: bench_fp8_linear, docs/perf.md).
+    if (fp8_act && m >= kFp8LtMinRows && fp8_lt && fp8_lt->run(x, w8.q, w8.s, y, m, n, k, stream)) {
       return;
     }
     // Above the gemv's m: dequantized into the scratch, then the bf16 GEMM (measured faster
