@@ -1,17 +1,23 @@
 // FP8-weight linears (backend/cuda/fp8_linear.h) beside the bf16 ones in the same run, at
-// Qwen3-30B-A3B's decode shapes:
+// Qwen3-30B-A3B's shapes:
 //   dense: fused QKV (2048 -> 5120), o_proj (4096 -> 2048) at m = 1 / 4 / 8 / 16 / 32 / 128: bf16
-//     GemmLt (gemv kernel or cuBLASLt, whichever its tuning picks) vs FP8 (fp8_gemv_launch for
-//     m <= 16; above, what the model does: dequantized to bf16, then GemmLt);
-//   MoE: 128 experts, gate_up (2048 -> 2 x 768, SiLU-multiply) and down (768 -> 2048) for
-//     1 / 8 / 32 / 128 tokens x top-8, uniform random routing: moe_gemm_launch bf16 vs FP8.
-// Per case: microseconds, weight bytes read per second (each distinct expert once) and its
-// share of the measured copy bandwidth (the HBM roofline), the FP8 / bf16 speed-up.
-// Graph-timed (bench_util.h Timer) over enough weight sets to exceed L2.
+//     GemmLt (gemv kernel or cuBLASLt, whichever its tuning picks) vs FP8 W8A16 (fp8_gemv_launch
+//     for m <= 16; above, dequantized to bf16, then GemmLt) vs W8A8 (the FP8 tensor-core grouped
+//     GEMM as one dense expert, activations quantized in the kernel);
+//   MoE grouped GEMM: 128 experts, gate_up (2048 -> 2 x 768, SiLU-multiply) and down (768 ->
+//     2048) for 1 / 8 / 32 / 128 tokens x top-8 (uniform random routing; weight bytes and their
+//     share of the copy bandwidth, the HBM roofline) and 512 / 2048 / 8192 tokens (TFLOP/s):
+//     moe_gemm_launch bf16 vs FP8 W8A16 vs FP8 W8A8;
+//   MoE layer (MoeLayer::run: router, top-k, both GEMMs, unpermute) at 1 / 8 / 32 / 128 tokens
+//     (graphs) and 2048 (eager; W8A8 on the mma path, the others on the cuBLAS paths):
+//     bf16, W8A16, W8A8, and W8A8's share of its FP8 roofline (the distinct experts' E4M3 bytes
+//     and scales + the bf16 router, over the copy bandwidth).
+// Graph-timed (bench_util.h Timer) over enough weight sets / routings to exceed L2.
 //   bench_fp8_linear [--quick]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -24,6 +30,7 @@
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/moe_gemm.h"
+#include "backend/cuda/moe_layer.h"
 #include "bench_util.h"
 
 using namespace tandem;
@@ -72,9 +79,11 @@ int main(int argc, char** argv) {
   const size_t l2_multiple = size_t{4} * static_cast<size_t>(prop.l2CacheSize);
 
   std::printf(
-      "\n== dense linears: bf16 GemmLt vs FP8 (gemv for m <= 16, dequantize + bf16 GEMM above)\n");
-  std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s\n", "shape", "m", "bf16 us", "GB/s", "fp8 us",
-              "GB/s", "%hbm", "x bf16");
+      "\n== dense linears: bf16 GemmLt vs FP8 W8A16 (gemv for m <= 16, dequantize + bf16 GEMM "
+      "above) vs FP8 W8A8 (tensor-core grouped GEMM, one dense expert)\n");
+  std::printf("%-8s %5s | %9s %7s | %9s %7s %6s | %6s | %9s %7s %6s | %6s | %11s | %9s %6s\n",
+              "shape", "m", "bf16 us", "GB/s", "w8a16 us", "GB/s", "%hbm", "x bf16", "w8a8 us",
+              "GB/s", "%hbm", "x bf16", "w8a8 med us", "w8a8pq us", "x bf16");
   struct Dense {
     const char* name;
     int64_t n, k;
@@ -94,7 +103,7 @@ int main(int argc, char** argv) {
       fill_scales(*s8.back());
     }
     Buf dq(wb16);
-    for (const int64_t m : {1, 4, 8, 16, 32, 128}) {
+    for (const int64_t m : {1, 4, 8, 16, 32, 128, 256}) {
       Buf x(static_cast<size_t>(m * d.k) * 2), y(static_cast<size_t>(m * d.n) * 2);
       fill_bf16(x);
       const double us16 = t.time_us(sets, [&](int i) {
@@ -113,18 +122,49 @@ int main(int argc, char** argv) {
                    t.stream);
         }
       });
-      const double bw16 = wb16 / (us16 * 1e-6), bw8 = wb8 / (us8 * 1e-6);
-      std::printf("%-8s %5lld | %9.2f %7.0f | %9.2f %7.0f %5.0f%% | %6.2f\n", d.name,
-                  static_cast<long long>(m), us16, bw16 / 1e9, us8, bw8 / 1e9, 100 * bw8 / hbm,
-                  us16 / us8);
+      auto w8a8 = [&](cuda::MoeGemmTile tile) {
+        return t.time_us(sets, [&](int i) {
+          cuda::MoeGemmParams p{
+              x.as<cuda::bf16>(), nullptr, y.as<cuda::bf16>(), nullptr, m, d.n, d.k, 1};
+          p.w_fp8 = w8[i]->as<uint8_t>();
+          p.w_scale = s8[i]->as<float>();
+          p.fp8_activations = true;
+          p.tile = tile;
+          cuda::moe_gemm_launch(p, t.stream);
+        });
+      };
+      const double usa8 = w8a8(cuda::MoeGemmTile::kAuto);
+      const double usa8m = w8a8(cuda::MoeGemmTile::kMedium);  // the tile choice, measured
+      // Pre-quantized activations: the quantization pass + the GEMM loading E4M3.
+      Buf xq(static_cast<size_t>(m * d.k)),
+          xs(static_cast<size_t>(m * cuda::fp8_row_scale_cols(d.k)) * 4);
+      const double uspq = t.time_us(sets, [&](int i) {
+        cuda::fp8_quantize_rows_launch(x.as<cuda::bf16>(), xq.as<uint8_t>(), xs.as<float>(), m, d.k,
+                                       t.stream);
+        cuda::MoeGemmParams p{nullptr, nullptr, y.as<cuda::bf16>(), nullptr, m, d.n, d.k, 1};
+        p.w_fp8 = w8[i]->as<uint8_t>();
+        p.w_scale = s8[i]->as<float>();
+        p.fp8_activations = true;
+        p.x_fp8 = xq.as<uint8_t>();
+        p.x_scale = xs.as<float>();
+        cuda::moe_gemm_launch(p, t.stream);
+      });
+      const double bw16 = wb16 / (us16 * 1e-6), bw8 = wb8 / (us8 * 1e-6),
+                   bwa8 = wb8 / (usa8 * 1e-6);
+      std::printf(
+          "%-8s %5lld | %9.2f %7.0f | %9.2f %7.0f %5.0f%% | %6.2f | %9.2f %7.0f %5.0f%% | "
+          "%6.2f | %11.2f | %9.2f %6.2f\n",
+          d.name, static_cast<long long>(m), us16, bw16 / 1e9, us8, bw8 / 1e9, 100 * bw8 / hbm,
+          us16 / us8, usa8, bwa8 / 1e9, 100 * bwa8 / hbm, us16 / usa8, usa8m, uspq, us16 / uspq);
     }
   }
 
   std::printf(
-      "\n== MoE grouped GEMM, 128 experts, top-8: bf16 vs FP8 (weights of each distinct "
-      "expert read once)\n");
-  std::printf("%-8s %5s %7s | %9s %7s | %9s %7s %6s | %6s\n", "gemm", "tok", "experts", "bf16 us",
-              "GB/s", "fp8 us", "GB/s", "%hbm", "x bf16");
+      "\n== MoE grouped GEMM, 128 experts, top-8: bf16 vs FP8 W8A16 vs FP8 W8A8 (weights of each "
+      "distinct expert read once; TFLOP/s of the routed rows)\n");
+  std::printf("%-8s %5s %7s | %9s %7s %6s | %9s %7s %6s %6s | %6s | %9s %7s %6s %6s | %6s\n",
+              "gemm", "tok", "experts", "bf16 us", "GB/s", "TF/s", "w8a16 us", "GB/s", "%hbm",
+              "TF/s", "x bf16", "w8a8 us", "GB/s", "%hbm", "TF/s", "x bf16");
   const int64_t E = 128, H = 2048, I = 768, top_k = 8;
   Buf gu16(static_cast<size_t>(E * 2 * I * H) * 2), dn16(static_cast<size_t>(E * H * I) * 2);
   Buf gu8(static_cast<size_t>(E * 2 * I * H)), dn8(static_cast<size_t>(E * H * I));
@@ -136,9 +176,11 @@ int main(int argc, char** argv) {
   fill_fp8(dn8);
   fill_scales(gus);
   fill_scales(dns);
-  for (const int64_t T : {1, 8, 32, 128}) {
+  for (const int64_t T : {1, 8, 32, 128, 512, 2048, 8192}) {
+    if (t.quick && T > 2048) continue;
     const int64_t rows = T * top_k;
-    const int sets = 16;  // routings cycled (so the experts of one call are not all in L2)
+    // Routings cycled (so the experts of one call are not all in L2); prefill sizes touch all.
+    const int sets = T <= 128 ? 16 : 2;
     std::vector<std::unique_ptr<Buf>> offs;
     std::vector<double> distinct;
     for (int s = 0; s < sets; ++s) {
@@ -188,11 +230,85 @@ int main(int argc, char** argv) {
           t.time_us(sets, [&](int s) { cuda::moe_gemm_launch(params(s, false), t.stream); });
       const double us8 =
           t.time_us(sets, [&](int s) { cuda::moe_gemm_launch(params(s, true), t.stream); });
+      const double usa8 = t.time_us(sets, [&](int s) {
+        cuda::MoeGemmParams p = params(s, true);
+        p.fp8_activations = true;
+        cuda::moe_gemm_launch(p, t.stream);
+      });
+      Buf xq(static_cast<size_t>(rows * k)),
+          xs(static_cast<size_t>(rows * cuda::fp8_row_scale_cols(k)) * 4);
+      const double uspq = t.time_us(sets, [&](int s) {
+        cuda::MoeGemmParams p = params(s, true);
+        cuda::fp8_quantize_rows_launch(p.x, xq.as<uint8_t>(), xs.as<float>(), rows, k, t.stream);
+        p.fp8_activations = true;
+        p.x_fp8 = xq.as<uint8_t>();
+        p.x_scale = xs.as<float>();
+        cuda::moe_gemm_launch(p, t.stream);
+      });
       const double wbytes8 = mean_experts * static_cast<double>(n * k);
-      const double bw16 = 2 * wbytes8 / (us16 * 1e-6), bw8 = wbytes8 / (us8 * 1e-6);
-      std::printf("%-8s %5lld %7.1f | %9.2f %7.0f | %9.2f %7.0f %5.0f%% | %6.2f\n",
-                  is_gu ? "gate_up" : "down", static_cast<long long>(T), mean_experts, us16,
-                  bw16 / 1e9, us8, bw8 / 1e9, 100 * bw8 / hbm, us16 / us8);
+      const double flops = 2.0 * static_cast<double>(rows * n * k);
+      const double bw16 = 2 * wbytes8 / (us16 * 1e-6), bw8 = wbytes8 / (us8 * 1e-6),
+                   bwa8 = wbytes8 / (usa8 * 1e-6);
+      std::printf(
+          "%-8s %5lld %7.1f | %9.2f %7.0f %6.1f | %9.2f %7.0f %5.0f%% %6.1f | %6.2f | %9.2f %7.0f "
+          "%5.0f%% %6.1f | %6.2f | pq %9.2f %5.0f%% %6.2f\n",
+          is_gu ? "gate_up" : "down", static_cast<long long>(T), mean_experts, us16, bw16 / 1e9,
+          flops / us16 * 1e-6, us8, bw8 / 1e9, 100 * bw8 / hbm, flops / us8 * 1e-6, us16 / us8,
+          usa8, bwa8 / 1e9, 100 * bwa8 / hbm, flops / usa8 * 1e-6, us16 / usa8, uspq,
+          100 * wbytes8 / (uspq * 1e-6) / hbm, us16 / uspq);
+    }
+  }
+
+  std::printf(
+      "\n== MoE layer (router, top-k, gate_up, down, unpermute), 128 experts, top-8: bf16 vs FP8 "
+      "W8A16 vs W8A8; roofline: distinct experts' E4M3 bytes + scales + bf16 router over the copy "
+      "bandwidth\n");
+  std::printf("%5s %7s | %9s | %9s %6s | %9s %6s | %9s %6s | %9s %6s %6s\n", "tok", "experts",
+              "bf16 us", "w8a16 us", "x bf16", "w8a8 us", "x bf16", "w8a8pq us", "x bf16",
+              "roof us", "%roof", "%roof pq");
+  {
+    Buf router(static_cast<size_t>(E * H) * 2);
+    fill_bf16(router, 0.02f);
+    const cuda::MoeLayerWeights w16{router.as<cuda::bf16>(), gu16.as<cuda::bf16>(),
+                                    dn16.as<cuda::bf16>()};
+    const cuda::MoeLayerWeights w8{router.as<cuda::bf16>(), nullptr,         nullptr,
+                                   gu8.as<uint8_t>(),       gus.as<float>(), dn8.as<uint8_t>(),
+                                   dns.as<float>()};
+    constexpr int64_t kLayerMax = 2048;
+    cuda::MoeLayer layer(kLayerMax, H, I, E, top_k, 0, E, true);
+    const double expert_bytes8 =
+        3.0 * H * I + 4.0 * (2 * I * cuda::fp8_row_scale_cols(H) + H * cuda::fp8_row_scale_cols(I));
+    // 2048 tokens (prefill): eager, so that bf16 and W8A16 take the cuBLAS paths run() picks
+    // (W8A16 dequantizing the layer's experts first, as the model does now); W8A8 on the mma
+    // path (set_fp8_prefill_dequant(false)).
+    for (const int64_t T : {1, 8, 32, 128, 2048}) {
+      const bool prefill = T > 128;
+      const int sets = prefill ? 2 : 16;
+      Buf x(static_cast<size_t>(sets * T * H) * 2), out(static_cast<size_t>(sets * T * H) * 2);
+      fill_bf16(x);
+      auto run = [&](cuda::MoeLayerWeights const& w) {
+        auto launch = [&](int i) {
+          layer.run(w, x.as<cuda::bf16>(i * T * H), out.as<cuda::bf16>(i * T * H), T, gemm,
+                    t.stream);
+        };
+        return prefill ? t.time_eager_us(sets, launch) : t.time_us(sets, launch);
+      };
+      const double us16 = run(w16);
+      layer.set_fp8_activations(false);
+      const double us8 = run(w8);
+      layer.set_fp8_activations(true, false);  // quantized in the GEMM kernels
+      layer.set_fp8_prefill_dequant(false);
+      const double usa8 = run(w8);
+      layer.set_fp8_activations(true, true);  // one quantization pass before each GEMM
+      const double uspq = run(w8);
+      layer.set_fp8_prefill_dequant(true);
+      layer.set_fp8_activations(false);
+      const double touched = E * (1.0 - std::pow(1.0 - double(top_k) / E, double(T)));
+      const double roof_us = 1e6 * (touched * expert_bytes8 + E * H * 2.0) / hbm;
+      std::printf(
+          "%5lld %7.1f | %9.2f | %9.2f %6.2f | %9.2f %6.2f | %9.2f %6.2f | %9.2f %5.0f%% %5.0f%%\n",
+          static_cast<long long>(T), touched, us16, us8, us16 / us8, usa8, us16 / usa8, uspq,
+          us16 / uspq, roof_us, 100 * roof_us / usa8, 100 * roof_us / uspq);
     }
   }
   return 0;

@@ -22,6 +22,9 @@
 //   128x128 block scales in device memory, backend/cuda/fp8_linear.h; router, norms, embedding
 //   and lm_head bf16 as in Qwen's FP8 checkpoints), then FP8's speed-up over bf16 per decode row
 //   and its share of the FP8 roofline (the same byte count with the linears at 1 byte / weight).
+//   --fp8-act: (with or without --fp8) a run of the 30B in block FP8 with FP8 activations (W8A8
+//   on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1), rows "-fp8a". --batches 1,32,128: the
+//   decode batches to run.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -141,6 +144,7 @@ struct Row {
 
 std::vector<Row> g_rows;
 bool g_fp8 = false;      // --fp8
+bool g_fp8_act = false;  // --fp8-act: block FP8 with W8A8 (TANDEM_CUDA_FP8_ACT=1)
 std::string g_moe_path;  // --moe-path
 
 void print_row(const Row& r, bool record = true) {
@@ -275,19 +279,22 @@ void print_fp8_comparison() {
       "bound / FP8 time\n");
   std::printf("%-16s %-8s %6s %6s %11s %11s %9s %13s\n", "model", "phase", "batch", "ctx",
               "bf16 us", "fp8 us", "speed-up", "%fp8-roofline");
-  for (const Row& f : g_rows) {
-    const std::string suffix = "-fp8";
-    if (f.model.size() <= suffix.size() ||
-        f.model.compare(f.model.size() - suffix.size(), suffix.size(), suffix) != 0) {
-      continue;
-    }
-    const std::string base = f.model.substr(0, f.model.size() - suffix.size());
-    for (const Row& b : g_rows) {
-      if (b.model == base && b.what == f.what && b.batch == f.batch && b.ctx == f.ctx && b.us > 0 &&
-          f.us > 0) {
-        std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %8.2fx %12.1f%%\n", base.c_str(),
-                    f.what.c_str(), static_cast<long long>(f.batch), static_cast<long long>(f.ctx),
-                    b.us, f.us, b.us / f.us, f.what == "decode" ? 100.0 * f.bound_us / f.us : 0.0);
+  for (const char* suffix_c : {"-fp8", "-fp8a"}) {  // -fp8a: W8A8 (--fp8-act)
+    for (const Row& f : g_rows) {
+      const std::string suffix = suffix_c;
+      if (f.model.size() <= suffix.size() ||
+          f.model.compare(f.model.size() - suffix.size(), suffix.size(), suffix) != 0) {
+        continue;
+      }
+      const std::string base = f.model.substr(0, f.model.size() - suffix.size());
+      for (const Row& b : g_rows) {
+        if (b.model == base && b.what == f.what && b.batch == f.batch && b.ctx == f.ctx &&
+            b.us > 0 && f.us > 0) {
+          std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %8.2fx %12.1f%%\n",
+                      (base + suffix).c_str(), f.what.c_str(), static_cast<long long>(f.batch),
+                      static_cast<long long>(f.ctx), b.us, f.us, b.us / f.us,
+                      f.what == "decode" ? 100.0 * f.bound_us / f.us : 0.0);
+        }
       }
     }
   }
@@ -301,6 +308,7 @@ int main(int argc, char** argv) {
   int64_t decode_only = 0;
   std::string checkpoint, moe_path;
   bool prefill_only = false;
+  std::string batches_arg;  // --batches 1,32,128: the decode batches instead of the defaults
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
@@ -310,6 +318,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--moe-path") == 0 && i + 1 < argc) moe_path = argv[++i];
     if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
     if (std::strcmp(argv[i], "--fp8") == 0) g_fp8 = true;
+    if (std::strcmp(argv[i], "--fp8-act") == 0) g_fp8_act = true;
+    if (std::strcmp(argv[i], "--batches") == 0 && i + 1 < argc) batches_arg = argv[++i];
   }
   try {
     int n = 0;
@@ -328,6 +338,14 @@ int main(int argc, char** argv) {
         quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 4096};
     std::vector<int64_t> prompts =
         quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 8192};
+    if (!batches_arg.empty()) {
+      batches.clear();
+      for (size_t p = 0; p < batches_arg.size();) {
+        const size_t comma = std::min(batches_arg.find(',', p), batches_arg.size());
+        batches.push_back(std::atoll(batches_arg.substr(p, comma - p).c_str()));
+        p = comma + 1;
+      }
+    }
     if (prefill_only) {
       batches = {1};
       ctxs = {};
@@ -348,6 +366,11 @@ int main(int argc, char** argv) {
       const double budget = static_cast<double>(free_b) - 61.1e9 - 10e9;
       bench_model("qwen3-30b-a3b", c, ceil, batches, ctxs, prompts, budget);
       if (g_fp8) bench_model("qwen3-30b-a3b-fp8", fp8_of(c), ceil, batches, ctxs, prompts, budget);
+      if (g_fp8_act) {  // W8A8: the FP8 activations of Qwen3MoeCuda (read at construction)
+        setenv("TANDEM_CUDA_FP8_ACT", "1", 1);
+        bench_model("qwen3-30b-a3b-fp8a", fp8_of(c), ceil, batches, ctxs, prompts, budget);
+        unsetenv("TANDEM_CUDA_FP8_ACT");
+      }
     }
     if (which == "all" || which == "235b-layer") {
       bench_model("qwen3-235b-layer", qwen3_235b_layer(), ceil, batches, ctxs, prompts, 40e9);
@@ -356,7 +379,7 @@ int main(int argc, char** argv) {
                     prompts, 40e9);
       }
     }
-    if (g_fp8) print_fp8_comparison();
+    if (g_fp8 || g_fp8_act) print_fp8_comparison();
     std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
     for (const auto& r : g_rows) print_row(r, /*record=*/false);
     bench::write_csv(g_rows, "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n",

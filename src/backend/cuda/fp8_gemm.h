@@ -44,8 +44,9 @@ struct Fp8QuantParams {
   int64_t m, k;            // k % 128 == 0
 };
 
-/// Per token and 128-column group: s = amax / 448 (1 for an all-zero group), q = e4m3(x / s)
-/// rounded to nearest even (satfinite). One warp per group.
+/// Per token and 128-column group: s = amax / 448 (1 for an all-zero group), q = e4m3(x *
+/// (448 / amax)) rounded to nearest even (satfinite), fp8_linear.h's FP8 activation numerics.
+/// One warp per group.
 void fp8_quantize_act_launch(const Fp8QuantParams& p, cudaStream_t stream);
 
 struct Fp8GemmParams {

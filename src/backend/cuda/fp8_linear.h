@@ -15,6 +15,18 @@
 //  - the MoE grouped GEMM (moe_gemm.h) takes E4M3 experts through MoeGemmParams::w_fp8 /
 //    w_scale (mma.sync bf16 with the weights converted in registers), and a dense matrix as one
 //    expert without offsets (MoeGemmParams::expert_offsets null): the FP8 linear for m > 8.
+//
+// FP8 activations (W8A8: MoeGemmParams::fp8_activations, fp8_quantize_act_launch of
+// fp8_gemm.h), DeepSeek-V3 / DeepGEMM style: the bf16 activations are quantized per token and
+// 128-column group (the K blocks of the weight scales; a last partial group of k % 128
+// columns is its own group): amax = max |x| over the group, s = amax / 448 (1 when amax is 0),
+// q = e4m3(x * min(448 / amax, FLT_MAX)) rounded to nearest even, satfinite (fp32 operations,
+// IEEE division). The MMAs multiply E4M3 by E4M3 on the FP8 tensor cores; the partial sum of
+// each 128-deep K block is added to the fp32 accumulator times s_x(token, block) *
+// w_scale(row, block). So the result is the bf16 / fp32 math over the dequantized weights and
+// the dequantized activations e4m3(q) * s (the CPU reference: tests/backend/cuda/
+// fp8_act_ref.h), which differ from the bf16 activations by E4M3's rounding (relative 2^-4 at
+// most per element).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -63,5 +75,12 @@ void fp8_gemv_launch(Fp8GemvParams const& p, cudaStream_t stream);
 /// out [rows, cols] bf16, cols % 16 == 0, q and out 16-byte aligned. Asynchronous, capturable.
 void fp8_dequantize_launch(uint8_t const* q, float const* row_scale, int64_t rows, int64_t cols,
                            bf16* out, cudaStream_t stream);
+
+/// The FP8 activation numerics above over x [m, k] (bf16, 8-byte aligned): q [m, k] E4M3 (4-byte
+/// aligned) and scale [m, ceil(k / 128)] row-major (a last partial group of k % 128 columns is
+/// its own group), for the W8A8 grouped GEMM's pre-quantized input (MoeGemmParams::x_fp8).
+/// k % 16 == 0. One warp per group; asynchronous, capturable.
+void fp8_quantize_rows_launch(bf16 const* x, uint8_t* q, float* scale, int64_t m, int64_t k,
+                              cudaStream_t stream);
 
 }  // namespace tandem::cuda

@@ -74,6 +74,16 @@ struct MoeGemmParams {
   // converted to bf16 in registers, the scales applied per 128-deep K block in fp32.
   uint8_t const* w_fp8 = nullptr;
   float const* w_scale = nullptr;
+  // With w_fp8 (W8A8, moe_gemm_fp8a.cu): the bf16 x rows are quantized to E4M3 per row and
+  // 128-column group inside the kernel (fp8_linear.h: fp8 activation numerics) and the MMAs
+  // run on the FP8 tensor cores, both scales applied per 128-deep K block in fp32. Off: the
+  // weights are converted to bf16 (W8A16, the dequantized model's numerics).
+  bool fp8_activations = false;
+  // With fp8_activations: x already quantized (fp8_quantize_rows_launch): E4M3 rows [.., k] and
+  // their scales [.., ceil(k / 128)] indexed like x's rows (gather_src included); x is then
+  // unused. The kernel loads E4M3 straight into shared memory (no in-kernel quant pass).
+  uint8_t const* x_fp8 = nullptr;
+  float const* x_scale = nullptr;
 };
 
 /// Rows at and past offsets[num_experts] of y are left untouched. Requirements (checked):

@@ -464,6 +464,13 @@ void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream) {
   if (p.tile == MoeGemmTile::kAuto && p.expert_offsets == nullptr && p.max_rows <= 128) {
     tile = MoeGemmTile::kSmall;
   }
+  if (p.fp8_activations) {
+    TANDEM_CHECK((p.x_fp8 == nullptr) == (p.x_scale == nullptr) && aligned(p.x_fp8, 16) &&
+                     aligned(p.x_scale, 4),
+                 "moe_gemm (fp8): x_fp8 and x_scale go together, x_fp8 16-byte aligned");
+    moe_gemm_w8a8_launch(p, tile, stream);
+    return;
+  }
   switch (tile) {
     case MoeGemmTile::kSmall:
       if (small_split_k()) {
@@ -486,6 +493,7 @@ void moe_gemm_fp8_prepare() {
   raise_smem<Fp8Medium, true>();
   raise_smem<Fp8Large, false>();
   raise_smem<Fp8Large, true>();
+  moe_gemm_w8a8_prepare();
 }
 
 }  // namespace tandem::cuda::moe_gemm_detail

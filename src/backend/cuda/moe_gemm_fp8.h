@@ -12,4 +12,8 @@ void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream);
 /// The FP8 tiles' shared memory limits (moe_gemm_prepare).
 void moe_gemm_fp8_prepare();
 
+/// The W8A8 kernels (moe_gemm_fp8a.cu) for p.fp8_activations, p checked by moe_gemm_fp8_launch.
+void moe_gemm_w8a8_launch(MoeGemmParams const& p, MoeGemmTile tile, cudaStream_t stream);
+void moe_gemm_w8a8_prepare();
+
 }  // namespace tandem::cuda::moe_gemm_detail

@@ -100,7 +100,8 @@ void MoeLayer::release() noexcept {
         static_cast<void*>(counts_), static_cast<void*>(offsets_), static_cast<void*>(src_),
         static_cast<void*>(slot_row_), static_cast<void*>(perm_ws_), static_cast<void*>(rows_),
         static_cast<void*>(act_), static_cast<void*>(decode_counter_), static_cast<void*>(d_ptrs_),
-        static_cast<void*>(dq_gate_up_), static_cast<void*>(dq_down_)}) {
+        static_cast<void*>(dq_gate_up_), static_cast<void*>(dq_down_), static_cast<void*>(xq_),
+        static_cast<void*>(xqs_), static_cast<void*>(actq_), static_cast<void*>(actqs_)}) {
     if (p) (void)cudaFree(p);
   }
   if (h_offsets_) (void)cudaFreeHost(h_offsets_);
@@ -116,6 +117,20 @@ void MoeLayer::release() noexcept {
   counts_ = offsets_ = src_ = slot_row_ = perm_ws_ = nullptr;
   rows_ = act_ = nullptr;
   dq_gate_up_ = dq_down_ = nullptr;
+  xq_ = actq_ = nullptr;
+  xqs_ = actqs_ = nullptr;
+}
+
+void MoeLayer::set_fp8_activations(bool on, bool prequant) {
+  fp8_activations_ = on;
+  fp8_prequant_ = prequant;
+  if (on && prequant && xq_ == nullptr) {
+    const int64_t rows = max_tokens_ * top_k_;
+    alloc(xq_, max_tokens_ * hidden_);
+    alloc(xqs_, max_tokens_ * fp8_row_scale_cols(hidden_));
+    alloc(actq_, rows * inter_);
+    alloc(actqs_, rows * fp8_row_scale_cols(inter_));
+  }
 }
 
 void MoeLayer::reserve_fp8_prefill() {
@@ -207,6 +222,13 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   gate_up.gather_div = top_k_;
   gate_up.w_fp8 = w.gate_up_fp8;
   gate_up.w_scale = w.gate_up_scale;
+  gate_up.fp8_activations = fp8_activations_;
+  const bool prequant = fp8_activations_ && fp8_prequant_ && w.gate_up_fp8 != nullptr;
+  if (prequant) {  // the tokens' x once (gate_up gathers its rows by src / top_k)
+    fp8_quantize_rows_launch(x, xq_, xqs_, T, H, stream);
+    gate_up.x_fp8 = xq_;
+    gate_up.x_scale = xqs_;
+  }
   // After the decode router (which lets it start early): hide the launch latency.
   if (path == MoeLayerPath::kDecode && kDownPdl) gate_up.pdl = MoeGemmPdl::kWaitFirst;
   moe_gemm_launch(gate_up, stream);
@@ -217,6 +239,12 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   down.pdl = kDownPdl ? MoeGemmPdl::kPrefetchWeights : MoeGemmPdl::kOff;
   down.w_fp8 = w.down_fp8;
   down.w_scale = w.down_scale;
+  down.fp8_activations = fp8_activations_;
+  if (prequant) {  // the SiLU-mul output (rows past the routed ones: never read by down)
+    fp8_quantize_rows_launch(act_, actq_, actqs_, rows, I, stream);
+    down.x_fp8 = actq_;
+    down.x_scale = actqs_;
+  }
   moe_gemm_launch(down, stream);
   if (kDownPdl && aligned16(out)) {
     moe_layer_detail::unpermute_pdl_launch(

@@ -93,6 +93,15 @@ class MoeLayer {
   /// FP8 experts at prefill sizes: dequantize to bf16 for the cuBLAS paths (default true) or run
   /// the FP8 grouped GEMM (mma path).
   void set_fp8_prefill_dequant(bool on) { fp8_prefill_dequant_ = on; }
+  /// FP8 experts on the decode and mma paths: W8A8 on the FP8 tensor cores, the activations
+  /// quantized per token and 128-column group in the GEMMs (MoeGemmParams::fp8_activations),
+  /// or (false, the default) W8A16 with the weights converted to bf16.
+  /// prequant (default): the activations are quantized by one pass each before the GEMMs
+  /// (the tokens' x, then the SiLU-mul output; fp8_quantize_rows_launch) and the GEMMs load
+  /// E4M3 (MoeGemmParams::x_fp8); false: each GEMM CTA quantizes the bf16 rows it loads. The
+  /// first call with on allocates the E4M3 copies (max_tokens * (hidden + top_k * inter) bytes
+  /// and their scales).
+  void set_fp8_activations(bool on, bool prequant = true);
   /// Allocates that scratch now (when the cuBLAS paths are possible for max_tokens), so that a
   /// later prefill does not allocate beside a full KV cache.
   void reserve_fp8_prefill();
@@ -140,6 +149,11 @@ class MoeLayer {
   void** d_ptrs_ = nullptr;       // device copy of h_ptrs_
   MoeLayerPath path_ = MoeLayerPath::kAuto, last_path_ = MoeLayerPath::kAuto;
   bool fp8_prefill_dequant_ = true;
+  bool fp8_activations_ = false, fp8_prequant_ = true;
+  uint8_t* xq_ = nullptr;       // [max_tokens, hidden] E4M3 (W8A8 prequant)
+  float* xqs_ = nullptr;        // [max_tokens, ceil(hidden / 128)]
+  uint8_t* actq_ = nullptr;     // [max_tokens * top_k, inter] E4M3
+  float* actqs_ = nullptr;      // [max_tokens * top_k, ceil(inter / 128)]
   bf16* dq_gate_up_ = nullptr;  // FP8 experts dequantized for the cuBLAS paths (lazy)
   bf16* dq_down_ = nullptr;
 };

@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/fp8_dense.h"
 #include "model/cuda/random_fill.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -165,6 +166,15 @@ struct Qwen3MoeCuda::Impl {
   std::vector<DeviceMem> mem8;  // FP8 codes and their row scales
   // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
   bool fp8 = false;
+  // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs (decode
+  // and prefill, the mma path; activations quantized by one pass before each GEMM) and the dense
+  // linears at prefill sizes (cuBLASLt) quantize their activations per token and 128-column
+  // group (backend/cuda/fp8_linear.h); off: W8A16 (the dequantized numerics).
+  bool fp8_act = false;
+  // With fp8_act: the dense FP8 linears from kFp8LtMinRows rows on (prefill) through cuBLASLt's
+  // block-FP8 GEMM (model/cuda/fp8_dense.h); below, as W8A16.
+  static constexpr int64_t kFp8LtMinRows = 512;
+  std::unique_ptr<cuda_model::Fp8DenseLt> fp8_lt;
   struct Fp8Alloc {
     Fp8Mat m;
     int64_t codes, scales;
@@ -523,7 +533,11 @@ struct Qwen3MoeCuda::Impl {
                                                local_experts(), c.norm_topk_prob);
         bool fp8_experts = false;
         for (const auto& w : layers) fp8_experts |= w.moe && static_cast<bool>(w.gate_up8);
-        if (fp8_experts) moe->reserve_fp8_prefill();
+        // W8A8: prefill-sized batches too on the FP8 grouped GEMM (mma path), no bf16 copy of
+        // the experts; W8A16: they dequantize into that copy for the cuBLAS paths.
+        moe->set_fp8_activations(fp8_act);
+        moe->set_fp8_prefill_dequant(!fp8_act);
+        if (fp8_experts && !fp8_act) moe->reserve_fp8_prefill();
       }
     }
     // The FP8 grouped GEMM's tiles before any graph capture; the dense FP8 linears' bf16
@@ -537,6 +551,9 @@ struct Qwen3MoeCuda::Impl {
       if (!w.moe && w.down8) dq_elems = std::max(dq_elems, h * dense_inter);
     }
     if (dq_elems > 0) dq = DeviceMem(static_cast<size_t>(dq_elems) * sizeof(bf16));
+    if (dq_elems > 0 && fp8_act && t_cap >= kFp8LtMinRows) {
+      fp8_lt = std::make_unique<cuda_model::Fp8DenseLt>(t_cap, std::max({h, qh * d, dense_inter}));
+    }
     make_communicators(o, any_moe);
     // Split-KV workspace for the captured decode steps (and eager batches that fit it).
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
@@ -699,8 +716,14 @@ struct Qwen3MoeCuda::Impl {
       cuda::fp8_gemv_launch({x, w8.q, w8.s, y, m, n, k}, stream);
       return;
     }
+    // W8A8 at prefill sizes: cuBLASLt's block-scaled FP8 GEMM. Between 16 and kFp8LtMinRows rows
+    // the dequantized bf16 GEMM stays (measured faster than the W8A8 grouped GEMM as one dense
+    // expert: bench_fp8_linear, docs/perf.md).
+    if (fp8_act && m >= kFp8LtMinRows && fp8_lt && fp8_lt->run(x, w8.q, w8.s, y, m, n, k, stream)) {
+      return;
+    }
     // Above the gemv's m: dequantized into the scratch, then the bf16 GEMM (measured faster
-    // than the FP8 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
+    // than the W8A16 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
     cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
     gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
   }
@@ -737,6 +760,7 @@ struct Qwen3MoeCuda::Impl {
                            cuda::MoeGemmEpilogue::kSiluMul};
     gu.w_fp8 = w.gate_up8.q;
     gu.w_scale = w.gate_up8.s;
+    gu.fp8_activations = fp8_act;
     cuda::moe_gemm_launch(gu, stream);
     cuda::MoeGemmParams dn{ep_act.as<bf16>(),
                            w.down,
@@ -749,6 +773,7 @@ struct Qwen3MoeCuda::Impl {
                            cuda::MoeGemmEpilogue::kPlain};
     dn.w_fp8 = w.down8.q;
     dn.w_scale = w.down8.s;
+    dn.fp8_activations = fp8_act;
     cuda::moe_gemm_launch(dn, stream);
     ep->combine_send(ep_out.as<bf16>(), stream);
     // Rows past the real tokens (padding) are not written by the combine: keep them finite.
@@ -855,6 +880,9 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                          std::strcmp(env, "dequant") == 0);
   impl_->fp8 = opts_.fp8_weights && !env_off && config_.quant.method == WeightQuant::kFp8Block &&
                config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0;
+  const char* env_act = std::getenv("TANDEM_CUDA_FP8_ACT");
+  impl_->fp8_act = impl_->fp8 && env_act != nullptr &&
+                   (std::strcmp(env_act, "1") == 0 || std::strcmp(env_act, "on") == 0);
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
                     "query heads / KV heads per prefill TP rank");

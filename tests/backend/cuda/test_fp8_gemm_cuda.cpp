@@ -17,6 +17,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "fp8_act_ref.h"
 
 namespace tandem::cuda {
 namespace {
@@ -39,15 +40,8 @@ QuantAct quantize_act(const std::vector<float>& x, int64_t m, int64_t k) {
              std::vector<float>(static_cast<size_t>(groups * mp), 1.0f)};
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t g = 0; g < groups; ++g) {
-      float amax = 0;
-      for (int64_t j = 0; j < 128; ++j)
-        amax = std::max(amax, std::fabs(x[static_cast<size_t>(i * k + g * 128 + j)]));
-      const float s = amax > 0 ? amax / 448.0f : 1.0f;
-      r.s[static_cast<size_t>(g * mp + i)] = s;
-      for (int64_t j = 0; j < 128; ++j) {
-        const size_t e = static_cast<size_t>(i * k + g * 128 + j);
-        r.q[e] = f32_to_f8e4m3(x[e] / s);
-      }
+      r.s[static_cast<size_t>(g * mp + i)] = test_util::fp8_quantize_group_ref(
+          x.data() + i * k + g * 128, 128, r.q.data() + i * k + g * 128);
     }
   }
   return r;

@@ -24,6 +24,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "fp8_act_ref.h"
 
 namespace tandem::cuda {
 namespace {
@@ -81,6 +82,11 @@ class Fp8LinearCuda : public test_util::CudaFixture<> {
     for (auto& s : m.block_scale) s = std::exp2(e(rng_));
     return m;
   }
+  // The grouped GEMM over skewed routing: W8A16 against the dequantized reference, or W8A8
+  // (fp8_activations) against the quantized-activation one (tight) and the dequantized (loose).
+  void check_moe_gemm(bool w8a8);
+  // A dense matrix as one expert without offsets, W8A16 or W8A8, every tile.
+  void check_dense_gemm(bool w8a8);
   Bits randn_bf16(size_t n) {
     std::normal_distribution<float> d(0.f, 1.f);
     Bits b(n);
@@ -89,19 +95,55 @@ class Fp8LinearCuda : public test_util::CudaFixture<> {
   }
 };
 
-// y[i][r] = sum_j x[i][j] W[r][j] over rows [r0, r0 + n) of w.
-std::vector<double> ref_gemm(Bits const& x, int64_t m, Fp8Matrix const& w, int64_t r0, int64_t n) {
+// y[i][r] = sum_j x[i][j] W[r][j] over rows [r0, r0 + n) of w, x [m, w.k] as doubles.
+std::vector<double> ref_gemm_d(std::vector<double> const& x, int64_t m, Fp8Matrix const& w,
+                               int64_t r0, int64_t n) {
   std::vector<double> y(static_cast<size_t>(m * n));
   for (int64_t r = 0; r < n; ++r) {
     std::vector<float> wr(static_cast<size_t>(w.k));
     for (int64_t j = 0; j < w.k; ++j) wr[j] = w.at(r0 + r, j);
     for (int64_t i = 0; i < m; ++i) {
       double s = 0;
-      for (int64_t j = 0; j < w.k; ++j) s += double(bf16_to_f32(x[i * w.k + j])) * wr[j];
+      for (int64_t j = 0; j < w.k; ++j) s += x[static_cast<size_t>(i * w.k + j)] * wr[j];
       y[static_cast<size_t>(i * n + r)] = s;
     }
   }
   return y;
+}
+
+// Over the bf16 activations (W8A16: the dequantized model).
+std::vector<double> ref_gemm(Bits const& x, int64_t m, Fp8Matrix const& w, int64_t r0, int64_t n) {
+  std::vector<double> xd(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xd[i] = bf16_to_f32(x[i]);
+  return ref_gemm_d(xd, m, w, r0, n);
+}
+
+// The activations as the W8A8 kernels see them: each row of x [m, k] quantized per 128-column
+// group (fp8_act_ref.h), dequantized exactly (e4m3(q) * s in double).
+std::vector<double> quantized_act(Bits const& x, int64_t m, int64_t k) {
+  std::vector<double> xd(x.size());
+  std::vector<float> g(128);
+  std::vector<uint8_t> q(128);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c0 = 0; c0 < k; c0 += 128) {
+      const int64_t w = std::min<int64_t>(128, k - c0);
+      for (int64_t j = 0; j < w; ++j) g[j] = bf16_to_f32(x[i * k + c0 + j]);
+      const double s = test_util::fp8_quantize_group_ref(g.data(), w, q.data());
+      for (int64_t j = 0; j < w; ++j) xd[i * k + c0 + j] = double(f8e4m3_to_f32(q[j])) * s;
+    }
+  }
+  return xd;
+}
+
+// Over the quantized activations (W8A8).
+std::vector<double> ref_gemm_w8a8(Bits const& x, int64_t m, Fp8Matrix const& w, int64_t r0,
+                                  int64_t n) {
+  return ref_gemm_d(quantized_act(x, m, w.k), m, w, r0, n);
+}
+
+// ||a - b|| / ||b|| of two references.
+double ref_dist(std::vector<double> const& a, std::vector<double> const& b) {
+  return rel_err(std::vector<float>(a.begin(), a.end()), b);
 }
 
 TEST(Fp8RowScales, ExpandsBlockRows) {
@@ -127,6 +169,52 @@ TEST(Fp8RowScales, PacksGateUpRows) {
   EXPECT_EQ(packed[8 * 3], 100);
   EXPECT_EQ(packed[16 * 3], 8 * 3);
   EXPECT_EQ(packed[31 * 3 + 2], 100 + 15 * 3 + 2);
+}
+
+// The activation quantizer's reference: the group's amax lands on +-448 (code 0x7e / 0xfe), every
+// element within half an E4M3 step of its value, an all-zero group gives scale 1 and zeros, a
+// partial group scales by its own amax; quantized activations move a product by a few percent.
+TEST(Fp8ActRef, QuantizesPerGroup) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> x(128);
+  std::vector<uint8_t> q(128);
+  for (int rep = 0; rep < 50; ++rep) {
+    const int64_t n = rep % 5 == 0 ? 16 + rep : 128;
+    const float mag = std::exp2(static_cast<float>(rep % 20 - 10));
+    for (int64_t j = 0; j < n; ++j) x[j] = bf16_to_f32(f32_to_bf16(d(rng) * mag));
+    float amax = 0;
+    int64_t arg = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (std::fabs(x[j]) > amax) amax = std::fabs(x[j]), arg = j;
+    }
+    const float s = test_util::fp8_quantize_group_ref(x.data(), n, q.data());
+    EXPECT_EQ(s, amax / 448.0f);
+    EXPECT_EQ(q[arg] & 0x7f, 0x7e) << "the amax element is +-448";
+    for (int64_t j = 0; j < n; ++j) {
+      ASSERT_NE(q[j] & 0x7f, 0x7f) << "NaN code";
+      const double v = double(f8e4m3_to_f32(q[j])) * s;
+      EXPECT_LE(std::fabs(v - x[j]), std::fabs(x[j]) * (1.0 / 16 + 1e-6) + s / 1024) << j;
+    }
+  }
+  std::fill(x.begin(), x.end(), 0.f);
+  EXPECT_EQ(test_util::fp8_quantize_group_ref(x.data(), 128, q.data()), 1.0f);
+  for (uint8_t c : q) EXPECT_EQ(c & 0x7f, 0);
+  // A product over quantized activations differs from the bf16 one by more than bf16 output
+  // rounding (so the W8A8 tests tell the two apart) and less than the loose bound they use.
+  Fp8Matrix w;
+  w.n = 64;
+  w.k = 272;
+  w.q.resize(static_cast<size_t>(w.n * w.k));
+  std::uniform_int_distribution<int> code(0, 0x7e);
+  std::uniform_int_distribution<int> sign(0, 1);
+  for (auto& c : w.q) c = static_cast<uint8_t>(code(rng) | (sign(rng) << 7));
+  w.block_scale.assign(static_cast<size_t>(cdiv(w.n, 128) * cdiv(w.k, 128)), 1.0f / 256);
+  Bits xb(static_cast<size_t>(5 * w.k));
+  for (auto& v : xb) v = f32_to_bf16(d(rng));
+  const double dist = ref_dist(ref_gemm_w8a8(xb, 5, w, 0, w.n), ref_gemm(xb, 5, w, 0, w.n));
+  EXPECT_GT(dist, 1e-2);
+  EXPECT_LT(dist, 6e-2);
 }
 
 // Every code through the conversion: row r holds code r in column 0, x = e_0: y[r] is the
@@ -225,6 +313,41 @@ TEST_F(Fp8LinearCuda, DequantizeMatchesTheLoad) {
   EXPECT_THROW(fp8_dequantize_launch(dw.ptr, ds.ptr, 2, 24, out.bf(), stream_), Error);
 }
 
+// fp8_quantize_rows_launch: codes and row-major scales bit for bit against the CPU reference,
+// a partial last group (k % 128 != 0), an all-zero row, poisoned outputs checked past the end.
+TEST_F(Fp8LinearCuda, QuantizeRowsMatchesReference) {
+  for (const int64_t k : {16, 272, 2048}) {
+    const int64_t m = 37, kb = fp8_row_scale_cols(k);
+    SCOPED_TRACE(trace() + " k " + std::to_string(k));
+    Bits x = randn_bf16(static_cast<size_t>(m * k));
+    for (int64_t j = 0; j < k; ++j) x[5 * k + j] = 0;  // an all-zero row: scale 1, codes 0
+    for (int64_t j = 0; j < k; ++j) x[7 * k + j] = f32_to_bf16(bf16_to_f32(x[7 * k + j]) * 1e-6f);
+    DeviceBuffer<uint16_t> dx(x);
+    DeviceBuffer<uint8_t> dq(static_cast<size_t>(m * k) + kGuard);
+    DeviceBuffer<float> ds(static_cast<size_t>(m * kb) + kGuard);
+    dq.poison(0xff);
+    ds.poison(0xff);
+    fp8_quantize_rows_launch(dx.bf(), dq.ptr, ds.ptr, m, k, stream_);
+    const auto q = dq.download();
+    const auto sc = ds.download();
+    std::vector<float> g(128);
+    std::vector<uint8_t> gq(128);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t c0 = 0; c0 < k; c0 += 128) {
+        const int64_t w = std::min<int64_t>(128, k - c0);
+        for (int64_t j = 0; j < w; ++j) g[j] = bf16_to_f32(x[i * k + c0 + j]);
+        const float s = test_util::fp8_quantize_group_ref(g.data(), w, gq.data());
+        ASSERT_EQ(sc[i * kb + c0 / 128], s) << "row " << i << " group " << c0 / 128;
+        for (int64_t j = 0; j < w; ++j) {
+          ASSERT_EQ(q[i * k + c0 + j], gq[j]) << "row " << i << " col " << c0 + j;
+        }
+      }
+    }
+    for (size_t i = static_cast<size_t>(m * k); i < q.size(); ++i) ASSERT_EQ(q[i], 0xff);
+    for (size_t i = static_cast<size_t>(m * kb); i < sc.size(); ++i) ASSERT_TRUE(std::isnan(sc[i]));
+  }
+}
+
 TEST_F(Fp8LinearCuda, GemvRejectsUnsupported) {
   DeviceBuffer<uint16_t> dx(64);
   DeviceBuffer<uint8_t> dw(64);
@@ -243,7 +366,14 @@ float silu(double g) { return static_cast<float>(g / (1.0 + std::exp(-g))); }
 
 // Grouped GEMM with E4M3 experts, plain (down) and fused SiLU-multiply (gate_up) epilogues,
 // skewed routing (empty experts, one expert with most rows), rows gathered from the tokens.
-TEST_F(Fp8LinearCuda, MoeGemmMatchesReference) {
+TEST_F(Fp8LinearCuda, MoeGemmMatchesReference) { check_moe_gemm(false); }
+
+// The same on the FP8 tensor cores with the activations quantized in the kernel: within bf16
+// output rounding of the reference that quantizes them the same way, within E4M3's activation
+// error of the dequantized one (which the tight check tells apart: Fp8ActRef.QuantizesPerGroup).
+TEST_F(Fp8LinearCuda, W8A8MoeGemmMatchesQuantizedReference) { check_moe_gemm(true); }
+
+void Fp8LinearCuda::check_moe_gemm(bool w8a8) {
   const int64_t E = 6, K = 272, I = 48, top_k = 2;
   const std::vector<int32_t> counts = {0, 1, 37, 0, 150, 9};
   std::vector<int32_t> offsets(E + 1, 0);
@@ -276,8 +406,10 @@ TEST_F(Fp8LinearCuda, MoeGemmMatchesReference) {
     s_gu.insert(s_gu.end(), ps.begin(), ps.end());
   }
   // References.
+  // ref_*: over the bf16 activations; q_*: over the quantized ones.
   std::vector<double> ref_down(static_cast<size_t>(rows * N)),
-      ref_act(static_cast<size_t>(rows * I));
+      ref_act(static_cast<size_t>(rows * I)), q_down_ref(ref_down.size()),
+      q_act_ref(ref_act.size());
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
       const Bits xr(x.begin() + (src[r] / top_k) * K, x.begin() + (src[r] / top_k + 1) * K);
@@ -285,41 +417,70 @@ TEST_F(Fp8LinearCuda, MoeGemmMatchesReference) {
       std::copy(yd.begin(), yd.end(), ref_down.begin() + r * N);
       const auto yg = ref_gemm(xr, 1, gate[e], 0, I), yu = ref_gemm(xr, 1, up[e], 0, I);
       for (int64_t i = 0; i < I; ++i) ref_act[r * I + i] = silu(yg[i]) * yu[i];
+      if (w8a8) {
+        const auto qd = ref_gemm_w8a8(xr, 1, down[e], 0, N);
+        std::copy(qd.begin(), qd.end(), q_down_ref.begin() + r * N);
+        const auto qg = ref_gemm_w8a8(xr, 1, gate[e], 0, I);
+        const auto qu = ref_gemm_w8a8(xr, 1, up[e], 0, I);
+        for (int64_t i = 0; i < I; ++i) q_act_ref[r * I + i] = silu(qg[i]) * qu[i];
+      }
     }
   }
   DeviceBuffer<uint16_t> dx(x);
   DeviceBuffer<int32_t> doff(offsets), dsrc(src);
   DeviceBuffer<uint8_t> dqd(q_down), dqg(q_gu);
   DeviceBuffer<float> dsd(s_down), dsg(s_gu);
-  for (const MoeGemmTile tile : kTiles) {
-    SCOPED_TRACE(trace() + " tile " + std::to_string(static_cast<int>(tile)));
-    for (const bool silu_mul : {false, true}) {
-      const int64_t n_out = silu_mul ? I : N;
-      DeviceBuffer<uint16_t> dy(static_cast<size_t>(max_rows * n_out) + kGuard);
-      dy.poison(0xff);
-      MoeGemmParams p{
-          dx.bf(),  nullptr,  dy.bf(),
-          doff.ptr, max_rows, silu_mul ? 2 * I : N,
-          K,        E,        silu_mul ? MoeGemmEpilogue::kSiluMul : MoeGemmEpilogue::kPlain,
-          tile};
-      p.gather_src = dsrc.ptr;
-      p.gather_div = top_k;
-      p.w_fp8 = silu_mul ? dqg.ptr : dqd.ptr;
-      p.w_scale = silu_mul ? dsg.ptr : dsd.ptr;
-      moe_gemm_launch(p, stream_);
-      const auto y = dy.download();
-      for (size_t i = static_cast<size_t>(rows * n_out); i < y.size(); ++i) {
-        ASSERT_EQ(y[i], 0xffff) << "wrote past the routed rows at " << i;
+  // W8A8 with the activations quantized in the kernel, and pre-quantized (x_fp8 / x_scale by
+  // fp8_quantize_rows_launch over the tokens, gathered like x).
+  DeviceBuffer<uint8_t> dxq(x.size());
+  DeviceBuffer<float> dxs(static_cast<size_t>(T * kb));
+  if (w8a8) fp8_quantize_rows_launch(dx.bf(), dxq.ptr, dxs.ptr, T, K, stream_);
+  for (const bool prequant : w8a8 ? std::vector<bool>{false, true} : std::vector<bool>{false})
+    for (const MoeGemmTile tile : kTiles) {
+      SCOPED_TRACE(trace() + " tile " + std::to_string(static_cast<int>(tile)) +
+                   (prequant ? " prequant" : ""));
+      for (const bool silu_mul : {false, true}) {
+        const int64_t n_out = silu_mul ? I : N;
+        DeviceBuffer<uint16_t> dy(static_cast<size_t>(max_rows * n_out) + kGuard);
+        dy.poison(0xff);
+        MoeGemmParams p{
+            dx.bf(),  nullptr,  dy.bf(),
+            doff.ptr, max_rows, silu_mul ? 2 * I : N,
+            K,        E,        silu_mul ? MoeGemmEpilogue::kSiluMul : MoeGemmEpilogue::kPlain,
+            tile};
+        p.gather_src = dsrc.ptr;
+        p.gather_div = top_k;
+        p.w_fp8 = silu_mul ? dqg.ptr : dqd.ptr;
+        p.w_scale = silu_mul ? dsg.ptr : dsd.ptr;
+        p.fp8_activations = w8a8;
+        if (prequant) {
+          p.x = nullptr;
+          p.x_fp8 = dxq.ptr;
+          p.x_scale = dxs.ptr;
+        }
+        moe_gemm_launch(p, stream_);
+        const auto y = dy.download();
+        for (size_t i = static_cast<size_t>(rows * n_out); i < y.size(); ++i) {
+          ASSERT_EQ(y[i], 0xffff) << "wrote past the routed rows at " << i;
+        }
+        const Bits got(y.begin(), y.begin() + rows * n_out);
+        const double err = rel_err(to_f32(got), silu_mul ? ref_act : ref_down);
+        if (!w8a8) {
+          EXPECT_LT(err, 6e-3) << (silu_mul ? "gate_up" : "down");
+        } else {
+          EXPECT_LT(rel_err(to_f32(got), silu_mul ? q_act_ref : q_down_ref), 5e-3)
+              << (silu_mul ? "gate_up" : "down") << " vs the quantized-activation reference";
+          EXPECT_LT(err, 8e-2) << (silu_mul ? "gate_up" : "down") << " vs the bf16 reference";
+        }
       }
-      const Bits got(y.begin(), y.begin() + rows * n_out);
-      EXPECT_LT(rel_err(to_f32(got), silu_mul ? ref_act : ref_down), 6e-3)
-          << (silu_mul ? "gate_up" : "down");
     }
-  }
 }
 
 // A dense matrix as one expert without offsets (the FP8 linear above the gemv's m).
-TEST_F(Fp8LinearCuda, DenseGemmMatchesReference) {
+TEST_F(Fp8LinearCuda, DenseGemmMatchesReference) { check_dense_gemm(false); }
+TEST_F(Fp8LinearCuda, W8A8DenseGemmMatchesQuantizedReference) { check_dense_gemm(true); }
+
+void Fp8LinearCuda::check_dense_gemm(bool w8a8) {
   const Fp8Matrix w = rand_matrix(264, 1040);
   DeviceBuffer<uint8_t> dw(w.q);
   DeviceBuffer<float> ds(w.row_scale());
@@ -335,11 +496,31 @@ TEST_F(Fp8LinearCuda, DenseGemmMatchesReference) {
       p.tile = tile;
       p.w_fp8 = dw.ptr;
       p.w_scale = ds.ptr;
+      p.fp8_activations = w8a8;
       moe_gemm_launch(p, stream_);
       const auto y = dy.download();
       for (size_t i = static_cast<size_t>(m * w.n); i < y.size(); ++i) ASSERT_EQ(y[i], 0xffff);
-      EXPECT_LT(rel_err(to_f32(Bits(y.begin(), y.begin() + m * w.n)), ref_gemm(x, m, w, 0, w.n)),
-                6e-3);
+      const auto got = to_f32(Bits(y.begin(), y.begin() + m * w.n));
+      if (!w8a8) {
+        EXPECT_LT(rel_err(got, ref_gemm(x, m, w, 0, w.n)), 6e-3);
+      } else {
+        const auto refq = ref_gemm_w8a8(x, m, w, 0, w.n);
+        EXPECT_LT(rel_err(got, refq), 5e-3);
+        EXPECT_LT(rel_err(got, ref_gemm(x, m, w, 0, w.n)), 8e-2);
+        // Pre-quantized: the same numerics.
+        DeviceBuffer<uint8_t> dxq(x.size());
+        DeviceBuffer<float> dxs(static_cast<size_t>(m * fp8_row_scale_cols(w.k)));
+        fp8_quantize_rows_launch(dx.bf(), dxq.ptr, dxs.ptr, m, w.k, stream_);
+        dy.poison(0xff);
+        p.x = nullptr;
+        p.x_fp8 = dxq.ptr;
+        p.x_scale = dxs.ptr;
+        moe_gemm_launch(p, stream_);
+        const auto y2 = dy.download();
+        for (size_t i = static_cast<size_t>(m * w.n); i < y2.size(); ++i) ASSERT_EQ(y2[i], 0xffff);
+        EXPECT_LT(rel_err(to_f32(Bits(y2.begin(), y2.begin() + m * w.n)), refq), 5e-3)
+            << "prequant";
+      }
     }
   }
 }
@@ -412,12 +593,36 @@ TEST_F(Fp8LinearCuda, MoeLayerMatchesDequantizedBf16) {
     }
     std::vector<double> refd(ref.begin(), ref.end());
     EXPECT_LT(rel_err(to_f32(got8), refd), 1e-2);
+    // W8A8 on the decode and mma paths: within the activations' E4M3 error of the bf16 block;
+    // in-kernel and pre-quantized activations: the same numerics, the same bits.
+    Bits w8a8_bits[2];
+    for (const bool prequant : {false, true}) {
+      layer.set_fp8_activations(true, prequant);
+      out8.poison(0xff);
+      layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
+      w8a8_bits[prequant] = out8.download();
+      if (layer.last_path() == MoeLayerPath::kDecode || layer.last_path() == MoeLayerPath::kMma) {
+        EXPECT_LT(rel_err(to_f32(w8a8_bits[prequant]), refd), 8e-2) << "w8a8 " << prequant;
+        EXPECT_NE(w8a8_bits[prequant], got8) << "w8a8 ran the w8a16 kernels";
+      }
+    }
+    if (layer.last_path() == MoeLayerPath::kDecode || layer.last_path() == MoeLayerPath::kMma) {
+      EXPECT_EQ(w8a8_bits[0], w8a8_bits[1]) << "in-kernel vs pre-quantized activations";
+    }
+    layer.set_fp8_activations(false);
     if (T == 600) {  // the FP8 grouped GEMM at prefill size instead
       layer.set_fp8_prefill_dequant(false);
       out8.poison(0xff);
       layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
       EXPECT_EQ(layer.last_path(), MoeLayerPath::kMma);
       EXPECT_LT(rel_err(to_f32(out8.download()), refd), 1e-2);
+      for (const bool prequant : {false, true}) {
+        layer.set_fp8_activations(true, prequant);
+        out8.poison(0xff);
+        layer.run(w8, dx.bf(), out8.bf(), T, gemm, stream_);
+        EXPECT_LT(rel_err(to_f32(out8.download()), refd), 8e-2) << "w8a8 prefill " << prequant;
+      }
+      layer.set_fp8_activations(false);
       layer.set_fp8_prefill_dequant(true);
     }
   }
