@@ -263,14 +263,12 @@ void profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, int64_t x, int steps, 
     by_name[sn].count++;
     by_name[sn].us += d;
   }
-  // LM head: in each step, the linear after the last norm.
-  for (size_t i = 0; i < g_recs.size(); ++i) {
-    const bool last_of_step =
-        i + 1 == g_recs.size() || g_recs[i + 1].start > g_recs[i].end + 30000;  // 30 us gap
-    if (!last_of_step) continue;
-    for (size_t j = i + 1; j-- > 0;) {
-      if (rec_role[j] == "norm") break;
-      if (rec_role[j] == "qkv_linear" || rec_role[j] == "o_linear") rec_role[j] = "lm_head";
+  // LM head: the linear right after the gather of the logits rows (the step's second
+  // embedding-kernel launch; the first, the token embedding, is followed by a norm).
+  for (size_t i = 1; i < g_recs.size(); ++i) {
+    if (rec_role[i - 1] == "embedding/gather" &&
+        (rec_role[i] == "qkv_linear" || rec_role[i] == "o_linear")) {
+      rec_role[i] = "lm_head";
     }
   }
   for (size_t i = 0; i < g_recs.size(); ++i) {
