@@ -4,8 +4,10 @@
 // it). Qwen3-30B-A3B shapes with random weights, B sequences at `ctx` tokens of context, as
 // bench_model_cuda's decode rows.
 //
-//   profile_decode_cuda [--batch B ...] [--ctx N] [--layers L] [--steps S]
+//   profile_decode_cuda [--batch B ...] [--ctx N] [--layers L] [--steps S] [--variants base,new]
 //
+// Variants (same process, same model; each captures its own graphs): base = every switch of
+// backend/cuda/decode_switches.h off (the kernels before issue 15 item 1), new = all on.
 // Prints, per batch: the step time of the graph replay without CUPTI (events, upper median of 20)
 // beside its HBM roofline (bytes touched / measured D2D copy bandwidth, bench_model_cuda's
 // count); then S replays with CUPTI on, and per kernel kind (role in the layer, from the
@@ -26,9 +28,11 @@
 #include <map>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/decode_switches.h"
 #include "bench_util.h"
 #include "core/error.h"
 #include "model/cuda/qwen3_moe_cuda.h"
@@ -176,7 +180,9 @@ std::string role_of(const std::string& n, int& linear_in_layer, int& moe_gemm_in
   return linear_in_layer++ == 0 ? "qkv_linear" : "o_linear";
 }
 
-void profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, int64_t x, int steps, double copy_Bps) {
+// Returns the graph step time (us, without CUPTI) and its roofline (us).
+std::pair<double, double> profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, int64_t x, int steps,
+                                  double copy_Bps) {
   const ModelConfig& c = model->config();
   cudaStream_t st = model->stream();
   const int64_t per_seq = (x + 15) / 16;
@@ -337,6 +343,7 @@ void profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, int64_t x, int steps, 
                 short_name(r.name).c_str(), 1e-3 * static_cast<double>(r.end - r.start), gap,
                 r.grid, r.block);
   }
+  return {us, bound_us};
 }
 
 }  // namespace
@@ -345,12 +352,22 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches;
   int64_t ctx = 1024, layers = 48;
   int steps = 10;
+  std::vector<std::string> variants = {"base", "new"};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc)
       batches.push_back(std::atoll(argv[++i]));
     if (std::strcmp(argv[i], "--ctx") == 0 && i + 1 < argc) ctx = std::atoll(argv[++i]);
     if (std::strcmp(argv[i], "--layers") == 0 && i + 1 < argc) layers = std::atoll(argv[++i]);
     if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) steps = std::atoi(argv[++i]);
+    if (std::strcmp(argv[i], "--variants") == 0 && i + 1 < argc) {
+      variants.clear();
+      std::string list = argv[++i];
+      for (size_t a = 0; a <= list.size();) {
+        const size_t z = std::min(list.find(',', a), list.size());
+        if (z > a) variants.push_back(list.substr(a, z - a));
+        a = z + 1;
+      }
+    }
   }
   if (batches.empty()) batches = {1, 8};
   try {
@@ -382,13 +399,40 @@ int main(int argc, char** argv) {
     o.graph_max_context = ctx;
     auto model = Qwen3MoeCuda::random(c, o, 7);
     const int64_t pages = max_b * ((ctx + 15) / 16) + 8;
-    KvCache kv = model->make_kv_cache(pages, 16);
-    // Random KV contents (a zero cache makes attention's softmax trivially uniform).
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f,
-                             1.f, model->stream());
+    // One KV cache per variant, all alive (a new cache address makes the model capture its
+    // graphs again, with the variant's kernels), the same random contents in each.
+    std::vector<KvCache> caches;
+    struct Result {
+      std::string variant;
+      int64_t batch;
+      double us, bound_us;
+    };
+    std::vector<Result> results;
+    for (const std::string& v : variants) {
+      TANDEM_CHECK(v == "base" || v == "new", "profile_decode_cuda: unknown variant '", v,
+                   "' (base, new)");
+      cuda::decode_switches() = v == "base" ? cuda::DecodeSwitches{false} : cuda::DecodeSwitches{};
+      caches.push_back(model->make_kv_cache(pages, 16));
+      KvCache& kv = caches.back();
+      // Random KV contents (a zero cache makes attention's softmax trivially uniform).
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+        cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f,
+                               1.f, model->stream());
+      }
+      std::printf("\n==== variant %s\n", v.c_str());
+      for (int64_t b : batches) {
+        const auto [us, bound] = profile(model.get(), kv, b, ctx, steps, copy_Bps);
+        results.push_back({v, b, us, bound});
+      }
     }
-    for (int64_t b : batches) profile(model.get(), kv, b, ctx, steps, copy_Bps);
+    std::printf("\n== summary (graph step, no CUPTI; %%roofline = roofline / step)\n");
+    std::printf("%-8s %6s %10s %10s %9s %10s\n", "variant", "batch", "step us", "roofline", "%roof",
+                "tok/s");
+    for (const Result& r : results) {
+      std::printf("%-8s %6lld %10.1f %10.1f %8.1f%% %10.0f\n", r.variant.c_str(),
+                  static_cast<long long>(r.batch), r.us, r.bound_us, 100.0 * r.bound_us / r.us,
+                  r.batch / (r.us * 1e-6));
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "profile_decode_cuda: %s\n", e.what());
     return 1;

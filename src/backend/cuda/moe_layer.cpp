@@ -7,8 +7,10 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/decode_switches.h"
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/moe_decode.h"
 #include "core/dtype.h"
 
 namespace tandem::cuda {
@@ -176,6 +178,27 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
          static_cast<int>(top_k_), static_cast<int>(expert_begin_), static_cast<int>(num_local_),
          renormalize_},
         stream);
+    // bf16 experts: the expert GEMVs of moe_decode.h (weights streamed once, the unpermute
+    // folded into the down kernel).
+    MoeDecodeParams dp{x,
+                       w.gate_up,
+                       w.down,
+                       topk_ids_,
+                       topk_w_,
+                       offsets_,
+                       src_,
+                       act_,
+                       out,
+                       static_cast<int>(T),
+                       static_cast<int>(H),
+                       static_cast<int>(I),
+                       static_cast<int>(top_k_),
+                       static_cast<int>(expert_begin_),
+                       static_cast<int>(num_local_)};
+    if (decode_switches().moe_gemv && w.gate_up_fp8 == nullptr && moe_decode_supported(dp)) {
+      moe_decode_launch(dp, stream);
+      return;
+    }
   } else {
     // fp32 router logits: bf16 (8-bit mantissa) would round away top-k margins below ~1e-2.
     GemmParams rp{};
