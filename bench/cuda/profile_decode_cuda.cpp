@@ -117,13 +117,14 @@ ModelConfig qwen3_30b(int64_t layers) {
 // Short kernel name: the function name without namespaces, template arguments or parameters.
 std::string short_name(const std::string& full) {
   std::string s = full;
-  const size_t paren = s.find('(');
-  if (paren != std::string::npos) s = s.substr(0, paren);
-  // Drop template arguments (outermost <...>).
+  const std::string anon = "(anonymous namespace)::";
+  for (size_t at; (at = s.find(anon)) != std::string::npos;) s.erase(at, anon.size());
+  // Drop template arguments (outermost <...>) and the parameter list.
   std::string out;
   int depth = 0;
   for (char ch : s) {
     if (ch == '<') ++depth;
+    if (depth == 0 && ch == '(') break;
     if (depth == 0) out += ch;
     if (ch == '>') --depth;
   }
@@ -131,6 +132,7 @@ std::string short_name(const std::string& full) {
   if (sp != std::string::npos) out = out.substr(sp + 1);
   const size_t ns = out.rfind("::");
   if (ns != std::string::npos) out = out.substr(ns + 2);
+  if (out.empty()) out = full.empty() ? "(no name)" : full;
   if (out.size() > 48) out = out.substr(0, 48);
   return out;
 }
@@ -169,10 +171,12 @@ std::string role_of(const std::string& n, int& linear_in_layer, int& moe_gemm_in
   }
   if (has("embedding")) return "embedding/gather";
   if (has("qkv_prep") || has("qk_norm_rope") || has("kv_write")) return "qkv_prep";
-  if (has("paged_attention_merge")) return "attention_merge";
-  if (has("attention")) return "attention";
   if (has("decode_router") || has("topk")) return "router";
+  if (has("merge")) return "attention_merge";
+  if (n == "decode_kernel" || has("attention") || n == "prefill_kernel") return "attention";
   if (has("unpermute")) return "unpermute";
+  if (n == "gate_up_kernel") return "expert_gate_up";
+  if (n == "down_kernel") return "expert_down";
   if (has("moe_gemm")) return moe_gemm_in_layer++ == 0 ? "expert_gate_up" : "expert_down";
   if (has("[mem")) return n;
   if (has("splitKreduce") || has("reduce")) return "gemm_reduce";
