@@ -4,10 +4,12 @@
 // it). Qwen3-30B-A3B shapes with random weights, B sequences at `ctx` tokens of context, as
 // bench_model_cuda's decode rows.
 //
-//   profile_decode_cuda [--batch B ...] [--ctx N] [--layers L] [--steps S] [--variants base,new]
+//   profile_decode_cuda [--batch B ...] [--ctx N] [--layers L] [--steps S] [--variants V,...]
 //
 // Variants (same process, same model; each captures its own graphs): base = every switch of
-// backend/cuda/decode_switches.h off (the kernels before issue 15 item 1), new = all on.
+// backend/cuda/decode_switches.h off (the kernels before issue 15 item 1), default = the
+// switches' defaults, all = all on, or parts joined by '+' (pdl, gemvpdl, routerpdl, moe1,
+// moe8). Default: base,default.
 // Prints, per batch: the step time of the graph replay without CUPTI (events, upper median of 20)
 // beside its HBM roofline (bytes touched / measured D2D copy bandwidth, bench_model_cuda's
 // count); then S replays with CUPTI on, and per kernel kind (role in the layer, from the
@@ -356,7 +358,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches;
   int64_t ctx = 1024, layers = 48;
   int steps = 10;
-  std::vector<std::string> variants = {"base", "new"};
+  std::vector<std::string> variants = {"base", "default"};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc)
       batches.push_back(std::atoll(argv[++i]));
@@ -413,9 +415,34 @@ int main(int argc, char** argv) {
     };
     std::vector<Result> results;
     for (const std::string& v : variants) {
-      TANDEM_CHECK(v == "base" || v == "new", "profile_decode_cuda: unknown variant '", v,
-                   "' (base, new)");
-      cuda::decode_switches() = v == "base" ? cuda::DecodeSwitches{false} : cuda::DecodeSwitches{};
+      cuda::DecodeSwitches sw = cuda::DecodeSwitches::all_off();
+      // Names: base, default (the switches' defaults), all, or '+'-joined parts of pdl
+      // (gemv_pdl, router_pdl, pdl_trigger), moe1 / moe8 (moe_gemv up to 1 / 8 tokens).
+      if (v == "default") {
+        sw = cuda::DecodeSwitches{};
+      } else if (v == "all") {
+        sw = cuda::DecodeSwitches::all_on();
+      } else if (v != "base") {
+        for (size_t a = 0; a <= v.size();) {
+          const size_t z = std::min(v.find('+', a), v.size());
+          const std::string part = v.substr(a, z - a);
+          if (part == "pdl") {
+            sw.gemv_pdl = sw.router_pdl = sw.pdl_trigger = true;
+          } else if (part == "gemvpdl") {
+            sw.gemv_pdl = sw.pdl_trigger = true;
+          } else if (part == "routerpdl") {
+            sw.router_pdl = true;
+          } else if (part == "moe1" || part == "moe8") {
+            sw.moe_gemv = true;
+            sw.moe_gemv_max_tokens = part == "moe1" ? 1 : 8;
+          } else {
+            TANDEM_THROW(kInvalidArgument, "profile_decode_cuda: unknown variant part '", part,
+                         "' (base, default, all, pdl, gemvpdl, routerpdl, moe1, moe8)");
+          }
+          a = z + 1;
+        }
+      }
+      cuda::decode_switches() = sw;
       caches.push_back(model->make_kv_cache(pages, 16));
       KvCache& kv = caches.back();
       // Random KV contents (a zero cache makes attention's softmax trivially uniform).
@@ -430,10 +457,10 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("\n== summary (graph step, no CUPTI; %%roofline = roofline / step)\n");
-    std::printf("%-8s %6s %10s %10s %9s %10s\n", "variant", "batch", "step us", "roofline", "%roof",
-                "tok/s");
+    std::printf("%-22s %6s %10s %10s %9s %10s\n", "variant", "batch", "step us", "roofline",
+                "%roof", "tok/s");
     for (const Result& r : results) {
-      std::printf("%-8s %6lld %10.1f %10.1f %8.1f%% %10.0f\n", r.variant.c_str(),
+      std::printf("%-22s %6lld %10.1f %10.1f %8.1f%% %10.0f\n", r.variant.c_str(),
                   static_cast<long long>(r.batch), r.us, r.bound_us, 100.0 * r.bound_us / r.us,
                   r.batch / (r.us * 1e-6));
     }

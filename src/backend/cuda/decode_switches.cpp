@@ -10,7 +10,8 @@ DecodeSwitches& decode_switches() {
   static DecodeSwitches s = [] {
     DecodeSwitches d;
     const char* env = std::getenv("TANDEM_DECODE_KERNELS");
-    if (env != nullptr && std::strcmp(env, "base") == 0) d = DecodeSwitches{false};
+    if (env != nullptr && std::strcmp(env, "base") == 0) d = DecodeSwitches::all_off();
+    if (env != nullptr && std::strcmp(env, "all") == 0) d = DecodeSwitches::all_on();
     return d;
   }();
   return s;

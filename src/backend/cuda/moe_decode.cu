@@ -8,8 +8,9 @@
 // of each in flight per lane (hidden 2048: two rounds), fp32 FMAs against each token's x.
 // down: grid of 8-warp blocks over the hidden columns. Before griddepcontrol.wait a block lists
 // the non-empty local experts (ballot scan over the offsets) and each slot's token and weight,
-// and every warp issues the loads of its column's down rows for the first experts (<= 16
-// 16-byte loads per lane); then it waits for gate_up and consumes the act rows.
+// and every warp issues the loads of its column's down rows for the first experts (<= 24
+// 16-byte loads per lane: all 8 experts of one token at inter 768); then it waits for gate_up and
+// consumes the act rows.
 #include <algorithm>
 
 #include "backend/cuda/check.h"
@@ -21,15 +22,11 @@ namespace tandem::cuda {
 namespace {
 
 using detail::launch_pdl;
+using detail::pdl_trigger;
 using detail::pdl_wait;
 
 constexpr int kWarps = 8, kThreads = kWarps * 32, kMaxSlots = 64, kT = kMoeDecodeMaxTokens;
-constexpr int kGuUnroll = 4;   // 16-byte loads per lane per row in flight in gate_up
-constexpr int kPreLoads = 16;  // down: 16-byte loads per lane issued before the wait (at most)
-
-__device__ __forceinline__ void pdl_trigger() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
+constexpr int kPreLoads = 24;  // down: 16-byte loads per lane issued before the wait (at most)
 
 __device__ __forceinline__ uint4 load_stream(uint4 const* p) {
   uint4 v;
@@ -66,6 +63,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
+// kMaxT >= num_tokens (accumulators per lane), kU 16-byte loads per lane and row in flight.
+template <int kMaxT, int kU>
 __global__ void __launch_bounds__(kThreads, 2) gate_up_kernel(MoeDecodeParams p) {
   pdl_wait();  // the router's ids and rows
   pdl_trigger();
@@ -87,11 +86,11 @@ __global__ void __launch_bounds__(kThreads, 2) gate_up_kernel(MoeDecodeParams p)
   // local expert, then slot, so they are consecutive from the router's offset).
   const int row0 = p.expert_offsets[le];
   const int M = __popc(m0) + __popc(m1);  // <= num_tokens: one slot per token and expert
-  int tok[kT];
+  int tok[kMaxT];
   {
     unsigned a = m0, b = m1;
 #pragma unroll
-    for (int i = 0; i < kT; ++i) {
+    for (int i = 0; i < kMaxT; ++i) {
       int sl = 0;
       if (a != 0) {
         sl = __ffs(a) - 1;
@@ -110,23 +109,23 @@ __global__ void __launch_bounds__(kThreads, 2) gate_up_kernel(MoeDecodeParams p)
       reinterpret_cast<uint4 const*>(p.gate_up + (int64_t{le} * 2 * p.inter + grow) * H);
   uint4 const* wu = wg + int64_t{G} * nchunk;
   uint4 const* x4 = reinterpret_cast<uint4 const*>(p.x);
-  float ag[kT], au[kT];
+  float ag[kMaxT], au[kMaxT];
 #pragma unroll
-  for (int i = 0; i < kT; ++i) ag[i] = au[i] = 0.f;
-  for (int base = lane; base < nchunk; base += 32 * kGuUnroll) {
-    uint4 vg[kGuUnroll], vu[kGuUnroll];
+  for (int i = 0; i < kMaxT; ++i) ag[i] = au[i] = 0.f;
+  for (int base = lane; base < nchunk; base += 32 * kU) {
+    uint4 vg[kU], vu[kU];
 #pragma unroll
-    for (int u = 0; u < kGuUnroll; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const int c = base + 32 * u;
       vg[u] = c < nchunk ? load_stream(wg + c) : uint4{};
       vu[u] = c < nchunk ? load_stream(wu + c) : uint4{};
     }
 #pragma unroll
-    for (int u = 0; u < kGuUnroll; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const int c = base + 32 * u;
       if (c >= nchunk) break;
 #pragma unroll
-      for (int i = 0; i < kT; ++i) {
+      for (int i = 0; i < kMaxT; ++i) {
         if (i < M) {
           const uint4 xv = x4[int64_t{tok[i]} * nchunk + c];  // after the wait: not .nc
           ag[i] = dot8(vg[u], xv, ag[i]);
@@ -136,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 2) gate_up_kernel(MoeDecodeParams p)
     }
   }
 #pragma unroll
-  for (int i = 0; i < kT; ++i) {
+  for (int i = 0; i < kMaxT; ++i) {
     if (i < M) {
       const float g = warp_sum(ag[i]), u = warp_sum(au[i]);
       if (lane == 0) p.act[int64_t{row0 + i} * p.inter + j] = __float2bfloat16_rn(silu(g) * u);
@@ -254,7 +253,19 @@ void moe_decode_launch(MoeDecodeParams const& p, cudaStream_t stream) {
                     ", local experts ", p.num_local_experts, ") or unaligned pointers");
   const dim3 gu_grid(static_cast<unsigned>(p.num_tokens * p.top_k),
                      static_cast<unsigned>((p.inter + kWarps - 1) / kWarps));
-  TANDEM_CUDA_CHECK(launch_pdl(gate_up_kernel, gu_grid, dim3(kThreads), 0, stream, p));
+  // One token: 8 loads of each row in flight per lane (hidden 2048: the whole rows at once).
+  auto gate_up = [&](auto kernel) {
+    TANDEM_CUDA_CHECK(launch_pdl(kernel, gu_grid, dim3(kThreads), 0, stream, p));
+  };
+  if (p.num_tokens == 1) {
+    gate_up(gate_up_kernel<1, 8>);
+  } else if (p.num_tokens <= 2) {
+    gate_up(gate_up_kernel<2, 8>);
+  } else if (p.num_tokens <= 4) {
+    gate_up(gate_up_kernel<4, 4>);
+  } else {
+    gate_up(gate_up_kernel<kT, 4>);
+  }
   const unsigned dn_blocks = static_cast<unsigned>((p.hidden + kWarps - 1) / kWarps);
   const int cpl = (p.inter / 8 + 31) / 32;
   auto down = [&](auto kernel) {

@@ -176,7 +176,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
         {x, w.router, logits_, topk_ids_, topk_w_, counts_, offsets_, src_, slot_row_,
          decode_counter_, static_cast<int>(T), static_cast<int>(H), static_cast<int>(num_experts_),
          static_cast<int>(top_k_), static_cast<int>(expert_begin_), static_cast<int>(num_local_),
-         renormalize_},
+         renormalize_, decode_switches().router_pdl},
         stream);
     // bf16 experts: the expert GEMVs of moe_decode.h (weights streamed once, the unpermute
     // folded into the down kernel).
@@ -195,7 +195,8 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
                        static_cast<int>(top_k_),
                        static_cast<int>(expert_begin_),
                        static_cast<int>(num_local_)};
-    if (decode_switches().moe_gemv && w.gate_up_fp8 == nullptr && moe_decode_supported(dp)) {
+    if (decode_switches().moe_gemv && T <= decode_switches().moe_gemv_max_tokens &&
+        w.gate_up_fp8 == nullptr && moe_decode_supported(dp)) {
       moe_decode_launch(dp, stream);
       return;
     }

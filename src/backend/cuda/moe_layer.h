@@ -159,6 +159,9 @@ struct DecodeRouterParams {
   uint32_t* counter;  // zero before the launch; zero again after it
   int num_tokens, hidden, num_experts, top_k, expert_begin, num_local_experts;
   bool renormalize;
+  /// A programmatic dependent launch: the first router weight loads are issued before waiting
+  /// for the previous kernel (which produces x).
+  bool pdl = false;
 };
 /// Router logits + top-k softmax + permute indices; num_tokens <= 8, num_tokens * top_k <= 64,
 /// num_experts <= 256, top_k <= 8, hidden % 8 == 0, num_local_experts <= 256.

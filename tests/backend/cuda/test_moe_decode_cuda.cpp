@@ -3,7 +3,8 @@
 // moe_permute's order): fresh random inputs every run (the seed is printed on failure), act
 // and out poisoned with NaN first, odd hidden / inter sizes, expert-parallel slices (tokens
 // without a local expert must come out exactly zero), every chunks-per-lane variant of the down
-// kernel, determinism, and the MoE layer's decode path with the kernels on vs off.
+// kernel, determinism, and the MoE layer's decode path with the kernels on vs off (also after a
+// PDL producer kernel, in a captured graph).
 // GPU tests skip (GTEST_SKIP) when no CUDA device is visible.
 #include <gtest/gtest.h>
 
@@ -22,6 +23,7 @@
 #include "backend/cuda/moe_decode.h"
 #include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/moe_layer.h"
+#include "backend/cuda/norm.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
@@ -238,7 +240,8 @@ TEST_F(MoeDecodeCuda, LayerDecodePathMatchesGroupedGemms) {
   DeviceBuffer<uint16_t> d_router(router), d_gu(packed), d_down(down);
   MoeLayerWeights w{d_router.bf(), d_gu.bf(), d_down.bf()};
   GemmLt gemm;
-  const bool saved = decode_switches().moe_gemv;
+  const DecodeSwitches saved = decode_switches();
+  decode_switches().moe_gemv_max_tokens = 8;
   for (int T : {1, 2, 5, 8}) {
     SCOPED_TRACE("tokens " + std::to_string(T));
     MoeLayer layer(8, H, I, E, K, 0, E, true);
@@ -251,13 +254,66 @@ TEST_F(MoeDecodeCuda, LayerDecodePathMatchesGroupedGemms) {
     layer.run(w, d_x.bf(), d_a.bf(), T, gemm, stream_);
     decode_switches().moe_gemv = false;
     layer.run(w, d_x.bf(), d_b.bf(), T, gemm, stream_);
-    decode_switches().moe_gemv = saved;
+    decode_switches().moe_gemv = saved.moe_gemv;
     sync();
     EXPECT_EQ(layer.last_path(), MoeLayerPath::kDecode);
     std::vector<float> a = to_f32(d_a.download()), b = to_f32(d_b.download());
     EXPECT_LT(test_util::rel_err(a, b), 1e-2);
   }
-  decode_switches().moe_gemv = saved;
+  decode_switches() = saved;
+}
+
+// The decode step's order: the MoE input produced by an RMSNorm (a PDL launch that lets its
+// successor start early), then the layer with every decode switch on (router PDL with early
+// weight loads, the expert GEMVs), poisoned input and output each round, eagerly and in a
+// captured graph; against the same layer with every switch off.
+TEST_F(MoeDecodeCuda, AfterAProducerKernelInAGraph) {
+  SCOPED_TRACE(trace());
+  const int H = 2048, I = 768, E = 128, K = 8, T = 1;
+  Bits router = rand_bf16(size_t(E) * H, 1.0f / std::sqrt(float(H)));
+  Bits packed = rand_bf16(size_t(E) * 2 * I * H, 1.0f / std::sqrt(float(H)));
+  Bits down = rand_bf16(size_t(E) * H * I, 1.0f / std::sqrt(float(I)));
+  Bits a = rand_bf16(size_t(T) * H, 1.0f), g = rand_bf16(H, 0.1f);
+  for (auto& v : g) v = f32_to_bf16(1.0f + bf16_to_f32(v));
+  DeviceBuffer<uint16_t> d_router(router), d_gu(packed), d_down(down), d_a(a), d_g(g),
+      d_x(size_t(T) * H), d_out(size_t(T) * H), d_ref(size_t(T) * H);
+  MoeLayerWeights w{d_router.bf(), d_gu.bf(), d_down.bf()};
+  GemmLt gemm;
+  MoeLayer layer(8, H, I, E, K, 0, E, true);
+  const DecodeSwitches saved = decode_switches();
+  auto step = [&](bf16* out) {
+    rms_norm_launch({d_a.bf(), d_g.bf(), d_x.bf(), T, H, 1e-6f}, stream_);
+    layer.run(w, d_x.bf(), out, T, gemm, stream_);
+  };
+  decode_switches() = DecodeSwitches::all_off();
+  d_ref.poison(0xff);
+  step(d_ref.bf());
+  sync();
+  std::vector<float> ref = to_f32(d_ref.download());
+  decode_switches() = DecodeSwitches::all_on();
+  for (int round = 0; round < 3; ++round) {
+    d_x.poison(0xff);
+    d_out.poison(0xff);
+    step(d_out.bf());
+    sync();
+    EXPECT_LT(test_util::rel_err(to_f32(d_out.download()), ref), 1e-2) << "eager " << round;
+  }
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  step(d_out.bf());
+  TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  decode_switches() = saved;
+  for (int round = 0; round < 5; ++round) {
+    d_x.poison(0xff);
+    d_out.poison(0xff);
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    sync();
+    EXPECT_LT(test_util::rel_err(to_f32(d_out.download()), ref), 1e-2) << "replay " << round;
+  }
+  (void)cudaGraphExecDestroy(exec);
+  (void)cudaGraphDestroy(graph);
 }
 
 }  // namespace
