@@ -23,7 +23,7 @@
 #   bench_itl          colocated serve at concurrency 128, step-time policy off vs auto: ITL
 #                      p50 / p99, output tok/s and their ratios (tools/gpu_itl_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
-#   bench_grammar, bench_model_cuda (also with --fp8),
+#   bench_grammar, bench_model_cuda (also with --fp8), profile_decode (per-kernel decode step),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
@@ -145,6 +145,10 @@ step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
     --model "$ROOT/models/demo"
 export TANDEM_BENCH_CSV="$LOG/bench_model_cuda.csv"
 step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
+# Where a decode step's time goes, kernel by kernel (CUPTI activity records of the captured
+# graph; nsys is not on the image): Qwen3-30B-A3B shapes at batch 1 and 8, 1k context.
+[ -x "$BIN/profile_decode_cuda" ] &&
+  step profile_decode 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8
 # Block FP8 beside bf16 in one run (Qwen3-30B-A3B, decode 1 / 32, prefill 2k; the weights
 # E4M3 in device memory): the "FP8 vs bf16" table. Then the FP8-weight kernels alone.
 export TANDEM_BENCH_CSV="$LOG/bench_model_fp8.csv"
@@ -185,6 +189,7 @@ for f in bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch benc
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
+[ -f "$LOG/profile_decode.log" ] && { echo; echo "== profile_decode"; cat "$LOG/profile_decode.log"; }
 [ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
 [ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
 for mp in mma cublas padded; do

@@ -7,6 +7,7 @@
 #include "backend/cuda/attention_fa.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/decode_switches.h"
 
 namespace tandem::cuda::detail {
 
@@ -344,8 +345,9 @@ constexpr size_t decode_smem_bytes() {
 // 64-key tile with its own softmax state, and the warps merge through shared memory at the end.
 template <int kD, int kGroup>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
-    decode_kernel(PagedAttentionParams p, int64_t token_begin, int page_shift) {
+    decode_kernel(PagedAttentionParams p, int64_t token_begin, int page_shift, bool trigger) {
   pdl_wait();  // launched with launch_pdl: the previous kernel's q / KV writes first
+  if (trigger) pdl_trigger();
   constexpr int kThreads = kDecodeWarps * 32, kChunks = kD / 8;
   static_assert(kGroup <= 16, "one mma row tile");
   extern __shared__ uint4 smem_raw[];
@@ -470,8 +472,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 // One block of kD threads per (token, q head) of tokens [token_begin, num_tokens).
 template <int kD>
 __global__ void __launch_bounds__(kD)
-    merge_kernel(PagedAttentionParams p, int64_t token_begin, int num_splits) {
+    merge_kernel(PagedAttentionParams p, int64_t token_begin, int num_splits, bool trigger) {
   pdl_wait();
+  if (trigger) pdl_trigger();  // the o_proj gemv may stream its weights meanwhile
   const int64_t tq = token_begin * p.num_q_heads + blockIdx.x;  // t * num_q_heads + h
   const int d = threadIdx.x;
   float const* gW = p.workspace + tq * num_splits * (kD + 2);
@@ -527,13 +530,13 @@ void decode_typed(PagedAttentionParams const& p, int64_t token_begin, int num_sp
   set_smem(kernel, smem);
   // Programmatic dependent launches: the small decode kernels' launch overlaps the previous
   // kernel's tail (both wait for it before reading).
-  TANDEM_CUDA_CHECK(
-      launch_pdl(kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
-                 kDecodeWarps * 32, smem, stream, p, token_begin, page_shift));
+  TANDEM_CUDA_CHECK(launch_pdl(
+      kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
+      kDecodeWarps * 32, smem, stream, p, token_begin, page_shift, decode_switches().pdl_trigger));
   if (p.kv_split > 0) {
     TANDEM_CUDA_CHECK(launch_pdl(
         merge_kernel<kD>, static_cast<unsigned>((p.num_tokens - token_begin) * p.num_q_heads), kD,
-        0, stream, p, token_begin, num_splits));
+        0, stream, p, token_begin, num_splits, decode_switches().pdl_trigger));
   }
 }
 

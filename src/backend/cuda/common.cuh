@@ -106,6 +106,15 @@ inline int row_threads(int64_t vecs, int max_threads) {
 /// normal launch). Every thread waits, so completion stays transitive along the stream.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
+/// Lets the next kernel in the stream, when it is a programmatic dependent launch, be scheduled
+/// now (griddepcontrol.launch_dependents; otherwise it launches when this grid's CTAs exit), so
+/// that it can issue loads of constant data (weights) while this kernel still runs. Call it
+/// after pdl_wait(): the next kernel may then read, before its own wait, what the kernels
+/// before this one wrote.
+__device__ __forceinline__ void pdl_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 /// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization
 /// allowed.
 template <typename... KArgs, typename... Args>

@@ -2,6 +2,7 @@
 #include "backend/cuda/gemm.h"
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/decode_switches.h"
 #include "backend/cuda/gemv.h"
 
 namespace tandem::cuda {
@@ -182,7 +183,9 @@ void GemmLt::run(GemmParams const& p, cudaStream_t stream) {
   Plan& plan = plan_for(p.m, p.n, p.k, p.beta != 0.0f, common_alignment(p.x, p.w, y), f32_out);
   if (plan.tune_pending) tune(plan, p, y, stream);
   if (plan.use_gemv) {
-    gemv_launch(gemv_params(p), stream);
+    GemvParams gp = gemv_params(p);
+    gp.pdl = decode_switches().gemv_pdl;  // the decode step's linears: weights stream early
+    gemv_launch(gp, stream);
     return;
   }
   TANDEM_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.op, &p.alpha, p.w, plan.a, p.x, plan.b, &p.beta,

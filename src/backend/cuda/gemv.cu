@@ -38,18 +38,22 @@ __device__ __forceinline__ void unpack8(uint4 const& v, float (&f)[8]) {
 }
 
 // U steps of one lane: chunk c = base + 32 u of each of the R rows (wr) and of each of the M rows
-// of x. All W loads first, then per step the x loads (L1 hits) and the FMAs. kGuard: chunks
-// past nchunk are skipped.
-template <int M, int R, int U, bool kGuard>
-__device__ __forceinline__ void step(uint4 const* x4, uint4 const* const (&wr)[R], int64_t base,
-                                     int64_t nchunk, float (&acc)[M][R]) {
-  uint4 wv[U][R];
+// of x. All W loads first (load_w), then per step the x loads (L1 hits) and the FMAs (fma_x).
+// kGuard: chunks past nchunk are skipped.
+template <int R, int U, bool kGuard>
+__device__ __forceinline__ void load_w(uint4 const* const (&wr)[R], int64_t base, int64_t nchunk,
+                                       uint4 (&wv)[U][R]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t c = base + 32 * u;
 #pragma unroll
     for (int r = 0; r < R; ++r) wv[u][r] = !kGuard || c < nchunk ? load_stream(wr[r] + c) : uint4{};
   }
+}
+
+template <int M, int R, int U, bool kGuard>
+__device__ __forceinline__ void fma_x(uint4 const* x4, uint4 const (&wv)[U][R], int64_t base,
+                                      int64_t nchunk, float (&acc)[M][R]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t c = base + 32 * u;
@@ -70,7 +74,15 @@ __device__ __forceinline__ void step(uint4 const* x4, uint4 const* const (&wr)[R
   }
 }
 
-template <int M, int R, int U, bool F32>
+// kPdl (a programmatic dependent launch): the W loads of a warp's first step are issued before
+// griddepcontrol.wait (W is constant; x is the previous kernel's output), then the warp waits and
+// lets the next kernel launch; a warp without rows waits too (completion stays transitive).
+__device__ __forceinline__ void pdl_wait_and_trigger() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+template <int M, int R, int U, bool F32, bool kPdl>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, M <= 2 ? 7 : (M < 8 ? 4 : 3))
     gemv_kernel(GemvParams p) {
   const int lane = threadIdx.x & 31;
@@ -79,6 +91,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, M <= 2 ? 7 : (M < 8 ? 
   const int64_t n = p.n, nchunk = p.k / 8;  // 16-byte chunks per row
   uint4 const* x4 = reinterpret_cast<uint4 const*>(p.x);
   uint4 const* w4 = reinterpret_cast<uint4 const*>(p.w);
+  bool waited = !kPdl;
   for (int64_t row0 = warp * R; row0 < n; row0 += warps * R) {
     uint4 const* wr[R];
 #pragma unroll
@@ -90,11 +103,22 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, M <= 2 ? 7 : (M < 8 ? 
       for (int r = 0; r < R; ++r) acc[i][r] = 0.f;
     }
     for (int64_t base = lane; base < nchunk; base += 32 * U) {
+      uint4 wv[U][R];
       // Warp-uniform: all U steps in range (always, when k is a multiple of 256 * U): no guards.
-      if (base - lane + 32 * U <= nchunk) {
-        step<M, R, U, false>(x4, wr, base, nchunk, acc);
+      const bool full = base - lane + 32 * U <= nchunk;
+      if (full) {
+        load_w<R, U, false>(wr, base, nchunk, wv);
       } else {
-        step<M, R, U, true>(x4, wr, base, nchunk, acc);
+        load_w<R, U, true>(wr, base, nchunk, wv);
+      }
+      if (kPdl && !waited) {
+        pdl_wait_and_trigger();
+        waited = true;
+      }
+      if (full) {
+        fma_x<M, R, U, false>(x4, wv, base, nchunk, acc);
+      } else {
+        fma_x<M, R, U, true>(x4, wv, base, nchunk, acc);
       }
     }
     // Butterfly: every lane ends with every sum (same order in every lane: deterministic).
@@ -121,6 +145,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, M <= 2 ? 7 : (M < 8 ? 
       }
     }
   }
+  if (kPdl && !waited) pdl_wait_and_trigger();
 }
 
 int sm_count() {
@@ -149,8 +174,21 @@ void launch_m(GemvParams const& p, cudaStream_t stream) {
   // Enough blocks for every row warp, at most 16 warps' worth per SM (then grid-stride).
   const int64_t max_blocks = int64_t{16} * sms * kMaxWarpsPerBlock / wpb;
   const int64_t blocks = std::min<int64_t>((row_warps + wpb - 1) / wpb, max_blocks);
-  gemv_kernel<M, R, U, F32>
-      <<<static_cast<unsigned>(blocks), static_cast<unsigned>(wpb * 32), 0, stream>>>(p);
+  if (p.pdl) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(static_cast<unsigned>(wpb * 32));
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_kernel<M, R, U, F32, true>, p));
+  } else {
+    gemv_kernel<M, R, U, F32, false>
+        <<<static_cast<unsigned>(blocks), static_cast<unsigned>(wpb * 32), 0, stream>>>(p);
+  }
 }
 
 template <bool F32>

@@ -23,6 +23,10 @@ struct GemvParams {
   int64_t m, n, k;
   float alpha = 1.0f;
   float* y_f32 = nullptr;  // when set, the output is fp32 here ([m, n]) and y is unused
+  /// A programmatic dependent launch: each warp issues its first weight loads, then waits for
+  /// the previous kernel in the stream (griddepcontrol.wait) before reading x, then lets the
+  /// next kernel launch. GemmLt sets it when decode_switches().gemv_pdl is on.
+  bool pdl = false;
 };
 
 constexpr int64_t kGemvMaxM = 8;

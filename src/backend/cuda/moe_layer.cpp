@@ -7,8 +7,10 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/decode_switches.h"
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/moe_decode.h"
 #include "core/dtype.h"
 
 namespace tandem::cuda {
@@ -189,8 +191,30 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
         {x, w.router, logits_, topk_ids_, topk_w_, counts_, offsets_, src_, slot_row_,
          decode_counter_, static_cast<int>(T), static_cast<int>(H), static_cast<int>(num_experts_),
          static_cast<int>(top_k_), static_cast<int>(expert_begin_), static_cast<int>(num_local_),
-         renormalize_},
+         renormalize_, decode_switches().router_pdl},
         stream);
+    // bf16 experts: the expert GEMVs of moe_decode.h (weights streamed once, the unpermute
+    // folded into the down kernel).
+    MoeDecodeParams dp{x,
+                       w.gate_up,
+                       w.down,
+                       topk_ids_,
+                       topk_w_,
+                       offsets_,
+                       src_,
+                       act_,
+                       out,
+                       static_cast<int>(T),
+                       static_cast<int>(H),
+                       static_cast<int>(I),
+                       static_cast<int>(top_k_),
+                       static_cast<int>(expert_begin_),
+                       static_cast<int>(num_local_)};
+    if (decode_switches().moe_gemv && T <= decode_switches().moe_gemv_max_tokens &&
+        w.gate_up_fp8 == nullptr && moe_decode_supported(dp)) {
+      moe_decode_launch(dp, stream);
+      return;
+    }
   } else {
     // fp32 router logits: bf16 (8-bit mantissa) would round away top-k margins below ~1e-2.
     GemmParams rp{};

@@ -5,9 +5,11 @@
 //    launches, no host sync, no allocation: CUDA-graph capturable for a fixed num_tokens once
 //    run() has been called eagerly for that num_tokens (cuBLASLt plan creation).
 //  - decode (num_tokens <= 8, num_experts <= 256): one kernel does router dot products (fp32),
-//    top-k softmax and the permute indices, then the same grouped GEMMs and unpermute: four
-//    launches, capturable. In the decode and mma paths gate_up (decode only), down and the
-//    unpermute are programmatic dependent launches (each may start before its predecessor
+//    top-k softmax and the permute indices, then with bf16 experts the two expert GEMVs of
+//    moe_decode.h (gate_up + SiLU, down + weighted unpermute: three launches; the grouped GEMMs
+//    below when decode_switches().moe_gemv is off), with FP8 experts the same grouped GEMMs and
+//    unpermute: four launches, capturable. In the decode and mma paths gate_up (decode only), down
+//    and the unpermute are programmatic dependent launches (each may start before its predecessor
 //    ends and waits for it with griddepcontrol.wait before reading its output).
 //  - cublas (prefill: num_tokens * top_k >= 64 * num_local_experts, stream not capturing):
 //    permute with the permuted copy of x, expert offsets to the host (one stream sync),
@@ -171,6 +173,9 @@ struct DecodeRouterParams {
   uint32_t* counter;  // zero before the launch; zero again after it
   int num_tokens, hidden, num_experts, top_k, expert_begin, num_local_experts;
   bool renormalize;
+  /// A programmatic dependent launch: the first router weight loads are issued before waiting
+  /// for the previous kernel (which produces x).
+  bool pdl = false;
 };
 /// Router logits + top-k softmax + permute indices; num_tokens <= 8, num_tokens * top_k <= 64,
 /// num_experts <= 256, top_k <= 8, hidden % 8 == 0, num_local_experts <= 256.

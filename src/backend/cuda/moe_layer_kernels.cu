@@ -31,19 +31,25 @@ __global__ void __launch_bounds__(kRouterWarps * 32) decode_router_kernel(Decode
   // The gate_up GEMM (launched with kWaitFirst) may get resident now; it waits for this grid.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  // 1. Router logits.
+  // 1. Router logits. The first kPre 16-byte weight chunks of each lane are loaded before
+  // griddepcontrol.wait (a no-op unless launched with p.pdl): the weights are constant, x is
+  // the previous kernel's output.
+  constexpr int kPre = 8;
   const int e = blockIdx.x * kRouterWarps + warp;
+  bf16 const* gW = p.router + static_cast<int64_t>(e < E ? e : 0) * H;
+  uint4 pre[kPre];
+#pragma unroll
+  for (int i = 0; i < kPre; ++i) {
+    const int c = lane * 8 + 32 * 8 * i;
+    pre[i] = e < E && c < H ? __ldg(reinterpret_cast<uint4 const*>(gW + c)) : uint4{};
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (e < E) {
     float acc[kDecodeMaxTokens];
 #pragma unroll
     for (int t = 0; t < kDecodeMaxTokens; ++t) acc[t] = 0.f;
-    bf16 const* gW = p.router + static_cast<int64_t>(e) * H;
-    // Unrolled so that several 16-byte weight loads are in flight per lane (the router rows
-    // are normally not in L2 at decode: the experts stream through it).
-#pragma unroll 8
-    for (int c = lane * 8; c < H; c += 32 * 8) {
+    auto consume = [&](uint4 const& raw, int c) {
       float w[8];
-      const uint4 raw = __ldg(reinterpret_cast<uint4 const*>(gW + c));
       __nv_bfloat162 const* h2 = reinterpret_cast<__nv_bfloat162 const*>(&raw);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -60,6 +66,18 @@ __global__ void __launch_bounds__(kRouterWarps * 32) decode_router_kernel(Decode
           for (int i = 0; i < 8; ++i) acc[t] = fmaf(xv[i], w[i], acc[t]);
         }
       }
+    };
+#pragma unroll
+    for (int i = 0; i < kPre; ++i) {
+      const int c = lane * 8 + 32 * 8 * i;
+      if (c < H) consume(pre[i], c);
+    }
+    // Past the preloaded chunks (hidden > 2048): unrolled so that several 16-byte weight loads
+    // are in flight per lane (the router rows are normally not in L2 at decode: the experts
+    // stream through it).
+#pragma unroll 8
+    for (int c = lane * 8 + 32 * 8 * kPre; c < H; c += 32 * 8) {
+      consume(__ldg(reinterpret_cast<uint4 const*>(gW + c)), c);
     }
 #pragma unroll
     for (int t = 0; t < kDecodeMaxTokens; ++t) {
@@ -328,12 +346,19 @@ void decode_router_launch(DecodeRouterParams const& p, cudaStream_t stream) {
                "decode_router: unsupported sizes");
   const unsigned blocks = static_cast<unsigned>((p.num_experts + kRouterWarps - 1) / kRouterWarps);
   constexpr int threads = kRouterWarps * 32;
+  auto launch = [&](auto kernel) {
+    if (p.pdl) {
+      TANDEM_CUDA_CHECK(launch_pdl(kernel, dim3(blocks), dim3(threads), 0, stream, p));
+    } else {
+      kernel<<<blocks, threads, 0, stream>>>(p);
+    }
+  };
   switch ((p.num_experts + 31) / 32) {
-    case 1: decode_router_kernel<1><<<blocks, threads, 0, stream>>>(p); break;
-    case 2: decode_router_kernel<2><<<blocks, threads, 0, stream>>>(p); break;
+    case 1: launch(decode_router_kernel<1>); break;
+    case 2: launch(decode_router_kernel<2>); break;
     case 3:
-    case 4: decode_router_kernel<4><<<blocks, threads, 0, stream>>>(p); break;
-    default: decode_router_kernel<8><<<blocks, threads, 0, stream>>>(p); break;
+    case 4: launch(decode_router_kernel<4>); break;
+    default: launch(decode_router_kernel<8>); break;
   }
   TANDEM_CUDA_CHECK_LAUNCH();
 }

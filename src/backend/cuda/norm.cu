@@ -3,6 +3,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/decode_switches.h"
 #include "backend/cuda/norm.h"
 
 namespace tandem::cuda {
@@ -30,9 +31,10 @@ __global__ void embedding_kernel(EmbeddingParams p) {
 // One block per row; two passes over the row (the second one hits L1/L2).
 template <int kVec, bool kAdd>
 __global__ void rms_norm_kernel(bf16 const* __restrict__ x, bf16* residual,
-                                bf16 const* __restrict__ weight, bf16* out, int64_t dim,
-                                float eps) {
+                                bf16 const* __restrict__ weight, bf16* out, int64_t dim, float eps,
+                                bool trigger) {
   pdl_wait();
+  if (trigger) pdl_trigger();  // the next linear may stream its weights meanwhile
   const int64_t row = blockIdx.x;
   bf16 const* gX = x + row * dim;
   bf16* gRes = kAdd ? residual + row * dim : nullptr;
@@ -82,11 +84,13 @@ void rms_norm_dispatch(bf16 const* x, bf16* residual, bf16 const* weight, bf16* 
   switch (vec) {
     case 8:
       TANDEM_CUDA_CHECK(launch_pdl(rms_norm_kernel<8, kAdd>, static_cast<unsigned>(rows), threads,
-                                   0, stream, x, residual, weight, out, dim, eps));
+                                   0, stream, x, residual, weight, out, dim, eps,
+                                   decode_switches().pdl_trigger));
       break;
     case 1:
       TANDEM_CUDA_CHECK(launch_pdl(rms_norm_kernel<1, kAdd>, static_cast<unsigned>(rows), threads,
-                                   0, stream, x, residual, weight, out, dim, eps));
+                                   0, stream, x, residual, weight, out, dim, eps,
+                                   decode_switches().pdl_trigger));
       break;
     default: TANDEM_THROW(kUnsupported, "rms_norm: unsupported vector width ", vec);
   }
@@ -156,8 +160,9 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(QkNormRopeParams p, I
 
 // Same layout as qk_norm_rope_kernel; heads [0, q) are q, [q, q + kv) k, [q + kv, q + 2 kv) v.
 template <int kHeadDim>
-__global__ void __launch_bounds__(128) qkv_prep_kernel(QkvPrepParams p, InvFreq f) {
+__global__ void __launch_bounds__(128) qkv_prep_kernel(QkvPrepParams p, InvFreq f, bool trigger) {
   pdl_wait();
+  if (trigger) pdl_trigger();
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kPer = kHalf / 32;
   __shared__ float sCos[kHalf], sSin[kHalf];
@@ -299,10 +304,12 @@ void qkv_prep_launch(QkvPrepParams const& p, cudaStream_t stream) {
   const dim3 blocks(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(head_blocks));
   switch (p.head_dim) {
     case 64:
-      TANDEM_CUDA_CHECK(launch_pdl(qkv_prep_kernel<64>, blocks, threads, 0, stream, p, f));
+      TANDEM_CUDA_CHECK(launch_pdl(qkv_prep_kernel<64>, blocks, threads, 0, stream, p, f,
+                                   decode_switches().pdl_trigger));
       break;
     case 128:
-      TANDEM_CUDA_CHECK(launch_pdl(qkv_prep_kernel<128>, blocks, threads, 0, stream, p, f));
+      TANDEM_CUDA_CHECK(launch_pdl(qkv_prep_kernel<128>, blocks, threads, 0, stream, p, f,
+                                   decode_switches().pdl_trigger));
       break;
     default: TANDEM_THROW(kUnsupported, "qkv_prep: unsupported head_dim ", p.head_dim);
   }

@@ -4,6 +4,7 @@
 #   test_model_cuda     golden fixtures through the engine on the GPU (GTEST_SKIP without one)
 #   bench_model_cuda    decode step / prefill at real shapes with random weights vs the roofline
 #   bench_qwen35_cuda   the same for Qwen3.5 (Qwen35MoeCuda) from a checkpoint on disk
+#   profile_decode_cuda per-kernel time of a decode step's graph (CUPTI activity records)
 if(TANDEM_HAS_CUDA)
   file(GLOB TANDEM_MODEL_CUDA_SRCS CONFIGURE_DEPENDS
     ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cpp ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cu)
@@ -53,5 +54,12 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_qwen35_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_qwen35_cuda.cpp)
     target_link_libraries(bench_qwen35_cuda PRIVATE tandem_model_cuda)
     target_compile_options(bench_qwen35_cuda PRIVATE ${TANDEM_WARNINGS})
+    # Per-kernel profile of a decode step's graph through CUPTI's activity API (no nsys on the
+    # GPU image): issue 15 item 1.
+    if(TARGET CUDA::cupti)
+      add_executable(profile_decode_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/profile_decode_cuda.cpp)
+      target_link_libraries(profile_decode_cuda PRIVATE tandem_model_cuda CUDA::cupti)
+      target_compile_options(profile_decode_cuda PRIVATE ${TANDEM_WARNINGS})
+    endif()
   endif()
 endif()

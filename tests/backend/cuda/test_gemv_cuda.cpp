@@ -18,6 +18,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/norm.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
@@ -149,6 +150,58 @@ TEST_F(CudaGemv, AlphaAndDeterminism) {
     gemv_launch(p, stream_);
     std::vector<float> again = output(d_y, m * n, true);
     EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * 4), 0) << "rep " << rep;
+  }
+}
+
+// The programmatic dependent launch: x produced by the kernel before it (an RMSNorm, itself a
+// PDL launch), poisoned with NaN before each round, so a gemv reading x before its wait would
+// come out non-finite; eagerly and in a captured graph, several rounds each.
+TEST_F(CudaGemv, PdlLaunchWaitsForTheProducer) {
+  SCOPED_TRACE(trace());
+  for (int64_t m : {1, 3, 8}) {
+    for (int64_t n : {7, 5120}) {
+      const int64_t k = m == 3 ? 4096 : 2048;
+      SCOPED_TRACE("m " + std::to_string(m) + " n " + std::to_string(n) + " k " +
+                   std::to_string(k));
+      Bits a = randn_bf16(m * k), g = randn_bf16(k, 0.2f), w = randn_bf16(n * k);
+      for (auto& v : g) v = f32_to_bf16(1.0f + bf16_to_f32(v));
+      // CPU: x = bf16(rms_norm(a) * g), y = x W^T.
+      std::vector<float> af = to_f32(a), gf = to_f32(g), xf(m * k), wf = to_f32(w), ref(m * n);
+      cpu::rms_norm({af.data(), gf.data(), xf.data(), m, k, 1e-6f});
+      for (auto& v : xf) v = bf16_to_f32(f32_to_bf16(v));
+      cpu::gemm({xf.data(), wf.data(), ref.data(), m, n, k});
+      DeviceBytes d_a(a.size() * 2), d_g(g.size() * 2), d_w(w.size() * 2), d_x(m * k * 2),
+          d_y((m * n + kGuard) * 2);
+      d_a.upload(a);
+      d_g.upload(g);
+      d_w.upload(w);
+      GemvParams p{d_x.bf(), d_w.bf(), d_y.bf(), m, n, k};
+      p.pdl = true;
+      auto step = [&] {
+        rms_norm_launch({d_a.bf(), d_g.bf(), d_x.bf(), m, k, 1e-6f}, stream_);
+        gemv_launch(p, stream_);
+      };
+      for (int round = 0; round < 5; ++round) {
+        d_x.poison();
+        d_y.poison();
+        step();
+        EXPECT_LT(rel_err(output(d_y, m * n, false), ref), kTolBf16) << "eager round " << round;
+      }
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      step();
+      TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+      TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int round = 0; round < 5; ++round) {
+        d_x.poison();
+        d_y.poison();
+        TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+        EXPECT_LT(rel_err(output(d_y, m * n, false), ref), kTolBf16) << "replay " << round;
+      }
+      (void)cudaGraphExecDestroy(exec);
+      (void)cudaGraphDestroy(graph);
+    }
   }
 }
 
