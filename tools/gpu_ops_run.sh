@@ -135,7 +135,7 @@ if [ -x "$BIN/bench_deltanet" ]; then
   if ls "$whl"/*.whl > /dev/null 2>&1; then
     pip install -q --no-deps --no-index --target /tmp/tandem_fla "$whl"/*.whl > "$LOG/fla_pip.log" 2>&1 ||
       for w in "$whl"/*.whl; do python3 -m zipfile -e "$w" /tmp/tandem_fla; done
-    PYTHONPATH=/tmp/tandem_fla step deltanet_torch 200 python3 \
+    PYTHONPATH=/tmp/tandem_fla step deltanet_torch 300 python3 \
       "$(dirname "$0")/../bench/cuda/deltanet_torch_baseline.py" --ours "$LOG/bench_deltanet.csv" \
       --csv "$LOG/deltanet_torch.csv" || echo "(deltanet_torch_baseline.py exited with ${RC[deltanet_torch]})"
   fi

@@ -10,8 +10,8 @@
 Shapes: Qwen3.5-35B-A3B's DeltaNet layer (16 k / 32 v heads of 128), bf16 inputs, gates given
 (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) computed beforehand and not timed).
 CUDA events, median of 20 after 3 warm-ups (the Triton autotune and JIT run in the warm-ups);
-fla also as a replayed CUDA graph (its GPU time without Python launch overhead, the column
-compared with ours). Each implementation runs in its own process: transformers' Qwen3.5 module
+fla also as its kernels' GPU time (torch.profiler: without the Python launch overhead between
+them; the column compared with ours). Each implementation runs in its own process: transformers' Qwen3.5 module
 binds fla's kernel when fla is importable, so its torch reference is timed without fla on the
 path; the first case's outputs of the two are compared (relative error).
 flash-linear-attention is not on the GPU machine's image: install its wheels first (no network
@@ -29,6 +29,7 @@ import csv
 import os
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -92,26 +93,28 @@ def read_ours(path):
     return ours
 
 
-def graph_us(fn, reps=20):
-    """GPU time of fn replayed as a CUDA graph (no host launch overhead); nan if not capturable."""
+def kernel_us(fn, reps=10):
+    """GPU kernel time per call (sum of the device time of its kernels, torch.profiler): what
+    the call costs the GPU without the Python launch overhead between its kernels."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
                 fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return timed(g.replay, reps=reps, warm=2)
+            torch.cuda.synchronize()
+        total = 0.0
+        for e in prof.key_averages():
+            total += getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        return total / reps
     except Exception as e:  # noqa: BLE001 - report and go on with the eager time
-        print(f"(graph capture failed: {type(e).__name__}: {str(e)[:120]})")
+        print(f"(profiler failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
         return float("nan")
 
 
 def worker(which, out_prefix):
-    """One implementation in this process: prints 'RESULT shape eager_us graph_us' lines and saves
+    """One implementation in this process: prints 'RESULT shape call_us kernel_us' lines and saves
     the first case's output for the parent's cross-check."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     if which == "fla":
@@ -139,7 +142,7 @@ def worker(which, out_prefix):
                                               use_qk_l2norm_in_kernel=True,
                                               cu_seqlens=cu if seqs > 1 else None)
             eager = timed(run)
-            graph = graph_us(run)
+            gpu = kernel_us(run)
             out = run()[0].float()
         else:
             rep = HV // HK
@@ -151,11 +154,13 @@ def worker(which, out_prefix):
                 return torch_ref(qr, kr, vr, g=gr, beta=br, chunk_size=64, initial_state=h0,
                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
             eager = timed(run, reps=5 if seqs * n > 4096 else 10, warm=2)
-            graph = float("nan")
+            gpu = kernel_us(run, reps=2)
             out = run()[0].float().reshape(1, seqs * n, HV, DV)
         if ci == 0:
             torch.save(out.cpu(), f"{out_prefix}_{which}.pt")
-        print(f"RESULT {seqs} seq x {n} tok|{eager:.2f}|{graph:.2f}", flush=True)
+        print(f"RESULT {seqs} seq x {n} tok|{eager:.2f}|{gpu:.2f}", flush=True)
+        print(f"{which} {seqs} seq x {n} tok: {eager:.1f} us per call, {gpu:.1f} us of kernels",
+              flush=True)
         del q, k, v, g, beta, h0, out
         torch.cuda.empty_cache()
     return 0
@@ -167,6 +172,7 @@ def main():
     ap.add_argument("--csv")
     ap.add_argument("--worker", choices=["fla", "torch"])
     ap.add_argument("--out-prefix", default="/tmp/deltanet_baseline")
+    ap.add_argument("--worker-timeout", type=float, default=120)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -180,16 +186,24 @@ def main():
     res = {}
     for which, env in (("fla", dict(os.environ)),
                        ("torch", {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})):
-        r = subprocess.run([sys.executable, __file__, "--worker", which, "--out-prefix",
-                            args.out_prefix], env=env, capture_output=True, text=True, timeout=300)
-        for line in r.stdout.splitlines():
+        # Streamed (a worker killed by a time limit still shows how far it got), each with its
+        # own limit.
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", which, "--out-prefix",
+                                 args.out_prefix], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(args.worker_timeout, proc.kill)
+        timer.start()
+        for line in proc.stdout:
+            line = line.rstrip()
             if line.startswith("RESULT "):
-                shape, eager, graph = line[7:].split("|")
-                res[(which, shape)] = (float(eager), float(graph))
-            else:
-                print(f"[{which}] {line}")
-        if r.returncode != 0:
-            print(f"[{which}] exited {r.returncode}: {r.stderr.strip()[-800:]}")
+                shape, eager, gpu = line[7:].split("|")
+                res[(which, shape)] = (float(eager), float(gpu))
+            elif "warn" not in line.lower():
+                print(f"[{which}] {line}", flush=True)
+        rc = proc.wait()
+        timer.cancel()
+        if rc != 0:
+            print(f"[{which}] exited {rc} (killed after {args.worker_timeout} s when negative)")
     err = float("nan")
     try:
         a = torch.load(f"{args.out_prefix}_fla.pt")
@@ -200,7 +214,7 @@ def main():
     print(f"fla vs transformers' torch reference, 1 seq x 1024 tok: relative error {err:.2e}")
     ours = read_ours(args.ours)
     nan = float("nan")
-    print(f"{'shape':22} {'fla_graph':>10} {'fla_eager':>10} {'torch_ref':>10} {'ours':>9} "
+    print(f"{'shape':22} {'fla_kern':>10} {'fla_call':>10} {'torch_call':>10} {'ours':>9} "
           f"{'fla/ours':>9}")
     rows = []
     for seqs, n in CASES:
@@ -214,7 +228,7 @@ def main():
         rows.append((shape, fg, fe, te, our))
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("shape,fla_graph_us,fla_eager_us,torch_ref_us,ours_us\n")
+            f.write("shape,fla_kernel_us,fla_call_us,torch_ref_call_us,ours_us\n")
             for r in rows:
                 f.write(f"{r[0]},{r[1]:.2f},{r[2]:.2f},{r[3]:.2f},{r[4]:.2f}\n")
     print(f"(cross-check err {err:.2e})")
