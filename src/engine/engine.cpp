@@ -96,7 +96,7 @@ Engine::Engine(Model& model, const EngineConfig& config)
       scheduler_(blocks_, config_.max_num_seqs, config_.max_batched_tokens,
                  model.state_slot_elems() > 0 ? config_.max_num_seqs : 0) {
   if (speculating()) {
-    mtp_kv_ = KvCache(model.mtp_kv_geometry(config_.num_pages, config_.page_size));
+    mtp_kv_ = model.make_mtp_kv_cache(config_.num_pages, config_.page_size);
     counters_.spec_accepted_per_pos.assign(static_cast<size_t>(config_.num_speculative_tokens), 0);
   }
   scheduler_.set_step_time_target(config_.step_time_target_ms / 1000.0, config_.min_prefill_chunk);
@@ -248,9 +248,24 @@ std::span<const float> Engine::sequence_state(const std::string& id) {
 bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling>& rows) const {
   rows.clear();
   for (const auto& ss : batch.seqs) {
+    const Sequence& s = *ss.seq;
+    if (speculating() && !s.req.sampling.greedy()) return false;  // rejection sampling: p, q
+    if (ss.verify) {
+      // Greedy verification: each row's argmax (and the logprobs of the token it gives);
+      // forced acceptance (benchmarks) emits drafts the rows did not choose, whose logprobs
+      // would need host logits.
+      if (config_.spec_forced_accept_prob >= 0.0 && s.req.sampling.logprobs >= 0) return false;
+      if (s.num_output() < s.req.min_tokens) return false;
+      for (int64_t j = 0; j < ss.num_tokens; ++j) {
+        std::optional<DeviceSampling> d = to_device_sampling(
+            s.req.sampling, s.device_seed, static_cast<uint64_t>(s.num_output() + j));
+        if (!d) return false;
+        rows.push_back(*d);
+      }
+      continue;
+    }
     if (ss.logits == LogitsMode::kAll) return false;
     if (ss.logits != LogitsMode::kLast) continue;
-    const Sequence& s = *ss.seq;
     if (s.num_output() < s.req.min_tokens) return false;  // the EOS mask needs host logits
     if (s.req.constraint) return false;                   // so does a token constraint
     std::optional<DeviceSampling> d =
@@ -279,8 +294,7 @@ void Engine::start_masks(const ScheduledBatch& batch) {
 bool Engine::forward(const ScheduledBatch& batch) {
   start_masks(batch);  // overlaps the model's forward
   try {
-    sampled_on_device_ =
-        !speculating() && model_.samples_on_device() && device_rows(batch, device_rows_);
+    sampled_on_device_ = model_.samples_on_device() && device_rows(batch, device_rows_);
     if (sampled_on_device_) {
       model_.forward_sample(batch.forward, kv_, device_rows_, sampled_);
     } else {
@@ -373,6 +387,7 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
       }
       s.tokens.push_back(st.token);
       ++counters_.generation_tokens;
+      note_computed(s, start, ss.num_tokens, hidden_row);
       finish_if_done(s, out);
       continue;
     }
@@ -517,14 +532,37 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
   // samples exactly as a non-speculative step would, then the next row only if its draft
   // was accepted.
   for (int64_t j = 0; j <= k; ++j) {
-    std::span<const float> raw(logits.data() + (first_row + j) * vocab, static_cast<size_t>(vocab));
-    std::span<const float> from = masked_row(s, s.num_output(), raw, eos, masked);
+    std::span<const float> raw, from;  // host logits (not when sampled on the device)
+    if (!sampled_on_device_) {
+      raw = {logits.data() + (first_row + j) * vocab, static_cast<size_t>(vocab)};
+      from = masked_row(s, s.num_output(), raw, eos, masked);
+    }
     std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_len));
     std::span<const int32_t> output(s.tokens.data() + s.prompt_len,
                                     static_cast<size_t>(s.num_output()));
     int32_t token = 0;
     bool accepted = false;
-    if (j < k) {
+    const SampledToken* dev =  // the row's greedy token from the device (device_rows)
+        sampled_on_device_ ? &sampled_[static_cast<size_t>(first_row + j)] : nullptr;
+    if (dev != nullptr) {
+      token = dev->token;
+      if (j < k) {
+        const int32_t d = drafts[static_cast<size_t>(j)];
+        accepted = config_.spec_forced_accept_prob >= 0.0  // benchmarks only
+                       ? uniform_draw(forced_accept_rng_) < config_.spec_forced_accept_prob
+                       : token == d;
+        if (accepted) token = d;
+      }
+      out.token_ids.push_back(token);
+      if (sp.logprobs >= 0) {  // token is the row's own (device_rows: no forced acceptance)
+        out.token_logprobs.push_back(dev->logprob);
+        if (sp.logprobs > 0) {
+          std::vector<TokenLogprob> top;
+          for (const auto& [id, lp] : dev->top) top.push_back({id, lp});
+          out.top_logprobs.push_back(std::move(top));
+        }
+      }
+    } else if (j < k) {
       const int32_t d = drafts[static_cast<size_t>(j)];
       if (config_.spec_forced_accept_prob >= 0.0) {  // benchmarks only
         accepted = uniform_draw(forced_accept_rng_) < config_.spec_forced_accept_prob;
@@ -543,10 +581,12 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
     } else {
       token = sample_token(from, sp, prompt, output, s.rng);  // every draft accepted: the bonus
     }
-    out.token_ids.push_back(token);
-    if (sp.logprobs >= 0) {  // from the target's raw logits, as without speculation
-      out.token_logprobs.push_back(token_logprob(raw, token));
-      if (sp.logprobs > 0) out.top_logprobs.push_back(top_logprobs(raw, sp.logprobs));
+    if (dev == nullptr) {
+      out.token_ids.push_back(token);
+      if (sp.logprobs >= 0) {  // from the target's raw logits, as without speculation
+        out.token_logprobs.push_back(token_logprob(raw, token));
+        if (sp.logprobs > 0) out.top_logprobs.push_back(top_logprobs(raw, sp.logprobs));
+      }
     }
     s.tokens.push_back(token);
     ++counters_.generation_tokens;
@@ -619,8 +659,28 @@ void Engine::draft() {
     }
   }
   if (fb.seqs.empty()) return;
+  // Greedy drafts on a model that samples on its device: the rows' argmax there (no logits
+  // come to the host), when no row needs host logits (penalties, the min_tokens mask).
+  bool on_device = model_.samples_on_device();
+  for (const Sequence* s : drafting) {
+    const SamplingParams& sp = s->req.sampling;
+    on_device = on_device && sp.greedy() && !sp.needs_host_logits() &&
+                s->num_output() >= s->req.min_tokens;
+  }
   std::vector<float> logits, hout;
-  model_.mtp_forward(fb, hin.data(), mtp_kv_, logits, hout);
+  std::vector<DeviceSampling> dev_rows;
+  std::vector<SampledToken> dev_out;
+  auto pass = [&](const ForwardBatch& b, const float* hid) {
+    if (on_device) {
+      DeviceSampling greedy;
+      greedy.temperature = 0.0f;
+      dev_rows.assign(static_cast<size_t>(b.num_logit_rows()), greedy);
+      model_.mtp_forward_sample(b, hid, mtp_kv_, dev_rows, dev_out, hout);
+    } else {
+      model_.mtp_forward(b, hid, mtp_kv_, logits, hout);
+    }
+  };
+  pass(fb, hin.data());
 
   // 2. Drafts: draft j + 1 from the pass before; chained passes run the MTP layer on its own
   // output (hidden state and draft) one position further.
@@ -633,6 +693,10 @@ void Engine::draft() {
     for (size_t r = 0; r < live.size(); ++r) {
       Sequence& s = *drafting[live[r]];
       if (s.spec_tokens.empty()) s.spec_tokens.push_back(s.tokens.back());
+      if (on_device) {
+        s.spec_tokens.push_back(dev_out[r].token);
+        continue;
+      }
       std::span<const float> raw(logits.data() + static_cast<int64_t>(r) * vocab,
                                  static_cast<size_t>(vocab));
       std::span<const float> from = masked_row(s, s.num_output() + j, raw, eos, masked);
@@ -670,7 +734,7 @@ void Engine::draft() {
     }
     live = std::move(next);
     if (live.empty()) break;
-    model_.mtp_forward(chain, chain_hidden.data(), mtp_kv_, logits, hout);
+    pass(chain, chain_hidden.data());
   }
 
   if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)

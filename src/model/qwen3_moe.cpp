@@ -80,6 +80,12 @@ void Model::mtp_forward(const ForwardBatch&, const float*, KvCache&, std::vector
   TANDEM_THROW(kUnsupported, "this model has no MTP layer");
 }
 
+void Model::mtp_forward_sample(const ForwardBatch&, const float*, KvCache&,
+                               const std::vector<DeviceSampling>&, std::vector<SampledToken>&,
+                               std::vector<float>&) {
+  TANDEM_THROW(kUnsupported, "this model samples the MTP drafts on the host only");
+}
+
 struct Qwen3MoeCpu::Mtp {
   HostTensor fc;      // [hidden, 2 * hidden] over [embedding; hidden]
   HostTensor norm_e;  // [hidden] pre_fc_norm_embedding

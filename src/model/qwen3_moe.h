@@ -69,10 +69,21 @@ class Model {
     (void)kv;
     (void)max_batch;
   }
+  /// The MTP layer's KV cache (mtp_kv_geometry): host pools by default; a GPU model allocates
+  /// device pools.
+  virtual KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {
+    return KvCache(mtp_kv_geometry(num_pages, page_size));
+  }
+  /// As mtp_forward, sampling each logits row on the device with rows[i] (samples_on_device():
+  /// the logits never leave it); out gets one entry per row.
+  virtual void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                                  const std::vector<DeviceSampling>& rows,
+                                  std::vector<SampledToken>& out, std::vector<float>& hidden_out);
   /// True when forward_sample() is available (a GPU model: the logits never leave it).
   virtual bool samples_on_device() const { return false; }
-  /// Runs the batch and samples each logits row (batch order; every row kLast) on the
-  /// device with rows[i]; out gets one entry per row.
+  /// Runs the batch and samples each logits row (batch order: kLast rows, and every row of a
+  /// kAll sequence) on the device with rows[i]; out gets one entry per row. Fills
+  /// batch.hidden_out as forward() does.
   virtual void forward_sample(const ForwardBatch& batch, KvCache& kv,
                               const std::vector<DeviceSampling>& rows,
                               std::vector<SampledToken>& out);

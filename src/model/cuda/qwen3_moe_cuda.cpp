@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/fp8_dense.h"
+#include "model/cuda/mtp_cuda.h"
 #include "model/cuda/random_fill.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -84,6 +85,11 @@ struct HostMeta {
 
 constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
                                 80, 96, 112, 128, 160, 192, 224, 256};
+
+// Captured graphs: decode steps (one token per sequence) and verify steps (K + 1 tokens).
+constexpr int64_t kMaxGraphTokensPerSeq = 5;  // 1 + engine/speculative.h's largest K
+constexpr int64_t kGraphKeyStride = 1 << 20;  // key = (tokens per sequence - 1) * stride + bucket
+constexpr int64_t graph_key(int64_t bucket, int64_t q) { return (q - 1) * kGraphKeyStride + bucket; }
 
 }  // namespace
 
@@ -211,7 +217,9 @@ struct Qwen3MoeCuda::Impl {
   struct Graph {
     cudaGraphExec_t exec = nullptr;
   };
-  std::map<int64_t, Graph> graphs;
+  std::map<int64_t, Graph> graphs;  // by graph_key(bucket, tokens per sequence)
+  // The last launch's device token index of each sequence's first token (hidden_out order).
+  std::vector<int64_t> first_token;
   const void* graph_kv = nullptr;  // the cache the graphs were captured against
   int64_t graph_page_size = 0;
 
@@ -901,9 +909,33 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
 
 const ShardPlan& Qwen3MoeCuda::shard() const { return impl_->plan; }
 
+MtpScratch Qwen3MoeCuda::mtp_scratch() const {
+  Impl& im = *impl_;
+  MtpScratch s;
+  s.x = im.x.as<void>();
+  s.xn = im.xn.as<void>();
+  s.y = im.y.as<void>();
+  s.qkv = im.qkv.as<void>();
+  s.q = im.q.as<void>();
+  s.attn = im.attn.as<void>();
+  s.last = im.last.as<void>();
+  s.logits = im.logits.as<float>();
+  s.attn_ws = im.attn_ws.as<float>();
+  s.attn_ws_floats = im.attn_ws_floats;
+  s.gemm = im.gemm.get();
+  s.embed = im.embed;
+  s.lm_head = im.lm_head;
+  s.t_cap = im.t_cap;
+  s.rows_cap = im.rows_cap;
+  s.num_sms = im.num_sms;
+  s.stream = stream_;
+  return s;
+}
+
 int64_t Qwen3MoeCuda::fp8_linears() const { return static_cast<int64_t>(impl_->fp8_allocs.size()); }
 
 Qwen3MoeCuda::~Qwen3MoeCuda() {
+  mtp_.reset();
   impl_.reset();
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
 }
@@ -1016,7 +1048,17 @@ void Qwen3MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
 
 std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
   std::vector<int64_t> out;
-  for (const auto& [b, g] : impl_->graphs) out.push_back(b);
+  for (const auto& [k, g] : impl_->graphs) {
+    if (k < kGraphKeyStride) out.push_back(k);
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> Qwen3MoeCuda::captured_verify_graphs() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& [k, g] : impl_->graphs) {
+    if (k >= kGraphKeyStride) out.emplace_back(k % kGraphKeyStride, k / kGraphKeyStride + 1);
+  }
   return out;
 }
 
@@ -1035,13 +1077,18 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   // NOTE: a decode EP rank with nothing to do still runs one (zero-token) step: its experts
   // serve the other ranks' tokens, and every rank makes the same collective calls per step.
 
-  // Graph eligibility: a pure decode step that fits a bucket and the captured table width.
-  bool decode = !batch.on_layer_kv && !buckets_.empty() && n <= buckets_.back() &&
-                page_size == opts_.page_size;
+  // Graph eligibility: a pure decode step (one token per sequence, its logits), or a
+  // speculative verify step (q = K + 1 tokens per sequence, logits of all, run as decode tokens
+  // of the attention), that fits a bucket of sequences and the captured table width.
+  const int64_t q = batch.seqs.empty() ? 1 : batch.seqs[0].num_tokens;
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
+  bool decode = !batch.on_layer_kv && !buckets_.empty() && nseq <= buckets_.back() &&
+                page_size == opts_.page_size && q >= 1 && q <= kMaxGraphTokensPerSeq;
   int64_t width = 1;
   for (const auto& s : batch.seqs) {
     width = std::max(width, s.num_pages);
-    decode = decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+    decode = decode && s.num_tokens == q &&
+             s.logits == (q == 1 ? LogitsMode::kLast : LogitsMode::kAll);
   }
   if (decode) {
     if (im.graph_width == 0) {
@@ -1051,10 +1098,13 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     }
     decode = width <= im.graph_width;
   }
-  const int64_t bucket =
-      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), n) : int64_t{0};
+  int64_t bucket = decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : 0;
+  if (decode && q > 1 && (bucket * q > im.t_cap || bucket * q > im.rows_cap)) {
+    decode = false;
+    bucket = 0;
+  }
   const bool zero = n == 0;  // decode EP, nothing of our own
-  const int64_t rows_n = decode ? bucket : std::max<int64_t>(n, 1);  // padded token count
+  const int64_t rows_n = decode ? bucket * q : std::max<int64_t>(n, 1);  // padded token count
   const int64_t tw = decode ? im.graph_width : width;
   const int64_t num_seqs =
       decode ? bucket : std::max<int64_t>(1, static_cast<int64_t>(batch.seqs.size()));
@@ -1112,7 +1162,10 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   }
   if (decode) {  // every padded row produces (discarded) logits, so the graph is fixed
     for (int64_t r = n; r < rows_n; ++r) hm.rows.push_back(static_cast<int32_t>(r));
+    // Padding tokens of a verify graph: q per padding sequence (tables of zeros).
+    for (int64_t t = n; t < rows_n; ++t) hm.token_seq[static_cast<size_t>(t)] = int32_t(t / q);
   }
+  im.first_token = first_token;
 
   if (!decode) {
     // 2a. Eager.
@@ -1141,15 +1194,17 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     im.g_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
   }
   m.tables = im.g_tables.as<int32_t>();
-  m.n = bucket;
+  m.n = rows_n;
   m.width = im.graph_width;
-  m.num_rows = bucket;
+  m.num_rows = rows_n;
+  m.num_prefill = 0;  // a verify step's tokens are decode tokens (few per sequence)
   if (im.graph_kv != kv.layer_data(0) || im.graph_page_size != page_size) {
     im.drop_graphs();
     im.graph_kv = kv.layer_data(0);
     im.graph_page_size = page_size;
   }
-  auto it = im.graphs.find(bucket);
+  const int64_t key = graph_key(bucket, q);
+  auto it = im.graphs.find(key);
   if (it == im.graphs.end()) {
     // Warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
     HostMeta pad = hm;
@@ -1157,13 +1212,13 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     std::fill(pad.ids.begin(), pad.ids.end(), 0);
     im.upload(pad, m, m.tables);
     im.body(m, kv, nullptr, /*warmup=*/true);
-    im.head(0, bucket);
+    im.head(0, rows_n);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     cudaGraph_t graph = nullptr;
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
       im.body(m, kv, nullptr);
-      im.head(0, bucket);
+      im.head(0, rows_n);
     } catch (...) {
       (void)cudaStreamEndCapture(stream_, &graph);
       if (graph != nullptr) (void)cudaGraphDestroy(graph);
@@ -1174,7 +1229,7 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     const cudaError_t st = cudaGraphInstantiate(&gr.exec, graph, 0);
     (void)cudaGraphDestroy(graph);
     TANDEM_CUDA_CHECK(st);
-    it = im.graphs.emplace(bucket, gr).first;
+    it = im.graphs.emplace(key, gr).first;
   }
   im.upload(hm, m, m.tables);
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
@@ -1212,7 +1267,28 @@ void Qwen3MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
                                       cudaMemcpyDeviceToHost, stream_));
     // the next chunk's GEMM overwrites the buffer: the copy comes first (same stream)
   }
+  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);  // synchronises
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void Qwen3MoeCuda::copy_hidden(const ForwardBatch& batch, std::vector<float>& out) {
+  Impl& im = *impl_;
+  const int64_t n = batch.num_tokens(), h = config_.hidden_size;
+  std::vector<uint16_t> dev(static_cast<size_t>(n * h));  // device token order
+  out.resize(static_cast<size_t>(n * h));
+  if (n == 0) return;
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dev.data(), im.xn.as<void>(), dev.size() * sizeof(uint16_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  int64_t t = 0;  // batch order
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const int64_t k = batch.seqs[si].num_tokens, first = im.first_token[si];
+    for (int64_t i = 0; i < k; ++i, ++t) {
+      const uint16_t* src = dev.data() + (first + i) * h;
+      float* dst = out.data() + t * h;
+      for (int64_t j = 0; j < h; ++j) dst[j] = bf16_to_f32(src[j]);
+    }
+  }
 }
 
 void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
@@ -1231,10 +1307,21 @@ void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
     return;
   }
   const float* logits = forward_device(batch, kv);
+  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);
+  sample_rows(logits, rows, out);
+}
+
+void Qwen3MoeCuda::sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
+                               std::vector<SampledToken>& out) {
+  Impl& im = *impl_;
+  const auto R = static_cast<int64_t>(rows.size());
+  out.clear();
   if (R == 0) {
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
+  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R, " sampling rows exceed the CUDA model's ",
+                    im.rows_cap);
   constexpr int64_t kTop = cuda::kMaxTopLogprobs;
   // Layout of the pinned buffer: params [R] | tokens [R] | logprobs [R] | top ids | top lps.
   auto* hp = im.h_sample.as<cuda::SamplingRowParams>();

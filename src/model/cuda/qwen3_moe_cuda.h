@@ -18,11 +18,15 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/qwen3_moe.h"
 
 namespace tandem {
+
+class MtpCuda;  // model/cuda/mtp_cuda.h
+struct MtpScratch;
 
 namespace comm {
 class TcpStore;
@@ -114,8 +118,27 @@ class Qwen3MoeCuda final : public Model {
   /// Captures the decode graph of every bucket <= max_batch (single-GPU models; a sharded
   /// model's ranks capture together on first use). Writes page 0 of `kv`.
   void warm_up(KvCache& kv, int64_t max_batch) override;
-  /// Batch-size buckets captured so far.
+  /// Batch-size buckets captured so far (decode steps).
   std::vector<int64_t> captured_buckets() const;
+  /// Verify-step graphs captured so far: (bucket of sequences, tokens per sequence).
+  std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
+
+  // MTP speculative decoding (mtp_cuda.h): the layer on this GPU, its KV in device pools,
+  // passes eager; verify steps of K + 1 tokens per sequence replay graphs as decode steps do.
+  // Not with prefill TP (prefill instances do not speculate).
+  void load_mtp(const std::string& dir) override;
+  /// Random MTP weights (benchmarks at real shapes without a checkpoint).
+  void random_mtp(uint64_t seed);
+  bool has_mtp() const override { return mtp_ != nullptr; }
+  KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) override;
+  void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                   std::vector<float>& logits, std::vector<float>& hidden_out) override;
+  void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                          const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                          std::vector<float>& hidden_out) override;
+  /// One MTP pass leaving the logits rows on the device (benchmarks; as forward_device).
+  const float* mtp_forward_device(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv);
   /// The MoE path the last MoE layer of the last forward took ("decode", "mma", "cublas",
   /// "padded"; "" before any).
   std::string last_moe_path() const;
@@ -132,7 +155,14 @@ class Qwen3MoeCuda final : public Model {
   // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
   // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
   bool launch(const ForwardBatch& batch, KvCache& kv);
+  // batch.hidden_out of the last launch (the final normed hidden states, batch order).
+  void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
+  // Samples logits rows [rows.size(), vocab] on the device; synchronises.
+  void sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
+                   std::vector<SampledToken>& out);
+  MtpScratch mtp_scratch() const;
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<MtpCuda> mtp_;
   ModelConfig config_;
   CudaModelOptions opts_;
   cudaStream_t stream_ = nullptr;

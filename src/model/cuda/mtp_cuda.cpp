@@ -1,0 +1,454 @@
+// The MTP layer on the GPU. See mtp_cuda.h.
+#include "model/cuda/mtp_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/moe.h"
+#include "backend/cuda/moe_gemm.h"
+#include "backend/cuda/moe_layer.h"
+#include "backend/cuda/norm.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/cuda/cuda_mem.h"
+#include "model/cuda/random_fill.h"
+#include "model/quant.h"
+#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/safetensors.h"
+
+namespace tandem {
+
+using cuda::bf16;
+using cuda_model::DeviceMem;
+using cuda_model::host_bf16;
+using cuda_model::PinnedMem;
+using cuda_model::Uploader;
+
+struct MtpCuda::Impl {
+  const ModelConfig c;
+  MtpScratch s;
+  std::vector<DeviceMem> mem;
+  bf16 *fc = nullptr;                          // [H, 2H] over [embedding; hidden]
+  bf16 *norm_e = nullptr, *norm_h = nullptr;   // [H] pre_fc norms
+  bf16* norm = nullptr;                        // [H] mtp.norm
+  bf16 *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  bf16 *qkv_w = nullptr, *o_w = nullptr;       // [(qh + 2 kvh) d, H], [H, qh d]
+  bool moe = false;
+  bf16 *router = nullptr, *gate_up = nullptr, *down = nullptr;  // MoE packed / dense
+  DeviceMem cat;                               // [t_cap, 2H]
+  DeviceMem hidden_in;                         // [t_cap, H]
+  DeviceMem gu, act;                           // dense MLP only
+  std::unique_ptr<cuda::MoeLayer> moe_layer;
+  // Metadata: ids | positions | token_seq | rows (int32, t_cap each) | slots (int64).
+  DeviceMem d_meta, d_tables;
+  PinnedMem h_meta, h_tables, h_hidden;
+  cudaEvent_t staged = nullptr;  // the pinned staging may be reused
+
+  Impl(const ModelConfig& config, const MtpScratch& scratch) : c(config), s(scratch) {}
+  ~Impl() {
+    if (staged != nullptr) (void)cudaEventDestroy(staged);
+  }
+
+  int64_t qkv_rows() const {
+    return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
+  }
+  bf16* alloc(int64_t elems) {
+    mem.emplace_back(static_cast<size_t>(elems) * sizeof(bf16));
+    return mem.back().as<bf16>();
+  }
+
+  void allocate(bool with_moe) {
+    const int64_t h = c.hidden_size, d = c.head_dim;
+    moe = with_moe;
+    fc = alloc(2 * h * h);
+    norm_e = alloc(h);
+    norm_h = alloc(h);
+    norm = alloc(h);
+    input_norm = alloc(h);
+    post_norm = alloc(h);
+    q_norm = alloc(d);
+    k_norm = alloc(d);
+    qkv_w = alloc(qkv_rows() * h);
+    o_w = alloc(h * c.num_attention_heads * d);
+    const auto T = static_cast<size_t>(s.t_cap);
+    if (moe) {
+      const int64_t e = c.num_experts, inter = c.moe_intermediate_size;
+      router = alloc(e * h);
+      gate_up = alloc(e * 2 * inter * h);
+      down = alloc(e * h * inter);
+      moe_layer = std::make_unique<cuda::MoeLayer>(s.t_cap, h, inter, e, c.num_experts_per_tok, 0,
+                                                   e, c.norm_topk_prob);
+    } else {
+      const int64_t inter = c.intermediate_size;
+      gate_up = alloc(2 * inter * h);
+      down = alloc(h * inter);
+      gu = DeviceMem(T * static_cast<size_t>(2 * inter) * sizeof(bf16));
+      act = DeviceMem(T * static_cast<size_t>(inter) * sizeof(bf16));
+    }
+    cat = DeviceMem(T * static_cast<size_t>(2 * h) * sizeof(bf16));
+    hidden_in = DeviceMem(T * static_cast<size_t>(h) * sizeof(bf16));
+    d_meta = DeviceMem(T * 6 * sizeof(int32_t));
+    h_meta = PinnedMem(T * 6 * sizeof(int32_t));
+    h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&staged, cudaEventDisableTiming));
+  }
+
+  void load(const WeightReader& wr) {
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
+                  kvh = c.num_key_value_heads;
+    Uploader up(s.stream);
+    std::vector<uint16_t> tmp, tmp2;
+    auto put = [&](bf16* dst, const std::string& name, const Shape& shape) {
+      const uint16_t* src = host_bf16(wr, name, shape, tmp);
+      up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
+    };
+    put(fc, "mtp.fc.weight", {h, 2 * h});
+    put(norm_e, "mtp.pre_fc_norm_embedding.weight", {h});
+    put(norm_h, "mtp.pre_fc_norm_hidden.weight", {h});
+    put(norm, "mtp.norm.weight", {h});
+    const std::string p = "mtp.layers.0.";
+    put(input_norm, p + "input_layernorm.weight", {h});
+    put(post_norm, p + "post_attention_layernorm.weight", {h});
+    put(q_norm, p + "self_attn.q_norm.weight", {d});
+    put(k_norm, p + "self_attn.k_norm.weight", {d});
+    put(qkv_w, p + "self_attn.q_proj.weight", {qh * d, h});
+    put(qkv_w + qh * d * h, p + "self_attn.k_proj.weight", {kvh * d, h});
+    put(qkv_w + (qh + kvh) * d * h, p + "self_attn.v_proj.weight", {kvh * d, h});
+    put(o_w, p + "self_attn.o_proj.weight", {h, qh * d});
+    if (moe) {
+      const int64_t inter = c.moe_intermediate_size;
+      put(router, p + "mlp.gate.weight", {c.num_experts, h});
+      std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h)), gate_copy;
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+        const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, h}, tmp);
+        if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
+          gate_copy = tmp;
+          gate = gate_copy.data();
+        }
+        const uint16_t* upw = host_bf16(wr, ep + "up_proj.weight", {inter, h}, tmp2);
+        cuda::moe_pack_gate_up(reinterpret_cast<const bf16*>(gate),
+                               reinterpret_cast<const bf16*>(upw), inter, h,
+                               reinterpret_cast<bf16*>(packed.data()));
+        up.put(gate_up + e * 2 * inter * h, packed.data(), packed.size() * sizeof(uint16_t));
+        put(down + e * h * inter, ep + "down_proj.weight", {h, inter});
+      }
+    } else {
+      const int64_t inter = c.intermediate_size;
+      put(gate_up, p + "mlp.gate_proj.weight", {inter, h});
+      put(gate_up + inter * h, p + "mlp.up_proj.weight", {inter, h});
+      put(down, p + "mlp.down_proj.weight", {h, inter});
+    }
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  }
+
+  // Qwen3MoeCuda::random's distribution: matrices U(-a, a), output projections 1000x smaller,
+  // norms 1 + U(-0.05, 0.05).
+  void random(uint64_t seed) {
+    const float a = 0.02f * std::sqrt(3.0f);
+    uint64_t k = seed * 0x9e3779b97f4a7c15ull + 17;
+    for (auto& m : mem) {
+      const int64_t n = static_cast<int64_t>(m.size() / sizeof(bf16));
+      const bool is_norm = n == c.hidden_size || n == c.head_dim;
+      const bool out = m.as<void>() == o_w || m.as<void>() == down;
+      cuda::random_fill_bf16(m.as<void>(), n, ++k, is_norm ? 1.0f : 0.0f,
+                             is_norm ? 0.05f : (out ? 1e-3f * a : a), s.stream);
+    }
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  }
+
+  // y[m, n] = x[m, k] W^T.
+  void linear(const bf16* x, const bf16* w, bf16* y, int64_t m, int64_t n, int64_t k) {
+    s.gemm->run({x, w, y, m, n, k}, s.stream);
+  }
+};
+
+MtpCuda::MtpCuda(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  for (const auto& m : impl_->mem) weight_bytes_ += static_cast<int64_t>(m.size());
+}
+
+MtpCuda::~MtpCuda() = default;
+
+std::unique_ptr<MtpCuda> MtpCuda::load(const ModelConfig& config, const std::string& dir,
+                                       const MtpScratch& scratch) {
+  Checkpoint ckpt(dir);
+  TANDEM_CHECK_KIND(kNotFound, ckpt.has("mtp.fc.weight"), dir,
+                    ": no MTP weights (tensor 'mtp.fc.weight' not found); the checkpoint needs "
+                    "mtp.* tensors, or give the MTP layer's directory as \"model\" in "
+                    "--speculative-config (tools/train_mtp.py writes one)");
+  const WeightReader wr(ckpt, config.quant,
+                        (std::filesystem::path(dir) / "config.json").string());
+  auto impl = std::make_unique<Impl>(config, scratch);
+  const bool moe = ckpt.has("mtp.layers.0.mlp.gate.weight");
+  TANDEM_CHECK_KIND(kUnsupported, !moe || config.num_experts > 0, dir,
+                    ": the MTP layer has experts but config.json has num_experts 0");
+  impl->allocate(moe);
+  impl->load(wr);
+  return std::unique_ptr<MtpCuda>(new MtpCuda(std::move(impl)));
+}
+
+std::unique_ptr<MtpCuda> MtpCuda::random(const ModelConfig& config, uint64_t seed,
+                                         const MtpScratch& scratch) {
+  auto impl = std::make_unique<Impl>(config, scratch);
+  impl->allocate(config.num_experts > 0);
+  impl->random(seed);
+  return std::unique_ptr<MtpCuda>(new MtpCuda(std::move(impl)));
+}
+
+KvGeometry MtpCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
+  KvGeometry g{1, num_pages, impl_->c.num_key_value_heads, page_size, impl_->c.head_dim};
+  g.dtype = DType::kBF16;
+  return g;
+}
+
+KvCache MtpCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
+  const KvGeometry g = kv_geometry(num_pages, page_size);
+  TANDEM_CHECK_KIND(kInvalidArgument, num_pages > 0 && page_size > 0, "bad MTP KV cache size");
+  auto pool = std::make_shared<DeviceMem>(static_cast<size_t>(g.page_elems() * num_pages) *
+                                          sizeof(bf16));
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(pool->as<void>(), 0, pool->size(), impl_->s.stream));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(impl_->s.stream));
+  KvCache::External ext;
+  ext.layers.push_back(pool->as<uint8_t>());
+  ext.owner = pool;
+  ext.stream = impl_->s.stream;
+  return KvCache(g, std::move(ext));
+}
+
+int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache& kv) {
+  Impl& im = *impl_;
+  const ModelConfig& c = im.c;
+  const MtpScratch& s = im.s;
+  cudaStream_t st = s.stream;
+  const auto& g = kv.geometry();
+  TANDEM_CHECK(!kv.is_host() && g.num_layers == 1 && g.dtype == DType::kBF16 &&
+                   g.num_kv_heads == c.num_key_value_heads && g.head_dim == c.head_dim,
+               "the MTP KV cache was not made by this CUDA model");
+  const int64_t n = batch.num_tokens(), h = c.hidden_size, d = c.head_dim,
+                qh = c.num_attention_heads, kvh = c.num_key_value_heads, ps = g.page_size;
+  const int64_t rows = batch.num_logit_rows();
+  if (n == 0) return 0;
+  TANDEM_CHECK_KIND(kInvalidArgument, n <= s.t_cap && rows <= s.rows_cap, "an MTP pass of ", n,
+                    " tokens (", rows, " rows) exceeds the CUDA model's max_tokens ", s.t_cap);
+
+  // 1. Metadata and the hidden states (bf16) through pinned staging.
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(im.staged));
+  int64_t width = 1;
+  for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
+  const size_t tb = batch.seqs.size() * static_cast<size_t>(width) * sizeof(int32_t);
+  if (im.h_tables.size() < tb) {
+    im.h_tables = PinnedMem(tb * 2);
+    im.d_tables = DeviceMem(tb * 2);
+  }
+  const int64_t T = s.t_cap;
+  auto* hm = im.h_meta.as<int32_t>();
+  int32_t *ids = hm, *pos = hm + T, *seq = hm + 2 * T, *rw = hm + 3 * T;
+  auto* slots = reinterpret_cast<int64_t*>(hm + 4 * T);
+  auto* tables = im.h_tables.as<int32_t>();
+  std::memset(tables, 0, tb);
+  int64_t t = 0, r = 0;
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& q = batch.seqs[si];
+    TANDEM_CHECK(q.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((q.start_pos + q.num_tokens + ps - 1) / ps <= q.num_pages,
+                 "block table too short: ", q.num_pages, " pages for ", q.start_pos + q.num_tokens,
+                 " tokens");
+    for (int64_t p = 0; p < q.num_pages; ++p) {
+      TANDEM_CHECK(q.block_table[p] >= 0 && q.block_table[p] < g.num_pages, "page ",
+                   q.block_table[p], " outside the MTP KV cache");
+      tables[static_cast<int64_t>(si) * width + p] = q.block_table[p];
+    }
+    for (int64_t i = 0; i < q.num_tokens; ++i, ++t) {
+      const int64_t at = q.start_pos + i;
+      TANDEM_CHECK_KIND(kInvalidArgument, q.tokens[i] >= 0 && q.tokens[i] < c.vocab_size,
+                        "token id ", q.tokens[i], " is out of range [0, ", c.vocab_size, ")");
+      ids[t] = q.tokens[i];
+      pos[t] = static_cast<int32_t>(at);
+      seq[t] = static_cast<int32_t>(si);
+      slots[t] = int64_t{q.block_table[at / ps]} * ps + at % ps;
+      if (q.logits == LogitsMode::kAll ||
+          (q.logits == LogitsMode::kLast && i == q.num_tokens - 1)) {
+        rw[r++] = static_cast<int32_t>(t);
+      }
+    }
+  }
+  auto* hh = im.h_hidden.as<uint16_t>();
+  for (int64_t i = 0; i < n * h; ++i) hh[i] = f32_to_bf16(hidden[i]);
+  auto* dm = im.d_meta.as<int32_t>();
+  auto h2d = [&](void* dst, const void* src, size_t bytes) {
+    if (bytes > 0) TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st));
+  };
+  const auto nb = static_cast<size_t>(n) * 4;
+  h2d(dm, ids, nb);
+  h2d(dm + T, pos, nb);
+  h2d(dm + 2 * T, seq, nb);
+  h2d(dm + 3 * T, rw, static_cast<size_t>(r) * 4);
+  h2d(dm + 4 * T, slots, nb * 2);
+  h2d(im.d_tables.as<void>(), tables, tb);
+  h2d(im.hidden_in.as<void>(), hh, static_cast<size_t>(n * h) * sizeof(bf16));
+  TANDEM_CUDA_CHECK(cudaEventRecord(im.staged, st));
+  const int32_t *d_ids = dm, *d_pos = dm + T, *d_seq = dm + 2 * T, *d_rows = dm + 3 * T;
+  const auto* d_slots = reinterpret_cast<const int64_t*>(dm + 4 * T);
+
+  // 2. x = fc([norm_e(embed(t + 1)); norm_h(h_t)]).
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  auto* X = static_cast<bf16*>(s.x);
+  auto* XN = static_cast<bf16*>(s.xn);
+  auto* Y = static_cast<bf16*>(s.y);
+  bf16* CAT = im.cat.as<bf16>();
+  const size_t row = static_cast<size_t>(h) * sizeof(bf16);
+  cuda::embedding_launch({d_ids, static_cast<const bf16*>(s.embed), Y, n, h, c.vocab_size}, st);
+  cuda::rms_norm_launch({Y, im.norm_e, Y, n, h, eps}, st);
+  cuda::rms_norm_launch({im.hidden_in.as<bf16>(), im.norm_h, XN, n, h, eps}, st);
+  TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT, 2 * row, Y, row, row, static_cast<size_t>(n),
+                                      cudaMemcpyDeviceToDevice, st));
+  TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT + h, 2 * row, XN, row, row, static_cast<size_t>(n),
+                                      cudaMemcpyDeviceToDevice, st));
+  im.linear(CAT, im.fc, X, n, h, 2 * h);
+
+  // 3. The decoder layer over the MTP KV.
+  auto* QKV = static_cast<bf16*>(s.qkv);
+  auto* Q = static_cast<bf16*>(s.q);
+  auto* ATT = static_cast<bf16*>(s.attn);
+  auto* pool = static_cast<bf16*>(kv.layer_data(0));
+  cuda::rms_norm_launch({X, im.input_norm, XN, n, h, eps}, st);
+  im.linear(XN, im.qkv_w, QKV, n, im.qkv_rows(), h);
+  cuda::qkv_prep_launch({QKV, Q, pool, d_slots, im.q_norm, im.k_norm, d_pos, n, qh, kvh, d, ps, eps,
+                         c.rope_theta},
+                        st);
+  cuda::PagedAttentionParams ap{};
+  ap.q = Q;
+  ap.pool = pool;
+  ap.block_table = im.d_tables.as<int32_t>();
+  ap.token_seq = d_seq;
+  ap.positions = d_pos;
+  ap.out = ATT;
+  ap.num_tokens = n;
+  ap.num_q_heads = qh;
+  ap.num_kv_heads = kvh;
+  ap.head_dim = d;
+  ap.page_size = ps;
+  ap.max_pages_per_seq = width;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  int64_t split = cuda::paged_attention_decode_split(n, kvh, width, ps, s.num_sms);
+  if (split > 0 &&
+      cuda::paged_attention_workspace_floats(n, qh, d, width, ps, split) > s.attn_ws_floats) {
+    split = 0;
+  }
+  ap.kv_split = split;
+  ap.workspace = split > 0 ? s.attn_ws : nullptr;
+  ap.num_prefill_tokens = -1;  // the kernels pick: every token is correct either way
+  cuda::paged_attention_launch(ap, st);
+  im.linear(ATT, im.o_w, Y, n, h, qh * d);
+  cuda::add_rms_norm_launch({X, Y, im.post_norm, XN, n, h, eps}, st);
+  if (im.moe) {
+    im.moe_layer->run({im.router, im.gate_up, im.down}, XN, Y, n, *s.gemm, st);
+  } else {
+    const int64_t inter = c.intermediate_size;
+    im.linear(XN, im.gate_up, im.gu.as<bf16>(), n, 2 * inter, h);
+    cuda::silu_mul_launch({im.gu.as<bf16>(), im.act.as<bf16>(), n, inter}, st);
+    im.linear(im.act.as<bf16>(), im.down, Y, n, h, inter);
+  }
+
+  // 4. mtp.norm, the logits rows gathered, the shared lm_head.
+  cuda::add_rms_norm_launch({X, Y, im.norm, XN, n, h, eps}, st);
+  auto* LAST = static_cast<bf16*>(s.last);
+  cuda::embedding_launch({d_rows, XN, LAST, r, h, n}, st);
+  if (r > 0) {
+    cuda::GemmParams gp{};
+    gp.x = LAST;
+    gp.w = static_cast<const bf16*>(s.lm_head);
+    gp.m = r;
+    gp.n = c.vocab_size;
+    gp.k = h;
+    gp.y_f32 = s.logits;
+    s.gemm->run(gp, st);
+  }
+  return r;
+}
+
+void MtpCuda::hidden_to_host(int64_t rows, std::vector<float>& out) {
+  Impl& im = *impl_;
+  const int64_t h = im.c.hidden_size;
+  out.resize(static_cast<size_t>(rows * h));
+  if (rows == 0) return;
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(im.staged));  // h_hidden is free once staged
+  auto* hh = im.h_hidden.as<uint16_t>();
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(hh, im.s.last, static_cast<size_t>(rows * h) * sizeof(bf16),
+                                    cudaMemcpyDeviceToHost, im.s.stream));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(im.s.stream));
+  for (int64_t i = 0; i < rows * h; ++i) out[static_cast<size_t>(i)] = bf16_to_f32(hh[i]);
+}
+
+// ---- Qwen3MoeCuda's MTP members (qwen3_moe_cuda.h) -------------------------------------
+
+void Qwen3MoeCuda::load_mtp(const std::string& dir) {
+  TANDEM_CHECK_KIND(kUnsupported, !(shard().tensor_parallel() && shard().spec.size > 1),
+                    "MTP speculative decoding: prefill instances (TP) do not speculate");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  mtp_ = MtpCuda::load(config_, dir, mtp_scratch());
+  weight_bytes_ += mtp_->weight_bytes();
+}
+
+void Qwen3MoeCuda::random_mtp(uint64_t seed) {
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  mtp_ = MtpCuda::random(config_, seed, mtp_scratch());
+  weight_bytes_ += mtp_->weight_bytes();
+}
+
+KvGeometry Qwen3MoeCuda::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
+  TANDEM_CHECK_KIND(kUnsupported, mtp_ != nullptr, "this model has no MTP layer loaded");
+  return mtp_->kv_geometry(num_pages, page_size);
+}
+
+KvCache Qwen3MoeCuda::make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {
+  TANDEM_CHECK_KIND(kUnsupported, mtp_ != nullptr, "this model has no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  return mtp_->make_kv_cache(num_pages, page_size);
+}
+
+const float* Qwen3MoeCuda::mtp_forward_device(const ForwardBatch& batch, const float* hidden,
+                                              KvCache& mtp_kv) {
+  TANDEM_CHECK(mtp_ != nullptr, "mtp_forward: no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  mtp_->forward(batch, hidden, mtp_kv);
+  return mtp_scratch().logits;
+}
+
+void Qwen3MoeCuda::mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                               std::vector<float>& logits, std::vector<float>& hidden_out) {
+  TANDEM_CHECK(mtp_ != nullptr, "mtp_forward: no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const int64_t rows = mtp_->forward(batch, hidden, mtp_kv), v = config_.vocab_size;
+  logits.resize(static_cast<size_t>(rows * v));
+  if (rows > 0) {
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data(), mtp_scratch().logits,
+                                      logits.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                      stream_));
+  }
+  mtp_->hidden_to_host(rows, hidden_out);  // synchronises
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void Qwen3MoeCuda::mtp_forward_sample(const ForwardBatch& batch, const float* hidden,
+                                      KvCache& mtp_kv, const std::vector<DeviceSampling>& rows,
+                                      std::vector<SampledToken>& out,
+                                      std::vector<float>& hidden_out) {
+  TANDEM_CHECK(mtp_ != nullptr, "mtp_forward: no MTP layer loaded");
+  TANDEM_CHECK(static_cast<int64_t>(rows.size()) == batch.num_logit_rows(),
+               "mtp_forward_sample: ", rows.size(), " sampling rows for ", batch.num_logit_rows(),
+               " logits rows");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const int64_t r = mtp_->forward(batch, hidden, mtp_kv);
+  sample_rows(mtp_scratch().logits, rows, out);  // synchronises
+  mtp_->hidden_to_host(r, hidden_out);
+}
+
+}  // namespace tandem

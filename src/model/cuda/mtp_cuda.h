@@ -1,0 +1,73 @@
+// The MTP layer of a Qwen3-MoE target on the GPU (Qwen3MoeCuda::load_mtp): bf16 weights in
+// device memory, its own one-layer bf16 paged KV on the target's page ids, the target's
+// embedding and lm_head shared. One pass (Model::mtp_forward) over a batch:
+//   x = fc([RMSNorm_e(embed(t + 1)); RMSNorm_h(h_t)])      [n, hidden]
+//   x = decoder layer (attention over the MTP KV, the MoE block or the dense MLP)
+//   hidden_out = mtp.norm(x) of the logits rows; logits = lm_head(hidden_out).
+// Scratch activations, the GEMM plans and the logits buffer are the target's (MtpScratch):
+// the passes run on the target's stream after its forward.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv/kv_cache.h"
+#include "model/config.h"
+#include "model/forward_batch.h"
+
+namespace tandem {
+
+namespace cuda {
+class GemmLt;
+}
+
+/// The target's buffers a pass borrows (all device pointers, bf16 unless said).
+struct MtpScratch {
+  void *x, *xn, *y, *qkv, *q, *attn, *last;  // [t_cap, hidden] / qkv rows / q heads
+  float* logits = nullptr;                   // [rows_cap, vocab] fp32
+  float* attn_ws = nullptr;                  // split-KV workspace
+  size_t attn_ws_floats = 0;
+  cuda::GemmLt* gemm = nullptr;
+  const void* embed = nullptr;    // [vocab, hidden]
+  const void* lm_head = nullptr;  // [vocab, hidden]
+  int64_t t_cap = 0, rows_cap = 0;
+  int num_sms = 0;
+  cudaStream_t stream = nullptr;
+};
+
+class MtpCuda {
+ public:
+  /// Loads the mtp.* tensors of `dir` (all heads and experts; bf16 on the device whatever the
+  /// stored dtype). Throws kNotFound naming `dir` when it has none.
+  static std::unique_ptr<MtpCuda> load(const ModelConfig& config, const std::string& dir,
+                                       const MtpScratch& scratch);
+  /// Random weights of the target's distribution (benchmarks; Qwen3MoeCuda::random's rule).
+  static std::unique_ptr<MtpCuda> random(const ModelConfig& config, uint64_t seed,
+                                         const MtpScratch& scratch);
+  ~MtpCuda();
+
+  /// One layer, the target's KV heads, bf16.
+  KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const;
+  /// Device pools, zero-filled.
+  KvCache make_kv_cache(int64_t num_pages, int64_t page_size);
+  /// One pass (see the top of the file): `hidden` [batch.num_tokens(), hidden] fp32 on the
+  /// host. Leaves the rows' logits in scratch.logits and their normed hidden states in
+  /// hidden_out() (device, [rows, hidden] bf16), ordered on the stream. Returns the rows.
+  int64_t forward(const ForwardBatch& batch, const float* hidden, KvCache& kv);
+  /// The last pass's hidden states of its logits rows as fp32 on the host (synchronises).
+  void hidden_to_host(int64_t rows, std::vector<float>& out);
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+  struct Impl;
+
+ private:
+  explicit MtpCuda(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  int64_t weight_bytes_ = 0;
+};
+
+}  // namespace tandem
