@@ -24,7 +24,8 @@
 #                      p50 / p99, output tok/s and their ratios (tools/gpu_itl_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
 #   bench_grammar, bench_model_cuda (also with --fp8), profile_decode (per-kernel decode step),
-#   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint)
+#   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
+#   bench_spec_verify, bench_spec_e2e (MTP speculative decoding: bench_spec_cuda)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
 PACK=$(cd "$PACK" && pwd)
@@ -173,6 +174,13 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
     '$BIN/make_random_checkpoint' --out /tmp/q35l --preset qwen3.5-35b-a3b --layers 4 && \
     '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_BENCH_ARGS:-}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
 fi
+# MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1
+# tokens vs the 1-token step, 30B 48 layers and one 235B layer, B 1 / 8 / 32 / 128, K 0..4) and
+# end-to-end decode through the engine without / with speculation at forced acceptance p.
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_verify 240 "$BIN/bench_spec_cuda" --verify-only
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_e2e 300 "$BIN/bench_spec_cuda" --model 30b --e2e-only
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -185,7 +193,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

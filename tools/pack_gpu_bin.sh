@@ -13,7 +13,7 @@ build=${1:?usage: tools/pack_gpu_bin.sh BUILD_DIR OUT_DIR}
 out=${2:?usage: tools/pack_gpu_bin.sh BUILD_DIR OUT_DIR}
 bins=${TANDEM_PACK_BINS:-"tandem test_server test_backend_cuda test_model_cuda bench_model_cuda bench_ops_cuda
       bench_moe_layer bench_attention bench_sampling bench_fp8_gemm bench_fp8_linear bench_deltanet bench_qwen35_cuda make_random_checkpoint
-      test_transfer_cuda test_model_cuda_sharded bench_kv_transfer bench_grammar"}
+      test_transfer_cuda test_model_cuda_sharded bench_kv_transfer bench_grammar bench_spec_cuda"}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lib" "$out"

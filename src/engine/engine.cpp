@@ -664,8 +664,8 @@ void Engine::draft() {
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) {
     const SamplingParams& sp = s->req.sampling;
-    on_device = on_device && sp.greedy() && !sp.needs_host_logits() &&
-                s->num_output() >= s->req.min_tokens;
+    on_device =
+        on_device && sp.greedy() && !sp.needs_host_logits() && s->num_output() >= s->req.min_tokens;
   }
   std::vector<float> logits, hout;
   std::vector<DeviceSampling> dev_rows;

@@ -281,6 +281,98 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, SpecLosslessTest, ::testing::ValuesIn(testing
 // The demo model's own MTP head (tools/train_mtp.py, committed into models/demo with the model):
 // greedy mean acceptance length on the golden prompts at K = 3 (tokens per verify step) above
 // a floor. Skips while the demo checkpoint has no mtp.* tensors.
+// A model that "samples on its device" (the CPU model with greedy rows picked here, as the
+// GPU sampler picks them): the engine's device path for speculation (verify rows and MTP drafts
+// as sampled tokens, no logits) must give exactly the host path's tokens and logprobs.
+class DeviceGreedy final : public Model {
+ public:
+  explicit DeviceGreedy(Qwen3MoeCpu& m) : m_(m) {}
+  const ModelConfig& config() const override { return m_.config(); }
+  KvGeometry kv_geometry(int64_t pages, int64_t page) const override {
+    return m_.kv_geometry(pages, page);
+  }
+  void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
+    ++host_forwards;
+    m_.forward(b, kv, logits);
+  }
+  bool samples_on_device() const override { return true; }
+  void forward_sample(const ForwardBatch& b, KvCache& kv, const std::vector<DeviceSampling>& rows,
+                      std::vector<SampledToken>& out) override {
+    std::vector<float> logits;
+    m_.forward(b, kv, logits);
+    for (const auto& s : b.seqs) verify_rows += s.logits == LogitsMode::kAll ? s.num_tokens : 0;
+    pick(logits, rows, out);
+  }
+  bool has_mtp() const override { return m_.has_mtp(); }
+  KvGeometry mtp_kv_geometry(int64_t pages, int64_t page) const override {
+    return m_.mtp_kv_geometry(pages, page);
+  }
+  void mtp_forward(const ForwardBatch& b, const float* hidden, KvCache& kv,
+                   std::vector<float>& logits, std::vector<float>& hidden_out) override {
+    ++host_drafts;
+    m_.mtp_forward(b, hidden, kv, logits, hidden_out);
+  }
+  void mtp_forward_sample(const ForwardBatch& b, const float* hidden, KvCache& kv,
+                          const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                          std::vector<float>& hidden_out) override {
+    std::vector<float> logits;
+    m_.mtp_forward(b, hidden, kv, logits, hidden_out);
+    device_drafts += static_cast<int64_t>(rows.size());
+    pick(logits, rows, out);
+  }
+  int64_t host_forwards = 0, host_drafts = 0, verify_rows = 0, device_drafts = 0;
+
+ private:
+  void pick(const std::vector<float>& logits, const std::vector<DeviceSampling>& rows,
+            std::vector<SampledToken>& out) const {
+    const int64_t v = config().vocab_size;
+    ASSERT_EQ(logits.size(), rows.size() * static_cast<size_t>(v));
+    out.assign(rows.size(), {});
+    SamplingParams greedy;
+    greedy.temperature = 0;
+    SamplerRng rng(0);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      ASSERT_LT(rows[r].temperature, 1e-5f) << "the test's device samples greedy rows only";
+      std::span<const float> row(logits.data() + static_cast<int64_t>(r) * v,
+                                 static_cast<size_t>(v));
+      out[r].token = sample_token(row, greedy, {}, {}, rng);
+      out[r].logprob = token_logprob(row, out[r].token);
+      if (rows[r].logprobs > 0) {
+        for (const auto& t : top_logprobs(row, rows[r].logprobs))
+          out[r].top.emplace_back(t.id, t.logprob);
+      }
+    }
+  }
+  Qwen3MoeCpu& m_;
+};
+
+TEST_P(SpecLosslessTest, DeviceSampledGreedyEqualsHostPath) {
+  const Golden g = testing::load_golden(GetParam());
+  auto model = load_with_mtp(GetParam());
+  const std::vector<GenRequest> reqs = greedy_requests(g);
+  const RunResult ref = run(*model, reqs, EngineConfig{});
+  for (int64_t k = 1; k <= kMaxSpeculativeTokens; ++k) {
+    SCOPED_TRACE("K = " + std::to_string(k));
+    EngineConfig spec;
+    spec.num_speculative_tokens = k;
+    for (const bool good : {false, true}) {
+      EngineConfig c = spec;
+      if (good) c.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
+      DeviceGreedy dev(*model);
+      const RunResult r = run(dev, reqs, c);
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        expect_same(r.outs[i], ref.outs[i],
+                    std::string(good ? "oracle " : "") + "case " + std::to_string(i));
+      }
+      EXPECT_GT(dev.verify_rows, 0) << "no verify step sampled on the device";
+      EXPECT_GT(dev.device_drafts, 0) << "no draft sampled on the device";
+      EXPECT_EQ(dev.host_drafts, 0) << "greedy drafts took host logits";
+      EXPECT_EQ(dev.host_forwards, 0) << "greedy steps took host logits";
+      if (good) EXPECT_GT(r.stats.spec_num_accepted_tokens, 0);
+    }
+  }
+}
+
 TEST(SpecDemoHead, AcceptanceLengthAboveFloor) {
   const std::string dir = testing::source_dir() + "/models/demo";
   if (!fs::exists(dir + "/config.json") || !Checkpoint(dir).has("mtp.fc.weight")) {

@@ -5,6 +5,7 @@
 #   bench_model_cuda    decode step / prefill at real shapes with random weights vs the roofline
 #   bench_qwen35_cuda   the same for Qwen3.5 (Qwen35MoeCuda) from a checkpoint on disk
 #   profile_decode_cuda per-kernel time of a decode step's graph (CUPTI activity records)
+#   bench_spec_cuda     MTP speculative decoding: verify-step cost, end-to-end decode
 if(TANDEM_HAS_CUDA)
   file(GLOB TANDEM_MODEL_CUDA_SRCS CONFIGURE_DEPENDS
     ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cpp ${CMAKE_SOURCE_DIR}/src/model/cuda/*.cu)
@@ -61,5 +62,9 @@ if(TANDEM_HAS_CUDA)
       target_link_libraries(profile_decode_cuda PRIVATE tandem_model_cuda CUDA::cupti)
       target_compile_options(profile_decode_cuda PRIVATE ${TANDEM_WARNINGS})
     endif()
+    # MTP speculative decoding: verify-step cost and end-to-end decode with forced acceptance.
+    add_executable(bench_spec_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_spec_cuda.cpp)
+    target_link_libraries(bench_spec_cuda PRIVATE tandem_model_cuda tandem_engine)
+    target_compile_options(bench_spec_cuda PRIVATE ${TANDEM_WARNINGS})
   endif()
 endif()

@@ -18,9 +18,9 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
 #include "model/quant.h"
-#include "model/cuda/qwen3_moe_cuda.h"
 #include "model/safetensors.h"
 
 namespace tandem {
@@ -35,16 +35,16 @@ struct MtpCuda::Impl {
   const ModelConfig c;
   MtpScratch s;
   std::vector<DeviceMem> mem;
-  bf16 *fc = nullptr;                          // [H, 2H] over [embedding; hidden]
-  bf16 *norm_e = nullptr, *norm_h = nullptr;   // [H] pre_fc norms
-  bf16* norm = nullptr;                        // [H] mtp.norm
+  bf16* fc = nullptr;                         // [H, 2H] over [embedding; hidden]
+  bf16 *norm_e = nullptr, *norm_h = nullptr;  // [H] pre_fc norms
+  bf16* norm = nullptr;                       // [H] mtp.norm
   bf16 *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-  bf16 *qkv_w = nullptr, *o_w = nullptr;       // [(qh + 2 kvh) d, H], [H, qh d]
+  bf16 *qkv_w = nullptr, *o_w = nullptr;  // [(qh + 2 kvh) d, H], [H, qh d]
   bool moe = false;
   bf16 *router = nullptr, *gate_up = nullptr, *down = nullptr;  // MoE packed / dense
-  DeviceMem cat;                               // [t_cap, 2H]
-  DeviceMem hidden_in;                         // [t_cap, H]
-  DeviceMem gu, act;                           // dense MLP only
+  DeviceMem cat;                                                // [t_cap, 2H]
+  DeviceMem hidden_in;                                          // [t_cap, H]
+  DeviceMem gu, act;                                            // dense MLP only
   std::unique_ptr<cuda::MoeLayer> moe_layer;
   // Metadata: ids | positions | token_seq | rows (int32, t_cap each) | slots (int64).
   DeviceMem d_meta, d_tables;
@@ -183,8 +183,7 @@ std::unique_ptr<MtpCuda> MtpCuda::load(const ModelConfig& config, const std::str
                     ": no MTP weights (tensor 'mtp.fc.weight' not found); the checkpoint needs "
                     "mtp.* tensors, or give the MTP layer's directory as \"model\" in "
                     "--speculative-config (tools/train_mtp.py writes one)");
-  const WeightReader wr(ckpt, config.quant,
-                        (std::filesystem::path(dir) / "config.json").string());
+  const WeightReader wr(ckpt, config.quant, (std::filesystem::path(dir) / "config.json").string());
   auto impl = std::make_unique<Impl>(config, scratch);
   const bool moe = ckpt.has("mtp.layers.0.mlp.gate.weight");
   TANDEM_CHECK_KIND(kUnsupported, !moe || config.num_experts > 0, dir,
@@ -211,8 +210,8 @@ KvGeometry MtpCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
 KvCache MtpCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
   const KvGeometry g = kv_geometry(num_pages, page_size);
   TANDEM_CHECK_KIND(kInvalidArgument, num_pages > 0 && page_size > 0, "bad MTP KV cache size");
-  auto pool = std::make_shared<DeviceMem>(static_cast<size_t>(g.page_elems() * num_pages) *
-                                          sizeof(bf16));
+  auto pool =
+      std::make_shared<DeviceMem>(static_cast<size_t>(g.page_elems() * num_pages) * sizeof(bf16));
   TANDEM_CUDA_CHECK(cudaMemsetAsync(pool->as<void>(), 0, pool->size(), impl_->s.stream));
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(impl_->s.stream));
   KvCache::External ext;
@@ -320,9 +319,9 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   auto* pool = static_cast<bf16*>(kv.layer_data(0));
   cuda::rms_norm_launch({X, im.input_norm, XN, n, h, eps}, st);
   im.linear(XN, im.qkv_w, QKV, n, im.qkv_rows(), h);
-  cuda::qkv_prep_launch({QKV, Q, pool, d_slots, im.q_norm, im.k_norm, d_pos, n, qh, kvh, d, ps, eps,
-                         c.rope_theta},
-                        st);
+  cuda::qkv_prep_launch(
+      {QKV, Q, pool, d_slots, im.q_norm, im.k_norm, d_pos, n, qh, kvh, d, ps, eps, c.rope_theta},
+      st);
   cuda::PagedAttentionParams ap{};
   ap.q = Q;
   ap.pool = pool;

@@ -89,7 +89,9 @@ constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
 // Captured graphs: decode steps (one token per sequence) and verify steps (K + 1 tokens).
 constexpr int64_t kMaxGraphTokensPerSeq = 5;  // 1 + engine/speculative.h's largest K
 constexpr int64_t kGraphKeyStride = 1 << 20;  // key = (tokens per sequence - 1) * stride + bucket
-constexpr int64_t graph_key(int64_t bucket, int64_t q) { return (q - 1) * kGraphKeyStride + bucket; }
+constexpr int64_t graph_key(int64_t bucket, int64_t q) {
+  return (q - 1) * kGraphKeyStride + bucket;
+}
 
 }  // namespace
 
@@ -1087,8 +1089,8 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   int64_t width = 1;
   for (const auto& s : batch.seqs) {
     width = std::max(width, s.num_pages);
-    decode = decode && s.num_tokens == q &&
-             s.logits == (q == 1 ? LogitsMode::kLast : LogitsMode::kAll);
+    decode =
+        decode && s.num_tokens == q && s.logits == (q == 1 ? LogitsMode::kLast : LogitsMode::kAll);
   }
   if (decode) {
     if (im.graph_width == 0) {
@@ -1320,8 +1322,8 @@ void Qwen3MoeCuda::sample_rows(const float* logits, const std::vector<DeviceSamp
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
-  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R, " sampling rows exceed the CUDA model's ",
-                    im.rows_cap);
+  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R,
+                    " sampling rows exceed the CUDA model's ", im.rows_cap);
   constexpr int64_t kTop = cuda::kMaxTopLogprobs;
   // Layout of the pinned buffer: params [R] | tokens [R] | logprobs [R] | top ids | top lps.
   auto* hp = im.h_sample.as<cuda::SamplingRowParams>();

@@ -1,0 +1,277 @@
+// MTP speculative decoding on one GPU at real shapes with random weights (generated on the
+// device, as bench_model_cuda: the MTP layer too, Qwen3MoeCuda::random_mtp):
+//   1. verify-step cost: one target step over K + 1 tokens for each of B sequences (logits of
+//      all, the captured verify graph) vs the one-token decode step it replaces (its graph),
+//      at 1k context, B = 1 / 8 / 32 / 128, K = 1..4; beside them one MTP draft pass over B
+//      tokens (eager);
+//   2. end-to-end decode tok/s through the engine (greedy, device sampling) without
+//      speculation and with K drafts accepted each with probability p (the benchmark switch
+//      EngineConfig::spec_forced_accept_prob: NOT lossless, the cost of a real acceptance
+//      rate), same run. Mean acceptance length = 1 + p + ... + p^K (2.53 at K = 3, p = 0.7).
+// Models: Qwen3-30B-A3B (48 layers, or --layers N), one Qwen3-235B-A22B layer (vocab 1024).
+//
+//   bench_spec_cuda [--model 30b|235b-layer|all] [--layers N] [--verify-only] [--e2e-only]
+//                   [--batches 1,8,32,128] [--tokens N]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "bench_util.h"
+#include "core/error.h"
+#include "engine/engine.h"
+#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/cuda/random_fill.h"
+
+using namespace tandem;
+
+namespace {
+
+ModelConfig qwen3_30b() {
+  ModelConfig c;
+  c.model_type = "qwen3_moe";
+  c.vocab_size = 151936;
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.moe_intermediate_size = 768;
+  c.num_hidden_layers = 48;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1e6;
+  c.max_position_embeddings = 40960;
+  c.eos_token_ids = {151645};
+  return c;
+}
+
+ModelConfig qwen3_235b_layer() {
+  ModelConfig c = qwen3_30b();
+  c.vocab_size = 1024;
+  c.eos_token_ids = {1023};
+  c.hidden_size = 4096;
+  c.intermediate_size = 12288;
+  c.moe_intermediate_size = 1536;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 64;
+  c.num_key_value_heads = 4;
+  return c;
+}
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) v.push_back(std::atoll(item.c_str()));
+  return v;
+}
+
+void bench_verify(const std::string& name, Qwen3MoeCuda& model,
+                  const std::vector<int64_t>& batches) {
+  const ModelConfig& c = model.config();
+  const int64_t ctx = 1024, ps = 16, per_seq = (ctx + 16 + ps - 1) / ps;
+  const int64_t bmax = *std::max_element(batches.begin(), batches.end());
+  const int64_t pages = bmax * per_seq + 8;
+  cudaStream_t st = model.stream();
+  KvCache kv = model.make_kv_cache(pages, ps);
+  KvCache mkv = model.make_mtp_kv_cache(pages, ps);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f, 1.f,
+                           st);
+  }
+  cuda::random_fill_bf16(mkv.layer_data(0), mkv.geometry().page_elems() * pages, 99, 0.f, 1.f, st);
+  bench::Timer timer;
+  timer.stream = st;
+  timer.create_events();
+  std::printf("\n== %s: verify step (K + 1 tokens per sequence) vs decode step, %lld context\n",
+              name.c_str(), static_cast<long long>(ctx));
+  std::printf("%-14s %6s %3s %11s %11s %9s %13s %13s\n", "model", "batch", "K", "step_us",
+              "decode_us", "ratio", "mtp_pass_us", "graph");
+  std::vector<int32_t> tables(static_cast<size_t>(bmax * per_seq));
+  std::iota(tables.begin(), tables.end(), 0);
+  std::vector<int32_t> tokens(static_cast<size_t>(bmax * 5));
+  for (size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+  std::vector<float> hidden(static_cast<size_t>(bmax * c.hidden_size), 0.5f);
+  for (int64_t b : batches) {
+    double decode_us = 0;
+    // One MTP pass over b tokens (a chained draft pass): eager.
+    ForwardBatch mb;
+    for (int64_t i = 0; i < b; ++i) {
+      mb.seqs.push_back(
+          {tokens.data() + i, 1, ctx - 1, tables.data() + i * per_seq, per_seq, LogitsMode::kLast});
+    }
+    for (int w = 0; w < 3; ++w) model.mtp_forward_device(mb, hidden.data(), mkv);
+    const double mtp_us =
+        1e3 * bench::upper_median(bench::event_samples_ms(st, timer.ev0, timer.ev1, 0, 20, [&] {
+          model.mtp_forward_device(mb, hidden.data(), mkv);
+        }));
+    for (int64_t k = 0; k <= 4; ++k) {
+      const int64_t q = k + 1;
+      ForwardBatch fb;
+      for (int64_t i = 0; i < b; ++i) {
+        fb.seqs.push_back({tokens.data() + i * 5, q, ctx - 1, tables.data() + i * per_seq, per_seq,
+                           q == 1 ? LogitsMode::kLast : LogitsMode::kAll});
+      }
+      for (int w = 0; w < 3; ++w) model.forward_device(fb, kv);  // capture + warm
+      const double us =
+          1e3 * bench::upper_median(bench::event_samples_ms(st, timer.ev0, timer.ev1, 0, 20,
+                                                            [&] { model.forward_device(fb, kv); }));
+      if (k == 0) decode_us = us;
+      bool graph = false;
+      for (const auto& [gb, gq] : model.captured_verify_graphs()) graph |= gq == q;
+      if (q == 1) graph = !model.captured_buckets().empty();
+      std::printf("%-14s %6lld %3lld %11.1f %11.1f %8.2fx %13.1f %13s\n", name.c_str(),
+                  static_cast<long long>(b), static_cast<long long>(k), us, decode_us,
+                  us / decode_us, mtp_us, graph ? "yes" : "eager");
+      std::fflush(stdout);
+    }
+  }
+}
+
+struct E2e {
+  double tok_s = 0, accept_len = 0;
+  int64_t tokens = 0;
+};
+
+E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t prompt_len,
+               int64_t max_tokens) {
+  EngineConfig cfg;
+  cfg.max_num_seqs = batch;
+  cfg.max_batched_tokens = 2048;
+  cfg.page_size = 16;
+  cfg.num_pages = batch * ((prompt_len + max_tokens + 8 + 15) / 16) + 16;
+  cfg.num_speculative_tokens = k;
+  cfg.spec_forced_accept_prob = k > 0 ? p : -1.0;
+  Engine engine(model, cfg);
+  std::mt19937 rng(5);
+  std::vector<int64_t> produced(static_cast<size_t>(batch), 0);
+  for (int64_t i = 0; i < batch; ++i) {
+    GenRequest r;
+    r.id = "b" + std::to_string(i);
+    for (int64_t t = 0; t < prompt_len; ++t) {
+      r.prompt_ids.push_back(static_cast<int32_t>(rng() % (model.config().vocab_size - 1)));
+    }
+    r.max_tokens = static_cast<int32_t>(max_tokens);
+    r.ignore_eos = true;
+    r.sampling.temperature = 0;
+    engine.add(r, [&produced, i](const StepOutput& o) {
+      produced[static_cast<size_t>(i)] += static_cast<int64_t>(o.token_ids.size());
+    });
+  }
+  // Prefill (and the first token) first; then time the decode steps.
+  auto all_started = [&] {
+    return std::all_of(produced.begin(), produced.end(), [](int64_t n) { return n > 0; });
+  };
+  while (!all_started() && engine.step()) {
+  }
+  const int64_t before = std::accumulate(produced.begin(), produced.end(), int64_t{0});
+  const EngineStats s0 = engine.stats();
+  const auto t0 = std::chrono::steady_clock::now();
+  while (engine.step()) {
+  }
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const EngineStats s1 = engine.stats();
+  E2e e;
+  e.tokens = std::accumulate(produced.begin(), produced.end(), int64_t{0}) - before;
+  e.tok_s = static_cast<double>(e.tokens) / sec;
+  const int64_t drafts = s1.spec_num_drafts - s0.spec_num_drafts;
+  e.accept_len =
+      drafts > 0
+          ? 1.0 + double(s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens) / double(drafts)
+          : 1.0;
+  return e;
+}
+
+void bench_e2e(const std::string& name, Qwen3MoeCuda& model, const std::vector<int64_t>& batches,
+               int64_t max_tokens) {
+  std::printf(
+      "\n== %s: end-to-end decode through the engine (greedy, 256-token prompts, %lld "
+      "new tokens each), speculation with forced acceptance p\n",
+      name.c_str(), static_cast<long long>(max_tokens));
+  std::printf("%-14s %6s %3s %5s %12s %10s %9s\n", "model", "batch", "K", "p", "tok/s",
+              "accept_len", "speedup");
+  for (int64_t b : batches) {
+    const E2e base = run_engine(model, b, 0, 0, 256, max_tokens);
+    std::printf("%-14s %6lld %3d %5s %12.1f %10.2f %8.2fx\n", name.c_str(),
+                static_cast<long long>(b), 0, "-", base.tok_s, 1.0, 1.0);
+    for (int64_t k : {int64_t{1}, int64_t{3}}) {
+      for (double p : {0.6, 0.7, 0.8}) {
+        const E2e e = run_engine(model, b, k, p, 256, max_tokens);
+        std::printf("%-14s %6lld %3lld %5.1f %12.1f %10.2f %8.2fx\n", name.c_str(),
+                    static_cast<long long>(b), static_cast<long long>(k), p, e.tok_s, e.accept_len,
+                    e.tok_s / base.tok_s);
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string which = "all";
+  int64_t layers = 0, max_tokens = 128;
+  bool verify = true, e2e = true;
+  std::vector<int64_t> batches{1, 8, 32, 128}, e2e_batches{1, 32};
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
+    if (std::strcmp(argv[i], "--layers") == 0 && i + 1 < argc) layers = std::atoll(argv[++i]);
+    if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) max_tokens = std::atoll(argv[++i]);
+    if (std::strcmp(argv[i], "--batches") == 0 && i + 1 < argc) batches = parse_list(argv[++i]);
+    if (std::strcmp(argv[i], "--e2e-batches") == 0 && i + 1 < argc) {
+      e2e_batches = parse_list(argv[++i]);
+    }
+    if (std::strcmp(argv[i], "--verify-only") == 0) e2e = false;
+    if (std::strcmp(argv[i], "--e2e-only") == 0) verify = false;
+  }
+  try {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+      std::printf("no CUDA device: nothing to measure\n");
+      return 0;
+    }
+    struct M {
+      std::string name;
+      ModelConfig c;
+    };
+    std::vector<M> models;
+    if (which == "30b" || which == "all") {
+      ModelConfig c = qwen3_30b();
+      if (layers > 0) c.num_hidden_layers = layers;
+      models.push_back({"30b-" + std::to_string(c.num_hidden_layers) + "L", c});
+    }
+    if (which == "235b-layer" || which == "all")
+      models.push_back({"235b-layer", qwen3_235b_layer()});
+    for (const M& m : models) {
+      CudaModelOptions o;
+      o.max_tokens = 2048;
+      o.max_seqs = std::max<int64_t>(128, *std::max_element(batches.begin(), batches.end()));
+      o.page_size = 16;
+      o.graph_max_context = 2048;
+      auto model = Qwen3MoeCuda::random(m.c, o, 7);
+      model->random_mtp(8);
+      std::printf("== %s: %.1f GB of weights (MTP layer included)\n", m.name.c_str(),
+                  model->weight_bytes() / 1e9);
+      if (verify) bench_verify(m.name, *model, batches);
+      if (e2e && m.c.num_hidden_layers > 1) bench_e2e(m.name, *model, e2e_batches, max_tokens);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_spec_cuda: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,205 @@
+// MTP speculative decoding on the GPU (Qwen3MoeCuda::load_mtp, model/cuda/mtp_cuda.h):
+//  - the MTP layer's pass against the CPU model's (the same hidden states and tokens in), by the
+//    teacher-forced logits rule of test_model_cuda.cpp (median / p95 / max relative error,
+//    argmax where the CPU's margin exceeds kMarginBf16);
+//  - lossless greedy decoding: K = 1..4, alone and batched, verify steps in graphs and eager,
+//    with the random MTP layer (drafts nearly always rejected) and with oracle drafts (mostly
+//    right: every accepted length, the bonus token, rollbacks) give the golden tokens by the
+//    margin rule of the CUDA golden tests, as decoding without speculation does.
+// Random MTP weights are fine for losslessness (tests/engine/mtp_weights.h). Skips without a
+// GPU; the MTP directory helper and the oracle are host code.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/golden.h"
+#include "engine/mtp_weights.h"
+#include "engine/speculative.h"
+#include "model/config.h"
+#include "model/cuda/cuda_golden_util.h"
+#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/qwen3_moe.h"
+
+namespace tandem {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace cuda_golden;  // NOLINT: the shared rule (cuda_golden_util.h)
+
+std::vector<std::string> mtp_fixtures() {
+  std::vector<std::string> out;
+  for (const auto& d : testing::golden_dirs()) {
+    const ModelConfig c = ModelConfig::from_dir(d);
+    if ((c.head_dim == 64 || c.head_dim == 128) && !c.is_hybrid()) out.push_back(d);
+  }
+  return out;
+}
+
+// Random MTP weights for a fixture, written once per process.
+const std::string& mtp_dir(const std::string& model_dir) {
+  struct Dirs : std::map<std::string, std::string> {
+    ~Dirs() {
+      for (const auto& [model, dir] : *this) fs::remove_all(dir);
+    }
+  };
+  static Dirs dirs;
+  std::string& d = dirs[model_dir];
+  if (d.empty()) {
+    d = (fs::temp_directory_path() / ("tandem_mtp_cuda_" + fs::path(model_dir).filename().string() +
+                                      "_" + std::to_string(::getpid())))
+            .string();
+    testing::write_random_mtp(model_dir, d, 7);
+  }
+  return d;
+}
+
+// Drafts from the golden continuation, each replaced by a random token with probability 0.3.
+EngineConfig::SpecHookFn oracle(const std::vector<testing::GoldenCase>& cases, int64_t vocab) {
+  auto full = std::make_shared<std::map<std::string, std::vector<int32_t>>>();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    std::vector<int32_t> t = cases[i].prompt_ids;
+    t.insert(t.end(), cases[i].output_ids.begin(), cases[i].output_ids.end());
+    (*full)["r" + std::to_string(i)] = t;
+  }
+  auto rng = std::make_shared<std::mt19937_64>(11);
+  return [full, rng, vocab](const std::string& id, std::span<const int32_t> tokens,
+                            std::vector<int32_t>& drafts) {
+    const auto& want = full->at(id);
+    for (size_t m = 0; m < drafts.size(); ++m) {
+      const size_t pos = tokens.size() + m;
+      if (pos < want.size()) drafts[m] = want[pos];
+      if ((*rng)() % 10 < 3) drafts[m] = static_cast<int32_t>((*rng)() % vocab);
+    }
+  };
+}
+
+class CudaMtp : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaMtp, MtpPassMatchesTheCpuModel) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  auto cpu = Qwen3MoeCpu::load(dir);
+  cpu->load_mtp(mtp_dir(dir));
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  gpu->load_mtp(mtp_dir(dir));
+  ASSERT_TRUE(gpu->has_mtp());
+  const int64_t vocab = cpu->config().vocab_size;
+  std::vector<double> errs;
+  int checked = 0;
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    const auto& c = g.cases[i];
+    std::vector<int32_t> tokens = c.prompt_ids;
+    tokens.insert(tokens.end(), c.output_ids.begin(), c.output_ids.end());
+    const auto n = static_cast<int64_t>(tokens.size()) - 1;  // positions with a next token
+    const int64_t pages = n / 4 + 2;
+    std::vector<int32_t> table(static_cast<size_t>(pages));
+    for (int64_t p = 0; p < pages; ++p) table[static_cast<size_t>(p)] = int32_t(pages - 1 - p);
+    // The target's hidden states on the CPU (the same input for both MTP passes).
+    KvCache kv(cpu->kv_geometry(pages, 4));
+    std::vector<float> hidden, logits;
+    ForwardBatch tb;
+    tb.seqs.push_back({tokens.data(), n, 0, table.data(), pages, LogitsMode::kLast});
+    tb.hidden_out = &hidden;
+    cpu->forward(tb, kv, logits);
+    ASSERT_EQ(static_cast<int64_t>(hidden.size()), n * cpu->config().hidden_size);
+    // MTP over every position (tokens t + 1), in two chunks so the second reads cached MTP KV.
+    KvCache cpu_mkv(cpu->mtp_kv_geometry(pages, 4));
+    KvCache gpu_mkv = gpu->make_mtp_kv_cache(pages, 4);
+    std::vector<float> want, got, part, hout_c, hout_g;
+    const int64_t h = cpu->config().hidden_size;
+    for (int64_t begin : {int64_t{0}, n / 2}) {
+      const int64_t count = begin == 0 ? n / 2 : n - n / 2;
+      if (count <= 0) continue;
+      ForwardBatch mb;
+      mb.seqs.push_back(
+          {tokens.data() + begin + 1, count, begin, table.data(), pages, LogitsMode::kAll});
+      cpu->mtp_forward(mb, hidden.data() + begin * h, cpu_mkv, part, hout_c);
+      want.insert(want.end(), part.begin(), part.end());
+      gpu->mtp_forward(mb, hidden.data() + begin * h, gpu_mkv, part, hout_g);
+      got.insert(got.end(), part.begin(), part.end());
+      ASSERT_EQ(hout_g.size(), hout_c.size());
+    }
+    checked += compare_rows(got, want, vocab, g.name + " mtp case " + std::to_string(i), errs);
+  }
+  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  std::printf("[ %s ] MTP rows %zu: relative error median %.2e p95 %.2e max %.2e, %d argmax\n",
+              g.name.c_str(), errs.size(), med, p95, worst, checked);
+  EXPECT_LT(med, kMedianTol);
+  EXPECT_LT(p95, kP95Tol);
+  EXPECT_LT(worst, kMaxTol);
+}
+
+TEST_P(CudaMtp, GreedyLosslessForK1To4) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  struct Mode {
+    const char* name;
+    bool graphs, together, oracle;
+  };
+  const Mode modes[] = {{"alone+graphs", true, false, false},
+                        {"batched+graphs", true, true, false},
+                        {"batched eager", false, true, false},
+                        {"batched+graphs, oracle drafts", true, true, true},
+                        {"alone+graphs, oracle drafts", true, false, true}};
+  for (const bool graphs : {true, false}) {
+    CudaModelOptions o;
+    o.max_tokens = 1024;
+    o.max_seqs = 8;
+    o.page_size = 16;
+    o.cuda_graphs = graphs;
+    auto gpu = Qwen3MoeCuda::load(dir, o);
+    gpu->load_mtp(mtp_dir(dir));
+    for (const Mode& m : modes) {
+      if (m.graphs != graphs) continue;
+      for (int64_t k = 0; k <= kMaxSpeculativeTokens; ++k) {
+        const std::string what = std::string(m.name) + ", K = " + std::to_string(k);
+        if (k == 0 && m.oracle) continue;
+        EngineConfig cfg;
+        cfg.max_num_seqs = 8;
+        cfg.max_batched_tokens = 1024;
+        cfg.page_size = 16;
+        cfg.kv_cache_mb = 64;
+        cfg.num_speculative_tokens = k;
+        if (m.oracle) cfg.spec_draft_hook = oracle(g.cases, gpu->config().vocab_size);
+        const auto results = run_engine(*gpu, g.cases, cfg, m.together);
+        const int compared = compare_greedy(g, results, what);
+        EXPECT_GT(compared, 0) << g.name << " " << what;
+        std::printf("[ %s ] %s: %d greedy steps compared\n", g.name.c_str(), what.c_str(),
+                    compared);
+      }
+    }
+    if (graphs) {
+      EXPECT_FALSE(gpu->captured_verify_graphs().empty()) << "no verify step ran a graph";
+    } else {
+      EXPECT_TRUE(gpu->captured_verify_graphs().empty());
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaMtp, ::testing::ValuesIn(mtp_fixtures()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string n = fs::path(info.param).filename().string();
+                           for (char& ch : n) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace tandem
