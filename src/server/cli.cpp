@@ -134,9 +134,10 @@ void apply_speculative(const std::string& json, const std::string& model_dir,
                        const std::string& device, Model& model, EngineConfig& engine) {
   if (json.empty()) return;
   const SpeculativeConfig sc = parse_speculative_config(json);
-  TANDEM_CHECK_KIND(kUnsupported, device == "cpu",
+  // The GPU: Qwen3MoeCuda's MTP layer (Qwen3.5 hybrids refuse it in load_mtp).
+  TANDEM_CHECK_KIND(kUnsupported, device == "cpu" || device == "cuda",
                     "--speculative-config: not supported with --device ", device,
-                    " yet (use --device cpu)");
+                    " yet (use --device cpu or cuda)");
   model.load_mtp(sc.model.empty() ? model_dir : sc.model);
   engine.num_speculative_tokens = sc.num_speculative_tokens;
 }
@@ -567,8 +568,8 @@ int run_decode(const InstanceArgs& a) {
     // collectives; the verify is the rank's ordinary (collective) forward.
     const SpeculativeConfig sc = parse_speculative_config(a.speculative_config);
     TANDEM_CHECK_KIND(kUnsupported, a.device == "cpu",
-                      "--speculative-config: not supported with --device ", a.device,
-                      " yet (use --device cpu)");
+                      "--speculative-config: not supported on decode instances with --device ",
+                      a.device, " yet (use --device cpu)");
     cfg.engine.num_speculative_tokens = sc.num_speculative_tokens;
     cfg.model = [dir = a.model, mtp = sc.model.empty() ? a.model : sc.model](
                     const ShardSpec& shard, comm::Communicator* comm) -> std::unique_ptr<Model> {
