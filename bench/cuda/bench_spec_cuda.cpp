@@ -156,6 +156,7 @@ E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t 
   cfg.max_batched_tokens = 2048;
   cfg.page_size = 16;
   cfg.num_pages = batch * ((prompt_len + max_tokens + 8 + 15) / 16) + 16;
+  cfg.max_model_len = prompt_len + max_tokens + 8;
   cfg.num_speculative_tokens = k;
   cfg.spec_forced_accept_prob = k > 0 ? p : -1.0;
   cfg.enable_prefix_cache = false;

@@ -11,9 +11,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -145,6 +147,88 @@ TEST_P(CudaMtp, MtpPassMatchesTheCpuModel) {
   EXPECT_LT(worst, kMaxTol);
 }
 
+// The target's verify step (K + 1 tokens per sequence, logits of all; a captured graph when
+// the batch is uniform) against the CPU model's teacher-forced logits of the same positions, by
+// the teacher-forced rule: every position after the prompt is computed as a row of a verify
+// step, one sequence alone and all cases together.
+TEST_P(CudaMtp, VerifyRowsMatchTheCpuModel) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  auto cpu = Qwen3MoeCpu::load(dir);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  const int64_t vocab = cpu->config().vocab_size;
+  std::vector<double> errs;
+  int checked = 0;
+  for (const int64_t q : {int64_t{2}, int64_t{3}, int64_t{5}}) {
+    // All cases in one batch; sequence i owns pages [i * per, (i + 1) * per).
+    size_t longest = 0;
+    std::vector<std::vector<int32_t>> toks;
+    for (const auto& c : g.cases) {
+      std::vector<int32_t> t = c.prompt_ids;
+      t.insert(t.end(), c.output_ids.begin(), c.output_ids.end() - 1);
+      longest = std::max(longest, t.size());
+      toks.push_back(t);
+    }
+    const auto nc = static_cast<int64_t>(toks.size());
+    const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
+    std::vector<int32_t> tables(static_cast<size_t>(nc * per));
+    std::iota(tables.begin(), tables.end(), 0);
+    std::reverse(tables.begin(), tables.end());
+    KvCache kv = gpu->make_kv_cache(nc * per, 4);
+    std::vector<std::vector<float>> got(static_cast<size_t>(nc));
+    std::vector<int64_t> done(static_cast<size_t>(nc));
+    std::vector<float> part;
+    // Prompts (the cases' prompt lengths), then verify-shaped steps of q tokens for all cases
+    // still running (uniform while every case has q tokens left: the verify graph).
+    for (int64_t step = 0;; ++step) {
+      ForwardBatch b;
+      std::vector<int64_t> idx;
+      for (int64_t i = 0; i < nc; ++i) {
+        const auto n = static_cast<int64_t>(toks[static_cast<size_t>(i)].size());
+        const int64_t start = done[static_cast<size_t>(i)];
+        if (start >= n) continue;
+        const int64_t count =
+            step == 0 ? static_cast<int64_t>(g.cases[static_cast<size_t>(i)].prompt_ids.size())
+                      : std::min(q, n - start);
+        b.seqs.push_back({toks[static_cast<size_t>(i)].data() + start, count, start,
+                          tables.data() + i * per, per, LogitsMode::kAll});
+        idx.push_back(i);
+      }
+      if (b.seqs.empty()) break;
+      gpu->forward(b, kv, part);
+      int64_t row = 0;
+      for (size_t j = 0; j < idx.size(); ++j) {
+        const int64_t cnt = b.seqs[j].num_tokens;
+        auto& dst = got[static_cast<size_t>(idx[j])];
+        dst.insert(dst.end(), part.begin() + row * vocab, part.begin() + (row + cnt) * vocab);
+        done[static_cast<size_t>(idx[j])] += cnt;
+        row += cnt;
+      }
+    }
+    for (int64_t i = 0; i < nc; ++i) {
+      const auto& t = toks[static_cast<size_t>(i)];
+      KvCache cpu_kv(cpu->kv_geometry(static_cast<int64_t>(t.size()) / 4 + 2, 4));
+      const auto want = teacher_forced(*cpu, cpu_kv, t, 1 << 20);
+      checked += compare_rows(
+          got[static_cast<size_t>(i)], want, vocab,
+          g.name + " verify q " + std::to_string(q) + " case " + std::to_string(i), errs);
+    }
+  }
+  EXPECT_FALSE(gpu->captured_verify_graphs().empty()) << "no verify step ran a graph";
+  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  std::printf(
+      "[ %s ] verify rows %zu: relative error median %.2e p95 %.2e max %.2e, %d argmax checks\n",
+      g.name.c_str(), errs.size(), med, p95, worst, checked);
+  EXPECT_LT(med, kMedianTol);
+  EXPECT_LT(p95, kP95Tol);
+  EXPECT_LT(worst, kMaxTol);
+  EXPECT_GT(checked, 0);
+}
+
 TEST_P(CudaMtp, GreedyLosslessForK1To4) {
   const std::string dir = GetParam();
   const testing::Golden g = testing::load_golden(dir);
@@ -178,7 +262,12 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
         cfg.num_speculative_tokens = k;
         if (m.oracle) cfg.spec_draft_hook = oracle(g.cases, gpu->config().vocab_size);
         const auto results = run_engine(*gpu, g.cases, cfg, m.together);
-        const int compared = compare_greedy(g, results, what);
+        // NOTE: accepted drafts' tokens come from verify rows j > 0, computed in other GEMM
+        // shapes than a one-token step: a routing flip within bf16's resolution may move ranks
+        // 2-5 (seen on the H200: one rank-4 logprob off by 1.8 with the token and its logprob
+        // unchanged). Those rows' logits are checked against the CPU row by row by
+        // VerifyRowsMatchTheCpuModel; here the tokens and the chosen logprobs.
+        const int compared = compare_greedy(g, results, what, /*lower_ranks=*/!m.oracle);
         EXPECT_GT(compared, 0) << g.name << " " << what;
         std::printf("[ %s ] %s: %d greedy steps compared\n", g.name.c_str(), what.c_str(),
                     compared);
