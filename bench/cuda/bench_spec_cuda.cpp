@@ -213,14 +213,14 @@ void bench_e2e(const std::string& name, Qwen3MoeCuda& model, const std::vector<i
     const E2e base = run_engine(model, b, 0, 0, 256, max_tokens);
     std::printf("%-14s %6lld %3d %5s %12.1f %10.2f %8.2fx\n", name.c_str(),
                 static_cast<long long>(b), 0, "-", base.tok_s, 1.0, 1.0);
-    for (int64_t k : {int64_t{1}, int64_t{3}}) {
-      for (double p : {0.6, 0.7, 0.8}) {
-        const E2e e = run_engine(model, b, k, p, 256, max_tokens);
-        std::printf("%-14s %6lld %3lld %5.1f %12.1f %10.2f %8.2fx\n", name.c_str(),
-                    static_cast<long long>(b), static_cast<long long>(k), p, e.tok_s, e.accept_len,
-                    e.tok_s / base.tok_s);
-        std::fflush(stdout);
-      }
+    // K = 3 at p = 0.6 / 0.7 / 0.8 (acceptance length 2.18 / 2.53 / 2.95), K = 1 at 0.7.
+    const std::pair<int64_t, double> runs[] = {{3, 0.6}, {3, 0.7}, {3, 0.8}, {1, 0.7}};
+    for (const auto& [k, p] : runs) {
+      const E2e e = run_engine(model, b, k, p, 256, max_tokens);
+      std::printf("%-14s %6lld %3lld %5.1f %12.1f %10.2f %8.2fx\n", name.c_str(),
+                  static_cast<long long>(b), static_cast<long long>(k), p, e.tok_s, e.accept_len,
+                  e.tok_s / base.tok_s);
+      std::fflush(stdout);
     }
   }
 }
