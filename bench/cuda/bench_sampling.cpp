@@ -7,15 +7,20 @@
 // Each case runs on both paths: "single" (one CTA per row, no workspace) and "multi" (rows split
 // over several CTAs, with a workspace of sample_workspace_bytes).
 // Cases: greedy; greedy + chosen logprob + top-20 logprobs; temperature only; top-p 0.9;
-// top-k 20 + top-p 0.95 (Qwen3's defaults); logits N(0, 2^2) plus 8 tokens raised by 8 (a
-// peaked head over a flat tail). Method as bench_ops_cuda: enough logits sets to exceed 3x the
-// L2, warm-up, launches captured in a CUDA graph, median per-call time over replays.
+// top-k 20 + top-p 0.95 (Qwen3's defaults); min-p 0.05; top-k 50; logits N(0, 2^2) plus 8
+// tokens raised by 8 (a peaked head over a flat tail: ~93% of the vocabulary within 20 nats of
+// the max, the hard case for a cut). Method as bench_ops_cuda: enough logits sets to exceed 3x
+// the L2, warm-up, launches captured in a CUDA graph, median per-call time over replays.
+// The CSV (case,rows,path,us,bound_us) goes to $TANDEM_BENCH_CSV when set; the same-run PyTorch
+// baseline is bench/cuda/sampling_torch_baseline.py --ours THAT_CSV.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <string>
@@ -82,7 +87,14 @@ int main(int argc, char** argv) {
                           {"greedy+logprobs20", mk(0.f, 0, 1.f, 1, 20)},
                           {"temperature", mk(1.f, 0, 1.f, 0, 0)},
                           {"top_p0.9", mk(1.f, 0, 0.9f, 0, 0)},
-                          {"top_k20+top_p0.95", mk(0.7f, 20, 0.95f, 0, 0)}};
+                          {"top_k20+top_p0.95", mk(0.7f, 20, 0.95f, 0, 0)},
+                          {"min_p0.05", mk(1.f, 0, 1.f, 0, 0)},
+                          {"top_k50", mk(1.f, 50, 1.f, 0, 0)}};
+    std::ofstream csv;
+    if (const char* path = std::getenv("TANDEM_BENCH_CSV")) {
+      csv.open(path);
+      csv << "case,rows,path,us,bound_us\n";
+    }
     std::mt19937 rng(20261130);
     for (int64_t rows : {1, 32, 128, 256}) {
       const double set_bytes = static_cast<double>(rows * kVocab * esize);
@@ -111,6 +123,8 @@ int main(int argc, char** argv) {
           workspace(sample_workspace_bytes(rows, kVocab));
       for (Case const& c : cases) {
         std::vector<SamplingRowParams> hp(static_cast<size_t>(rows), c.p);
+        if (!std::strcmp(c.name, "min_p0.05"))
+          for (auto& r : hp) r.min_p = 0.05f;
         for (int64_t r = 0; r < rows; ++r) hp[r].counter = static_cast<uint64_t>(r);
         TANDEM_CUDA_CHECK(cudaMemcpy(params.ptr, hp.data(), hp.size() * sizeof(SamplingRowParams),
                                      cudaMemcpyHostToDevice));
@@ -134,6 +148,9 @@ int main(int argc, char** argv) {
                       static_cast<long long>(rows), multi ? "multi" : "single", us, bound,
                       100.0 * bound / us, set_bytes / (us * 1e-6) / 1e9);
           std::fflush(stdout);
+          if (csv.is_open())
+            csv << c.name << "," << rows << "," << (multi ? "multi" : "single") << "," << us << ","
+                << bound << "\n";
         }
       }
     }

@@ -266,12 +266,33 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
     }
     if (ss.logits == LogitsMode::kAll) return false;
     if (ss.logits != LogitsMode::kLast) continue;
-    if (s.num_output() < s.req.min_tokens) return false;  // the EOS mask needs host logits
-    if (s.req.constraint) return false;                   // so does a token constraint
+    const bool suppress_eos = s.num_output() < s.req.min_tokens;
+    // Masks and biases overwrite the logits on the device; logprobs describe the raw ones.
+    if ((suppress_eos || s.req.constraint) && s.req.sampling.logprobs >= 0) return false;
     std::optional<DeviceSampling> d =
         to_device_sampling(s.req.sampling, s.device_seed, static_cast<uint64_t>(s.num_output()));
     if (!d) return false;
-    rows.push_back(*d);
+    if (suppress_eos) {  // EOS and the stop ids as -inf biases (over the request's own)
+      const int64_t vocab = model_.config().vocab_size;
+      auto suppress = [&](int64_t id) {
+        if (id < 0 || id >= vocab) return;
+        for (auto& [bid, b] : d->bias) {
+          if (bid == id) {
+            b = -INFINITY;
+            return;
+          }
+        }
+        d->bias.emplace_back(static_cast<int32_t>(id), -INFINITY);
+      };
+      if (!s.req.ignore_eos)
+        for (int64_t id : model_.config().eos_token_ids) suppress(id);
+      for (int32_t id : s.req.stop_token_ids) suppress(id);
+    }
+    if (s.req.constraint) {  // structured outputs: the MaskWorker's mask (forward_sample waits)
+      d->mask = &s.mask;
+      d->mask_active = &s.mask_active;
+    }
+    rows.push_back(std::move(*d));
   }
   return true;
 }
@@ -296,7 +317,9 @@ bool Engine::forward(const ScheduledBatch& batch) {
   try {
     sampled_on_device_ = model_.samples_on_device() && device_rows(batch, device_rows_);
     if (sampled_on_device_) {
-      model_.forward_sample(batch.forward, kv_, device_rows_, sampled_);
+      model_.forward_sample(batch.forward, kv_, device_rows_, sampled_, [this] {
+        if (masks_) masks_->wait();  // this step's token masks (start_masks)
+      });
     } else {
       model_.forward(batch.forward, kv_, logits_);
     }
@@ -370,7 +393,12 @@ void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<floa
     }
     if (sampled_on_device_) {  // token and logprobs came from the device
       const SampledToken& st = sampled_[static_cast<size_t>(first_row + rows - 1)];
-      std::string rejected;  // (constrained rows are sampled on the host: device_rows)
+      if (!s.mask_error.empty()) {  // the mask fill threw: the row was drawn unmasked
+        out.error = s.mask_error;
+        finish(s, FinishReason::kError, out);
+        continue;
+      }
+      std::string rejected;  // the mask was applied on the device; the constraint advances
       if (s.req.constraint && !s.req.constraint->accept(st.token, rejected)) {
         out.error = rejected;
         finish(s, FinishReason::kError, out);

@@ -232,8 +232,22 @@ void apply_penalties(std::span<float> logits, const SamplingParams& params,
 
 std::optional<DeviceSampling> to_device_sampling(const SamplingParams& p, uint64_t seed,
                                                  uint64_t counter) {
-  if (p.needs_host_logits() || p.logprobs > 20) return std::nullopt;
+  const bool penalties =
+      p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+  if (penalties || p.logprobs > 20) return std::nullopt;
+  if (!p.logit_bias.empty()) {
+    // Logprobs describe the raw logits, which the device overwrites: the host path. So do
+    // duplicate ids (added in order on the host; they would race on the device).
+    if (p.logprobs >= 0) return std::nullopt;
+    std::vector<int32_t> ids;
+    ids.reserve(p.logit_bias.size());
+    for (const LogitBias& b : p.logit_bias) ids.push_back(b.id);
+    std::sort(ids.begin(), ids.end());
+    if (std::adjacent_find(ids.begin(), ids.end()) != ids.end()) return std::nullopt;
+  }
   DeviceSampling d;
+  d.bias.reserve(p.logit_bias.size());
+  for (const LogitBias& b : p.logit_bias) d.bias.emplace_back(b.id, b.bias);
   d.temperature = p.greedy() ? 0.0f : p.temperature;
   d.top_k = p.top_k;
   d.top_p = p.top_p;

@@ -87,7 +87,8 @@ void apply_token_bitmask(std::span<float> logits, std::span<const uint32_t> mask
 
 /// The one conversion to the device sampler's row parameters, for draw number `counter` of a
 /// request whose device seed is `seed`; none when the row needs the host sampler
-/// (penalties, logit biases, more than 20 logprobs).
+/// (penalties, more than 20 logprobs, logit biases together with logprobs or with a repeated
+/// token id). Logit biases travel as DeviceSampling::bias.
 std::optional<DeviceSampling> to_device_sampling(const SamplingParams& p, uint64_t seed,
                                                  uint64_t counter);
 

@@ -65,7 +65,10 @@ struct ForwardBatch {
 };
 
 /// How to sample one logits row on the model's device (Model::forward_sample): the
-/// engine's SamplingParams minus penalties and masks, which need host logits.
+/// engine's SamplingParams minus penalties (which need host logits), plus the row's logit
+/// biases and structured-output mask, applied to the logits on the device before the draw
+/// (biases, then the mask, as the host path). Logprobs describe the raw logits, so a row that
+/// asks for them carries neither biases nor a mask (the engine samples it on the host).
 struct DeviceSampling {
   float temperature = 1.0f;  // < 1e-5: greedy
   int32_t top_k = 0;
@@ -74,6 +77,13 @@ struct DeviceSampling {
   uint64_t seed = 0;      // the request's seed
   uint64_t counter = 0;   // the draw's index in the request (its output position)
   int32_t logprobs = -1;  // -1: none; 0: the chosen token's; n: and the top n (<= 20)
+  std::vector<std::pair<int32_t, float>> bias;  // (id, added to its logit), distinct ids; -inf
+                                                // suppresses a token (EOS before min_tokens)
+  // Packed allowed-token bits (bit id % 32 of word id / 32; ids past the words disallowed),
+  // applied when *mask_active. Both are read only after forward_sample's wait_masks() returns
+  // (the engine's MaskWorker fills them while the forward runs). nullptr: no mask.
+  const std::vector<uint32_t>* mask = nullptr;
+  const bool* mask_active = nullptr;
 };
 
 /// One sampled row: the token, its logprob (raw log_softmax) and the top logprobs asked for.

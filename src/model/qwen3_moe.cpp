@@ -62,7 +62,7 @@ HostTensor load_cols(const WeightReader& wr, const std::string& name, int64_t ro
 }  // namespace
 
 void Model::forward_sample(const ForwardBatch&, KvCache&, const std::vector<DeviceSampling>&,
-                           std::vector<SampledToken>&) {
+                           std::vector<SampledToken>&, const std::function<void()>&) {
   TANDEM_THROW(kUnsupported, "this model samples on the host only");
 }
 

@@ -83,10 +83,12 @@ class Model {
   virtual bool samples_on_device() const { return false; }
   /// Runs the batch and samples each logits row (batch order: kLast rows, and every row of a
   /// kAll sequence) on the device with rows[i]; out gets one entry per row. Fills
-  /// batch.hidden_out as forward() does.
+  /// batch.hidden_out as forward() does. `wait_masks` (when set) is called once the forward is
+  /// enqueued and before any rows[i].mask is read.
   virtual void forward_sample(const ForwardBatch& batch, KvCache& kv,
                               const std::vector<DeviceSampling>& rows,
-                              std::vector<SampledToken>& out);
+                              std::vector<SampledToken>& out,
+                              const std::function<void()>& wait_masks = {});
 };
 
 /// Qwen3-MoE forward on the CPU, fp32 weights and accumulation.

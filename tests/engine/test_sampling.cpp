@@ -238,7 +238,16 @@ TEST(Sampling, ToDeviceSamplingOnlyWithoutHostWork) {
   EXPECT_EQ(to_device_sampling(p, 0, 0)->temperature, 0.0f);  // greedy
   SamplingParams q = p;
   q.logit_bias = {{1, 2.0f}};
-  EXPECT_FALSE(to_device_sampling(q, 0, 0));
+  EXPECT_FALSE(to_device_sampling(q, 0, 0));  // biases with logprobs (of the raw logits)
+  q.logprobs = -1;
+  std::optional<DeviceSampling> b = to_device_sampling(q, 0, 0);
+  ASSERT_TRUE(b);  // biases alone: applied on the device
+  ASSERT_EQ(b->bias.size(), 1u);
+  EXPECT_EQ(b->bias[0].first, 1);
+  EXPECT_EQ(b->bias[0].second, 2.0f);
+  EXPECT_EQ(b->mask, nullptr);
+  q.logit_bias = {{1, 2.0f}, {4, -1.0f}, {1, 3.0f}};
+  EXPECT_FALSE(to_device_sampling(q, 0, 0));  // a repeated id: added in order on the host
   q = p;
   q.presence_penalty = 0.1f;
   EXPECT_FALSE(to_device_sampling(q, 0, 0));

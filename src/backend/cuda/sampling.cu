@@ -1,26 +1,27 @@
 // GPU sampling: one CTA of 1024 threads per row, a few block-wide passes over the row (it is
 // too large for shared memory: 151936 fp32 = 594 KiB). See sampling.h for the semantics.
-// With a workspace the same passes run over slices of the row, several CTAs per row (the
-// multi-CTA path, further down).
+// With a workspace the same decisions are made over slices of the row, several CTAs per row
+// (the multi-CTA path, further down).
 //
-// Passes per row:
-//   1. stats: raw max + argmax (ties -> lowest id), raw min, and (when logprobs are asked for)
-//      an online log-sum-exp of the raw logits. Greedy rows stop here.
-//   2. cut search (top-k and/or top-p only): the kept set is a prefix of the order
-//      (x desc, id asc), x = logit / temperature. We find its last element as a key T (an
-//      order-preserving uint32 of x) plus, when T is shared by several tokens, an id cut.
-//      Each level histograms the keys still in range into 256 equal-width key bins (count and
-//      fixed-point mass), picks the bin where the running count / mass reaches the target,
-//      and narrows the range to it: at most 4 levels, then one pass to find the r-th id among
-//      the tied tokens if the cut falls inside a tie.
-//   3. draw: an exponential race over the kept tokens (argmax of log w - log E, E ~ Exp(1)
-//      from Philox on (seed, counter, id)) is one categorical draw with probabilities w / sum w
-//      and needs no prefix sum, so it is one parallel pass and the same token whatever the
-//      thread layout.
-//   4. top-n logprobs: the same cut search by count on the key of (raw - lse), then a gather
-//      of the n (<= 20) tokens and a sort of those.
+// Passes per row (single-CTA path):
+//   1. stats: raw max + argmax (ties -> lowest id) and, only when logprobs are asked for, an
+//      online log-sum-exp of the raw logits. Greedy rows stop here.
+//   2. cut (top-k and/or top-p only): the kept set is a prefix of the order (x desc, id asc),
+//      x = logit / temperature; its last element is a key T (an order-preserving uint32 of x)
+//      and an id cut among the tokens of key T. fine_cut: one histogram pass (count and
+//      fixed-point mass in 2048 equal-width bins of x - max over the 28.5 nats below the max;
+//      every token further down has mass 0), then one gather pass of the tokens of the bins the
+//      cut can fall in, sorted in shared memory, where the cut is exact. When those tokens do
+//      not fit (> 2048, e.g. huge ties), the older search(): 256 key bins per level, at most 4
+//      levels, plus a pass for the id cut inside a tie.
+//   3. draw: the kept mass per 1024-id super-block (one pass), then the inverse CDF in id order
+//      at the target floor(u * kept mass), u one Philox draw per (seed, counter): a re-read of
+//      one super-block. The mass sums are exact integers, so the token does not depend on the
+//      thread (or CTA) layout.
+//   4. top-n logprobs: search() by count on the key of (raw - lse), then a gather of the n
+//      (<= 20) tokens and a sort of those.
 // NOTE: masses are fixed-point (w * 2^40 as uint64) so the shared-memory atomics that build
-// them are exact and order-independent: the same inputs always give the same cut.
+// them are exact and order-independent: the same inputs always give the same cut and token.
 #include <algorithm>
 #include <cstdint>
 
@@ -42,6 +43,15 @@ constexpr float kMassScale = 1099511627776.0f;  // 2^40: w in (0, 1] -> [0, 2^40
 constexpr float kGreedyBelow = 1e-5f;           // SamplingParams::greedy()
 constexpr int kIdTile = 8;                      // consecutive ids per thread in the id pass
 constexpr int32_t kNoId = INT32_MAX;
+// Fine cut (fine_cut): kFineBins bins of d = x - m over [-kZeroBelow, 0] (the shared histogram
+// arrays reused as one), at most kGatherCap tokens gathered from the bins the cut can fall in.
+// Every token with d < -kZeroBelow has fixed-point weight 0: expf(-28.5) * 2^40 = 0.46 rounds
+// to 0 (2^-41 = e^-28.42).
+constexpr int kFineBins = kHistCopies * kBins;  // 2048
+constexpr float kZeroBelow = 28.5f;
+constexpr float kFineScale = static_cast<float>(kFineBins) / kZeroBelow;
+constexpr int kGatherCap = 2048;
+constexpr int kMaxSB = 512;  // super-blocks of the draw per CTA (sb_len)
 
 struct Shared {
   uint32_t cnt[kHistCopies][kBins];
@@ -57,6 +67,15 @@ struct Shared {
   int n_gathered;
   uint32_t g_key[kMaxTopLogprobs];
   int g_id[kMaxTopLogprobs];
+  // the draw
+  unsigned long long red_u[kWarps];
+  unsigned long long sb[kMaxSB];  // kept mass per super-block
+  int find_j, find_id;
+  unsigned long long find_r;
+  // fine cut
+  unsigned long long g_sort[kGatherCap];  // (key << 32) | ~id, sorted descending
+  int f_state, f_lo, f_hi, f_bk, f_jcut;
+  unsigned long long f_acnt, f_amass, f_tmass, f_massk;
 };
 
 /// Order-preserving map float -> uint32 (larger float -> larger key). NaN -> key of -inf;
@@ -238,21 +257,15 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
   return c;
 }
 
-/// The Philox block that serves ids [4 q, 4 q + 4) of draw (seed, counter).
-__device__ __forceinline__ uint4 philox_block(uint64_t seed, uint64_t counter, uint32_t q) {
-  return philox(make_uint4(q, static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32),
-                           0x53414d50u),
-                make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)));
-}
-
-/// Exp(1) variate for token `id` of draw (seed, counter), from its Philox block
-/// r = philox_block(seed, counter, id >> 2) (one block serves 4 ids).
-__device__ __forceinline__ float exp_from_block(uint4 r, int id) {
-  const int j = id & 3;
-  const uint32_t b = j == 0 ? r.x : j == 1 ? r.y : j == 2 ? r.z : r.w;
-  // v in [2^-24, 1 - 2^-24], both exact in fp32: E in [6e-8, 16.6], never 0 or inf.
-  const float v = (static_cast<float>(b >> 9) + 0.5f) * 0x1p-23f;
-  return -log1pf(-v);
+/// floor(u * total) for the row's one uniform u in [0, 1) (53 bits of Philox on (seed,
+/// counter)): the draw's target, in [0, total) when total > 0.
+__device__ __forceinline__ uint64_t draw_target(uint64_t seed, uint64_t counter, uint64_t total) {
+  const uint4 r =
+      philox(make_uint4(0xffffffffu, static_cast<uint32_t>(counter),
+                        static_cast<uint32_t>(counter >> 32), 0x44524157u),
+             make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)));
+  const uint64_t u53 = (static_cast<uint64_t>(r.x >> 6) << 27) | (r.y >> 5);
+  return __umul64hi(u53 << 11, total);
 }
 
 // ---------------------------------------------------------------- universes
@@ -471,44 +484,429 @@ __device__ int tie_cut(T const* row, int n, U const& u, uint32_t key, uint32_t r
 }
 
 // ---------------------------------------------------------------- the draw
-/// -logf(E) <= 16.64 for every E that exp_from_block returns (v >= 2^-24); 17 with a margin.
-constexpr float kMaxNegLogE = 17.0f;
-/// A lower bound of the winning score whenever a token is kept: the first token of the order
-/// (d = 0) is always kept then, and its score is -logf(E) >= -logf(16.64) = -2.81.
-constexpr float kBestFloor = -2.9f;
+// Inverse CDF over the kept tokens in id order: the row's one uniform u gives the target
+// floor(u * M), M the kept fixed-point mass, and the token is the first id whose running kept
+// mass (id order, inclusive) exceeds it. The running mass is an exact integer sum, so the token
+// depends only on the kept set, the weights and (seed, counter): never on how the row is split
+// over threads or CTAs. Each token is drawn with probability wfp / M (wfp = w * 2^40 rounded).
 
-/// This thread's part of the exponential race over the kept tokens of row[0, n) (ids offset +
-/// i): best / best_id updated by (score desc, id asc). A token whose d + kMaxNegLogE is below
-/// max(the thread's best, kBestFloor) cannot win or tie (score <= fl(d + 16.64) <= fl(d + 17)
-/// < the final best), so its Philox draw is skipped: the winner is the one of the full race.
-/// (When nothing is kept the caller takes the argmax whatever this returns.)
-template <typename T>
-__device__ __forceinline__ void race(T const* row, int n, int offset, SampleUniverse const& u,
-                                     uint32_t cut_key, int cut_id, SamplingRowParams const& rp,
-                                     float& best, int& best_id) {
-  const float min_p = rp.min_p;
-  uint32_t cached_q = 0xffffffffu;  // ids < 2^23: never a real block
-  uint4 block = make_uint4(0, 0, 0, 0);
-  for_each(row, n, [&](int il, float v) {
-    const int i = il + offset;
+/// The fixed-point weight of token i (value v) when kept, else 0. Kept: after the cut (key >
+/// cut_key, or key == cut_key and id <= cut_id), weight > 0, and w >= min_p.
+struct Keep {
+  SampleUniverse u;
+  uint32_t cut_key;
+  int cut_id;
+  float min_p;
+  __device__ __forceinline__ uint64_t operator()(int i, float v) const {
     const uint32_t k = u.key(v);
-    if (k < cut_key || (k == cut_key && i > cut_id)) return;
+    if (k < cut_key || (k == cut_key && i > cut_id)) return 0;
     const Elem e = u(v);
-    if (!e.valid || (min_p > 0.0f && !(e.w >= min_p))) return;
-    if (e.d + kMaxNegLogE < fmaxf(best, kBestFloor)) return;
-    // The thread's ids come in runs of 4-16 consecutive ids (one vector load): one Philox
-    // block per 4 of them.
-    const uint32_t q = static_cast<uint32_t>(i) >> 2;
-    if (q != cached_q) {
-      cached_q = q;
-      block = philox_block(rp.seed, rp.counter, q);
+    if (!(e.d >= -kZeroBelow)) return 0;  // weight 0 in fixed point (also -inf, NaN)
+    if (min_p > 0.0f && !(e.w >= min_p)) return 0;
+    return e.wfp;
+  }
+};
+
+/// Ids per super-block for a range of n ids: a multiple of 1024, at most kMaxSB super-blocks.
+__device__ __forceinline__ int sb_len(int n) {
+  const int per = (n + kMaxSB - 1) / kMaxSB;
+  return max(1024, (per + 1023) / 1024 * 1024);
+}
+
+__device__ uint64_t block_sum_u64(uint64_t v, Shared& sh) {
+  v = warp_sum_u64(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh.red_u[threadIdx.x >> 5] = v;
+  __syncthreads();
+  uint64_t r = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) r += sh.red_u[w];
+  return r;
+}
+
+/// Exclusive prefix of v over the threads (thread order); `total` gets the block's sum.
+__device__ uint64_t block_excl_u64(uint64_t v, uint64_t& total, Shared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint64_t incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint64_t t = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += t;
+  }
+  __syncthreads();
+  if (lane == 31) sh.red_u[warp] = incl;
+  __syncthreads();
+  uint64_t before = 0, tot = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
+    const uint64_t x = sh.red_u[w];
+    if (w < warp) before += x;
+    tot += x;
+  }
+  total = tot;
+  return before + incl - v;
+}
+
+/// The kept mass of each super-block of row[0, n) (ids offset + i) into sh.sb; returns the
+/// total (every thread). One warp per super-block, 8 vector loads in flight per lane.
+template <typename T, typename K>
+__device__ uint64_t sb_masses(T const* row, int n, int offset, int SB, K const& keep, Shared& sh) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kU = 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = static_cast<int>(blockDim.x >> 5);
+  const int nsb = (n + SB - 1) / SB;
+  const bool aligned = reinterpret_cast<uintptr_t>(row) % 16 == 0;
+  for (int j = warp; j < nsb; j += nwarps) {
+    const int b0 = j * SB, len = min(SB, n - b0);
+    T const* src = row + b0;
+    uint64_t s = 0;
+    int start = 0;
+    if (aligned) {
+      uint4 const* gV = reinterpret_cast<uint4 const*>(src);
+      const int nv = len / kVec;
+      for (int v0 = lane; v0 < nv; v0 += 32 * kU) {
+        uint4 q[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int vv = v0 + 32 * u;
+          q[u] = vv < nv ? gV[vv] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int vv = v0 + 32 * u;
+          if (vv < nv) {
+            float r[kVec];
+            unpack<T, kVec>(q[u], r);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) s += keep(offset + b0 + vv * kVec + e, r[e]);
+          }
+        }
+      }
+      start = nv * kVec;
     }
-    const float score = e.d - logf(exp_from_block(block, i));
-    if (score > best || (score == best && i < best_id)) {
-      best = score;
-      best_id = i;
+    for (int i = start + lane; i < len; i += 32) s += keep(offset + b0 + i, load_raw(src, i));
+    s = warp_sum_u64(s);
+    if (lane == 0) sh.sb[j] = s;
+  }
+  __syncthreads();
+  uint64_t t = 0;
+  for (int j = threadIdx.x; j < nsb; j += blockDim.x) t += sh.sb[j];
+  return block_sum_u64(t, sh);
+}
+
+/// The id (offset + i) of the kept token of row[0, n) at which the running kept mass (id
+/// order) first exceeds `target` (< the total of the sb_masses() call whose sh.sb it reads).
+/// kNoId only if the two disagree (never).
+template <typename T, typename K>
+__device__ int sb_find(T const* row, int n, int offset, int SB, K const& keep, uint64_t target,
+                       Shared& sh) {
+  const int nsb = (n + SB - 1) / SB;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    constexpr int kPer = kMaxSB / 32;
+    const int lane = static_cast<int>(threadIdx.x);
+    if (lane == 0) {
+      sh.find_id = kNoId;
+      sh.find_j = 0;
+      sh.find_r = 0;
     }
+    uint64_t c = 0;
+    for (int e = 0; e < kPer; ++e) {
+      const int j = lane * kPer + e;
+      if (j < nsb) c += sh.sb[j];
+    }
+    uint64_t incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint64_t t = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    __syncwarp();
+    const uint64_t excl = incl - c;
+    if (excl <= target && target < incl) {  // exactly one lane
+      uint64_t acc = excl;
+      int j = lane * kPer;
+      for (; j < lane * kPer + kPer - 1; ++j) {
+        if (target < acc + sh.sb[j]) break;
+        acc += sh.sb[j];
+      }
+      sh.find_j = j;
+      sh.find_r = target - acc;
+    }
+  }
+  __syncthreads();
+  const int j = sh.find_j;
+  const uint64_t r = sh.find_r;
+  const int b0 = j * SB, len = min(SB, n - b0);
+  const int per = (len + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int i0 = static_cast<int>(threadIdx.x) * per, i1 = min(len, i0 + per);
+  uint64_t mine = 0;
+  for (int i = i0; i < i1; ++i) mine += keep(offset + b0 + i, load_raw(row, b0 + i));
+  uint64_t total = 0;
+  const uint64_t before = block_excl_u64(mine, total, sh);
+  if (before <= r && r < before + mine) {  // exactly one thread
+    uint64_t acc = before;
+    for (int i = i0; i < i1; ++i) {
+      acc += keep(offset + b0 + i, load_raw(row, b0 + i));
+      if (acc > r) {
+        sh.find_id = offset + b0 + i;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  const int id = sh.find_id;
+  __syncthreads();
+  return id;
+}
+
+// ---------------------------------------------------------------- the fine cut
+// The cut of top-k / top-p (the same (cut_key, cut_id) as search() + tie_cut()) from two
+// passes: a histogram of count (and mass) over kFineBins equal-width bins of d = x - m in
+// [-kZeroBelow, 0] (no token below has mass, so the top-p cut is always in range, and a top-k
+// cut below the range keeps every token that has mass), then a gather of the tokens of the bins
+// the cut can fall in, sorted by (key desc, id asc) in shared memory. The bin of a token is a
+// monotone function of its key, so a bin holds a contiguous key range and ties share a bin.
+
+__device__ __forceinline__ int fine_bin(float d) {  // d in [-kZeroBelow, 0]
+  return min(kFineBins - 1, static_cast<int>((d + kZeroBelow) * kFineScale));
+}
+
+/// The weight of a gathered token from its key: the same float operations as SampleUniverse.
+__device__ __forceinline__ uint64_t wfp_of_key(uint32_t key, float m) {
+  const float x = __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+  const float d = x - m;
+  const float w = d < -87.0f ? 0.0f : expf(d);
+  return __float2ull_rn(w * kMassScale);
+}
+
+__device__ __forceinline__ uint64_t need_of(float p, uint64_t mass) {
+  const uint64_t need =
+      static_cast<uint64_t>(ceil(static_cast<double>(p) * static_cast<double>(mass)));
+  return need == 0 ? 1 : need;
+}
+
+struct BinPick {
+  int b;           // the largest bin with A(bins >= b) >= need; -1: none
+  uint64_t above;  // A(bins > b)
+};
+
+/// Warp 0 (all 32 lanes): the bin where the count (or mass) from the top reaches `need`.
+/// Lane l owns bins [64 l, 64 l + 64).
+__device__ BinPick pick_bin(bool by_mass, uint64_t need, Shared& sh) {
+  constexpr int kPer = kFineBins / 32;
+  uint32_t const* cnt = &sh.cnt[0][0];
+  unsigned long long const* mass = &sh.mass[0][0];
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  uint64_t own = 0;
+  for (int e = 0; e < kPer; ++e) {
+    const int b = lane * kPer + e;
+    own += by_mass ? static_cast<uint64_t>(mass[b]) : static_cast<uint64_t>(cnt[b]);
+  }
+  uint64_t suf = own;  // inclusive suffix over lanes [lane, 32): non-increasing in lane
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint64_t t = __shfl_down_sync(0xffffffffu, suf, o);
+    if (lane + o < 32) suf += t;
+  }
+  const unsigned ok = __ballot_sync(0xffffffffu, suf >= need);
+  if (ok == 0u) return {-1, 0};
+  const int L = 31 - __clz(ok);
+  int b = -1;
+  uint64_t above = 0;
+  if (lane == L) {
+    uint64_t a = suf - own;
+    for (int e = kPer - 1; e >= 0; --e) {
+      const int bb = L * kPer + e;
+      const uint64_t x = by_mass ? static_cast<uint64_t>(mass[bb]) : static_cast<uint64_t>(cnt[bb]);
+      if (a + x >= need) {
+        b = bb;
+        break;
+      }
+      a += x;
+    }
+    above = a;
+  }
+  b = __shfl_sync(0xffffffffu, b, L);
+  above = __shfl_sync(0xffffffffu, above, L);
+  return {b, above};
+}
+
+/// The histogram pass: count (and fixed-point mass) per fine bin.
+template <bool kWithMass, typename T>
+__device__ void fine_hist(T const* row, int n, SampleUniverse const& u, Shared& sh) {
+  uint32_t* cnt = &sh.cnt[0][0];
+  unsigned long long* mass = &sh.mass[0][0];
+  __syncthreads();
+  for (int j = threadIdx.x; j < kFineBins; j += blockDim.x) {
+    cnt[j] = 0;
+    if (kWithMass) mass[j] = 0;
+  }
+  __syncthreads();
+  for_each(row, n, [&](int, float v) {
+    const Elem e = u(v);
+    if (!(e.d >= -kZeroBelow)) return;
+    const int b = fine_bin(e.d);
+    atomicAdd(&cnt[b], 1u);
+    if (kWithMass) atomicAdd(&mass[b], static_cast<unsigned long long>(e.wfp));
   });
+  __syncthreads();
+}
+
+/// The top-k / top-p cut by the fine bins (see above); m finite. False when the gather would
+/// exceed kGatherCap (the caller then runs search()).
+template <typename T>
+__device__ bool fine_cut(T const* row, int n, SampleUniverse const& u, SamplingRowParams const& rp,
+                         bool use_k, bool use_p, uint32_t& cut_key, int& cut_id, Shared& sh) {
+  if (use_p) {
+    fine_hist<true>(row, n, u, sh);
+  } else {
+    fine_hist<false>(row, n, u, sh);
+  }
+  uint32_t const* cnt = &sh.cnt[0][0];
+  unsigned long long const* mass = &sh.mass[0][0];
+  const uint64_t k = use_k ? static_cast<uint64_t>(rp.top_k) : 0;
+  if (threadIdx.x < 32) {
+    constexpr int kPer = kFineBins / 32;
+    const int lane = static_cast<int>(threadIdx.x);
+    int bk = -1, lo = 0, hi = -1;
+    uint64_t tmass = 0;
+    if (use_p) {
+      for (int e = 0; e < kPer; ++e) tmass += mass[lane * kPer + e];
+      tmass = warp_sum_u64(tmass);
+    }
+    if (use_k) bk = pick_bin(false, k, sh).b;  // -1: fewer than k tokens with mass
+    if (use_p) {
+      uint64_t need_lo, need_hi;
+      if (bk >= 0) {
+        uint64_t am = 0;  // mass of the bins above bk
+        for (int e = 0; e < kPer; ++e) {
+          const int b = lane * kPer + e;
+          if (b > bk) am += mass[b];
+        }
+        am = warp_sum_u64(am);
+        need_lo = need_of(rp.top_p, am);
+        need_hi = need_of(rp.top_p, am + mass[bk]);
+      } else {
+        need_lo = need_hi = need_of(rp.top_p, tmass);
+      }
+      const int b_hi = pick_bin(true, need_lo, sh).b;
+      const int b_lo = pick_bin(true, need_hi, sh).b;
+      lo = bk >= 0 ? bk : b_lo;
+      hi = max(b_hi, lo);
+    } else if (bk >= 0) {
+      lo = hi = bk;
+    }
+    uint64_t ac = 0, am = 0, gc = 0;
+    for (int e = 0; e < kPer; ++e) {
+      const int b = lane * kPer + e;
+      if (b > hi) {
+        ac += cnt[b];
+        if (use_p) am += mass[b];
+      } else if (b >= lo) {
+        gc += cnt[b];
+      }
+    }
+    ac = warp_sum_u64(ac);
+    am = warp_sum_u64(am);
+    gc = warp_sum_u64(gc);
+    if (lane == 0) {
+      sh.f_state = hi < 0 || lo < 0 ? 0 : (gc > static_cast<uint64_t>(kGatherCap) ? 2 : 1);
+      sh.f_lo = lo;
+      sh.f_hi = hi;
+      sh.f_bk = bk;
+      sh.f_acnt = ac;
+      sh.f_amass = am;
+      sh.f_tmass = tmass;
+      sh.f_jcut = -1;
+      sh.f_massk = 0;
+      sh.n_gathered = 0;
+    }
+  }
+  __syncthreads();
+  const int state = sh.f_state, lo = sh.f_lo, hi = sh.f_hi, bk = sh.f_bk;
+  const uint64_t acnt = sh.f_acnt, amass = sh.f_amass, tmass = sh.f_tmass;
+  if (state == 2) return false;
+  if (state == 0) {  // a top-k cut below the range, no top-p: every token with mass is kept
+    cut_key = 0;
+    cut_id = kNoId;
+    return true;
+  }
+  // The gather.
+  for_each(row, n, [&](int i, float v) {
+    const Elem e = u(v);
+    if (!(e.d >= -kZeroBelow)) return;
+    const int b = fine_bin(e.d);
+    if (b < lo || b > hi) return;
+    const int slot = atomicAdd(&sh.n_gathered, 1);
+    if (slot < kGatherCap)
+      sh.g_sort[slot] = (static_cast<unsigned long long>(e.key) << 32) |
+                        static_cast<unsigned long long>(0xffffffffu - static_cast<uint32_t>(i));
+  });
+  __syncthreads();
+  const int G = min(sh.n_gathered, kGatherCap);
+  int np = 1;
+  while (np < G) np <<= 1;
+  for (int j = G + static_cast<int>(threadIdx.x); j < np; j += blockDim.x) sh.g_sort[j] = 0;
+  __syncthreads();
+  // Bitonic sort, descending.
+  for (int k2 = 2; k2 <= np; k2 <<= 1) {
+    for (int j2 = k2 >> 1; j2 > 0; j2 >>= 1) {
+      for (int i = threadIdx.x; i < np; i += blockDim.x) {
+        const int ixj = i ^ j2;
+        if (ixj > i) {
+          const unsigned long long a = sh.g_sort[i], b = sh.g_sort[ixj];
+          if ((i & k2) == 0 ? a < b : a > b) {
+            sh.g_sort[i] = b;
+            sh.g_sort[ixj] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  // Running mass over the sorted tokens: thread t owns [t per, t per + per).
+  const int per = (np + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int j0 = static_cast<int>(threadIdx.x) * per, j1 = min(G, j0 + per);
+  uint64_t mine = 0;
+  for (int j = j0; j < j1; ++j) mine += wfp_of_key(static_cast<uint32_t>(sh.g_sort[j] >> 32), u.m);
+  uint64_t gtotal = 0;
+  const uint64_t before = block_excl_u64(mine, gtotal, sh);
+  const int jk = bk >= 0 ? static_cast<int>(k - 1 - acnt) : -1;  // the k-th token
+  int jc = jk;
+  if (use_p) {
+    uint64_t need;
+    if (bk >= 0) {
+      if (jk >= j0 && jk < j1) {
+        uint64_t acc = before;
+        for (int j = j0; j <= jk; ++j)
+          acc += wfp_of_key(static_cast<uint32_t>(sh.g_sort[j] >> 32), u.m);
+        sh.f_massk = amass + acc;
+      }
+      __syncthreads();
+      need = need_of(rp.top_p, sh.f_massk);
+    } else {
+      need = need_of(rp.top_p, tmass);
+    }
+    // The first sorted token at which the mass from the top reaches `need`.
+    if (amass + before < need && need <= amass + before + mine) {
+      uint64_t acc = amass + before;
+      for (int j = j0; j < j1; ++j) {
+        acc += wfp_of_key(static_cast<uint32_t>(sh.g_sort[j] >> 32), u.m);
+        if (acc >= need) {
+          sh.f_jcut = j;
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    jc = sh.f_jcut;
+  }
+  if (jc < 0 || jc >= G) return false;  // defensive: the histogram and the gather disagree
+  const unsigned long long c = sh.g_sort[jc];
+  cut_key = static_cast<uint32_t>(c >> 32);
+  cut_id = static_cast<int>(0xffffffffu - static_cast<uint32_t>(c & 0xffffffffu));
+  __syncthreads();
+  return true;
 }
 
 // ---------------------------------------------------------------- the kernel
@@ -523,29 +921,34 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   const bool want_lp = rp.want_logprob != 0 && p.logprobs != nullptr;
   const bool want_lse = want_top || want_lp;
 
-  // 1. stats
-  float rmax = -INFINITY, rmin_all = INFINITY, rmin_fin = INFINITY, lm = -INFINITY, ls = 0.f;
+  // 1. stats: argmax (each thread visits its ids in increasing order, so a strict > keeps the
+  // lowest id of a tie; NaN never compares greater), and the log-sum-exp when asked for.
+  float rmax = -INFINITY, lm = -INFINITY, ls = 0.f;
   int rarg = kNoId;
-  for_each(row, n, [&](int i, float v) {
-    const float vv = v != v ? -INFINITY : v;
-    if (vv > rmax || (vv == rmax && i < rarg)) {
-      rmax = vv;
-      rarg = i;
-    }
-    rmin_all = fminf(rmin_all, vv);
-    if (isfinite(vv)) rmin_fin = fminf(rmin_fin, vv);
-    if (want_lse && vv > -INFINITY) {
-      if (vv > lm) {
-        ls = (lm == -INFINITY ? 0.f : ls * expf(lm - vv)) + 1.0f;
-        lm = vv;
-      } else {
-        ls += expf(vv - lm);
+  if (want_lse) {
+    for_each(row, n, [&](int i, float v) {
+      if (v > rmax) {
+        rmax = v;
+        rarg = i;
       }
-    }
-  });
+      if (v > -INFINITY) {  // not NaN or -inf
+        if (v > lm) {
+          ls = (lm == -INFINITY ? 0.f : ls * expf(lm - v)) + 1.0f;
+          lm = v;
+        } else {
+          ls += expf(v - lm);
+        }
+      }
+    });
+  } else {
+    for_each(row, n, [&](int i, float v) {
+      if (v > rmax) {
+        rmax = v;
+        rarg = i;
+      }
+    });
+  }
   block_argmax(rmax, rarg, sh);
-  rmin_all = block_min(rmin_all, sh);
-  rmin_fin = block_min(rmin_fin, sh);
   float lse = NAN;
   if (want_lse) {
     const float gm = block_max(lm, sh);
@@ -559,12 +962,15 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   const float m = rmax / rp.temperature;
   if (!(rp.temperature < kGreedyBelow) && m > -INFINITY) {
     const SampleUniverse u{rp.temperature, m};
-    const uint32_t klo = ordkey(fminf(rmin_fin, rmax) / rp.temperature), khi = ordkey(m);
+    const uint32_t klo = 0, khi = ordkey(m);  // any range holding every valid key
     uint32_t cut_key = 0;
     int cut_id = kNoId;
     const bool use_k = rp.top_k > 0 && rp.top_k < n;
     const bool use_p = rp.top_p < 1.0f;
-    if (use_k || use_p) {
+    if ((use_k || use_p) &&
+        !(m < INFINITY && fine_cut(row, n, u, rp, use_k, use_p, cut_key, cut_id, sh))) {
+      cut_key = 0;
+      cut_id = kNoId;
       bool cut = false;
       uint32_t r_cut = 0, eq_cut = 0, lo = klo;
       uint64_t mass_k = 0;
@@ -586,9 +992,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
         uint64_t need = 0;
         float frac = rp.top_p;
         if (use_k) {
-          need = static_cast<uint64_t>(
-              ceil(static_cast<double>(rp.top_p) * static_cast<double>(mass_k)));
-          if (need == 0) need = 1;
+          need = need_of(rp.top_p, mass_k);
           frac = 0.f;
         }
         const SearchResult s = search<true, true>(row, n, u, lo, khi, need, frac, sh);
@@ -606,15 +1010,16 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
       }
       if (cut) cut_id = tie_cut(row, n, u, cut_key, r_cut, eq_cut, sh);
     }
-    // The exponential race over the kept tokens.
-    float best = -INFINITY;
-    int best_id = kNoId;
-    race(row, n, 0, u, cut_key, cut_id, rp, best, best_id);
-    block_argmax(best, best_id, sh);
-    // Nothing kept (min_p > 1): the argmax, as the CPU.
-    if (best_id != kNoId) token = best_id;
+    // The draw over the kept tokens. Nothing kept (min_p > 1): the argmax, as the CPU.
+    const Keep keep{u, cut_key, cut_id, rp.min_p};
+    const int SB = sb_len(n);
+    const uint64_t total = sb_masses(row, n, 0, SB, keep, sh);
+    if (total > 0) {
+      const int id = sb_find(row, n, 0, SB, keep, draw_target(rp.seed, rp.counter, total), sh);
+      if (id != kNoId) token = id;
+    }
   }
-  if (token == kNoId) token = 0;  // defensive: empty row is rejected on the host
+  if (token == kNoId) token = 0;  // everything NaN / -inf: token 0, as the CPU
 
   if (threadIdx.x == 0) {
     p.tokens[row_idx] = token;
@@ -630,11 +1035,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     nt = rp.n_top < kMaxTopLogprobs ? rp.n_top : kMaxTopLogprobs;
     nt = nt < n ? nt : n;
     const LogprobUniverse u{lse};
-    uint32_t klo = ordkey(rmin_all - lse), khi = ordkey(rmax - lse);
-    if (klo > khi) {  // only with infinite lse; the full key range is always right
-      klo = 0;
-      khi = 0xffffffffu;
-    }
+    const uint32_t klo = 0, khi = 0xffffffffu;  // the full key range is always right
     const SearchResult s =
         search<false, false>(row, n, u, klo, khi, static_cast<uint64_t>(nt), 0.f, sh);
     uint32_t cut_key = 0;
@@ -701,7 +1102,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
 //     same bin choice as the single-CTA path;
 //   - a tie at the cut: per-slice counts, then the slice holding the r-th tie finds its id;
 //     the other slices keep all (earlier r) or none (later r) of their ties;
-//   - the draw: per-slice race winners, combined by (score desc, id asc): the same winner;
+//   - the draw: per-slice kept masses, prefix over the slices in slice order (exact integers),
+//     then the slice that holds the target finds the token in its slice: the same token;
 //   - top-n: the kept (<= 20) tokens are appended to a per-row list, sorted by slice 0.
 // Histograms rotate over 3 buffers: level L adds into buf[L % 3]; after its barrier slice 0
 // zeroes buf[(L + 2) % 3] (last read before that barrier, next added to after the next one).
@@ -714,9 +1116,8 @@ struct SlicePart {
   float rmax;
   int rarg;
   float rmin_all, rmin_fin, lm, ls;
-  float best;
-  int best_id;
   uint32_t tie[2];
+  unsigned long long kept;  // the slice's kept mass (the draw)
 };
 
 struct RowHeader {  // zeroed by sample_launch before every kernel
@@ -1108,8 +1509,9 @@ __global__ void __launch_bounds__(kMultiThreads, kMultiMinBlocks)
   lse = sh.red_f[3];
   __syncthreads();
 
-  // 2-3. the token
+  // 2-3. the token (written by slice 0, or by the slice that draws it)
   int token = rarg;
+  bool writer = slice == 0;
   const float m = rmax / rp.temperature;
   if (!(rp.temperature < kGreedyBelow) && m > -INFINITY) {
     const SampleUniverse u{rp.temperature, m};
@@ -1160,41 +1562,41 @@ __global__ void __launch_bounds__(kMultiThreads, kMultiMinBlocks)
       }
       if (cut) cut_id = tie_cut_multi(srow, nloc, u, cut_key, r_cut, eq_cut, 0, sh, c);
     }
-    float best = -INFINITY;
-    int best_id = kNoId;
-    race(srow, nloc, c.b0, u, cut_key, cut_id, rp, best, best_id);
-    block_argmax(best, best_id, sh);
-    if (threadIdx.x == 0) {
-      c.ws->part[slice].best = best;
-      c.ws->part[slice].best_id = best_id;
-    }
+    // The draw: each slice's kept mass, then the slice holding the target finds the token.
+    const Keep keep{u, cut_key, cut_id, rp.min_p};
+    const int SB = sb_len(nloc);
+    const uint64_t mine = sb_masses(srow, nloc, c.b0, SB, keep, sh);
+    if (threadIdx.x == 0) c.ws->part[slice].kept = mine;
     row_barrier(c);
-    if (slice == 0 && threadIdx.x < 32) {
-      float gb = -INFINITY;
-      int gid = kNoId;
+    if (threadIdx.x < 32) {  // slice order; exact integer sums: the same in every CTA
+      uint64_t t = 0, bef = 0;
       for (int s = static_cast<int>(threadIdx.x); s < S; s += 32) {
-        const float v = __ldcg(&c.ws->part[s].best);
-        const int id = __ldcg(&c.ws->part[s].best_id);
-        if (v > gb || (v == gb && id < gid)) {
-          gb = v;
-          gid = id;
-        }
+        const uint64_t x = __ldcg(&c.ws->part[s].kept);
+        t += x;
+        if (s < slice) bef += x;
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, gb, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, gid, o);
-        if (ov > gb || (ov == gb && oi < gid)) {
-          gb = ov;
-          gid = oi;
-        }
+      t = warp_sum_u64(t);
+      bef = warp_sum_u64(bef);
+      if (threadIdx.x == 0) {
+        sh.f_tmass = t;
+        sh.f_massk = bef;
       }
-      if (gid != kNoId) token = gid;
+    }
+    __syncthreads();
+    const uint64_t total = sh.f_tmass, before = sh.f_massk;
+    __syncthreads();
+    if (total > 0) {  // else nothing kept (min_p > 1): the argmax, as the CPU
+      const uint64_t target = draw_target(rp.seed, rp.counter, total);
+      writer = before <= target && target < before + mine;
+      if (writer) {
+        const int id = sb_find(srow, nloc, c.b0, SB, keep, target - before, sh);
+        if (id != kNoId) token = id;
+      }
     }
   }
   if (token == kNoId) token = 0;
 
-  if (slice == 0 && threadIdx.x == 0) {
+  if (writer && threadIdx.x == 0) {
     p.tokens[row_idx] = token;
     if (p.logprobs != nullptr) p.logprobs[row_idx] = want_lp ? load_raw(row, token) - lse : NAN;
   }

@@ -8,10 +8,12 @@
 // Semantics follow the CPU sampler (src/engine/sampling.h) exactly, except:
 //   - penalties (repetition / presence / frequency) are NOT applied here: the engine applies
 //     them on the host (or to the logits before this launch) for rows that use them;
-//   - the random stream differs: the CPU draws one mt19937_64 value per token, the GPU uses a
-//     counter-based Philox4x32-10 keyed by (seed, counter, token id), independent of the row
-//     index, so a request gets the same token for the same (seed, counter) whatever its batch.
-//     The distribution over tokens is the same; the individual draws are not.
+//   - the random stream differs: the CPU draws one mt19937_64 value per token, the GPU one
+//     53-bit uniform u per row from a counter-based Philox4x32-10 keyed by (seed, counter),
+//     independent of the row index, and takes the inverse CDF of the kept fixed-point weights
+//     (w * 2^40 rounded) in token-id order at u, so a request gets the same token for the same
+//     (seed, counter) whatever its batch and whichever path runs. The distribution over tokens
+//     is the same (up to the 2^-40 rounding of each weight); the individual draws are not.
 // Order (as the CPU): temperature, top-k, top-p over the top-k renormalised distribution,
 // min-p relative to the most likely token, then one categorical draw. The kept set is a prefix
 // of the order (logit desc, id asc), so ties at the cut keep the lower ids, as the CPU does.

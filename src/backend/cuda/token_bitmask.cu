@@ -36,7 +36,27 @@ __global__ void apply_token_bitmask_kernel(T* __restrict__ logits,
   }
 }
 
+__global__ void apply_logit_bias_kernel(float* __restrict__ logits,
+                                        LogitBiasEntry const* __restrict__ entries, int64_t count,
+                                        int64_t vocab) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= count) return;
+  const LogitBiasEntry e = entries[j];
+  logits[e.row * vocab + e.id] += e.bias;
+}
+
 }  // namespace
+
+void apply_logit_bias_launch(LogitBiasParams const& p, cudaStream_t stream) {
+  TANDEM_CHECK_KIND(kInvalidArgument, p.count >= 0 && p.vocab > 0, "apply_logit_bias: count ",
+                    p.count, ", vocab ", p.vocab);
+  if (p.count == 0) return;
+  TANDEM_CHECK_KIND(kInvalidArgument, p.logits != nullptr && p.entries != nullptr,
+                    "apply_logit_bias: null logits / entries");
+  const auto blocks = static_cast<unsigned>((p.count + kThreads - 1) / kThreads);
+  apply_logit_bias_kernel<<<blocks, kThreads, 0, stream>>>(p.logits, p.entries, p.count, p.vocab);
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
 
 void apply_token_bitmask_launch(TokenBitmaskParams const& p, cudaStream_t stream) {
   TANDEM_CHECK_KIND(kInvalidArgument, p.rows >= 0 && p.vocab > 0 && p.words * 32 >= p.vocab,

@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/device_sampler.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
 
@@ -119,8 +120,7 @@ struct Qwen35MoeCuda::Impl {
       attn_ws;
   size_t attn_ws_floats = 0;
   // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
-  DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
-  PinnedMem h_sample;  // params up, results down
+  std::unique_ptr<DeviceSampler> sampler;  // forward_sample
   // Eager prefill chunks: FlashInfer's sm90 prefill (head_dim 256: its gathered-KV path),
   // planned once per forward for every attention layer; FA2 when it does not plan.
   cuda::PrefillAttentionPlan prefill_plan;
@@ -366,15 +366,7 @@ struct Qwen35MoeCuda::Impl {
     sout = DeviceMem(T * h * b);
     last = DeviceMem(T * h * b);
     logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
-    const auto R = static_cast<size_t>(rows_cap);
-    constexpr size_t kTop = cuda::kMaxTopLogprobs;
-    s_params = DeviceMem(R * sizeof(cuda::SamplingRowParams));
-    s_tokens = DeviceMem(R * sizeof(int32_t));
-    s_logprobs = DeviceMem(R * sizeof(float));
-    s_top_ids = DeviceMem(R * kTop * sizeof(int32_t));
-    s_top_lp = DeviceMem(R * kTop * sizeof(float));
-    s_workspace = DeviceMem(cuda::sample_workspace_bytes(rows_cap, c.vocab_size));
-    h_sample = PinnedMem(R * (sizeof(cuda::SamplingRowParams) + 8 + kTop * 8));
+    sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
     gemm = std::make_unique<cuda::GemmLt>();
     moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
                                            c.num_experts_per_tok, 0, c.num_experts, true);
@@ -895,7 +887,8 @@ void Qwen35MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<
 
 void Qwen35MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
                                    const std::vector<DeviceSampling>& rows,
-                                   std::vector<SampledToken>& out) {
+                                   std::vector<SampledToken>& out,
+                                   const std::function<void()>& wait_masks) {
   Impl& im = *impl_;
   const auto R = static_cast<int64_t>(rows.size());
   TANDEM_CHECK(R == batch.num_logit_rows(), "forward_sample: ", R, " sampling rows for ",
@@ -909,57 +902,7 @@ void Qwen35MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
-  constexpr int64_t kTop = cuda::kMaxTopLogprobs;
-  // The pinned buffer: params [R] | tokens [R] | logprobs [R] | top ids | top logprobs.
-  auto* hp = im.h_sample.as<cuda::SamplingRowParams>();
-  auto* ht = reinterpret_cast<int32_t*>(hp + R);
-  auto* hl = reinterpret_cast<float*>(ht + R);
-  auto* hti = reinterpret_cast<int32_t*>(hl + R);
-  auto* htl = reinterpret_cast<float*>(hti + R * kTop);
-  int32_t max_top = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    const DeviceSampling& d = rows[static_cast<size_t>(r)];
-    cuda::SamplingRowParams p;
-    p.temperature = d.temperature;
-    p.top_k = d.top_k;
-    p.top_p = d.top_p;
-    p.min_p = d.min_p;
-    p.seed = d.seed;
-    p.counter = d.counter;
-    p.want_logprob = d.logprobs >= 0 ? 1 : 0;
-    p.n_top = static_cast<int32_t>(std::clamp<int64_t>(d.logprobs, 0, kTop));
-    max_top = std::max(max_top, p.n_top);
-    hp[r] = p;
-  }
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.s_params.as<void>(), hp,
-                                    static_cast<size_t>(R) * sizeof(cuda::SamplingRowParams),
-                                    cudaMemcpyHostToDevice, stream_));
-  cuda::sample_launch(
-      {im.logits.as<float>(), DType::kF32, im.s_params.as<cuda::SamplingRowParams>(),
-       im.s_tokens.as<int32_t>(), im.s_logprobs.as<float>(), im.s_top_ids.as<int32_t>(),
-       im.s_top_lp.as<float>(), R, config_.vocab_size,
-       R <= 64 ? im.s_workspace.as<void>() : nullptr},  // multi-CTA pays off up to ~64 rows
-      stream_);
-  auto d2h = [&](void* dst, const void* src, size_t bytes) {
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-  };
-  d2h(ht, im.s_tokens.as<void>(), static_cast<size_t>(R) * 4);
-  d2h(hl, im.s_logprobs.as<void>(), static_cast<size_t>(R) * 4);
-  if (max_top > 0) {
-    d2h(hti, im.s_top_ids.as<void>(), static_cast<size_t>(R * kTop) * 4);
-    d2h(htl, im.s_top_lp.as<void>(), static_cast<size_t>(R * kTop) * 4);
-  }
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  out.resize(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) {
-    SampledToken& o = out[static_cast<size_t>(r)];
-    o.token = ht[r];
-    o.logprob = hl[r];
-    for (int32_t j = 0; j < hp[r].n_top; ++j) {
-      if (hti[r * kTop + j] < 0) break;
-      o.top.emplace_back(hti[r * kTop + j], htl[r * kTop + j]);
-    }
-  }
+  im.sampler->sample(im.logits.as<float>(), rows, wait_masks, out, stream_);
 }
 
 std::unique_ptr<Model> load_cuda_model(const std::string& dir, const CudaModelOptions& opts) {

@@ -51,8 +51,8 @@ class Qwen35MoeCuda final : public Model {
   /// Samples on the GPU (backend/cuda/sampling.h): only tokens and logprobs come back.
   bool samples_on_device() const override { return true; }
   void forward_sample(const ForwardBatch& batch, KvCache& kv,
-                      const std::vector<DeviceSampling>& rows,
-                      std::vector<SampledToken>& out) override;
+                      const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                      const std::function<void()>& wait_masks = {}) override;
   int64_t kv_cache_mb_hint() const override;
 
   cudaStream_t stream() const { return stream_; }

@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/device_sampler.h"
 #include "model/cuda/fp8_dense.h"
 #include "model/cuda/mtp_cuda.h"
 #include "model/cuda/random_fill.h"
@@ -199,8 +200,7 @@ struct Qwen3MoeCuda::Impl {
   DeviceMem x, xn, y, qkv, q, attn, gu, act, last, logits, attn_ws;
   DeviceMem dq;  // [n, k] bf16: an FP8 dense linear dequantized (m above the gemv's)
   // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
-  DeviceMem s_params, s_tokens, s_logprobs, s_top_ids, s_top_lp, s_workspace;
-  PinnedMem h_sample;  // params up, results down
+  std::unique_ptr<DeviceSampler> sampler;  // forward_sample
   size_t attn_ws_floats = 0;
   cuda::PrefillAttentionPlan prefill_plan;  // eager prefill chunks: planned once per forward
   std::unique_ptr<cuda::GemmLt> gemm;
@@ -515,16 +515,7 @@ struct Qwen3MoeCuda::Impl {
     }
     last = DeviceMem(T * h * b);
     logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
-    const auto R = static_cast<size_t>(rows_cap);
-    constexpr size_t kTop = cuda::kMaxTopLogprobs;
-    s_params = DeviceMem(R * sizeof(cuda::SamplingRowParams));
-    s_tokens = DeviceMem(R * sizeof(int32_t));
-    s_logprobs = DeviceMem(R * sizeof(float));
-    s_top_ids = DeviceMem(R * kTop * sizeof(int32_t));
-    s_top_lp = DeviceMem(R * kTop * sizeof(float));
-    // Multi-CTA sampling: a row spread over several blocks when there are few rows.
-    s_workspace = DeviceMem(cuda::sample_workspace_bytes(rows_cap, c.vocab_size));
-    h_sample = PinnedMem(R * (sizeof(cuda::SamplingRowParams) + 8 + kTop * 8));
+    sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
     gemm = std::make_unique<cuda::GemmLt>();
     bool any_moe = false;
     for (const auto& w : layers) any_moe |= w.moe;
@@ -1295,7 +1286,8 @@ void Qwen3MoeCuda::copy_hidden(const ForwardBatch& batch, std::vector<float>& ou
 
 void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
                                   const std::vector<DeviceSampling>& rows,
-                                  std::vector<SampledToken>& out) {
+                                  std::vector<SampledToken>& out,
+                                  const std::function<void()>& wait_masks) {
   Impl& im = *impl_;
   const auto R = static_cast<int64_t>(rows.size());
   TANDEM_CHECK(R == batch.num_logit_rows(), "forward_sample: ", R, " sampling rows for ",
@@ -1310,11 +1302,12 @@ void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
   }
   const float* logits = forward_device(batch, kv);
   if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);
-  sample_rows(logits, rows, out);
+  sample_rows(logits, rows, out, wait_masks);
 }
 
 void Qwen3MoeCuda::sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
-                               std::vector<SampledToken>& out) {
+                               std::vector<SampledToken>& out,
+                               const std::function<void()>& wait_masks) {
   Impl& im = *impl_;
   const auto R = static_cast<int64_t>(rows.size());
   out.clear();
@@ -1324,58 +1317,8 @@ void Qwen3MoeCuda::sample_rows(const float* logits, const std::vector<DeviceSamp
   }
   TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R,
                     " sampling rows exceed the CUDA model's ", im.rows_cap);
-  constexpr int64_t kTop = cuda::kMaxTopLogprobs;
-  // Layout of the pinned buffer: params [R] | tokens [R] | logprobs [R] | top ids | top lps.
-  auto* hp = im.h_sample.as<cuda::SamplingRowParams>();
-  auto* ht = reinterpret_cast<int32_t*>(hp + R);
-  auto* hl = reinterpret_cast<float*>(ht + R);
-  auto* hti = reinterpret_cast<int32_t*>(hl + R);
-  auto* htl = reinterpret_cast<float*>(hti + R * kTop);
-  int32_t max_top = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    const DeviceSampling& d = rows[static_cast<size_t>(r)];
-    cuda::SamplingRowParams p;
-    p.temperature = d.temperature;
-    p.top_k = d.top_k;
-    p.top_p = d.top_p;
-    p.min_p = d.min_p;
-    p.seed = d.seed;
-    p.counter = d.counter;
-    p.want_logprob = d.logprobs >= 0 ? 1 : 0;
-    p.n_top = static_cast<int32_t>(std::clamp<int64_t>(d.logprobs, 0, kTop));
-    max_top = std::max(max_top, p.n_top);
-    hp[r] = p;
-  }
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.s_params.as<void>(), hp,
-                                    static_cast<size_t>(R) * sizeof(cuda::SamplingRowParams),
-                                    cudaMemcpyHostToDevice, stream_));
-  cuda::sample_launch(
-      {logits, DType::kF32, im.s_params.as<cuda::SamplingRowParams>(), im.s_tokens.as<int32_t>(),
-       im.s_logprobs.as<float>(), im.s_top_ids.as<int32_t>(), im.s_top_lp.as<float>(), R,
-       config_.vocab_size,
-       R <= 64 ? im.s_workspace.as<void>() : nullptr},  // multi-CTA pays off up to ~64 rows
-      stream_);
-  auto d2h = [&](void* dst, const void* src, size_t bytes) {
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-  };
-  d2h(ht, im.s_tokens.as<void>(), static_cast<size_t>(R) * 4);
-  d2h(hl, im.s_logprobs.as<void>(), static_cast<size_t>(R) * 4);
-  if (max_top > 0) {
-    d2h(hti, im.s_top_ids.as<void>(), static_cast<size_t>(R * kTop) * 4);
-    d2h(htl, im.s_top_lp.as<void>(), static_cast<size_t>(R * kTop) * 4);
-  }
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  out.resize(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) {
-    SampledToken& o = out[static_cast<size_t>(r)];
-    o.token = ht[r];
-    o.logprob = hl[r];
-    const int32_t n = hp[r].n_top;
-    for (int32_t j = 0; j < n; ++j) {
-      if (hti[r * kTop + j] < 0) break;
-      o.top.emplace_back(hti[r * kTop + j], htl[r * kTop + j]);
-    }
-  }
+  // The logits are the model's own device scratch: biases and masks are applied in place.
+  im.sampler->sample(const_cast<float*>(logits), rows, wait_masks, out, stream_);
 }
 
 }  // namespace tandem

@@ -100,8 +100,8 @@ class Qwen3MoeCuda final : public Model {
   /// Samples on the GPU (backend/cuda/sampling.h): only tokens and logprobs come back.
   bool samples_on_device() const override { return true; }
   void forward_sample(const ForwardBatch& batch, KvCache& kv,
-                      const std::vector<DeviceSampling>& rows,
-                      std::vector<SampledToken>& out) override;
+                      const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                      const std::function<void()>& wait_masks = {}) override;
 
   /// As forward, leaving the fp32 logits rows [num_logit_rows, vocab] on the device (valid
   /// until the next call; ordered on stream()).
@@ -157,9 +157,10 @@ class Qwen3MoeCuda final : public Model {
   bool launch(const ForwardBatch& batch, KvCache& kv);
   // batch.hidden_out of the last launch (the final normed hidden states, batch order).
   void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
-  // Samples logits rows [rows.size(), vocab] on the device; synchronises.
+  // Samples logits rows [rows.size(), vocab] on the device (their biases and masks applied to
+  // the logits in place, after wait_masks()); synchronises.
   void sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
-                   std::vector<SampledToken>& out);
+                   std::vector<SampledToken>& out, const std::function<void()>& wait_masks = {});
   MtpScratch mtp_scratch() const;
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<MtpCuda> mtp_;

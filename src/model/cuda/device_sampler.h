@@ -1,0 +1,42 @@
+// The device sampler of the CUDA models (Qwen3MoeCuda, Qwen35MoeCuda): per-row sampling
+// parameters up, the rows' logit biases and structured-output masks applied to the logits on
+// the device (backend/cuda/token_bitmask.h), sample_launch (backend/cuda/sampling.h), tokens
+// and logprobs down. Host code; one instance per model, used from the model's stream only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "model/cuda/cuda_mem.h"
+#include "model/forward_batch.h"
+
+namespace tandem::cuda_model {
+
+class DeviceSampler {
+ public:
+  DeviceSampler(int64_t rows_cap, int64_t vocab);
+
+  /// Samples rows [0, rows.size()) of `logits` ([rows, vocab] fp32 on the device; modified in
+  /// place where a row has biases or a mask) on `stream` and waits for it; out gets one entry
+  /// per row. `wait_masks` (may be empty) is called before any rows[i].mask is read, after the
+  /// parameters and biases are enqueued. Throws kInvalidArgument for a bias id outside the
+  /// vocabulary or more rows than rows_cap.
+  void sample(float* logits, const std::vector<DeviceSampling>& rows,
+              const std::function<void()>& wait_masks, std::vector<SampledToken>& out,
+              cudaStream_t stream);
+
+ private:
+  int64_t rows_cap_, vocab_, words_;
+  DeviceMem params_, tokens_, logprobs_, top_ids_, top_lp_, workspace_;
+  PinnedMem host_;  // params [R] | tokens [R] | logprobs [R] | top ids [R, 20] | top lps [R, 20]
+  DeviceMem mask_, mask_row_;  // [rows_cap, words_] packed masks of the masked rows; [rows_cap]
+  PinnedMem host_mask_, host_mask_row_;
+  DeviceMem bias_;  // LogitBiasEntry [bias_cap_], grown on demand
+  PinnedMem host_bias_;
+  int64_t bias_cap_ = 0;
+};
+
+}  // namespace tandem::cuda_model
