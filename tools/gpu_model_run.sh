@@ -23,6 +23,7 @@
 #   bench_itl          colocated serve at concurrency 128, step-time policy off vs auto: ITL
 #                      p50 / p99, output tok/s and their ratios (tools/gpu_itl_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
+#   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
 #   bench_grammar, bench_model_cuda (also with --fp8), profile_decode (per-kernel decode step),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_spec_verify, bench_spec_e2e (MTP speculative decoding: bench_spec_cuda)
@@ -138,6 +139,9 @@ step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
 [ -x "$BIN/bench_fp8_gemm" ] && step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
 step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
+# The same-run PyTorch baseline of the sampling cases, beside ours (issue 15 item 4).
+step sampling_torch 120 python3 "$ROOT/bench/cuda/sampling_torch_baseline.py" \
+  --ours "$LOG/bench_sampling.csv" --csv "$LOG/sampling_torch.csv"
 # Structured outputs: grammar compile and per-step mask fill with the Qwen3 vocabulary on this
 # machine's CPU (the masks are filled on the host while the GPU runs the step; compare with the
 # decode step of bench_model_cuda below at the same batch).
@@ -193,7 +197,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

@@ -546,11 +546,11 @@ __device__ uint64_t block_excl_u64(uint64_t v, uint64_t& total, Shared& sh) {
 }
 
 /// The kept mass of each super-block of row[0, n) (ids offset + i) into sh.sb; returns the
-/// total (every thread). One warp per super-block, 8 vector loads in flight per lane.
+/// total (every thread). One warp per super-block, 4 vector loads in flight per lane.
 template <typename T, typename K>
 __device__ uint64_t sb_masses(T const* row, int n, int offset, int SB, K const& keep, Shared& sh) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  constexpr int kU = 8;
+  constexpr int kU = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = static_cast<int>(blockDim.x >> 5);
   const int nsb = (n + SB - 1) / SB;
