@@ -13,7 +13,12 @@ namespace tandem::cuda_model {
 
 namespace {
 constexpr int64_t kTop = cuda::kMaxTopLogprobs;
-constexpr int64_t kMultiCtaRows = 64;  // the multi-CTA sampling path pays off up to ~64 rows
+// The multi-CTA sampling path (a row over several CTAs) pays off for few rows: on the H200
+// (docs/perf.md, 2026-12-01) it wins every case at 1 row; at 32 rows it wins the rows without
+// a cut (temperature, min-p: 37 vs 67 us) but loses those with top-k / top-p (262 vs 216 us);
+// at 128 rows the single-CTA path wins all. Both paths give the same tokens.
+constexpr int64_t kMultiCtaRows = 64;     // without top-k / top-p in the batch
+constexpr int64_t kMultiCtaCutRows = 16;  // with
 }  // namespace
 
 DeviceSampler::DeviceSampler(int64_t rows_cap, int64_t vocab)
@@ -52,7 +57,7 @@ void DeviceSampler::sample(float* logits, const std::vector<DeviceSampling>& row
   auto* htl = reinterpret_cast<float*>(hti + R * kTop);
   int32_t max_top = 0;
   int64_t num_bias = 0;
-  bool any_mask = false;
+  bool any_mask = false, any_cut = false;
   for (int64_t r = 0; r < R; ++r) {
     const DeviceSampling& d = rows[static_cast<size_t>(r)];
     cuda::SamplingRowParams p;
@@ -68,6 +73,7 @@ void DeviceSampler::sample(float* logits, const std::vector<DeviceSampling>& row
     hp[r] = p;
     num_bias += static_cast<int64_t>(d.bias.size());
     any_mask |= d.mask != nullptr;
+    any_cut |= !(d.temperature < 1e-5f) && ((d.top_k > 0 && d.top_k < vocab_) || d.top_p < 1.0f);
   }
   h2d(params_.as<void>(), hp, static_cast<size_t>(R) * sizeof(cuda::SamplingRowParams));
 
@@ -128,11 +134,11 @@ void DeviceSampler::sample(float* logits, const std::vector<DeviceSampling>& row
     }
   }
 
-  cuda::sample_launch(
-      {logits, DType::kF32, params_.as<cuda::SamplingRowParams>(), tokens_.as<int32_t>(),
-       logprobs_.as<float>(), top_ids_.as<int32_t>(), top_lp_.as<float>(), R, vocab_,
-       R <= kMultiCtaRows ? workspace_.as<void>() : nullptr},
-      stream);
+  const bool multi = R <= (any_cut ? kMultiCtaCutRows : kMultiCtaRows);
+  cuda::sample_launch({logits, DType::kF32, params_.as<cuda::SamplingRowParams>(),
+                       tokens_.as<int32_t>(), logprobs_.as<float>(), top_ids_.as<int32_t>(),
+                       top_lp_.as<float>(), R, vocab_, multi ? workspace_.as<void>() : nullptr},
+                      stream);
   d2h(ht, tokens_.as<void>(), static_cast<size_t>(R) * 4);
   d2h(hl, logprobs_.as<void>(), static_cast<size_t>(R) * 4);
   if (max_top > 0) {

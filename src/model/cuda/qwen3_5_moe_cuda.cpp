@@ -30,6 +30,7 @@ namespace tandem {
 
 using cuda::bf16;
 using cuda_model::DeviceMem;
+using cuda_model::DeviceSampler;
 using cuda_model::host_bf16;
 using cuda_model::PinnedMem;
 using cuda_model::Uploader;
