@@ -297,7 +297,9 @@ class DeviceGreedy final : public Model {
   }
   bool samples_on_device() const override { return true; }
   void forward_sample(const ForwardBatch& b, KvCache& kv, const std::vector<DeviceSampling>& rows,
-                      std::vector<SampledToken>& out) override {
+                      std::vector<SampledToken>& out,
+                      const std::function<void()>& wait_masks = {}) override {
+    if (wait_masks) wait_masks();
     std::vector<float> logits;
     m_.forward(b, kv, logits);
     for (const auto& s : b.seqs) verify_rows += s.logits == LogitsMode::kAll ? s.num_tokens : 0;
