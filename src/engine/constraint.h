@@ -6,6 +6,8 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -33,6 +35,12 @@ class TokenConstraint {
   /// then says why (the engine finishes the request with kError).
   virtual bool accept(int32_t token, std::string& error) = 0;
 };
+
+/// Builds a request's constraint from its wire form (GenRequest::constraint_spec, the server
+/// layer's encoding, opaque to the engine) where the request samples: an engine's
+/// EngineConfig::constraint_factory (e.g. grammar::instance_constraint_factory). Thread-safe;
+/// throws Error(kInvalidArgument) for a spec it cannot build.
+using ConstraintFactory = std::function<std::shared_ptr<TokenConstraint>(const std::string& spec)>;
 
 /// Worker threads that fill the next-token masks of a step's constrained rows while the
 /// model's forward runs (off the critical path): start() hands them the jobs, wait() joins.

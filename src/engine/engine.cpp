@@ -129,10 +129,24 @@ void Engine::validate(const GenRequest& req) const {
                     "this model's maximum context length is ", config_.max_model_len,
                     " tokens, but the prompt has ", n, " tokens and max_tokens is ", req.max_tokens,
                     " (", n + req.max_tokens, " in total)");
+  TANDEM_CHECK_KIND(kInvalidArgument, req.constraint_spec.empty() || req.constraint ||
+                                          config_.constraint_factory,
+                    "request '", req.id,
+                    "': structured outputs are not available on this instance (no grammar "
+                    "engine)");
+}
+
+std::shared_ptr<TokenConstraint> Engine::constraint_from_spec(const GenRequest& req) const {
+  if (req.constraint_spec.empty()) return nullptr;
+  TANDEM_CHECK_KIND(kInvalidArgument, config_.constraint_factory, "request '", req.id,
+                    "': structured outputs are not available on this instance (no grammar "
+                    "engine)");
+  return config_.constraint_factory(req.constraint_spec);
 }
 
 void Engine::add(GenRequest req, OutputCallback on_output) {
   validate(req);
+  if (!req.constraint) req.constraint = constraint_from_spec(req);
   TANDEM_CHECK_KIND(kOutOfResources, scheduler_.num_waiting() < config_.max_waiting,
                     "the waiting queue is full (", config_.max_waiting, " requests)");
   auto seq = std::make_unique<Sequence>();
@@ -165,6 +179,7 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
                     " prompt tokens");
   TANDEM_CHECK_KIND(kInvalidArgument, first_token >= 0 && first_token < model_.config().vocab_size,
                     "request '", req.id, "': first token ", first_token, " out of range");
+  if (!req.constraint) req.constraint = constraint_from_spec(req);
   auto seq = std::make_unique<Sequence>();
   seq->tokens = req.prompt_ids;
   seq->prompt_len = n;
