@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <variant>
@@ -94,6 +95,48 @@ class Constraint final : public TokenConstraint {
   }
 
   bool accept(int32_t token, std::string& error) override {
+    const Undo undo{phase_, think_tokens_, false};
+    if (!advance(token, error)) {
+      phase_ = undo.phase;  // a refused token changes nothing
+      think_tokens_ = undo.think_tokens;
+      return false;
+    }
+    history_.push_back(undo);
+    history_.back().matched = matched_;
+    if (history_.size() > kHistory) history_.pop_front();
+    return true;
+  }
+
+  bool can_rollback() const override { return true; }
+
+  void rollback(int32_t num_tokens) override {
+    TANDEM_CHECK(num_tokens >= 0 && static_cast<size_t>(num_tokens) <= history_.size(),
+                 "structured output: cannot roll back ", num_tokens, " tokens (",
+                 history_.size(), " kept)");
+    int matched = 0;
+    for (int32_t i = 0; i < num_tokens; ++i) {
+      const Undo u = history_.back();
+      history_.pop_back();
+      phase_ = u.phase;
+      think_tokens_ = u.think_tokens;
+      matched += u.matched ? 1 : 0;
+    }
+    if (matched > 0) matcher_->Rollback(matched);
+  }
+
+ private:
+  enum class Phase { kFirst, kThinking, kGrammar };
+  // What accept() changed, to undo it: the phase and think count before it, and whether the
+  // token went into the matcher.
+  struct Undo {
+    Phase phase;
+    int32_t think_tokens;
+    bool matched;
+  };
+  static constexpr size_t kHistory = 16;  // >= the drafts of one step (kMaxSpeculativeTokens)
+
+  bool advance(int32_t token, std::string& error) {
+    matched_ = false;
     if (phase_ == Phase::kFirst) {
       if (token == o_.think_start_id) {
         phase_ = Phase::kThinking;
@@ -110,18 +153,21 @@ class Constraint final : public TokenConstraint {
       return true;
     }
     if (!matcher_) return true;
-    if (matcher_->AcceptToken(token)) return true;
+    if (matcher_->AcceptToken(token)) {
+      matched_ = true;
+      return true;
+    }
     error = "structured output: token " + std::to_string(token) +
             " does not continue the requested format";
     return false;
   }
 
- private:
-  enum class Phase { kFirst, kThinking, kGrammar };
   ConstraintOptions o_;
   std::optional<xgrammar::GrammarMatcher> matcher_;
   Phase phase_ = Phase::kGrammar;
   int32_t think_tokens_ = 0;
+  bool matched_ = false;      // the last advance() fed the matcher
+  std::deque<Undo> history_;  // the last kHistory accepted tokens, oldest first
 };
 
 }  // namespace
@@ -223,8 +269,7 @@ xgrammar::Grammar build_grammar(const GrammarSpec& spec) {
       // alike at a router's front and where the grammar is compiled.
       auto r = xgrammar::Grammar::FromStructuralTag(spec.text);
       if (auto* err = std::get_if<xgrammar::StructuralTagError>(&r)) {
-        std::visit([](const auto& e) { throw Error(ErrorKind::kInvalidArgument, e.what()); },
-                   *err);
+        std::visit([](const auto& e) { throw Error(ErrorKind::kInvalidArgument, e.what()); }, *err);
       }
       g = std::get<xgrammar::Grammar>(std::move(r));
       break;
@@ -396,6 +441,58 @@ ConstraintFactory instance_constraint_factory(const std::string& model_dir) {
   std::vector<int32_t> eos;
   for (int64_t id : mc.eos_token_ids) eos.push_back(static_cast<int32_t>(id));
   return instance_constraint_factory(model_dir, mc.vocab_size, std::move(eos));
+}
+
+// ---- Forced tool calls. ----
+
+using ojson = nlohmann::ordered_json;
+
+/// tool_choice "required" / named with Hermes calls: the JSON of one call after the primed
+/// "<tool_call>\n": {"name": <one of the tools (or the named one)>, "arguments": <that tool's
+/// parameters schema>}, then "\n</tool_call>".
+GrammarSpec hermes_tool_call_grammar(const ojson& tools, const std::string& only) {
+  ojson alternatives = ojson::array();
+  for (const auto& t : tools) {
+    const ojson& fn = t["function"];
+    const std::string name = fn["name"].get<std::string>();
+    if (!only.empty() && name != only) continue;
+    ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                       ? fn["parameters"]
+                       : ojson{{"type", "object"}};
+    alternatives.push_back({{"type", "object"},
+                            {"properties", {{"name", {{"const", name}}}, {"arguments", params}}},
+                            {"required", ojson::array({"name", "arguments"})}});
+  }
+  GrammarSpec g{GrammarKind::kJsonSchema};
+  g.text = (alternatives.size() == 1 ? alternatives[0] : ojson{{"anyOf", alternatives}}).dump();
+  g.suffix = "\n</tool_call>";
+  return g;
+}
+
+/// tool_choice "required" / named with Qwen3-Coder / Qwen3.5 XML calls: after the primed
+/// "<tool_call>\n", one "<function=NAME>\n" block of one of the tools (or the named one) whose
+/// <parameter=P> values follow that tool's parameters schema (xgrammar's qwen_xml style:
+/// strings raw, other types as JSON, required parameters present, in the schema's order), then
+/// "\n</function>\n</tool_call>": an xgrammar structural tag.
+GrammarSpec xml_tool_call_grammar(const ojson& tools, const std::string& only) {
+  ojson tags = ojson::array();
+  for (const auto& t : tools) {
+    const ojson& fn = t["function"];
+    const std::string name = fn["name"].get<std::string>();
+    if (!only.empty() && name != only) continue;
+    ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                       ? fn["parameters"]
+                       : ojson{{"type", "object"}};
+    tags.push_back(
+        {{"type", "tag"},
+         {"begin", "<function=" + name + ">\n"},
+         {"content", {{"type", "json_schema"}, {"json_schema", params}, {"style", "qwen_xml"}}},
+         {"end", "\n</function>\n</tool_call>"}});
+  }
+  GrammarSpec g{GrammarKind::kStructuralTag};
+  const ojson format = tags.size() == 1 ? tags[0] : ojson{{"type", "or"}, {"elements", tags}};
+  g.text = ojson{{"type", "structural_tag"}, {"format", format}}.dump();
+  return g;
 }
 
 }  // namespace tandem::grammar

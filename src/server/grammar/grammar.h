@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,11 +29,11 @@ class Tokenizer;
 namespace tandem::grammar {
 
 enum class GrammarKind {
-  kJsonObject,  // any JSON object (response_format json_object)
-  kJsonSchema,  // text: the schema's JSON
-  kRegex,       // text: the regular expression
-  kChoice,      // choices: one of these strings exactly
-  kEbnf,        // text: an EBNF grammar (xgrammar's dialect, root rule "root")
+  kJsonObject,     // any JSON object (response_format json_object)
+  kJsonSchema,     // text: the schema's JSON
+  kRegex,          // text: the regular expression
+  kChoice,         // choices: one of these strings exactly
+  kEbnf,           // text: an EBNF grammar (xgrammar's dialect, root rule "root")
   kStructuralTag,  // text: an xgrammar structural tag ({"type": "structural_tag", ...})
 };
 
@@ -136,6 +137,16 @@ ConstraintFactory instance_constraint_factory(std::string model_dir, int64_t voc
                                               std::vector<int32_t> eos_ids);
 /// The same with the vocabulary size and EOS ids of `model_dir`'s config (ModelConfig).
 ConstraintFactory instance_constraint_factory(const std::string& model_dir);
+
+/// tool_choice "required" / a named function: the grammar of one call of one of `tools` (an
+/// OpenAI tools array; or only the one named `only`, when not empty), its arguments valid
+/// against that tool's parameters schema, after a "<tool_call>\n" the prompt already holds.
+/// Hermes (Qwen3): {"name": ..., "arguments": {...}} then "\n</tool_call>".
+GrammarSpec hermes_tool_call_grammar(const nlohmann::ordered_json& tools, const std::string& only);
+/// Qwen3-Coder / Qwen3.5 XML: "<function=NAME>\n" <parameter=P>...</parameter> ...
+/// "\n</function>\n</tool_call>" (a structural tag; parameter values in xgrammar's qwen_xml
+/// style: strings raw, other types as JSON, the schema's property order).
+GrammarSpec xml_tool_call_grammar(const nlohmann::ordered_json& tools, const std::string& only);
 
 /// Constraints alive now (tests: a finished or aborted request releases its own).
 int64_t live_constraints();

@@ -22,30 +22,9 @@ const char* in_param_words(grammar::GrammarKind k) {
     case grammar::GrammarKind::kRegex: return "regex";
     case grammar::GrammarKind::kChoice: return "choice";
     case grammar::GrammarKind::kEbnf: return "grammar";
+    case grammar::GrammarKind::kStructuralTag: return "structural tag";
   }
   return "grammar";
-}
-
-/// tool_choice "required" / named with Hermes calls: the JSON of one call after the primed
-/// "<tool_call>\n": {"name": <one of the tools (or the named one)>, "arguments": <that tool's
-/// parameters schema>}, then "\n</tool_call>".
-grammar::GrammarSpec tool_call_grammar(const Json& tools, const std::string& only) {
-  Json alternatives = Json::array();
-  for (const auto& t : tools) {
-    const Json& fn = t["function"];
-    const std::string name = fn["name"].get<std::string>();
-    if (!only.empty() && name != only) continue;
-    Json params = fn.contains("parameters") && fn["parameters"].is_object()
-                      ? fn["parameters"]
-                      : Json{{"type", "object"}};
-    alternatives.push_back({{"type", "object"},
-                            {"properties", {{"name", {{"const", name}}}, {"arguments", params}}},
-                            {"required", Json::array({"name", "arguments"})}});
-  }
-  grammar::GrammarSpec g{grammar::GrammarKind::kJsonSchema};
-  g.text = (alternatives.size() == 1 ? alternatives[0] : Json{{"anyOf", alternatives}}).dump();
-  g.suffix = "\n</tool_call>";
-  return g;
 }
 
 using json = Json;
@@ -317,9 +296,8 @@ void ApiHandler::constrain(GenerationSetup& s, const GenerationParams& p,
   cr.think = think;
   cr.thinking_budget = budget ? p.thinking_token_budget : -1;
   auto invalid = [&](const Error& e) {
-    return bad_request(std::string("invalid ") + in_param_words(cr.grammar->kind) + ": " +
-                           e.message(),
-                       param);
+    return bad_request(
+        std::string("invalid ") + in_param_words(cr.grammar->kind) + ": " + e.message(), param);
   };
   s.constraint_spec = grammar::encode_constraint_request(cr);
   if (engine.constraints_from_spec()) {
@@ -396,18 +374,18 @@ GenerationSetup ApiHandler::chat_setup(ChatRequest& r, const std::string& id_pre
                               r.tool_choice + "\" (the call is forced by its own grammar)",
                           spec_param);
       }
-      // The reply starts inside a call, after an empty think block. Hermes: a grammar forces
-      // the call's JSON ({"name", "arguments"} valid against the tool's schema) and its end.
+      // The reply starts inside a call, after an empty think block; a grammar forces the
+      // call (one of the tools, or the named one), its arguments valid against the tool's
+      // schema, and its end. Hermes: {"name", "arguments"} JSON; qwen3_coder: the XML form.
       if (po.start == parsers::ReasoningStart::kInThink) prompt += "\n</think>\n\n";
       if (po.start == parsers::ReasoningStart::kAuto) prompt += "<think>\n\n</think>\n\n";
       po.start = parsers::ReasoningStart::kContent;
-      std::string prefix = "<tool_call>\n";
-      if (tool_format_ == parsers::ToolFormat::kHermes) {
-        spec = tool_call_grammar(r.tools, r.tool_choice == "function" ? r.tool_choice_name : "");
-        spec_param = "tools";
-      } else if (r.tool_choice == "function") {  // qwen3_coder: the function is forced
-        prefix += "<function=" + r.tool_choice_name + ">\n";
-      }
+      const std::string prefix = "<tool_call>\n";
+      const std::string only = r.tool_choice == "function" ? r.tool_choice_name : "";
+      spec = tool_format_ == parsers::ToolFormat::kHermes
+                 ? grammar::hermes_tool_call_grammar(r.tools, only)
+                 : grammar::xml_tool_call_grammar(r.tools, only);
+      spec_param = "tools";
       prompt += prefix;
       po.prime = prefix;
     }

@@ -61,8 +61,8 @@ struct Cluster {
     decode = std::make_unique<DecodeInstance>(dc);
     prefill_server = std::make_unique<InstanceServer>(nullptr, prefill.get(), "127.0.0.1", 0);
     decode_server = std::make_unique<InstanceServer>(decode.get(), nullptr, "127.0.0.1", 0);
-    remote_prefill = std::make_unique<RemotePrefill>("127.0.0.1:" +
-                                                     std::to_string(prefill_server->port()));
+    remote_prefill =
+        std::make_unique<RemotePrefill>("127.0.0.1:" + std::to_string(prefill_server->port()));
     remote_decode =
         std::make_unique<RemoteDecode>("127.0.0.1:" + std::to_string(decode_server->port()));
     router = std::make_unique<Router>(std::vector<PrefillClient*>{remote_prefill.get()},
@@ -144,7 +144,8 @@ class StructuredRouterTest : public ::testing::Test {
         for (auto& tc : ch["message"]["tool_calls"]) tc.erase("id");
       }
     }
-    EXPECT_EQ(a["choices"], b["choices"]) << "router:    " << a.dump() << "\ncolocated: " << b.dump();
+    EXPECT_EQ(a["choices"], b["choices"])
+        << "router:    " << a.dump() << "\ncolocated: " << b.dump();
     return a;
   }
   /// The streamed content / text and tool-call arguments, concatenated.
@@ -250,7 +251,8 @@ TEST_F(StructuredRouterTest, RegexChoiceAndGrammarOverCompletions) {
     return j.contains("choices") ? j["choices"][0]["text"].get<std::string>() : "";
   };
   for (int seed = 1; seed <= 2; ++seed) {
-    const std::string re = complete({{"structured_outputs", {{"regex", "[a-c]{2,5}-[0-9]{2}"}}}}, seed);
+    const std::string re =
+        complete({{"structured_outputs", {{"regex", "[a-c]{2,5}-[0-9]{2}"}}}}, seed);
     EXPECT_TRUE(std::regex_match(re, std::regex("[a-c]{2,5}-[0-9]{2}"))) << re;
     const std::string c = complete({{"guided_choice", {"Emma", "Mr. Knightley", "Harriet"}}}, seed);
     EXPECT_TRUE(c == "Emma" || c == "Mr. Knightley" || c == "Harriet") << c;
@@ -289,14 +291,15 @@ TEST_F(StructuredRouterTest, ToolChoiceRequiredAndThinkingBudget) {
   // instance (token 1 is <think>, sampled by the prefill instance).
   constexpr int32_t kThink = 8126, kThinkEnd = 8127;
   for (int budget : {0, 3}) {
-    json j = both("/v1/chat/completions",
-                  {{"temperature", 1.0},
-                   {"seed", 5},
-                   {"max_tokens", 40},
-                   {"return_token_ids", true},
-                   {"logit_bias", {{std::to_string(kThink), 100}, {std::to_string(kThinkEnd), -100}}},
-                   {"thinking_token_budget", budget},
-                   {"structured_outputs", {{"choice", {"alpha", "beta gamma"}}}}});
+    json j =
+        both("/v1/chat/completions",
+             {{"temperature", 1.0},
+              {"seed", 5},
+              {"max_tokens", 40},
+              {"return_token_ids", true},
+              {"logit_bias", {{std::to_string(kThink), 100}, {std::to_string(kThinkEnd), -100}}},
+              {"thinking_token_budget", budget},
+              {"structured_outputs", {{"choice", {"alpha", "beta gamma"}}}}});
     ASSERT_TRUE(j.contains("choices")) << j.dump();
     std::vector<int32_t> ids = j["choices"][0]["token_ids"];
     ASSERT_GE(ids.size(), size_t(budget) + 2) << j.dump();
