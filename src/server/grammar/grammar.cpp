@@ -111,8 +111,8 @@ class Constraint final : public TokenConstraint {
 
   void rollback(int32_t num_tokens) override {
     TANDEM_CHECK(num_tokens >= 0 && static_cast<size_t>(num_tokens) <= history_.size(),
-                 "structured output: cannot roll back ", num_tokens, " tokens (",
-                 history_.size(), " kept)");
+                 "structured output: cannot roll back ", num_tokens, " tokens (", history_.size(),
+                 " kept)");
     int matched = 0;
     for (int32_t i = 0; i < num_tokens; ++i) {
       const Undo u = history_.back();

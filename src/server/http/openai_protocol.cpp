@@ -437,6 +437,30 @@ void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
   if (auto b = get_int(body, "thinking_token_budget", 0, std::numeric_limits<int32_t>::max())) {
     p.thinking_token_budget = int32_t(*b);
   }
+  // Known fields that would change the output but are not implemented: refused, never
+  // ignored (unknown fields are ignored; docs/api.md lists both).
+  for (const char* name : {"allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                           "logits_processors", "audio", "web_search_options"}) {
+    if (const json* v = field(body, name); v && !v->is_null()) {
+      throw bad_request("'" + std::string(name) + "' is not supported", name);
+    }
+  }
+  for (const char* name : {"functions", "function_call"}) {
+    if (const json* v = field(body, name); v && !v->is_null()) {
+      throw bad_request("'" + std::string(name) +
+                            "' (deprecated by OpenAI) is not supported: use 'tools' and "
+                            "'tool_choice'",
+                        name);
+    }
+  }
+  if (const json* v = field(body, "modalities"); v && !v->is_null()) {
+    if (!v->is_array()) throw type_error("modalities", "an array of strings", *v);
+    for (const json& m : *v) {
+      if (as_string(m, "modalities") != "text") {
+        throw bad_request("only the \"text\" modality is supported", "modalities");
+      }
+    }
+  }
 }
 
 /// max_tokens (completions) or max_completion_tokens (chat, preferred).

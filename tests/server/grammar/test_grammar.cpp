@@ -394,7 +394,14 @@ TEST(Grammar, ConstraintSpecRoundTripsAndValidates) {
   yes.grammar = GrammarSpec{GrammarKind::kRegex, "yes"};
   auto a = f(encode_constraint_request(yes)), b = f(encode_constraint_request(yes));
   EXPECT_NE(a, b);
-  EXPECT_EQ(walk(*a, 1), "yes");
+  std::string err;
+  for (int32_t id : demo_tok().encode("yes")) ASSERT_TRUE(a->accept(id, err)) << err;
+  EXPECT_FALSE(a->accept(demo_tok().encode("s")[0], err));
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  ASSERT_TRUE(a->fill_next_mask(mask));
+  EXPECT_TRUE(bitmask_allows(mask, kImEnd));  // the end, one of the model's EOS ids
+  ASSERT_TRUE(b->fill_next_mask(mask));       // b is still at the start
+  EXPECT_FALSE(bitmask_allows(mask, kImEnd));
   EXPECT_THROW(f("{}"), Error);
 }
 

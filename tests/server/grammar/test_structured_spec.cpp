@@ -70,15 +70,17 @@ struct Case {
 
 std::vector<Case> cases() {
   std::vector<Case> c;
-  c.push_back({"json_schema", {grammar::GrammarKind::kJsonSchema, kPerson}, [](const std::string& t) {
-                 json j = json::parse(t, nullptr, false);
-                 ASSERT_TRUE(j.is_object()) << t;
-                 EXPECT_EQ(j.size(), 4u) << t;
-                 EXPECT_TRUE(j["age"].is_number_integer()) << t;
-                 EXPECT_TRUE(j["member"].is_boolean()) << t;
-                 EXPECT_TRUE(j["color"] == "red" || j["color"] == "green" || j["color"] == "blue");
-               }});
-  c.push_back({"regex", {grammar::GrammarKind::kRegex, "(yes|no), [a-z]{3,8} [0-9]{2}"},
+  c.push_back(
+      {"json_schema", {grammar::GrammarKind::kJsonSchema, kPerson}, [](const std::string& t) {
+         json j = json::parse(t, nullptr, false);
+         ASSERT_TRUE(j.is_object()) << t;
+         EXPECT_EQ(j.size(), 4u) << t;
+         EXPECT_TRUE(j["age"].is_number_integer()) << t;
+         EXPECT_TRUE(j["member"].is_boolean()) << t;
+         EXPECT_TRUE(j["color"] == "red" || j["color"] == "green" || j["color"] == "blue");
+       }});
+  c.push_back({"regex",
+               {grammar::GrammarKind::kRegex, "(yes|no), [a-z]{3,8} [0-9]{2}"},
                [](const std::string& t) {
                  EXPECT_TRUE(std::regex_match(t, std::regex("(yes|no), [a-z]{3,8} [0-9]{2}"))) << t;
                }});
@@ -148,8 +150,8 @@ std::string text(const Out& o) {
 
 std::vector<GenRequest> prompts(float temperature) {
   std::vector<GenRequest> reqs;
-  const char* texts[] = {"Emma said", "It is a truth universally acknowledged",
-                         "Mr. Knightley", "The weather at Hartfield"};
+  const char* texts[] = {"Emma said", "It is a truth universally acknowledged", "Mr. Knightley",
+                         "The weather at Hartfield"};
   for (int i = 0; i < 4; ++i) {
     reqs.push_back(request("r" + std::to_string(i), fx().tok->encode(texts[i]), temperature,
                            100 + static_cast<uint64_t>(i)));
@@ -257,7 +259,8 @@ TEST(StructuredSpec, RollbackUndoesDraftsThroughTheThinkBlock) {
   std::string err;
   // <think> x </think> a: four tokens through every phase, then undone.
   const int32_t x = a[0];
-  for (int32_t t : {o.think_start_id, x, o.think_end_id, a[0]}) ASSERT_TRUE(c->accept(t, err)) << err;
+  for (int32_t t : {o.think_start_id, x, o.think_end_id, a[0]})
+    ASSERT_TRUE(c->accept(t, err)) << err;
   c->rollback(4);
   ASSERT_TRUE(c->fill_next_mask(mask));
   EXPECT_EQ(mask, start);  // back at the first token: <think> or the grammar
