@@ -483,11 +483,16 @@ GrammarSpec xml_tool_call_grammar(const ojson& tools, const std::string& only) {
     ojson params = fn.contains("parameters") && fn["parameters"].is_object()
                        ? fn["parameters"]
                        : ojson{{"type", "object"}};
-    tags.push_back(
-        {{"type", "tag"},
-         {"begin", "<function=" + name + ">\n"},
-         {"content", {{"type", "json_schema"}, {"json_schema", params}, {"style", "qwen_xml"}}},
-         {"end", "\n</function>\n</tool_call>"}});
+    tags.push_back({{"type", "tag"},
+                    {"begin", "<function=" + name + ">\n"},
+                    // (at most one whitespace character where the layout allows any: the template's
+                    // newlines fit, a model that would write whitespace forever cannot)
+                    {"content",
+                     {{"type", "json_schema"},
+                      {"json_schema", params},
+                      {"style", "qwen_xml"},
+                      {"max_whitespace_cnt", 1}}},
+                    {"end", "\n</function>\n</tool_call>"}});
   }
   GrammarSpec g{GrammarKind::kStructuralTag};
   const ojson format = tags.size() == 1 ? tags[0] : ojson{{"type", "or"}, {"elements", tags}};
