@@ -6,6 +6,8 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -32,7 +34,20 @@ class TokenConstraint {
   /// Advances past the sampled token. Returns false when the constraint rejects it; `error`
   /// then says why (the engine finishes the request with kError).
   virtual bool accept(int32_t token, std::string& error) = 0;
+  /// Speculative decoding: whether rollback() works. When it does, the engine masks a
+  /// request's drafts with the state advanced along them (accept() per draft, then rollback())
+  /// and verifies each position with the state after the tokens before it; when it does not,
+  /// the request does not speculate.
+  virtual bool can_rollback() const { return false; }
+  /// Undoes the last `num_tokens` accept()s (at most the drafts of one step).
+  virtual void rollback(int32_t num_tokens) { (void)num_tokens; }
 };
+
+/// Builds a request's constraint from its wire form (GenRequest::constraint_spec, the server
+/// layer's encoding, opaque to the engine) where the request samples: an engine's
+/// EngineConfig::constraint_factory (e.g. grammar::instance_constraint_factory). Thread-safe;
+/// throws Error(kInvalidArgument) for a spec it cannot build.
+using ConstraintFactory = std::function<std::shared_ptr<TokenConstraint>(const std::string& spec)>;
 
 /// Worker threads that fill the next-token masks of a step's constrained rows while the
 /// model's forward runs (off the critical path): start() hands them the jobs, wait() joins.

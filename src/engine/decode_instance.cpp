@@ -412,6 +412,10 @@ std::optional<transfer::TransferDescriptor> DecodeInstance::accept(const GenRequ
   TANDEM_CHECK(is_leader(), "accept() on a decode rank other than 0");
   TANDEM_CHECK_KIND(kOutOfResources, !dead_ && !stop_, "the decode instance is down");
   ranks_[0]->engine->validate(req);
+  // A constrained request: its spec is compiled here once (a bad one is refused now, and the
+  // ranks of this process find the grammar in the factory's cache when they admit it; a rank
+  // process of its own compiles it at admission).
+  (void)ranks_[0]->engine->constraint_from_spec(req);
   {
     std::lock_guard<std::mutex> lock(mu_);
     TANDEM_CHECK_KIND(kInvalidArgument, !pending_.count(req.id) && !running_ids_.count(req.id),
@@ -447,6 +451,7 @@ std::optional<transfer::TransferDescriptor> DecodeInstance::accept(const GenRequ
       std::lock_guard<std::mutex> lock(mu_);
       Pending p;
       p.req = req;
+      p.req.constraint = nullptr;  // the rank builds its own from the spec (its grammar state)
       p.on_output = std::move(on_output);
       p.rank = r;
       p.pages = res->r.d.dst_pages;

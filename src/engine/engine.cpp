@@ -129,10 +129,24 @@ void Engine::validate(const GenRequest& req) const {
                     "this model's maximum context length is ", config_.max_model_len,
                     " tokens, but the prompt has ", n, " tokens and max_tokens is ", req.max_tokens,
                     " (", n + req.max_tokens, " in total)");
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    req.constraint_spec.empty() || req.constraint || config_.constraint_factory,
+                    "request '", req.id,
+                    "': structured outputs are not available on this instance (no grammar "
+                    "engine)");
+}
+
+std::shared_ptr<TokenConstraint> Engine::constraint_from_spec(const GenRequest& req) const {
+  if (req.constraint_spec.empty()) return nullptr;
+  TANDEM_CHECK_KIND(kInvalidArgument, config_.constraint_factory, "request '", req.id,
+                    "': structured outputs are not available on this instance (no grammar "
+                    "engine)");
+  return config_.constraint_factory(req.constraint_spec);
 }
 
 void Engine::add(GenRequest req, OutputCallback on_output) {
   validate(req);
+  if (!req.constraint) req.constraint = constraint_from_spec(req);
   TANDEM_CHECK_KIND(kOutOfResources, scheduler_.num_waiting() < config_.max_waiting,
                     "the waiting queue is full (", config_.max_waiting, " requests)");
   auto seq = std::make_unique<Sequence>();
@@ -165,6 +179,7 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
                     " prompt tokens");
   TANDEM_CHECK_KIND(kInvalidArgument, first_token >= 0 && first_token < model_.config().vocab_size,
                     "request '", req.id, "': first token ", first_token, " out of range");
+  if (!req.constraint) req.constraint = constraint_from_spec(req);
   auto seq = std::make_unique<Sequence>();
   seq->tokens = req.prompt_ids;
   seq->prompt_len = n;
@@ -250,6 +265,7 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
   for (const auto& ss : batch.seqs) {
     const Sequence& s = *ss.seq;
     if (speculating() && !s.req.sampling.greedy()) return false;  // rejection sampling: p, q
+    if (s.req.constraint) return false;  // a token constraint needs host logits (verify too)
     if (ss.verify) {
       // Greedy verification: each row's argmax (and the logprobs of the token it gives);
       // forced acceptance (benchmarks) emits drafts the rows did not choose, whose logprobs
@@ -528,11 +544,21 @@ std::span<const float> masked_row(const Sequence& s, int64_t output_index,
   return masked;
 }
 
+// The constraint's next-token mask into `mask` (sized for `vocab`); false: every token is
+// allowed. Speculation fills it on the engine thread: each position needs the state after the
+// positions before it.
+bool mask_row(TokenConstraint& c, int64_t vocab, std::vector<uint32_t>& mask) {
+  mask.resize(static_cast<size_t>(bitmask_words(vocab)));
+  return c.fill_next_mask(mask);
+}
+
 }  // namespace
 
 void Engine::note_computed(const Sequence& s, int64_t start, int64_t count, int64_t hidden_row) {
-  // A constrained request never speculates: its grammar must see each token before the next.
-  if (!speculating() || !s.req.allow_speculation || s.req.constraint || count <= 0) return;
+  // A constrained request speculates when its constraint can roll back (its drafts are then
+  // masked along the draft, and each verified position with the state before it).
+  if (!speculating() || !s.req.allow_speculation || count <= 0) return;
+  if (s.req.constraint && !s.req.constraint->can_rollback()) return;
   computed_.push_back({s.req.id, start, count, hidden_row});
 }
 
@@ -559,11 +585,26 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
   // Row j is the target's distribution after the last token and drafts 1..j: each row
   // samples exactly as a non-speculative step would, then the next row only if its draft
   // was accepted.
+  TokenConstraint* constraint = s.req.constraint.get();
   for (int64_t j = 0; j <= k; ++j) {
     std::span<const float> raw, from;  // host logits (not when sampled on the device)
     if (!sampled_on_device_) {
       raw = {logits.data() + (first_row + j) * vocab, static_cast<size_t>(vocab)};
       from = masked_row(s, s.num_output(), raw, eos, masked);
+    }
+    if (constraint) {  // the grammar's state after the tokens so far (the drafts accepted)
+      // (constrained rows are sampled on the host: device_rows)
+      try {
+        if (mask_row(*constraint, vocab, s.mask)) {
+          if (from.data() != masked.data()) masked.assign(raw.begin(), raw.end());
+          apply_token_bitmask(masked, s.mask);
+          from = masked;
+        }
+      } catch (const std::exception& e) {
+        out.error = e.what();
+        reason = FinishReason::kError;
+        break;
+      }
     }
     std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_len));
     std::span<const int32_t> output(s.tokens.data() + s.prompt_len,
@@ -608,6 +649,12 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
       }
     } else {
       token = sample_token(from, sp, prompt, output, s.rng);  // every draft accepted: the bonus
+    }
+    std::string rejected;
+    if (constraint && !constraint->accept(token, rejected)) {
+      out.error = rejected;
+      reason = FinishReason::kError;
+      break;
     }
     if (dev == nullptr) {
       out.token_ids.push_back(token);
@@ -688,12 +735,13 @@ void Engine::draft() {
   }
   if (fb.seqs.empty()) return;
   // Greedy drafts on a model that samples on its device: the rows' argmax there (no logits
-  // come to the host), when no row needs host logits (penalties, the min_tokens mask).
+  // come to the host), when no row needs host logits (penalties, the min_tokens mask, a token
+  // constraint's mask).
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) {
     const SamplingParams& sp = s->req.sampling;
-    on_device =
-        on_device && sp.greedy() && !sp.needs_host_logits() && s->num_output() >= s->req.min_tokens;
+    on_device = on_device && sp.greedy() && !sp.needs_host_logits() &&
+                s->num_output() >= s->req.min_tokens && !s->req.constraint;
   }
   std::vector<float> logits, hout;
   std::vector<DeviceSampling> dev_rows;
@@ -711,11 +759,14 @@ void Engine::draft() {
   pass(fb, hin.data());
 
   // 2. Drafts: draft j + 1 from the pass before; chained passes run the MTP layer on its own
-  // output (hidden state and draft) one position further.
+  // output (hidden state and draft) one position further. A constrained sequence's draft is
+  // masked by its grammar advanced along the drafts before it (undone once drafted).
   const auto& eos = mc.eos_token_ids;
   std::vector<float> masked, q;
   std::vector<int32_t> out_ctx;
-  std::vector<size_t> live(drafting.size());  // indices into drafting of this pass's rows
+  std::vector<uint32_t> cmask;
+  std::vector<int32_t> advanced(drafting.size(), 0);  // drafts accepted into the constraint
+  std::vector<size_t> live(drafting.size());          // indices into drafting of this pass's rows
   for (size_t i = 0; i < live.size(); ++i) live[i] = i;
   for (int64_t j = 0; !live.empty(); ++j) {
     for (size_t r = 0; r < live.size(); ++r) {
@@ -728,6 +779,21 @@ void Engine::draft() {
       std::span<const float> raw(logits.data() + static_cast<int64_t>(r) * vocab,
                                  static_cast<size_t>(vocab));
       std::span<const float> from = masked_row(s, s.num_output() + j, raw, eos, masked);
+      TokenConstraint* constraint = s.req.constraint.get();
+      if (constraint) {
+        bool active = false;
+        try {
+          active = mask_row(*constraint, vocab, cmask);
+        } catch (const std::exception&) {
+          num_drafts[live[r]] = j;  // no more drafts (the verify step reports the error)
+          continue;
+        }
+        if (active) {
+          if (from.data() != masked.data()) masked.assign(raw.begin(), raw.end());
+          apply_token_bitmask(masked, cmask);
+          from = masked;
+        }
+      }
       const SamplingParams& sp = s.req.sampling;
       // Penalties see the output so far and the drafts before this one.
       out_ctx.clear();
@@ -743,8 +809,16 @@ void Engine::draft() {
         token_distribution(from, sp, prompt, out_ctx, q);
         d = sample_from_weights(q, s.rng);
         if (d < 0) d = 0;
-        s.draft_probs.insert(s.draft_probs.end(), q.begin(), q.end());
       }
+      std::string rejected;
+      if (constraint) {
+        if (!constraint->accept(d, rejected)) {
+          num_drafts[live[r]] = j;  // a draft the grammar refuses ends the drafts here
+          continue;
+        }
+        ++advanced[live[r]];
+      }
+      if (!sp.greedy()) s.draft_probs.insert(s.draft_probs.end(), q.begin(), q.end());
       s.spec_tokens.push_back(d);
     }
     // The next pass: the sequences that want another draft.
@@ -763,6 +837,9 @@ void Engine::draft() {
     live = std::move(next);
     if (live.empty()) break;
     pass(chain, chain_hidden.data());
+  }
+  for (size_t i = 0; i < drafting.size(); ++i) {  // the grammar back to the emitted tokens
+    if (advanced[i] > 0) drafting[i]->req.constraint->rollback(advanced[i]);
   }
 
   if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)

@@ -54,6 +54,9 @@ struct EngineConfig {
   using SpecHookFn = std::function<void(const std::string& id, std::span<const int32_t> tokens,
                                         std::vector<int32_t>& drafts)>;
   SpecHookFn spec_draft_hook;
+  // Builds the constraint of a request that carries only GenRequest::constraint_spec (a
+  // request from a router); empty: such a request is refused (kInvalidArgument).
+  ConstraintFactory constraint_factory;
 };
 
 /// Single-threaded engine core. Not thread-safe; AsyncEngine wraps it in a thread.
@@ -82,6 +85,11 @@ class Engine {
   std::span<const float> sequence_state(const std::string& id);
   /// Throws Error(kInvalidArgument) for a request that can never run. Thread-safe.
   void validate(const GenRequest& request) const;
+  /// The constraint built from request.constraint_spec with config().constraint_factory
+  /// (compiles its grammar, cached by the factory); null for a request without a spec.
+  /// Thread-safe (an instance builds it off the engine thread where it can). add() and
+  /// add_prefilled() call it for a request with a spec and no constraint.
+  std::shared_ptr<TokenConstraint> constraint_from_spec(const GenRequest& request) const;
   /// Aborts a request: pages freed now, finished callback with kAbort.
   void abort(const std::string& id);
   void abort_all();

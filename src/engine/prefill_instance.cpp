@@ -385,6 +385,9 @@ void PrefillInstance::submit(const GenRequest& req, transfer::TransferDescriptor
   dst.validate();
   TANDEM_CHECK_KIND(kInvalidArgument, dst.num_tokens == n, "request '", req.id,
                     "': the destination expects ", dst.num_tokens, " tokens, the prompt has ", n);
+  GenRequest queued = req;
+  // A constrained request (token 1 samples here): its grammar compiled now, off the step loop.
+  if (!req.constraint_spec.empty()) queued.constraint = engine_->constraint_from_spec(req);
   auto job = std::make_shared<Job>();
   job->id = req.id;
   job->dst = std::move(dst);
@@ -396,7 +399,7 @@ void PrefillInstance::submit(const GenRequest& req, transfer::TransferDescriptor
   }
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
-    submitted_.emplace_back(req, std::move(job));
+    submitted_.emplace_back(std::move(queued), std::move(job));
   }
   inbox_cv_.notify_one();
 }

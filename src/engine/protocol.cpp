@@ -73,6 +73,8 @@ void put_request(ByteWriter& w, const GenRequest& r) {
   w.put(r.min_tokens);
   w.put_vec(r.stop_token_ids);
   w.put<uint8_t>(r.ignore_eos ? 1 : 0);
+  w.put<uint8_t>(r.allow_speculation ? 1 : 0);
+  w.put_str(r.constraint_spec);  // (the constraint object stays in its process)
 }
 
 GenRequest get_request(ByteReader& rd) {
@@ -97,6 +99,8 @@ GenRequest get_request(ByteReader& rd) {
   r.min_tokens = rd.get<int32_t>();
   r.stop_token_ids = rd.get_vec<int32_t>();
   r.ignore_eos = rd.get<uint8_t>() != 0;
+  r.allow_speculation = rd.get<uint8_t>() != 0;
+  r.constraint_spec = rd.get_str();
   return r;
 }
 

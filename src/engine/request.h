@@ -30,9 +30,14 @@ struct GenRequest {
   // logits processor (structured outputs) must see every token before the next is drafted.
   bool allow_speculation = true;
   // Structured outputs / thinking budget: restricts each sampled token (null: none). One per
-  // request (it holds the request's grammar state); in-process only (the lockstep and router
-  // codecs do not carry it), released when the request finishes.
+  // request (it holds the request's grammar state); in-process only, released when the
+  // request finishes.
   std::shared_ptr<TokenConstraint> constraint;
+  // The constraint as data (the server layer's encoding; "": none): what the codecs carry. An
+  // engine given a request with a spec and no constraint builds it with its
+  // EngineConfig::constraint_factory, so the grammar is compiled where the request samples
+  // (the prefill instance for token 1, the decode rank for the rest).
+  std::string constraint_spec;
 };
 
 /// Tokens produced for one request since the last callback.
@@ -125,9 +130,12 @@ class EngineClient {
   virtual EngineStats stats() const = 0;
   virtual int64_t max_model_len() const = 0;
   virtual int64_t vocab_size() const = 0;
-  /// Whether submit() honours GenRequest::constraint (false: e.g. a router, whose codec
-  /// cannot carry it; the HTTP front then refuses structured outputs).
+  /// Whether submit() honours constraints (false: the HTTP front refuses structured outputs).
   virtual bool supports_constraints() const { return true; }
+  /// Whether submit() takes the constraint as GenRequest::constraint_spec alone and builds it
+  /// where the request samples (a router: its instances compile the grammar); the HTTP front
+  /// then only validates the spec. False: the front builds GenRequest::constraint.
+  virtual bool constraints_from_spec() const { return false; }
   /// The ids that end a generation (the model's EOS ids); empty when unknown.
   virtual std::vector<int32_t> eos_token_ids() const { return {}; }
 };

@@ -33,6 +33,7 @@
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "transfer/cuda/cuda_ipc_transfer.h"
 #endif
+#include "server/grammar/grammar.h"
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
 #include "server/parsers/chat_parser.h"
@@ -543,6 +544,8 @@ int run_prefill(const InstanceArgs& a) {
   cfg.model_dir = a.model;
   cfg.tp = a.ranks;
   cfg.engine = a.engine;
+  // Structured outputs: token 1 samples here, so its grammar is compiled here.
+  cfg.engine.constraint_factory = grammar::instance_constraint_factory(a.model);
   auto instance = make_instance<PrefillInstance>(a, cfg, cfg.tp, std::chrono::minutes(1));
   PrefillInstance& prefill = *instance;
   if (!prefill.is_leader()) return follow_group(prefill, signals);
@@ -561,6 +564,7 @@ int run_decode(const InstanceArgs& a) {
   cfg.model_dir = a.model;
   cfg.dp = a.ranks;
   cfg.engine = a.engine;
+  cfg.engine.constraint_factory = grammar::instance_constraint_factory(a.model);  // (as prefill)
   cfg.max_decode_batch = a.max_decode_batch;
   cfg.kv_host = a.host;
   if (!a.speculative_config.empty()) {

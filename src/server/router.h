@@ -83,7 +83,9 @@ class Router final : public EngineClient {
   /// refused with 503 rather than as too long).
   int64_t max_model_len() const override;
   int64_t vocab_size() const override;
-  bool supports_constraints() const override { return false; }  // the codec cannot carry one
+  // Constraints travel as GenRequest::constraint_spec: the prefill instance builds one for
+  // token 1, the decode rank for the rest (each compiles the grammar where it samples).
+  bool constraints_from_spec() const override { return true; }
 
   /// At least one prefill and one decode instance usable (GET /ready).
   bool ready() const;

@@ -96,6 +96,26 @@ for m in 'tandem_prefill_queued_input_tokens{instance="0"} 0' 'tandem_prefill_in
   grep -qF "$m" <<<"$metrics" || { echo "missing in /metrics: $m"; echo "$metrics"; exit 1; }
 done
 
+# Structured outputs through both routers (the instances compile the grammar where they
+# sample: the prefill for token 1, the decode rank, a process of its own behind router1, for
+# the rest): schema-valid JSON, the same as tandem serve's.
+schema='{"type":"object","properties":{"name":{"type":"string","maxLength":12},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}'
+body='{"model":"demo","messages":[{"role":"user","content":"Who is Emma?"}],"max_tokens":60,"temperature":0,"response_format":{"type":"json_schema","json_schema":{"name":"p","schema":'"$schema"'}}}'
+for who in router router1 serve; do
+  eval "addr=\$${who}_addr"
+  curl -sf "http://$addr/v1/chat/completions" -H 'Content-Type: application/json' -d "$body" >"$dir/so_$who.json" || {
+    echo "structured output via $who failed"; curl -s "http://$addr/v1/chat/completions" -H 'Content-Type: application/json' -d "$body"; exit 1; }
+done
+python3 - "$dir/so_router.json" "$dir/so_router1.json" "$dir/so_serve.json" <<'PY' || exit 1
+import json, sys
+a, b, c = (json.load(open(p))["choices"][0]["message"]["content"] for p in sys.argv[1:4])
+v = json.loads(a)
+assert set(v) == {"name", "age"} and isinstance(v["name"], str) and len(v["name"]) <= 12, a
+assert isinstance(v["age"], int) and 0 <= v["age"] <= 120, a
+assert a == b == c, (a, b, c)
+print("json_schema via the routers == serve:", a)
+PY
+
 # Four long streams over both decode instances; kill one instance mid-stream.
 for i in 1 2 3 4; do
   curl -sN "http://$router_addr/v1/completions" -H 'Content-Type: application/json' \

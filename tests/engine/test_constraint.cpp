@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "core/error.h"
 #include "engine/engine.h"
 #include "golden.h"
 #include "model/qwen3_moe.h"
@@ -163,6 +164,50 @@ TEST(EngineConstraint, FinishedAndAbortedRequestsReleaseTheirConstraint) {
   EXPECT_EQ(ra.reason, FinishReason::kAbort);
   EXPECT_TRUE(wd.expired());
   EXPECT_TRUE(wa.expired());
+}
+
+// A request from a router carries its constraint as a spec: the engine builds it with its
+// factory (here: the spec is the script, "7,8,9"), in add() and in add_prefilled() (which
+// advances it past the prefill's first token); without a factory it is refused.
+TEST(EngineConstraint, SpecBuiltByTheFactoryWhereTheRequestSamples) {
+  std::vector<std::shared_ptr<ScriptConstraint>> built;
+  EngineConfig cfg = config();
+  cfg.constraint_factory = [&](const std::string& spec) -> std::shared_ptr<TokenConstraint> {
+    std::vector<int32_t> script;
+    for (size_t at = 0; at < spec.size();) {
+      const size_t comma = std::min(spec.find(',', at), spec.size());
+      script.push_back(std::stoi(spec.substr(at, comma - at)));
+      at = comma + 1;
+    }
+    built.push_back(std::make_shared<ScriptConstraint>(script));
+    return built.back();
+  };
+  Engine e(model(), cfg);
+  Result a, b;
+  GenRequest ra = make("a", 3, 1);
+  ra.constraint_spec = "7,8,9";
+  e.add(std::move(ra), collect(a));
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(e.reserve_pages(6, pages));
+  GenRequest rb = make("b", 3, 2);
+  rb.constraint_spec = "4,5,6";
+  e.add_prefilled(std::move(rb), collect(b), pages, /*first_token=*/4, 0.0f);
+  drain(e);
+  ASSERT_EQ(built.size(), 2u);
+  EXPECT_EQ(a.ids, (std::vector<int32_t>{7, 8, 9}));
+  EXPECT_EQ(b.ids, (std::vector<int32_t>{4, 5, 6}));
+  EXPECT_EQ(built[1]->accepted, (std::vector<int32_t>{4, 5, 6}));
+
+  Engine plain(model(), config());
+  GenRequest rc = make("c", 3, 3);
+  rc.constraint_spec = "1";
+  try {
+    plain.validate(rc);
+    ADD_FAILURE() << "a spec without a factory was accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(err.message().find("structured outputs"), std::string::npos) << err.message();
+  }
 }
 
 TEST(MaskWorker, EveryJobFilledOnceBySeveralThreads) {

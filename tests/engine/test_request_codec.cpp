@@ -1,5 +1,6 @@
 // The GenRequest codec (engine/protocol) carries every SamplingParams field, logit_bias
-// included, and refuses a truncated message.
+// included, the constraint's spec and the speculation opt-out, and refuses a truncated
+// message.
 #include <gtest/gtest.h>
 
 #include "core/error.h"
@@ -28,6 +29,8 @@ TEST(RequestCodec, RoundTripsEverySamplingField) {
   r.min_tokens = 4;
   r.stop_token_ids = {8, 9};
   r.ignore_eos = true;
+  r.allow_speculation = false;
+  r.constraint_spec = R"({"grammar": "a spec the engine does not read"})";
 
   ByteWriter w;
   put_request(w, r);
@@ -55,6 +58,9 @@ TEST(RequestCodec, RoundTripsEverySamplingField) {
   EXPECT_EQ(g.min_tokens, r.min_tokens);
   EXPECT_EQ(g.stop_token_ids, r.stop_token_ids);
   EXPECT_EQ(g.ignore_eos, r.ignore_eos);
+  EXPECT_EQ(g.allow_speculation, false);
+  EXPECT_EQ(g.constraint_spec, r.constraint_spec);
+  EXPECT_EQ(g.constraint, nullptr);  // the object stays in its process
 
   // No seed, no biases.
   r.sampling.seed.reset();

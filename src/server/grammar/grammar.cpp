@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <variant>
 
 #include "core/error.h"
+#include "model/config.h"
 #include "server/tokenizer/tokenizer.h"
 
 namespace tandem::grammar {
@@ -92,6 +95,48 @@ class Constraint final : public TokenConstraint {
   }
 
   bool accept(int32_t token, std::string& error) override {
+    const Undo undo{phase_, think_tokens_, false};
+    if (!advance(token, error)) {
+      phase_ = undo.phase;  // a refused token changes nothing
+      think_tokens_ = undo.think_tokens;
+      return false;
+    }
+    history_.push_back(undo);
+    history_.back().matched = matched_;
+    if (history_.size() > kHistory) history_.pop_front();
+    return true;
+  }
+
+  bool can_rollback() const override { return true; }
+
+  void rollback(int32_t num_tokens) override {
+    TANDEM_CHECK(num_tokens >= 0 && static_cast<size_t>(num_tokens) <= history_.size(),
+                 "structured output: cannot roll back ", num_tokens, " tokens (", history_.size(),
+                 " kept)");
+    int matched = 0;
+    for (int32_t i = 0; i < num_tokens; ++i) {
+      const Undo u = history_.back();
+      history_.pop_back();
+      phase_ = u.phase;
+      think_tokens_ = u.think_tokens;
+      matched += u.matched ? 1 : 0;
+    }
+    if (matched > 0) matcher_->Rollback(matched);
+  }
+
+ private:
+  enum class Phase { kFirst, kThinking, kGrammar };
+  // What accept() changed, to undo it: the phase and think count before it, and whether the
+  // token went into the matcher.
+  struct Undo {
+    Phase phase;
+    int32_t think_tokens;
+    bool matched;
+  };
+  static constexpr size_t kHistory = 16;  // >= the drafts of one step (kMaxSpeculativeTokens)
+
+  bool advance(int32_t token, std::string& error) {
+    matched_ = false;
     if (phase_ == Phase::kFirst) {
       if (token == o_.think_start_id) {
         phase_ = Phase::kThinking;
@@ -108,18 +153,21 @@ class Constraint final : public TokenConstraint {
       return true;
     }
     if (!matcher_) return true;
-    if (matcher_->AcceptToken(token)) return true;
+    if (matcher_->AcceptToken(token)) {
+      matched_ = true;
+      return true;
+    }
     error = "structured output: token " + std::to_string(token) +
             " does not continue the requested format";
     return false;
   }
 
- private:
-  enum class Phase { kFirst, kThinking, kGrammar };
   ConstraintOptions o_;
   std::optional<xgrammar::GrammarMatcher> matcher_;
   Phase phase_ = Phase::kGrammar;
   int32_t think_tokens_ = 0;
+  bool matched_ = false;      // the last advance() fed the matcher
+  std::deque<Undo> history_;  // the last kHistory accepted tokens, oldest first
 };
 
 }  // namespace
@@ -180,6 +228,72 @@ GrammarCompiler::GrammarCompiler(const Tokenizer& tok, int64_t vocab_size,
 
 GrammarCompiler::~GrammarCompiler() = default;
 
+namespace {
+
+/// xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": the reason only.
+std::string xgrammar_reason(const std::exception& e) {
+  std::string msg = e.what();
+  if (size_t cc = msg.find(".cc:"); cc != std::string::npos) {
+    if (size_t colon = msg.find(": ", cc + 4); colon != std::string::npos) {
+      msg = msg.substr(colon + 2);
+    }
+  }
+  while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
+  return msg;
+}
+
+/// The spec's grammar (suffix included), parsed; throws what xgrammar throws.
+xgrammar::Grammar build_grammar(const GrammarSpec& spec) {
+  std::optional<xgrammar::Grammar> g;
+  switch (spec.kind) {
+    case GrammarKind::kJsonObject:
+      g = xgrammar::Grammar::FromJSONSchema(R"({"type": "object"})", /*any_whitespace=*/false,
+                                            std::nullopt, std::nullopt, /*strict_mode=*/false);
+      break;
+    case GrammarKind::kJsonSchema:
+      g = xgrammar::Grammar::FromJSONSchema(spec.text, /*any_whitespace=*/false, std::nullopt,
+                                            std::nullopt, spec.strict);
+      break;
+    case GrammarKind::kRegex: g = xgrammar::Grammar::FromRegex(spec.text); break;
+    case GrammarKind::kChoice: {
+      std::string ebnf = "root ::=";
+      for (size_t i = 0; i < spec.choices.size(); ++i) {
+        ebnf += (i ? " | " : " ") + ebnf_literal(spec.choices[i]);
+      }
+      g = xgrammar::Grammar::FromEBNF(ebnf);
+      break;
+    }
+    case GrammarKind::kEbnf: g = xgrammar::Grammar::FromEBNF(spec.text); break;
+    case GrammarKind::kStructuralTag: {
+      // NOTE: without the tokenizer's info, so token-level formats ("token", ...) are refused
+      // alike at a router's front and where the grammar is compiled.
+      auto r = xgrammar::Grammar::FromStructuralTag(spec.text);
+      if (auto* err = std::get_if<xgrammar::StructuralTagError>(&r)) {
+        std::visit([](const auto& e) { throw Error(ErrorKind::kInvalidArgument, e.what()); }, *err);
+      }
+      g = std::get<xgrammar::Grammar>(std::move(r));
+      break;
+    }
+  }
+  if (!spec.suffix.empty()) {
+    g = xgrammar::Grammar::Concat(
+        {*g, xgrammar::Grammar::FromEBNF("root ::= " + ebnf_literal(spec.suffix))});
+  }
+  return *g;
+}
+
+}  // namespace
+
+void validate(const GrammarSpec& spec) {
+  try {
+    (void)build_grammar(spec);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(ErrorKind::kInvalidArgument, xgrammar_reason(e));
+  }
+}
+
 std::shared_ptr<const CompiledGrammar> GrammarCompiler::compile(const GrammarSpec& spec) {
   const std::string key = spec.key();
   std::lock_guard<std::mutex> lock(mu_);
@@ -189,47 +303,15 @@ std::shared_ptr<const CompiledGrammar> GrammarCompiler::compile(const GrammarSpe
   }
   std::shared_ptr<const CompiledGrammar> out;
   try {
-    std::optional<xgrammar::Grammar> g;
-    switch (spec.kind) {
-      case GrammarKind::kJsonObject:
-        g = xgrammar::Grammar::FromJSONSchema(R"({"type": "object"})", /*any_whitespace=*/false,
-                                              std::nullopt, std::nullopt, /*strict_mode=*/false);
-        break;
-      case GrammarKind::kJsonSchema:
-        g = xgrammar::Grammar::FromJSONSchema(spec.text, /*any_whitespace=*/false, std::nullopt,
-                                              std::nullopt, spec.strict);
-        break;
-      case GrammarKind::kRegex: g = xgrammar::Grammar::FromRegex(spec.text); break;
-      case GrammarKind::kChoice: {
-        std::string ebnf = "root ::=";
-        for (size_t i = 0; i < spec.choices.size(); ++i) {
-          ebnf += (i ? " | " : " ") + ebnf_literal(spec.choices[i]);
-        }
-        g = xgrammar::Grammar::FromEBNF(ebnf);
-        break;
-      }
-      case GrammarKind::kEbnf: g = xgrammar::Grammar::FromEBNF(spec.text); break;
-    }
-    if (!spec.suffix.empty()) {
-      g = xgrammar::Grammar::Concat(
-          {*g, xgrammar::Grammar::FromEBNF("root ::= " + ebnf_literal(spec.suffix))});
-    }
     const bool json =
         spec.kind == GrammarKind::kJsonSchema || spec.kind == GrammarKind::kJsonObject;
-    out = std::make_shared<CompiledGrammar>(impl_->compiler.CompileGrammar(*g), impl_->stop_ids,
+    out = std::make_shared<CompiledGrammar>(impl_->compiler.CompileGrammar(build_grammar(spec)),
+                                            impl_->stop_ids,
                                             json ? impl_->no_control_bytes : nullptr);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    // xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": keep the reason only.
-    std::string msg = e.what();
-    if (size_t cc = msg.find(".cc:"); cc != std::string::npos) {
-      if (size_t colon = msg.find(": ", cc + 4); colon != std::string::npos) {
-        msg = msg.substr(colon + 2);
-      }
-    }
-    while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
-    throw Error(ErrorKind::kInvalidArgument, msg);
+    throw Error(ErrorKind::kInvalidArgument, xgrammar_reason(e));
   }
   cache_.emplace(key, out);
   order_.push_back(key);
@@ -255,5 +337,167 @@ std::shared_ptr<TokenConstraint> make_constraint(const ConstraintOptions& option
 }
 
 int64_t live_constraints() { return g_live.load(); }
+
+// ---- The constraint as data (GenRequest::constraint_spec). ----
+
+namespace {
+
+constexpr const char* kKindNames[] = {"json_object", "json_schema", "regex",
+                                      "choice",      "ebnf",        "structural_tag"};
+constexpr const char* kThinkNames[] = {"content", "in_think", "auto"};
+
+template <size_t N>
+int index_of(const char* const (&names)[N], const std::string& s, const char* what) {
+  for (size_t i = 0; i < N; ++i) {
+    if (s == names[i]) return static_cast<int>(i);
+  }
+  TANDEM_THROW(kInvalidArgument, "constraint spec: unknown ", what, " '", s, "'");
+}
+
+}  // namespace
+
+std::string encode_constraint_request(const ConstraintRequest& r) {
+  nlohmann::json j = {{"think", kThinkNames[static_cast<int>(r.think)]},
+                      {"thinking_budget", r.thinking_budget}};
+  if (r.grammar) {
+    const GrammarSpec& g = *r.grammar;
+    j["grammar"] = {{"kind", kKindNames[static_cast<int>(g.kind)]},
+                    {"text", g.text},
+                    {"choices", g.choices},
+                    {"strict", g.strict},
+                    {"suffix", g.suffix}};
+  }
+  return j.dump();
+}
+
+ConstraintRequest decode_constraint_request(const std::string& spec) {
+  ConstraintRequest r;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(spec);
+    r.think = static_cast<ThinkStart>(
+        index_of(kThinkNames, j.at("think").get<std::string>(), "reasoning start"));
+    r.thinking_budget = j.at("thinking_budget").get<int32_t>();
+    if (j.contains("grammar")) {
+      const nlohmann::json& g = j.at("grammar");
+      GrammarSpec s;
+      s.kind = static_cast<GrammarKind>(
+          index_of(kKindNames, g.at("kind").get<std::string>(), "grammar kind"));
+      s.text = g.at("text").get<std::string>();
+      s.choices = g.at("choices").get<std::vector<std::string>>();
+      s.strict = g.at("strict").get<bool>();
+      s.suffix = g.at("suffix").get<std::string>();
+      r.grammar = std::move(s);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    TANDEM_THROW(kInvalidArgument, "constraint spec: ", e.what());
+  }
+  return r;
+}
+
+ConstraintOptions constraint_options(GrammarCompiler& gc, const ConstraintRequest& r) {
+  ConstraintOptions o;
+  o.think = r.think;
+  o.think_start_id = gc.think_start_id();
+  o.think_end_id = gc.think_end_id();
+  o.thinking_budget = r.think == ThinkStart::kContent ? -1 : r.thinking_budget;
+  o.vocab_size = gc.vocab_size();
+  TANDEM_CHECK_KIND(kInvalidArgument, o.thinking_budget < 0 || o.think_end_id >= 0,
+                    "'thinking_budget' needs a tokenizer with a </think> token");
+  if (r.grammar) o.grammar = gc.compile(*r.grammar);
+  return o;
+}
+
+ConstraintFactory instance_constraint_factory(std::string model_dir, int64_t vocab_size,
+                                              std::vector<int32_t> eos_ids) {
+  struct Shared {
+    std::once_flag once;
+    std::unique_ptr<Tokenizer> tok;
+    std::unique_ptr<GrammarCompiler> compiler;
+    std::string error;  // why there is none
+  };
+  auto shared = std::make_shared<Shared>();
+  return [shared, model_dir = std::move(model_dir), vocab_size,
+          eos_ids = std::move(eos_ids)](const std::string& spec) {
+    std::call_once(shared->once, [&] {
+      try {
+        shared->tok = Tokenizer::from_dir(model_dir);
+        if (!shared->tok) {
+          shared->error = model_dir + " has no tokenizer.json";
+          return;
+        }
+        shared->compiler = std::make_unique<GrammarCompiler>(*shared->tok, vocab_size, eos_ids);
+      } catch (const std::exception& e) {
+        shared->error = e.what();
+      }
+    });
+    TANDEM_CHECK_KIND(kInvalidArgument, shared->compiler != nullptr,
+                      "structured outputs need the model's tokenizer: ", shared->error);
+    return make_constraint(constraint_options(*shared->compiler, decode_constraint_request(spec)));
+  };
+}
+
+ConstraintFactory instance_constraint_factory(const std::string& model_dir) {
+  const ModelConfig mc = ModelConfig::from_dir(model_dir);
+  std::vector<int32_t> eos;
+  for (int64_t id : mc.eos_token_ids) eos.push_back(static_cast<int32_t>(id));
+  return instance_constraint_factory(model_dir, mc.vocab_size, std::move(eos));
+}
+
+// ---- Forced tool calls. ----
+
+using ojson = nlohmann::ordered_json;
+
+/// tool_choice "required" / named with Hermes calls: the JSON of one call after the primed
+/// "<tool_call>\n": {"name": <one of the tools (or the named one)>, "arguments": <that tool's
+/// parameters schema>}, then "\n</tool_call>".
+GrammarSpec hermes_tool_call_grammar(const ojson& tools, const std::string& only) {
+  ojson alternatives = ojson::array();
+  for (const auto& t : tools) {
+    const ojson& fn = t["function"];
+    const std::string name = fn["name"].get<std::string>();
+    if (!only.empty() && name != only) continue;
+    ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                       ? fn["parameters"]
+                       : ojson{{"type", "object"}};
+    alternatives.push_back({{"type", "object"},
+                            {"properties", {{"name", {{"const", name}}}, {"arguments", params}}},
+                            {"required", ojson::array({"name", "arguments"})}});
+  }
+  GrammarSpec g{GrammarKind::kJsonSchema};
+  g.text = (alternatives.size() == 1 ? alternatives[0] : ojson{{"anyOf", alternatives}}).dump();
+  g.suffix = "\n</tool_call>";
+  return g;
+}
+
+/// tool_choice "required" / named with Qwen3-Coder / Qwen3.5 XML calls: after the primed
+/// "<tool_call>\n", one "<function=NAME>\n" block of one of the tools (or the named one) whose
+/// <parameter=P> values follow that tool's parameters schema (xgrammar's qwen_xml style:
+/// strings raw, other types as JSON, required parameters present, in the schema's order), then
+/// "\n</function>\n</tool_call>": an xgrammar structural tag.
+GrammarSpec xml_tool_call_grammar(const ojson& tools, const std::string& only) {
+  ojson tags = ojson::array();
+  for (const auto& t : tools) {
+    const ojson& fn = t["function"];
+    const std::string name = fn["name"].get<std::string>();
+    if (!only.empty() && name != only) continue;
+    ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                       ? fn["parameters"]
+                       : ojson{{"type", "object"}};
+    tags.push_back({{"type", "tag"},
+                    {"begin", "<function=" + name + ">\n"},
+                    // (at most one whitespace character where the layout allows any: the template's
+                    // newlines fit, a model that would write whitespace forever cannot)
+                    {"content",
+                     {{"type", "json_schema"},
+                      {"json_schema", params},
+                      {"style", "qwen_xml"},
+                      {"max_whitespace_cnt", 1}}},
+                    {"end", "\n</function>\n</tool_call>"}});
+  }
+  GrammarSpec g{GrammarKind::kStructuralTag};
+  const ojson format = tags.size() == 1 ? tags[0] : ojson{{"type", "or"}, {"elements", tags}};
+  g.text = ojson{{"type", "structural_tag"}, {"format", format}}.dump();
+  return g;
+}
 
 }  // namespace tandem::grammar

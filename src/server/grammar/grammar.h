@@ -15,6 +15,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,11 +29,12 @@ class Tokenizer;
 namespace tandem::grammar {
 
 enum class GrammarKind {
-  kJsonObject,  // any JSON object (response_format json_object)
-  kJsonSchema,  // text: the schema's JSON
-  kRegex,       // text: the regular expression
-  kChoice,      // choices: one of these strings exactly
-  kEbnf,        // text: an EBNF grammar (xgrammar's dialect, root rule "root")
+  kJsonObject,     // any JSON object (response_format json_object)
+  kJsonSchema,     // text: the schema's JSON
+  kRegex,          // text: the regular expression
+  kChoice,         // choices: one of these strings exactly
+  kEbnf,           // text: an EBNF grammar (xgrammar's dialect, root rule "root")
+  kStructuralTag,  // text: an xgrammar structural tag ({"type": "structural_tag", ...})
 };
 
 struct GrammarSpec {
@@ -101,6 +104,49 @@ struct ConstraintOptions {
 
 /// A fresh constraint (one per request: it holds the request's grammar state).
 std::shared_ptr<TokenConstraint> make_constraint(const ConstraintOptions& options);
+
+/// What a request asks of its constraint, as data: the grammar (none: a thinking budget
+/// alone) and where the reply starts relative to the reasoning block. Its encoding is
+/// GenRequest::constraint_spec, compiled where the request samples.
+struct ConstraintRequest {
+  std::optional<GrammarSpec> grammar;
+  ThinkStart think = ThinkStart::kContent;
+  int32_t thinking_budget = -1;  // -1: no limit
+};
+/// A JSON text (GenRequest::constraint_spec).
+std::string encode_constraint_request(const ConstraintRequest& r);
+/// Throws Error(kInvalidArgument) naming what is wrong with a spec.
+ConstraintRequest decode_constraint_request(const std::string& spec);
+
+/// Checks a grammar without compiling it for a tokenizer (xgrammar parses the schema, regex
+/// or EBNF): the front of a router, whose instances compile. Throws Error(kInvalidArgument)
+/// with xgrammar's reason, as compile() does.
+void validate(const GrammarSpec& spec);
+
+/// The request's ConstraintOptions with `compiler` (its grammar compiled: cached; think ids
+/// and vocabulary from the compiler). Throws Error(kInvalidArgument) for a grammar xgrammar
+/// refuses, or a thinking budget without a single </think> token.
+ConstraintOptions constraint_options(GrammarCompiler& compiler, const ConstraintRequest& r);
+
+/// An instance's EngineConfig::constraint_factory: decodes a spec and builds its constraint
+/// with one GrammarCompiler for the model (the tokenizer of `model_dir`, `vocab_size`, the
+/// EOS ids), created at the first constrained request and shared by every engine given this
+/// factory (copies share it). Throws Error(kInvalidArgument) for a bad spec, or when the
+/// model has no tokenizer.
+ConstraintFactory instance_constraint_factory(std::string model_dir, int64_t vocab_size,
+                                              std::vector<int32_t> eos_ids);
+/// The same with the vocabulary size and EOS ids of `model_dir`'s config (ModelConfig).
+ConstraintFactory instance_constraint_factory(const std::string& model_dir);
+
+/// tool_choice "required" / a named function: the grammar of one call of one of `tools` (an
+/// OpenAI tools array; or only the one named `only`, when not empty), its arguments valid
+/// against that tool's parameters schema, after a "<tool_call>\n" the prompt already holds.
+/// Hermes (Qwen3): {"name": ..., "arguments": {...}} then "\n</tool_call>".
+GrammarSpec hermes_tool_call_grammar(const nlohmann::ordered_json& tools, const std::string& only);
+/// Qwen3-Coder / Qwen3.5 XML: "<function=NAME>\n" <parameter=P>...</parameter> ...
+/// "\n</function>\n</tool_call>" (a structural tag; parameter values in xgrammar's qwen_xml
+/// style: strings raw, other types as JSON, the schema's property order).
+GrammarSpec xml_tool_call_grammar(const nlohmann::ordered_json& tools, const std::string& only);
 
 /// Constraints alive now (tests: a finished or aborted request releases its own).
 int64_t live_constraints();

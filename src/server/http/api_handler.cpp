@@ -22,30 +22,9 @@ const char* in_param_words(grammar::GrammarKind k) {
     case grammar::GrammarKind::kRegex: return "regex";
     case grammar::GrammarKind::kChoice: return "choice";
     case grammar::GrammarKind::kEbnf: return "grammar";
+    case grammar::GrammarKind::kStructuralTag: return "structural tag";
   }
   return "grammar";
-}
-
-/// tool_choice "required" / named with Hermes calls: the JSON of one call after the primed
-/// "<tool_call>\n": {"name": <one of the tools (or the named one)>, "arguments": <that tool's
-/// parameters schema>}, then "\n</tool_call>".
-grammar::GrammarSpec tool_call_grammar(const Json& tools, const std::string& only) {
-  Json alternatives = Json::array();
-  for (const auto& t : tools) {
-    const Json& fn = t["function"];
-    const std::string name = fn["name"].get<std::string>();
-    if (!only.empty() && name != only) continue;
-    Json params = fn.contains("parameters") && fn["parameters"].is_object()
-                      ? fn["parameters"]
-                      : Json{{"type", "object"}};
-    alternatives.push_back({{"type", "object"},
-                            {"properties", {{"name", {{"const", name}}}, {"arguments", params}}},
-                            {"required", Json::array({"name", "arguments"})}});
-  }
-  grammar::GrammarSpec g{grammar::GrammarKind::kJsonSchema};
-  g.text = (alternatives.size() == 1 ? alternatives[0] : Json{{"anyOf", alternatives}}).dump();
-  g.suffix = "\n</tool_call>";
-  return g;
 }
 
 using json = Json;
@@ -285,8 +264,8 @@ void ApiHandler::completions(const HttpRequest& req, const std::shared_ptr<Conne
     }
     s.prompts.push_back(std::move(prompt));
   }
-  s.make_constraint = constraint_factory(r.params, r.params.structured, r.params.structured_param,
-                                         grammar::ThinkStart::kContent);
+  constrain(s, r.params, r.params.structured, r.params.structured_param,
+            grammar::ThinkStart::kContent);
   s.params = std::move(r.params);
   GenerationContext ctx{gate_, tokenizer_, &metrics_};
   std::make_shared<Generation>(std::move(s), std::move(ctx), conn)->start();
@@ -301,36 +280,54 @@ grammar::GrammarCompiler& ApiHandler::grammars() const {
   return *grammars_;
 }
 
-std::function<std::shared_ptr<TokenConstraint>()> ApiHandler::constraint_factory(
-    const GenerationParams& p, std::optional<grammar::GrammarSpec> spec, const std::string& param,
-    grammar::ThinkStart think) const {
+void ApiHandler::constrain(GenerationSetup& s, const GenerationParams& p,
+                           std::optional<grammar::GrammarSpec> spec, const std::string& param,
+                           grammar::ThinkStart think) const {
   const bool budget = p.thinking_token_budget >= 0 && think != grammar::ThinkStart::kContent;
-  if (!spec && !budget) return nullptr;
+  if (!spec && !budget) return;
   if (!tokenizer_) throw no_tokenizer("structured outputs need one");
-  if (!gate_->engine().supports_constraints()) {
+  const EngineClient& engine = gate_->engine();
+  if (!engine.supports_constraints()) {
     throw bad_request("structured outputs and thinking_token_budget are not supported here",
                       spec ? param : "thinking_token_budget");
   }
+  grammar::ConstraintRequest cr;
+  cr.grammar = std::move(spec);
+  cr.think = think;
+  cr.thinking_budget = budget ? p.thinking_token_budget : -1;
+  auto invalid = [&](const Error& e) {
+    return bad_request(
+        std::string("invalid ") + in_param_words(cr.grammar->kind) + ": " + e.message(), param);
+  };
+  s.constraint_spec = grammar::encode_constraint_request(cr);
+  if (engine.constraints_from_spec()) {
+    // A router: the instances compile where they sample; here the spec is only checked.
+    const std::optional<int32_t> end = tokenizer_->token_to_id("</think>");
+    if (budget && !end) {
+      throw bad_request("'thinking_token_budget' needs a tokenizer with a </think> token",
+                        "thinking_token_budget");
+    }
+    if (cr.grammar) {
+      try {
+        grammar::validate(*cr.grammar);
+      } catch (const Error& e) {
+        throw invalid(e);
+      }
+    }
+    return;
+  }
   grammar::GrammarCompiler& gc = grammars();
-  grammar::ConstraintOptions o;
-  o.think = think;
-  o.think_start_id = gc.think_start_id();
-  o.think_end_id = gc.think_end_id();
-  o.thinking_budget = budget ? p.thinking_token_budget : -1;
-  o.vocab_size = gc.vocab_size();
-  if (budget && o.think_end_id < 0) {
+  if (budget && gc.think_end_id() < 0) {
     throw bad_request("'thinking_token_budget' needs a tokenizer with a </think> token",
                       "thinking_token_budget");
   }
-  if (spec) {
-    try {
-      o.grammar = gc.compile(*spec);
-    } catch (const Error& e) {
-      throw bad_request(std::string("invalid ") + in_param_words(spec->kind) + ": " + e.message(),
-                        param);
-    }
+  grammar::ConstraintOptions o;
+  try {
+    o = grammar::constraint_options(gc, cr);
+  } catch (const Error& e) {
+    throw invalid(e);
   }
-  return [o] { return grammar::make_constraint(o); };
+  s.make_constraint = [o] { return grammar::make_constraint(o); };
 }
 
 void ApiHandler::chat_completions(const HttpRequest& req, const std::shared_ptr<Connection>& conn) {
@@ -377,18 +374,18 @@ GenerationSetup ApiHandler::chat_setup(ChatRequest& r, const std::string& id_pre
                               r.tool_choice + "\" (the call is forced by its own grammar)",
                           spec_param);
       }
-      // The reply starts inside a call, after an empty think block. Hermes: a grammar forces
-      // the call's JSON ({"name", "arguments"} valid against the tool's schema) and its end.
+      // The reply starts inside a call, after an empty think block; a grammar forces the
+      // call (one of the tools, or the named one), its arguments valid against the tool's
+      // schema, and its end. Hermes: {"name", "arguments"} JSON; qwen3_coder: the XML form.
       if (po.start == parsers::ReasoningStart::kInThink) prompt += "\n</think>\n\n";
       if (po.start == parsers::ReasoningStart::kAuto) prompt += "<think>\n\n</think>\n\n";
       po.start = parsers::ReasoningStart::kContent;
-      std::string prefix = "<tool_call>\n";
-      if (tool_format_ == parsers::ToolFormat::kHermes) {
-        spec = tool_call_grammar(r.tools, r.tool_choice == "function" ? r.tool_choice_name : "");
-        spec_param = "tools";
-      } else if (r.tool_choice == "function") {  // qwen3_coder: the function is forced
-        prefix += "<function=" + r.tool_choice_name + ">\n";
-      }
+      const std::string prefix = "<tool_call>\n";
+      const std::string only = r.tool_choice == "function" ? r.tool_choice_name : "";
+      spec = tool_format_ == parsers::ToolFormat::kHermes
+                 ? grammar::hermes_tool_call_grammar(r.tools, only)
+                 : grammar::xml_tool_call_grammar(r.tools, only);
+      spec_param = "tools";
       prompt += prefix;
       po.prime = prefix;
     }
@@ -400,7 +397,7 @@ GenerationSetup ApiHandler::chat_setup(ChatRequest& r, const std::string& id_pre
   } else if (po.reasoning && po.start == parsers::ReasoningStart::kAuto) {
     think = grammar::ThinkStart::kAuto;
   }
-  s.make_constraint = constraint_factory(r.params, spec, spec_param, think);
+  constrain(s, r.params, spec, spec_param, think);
   if (po.reasoning || po.tools_format != parsers::ToolFormat::kNone) s.parser = std::move(po);
   s.params = std::move(r.params);
   s.params.echo = false;

@@ -52,11 +52,12 @@ class ApiHandler {
   std::string chat_prompt_text(const ChatRequest& r) const;
   std::vector<int32_t> encode(const std::string& text, const char* param) const;
   const Tokenizer& require_tokenizer(const char* what) const;
-  /// The request's token constraint (structured outputs, thinking budget) as a factory for
-  /// its choices; null when it has none. Compile errors are 400s naming the field.
-  std::function<std::shared_ptr<TokenConstraint>()> constraint_factory(
-      const GenerationParams& p, std::optional<grammar::GrammarSpec> spec, const std::string& param,
-      grammar::ThinkStart think) const;
+  /// The request's token constraint (structured outputs, thinking budget), if any: its spec
+  /// (s.constraint_spec) and, unless the engine compiles from the spec (a router), a factory
+  /// for its choices (s.make_constraint). Grammar errors are 400s naming the field.
+  void constrain(GenerationSetup& s, const GenerationParams& p,
+                 std::optional<grammar::GrammarSpec> spec, const std::string& param,
+                 grammar::ThinkStart think) const;
   grammar::GrammarCompiler& grammars() const;
 
   HttpServerConfig config_;

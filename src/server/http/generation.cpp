@@ -190,6 +190,7 @@ void Generation::start() {
     r.stop_token_ids = p.stop_token_ids;
     r.ignore_eos = p.ignore_eos;
     if (setup_.make_constraint) r.constraint = setup_.make_constraint();
+    r.constraint_spec = setup_.constraint_spec;
 
     std::shared_ptr<EngineGate> gate = ctx_.gate;
     std::weak_ptr<Connection> conn = conn_;

@@ -42,8 +42,10 @@ struct GenerationSetup {
   std::vector<Prompt> prompts;
   /// Chat: reasoning / tool-call parsing of each choice's text (none: plain content).
   std::optional<parsers::ChatParserOptions> parser;
-  /// Structured outputs / thinking budget: a fresh constraint per choice (null: none).
+  /// Structured outputs / thinking budget: a fresh constraint per choice (null: none, or the
+  /// engine builds it from the spec).
   std::function<std::shared_ptr<TokenConstraint>()> make_constraint;
+  std::string constraint_spec;  // its wire form (GenRequest::constraint_spec; "": none)
 };
 
 /// What a generation needs from the server; all must outlive the server's io threads.

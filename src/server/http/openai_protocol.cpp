@@ -158,6 +158,54 @@ std::string schema_text(const json& v, const std::string& name) {
   return schema.dump();
 }
 
+/// A structural tag (xgrammar's): {"type": "structural_tag", "format": {...}}, or vLLM's older
+/// {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (free text in which a trigger
+/// starts one of the tags), as an object or its JSON text.
+std::string structural_tag_text(const json& v, const std::string& name) {
+  json tag = v;
+  if (v.is_string()) {
+    tag = json::parse(v.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (tag.is_discarded()) throw bad_request(in_quotes(name) + " is not valid JSON", name);
+  }
+  if (!tag.is_object()) throw type_error(name, "a structural tag object", tag);
+  if (const json* f = field(tag, "format")) {
+    if (!f->is_object()) throw type_error(name + ".format", "an object", *f);
+    return json{{"type", "structural_tag"}, {"format", *f}}.dump();
+  }
+  const json* structures = field(tag, "structures");
+  const json* triggers = field(tag, "triggers");
+  if (!structures || !triggers) {
+    throw bad_request(in_quotes(name) + " needs 'format' (or 'structures' and 'triggers')", name);
+  }
+  if (!structures->is_array() || structures->empty()) {
+    throw type_error(name + ".structures", "a non-empty array", *structures);
+  }
+  if (!triggers->is_array() || triggers->empty()) {
+    throw type_error(name + ".triggers", "a non-empty array of strings", *triggers);
+  }
+  json tags = json::array();
+  for (const json& st : *structures) {
+    const std::string where = name + ".structures";
+    if (!st.is_object()) throw type_error(where, "an array of objects", st);
+    const json* b = field(st, "begin");
+    const json* e = field(st, "end");
+    const json* sc = field(st, "schema");
+    if (!b || !e || !sc)
+      throw bad_request("each of " + in_quotes(where) + " needs 'begin', 'schema' and 'end'",
+                        where);
+    tags.push_back({{"type", "tag"},
+                    {"begin", as_string(*b, where + ".begin")},
+                    {"content",
+                     {{"type", "json_schema"},
+                      {"json_schema", json::parse(schema_text(*sc, where + ".schema"))}}},
+                    {"end", as_string(*e, where + ".end")}});
+  }
+  for (const json& t : *triggers) as_string(t, name + ".triggers");
+  return json{{"type", "structural_tag"},
+              {"format", {{"type", "triggered_tags"}, {"triggers", *triggers}, {"tags", tags}}}}
+      .dump();
+}
+
 /// response_format (OpenAI), structured_outputs and the older guided_* fields (vLLM): at most
 /// one grammar per request, named by the field it came from (`structured_param`).
 void parse_structured_outputs(const json& body, GenerationParams& p) {
@@ -211,9 +259,14 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
         g.strict = as_bool(*st, "response_format.json_schema.strict");
       }
       set(std::move(g), "response_format.json_schema.schema");
+    } else if (type == "structural_tag") {
+      grammar::GrammarSpec g{GrammarKind::kStructuralTag};
+      g.text = structural_tag_text(*v, "response_format");
+      set(std::move(g), "response_format");
     } else if (type != "text") {
       throw bad_request("response_format type '" + type +
-                            "' is not supported (\"text\", \"json_object\", \"json_schema\")",
+                            "' is not supported (\"text\", \"json_object\", \"json_schema\", "
+                            "\"structural_tag\")",
                         "response_format.type");
     }
   }
@@ -237,15 +290,19 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
         v && as_bool(*v, "structured_outputs.json_object")) {
       set({GrammarKind::kJsonObject}, "structured_outputs.json_object");
     }
-    for (const char* name : {"structural_tag", "whitespace_pattern"}) {
-      if (field(*so, name)) {
-        throw bad_request("'structured_outputs." + std::string(name) + "' is not supported",
-                          "structured_outputs." + std::string(name));
-      }
+    if (const json* v = field(*so, "structural_tag")) {
+      grammar::GrammarSpec g{GrammarKind::kStructuralTag};
+      g.text = structural_tag_text(*v, "structured_outputs.structural_tag");
+      set(std::move(g), "structured_outputs.structural_tag");
+    }
+    if (field(*so, "whitespace_pattern")) {
+      throw bad_request("'structured_outputs.whitespace_pattern' is not supported",
+                        "structured_outputs.whitespace_pattern");
     }
     if (!p.structured) {
       throw bad_request(
-          "'structured_outputs' needs one of 'json', 'regex', 'choice', 'grammar', 'json_object'",
+          "'structured_outputs' needs one of 'json', 'regex', 'choice', 'grammar', "
+          "'json_object', 'structural_tag'",
           "structured_outputs");
     }
   }
@@ -379,6 +436,30 @@ void parse_common(const json& body, GenerationParams& p, int64_t vocab_size) {
   parse_structured_outputs(body, p);
   if (auto b = get_int(body, "thinking_token_budget", 0, std::numeric_limits<int32_t>::max())) {
     p.thinking_token_budget = int32_t(*b);
+  }
+  // Known fields that would change the output but are not implemented: refused, never
+  // ignored (unknown fields are ignored; docs/api.md lists both).
+  for (const char* name : {"allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                           "logits_processors", "audio", "web_search_options"}) {
+    if (const json* v = field(body, name); v && !v->is_null()) {
+      throw bad_request("'" + std::string(name) + "' is not supported", name);
+    }
+  }
+  for (const char* name : {"functions", "function_call"}) {
+    if (const json* v = field(body, name); v && !v->is_null()) {
+      throw bad_request("'" + std::string(name) +
+                            "' (deprecated by OpenAI) is not supported: use 'tools' and "
+                            "'tool_choice'",
+                        name);
+    }
+  }
+  if (const json* v = field(body, "modalities"); v && !v->is_null()) {
+    if (!v->is_array()) throw type_error("modalities", "an array of strings", *v);
+    for (const json& m : *v) {
+      if (as_string(m, "modalities") != "text") {
+        throw bad_request("only the \"text\" modality is supported", "modalities");
+      }
+    }
   }
 }
 

@@ -197,41 +197,57 @@ void ToolCallParser::fail_call(ChatDelta& out) {
   after_call_ = false;
 }
 
-std::string ToolCallParser::param_type(const std::string& param) const {
-  if (!tools_.is_array()) return "string";
+const ojson* ToolCallParser::param_schema(const std::string& param) const {
+  if (!tools_.is_array()) return nullptr;
   for (const ojson& t : tools_) {
     const ojson* fn = t.contains("function") ? &t["function"] : nullptr;
     if (!fn || !fn->is_object() || fn->value("name", ojson()) != ojson(function_)) continue;
-    const ojson params = fn->value("parameters", ojson());
-    if (!params.is_object() || !params.contains("properties")) return "string";
+    if (!fn->contains("parameters")) return nullptr;
+    const ojson& params = (*fn)["parameters"];
+    if (!params.is_object() || !params.contains("properties")) return nullptr;
     const ojson& props = params["properties"];
-    if (!props.is_object() || !props.contains(param) || !props[param].is_object()) return "string";
-    const ojson& p = props[param];
-    auto type_of = [](const ojson& s) -> std::string {
-      if (!s.is_object() || !s.contains("type")) return "";
-      const ojson& ty = s["type"];
-      if (ty.is_string()) return ty.get<std::string>();
-      if (ty.is_array()) {
-        for (const ojson& x : ty) {
-          if (x.is_string() && x != "null") return x.get<std::string>();
-        }
-      }
-      return "";
-    };
-    std::string ty = type_of(p);
-    for (const char* alt : {"anyOf", "oneOf"}) {
-      if (!ty.empty()) break;
-      if (p.contains(alt) && p[alt].is_array()) {
-        for (const ojson& s : p[alt]) {
-          ty = type_of(s);
-          if (!ty.empty() && ty != "null") break;
-          ty.clear();
-        }
+    if (!props.is_object() || !props.contains(param) || !props[param].is_object()) return nullptr;
+    return &props[param];
+  }
+  return nullptr;
+}
+
+bool ToolCallParser::trims_string(const std::string& param) const {
+  const ojson* p = param_schema(param);
+  if (!p) return false;
+  for (const char* k : {"enum", "const", "pattern", "format", "minLength", "maxLength"}) {
+    if (p->contains(k)) return true;
+  }
+  return false;
+}
+
+std::string ToolCallParser::param_type(const std::string& param) const {
+  const ojson* ps = param_schema(param);
+  if (!ps) return "string";
+  const ojson& p = *ps;
+  auto type_of = [](const ojson& s) -> std::string {
+    if (!s.is_object() || !s.contains("type")) return "";
+    const ojson& ty = s["type"];
+    if (ty.is_string()) return ty.get<std::string>();
+    if (ty.is_array()) {
+      for (const ojson& x : ty) {
+        if (x.is_string() && x != "null") return x.get<std::string>();
       }
     }
-    return ty.empty() ? "string" : ty;
+    return "";
+  };
+  std::string ty = type_of(p);
+  for (const char* alt : {"anyOf", "oneOf"}) {
+    if (!ty.empty()) break;
+    if (p.contains(alt) && p[alt].is_array()) {
+      for (const ojson& s : p[alt]) {
+        ty = type_of(s);
+        if (!ty.empty() && ty != "null") break;
+        ty.clear();
+      }
+    }
   }
-  return "string";
+  return ty.empty() ? "string" : ty;
 }
 
 std::string ToolCallParser::typed_value(const std::string& raw, const std::string& type) const {
@@ -429,6 +445,7 @@ void ToolCallParser::run(ChatDelta& out, bool final) {
         } else {
           param_ = name;
           param_type_ = param_type(param_);
+          trim_value_ = param_type_ == "string" && trims_string(param_);
           std::string head = num_params_ == 0 ? "{" : ", ";
           head += "\"" + json_escape(param_) + "\": ";
           if (param_type_ == "string") head += "\"";
@@ -464,6 +481,7 @@ void ToolCallParser::run(ChatDelta& out, bool final) {
       case State::kParamValue: {
         const bool is_string = param_type_ == "string";
         if (!value_started_) {
+          if (trim_value_) take(leading_ws(buf_));
           if (buf_.empty()) {
             if (!final) return;
             fail_call(out);
@@ -475,7 +493,11 @@ void ToolCallParser::run(ChatDelta& out, bool final) {
         const size_t p = buf_.find(kParamClose);
         if (p != std::string::npos) {
           std::string v = buf_.substr(0, p);
-          if (!v.empty() && v.back() == '\n') v.pop_back();  // and one before the closing tag
+          if (trim_value_) {
+            while (!v.empty() && is_ws(v.back())) v.pop_back();
+          } else if (!v.empty() && v.back() == '\n') {
+            v.pop_back();  // and one before the closing tag
+          }
           take(p + kParamClose.size());
           if (is_string) {
             args(out, json_escape(v) + "\"");
@@ -491,7 +513,11 @@ void ToolCallParser::run(ChatDelta& out, bool final) {
           continue;
         }
         size_t h = buf_.size() - partial_tag(buf_, kParamClose);
-        if (h > 0 && buf_[h - 1] == '\n') --h;
+        if (trim_value_) {
+          while (h > 0 && is_ws(buf_[h - 1])) --h;  // trailing whitespace may be layout
+        } else if (h > 0 && buf_[h - 1] == '\n') {
+          --h;
+        }
         const std::string piece = buf_.substr(0, h);
         take(h);
         if (is_string) {

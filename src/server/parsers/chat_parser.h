@@ -110,7 +110,13 @@ class ToolCallParser {
   void args(ChatDelta& out, const std::string& text);
   bool step_json(ChatDelta& out, char c);
   void finish_hermes_json(ChatDelta& out);
+  /// The current function's schema of a parameter (null: unknown).
+  const nlohmann::ordered_json* param_schema(const std::string& param) const;
   std::string param_type(const std::string& param) const;
+  /// A string parameter with enum / const / pattern / format / length bounds: whitespace
+  /// around its value is layout (grammars put it there: xgrammar's qwen_xml), so it is
+  /// dropped; a free string keeps all but one newline after the tag and one before the end.
+  bool trims_string(const std::string& param) const;
   std::string typed_value(const std::string& raw, const std::string& type) const;
 
   ToolFormat format_;
@@ -139,6 +145,7 @@ class ToolCallParser {
   std::string param_type_;
   std::string value_;  // a non-string value held until </parameter>
   bool value_started_ = false;
+  bool trim_value_ = false;  // trims_string(param_)
   int32_t num_params_ = 0;
 };
 

@@ -7,11 +7,13 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
+#include <set>
 
 #include "core/error.h"
 #include "engine/constraint.h"
 #include "engine/sampling.h"
 #include "server/grammar/grammar.h"
+#include "server/parsers/chat_parser.h"
 #include "server/tokenizer/tokenizer.h"
 
 namespace tandem::grammar {
@@ -270,6 +272,137 @@ TEST(Grammar, ThinkingBudgetForcesThinkEnd) {
     ASSERT_TRUE(c->accept(end, err));
     EXPECT_FALSE(c->fill_next_mask(mask));  // after the block: free again
   }
+}
+
+// tool_choice "required" / named for the Qwen3-Coder XML form: whatever the walk, the reply
+// after the primed "<tool_call>\n" is one call the XML parser reads, of the right function, with
+// arguments valid against its schema (typed: integers and booleans as JSON, strings raw).
+const nlohmann::ordered_json kXmlTools = nlohmann::ordered_json::parse(R"([
+  {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object",
+    "properties": {"city": {"enum": ["Highbury", "London"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                   "metric": {"type": "boolean"}},
+    "required": ["city", "days"], "additionalProperties": false}}},
+  {"type": "function", "function": {"name": "count_chapters", "parameters": {
+    "type": "object",
+    "properties": {"book": {"type": "string", "maxLength": 10}},
+    "required": ["book"], "additionalProperties": false}}}
+])");
+
+void expect_valid_xml_call(const std::string& reply, const std::string& only) {
+  parsers::ChatParserOptions o;
+  o.tools_format = parsers::ToolFormat::kQwen3Coder;
+  o.tools = kXmlTools;
+  o.prime = "<tool_call>\n";
+  parsers::ChatParser p(o);
+  parsers::ChatDelta d = p.feed(reply);
+  d.append(p.finish());
+  SCOPED_TRACE("reply: " + reply);
+  EXPECT_TRUE(d.content.empty()) << d.content;
+  EXPECT_TRUE(d.failed_calls.empty());
+  ASSERT_EQ(p.num_calls(), 1);
+  std::string name, args;
+  for (const auto& c : d.tool_calls) {
+    if (c.header) name = c.name;
+    args += c.arguments;
+  }
+  if (!only.empty()) EXPECT_EQ(name, only);
+  nlohmann::json a = nlohmann::json::parse(args, nullptr, false);
+  ASSERT_TRUE(a.is_object()) << args;
+  if (name == "get_weather") {
+    ASSERT_TRUE(a.contains("city") && a["city"].is_string()) << args;
+    EXPECT_TRUE(a["city"] == "Highbury" || a["city"] == "London") << args;
+    ASSERT_TRUE(a.contains("days") && a["days"].is_number_integer()) << args;
+    EXPECT_GE(a["days"].get<int>(), 1);
+    EXPECT_LE(a["days"].get<int>(), 7);
+    if (a.contains("metric")) EXPECT_TRUE(a["metric"].is_boolean()) << args;
+    EXPECT_LE(a.size(), 3u) << args;
+  } else {
+    ASSERT_EQ(name, "count_chapters");
+    ASSERT_TRUE(a.contains("book") && a["book"].is_string()) << args;
+    const std::string book = a["book"];
+    EXPECT_LE(std::count_if(book.begin(), book.end(), [](char ch) { return (ch & 0xC0) != 0x80; }),
+              10)
+        << args;  // (code points)
+    EXPECT_EQ(a.size(), 1u) << args;
+  }
+}
+
+TEST(Grammar, XmlToolCallWalksParseAndValidate) {
+  std::set<std::string> names;
+  for (const std::string only : {"", "count_chapters", "get_weather"}) {
+    for (uint64_t seed = 1; seed <= 12; ++seed) {
+      const std::string reply =
+          walk(*constraint(xml_tool_call_grammar(kXmlTools, only)), seed, 600, /*short_pick=*/8);
+      expect_valid_xml_call(reply, only);
+      if (only.empty()) names.insert(reply.substr(0, reply.find('>')));
+    }
+  }
+  EXPECT_EQ(names.size(), 2u);  // "required" picks either tool
+  // A parser-compatible reply the grammar accepts token by token: the documented layout.
+  const std::string layout =
+      "<function=get_weather>\n<parameter=city>\nLondon\n</parameter>\n<parameter=days>\n3\n"
+      "</parameter>\n</function>\n</tool_call>";
+  auto c = constraint(xml_tool_call_grammar(kXmlTools, ""));
+  std::string err;
+  for (int32_t id : demo_tok().encode(layout)) ASSERT_TRUE(c->accept(id, err)) << err;
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  ASSERT_TRUE(c->fill_next_mask(mask));
+  EXPECT_EQ(allowed(mask), std::vector<int32_t>{kImEnd});  // the call is complete
+  expect_valid_xml_call(layout, "get_weather");
+}
+
+TEST(Grammar, StructuralTagWalksFollowTheTag) {
+  GrammarSpec spec{GrammarKind::kStructuralTag};
+  spec.text = R"({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+      {"type": "const_string", "value": "Answer: "},
+      {"type": "tag", "begin": "<n>", "content": {"type": "json_schema",
+       "json_schema": {"type": "integer", "minimum": 0, "maximum": 99}}, "end": "</n>"}]}})";
+  for (uint64_t seed = 1; seed <= 10; ++seed) {
+    const std::string text = walk(*constraint(spec), seed);
+    EXPECT_TRUE(std::regex_match(text, std::regex(R"(Answer: <n>[0-9]{1,2}</n>)"))) << text;
+  }
+  GrammarSpec bad{GrammarKind::kStructuralTag};
+  bad.text = R"({"type": "structural_tag", "format": {"type": "no_such_format"}})";
+  EXPECT_THROW(compiler().compile(bad), Error);
+  EXPECT_THROW(validate(bad), Error);
+}
+
+TEST(Grammar, ConstraintSpecRoundTripsAndValidates) {
+  ConstraintRequest r;
+  r.grammar = GrammarSpec{GrammarKind::kChoice};
+  r.grammar->choices = {"a", "b \"c\""};
+  r.grammar->strict = false;
+  r.grammar->suffix = "\n";
+  r.think = ThinkStart::kAuto;
+  r.thinking_budget = 7;
+  const ConstraintRequest g = decode_constraint_request(encode_constraint_request(r));
+  ASSERT_TRUE(g.grammar);
+  EXPECT_EQ(g.grammar->key(), r.grammar->key());
+  EXPECT_EQ(g.think, ThinkStart::kAuto);
+  EXPECT_EQ(g.thinking_budget, 7);
+  EXPECT_FALSE(decode_constraint_request(encode_constraint_request({})).grammar);
+  EXPECT_THROW(decode_constraint_request("{not json"), Error);
+  EXPECT_THROW(decode_constraint_request(R"({"think": "sideways", "thinking_budget": -1})"), Error);
+  EXPECT_THROW(validate({GrammarKind::kRegex, "(unclosed"}), Error);
+  EXPECT_NO_THROW(validate({GrammarKind::kRegex, "a+"}));
+  // The instance's factory: the demo model's tokenizer and config, a fresh state per call.
+  ConstraintFactory f =
+      instance_constraint_factory(std::string(TANDEM_SOURCE_DIR) + "/models/demo");
+  ConstraintRequest yes;
+  yes.grammar = GrammarSpec{GrammarKind::kRegex, "yes"};
+  auto a = f(encode_constraint_request(yes)), b = f(encode_constraint_request(yes));
+  EXPECT_NE(a, b);
+  std::string err;
+  for (int32_t id : demo_tok().encode("yes")) ASSERT_TRUE(a->accept(id, err)) << err;
+  EXPECT_FALSE(a->accept(demo_tok().encode("s")[0], err));
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  ASSERT_TRUE(a->fill_next_mask(mask));
+  EXPECT_TRUE(bitmask_allows(mask, kImEnd));  // the end, one of the model's EOS ids
+  ASSERT_TRUE(b->fill_next_mask(mask));       // b is still at the start
+  EXPECT_FALSE(bitmask_allows(mask, kImEnd));
+  EXPECT_THROW(f("{}"), Error);
 }
 
 TEST(Grammar, ConstraintsAreReleased) {

@@ -53,8 +53,12 @@ class StructuredHttpTest : public ::testing::Test {
     hc.model_name = "demo";
     server_ = new HttpServer(hc, *engine_, tok_, tmpl_);
     server_->start();
+    hc.tool_call_parser = "qwen3_coder";  // the XML form (Qwen3-Coder / Qwen3.5)
+    xml_server_ = new HttpServer(hc, *engine_, tok_, tmpl_);
+    xml_server_->start();
   }
   static void TearDownTestSuite() {
+    delete xml_server_;
     delete server_;
     delete engine_;
     delete tmpl_;
@@ -128,12 +132,14 @@ class StructuredHttpTest : public ::testing::Test {
   static ChatTemplate* tmpl_;
   static AsyncEngine* engine_;
   static HttpServer* server_;
+  static HttpServer* xml_server_;
   HttpClient client_;
 };
 Tokenizer* StructuredHttpTest::tok_ = nullptr;
 ChatTemplate* StructuredHttpTest::tmpl_ = nullptr;
 AsyncEngine* StructuredHttpTest::engine_ = nullptr;
 HttpServer* StructuredHttpTest::server_ = nullptr;
+HttpServer* StructuredHttpTest::xml_server_ = nullptr;
 
 const json kPerson = json::parse(R"({
   "type": "object",
@@ -304,6 +310,111 @@ TEST_F(StructuredHttpTest, ToolChoiceRequiredAndNamedGiveValidCalls) {
     }
   }
   EXPECT_EQ(names.size(), 2u);  // "required" picks either tool
+}
+
+// The same with the Qwen3-Coder XML tool parser: the grammar forces the XML form, and the
+// parsed arguments are typed by the schema (the integer is a JSON integer).
+TEST_F(StructuredHttpTest, XmlToolChoiceRequiredAndNamedGiveValidCalls) {
+  const std::string xml_url =
+      "http://127.0.0.1:" + std::to_string(xml_server_->port()) + "/v1/chat/completions";
+  std::set<std::string> names;
+  for (int seed = 1; seed <= 6; ++seed) {
+    for (json choice : {json("required"),
+                        json{{"type", "function"}, {"function", {{"name", "count_chapters"}}}}}) {
+      json body = {{"model", "demo"},
+                   {"messages", {{{"role", "user"}, {"content", "Tell me about Emma."}}}},
+                   {"temperature", 1.0},
+                   {"seed", seed},
+                   {"max_tokens", 120},
+                   {"tools", kTools},
+                   {"tool_choice", choice}};
+      auto r = client_.post(xml_url, body);
+      ASSERT_EQ(r.status, 200) << r.body;
+      json j = r.json();
+      const json& c = j["choices"][0];
+      EXPECT_EQ(c["finish_reason"], "tool_calls") << j.dump();
+      ASSERT_TRUE(c["message"].contains("tool_calls")) << j.dump();
+      ASSERT_EQ(c["message"]["tool_calls"].size(), 1u) << j.dump();
+      const json& call = c["message"]["tool_calls"][0];
+      expect_valid_call(call);
+      if (choice.is_object()) EXPECT_EQ(call["function"]["name"], "count_chapters");
+      names.insert(call["function"]["name"].get<std::string>());
+      body["stream"] = true;
+      auto s = client_.post(xml_url, body);
+      ASSERT_EQ(s.status, 200);
+      EXPECT_EQ(stream_message(s)["arguments"], call["function"]["arguments"]);
+    }
+  }
+  EXPECT_EQ(names.size(), 2u);  // "required" picks either tool
+}
+
+TEST_F(StructuredHttpTest, StructuralTagsOverBothFields) {
+  const json tag = {
+      {"type", "structural_tag"},
+      {"format",
+       {{"type", "tag"},
+        {"begin", "<answer>"},
+        {"content",
+         {{"type", "json_schema"},
+          {"json_schema",
+           {{"type", "object"},
+            {"properties", {{"n", {{"type", "integer"}, {"minimum", 1}, {"maximum", 9}}}}},
+            {"required", {"n"}}}},
+          {"max_whitespace_cnt", 1}}},  // (else the demo model may write whitespace forever)
+        {"end", "</answer>"}}}};
+  auto expect_answer = [](const std::string& text) {  // <answer>{"n": 1..9}</answer>
+    ASSERT_EQ(text.rfind("<answer>", 0), 0u) << text;
+    ASSERT_GE(text.size(), 17u) << text;
+    ASSERT_EQ(text.substr(text.size() - 9), "</answer>") << text;
+    json v = json::parse(text.substr(8, text.size() - 17), nullptr, false);
+    ASSERT_TRUE(v.is_object() && v.size() == 1 && v["n"].is_number_integer()) << text;
+    EXPECT_GE(v["n"].get<int>(), 1);
+    EXPECT_LE(v["n"].get<int>(), 9);
+  };
+  for (int seed = 1; seed <= 3; ++seed) {
+    json a =
+        chat({{"temperature", 1.0}, {"seed", seed}, {"max_tokens", 40}, {"response_format", tag}});
+    ASSERT_TRUE(a.contains("choices")) << a.dump();
+    const std::string ca = a["choices"][0]["message"]["content"];
+    expect_answer(ca);
+    // vLLM's field takes the tag as JSON text too; its older "structures" form as well.
+    json b = chat({{"temperature", 1.0},
+                   {"seed", seed},
+                   {"max_tokens", 40},
+                   {"structured_outputs", {{"structural_tag", tag.dump()}}}});
+    ASSERT_TRUE(b.contains("choices")) << b.dump();
+    EXPECT_EQ(b["choices"][0]["message"]["content"], ca);
+  }
+  json legacy = {{"type", "structural_tag"},
+                 {"structures",
+                  {{{"begin", "<n>"},
+                    {"schema", {{"type", "integer"}, {"minimum", 1}, {"maximum", 9}}},
+                    {"end", "</n>"}}}},
+                 {"triggers", {"<n>"}}};
+  // Free text in which "<n>" starts the tagged JSON (whether the reply opens one is the
+  // model's choice).
+  json c =
+      chat({{"temperature", 1.0}, {"seed", 1}, {"max_tokens", 30}, {"response_format", legacy}});
+  ASSERT_TRUE(c.contains("choices")) << c.dump();
+  const std::string cc = c["choices"][0]["message"]["content"];
+  // Every tag the reply finished holds an integer 1..9 (whitespace around it allowed).
+  for (size_t at = cc.find("<n>"); at != std::string::npos; at = cc.find("<n>", at + 1)) {
+    const size_t end = cc.find("</n>", at);
+    if (end == std::string::npos) break;
+    json v = json::parse(cc.substr(at + 3, end - at - 3), nullptr, false);
+    EXPECT_TRUE(v.is_number_integer() && v.get<int>() >= 1 && v.get<int>() <= 9) << cc;
+  }
+  auto bad =
+      post("/v1/chat/completions",
+           {{"model", "demo"},
+            {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+            {"response_format", {{"type", "structural_tag"}, {"format", {{"type", "nope"}}}}}});
+  expect_400(bad, "response_format");
+  auto bad2 =
+      post("/v1/chat/completions", {{"model", "demo"},
+                                    {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                                    {"structured_outputs", {{"structural_tag", "{not json"}}}});
+  expect_400(bad2, "structured_outputs.structural_tag");
 }
 
 TEST_F(StructuredHttpTest, GrammarStartsAfterThinkEndAndBudgetClosesTheBlock) {

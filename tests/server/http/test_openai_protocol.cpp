@@ -135,6 +135,30 @@ TEST(Protocol, ErrorsNameTheParam) {
   EXPECT_EQ(param_of({{"prompt", {1}}, {"structured_outputs", {{"choice", {1, 2}}}}}),
             "structured_outputs.choice");
   EXPECT_EQ(param_of({{"prompt", {1}}, {"thinking_token_budget", -2}}), "thinking_token_budget");
+  // Known fields that would change the output but are not implemented: refused, not ignored.
+  for (const char* name :
+       {"allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors", "audio",
+        "web_search_options", "functions", "function_call"}) {
+    EXPECT_EQ(param_of({{"prompt", {1}}, {name, {1}}}), name);
+  }
+  EXPECT_EQ(param_of({{"prompt", {1}}, {"modalities", {"text", "audio"}}}), "modalities");
+  EXPECT_EQ(param_of({{"prompt", {1}}, {"modalities", {"text"}}, {"functions", nullptr}}),
+            "<no error>");
+  EXPECT_EQ(param_of({{"prompt", {1}},
+                      {"response_format", {{"type", "structural_tag"}, {"structures", 1}}}}),
+            "response_format");
+  EXPECT_EQ(param_of({{"prompt", {1}}, {"structured_outputs", {{"structural_tag", "{x"}}}}),
+            "structured_outputs.structural_tag");
+  // Accepted and ignored (no effect on the output), and unknown fields.
+  EXPECT_EQ(param_of({{"prompt", {1}},
+                      {"service_tier", "auto"},
+                      {"prompt_cache_key", "k"},
+                      {"safety_identifier", "s"},
+                      {"prediction", {{"type", "content"}, {"content", "x"}}},
+                      {"priority", 1},
+                      {"request_id", "r"},
+                      {"no_such_field", 1}}),
+            "<no error>");
 }
 
 TEST(Protocol, ChatMessagesNormalised) {

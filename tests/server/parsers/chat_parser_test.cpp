@@ -87,7 +87,8 @@ const ojson kTools = ojson::parse(R"([
   {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
     "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                    "metric": {"type": "boolean"}, "scale": {"type": ["number", "null"]},
-                   "tags": {"type": "array"}, "opts": {"type": "object"}}}}},
+                   "tags": {"type": "array"}, "opts": {"type": "object"},
+                   "unit": {"enum": ["C", "F"]}, "code": {"type": "string", "maxLength": 4}}}}},
   {"type": "function", "function": {"name": "count_chapters", "parameters": {"type": "object",
     "properties": {"book": {"type": "string"}}}}}
 ])");
@@ -267,6 +268,16 @@ std::vector<Case> corpus() {
        {"",
         "",
         {{"count_chapters", "{\"book\": \"line 1\\n<b>x</b> </param\\n\", \"extra\": \"42\"}"}},
+        {}}},
+      {"xml: whitespace around bounded strings is layout (a grammar's), free strings keep it",
+       RS::kContent,
+       TF::kQwen3Coder,
+       "<tool_call>\n<function=get_weather>\n<parameter=unit> \t\nF  \n</parameter>"
+       "<parameter=code>\n\n a b \n\n</parameter>\n<parameter=city>\n\n Paris \n\n</parameter>\n"
+       "</function>\n</tool_call>",
+       {"",
+        "",
+        {{"get_weather", "{\"unit\": \"F\", \"code\": \"a b\", \"city\": \"\\n Paris \\n\"}"}},
         {}}},
       {"xml: a wrong type falls back to a string; two calls",
        RS::kContent,
