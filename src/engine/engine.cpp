@@ -265,7 +265,9 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
   for (const auto& ss : batch.seqs) {
     const Sequence& s = *ss.seq;
     if (speculating() && !s.req.sampling.greedy()) return false;  // rejection sampling: p, q
-    if (s.req.constraint) return false;  // a token constraint needs host logits (verify too)
+    // A constrained verify row needs one mask per position (the host path); a constrained
+    // next-token row takes its MaskWorker mask to the device below.
+    if (s.req.constraint && ss.verify) return false;
     if (ss.verify) {
       // Greedy verification: each row's argmax (and the logprobs of the token it gives);
       // forced acceptance (benchmarks) emits drafts the rows did not choose, whose logprobs
