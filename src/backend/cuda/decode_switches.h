@@ -3,7 +3,10 @@
 // makes the model capture its graphs again). Read when a launch is enqueued (a captured graph
 // keeps what it was captured with). Defaults: the members' initialisers (the changes measured
 // faster on the H200, docs/perf.md); TANDEM_DECODE_KERNELS=base (all off) or =all (all on) at
-// start-up.
+// start-up. On since 2026-12-01 (profile_decode_cuda --variants on the H200): the PDL changes
+// with the MoE GEMVs for one-token steps ("pdl+moe1") took batch 1 from 4086 to 3482 us per
+// step and left batch 8 unchanged; the MoE GEMVs at 8 tokens were slower ("all": 13507 vs
+// 10584 us), hence moe_gemv_max_tokens = 1.
 #pragma once
 
 namespace tandem::cuda {
@@ -11,19 +14,19 @@ namespace tandem::cuda {
 struct DecodeSwitches {
   /// MoE decode path (<= 8 tokens, bf16 experts): moe_decode.h's two GEMV kernels instead of
   /// the grouped GEMMs + unpermute.
-  bool moe_gemv = false;
+  bool moe_gemv = true;
   /// GemmLt's small-m gemv (gemv.h) as a programmatic dependent launch that streams its first
   /// weight rows before waiting for the previous kernel.
-  bool gemv_pdl = false;
+  bool gemv_pdl = true;
   /// The decode MoE router kernel as a programmatic dependent launch (weights loaded before
   /// it waits for the norm that produces its input).
-  bool router_pdl = false;
+  bool router_pdl = true;
   /// The RMSNorm, qkv-prep and decode-attention (+ split merge) kernels let the next kernel
   /// launch right after their own griddepcontrol.wait (common.cuh pdl_trigger), so that a PDL
   /// linear after them streams its weights while they run.
-  bool pdl_trigger = false;
+  bool pdl_trigger = true;
   /// Largest batch (tokens) the moe_gemv kernels take (when moe_gemv is on).
-  int moe_gemv_max_tokens = 0;
+  int moe_gemv_max_tokens = 1;
 
   /// Every switch off (the kernels before issue 15 item 1).
   static DecodeSwitches all_off() { return {false, false, false, false, 0}; }
