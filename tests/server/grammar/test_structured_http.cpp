@@ -17,6 +17,7 @@
 #include "model/cuda/qwen3_moe_cuda.h"
 #endif
 #include "server/grammar/grammar.h"
+#include "server/grammar/person_schema.h"
 #include "server/http/http_client.h"
 #include "server/http/http_server.h"
 #include "server/http/test_model.h"
@@ -141,32 +142,8 @@ AsyncEngine* StructuredHttpTest::engine_ = nullptr;
 HttpServer* StructuredHttpTest::server_ = nullptr;
 HttpServer* StructuredHttpTest::xml_server_ = nullptr;
 
-const json kPerson = json::parse(R"({
-  "type": "object",
-  "properties": {
-    "name": {"type": "string", "maxLength": 8},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "member": {"type": "boolean"},
-    "color": {"enum": ["red", "green", "blue"]}
-  },
-  "required": ["name", "age", "member", "color"],
-  "additionalProperties": false
-})");
-
-void expect_person(const std::string& text) {
-  json j = json::parse(text, nullptr, false);
-  ASSERT_FALSE(j.is_discarded()) << "not JSON: " << text;
-  ASSERT_TRUE(j.is_object()) << text;
-  EXPECT_EQ(j.size(), 4u) << text;
-  ASSERT_TRUE(j.contains("name") && j["name"].is_string()) << text;
-  ASSERT_TRUE(j.contains("age") && j["age"].is_number_integer()) << text;
-  EXPECT_GE(j["age"].get<int64_t>(), 0);
-  EXPECT_LE(j["age"].get<int64_t>(), 120);
-  ASSERT_TRUE(j.contains("member") && j["member"].is_boolean()) << text;
-  ASSERT_TRUE(j.contains("color") && j["color"].is_string()) << text;
-  const std::string c = j["color"];
-  EXPECT_TRUE(c == "red" || c == "green" || c == "blue") << text;
-}
+const json& kPerson = testing::person_schema();
+using testing::expect_person;
 
 TEST_F(StructuredHttpTest, JsonSchemaRepliesValidateStreamedOrNot) {
   for (int seed = 1; seed <= 4; ++seed) {

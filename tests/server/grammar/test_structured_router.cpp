@@ -18,6 +18,7 @@
 #include "engine/prefill_instance.h"
 #include "model/qwen3_moe.h"
 #include "server/grammar/grammar.h"
+#include "server/grammar/person_schema.h"
 #include "server/http/http_client.h"
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
@@ -194,33 +195,8 @@ Cluster* StructuredRouterTest::cluster_ = nullptr;
 AsyncEngine* StructuredRouterTest::colocated_engine_ = nullptr;
 HttpServer* StructuredRouterTest::colocated_ = nullptr;
 
-const json kPerson = json::parse(R"({
-  "type": "object",
-  "properties": {
-    "name": {"type": "string", "maxLength": 8},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "member": {"type": "boolean"},
-    "color": {"enum": ["red", "green", "blue"]}
-  },
-  "required": ["name", "age", "member", "color"],
-  "additionalProperties": false
-})");
-
-void expect_person(const std::string& text) {
-  json j = json::parse(text, nullptr, false);
-  ASSERT_FALSE(j.is_discarded()) << "not JSON: " << text;
-  ASSERT_TRUE(j.is_object()) << text;
-  EXPECT_EQ(j.size(), 4u) << text;
-  ASSERT_TRUE(j.contains("name") && j["name"].is_string()) << text;
-  EXPECT_LE(j["name"].get<std::string>().size(), 8u) << text;
-  ASSERT_TRUE(j.contains("age") && j["age"].is_number_integer()) << text;
-  EXPECT_GE(j["age"].get<int64_t>(), 0);
-  EXPECT_LE(j["age"].get<int64_t>(), 120);
-  ASSERT_TRUE(j.contains("member") && j["member"].is_boolean()) << text;
-  ASSERT_TRUE(j.contains("color") && j["color"].is_string()) << text;
-  const std::string c = j["color"];
-  EXPECT_TRUE(c == "red" || c == "green" || c == "blue") << text;
-}
+const json& kPerson = testing::person_schema();
+using testing::expect_person;
 
 TEST_F(StructuredRouterTest, JsonSchemaValidatesAndEqualsColocated) {
   for (int seed = 1; seed <= 3; ++seed) {
