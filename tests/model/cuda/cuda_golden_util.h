@@ -38,11 +38,19 @@ inline bool gpu_available() {
   return ok;
 }
 
-// Compares logits rows [rows, vocab]; appends each row's relative L2 error to `errs`.
-// Returns the number of argmax checks made.
-inline int compare_rows(const std::vector<float>& got, const std::vector<float>& want,
-                        int64_t vocab, const std::string& what, std::vector<double>& errs) {
-  int checked = 0;
+// Argmax checks and flips of compare_logit_rows.
+struct RowStats {
+  int checked = 0, flipped = 0;
+};
+
+// Compares logits rows [rows, vocab]: every value finite, each row's relative L2 error appended
+// to `errs`; where the reference's top-2 margin exceeds kMarginBf16, the argmaxes are compared
+// (counted in checked / flipped) and `on_check(row, got_argmax, want_argmax, margin)` is called.
+template <typename OnCheck>
+RowStats compare_logit_rows(const std::vector<float>& got, const std::vector<float>& want,
+                            int64_t vocab, const std::string& what, std::vector<double>& errs,
+                            OnCheck on_check) {
+  RowStats st;
   const int64_t rows = static_cast<int64_t>(want.size()) / vocab;
   EXPECT_EQ(got.size(), want.size()) << what;
   for (int64_t r = 0; r < rows && got.size() == want.size(); ++r) {
@@ -64,11 +72,22 @@ inline int compare_rows(const std::vector<float>& got, const std::vector<float>&
     }
     errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
     if (w2 >= 0 && w[wa] - w[w2] > kMarginBf16) {
-      ++checked;
-      EXPECT_EQ(ga, wa) << what << " row " << r << " margin " << (w[wa] - w[w2]);
+      ++st.checked;
+      if (ga != wa) ++st.flipped;
+      on_check(r, ga, wa, w[wa] - w[w2]);
     }
   }
-  return checked;
+  return st;
+}
+
+// compare_logit_rows where a flipped argmax fails the test. Returns the number of argmax checks.
+inline int compare_rows(const std::vector<float>& got, const std::vector<float>& want,
+                        int64_t vocab, const std::string& what, std::vector<double>& errs) {
+  return compare_logit_rows(got, want, vocab, what, errs,
+                            [&](int64_t r, int64_t ga, int64_t wa, float margin) {
+                              EXPECT_EQ(ga, wa) << what << " row " << r << " margin " << margin;
+                            })
+      .checked;
 }
 
 inline double quantile(std::vector<double> v, double q) {

@@ -46,44 +46,16 @@ constexpr double kHybridMedianTol = 2.5e-2;
 constexpr double kHybridP95Tol = 0.2;
 constexpr double kHybridFlips = 0.05;
 
-// compare_rows without failing on a flipped argmax: the number of checks and of flips.
-struct RowStats {
-  int checked = 0, flipped = 0;
-};
+// compare_logit_rows without failing on a flipped argmax (printed; the caller bounds the share).
 RowStats compare_rows_hybrid(const std::vector<float>& got, const std::vector<float>& want,
                              int64_t vocab, const std::string& what, std::vector<double>& errs) {
-  RowStats st;
-  const int64_t rows = static_cast<int64_t>(want.size()) / vocab;
-  EXPECT_EQ(got.size(), want.size()) << what;
-  for (int64_t r = 0; r < rows && got.size() == want.size(); ++r) {
-    const float* g = got.data() + r * vocab;
-    const float* w = want.data() + r * vocab;
-    double num = 0, den = 0;
-    int64_t ga = 0, wa = 0, w2 = -1;
-    bool finite = true;
-    for (int64_t i = 0; i < vocab; ++i) {
-      finite = finite && std::isfinite(g[i]);
-      num += (double(g[i]) - w[i]) * (double(g[i]) - w[i]);
-      den += double(w[i]) * w[i];
-      if (g[i] > g[ga]) ga = i;
-      if (w[i] > w[wa]) wa = i;
-    }
-    EXPECT_TRUE(finite) << what << " row " << r;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (i != wa && (w2 < 0 || w[i] > w[w2])) w2 = i;
-    }
-    errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
-    if (w2 >= 0 && w[wa] - w[w2] > kMarginBf16) {
-      ++st.checked;
-      if (ga != wa) {
-        ++st.flipped;
+  return compare_logit_rows(
+      got, want, vocab, what, errs, [&](int64_t r, int64_t ga, int64_t wa, float margin) {
+        if (ga == wa) return;
         std::printf("  %s row %lld: argmax %lld, reference %lld (margin %.3f)\n", what.c_str(),
                     static_cast<long long>(r), static_cast<long long>(ga),
-                    static_cast<long long>(wa), w[wa] - w[w2]);
-      }
-    }
-  }
-  return st;
+                    static_cast<long long>(wa), margin);
+      });
 }
 
 TEST(CudaQwen35Config, HybridFixturesAcceptedBadShapesRefused) {
