@@ -35,10 +35,12 @@ struct DecodeInstance::Rank {
   std::mutex out_mu;
   DecodeReport report;
 
+  EngineStats stats;  // the engine's counters as of the last load_locked() (for the report)
+
   int64_t load_locked() {
-    EngineStats st = engine->stats();
-    free_pages = st.kv_pages_free;
-    return st.running + st.waiting + reserved;
+    stats = engine->stats();
+    free_pages = stats.kv_pages_free;
+    return stats.running + stats.waiting + reserved;
   }
 };
 
@@ -77,11 +79,13 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config) : config_(std::move(
     // NOTE: loaded one after another: a model factory whose sharded load is collective (the
     // CUDA model) needs one process per rank.
     rank->model = config_.model(ShardSpec::decode(r, config_.dp), rank->comm.get());
+    if (!config_.mtp_dir.empty()) rank->model->load_mtp(config_.mtp_dir);
     rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
     ranks_.push_back(std::move(rank));
   }
   batch_.assign(static_cast<size_t>(config_.dp), 0);
   free_pages_.assign(static_cast<size_t>(config_.dp), 0);
+  reported_stats_.assign(static_cast<size_t>(config_.dp), EngineStats{});
   init_receivers();
   running_ranks_ = config_.dp;
   for (auto& rank : ranks_) rank->thread = std::thread([this, r = rank.get()] { rank_main(*r); });
@@ -101,10 +105,12 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config,
   rank->index = first_rank_;
   rank->comm = std::move(comm);
   rank->model = config_.model(ShardSpec::decode(first_rank_, config_.dp), rank->comm.get());
+  if (!config_.mtp_dir.empty()) rank->model->load_mtp(config_.mtp_dir);
   rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
   ranks_.push_back(std::move(rank));
   batch_.assign(static_cast<size_t>(config_.dp), 0);
   free_pages_.assign(static_cast<size_t>(config_.dp), 0);
+  reported_stats_.assign(static_cast<size_t>(config_.dp), EngineStats{});
   init_receivers();
   running_ranks_ = 1;
   ranks_[0]->thread = std::thread([this] { rank_main(*ranks_[0]); });
@@ -280,6 +286,7 @@ std::vector<uint8_t> DecodeInstance::take_report(Rank& rank) {
   }
   rep.batch = rank.batch.load();
   rep.free_pages = rank.free_pages.load();
+  rep.stats = rank.stats;  // (written by this thread only, in load_locked)
   return encode_decode_report(rep);
 }
 
@@ -289,6 +296,7 @@ void DecodeInstance::handle_report(int r, const std::vector<uint8_t>& bytes) {
     std::lock_guard<std::mutex> lock(leader_mu_);
     batch_[static_cast<size_t>(r)] = rep.batch;
     free_pages_[static_cast<size_t>(r)] = rep.free_pages;
+    reported_stats_[static_cast<size_t>(r)] = std::move(rep.stats);
     for (auto& res : rep.reserved) {
       auto it = reservations_.find(res.id);
       if (it == reservations_.end()) continue;
@@ -555,19 +563,17 @@ int64_t DecodeInstance::max_model_len() const { return ranks_[0]->engine->max_mo
 int64_t DecodeInstance::vocab_size() const { return ranks_[0]->model->config().vocab_size; }
 
 EngineStats DecodeInstance::stats() const {
+  // This process's ranks live; the others (ranks as processes) as their last report says.
   EngineStats sum;
+  std::vector<bool> local(static_cast<size_t>(config_.dp), false);
   for (const auto& r : ranks_) {
     std::lock_guard<std::mutex> lock(r->mu);
-    EngineStats s = r->engine->stats();
-    sum.running += s.running;
-    sum.waiting += s.waiting;
-    sum.kv_pages_total += s.kv_pages_total;
-    sum.kv_pages_free += s.kv_pages_free;
-    sum.prompt_tokens += s.prompt_tokens;
-    sum.generation_tokens += s.generation_tokens;
-    sum.preemptions += s.preemptions;
-    sum.queue_time.add(s.queue_time);
-    sum.iteration_tokens.add(s.iteration_tokens);
+    sum.add(r->engine->stats());
+    local[static_cast<size_t>(r->index)] = true;
+  }
+  std::lock_guard<std::mutex> lock(leader_mu_);
+  for (size_t r = 0; r < reported_stats_.size(); ++r) {
+    if (!local[r]) sum.add(reported_stats_[r]);
   }
   return sum;
 }

@@ -93,6 +93,10 @@ struct DecodeInstanceConfig {
   /// (bound to kv_host, with transfer_timeout). A given backend brings its own settings.
   ModelFactory model;
   std::shared_ptr<transfer::TransferBackend> transfer;
+  /// MTP speculative decoding (engine.num_speculative_tokens > 0): the directory of the MTP
+  /// layer's weights, loaded whole into every rank's model (Model::load_mtp): drafting needs no
+  /// collectives, and the verify is the rank's ordinary lockstep forward.
+  std::string mtp_dir;
 };
 
 class DecodeInstance final : public DecodeClient {
@@ -185,7 +189,8 @@ class DecodeInstance final : public DecodeClient {
   std::vector<DecodeCommand> cmds_;
   std::unordered_map<std::string, std::shared_ptr<Reservation>> reservations_;
   std::vector<int64_t> batch_, free_pages_;
-  bool idle_ = false;  // the last iteration stepped no rank
+  std::vector<EngineStats> reported_stats_;  // per rank, its last report (ranks as processes)
+  bool idle_ = false;                        // the last iteration stepped no rank
   std::mutex done_mu_;
   std::condition_variable done_cv_;
   int running_ranks_ = 0;  // this process's rank threads still in their loop

@@ -270,6 +270,53 @@ DecodeCommands decode_decode_commands(const std::vector<uint8_t>& bytes) {
   return c;
 }
 
+// ---- EngineStats codec. ----
+
+void put_histogram(ByteWriter& w, const HistogramCounts& h) {
+  w.put_vec(h.buckets);
+  w.put<double>(h.sum);
+  w.put<uint64_t>(h.count);
+}
+
+HistogramCounts get_histogram(ByteReader& r) {
+  HistogramCounts h;
+  h.buckets = r.get_vec<uint64_t>();
+  h.sum = r.get<double>();
+  h.count = r.get<uint64_t>();
+  return h;
+}
+
+void put_stats(ByteWriter& w, const EngineStats& s) {
+  for (int64_t v : {s.running, s.waiting, s.kv_pages_total, s.kv_pages_free, s.prefix_cache_queries,
+                    s.prefix_cache_hits, s.prompt_tokens, s.generation_tokens, s.preemptions}) {
+    w.put<int64_t>(v);
+  }
+  put_histogram(w, s.queue_time);
+  put_histogram(w, s.iteration_tokens);
+  for (int64_t v : {s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens}) {
+    w.put<int64_t>(v);
+  }
+  w.put_vec(s.spec_accepted_per_pos);
+}
+
+EngineStats get_stats(ByteReader& r) {
+  EngineStats s;
+  for (int64_t* v :
+       {&s.running, &s.waiting, &s.kv_pages_total, &s.kv_pages_free, &s.prefix_cache_queries,
+        &s.prefix_cache_hits, &s.prompt_tokens, &s.generation_tokens, &s.preemptions}) {
+    *v = r.get<int64_t>();
+  }
+  s.queue_time = get_histogram(r);
+  s.iteration_tokens = get_histogram(r);
+  for (int64_t* v : {&s.spec_num_drafts, &s.spec_num_draft_tokens, &s.spec_num_accepted_tokens}) {
+    *v = r.get<int64_t>();
+  }
+  s.spec_accepted_per_pos = r.get_vec<int64_t>();
+  return s;
+}
+
+// ---- DecodeReport codec. ----
+
 std::vector<uint8_t> encode_decode_report(const DecodeReport& rep) {
   ByteWriter w;
   w.put<int64_t>(rep.batch);
@@ -289,6 +336,7 @@ std::vector<uint8_t> encode_decode_report(const DecodeReport& rep) {
   }
   w.put<int64_t>(static_cast<int64_t>(rep.outputs.size()));
   for (const auto& o : rep.outputs) put_step_output(w, o);
+  put_stats(w, rep.stats);
   return std::move(w.bytes());
 }
 
@@ -319,6 +367,7 @@ DecodeReport decode_decode_report(const std::vector<uint8_t>& bytes) {
   const int64_t nout = r.get<int64_t>();
   TANDEM_CHECK_KIND(kIo, nout >= 0 && static_cast<size_t>(nout) <= r.left(), "truncated message");
   for (int64_t i = 0; i < nout; ++i) rep.outputs.push_back(get_step_output(r));
+  rep.stats = get_stats(r);
   return rep;
 }
 

@@ -89,6 +89,11 @@ void put_request(ByteWriter& w, const GenRequest& r);
 GenRequest get_request(ByteReader& r);
 void put_descriptor(ByteWriter& w, const transfer::TransferDescriptor& d);
 transfer::TransferDescriptor get_descriptor(ByteReader& r);
+void put_histogram(ByteWriter& w, const HistogramCounts& h);
+HistogramCounts get_histogram(ByteReader& r);
+/// An engine's counters (a decode rank's report to rank 0, an instance's load to the router).
+void put_stats(ByteWriter& w, const EngineStats& s);
+EngineStats get_stats(ByteReader& r);
 
 // ---- Prefill: the step rank 0 broadcasts to its ranks. ----
 
@@ -164,6 +169,7 @@ struct DecodeReport {
   std::vector<Reservation> reserved;
   std::vector<KvEvent> kv_events;
   std::vector<StepOutput> outputs;
+  EngineStats stats;  // the rank's engine counters after this iteration
 };
 std::vector<uint8_t> encode_decode_report(const DecodeReport& r);
 DecodeReport decode_decode_report(const std::vector<uint8_t>& bytes);

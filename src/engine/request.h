@@ -114,6 +114,30 @@ struct EngineStats {
   std::vector<int64_t> spec_accepted_per_pos;  // [num_speculative_tokens]; empty when off
   HistogramCounts queue_time;                  // seconds, arrival at the engine -> first scheduled
   HistogramCounts iteration_tokens;            // tokens computed per engine step
+
+  /// Sums another engine's counters into these (ranks of an instance, instances of a router).
+  void add(const EngineStats& o) {
+    running += o.running;
+    waiting += o.waiting;
+    kv_pages_total += o.kv_pages_total;
+    kv_pages_free += o.kv_pages_free;
+    prefix_cache_queries += o.prefix_cache_queries;
+    prefix_cache_hits += o.prefix_cache_hits;
+    prompt_tokens += o.prompt_tokens;
+    generation_tokens += o.generation_tokens;
+    preemptions += o.preemptions;
+    spec_num_drafts += o.spec_num_drafts;
+    spec_num_draft_tokens += o.spec_num_draft_tokens;
+    spec_num_accepted_tokens += o.spec_num_accepted_tokens;
+    if (o.spec_accepted_per_pos.size() > spec_accepted_per_pos.size()) {
+      spec_accepted_per_pos.resize(o.spec_accepted_per_pos.size(), 0);
+    }
+    for (size_t i = 0; i < o.spec_accepted_per_pos.size(); ++i) {
+      spec_accepted_per_pos[i] += o.spec_accepted_per_pos[i];
+    }
+    queue_time.add(o.queue_time);
+    iteration_tokens.add(o.iteration_tokens);
+  }
 };
 
 /// The engine as the front end sees it. Thread-safe.

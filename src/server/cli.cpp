@@ -567,20 +567,10 @@ int run_decode(const InstanceArgs& a) {
   cfg.engine.constraint_factory = grammar::instance_constraint_factory(a.model);  // (as prefill)
   cfg.max_decode_batch = a.max_decode_batch;
   cfg.kv_host = a.host;
-  if (!a.speculative_config.empty()) {
-    // Each rank loads the whole MTP layer (all heads and experts): drafting needs no
-    // collectives; the verify is the rank's ordinary (collective) forward.
+  if (!a.speculative_config.empty()) {  // the CPU or the CUDA model (its MTP layer on each rank)
     const SpeculativeConfig sc = parse_speculative_config(a.speculative_config);
-    TANDEM_CHECK_KIND(kUnsupported, a.device == "cpu",
-                      "--speculative-config: not supported on decode instances with --device ",
-                      a.device, " yet (use --device cpu)");
     cfg.engine.num_speculative_tokens = sc.num_speculative_tokens;
-    cfg.model = [dir = a.model, mtp = sc.model.empty() ? a.model : sc.model](
-                    const ShardSpec& shard, comm::Communicator* comm) -> std::unique_ptr<Model> {
-      std::unique_ptr<Model> m = Qwen3MoeCpu::load(dir, shard, comm);
-      m->load_mtp(mtp);
-      return m;
-    };
+    cfg.mtp_dir = sc.model.empty() ? a.model : sc.model;
   }
   auto instance = make_instance<DecodeInstance>(a, cfg, cfg.dp, cfg.transfer_timeout);
   DecodeInstance& decode = *instance;

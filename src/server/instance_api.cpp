@@ -121,41 +121,6 @@ int connect_to(const std::string& endpoint) {
 
 // ---- Codecs. ----
 
-void put_histogram(ByteWriter& w, const HistogramCounts& h) {
-  w.put_vec(h.buckets);
-  w.put<double>(h.sum);
-  w.put<uint64_t>(h.count);
-}
-
-HistogramCounts get_histogram(ByteReader& r) {
-  HistogramCounts h;
-  h.buckets = r.get_vec<uint64_t>();
-  h.sum = r.get<double>();
-  h.count = r.get<uint64_t>();
-  return h;
-}
-
-void put_stats(ByteWriter& w, const EngineStats& s) {
-  for (int64_t v : {s.running, s.waiting, s.kv_pages_total, s.kv_pages_free, s.prefix_cache_queries,
-                    s.prefix_cache_hits, s.prompt_tokens, s.generation_tokens, s.preemptions}) {
-    w.put<int64_t>(v);
-  }
-  put_histogram(w, s.queue_time);
-  put_histogram(w, s.iteration_tokens);
-}
-
-EngineStats get_stats(ByteReader& r) {
-  EngineStats s;
-  for (int64_t* v :
-       {&s.running, &s.waiting, &s.kv_pages_total, &s.kv_pages_free, &s.prefix_cache_queries,
-        &s.prefix_cache_hits, &s.prompt_tokens, &s.generation_tokens, &s.preemptions}) {
-    *v = r.get<int64_t>();
-  }
-  s.queue_time = get_histogram(r);
-  s.iteration_tokens = get_histogram(r);
-  return s;
-}
-
 // A reply: serial, ok, (error kind, message) or body.
 std::vector<uint8_t> reply_ok(uint64_t serial, const std::vector<uint8_t>& body) {
   ByteWriter w;

@@ -739,27 +739,21 @@ RouterSnapshot Router::snapshot() const {
 
 EngineStats Router::stats() const {
   RouterSnapshot s = snapshot();
+  // The usable decode instances' engine counters, summed: KV pages, prefix cache, preemptions,
+  // MTP counters and histograms; the request and token counts are the router's own (below).
   EngineStats st;
-  // The decode instances' KV pages and prefix cache, summed over the usable ones.
   for (const auto& d : decodes()) {
     {
       std::lock_guard<std::mutex> lock(load_mu_);
       if (!d->up) continue;
     }
-    EngineStats e;
     if (auto* remote = dynamic_cast<RemoteDecode*>(d->client)) {
-      e = remote->stats();
+      st.add(remote->stats());
     } else if (auto* local = dynamic_cast<DecodeInstance*>(d->client)) {
-      e = local->stats();
+      st.add(local->stats());
     }
-    st.kv_pages_total += e.kv_pages_total;
-    st.kv_pages_free += e.kv_pages_free;
-    st.prefix_cache_queries += e.prefix_cache_queries;
-    st.prefix_cache_hits += e.prefix_cache_hits;
-    st.preemptions += e.preemptions;
-    st.queue_time.add(e.queue_time);  // (a prefilled request queues at its prefill instance)
-    st.iteration_tokens.add(e.iteration_tokens);
   }
+  st.running = st.waiting = st.prompt_tokens = 0;
   for (const auto& p : s.prefill) {
     if (!p.alive) continue;
     st.queue_time.add(p.queue_time);

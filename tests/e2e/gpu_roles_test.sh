@@ -5,6 +5,8 @@
 #   - every golden case of each GPU-shaped fixture: the same greedy tokens as serve, by the
 #     margin rule (tokens agree up to the first step where serve's top1-top2 logprob margin
 #     is under 0.5; bf16 numerics of another sharding may flip a near tie there);
+#   - the same with the decode instances speculating (MTP, K = 2) for models with an MTP head,
+#     and the router's spec-decode counters;
 #   - 32 concurrent streaming requests over the two decode instances all complete;
 #   - kill -9 of one decode rank mid-stream ends only that instance's streams, with an error;
 #     the other instance's streams complete and its page pools return to their baseline.
@@ -47,16 +49,9 @@ stop_all() {
   pids=()
 }
 
-status=0
-for model in "$@"; do
-  name=$(basename "$model")
-  common=(--model "$model" --device cuda --kv-cache-mb 256 --max-model-len 1024)
-  start decA decode "${common[@]}" --nprocs 2 --port 0 --max-decode-batch 32 --metrics-port 0
-  start decB decode "${common[@]}" --nprocs 2 --port 0 --max-decode-batch 32 --metrics-port 0
-  start pre prefill "${common[@]}" --nprocs 2 --port 0
-  start router router --model "$model" --served-model-name m --prefill "$pre_addr" --decode "$decA_addr,$decB_addr" --port 0
-  start serve serve "${common[@]}" --served-model-name m --port 0 --no-prefix-cache
-  python3 - "$model" "$router_addr" "$serve_addr" <<'PY' || status=1
+# compare MODEL: every golden case through the router and through serve, by the margin rule.
+compare() {
+  python3 - "$1" "$router_addr" "$serve_addr" <<'PY'
 import json, sys, urllib.request
 model, router, serve = sys.argv[1:4]
 golden = json.load(open(model + "/golden.json"))
@@ -82,6 +77,43 @@ for i, c in enumerate(golden["cases"]):
 assert compared > 0, "no step compared"
 print(f"{model.split('/')[-1]}: router == serve on {compared} greedy steps")
 PY
+}
+
+status=0
+for model in "$@"; do
+  name=$(basename "$model")
+  common=(--model "$model" --device cuda --kv-cache-mb 256 --max-model-len 1024)
+  start decA decode "${common[@]}" --nprocs 2 --port 0 --max-decode-batch 32 --metrics-port 0
+  start decB decode "${common[@]}" --nprocs 2 --port 0 --max-decode-batch 32 --metrics-port 0
+  start pre prefill "${common[@]}" --nprocs 2 --port 0
+  start router router --model "$model" --served-model-name m --prefill "$pre_addr" --decode "$decA_addr,$decB_addr" --port 0
+  start serve serve "${common[@]}" --served-model-name m --port 0 --no-prefix-cache
+  compare "$model" || status=1
+  stop_all
+done
+
+# MTP speculative decoding on the GPU decode instances (models that ship an MTP head: the demo
+# model): the same greedy tokens as serve without speculation, by the margin rule, and the
+# router's /metrics counts the drafts and accepted tokens of every rank of both instances.
+spec='{"method": "mtp", "num_speculative_tokens": 2}'
+for model in "$@"; do
+  [ -f "$model/model-mtp.safetensors" ] || continue
+  common=(--model "$model" --device cuda --kv-cache-mb 256 --max-model-len 1024)
+  start decA decode "${common[@]}" --nprocs 2 --port 0 --max-decode-batch 32 --speculative-config "$spec"
+  start decB decode "${common[@]}" --nprocs 2 --port 0 --max-decode-batch 32 --speculative-config "$spec"
+  start pre prefill "${common[@]}" --nprocs 2 --port 0
+  start router router --model "$model" --served-model-name m --prefill "$pre_addr" --decode "$decA_addr,$decB_addr" --port 0
+  start serve serve "${common[@]}" --served-model-name m --port 0 --no-prefix-cache
+  compare "$model" || status=1
+  sleep 2  # the router polls its instances' counters
+  m=$(curl -sf "http://$router_addr/metrics")
+  drafts=$(echo "$m" | grep '^vllm:spec_decode_num_drafts_total' | awk '{print int($2)}')
+  tokens=$(echo "$m" | grep '^vllm:spec_decode_num_draft_tokens_total' | awk '{print int($2)}')
+  accepted=$(echo "$m" | grep '^vllm:spec_decode_num_accepted_tokens_total' | awk '{print int($2)}')
+  echo "$(basename "$model"), speculating decode instances: drafts ${drafts:-none}, draft tokens ${tokens:-none}, accepted ${accepted:-none}"
+  if ! { [ "${drafts:-0}" -gt 0 ] && [ "${tokens:-0}" -ge "$drafts" ] && [ "$tokens" -le $((2 * drafts)) ] && [ "${accepted:-0}" -gt 0 ]; }; then
+    echo "the router's MTP counters are missing or wrong"; status=1
+  fi
   stop_all
 done
 

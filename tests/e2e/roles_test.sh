@@ -6,6 +6,8 @@
 #   - greedy completions with logprobs are the same text and logprobs (within 1e-4), through
 #     both routers;
 #   - the router's --metrics-port shows queued input tokens, input tokens, batch per rank;
+#   - the --nprocs decode instance speculates (MTP, K = 2): the same output, and router1's
+#     /metrics sums the spec-decode counters of both its rank processes;
 #   - the router starts first (before its instances: /health 200, /ready 503, requests 503)
 #     and serves once they are up;
 #   - a decode process killed (SIGKILL) mid-stream ends only its streams, with an error, and
@@ -55,7 +57,9 @@ code=$(curl -s -o "$dir/early.json" -w '%{http_code}' "http://$router_addr/v1/co
   -H 'Content-Type: application/json' -d '{"model":"demo","prompt":"Hi","max_tokens":2}')
 [ "$code" = 503 ] || { echo "before the instances: $code, want 503"; cat "$dir/early.json"; exit 1; }
 start dec0 decode --dp 2 --port "$p_dec0" --kv-cache-mb 64
-start dec1 decode --nprocs 2 --port "$p_dec1" --kv-cache-mb 64
+# (dec1 speculates with the demo model's MTP head: the same tokens, and its ranks' counters)
+start dec1 decode --nprocs 2 --port "$p_dec1" --kv-cache-mb 64 \
+  --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
 start pre prefill --nprocs 2 --port "$p_pre" --kv-cache-mb 64
 start router1 router --prefill "$pre_addr" --decode "$dec1_addr" --port 0
 # wait_ready ADDR: until /ready is 200 (the router has reached its instances).
@@ -89,6 +93,16 @@ for x, name in ((a, "router"), (c, "router over decode --nprocs 2")):
     assert len(lx) == len(lb) == 40 and max(abs(p - q) for p, q in zip(lx, lb)) < 1e-4, name
     print(name, "== serve:", repr(x["text"][:40]))
 PY
+# The MTP counters of both ranks of dec1 on router1's /metrics (polled from the instance).
+for _ in $(seq 50); do
+  spec=$(curl -sf "http://$router1_addr/metrics" | grep '^vllm:spec_decode_num_\(drafts\|draft_tokens\|accepted_tokens\)_total' | awk '{print int($2)}' | tr '\n' ' ')
+  read -r drafts draft_tokens accepted <<<"$spec"
+  [ "${drafts:-0}" -gt 0 ] && break
+  sleep 0.1
+done
+echo "router1 over a speculating decode --nprocs 2: drafts ${drafts:-none}, draft tokens ${draft_tokens:-none}, accepted ${accepted:-none}"
+[ "${drafts:-0}" -gt 0 ] && [ "${draft_tokens:-0}" -ge "$drafts" ] && [ "$draft_tokens" -le $((2 * drafts)) ] && [ "${accepted:-0}" -gt 0 ] || {
+  echo "router1's MTP counters are missing or wrong"; curl -s "http://$router1_addr/metrics" | grep spec; exit 1; }
 # The instances' metrics on the router's --metrics-port.
 metrics=$(curl -sf "http://127.0.0.1:$mport/metrics") || { echo "no /metrics"; exit 1; }
 for m in 'tandem_prefill_queued_input_tokens{instance="0"} 0' 'tandem_prefill_input_tokens_total{instance="0"} 12' \

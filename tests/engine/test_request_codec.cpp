@@ -1,6 +1,7 @@
 // The GenRequest codec (engine/protocol) carries every SamplingParams field, logit_bias
 // included, the constraint's spec and the speculation opt-out, and refuses a truncated
-// message.
+// message; a decode rank's report carries its engine counters (MTP ones included), and
+// EngineStats::add sums them.
 #include <gtest/gtest.h>
 
 #include "core/error.h"
@@ -76,6 +77,64 @@ TEST(RequestCodec, RoundTripsEverySamplingField) {
   std::vector<uint8_t> cut(w.bytes().begin(), w.bytes().end() - 3);
   ByteReader rd3(cut);
   EXPECT_THROW(get_request(rd3), Error);
+}
+
+EngineStats some_stats(int64_t base, size_t k) {
+  EngineStats s;
+  s.running = base + 1;
+  s.waiting = base + 2;
+  s.kv_pages_total = base + 3;
+  s.kv_pages_free = base + 4;
+  s.prefix_cache_queries = base + 5;
+  s.prefix_cache_hits = base + 6;
+  s.prompt_tokens = base + 7;
+  s.generation_tokens = base + 8;
+  s.preemptions = base + 9;
+  s.spec_num_drafts = base + 10;
+  s.spec_num_draft_tokens = base + 11;
+  s.spec_num_accepted_tokens = base + 12;
+  for (size_t i = 0; i < k; ++i) s.spec_accepted_per_pos.push_back(base + 20 + int64_t(i));
+  s.queue_time.observe(kQueueTimeBounds, 0.2 + double(base));
+  s.iteration_tokens.observe(kIterationTokensBounds, 7 + double(base));
+  return s;
+}
+
+TEST(StatsCodec, DecodeReportCarriesTheEngineCounters) {
+  DecodeReport rep;
+  rep.batch = 3;
+  rep.stats = some_stats(100, 3);
+  const DecodeReport back = decode_decode_report(encode_decode_report(rep));
+  const EngineStats& a = rep.stats;
+  const EngineStats& b = back.stats;
+  EXPECT_EQ(back.batch, 3);
+  for (auto f :
+       {&EngineStats::running, &EngineStats::waiting, &EngineStats::kv_pages_total,
+        &EngineStats::kv_pages_free, &EngineStats::prefix_cache_queries,
+        &EngineStats::prefix_cache_hits, &EngineStats::prompt_tokens,
+        &EngineStats::generation_tokens, &EngineStats::preemptions, &EngineStats::spec_num_drafts,
+        &EngineStats::spec_num_draft_tokens, &EngineStats::spec_num_accepted_tokens}) {
+    EXPECT_EQ(b.*f, a.*f);
+  }
+  EXPECT_EQ(b.spec_accepted_per_pos, a.spec_accepted_per_pos);
+  EXPECT_EQ(b.queue_time.buckets, a.queue_time.buckets);
+  EXPECT_EQ(b.iteration_tokens.count, 1u);
+  EXPECT_DOUBLE_EQ(b.queue_time.sum, a.queue_time.sum);
+  // Truncated anywhere in the counters: an error, not garbage.
+  std::vector<uint8_t> bytes = encode_decode_report(rep);
+  bytes.resize(bytes.size() - 5);
+  EXPECT_THROW(decode_decode_report(bytes), Error);
+}
+
+TEST(StatsCodec, AddSumsEveryCounter) {
+  EngineStats sum = some_stats(0, 2);
+  sum.add(some_stats(100, 3));  // a rank speculating deeper grows the per-position list
+  EXPECT_EQ(sum.running, 1 + 101);
+  EXPECT_EQ(sum.preemptions, 9 + 109);
+  EXPECT_EQ(sum.spec_num_drafts, 10 + 110);
+  EXPECT_EQ(sum.spec_num_accepted_tokens, 12 + 112);
+  EXPECT_EQ(sum.spec_accepted_per_pos, (std::vector<int64_t>{20 + 120, 21 + 121, 122}));
+  EXPECT_EQ(sum.queue_time.count, 2u);
+  EXPECT_EQ(sum.iteration_tokens.count, 2u);
 }
 
 }  // namespace

@@ -646,13 +646,7 @@ TEST(SpecDecodeInstance, SameTokensAsOneEngine) {
   cfg.engine.num_pages = 256;
   cfg.engine.num_speculative_tokens = 3;
   cfg.max_decode_batch = 4;
-  const std::string mtp = mtp_dir(dir);
-  cfg.model = [dir, mtp](const ShardSpec& shard,
-                         comm::Communicator* comm) -> std::unique_ptr<Model> {
-    auto m = Qwen3MoeCpu::load(dir, shard, comm);
-    m->load_mtp(mtp);
-    return m;
-  };
+  cfg.mtp_dir = mtp_dir(dir);
   std::mutex mu;
   std::condition_variable cv;
   std::map<std::string, std::vector<int32_t>> got;
@@ -685,6 +679,15 @@ TEST(SpecDecodeInstance, SameTokensAsOneEngine) {
     ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return finished == 4; }));
   }
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[reqs[i].id], want.outs[i].ids) << i;
+  // The MTP counters, summed over the ranks (what the router's /metrics shows).
+  const EngineStats st = d.stats();
+  ASSERT_EQ(st.spec_accepted_per_pos.size(), 3u);
+  EXPECT_GT(st.spec_num_drafts, 0);
+  EXPECT_GE(st.spec_num_draft_tokens, st.spec_num_drafts);  // fewer than K near max_tokens
+  EXPECT_LE(st.spec_num_draft_tokens, 3 * st.spec_num_drafts);
+  int64_t accepted = 0;
+  for (int64_t a : st.spec_accepted_per_pos) accepted += a;
+  EXPECT_EQ(accepted, st.spec_num_accepted_tokens);
 }
 
 // ---- Configuration ---------------------------------------------------------------------
