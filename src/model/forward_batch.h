@@ -1,10 +1,14 @@
 // The input of one forward pass: a batch mixing prefill chunks and decode tokens.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <utility>
 #include <vector>
+
+#include "core/error.h"
 
 namespace tandem {
 
@@ -63,6 +67,50 @@ struct ForwardBatch {
     return n;
   }
 };
+
+/// A batch flattened for a host forward: per token its id, position, owning sequence and KV
+/// slot (page * page_size + offset); one block-table row of max_pages per sequence (zero
+/// padded); each sequence's first token index.
+struct FlatBatch {
+  std::vector<int32_t> ids, positions, token_seq;
+  std::vector<int64_t> slots;
+  std::vector<int32_t> tables;  // [seqs, max_pages]
+  int64_t max_pages = 1;
+  std::vector<int64_t> seq_begin;  // [seqs]
+};
+
+/// Checks every chunk (non-empty, block table long enough) and flattens it.
+inline FlatBatch flatten_batch(const ForwardBatch& batch, int64_t page_size) {
+  FlatBatch f;
+  const auto n = static_cast<size_t>(batch.num_tokens());
+  f.ids.resize(n);
+  f.positions.resize(n);
+  f.token_seq.resize(n);
+  f.slots.resize(n);
+  f.seq_begin.resize(batch.seqs.size());
+  for (const auto& s : batch.seqs) f.max_pages = std::max(f.max_pages, s.num_pages);
+  f.tables.assign(batch.seqs.size() * static_cast<size_t>(f.max_pages), 0);
+  int64_t t = 0;
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& s = batch.seqs[si];
+    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
+    std::memcpy(f.tables.data() + si * static_cast<size_t>(f.max_pages), s.block_table,
+                sizeof(int32_t) * static_cast<size_t>(s.num_pages));
+    f.seq_begin[si] = t;
+    for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
+      const int64_t pos = s.start_pos + i;
+      const auto ti = static_cast<size_t>(t);
+      f.ids[ti] = s.tokens[i];
+      f.positions[ti] = static_cast<int32_t>(pos);
+      f.token_seq[ti] = static_cast<int32_t>(si);
+      f.slots[ti] = int64_t{s.block_table[pos / page_size]} * page_size + pos % page_size;
+    }
+  }
+  return f;
+}
 
 /// How to sample one logits row on the model's device (Model::forward_sample): the
 /// engine's SamplingParams minus penalties (which need host logits), plus the row's logit

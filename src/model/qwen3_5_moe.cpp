@@ -190,20 +190,11 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
   }
 
   // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
-  std::vector<int32_t> ids(static_cast<size_t>(n)), positions(static_cast<size_t>(n)),
-      token_seq(static_cast<size_t>(n));
-  std::vector<int64_t> slots(static_cast<size_t>(n)), seq_begin(batch.seqs.size());
-  int64_t max_pages = 1;
-  for (const auto& s : batch.seqs) max_pages = std::max(max_pages, s.num_pages);
-  std::vector<int32_t> tables(batch.seqs.size() * static_cast<size_t>(max_pages), 0);
-  int64_t t = 0;
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const ForwardSeq& s = batch.seqs[si];
-    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
-    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
-                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
-                 " tokens");
-    if (num_linear_ > 0) {
+  const auto [ids, positions, token_seq, slots, tables, max_pages, seq_begin] =
+      flatten_batch(batch, page_size);
+  if (num_linear_ > 0) {
+    for (size_t si = 0; si < batch.seqs.size(); ++si) {
+      const ForwardSeq& s = batch.seqs[si];
       TANDEM_CHECK(s.state_slot >= 0 && s.state_slot < kv.num_state_slots(), "sequence ", si,
                    " has no state slot (", s.state_slot, ")");
       // A sequence computed from its first token starts from a zero state.
@@ -211,16 +202,6 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
         float* st = kv.state(s.state_slot);
         std::fill(st, st + kv.state_slot_elems(), 0.0f);
       }
-    }
-    std::memcpy(tables.data() + si * static_cast<size_t>(max_pages), s.block_table,
-                sizeof(int32_t) * static_cast<size_t>(s.num_pages));
-    seq_begin[si] = t;
-    for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
-      int64_t pos = s.start_pos + i;
-      ids[static_cast<size_t>(t)] = s.tokens[i];
-      positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
-      token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
-      slots[static_cast<size_t>(t)] = s.block_table[pos / page_size] * page_size + pos % page_size;
     }
   }
 
