@@ -24,7 +24,8 @@
 #                      p50 / p99, output tok/s and their ratios (tools/gpu_itl_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
 #   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
-#   bench_grammar, bench_model_cuda (also with --fp8), profile_decode (per-kernel decode step),
+#   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
+#   bench_fp8_mxfp8), profile_decode (per-kernel decode step),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_spec_verify, bench_spec_e2e (MTP speculative decoding: bench_spec_cuda)
 set -uo pipefail
@@ -159,6 +160,12 @@ step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
 export TANDEM_BENCH_CSV="$LOG/bench_model_fp8.csv"
 step bench_model_fp8 300 "$BIN/bench_model_cuda" --model 30b --quick --fp8
 [ -x "$BIN/bench_fp8_linear" ] && step bench_fp8_linear 200 "$BIN/bench_fp8_linear" --quick
+# MXFP8 (issue "FP8" item 3): bf16, block FP8 and MXFP8 both ways (native per-32 scales,
+# requantized to 128x128 blocks) in one run, decode 1 / 32 / 128; then the MXFP8 kernels alone.
+export TANDEM_BENCH_CSV="$LOG/bench_model_mxfp8.csv"
+step bench_model_mxfp8 300 "$BIN/bench_model_cuda" --model 30b --fp8 --mxfp8 --batches 1,32,128 \
+  --no-prefill
+[ -x "$BIN/bench_fp8_linear" ] && step bench_fp8_mxfp8 120 "$BIN/bench_fp8_linear" --mxfp8
 # Whole-model prefill with each MoE path forced (the layer bench's routing is not the model's).
 for mp in mma cublas padded; do
   export TANDEM_BENCH_CSV="$LOG/bench_prefill_$mp.csv"
@@ -203,6 +210,8 @@ done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
 [ -f "$LOG/profile_decode.log" ] && { echo; echo "== profile_decode"; cat "$LOG/profile_decode.log"; }
 [ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
+[ -f "$LOG/bench_model_mxfp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_mxfp8.log"
+[ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"
 [ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2

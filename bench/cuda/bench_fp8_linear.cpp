@@ -12,8 +12,11 @@
 //     (graphs) and 2048 (eager; W8A8 on the mma path, the others on the cuBLAS paths):
 //     bf16, W8A16, W8A8, and W8A8's share of its FP8 roofline (the distinct experts' E4M3 bytes
 //     and scales + the bf16 router, over the copy bandwidth).
+//   --mxfp8: only MXFP8's two GPU paths at decode shapes, W8A16: the kernels with native per-32
+//     E8M0 scales (w_e8m0) vs the same codes with per-128 row scales (what the block path
+//     requantizes to): dense gemv m = 1 / 8 / 16 and the grouped GEMM at 1 / 8 / 32 / 128 tokens.
 // Graph-timed (bench_util.h Timer) over enough weight sets / routings to exceed L2.
-//   bench_fp8_linear [--quick]
+//   bench_fp8_linear [--quick] [--mxfp8]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -65,6 +68,134 @@ void fill_scales(Buf& b) {
   upload(b, s);
 }
 
+// E8M0 codes of 2^-10 .. 2^-7 (the fill_scales range, in the native kernels' range).
+void fill_e8m0(Buf& b) {
+  std::vector<uint8_t> s(b.bytes);
+  std::uniform_int_distribution<int> d(127 - 10, 127 - 7);
+  for (auto& v : s) v = static_cast<uint8_t>(d(g_rng));
+  upload(b, s);
+}
+
+// --mxfp8: native per-32 E8M0 scales vs per-128 row scales over the same codes (W8A16).
+void bench_mxfp8(Timer& t, double hbm, size_t l2_multiple) {
+  std::printf(
+      "\n== MXFP8 on the GPU, W8A16: native per-32 E8M0 scales (w_e8m0) vs per-128 row scales "
+      "(the block path's layout); GB/s of E4M3 codes + scales\n");
+  std::printf("%-8s %5s | %9s %7s %6s | %9s %7s %6s | %8s\n", "case", "m/tok", "block us", "GB/s",
+              "%hbm", "native us", "GB/s", "%hbm", "nat/blk");
+  struct Dense {
+    const char* name;
+    int64_t n, k;
+  };
+  for (const Dense d : {Dense{"qkv", 5120, 2048}, Dense{"o_proj", 2048, 4096}}) {
+    const size_t wb8 = static_cast<size_t>(d.n * d.k);
+    const int sets = static_cast<int>(std::max<size_t>(2, l2_multiple / wb8 + 1));
+    std::vector<std::unique_ptr<Buf>> w8, s8, e8;
+    for (int i = 0; i < sets; ++i) {
+      w8.push_back(std::make_unique<Buf>(wb8));
+      fill_fp8(*w8.back());
+      s8.push_back(
+          std::make_unique<Buf>(static_cast<size_t>(d.n * cuda::fp8_row_scale_cols(d.k)) * 4));
+      fill_scales(*s8.back());
+      e8.push_back(std::make_unique<Buf>(static_cast<size_t>(d.n * cuda::mxfp8_scale_cols(d.k))));
+      fill_e8m0(*e8.back());
+    }
+    for (const int64_t m : {1, 8, 16}) {
+      Buf x(static_cast<size_t>(m * d.k) * 2), y(static_cast<size_t>(m * d.n) * 2);
+      fill_bf16(x);
+      auto run = [&](bool mx) {
+        return t.time_us(sets, [&](int i) {
+          cuda::Fp8GemvParams p{x.as<cuda::bf16>(),
+                                w8[i]->as<uint8_t>(),
+                                s8[i]->as<float>(),
+                                y.as<cuda::bf16>(),
+                                m,
+                                d.n,
+                                d.k};
+          if (mx) p.w_e8m0 = e8[i]->as<uint8_t>();
+          cuda::fp8_gemv_launch(p, t.stream);
+        });
+      };
+      const double ub = run(false), un = run(true);
+      const double bb = wb8 * (1 + 4.0 / 128), bn = wb8 * (1 + 1.0 / 32);
+      std::printf("%-8s %5lld | %9.2f %7.0f %5.0f%% | %9.2f %7.0f %5.0f%% | %8.3f\n", d.name,
+                  static_cast<long long>(m), ub, bb / ub * 1e-3, 100 * bb / (ub * 1e-6) / hbm, un,
+                  bn / un * 1e-3, 100 * bn / (un * 1e-6) / hbm, un / ub);
+    }
+  }
+  const int64_t E = 128, H = 2048, I = 768, top_k = 8;
+  Buf gu8(static_cast<size_t>(E * 2 * I * H)), dn8(static_cast<size_t>(E * H * I));
+  Buf gus(static_cast<size_t>(E * 2 * I * cuda::fp8_row_scale_cols(H)) * 4);
+  Buf dns(static_cast<size_t>(E * H * cuda::fp8_row_scale_cols(I)) * 4);
+  Buf gue(static_cast<size_t>(E * 2 * I * cuda::mxfp8_scale_cols(H)));
+  Buf dne(static_cast<size_t>(E * H * cuda::mxfp8_scale_cols(I)));
+  fill_fp8(gu8);
+  fill_fp8(dn8);
+  fill_scales(gus);
+  fill_scales(dns);
+  fill_e8m0(gue);
+  fill_e8m0(dne);
+  for (const int64_t T : {1, 8, 32, 128}) {
+    const int64_t rows = T * top_k;
+    const int sets = 16;
+    std::vector<std::unique_ptr<Buf>> offs;
+    double distinct = 0;
+    for (int s = 0; s < sets; ++s) {
+      std::vector<int32_t> count(E, 0);
+      std::set<int64_t> used;
+      for (int64_t tok = 0; tok < T; ++tok) {
+        std::vector<int64_t> ids(E);
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), g_rng);
+        for (int64_t j = 0; j < top_k; ++j) {
+          ++count[ids[j]];
+          used.insert(ids[j]);
+        }
+      }
+      std::vector<int32_t> off(E + 1, 0);
+      for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + count[e];
+      offs.push_back(std::make_unique<Buf>(off.size() * 4));
+      upload(*offs.back(), off);
+      distinct += static_cast<double>(used.size()) / sets;
+    }
+    Buf x(static_cast<size_t>(rows * H) * 2), act(static_cast<size_t>(rows * I) * 2),
+        y(static_cast<size_t>(rows * H) * 2);
+    fill_bf16(x);
+    fill_bf16(act);
+    for (const bool is_gu : {true, false}) {
+      const int64_t n = is_gu ? 2 * I : H, k = is_gu ? H : I;
+      auto run = [&](bool mx) {
+        return t.time_us(sets, [&](int s) {
+          cuda::MoeGemmParams p{
+              is_gu ? x.as<cuda::bf16>() : act.as<cuda::bf16>(),
+              nullptr,
+              is_gu ? act.as<cuda::bf16>() : y.as<cuda::bf16>(),
+              offs[s]->as<int32_t>(),
+              rows,
+              n,
+              k,
+              E,
+              is_gu ? cuda::MoeGemmEpilogue::kSiluMul : cuda::MoeGemmEpilogue::kPlain};
+          p.w_fp8 = is_gu ? gu8.as<uint8_t>() : dn8.as<uint8_t>();
+          if (mx) {
+            p.w_e8m0 = is_gu ? gue.as<uint8_t>() : dne.as<uint8_t>();
+          } else {
+            p.w_scale = is_gu ? gus.as<float>() : dns.as<float>();
+          }
+          cuda::moe_gemm_launch(p, t.stream);
+        });
+      };
+      const double ub = run(false), un = run(true);
+      const double wb8 = distinct * static_cast<double>(n * k);
+      const double bb = wb8 * (1 + 4.0 / 128), bn = wb8 * (1 + 1.0 / 32);
+      std::printf("%-8s %5lld | %9.2f %7.0f %5.0f%% | %9.2f %7.0f %5.0f%% | %8.3f\n",
+                  is_gu ? "gate_up" : "down", static_cast<long long>(T), ub, bb / ub * 1e-3,
+                  100 * bb / (ub * 1e-6) / hbm, un, bn / un * 1e-3, 100 * bn / (un * 1e-6) / hbm,
+                  un / ub);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -72,11 +203,19 @@ int main(int argc, char** argv) {
   if (!open_device(&prop)) return 0;
   Timer t;
   t.create();
-  for (int i = 1; i < argc; ++i) t.quick = t.quick || std::strcmp(argv[i], "--quick") == 0;
+  bool mx_only = false;
+  for (int i = 1; i < argc; ++i) {
+    t.quick = t.quick || std::strcmp(argv[i], "--quick") == 0;
+    mx_only = mx_only || std::strcmp(argv[i], "--mxfp8") == 0;
+  }
   const Ceilings ceil = measure_ceilings(t, [](Buf& b) { fill_bf16(b); });
   // A copy reads and writes: the HBM rate is about copy_Bps.
   const double hbm = ceil.copy_Bps;
   const size_t l2_multiple = size_t{4} * static_cast<size_t>(prop.l2CacheSize);
+  if (mx_only) {
+    bench_mxfp8(t, hbm, l2_multiple);
+    return 0;
+  }
 
   std::printf(
       "\n== dense linears: bf16 GemmLt vs FP8 W8A16 (gemv for m <= 16, dequantize + bf16 GEMM "

@@ -25,6 +25,10 @@
 //   --fp8-act: (with or without --fp8) a run of the 30B in block FP8 with FP8 activations (W8A8
 //   on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1), rows "-fp8a". --batches 1,32,128: the
 //   decode batches to run.
+//   --mxfp8: the 30B twice more in MXFP8 (E4M3 + one E8M0 scale per 32 weights), rows "-mxfp8n"
+//   (native per-32 scales in the kernels, TANDEM_CUDA_MXFP8=native) and "-mxfp8b" (requantized
+//   to 128x128 block FP8 at load, TANDEM_CUDA_MXFP8=block: the block-FP8 kernels and layout).
+//   --no-prefill: decode rows only.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -123,7 +127,11 @@ Shapes shapes(const ModelConfig& c) {
   const double h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                kvh = c.num_key_value_heads;
   // Block FP8: one byte per linear weight plus a 4-byte scale per 128 (row scales).
-  const double wb = c.quant.method == WeightQuant::kFp8Block ? 1.0 + 4.0 / 128 : 2.0;
+  // MXFP8: one byte per weight plus a 1-byte E8M0 per 32 (native) or the block path's 4 / 128.
+  const double wb =
+      c.quant.method == WeightQuant::kFp8Block || c.quant.method == WeightQuant::kMxfp8
+          ? 1.0 + 4.0 / 128
+          : 2.0;
   s.attn_bytes_layer = wb * ((qh + 2 * kvh) * d * h + h * qh * d) + 2.0 * (2 * h + 2 * d);
   s.expert_bytes = wb * 3 * h * c.moe_intermediate_size;
   s.router_bytes_layer = 2.0 * c.num_experts * h;
@@ -145,6 +153,7 @@ struct Row {
 std::vector<Row> g_rows;
 bool g_fp8 = false;      // --fp8
 bool g_fp8_act = false;  // --fp8-act: block FP8 with W8A8 (TANDEM_CUDA_FP8_ACT=1)
+bool g_mxfp8 = false;    // --mxfp8: MXFP8 native and requantized to blocks
 std::string g_moe_path;  // --moe-path
 
 void print_row(const Row& r, bool record = true) {
@@ -272,6 +281,14 @@ ModelConfig fp8_of(ModelConfig c) {
   return c;
 }
 
+// The MXFP8 variant of a config (ModelOpt's layout: 1x32 E8M0 blocks).
+ModelConfig mxfp8_of(ModelConfig c) {
+  c.quant.method = WeightQuant::kMxfp8;
+  c.quant.block_rows = 1;
+  c.quant.block_cols = 32;
+  return c;
+}
+
 // Each FP8 row beside the bf16 row of the same model, phase, batch and context.
 void print_fp8_comparison() {
   std::printf(
@@ -279,7 +296,8 @@ void print_fp8_comparison() {
       "bound / FP8 time\n");
   std::printf("%-16s %-8s %6s %6s %11s %11s %9s %13s\n", "model", "phase", "batch", "ctx",
               "bf16 us", "fp8 us", "speed-up", "%fp8-roofline");
-  for (const char* suffix_c : {"-fp8", "-fp8a"}) {  // -fp8a: W8A8 (--fp8-act)
+  // -fp8a: W8A8 (--fp8-act); -mxfp8n / -mxfp8b: MXFP8 native / requantized to blocks (--mxfp8).
+  for (const char* suffix_c : {"-fp8", "-fp8a", "-mxfp8n", "-mxfp8b"}) {
     for (const Row& f : g_rows) {
       const std::string suffix = suffix_c;
       if (f.model.size() <= suffix.size() ||
@@ -307,7 +325,7 @@ int main(int argc, char** argv) {
   std::string which = "all";
   int64_t decode_only = 0;
   std::string checkpoint, moe_path;
-  bool prefill_only = false;
+  bool prefill_only = false, no_prefill = false;
   std::string batches_arg;  // --batches 1,32,128: the decode batches instead of the defaults
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
@@ -319,6 +337,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
     if (std::strcmp(argv[i], "--fp8") == 0) g_fp8 = true;
     if (std::strcmp(argv[i], "--fp8-act") == 0) g_fp8_act = true;
+    if (std::strcmp(argv[i], "--mxfp8") == 0) g_mxfp8 = true;
+    if (std::strcmp(argv[i], "--no-prefill") == 0) no_prefill = true;
     if (std::strcmp(argv[i], "--batches") == 0 && i + 1 < argc) batches_arg = argv[++i];
   }
   try {
@@ -350,6 +370,7 @@ int main(int argc, char** argv) {
       batches = {1};
       ctxs = {};
     }
+    if (no_prefill) prompts = {};
     if (decode_only > 0) {
       batches = {decode_only};
       ctxs = {1024};
@@ -371,6 +392,13 @@ int main(int argc, char** argv) {
         bench_model("qwen3-30b-a3b-fp8a", fp8_of(c), ceil, batches, ctxs, prompts, budget);
         unsetenv("TANDEM_CUDA_FP8_ACT");
       }
+      if (g_mxfp8) {  // both MXFP8 paths (read at construction)
+        setenv("TANDEM_CUDA_MXFP8", "native", 1);
+        bench_model("qwen3-30b-a3b-mxfp8n", mxfp8_of(c), ceil, batches, ctxs, prompts, budget);
+        setenv("TANDEM_CUDA_MXFP8", "block", 1);
+        bench_model("qwen3-30b-a3b-mxfp8b", mxfp8_of(c), ceil, batches, ctxs, prompts, budget);
+        unsetenv("TANDEM_CUDA_MXFP8");
+      }
     }
     if (which == "all" || which == "235b-layer") {
       bench_model("qwen3-235b-layer", qwen3_235b_layer(), ceil, batches, ctxs, prompts, 40e9);
@@ -379,7 +407,7 @@ int main(int argc, char** argv) {
                     prompts, 40e9);
       }
     }
-    if (g_fp8 || g_fp8_act) print_fp8_comparison();
+    if (g_fp8 || g_fp8_act || g_mxfp8) print_fp8_comparison();
     std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
     for (const auto& r : g_rows) print_row(r, /*record=*/false);
     bench::write_csv(g_rows, "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n",

@@ -130,6 +130,34 @@ void WeightReader::read_fp8_codes(const std::string& name, int64_t rows, int64_t
   const std::string file = ckpt_.file_of(name);
   TANDEM_CHECK_KIND(kInvalidArgument, src.dtype == DType::kF8E4M3, file, ": tensor '", name,
                     "' has dtype ", dtype_name(src.dtype), ", expected F8_E4M3 (block FP8)");
+  if (quant_.method == WeightQuant::kMxfp8) {
+    TANDEM_CHECK_KIND(kUnsupported, fp8_columns_splittable(col_range, kBlockK), file, ": tensor '",
+                      name, "': columns [", col_range.begin, ", ", col_range.end,
+                      ") straddle 128-column blocks (cannot be requantized to block FP8)");
+    // The 128x128 blocks the range touches, on the whole tensor's grid, dequantized and
+    // requantized (quantize_fp8_block): the codes a whole-tensor requantization gives.
+    const IndexRange br{row_range.begin / kBlockK * kBlockK,
+                        std::min(rows, (row_range.end + kBlockK - 1) / kBlockK * kBlockK)};
+    const IndexRange bc{col_range.begin / kBlockK * kBlockK,
+                        std::min(cols, (col_range.end + kBlockK - 1) / kBlockK * kBlockK)};
+    const int64_t sw = bc.size(), sbc = (sw + kBlockK - 1) / kBlockK;
+    std::vector<float> vals(static_cast<size_t>(br.size() * sw));
+    read(name, rows, cols, br, bc, vals.data());
+    std::vector<uint8_t> sq(vals.size());
+    std::vector<float> ss(static_cast<size_t>((br.size() + kBlockK - 1) / kBlockK * sbc));
+    quantize_fp8_block(vals.data(), br.size(), sw, sq.data(), ss.data());
+    const int64_t w = col_range.size(), kb = (w + kBlockK - 1) / kBlockK;
+    const int64_t c_off = col_range.begin - bc.begin, b0 = c_off / kBlockK;
+    for (int64_t i = row_range.begin; i < row_range.end; ++i) {
+      const int64_t li = i - br.begin;
+      std::memcpy(q + (i - row_range.begin) * w, sq.data() + li * sw + c_off,
+                  static_cast<size_t>(w));
+      for (int64_t j = 0; j < kb; ++j) {
+        row_scales[(i - row_range.begin) * kb + j] = ss[(li / kBlockK) * sbc + b0 + j];
+      }
+    }
+    return;
+  }
   TANDEM_CHECK_KIND(kUnsupported,
                     quant_.method == WeightQuant::kFp8Block && quant_.block_cols == kBlockK &&
                         quant_.block_rows > 0,
@@ -155,6 +183,62 @@ void WeightReader::read_fp8_codes(const std::string& name, int64_t rows, int64_t
     std::memcpy(out, row, static_cast<size_t>(w));
     const float* srow = scale.data() + (i / br - sr.begin) * scols;
     for (int64_t j = 0; j < kb; ++j) row_scales[(i - row_range.begin) * kb + j] = srow[b0 + j];
+  }
+}
+
+void WeightReader::read_mxfp8_codes(const std::string& name, int64_t rows, int64_t cols,
+                                    IndexRange row_range, IndexRange col_range, uint8_t* q,
+                                    uint8_t* e8m0) const {
+  constexpr int64_t kB = 32;
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
+          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
+      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
+      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
+  const TensorView src = ckpt_.get(name, {rows, cols});
+  const std::string file = ckpt_.file_of(name);
+  TANDEM_CHECK_KIND(kInvalidArgument, src.dtype == DType::kF8E4M3, file, ": tensor '", name,
+                    "' has dtype ", dtype_name(src.dtype), ", expected F8_E4M3 (MXFP8)");
+  TANDEM_CHECK_KIND(
+      kUnsupported,
+      quant_.method == WeightQuant::kMxfp8 && quant_.block_cols == kB && quant_.block_rows == 1,
+      config_origin_, ": quantization_config ", weight_quant_name(quant_.method), " with ",
+      quant_.block_rows, "x", quant_.block_cols, " blocks is not MXFP8 (1x32 E8M0 blocks)");
+  TANDEM_CHECK_KIND(kUnsupported,
+                    col_range.begin % kB == 0 && (col_range.end % kB == 0 || col_range.end == cols),
+                    file, ": tensor '", name, "': columns [", col_range.begin, ", ", col_range.end,
+                    ") straddle its 32-column scale blocks (cannot stay MXFP8)");
+  const std::string scale_name = quant_.scale_name(name);
+  TANDEM_CHECK_KIND(kInvalidArgument, ckpt_.has(scale_name), file, ": tensor '", name,
+                    "' is F8_E4M3 (MXFP8) but its scale tensor '", scale_name, "' is missing from ",
+                    ckpt_.dir());
+  const int64_t scols = (cols + kB - 1) / kB;
+  const TensorView sv = ckpt_.get(scale_name);
+  const std::string sfile = ckpt_.file_of(scale_name);
+  TANDEM_CHECK_KIND(kInvalidArgument, sv.shape == Shape({rows, scols}), sfile, ": scale tensor '",
+                    scale_name, "' has shape ", sv.shape.str(), ", expected ",
+                    shape_str(rows, scols), " for '", name, "' of shape ", shape_str(rows, cols),
+                    " in 1x32 blocks");
+  TANDEM_CHECK_KIND(kInvalidArgument, sv.dtype == DType::kE8M0, sfile, ": scale tensor '",
+                    scale_name, "' has dtype ", dtype_name(sv.dtype),
+                    ", expected E8M0 (U8 or F8_E8M0) for MXFP8");
+  const auto* codes = static_cast<const uint8_t*>(src.data);
+  const auto* scodes = static_cast<const uint8_t*>(sv.data);
+  const int64_t w = col_range.size(), kb = (w + kB - 1) / kB, b0 = col_range.begin / kB;
+  for (int64_t i = row_range.begin; i < row_range.end; ++i) {
+    const uint8_t* row = codes + i * cols + col_range.begin;
+    for (int64_t j = 0; j < w; ++j) {
+      TANDEM_CHECK_KIND(kInvalidArgument, !is_f8_nan(row[j]), file, ": tensor '", name,
+                        "': E4M3 NaN code at [", i, ", ", col_range.begin + j, "]");
+    }
+    std::memcpy(q + (i - row_range.begin) * w, row, static_cast<size_t>(w));
+    for (int64_t j = 0; j < kb; ++j) {
+      const uint8_t e = scodes[i * scols + b0 + j];
+      TANDEM_CHECK_KIND(kInvalidArgument, e != 0xff, sfile, ": scale tensor '", scale_name,
+                        "': E8M0 code 0xff (NaN) at [", i, ", ", b0 + j, "]");
+      e8m0[(i - row_range.begin) * kb + j] = e;
+    }
   }
 }
 

@@ -46,8 +46,19 @@ class WeightReader {
   /// each row's block for every 128 columns of the range). Needs block FP8 with 128-wide column
   /// blocks and a column range whose 128-column groups each lie in one block
   /// (fp8_columns_splittable); errors name the file, the tensor and the field, as read's.
+  /// MXFP8 goes through it too, requantized to block FP8 (the GPU's "block" MXFP8 path,
+  /// docs/architecture.md, "MXFP8 on the GPU"): the dequantized tensor's 128x128 blocks (on the
+  /// whole tensor's block grid, so any slice gives the codes of the whole) through
+  /// quantize_fp8_block.
   void read_fp8_codes(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
                       IndexRange col_range, uint8_t* q, float* row_scales) const;
+  /// MXFP8 kept as stored (the GPU's native MXFP8 path): the E4M3 codes of rows x columns into q
+  /// ([row_range.size(), col_range.size()]) and their E8M0 codes into e8m0 ([row_range.size(),
+  /// ceil(col_range.size() / 32)]). Needs MXFP8 and col_range.begin % 32 == 0 (and, when it is
+  /// not the last column, col_range.end % 32 == 0); errors as read_fp8_codes'.
+  void read_mxfp8_codes(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
+                        IndexRange col_range, uint8_t* q, uint8_t* e8m0) const;
+
   /// Whether read_fp8_codes can take col_range: it starts on a block boundary or lies inside
   /// one block (a shard narrower than a block keeps that block's scales).
   static bool fp8_columns_splittable(IndexRange col_range, int64_t block_cols);

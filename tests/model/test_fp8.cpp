@@ -375,12 +375,107 @@ TEST(WeightReader, Fp8CodesWithRowScales) {
         wr.read_fp8_codes("plain.weight", 3, 4, {0, 3}, {0, 4}, q.data(), rs.data());
       },
       {"plain.weight", "F8_E4M3"});
+}
+
+// MXFP8 through read_fp8_codes (the GPU's "block" path): requantized to 128x128 block FP8 on the
+// whole tensor's block grid, so every slice gives the codes and scales of the whole tensor's
+// quantize_fp8_block over its dequantized values, and the values stay within E4M3's rounding of
+// the MXFP8 ones (per element: half a step at the block's scale).
+TEST(WeightReader, Mxfp8RequantizedToBlockFp8) {
+  const int64_t rows = 200, cols = 300;
+  Synthetic s = synthetic(rows, cols, 5);
+  TempDir dir;
+  write_st(dir.file("model.safetensors"), {{"mx.weight", "F8_E4M3", {rows, cols}, s.codes},
+                                           {"mx.weight_scale", "U8", {rows, 10}, s.e8m0}});
+  Checkpoint ckpt(dir.path());
   WeightReader mx(ckpt, quant_of(WeightQuant::kMxfp8), "config.json");
+  std::vector<float> vals(static_cast<size_t>(rows * cols));
+  mx.read("mx.weight", rows, cols, vals.data());
+  std::vector<uint8_t> wq(vals.size());
+  std::vector<float> ws(2 * 3);
+  quantize_fp8_block(vals.data(), rows, cols, wq.data(), ws.data());
+  const std::vector<std::pair<IndexRange, IndexRange>> ranges = {{{0, 200}, {0, 300}},
+                                                                 {{64, 96}, {128, 300}},
+                                                                 {{100, 164}, {64, 128}},
+                                                                 {{199, 200}, {256, 300}}};
+  for (const auto& [r, c] : ranges) {
+    SCOPED_TRACE(std::to_string(r.begin) + ".." + std::to_string(r.end) + " x " +
+                 std::to_string(c.begin) + ".." + std::to_string(c.end));
+    const int64_t kb = (c.size() + 127) / 128;
+    std::vector<uint8_t> q(static_cast<size_t>(r.size() * c.size()), 0x7f);
+    std::vector<float> rs(static_cast<size_t>(r.size() * kb), NAN);
+    mx.read_fp8_codes("mx.weight", rows, cols, r, c, q.data(), rs.data());
+    for (int64_t i = r.begin; i < r.end; ++i) {
+      for (int64_t j = c.begin; j < c.end; ++j) {
+        const size_t o = static_cast<size_t>((i - r.begin) * c.size() + j - c.begin);
+        ASSERT_EQ(q[o], wq[static_cast<size_t>(i * cols + j)]) << i << "," << j;
+        const float scale = rs[static_cast<size_t>((i - r.begin) * kb + (j - c.begin) / 128)];
+        ASSERT_EQ(scale, ws[static_cast<size_t>((i / 128) * 3 + j / 128)]) << i << "," << j;
+        const float v = vals[static_cast<size_t>(i * cols + j)];
+        ASSERT_LE(std::fabs(f8e4m3_to_f32(q[o]) * scale - v),
+                  std::max(std::fabs(v) / 16, scale / 1024) * (1 + 1e-6))
+            << i << "," << j;
+      }
+    }
+  }
+  std::vector<uint8_t> q(rows * cols);
+  std::vector<float> rs(rows * 3);
   expect_error(
       [&] {
-        mx.read_fp8_codes("mx.weight", rows, cols, {0, 8}, {0, 300}, q.data(), rs.data());
+        mx.read_fp8_codes("mx.weight", rows, cols, {0, 8}, {64, 192}, q.data(), rs.data());
       },
-      {"config.json", "mxfp8"});
+      {"mx.weight", "straddle"});
+}
+
+// MXFP8 kept as stored (the GPU's native path): codes and E8M0 codes of the range; columns on
+// 32-column boundaries (or to the end), others refused naming the tensor; block FP8 refused.
+TEST(WeightReader, Mxfp8CodesWithE8m0) {
+  const int64_t rows = 200, cols = 300;
+  Synthetic s = synthetic(rows, cols, 6);
+  TempDir dir;
+  write_st(dir.file("model.safetensors"),
+           {{"mx.weight", "F8_E4M3", {rows, cols}, s.codes},
+            {"mx.weight_scale", "U8", {rows, 10}, s.e8m0},
+            {"bad.weight", "F8_E4M3", {rows, cols}, s.codes},
+            {"bad.weight_scale", "U8", {rows, 9}, std::vector<uint8_t>(rows * 9, 127)}});
+  Checkpoint ckpt(dir.path());
+  WeightReader mx(ckpt, quant_of(WeightQuant::kMxfp8), "config.json");
+  const std::vector<std::pair<IndexRange, IndexRange>> ranges = {
+      {{0, 200}, {0, 300}}, {{64, 96}, {32, 300}}, {{100, 101}, {64, 128}}, {{5, 9}, {288, 300}}};
+  for (const auto& [r, c] : ranges) {
+    SCOPED_TRACE(std::to_string(r.begin) + ".." + std::to_string(r.end) + " x " +
+                 std::to_string(c.begin) + ".." + std::to_string(c.end));
+    const int64_t kb = (c.size() + 31) / 32;
+    std::vector<uint8_t> q(static_cast<size_t>(r.size() * c.size()), 0x7f);
+    std::vector<uint8_t> e(static_cast<size_t>(r.size() * kb), 0xff);
+    mx.read_mxfp8_codes("mx.weight", rows, cols, r, c, q.data(), e.data());
+    for (int64_t i = r.begin; i < r.end; ++i) {
+      for (int64_t j = c.begin; j < c.end; ++j) {
+        const size_t o = static_cast<size_t>((i - r.begin) * c.size() + j - c.begin);
+        ASSERT_EQ(q[o], s.codes[static_cast<size_t>(i * cols + j)]) << i << "," << j;
+        ASSERT_EQ(e[static_cast<size_t>((i - r.begin) * kb + (j - c.begin) / 32)],
+                  s.e8m0[static_cast<size_t>(i * 10 + j / 32)])
+            << i << "," << j;
+      }
+    }
+  }
+  std::vector<uint8_t> q(rows * cols), e(rows * 10);
+  expect_error(
+      [&] {
+        mx.read_mxfp8_codes("mx.weight", rows, cols, {0, 8}, {16, 64}, q.data(), e.data());
+      },
+      {"mx.weight", "straddle"});
+  expect_error(
+      [&] {
+        mx.read_mxfp8_codes("bad.weight", rows, cols, {0, 8}, {0, 64}, q.data(), e.data());
+      },
+      {"bad.weight_scale", "shape"});
+  WeightReader blk(ckpt, quant_of(WeightQuant::kFp8Block), "cfg/config.json");
+  expect_error(
+      [&] {
+        blk.read_mxfp8_codes("mx.weight", rows, cols, {0, 8}, {0, 64}, q.data(), e.data());
+      },
+      {"cfg/config.json", "MXFP8"});
 }
 
 TEST(WeightReader, BadScalesNameTheTensor) {

@@ -31,4 +31,26 @@ __device__ __forceinline__ void e4m3x4_to_bf16(uint32_t w, uint32_t& lo, uint32_
   hi = e4m3_pair_to_bf16x2(__byte_perm(w, 0u, 0x3424));
 }
 
+/// MXFP8 (fp8_linear.h, native per-32 scales): the bf16x2 multiplier 2^(e - 7) twice for the
+/// E8M0 code e in [kMxfp8MinCode, kMxfp8MaxCode] (then a normal bf16). e4m3_pair_to_bf16x2's
+/// 2^120 times the block's 2^(e - 127): the code's value and its power-of-two scale in one exact
+/// multiply (the product is a normal bf16 for codes in that range).
+__device__ __forceinline__ uint32_t e8m0_bf16x2_mul(uint32_t e) {
+  const uint32_t b = (e + 120u) << 7;
+  return b | (b << 16);
+}
+
+/// e4m3x4_to_bf16 with the multiplier of e8m0_bf16x2_mul: the dequantized MXFP8 values.
+__device__ __forceinline__ void e4m3x4_to_bf16_mx(uint32_t w, uint32_t mul, uint32_t& lo,
+                                                  uint32_t& hi) {
+  auto pair = [mul](uint32_t p) {
+    const uint32_t biased = (p & 0x80008000u) | ((p >> 4) & 0x07f007f0u);
+    __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162 const*>(&biased),
+                               *reinterpret_cast<__nv_bfloat162 const*>(&mul));
+    return *reinterpret_cast<uint32_t*>(&r);
+  };
+  lo = pair(__byte_perm(w, 0u, 0x1404));
+  hi = pair(__byte_perm(w, 0u, 0x3424));
+}
+
 }  // namespace tandem::cuda::detail

@@ -12,6 +12,8 @@
 // accumulator, scaled into the output accumulator by each row's block scale. Loads for two K
 // blocks (8 x 16 bytes per lane) are in flight before their MMAs. The 8 warps' partial sums
 // meet in shared memory and warp 0 adds them in a fixed order: deterministic.
+// MXFP8 (MX, p.w_e8m0): a lane's 16 codes lie in one 32-deep scale block; its E8M0 code goes
+// into the conversion's multiplier (fp8_dequant.cuh) and the K block's sum is added unscaled.
 #include <algorithm>
 #include <atomic>
 
@@ -48,7 +50,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 // NT 8-token n tiles (m <= 8 NT). Accumulator [nt][v]: v = 0, 1: weight row g, tokens
 // 8 nt + 2 t + v; v = 2, 3: row g + 8.
-template <int NT, bool F32>
+template <int NT, bool F32, bool MX>
 __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(Fp8GemvParams p) {
   __shared__ float red[kWarps][NT * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -59,8 +61,11 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(Fp8GemvParams p) 
   const int64_t ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);  // clamped: loads only
   uint8_t const* wa = p.w + ra * k;
   uint8_t const* wb = p.w + rb * k;
-  float const* sa = p.w_scale + ra * kb_count;
-  float const* sb = p.w_scale + rb * kb_count;
+  float const* sa = MX ? nullptr : p.w_scale + ra * kb_count;
+  float const* sb = MX ? nullptr : p.w_scale + rb * kb_count;
+  const int64_t mx_cols = mxfp8_scale_cols(k);
+  uint8_t const* ea = MX ? p.w_e8m0 + ra * mx_cols : nullptr;
+  uint8_t const* eb = MX ? p.w_e8m0 + rb * mx_cols : nullptr;
   // x rows of this lane's B fragments (tokens g + 8 nt); null past m.
   bf16 const* xr[NT];
 #pragma unroll
@@ -76,6 +81,7 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(Fp8GemvParams p) 
     // Loads first: kUnroll K blocks x 2 tiles x rows g, g + 8.
     uint4 qa[kUnroll][2], qb[kUnroll][2];
     float sca[kUnroll], scb[kUnroll];
+    uint32_t mua[kUnroll][2], mub[kUnroll][2];  // MX: the conversion multipliers
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t kb = kb0 + int64_t{kWarps} * u;
@@ -85,9 +91,17 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(Fp8GemvParams p) 
         const bool ok = kb < kb_count && col < k;
         qa[u][j] = ok ? load_stream(wa + col) : uint4{};
         qb[u][j] = ok ? load_stream(wb + col) : uint4{};
+        if constexpr (MX) {
+          mua[u][j] = detail::e8m0_bf16x2_mul(ok ? __ldg(ea + col / kMxfp8BlockK) : 127u);
+          mub[u][j] = detail::e8m0_bf16x2_mul(ok ? __ldg(eb + col / kMxfp8BlockK) : 127u);
+        }
       }
-      sca[u] = kb < kb_count ? __ldg(sa + kb) : 0.f;
-      scb[u] = kb < kb_count ? __ldg(sb + kb) : 0.f;
+      if constexpr (MX) {
+        sca[u] = scb[u] = 1.f;
+      } else {
+        sca[u] = kb < kb_count ? __ldg(sa + kb) : 0.f;
+        scb[u] = kb < kb_count ? __ldg(sb + kb) : 0.f;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -111,8 +125,13 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(Fp8GemvParams p) 
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t a0, a1, a2, a3;
-          detail::e4m3x4_to_bf16(word(qa[u][j], s), a0, a2);
-          detail::e4m3x4_to_bf16(word(qb[u][j], s), a1, a3);
+          if constexpr (MX) {
+            detail::e4m3x4_to_bf16_mx(word(qa[u][j], s), mua[u][j], a0, a2);
+            detail::e4m3x4_to_bf16_mx(word(qb[u][j], s), mub[u][j], a1, a3);
+          } else {
+            detail::e4m3x4_to_bf16(word(qa[u][j], s), a0, a2);
+            detail::e4m3x4_to_bf16(word(qb[u][j], s), a1, a3);
+          }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             // Elements 4 s .. 4 s + 3 of the lane's 16: pairs 2 s and 2 s + 1.
@@ -160,7 +179,11 @@ template <int NT, bool F32>
 void launch_nt(Fp8GemvParams const& p, cudaStream_t stream) {
   const int64_t blocks = (p.n + 15) / 16;
   TANDEM_CHECK(blocks <= INT32_MAX, "fp8_gemv: n too large: ", p.n);
-  fp8_gemv_kernel<NT, F32><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
+  if (p.w_e8m0 != nullptr) {
+    fp8_gemv_kernel<NT, F32, true><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
+  } else {
+    fp8_gemv_kernel<NT, F32, false><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
+  }
 }
 
 template <bool F32>
@@ -179,15 +202,28 @@ bool aligned(void const* ptr, uintptr_t bytes) {
 }
 
 // One thread per 16 codes: exact bf16 values (fp8_dequant.cuh), times the row's block scale in
-// fp32, rounded to bf16.
-__global__ void fp8_dequantize_kernel(uint8_t const* q, float const* scale, int64_t rows,
-                                      int64_t cols, bf16* out) {
+// fp32, rounded to bf16; MXFP8 (e8m0 set): the E8M0 scale folded into the conversion (exact).
+__global__ void fp8_dequantize_kernel(uint8_t const* q, float const* scale, uint8_t const* e8m0,
+                                      int64_t rows, int64_t cols, bf16* out) {
   const int64_t per_row = cols / 16, chunks = rows * per_row, kb = fp8_row_scale_cols(cols);
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < chunks; i += stride) {
     const int64_t r = i / per_row, c = (i % per_row) * 16;
-    const float s = __ldg(scale + r * kb + c / 128);
     const uint4 v = load_stream(q + r * cols + c);
+    if (e8m0 != nullptr) {
+      const uint32_t mul =
+          detail::e8m0_bf16x2_mul(__ldg(e8m0 + r * mxfp8_scale_cols(cols) + c / kMxfp8BlockK));
+      uint32_t o[8];
+      detail::e4m3x4_to_bf16_mx(v.x, mul, o[0], o[1]);
+      detail::e4m3x4_to_bf16_mx(v.y, mul, o[2], o[3]);
+      detail::e4m3x4_to_bf16_mx(v.z, mul, o[4], o[5]);
+      detail::e4m3x4_to_bf16_mx(v.w, mul, o[6], o[7]);
+      uint4* dst = reinterpret_cast<uint4*>(out + r * cols + c);
+      dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+      dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+      continue;
+    }
+    const float s = __ldg(scale + r * kb + c / 128);
     uint32_t w[8];
     detail::e4m3x4_to_bf16(v.x, w[0], w[1]);
     detail::e4m3x4_to_bf16(v.y, w[2], w[3]);
@@ -209,19 +245,42 @@ __global__ void fp8_dequantize_kernel(uint8_t const* q, float const* scale, int6
 
 }  // namespace
 
-void fp8_dequantize_launch(uint8_t const* q, float const* row_scale, int64_t rows, int64_t cols,
-                           bf16* out, cudaStream_t stream) {
+namespace {
+
+void dequantize(uint8_t const* q, float const* row_scale, uint8_t const* e8m0, int64_t rows,
+                int64_t cols, bf16* out, cudaStream_t stream) {
   TANDEM_CHECK(rows >= 0 && cols > 0 && cols % 16 == 0, "fp8_dequantize: bad shape ", rows, " x ",
                cols, " (cols % 16 == 0)");
-  TANDEM_CHECK(
-      q != nullptr && row_scale != nullptr && out != nullptr && aligned(q, 16) && aligned(out, 16),
-      "fp8_dequantize: q and out must be 16-byte aligned");
+  TANDEM_CHECK(q != nullptr && (row_scale != nullptr || e8m0 != nullptr) && out != nullptr &&
+                   aligned(q, 16) && aligned(out, 16),
+               "fp8_dequantize: q and out must be 16-byte aligned, scales set");
   if (rows == 0) return;
   const int64_t chunks = rows * (cols / 16);
   const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, 132 * 16);
-  fp8_dequantize_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(q, row_scale, rows, cols,
-                                                                           out);
+  fp8_dequantize_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(q, row_scale, e8m0, rows,
+                                                                           cols, out);
   TANDEM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void fp8_dequantize_launch(uint8_t const* q, float const* row_scale, int64_t rows, int64_t cols,
+                           bf16* out, cudaStream_t stream) {
+  TANDEM_CHECK(row_scale != nullptr, "fp8_dequantize: row_scale is null");
+  dequantize(q, row_scale, nullptr, rows, cols, out, stream);
+}
+
+void mxfp8_dequantize_launch(uint8_t const* q, uint8_t const* e8m0, int64_t rows, int64_t cols,
+                             bf16* out, cudaStream_t stream) {
+  TANDEM_CHECK(e8m0 != nullptr, "mxfp8_dequantize: e8m0 is null");
+  dequantize(q, nullptr, e8m0, rows, cols, out, stream);
+}
+
+bool mxfp8_codes_in_range(uint8_t const* e8m0, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (e8m0[i] < kMxfp8MinCode || e8m0[i] > kMxfp8MaxCode) return false;
+  }
+  return true;
 }
 
 std::vector<float> fp8_expand_row_scales(const float* block_scales, int64_t n, int64_t k,
@@ -241,8 +300,9 @@ bool fp8_gemv_supported(Fp8GemvParams const& p) {
   const bool f32 = p.y_f32 != nullptr;
   void const* y = f32 ? static_cast<void const*>(p.y_f32) : static_cast<void const*>(p.y);
   return p.m >= 1 && p.m <= kFp8GemvMaxM && p.n >= 1 && p.k >= 16 && p.k % 16 == 0 &&
-         p.x != nullptr && p.w != nullptr && p.w_scale != nullptr && y != nullptr &&
-         aligned(p.x, 16) && aligned(p.w, 16) && aligned(p.w_scale, 4) && aligned(y, f32 ? 4 : 2);
+         p.x != nullptr && p.w != nullptr && (p.w_scale != nullptr || p.w_e8m0 != nullptr) &&
+         y != nullptr && aligned(p.x, 16) && aligned(p.w, 16) && aligned(p.w_scale, 4) &&
+         aligned(y, f32 ? 4 : 2);
 }
 
 void fp8_gemv_launch(Fp8GemvParams const& p, cudaStream_t stream) {
@@ -251,7 +311,8 @@ void fp8_gemv_launch(Fp8GemvParams const& p, cudaStream_t stream) {
   if (p.m == 0) return;
   TANDEM_CHECK_KIND(kUnsupported, fp8_gemv_supported(p), "fp8_gemv: unsupported operands (m ", p.m,
                     " n ", p.n, " k ", p.k,
-                    "; needs 1 <= m <= 16, k % 16 == 0, 16-byte aligned x and w, row scales)");
+                    "; needs 1 <= m <= 16, k % 16 == 0, 16-byte aligned x and w, row scales or "
+                    "E8M0 scales)");
   if (p.y_f32 != nullptr) {
     dispatch<true>(p, stream);
   } else {

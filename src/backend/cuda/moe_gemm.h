@@ -74,6 +74,9 @@ struct MoeGemmParams {
   // converted to bf16 in registers, the scales applied per 128-deep K block in fp32.
   uint8_t const* w_fp8 = nullptr;
   float const* w_scale = nullptr;
+  // MXFP8 (native, fp8_linear.h): with w_fp8, E8M0 codes [num_experts, n, ceil(k / 32)] in
+  // w_scale's place (w_scale unused), folded into the in-register conversion. W8A16 only.
+  uint8_t const* w_e8m0 = nullptr;
   // With w_fp8 (W8A8, moe_gemm_fp8a.cu): the bf16 x rows are quantized to E4M3 per row and
   // 128-column group inside the kernel (fp8_linear.h: fp8 activation numerics) and the MMAs
   // run on the FP8 tensor cores, both scales applied per 128-deep K block in fp32. Off: the

@@ -13,7 +13,10 @@
 //     2 h + j), so the A fragments are read with the same permutation (16-byte loads of row g
 //     at elements 16 t .. 16 t + 15 of the half: conflict-free with the 272-byte row stride);
 //   - the tile's MMAs accumulate into a second accumulator, added to the output accumulator
-//     times the block's scale of each column (n) at the end of the tile.
+//     times the block's scale of each column (n) at the end of the tile;
+//   - MXFP8 (kMx, p.w_e8m0): the 16 codes a thread converts lie in one 32-deep scale block, whose
+//     E8M0 code becomes the conversion's multiplier (fp8_dequant.cuh); the tile's sums are added
+//     unscaled.
 // Tiles: small 16 x 32 (6 stages, 2 warps), medium 64 x 64 (3 stages, 4 warps), large
 // 128 x 128 (3 stages, 8 warps, 1 CTA / SM), picked as moe_gemm_pick_tile picks; a dense
 // matrix (no offsets) takes the small tile up to 128 rows (more CTAs).
@@ -84,7 +87,7 @@ __device__ __forceinline__ uint32_t word(uint4 const& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <class Cfg, bool kSilu>
+template <class Cfg, bool kSilu, bool kMx>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     moe_gemm_fp8_kernel(MoeGemmParams p, int n_tiles) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kLdA = Cfg::kLdA;
@@ -163,7 +166,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   }
   __syncthreads();
   uint8_t const* gW = p.w_fp8 + (static_cast<int64_t>(expert) * N + n0) * K;
-  float const* gS = p.w_scale + (static_cast<int64_t>(expert) * N + n0) * KB;
+  float const* gS = kMx ? nullptr : p.w_scale + (static_cast<int64_t>(expert) * N + n0) * KB;
+  const int KE = static_cast<int>(mxfp8_scale_cols(p.k));
+  uint8_t const* gE = kMx ? p.w_e8m0 + (static_cast<int64_t>(expert) * N + n0) * KE : nullptr;
   uint8_t* smem = reinterpret_cast<uint8_t*>(smem_u4);
   bf16* sA = reinterpret_cast<bf16*>(smem);
   uint8_t* sB = smem + kStages * Cfg::kStageABytes;
@@ -238,7 +243,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int n = wn * Cfg::kWN + ni * 8 + 2 * t + j;
-        sc[ni][j] = n < n_rows ? __ldg(gS + static_cast<int64_t>(n) * KB + kb) : 0.f;
+        if constexpr (kMx) {
+          sc[ni][j] = 1.f;
+        } else {
+          sc[ni][j] = n < n_rows ? __ldg(gS + static_cast<int64_t>(n) * KB + kb) : 0.f;
+        }
       }
     }
   };
@@ -262,10 +271,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     for (int h = 0; h < 2; ++h) {  // the two 64-deep halves of the tile
       if (Cfg::kWarpsK_ == 2 && h != wk) continue;
       uint4 bq[kNI];
+      uint32_t bmul[kNI];  // kMx: the conversion multiplier of row r's 32-deep block
 #pragma unroll
       for (int ni = 0; ni < kNI; ++ni) {
         const int r = b_row + ni * 8;
         bq[ni] = lds128(sBs + r * BK + (((4 * h + t) ^ ((r & 1) << 2)) * 16));
+        if constexpr (kMx) {
+          const int kcol = kt * BK + 64 * h + 16 * t;
+          const bool ok = r < n_rows && kcol < K;
+          bmul[ni] = detail::e8m0_bf16x2_mul(
+              ok ? __ldg(gE + static_cast<int64_t>(r) * KE + kcol / kMxfp8BlockK) : 127u);
+        }
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -282,7 +298,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
           uint32_t b[kNI][2];
 #pragma unroll
           for (int ni = 0; ni < kNI; ++ni) {
-            detail::e4m3x4_to_bf16(word(bq[ni], s), b[ni][0], b[ni][1]);
+            if constexpr (kMx) {
+              detail::e4m3x4_to_bf16_mx(word(bq[ni], s), bmul[ni], b[ni][0], b[ni][1]);
+            } else {
+              detail::e4m3x4_to_bf16(word(bq[ni], s), b[ni][0], b[ni][1]);
+            }
           }
 #pragma unroll
           for (int mi = 0; mi < kMI; ++mi) {
@@ -375,19 +395,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   }
 }
 
-template <class Cfg, bool kSilu>
-void raise_smem() {
+template <class Cfg, bool kSilu, bool kMx>
+void raise_smem_one() {
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
     static std::atomic<uint64_t> raised{0};
     int dev = 0;
     TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
     if (dev >= 64 || !((raised.load(std::memory_order_relaxed) >> dev) & 1u)) {
-      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_fp8_kernel<Cfg, kSilu>,
+      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_fp8_kernel<Cfg, kSilu, kMx>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(Cfg::kSmemBytes)));
       if (dev < 64) raised.fetch_or(uint64_t{1} << dev, std::memory_order_relaxed);
     }
   }
+}
+
+template <class Cfg, bool kSilu>
+void raise_smem() {
+  raise_smem_one<Cfg, kSilu, false>();
+  raise_smem_one<Cfg, kSilu, true>();
 }
 
 template <class Cfg, bool kSilu>
@@ -399,7 +425,8 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
           : std::min(p.max_rows, p.max_rows / Cfg::BM + std::min(p.num_experts, p.max_rows));
   const int64_t blocks = m_tiles * n_tiles;
   TANDEM_CHECK(blocks <= INT32_MAX, "moe_gemm (fp8): grid too large: ", blocks);
-  auto kernel = moe_gemm_fp8_kernel<Cfg, kSilu>;
+  auto kernel = p.w_e8m0 != nullptr ? moe_gemm_fp8_kernel<Cfg, kSilu, true>
+                                    : moe_gemm_fp8_kernel<Cfg, kSilu, false>;
   raise_smem<Cfg, kSilu>();
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
@@ -454,7 +481,11 @@ void moe_gemm_fp8_launch(MoeGemmParams const& p, cudaStream_t stream) {
                "moe_gemm (fp8): too large");
   TANDEM_CHECK(p.gather_div >= 1 && p.gather_div <= INT32_MAX, "moe_gemm (fp8): bad gather_div ",
                p.gather_div);
-  TANDEM_CHECK(p.w_scale != nullptr, "moe_gemm (fp8): w_scale is null");
+  TANDEM_CHECK(p.w_scale != nullptr || p.w_e8m0 != nullptr,
+               "moe_gemm (fp8): w_scale and w_e8m0 are null");
+  TANDEM_CHECK_KIND(kUnsupported, p.w_e8m0 == nullptr || !p.fp8_activations,
+                    "moe_gemm (fp8): MXFP8 scales (w_e8m0) with FP8 activations (W8A8 takes "
+                    "per-128 scales)");
   TANDEM_CHECK(
       aligned(p.x, 16) && aligned(p.w_fp8, 16) && aligned(p.y, 16) && aligned(p.w_scale, 4),
       "moe_gemm (fp8): x, w_fp8, y must be 16-byte aligned");

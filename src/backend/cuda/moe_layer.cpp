@@ -177,9 +177,15 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   if ((path == MoeLayerPath::kCublas || path == MoeLayerPath::kPadded) &&
       w.gate_up_fp8 != nullptr) {
     reserve_fp8_prefill();
-    fp8_dequantize_launch(w.gate_up_fp8, w.gate_up_scale, num_local_ * 2 * I, H, dq_gate_up_,
-                          stream);
-    fp8_dequantize_launch(w.down_fp8, w.down_scale, num_local_ * H, I, dq_down_, stream);
+    if (w.gate_up_e8m0 != nullptr) {
+      mxfp8_dequantize_launch(w.gate_up_fp8, w.gate_up_e8m0, num_local_ * 2 * I, H, dq_gate_up_,
+                              stream);
+      mxfp8_dequantize_launch(w.down_fp8, w.down_e8m0, num_local_ * H, I, dq_down_, stream);
+    } else {
+      fp8_dequantize_launch(w.gate_up_fp8, w.gate_up_scale, num_local_ * 2 * I, H, dq_gate_up_,
+                            stream);
+      fp8_dequantize_launch(w.down_fp8, w.down_scale, num_local_ * H, I, dq_down_, stream);
+    }
     wd.gate_up = dq_gate_up_;
     wd.down = dq_down_;
     wd.gate_up_fp8 = wd.down_fp8 = nullptr;
@@ -246,6 +252,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   gate_up.gather_div = top_k_;
   gate_up.w_fp8 = w.gate_up_fp8;
   gate_up.w_scale = w.gate_up_scale;
+  gate_up.w_e8m0 = w.gate_up_e8m0;
   gate_up.fp8_activations = fp8_activations_;
   const bool prequant = fp8_activations_ && fp8_prequant_ && w.gate_up_fp8 != nullptr;
   if (prequant) {  // the tokens' x once (gate_up gathers its rows by src / top_k)
@@ -263,6 +270,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   down.pdl = kDownPdl ? MoeGemmPdl::kPrefetchWeights : MoeGemmPdl::kOff;
   down.w_fp8 = w.down_fp8;
   down.w_scale = w.down_scale;
+  down.w_e8m0 = w.down_e8m0;
   down.fp8_activations = fp8_activations_;
   if (prequant) {  // the SiLU-mul output (rows past the routed ones: never read by down)
     fp8_quantize_rows_launch(act_, actq_, actqs_, rows, I, stream);

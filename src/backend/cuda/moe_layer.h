@@ -52,6 +52,10 @@ struct MoeLayerWeights {
   float const* gate_up_scale = nullptr;
   uint8_t const* down_fp8 = nullptr;
   float const* down_scale = nullptr;
+  // MXFP8 experts (native, fp8_linear.h): E8M0 codes [.., ceil(hidden / 32)] and [..,
+  // ceil(inter / 32)] in the scales' places (those then unused). W8A16 only.
+  uint8_t const* gate_up_e8m0 = nullptr;
+  uint8_t const* down_e8m0 = nullptr;
 };
 
 /// Which implementation run() uses. kAuto picks (see above); a forced path is for tests and

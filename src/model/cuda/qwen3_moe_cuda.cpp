@@ -25,6 +25,7 @@
 #include "model/cuda/device_sampler.h"
 #include "model/cuda/fp8_dense.h"
 #include "model/cuda/mtp_cuda.h"
+#include "model/cuda/mxfp8_weights.h"
 #include "model/cuda/random_fill.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -45,6 +46,7 @@ namespace {
 struct Fp8Mat {
   uint8_t* q = nullptr;
   float* s = nullptr;
+  uint8_t* e = nullptr;  // native MXFP8: E8M0 codes [n, ceil(k / 32)] in place of s
   explicit operator bool() const { return q != nullptr; }
 };
 
@@ -176,6 +178,10 @@ struct Qwen3MoeCuda::Impl {
   std::vector<DeviceMem> mem8;  // FP8 codes and their row scales
   // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
   bool fp8 = false;
+  // MXFP8 with its per-32 E8M0 scales kept (docs/architecture.md, "MXFP8 on the GPU",
+  // TANDEM_CUDA_MXFP8=native, the default); off for an MXFP8 checkpoint (TANDEM_CUDA_MXFP8=block):
+  // requantized to block FP8 at load.
+  bool mx_native = false;
   // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs (decode
   // and prefill, the mma path; activations quantized by one pass before each GEMM) and the dense
   // linears at prefill sizes (cuBLASLt) quantize their activations per token and 128-column
@@ -247,12 +253,19 @@ struct Qwen3MoeCuda::Impl {
 
   // `count` FP8 matrices [n, k] back to back (one allocation each for codes and scales).
   Fp8Mat alloc8(int64_t count, int64_t n, int64_t k, bool out) {
-    const int64_t codes = count * n * k, scales = count * n * cuda::fp8_row_scale_cols(k);
+    const int64_t codes = count * n * k,
+                  scales = count * n *
+                           (mx_native ? cuda::mxfp8_scale_cols(k) : cuda::fp8_row_scale_cols(k));
     mem8.emplace_back(static_cast<size_t>(codes));
     Fp8Mat m;
     m.q = mem8.back().as<uint8_t>();
-    mem8.emplace_back(static_cast<size_t>(scales) * sizeof(float));
-    m.s = mem8.back().as<float>();
+    if (mx_native) {
+      mem8.emplace_back(static_cast<size_t>(scales));
+      m.e = mem8.back().as<uint8_t>();
+    } else {
+      mem8.emplace_back(static_cast<size_t>(scales) * sizeof(float));
+      m.s = mem8.back().as<float>();
+    }
     fp8_allocs.push_back({m, codes, scales, out});
     return m;
   }
@@ -263,7 +276,11 @@ struct Qwen3MoeCuda::Impl {
   bool keep_fp8(const WeightReader* wr, const std::vector<std::string>& names, int64_t n, int64_t k,
                 IndexRange cols) const {
     if (!fp8 || k % 16 != 0 || n % 8 != 0) return false;
-    if (!WeightReader::fp8_columns_splittable(cols, cuda::kFp8BlockK)) return false;
+    if (mx_native ? cols.begin % cuda::kMxfp8BlockK != 0 ||
+                        (cols.end % cuda::kMxfp8BlockK != 0 && cols.end != k)
+                  : !WeightReader::fp8_columns_splittable(cols, cuda::kFp8BlockK)) {
+      return false;
+    }
     if (wr == nullptr) return true;
     for (const std::string& name : names) {
       if (!wr->is_quantized(name)) return false;
@@ -372,6 +389,14 @@ struct Qwen3MoeCuda::Impl {
                     int64_t cols, IndexRange rr, IndexRange cr) {
       const int64_t w = cr.size(), kb = cuda::fp8_row_scale_cols(w);
       std::vector<uint8_t> q(static_cast<size_t>(rr.size() * w));
+      if (dst.e != nullptr) {
+        const int64_t ke = cuda::mxfp8_scale_cols(w);
+        std::vector<uint8_t> e8(static_cast<size_t>(rr.size() * ke));
+        cuda_model::read_mxfp8_for_gpu(wr, name, rows, cols, rr, cr, q.data(), e8.data());
+        up.put(dst.q + row0 * w, q.data(), q.size());
+        up.put(dst.e + row0 * ke, e8.data(), e8.size());
+        return;
+      }
       std::vector<float> sc(static_cast<size_t>(rr.size() * kb));
       wr.read_fp8_codes(name, rows, cols, rr, cr, q.data(), sc.data());
       up.put(dst.q + row0 * w, q.data(), q.size());
@@ -405,7 +430,17 @@ struct Qwen3MoeCuda::Impl {
       } else {
         put_cols(w.o, p + "self_attn.o_proj.weight", h, qh * d, q_rows);
       }
-      if (w.moe && w.gate_up8) {
+      if (w.moe && w.gate_up8 && w.gate_up8.e != nullptr) {
+        const int64_t inter = c.moe_intermediate_size;
+        put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
+        for (int64_t e = 0; e < local_experts(); ++e) {
+          const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + e) + ".";
+          cuda_model::upload_mxfp8_gate_up(wr, ep, inter, h, w.gate_up8.q + e * 2 * inter * h,
+                                           w.gate_up8.e + e * 2 * inter * cuda::mxfp8_scale_cols(h),
+                                           up);
+          put8(w.down8, e * h, ep + "down_proj.weight", h, inter, {0, h}, {0, inter});
+        }
+      } else if (w.moe && w.gate_up8) {
         const int64_t inter = c.moe_intermediate_size, kbh = cuda::fp8_row_scale_cols(h);
         put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
         std::vector<uint8_t> gq(static_cast<size_t>(inter * h)), uq(gq.size()), pq(2 * gq.size());
@@ -490,7 +525,14 @@ struct Qwen3MoeCuda::Impl {
     // FP8 linears: codes of U(-1, 1), the scale the half-width (the same distribution).
     for (const Fp8Alloc& f : fp8_allocs) {
       cuda::random_fill_fp8(f.m.q, f.codes, ++k, stream);
-      cuda::fill_f32(f.m.s, f.scales, f.out ? 1e-3f * a : a, stream);
+      if (f.m.e != nullptr) {  // native MXFP8: the power of two nearest the scale
+        const float sc = f.out ? 1e-3f * a : a;
+        const int code = std::clamp(127 + static_cast<int>(std::lround(std::log2(sc))),
+                                    cuda::kMxfp8MinCode, cuda::kMxfp8MaxCode);
+        TANDEM_CUDA_CHECK(cudaMemsetAsync(f.m.e, code, static_cast<size_t>(f.scales), stream));
+      } else {
+        cuda::fill_f32(f.m.s, f.scales, f.out ? 1e-3f * a : a, stream);
+      }
     }
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
@@ -689,7 +731,8 @@ struct Qwen3MoeCuda::Impl {
         moe->set_path(batch != nullptr ? moe_prefill_path : cuda::MoeLayerPath::kAuto);
         // Prefill EP: this rank's experts' weighted sum (zeros for tokens routed elsewhere),
         // into the registered buffer, then summed over the ranks.
-        moe->run({w.router, w.gate_up, w.down, w.gate_up8.q, w.gate_up8.s, w.down8.q, w.down8.s},
+        moe->run({w.router, w.gate_up, w.down, w.gate_up8.q, w.gate_up8.s, w.down8.q, w.down8.s,
+                  w.gate_up8.e, w.down8.e},
                  XN, tp() ? reg : Y, n, *gemm, stream);
         if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
       } else {
@@ -715,7 +758,9 @@ struct Qwen3MoeCuda::Impl {
     }
     if (m == 0) return;
     if (m <= cuda::kFp8GemvMaxM) {
-      cuda::fp8_gemv_launch({x, w8.q, w8.s, y, m, n, k}, stream);
+      cuda::Fp8GemvParams gp{x, w8.q, w8.s, y, m, n, k};
+      gp.w_e8m0 = w8.e;
+      cuda::fp8_gemv_launch(gp, stream);
       return;
     }
     // W8A8 at prefill sizes: cuBLASLt's block-scaled FP8 GEMM. Between 16 and kFp8LtMinRows rows
@@ -726,7 +771,11 @@ struct Qwen3MoeCuda::Impl {
     }
     // Above the gemv's m: dequantized into the scratch, then the bf16 GEMM (measured faster
     // than the W8A16 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
-    cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
+    if (w8.e != nullptr) {
+      cuda::mxfp8_dequantize_launch(w8.q, w8.e, n, k, dq.as<bf16>(), stream);
+    } else {
+      cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
+    }
     gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
   }
 
@@ -762,6 +811,7 @@ struct Qwen3MoeCuda::Impl {
                            cuda::MoeGemmEpilogue::kSiluMul};
     gu.w_fp8 = w.gate_up8.q;
     gu.w_scale = w.gate_up8.s;
+    gu.w_e8m0 = w.gate_up8.e;
     gu.fp8_activations = fp8_act;
     cuda::moe_gemm_launch(gu, stream);
     cuda::MoeGemmParams dn{ep_act.as<bf16>(),
@@ -775,6 +825,7 @@ struct Qwen3MoeCuda::Impl {
                            cuda::MoeGemmEpilogue::kPlain};
     dn.w_fp8 = w.down8.q;
     dn.w_scale = w.down8.s;
+    dn.w_e8m0 = w.down8.e;
     dn.fp8_activations = fp8_act;
     cuda::moe_gemm_launch(dn, stream);
     ep->combine_send(ep_out.as<bf16>(), stream);
@@ -880,10 +931,14 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   const bool env_off =
       env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
                          std::strcmp(env, "dequant") == 0);
-  impl_->fp8 = opts_.fp8_weights && !env_off && config_.quant.method == WeightQuant::kFp8Block &&
-               config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0;
+  const bool mxfp8 = cuda_model::is_mxfp8(config_.quant);
+  impl_->fp8 = opts_.fp8_weights && !env_off &&
+               ((config_.quant.method == WeightQuant::kFp8Block &&
+                 config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
+                mxfp8);
+  impl_->mx_native = impl_->fp8 && mxfp8 && cuda_model::mxfp8_native_from_env();
   const char* env_act = std::getenv("TANDEM_CUDA_FP8_ACT");
-  impl_->fp8_act = impl_->fp8 && env_act != nullptr &&
+  impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env_act != nullptr &&
                    (std::strcmp(env_act, "1") == 0 || std::strcmp(env_act, "on") == 0);
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",

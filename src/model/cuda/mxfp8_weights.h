@@ -1,0 +1,40 @@
+// MXFP8 checkpoints on the GPU (docs/architecture.md, "MXFP8 on the GPU"): two ways, picked at
+// construction by TANDEM_CUDA_MXFP8 (mxfp8_native_from_env):
+//   native (default): E4M3 codes and their per-1x32 E8M0 scales kept as stored; the W8A16
+//     kernels fold the power-of-two scale into the in-register conversion (backend/cuda/
+//     fp8_linear.h), so the GPU computes over exactly the checkpoint's values;
+//   block: requantized at load to 128x128 block FP8 (WeightReader::read_fp8_codes; the error
+//     it adds per tensor kind: `tandem convert --format fp8` of the MXFP8 checkpoint), then the
+//     block-FP8 kernels, W8A8 included.
+// Host code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "model/cuda/cuda_mem.h"
+#include "model/quant.h"
+
+namespace tandem::cuda_model {
+
+/// quant is MXFP8 (1x32 E8M0 blocks).
+bool is_mxfp8(const QuantConfig& quant);
+
+/// TANDEM_CUDA_MXFP8: unset, "native" or "1": true; "block": false; anything else: an error
+/// naming the variable.
+bool mxfp8_native_from_env();
+
+/// WeightReader::read_mxfp8_codes, then the native kernels' range check: every E8M0 code in
+/// [cuda::kMxfp8MinCode, cuda::kMxfp8MaxCode], else kUnsupported naming the tensor and the way
+/// out (TANDEM_CUDA_MXFP8=block).
+void read_mxfp8_for_gpu(const WeightReader& wr, const std::string& name, int64_t rows, int64_t cols,
+                        IndexRange row_range, IndexRange col_range, uint8_t* q, uint8_t* e8m0);
+
+/// One expert's gate_proj and up_proj ([inter, hidden] each, prefix `ep`) as native MXFP8,
+/// packed as moe_pack_gate_up packs rows: codes to q_dst [2 inter, hidden], E8M0 to e_dst
+/// [2 inter, ceil(hidden / 32)] (device).
+void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,
+                          int64_t hidden, uint8_t* q_dst, uint8_t* e_dst, Uploader& up);
+
+}  // namespace tandem::cuda_model
