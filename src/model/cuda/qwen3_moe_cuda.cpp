@@ -914,6 +914,9 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
     : config_(std::move(config)), opts_(opts) {
   TANDEM_CHECK_KIND(kInvalidArgument, opts_.max_tokens > 0 && opts_.max_seqs > 0,
                     "max_tokens and max_seqs must be positive");
+  // TANDEM_CUDA_MXFP8 checked before anything is allocated (a bad value throws).
+  const bool mxfp8 = cuda_model::is_mxfp8(config_.quant);
+  const bool mx_native_env = !mxfp8 || cuda_model::mxfp8_native_from_env();
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     (void)cudaGetLastError();
@@ -931,12 +934,11 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   const bool env_off =
       env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
                          std::strcmp(env, "dequant") == 0);
-  const bool mxfp8 = cuda_model::is_mxfp8(config_.quant);
   impl_->fp8 = opts_.fp8_weights && !env_off &&
                ((config_.quant.method == WeightQuant::kFp8Block &&
                  config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
                 mxfp8);
-  impl_->mx_native = impl_->fp8 && mxfp8 && cuda_model::mxfp8_native_from_env();
+  impl_->mx_native = impl_->fp8 && mxfp8 && mx_native_env;
   const char* env_act = std::getenv("TANDEM_CUDA_FP8_ACT");
   impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env_act != nullptr &&
                    (std::strcmp(env_act, "1") == 0 || std::strcmp(env_act, "on") == 0);

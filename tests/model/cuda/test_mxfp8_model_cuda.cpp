@@ -15,7 +15,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -197,6 +199,45 @@ TEST(CudaMxfp8Paths, DifferAndBadSettingIsRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("TANDEM_CUDA_MXFP8"), std::string::npos) << e.what();
   }
+  unsetenv("TANDEM_CUDA_MXFP8");
+}
+
+// An E8M0 scale outside the native kernels' range (2^-117 here: a block of weights below 1e-33)
+// is refused at load naming the tensor and the way out; the block path loads it.
+TEST(CudaMxfp8Paths, OutOfRangeScaleIsRefusedNamingTheTensor) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = mx_dirs().root + "/mx_small_scale";
+  fs::remove_all(dir);
+  fs::copy(mx_dirs().mx, dir);
+  const std::string name = "model.layers.1.mlp.experts.3.down_proj.weight_scale";
+  {  // patch one E8M0 byte of the safetensors file in place
+    std::fstream f(dir + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t hlen = 0;
+    f.read(reinterpret_cast<char*>(&hlen), 8);
+    std::string header(hlen, '\0');
+    f.read(header.data(), static_cast<std::streamsize>(hlen));
+    const auto j = nlohmann::json::parse(header);
+    ASSERT_TRUE(j.contains(name));
+    const uint64_t begin = j[name]["data_offsets"][0].get<uint64_t>();
+    f.seekp(static_cast<std::streamoff>(8 + hlen + begin + 5));
+    const char code = 10 - 1;  // kMxfp8MinCode - 1
+    f.write(&code, 1);
+  }
+  CudaModelOptions o;
+  o.max_tokens = 64;
+  o.max_seqs = 2;
+  unsetenv("TANDEM_CUDA_MXFP8");
+  try {
+    Qwen3MoeCuda::load(dir, o);
+    ADD_FAILURE() << "an E8M0 code below the native range loaded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("experts.3.down_proj"), std::string::npos) << what;
+    EXPECT_NE(what.find("TANDEM_CUDA_MXFP8=block"), std::string::npos) << what;
+  }
+  setenv("TANDEM_CUDA_MXFP8", "block", 1);
+  EXPECT_NO_THROW(Qwen3MoeCuda::load(dir, o));
   unsetenv("TANDEM_CUDA_MXFP8");
 }
 
