@@ -203,6 +203,7 @@ bool aligned(void const* ptr, uintptr_t bytes) {
 
 // One thread per 16 codes: exact bf16 values (fp8_dequant.cuh), times the row's block scale in
 // fp32, rounded to bf16; MXFP8 (e8m0 set): the E8M0 scale folded into the conversion (exact).
+template <bool MX>
 __global__ void fp8_dequantize_kernel(uint8_t const* q, float const* scale, uint8_t const* e8m0,
                                       int64_t rows, int64_t cols, bf16* out) {
   const int64_t per_row = cols / 16, chunks = rows * per_row, kb = fp8_row_scale_cols(cols);
@@ -210,7 +211,7 @@ __global__ void fp8_dequantize_kernel(uint8_t const* q, float const* scale, uint
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < chunks; i += stride) {
     const int64_t r = i / per_row, c = (i % per_row) * 16;
     const uint4 v = load_stream(q + r * cols + c);
-    if (e8m0 != nullptr) {
+    if constexpr (MX) {
       const uint32_t mul =
           detail::e8m0_bf16x2_mul(__ldg(e8m0 + r * mxfp8_scale_cols(cols) + c / kMxfp8BlockK));
       uint32_t o[8];
@@ -257,8 +258,13 @@ void dequantize(uint8_t const* q, float const* row_scale, uint8_t const* e8m0, i
   if (rows == 0) return;
   const int64_t chunks = rows * (cols / 16);
   const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, 132 * 16);
-  fp8_dequantize_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(q, row_scale, e8m0, rows,
-                                                                           cols, out);
+  if (e8m0 != nullptr) {
+    fp8_dequantize_kernel<true>
+        <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(q, row_scale, e8m0, rows, cols, out);
+  } else {
+    fp8_dequantize_kernel<false>
+        <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(q, row_scale, e8m0, rows, cols, out);
+  }
   TANDEM_CUDA_CHECK_LAUNCH();
 }
 

@@ -15,15 +15,13 @@ bool is_mxfp8(const QuantConfig& quant) {
          quant.block_cols == cuda::kMxfp8BlockK;
 }
 
-bool mxfp8_native_from_env() {
+Mxfp8Gpu mxfp8_gpu_mode_from_env() {
   const char* env = std::getenv("TANDEM_CUDA_MXFP8");
-  if (env == nullptr || std::strcmp(env, "native") == 0 || std::strcmp(env, "1") == 0 ||
-      *env == '\0') {
-    return true;
-  }
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "dequant") == 0) return Mxfp8Gpu::kDequant;
+  if (std::strcmp(env, "native") == 0) return Mxfp8Gpu::kNative;
   TANDEM_CHECK_KIND(kInvalidArgument, std::strcmp(env, "block") == 0,
-                    "TANDEM_CUDA_MXFP8: expected 'native' or 'block', got '", env, "'");
-  return false;
+                    "TANDEM_CUDA_MXFP8: expected 'dequant', 'native' or 'block', got '", env, "'");
+  return Mxfp8Gpu::kBlock;
 }
 
 void read_mxfp8_for_gpu(const WeightReader& wr, const std::string& name, int64_t rows, int64_t cols,
@@ -35,7 +33,7 @@ void read_mxfp8_for_gpu(const WeightReader& wr, const std::string& name, int64_t
                     "': an E8M0 scale outside 2^", cuda::kMxfp8MinCode - 127, " .. 2^",
                     cuda::kMxfp8MaxCode - 127,
                     " (the native MXFP8 kernels' range); TANDEM_CUDA_MXFP8=block requantizes it "
-                    "to block FP8 instead");
+                    "to block FP8 instead, =dequant loads it as bf16");
 }
 
 void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,

@@ -1,11 +1,13 @@
-// MXFP8 checkpoints on the GPU (docs/architecture.md, "MXFP8 on the GPU"): two ways, picked at
-// construction by TANDEM_CUDA_MXFP8 (mxfp8_native_from_env):
-//   native (default): E4M3 codes and their per-1x32 E8M0 scales kept as stored; the W8A16
-//     kernels fold the power-of-two scale into the in-register conversion (backend/cuda/
-//     fp8_linear.h), so the GPU computes over exactly the checkpoint's values;
-//   block: requantized at load to 128x128 block FP8 (WeightReader::read_fp8_codes; the error
+// MXFP8 checkpoints on the GPU (docs/architecture.md, "MXFP8 on the GPU"), picked at
+// construction by TANDEM_CUDA_MXFP8 (mxfp8_gpu_mode_from_env):
+//   unset / "dequant" (the default): dequantized to bf16 at load, the path verified on the H200;
+//   "native": E4M3 codes and their per-1x32 E8M0 scales kept as stored; the W8A16 kernels fold
+//     the power-of-two scale into the in-register conversion (backend/cuda/fp8_linear.h), so the
+//     GPU computes over exactly the checkpoint's values;
+//   "block": requantized at load to 128x128 block FP8 (WeightReader::read_fp8_codes; the error
 //     it adds per tensor kind: `tandem convert --format fp8` of the MXFP8 checkpoint), then the
 //     block-FP8 kernels, W8A8 included.
+// native and block are opt-in until a device run has measured them (docs/perf.md, session 6).
 // Host code.
 #pragma once
 
@@ -21,13 +23,15 @@ namespace tandem::cuda_model {
 /// quant is MXFP8 (1x32 E8M0 blocks).
 bool is_mxfp8(const QuantConfig& quant);
 
-/// TANDEM_CUDA_MXFP8: unset, "native" or "1": true; "block": false; anything else: an error
-/// naming the variable.
-bool mxfp8_native_from_env();
+enum class Mxfp8Gpu { kDequant, kNative, kBlock };
+
+/// TANDEM_CUDA_MXFP8: unset, "" or "dequant": kDequant; "native": kNative; "block": kBlock;
+/// anything else: kInvalidArgument naming the variable.
+Mxfp8Gpu mxfp8_gpu_mode_from_env();
 
 /// WeightReader::read_mxfp8_codes, then the native kernels' range check: every E8M0 code in
 /// [cuda::kMxfp8MinCode, cuda::kMxfp8MaxCode], else kUnsupported naming the tensor and the way
-/// out (TANDEM_CUDA_MXFP8=block).
+/// out (TANDEM_CUDA_MXFP8=block or dequant).
 void read_mxfp8_for_gpu(const WeightReader& wr, const std::string& name, int64_t rows, int64_t cols,
                         IndexRange row_range, IndexRange col_range, uint8_t* q, uint8_t* e8m0);
 

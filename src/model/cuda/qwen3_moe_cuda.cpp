@@ -178,9 +178,8 @@ struct Qwen3MoeCuda::Impl {
   std::vector<DeviceMem> mem8;  // FP8 codes and their row scales
   // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
   bool fp8 = false;
-  // MXFP8 with its per-32 E8M0 scales kept (docs/architecture.md, "MXFP8 on the GPU",
-  // TANDEM_CUDA_MXFP8=native, the default); off for an MXFP8 checkpoint (TANDEM_CUDA_MXFP8=block):
-  // requantized to block FP8 at load.
+  // MXFP8 with its per-32 E8M0 scales kept (TANDEM_CUDA_MXFP8=native; model/cuda/mxfp8_weights.h);
+  // =block: requantized to block FP8 at load (fp8 on, this off); unset: dequantized to bf16.
   bool mx_native = false;
   // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs (decode
   // and prefill, the mma path; activations quantized by one pass before each GEMM) and the dense
@@ -916,7 +915,8 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                     "max_tokens and max_seqs must be positive");
   // TANDEM_CUDA_MXFP8 checked before anything is allocated (a bad value throws).
   const bool mxfp8 = cuda_model::is_mxfp8(config_.quant);
-  const bool mx_native_env = !mxfp8 || cuda_model::mxfp8_native_from_env();
+  const cuda_model::Mxfp8Gpu mx_mode =
+      mxfp8 ? cuda_model::mxfp8_gpu_mode_from_env() : cuda_model::Mxfp8Gpu::kDequant;
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     (void)cudaGetLastError();
@@ -929,7 +929,8 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   impl_ = std::make_unique<Impl>(config_, stream_);
   impl_->plan = ShardPlan::make(config_, opts_.shard);
   impl_->store = opts_.store;
-  // Block FP8 stays FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for comparisons).
+  // Block FP8 stays FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for comparisons);
+  // MXFP8 only when TANDEM_CUDA_MXFP8 asks for it (native or block; opt-in, not yet device-run).
   const char* env = std::getenv("TANDEM_CUDA_FP8");
   const bool env_off =
       env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
@@ -937,8 +938,8 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   impl_->fp8 = opts_.fp8_weights && !env_off &&
                ((config_.quant.method == WeightQuant::kFp8Block &&
                  config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
-                mxfp8);
-  impl_->mx_native = impl_->fp8 && mxfp8 && mx_native_env;
+                (mxfp8 && mx_mode != cuda_model::Mxfp8Gpu::kDequant));
+  impl_->mx_native = impl_->fp8 && mx_mode == cuda_model::Mxfp8Gpu::kNative;
   const char* env_act = std::getenv("TANDEM_CUDA_FP8_ACT");
   impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env_act != nullptr &&
                    (std::strcmp(env_act, "1") == 0 || std::strcmp(env_act, "on") == 0);

@@ -1,13 +1,14 @@
-// MXFP8 checkpoints on the GPU (model/cuda/mxfp8_weights.h), both ways: native (E4M3 + per-32
-// E8M0 scales kept, TANDEM_CUDA_MXFP8=native, the default) and block (requantized to 128x128
-// block FP8 at load, TANDEM_CUDA_MXFP8=block). The checkpoint is the block-FP8 golden fixture
-// converted here with `tandem convert --format mxfp8`'s code (convert_checkpoint). Its greedy
-// tokens differ from the fixture's transformers golden (the conversion moves the weights), so
-// the reference is the CPU model (fp32 over the dequantized weights; it reproduces transformers
-// exactly on the FP8 fixtures, test_fp8.cpp): native against the CPU model on the MXFP8
-// checkpoint, block against the CPU model on that checkpoint converted to block FP8 (the same
-// requantization, quantize_fp8_block). Teacher-forced logits and greedy generation (the golden
-// margin rule of cuda_golden_util.h, over a golden made by the CPU reference's greedy run).
+// MXFP8 checkpoints on the GPU (model/cuda/mxfp8_weights.h), both opt-in ways: native (E4M3 +
+// per-32 E8M0 scales kept, TANDEM_CUDA_MXFP8=native) and block (requantized to 128x128 block FP8
+// at load, TANDEM_CUDA_MXFP8=block); unset, the checkpoint is dequantized to bf16 (the default).
+// The checkpoint is the block-FP8 golden fixture converted here with `tandem convert --format
+// mxfp8`'s code (convert_checkpoint). Its greedy tokens differ from the fixture's transformers
+// golden (the conversion moves the weights), so the reference is the CPU model (fp32 over the
+// dequantized weights; it reproduces transformers exactly on the FP8 fixtures, test_fp8.cpp):
+// native against the CPU model on the MXFP8 checkpoint, block against the CPU model on that
+// checkpoint converted to block FP8 (the same requantization, quantize_fp8_block). Teacher-forced
+// logits and greedy generation (the golden margin rule of cuda_golden_util.h, over a golden made by
+// the CPU reference's greedy run).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -175,8 +176,8 @@ TEST_P(CudaMxfp8, GreedyMatchesTheCpuReferenceByTheMarginRule) {
 
 INSTANTIATE_TEST_SUITE_P(Paths, CudaMxfp8, ::testing::Values("native", "block"));
 
-// The two paths compute different things (block requantizes), and a bad TANDEM_CUDA_MXFP8 is
-// refused naming the variable.
+// The two paths compute different things (block requantizes); unset, nothing stays FP8 (the
+// dequantized default); a bad TANDEM_CUDA_MXFP8 is refused naming the variable.
 TEST(CudaMxfp8Paths, DifferAndBadSettingIsRefused) {
   if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
   CudaModelOptions o;
@@ -192,6 +193,8 @@ TEST(CudaMxfp8Paths, DifferAndBadSettingIsRefused) {
     out[i] = teacher_forced(*gpu, kv, tokens, 1 << 20);
   }
   EXPECT_NE(out[0], out[1]);
+  unsetenv("TANDEM_CUDA_MXFP8");
+  EXPECT_EQ(Qwen3MoeCuda::load(mx_dirs().mx, o)->fp8_linears(), 0);
   setenv("TANDEM_CUDA_MXFP8", "blocks", 1);
   try {
     Qwen3MoeCuda::load(mx_dirs().mx, o);
@@ -226,7 +229,7 @@ TEST(CudaMxfp8Paths, OutOfRangeScaleIsRefusedNamingTheTensor) {
   CudaModelOptions o;
   o.max_tokens = 64;
   o.max_seqs = 2;
-  unsetenv("TANDEM_CUDA_MXFP8");
+  setenv("TANDEM_CUDA_MXFP8", "native", 1);
   try {
     Qwen3MoeCuda::load(dir, o);
     ADD_FAILURE() << "an E8M0 code below the native range loaded";
@@ -239,6 +242,7 @@ TEST(CudaMxfp8Paths, OutOfRangeScaleIsRefusedNamingTheTensor) {
   setenv("TANDEM_CUDA_MXFP8", "block", 1);
   EXPECT_NO_THROW(Qwen3MoeCuda::load(dir, o));
   unsetenv("TANDEM_CUDA_MXFP8");
+  EXPECT_NO_THROW(Qwen3MoeCuda::load(dir, o));  // dequantized to bf16
 }
 
 }  // namespace
