@@ -425,9 +425,13 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
           : std::min(p.max_rows, p.max_rows / Cfg::BM + std::min(p.num_experts, p.max_rows));
   const int64_t blocks = m_tiles * n_tiles;
   TANDEM_CHECK(blocks <= INT32_MAX, "moe_gemm (fp8): grid too large: ", blocks);
-  auto kernel = p.w_e8m0 != nullptr ? moe_gemm_fp8_kernel<Cfg, kSilu, true>
-                                    : moe_gemm_fp8_kernel<Cfg, kSilu, false>;
-  raise_smem<Cfg, kSilu>();
+  const bool mx = p.w_e8m0 != nullptr;
+  auto kernel = mx ? moe_gemm_fp8_kernel<Cfg, kSilu, true> : moe_gemm_fp8_kernel<Cfg, kSilu, false>;
+  if (mx) {
+    raise_smem_one<Cfg, kSilu, true>();
+  } else {
+    raise_smem_one<Cfg, kSilu, false>();
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(Cfg::kThreads);
