@@ -232,6 +232,269 @@ __global__ void __launch_bounds__(kThreads, 2) down_kernel(MoeDecodeParams p) {
   if (lane < p.num_tokens) p.out[int64_t{lane} * H + h] = __float2bfloat16_rn(v);
 }
 
+// ---- One token, the top-k inside the expert kernels (moe_decode_topk_launch) ----
+
+constexpr int kTopkPerLane = 8;  // logits per lane: num_experts <= 256
+constexpr int kMaxTopK = 8;
+
+// The top-k softmax of one token's logits with the decode router's arithmetic and tie rule
+// (moe_layer_kernels.cu: greater probability, then lower expert id; renormalized over the
+// top-k when asked). Every lane ends with the same ids and weights (slots j < K).
+__device__ __forceinline__ void warp_topk(float const* logits, int E, int K, bool renormalize,
+                                          int (&sel_e)[kMaxTopK], float (&sel_w)[kMaxTopK]) {
+  const int lane = threadIdx.x & 31;
+  float prob[kTopkPerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kTopkPerLane; ++i) {
+    const int ee = lane + 32 * i;
+    prob[i] = ee < E ? __ldcg(logits + ee) : -INFINITY;
+    mx = fmaxf(mx, prob[i]);
+  }
+  mx = detail::warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kTopkPerLane; ++i) {
+    const int ee = lane + 32 * i;
+    prob[i] = ee < E ? expf(prob[i] - mx) : 0.f;
+    sum += prob[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kTopkPerLane; ++i) {
+    const int ee = lane + 32 * i;
+    prob[i] = ee < E ? prob[i] / sum : -INFINITY;
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    sel_w[j] = 0.f;
+    sel_e[j] = 0;
+    if (j < K) {
+      float bv = -INFINITY;
+      int be = INT32_MAX;
+#pragma unroll
+      for (int i = 0; i < kTopkPerLane; ++i) {
+        if (prob[i] > bv) {
+          bv = prob[i];
+          be = lane + 32 * i;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        if (ov > bv || (ov == bv && oe < be)) {
+          bv = ov;
+          be = oe;
+        }
+      }
+      sel_w[j] = bv;
+      sel_e[j] = be;
+#pragma unroll
+      for (int i = 0; i < kTopkPerLane; ++i) {
+        if (lane + 32 * i == be) prob[i] = -INFINITY;
+      }
+    }
+  }
+  float ksum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j < K) ksum += sel_w[j];
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j < K && renormalize) sel_w[j] = sel_w[j] / ksum;
+  }
+}
+
+// sel[j] for a runtime j (registers, no local-memory indexing).
+template <typename V>
+__device__ __forceinline__ V pick(V const (&sel)[kMaxTopK], int j) {
+  V v = sel[0];
+#pragma unroll
+  for (int i = 1; i < kMaxTopK; ++i) v = i == j ? sel[i] : v;
+  return v;
+}
+
+constexpr int kTopkU = 8;  // gate_up: 16-byte loads per lane and row (hidden <= 2048: one round)
+
+// Grid: at most the CTAs that fit at once; warp items q = (slot q / inter, column q % inter).
+// kPrefetch: the next item's rows are loaded while the current one is reduced (about 220
+// registers: one CTA per SM); otherwise one item at a time in <= 128 registers (two CTAs per
+// SM, or one beside a down CTA that streams its rows meanwhile).
+template <bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2)
+    gate_up_routed_kernel(MoeDecodeTopkParams p) {
+  pdl_wait();  // the router's logits
+  pdl_trigger();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+  const int K = p.top_k, I = p.inter, L = p.num_local_experts;
+  int sel_e[kMaxTopK];
+  float sel_w[kMaxTopK];
+  warp_topk(p.logits, p.num_experts, K, p.renormalize, sel_e, sel_w);
+  if (blockIdx.x == 0) {  // the routing, as the router kernel writes it
+    if (warp == 0 && lane < K) {
+      p.topk_ids[lane] = pick(sel_e, lane);
+      p.topk_weights[lane] = pick(sel_w, lane);
+    }
+    for (int le = tid; le <= L; le += kThreads) {
+      int before = 0;
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) {
+        const int l = sel_e[j] - p.expert_begin;
+        before += j < K && l >= 0 && l < L && l < le;
+      }
+      p.expert_offsets[le] = before;
+    }
+  }
+  const int H = p.hidden, nchunk = H / 8, items = K * I;
+  constexpr int G = static_cast<int>(kMoeGateUpInterleave);
+  uint4 const* x4 = reinterpret_cast<uint4 const*>(p.x);
+  uint4 xr[kTopkU];
+#pragma unroll
+  for (int u = 0; u < kTopkU; ++u) {
+    const int c = lane + 32 * u;
+    xr[u] = c < nchunk ? x4[c] : uint4{};  // after the wait: not .nc
+  }
+  // Item q's gate and up rows into g, u; false (nothing loaded) for another rank's expert.
+  auto load_item = [&](int q, uint4(&g)[kTopkU], uint4(&u)[kTopkU]) {
+    const int j = q / I, c = q - j * I;
+    const int le = pick(sel_e, j) - p.expert_begin;
+    const bool ok = le >= 0 && le < L;
+    const int64_t grow = 2 * G * (c / G) + (c % G);
+    uint4 const* wg =
+        reinterpret_cast<uint4 const*>(p.gate_up + (int64_t{ok ? le : 0} * 2 * I + grow) * H);
+    uint4 const* wu = wg + int64_t{G} * nchunk;
+#pragma unroll
+    for (int k = 0; k < kTopkU; ++k) {
+      const int cc = lane + 32 * k;
+      g[k] = ok && cc < nchunk ? load_stream(wg + cc) : uint4{};
+      u[k] = ok && cc < nchunk ? load_stream(wu + cc) : uint4{};
+    }
+    return ok;
+  };
+  const int step = gridDim.x * kWarps;
+  int q = blockIdx.x * kWarps + warp;
+  uint4 ga[kTopkU], ua[kTopkU];
+  bool has = q < items && load_item(q, ga, ua);
+  while (q < items) {
+    const int qn = q + step;
+    uint4 gb[kTopkU], ub[kTopkU];
+    bool hasn = false;
+    if constexpr (kPrefetch) hasn = qn < items && load_item(qn, gb, ub);  // in flight meanwhile
+    if (has) {
+      float ag = 0.f, au = 0.f;
+#pragma unroll
+      for (int k = 0; k < kTopkU; ++k) {
+        if (lane + 32 * k < nchunk) {
+          ag = dot8(ga[k], xr[k], ag);
+          au = dot8(ua[k], xr[k], au);
+        }
+      }
+      ag = warp_sum(ag);
+      au = warp_sum(au);
+      if (lane == 0) p.act[int64_t{q}] = __float2bfloat16_rn(silu(ag) * au);  // [j, c] = q
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < kTopkU; ++k) {
+        ga[k] = gb[k];
+        ua[k] = ub[k];
+      }
+    } else {
+      hasn = qn < items && load_item(qn, ga, ua);
+    }
+    has = hasn;
+    q = qn;
+  }
+}
+
+// A warp per output column h; kCpl 16-byte chunks per lane cover a down row, kPre slots' rows
+// are loaded before the wait (then the rest, kPre at a time).
+template <int kCpl>
+__global__ void __launch_bounds__(kThreads, 2) down_routed_kernel(MoeDecodeTopkParams p) {
+  constexpr int kPre0 = kCpl >= kPreLoads ? 1 : kPreLoads / kCpl;
+  constexpr int kPre = kPre0 < kMaxTopK ? kPre0 : kMaxTopK;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int K = p.top_k, L = p.num_local_experts, H = p.hidden, I = p.inter, nchunk = I / 8;
+  const int h = blockIdx.x * kWarps + warp;
+  const bool active = h < H;
+  // The logits are complete: the router finished before gate_up (which launched this) waited.
+  int sel_e[kMaxTopK];
+  float sel_w[kMaxTopK];
+  warp_topk(p.logits, p.num_experts, K, p.renormalize, sel_e, sel_w);
+  int le[kMaxTopK], rank[kMaxTopK];
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    const int l = sel_e[j] - p.expert_begin;
+    le[j] = j < K && l >= 0 && l < L ? l : -1;
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    rank[j] = 0;
+#pragma unroll
+    for (int i = 0; i < kMaxTopK; ++i) rank[j] += le[i] >= 0 && le[i] < le[j];
+  }
+  auto load_rows = [&](int j0, uint4(&wv)[kPre][kCpl]) {
+#pragma unroll
+    for (int g = 0; g < kPre; ++g) {
+      const int j = j0 + g < kMaxTopK ? j0 + g : 0;
+      const bool ok = active && j0 + g < kMaxTopK && le[j] >= 0;
+      uint4 const* base =
+          ok ? reinterpret_cast<uint4 const*>(p.down + (int64_t{le[j]} * H + h) * I) : nullptr;
+#pragma unroll
+      for (int c = 0; c < kCpl; ++c) {
+        const int cc = lane + 32 * c;
+        wv[g][c] = ok && cc < nchunk ? load_stream(base + cc) : uint4{};
+      }
+    }
+  };
+  uint4 wv[kPre][kCpl];
+  load_rows(0, wv);
+  pdl_wait();  // gate_up's act rows
+  pdl_trigger();
+  if (!active) return;
+  uint4 const* act4 = reinterpret_cast<uint4 const*>(p.act);
+  float y[kMaxTopK];
+#pragma unroll
+  for (int j0 = 0; j0 < kMaxTopK; j0 += kPre) {
+    if (j0 > 0) load_rows(j0, wv);
+#pragma unroll
+    for (int g = 0; g < kPre; ++g) {
+      const int j = j0 + g;
+      if (j < kMaxTopK) {
+        float part = 0.f;
+        if (le[j] >= 0) {
+#pragma unroll
+          for (int c = 0; c < kCpl; ++c) {
+            const int cc = lane + 32 * c;
+            if (cc < nchunk) part = dot8(wv[g][c], act4[int64_t{j} * nchunk + cc], part);
+          }
+        }
+        // The grouped GEMM's bf16 output row.
+        y[j] = __bfloat162float(__float2bfloat16_rn(warp_sum(part)));
+      }
+    }
+  }
+  // The unpermute's weighted sum, in ascending local expert order.
+  float acc = 0.f;
+#pragma unroll
+  for (int r = 0; r < kMaxTopK; ++r) {
+    float w = 0.f, yy = 0.f;
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (le[j] >= 0 && rank[j] == r) {
+        w = sel_w[j];
+        yy = y[j];
+        any = true;
+      }
+    }
+    if (any) acc += w * yy;
+  }
+  if (lane == 0) p.out[h] = __float2bfloat16_rn(acc);
+}
+
 bool aligned16(void const* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
@@ -283,6 +546,56 @@ void moe_decode_launch(MoeDecodeParams const& p, cudaStream_t stream) {
     down(down_kernel<6>);
   } else {
     down(down_kernel<8>);
+  }
+  TANDEM_CUDA_CHECK_LAUNCH();
+}
+
+bool moe_decode_topk_supported(MoeDecodeTopkParams const& p) {
+  return p.top_k >= 1 && p.top_k <= kMaxTopK && p.num_experts >= p.top_k &&
+         p.num_experts <= 32 * kTopkPerLane && p.hidden >= 8 && p.hidden % 8 == 0 &&
+         p.hidden <= 8 * 32 * kTopkU && p.inter >= 8 && p.inter % kMoeGateUpInterleave == 0 &&
+         p.inter <= 2048 && p.num_local_experts >= 1 && p.num_local_experts <= 256 &&
+         p.expert_begin >= 0 && p.x != nullptr && p.logits != nullptr && p.gate_up != nullptr &&
+         p.down != nullptr && p.act != nullptr && p.out != nullptr && p.topk_ids != nullptr &&
+         p.topk_weights != nullptr && p.expert_offsets != nullptr && aligned16(p.x) &&
+         aligned16(p.gate_up) && aligned16(p.down) && aligned16(p.act);
+}
+
+void moe_decode_topk_launch(MoeDecodeTopkParams const& p, cudaStream_t stream,
+                            MoeTopkGateUp gate_up) {
+  TANDEM_CHECK_KIND(kUnsupported, moe_decode_topk_supported(p),
+                    "moe_decode_topk: unsupported sizes (hidden ", p.hidden, ", inter ", p.inter,
+                    ", experts ", p.num_experts, ", top_k ", p.top_k, ", local experts ",
+                    p.num_local_experts, ") or unaligned pointers");
+  // Persistent gate_up: at most the CTAs resident at once (and one per 8 items).
+  const bool prefetch = gate_up == MoeTopkGateUp::kPrefetch;
+  auto* const gu_kernel = prefetch ? gate_up_routed_kernel<true> : gate_up_routed_kernel<false>;
+  int dev = 0, sms = 0, per_sm = 0;
+  TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
+  TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  TANDEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gu_kernel, kThreads, 0));
+  if (gate_up == MoeTopkGateUp::kOnePerSm) per_sm = std::min(per_sm, 1);
+  const int64_t want = (int64_t{p.top_k} * p.inter + kWarps - 1) / kWarps;
+  const unsigned gu_blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * std::max(per_sm, 1))));
+  TANDEM_CUDA_CHECK(launch_pdl(gu_kernel, dim3(gu_blocks), dim3(kThreads), 0, stream, p));
+  const unsigned dn_blocks = static_cast<unsigned>((p.hidden + kWarps - 1) / kWarps);
+  const int cpl = (p.inter / 8 + 31) / 32;
+  auto down = [&](auto kernel) {
+    TANDEM_CUDA_CHECK(launch_pdl(kernel, dim3(dn_blocks), dim3(kThreads), 0, stream, p));
+  };
+  if (cpl <= 1) {
+    down(down_routed_kernel<1>);
+  } else if (cpl <= 2) {
+    down(down_routed_kernel<2>);
+  } else if (cpl <= 3) {
+    down(down_routed_kernel<3>);
+  } else if (cpl <= 4) {
+    down(down_routed_kernel<4>);
+  } else if (cpl <= 6) {
+    down(down_routed_kernel<6>);
+  } else {
+    down(down_routed_kernel<8>);
   }
   TANDEM_CUDA_CHECK_LAUNCH();
 }

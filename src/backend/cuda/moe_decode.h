@@ -51,3 +51,52 @@ bool moe_decode_supported(MoeDecodeParams const& p);
 void moe_decode_launch(MoeDecodeParams const& p, cudaStream_t stream);
 
 }  // namespace tandem::cuda
+
+namespace tandem::cuda {
+
+// One-token decode MoE with the router's top-k inside the expert kernels (issue 15 item 1,
+// decode_switches().moe_topk): after a router kernel that only writes the fp32 logits, both
+// kernels below compute the top-k softmax of those logits themselves (every warp, redundantly:
+// the router's arithmetic and tie rule, see moe_layer_kernels.cu), so the router needs no
+// last-CTA tail (fence, counter, top-k, permute indices) and down knows its experts before
+// gate_up ends.
+//  - gate_up: a persistent grid (the CTAs that fit at once), each warp takes (slot j, column c)
+//    items in a grid-stride loop, the next item's gate and up rows loaded while the current one
+//    is reduced, x held in registers; act[j, c] = bf16(silu(gate) * up) (act rows by top-k
+//    slot, not by compact row). CTA 0 writes topk_ids, topk_weights and expert_offsets (as the
+//    router would) for callers that read them.
+//  - down: a warp per output column h; before waiting for gate_up it computes the top-k and
+//    issues the loads of its column's down rows of the slots' experts; then
+//    out[h] = bf16(sum over the local slots in ascending expert id of w_j * bf16(down_e[h] .
+//    act[j])): the decode path's (moe_decode_launch's) arithmetic and order, zero without a
+//    local expert.
+// Programmatic dependent launches (gate_up waits for the router, down for gate_up).
+struct MoeDecodeTopkParams {
+  bf16 const* x;            // [1, hidden], 16-byte aligned
+  float const* logits;      // [1, num_experts] router logits (fp32), written by the previous kernel
+  bf16 const* gate_up;      // [num_local_experts, 2 inter, hidden] packed, 16-byte aligned
+  bf16 const* down;         // [num_local_experts, hidden, inter], 16-byte aligned
+  int32_t* topk_ids;        // [top_k] written: global expert ids
+  float* topk_weights;      // [top_k] written
+  int32_t* expert_offsets;  // [num_local_experts + 1] written (compact rows per local expert)
+  bf16* act;                // [top_k, inter] scratch, 16-byte aligned
+  bf16* out;                // [1, hidden], overwritten
+  int hidden, inter, num_experts, top_k, expert_begin, num_local_experts;
+  bool renormalize;
+};
+
+/// 1 <= top_k <= 8, top_k <= num_experts <= 256, hidden and inter multiples of 8,
+/// inter <= 2048, 1 <= num_local_experts <= 256, expert_begin >= 0, pointers set and aligned.
+bool moe_decode_topk_supported(MoeDecodeTopkParams const& p);
+
+/// How the persistent gate_up kernel runs: kPrefetch (the next item's rows in flight while the
+/// current one is reduced; one CTA per SM), kOnePerSm (one item at a time, one CTA per SM: a
+/// down CTA fits beside it and streams its rows meanwhile), kTwoPerSm (one item at a time, two
+/// CTAs per SM). The same results in every mode.
+enum class MoeTopkGateUp { kPrefetch, kOnePerSm, kTwoPerSm };
+
+/// Both launches on `stream`. Throws kUnsupported when !moe_decode_topk_supported(p).
+void moe_decode_topk_launch(MoeDecodeTopkParams const& p, cudaStream_t stream,
+                            MoeTopkGateUp gate_up = MoeTopkGateUp::kPrefetch);
+
+}  // namespace tandem::cuda

@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/ops.h"
@@ -314,6 +315,243 @@ TEST_F(MoeDecodeCuda, AfterAProducerKernelInAGraph) {
   }
   (void)cudaGraphExecDestroy(exec);
   (void)cudaGraphDestroy(graph);
+}
+
+// ---- One token with the top-k inside the expert kernels (moe_decode_topk_launch) ----
+
+struct TopkCase {
+  int H, I, E, K, begin, L;
+  bool renorm;
+};
+
+class MoeDecodeTopkCuda : public MoeDecodeCuda {
+ protected:
+  // Random logits, x and experts; the three gate_up modes against the CPU (cpu::topk_softmax on
+  // the logits, then cpu::moe), every output poisoned first; the modes bit-identical, and out
+  // against moe_decode_launch given the CPU's routing (the same arithmetic).
+  void run_topk(TopkCase const& c) {
+    const int H = c.H, I = c.I, E = c.E, K = c.K, L = c.L;
+    Bits x = rand_bf16(H, 1.0f);
+    std::vector<float> logits(E);
+    std::uniform_real_distribution<float> ld(-3.f, 3.f);
+    for (auto& v : logits) v = ld(rng_);
+    Bits gate = rand_bf16(size_t(L) * I * H, 1.0f / std::sqrt(float(H)));
+    Bits up = rand_bf16(size_t(L) * I * H, 1.0f / std::sqrt(float(H)));
+    Bits down = rand_bf16(size_t(L) * H * I, 1.0f / std::sqrt(float(I)));
+    Bits packed(gate.size() * 2);
+    for (int e = 0; e < L; ++e) {
+      moe_pack_gate_up(reinterpret_cast<bf16 const*>(gate.data() + size_t(e) * I * H),
+                       reinterpret_cast<bf16 const*>(up.data() + size_t(e) * I * H), I, H,
+                       reinterpret_cast<bf16*>(packed.data() + size_t(e) * 2 * I * H));
+    }
+    // CPU routing.
+    std::vector<int32_t> ids(K);
+    std::vector<float> tw(K), lcopy = logits;
+    cpu::topk_softmax({lcopy.data(), ids.data(), tw.data(), 1, E, K, c.renorm});
+    std::vector<int32_t> off(L + 1, 0), src;
+    for (int e = 0; e < L; ++e) {
+      off[e] = static_cast<int32_t>(src.size());
+      for (int s = 0; s < K; ++s) {
+        if (ids[s] - c.begin == e) src.push_back(s);
+      }
+    }
+    off[L] = static_cast<int32_t>(src.size());
+    std::vector<float> xf = to_f32(x), gf = to_f32(gate), uf = to_f32(up), df = to_f32(down);
+    std::vector<std::vector<float>> gu(L), dn(L);
+    std::vector<float const*> pgu(L), pdn(L);
+    for (int e = 0; e < L; ++e) {
+      gu[e].assign(gf.begin() + size_t(e) * I * H, gf.begin() + size_t(e + 1) * I * H);
+      gu[e].insert(gu[e].end(), uf.begin() + size_t(e) * I * H, uf.begin() + size_t(e + 1) * I * H);
+      dn[e].assign(df.begin() + size_t(e) * H * I, df.begin() + size_t(e + 1) * H * I);
+      pgu[e] = gu[e].data();
+      pdn[e] = dn[e].data();
+    }
+    std::vector<float> ref(H);
+    cpu::moe({xf.data(), ids.data(), tw.data(), pgu.data(), pdn.data(), ref.data(), 1, H, I, K,
+              c.begin, L});
+    // The decode path given the CPU's routing (compact rows in moe_permute's order).
+    src.resize(std::max<size_t>(src.size(), 1));
+    DeviceBuffer<uint16_t> d_x(x), d_gu(packed), d_down(down), d_act(size_t(K) * I), d_out(H),
+        d_act2(size_t(K) * I), d_out2(H);
+    DeviceBuffer<float> d_logits(logits), d_tw(size_t(K)), d_rtw(tw);
+    DeviceBuffer<int32_t> d_ids(size_t(K)), d_off(size_t(L + 1)), d_rids(ids), d_roff(off),
+        d_src(src);
+    d_act2.poison(0xff);
+    d_out2.poison(0xff);
+    MoeDecodeParams dp{d_x.bf(),   d_gu.bf(), d_down.bf(), d_rids.ptr,  d_rtw.ptr,
+                       d_roff.ptr, d_src.ptr, d_act2.bf(), d_out2.bf(), 1,
+                       H,          I,         K,           c.begin,     L};
+    ASSERT_TRUE(moe_decode_supported(dp));
+    moe_decode_launch(dp, stream_);
+    sync();
+    const Bits path_out = d_out2.download();
+    const bool local = !src.empty() && off[L] > 0;
+    Bits first;
+    for (MoeTopkGateUp mode :
+         {MoeTopkGateUp::kPrefetch, MoeTopkGateUp::kOnePerSm, MoeTopkGateUp::kTwoPerSm}) {
+      SCOPED_TRACE("gate_up mode " + std::to_string(static_cast<int>(mode)));
+      d_act.poison(0xff);
+      d_out.poison(0xff);
+      d_ids.poison(0xff);
+      d_tw.poison(0xff);
+      d_off.poison(0xff);
+      MoeDecodeTopkParams p{d_x.bf(),  d_logits.ptr, d_gu.bf(),  d_down.bf(), d_ids.ptr, d_tw.ptr,
+                            d_off.ptr, d_act.bf(),   d_out.bf(), H,           I,         E,
+                            K,         c.begin,      L,          c.renorm};
+      ASSERT_TRUE(moe_decode_topk_supported(p));
+      moe_decode_topk_launch(p, stream_, mode);
+      sync();
+      EXPECT_EQ(d_ids.download(), ids) << "top-k ids";
+      std::vector<float> got_tw = d_tw.download();
+      for (int j = 0; j < K; ++j) {
+        EXPECT_NEAR(got_tw[j], tw[j], 1e-6f * std::max(1.f, std::fabs(tw[j]))) << "weight " << j;
+      }
+      EXPECT_EQ(d_off.download(), off) << "expert offsets";
+      Bits out = d_out.download();
+      std::vector<float> of = to_f32(out);
+      if (off[L] == 0) {
+        EXPECT_TRUE(std::all_of(of.begin(), of.end(), [](float v) { return v == 0.f; }))
+            << "no local expert: zeros";
+      } else {
+        EXPECT_LT(test_util::rel_err(of, ref), 2e-2) << "out vs cpu::moe";
+      }
+      EXPECT_LT(test_util::rel_err(of, to_f32(path_out)), 1e-3) << "out vs moe_decode_launch";
+      // act row j (slot j) for the local slots.
+      Bits act = d_act.download();
+      double num = 0, den = 0;
+      for (int j = 0; j < K; ++j) {
+        const int e = ids[j] - c.begin;
+        if (e < 0 || e >= L) continue;
+        for (int col = 0; col < I; ++col) {
+          double g = 0, u = 0;
+          for (int k = 0; k < H; ++k) {
+            g += double(xf[k]) * gu[e][size_t(col) * H + k];
+            u += double(xf[k]) * gu[e][size_t(I + col) * H + k];
+          }
+          const double want = g / (1.0 + std::exp(-g)) * u;
+          const double v = bf16_to_f32(act[size_t(j) * I + col]);
+          if (!std::isfinite(v)) {
+            ADD_FAILURE() << "act slot " << j << " col " << col << " not written";
+            return;
+          }
+          num += (v - want) * (v - want);
+          den += want * want;
+        }
+      }
+      if (local) {
+        EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << "act";
+      }
+      if (first.empty()) {
+        first = out;
+      } else {
+        EXPECT_EQ(out, first) << "modes differ";
+      }
+    }
+  }
+};
+
+TEST_F(MoeDecodeTopkCuda, MatchesCpuTopkAndMoe) {
+  SCOPED_TRACE(trace());
+  const std::vector<TopkCase> cases = {
+      {2048, 768, 16, 8, 0, 16, true},    // Qwen3-30B-A3B widths (fewer experts: host time)
+      {2048, 768, 128, 8, 0, 16, false},  // 128 logits, 16 of them local; not renormalized
+      {256, 64, 128, 8, 0, 128, true},    // 128 experts, all local
+      {136, 72, 16, 4, 0, 16, true},      // odd chunk counts (17 per hidden row, 9 per inter)
+      {512, 1536, 64, 8, 0, 64, true},    // inter 1536: 6 chunks per lane, rows in 2 groups
+      {200, 2048, 8, 2, 0, 8, true},      // inter 2048: 8 chunks per lane, 3 groups
+      {264, 264, 256, 8, 0, 256, true},   // 256 experts: 8 logits per lane
+      {64, 8, 33, 3, 0, 33, true},        // inter 8 (1 chunk), 33 experts
+      {256, 128, 64, 8, 16, 24, true},    // expert-parallel slice
+      {128, 64, 64, 2, 60, 4, true},      // EP slice the token likely misses: zeros
+      {1032, 200, 40, 5, 0, 40, false},   // top-5, hidden 1032
+  };
+  for (TopkCase const& c : cases) {
+    SCOPED_TRACE("hidden " + std::to_string(c.H) + " inter " + std::to_string(c.I) + " experts " +
+                 std::to_string(c.E) + " top_k " + std::to_string(c.K) + " local [" +
+                 std::to_string(c.begin) + ", +" + std::to_string(c.L) + ")");
+    run_topk(c);
+  }
+}
+
+TEST_F(MoeDecodeTopkCuda, RejectsUnsupported) {
+  DeviceBuffer<uint16_t> buf(1 << 16);
+  DeviceBuffer<int32_t> ib(512);
+  DeviceBuffer<float> fb(512);
+  MoeDecodeTopkParams p{buf.bf(), fb.ptr, buf.bf(), buf.bf(), ib.ptr, fb.ptr, ib.ptr, buf.bf(),
+                        buf.bf(), 64,     64,       16,       2,      0,      8,      true};
+  EXPECT_TRUE(moe_decode_topk_supported(p));
+  MoeDecodeTopkParams q = p;
+  q.hidden = 2056;  // more than one round of loads per lane
+  EXPECT_FALSE(moe_decode_topk_supported(q));
+  EXPECT_THROW(moe_decode_topk_launch(q, stream_), Error);
+  q = p;
+  q.num_experts = 257;
+  EXPECT_FALSE(moe_decode_topk_supported(q));
+  q = p;
+  q.top_k = 9;
+  q.num_experts = 64;
+  EXPECT_FALSE(moe_decode_topk_supported(q));
+  q = p;
+  q.inter = 12;
+  EXPECT_FALSE(moe_decode_topk_supported(q));
+  q = p;
+  q.down = buf.bf() + 1;  // unaligned
+  EXPECT_FALSE(moe_decode_topk_supported(q));
+}
+
+// The MoE layer's one-token decode path with moe_topk on (each gate_up mode) vs off: the same
+// routing (ids, weights, offsets) and output, twice in a row (the router's counter is untouched
+// by the logits-only launch), then a batch of 3 with moe_topk on (the old path).
+TEST_F(MoeDecodeTopkCuda, LayerPathMatches) {
+  SCOPED_TRACE(trace());
+  const int H = 2048, I = 768, E = 32, K = 8;
+  Bits router = rand_bf16(size_t(E) * H, 1.0f / std::sqrt(float(H)));
+  Bits packed = rand_bf16(size_t(E) * 2 * I * H, 1.0f / std::sqrt(float(H)));
+  Bits down = rand_bf16(size_t(E) * H * I, 1.0f / std::sqrt(float(I)));
+  DeviceBuffer<uint16_t> d_router(router), d_gu(packed), d_down(down);
+  MoeLayerWeights w{d_router.bf(), d_gu.bf(), d_down.bf()};
+  GemmLt gemm;
+  const DecodeSwitches saved = decode_switches();
+  MoeLayer layer(8, H, I, E, K, 0, E, true);
+  layer.set_path(MoeLayerPath::kDecode);
+  auto routing = [&](int T) {
+    std::vector<int32_t> ids(size_t(T) * K), off(E + 1);
+    std::vector<float> tw(size_t(T) * K);
+    TANDEM_CUDA_CHECK(
+        cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
+    TANDEM_CUDA_CHECK(
+        cudaMemcpy(tw.data(), layer.topk_weights(), tw.size() * 4, cudaMemcpyDeviceToHost));
+    TANDEM_CUDA_CHECK(
+        cudaMemcpy(off.data(), layer.expert_offsets(), off.size() * 4, cudaMemcpyDeviceToHost));
+    return std::make_tuple(ids, tw, off);
+  };
+  for (int T : {1, 1, 3}) {
+    SCOPED_TRACE("tokens " + std::to_string(T));
+    Bits x = rand_bf16(size_t(T) * H, 1.0f);
+    DeviceBuffer<uint16_t> d_x(x), d_a(size_t(T) * H), d_b(size_t(T) * H);
+    decode_switches() = DecodeSwitches{};
+    decode_switches().moe_topk = false;
+    d_b.poison(0xff);
+    layer.run(w, d_x.bf(), d_b.bf(), T, gemm, stream_);
+    sync();
+    const auto ref_routing = routing(T);
+    const std::vector<float> b = to_f32(d_b.download());
+    for (int mode = 0; mode < 3; ++mode) {
+      SCOPED_TRACE("gate_up mode " + std::to_string(mode));
+      decode_switches().moe_topk = true;
+      decode_switches().moe_topk_gate_up = mode;
+      d_a.poison(0xff);
+      layer.run(w, d_x.bf(), d_a.bf(), T, gemm, stream_);
+      sync();
+      EXPECT_EQ(layer.last_path(), MoeLayerPath::kDecode);
+      const auto got = routing(T);
+      EXPECT_EQ(std::get<0>(got), std::get<0>(ref_routing)) << "ids";
+      EXPECT_EQ(std::get<1>(got), std::get<1>(ref_routing)) << "weights";
+      EXPECT_EQ(std::get<2>(got), std::get<2>(ref_routing)) << "offsets";
+      EXPECT_LT(test_util::rel_err(to_f32(d_a.download()), b), 1e-3);
+    }
+  }
+  decode_switches() = saved;
 }
 
 }  // namespace
