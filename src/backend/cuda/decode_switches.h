@@ -3,7 +3,8 @@
 // makes the model capture its graphs again). Read when a launch is enqueued (a captured graph
 // keeps what it was captured with). Defaults: the members' initialisers (the changes measured
 // faster on the H200, docs/perf.md); TANDEM_DECODE_KERNELS=base (all off), =all (all on) or
-// =topk (the defaults and moe_topk) at start-up. On since 2026-12-01 (profile_decode_cuda
+// =topk / =topkN (the defaults with moe_topk, gate_up mode N) at start-up. On since 2026-12-01
+// (profile_decode_cuda
 // --variants on the H200): the PDL changes with the MoE GEMVs for one-token steps ("pdl+moe1") took
 // batch 1 from 4086 to 3482 us per step and left batch 8 unchanged; the MoE GEMVs at 8 tokens were
 // slower ("all": 13507 vs 10584 us), hence moe_gemv_max_tokens = 1.
@@ -32,7 +33,8 @@ struct DecodeSwitches {
   /// last-CTA tail in the router, a persistent gate_up.
   bool moe_topk = false;
   /// moe_topk's gate_up kernel: 0 prefetching (one CTA per SM), 1 one item at a time with a
-  /// down CTA beside it, 2 one item at a time, two CTAs per SM (moe_decode.h MoeTopkGateUp).
+  /// down CTA beside it, 2 one item at a time, two CTAs per SM, 3 as 0 and the down weights
+  /// prefetched into L2 during gate_up (moe_decode.h MoeTopkGateUp).
   int moe_topk_gate_up = 0;
 
   /// Every switch off (the kernels before issue 15 item 1).

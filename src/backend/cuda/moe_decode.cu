@@ -322,7 +322,10 @@ constexpr int kTopkU = 8;  // gate_up: 16-byte loads per lane and row (hidden <=
 // kPrefetch: the next item's rows are loaded while the current one is reduced (about 220
 // registers: one CTA per SM); otherwise one item at a time in <= 128 registers (two CTAs per
 // SM, or one beside a down CTA that streams its rows meanwhile).
-template <bool kPrefetch>
+// kL2Down: once its first item's loads are issued, every thread also prefetches its share of
+// the local slots' down weights into L2 (128-byte lines, evict_last), so that down reads them
+// from L2 while gate_up's own loads leave DRAM bandwidth unused.
+template <bool kPrefetch, bool kL2Down>
 __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2)
     gate_up_routed_kernel(MoeDecodeTopkParams p) {
   pdl_wait();  // the router's logits
@@ -377,6 +380,18 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2)
   int q = blockIdx.x * kWarps + warp;
   uint4 ga[kTopkU], ua[kTopkU];
   bool has = q < items && load_item(q, ga, ua);
+  if constexpr (kL2Down) {
+    const int64_t lines = int64_t{H} * I * 2 / 128, gt = int64_t{blockIdx.x} * kThreads + tid;
+    const int64_t stride = int64_t{gridDim.x} * kThreads;
+    for (int j = 0; j < K; ++j) {
+      const int l = pick(sel_e, j) - p.expert_begin;
+      if (l < 0 || l >= L) continue;
+      char const* base = reinterpret_cast<char const*>(p.down + int64_t{l} * H * I);
+      for (int64_t line = gt; line < lines; line += stride) {
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + line * 128));
+      }
+    }
+  }
   while (q < items) {
     const int qn = q + step;
     uint4 gb[kTopkU], ub[kTopkU];
@@ -568,8 +583,10 @@ void moe_decode_topk_launch(MoeDecodeTopkParams const& p, cudaStream_t stream,
                     ", experts ", p.num_experts, ", top_k ", p.top_k, ", local experts ",
                     p.num_local_experts, ") or unaligned pointers");
   // Persistent gate_up: at most the CTAs resident at once (and one per 8 items).
-  const bool prefetch = gate_up == MoeTopkGateUp::kPrefetch;
-  auto* const gu_kernel = prefetch ? gate_up_routed_kernel<true> : gate_up_routed_kernel<false>;
+  auto* const gu_kernel = gate_up == MoeTopkGateUp::kPrefetch ? gate_up_routed_kernel<true, false>
+                          : gate_up == MoeTopkGateUp::kPrefetchL2Down
+                              ? gate_up_routed_kernel<true, true>
+                              : gate_up_routed_kernel<false, false>;
   int dev = 0, sms = 0, per_sm = 0;
   TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
   TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));

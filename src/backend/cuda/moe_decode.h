@@ -92,8 +92,9 @@ bool moe_decode_topk_supported(MoeDecodeTopkParams const& p);
 /// How the persistent gate_up kernel runs: kPrefetch (the next item's rows in flight while the
 /// current one is reduced; one CTA per SM), kOnePerSm (one item at a time, one CTA per SM: a
 /// down CTA fits beside it and streams its rows meanwhile), kTwoPerSm (one item at a time, two
-/// CTAs per SM). The same results in every mode.
-enum class MoeTopkGateUp { kPrefetch, kOnePerSm, kTwoPerSm };
+/// CTAs per SM), kPrefetchL2Down (kPrefetch, and its threads prefetch the slots' down weights
+/// into L2 meanwhile). The same results in every mode.
+enum class MoeTopkGateUp { kPrefetch, kOnePerSm, kTwoPerSm, kPrefetchL2Down };
 
 /// Both launches on `stream`. Throws kUnsupported when !moe_decode_topk_supported(p).
 void moe_decode_topk_launch(MoeDecodeTopkParams const& p, cudaStream_t stream,

@@ -237,7 +237,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
     if (topk_fused) {
       moe_decode_topk_launch(
           tp, stream,
-          static_cast<MoeTopkGateUp>(std::clamp(decode_switches().moe_topk_gate_up, 0, 2)));
+          static_cast<MoeTopkGateUp>(std::clamp(decode_switches().moe_topk_gate_up, 0, 3)));
       return;
     }
     // bf16 experts: the expert GEMVs of moe_decode.h (weights streamed once, the unpermute

@@ -373,9 +373,9 @@ class MoeDecodeTopkCuda : public MoeDecodeCuda {
     src.resize(std::max<size_t>(src.size(), 1));
     DeviceBuffer<uint16_t> d_x(x), d_gu(packed), d_down(down), d_act(size_t(K) * I), d_out(H),
         d_act2(size_t(K) * I), d_out2(H);
-    DeviceBuffer<float> d_logits(logits), d_tw(size_t(K)), d_rtw(tw);
-    DeviceBuffer<int32_t> d_ids(size_t(K)), d_off(size_t(L + 1)), d_rids(ids), d_roff(off),
-        d_src(src);
+    DeviceBuffer<float> d_logits(logits), d_tw(static_cast<size_t>(K)), d_rtw(tw);
+    DeviceBuffer<int32_t> d_ids(static_cast<size_t>(K)), d_off(static_cast<size_t>(L + 1)),
+        d_rids(ids), d_roff(off), d_src(src);
     d_act2.poison(0xff);
     d_out2.poison(0xff);
     MoeDecodeParams dp{d_x.bf(),   d_gu.bf(), d_down.bf(), d_rids.ptr,  d_rtw.ptr,
@@ -387,8 +387,8 @@ class MoeDecodeTopkCuda : public MoeDecodeCuda {
     const Bits path_out = d_out2.download();
     const bool local = !src.empty() && off[L] > 0;
     Bits first;
-    for (MoeTopkGateUp mode :
-         {MoeTopkGateUp::kPrefetch, MoeTopkGateUp::kOnePerSm, MoeTopkGateUp::kTwoPerSm}) {
+    for (MoeTopkGateUp mode : {MoeTopkGateUp::kPrefetch, MoeTopkGateUp::kOnePerSm,
+                               MoeTopkGateUp::kTwoPerSm, MoeTopkGateUp::kPrefetchL2Down}) {
       SCOPED_TRACE("gate_up mode " + std::to_string(static_cast<int>(mode)));
       d_act.poison(0xff);
       d_out.poison(0xff);
@@ -536,7 +536,7 @@ TEST_F(MoeDecodeTopkCuda, LayerPathMatches) {
     sync();
     const auto ref_routing = routing(T);
     const std::vector<float> b = to_f32(d_b.download());
-    for (int mode = 0; mode < 3; ++mode) {
+    for (int mode = 0; mode < 4; ++mode) {
       SCOPED_TRACE("gate_up mode " + std::to_string(mode));
       decode_switches().moe_topk = true;
       decode_switches().moe_topk_gate_up = mode;
