@@ -26,6 +26,7 @@
 #   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
 #   bench_fp8_mxfp8), profile_decode (per-kernel decode step),
+#   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_spec_verify, bench_spec_e2e (MTP speculative decoding: bench_spec_cuda)
 set -uo pipefail
@@ -155,6 +156,14 @@ step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
 # graph; nsys is not on the image): Qwen3-30B-A3B shapes at batch 1 and 8, 1k context.
 [ -x "$BIN/profile_decode_cuda" ] &&
   step profile_decode 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8
+# The router's top-k inside the one-token expert kernels (decode_switches.h moe_topk, off by
+# default, never run on a GPU yet; issue 15 item 1, docs/perf.md session 6): the variants in one
+# process beside the default (pdl+moe1), then the golden greedy fixtures with it on.
+[ -x "$BIN/profile_decode_cuda" ] &&
+  step profile_decode_topk 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8 --steps 3 \
+    --variants default,pdl+moe1+topk,pdl+moe1+topk1,pdl+moe1+topk2,pdl+moe1+topk3
+step test_model_cuda_topk 150 env TANDEM_DECODE_KERNELS=topk "$BIN/test_model_cuda" \
+  --gtest_filter='CudaGolden.GreedyMatchesTransformers/*'
 # Block FP8 beside bf16 in one run (Qwen3-30B-A3B, decode 1 / 32, prefill 2k; the weights
 # E4M3 in device memory): the "FP8 vs bf16" table. Then the FP8-weight kernels alone.
 export TANDEM_BENCH_CSV="$LOG/bench_model_fp8.csv"
@@ -209,6 +218,8 @@ for f in bench_spec_verify bench_spec_e2e bench_kv_transfer bench_disagg bench_i
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
 [ -f "$LOG/profile_decode.log" ] && { echo; echo "== profile_decode"; cat "$LOG/profile_decode.log"; }
+[ -f "$LOG/profile_decode_topk.log" ] &&
+  { echo; echo "== profile_decode_topk"; sed -n '/== summary/,$p' "$LOG/profile_decode_topk.log"; }
 [ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
 [ -f "$LOG/bench_model_mxfp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_mxfp8.log"
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"
