@@ -1,6 +1,7 @@
 #include "engine/decode_instance.h"
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 
 #include "comm/local_comm.h"
@@ -34,6 +35,9 @@ struct DecodeInstance::Rank {
   // NOTE: its own lock: the engine's callbacks (under mu) and the receiver's write here.
   std::mutex out_mu;
   DecodeReport report;
+  // Hybrid models: recurrent states that came with completed transfers, until the admission
+  // (or release) of their request. Guarded by out_mu (the receiver's thread writes).
+  std::map<std::string, std::vector<float>> states;
 
   EngineStats stats;  // the engine's counters as of the last load_locked() (for the report)
 
@@ -124,6 +128,10 @@ void DecodeInstance::init_receivers() {
   for (auto& rank : ranks_) {
     transfer::ReceiverCallbacks cbs;
     Rank* r = rank.get();
+    cbs.on_state = [r](const std::string& id, std::vector<float> state) {
+      std::lock_guard<std::mutex> lock(r->out_mu);
+      r->states[id] = std::move(state);
+    };
     cbs.on_complete = [r](const std::string& id, int32_t, float) {
       std::lock_guard<std::mutex> lock(r->out_mu);
       r->report.kv_events.push_back({id, true, ""});
@@ -257,10 +265,19 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
         std::lock_guard<std::mutex> lock(r->out_mu);
         r->report.outputs.push_back(out);
       };
+      std::vector<float> state;  // hybrid models: from the transfer
+      {
+        std::lock_guard<std::mutex> lock(rank.out_mu);
+        auto it = rank.states.find(c.id);
+        if (it != rank.states.end()) {
+          state = std::move(it->second);
+          rank.states.erase(it);
+        }
+      }
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
       try {
-        engine.add_prefilled(c.req, cb, c.pages, c.token, c.logprob);
+        engine.add_prefilled(c.req, cb, c.pages, c.token, c.logprob, std::move(state));
       } catch (const std::exception& ex) {
         engine.release_pages(c.pages);
         finish_with(cb, c.id, FinishReason::kError, ex.what());
@@ -268,6 +285,10 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
     } else if (c.kind == DecodeCommand::kRelease) {
       // NOTE: once cancel returns, the receiver writes no more into the pages.
       if (c.cancel) rank.receiver->cancel(c.id);
+      {
+        std::lock_guard<std::mutex> lock(rank.out_mu);
+        rank.states.erase(c.id);
+      }
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
       engine.release_pages(c.pages);
@@ -344,7 +365,9 @@ transfer::TransferDescriptor DecodeInstance::descriptor(Rank& rank, const std::s
   d.num_tokens = num_tokens;
   d.page_size = rank.engine->config().page_size;
   d.head_dim = mc.head_dim;
-  d.num_layers = mc.num_hidden_layers;
+  // The KV cache's layers (a hybrid model's attention layers only), and its recurrent state.
+  d.num_layers = rank.engine->kv_cache().geometry().num_layers;
+  d.state_elems = rank.model->state_slot_elems();
   return d;
 }
 

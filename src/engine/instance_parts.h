@@ -24,7 +24,8 @@ class Communicator;
 using ModelFactory =
     std::function<std::unique_ptr<Model>(const ShardSpec& shard, comm::Communicator* comm)>;
 
-/// Qwen3MoeCpu from `dir` (sharded as asked).
+/// The CPU model of `dir` by config.json's model_type: Qwen3MoeCpu (sharded as asked) or, for a
+/// Qwen3.5 hybrid, Qwen35MoeCpu (one rank only: Error(kUnsupported) for a sharded spec).
 ModelFactory cpu_model_factory(std::string dir);
 
 struct HostTransferSettings {

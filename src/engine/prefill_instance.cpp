@@ -34,6 +34,7 @@ struct PrefillInstance::Job {
   bool begun = false;    // the transfer began (after the last chunk)
   bool failed = false;   // a rank could not begin the transfer
   bool ended = false;
+  std::vector<float> state;  // hybrid models: the recurrent state after the prompt
 };
 
 PrefillInstance::PrefillInstance(PrefillInstanceConfig config) : config_(std::move(config)) {
@@ -62,6 +63,11 @@ void PrefillInstance::init_ranks(int first_rank, int count) {
     ranks_.push_back(std::move(rank));
   }
   sharding_ = {ranks_[0]->model->config().num_key_value_heads, config_.tp};
+  // NOTE: a hybrid model's recurrent state is sent whole from rank 0; its TP split (by value
+  // heads, as the KV splits by KV heads) is not implemented.
+  TANDEM_CHECK_KIND(kUnsupported, ranks_[0]->model->state_slot_elems() == 0 || config_.tp == 1,
+                    "prefill --tp ", config_.tp, ": a hybrid (Qwen3.5) model's prefill instance ",
+                    "runs at --tp 1 only (its recurrent state is not split over ranks)");
   int64_t num_pages = 0;
   if (is_leader()) {
     engine_ = std::make_unique<Engine>(*ranks_[0]->model, config_.engine);
@@ -174,6 +180,16 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
           std::min(job.computed + static_cast<int64_t>(step.seqs[i].tokens.size()), job.prompt_len);
       count_computed(now - job.computed);
       job.computed = now;
+    }
+    // Hybrid models: the recurrent state of every prompt that ended now (the sequence frees
+    // its slot when complete() finishes it after token 1).
+    if (ok && ranks_[0]->model->state_slot_elems() > 0) {
+      for (const PrefillStep::Seq& s : step.seqs) {
+        auto it = jobs_.find(s.id);
+        if (!s.last || it == jobs_.end()) continue;
+        const std::span<const float> st = engine_->sequence_state(s.id);
+        it->second->state.assign(st.begin(), st.end());
+      }
     }
     if (ok) engine_->complete(batch);  // 4. sample token 1: the transfers can finish
     {
@@ -351,7 +367,7 @@ void PrefillInstance::end_job(const std::string& id, const std::string& error,
   if (job->begun) {
     try {
       if (e.ok) {
-        ranks_[0]->sender->finish(id, e.token, e.logprob);
+        ranks_[0]->sender->finish_with_state(id, e.token, e.logprob, std::move(job->state));
       } else {
         ranks_[0]->sender->abort(id);
       }

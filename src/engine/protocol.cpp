@@ -118,6 +118,7 @@ void put_descriptor(ByteWriter& w, const transfer::TransferDescriptor& d) {
   w.put(d.page_size);
   w.put(d.head_dim);
   w.put(d.num_layers);
+  w.put(d.state_elems);
 }
 
 transfer::TransferDescriptor get_descriptor(ByteReader& r) {
@@ -133,6 +134,7 @@ transfer::TransferDescriptor get_descriptor(ByteReader& r) {
   d.page_size = r.get<int64_t>();
   d.head_dim = r.get<int64_t>();
   d.num_layers = r.get<int64_t>();
+  d.state_elems = r.get<int64_t>();
   return d;
 }
 

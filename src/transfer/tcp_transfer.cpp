@@ -218,6 +218,8 @@ class TcpReceiver final : public TransferReceiver {
     int32_t first_token = 0;
     float logprob = 0.0f;
     int token_rank = -1;
+    bool have_state = false;  // hybrid models: the recurrent state arrived with a FINISH
+    std::vector<float> state;
     std::vector<std::weak_ptr<Conn>> conns;
     // Guarded by TcpReceiver::mu_.
     int64_t pieces_received = 0;
@@ -317,7 +319,11 @@ class TcpReceiver final : public TransferReceiver {
   }
 
   void complete_request(Incoming& inc) {
-    if (take(inc) && callbacks_.on_complete) {
+    if (!take(inc)) return;
+    if (inc.have_state && callbacks_.on_state) {
+      callbacks_.on_state(inc.desc.request_id, std::move(inc.state));
+    }
+    if (callbacks_.on_complete) {
       callbacks_.on_complete(inc.desc.request_id, inc.first_token, inc.logprob);
     }
   }
@@ -470,8 +476,12 @@ class TcpReceiver final : public TransferReceiver {
             return;
           }
         } else if (h.type == wire::MsgType::kFinish) {
-          if (h.body_bytes != wire::kFinishBytes) {
-            protocol_error(c, "FINISH of " + std::to_string(h.body_bytes) + " bytes");
+          const uint64_t with_state =
+              wire::kFinishBytes + static_cast<uint64_t>(inc.desc.state_elems) * sizeof(float);
+          if (h.body_bytes != wire::kFinishBytes &&
+              (inc.desc.state_elems == 0 || h.body_bytes != with_state)) {
+            protocol_error(c, "FINISH of " + std::to_string(h.body_bytes) + " bytes (8, or " +
+                                  std::to_string(with_state) + " with the recurrent state)");
             return;
           }
         } else {
@@ -618,7 +628,7 @@ class TcpReceiver final : public TransferReceiver {
       reject(c, "request '" + inc.desc.request_id + "' was cancelled by the receiver");
       return;
     }
-    const wire::Finish f = wire::decode_finish(c->body);  // the size was checked
+    wire::Finish f = wire::decode_finish(c->body);  // the size was checked
     const int64_t have = layers_got(inc, c->sender);
     if (have != inc.desc.num_layers) {
       protocol_error(c, "FINISH after only " + std::to_string(have) + " of " +
@@ -632,11 +642,19 @@ class TcpReceiver final : public TransferReceiver {
                             std::to_string(inc.first_token));
       return;
     }
+    if (!f.state.empty() && inc.have_state) {
+      protocol_error(c, "a second recurrent state (rank " + std::to_string(rank) + ")");
+      return;
+    }
     if (!inc.have_token) {
       inc.have_token = true;
       inc.first_token = f.first_token;
       inc.logprob = f.logprob;
       inc.token_rank = rank;
+    }
+    if (!f.state.empty()) {
+      inc.have_state = true;
+      inc.state = std::move(f.state);
     }
     inc.finished[static_cast<size_t>(c->sender)] = true;
     touch(inc, 0, 1);
@@ -645,6 +663,11 @@ class TcpReceiver final : public TransferReceiver {
     net::async_write(c->sock, net::buffer(c->reply), [c](error_code, size_t) {});
     read_header(c);  // the sender closes after reading the reply
     if (std::all_of(inc.finished.begin(), inc.finished.end(), [](bool b) { return b; })) {
+      if (inc.desc.state_elems > 0 && !inc.have_state) {
+        fail_request(inc, "every sender finished without the recurrent state (" +
+                              std::to_string(inc.desc.state_elems) + " floats)");
+        return;
+      }
       complete_request(inc);
     }
   }
@@ -732,6 +755,7 @@ class TcpSender final : public TransferSender {
     job->request = request;
     job->num_tokens = destinations.front().num_tokens;
     job->num_layers = destinations.front().num_layers;
+    job->state_elems = destinations.front().state_elems;
     for (auto& d : destinations) {
       d.validate();
       const std::string at = where + " to " + d.dst_address + ": ";
@@ -745,6 +769,8 @@ class TcpSender final : public TransferSender {
                         " layers differ from this cache's ", g.head_dim, " x ", g.num_layers);
       TANDEM_CHECK_KIND(kInvalidArgument, d.num_tokens == job->num_tokens, at, d.num_tokens,
                         " tokens differ from another destination's ", job->num_tokens);
+      TANDEM_CHECK_KIND(kInvalidArgument, d.state_elems == job->state_elems, at, "state_elems ",
+                        d.state_elems, " differs from another destination's ", job->state_elems);
       auto slice = plan_head_slice(sharding_, rank_, d.dst_heads);
       auto [host, port] = split_address(d.dst_address);
       if (!slice) continue;
@@ -820,9 +846,18 @@ class TcpSender final : public TransferSender {
   }
 
   void finish(const std::string& request, int32_t first_token, float logprob) override {
+    finish_with_state(request, first_token, logprob, {});
+  }
+
+  void finish_with_state(const std::string& request, int32_t first_token, float logprob,
+                         std::vector<float> state) override {
     std::shared_ptr<Job> job = find_job(request, "finish");
     {
       std::lock_guard lock(mu_);
+      TANDEM_CHECK_KIND(kInvalidArgument,
+                        state.empty() || static_cast<int64_t>(state.size()) == job->state_elems,
+                        "KV transfer of request '", request, "': a recurrent state of ",
+                        state.size(), " floats, the destination expects ", job->state_elems);
       TANDEM_CHECK_KIND(kInvalidArgument, !job->user_done, "KV transfer of request '", request,
                         "': finish called twice");
       for (size_t l = 0; l < job->next_token.size(); ++l) {
@@ -846,7 +881,8 @@ class TcpSender final : public TransferSender {
       }
       for (auto& link : job->links) link->finish_queued = true;
     }
-    const auto buf = std::make_shared<Bytes>(wire::encode_finish({first_token, logprob}));
+    const auto buf =
+        std::make_shared<Bytes>(wire::encode_finish({first_token, logprob, std::move(state)}));
     for (auto& link : job->links) enqueue(job, link, {buf, true});
   }
 
@@ -897,7 +933,7 @@ class TcpSender final : public TransferSender {
   struct Job {
     std::string request;
     std::vector<int32_t> src_pages;
-    int64_t num_layers = 0, num_tokens = 0;
+    int64_t num_layers = 0, num_tokens = 0, state_elems = 0;
     std::vector<std::shared_ptr<Link>> links;  // destinations this rank owes heads
     // Guarded by TcpSender::mu_.
     std::vector<int64_t> next_token;  // per layer: tokens sent so far

@@ -22,6 +22,9 @@ void TransferDescriptor::validate() const {
                     num_tokens >= 1 && page_size >= 1 && head_dim >= 1 && num_layers >= 1, where,
                     "needs num_tokens, page_size, head_dim, num_layers >= 1, got ", num_tokens,
                     ", ", page_size, ", ", head_dim, ", ", num_layers);
+  // A bound on the FINISH body a receiver accepts: 1 GiB of state (Qwen3.5-397B's is ~0.2 GB).
+  TANDEM_CHECK_KIND(kInvalidArgument, state_elems >= 0 && state_elems <= (int64_t{1} << 28), where,
+                    "state_elems ", state_elems, " out of range [0, 2^28]");
   const int64_t need = (num_tokens + page_size - 1) / page_size;
   TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(dst_pages.size()) >= need, where,
                     dst_pages.size(), " destination pages cannot hold ", num_tokens,

@@ -43,6 +43,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/error.h"
 #include "kv/kv_cache.h"
 #include "transfer/head_map.h"
 
@@ -61,6 +62,9 @@ struct TransferDescriptor {
   int64_t page_size = 0;           // destination tokens per page (the source's may differ)
   int64_t head_dim = 0;
   int64_t num_layers = 0;
+  /// Hybrid models (Qwen3.5): floats of the sequence's recurrent state (Model::state_slot_elems)
+  /// that travel with the FINISH (finish_with_state), 0 for attention-only models.
+  int64_t state_elems = 0;
 
   /// Checks the fields against each other (not against a cache); throws
   /// Error(kInvalidArgument) naming the request.
@@ -96,6 +100,9 @@ struct ReceiverCallbacks {
   std::function<void(const std::string& request, int32_t first_token, float logprob)> on_complete;
   /// The request's transfer failed; the engine frees its pages.
   std::function<void(const std::string& request, const std::string& message)> on_error;
+  /// Hybrid models (descriptor state_elems > 0): the request's recurrent state, once, right
+  /// before on_complete (same thread). Not called when the request fails.
+  std::function<void(const std::string& request, std::vector<float> state)> on_state;
 };
 
 /// The prefill side of one rank. Thread-safe; callbacks run on the backend's thread. Exactly
@@ -135,6 +142,17 @@ class TransferSender {
   /// Ends the request after its last send_layer: every destination gets the first sampled
   /// token and its logprob. Throws Error(kInvalidArgument) if a layer is not whole.
   virtual void finish(const std::string& request, int32_t first_token, float logprob) = 0;
+  /// finish() for a hybrid model's request: `state` (descriptor state_elems floats, the
+  /// sequence's recurrent state after the prompt) goes with the first token. A receiver whose
+  /// descriptor has state_elems > 0 fails the request without it. Throws
+  /// Error(kInvalidArgument) on a state of another size, Error(kUnsupported) where the backend
+  /// carries no state (the default, for a non-empty state).
+  virtual void finish_with_state(const std::string& request, int32_t first_token, float logprob,
+                                 std::vector<float> state) {
+    TANDEM_CHECK_KIND(kUnsupported, state.empty(), "KV transfer of request '", request,
+                      "': this transfer backend does not carry a recurrent state");
+    finish(request, first_token, logprob);
+  }
   /// Drops the request (e.g. the client went away); no callback follows. The destinations
   /// see the transfer fail and report it there.
   virtual void abort(const std::string& request) = 0;

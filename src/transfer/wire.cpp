@@ -91,9 +91,13 @@ std::vector<uint8_t> encode_layer(const LayerPrefix& prefix, int64_t payload_flo
 
 std::vector<uint8_t> encode_finish(const Finish& f) {
   std::vector<uint8_t> out;
-  put_header(out, MsgType::kFinish, kFinishBytes);
+  const uint64_t state_bytes = f.state.size() * sizeof(float);
+  put_header(out, MsgType::kFinish, kFinishBytes + state_bytes);
   put<int32_t>(out, f.first_token);
   put<float>(out, f.logprob);
+  const size_t at = out.size();
+  out.resize(at + state_bytes);
+  if (state_bytes > 0) std::memcpy(out.data() + at, f.state.data(), state_bytes);
   return out;
 }
 
@@ -155,6 +159,11 @@ Finish decode_finish(std::span<const uint8_t> body) {
   Finish f;
   f.first_token = in.take<int32_t>();
   f.logprob = in.take<float>();
+  TANDEM_CHECK_KIND(kInvalidArgument, (body.size() - kFinishBytes) % sizeof(float) == 0,
+                    "malformed FINISH: a state of ", body.size() - kFinishBytes,
+                    " bytes is not whole floats");
+  f.state.resize((body.size() - kFinishBytes) / sizeof(float));
+  for (float& v : f.state) v = in.take<float>();
   in.expect_end();
   return f;
 }

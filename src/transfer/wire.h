@@ -11,7 +11,8 @@
 //           i64 num_tokens | i64 head_dim | u8 dtype (0 = f32)
 //   LAYER   i64 layer | i64 token_begin | i64 token_end |
 //           f32 [2 (k, v), heads, token_end - token_begin, head_dim]     (transfer/kv_pack.h)
-//   FINISH  i32 first_token | f32 logprob
+//   FINISH  i32 first_token | f32 logprob | f32 state[n]   (n = 0, or the descriptor's
+//           state_elems: a hybrid model's recurrent state, from one sending rank)
 // The receiver answers once on the same connection, receiver -> sender:
 //   REPLY   u32 magic "TKVR" | u16 status (0 ok, 1 error) | u16 reserved | u32 message_bytes |
 //           message (UTF-8)
@@ -40,8 +41,8 @@ constexpr uint32_t kReplyMagic = 0x52564B54;  // "TKVR"
 constexpr uint16_t kVersion = 1;
 constexpr size_t kHeaderBytes = 16;
 constexpr size_t kReplyHeaderBytes = 12;
-constexpr size_t kLayerPrefixBytes = 24;  // i64 layer, token_begin, token_end
-constexpr size_t kFinishBytes = 8;
+constexpr size_t kLayerPrefixBytes = 24;        // i64 layer, token_begin, token_end
+constexpr size_t kFinishBytes = 8;              // without a state
 constexpr uint64_t kMaxHelloBytes = 64 * 1024;  // request ids are short
 constexpr uint32_t kMaxReplyMessageBytes = 64 * 1024;
 
@@ -72,6 +73,7 @@ struct LayerPrefix {
 struct Finish {
   int32_t first_token = 0;
   float logprob = 0.0f;
+  std::vector<float> state;  // empty, or the request's recurrent state
 };
 
 struct Reply {

@@ -217,7 +217,8 @@ struct Decode {
 
   // Reserves pages on every rank, registers the request, returns the descriptors.
   std::vector<TransferDescriptor> reserve(const std::string& id, int64_t tokens,
-                                          const KvSharding& src, std::mt19937& rng) {
+                                          const KvSharding& src, std::mt19937& rng,
+                                          int64_t state_elems = 0) {
     std::vector<TransferDescriptor> out;
     for (size_t i = 0; i < ranges.size(); ++i) {
       const auto& g = caches[i]->geometry();
@@ -231,6 +232,7 @@ struct Decode {
       d.page_size = g.page_size;
       d.head_dim = g.head_dim;
       d.num_layers = g.num_layers;
+      d.state_elems = state_elems;
       receivers[i]->expect(d);
       out.push_back(std::move(d));
     }
@@ -423,6 +425,87 @@ TEST(TcpTransfer, CompletesOnlyAfterTheLastPieceAndFinish) {
   ASSERT_EQ(e.kind, "complete") << e.message;
   EXPECT_EQ(e.token, 5);
   EXPECT_TRUE(decode.check(0, {{&ref, &descs[0]}}));
+}
+
+// Hybrid models: the recurrent state travels with the FINISH of the rank that sends it and
+// reaches on_state (before on_complete) bit for bit; a request whose senders all finish without
+// it fails; a state of the wrong size is refused at the sender.
+TEST(TcpTransfer, RecurrentStateTravelsWithTheFinish) {
+  const ModelShape m{2, 3, 8};  // 2 KV heads, 3 layers
+  auto b = backend();
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> ud(-2.f, 2.f);
+  std::vector<float> state(1000);  // the FINISH body: 8 + 4000 bytes
+  for (float& v : state) v = ud(rng);
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE("prefill tp " + std::to_string(tp));
+    Events ev;
+    Prefill prefill(m, tp, 8, *b, ev);
+    Decode decode(m, {{0, 2}}, 16, *b, ev);
+    std::mutex mu;
+    std::map<std::string, std::vector<float>> got;
+    std::vector<std::string> order;  // "state r" / "complete r", as the callbacks ran
+    ReceiverCallbacks cbs = ev.receiver("rx0");
+    auto complete = cbs.on_complete;
+    cbs.on_complete = [&, complete](const std::string& r, int32_t t, float lp) {
+      {
+        std::lock_guard lock(mu);
+        order.push_back("complete " + r);
+      }
+      complete(r, t, lp);
+    };
+    cbs.on_state = [&](const std::string& r, std::vector<float> s) {
+      std::lock_guard lock(mu);
+      order.push_back("state " + r);
+      got[r] = std::move(s);
+    };
+    decode.receivers[0] = b->make_receiver(*decode.caches[0], cbs);
+    const Reference ref(m, 20, 3);
+    // "s": rank 0 sends the state; "n": nobody does; "w": a state of another size.
+    for (const std::string id : {"s", "n", "w"}) {
+      const auto tables = prefill.store(ref, rng);
+      const auto descs =
+          decode.reserve(id, 20, prefill.sharding, rng, static_cast<int64_t>(state.size()));
+      prefill.begin_all(id, descs, tables);
+      for (int64_t l = 0; l < m.layers; ++l) prefill.send_all(id, l);
+      if (id == "w") {
+        EXPECT_THROW(prefill.senders[0]->finish_with_state(id, 7, -0.5f,
+                                                           std::vector<float>(state.size() - 1)),
+                     Error);
+        for (auto& s : prefill.senders) s->abort(id);
+        decode.receivers[0]->cancel(id);
+        continue;
+      }
+      for (size_t r = 0; r < prefill.senders.size(); ++r) {
+        if (id == "s" && r == 0) {
+          prefill.senders[r]->finish_with_state(id, 7, -0.5f, state);
+        } else {
+          prefill.senders[r]->finish(id, 7, -0.5f);
+        }
+      }
+      const auto e = ev.wait("rx0/" + id);
+      if (id == "s") {
+        ASSERT_EQ(e.kind, "complete") << e.message;
+        EXPECT_EQ(e.token, 7);
+        std::lock_guard lock(mu);
+        EXPECT_EQ(got["s"], state);
+        EXPECT_EQ(order, (std::vector<std::string>{"state s", "complete s"}));
+      } else {
+        EXPECT_EQ(e.kind, "error");
+        EXPECT_NE(e.message.find("recurrent state"), std::string::npos) << e.message;
+        std::lock_guard lock(mu);
+        EXPECT_FALSE(got.contains("n"));
+      }
+    }
+    // A plain (attention-only) request on the same receiver still completes without one.
+    const auto tables = prefill.store(ref, rng);
+    const auto descs = decode.reserve("plain", 20, prefill.sharding, rng);
+    prefill.begin_all("plain", descs, tables);
+    for (int64_t l = 0; l < m.layers; ++l) prefill.send_all("plain", l);
+    EXPECT_THROW(prefill.senders[0]->finish_with_state("plain", 3, 0.f, state), Error);
+    prefill.finish_all("plain", 3, 0.f);
+    EXPECT_EQ(ev.wait("rx0/plain").kind, "complete");
+  }
 }
 
 TEST(TcpTransfer, ChunkedPrefillStreamsEachChunkOfEachLayer) {

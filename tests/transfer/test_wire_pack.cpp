@@ -130,6 +130,23 @@ TEST(Wire, RoundTripsAndRejectsMalformedInput) {
   const auto f = wire::decode_finish(std::span<const uint8_t>(fin).subspan(wire::kHeaderBytes));
   EXPECT_EQ(f.first_token, 1234);
   EXPECT_EQ(f.logprob, -0.25f);
+  EXPECT_TRUE(f.state.empty());
+  // With a hybrid model's recurrent state.
+  const std::vector<float> state = {1.5f, -2.f, 3.25f};
+  const auto fs = wire::encode_finish({9, -1.f, state});
+  EXPECT_EQ(fs.size(), wire::kHeaderBytes + wire::kFinishBytes + 12);
+  EXPECT_EQ(wire::decode_header(
+                std::span<const uint8_t, wire::kHeaderBytes>(fs.data(), wire::kHeaderBytes))
+                .body_bytes,
+            wire::kFinishBytes + 12);
+  const auto g = wire::decode_finish(std::span<const uint8_t>(fs).subspan(wire::kHeaderBytes));
+  EXPECT_EQ(g.first_token, 9);
+  EXPECT_EQ(g.state, state);
+  EXPECT_THROW(
+      wire::decode_finish(std::span<const uint8_t>(fs).subspan(wire::kHeaderBytes, 8 + 11)),
+      Error);  // not whole floats
+  EXPECT_THROW(wire::decode_finish(std::span<const uint8_t>(fs).subspan(wire::kHeaderBytes, 6)),
+               Error);  // truncated
 
   const auto reply = wire::encode_reply({false, "nope"});
   uint32_t n = 0;
