@@ -105,6 +105,7 @@ TEST(RoleMessages, StepOutputAndDescriptorRoundTrip) {
   d.page_size = 16;
   d.head_dim = 8;
   d.num_layers = 3;
+  d.state_elems = 77;
   ByteWriter w;
   put_descriptor(w, d);
   ByteReader rd(w.bytes());
@@ -116,6 +117,7 @@ TEST(RoleMessages, StepOutputAndDescriptorRoundTrip) {
   EXPECT_EQ(e.src, d.src);
   EXPECT_EQ(e.num_tokens, 20);
   EXPECT_EQ(e.num_layers, 3);
+  EXPECT_EQ(e.state_elems, 77);
   EXPECT_EQ(rd.left(), 0u);
 }
 
