@@ -670,6 +670,11 @@ std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const {
   return out;
 }
 
+void Qwen35MoeCuda::reset_graphs() {
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  impl_->drop_graphs();
+}
+
 bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   Impl& im = *impl_;
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));

@@ -61,6 +61,9 @@ class Qwen35MoeCuda final : public Model {
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Batch-size buckets captured so far.
   std::vector<int64_t> captured_buckets() const;
+  /// Drops the captured decode graphs (the next decode step of each bucket captures again), e.g.
+  /// after a change of backend/cuda/decode_switches.h, which a graph keeps as captured.
+  void reset_graphs();
   int64_t num_linear_layers() const;
   int64_t num_attention_layers() const;
 
