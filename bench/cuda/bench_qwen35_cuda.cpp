@@ -9,7 +9,9 @@
 // Several checkpoints run one after the other in one process (one set of ceilings); each row's
 // shape names its checkpoint (the directory's last component).
 // --switches: decode rows per backend/cuda/decode_switches.h setting: default (the switches'
-// defaults), base (every switch off), all (every switch on); graphs captured again for each.
+// defaults), base (every switch off), all (every switch on), each optionally + "+serial" (the
+// shared expert on the main stream instead of beside the routed experts: the model's
+// set_shared_expert_fork(false)); graphs captured again for each.
 // A/B: TANDEM_PREFILL_ATTENTION=fa2 (our FA2 kernel instead of FlashInfer's sm90 prefill),
 // TANDEM_DELTA_RULE=sequential (the per-token delta rule instead of the chunked one).
 // Each number beside its bound measured in the same run (bench_util.h):
@@ -151,12 +153,15 @@ int main(int argc, char** argv) {
   for (int64_t v : prefills) bad = bad || v < 16;
   for (int64_t v : batches) bad = bad || v < 1 || v > 256;
   for (int64_t v : contexts) bad = bad || v < 2;
-  for (const std::string& v : switches) bad = bad || (v != "default" && v != "base" && v != "all");
+  for (std::string v : switches) {
+    if (v.size() > 7 && v.compare(v.size() - 7, 7, "+serial") == 0) v.resize(v.size() - 7);
+    bad = bad || (v != "default" && v != "base" && v != "all");
+  }
   if (dirs.empty() || bad) {
     std::printf(
         "usage: bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR ...] [--quick]\n"
         "  [--batches 1,32,128] [--contexts 1024,8192] [--prefill TOKENS[,TOKENS...]]\n"
-        "  [--switches default,base,all] [--prefill-only] [--decode-only]\n");
+        "  [--switches default,base,all[+serial],...] [--prefill-only] [--decode-only]\n");
     return 2;
   }
   bench::OpBench b;
@@ -194,9 +199,12 @@ int main(int argc, char** argv) {
       // Decode: B sequences at ctx - 1 (pages 0..ctx/page of sequence b at b * pages_per_seq).
       for (const std::string& sw : switches) {
         if (prefill_only) break;
-        cuda::decode_switches() = sw == "base"  ? cuda::DecodeSwitches::all_off()
-                                  : sw == "all" ? cuda::DecodeSwitches::all_on()
-                                                : cuda::DecodeSwitches{};
+        const bool serial = sw.size() > 7 && sw.compare(sw.size() - 7, 7, "+serial") == 0;
+        const std::string base = serial ? sw.substr(0, sw.size() - 7) : sw;
+        cuda::decode_switches() = base == "base"  ? cuda::DecodeSwitches::all_off()
+                                  : base == "all" ? cuda::DecodeSwitches::all_on()
+                                                  : cuda::DecodeSwitches{};
+        model->set_shared_expert_fork(!serial);
         model->reset_graphs();
         for (int64_t ctx : contexts) {
           for (int64_t B : batches) {
@@ -241,6 +249,7 @@ int main(int argc, char** argv) {
         }
       }
       cuda::decode_switches() = cuda::DecodeSwitches{};
+      model->set_shared_expert_fork(true);
       model->reset_graphs();
 
       // Prefill: one prompt of T tokens.

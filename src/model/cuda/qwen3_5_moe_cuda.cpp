@@ -133,6 +133,19 @@ struct Qwen35MoeCuda::Impl {
   }();
   std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
+  // Steps of at most kForkMaxTokens tokens run the shared expert (gate_up, SiLU, down) on a
+  // second stream beside the router and the routed experts (both read the post-attention norm;
+  // the shared expert's gate joins them): at decode sizes these are latency-bound kernels of few
+  // CTAs, so the two chains overlap. Its own GemmLt (one per stream). Off:
+  // set_shared_expert_fork(false) or TANDEM_Q35_SHARED_FORK=0.
+  static constexpr int64_t kForkMaxTokens = 256;
+  bool fork_shared = [] {
+    const char* e = std::getenv("TANDEM_Q35_SHARED_FORK");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  cudaStream_t side = nullptr;
+  cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
+  std::unique_ptr<cuda::GemmLt> gemm_side;
 
   // Metadata: eager buffers and the captured graphs' own.
   DeviceMem e_tables, e_meta, g_meta, g_tables;
@@ -155,6 +168,10 @@ struct Qwen35MoeCuda::Impl {
   ~Impl() {
     drop_graphs();
     if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
+    if (ev_fork != nullptr) (void)cudaEventDestroy(ev_fork);
+    if (ev_join != nullptr) (void)cudaEventDestroy(ev_join);
+    gemm_side.reset();
+    if (side != nullptr) (void)cudaStreamDestroy(side);
   }
   void drop_graphs() {
     for (auto& [b, g] : graphs) (void)cudaGraphExecDestroy(g);
@@ -369,6 +386,10 @@ struct Qwen35MoeCuda::Impl {
     logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
     sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
     gemm = std::make_unique<cuda::GemmLt>();
+    gemm_side = std::make_unique<cuda::GemmLt>();
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming));
     moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
                                            c.num_experts_per_tok, 0, c.num_experts, true);
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
@@ -537,10 +558,21 @@ struct Qwen35MoeCuda::Impl {
       }
       // MoE block: routed experts + the sigmoid-gated shared expert.
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
+      // The shared expert reads XN and writes sgu / sact / sout only; the next writer of XN
+      // (the next layer's norm) comes after the join below.
+      const bool fork = fork_shared && n <= kForkMaxTokens;
+      cudaStream_t ss = fork ? side : stream;
+      cuda::GemmLt& sg = fork ? *gemm_side : *gemm;
+      if (fork) {
+        TANDEM_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
+        TANDEM_CUDA_CHECK(cudaStreamWaitEvent(side, ev_fork, 0));
+      }
+      sg.run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, ss);
+      cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, ss);
+      sg.run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, ss);
+      if (fork) TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
       moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
-      gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
-      cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
-      gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+      if (fork) TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
       cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
     }
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
@@ -674,6 +706,14 @@ void Qwen35MoeCuda::reset_graphs() {
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   impl_->drop_graphs();
 }
+
+void Qwen35MoeCuda::set_shared_expert_fork(bool on) {
+  if (impl_->fork_shared == on) return;
+  reset_graphs();
+  impl_->fork_shared = on;
+}
+
+bool Qwen35MoeCuda::shared_expert_fork() const { return impl_->fork_shared; }
 
 bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   Impl& im = *impl_;

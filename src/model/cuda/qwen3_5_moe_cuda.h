@@ -64,6 +64,11 @@ class Qwen35MoeCuda final : public Model {
   /// Drops the captured decode graphs (the next decode step of each bucket captures again), e.g.
   /// after a change of backend/cuda/decode_switches.h, which a graph keeps as captured.
   void reset_graphs();
+  /// Steps of up to 256 tokens run the shared expert on a second stream beside the routed
+  /// experts (default on; TANDEM_Q35_SHARED_FORK=0 at load turns it off). Changing it drops the
+  /// captured graphs.
+  void set_shared_expert_fork(bool on);
+  bool shared_expert_fork() const;
   int64_t num_linear_layers() const;
   int64_t num_attention_layers() const;
 
