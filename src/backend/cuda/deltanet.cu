@@ -221,22 +221,26 @@ __global__ void __launch_bounds__(128) delta_prep_kernel(GatedDeltaRuleParams p)
   }
 }
 
-// One block per (32 value columns, value head, sequence): 4 warps split the k_dim rows of the
-// state, lane l owns column 32 * blockIdx.x + l; the block's state slice stays in registers
-// over the sequence's tokens (read once, written once).
+// A decode step (one token per sequence; also correct for several): one block per (32 value
+// columns, value head, sequence): 4 warps split the k_dim rows of the state, lane l owns column
+// 32 * blockIdx.x + l; the block's state slice stays in registers over the sequence's tokens
+// (read once, written once). The block normalises its token's q / k head and computes its gates
+// itself (what delta_prep_kernel does, in the same order of operations), so a decode step is
+// one kernel: the q / k head is read by the hv / hk value heads' column blocks (a few KB).
 constexpr int kDeltaWarps = 4;
 template <int kDk>
 __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDeltaRuleParams p) {
   constexpr int kRows = kDk / kDeltaWarps;
   __shared__ float sQ[kDk], sK[kDk];
   __shared__ float sRed1[kDeltaWarps][32], sRed2[kDeltaWarps][32];
+  __shared__ float sInv[2], sGate[2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + lane;
   const int64_t h = blockIdx.y, s = blockIdx.z;
   const int64_t kh = h / (hv / hk);
   const bool col = j < dv;
-  const Ws ws = ws_at(p);
+  const float q_scale = rsqrtf(static_cast<float>(kDk));
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
@@ -248,13 +252,33 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
 
   bf16 const* gV = p.qkv + 2 * hk * kDk + h * dv + j;
   for (int64_t t = begin; t < end; ++t) {
-    __syncthreads();  // the previous token is done with sQ / sK / sRed1
-    for (int i = threadIdx.x; i < kDk; i += blockDim.x) {
-      sQ[i] = ws.q[(t * hk + kh) * kDk + i];
-      sK[i] = ws.k[(t * hk + kh) * kDk + i];
+    __syncthreads();  // the previous token is done with sQ / sK / sRed1 / sInv / sGate
+    bf16 const* row = p.qkv + t * p.qkv_stride;
+    // Warp 0: the q head's sum of squares, warp 1: the k head's (lane-strided, then the warp
+    // sum: delta_prep_kernel's order); warp 2: the gates.
+    if (warp < 2) {
+      bf16 const* src = row + (warp == 0 ? kh : hk + kh) * kDk;
+      float ss = 0.f;
+      for (int i = lane; i < kDk; i += 32) {
+        const float v = __bfloat162float(src[i]);
+        ss += v * v;
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) sInv[warp] = 1.0f / sqrtf(ss + 1e-6f) * (warp == 0 ? q_scale : 1.0f);
+    } else if (warp == 2 && lane == 0) {
+      const float b = __bfloat162float(p.b[t * p.ab_stride + h]);
+      const float x = __bfloat162float(p.a[t * p.ab_stride + h]) + p.dt_bias[h];
+      const float sp = x > 20.0f ? x : log1pf(expf(x));
+      sGate[0] = -expf(p.a_log[h]) * sp;
+      sGate[1] = 1.0f / (1.0f + expf(-b));
     }
     __syncthreads();
-    const float decay = expf(ws.g[t * hv + h]), beta = ws.beta[t * hv + h];
+    for (int i = threadIdx.x; i < kDk; i += blockDim.x) {
+      sQ[i] = __bfloat162float(row[kh * kDk + i]) * sInv[0];
+      sK[i] = __bfloat162float(row[(hk + kh) * kDk + i]) * sInv[1];
+    }
+    __syncthreads();
+    const float decay = expf(sGate[0]), beta = sGate[1];
     float part = 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -1102,8 +1126,10 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
     }
     return;
   }
-  delta_prep_kernel<false><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
-  TANDEM_CUDA_CHECK_LAUNCH();
+  if (!decode) {  // the decode kernel normalises q / k and computes the gates itself
+    delta_prep_kernel<false><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
+    TANDEM_CUDA_CHECK_LAUNCH();
+  }
   if (p.seqs.num_seqs == 0) return;
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
                   static_cast<unsigned>(p.seqs.num_seqs));
