@@ -1003,6 +1003,7 @@ void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
   chunk_wy_kernel<kDk><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_v_heads)),
                          128, wy_smem, stream>>>(p, vec_v);
   TANDEM_CUDA_CHECK_LAUNCH();
+  if (p.stages < 3) return;
   constexpr size_t st_smem = StateShape<kDk>::kSmemBytes;
   raise_smem(chunk_state_kernel<kDk>, st_smem);
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
@@ -1118,7 +1119,7 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
   if (chunked) {
     delta_prep_kernel<true><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
     TANDEM_CUDA_CHECK_LAUNCH();
-    if (p.seqs.num_seqs == 0) return;
+    if (p.seqs.num_seqs == 0 || p.stages < 2) return;
     if (p.k_dim == 64) {
       chunked_dispatch<64>(p, stream);
     } else {
