@@ -211,7 +211,7 @@ int main(int argc, char** argv) {
             b.guarded("decode", [&] {
               const int64_t per_seq = (ctx + page - 1) / page;
               KvCache kv = model->make_kv_cache(B * per_seq + 1, page);
-              kv.allocate_states(B, model->state_slot_elems());
+              if (model->state_slot_elems() > 0) kv.allocate_states(B, model->state_slot_elems());
               std::vector<std::vector<int32_t>> tables(static_cast<size_t>(B));
               std::vector<int32_t> tokens(static_cast<size_t>(B));
               for (int64_t i = 0; i < B; ++i) {
@@ -258,7 +258,7 @@ int main(int argc, char** argv) {
         b.guarded("prefill", [&] {
           const int64_t pages = (prefill_t + page - 1) / page;
           KvCache kv = model->make_kv_cache(pages + 1, page);
-          kv.allocate_states(1, model->state_slot_elems());
+          if (model->state_slot_elems() > 0) kv.allocate_states(1, model->state_slot_elems());
           std::vector<int32_t> table(static_cast<size_t>(pages)),
               tokens(static_cast<size_t>(prefill_t));
           std::iota(table.begin(), table.end(), 0);
