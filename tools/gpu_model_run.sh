@@ -27,6 +27,7 @@
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
 #   bench_fp8_mxfp8), profile_decode (per-kernel decode step),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
+#   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_spec_verify, bench_spec_e2e (MTP speculative decoding: bench_spec_cuda)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
@@ -184,6 +185,17 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
   step bench_qwen35_cuda 300 bash -c "rm -rf /tmp/q35l && \
     '$BIN/make_random_checkpoint' --out /tmp/q35l --preset qwen3.5-35b-a3b --layers 4 && \
     '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_BENCH_ARGS:-}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
+  # One Qwen3.5-122B-A10B layer of each kind at real shapes (a DeltaNet + attention pair and the
+  # attention layer alone, vocab 1024 so the head is < 1% of the bound; 15 GB in /dev/shm):
+  # the DeltaNet layer's figures are the pair's minus the attention layer's.
+  export TANDEM_BENCH_CSV="$LOG/bench_qwen35_122b.csv"
+  step bench_qwen35_122b 300 bash -c "d=/dev/shm/q122l; rm -rf \$d && \
+    '$BIN/make_random_checkpoint' --out \$d/pair --preset qwen3.5-122b-a10b --layers 2 \
+      --full-attention-interval 2 --vocab 1024 && \
+    '$BIN/make_random_checkpoint' --out \$d/attn --preset qwen3.5-122b-a10b --layers 1 \
+      --full-attention-interval 1 --vocab 1024 && \
+    '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
+      --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
 fi
 # MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1
 # tokens vs the 1-token step, 30B 48 layers and one 235B layer, B 1 / 8 / 32 / 128, K 0..4) and
@@ -213,6 +225,7 @@ done
 [ -f "$LOG/bench_model_mxfp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_mxfp8.log"
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"
 [ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
+[ -f "$LOG/bench_qwen35_122b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_122b.log"
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
 done
