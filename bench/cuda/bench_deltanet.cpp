@@ -15,8 +15,6 @@
 //   bench_deltanet [--quick]   CSV to $TANDEM_BENCH_CSV when set
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -89,21 +87,17 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
   // Prefill: the chunked form, its first kernels alone (stages 1: q / k norm + gates, 2: + the
   // per-chunk WY kernel; the sequence-order state kernel is the difference to the whole), the
   // per-token recurrence.
-  // gdr_state8w: the chunked form with the 8-warp sequence-order kernel (state_warps 8), its
-  // output checked against the 4-warp kernel's from the same initial state.
   struct Variant {
     const char* name;
     bool sequential;
     int stages;
-    int state_warps = 4;
   };
   const Variant variants[] = {{"gated_delta_rule", false, 3},
-                              {"gdr_state8w", false, 3, 8},
                               {"gdr_chunked_prep", false, 1},
                               {"gdr_chunked_prep_wy", false, 2},
                               {"gated_delta_rule_seq", true, 3}};
   for (const Variant& var : variants) {
-    if (len == 1 && (var.sequential || var.stages < 3 || var.state_warps != 4)) continue;
+    if (len == 1 && (var.sequential || var.stages < 3)) continue;  // decode has one kernel
     const bool sequential = var.sequential;
     const char* name = var.name;
     b.guarded(name, [&] {
@@ -127,28 +121,6 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       p.state_stride = slot_stride;
       p.sequential = sequential;
       p.stages = var.stages;
-      p.state_warps = var.state_warps;
-      if (var.state_warps != 4) {  // one call of each kernel from zero states, outputs compared
-        auto once = [&](int warps) {
-          TANDEM_CUDA_CHECK(cudaMemsetAsync(states.ptr, 0, states.bytes, b.stream));
-          GatedDeltaRuleParams q = p;
-          q.state_warps = warps;
-          gated_delta_rule_launch(q, b.stream);
-          std::vector<float> h(static_cast<size_t>(T * kHv * kDv));
-          TANDEM_CUDA_CHECK(
-              cudaMemcpyAsync(h.data(), out.ptr, h.size() * 4, cudaMemcpyDeviceToHost, b.stream));
-          TANDEM_CUDA_CHECK(cudaStreamSynchronize(b.stream));
-          return h;
-        };
-        const std::vector<float> ref = once(4), got = once(var.state_warps);
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ref.size(); ++i) {
-          num += (got[i] - ref[i]) * static_cast<double>(got[i] - ref[i]);
-          den += ref[i] * static_cast<double>(ref[i]);
-        }
-        std::printf("%s %s: relative difference to the 4-warp kernel %.3e\n", name, shape.c_str(),
-                    std::sqrt(num / std::max(den, 1e-30)));
-      }
       const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
       // qkv read, out written (fp32), the state read and written once per sequence.
       const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;

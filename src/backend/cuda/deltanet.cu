@@ -761,16 +761,11 @@ struct StateShape {
   static constexpr int kStages = 3;
   static constexpr size_t kSmemBytes =
       (kStages * kStage + kDk * kLdV + 2 * kChunk * kLdV) * sizeof(bf16) + kChunk * sizeof(float);
+  static constexpr int kMt = kDk / 64;  // 16-row tiles of the state per warp
 };
-// kW warps (4, or 8 at k_dim 128: GatedDeltaRuleParams::state_warps): the state's rows split
-// over all of them (kMt 16-row tiles each); the chunk's U / O rows over warps % 4, their 32
-// columns over warps / 4 (kNt 8-column tiles each).
-template <int kDk, int kW>
-__global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRuleParams p) {
+template <int kDk>
+__global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p) {
   using Sh = StateShape<kDk>;
-  constexpr int kMt = kDk / (16 * kW);  // 16-row tiles of the state per warp
-  constexpr int kNt = 16 / kW;          // 8-column tiles of U / O per warp
-  static_assert(kMt >= 1 && kNt >= 1, "chunk_state_kernel: unsupported warps");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sStage = reinterpret_cast<bf16*>(smem_raw);
   bf16* sS = sStage + Sh::kStages * Sh::kStage;
@@ -789,10 +784,10 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
 
   // The state: accS[mt][nt] holds rows srow(mt) + g (+ 8), columns 8 nt + 2 t (+ 1).
-  const int srow0 = warp * (kDk / kW);
-  float accS[kMt][4][4];
+  const int srow0 = warp * (kDk / 4);
+  float accS[Sh::kMt][4][4];
 #pragma unroll
-  for (int mt = 0; mt < kMt; ++mt) {
+  for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -805,7 +800,7 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
   }
   auto write_sS = [&] {
 #pragma unroll
-    for (int mt = 0; mt < kMt; ++mt) {
+    for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -889,18 +884,18 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
     const int hi = end - t0 < kChunk ? static_cast<int>(end - t0) : kChunk;
     const float g_last = sGam[hi - 1];
 
-    // U = U' - W S0 and Q S0 for the warp's 16 token rows and 8 kNt columns.
-    const int r0 = 16 * (warp & 3), n0 = 8 * kNt * (warp >> 2);
-    float accU[kNt][4] = {}, accO[kNt][4] = {};
+    // U = U' - W S0 and Q S0 for the warp's 16 token rows.
+    const int r0 = 16 * warp;
+    float accU[4][4] = {}, accO[4][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kDk; kk += 16) {
       uint32_t aw[4], aq[4];
       frag_a(aw, sW, Sh::kLdK, r0, kk);
       frag_a(aq, sQ, Sh::kLdK, r0, kk);
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
+      for (int nt = 0; nt < 4; ++nt) {
         uint32_t b0, b1;
-        frag_b_kn(b0, b1, sS, Sh::kLdV, kk, n0 + 8 * nt);
+        frag_b_kn(b0, b1, sS, Sh::kLdV, kk, 8 * nt);
         mma16816(accU[nt], aw, b0, b1);
         mma16816(accO[nt], aq, b0, b1);
       }
@@ -913,8 +908,8 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
       const float f = in ? expf(g_last - gi) : 0.f;
       const float gq = in ? expf(gi) : 0.f;
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        const int j = n0 + 8 * nt + 2 * t;
+      for (int nt = 0; nt < 4; ++nt) {
+        const int j = 8 * nt + 2 * t;
         const float2 up =
             __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(sUp + i * Sh::kLdV + j));
         const float u0 = in ? up.x - accU[nt][2 * hh] : 0.f;
@@ -929,17 +924,17 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
     __syncthreads();  // sU, sUt complete; every warp is done with sS
 
     // O = diag(G) Q S0 + P U.
-    warp_gemm_kn<kNt, kChunk>(accO, sP, Sh::kLdP, r0, sU, Sh::kLdV, n0);
+    warp_gemm_kn<4, kChunk>(accO, sP, Sh::kLdP, r0, sU, Sh::kLdV, 0);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int i = r0 + g + 8 * hh;
       if (i < lo || i >= hi) continue;
       float* o = p.out + ((t0 + i) * hv + h) * dv;
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
+      for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int64_t c = col0 + n0 + 8 * nt + 2 * t + e;
+          const int64_t c = col0 + 8 * nt + 2 * t + e;
           if (c < dv) o[c] = accO[nt][2 * hh + e];
         }
       }
@@ -947,7 +942,7 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
     // S = G_last S0 + K^T Ut.
     const float decay = expf(g_last);
 #pragma unroll
-    for (int mt = 0; mt < kMt; ++mt) {
+    for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -957,7 +952,7 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
 #pragma unroll
     for (int kk = 0; kk < kChunk; kk += 16) {
 #pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) {
+      for (int mt = 0; mt < Sh::kMt; ++mt) {
         uint32_t a[4];
         frag_a_t(a, sK, Sh::kLdK, srow0 + 16 * mt, kk);
 #pragma unroll
@@ -975,7 +970,7 @@ __global__ void __launch_bounds__(kW * 32) chunk_state_kernel(GatedDeltaRulePara
   }
   if (gS != nullptr) {
 #pragma unroll
-    for (int mt = 0; mt < kMt; ++mt) {
+    for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -1010,18 +1005,10 @@ void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.stages < 3) return;
   constexpr size_t st_smem = StateShape<kDk>::kSmemBytes;
+  raise_smem(chunk_state_kernel<kDk>, st_smem);
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
                   static_cast<unsigned>(p.seqs.num_seqs));
-  if constexpr (kDk == 128) {
-    if (p.state_warps == 8) {
-      raise_smem(chunk_state_kernel<kDk, 8>, st_smem);
-      chunk_state_kernel<kDk, 8><<<grid, 256, st_smem, stream>>>(p);
-      TANDEM_CUDA_CHECK_LAUNCH();
-      return;
-    }
-  }
-  raise_smem(chunk_state_kernel<kDk, 4>, st_smem);
-  chunk_state_kernel<kDk, 4><<<grid, 128, st_smem, stream>>>(p);
+  chunk_state_kernel<kDk><<<grid, 128, st_smem, stream>>>(p);
   TANDEM_CUDA_CHECK_LAUNCH();
 }
 

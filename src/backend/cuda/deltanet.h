@@ -74,9 +74,6 @@ struct GatedDeltaRuleParams {
   // Benchmarks only: the chunked form stops after its first `stages` kernels (1: the q / k norm
   // and gates, 2: + the per-chunk WY kernel, 3: + the sequence-order state kernel, all).
   int stages = 3;
-  // Warps per block of the chunked form's sequence-order kernel: 4, or 8 (k_dim 128 only:
-  // half the columns of U / O and half the state's rows per warp). A/B in the benchmark.
-  int state_warps = 4;
 };
 void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream);
 /// fp32 elements of GatedDeltaRuleParams::workspace for num_tokens tokens.
