@@ -9,9 +9,10 @@
 // Several checkpoints run one after the other in one process (one set of ceilings); each row's
 // shape names its checkpoint (the directory's last component).
 // --switches: decode rows per backend/cuda/decode_switches.h setting: default (the switches'
-// defaults), base (every switch off), all (every switch on), each optionally + "+serial" (the
-// shared expert on the main stream instead of beside the routed experts: the model's
-// set_shared_expert_fork(false)); graphs captured again for each.
+// defaults), base (every switch off), all (every switch on), each optionally followed by
+// "+fork" (the shared expert on a second stream beside the routed experts:
+// set_shared_expert_fork) and / or "+fused" (the one-kernel DeltaNet decode step:
+// set_fused_deltanet_decode), both opt-in in the model; graphs captured again for each.
 // A/B: TANDEM_PREFILL_ATTENTION=fa2 (our FA2 kernel instead of FlashInfer's sm90 prefill),
 // TANDEM_DELTA_RULE=sequential (the per-token delta rule instead of the chunked one).
 // Each number beside its bound measured in the same run (bench_util.h):
@@ -105,6 +106,32 @@ std::vector<std::string> str_list(const char* arg) {
   return out;
 }
 
+// A --switches entry: default | base | all, then optional "+fork" / "+fused" parts.
+struct Variant {
+  std::string base;
+  bool fork = false, fused = false;
+};
+
+Variant parse_variant(const std::string& v) {
+  Variant r;
+  size_t at = v.find('+');
+  r.base = v.substr(0, at);
+  while (at != std::string::npos) {
+    const size_t z = v.find('+', at + 1);
+    const std::string part =
+        v.substr(at + 1, z == std::string::npos ? std::string::npos : z - at - 1);
+    if (part == "fork") {
+      r.fork = true;
+    } else if (part == "fused") {
+      r.fused = true;
+    } else {
+      r.base = "?";  // refused by the caller
+    }
+    at = z;
+  }
+  return r;
+}
+
 std::string base_name(std::string d) {
   while (d.size() > 1 && d.back() == '/') d.pop_back();
   const size_t s = d.rfind('/');
@@ -153,15 +180,15 @@ int main(int argc, char** argv) {
   for (int64_t v : prefills) bad = bad || v < 16;
   for (int64_t v : batches) bad = bad || v < 1 || v > 256;
   for (int64_t v : contexts) bad = bad || v < 2;
-  for (std::string v : switches) {
-    if (v.size() > 7 && v.compare(v.size() - 7, 7, "+serial") == 0) v.resize(v.size() - 7);
-    bad = bad || (v != "default" && v != "base" && v != "all");
+  for (const std::string& v : switches) {
+    const Variant var = parse_variant(v);
+    bad = bad || (var.base != "default" && var.base != "base" && var.base != "all");
   }
   if (dirs.empty() || bad) {
     std::printf(
         "usage: bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR ...] [--quick]\n"
         "  [--batches 1,32,128] [--contexts 1024,8192] [--prefill TOKENS[,TOKENS...]]\n"
-        "  [--switches default,base,all[+serial],...] [--prefill-only] [--decode-only]\n");
+        "  [--switches default,base,all[+fork][+fused],...] [--prefill-only] [--decode-only]\n");
     return 2;
   }
   bench::OpBench b;
@@ -199,12 +226,12 @@ int main(int argc, char** argv) {
       // Decode: B sequences at ctx - 1 (pages 0..ctx/page of sequence b at b * pages_per_seq).
       for (const std::string& sw : switches) {
         if (prefill_only) break;
-        const bool serial = sw.size() > 7 && sw.compare(sw.size() - 7, 7, "+serial") == 0;
-        const std::string base = serial ? sw.substr(0, sw.size() - 7) : sw;
-        cuda::decode_switches() = base == "base"  ? cuda::DecodeSwitches::all_off()
-                                  : base == "all" ? cuda::DecodeSwitches::all_on()
-                                                  : cuda::DecodeSwitches{};
-        model->set_shared_expert_fork(!serial);
+        const Variant var = parse_variant(sw);
+        cuda::decode_switches() = var.base == "base"  ? cuda::DecodeSwitches::all_off()
+                                  : var.base == "all" ? cuda::DecodeSwitches::all_on()
+                                                      : cuda::DecodeSwitches{};
+        model->set_shared_expert_fork(var.fork);
+        model->set_fused_deltanet_decode(var.fused);
         model->reset_graphs();
         for (int64_t ctx : contexts) {
           for (int64_t B : batches) {
@@ -249,7 +276,8 @@ int main(int argc, char** argv) {
         }
       }
       cuda::decode_switches() = cuda::DecodeSwitches{};
-      model->set_shared_expert_fork(true);
+      model->set_shared_expert_fork(false);
+      model->set_fused_deltanet_decode(false);
       model->reset_graphs();
 
       // Prefill: one prompt of T tokens.

@@ -221,15 +221,81 @@ __global__ void __launch_bounds__(128) delta_prep_kernel(GatedDeltaRuleParams p)
   }
 }
 
-// A decode step (one token per sequence; also correct for several): one block per (32 value
-// columns, value head, sequence): 4 warps split the k_dim rows of the state, lane l owns column
-// 32 * blockIdx.x + l; the block's state slice stays in registers over the sequence's tokens
-// (read once, written once). The block normalises its token's q / k head and computes its gates
-// itself (what delta_prep_kernel does, in the same order of operations), so a decode step is
-// one kernel: the q / k head is read by the hv / hk value heads' column blocks (a few KB).
+// One block per (32 value columns, value head, sequence): 4 warps split the k_dim rows of the
+// state, lane l owns column 32 * blockIdx.x + l; the block's state slice stays in registers
+// over the sequence's tokens (read once, written once).
 constexpr int kDeltaWarps = 4;
 template <int kDk>
 __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDeltaRuleParams p) {
+  constexpr int kRows = kDk / kDeltaWarps;
+  __shared__ float sQ[kDk], sK[kDk];
+  __shared__ float sRed1[kDeltaWarps][32], sRed2[kDeltaWarps][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  const int64_t h = blockIdx.y, s = blockIdx.z;
+  const int64_t kh = h / (hv / hk);
+  const bool col = j < dv;
+  const Ws ws = ws_at(p);
+  const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
+  const int32_t slot = p.seqs.state_slot[s];
+  float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
+  const int r0 = warp * kRows;
+  float S[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) S[r] = (!zero && col) ? gS[(r0 + r) * dv + j] : 0.f;
+
+  bf16 const* gV = p.qkv + 2 * hk * kDk + h * dv + j;
+  for (int64_t t = begin; t < end; ++t) {
+    __syncthreads();  // the previous token is done with sQ / sK / sRed1
+    for (int i = threadIdx.x; i < kDk; i += blockDim.x) {
+      sQ[i] = ws.q[(t * hk + kh) * kDk + i];
+      sK[i] = ws.k[(t * hk + kh) * kDk + i];
+    }
+    __syncthreads();
+    const float decay = expf(ws.g[t * hv + h]), beta = ws.beta[t * hv + h];
+    float part = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      S[r] *= decay;
+      part += S[r] * sK[r0 + r];
+    }
+    sRed1[warp][lane] = part;
+    __syncthreads();
+    float kv = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDeltaWarps; ++w) kv += sRed1[w][lane];
+    const float v = col ? __bfloat162float(gV[t * p.qkv_stride]) : 0.f;
+    const float delta = (v - kv) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      S[r] += sK[r0 + r] * delta;
+      o += S[r] * sQ[r0 + r];
+    }
+    sRed2[warp][lane] = o;
+    __syncthreads();
+    if (warp == 0 && col) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDeltaWarps; ++w) sum += sRed2[w][lane];
+      p.out[(t * hv + h) * dv + j] = sum;
+    }
+  }
+  if (gS != nullptr && col) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) gS[(r0 + r) * dv + j] = S[r];
+  }
+}
+
+// The same decode step as one kernel (GatedDeltaRuleParams::fused_decode; off by default until
+// measured on the H200): the block normalises its token's q / k head and computes its gates
+// itself, in delta_prep_kernel's order of operations, so no prep launch precedes it (the q / k
+// head is read by the hv / hk value heads' column blocks: a few KB).
+template <int kDk>
+__global__ void __launch_bounds__(kDeltaWarps * 32)
+    delta_rule_fused_kernel(GatedDeltaRuleParams p) {
   constexpr int kRows = kDk / kDeltaWarps;
   __shared__ float sQ[kDk], sK[kDk];
   __shared__ float sRed1[kDeltaWarps][32], sRed2[kDeltaWarps][32];
@@ -1033,7 +1099,9 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(GatedRmsNormParams 
 template <int kDk>
 void delta_rule_dispatch(GatedDeltaRuleParams const& p, dim3 grid, bool decode,
                          cudaStream_t stream) {
-  if (decode) {
+  if (decode && p.fused_decode) {
+    delta_rule_fused_kernel<kDk><<<grid, kDeltaWarps * 32, 0, stream>>>(p);
+  } else if (decode) {
     delta_rule_kernel<kDk><<<grid, kDeltaWarps * 32, 0, stream>>>(p);
   } else {
     constexpr int kCols = ChunkShape<kDk>::kCols;
@@ -1127,7 +1195,7 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
     }
     return;
   }
-  if (!decode) {  // the decode kernel normalises q / k and computes the gates itself
+  if (!decode || !p.fused_decode) {  // the fused decode kernel normalises q / k itself
     delta_prep_kernel<false><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
     TANDEM_CUDA_CHECK_LAUNCH();
   }

@@ -90,6 +90,11 @@ struct HostMeta {
 constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
                                 80, 96, 112, 128, 160, 192, 224, 256};
 
+bool env_on(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
 // A host float vector as bf16 bits.
 std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
   std::vector<uint16_t> b(f.size());
@@ -133,16 +138,17 @@ struct Qwen35MoeCuda::Impl {
   }();
   std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
-  // Steps of at most kForkMaxTokens tokens run the shared expert (gate_up, SiLU, down) on a
-  // second stream beside the router and the routed experts (both read the post-attention norm;
-  // the shared expert's gate joins them): at decode sizes these are latency-bound kernels of few
-  // CTAs, so the two chains overlap. Its own GemmLt (one per stream). Off:
-  // set_shared_expert_fork(false) or TANDEM_Q35_SHARED_FORK=0.
+  // Opt-in (off by default: not yet measured on the H200): steps of at most kForkMaxTokens
+  // tokens run the shared expert (gate_up, SiLU, down) on a second stream beside the router and
+  // the routed experts (both read the post-attention norm; the shared expert's gate joins them):
+  // at decode sizes these are latency-bound kernels of few CTAs, so the two chains overlap. Its
+  // own GemmLt (one per stream). On: set_shared_expert_fork(true) or TANDEM_Q35_SHARED_FORK=1.
   static constexpr int64_t kForkMaxTokens = 256;
-  bool fork_shared = [] {
-    const char* e = std::getenv("TANDEM_Q35_SHARED_FORK");
-    return e == nullptr || std::strcmp(e, "0") != 0;
-  }();
+  bool fork_shared = env_on("TANDEM_Q35_SHARED_FORK");
+  // Opt-in (off by default: not yet measured on the H200): a DeltaNet decode step as one kernel
+  // (GatedDeltaRuleParams::fused_decode). On: set_fused_deltanet_decode(true) or
+  // TANDEM_Q35_FUSED_DECODE=1.
+  bool fused_decode = env_on("TANDEM_Q35_FUSED_DECODE");
   cudaStream_t side = nullptr;
   cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
   std::unique_ptr<cuda::GemmLt> gemm_side;
@@ -550,6 +556,7 @@ struct Qwen35MoeCuda::Impl {
         dp.ab_stride = in_rows;
         dp.state_stride = slot_stride;
         dp.sequential = sequential_delta_rule;
+        dp.fused_decode = fused_decode;
         cuda::gated_delta_rule_launch(dp, stream);
         cuda::gated_rms_norm_launch({core.as<float>(), P + conv_dim, w.out_norm, attn.as<bf16>(),
                                      n * hv, dv, hv, in_rows, eps},
@@ -714,6 +721,14 @@ void Qwen35MoeCuda::set_shared_expert_fork(bool on) {
 }
 
 bool Qwen35MoeCuda::shared_expert_fork() const { return impl_->fork_shared; }
+
+void Qwen35MoeCuda::set_fused_deltanet_decode(bool on) {
+  if (impl_->fused_decode == on) return;
+  reset_graphs();
+  impl_->fused_decode = on;
+}
+
+bool Qwen35MoeCuda::fused_deltanet_decode() const { return impl_->fused_decode; }
 
 bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   Impl& im = *impl_;
