@@ -186,6 +186,15 @@ struct Qwen35MoeCuda::Impl {
     graph_states = nullptr;
   }
 
+  // The second stream, its GemmLt and the fork / join events (made when the fork is turned on).
+  void ensure_side() {
+    if (gemm_side != nullptr) return;
+    gemm_side = std::make_unique<cuda::GemmLt>();
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming));
+  }
+
   int64_t qkv_rows() const {
     return (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
   }
@@ -392,10 +401,7 @@ struct Qwen35MoeCuda::Impl {
     logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
     sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
     gemm = std::make_unique<cuda::GemmLt>();
-    gemm_side = std::make_unique<cuda::GemmLt>();
-    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming));
-    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming));
+    if (fork_shared) ensure_side();
     moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
                                            c.num_experts_per_tok, 0, c.num_experts, true);
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
@@ -565,21 +571,23 @@ struct Qwen35MoeCuda::Impl {
       }
       // MoE block: routed experts + the sigmoid-gated shared expert.
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
-      // The shared expert reads XN and writes sgu / sact / sout only; the next writer of XN
-      // (the next layer's norm) comes after the join below.
-      const bool fork = fork_shared && n <= kForkMaxTokens;
-      cudaStream_t ss = fork ? side : stream;
-      cuda::GemmLt& sg = fork ? *gemm_side : *gemm;
-      if (fork) {
+      if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
+        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+        gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
+        cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
+        gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+      } else {
+        // The shared expert on the side stream: it reads XN and writes sgu / sact / sout only;
+        // the next writer of XN (the next layer's norm) comes after the join below.
         TANDEM_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
         TANDEM_CUDA_CHECK(cudaStreamWaitEvent(side, ev_fork, 0));
+        gemm_side->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, side);
+        cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, side);
+        gemm_side->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, side);
+        TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
+        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+        TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
       }
-      sg.run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, ss);
-      cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, ss);
-      sg.run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, ss);
-      if (fork) TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
-      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
-      if (fork) TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
       cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
     }
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
@@ -717,6 +725,8 @@ void Qwen35MoeCuda::reset_graphs() {
 void Qwen35MoeCuda::set_shared_expert_fork(bool on) {
   if (impl_->fork_shared == on) return;
   reset_graphs();
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  if (on) impl_->ensure_side();
   impl_->fork_shared = on;
 }
 
