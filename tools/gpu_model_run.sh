@@ -181,10 +181,14 @@ step bench_model_ckpt 200 bash -c "rm -rf /tmp/q235l && \
 # Qwen3.5-35B-A3B, 4 layers (3 DeltaNet + 1 gated attention) at real shapes with the real
 # vocab, written by the checkpoint tool (~7.5 GB) and loaded by Qwen35MoeCuda (when packed).
 if [ -x "$BIN/bench_qwen35_cuda" ]; then
+  # Decode 1 / 32 / 128 at 1k and 8k; the decode switches' defaults, with each opt-in of
+  # Qwen35MoeCuda (shared expert forked, one-kernel DeltaNet step), and every switch off.
+  Q35_ARGS="--batches 1,32,128 --contexts 1024,8192 --prefill 8192,2048 \
+--switches default,default+fork,default+fused,default+fork+fused,base"
   export TANDEM_BENCH_CSV="$LOG/bench_qwen35_cuda.csv"
   step bench_qwen35_cuda 300 bash -c "rm -rf /tmp/q35l && \
     '$BIN/make_random_checkpoint' --out /tmp/q35l --preset qwen3.5-35b-a3b --layers 4 && \
-    '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_BENCH_ARGS:-}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
+    '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_Q35_BENCH_ARGS:-$Q35_ARGS}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
   # One Qwen3.5-122B-A10B layer of each kind at real shapes (a DeltaNet + attention pair and the
   # attention layer alone, vocab 1024 so the head is < 1% of the bound; 15 GB in /dev/shm):
   # the DeltaNet layer's figures are the pair's minus the attention layer's.

@@ -464,4 +464,11 @@ std::unique_ptr<Model> load_cpu_model(const std::string& dir) {
   return Qwen3MoeCpu::load(dir);
 }
 
+std::unique_ptr<Model> load_cpu_model(const std::string& dir, const ShardSpec& shard,
+                                      comm::Communicator* comm) {
+  const ModelConfig config = ModelConfig::from_dir(dir);
+  if (config.is_hybrid()) return Qwen35MoeCpu::load(dir, shard, comm);
+  return Qwen3MoeCpu::load(dir, shard, comm);
+}
+
 }  // namespace tandem

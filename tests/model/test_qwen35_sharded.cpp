@@ -238,7 +238,11 @@ TEST_P(ShardedQwen35, DecodeDataParallelMatchesSingleExactly) {
     }
     std::vector<std::vector<std::pair<size_t, Greedy>>> per_rank(static_cast<size_t>(world));
     run_local_group(world, [&](Communicator& comm) {
-      auto m = Qwen35MoeCpu::load(g.dir, ShardSpec::decode(comm.rank(), world), &comm);
+      // Through the dispatching loader (what an instance's model factory would call).
+      std::unique_ptr<Model> model =
+          load_cpu_model(g.dir, ShardSpec::decode(comm.rank(), world), &comm);
+      auto* m = dynamic_cast<Qwen35MoeCpu*>(model.get());
+      ASSERT_NE(m, nullptr);
       EXPECT_EQ(m->deltanet_heads(), DeltaNetHeads::all(m->config()));
       std::vector<size_t> mine;
       int64_t max_len = 1;
