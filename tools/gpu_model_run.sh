@@ -28,6 +28,7 @@
 #   bench_fp8_mxfp8), profile_decode (per-kernel decode step),
 #   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
+#   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_spec_verify, bench_spec_e2e (MTP speculative decoding: bench_spec_cuda)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
@@ -189,10 +190,25 @@ step bench_model_ckpt 200 bash -c "rm -rf /tmp/q235l && \
 # Qwen3.5-35B-A3B, 4 layers (3 DeltaNet + 1 gated attention) at real shapes with the real
 # vocab, written by the checkpoint tool (~7.5 GB) and loaded by Qwen35MoeCuda (when packed).
 if [ -x "$BIN/bench_qwen35_cuda" ]; then
+  # Decode 1 / 32 / 128 at 1k and 8k; the decode switches' defaults, with each opt-in of
+  # Qwen35MoeCuda (shared expert forked, one-kernel DeltaNet step), and every switch off.
+  Q35_ARGS="--batches 1,32,128 --contexts 1024,8192 --prefill 8192,2048 \
+--switches default,default+fork,default+fused,default+fork+fused,base"
   export TANDEM_BENCH_CSV="$LOG/bench_qwen35_cuda.csv"
   step bench_qwen35_cuda 300 bash -c "rm -rf /tmp/q35l && \
     '$BIN/make_random_checkpoint' --out /tmp/q35l --preset qwen3.5-35b-a3b --layers 4 && \
-    '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_BENCH_ARGS:-}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
+    '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_Q35_BENCH_ARGS:-$Q35_ARGS}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
+  # One Qwen3.5-122B-A10B layer of each kind at real shapes (a DeltaNet + attention pair and the
+  # attention layer alone, vocab 1024 so the head is < 1% of the bound; 15 GB in /dev/shm):
+  # the DeltaNet layer's figures are the pair's minus the attention layer's.
+  export TANDEM_BENCH_CSV="$LOG/bench_qwen35_122b.csv"
+  step bench_qwen35_122b 300 bash -c "d=/dev/shm/q122l; rm -rf \$d && \
+    '$BIN/make_random_checkpoint' --out \$d/pair --preset qwen3.5-122b-a10b --layers 2 \
+      --full-attention-interval 2 --vocab 1024 && \
+    '$BIN/make_random_checkpoint' --out \$d/attn --preset qwen3.5-122b-a10b --layers 1 \
+      --full-attention-interval 1 --vocab 1024 && \
+    '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
+      --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
 fi
 # MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1
 # tokens vs the 1-token step, 30B 48 layers and one 235B layer, B 1 / 8 / 32 / 128, K 0..4) and
@@ -224,6 +240,7 @@ done
 [ -f "$LOG/bench_model_mxfp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_mxfp8.log"
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"
 [ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
+[ -f "$LOG/bench_qwen35_122b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_122b.log"
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
 done

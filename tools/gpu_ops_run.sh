@@ -135,9 +135,11 @@ if [ -x "$BIN/bench_deltanet" ]; then
   if ls "$whl"/*.whl > /dev/null 2>&1; then
     pip install -q --no-deps --no-index --target /tmp/tandem_fla "$whl"/*.whl > "$LOG/fla_pip.log" 2>&1 ||
       for w in "$whl"/*.whl; do python3 -m zipfile -e "$w" /tmp/tandem_fla; done
+    # fla first (Triton's autotune + JIT on a fresh machine: most of its time), each worker
+    # with its own limit inside the step's.
     PYTHONPATH=/tmp/tandem_fla step deltanet_torch 300 python3 \
       "$(dirname "$0")/../bench/cuda/deltanet_torch_baseline.py" --ours "$LOG/bench_deltanet.csv" \
-      --csv "$LOG/deltanet_torch.csv" || echo "(deltanet_torch_baseline.py exited with ${RC[deltanet_torch]})"
+      --csv "$LOG/deltanet_torch.csv" --workers fla,torch --timeouts 200,90 || echo "(deltanet_torch_baseline.py exited with ${RC[deltanet_torch]})"
   fi
 fi
 

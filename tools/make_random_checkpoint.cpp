@@ -6,14 +6,16 @@
 // model.language_model.*, no vision tower or MTP weights).
 //
 //   make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b|qwen3.5-35b-a3b|
-//       qwen3.5-397b-a17b] [--layers N]
+//       qwen3.5-122b-a10b|qwen3.5-397b-a17b] [--layers N]
 //       [--hidden H] [--intermediate I] [--moe-intermediate M] [--experts E] [--top-k K]
 //       [--heads Q] [--kv-heads KV] [--head-dim D] [--vocab V] [--max-position P]
 //       [--rope-theta T] [--rms-norm-eps EPS] [--tie-word-embeddings] [--no-norm-topk-prob]
-//       [--seed S] [--shard-gb G] [--threads T] [--mtp]
+//       [--seed S] [--shard-gb G] [--threads T] [--mtp] [--config-only]
 //   Qwen3.5 only: [--full-attention-interval N] [--linear-key-heads H] [--linear-value-heads H]
 //       [--linear-key-dim D] [--linear-value-dim D] [--shared-intermediate I]
 //
+// --config-only: config.json and generation_config.json only (no weights), e.g. to check a
+// preset's shapes.
 // --mtp (Qwen3-MoE): also an MTP layer (mtp.fc, mtp.pre_fc_norm_{embedding,hidden},
 // mtp.layers.0.* as a decoder layer, mtp.norm), for speculative decoding benchmarks.
 // Values: matrices N(0, 0.02^2) (Irwin-Hall approximation: 4 uniforms), norms 1 + U(-0.05, 0.05)
@@ -70,7 +72,7 @@ Config preset(std::string const& name) {
     c.kv_heads = 4;
     return c;
   }
-  if (name == "qwen3.5-35b-a3b" || name == "qwen3.5-397b-a17b") {
+  if (name == "qwen3.5-35b-a3b" || name == "qwen3.5-122b-a10b" || name == "qwen3.5-397b-a17b") {
     // Qwen/Qwen3.5-35B-A3B's published config.json (text_config).
     c.qwen35 = true;
     c.hidden = 2048;
@@ -86,22 +88,28 @@ Config preset(std::string const& name) {
     c.vocab = 248320;
     c.max_position = 262144;
     c.rope_theta = 1e7;
-    if (name == "qwen3.5-397b-a17b") {  // its model card: 60 layers, 512 experts top-10
-      c.hidden = 4096;
-      c.layers = 60;
-      c.experts = 512;
-      c.top_k = 10;
+    // The two larger ones as their published config.json's text_config (huggingface.co/Qwen/
+    // Qwen3.5-122B-A10B and Qwen3.5-397B-A17B, as mirrored in Megatron-Bridge / slime model
+    // scripts): 32 query / 2 KV heads of 256, 16 key / 64 value linear heads of 128, experts
+    // and the shared expert of 1024; vocab, rope and the 3:1 layer pattern as the 35B.
+    if (name == "qwen3.5-122b-a10b" || name == "qwen3.5-397b-a17b") {
+      const bool big = name == "qwen3.5-397b-a17b";
+      c.hidden = big ? 4096 : 3072;
+      c.layers = big ? 60 : 48;
+      c.experts = big ? 512 : 256;
+      c.top_k = big ? 10 : 8;
       c.moe_intermediate = 1024;
       c.shared_intermediate = 1024;
       c.intermediate = 1024;
       c.heads = 32;
+      c.kv_heads = 2;
       c.lin_v_heads = 64;
     }
     return c;
   }
   throw std::invalid_argument(
       "unknown --preset '" + name +
-      "' (qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b, qwen3.5-397b-a17b)");
+      "' (qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b, qwen3.5-122b-a10b, qwen3.5-397b-a17b)");
 }
 
 enum class Init { kMatrix, kNorm, kZeroNorm, kALog };
@@ -388,18 +396,19 @@ struct Args {
   uint64_t seed = 0;
   double shard_gb = 4.0;
   unsigned threads = 0;
+  bool config_only = false;
 };
 
 [[noreturn]] void usage(std::string const& msg) {
   std::fprintf(stderr,
                "make_random_checkpoint: %s\n"
                "usage: make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b|\n"
-               "  qwen3.5-35b-a3b|qwen3.5-397b-a17b]\n"
+               "  qwen3.5-35b-a3b|qwen3.5-122b-a10b|qwen3.5-397b-a17b]\n"
                "  [--layers N] [--hidden H] [--intermediate I] [--moe-intermediate M]\n"
                "  [--experts E] [--top-k K] [--heads Q] [--kv-heads KV] [--head-dim D]\n"
                "  [--vocab V] [--max-position P] [--rope-theta T] [--rms-norm-eps EPS]\n"
                "  [--tie-word-embeddings] [--no-norm-topk-prob] [--seed S] [--shard-gb G]\n"
-               "  [--threads T] [--mtp]\n"
+               "  [--threads T] [--mtp] [--config-only]\n"
                "  Qwen3.5: [--full-attention-interval N] [--linear-key-heads H]\n"
                "  [--linear-value-heads H] [--linear-key-dim D] [--linear-value-dim D]\n"
                "  [--shared-intermediate I]\n",
@@ -425,6 +434,10 @@ Args parse(int argc, char** argv) {
     }
     if (f == "--mtp") {
       a.c.mtp = true;
+      continue;
+    }
+    if (f == "--config-only") {
+      a.config_only = true;
       continue;
     }
     if (i + 1 >= argc) usage("missing value for " + f);
@@ -529,6 +542,10 @@ int main(int argc, char** argv) {
     const std::filesystem::path dir(a.out);
     write_text(dir / "config.json", config_json(c));
     write_text(dir / "generation_config.json", generation_config_json(c));
+    if (a.config_only) {
+      std::printf("%s: config.json only\n", a.out.c_str());
+      return 0;
+    }
 
     // Headers, then the pre-sized files.
     std::vector<int> fds(nshards, -1);

@@ -3,8 +3,10 @@
 // 1, 32 and 128 sequences (each with a 64 KiB fp32 state per value head: 4 MiB per sequence,
 // read and written once) and for one prefill sequence of 1024 / 8192 tokens; beside the bound
 // measured in the same run (bench_util.h: bytes / device copy bandwidth, flops / cuBLASLt bf16
-// rate). Prefill runs twice: the chunked tensor-core form (gated_delta_rule, what the model
-// uses) and the per-token recurrence (gated_delta_rule_seq); the FLOP bound of both is the
+// rate). Prefill runs as the chunked tensor-core form (gated_delta_rule, what the model uses;
+// also its first one / two kernels alone, gdr_chunked_prep / gdr_chunked_prep_wy, so that the
+// sequence-order state kernel's time is the difference) and the per-token recurrence
+// (gated_delta_rule_seq); the FLOP bound of both is the
 // rule's minimum, 6 dk dv per token and value head (the chunked form does about 2x that on
 // tensor cores: K K^T, Q K^T, the WY products, W S, Q S, P U, K^T U).
 // bench/cuda/deltanet_torch_baseline.py times flash-linear-attention's Triton kernel and
@@ -82,9 +84,26 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
     const double bytes = T * kConv * 2.0 * 2 + seqs * conv_state * 4.0 * 2;
     b.add("causal_conv1d", T, shape, us, bytes, 2.0 * T * kConv * kKernel);
   });
-  for (bool sequential : {false, true}) {
-    if (sequential && len == 1) break;  // decode has one kernel
-    const char* name = sequential ? "gated_delta_rule_seq" : "gated_delta_rule";
+  // Prefill: the chunked form, its first kernels alone (stages 1: q / k norm + gates, 2: + the
+  // per-chunk WY kernel; the sequence-order state kernel is the difference to the whole), the
+  // per-token recurrence.
+  // Decode: also the opt-in one-kernel step (gdr_decode_fused: fused_decode).
+  struct Variant {
+    const char* name;
+    bool sequential;
+    int stages;
+    bool fused = false;
+  };
+  const Variant variants[] = {{"gated_delta_rule", false, 3},
+                              {"gdr_decode_fused", false, 3, true},
+                              {"gdr_chunked_prep", false, 1},
+                              {"gdr_chunked_prep_wy", false, 2},
+                              {"gated_delta_rule_seq", true, 3}};
+  for (const Variant& var : variants) {
+    if (len == 1 && (var.sequential || var.stages < 3)) continue;  // decode: no stages
+    if (len > 1 && var.fused) continue;                            // a decode kernel
+    const bool sequential = var.sequential;
+    const char* name = var.name;
     b.guarded(name, [&] {
       GatedDeltaRuleParams p{};
       p.qkv = conv_out.as<bf16>();
@@ -105,11 +124,17 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       p.ab_stride = kProj;
       p.state_stride = slot_stride;
       p.sequential = sequential;
+      p.stages = var.stages;
+      p.fused_decode = var.fused;
       const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
       // qkv read, out written (fp32), the state read and written once per sequence.
       const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;
       // Per token and value head: decay, S^T k, the rank-1 update, S^T q: ~6 dk dv flops (the
       // chunked form does about the same on tensor cores).
+      if (var.stages < 3) {  // a part of the op: no bound of its own
+        b.add(name, T, shape + " (part)", us, 0, 0);
+        return;
+      }
       b.add(name, T, shape, us, bytes, 6.0 * T * kHv * kDk * kDv);
     });
   }

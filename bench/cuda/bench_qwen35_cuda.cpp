@@ -1,16 +1,28 @@
-// Qwen3.5 hybrid MoE on one GPU (Qwen35MoeCuda) from a checkpoint on disk, e.g. a slice of
-// Qwen3.5-35B-A3B at real shapes written by the checkpoint tool:
+// Qwen3.5 hybrid MoE on one GPU (Qwen35MoeCuda) from checkpoints on disk, e.g. slices of
+// Qwen3.5-35B-A3B / 122B-A10B at real shapes written by the checkpoint tool:
 //   make_random_checkpoint --out /tmp/q35 --preset qwen3.5-35b-a3b --layers 4
-//   bench_qwen35_cuda --checkpoint /tmp/q35 [--quick] [--prefill TOKENS] [--prefill-only]
-//                                                              CSV to $TANDEM_BENCH_CSV
+//   make_random_checkpoint --out /tmp/pair --preset qwen3.5-122b-a10b --layers 2
+//       --full-attention-interval 2 --vocab 1024     (one DeltaNet + one attention layer)
+//   bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR2 ...] [--quick]
+//       [--batches 1,32,128] [--contexts 1024,8192] [--prefill 8192[,2048...]]
+//       [--switches default[,base,...]] [--prefill-only] [--decode-only]   CSV to $TANDEM_BENCH_CSV
+// Several checkpoints run one after the other in one process (one set of ceilings); each row's
+// shape names its checkpoint (the directory's last component).
+// --switches: decode rows per backend/cuda/decode_switches.h setting: default (the switches'
+// defaults), base (every switch off), all (every switch on), each optionally followed by
+// "+fork" (the shared expert on a second stream beside the routed experts:
+// set_shared_expert_fork) and / or "+fused" (the one-kernel DeltaNet decode step:
+// set_fused_deltanet_decode), both opt-in in the model; graphs captured again for each.
 // A/B: TANDEM_PREFILL_ATTENTION=fa2 (our FA2 kernel instead of FlashInfer's sm90 prefill),
 // TANDEM_DELTA_RULE=sequential (the per-token delta rule instead of the chunked one).
 // Each number beside its bound measured in the same run (bench_util.h):
 //   - decode step (one token for each of B sequences with `ctx` tokens of context, the captured
 //     graph, greedy sampling on the device) vs the HBM roofline: (weights touched + KV read +
 //     DeltaNet state read and written) / the measured D2D copy bandwidth. Weights touched: all
-//     attention / DeltaNet / norm / router / shared-expert weights, lm_head, and per layer the
-//     expected distinct experts of B x top_k uniformly routed tokens (E (1 - (1 - k/E)^B));
+//     attention / DeltaNet / norm / router / shared-expert weights, lm_head (the B embedding
+//     rows read are left out), and per layer the expected distinct experts of B x top_k uniformly
+//     routed tokens (E (1 - (1 - k/E)^B)). The B sequences decode B different token ids, so that
+//     their routing differs (the same id in every row would route every row to the same experts);
 //   - prefill of one T-token prompt (eager, one chunk) as MFU: (2 x active parameters x T +
 //     causal attention 2 T^2 head_dim q_heads per attention layer + the delta rule's
 //     6 T hv dk dv per DeltaNet layer) over the time, against cuBLASLt's bf16 8192^3 rate.
@@ -28,6 +40,7 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/decode_switches.h"
 #include "bench_util.h"
 #include "model/cuda/qwen3_5_moe_cuda.h"
 
@@ -71,6 +84,60 @@ Shapes shapes_of(const ModelConfig& c) {
   return s;
 }
 
+std::vector<int64_t> int_list(const char* arg) {
+  std::vector<int64_t> out;
+  std::string a = arg;
+  for (size_t at = 0; at <= a.size();) {
+    const size_t z = std::min(a.find(',', at), a.size());
+    if (z > at) out.push_back(std::atoll(a.substr(at, z - at).c_str()));
+    at = z + 1;
+  }
+  return out;
+}
+
+std::vector<std::string> str_list(const char* arg) {
+  std::vector<std::string> out;
+  std::string a = arg;
+  for (size_t at = 0; at <= a.size();) {
+    const size_t z = std::min(a.find(',', at), a.size());
+    if (z > at) out.push_back(a.substr(at, z - at));
+    at = z + 1;
+  }
+  return out;
+}
+
+// A --switches entry: default | base | all, then optional "+fork" / "+fused" parts.
+struct Variant {
+  std::string base;
+  bool fork = false, fused = false;
+};
+
+Variant parse_variant(const std::string& v) {
+  Variant r;
+  size_t at = v.find('+');
+  r.base = v.substr(0, at);
+  while (at != std::string::npos) {
+    const size_t z = v.find('+', at + 1);
+    const std::string part =
+        v.substr(at + 1, z == std::string::npos ? std::string::npos : z - at - 1);
+    if (part == "fork") {
+      r.fork = true;
+    } else if (part == "fused") {
+      r.fused = true;
+    } else {
+      r.base = "?";  // refused by the caller
+    }
+    at = z;
+  }
+  return r;
+}
+
+std::string base_name(std::string d) {
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  const size_t s = d.rfind('/');
+  return s == std::string::npos ? d : d.substr(s + 1);
+}
+
 double now_us() {
   return std::chrono::duration<double, std::micro>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -80,19 +147,48 @@ double now_us() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string dir;
-  bool quick = false, prefill_only = false;
-  int64_t prefill_arg = 0;
+  std::vector<std::string> dirs, switches = {"default"};
+  bool quick = false, prefill_only = false, decode_only = false;
+  std::vector<int64_t> prefills, batches, contexts;
+  bool bad = false;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--checkpoint") == 0 && i + 1 < argc) dir = argv[++i];
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
-    if (std::strcmp(argv[i], "--prefill") == 0 && i + 1 < argc) prefill_arg = std::atoll(argv[++i]);
+    const bool has = i + 1 < argc;
+    if (std::strcmp(argv[i], "--checkpoint") == 0 && has) {
+      dirs.push_back(argv[++i]);
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--prefill-only") == 0) {
+      prefill_only = true;
+    } else if (std::strcmp(argv[i], "--decode-only") == 0) {
+      decode_only = true;
+    } else if (std::strcmp(argv[i], "--prefill") == 0 && has) {
+      prefills = int_list(argv[++i]);
+    } else if (std::strcmp(argv[i], "--batches") == 0 && has) {
+      batches = int_list(argv[++i]);
+    } else if (std::strcmp(argv[i], "--contexts") == 0 && has) {
+      contexts = int_list(argv[++i]);
+    } else if (std::strcmp(argv[i], "--switches") == 0 && has) {
+      switches = str_list(argv[++i]);
+    } else {
+      bad = true;
+    }
   }
-  if (dir.empty() || (prefill_arg != 0 && prefill_arg < 16)) {
+  if (prefills.empty()) prefills = {quick ? 2048 : 8192};
+  if (batches.empty()) batches = {1, 32, 128};
+  if (contexts.empty())
+    contexts = quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 8192};
+  for (int64_t v : prefills) bad = bad || v < 16;
+  for (int64_t v : batches) bad = bad || v < 1 || v > 256;
+  for (int64_t v : contexts) bad = bad || v < 2;
+  for (const std::string& v : switches) {
+    const Variant var = parse_variant(v);
+    bad = bad || (var.base != "default" && var.base != "base" && var.base != "all");
+  }
+  if (dirs.empty() || bad) {
     std::printf(
-        "usage: bench_qwen35_cuda --checkpoint DIR [--quick] [--prefill TOKENS] "
-        "[--prefill-only]\n");
+        "usage: bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR ...] [--quick]\n"
+        "  [--batches 1,32,128] [--contexts 1024,8192] [--prefill TOKENS[,TOKENS...]]\n"
+        "  [--switches default,base,all[+fork][+fused],...] [--prefill-only] [--decode-only]\n");
     return 2;
   }
   bench::OpBench b;
@@ -100,96 +196,126 @@ int main(int argc, char** argv) {
   try {
     if (!b.open()) return 2;
     b.measure_ceilings();
-    const int64_t prefill_t = prefill_arg > 0 ? prefill_arg : (quick ? 2048 : 8192);
-    const std::vector<int64_t> batches = {1, 32, 128};
-    const std::vector<int64_t> contexts =
-        quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 8192};
-    const int64_t page = 16, max_ctx = 8192 + page;
-    CudaModelOptions o;
-    o.max_tokens = prefill_t;
-    o.max_seqs = 128;
-    o.page_size = page;
-    o.graph_max_context = max_ctx;
-    auto model = Qwen35MoeCuda::load(dir, o);
-    const ModelConfig& c = model->config();
-    const Shapes s = shapes_of(c);
-    std::printf("== %s: %lld layers (%lld DeltaNet, %lld attention), %.2f GB of weights\n",
-                dir.c_str(), static_cast<long long>(c.num_hidden_layers),
-                static_cast<long long>(s.linear_layers), static_cast<long long>(s.attn_layers),
-                model->weight_bytes() / 1e9);
-    const double kv_token_bytes = 2.0 * c.num_key_value_heads * c.head_dim * 2 * s.attn_layers;
-    const double state_bytes = 4.0 * model->state_slot_elems();
+    const int64_t page = 16;
+    const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end()) + page;
+    for (const std::string& dir : dirs) {
+      const std::string label = base_name(dir);
+      CudaModelOptions o;
+      o.max_tokens = *std::max_element(prefills.begin(), prefills.end());
+      o.max_seqs = std::max<int64_t>(8, *std::max_element(batches.begin(), batches.end()));
+      o.page_size = page;
+      o.graph_max_context = max_ctx;
+      const double t_load = now_us();
+      std::unique_ptr<Qwen35MoeCuda> model;
+      b.guarded("load " + label, [&] { model = Qwen35MoeCuda::load(dir, o); });
+      if (!model) continue;
+      const ModelConfig& c = model->config();
+      const Shapes s = shapes_of(c);
+      std::printf(
+          "== %s: %lld layers (%lld DeltaNet, %lld attention), %lld experts top-%lld, "
+          "hidden %lld, vocab %lld, %.2f GB of weights, loaded in %.1f s\n",
+          dir.c_str(), static_cast<long long>(c.num_hidden_layers),
+          static_cast<long long>(s.linear_layers), static_cast<long long>(s.attn_layers),
+          static_cast<long long>(c.num_experts), static_cast<long long>(c.num_experts_per_tok),
+          static_cast<long long>(c.hidden_size), static_cast<long long>(c.vocab_size),
+          model->weight_bytes() / 1e9, (now_us() - t_load) / 1e6);
+      std::fflush(stdout);
+      const double kv_token_bytes = 2.0 * c.num_key_value_heads * c.head_dim * 2 * s.attn_layers;
+      const double state_bytes = 4.0 * model->state_slot_elems();
 
-    // Decode: B sequences at ctx - 1 (pages 0..ctx/page of sequence b at b * pages_per_seq).
-    for (int64_t ctx : contexts) {
-      if (prefill_only) break;
-      for (int64_t B : batches) {
-        b.guarded("decode", [&] {
-          const int64_t per_seq = (ctx + page - 1) / page;
-          KvCache kv = model->make_kv_cache(B * per_seq + 1, page);
-          kv.allocate_states(B, model->state_slot_elems());
-          std::vector<std::vector<int32_t>> tables(static_cast<size_t>(B));
-          std::vector<int32_t> tokens(static_cast<size_t>(B), 1);
-          ForwardBatch fb;
-          for (int64_t i = 0; i < B; ++i) {
-            auto& t = tables[static_cast<size_t>(i)];
-            t.resize(static_cast<size_t>(per_seq));
-            std::iota(t.begin(), t.end(), static_cast<int32_t>(i * per_seq));
-            fb.seqs.push_back({tokens.data() + i, 1, ctx - 1, t.data(), per_seq, LogitsMode::kLast,
-                               static_cast<int32_t>(i)});
+      // Decode: B sequences at ctx - 1 (pages 0..ctx/page of sequence b at b * pages_per_seq).
+      for (const std::string& sw : switches) {
+        if (prefill_only) break;
+        const Variant var = parse_variant(sw);
+        cuda::decode_switches() = var.base == "base"  ? cuda::DecodeSwitches::all_off()
+                                  : var.base == "all" ? cuda::DecodeSwitches::all_on()
+                                                      : cuda::DecodeSwitches{};
+        model->set_shared_expert_fork(var.fork);
+        model->set_fused_deltanet_decode(var.fused);
+        model->reset_graphs();
+        for (int64_t ctx : contexts) {
+          for (int64_t B : batches) {
+            b.guarded("decode", [&] {
+              const int64_t per_seq = (ctx + page - 1) / page;
+              KvCache kv = model->make_kv_cache(B * per_seq + 1, page);
+              if (model->state_slot_elems() > 0) kv.allocate_states(B, model->state_slot_elems());
+              std::vector<std::vector<int32_t>> tables(static_cast<size_t>(B));
+              std::vector<int32_t> tokens(static_cast<size_t>(B));
+              for (int64_t i = 0; i < B; ++i) {
+                tokens[static_cast<size_t>(i)] =
+                    static_cast<int32_t>((1 + i * 7919) % c.vocab_size);
+              }
+              ForwardBatch fb;
+              for (int64_t i = 0; i < B; ++i) {
+                auto& t = tables[static_cast<size_t>(i)];
+                t.resize(static_cast<size_t>(per_seq));
+                std::iota(t.begin(), t.end(), static_cast<int32_t>(i * per_seq));
+                fb.seqs.push_back({tokens.data() + i, 1, ctx - 1, t.data(), per_seq,
+                                   LogitsMode::kLast, static_cast<int32_t>(i)});
+              }
+              std::vector<DeviceSampling> rows(static_cast<size_t>(B));
+              for (auto& r : rows) r.temperature = 0;
+              std::vector<SampledToken> out;
+              for (int w = 0; w < 3; ++w) model->forward_sample(fb, kv, rows, out);  // capture
+              std::vector<double> us;
+              for (int it = 0; it < (quick ? 10 : 30); ++it) {
+                const double t0 = now_us();
+                model->forward_sample(fb, kv, rows, out);
+                us.push_back(now_us() - t0);
+              }
+              const double E = c.num_experts, k = c.num_experts_per_tok;
+              const double hit = E * (1 - std::pow(1 - k / E, static_cast<double>(B)));
+              const double bytes = s.weights_all + s.moe_layers * hit * s.expert_bytes +
+                                   B * ctx * kv_token_bytes + B * 2 * state_bytes;
+              b.add("decode_ctx" + std::to_string(ctx), B,
+                    label + ": " + std::to_string(B) + " seqs x " + std::to_string(ctx) +
+                        " ctx, graph, switches " + sw,
+                    bench::median(us), bytes, 0);
+            });
           }
-          std::vector<DeviceSampling> rows(static_cast<size_t>(B));
-          for (auto& r : rows) r.temperature = 0;
+        }
+      }
+      cuda::decode_switches() = cuda::DecodeSwitches{};
+      model->set_shared_expert_fork(false);
+      model->set_fused_deltanet_decode(false);
+      model->reset_graphs();
+
+      // Prefill: one prompt of T tokens.
+      for (int64_t prefill_t : prefills) {
+        if (decode_only) break;
+        b.guarded("prefill", [&] {
+          const int64_t pages = (prefill_t + page - 1) / page;
+          KvCache kv = model->make_kv_cache(pages + 1, page);
+          if (model->state_slot_elems() > 0) kv.allocate_states(1, model->state_slot_elems());
+          std::vector<int32_t> table(static_cast<size_t>(pages)),
+              tokens(static_cast<size_t>(prefill_t));
+          std::iota(table.begin(), table.end(), 0);
+          for (int64_t i = 0; i < prefill_t; ++i) {
+            tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+          }
+          ForwardBatch fb;
+          fb.seqs.push_back(
+              {tokens.data(), prefill_t, 0, table.data(), pages, LogitsMode::kLast, 0});
+          std::vector<DeviceSampling> rows(1);
+          rows[0].temperature = 0;
           std::vector<SampledToken> out;
-          for (int w = 0; w < 3; ++w) model->forward_sample(fb, kv, rows, out);  // capture
+          model->forward_sample(fb, kv, rows, out);  // GEMM plans
           std::vector<double> us;
-          for (int it = 0; it < (quick ? 10 : 30); ++it) {
+          for (int it = 0; it < (quick ? 2 : 4); ++it) {
             const double t0 = now_us();
             model->forward_sample(fb, kv, rows, out);
             us.push_back(now_us() - t0);
           }
-          const double E = c.num_experts, k = c.num_experts_per_tok;
-          const double hit = E * (1 - std::pow(1 - k / E, static_cast<double>(B)));
-          const double bytes = s.weights_all + s.moe_layers * hit * s.expert_bytes +
-                               B * ctx * kv_token_bytes + B * 2 * state_bytes;
-          b.add("decode_ctx" + std::to_string(ctx), B,
-                std::to_string(B) + " seqs x " + std::to_string(ctx) + " ctx (graph)",
-                bench::median(us), bytes, 0);
+          const double T = static_cast<double>(prefill_t);
+          const double flops = 2 * s.active_params * T +
+                               s.attn_layers * 2.0 * T * T * c.head_dim * c.num_attention_heads +
+                               s.linear_layers * 6.0 * T * c.linear_num_value_heads *
+                                   c.linear_key_head_dim * c.linear_value_head_dim;
+          b.add("prefill", prefill_t, label + ": one prompt, eager (MFU = bound / us)",
+                bench::median(us), s.weights_all, flops);
         });
       }
     }
-
-    // Prefill: one prompt of prefill_t tokens.
-    b.guarded("prefill", [&] {
-      const int64_t pages = (prefill_t + page - 1) / page;
-      KvCache kv = model->make_kv_cache(pages + 1, page);
-      kv.allocate_states(1, model->state_slot_elems());
-      std::vector<int32_t> table(static_cast<size_t>(pages)),
-          tokens(static_cast<size_t>(prefill_t));
-      std::iota(table.begin(), table.end(), 0);
-      for (int64_t i = 0; i < prefill_t; ++i) {
-        tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % c.vocab_size);
-      }
-      ForwardBatch fb;
-      fb.seqs.push_back({tokens.data(), prefill_t, 0, table.data(), pages, LogitsMode::kLast, 0});
-      std::vector<DeviceSampling> rows(1);
-      rows[0].temperature = 0;
-      std::vector<SampledToken> out;
-      model->forward_sample(fb, kv, rows, out);  // GEMM plans
-      std::vector<double> us;
-      for (int it = 0; it < (quick ? 2 : 4); ++it) {
-        const double t0 = now_us();
-        model->forward_sample(fb, kv, rows, out);
-        us.push_back(now_us() - t0);
-      }
-      const double T = static_cast<double>(prefill_t);
-      const double flops = 2 * s.active_params * T +
-                           s.attn_layers * 2.0 * T * T * c.head_dim * c.num_attention_heads +
-                           s.linear_layers * 6.0 * T * c.linear_num_value_heads *
-                               c.linear_key_head_dim * c.linear_value_head_dim;
-      b.add("prefill", prefill_t, "one prompt, eager (MFU = bound / us)", bench::median(us),
-            s.weights_all, flops);
-    });
   } catch (std::exception const& e) {
     std::printf("FATAL: %s\n", e.what());
     return 1;

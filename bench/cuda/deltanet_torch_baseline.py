@@ -21,6 +21,9 @@ there), e.g.
     PYTHONPATH=/tmp/fla python3 bench/cuda/deltanet_torch_baseline.py [--ours CSV] [--csv PATH]
 
 --ours: bench_deltanet's CSV of the same run; prints our time beside (gated_delta_rule rows).
+--workers fla,torch / --timeouts 60,40: which implementations run, in that order, each killed
+after its own limit (seconds; Triton's autotune and JIT on a fresh machine take most of fla's).
+Each worker prints when it got through its imports and its first (autotuning) call.
 Also checks that fla and transformers agree (relative error of the outputs) so a timing is of a
 correct call.
 """
@@ -30,6 +33,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
+
+T_START = time.time()
 
 import torch
 
@@ -132,6 +138,7 @@ def worker(which, out_prefix):
         import transformers
         print(f"transformers {transformers.__version__}: {where}.torch_chunk_gated_delta_rule "
               f"defined in {inspect.getsourcefile(torch_ref)}")
+    print(f"imports done at {time.time() - T_START:.1f} s", flush=True)
     for ci, (seqs, n) in enumerate(CASES):
         q, k, v, g, beta, h0 = inputs(seqs, n, gen)
         cu = torch.arange(0, seqs + 1, device="cuda", dtype=torch.long) * n
@@ -141,6 +148,10 @@ def worker(which, out_prefix):
                                               output_final_state=True,
                                               use_qk_l2norm_in_kernel=True,
                                               cu_seqlens=cu if seqs > 1 else None)
+            run()
+            torch.cuda.synchronize()
+            print(f"first call ({seqs} seq x {n}) done at {time.time() - T_START:.1f} s",
+                  flush=True)
             eager = timed(run)
             gpu = kernel_us(run)
             out = run()[0].float()
@@ -173,6 +184,8 @@ def main():
     ap.add_argument("--worker", choices=["fla", "torch"])
     ap.add_argument("--out-prefix", default="/tmp/deltanet_baseline")
     ap.add_argument("--worker-timeout", type=float, default=120)
+    ap.add_argument("--workers", default="fla,torch")
+    ap.add_argument("--timeouts", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -184,14 +197,19 @@ def main():
     # fla is importable, transformers' Qwen3.5 model uses fla's kernel; its torch function is what
     # runs without it).
     res = {}
-    for which, env in (("fla", dict(os.environ)),
-                       ("torch", {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})):
+    envs = {"fla": dict(os.environ),
+            "torch": {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
+    order = [w for w in args.workers.split(",") if w in envs]
+    limits = [float(x) for x in args.timeouts.split(",") if x]
+    for wi, which in enumerate(order):
+        env = envs[which]
+        limit = limits[wi] if wi < len(limits) else args.worker_timeout
         # Streamed (a worker killed by a time limit still shows how far it got), each with its
         # own limit.
         proc = subprocess.Popen([sys.executable, __file__, "--worker", which, "--out-prefix",
                                  args.out_prefix], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-        timer = threading.Timer(args.worker_timeout, proc.kill)
+        timer = threading.Timer(limit, proc.kill)
         timer.start()
         for line in proc.stdout:
             line = line.rstrip()
@@ -203,7 +221,7 @@ def main():
         rc = proc.wait()
         timer.cancel()
         if rc != 0:
-            print(f"[{which}] exited {rc} (killed after {args.worker_timeout} s when negative)")
+            print(f"[{which}] exited {rc} (killed after {limit} s when negative)")
     err = float("nan")
     try:
         a = torch.load(f"{args.out_prefix}_fla.pt")

@@ -3,9 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include "backend/cpu/ops.h"
+#include "comm/communicator.h"
+#include "comm/moe_dispatch.h"
 #include "core/error.h"
+#include "model/quant.h"
 #include "model/safetensors.h"
 
 namespace tandem {
@@ -26,18 +30,46 @@ HostTensor load_f32(const Checkpoint& ckpt, const std::string& name, const Shape
   return t;
 }
 
-// [sum rows, cols]: the tensors' rows one after the other (fused projections).
-HostTensor load_concat(const Checkpoint& ckpt,
-                       const std::vector<std::pair<std::string, int64_t>>& parts, int64_t cols) {
+// Rows [range) of a [rows, cols] tensor.
+struct RowSlice {
+  std::string name;
+  int64_t rows;
+  IndexRange range;
+};
+
+// [sum of the slices' rows, cols]: the slices one after the other (fused projections, a rank's
+// rows of them).
+HostTensor load_rows(const WeightReader& wr, const std::vector<RowSlice>& slices, int64_t cols) {
   int64_t total = 0;
-  for (const auto& [name, rows] : parts) total += rows;
+  for (const auto& sl : slices) total += sl.range.size();
   HostTensor t(DType::kF32, {total, cols});
   float* dst = t.ptr<float>();
-  for (const auto& [name, rows] : parts) {
-    Checkpoint::to_f32(ckpt.get(name, {rows, cols}), dst);
-    dst += rows * cols;
+  for (const auto& sl : slices) {
+    if (sl.range.size() > 0) wr.read(sl.name, sl.rows, cols, sl.range, {0, cols}, dst);
+    dst += sl.range.size() * cols;
   }
   return t;
+}
+
+// Columns [range) of a [rows, cols] tensor (row-parallel projections).
+HostTensor load_cols(const WeightReader& wr, const std::string& name, int64_t rows, int64_t cols,
+                     IndexRange range) {
+  HostTensor t(DType::kF32, {rows, range.size()});
+  wr.read(name, rows, cols, {0, rows}, range, t.ptr<float>());
+  return t;
+}
+
+// Rows of a vector / matrix already in memory: [r.begin, r.end) of `t` ([rows, cols]).
+HostTensor take_rows(const HostTensor& t, int64_t cols, const std::vector<IndexRange>& ranges) {
+  int64_t total = 0;
+  for (const auto& r : ranges) total += r.size();
+  HostTensor out(DType::kF32, {total, cols});
+  float* dst = out.ptr<float>();
+  for (const auto& r : ranges) {
+    std::memcpy(dst, t.ptr<float>() + r.begin * cols, sizeof(float) * r.size() * cols);
+    dst += r.size() * cols;
+  }
+  return out;
 }
 
 // Expert e of a fused [experts, rows, cols] tensor.
@@ -51,36 +83,86 @@ HostTensor load_expert(const Checkpoint& ckpt, const std::string& name, int64_t 
 
 }  // namespace
 
-Qwen35MoeCpu::Qwen35MoeCpu(ModelConfig config) : config_(std::move(config)) {
+Qwen35MoeCpu::Qwen35MoeCpu(ModelConfig config, ShardPlan plan, DeltaNetHeads dn,
+                           comm::Communicator* comm)
+    : config_(std::move(config)), plan_(plan), dn_(dn), comm_(comm) {
   const auto& c = config_;
-  key_dim_ = c.linear_num_key_heads * c.linear_key_head_dim;
-  value_dim_ = c.linear_num_value_heads * c.linear_value_head_dim;
+  key_dim_ = dn_.key_heads.size() * c.linear_key_head_dim;
+  value_dim_ = dn_.value_heads.size() * c.linear_value_head_dim;
   conv_dim_ = 2 * key_dim_ + value_dim_;
+  const int64_t si = c.shared_expert_intermediate_size;
+  shared_inter_ = {0, si};
+  if (plan_.tensor_parallel()) {
+    const int64_t t = plan_.spec.size, r = plan_.spec.rank;
+    shared_inter_ = {r * si / t, (r + 1) * si / t};
+  }
 }
 
 Qwen35MoeCpu::~Qwen35MoeCpu() = default;
 
 std::unique_ptr<Qwen35MoeCpu> Qwen35MoeCpu::load(const std::string& dir) {
+  return load(dir, ShardSpec::single(), nullptr);
+}
+
+std::unique_ptr<Qwen35MoeCpu> Qwen35MoeCpu::load(const std::string& dir, const ShardSpec& shard,
+                                                 comm::Communicator* comm) {
   ModelConfig config = ModelConfig::from_dir(dir);
   TANDEM_CHECK_KIND(kUnsupported, config.is_hybrid(), dir, "/config.json: model_type '",
                     config.model_type, "' is not a Qwen3.5 hybrid model");
+  ShardPlan plan = ShardPlan::make(config, shard);
+  DeltaNetHeads dn = DeltaNetHeads::of(config, shard);
+  if (plan.tensor_parallel()) {
+    TANDEM_CHECK_KIND(kInvalidArgument, config.shared_expert_intermediate_size % shard.size == 0,
+                      shard_mode_name(shard.mode), ": shared_expert_intermediate_size ",
+                      config.shared_expert_intermediate_size, " does not split over ", shard.size,
+                      " ranks");
+  }
+  if (shard.mode != ShardMode::kSingle) {
+    TANDEM_CHECK_KIND(kInvalidArgument, comm != nullptr, shard_mode_name(shard.mode),
+                      " needs a communicator");
+    TANDEM_CHECK_KIND(kInvalidArgument,
+                      comm->world_size() == shard.size && comm->rank() == shard.rank, "shard rank ",
+                      shard.rank, " of ", shard.size, " does not match the communicator's rank ",
+                      comm->rank(), " of ", comm->world_size());
+  }
   Checkpoint ckpt(dir);
-  std::unique_ptr<Qwen35MoeCpu> model(new Qwen35MoeCpu(std::move(config)));
-  model->load_weights(ckpt);
+  std::unique_ptr<Qwen35MoeCpu> model(new Qwen35MoeCpu(std::move(config), plan, dn, comm));
+  model->load_weights(ckpt, (std::filesystem::path(dir) / "config.json").string());
+  if (plan.data_parallel() && plan.experts.size() > 0) {
+    const auto& c = model->config_;
+    model->all_to_all_ = std::make_unique<comm::MoeAllToAll>(*comm, c.num_experts, c.hidden_size,
+                                                             c.num_experts_per_tok);
+  }
   return model;
 }
 
-void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt) {
+void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt, const std::string& config_path) {
   const auto& c = config_;
+  const WeightReader wr(ckpt, c.quant, config_path);
   const int64_t h = c.hidden_size, d = c.head_dim;
   const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
-  const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+  const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const int64_t kern = c.linear_conv_kernel_dim;
   const int64_t inter = c.moe_intermediate_size, sinter = c.shared_expert_intermediate_size;
   const std::string& root = c.weight_prefix;
+  // This rank's rows: q_proj's (query, gate) rows of its query heads, its KV heads' rows; the
+  // DeltaNet channels of its key / value heads (q | k | v of the conv, z, b, a).
+  const IndexRange q_rows{plan_.q_heads.begin * 2 * d, plan_.q_heads.end * 2 * d};
+  const IndexRange o_cols{plan_.q_heads.begin * d, plan_.q_heads.end * d};
+  const IndexRange kv_rows{plan_.kv_heads.begin * d, plan_.kv_heads.end * d};
+  const IndexRange kq{dn_.key_heads.begin * dk, dn_.key_heads.end * dk};
+  const IndexRange kk{hk * dk + kq.begin, hk * dk + kq.end};
+  const IndexRange vv{2 * hk * dk + dn_.value_heads.begin * dv,
+                      2 * hk * dk + dn_.value_heads.end * dv};
+  const IndexRange zr{dn_.value_heads.begin * dv, dn_.value_heads.end * dv};
+  const IndexRange vh = dn_.value_heads;
+  const int64_t conv_all = 2 * hk * dk + hv * dv, value_all = hv * dv;
   embed_ = load_f32(ckpt, root + "embed_tokens.weight", {c.vocab_size, h});
   norm_ = load_f32(ckpt, root + "norm.weight", {h}, /*plus_one=*/true);
-  if (!c.tie_word_embeddings) lm_head_ = load_f32(ckpt, "lm_head.weight", {c.vocab_size, h});
+  if (!c.tie_word_embeddings) {
+    lm_head_ = load_rows(wr, {{"lm_head.weight", c.vocab_size, plan_.vocab}}, h);
+  }
 
   layers_.resize(static_cast<size_t>(c.num_hidden_layers));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -93,35 +175,37 @@ void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt) {
     layer.post_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {h}, true);
     if (layer.linear) {
       const std::string a = p + "linear_attn.";
-      layer.in_proj = load_concat(ckpt,
-                                  {{a + "in_proj_qkv.weight", conv_dim_},
-                                   {a + "in_proj_z.weight", value_dim_},
-                                   {a + "in_proj_b.weight", hv},
-                                   {a + "in_proj_a.weight", hv}},
-                                  h);
-      HostTensor conv = load_f32(ckpt, a + "conv1d.weight", {conv_dim_, 1, kern});
-      layer.conv = HostTensor(DType::kF32, {conv_dim_, kern});
-      std::memcpy(layer.conv.ptr<float>(), conv.ptr<float>(), sizeof(float) * conv_dim_ * kern);
-      layer.a_log = load_f32(ckpt, a + "A_log", {hv});
-      layer.dt_bias = load_f32(ckpt, a + "dt_bias", {hv});
+      const std::string qkv = a + "in_proj_qkv.weight";
+      layer.in_proj = load_rows(wr,
+                                {{qkv, conv_all, kq},
+                                 {qkv, conv_all, kk},
+                                 {qkv, conv_all, vv},
+                                 {a + "in_proj_z.weight", value_all, zr},
+                                 {a + "in_proj_b.weight", hv, vh},
+                                 {a + "in_proj_a.weight", hv, vh}},
+                                h);
+      HostTensor conv = load_f32(ckpt, a + "conv1d.weight", {conv_all, 1, kern});
+      layer.conv = take_rows(conv, kern, {kq, kk, vv});
+      layer.a_log = take_rows(load_f32(ckpt, a + "A_log", {hv}), 1, {vh});
+      layer.dt_bias = take_rows(load_f32(ckpt, a + "dt_bias", {hv}), 1, {vh});
       layer.out_norm = load_f32(ckpt, a + "norm.weight", {dv});
-      layer.out_proj = load_f32(ckpt, a + "out_proj.weight", {h, value_dim_});
+      layer.out_proj = load_cols(wr, a + "out_proj.weight", h, value_all, zr);
     } else {
       const std::string a = p + "self_attn.";
-      layer.qkv = load_concat(ckpt,
-                              {{a + "q_proj.weight", qh * 2 * d},
-                               {a + "k_proj.weight", kvh * d},
-                               {a + "v_proj.weight", kvh * d}},
-                              h);
-      layer.o = load_f32(ckpt, a + "o_proj.weight", {h, qh * d});
+      layer.qkv = load_rows(wr,
+                            {{a + "q_proj.weight", qh * 2 * d, q_rows},
+                             {a + "k_proj.weight", kvh * d, kv_rows},
+                             {a + "v_proj.weight", kvh * d, kv_rows}},
+                            h);
+      layer.o = load_cols(wr, a + "o_proj.weight", h, qh * d, o_cols);
       layer.q_norm = load_f32(ckpt, a + "q_norm.weight", {d}, true);
       layer.k_norm = load_f32(ckpt, a + "k_norm.weight", {d}, true);
     }
     const std::string m = p + "mlp.";
     layer.router = load_f32(ckpt, m + "gate.weight", {c.num_experts, h});
-    // Experts: fused 3D (transformers 5) or one tensor per expert (the hub).
+    // Experts (this rank's): fused 3D (transformers 5) or one tensor per expert (the hub).
     const bool fused = ckpt.has(m + "experts.gate_up_proj");
-    for (int64_t e = 0; e < c.num_experts; ++e) {
+    for (int64_t e = plan_.experts.begin; e < plan_.experts.end; ++e) {
       if (fused) {
         layer.gate_up.push_back(
             load_expert(ckpt, m + "experts.gate_up_proj", c.num_experts, e, 2 * inter, h));
@@ -129,18 +213,21 @@ void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt) {
             load_expert(ckpt, m + "experts.down_proj", c.num_experts, e, h, inter));
       } else {
         const std::string ep = m + "experts." + std::to_string(e) + ".";
-        layer.gate_up.push_back(load_concat(
-            ckpt, {{ep + "gate_proj.weight", inter}, {ep + "up_proj.weight", inter}}, h));
+        layer.gate_up.push_back(load_rows(wr,
+                                          {{ep + "gate_proj.weight", inter, {0, inter}},
+                                           {ep + "up_proj.weight", inter, {0, inter}}},
+                                          h));
         layer.down.push_back(load_f32(ckpt, ep + "down_proj.weight", {h, inter}));
       }
     }
     for (auto& t : layer.gate_up) layer.gate_up_ptrs.push_back(t.ptr<float>());
     for (auto& t : layer.down) layer.down_ptrs.push_back(t.ptr<float>());
-    layer.shared_gate_up = load_concat(ckpt,
-                                       {{m + "shared_expert.gate_proj.weight", sinter},
-                                        {m + "shared_expert.up_proj.weight", sinter}},
-                                       h);
-    layer.shared_down = load_f32(ckpt, m + "shared_expert.down_proj.weight", {h, sinter});
+    layer.shared_gate_up = load_rows(wr,
+                                     {{m + "shared_expert.gate_proj.weight", sinter, shared_inter_},
+                                      {m + "shared_expert.up_proj.weight", sinter, shared_inter_}},
+                                     h);
+    layer.shared_down =
+        load_cols(wr, m + "shared_expert.down_proj.weight", h, sinter, shared_inter_);
     layer.shared_gate = load_f32(ckpt, m + "shared_expert_gate.weight", {1, h});
   }
   TANDEM_CHECK_KIND(kUnsupported, num_attention_ > 0, ckpt.dir(),
@@ -156,24 +243,86 @@ void Qwen35MoeCpu::load_mtp(const std::string& dir) {
 }
 
 KvGeometry Qwen35MoeCpu::kv_geometry(int64_t num_pages, int64_t page_size) const {
-  return {num_attention_, num_pages, config_.num_key_value_heads, page_size, config_.head_dim};
+  return {num_attention_, num_pages, plan_.kv_heads.size(), page_size, config_.head_dim};
 }
 
-int64_t Qwen35MoeCpu::state_elems_per_layer() const {
+int64_t Qwen35MoeCpu::state_elems_per_layer() const { return state_layout().layer_elems(); }
+
+int64_t Qwen35MoeCpu::state_slot_elems() const { return state_layout().slot_elems(); }
+
+void Qwen35MoeCpu::moe_block(const Layer& layer, const float* xn, int64_t n, float* y) {
   const auto& c = config_;
-  return conv_dim_ * (c.linear_conv_kernel_dim - 1) +
-         c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+  const int64_t h = c.hidden_size, inter = c.moe_intermediate_size;
+  const int64_t k = c.num_experts_per_tok, si = shared_inter_.size();
+  std::vector<float> router(static_cast<size_t>(n * c.num_experts));
+  std::vector<int32_t> topk_ids(static_cast<size_t>(n * k));
+  std::vector<float> topk_w(topk_ids.size());
+  if (n > 0) {
+    cpu::gemm({xn, layer.router.ptr<float>(), router.data(), n, c.num_experts, h});
+    cpu::topk_softmax({router.data(), topk_ids.data(), topk_w.data(), n, c.num_experts, k, true});
+  }
+  if (plan_.data_parallel()) {
+    // Decode EP: tokens travel to their experts' ranks (every rank takes part, also with no
+    // tokens of its own); the home rank sums the pairs in ascending expert id, as cpu::moe.
+    comm::MoeAllToAll& a2a = *all_to_all_;
+    a2a.dispatch(xn, topk_ids.data(), topk_w.data(), n);
+    cpu::moe({a2a.pair_x(), a2a.pair_expert(), a2a.pair_weight(), layer.gate_up_ptrs.data(),
+              layer.down_ptrs.data(), a2a.pair_out(), a2a.num_pairs(), h, inter, 1,
+              plan_.experts.begin, plan_.experts.size()});
+    a2a.combine(y);
+  } else if (n > 0) {
+    // Single, or prefill EP: this rank's experts over the replicated tokens.
+    cpu::moe({xn, topk_ids.data(), topk_w.data(), layer.gate_up_ptrs.data(), layer.down_ptrs.data(),
+              y, n, h, inter, k, plan_.experts.begin, plan_.experts.size()});
+  }
+  if (n > 0) {
+    // The shared expert (prefill TP: this rank's intermediate columns) times its sigmoid gate.
+    std::vector<float> sgu(static_cast<size_t>(n * 2 * si)), sact(static_cast<size_t>(n * si));
+    std::vector<float> sout(static_cast<size_t>(n * h)), sgate(static_cast<size_t>(n));
+    cpu::gemm({xn, layer.shared_gate_up.ptr<float>(), sgu.data(), n, 2 * si, h});
+    cpu::silu_mul({sgu.data(), sact.data(), n, si});
+    cpu::gemm({sact.data(), layer.shared_down.ptr<float>(), sout.data(), n, h, si});
+    cpu::gemm({xn, layer.shared_gate.ptr<float>(), sgate.data(), n, 1, h});
+    cpu::sigmoid_gate({sout.data(), sgate.data(), y, n, h, 1, /*per_row=*/true,
+                       /*accumulate=*/true});
+  }
+  if (plan_.tensor_parallel() && n > 0) comm_->all_reduce_sum(y, n * h, DType::kF32);
 }
 
-int64_t Qwen35MoeCpu::state_slot_elems() const {
-  return std::max<int64_t>(1, num_linear_ * state_elems_per_layer());
+void Qwen35MoeCpu::lm_head(const float* last, int64_t r, std::vector<float>& logits) {
+  const auto& c = config_;
+  const int64_t h = c.hidden_size, v = c.vocab_size;
+  logits.resize(static_cast<size_t>(r * v));
+  if (!plan_.tensor_parallel()) {
+    const float* head = c.tie_word_embeddings ? embed_.ptr<float>() : lm_head_.ptr<float>();
+    cpu::gemm({last, head, logits.data(), r, v, h});
+    return;
+  }
+  // Vocab-parallel: this rank's rows of the logits, padded to vocab_rows, then all-gathered.
+  const int64_t vl = plan_.vocab.size(), vp = plan_.vocab_rows, t = plan_.spec.size;
+  const float* head =
+      c.tie_word_embeddings ? embed_.ptr<float>() + plan_.vocab.begin * h : lm_head_.ptr<float>();
+  std::vector<float> local(static_cast<size_t>(r * vl));  // [r, vl]
+  if (vl > 0) cpu::gemm({last, head, local.data(), r, vl, h});
+  std::vector<float> padded(static_cast<size_t>(r * vp), 0.f);  // [r, vp]
+  for (int64_t i = 0; i < r; ++i) {
+    std::memcpy(padded.data() + i * vp, local.data() + i * vl, sizeof(float) * vl);
+  }
+  std::vector<float> all(static_cast<size_t>(t * r * vp));  // [t, r, vp]
+  comm_->all_gather(padded.data(), all.data(), r * vp, DType::kF32);
+  for (int64_t q = 0; q < t; ++q) {
+    const int64_t v0 = std::min(v, q * vp), count = std::min(v, v0 + vp) - v0;
+    for (int64_t i = 0; i < r && count > 0; ++i) {
+      std::memcpy(logits.data() + i * v + v0, all.data() + (q * r + i) * vp, sizeof(float) * count);
+    }
+  }
 }
 
 void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
   const auto& c = config_;
   const int64_t h = c.hidden_size, d = c.head_dim;
-  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
-  const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t qh = plan_.q_heads.size(), kvh = plan_.kv_heads.size();  // this rank's heads
+  const int64_t hk = dn_.key_heads.size(), hv = dn_.value_heads.size();
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const int64_t kern = c.linear_conv_kernel_dim;
   const int64_t in_w = conv_dim_ + value_dim_ + 2 * hv;  // in_proj row: qkv | z | b | a
@@ -183,7 +332,13 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
                    kv.geometry().head_dim == d,
                "KV cache geometry does not match the model");
   logits.clear();
-  if (n == 0) return;
+  if (n == 0) {
+    // Nothing of our own; a decode rank still serves its experts in every (MoE) layer.
+    if (plan_.data_parallel()) {
+      for (const Layer& layer : layers_) moe_block(layer, nullptr, 0, nullptr);
+    }
+    return;
+  }
   if (num_linear_ > 0) {
     TANDEM_CHECK(kv.state_slot_elems() == state_slot_elems(),
                  "the KV cache has no state slots for this hybrid model");
@@ -218,12 +373,6 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
   std::vector<float> mixed = buf(n * conv_dim_), conv_out = buf(n * conv_dim_);
   std::vector<float> z = buf(n * value_dim_);
   std::vector<float> beta = buf(n * hv), g = buf(n * hv);
-  std::vector<float> router = buf(n * c.num_experts);
-  std::vector<int32_t> topk_ids(static_cast<size_t>(n * c.num_experts_per_tok));
-  std::vector<float> topk_w(topk_ids.size());
-  const int64_t sinter = c.shared_expert_intermediate_size;
-  std::vector<float> sgu = buf(n * 2 * sinter), sact = buf(n * sinter), sout = buf(n * h);
-  std::vector<float> sgate = buf(n);
 
   cpu::embedding({ids.data(), embed_.ptr<float>(), x.data(), n, h, c.vocab_size});
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -256,6 +405,8 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
                             1.0f / std::sqrt(static_cast<float>(d))});
       cpu::sigmoid_gate({attn.data(), gate.data(), attn.data(), n, qh * d, qh * d});
       cpu::gemm({attn.data(), layer.o.ptr<float>(), y.data(), n, h, qh * d});
+      // Row-parallel o_proj: the partial products of every rank's heads are summed.
+      if (plan_.tensor_parallel()) comm_->all_reduce_sum(y.data(), n * h, DType::kF32);
     } else {
       // Gated DeltaNet: one fused projection, then per sequence conv + delta rule on its state.
       cpu::gemm({xn.data(), layer.in_proj.ptr<float>(), proj.data(), n, in_w, h});
@@ -282,23 +433,14 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
       cpu::gated_rms_norm(
           {attn.data(), z.data(), layer.out_norm.ptr<float>(), attn.data(), n * hv, dv, eps});
       cpu::gemm({attn.data(), layer.out_proj.ptr<float>(), y.data(), n, h, value_dim_});
+      // Row-parallel out_proj over this rank's value heads.
+      if (plan_.tensor_parallel()) comm_->all_reduce_sum(y.data(), n * h, DType::kF32);
     }
     if (batch.on_layer_kv && !layer.linear) batch.on_layer_kv(layer.index);
 
     // MoE block: routed experts (top-k renormalised) + sigmoid-gated shared expert.
     cpu::add_rms_norm({x.data(), y.data(), layer.post_norm.ptr<float>(), xn.data(), n, h, eps});
-    cpu::gemm({xn.data(), layer.router.ptr<float>(), router.data(), n, c.num_experts, h});
-    cpu::topk_softmax({router.data(), topk_ids.data(), topk_w.data(), n, c.num_experts,
-                       c.num_experts_per_tok, true});
-    cpu::moe({xn.data(), topk_ids.data(), topk_w.data(), layer.gate_up_ptrs.data(),
-              layer.down_ptrs.data(), y.data(), n, h, c.moe_intermediate_size,
-              c.num_experts_per_tok, 0, c.num_experts});
-    cpu::gemm({xn.data(), layer.shared_gate_up.ptr<float>(), sgu.data(), n, 2 * sinter, h});
-    cpu::silu_mul({sgu.data(), sact.data(), n, sinter});
-    cpu::gemm({sact.data(), layer.shared_down.ptr<float>(), sout.data(), n, h, sinter});
-    cpu::gemm({xn.data(), layer.shared_gate.ptr<float>(), sgate.data(), n, 1, h});
-    cpu::sigmoid_gate({sout.data(), sgate.data(), y.data(), n, h, 1, /*per_row=*/true,
-                       /*accumulate=*/true});
+    moe_block(layer, xn.data(), n, y.data());
   }
 
   // Final norm and lm_head on the rows that need logits only.
@@ -313,15 +455,20 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
     }
   }
   cpu::rms_norm({last.data(), norm_.ptr<float>(), last.data(), r, h, eps});
-  logits.resize(static_cast<size_t>(r * c.vocab_size));
-  const float* head = c.tie_word_embeddings ? embed_.ptr<float>() : lm_head_.ptr<float>();
-  cpu::gemm({last.data(), head, logits.data(), r, c.vocab_size, h});
+  lm_head(last.data(), r, logits);
 }
 
 std::unique_ptr<Model> load_cpu_model(const std::string& dir) {
   ModelConfig config = ModelConfig::from_dir(dir);
   if (config.is_hybrid()) return Qwen35MoeCpu::load(dir);
   return Qwen3MoeCpu::load(dir);
+}
+
+std::unique_ptr<Model> load_cpu_model(const std::string& dir, const ShardSpec& shard,
+                                      comm::Communicator* comm) {
+  const ModelConfig config = ModelConfig::from_dir(dir);
+  if (config.is_hybrid()) return Qwen35MoeCpu::load(dir, shard, comm);
+  return Qwen3MoeCpu::load(dir, shard, comm);
 }
 
 }  // namespace tandem

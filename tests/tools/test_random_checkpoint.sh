@@ -43,4 +43,20 @@ out=$("$tandem" generate --model "$dir/q35a" --prompt-ids 1,2,3,4,5 --max-tokens
 echo "$out"
 n35=$(printf '%s' "$out" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["ids"]))')
 [ "$n35" = 6 ] || { echo "FAIL: qwen3.5: expected 6 generated ids, got $n35"; exit 1; }
+# The larger Qwen3.5 presets carry their published shapes (config.json only: no weights).
+check_cfg() {  # DIR FIELD VALUE...
+  local d=$1; shift
+  while [ $# -gt 0 ]; do
+    grep -q "\"$1\": $2," "$d/config.json" || { echo "FAIL: $d: $1 is not $2"; cat "$d/config.json"; exit 1; }
+    shift 2
+  done
+}
+"$mrc" --out "$dir/q122" --preset qwen3.5-122b-a10b --config-only
+check_cfg "$dir/q122" hidden_size 3072 num_hidden_layers 48 num_experts 256 num_experts_per_tok 8 \
+  moe_intermediate_size 1024 shared_expert_intermediate_size 1024 num_attention_heads 32 \
+  num_key_value_heads 2 head_dim 256 linear_num_key_heads 16 linear_num_value_heads 64
+"$mrc" --out "$dir/q397" --preset qwen3.5-397b-a17b --config-only
+check_cfg "$dir/q397" hidden_size 4096 num_hidden_layers 60 num_experts 512 num_experts_per_tok 10 \
+  moe_intermediate_size 1024 num_attention_heads 32 num_key_value_heads 2 linear_num_value_heads 64
+[ ! -e "$dir/q397/model.safetensors.index.json" ] || { echo "FAIL: --config-only wrote weights"; exit 1; }
 echo "PASS: $shards shards, generated $n tokens; qwen3.5 generated $n35 tokens"

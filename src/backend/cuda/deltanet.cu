@@ -289,6 +289,96 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
   }
 }
 
+// The same decode step as one kernel (GatedDeltaRuleParams::fused_decode; off by default until
+// measured on the H200): the block normalises its token's q / k head and computes its gates
+// itself, in delta_prep_kernel's order of operations, so no prep launch precedes it (the q / k
+// head is read by the hv / hk value heads' column blocks: a few KB).
+template <int kDk>
+__global__ void __launch_bounds__(kDeltaWarps * 32)
+    delta_rule_fused_kernel(GatedDeltaRuleParams p) {
+  constexpr int kRows = kDk / kDeltaWarps;
+  __shared__ float sQ[kDk], sK[kDk];
+  __shared__ float sRed1[kDeltaWarps][32], sRed2[kDeltaWarps][32];
+  __shared__ float sInv[2], sGate[2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  const int64_t h = blockIdx.y, s = blockIdx.z;
+  const int64_t kh = h / (hv / hk);
+  const bool col = j < dv;
+  const float q_scale = rsqrtf(static_cast<float>(kDk));
+  const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
+  const int32_t slot = p.seqs.state_slot[s];
+  float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
+  const int r0 = warp * kRows;
+  float S[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) S[r] = (!zero && col) ? gS[(r0 + r) * dv + j] : 0.f;
+
+  bf16 const* gV = p.qkv + 2 * hk * kDk + h * dv + j;
+  for (int64_t t = begin; t < end; ++t) {
+    __syncthreads();  // the previous token is done with sQ / sK / sRed1 / sInv / sGate
+    bf16 const* row = p.qkv + t * p.qkv_stride;
+    // Warp 0: the q head's sum of squares, warp 1: the k head's (lane-strided, then the warp
+    // sum: delta_prep_kernel's order); warp 2: the gates.
+    if (warp < 2) {
+      bf16 const* src = row + (warp == 0 ? kh : hk + kh) * kDk;
+      float ss = 0.f;
+      for (int i = lane; i < kDk; i += 32) {
+        const float v = __bfloat162float(src[i]);
+        ss += v * v;
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) sInv[warp] = 1.0f / sqrtf(ss + 1e-6f) * (warp == 0 ? q_scale : 1.0f);
+    } else if (warp == 2 && lane == 0) {
+      const float b = __bfloat162float(p.b[t * p.ab_stride + h]);
+      const float x = __bfloat162float(p.a[t * p.ab_stride + h]) + p.dt_bias[h];
+      const float sp = x > 20.0f ? x : log1pf(expf(x));
+      sGate[0] = -expf(p.a_log[h]) * sp;
+      sGate[1] = 1.0f / (1.0f + expf(-b));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kDk; i += blockDim.x) {
+      sQ[i] = __bfloat162float(row[kh * kDk + i]) * sInv[0];
+      sK[i] = __bfloat162float(row[(hk + kh) * kDk + i]) * sInv[1];
+    }
+    __syncthreads();
+    const float decay = expf(sGate[0]), beta = sGate[1];
+    float part = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      S[r] *= decay;
+      part += S[r] * sK[r0 + r];
+    }
+    sRed1[warp][lane] = part;
+    __syncthreads();
+    float kv = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDeltaWarps; ++w) kv += sRed1[w][lane];
+    const float v = col ? __bfloat162float(gV[t * p.qkv_stride]) : 0.f;
+    const float delta = (v - kv) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      S[r] += sK[r0 + r] * delta;
+      o += S[r] * sQ[r0 + r];
+    }
+    sRed2[warp][lane] = o;
+    __syncthreads();
+    if (warp == 0 && col) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDeltaWarps; ++w) sum += sRed2[w][lane];
+      p.out[(t * hv + h) * dv + j] = sum;
+    }
+  }
+  if (gS != nullptr && col) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) gS[(r0 + r) * dv + j] = S[r];
+  }
+}
+
 // Multi-token chunks: one warp per (kCols value columns, value head, sequence) holding its
 // [k_dim, kCols] state slice in registers over the chunk: lane l owns column l % kCols of the
 // block's and rows [part * 16, part * 16 + 16), part = l / kCols (kSplit = k_dim / 16 parts), so
@@ -979,6 +1069,7 @@ void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
   chunk_wy_kernel<kDk><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_v_heads)),
                          128, wy_smem, stream>>>(p, vec_v);
   TANDEM_CUDA_CHECK_LAUNCH();
+  if (p.stages < 3) return;
   constexpr size_t st_smem = StateShape<kDk>::kSmemBytes;
   raise_smem(chunk_state_kernel<kDk>, st_smem);
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
@@ -1008,7 +1099,9 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(GatedRmsNormParams 
 template <int kDk>
 void delta_rule_dispatch(GatedDeltaRuleParams const& p, dim3 grid, bool decode,
                          cudaStream_t stream) {
-  if (decode) {
+  if (decode && p.fused_decode) {
+    delta_rule_fused_kernel<kDk><<<grid, kDeltaWarps * 32, 0, stream>>>(p);
+  } else if (decode) {
     delta_rule_kernel<kDk><<<grid, kDeltaWarps * 32, 0, stream>>>(p);
   } else {
     constexpr int kCols = ChunkShape<kDk>::kCols;
@@ -1094,7 +1187,7 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
   if (chunked) {
     delta_prep_kernel<true><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
     TANDEM_CUDA_CHECK_LAUNCH();
-    if (p.seqs.num_seqs == 0) return;
+    if (p.seqs.num_seqs == 0 || p.stages < 2) return;
     if (p.k_dim == 64) {
       chunked_dispatch<64>(p, stream);
     } else {
@@ -1102,8 +1195,10 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
     }
     return;
   }
-  delta_prep_kernel<false><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
-  TANDEM_CUDA_CHECK_LAUNCH();
+  if (!decode || !p.fused_decode) {  // the fused decode kernel normalises q / k itself
+    delta_prep_kernel<false><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
+    TANDEM_CUDA_CHECK_LAUNCH();
+  }
   if (p.seqs.num_seqs == 0) return;
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
                   static_cast<unsigned>(p.seqs.num_seqs));

@@ -71,6 +71,12 @@ struct GatedDeltaRuleParams {
   DeltaNetSeqs seqs;
   int64_t num_tokens, num_k_heads, num_v_heads, k_dim, v_dim, qkv_stride, ab_stride, state_stride;
   bool sequential = false;  // prefill by the per-token recurrence (reference, benchmarks)
+  // Benchmarks only: the chunked form stops after its first `stages` kernels (1: the q / k norm
+  // and gates, 2: + the per-chunk WY kernel, 3: + the sequence-order state kernel, all).
+  int stages = 3;
+  // A decode step as one kernel (the delta-rule kernel normalises q / k and computes the gates
+  // itself, no prep launch). Off by default: not yet measured on the H200.
+  bool fused_decode = false;
 };
 void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream);
 /// fp32 elements of GatedDeltaRuleParams::workspace for num_tokens tokens.

@@ -90,6 +90,11 @@ struct HostMeta {
 constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
                                 80, 96, 112, 128, 160, 192, 224, 256};
 
+bool env_on(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
 // A host float vector as bf16 bits.
 std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
   std::vector<uint16_t> b(f.size());
@@ -133,6 +138,20 @@ struct Qwen35MoeCuda::Impl {
   }();
   std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
+  // Opt-in (off by default: not yet measured on the H200): steps of at most kForkMaxTokens
+  // tokens run the shared expert (gate_up, SiLU, down) on a second stream beside the router and
+  // the routed experts (both read the post-attention norm; the shared expert's gate joins them):
+  // at decode sizes these are latency-bound kernels of few CTAs, so the two chains overlap. Its
+  // own GemmLt (one per stream). On: set_shared_expert_fork(true) or TANDEM_Q35_SHARED_FORK=1.
+  static constexpr int64_t kForkMaxTokens = 256;
+  bool fork_shared = env_on("TANDEM_Q35_SHARED_FORK");
+  // Opt-in (off by default: not yet measured on the H200): a DeltaNet decode step as one kernel
+  // (GatedDeltaRuleParams::fused_decode). On: set_fused_deltanet_decode(true) or
+  // TANDEM_Q35_FUSED_DECODE=1.
+  bool fused_decode = env_on("TANDEM_Q35_FUSED_DECODE");
+  cudaStream_t side = nullptr;
+  cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
+  std::unique_ptr<cuda::GemmLt> gemm_side;
 
   // Metadata: eager buffers and the captured graphs' own.
   DeviceMem e_tables, e_meta, g_meta, g_tables;
@@ -155,12 +174,25 @@ struct Qwen35MoeCuda::Impl {
   ~Impl() {
     drop_graphs();
     if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
+    if (ev_fork != nullptr) (void)cudaEventDestroy(ev_fork);
+    if (ev_join != nullptr) (void)cudaEventDestroy(ev_join);
+    gemm_side.reset();
+    if (side != nullptr) (void)cudaStreamDestroy(side);
   }
   void drop_graphs() {
     for (auto& [b, g] : graphs) (void)cudaGraphExecDestroy(g);
     graphs.clear();
     graph_kv = nullptr;
     graph_states = nullptr;
+  }
+
+  // The second stream, its GemmLt and the fork / join events (made when the fork is turned on).
+  void ensure_side() {
+    if (gemm_side != nullptr) return;
+    gemm_side = std::make_unique<cuda::GemmLt>();
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming));
   }
 
   int64_t qkv_rows() const {
@@ -369,6 +401,7 @@ struct Qwen35MoeCuda::Impl {
     logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
     sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
     gemm = std::make_unique<cuda::GemmLt>();
+    if (fork_shared) ensure_side();
     moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
                                            c.num_experts_per_tok, 0, c.num_experts, true);
     const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
@@ -529,6 +562,7 @@ struct Qwen35MoeCuda::Impl {
         dp.ab_stride = in_rows;
         dp.state_stride = slot_stride;
         dp.sequential = sequential_delta_rule;
+        dp.fused_decode = fused_decode;
         cuda::gated_delta_rule_launch(dp, stream);
         cuda::gated_rms_norm_launch({core.as<float>(), P + conv_dim, w.out_norm, attn.as<bf16>(),
                                      n * hv, dv, hv, in_rows, eps},
@@ -537,10 +571,23 @@ struct Qwen35MoeCuda::Impl {
       }
       // MoE block: routed experts + the sigmoid-gated shared expert.
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
-      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
-      gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
-      cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
-      gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+      if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
+        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+        gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
+        cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
+        gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+      } else {
+        // The shared expert on the side stream: it reads XN and writes sgu / sact / sout only;
+        // the next writer of XN (the next layer's norm) comes after the join below.
+        TANDEM_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
+        TANDEM_CUDA_CHECK(cudaStreamWaitEvent(side, ev_fork, 0));
+        gemm_side->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, side);
+        cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, side);
+        gemm_side->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, side);
+        TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
+        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+        TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
+      }
       cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
     }
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
@@ -669,6 +716,29 @@ std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const {
   for (const auto& [b, g] : impl_->graphs) out.push_back(b);
   return out;
 }
+
+void Qwen35MoeCuda::reset_graphs() {
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  impl_->drop_graphs();
+}
+
+void Qwen35MoeCuda::set_shared_expert_fork(bool on) {
+  if (impl_->fork_shared == on) return;
+  reset_graphs();
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  if (on) impl_->ensure_side();
+  impl_->fork_shared = on;
+}
+
+bool Qwen35MoeCuda::shared_expert_fork() const { return impl_->fork_shared; }
+
+void Qwen35MoeCuda::set_fused_deltanet_decode(bool on) {
+  if (impl_->fused_decode == on) return;
+  reset_graphs();
+  impl_->fused_decode = on;
+}
+
+bool Qwen35MoeCuda::fused_deltanet_decode() const { return impl_->fused_decode; }
 
 bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   Impl& im = *impl_;

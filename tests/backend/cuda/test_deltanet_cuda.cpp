@@ -92,9 +92,10 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
 
   void conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel);
   /// Runs the rule on a random batch and compares with the CPU reference; `sequential` asks
-  /// for the per-token prefill instead of the chunked one.
+  /// for the per-token prefill instead of the chunked one, `fused` for the one-kernel decode
+  /// step (GatedDeltaRuleParams::fused_decode).
   void delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
-                  bool sequential = false);
+                  bool sequential = false, bool fused = false);
 };
 
 void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel) {
@@ -141,7 +142,7 @@ void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels,
 }
 
 void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk,
-                              int64_t dv, bool sequential) {
+                              int64_t dv, bool sequential, bool fused) {
   SCOPED_TRACE("hk " + std::to_string(hk) + " hv " + std::to_string(hv) + " dk " +
                std::to_string(dk) + " dv " + std::to_string(dv) +
                (sequential ? " sequential" : ""));
@@ -184,6 +185,7 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   p.ab_stride = ab_stride;
   p.state_stride = slot_stride;
   p.sequential = sequential;
+  p.fused_decode = fused;
   gated_delta_rule_launch(p, stream_);
   sync();
   // Reference: gates over the batch, then the rule per sequence on a copy of its state.
@@ -380,6 +382,10 @@ TEST_F(CudaDeltaNet, DeltaRuleDecode) {
   for (int i = 0; i < 9; ++i) dec.push_back({1, i == 4, i == 7});
   delta_case(dec, 4, 8, 128, 128);
   delta_case(dec, 2, 4, 16, 16);
+  // The opt-in one-kernel step (q / k norm and gates in the delta-rule kernel).
+  delta_case(dec, 4, 8, 128, 128, false, true);
+  delta_case(dec, 2, 4, 16, 16, false, true);
+  delta_case(dec, 4, 4, 64, 96, false, true);
 }
 
 TEST_F(CudaDeltaNet, DeltaRuleLongPrefill) {

@@ -153,13 +153,16 @@ TEST_P(CudaQwen35Golden, GreedyMatchesTransformers) {
     int64_t budget, page;
     bool twice = false;  // every prompt a second time in the same engine: prefix-cache hits
     bool host_sampling = false;
+    bool opt_in = false;  // the opt-in decode paths: shared expert forked, fused DeltaNet step
   };
   const Mode modes[] = {{"alone+graphs", true, false, 1024, 16},
                         {"batched+graphs", true, true, 1024, 16},
                         {"chunked+graphs", true, true, 7, 4},
                         {"batched eager", false, true, 1024, 16},
                         {"alone twice (prefix cache)+graphs", true, false, 1024, 16, true},
-                        {"batched+graphs, host sampling", true, true, 1024, 16, false, true}};
+                        {"batched+graphs, host sampling", true, true, 1024, 16, false, true},
+                        {"batched+graphs, fork+fused", true, true, 1024, 16, false, false, true},
+                        {"chunked eager, fork+fused", false, true, 7, 4, false, false, true}};
   for (const Mode& m : modes) {
     CudaModelOptions o;
     o.max_tokens = m.budget;
@@ -167,6 +170,8 @@ TEST_P(CudaQwen35Golden, GreedyMatchesTransformers) {
     o.page_size = m.page;
     o.cuda_graphs = m.graphs;
     auto gpu = Qwen35MoeCuda::load(dir, o);
+    gpu->set_shared_expert_fork(m.opt_in);
+    gpu->set_fused_deltanet_decode(m.opt_in);
     EngineConfig cfg;
     cfg.max_num_seqs = 8;
     cfg.max_batched_tokens = m.budget;
