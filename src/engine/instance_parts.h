@@ -25,7 +25,7 @@ using ModelFactory =
     std::function<std::unique_ptr<Model>(const ShardSpec& shard, comm::Communicator* comm)>;
 
 /// The CPU model of `dir` by config.json's model_type: Qwen3MoeCpu (sharded as asked) or, for a
-/// Qwen3.5 hybrid, Qwen35MoeCpu (one rank only: Error(kUnsupported) for a sharded spec).
+/// Qwen3.5 hybrid, Qwen35MoeCpu (decode DP/EP shards; a TP prefill spec: Error(kUnsupported)).
 ModelFactory cpu_model_factory(std::string dir);
 
 struct HostTransferSettings {

@@ -119,9 +119,8 @@ class Qwen35MoeCpu final : public Model {
 /// The CPU model for the checkpoint in `dir`, picked by config.json's model_type (qwen3_moe:
 /// Qwen3MoeCpu; qwen3_5_moe / qwen3_5_moe_text: Qwen35MoeCpu).
 std::unique_ptr<Model> load_cpu_model(const std::string& dir);
-/// The same, one rank's slice (both models' load(dir, shard, comm)). The instances
-/// (engine/instance_parts.cpp cpu_model_factory) still load Qwen3MoeCpu, which refuses hybrids,
-/// until the DeltaNet states travel with the KV between instances.
+/// The same, one rank's slice (both models' load(dir, shard, comm)); the instances' CPU model
+/// factory (engine/instance_parts.cpp).
 std::unique_ptr<Model> load_cpu_model(const std::string& dir, const ShardSpec& shard,
                                       comm::Communicator* comm);
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Disaggregated serving of the Qwen3.5 hybrid fixtures as separate processes on the CPU (issue
-# "Qwen3.5 hybrid MoE", Deliver 5): router -> `tandem prefill` (TP 1) -> `tandem decode` (DP 1)
-# against colocated `tandem serve`, each on the same fixture:
+# "Qwen3.5 hybrid MoE", Deliver 5): router -> `tandem prefill` (TP 1) -> `tandem decode` (DP 1,
+# and DP 2 with EP experts as processes on the first fixture) against colocated `tandem serve`:
 #   - every golden case (token-id prompts: the fixtures have no tokenizer): the same greedy
 #     token ids and logprobs (within 1e-4) through the router as through serve (the prefill
 #     instance sends the attention layers' KV and the DeltaNet layers' recurrent state);
-#   - a sharded hybrid role (prefill --tp 2, decode --dp 2) exits non-zero at start-up with an
-#     error naming the flags.
+#   - a TP hybrid prefill (prefill --tp 2) exits non-zero at start-up with an error naming the
+#     flag.
 #   hybrid_roles_test.sh TANDEM_BIN FIXTURE_DIR...
 set -uo pipefail
 bin="$1"; shift
@@ -46,14 +46,19 @@ wait_ready() {
 }
 
 status=0
-for model in "$@"; do
+runs=()
+for model in "$@"; do runs+=("$model|"); done
+runs+=("$1|--nprocs 2")
+for run in "${runs[@]}"; do
+  model=${run%%|*}; dec_flags=${run#*|}
   common=(--model "$model" --kv-cache-mb 64)
-  start dec decode "${common[@]}" --port 0
+  # shellcheck disable=SC2086
+  start dec decode "${common[@]}" --port 0 $dec_flags
   start pre prefill "${common[@]}" --port 0
   start router router --model "$model" --served-model-name m --prefill "$pre_addr" --decode "$dec_addr" --port 0
   start serve serve "${common[@]}" --served-model-name m --port 0
   wait_ready "$router_addr"
-  python3 - "$model" "$router_addr" "$serve_addr" <<'PY' || status=1
+  python3 - "$model" "$router_addr" "$serve_addr" "${dec_flags:+ (decode $dec_flags)}" <<'PY' || status=1
 import json, sys, urllib.request
 model, router, serve = sys.argv[1:4]
 golden = json.load(open(model + "/golden.json"))
@@ -72,22 +77,22 @@ for i, c in enumerate(golden["cases"]):
     assert len(la) == len(lb) == len(tb) and max(abs(p - q) for p, q in zip(la, lb)) < 1e-4, \
         (model, i, la, lb)
     assert a["text"] == b["text"], (model, i)
-print(f"{model.split('/')[-1]}: router == serve on {len(golden['cases'])} cases")
+print(f"{model.split('/')[-1]}{sys.argv[4]}: router == serve on {len(golden['cases'])} cases")
 PY
   stop_all
 done
 
-# Sharded hybrid roles are refused at start-up (exit status non-zero, the flags named).
+# A TP hybrid prefill is refused at start-up (exit status non-zero, the flag named).
 model="$1"
-for role in "prefill --tp 2" "decode --dp 2"; do
+for role in "prefill --tp 2"; do
   # shellcheck disable=SC2086
   timeout 60 "$bin" $role --model "$model" --port 0 --kv-cache-mb 64 >"$dir/refused.log" 2>&1
   rc=$?
   if [ "$rc" = 0 ] || [ "$rc" = 124 ] || ! grep -q -- "--tp 1" "$dir/refused.log"; then
-    echo "'$role' on a hybrid model: rc $rc, want a start-up error naming --tp 1 / --dp 1"
+    echo "'$role' on a hybrid model: rc $rc, want a start-up error naming --tp 1"
     cat "$dir/refused.log"; status=1
   else
-    echo "'$role' refused: $(grep -o 'runs on one rank only.*' "$dir/refused.log" | head -1)"
+    echo "'$role' refused: $(grep -o 'prefills on one rank only.*' "$dir/refused.log" | head -1)"
   fi
 done
 exit $status
