@@ -113,8 +113,10 @@ __device__ __forceinline__ void unpack(uint4 q, float (&r)[kVec]) {
 /// 64 KiB in flight (a single 16-byte load per thread would reach ~1/3 of the bandwidth).
 /// The loads of a group are predicated rather than left to a remainder loop, so short rows
 /// (the multi-CTA slices: a few vectors per thread) also issue them all at once. Each thread
-/// visits its elements in increasing index order.
-template <typename T, typename F>
+/// visits its elements in increasing index order, or with kReverse its groups of vectors from
+/// the end of the row to its start (for passes whose result does not depend on the order: the
+/// part of the row read last by the pass before is the likeliest still in L2).
+template <bool kReverse = false, typename T, typename F>
 __device__ __forceinline__ void for_each(T const* row, int n, F&& f) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kUnroll = 4;
@@ -122,7 +124,10 @@ __device__ __forceinline__ void for_each(T const* row, int n, F&& f) {
   if (reinterpret_cast<uintptr_t>(row) % 16 == 0) {
     uint4 const* gV = reinterpret_cast<uint4 const*>(row);
     const int nv = n / kVec, stride = static_cast<int>(blockDim.x);
-    for (int v0 = threadIdx.x; v0 < nv; v0 += kUnroll * stride) {
+    const int groups = (nv + kUnroll * stride - 1) / (kUnroll * stride);
+    for (int g = 0; g < groups; ++g) {
+      const int v0 =
+          (kReverse ? groups - 1 - g : g) * kUnroll * stride + static_cast<int>(threadIdx.x);
       uint4 q[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -548,14 +553,18 @@ __device__ uint64_t block_excl_u64(uint64_t v, uint64_t& total, Shared& sh) {
 /// The kept mass of each super-block of row[0, n) (ids offset + i) into sh.sb; returns the
 /// total (every thread). One warp per super-block, 4 vector loads in flight per lane.
 template <typename T, typename K>
-__device__ uint64_t sb_masses(T const* row, int n, int offset, int SB, K const& keep, Shared& sh) {
+__device__ uint64_t sb_masses(T const* row, int n, int offset, int SB, K const& keep, Shared& sh,
+                              bool reverse = true) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kU = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = static_cast<int>(blockDim.x >> 5);
   const int nsb = (n + SB - 1) / SB;
   const bool aligned = reinterpret_cast<uintptr_t>(row) % 16 == 0;
-  for (int j = warp; j < nsb; j += nwarps) {
+  // NOTE: by default the super-blocks go from the end of the row to its start, the reverse of
+  // the pass before (for_each, ascending): the part read last is the likeliest still in L2.
+  for (int j0 = warp; j0 < nsb; j0 += nwarps) {
+    const int j = reverse ? nsb - 1 - j0 : j0;
     const int b0 = j * SB, len = min(SB, n - b0);
     T const* src = row + b0;
     uint64_t s = 0;
@@ -742,7 +751,7 @@ __device__ void fine_hist(T const* row, int n, SampleUniverse const& u, Shared& 
     if (kWithMass) mass[j] = 0;
   }
   __syncthreads();
-  for_each(row, n, [&](int, float v) {
+  for_each<true>(row, n, [&](int, float v) {  // the reverse of the stats pass
     const Elem e = u(v);
     if (!(e.d >= -kZeroBelow)) return;
     const int b = fine_bin(e.d);
@@ -752,11 +761,39 @@ __device__ void fine_hist(T const* row, int n, SampleUniverse const& u, Shared& 
   __syncthreads();
 }
 
+/// The draw pass of a cut row fused with the gather: returns the weight of the tokens above
+/// the gathered bins (kept whatever the cut inside them, min_p applied), 0 for the others, and
+/// appends the tokens of bins [lo, hi] to sh.g_sort.
+struct GatherKeep {
+  SampleUniverse u;
+  int lo, hi;
+  float min_p;
+  Shared* sh;
+  __device__ __forceinline__ uint64_t operator()(int i, float v) const {
+    const Elem e = u(v);
+    if (!(e.d >= -kZeroBelow)) return 0;
+    const int b = fine_bin(e.d);
+    if (b > hi) return (min_p > 0.0f && !(e.w >= min_p)) ? 0 : e.wfp;
+    if (b >= lo) {
+      const int slot = atomicAdd(&sh->n_gathered, 1);
+      if (slot < kGatherCap)
+        sh->g_sort[slot] = (static_cast<unsigned long long>(e.key) << 32) |
+                           static_cast<unsigned long long>(0xffffffffu - static_cast<uint32_t>(i));
+    }
+    return 0;
+  }
+};
+
 /// The top-k / top-p cut by the fine bins (see above); m finite. False when the gather would
 /// exceed kGatherCap (the caller then runs search()).
+/// With `masses` (state 1, the usual case) the gather pass is also the draw's mass pass: on
+/// return sh.sb holds the kept mass per super-block of SB ids (as sb_masses() with Keep{u,
+/// cut_key, cut_id, min_p}) and *masses is set; otherwise the caller runs sb_masses().
 template <typename T>
 __device__ bool fine_cut(T const* row, int n, SampleUniverse const& u, SamplingRowParams const& rp,
-                         bool use_k, bool use_p, uint32_t& cut_key, int& cut_id, Shared& sh) {
+                         bool use_k, bool use_p, uint32_t& cut_key, int& cut_id, int SB,
+                         bool& masses, Shared& sh) {
+  masses = false;
   if (use_p) {
     fine_hist<true>(row, n, u, sh);
   } else {
@@ -831,18 +868,8 @@ __device__ bool fine_cut(T const* row, int n, SampleUniverse const& u, SamplingR
     cut_id = kNoId;
     return true;
   }
-  // The gather.
-  for_each(row, n, [&](int i, float v) {
-    const Elem e = u(v);
-    if (!(e.d >= -kZeroBelow)) return;
-    const int b = fine_bin(e.d);
-    if (b < lo || b > hi) return;
-    const int slot = atomicAdd(&sh.n_gathered, 1);
-    if (slot < kGatherCap)
-      sh.g_sort[slot] = (static_cast<unsigned long long>(e.key) << 32) |
-                        static_cast<unsigned long long>(0xffffffffu - static_cast<uint32_t>(i));
-  });
-  __syncthreads();
+  // The gather, and the kept mass of the tokens above the gathered bins per super-block.
+  (void)sb_masses(row, n, 0, SB, GatherKeep{u, lo, hi, rp.min_p, &sh}, sh, /*reverse=*/false);
   const int G = min(sh.n_gathered, kGatherCap);
   int np = 1;
   while (np < G) np <<= 1;
@@ -905,7 +932,20 @@ __device__ bool fine_cut(T const* row, int n, SampleUniverse const& u, SamplingR
   const unsigned long long c = sh.g_sort[jc];
   cut_key = static_cast<uint32_t>(c >> 32);
   cut_id = static_cast<int>(0xffffffffu - static_cast<uint32_t>(c & 0xffffffffu));
+  // The gathered tokens the cut keeps (sorted positions <= jc) join their super-blocks' mass.
+  for (int j = threadIdx.x; j <= jc; j += blockDim.x) {
+    const unsigned long long g = sh.g_sort[j];
+    const uint32_t key = static_cast<uint32_t>(g >> 32);
+    const int id = static_cast<int>(0xffffffffu - static_cast<uint32_t>(g & 0xffffffffu));
+    const float x = __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+    const float d = x - u.m;
+    const float w = d < -87.0f ? 0.0f : expf(d);
+    if (rp.min_p > 0.0f && !(w >= rp.min_p)) continue;
+    const uint64_t wfp = __float2ull_rn(w * kMassScale);
+    if (wfp != 0) atomicAdd(&sh.sb[id / SB], static_cast<unsigned long long>(wfp));
+  }
   __syncthreads();
+  masses = true;
   return true;
 }
 
@@ -967,8 +1007,11 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     int cut_id = kNoId;
     const bool use_k = rp.top_k > 0 && rp.top_k < n;
     const bool use_p = rp.top_p < 1.0f;
+    const int SB = sb_len(n);
+    bool masses = false;  // sh.sb already holds the kept masses (fine_cut's fused pass)
     if ((use_k || use_p) &&
-        !(m < INFINITY && fine_cut(row, n, u, rp, use_k, use_p, cut_key, cut_id, sh))) {
+        !(m < INFINITY && fine_cut(row, n, u, rp, use_k, use_p, cut_key, cut_id, SB, masses, sh))) {
+      masses = false;
       cut_key = 0;
       cut_id = kNoId;
       bool cut = false;
@@ -1012,8 +1055,15 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     }
     // The draw over the kept tokens. Nothing kept (min_p > 1): the argmax, as the CPU.
     const Keep keep{u, cut_key, cut_id, rp.min_p};
-    const int SB = sb_len(n);
-    const uint64_t total = sb_masses(row, n, 0, SB, keep, sh);
+    uint64_t total = 0;
+    if (masses) {
+      const int nsb = (n + SB - 1) / SB;
+      uint64_t t = 0;
+      for (int j = threadIdx.x; j < nsb; j += blockDim.x) t += sh.sb[j];
+      total = block_sum_u64(t, sh);
+    } else {
+      total = sb_masses(row, n, 0, SB, keep, sh);
+    }
     if (total > 0) {
       const int id = sb_find(row, n, 0, SB, keep, draw_target(rp.seed, rp.counter, total), sh);
       if (id != kNoId) token = id;
