@@ -283,20 +283,26 @@ struct Elem {
 };
 
 /// Sampling: x = logit / temperature; weight exp(x - m); tokens of weight 0 never count.
+/// NOTE: x / 1 == x exactly, so at temperature 1 (a uniform branch) the IEEE division, with
+/// its slow-path call that keeps the compiler from interleaving tokens, is skipped.
 struct SampleUniverse {
   float temp, m;
-  __device__ __forceinline__ uint32_t key(float v) const {
-    return ordkey(v != v ? -INFINITY : v / temp);
+  __device__ __forceinline__ float scaled(float v) const {
+    if (v != v) return -INFINITY;
+    return temp == 1.0f ? v : v / temp;
   }
+  __device__ __forceinline__ uint32_t key(float v) const { return ordkey(scaled(v)); }
   __device__ __forceinline__ Elem operator()(float v) const {
-    const float x = v != v ? -INFINITY : v / temp;
+    const float x = scaled(v);
     float d;
     if (m == INFINITY) {
       d = x == INFINITY ? 0.0f : -INFINITY;  // the +inf tokens share all the mass
     } else {
       d = x - m;
     }
-    const float w = d < -87.0f ? 0.0f : expf(d);
+    // NOTE: expf of the clamped d and a select, not a branch around expf: the same weight (d
+    // is never NaN here), and the tokens of a thread interleave without per-token branches.
+    const float w = d < -87.0f ? 0.0f : expf(fmaxf(d, -87.0f));
     return {w > 0.0f, ordkey(x), d, w, __float2ull_rn(w * kMassScale)};
   }
 };
@@ -676,8 +682,12 @@ __device__ int sb_find(T const* row, int n, int offset, int SB, K const& keep, u
 // the cut can fall in, sorted by (key desc, id asc) in shared memory. The bin of a token is a
 // monotone function of its key, so a bin holds a contiguous key range and ties share a bin.
 
+/// NOTE: t = (d + kZeroBelow) * kFineScale is in [0, 2^23), where t + 2^23 rounded toward zero
+/// is 2^23 + floor(t): the truncation of static_cast<int>(t) on the FP32 pipe instead of an F2I
+/// (the conversion pipe, 1/8 of the FP32 rate, which expf and the fixed-point weight already use).
 __device__ __forceinline__ int fine_bin(float d) {  // d in [-kZeroBelow, 0]
-  return min(kFineBins - 1, static_cast<int>((d + kZeroBelow) * kFineScale));
+  const float t = (d + kZeroBelow) * kFineScale;
+  return min(kFineBins - 1, __float_as_int(__fadd_rz(t, 8388608.0f)) - 0x4b000000);
 }
 
 /// The weight of a gathered token from its key: the same float operations as SampleUniverse.
@@ -741,10 +751,17 @@ __device__ BinPick pick_bin(bool by_mass, uint64_t need, Shared& sh) {
 }
 
 /// The histogram pass: count (and fixed-point mass) per fine bin.
+/// NOTE: a 64-bit shared atomicAdd is a compare-and-swap loop in SASS (ATOMS.CAST.SPIN.64);
+/// the mass goes in as two 32-bit halves instead (native ATOMS.ADD): the low word, whose
+/// wrap-around the adding thread sees in the old value and carries into the high word, which
+/// most tokens (w < 2^-8) leave alone. The sums are the same exact integers.
 template <bool kWithMass, typename T>
 __device__ void fine_hist(T const* row, int n, SampleUniverse const& u, Shared& sh) {
+  static_assert(sizeof(sh.mass) == 2 * kFineBins * sizeof(uint32_t));
   uint32_t* cnt = &sh.cnt[0][0];
   unsigned long long* mass = &sh.mass[0][0];
+  uint32_t* mlo = reinterpret_cast<uint32_t*>(mass);  // [kFineBins] low words, then high words
+  uint32_t* mhi = mlo + kFineBins;
   __syncthreads();
   for (int j = threadIdx.x; j < kFineBins; j += blockDim.x) {
     cnt[j] = 0;
@@ -756,9 +773,30 @@ __device__ void fine_hist(T const* row, int n, SampleUniverse const& u, Shared& 
     if (!(e.d >= -kZeroBelow)) return;
     const int b = fine_bin(e.d);
     atomicAdd(&cnt[b], 1u);
-    if (kWithMass) atomicAdd(&mass[b], static_cast<unsigned long long>(e.wfp));
+    if (kWithMass) {
+      const uint32_t lw = static_cast<uint32_t>(e.wfp);
+      const uint32_t old = atomicAdd(&mlo[b], lw);
+      const uint32_t hw = static_cast<uint32_t>(e.wfp >> 32) + (old + lw < old ? 1u : 0u);
+      if (hw != 0) atomicAdd(&mhi[b], hw);
+    }
   });
   __syncthreads();
+  if (kWithMass) {  // the halves back into 64-bit bins, in place (read all, then write)
+    constexpr int kPer = (kFineBins + kThreads - 1) / kThreads;
+    unsigned long long m[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int j = static_cast<int>(threadIdx.x) + e * static_cast<int>(blockDim.x);
+      m[e] = j < kFineBins ? (static_cast<unsigned long long>(mhi[j]) << 32) | mlo[j] : 0ull;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int j = static_cast<int>(threadIdx.x) + e * static_cast<int>(blockDim.x);
+      if (j < kFineBins) mass[j] = m[e];
+    }
+    __syncthreads();
+  }
 }
 
 /// The draw pass of a cut row fused with the gather: returns the weight of the tokens above
