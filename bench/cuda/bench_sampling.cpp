@@ -2,8 +2,9 @@
 // 256 rows, beside the bound of reading the logits once at the device-to-device copy bandwidth
 // measured in the same run (cudaMemcpyAsync of 1 GiB, bytes read + written).
 //
-//   bench_sampling [--quick] [--bf16]
+//   bench_sampling [--quick] [--bf16] [--rows R1,R2,...] [--single]
 //
+// --rows: only these row counts (default 1,32,128,256); --single: the single-CTA path only.
 // Each case runs on both paths: "single" (one CTA per row, no workspace) and "multi" (rows split
 // over several CTAs, with a workspace of sample_workspace_bytes).
 // Cases: greedy; greedy + chosen logprob + top-20 logprobs; temperature only; top-p 0.9;
@@ -56,10 +57,25 @@ struct Case {
 
 int main(int argc, char** argv) {
   bench::Timer t(3.0, 15);  // ~3 ms per replay, 15 replays (5 with --quick)
-  bool bf16 = false;
+  bool bf16 = false, single_only = false;
+  std::vector<int64_t> row_counts = {1, 32, 128, 256};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) t.quick = true;
     if (!std::strcmp(argv[i], "--bf16")) bf16 = true;
+    if (!std::strcmp(argv[i], "--single")) single_only = true;
+    if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) {
+      row_counts.clear();
+      for (char const* c = argv[++i]; *c != 0;) {
+        char* end = nullptr;
+        const long long r = std::strtoll(c, &end, 10);
+        if (end == c || r <= 0) {
+          std::fprintf(stderr, "bench_sampling: --rows wants positive counts like 128,256\n");
+          return 2;
+        }
+        row_counts.push_back(r);
+        c = *end == ',' ? end + 1 : end;
+      }
+    }
   }
   try {
     t.create();
@@ -96,7 +112,7 @@ int main(int argc, char** argv) {
       csv << "case,rows,path,us,bound_us\n";
     }
     std::mt19937 rng(20261130);
-    for (int64_t rows : {1, 32, 128, 256}) {
+    for (int64_t rows : row_counts) {
       const double set_bytes = static_cast<double>(rows * kVocab * esize);
       const int sets = static_cast<int>(std::clamp(std::ceil(3.0 * l2 / set_bytes), 1.0, 64.0));
       // Logits: N(0, 4) plus 8 tokens per row raised by 8.
@@ -129,6 +145,7 @@ int main(int argc, char** argv) {
         TANDEM_CUDA_CHECK(cudaMemcpy(params.ptr, hp.data(), hp.size() * sizeof(SamplingRowParams),
                                      cudaMemcpyHostToDevice));
         for (bool multi : {false, true}) {
+          if (multi && single_only) continue;
           const double us = t.time_us(sets, [&](int i) {
             SampleParams p{bf16 ? static_cast<void const*>(logits.as<uint16_t>(i * rows * kVocab))
                                 : static_cast<void const*>(logits.as<float>(i * rows * kVocab)),

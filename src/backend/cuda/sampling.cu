@@ -807,15 +807,22 @@ struct GatherKeep {
   int lo, hi;
   float min_p;
   Shared* sh;
+  // NOTE: the weight (expf, the 64-bit conversion) only for the tokens above the gathered bins:
+  // under a top-k cut that is almost none. The same floats as SampleUniverse (d >= -28.5 here,
+  // so expf(d) is its weight).
   __device__ __forceinline__ uint64_t operator()(int i, float v) const {
-    const Elem e = u(v);
-    if (!(e.d >= -kZeroBelow)) return 0;
-    const int b = fine_bin(e.d);
-    if (b > hi) return (min_p > 0.0f && !(e.w >= min_p)) ? 0 : e.wfp;
+    const float x = u.scaled(v);
+    const float d = u.m == INFINITY ? (x == INFINITY ? 0.0f : -INFINITY) : x - u.m;
+    if (!(d >= -kZeroBelow)) return 0;
+    const int b = fine_bin(d);
+    if (b > hi) {
+      const float w = expf(d);
+      return (min_p > 0.0f && !(w >= min_p)) ? 0 : __float2ull_rn(w * kMassScale);
+    }
     if (b >= lo) {
       const int slot = atomicAdd(&sh->n_gathered, 1);
       if (slot < kGatherCap)
-        sh->g_sort[slot] = (static_cast<unsigned long long>(e.key) << 32) |
+        sh->g_sort[slot] = (static_cast<unsigned long long>(ordkey(x)) << 32) |
                            static_cast<unsigned long long>(0xffffffffu - static_cast<uint32_t>(i));
     }
     return 0;
