@@ -16,6 +16,10 @@
 # steps apart) is printed.
 # Prints each run's row, then ITL p99 / p50 and output tok/s against the policy-off run of the
 # same load (targets: p99 <= 3x p50, tok/s within 10%).
+# The same on the CPU (the method checked without a GPU): TANDEM_ITL_MODEL=models/demo
+# TANDEM_ITL_DEVICE=cpu, with a smaller load via TANDEM_ITL_CONCURRENCY, TANDEM_ITL_PROMPT
+# (1024), TANDEM_ITL_OUT (256), TANDEM_ITL_STEP_TOKENS (8192), TANDEM_ITL_KV_MB (24000),
+# TANDEM_ITL_VOCAB (151936).
 set -uo pipefail
 BIN=$1; CSV=$2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,12 +28,20 @@ conc=${TANDEM_ITL_CONCURRENCY:-128}
 configs=${TANDEM_ITL_CONFIGS:-"off:0:0 f3:-1:3"}
 for t in ${TANDEM_ITL_TARGETS:-}; do configs="$configs t$t:$t:0"; done
 loads=${TANDEM_ITL_LOADS:-"steady waves"}
-ck=/dev/shm/q30_itl
-rm -rf "$ck" "$CSV"
-"$BIN/make_random_checkpoint" --out "$ck" --preset qwen3-30b-a3b --layers "$layers" || exit 1
+device=${TANDEM_ITL_DEVICE:-cuda}
+plen=${TANDEM_ITL_PROMPT:-1024}
+olen=${TANDEM_ITL_OUT:-256}
+rm -f "$CSV"
+if [ -n "${TANDEM_ITL_MODEL:-}" ]; then
+  ck=$TANDEM_ITL_MODEL; made=
+else
+  ck=/dev/shm/q30_itl; made=$ck
+  rm -rf "$ck"
+  "$BIN/make_random_checkpoint" --out "$ck" --preset qwen3-30b-a3b --layers "$layers" || exit 1
+fi
 dir=$(mktemp -d)
 pid=
-cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir" "$ck"; }
+cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir" ${made:+"$made"}; }
 trap cleanup EXIT
 echo "| load / config | concurrency | ok | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -37,8 +49,9 @@ for load in $loads; do
   for c in $configs; do
     IFS=: read -r label t f <<< "$c"
     trace="${TANDEM_ITL_TRACE_DIR:-$dir}/trace_${load}_$label.csv"
-    "$BIN/tandem" serve --model "$ck" --device cuda --max-model-len 2048 --served-model-name m \
-      --port 0 --max-num-seqs 128 --max-num-batched-tokens 8192 --kv-cache-mb 24000 \
+    "$BIN/tandem" serve --model "$ck" --device "$device" --max-model-len 2048 --served-model-name m \
+      --port 0 --max-num-seqs "$conc" --max-num-batched-tokens "${TANDEM_ITL_STEP_TOKENS:-8192}" \
+      --kv-cache-mb "${TANDEM_ITL_KV_MB:-24000}" \
       --step-time-target-ms "$t" --step-time-factor "$f" --step-trace "$trace" \
       > "$dir/serve_$label.log" 2>&1 &
     pid=$!
@@ -56,7 +69,7 @@ for load in $loads; do
       extra=(--requests $((2 * conc)))
     fi
     python3 "$ROOT/bench/serve_load.py" --url "http://$addr" --concurrency "$conc" \
-      --prompt-len 1024 --max-tokens 256 --vocab "${TANDEM_ITL_VOCAB:-151936}" \
+      --prompt-len "$plen" --max-tokens "$olen" --vocab "${TANDEM_ITL_VOCAB:-151936}" \
       --label "$load/$label" --csv "$CSV" "${extra[@]}" || exit 1
     kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=
     # The policy's model against the measured steps (after the first 50: the fit's warm-up).

@@ -4,8 +4,9 @@
 //
 //   bench_sampling [--quick] [--bf16] [--rows R1,R2,...] [--single]
 //
-// --rows: only these row counts (default 1,32,128,256); --single: the single-CTA path only.
-// Each case runs on both paths: "single" (one CTA per row, no workspace) and "multi" (rows split
+// --rows: only these row counts (default 1,32,128,256); --single: the single-CTA paths only.
+// Each case runs on three paths: "single" (one CTA per row, no workspace), "single-v2" (the same
+// with SampleParams::v2, the fused single-CTA kernel not yet run on a GPU) and "multi" (rows split
 // over several CTAs, with a workspace of sample_workspace_bytes).
 // Cases: greedy; greedy + chosen logprob + top-20 logprobs; temperature only; top-p 0.9;
 // top-k 20 + top-p 0.95 (Qwen3's defaults); min-p 0.05; top-k 50; logits N(0, 2^2) plus 8
@@ -86,7 +87,7 @@ int main(int argc, char** argv) {
     std::printf(
         "== copy %.0f GB/s (1 GiB cudaMemcpyAsync D2D, read + write); logits %s, vocab %lld\n",
         copy_Bps / 1e9, bf16 ? "bf16" : "fp32", static_cast<long long>(kVocab));
-    std::printf("%-22s %6s %-6s %10s %10s %7s %8s\n", "case", "rows", "path", "us", "bound_us",
+    std::printf("%-22s %6s %-9s %10s %10s %7s %8s\n", "case", "rows", "path", "us", "bound_us",
                 "%bound", "GB/s");
 
     auto mk = [](float temp, int k, float p, int lp, int top) {
@@ -144,7 +145,9 @@ int main(int argc, char** argv) {
         for (int64_t r = 0; r < rows; ++r) hp[r].counter = static_cast<uint64_t>(r);
         TANDEM_CUDA_CHECK(cudaMemcpy(params.ptr, hp.data(), hp.size() * sizeof(SamplingRowParams),
                                      cudaMemcpyHostToDevice));
-        for (bool multi : {false, true}) {
+        for (int path = 0; path < 3; ++path) {
+          const bool multi = path == 2, v2 = path == 1;
+          char const* path_name = multi ? "multi" : (v2 ? "single-v2" : "single");
           if (multi && single_only) continue;
           const double us = t.time_us(sets, [&](int i) {
             SampleParams p{bf16 ? static_cast<void const*>(logits.as<uint16_t>(i * rows * kVocab))
@@ -158,16 +161,16 @@ int main(int argc, char** argv) {
                            rows,
                            kVocab,
                            multi ? workspace.ptr : nullptr};
+            p.v2 = v2;
             sample_launch(p, t.stream);
           });
           const double bound = 1e6 * set_bytes / copy_Bps;
-          std::printf("%-22s %6lld %-6s %10.2f %10.2f %6.1f%% %8.0f\n", c.name,
-                      static_cast<long long>(rows), multi ? "multi" : "single", us, bound,
-                      100.0 * bound / us, set_bytes / (us * 1e-6) / 1e9);
+          std::printf("%-22s %6lld %-9s %10.2f %10.2f %6.1f%% %8.0f\n", c.name,
+                      static_cast<long long>(rows), path_name, us, bound, 100.0 * bound / us,
+                      set_bytes / (us * 1e-6) / 1e9);
           std::fflush(stdout);
           if (csv.is_open())
-            csv << c.name << "," << rows << "," << (multi ? "multi" : "single") << "," << us << ","
-                << bound << "\n";
+            csv << c.name << "," << rows << "," << path_name << "," << us << "," << bound << "\n";
         }
       }
     }

@@ -454,11 +454,15 @@ ScheduledBatch Scheduler::schedule_timed() {
     StepShape arrived;
     arrived.prefill_tokens = arrived_tokens_;
     arrived.prefill_context = arrived_context_;
+    const double u = (cost_.predict(arrived) - cost_.predict(StepShape{}) - cost_.mixed_cost()) /
+                     kArrivalWindowS;
     if (decode_factor_ > 0) {
-      target = decode_factor_ * cost_.predict(all);
+      // At least F x the decode step; more when the arriving prompts need a larger share of
+      // the time to keep up (prefill-bound loads: long but even steps keep the ratio and the
+      // throughput), up to 25x.
+      target =
+          cost_.predict(all) * std::max(decode_factor_, 1.25 / (1.0 - std::clamp(u, 0.0, 0.95)));
     } else {
-      const double u = (cost_.predict(arrived) - cost_.predict(StepShape{}) - cost_.mixed_cost()) /
-                       kArrivalWindowS;
       target = cost_.predict(all) * std::clamp(1.25 / (1.0 - std::min(u, 0.9)), 2.0, 3.0);
     }
   }

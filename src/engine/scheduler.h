@@ -131,8 +131,9 @@ class Scheduler {
   /// time of a decode step over every live sequence (running, and waiting ones up to
   /// max_num_seqs counted as decode rows) times clamp(1.25 / (1 - u), 2, 3), u the share of time
   /// the prompts that arrived over the last ~2 s need for their prefill (so that prefill keeps
-  /// up with arrivals, 25% to spare), or, with decode_factor >= 1, times decode_factor (a fixed
-  /// ratio of step to decode-only step: the ITL goal p99 <= 3x p50 is a ratio); 0: off (the
+  /// up with arrivals, 25% to spare), or, with decode_factor >= 1, times max(decode_factor,
+  /// 1.25 / (1 - min(u, 0.95))): a ratio of step to decode-only step (the ITL goal p99 <= 3x
+  /// p50 is a ratio) that the arriving prompt work raises, without the cap of 3; 0: off (the
   /// token budget only). Never starved: a step with prompt work computes at least
   /// min_prefill_chunk prompt tokens (within the token budget and what is left of the
   /// prompts), whatever the decode rows take.

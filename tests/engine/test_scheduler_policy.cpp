@@ -232,17 +232,20 @@ TEST(SchedulerPolicy, StepsMeetTheTargetAndDecodeRowsAlwaysRun) {
 TEST(SchedulerPolicy, ThroughputStaysNearThePolicyOffRun) {
   // Same closed-loop load, same true cost: output tokens per simulated second with the
   // policy within 10% of the token budget's.
-  auto rate = [](double target) {
-    Sim sim(2048, target, 32, 600, 48);
+  // This load is prefill-bound (a prompt costs 12 ms, a decode step of 32 rows 3.3 ms).
+  auto rate = [](double target, double factor = 0) {
+    Sim sim(2048, target, 32, 600, 48, /*min_chunk=*/64, factor);
     Sim::Step st;
     for (int i = 0; i < 3000 && sim.step(st); ++i) {
     }
     return static_cast<double>(sim.generated) / sim.now;
   };
-  const double off = rate(0.0), on = rate(0.010), autot = rate(-1.0);
-  std::printf("closed-loop output tok/s: off %.0f, 10 ms %.0f, auto %.0f\n", off, on, autot);
+  const double off = rate(0.0), on = rate(0.010), autot = rate(-1.0), f3 = rate(-1.0, 3.0);
+  std::printf("closed-loop output tok/s: off %.0f, 10 ms %.0f, auto %.0f, factor 3 %.0f\n", off, on,
+              autot, f3);
   EXPECT_GT(on, 0.9 * off) << "off " << off << " on " << on;
   EXPECT_GT(autot, 0.9 * off) << "off " << off << " auto " << autot;
+  EXPECT_GT(f3, 0.9 * off) << "off " << off << " factor 3 " << f3;
 }
 
 TEST(SchedulerPolicy, DecodeFactorMeetsTheRatioAtTheOffRunsThroughput) {
