@@ -775,8 +775,6 @@ __device__ void fine_hist(T const* row, int n, SampleUniverseT<kV2> const& u, Sh
   static_assert(sizeof(sh.mass) == 2 * kFineBins * sizeof(uint32_t));
   uint32_t* cnt = &sh.cnt[0][0];
   unsigned long long* mass = &sh.mass[0][0];
-  uint32_t* mlo = reinterpret_cast<uint32_t*>(mass);  // [kFineBins] low words, then high words
-  uint32_t* mhi = mlo + kFineBins;
   __syncthreads();
   for (int j = threadIdx.x; j < kFineBins; j += blockDim.x) {
     cnt[j] = 0;
@@ -793,6 +791,8 @@ __device__ void fine_hist(T const* row, int n, SampleUniverseT<kV2> const& u, Sh
     });
     __syncthreads();
   } else {
+    uint32_t* mlo = reinterpret_cast<uint32_t*>(mass);  // [kFineBins] low words, then high words
+    uint32_t* mhi = mlo + kFineBins;
     for_each<true>(row, n, [&](int, float v) {  // the reverse of the stats pass
       const Elem e = u(v);
       if (!(e.d >= -kZeroBelow)) return;
