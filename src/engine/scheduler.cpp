@@ -175,6 +175,10 @@ void Scheduler::set_step_time_target(double target_s, int64_t min_prefill_chunk,
 
 void Scheduler::observe_step(const StepShape& shape, double seconds) {
   cost_.observe(shape, seconds);
+  if (shape.prefill_tokens == 0 && shape.decode_rows > 0 && std::isfinite(seconds) &&
+      seconds >= 0) {
+    decode_step_s_ = decode_step_s_ > 0 ? 0.9 * decode_step_s_ + 0.1 * seconds : seconds;
+  }
 }
 
 void Scheduler::decay_arrivals(double now) {
@@ -460,8 +464,10 @@ ScheduledBatch Scheduler::schedule_timed() {
       // At least F x the decode step; more when the arriving prompts need a larger share of
       // the time to keep up (prefill-bound loads: long but even steps keep the ratio and the
       // throughput), up to 25x.
-      target =
-          cost_.predict(all) * std::max(decode_factor_, 1.25 / (1.0 - std::clamp(u, 0.0, 0.95)));
+      // The decode step: the model's, but never under the measured decode-only steps (a fit
+      // dominated by long mixed steps can put them near 0).
+      target = std::max(cost_.predict(all), decode_step_s_) *
+               std::max(decode_factor_, 1.25 / (1.0 - std::clamp(u, 0.0, 0.95)));
     } else {
       target = cost_.predict(all) * std::clamp(1.25 / (1.0 - std::min(u, 0.9)), 2.0, 3.0);
     }

@@ -131,7 +131,8 @@ class Scheduler {
   /// time of a decode step over every live sequence (running, and waiting ones up to
   /// max_num_seqs counted as decode rows) times clamp(1.25 / (1 - u), 2, 3), u the share of time
   /// the prompts that arrived over the last ~2 s need for their prefill (so that prefill keeps
-  /// up with arrivals, 25% to spare), or, with decode_factor >= 1, times max(decode_factor,
+  /// up with arrivals, 25% to spare), or, with decode_factor >= 1 (the decode step then at least
+  /// the measured decode-only steps' average), times max(decode_factor,
   /// 1.25 / (1 - min(u, 0.95))): a ratio of step to decode-only step (the ITL goal p99 <= 3x
   /// p50 is a ratio) that the arriving prompt work raises, without the cap of 3; 0: off (the
   /// token budget only). Never starved: a step with prompt work computes at least
@@ -206,6 +207,7 @@ class Scheduler {
   double target_s_ = 0;
   int64_t min_prefill_chunk_ = 16;
   double decode_factor_ = 0;
+  double decode_step_s_ = 0;  // measured decode-only steps, exponentially averaged (0.9)
   double last_target_s_ = 0;
   StepCostModel cost_;
   std::function<double()> clock_;
