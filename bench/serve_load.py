@@ -4,6 +4,16 @@ length, a fixed concurrency, ignore_eos; prints output tok/s, TTFT, ITL and TPOT
 
   bench/serve_load.py --url http://127.0.0.1:8000 --concurrency 32 --requests 64 \
       --prompt-len 1024 --max-tokens 256 [--vocab 151936] [--label router] [--csv FILE] [--procs P]
+      [--steady [--ramp-s S]]
+
+--steady: a steady-state load instead of synchronised waves (equal lengths make each
+"generation" of requests start together, so a wave's prompts land in the same steps): prompt
+and output lengths uniform in [0.5, 1.5] x --prompt-len / --max-tokens (seeded), the first
+--concurrency requests staggered over --ramp-s seconds, closed loop; default 4 x concurrency
+requests. The figures are of the steady window only: from the end of the warm-up (the time
+the first `concurrency` requests have finished) to the last request's start (after it the
+concurrency falls): output tok/s counts the tokens stamped inside it, ITL the gaps inside it,
+TTFT the requests started inside it.
 
 ITL is timed per SSE event as vLLM's client does (an event carrying k tokens gives one gap, then
 k - 1 zero gaps); TPOT per request is (last - first token) / (tokens - 1). The connections are
@@ -58,22 +68,24 @@ def one(url, prompt, max_tokens, out):
     out.append({"ok": ok, "t0": t0, "stamps": stamps})
 
 
-def proc_main(url, prompts, max_tokens, threads, start, queue):
-    """One client process: `threads` connections pulling request indices from a shared counter."""
+def proc_main(url, prompts, max_tokens, threads, start, queue, delays):
+    """One client process: `threads` connections pulling request indices from a shared counter
+    (connection j first waits delays[j] seconds: the staggered start of --steady)."""
     results, lock, idx = [], threading.Lock(), [0]
     mine = prompts
 
-    def worker():
+    def worker(j):
+        time.sleep(delays[j] if j < len(delays) else 0.0)
         while True:
             with lock:
                 if idx[0] >= len(mine):
                     return
                 i = idx[0]
                 idx[0] += 1
-            one(url, mine[i], max_tokens, results)
+            one(url, mine[i], max_tokens[i], results)
 
     start.wait()
-    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    ts = [threading.Thread(target=worker, args=(j,)) for j in range(threads)]
     [t.start() for t in ts]
     [t.join() for t in ts]
     queue.put(results)
@@ -90,17 +102,31 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--csv", default="")
     ap.add_argument("--procs", type=int, default=0, help="client processes (default: concurrency / 8)")
+    ap.add_argument("--steady", action="store_true",
+                    help="random lengths around the given ones, staggered starts, steady window")
+    ap.add_argument("--ramp-s", type=float, default=2.0, help="--steady: starts spread over this")
     a = ap.parse_args()
-    n = a.requests or 2 * a.concurrency
+    n = a.requests or (4 if a.steady else 2) * a.concurrency
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, a.vocab - 10) for _ in range(a.prompt_len)] for _ in range(n)]
+    if a.steady:
+        plens = [rng.randint(a.prompt_len // 2, a.prompt_len * 3 // 2) for _ in range(n)]
+        olens = [rng.randint(max(1, a.max_tokens // 2), a.max_tokens * 3 // 2) for _ in range(n)]
+    else:
+        plens, olens = [a.prompt_len] * n, [a.max_tokens] * n
+    prompts = [[rng.randrange(10, a.vocab - 10) for _ in range(p)] for p in plens]
     procs = max(1, min(a.procs or (a.concurrency + 7) // 8, a.concurrency, os.cpu_count() or 1))
     # Connections and requests dealt round-robin over the processes (each keeps its own share).
     threads = [a.concurrency // procs + (1 if p < a.concurrency % procs else 0) for p in range(procs)]
     shares = [prompts[p::procs] for p in range(procs)]
+    oshares = [olens[p::procs] for p in range(procs)]
+    # --steady: connection c of the whole client starts at c / concurrency x ramp (dealt as the
+    # connections are: process p holds connections p, p + procs, ...).
+    delays = [[(p + j * procs) * a.ramp_s / a.concurrency if a.steady else 0.0
+               for j in range(threads[p])] for p in range(procs)]
     ctx = mp.get_context("fork")
     start, queue = ctx.Event(), ctx.Queue()
-    ps = [ctx.Process(target=proc_main, args=(a.url, shares[p], a.max_tokens, threads[p], start, queue))
+    ps = [ctx.Process(target=proc_main,
+                      args=(a.url, shares[p], oshares[p], threads[p], start, queue, delays[p]))
           for p in range(procs)]
     [p.start() for p in ps]
     t0 = time.perf_counter()
@@ -111,11 +137,20 @@ def main():
     wall = time.perf_counter() - t0
     [p.join() for p in ps]
     ok = [r for r in results if r["ok"]]
-    tokens = sum(len(r["stamps"]) for r in ok)
-    ttft = [1e3 * (r["stamps"][0] - r["t0"]) for r in ok if r["stamps"]]
-    itl = [1e3 * (b - a_) for r in ok for a_, b in zip(r["stamps"], r["stamps"][1:])]
+    lo, hi = t0, t0 + wall  # the measured window: the whole run, or the steady part
+    if a.steady and len(ok) > a.concurrency:
+        lo = sorted(r["stamps"][-1] for r in ok if r["stamps"])[a.concurrency - 1]
+        hi = max(r["t0"] for r in results)
+        if hi <= lo:
+            raise SystemExit("--steady: no steady window (more requests, or a shorter ramp)")
+    inside = lambda t: lo <= t <= hi
+    tokens = sum(1 for r in ok for t in r["stamps"] if inside(t))
+    ttft = [1e3 * (r["stamps"][0] - r["t0"]) for r in ok if r["stamps"] and inside(r["t0"])]
+    itl = [1e3 * (b - a_) for r in ok for a_, b in zip(r["stamps"], r["stamps"][1:])
+           if inside(a_) and inside(b)]
     tpot = [1e3 * (r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1)
-            for r in ok if len(r["stamps"]) > 1]
+            for r in ok if len(r["stamps"]) > 1 and inside(r["t0"])]
+    wall = hi - lo
     row = {"label": a.label, "concurrency": a.concurrency, "ok": f"{len(ok)}/{n}",
            "tok_s": tokens / wall, "ttft_p50": pct(ttft, .5), "ttft_p99": pct(ttft, .99),
            "itl_p50": pct(itl, .5), "itl_p99": pct(itl, .99),

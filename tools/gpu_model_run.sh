@@ -13,15 +13,19 @@
 #
 # Steps (each time-limited; exit status 0 only when every test step passed, not skipped):
 #   test_backend_cuda  every kernel vs its CPU reference (norms, attention, MoE GEMM and layer,
-#                      sampling, ...), fresh random inputs, poisoned outputs
+#                      sampling, ...), fresh random inputs, poisoned outputs; CudaSampling also
+#                      runs the single-CTA kernel's v2 (SampleParams::v2, off by default) and
+#                      expects exactly the default kernel's tokens, logprobs and top-n
 #   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
 #                      greedy through the engine (alone / batched / chunked / graphs / eager)
 #   test_server_cuda   the HTTP tests of the "Serving" issue, the real-engine ones over the GPU
 #                      model (TANDEM_TEST_DEVICE=cuda)
 #   openai_client      the official openai client against `tandem serve --device cuda`
 #   memcheck_model     compute-sanitizer memcheck over one fixture's model tests
-#   bench_itl          colocated serve at concurrency 128, step-time policy off vs auto: ITL
-#                      p50 / p99, output tok/s and their ratios (tools/gpu_itl_bench.sh)
+#   bench_itl          colocated serve at concurrency 128, step-time policy off vs the relative
+#                      target (--step-time-factor 3), steady and two-wave loads: ITL p50 / p99,
+#                      output tok/s and their ratios, the per-step trace's predicted vs measured
+#                      step times (tools/gpu_itl_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
 #   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
@@ -130,7 +134,8 @@ unset TANDEM_BENCH_CSV
 # Disaggregated (router + prefill + decode, each one process on this GPU) vs colocated serve on
 # a real-shape random Qwen3-30B-A3B checkpoint cut to TANDEM_DISAGG_LAYERS layers.
 step bench_disagg 420 "$ROOT/tools/gpu_disagg_bench.sh" "$BIN" "$LOG/bench_disagg.csv"
-# Steady ITL (step-time policy off vs auto, same load: concurrency 128, 1024 / 256 tokens).
+# Steady ITL (step-time policy off vs the relative target F = 3, concurrency 128, 1024 / 256
+# tokens: a steady load and two waves; each server's --step-trace summarised).
 step bench_itl 420 "$ROOT/tools/gpu_itl_bench.sh" "$BIN" "$LOG/bench_itl.csv"
 export TANDEM_BENCH_CSV="$LOG/bench_moe_layer.csv"
 step bench_moe_layer 120 "$BIN/bench_moe_layer" ${TANDEM_BENCH_ARGS:-}
@@ -141,7 +146,8 @@ export TANDEM_BENCH_CSV="$LOG/bench_gemv.csv"
 step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
 [ -x "$BIN/bench_fp8_gemm" ] && step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
-step bench_sampling 60 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
+# Paths single, single-v2 (SampleParams::v2: the fused kernel, not yet run on a GPU) and multi.
+step bench_sampling 120 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
 # The same-run PyTorch baseline of the sampling cases, beside ours (issue 15 item 4).
 step sampling_torch 120 python3 "$ROOT/bench/cuda/sampling_torch_baseline.py" \
   --ours "$LOG/bench_sampling.csv" --csv "$LOG/sampling_torch.csv"

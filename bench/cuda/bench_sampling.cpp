@@ -2,9 +2,11 @@
 // 256 rows, beside the bound of reading the logits once at the device-to-device copy bandwidth
 // measured in the same run (cudaMemcpyAsync of 1 GiB, bytes read + written).
 //
-//   bench_sampling [--quick] [--bf16]
+//   bench_sampling [--quick] [--bf16] [--rows R1,R2,...] [--single]
 //
-// Each case runs on both paths: "single" (one CTA per row, no workspace) and "multi" (rows split
+// --rows: only these row counts (default 1,32,128,256); --single: the single-CTA paths only.
+// Each case runs on three paths: "single" (one CTA per row, no workspace), "single-v2" (the same
+// with SampleParams::v2, the fused single-CTA kernel not yet run on a GPU) and "multi" (rows split
 // over several CTAs, with a workspace of sample_workspace_bytes).
 // Cases: greedy; greedy + chosen logprob + top-20 logprobs; temperature only; top-p 0.9;
 // top-k 20 + top-p 0.95 (Qwen3's defaults); min-p 0.05; top-k 50; logits N(0, 2^2) plus 8
@@ -56,10 +58,25 @@ struct Case {
 
 int main(int argc, char** argv) {
   bench::Timer t(3.0, 15);  // ~3 ms per replay, 15 replays (5 with --quick)
-  bool bf16 = false;
+  bool bf16 = false, single_only = false;
+  std::vector<int64_t> row_counts = {1, 32, 128, 256};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) t.quick = true;
     if (!std::strcmp(argv[i], "--bf16")) bf16 = true;
+    if (!std::strcmp(argv[i], "--single")) single_only = true;
+    if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) {
+      row_counts.clear();
+      for (char const* c = argv[++i]; *c != 0;) {
+        char* end = nullptr;
+        const long long r = std::strtoll(c, &end, 10);
+        if (end == c || r <= 0) {
+          std::fprintf(stderr, "bench_sampling: --rows wants positive counts like 128,256\n");
+          return 2;
+        }
+        row_counts.push_back(r);
+        c = *end == ',' ? end + 1 : end;
+      }
+    }
   }
   try {
     t.create();
@@ -70,7 +87,7 @@ int main(int argc, char** argv) {
     std::printf(
         "== copy %.0f GB/s (1 GiB cudaMemcpyAsync D2D, read + write); logits %s, vocab %lld\n",
         copy_Bps / 1e9, bf16 ? "bf16" : "fp32", static_cast<long long>(kVocab));
-    std::printf("%-22s %6s %-6s %10s %10s %7s %8s\n", "case", "rows", "path", "us", "bound_us",
+    std::printf("%-22s %6s %-9s %10s %10s %7s %8s\n", "case", "rows", "path", "us", "bound_us",
                 "%bound", "GB/s");
 
     auto mk = [](float temp, int k, float p, int lp, int top) {
@@ -96,7 +113,7 @@ int main(int argc, char** argv) {
       csv << "case,rows,path,us,bound_us\n";
     }
     std::mt19937 rng(20261130);
-    for (int64_t rows : {1, 32, 128, 256}) {
+    for (int64_t rows : row_counts) {
       const double set_bytes = static_cast<double>(rows * kVocab * esize);
       const int sets = static_cast<int>(std::clamp(std::ceil(3.0 * l2 / set_bytes), 1.0, 64.0));
       // Logits: N(0, 4) plus 8 tokens per row raised by 8.
@@ -128,7 +145,10 @@ int main(int argc, char** argv) {
         for (int64_t r = 0; r < rows; ++r) hp[r].counter = static_cast<uint64_t>(r);
         TANDEM_CUDA_CHECK(cudaMemcpy(params.ptr, hp.data(), hp.size() * sizeof(SamplingRowParams),
                                      cudaMemcpyHostToDevice));
-        for (bool multi : {false, true}) {
+        for (int path = 0; path < 3; ++path) {
+          const bool multi = path == 2, v2 = path == 1;
+          char const* path_name = multi ? "multi" : (v2 ? "single-v2" : "single");
+          if (multi && single_only) continue;
           const double us = t.time_us(sets, [&](int i) {
             SampleParams p{bf16 ? static_cast<void const*>(logits.as<uint16_t>(i * rows * kVocab))
                                 : static_cast<void const*>(logits.as<float>(i * rows * kVocab)),
@@ -141,16 +161,16 @@ int main(int argc, char** argv) {
                            rows,
                            kVocab,
                            multi ? workspace.ptr : nullptr};
+            p.v2 = v2;
             sample_launch(p, t.stream);
           });
           const double bound = 1e6 * set_bytes / copy_Bps;
-          std::printf("%-22s %6lld %-6s %10.2f %10.2f %6.1f%% %8.0f\n", c.name,
-                      static_cast<long long>(rows), multi ? "multi" : "single", us, bound,
-                      100.0 * bound / us, set_bytes / (us * 1e-6) / 1e9);
+          std::printf("%-22s %6lld %-9s %10.2f %10.2f %6.1f%% %8.0f\n", c.name,
+                      static_cast<long long>(rows), path_name, us, bound, 100.0 * bound / us,
+                      set_bytes / (us * 1e-6) / 1e9);
           std::fflush(stdout);
           if (csv.is_open())
-            csv << c.name << "," << rows << "," << (multi ? "multi" : "single") << "," << us << ","
-                << bound << "\n";
+            csv << c.name << "," << rows << "," << path_name << "," << us << "," << bound << "\n";
         }
       }
     }

@@ -8,6 +8,7 @@ the same over the 20). CUDA events, median of 15 after 3 warm-ups, each call on 
 enough logits sets to exceed 3x the L2 (as bench_sampling), so the logits come from HBM.
 
     python3 bench/cuda/sampling_torch_baseline.py [--ours BENCH_SAMPLING_CSV] [--csv PATH]
+        [--rows 128,256]
 
 With --ours (the CSV bench_sampling writes to $TANDEM_BENCH_CSV) each row adds our time (the
 path the CUDA models use: multi-CTA up to 64 rows, single-CTA above) and torch / ours.
@@ -98,13 +99,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", help="bench_sampling's CSV ($TANDEM_BENCH_CSV)")
     ap.add_argument("--csv", help="write the table here")
+    ap.add_argument("--rows", default=",".join(str(r) for r in ROWS),
+                    help="row counts, comma-separated (default 1,32,128,256)")
     args = ap.parse_args()
     ours = read_ours(args.ours) if args.ours else {}
     print(f"== torch {torch.__version__} sampling, vocab {VOCAB} fp32, {torch.cuda.get_device_name(0)}")
     print(f"{'case':<20} {'rows':>5} {'torch_us':>10} {'ours_us':>9} {'bound_us':>9} "
           f"{'torch/ours':>10} {'ours%bound':>10}")
     out = []
-    for rows in ROWS:
+    for rows in [int(r) for r in args.rows.split(",")]:
         sets = make_sets(rows)
         for name, fn in CASES:
             t = time_us(fn, sets)

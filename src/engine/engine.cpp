@@ -99,7 +99,17 @@ Engine::Engine(Model& model, const EngineConfig& config)
     mtp_kv_ = model.make_mtp_kv_cache(config_.num_pages, config_.page_size);
     counters_.spec_accepted_per_pos.assign(static_cast<size_t>(config_.num_speculative_tokens), 0);
   }
-  scheduler_.set_step_time_target(config_.step_time_target_ms / 1000.0, config_.min_prefill_chunk);
+  scheduler_.set_step_time_target(config_.step_time_target_ms / 1000.0, config_.min_prefill_chunk,
+                                  config_.step_time_factor);
+  if (!config_.step_trace_path.empty()) {
+    trace_.reset(std::fopen(config_.step_trace_path.c_str(), "w"));
+    TANDEM_CHECK_KIND(kInvalidArgument, trace_ != nullptr, "--step-trace: cannot write ",
+                      config_.step_trace_path);
+    std::fprintf(trace_.get(),
+                 "t_s,decode_rows,decode_context,prefill_tokens,prefill_context,target_ms,"
+                 "predicted_ms,measured_ms\n");
+    trace_t0_ = std::chrono::steady_clock::now();
+  }
   if (config_.warm_up) model.warm_up(kv_, config_.max_num_seqs);
   if (model.state_slot_elems() > 0) {
     kv_.allocate_states(config_.max_num_seqs + config_.num_state_checkpoints,
@@ -243,6 +253,10 @@ ScheduledBatch Engine::schedule() {
   if (!scheduler_.has_work()) return {};
   ScheduledBatch batch = scheduler_.schedule();
   if (speculating()) batch.forward.hidden_out = &hidden_;  // the MTP layer's input
+  if (trace_) {
+    trace_target_s_ = scheduler_.last_step_target();
+    trace_predicted_s_ = scheduler_.cost_model().predict(batch.shape);
+  }
   step_start_ = std::chrono::steady_clock::now();
   copy_states(batch.state_restores);   // prefix-cache hits of hybrid models resume here
   for (const auto& ss : batch.seqs) {  // prefilled elsewhere: the state that came with it
@@ -361,9 +375,17 @@ void Engine::complete(const ScheduledBatch& batch) {
   copy_states(scheduler_.take_state_saves());  // before a finished sequence frees its slot
   process_outputs(batch, logits_);
   if (speculating()) draft();
-  scheduler_.observe_step(  // the step's time for the step-time model
-      batch.shape,
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count());
+  const auto now = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(now - step_start_).count();
+  scheduler_.observe_step(batch.shape, seconds);  // the step's time for the step-time model
+  if (trace_) {
+    const StepShape& sh = batch.shape;
+    std::fprintf(trace_.get(), "%.6f,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%.4f\n",
+                 std::chrono::duration<double>(step_start_ - trace_t0_).count(), sh.decode_rows,
+                 sh.decode_context, sh.prefill_tokens, sh.prefill_context, 1e3 * trace_target_s_,
+                 1e3 * trace_predicted_s_, 1e3 * seconds);
+    std::fflush(trace_.get());  // a server may be killed; a write per step is cheap beside it
+  }
 }
 
 void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {

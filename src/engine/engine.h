@@ -4,11 +4,13 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
@@ -30,6 +32,13 @@ struct EngineConfig {
   // many ms, < 0 auto (twice the decode rows' predicted time), 0 off (the token budget only).
   double step_time_target_ms = 0;
   int64_t min_prefill_chunk = 16;  // prompt tokens a step computes at least (policy on)
+  // Auto target (step_time_target_ms < 0): > 0 that many times the predicted decode-only step
+  // over the live sequences; 0 the arrival rule (Scheduler::set_step_time_target).
+  double step_time_factor = 0;
+  // Non-empty: one CSV line per step to this file (t_s, decode_rows, decode_context,
+  // prefill_tokens, prefill_context, target_ms, predicted_ms, measured_ms), the step-time
+  // model's prediction made before the step, so that the policy's model can be checked.
+  std::string step_trace_path;
   // Model::warm_up at construction: the CUDA model captures its decode graphs for every batch
   // size up to max_num_seqs before the first request (as vLLM does at startup) instead of on
   // first use, where a capture stalls every running sequence's next token.
@@ -166,6 +175,10 @@ class Engine {
   std::vector<Computed> computed_;
   SamplerRng forced_accept_rng_{0x5eed};              // spec_forced_accept_prob draws
   std::chrono::steady_clock::time_point step_start_;  // schedule() -> complete(): the step time
+  // EngineConfig::step_trace_path: the file, and this step's target and prediction.
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> trace_{nullptr, &std::fclose};
+  double trace_target_s_ = 0, trace_predicted_s_ = 0;
+  std::chrono::steady_clock::time_point trace_t0_;
 };
 
 /// The engine on its own thread, behind the thread-safe EngineClient interface.

@@ -14,13 +14,17 @@ namespace tandem {
 
 namespace {
 // The terms, scaled to be about 1 at a typical step (the fit's conditioning).
-constexpr std::array<double, StepCostModel::kTerms> kScale = {1.0, 1.0 / 64, 1.0 / 65536,
-                                                              1.0 / 1024, 1.0 / 1048576};
+constexpr std::array<double, StepCostModel::kTerms> kScale = {
+    1.0, 1.0 / 64, 1.0 / 65536, 1.0 / 1024, 1.0 / 1048576, 1.0};
 constexpr double kForget = 0.995;
 
 std::array<double, StepCostModel::kTerms> terms(const StepShape& s) {
-  return {1.0, s.decode_rows * kScale[1], s.decode_context * kScale[2],
-          s.prefill_tokens * kScale[3], s.prefill_context * kScale[4]};
+  return {1.0,
+          s.decode_rows * kScale[1],
+          s.decode_context * kScale[2],
+          s.prefill_tokens * kScale[3],
+          s.prefill_context * kScale[4],
+          s.prefill_tokens > 0 ? kScale[5] : 0.0};
 }
 
 // Positions attended to by tokens at [start, start + n): sum of (p + 1).
@@ -59,6 +63,11 @@ void StepCostModel::solve() {
   // a negative coefficient leaves the active set and the rest is refit.
   std::array<bool, kTerms> active;
   active.fill(true);
+  // The mixed-step term only when both kinds of step were seen lately (weights decay): with
+  // only mixed steps it is the intercept twice over, and the decode-only prediction that the
+  // relative target rests on would get an arbitrary share of it.
+  const double mixed_w = xtx_[5 * kTerms + 5], decode_only_w = xtx_[0] - mixed_w;
+  if (mixed_w < 4.0 || decode_only_w < 4.0) active[5] = false;
   for (int round = 0; round < kTerms; ++round) {
     std::array<double, kTerms*(kTerms + 1)> m{};  // augmented [A | b]
     for (int i = 0; i < kTerms; ++i) {
@@ -104,6 +113,8 @@ double StepCostModel::predict(const StepShape& shape) const {
   return t;
 }
 
+double StepCostModel::mixed_cost() const { return theta_[5] * kScale[5]; }
+
 double StepCostModel::prefill_cost(int64_t start, int64_t n) const {
   if (n <= 0) return 0;
   return theta_[3] * kScale[3] * static_cast<double>(n) +
@@ -148,17 +159,26 @@ Scheduler::Scheduler(BlockManager& blocks, int64_t max_num_seqs, int64_t max_bat
             .count();
       }) {}
 
-void Scheduler::set_step_time_target(double target_s, int64_t min_prefill_chunk) {
+void Scheduler::set_step_time_target(double target_s, int64_t min_prefill_chunk,
+                                     double decode_factor) {
   TANDEM_CHECK_KIND(kInvalidArgument, std::isfinite(target_s) && min_prefill_chunk >= 1,
                     "the step time target must be a number (0: off, < 0: auto) and the minimum "
                     "prefill chunk at least 1 token, not ",
                     target_s, " and ", min_prefill_chunk);
+  TANDEM_CHECK_KIND(
+      kInvalidArgument, decode_factor == 0 || (decode_factor >= 1 && decode_factor < 1e6),
+      "the step time factor must be 0 (the arrival rule) or at least 1, not ", decode_factor);
   target_s_ = target_s;
   min_prefill_chunk_ = min_prefill_chunk;
+  decode_factor_ = decode_factor;
 }
 
 void Scheduler::observe_step(const StepShape& shape, double seconds) {
   cost_.observe(shape, seconds);
+  if (shape.prefill_tokens == 0 && shape.decode_rows > 0 && std::isfinite(seconds) &&
+      seconds >= 0) {
+    decode_step_s_ = decode_step_s_ > 0 ? 0.9 * decode_step_s_ + 0.1 * seconds : seconds;
+  }
 }
 
 void Scheduler::decay_arrivals(double now) {
@@ -438,11 +458,23 @@ ScheduledBatch Scheduler::schedule_timed() {
     StepShape arrived;
     arrived.prefill_tokens = arrived_tokens_;
     arrived.prefill_context = arrived_context_;
-    const double u = (cost_.predict(arrived) - cost_.predict(StepShape{})) / kArrivalWindowS;
-    target = cost_.predict(all) * std::clamp(1.25 / (1.0 - std::min(u, 0.9)), 2.0, 3.0);
+    const double u = (cost_.predict(arrived) - cost_.predict(StepShape{}) - cost_.mixed_cost()) /
+                     kArrivalWindowS;
+    if (decode_factor_ > 0) {
+      // At least F x the decode step; more when the arriving prompts need a larger share of
+      // the time to keep up (prefill-bound loads: long but even steps keep the ratio and the
+      // throughput), up to 25x.
+      // The decode step: the model's, but never under the measured decode-only steps (a fit
+      // dominated by long mixed steps can put them near 0).
+      target = std::max(cost_.predict(all), decode_step_s_) *
+               std::max(decode_factor_, 1.25 / (1.0 - std::clamp(u, 0.0, 0.95)));
+    } else {
+      target = cost_.predict(all) * std::clamp(1.25 / (1.0 - std::min(u, 0.9)), 2.0, 3.0);
+    }
   }
   last_target_s_ = cost_.ready() ? target : 0;
-  double time_left = target - decode_time;
+  // A step with prompt tokens also pays the model's mixed-step cost (eager, not a graph).
+  double time_left = target - decode_time - cost_.mixed_cost();
   std::vector<Sequence*> prefills;
   for (Sequence* s : running_) {
     if (taken.count(s) == 0 && !is_decode_row(*s)) prefills.push_back(s);

@@ -71,23 +71,28 @@ struct StepShape {
 };
 
 /// An online least-squares model of a step's duration (seconds),
-///   t = a + b*decode_rows + c*decode_context + d*prefill_tokens + e*prefill_context,
+///   t = a + b*decode_rows + c*decode_context + d*prefill_tokens + e*prefill_context
+///         + f*[prefill_tokens > 0],
 /// fit from measured steps with exponential forgetting (weight 0.995^age, ~200 steps), every
 /// coefficient kept >= 0 (a coefficient the fit wants negative is dropped from the fit).
+/// f is what a step with prompt tokens costs beyond its tokens: with a CUDA model the decode-
+/// only steps replay a captured graph and the mixed ones run eagerly (launch overheads).
 class StepCostModel {
  public:
-  static constexpr int kTerms = 5;
+  static constexpr int kTerms = 6;
   void observe(const StepShape& shape, double seconds);
   double predict(const StepShape& shape) const;
-  /// The time n prefill tokens at positions [start, start + n) add to a step.
+  /// The time n prefill tokens at positions [start, start + n) add to a step (without f).
   double prefill_cost(int64_t start, int64_t n) const;
+  /// f: what the first prompt token of a step adds beyond its own cost.
+  double mixed_cost() const;
   /// The most prefill tokens from position `start` that fit in `seconds` (0 when none;
   /// INT64_MAX when prefill costs nothing in the fit).
   int64_t prefill_tokens_within(double seconds, int64_t start) const;
   /// Enough steps seen to size chunks: 4 with prefill tokens.
   bool ready() const { return num_prefill_steps_ >= 4; }
   int64_t num_steps() const { return num_steps_; }
-  /// a..e in seconds per unit of the terms above.
+  /// a..f in seconds per unit of the terms above.
   std::array<double, kTerms> coefficients() const;
 
  private:
@@ -126,10 +131,15 @@ class Scheduler {
   /// time of a decode step over every live sequence (running, and waiting ones up to
   /// max_num_seqs counted as decode rows) times clamp(1.25 / (1 - u), 2, 3), u the share of time
   /// the prompts that arrived over the last ~2 s need for their prefill (so that prefill keeps
-  /// up with arrivals, 25% to spare); 0: off (the token budget only). Never starved: a
-  /// step with prompt work computes at least min_prefill_chunk prompt tokens (within the token
-  /// budget and what is left of the prompts), whatever the decode rows take.
-  void set_step_time_target(double target_s, int64_t min_prefill_chunk = 16);
+  /// up with arrivals, 25% to spare), or, with decode_factor >= 1 (the decode step then at least
+  /// the measured decode-only steps' average), times max(decode_factor,
+  /// 1.25 / (1 - min(u, 0.95))): a ratio of step to decode-only step (the ITL goal p99 <= 3x
+  /// p50 is a ratio) that the arriving prompt work raises, without the cap of 3; 0: off (the
+  /// token budget only). Never starved: a step with prompt work computes at least
+  /// min_prefill_chunk prompt tokens (within the token budget and what is left of the
+  /// prompts), whatever the decode rows take.
+  void set_step_time_target(double target_s, int64_t min_prefill_chunk = 16,
+                            double decode_factor = 0);
   /// After a step's forward (and sampling): its measured duration, for the model.
   void observe_step(const StepShape& shape, double seconds);
   const StepCostModel& cost_model() const { return cost_; }
@@ -196,6 +206,8 @@ class Scheduler {
   std::vector<StateCopy> state_saves_;
   double target_s_ = 0;
   int64_t min_prefill_chunk_ = 16;
+  double decode_factor_ = 0;
+  double decode_step_s_ = 0;  // measured decode-only steps, exponentially averaged (0.9)
   double last_target_s_ = 0;
   StepCostModel cost_;
   std::function<double()> clock_;

@@ -742,6 +742,15 @@ int cli_main(int argc, char** argv) {
                  "decode step over every live sequence; 0 (default): off, the token budget "
                  "alone). A step with prompt work still computes at least 16 prompt tokens")
       ->check(CLI::Range(-1.0, 1e6));
+  sv->add_option("--step-time-factor", srv.engine.step_time_factor,
+                 "With --step-time-target-ms -1: the target is at least this many times the "
+                 "predicted decode-only step over every live sequence, more (up to 25x) when "
+                 "the arriving prompt work needs it to keep up (>= 1; 0 (default): 2-3x by the "
+                 "prompt work arriving)")
+      ->check(CLI::Range(0.0, 1e6));
+  sv->add_option("--step-trace", srv.engine.step_trace_path,
+                 "Write one CSV line per step (shape, the policy's target and predicted time, "
+                 "the measured time) to this file");
   sv->add_option("--max-waiting", srv.engine.max_waiting, "Queue limit (then 429)")
       ->check(CLI::PositiveNumber);
   srv.engine.kv_cache_mb = 0;  // 0: the engine's default on the CPU, from the GPU's memory

@@ -65,7 +65,14 @@ struct SampleParams {
   // and the same draw for the same (seed, counter)) and the same top-n ids; logprob values may
   // differ in the last bits (another summation order of the log-sum-exp).
   void* workspace = nullptr;
+  // The single-CTA kernel's second version (the gather pass fused with the draw's mass pass,
+  // no division at temperature 1, 32-bit histogram atomics, fewer conversions and branches per
+  // token): the same tokens, logprobs and top-n as the default by construction (the tests
+  // compare them), NOT yet run on a GPU, so off unless set here or by TANDEM_SAMPLING_V2=1.
+  bool v2 = false;
 };
+/// TANDEM_SAMPLING_V2=1 in the environment (read once): SampleParams::v2 for every launch.
+bool sampling_v2_from_env();
 /// Bytes of workspace that sample_launch needs for `rows` rows (an allocation for rows_cap rows
 /// serves every launch with rows <= rows_cap).
 size_t sample_workspace_bytes(int64_t rows, int64_t vocab);
