@@ -106,7 +106,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     for (int e0 = 0; e0 < E; e0 += 32) {
       const int e = e0 + lane;
       int start = 0, count = 0;
-      if (e < E) {
+      if (e < E && p.expert_offsets == nullptr) {  // dense: one expert of max_rows rows
+        count = static_cast<int>(p.max_rows);
+      } else if (e < E) {
         start = p.expert_offsets[e];
         count = p.expert_offsets[e + 1] - start;
       }
@@ -272,6 +274,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       if (r >= rows) continue;
       const int64_t grow = static_cast<int64_t>(row0) + r;
       if constexpr (!kSilu) {
+        if (p.y_f32 != nullptr) {  // fp32 out (uniform over the CTA)
+          float* gF = p.y_f32 + grow * N;
+#pragma unroll
+          for (int ni = 0; ni < kNI; ++ni) {
+            const int col = n0 + wn * Cfg::kWN + ni * 8 + 2 * t;
+            if (col < N) {
+              *reinterpret_cast<float2*>(gF + col) =
+                  make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+            }
+          }
+          continue;
+        }
         bf16* gY = p.y + grow * N;
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni) {
@@ -377,10 +391,14 @@ MoeGemmTile moe_gemm_pick_tile(int64_t max_rows, int64_t num_experts) {
 
 void moe_gemm_launch(MoeGemmParams const& p, cudaStream_t stream) {
   if (p.w_fp8 != nullptr) {
+    TANDEM_CHECK(p.y_f32 == nullptr, "moe_gemm: fp32 output with bf16 weights only");
     moe_gemm_detail::moe_gemm_fp8_launch(p, stream);
     return;
   }
-  TANDEM_CHECK(p.expert_offsets != nullptr, "moe_gemm: expert_offsets is null (bf16 weights)");
+  TANDEM_CHECK(p.expert_offsets != nullptr || p.num_experts == 1,
+               "moe_gemm: expert_offsets is null with ", p.num_experts, " experts");
+  TANDEM_CHECK(p.y_f32 == nullptr || p.epilogue == MoeGemmEpilogue::kPlain,
+               "moe_gemm: fp32 output with the plain epilogue only");
   TANDEM_CHECK(p.max_rows >= 0 && p.num_experts >= 1 && p.n > 0 && p.k > 0,
                "moe_gemm: bad sizes: max_rows ", p.max_rows, " experts ", p.num_experts, " n ", p.n,
                " k ", p.k);
@@ -393,7 +411,7 @@ void moe_gemm_launch(MoeGemmParams const& p, cudaStream_t stream) {
                "moe_gemm: too large");
   TANDEM_CHECK(p.gather_div >= 1 && p.gather_div <= INT32_MAX, "moe_gemm: bad gather_div ",
                p.gather_div);
-  TANDEM_CHECK(aligned16(p.x) && aligned16(p.w) && aligned16(p.y),
+  TANDEM_CHECK(aligned16(p.x) && aligned16(p.w) && aligned16(p.y_f32 ? p.y_f32 : p.y),
                "moe_gemm: x, w, y must be 16-byte aligned");
   if (p.max_rows == 0) return;
   const MoeGemmTile tile =
