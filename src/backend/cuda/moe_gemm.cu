@@ -411,7 +411,8 @@ void moe_gemm_launch(MoeGemmParams const& p, cudaStream_t stream) {
                "moe_gemm: too large");
   TANDEM_CHECK(p.gather_div >= 1 && p.gather_div <= INT32_MAX, "moe_gemm: bad gather_div ",
                p.gather_div);
-  TANDEM_CHECK(aligned16(p.x) && aligned16(p.w) && aligned16(p.y_f32 ? p.y_f32 : p.y),
+  TANDEM_CHECK(aligned16(p.x) && aligned16(p.w) &&
+                   (p.y_f32 != nullptr ? aligned16(p.y_f32) : aligned16(p.y)),
                "moe_gemm: x, w, y must be 16-byte aligned");
   if (p.max_rows == 0) return;
   const MoeGemmTile tile =

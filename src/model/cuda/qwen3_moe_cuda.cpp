@@ -1238,7 +1238,7 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     m.num_rows = num_rows;
     m.num_prefill = num_prefill;
     im.upload(hm, m, m.tables);
-    if (num_prefill > 0 &&
+    if (num_prefill > 0 && !im.det &&  // the mode runs no prefill kernel (batch_invariant.h)
         im.prefill_plan.plan({hm.token_seq.data(), hm.positions.data(), num_prefill, im.qh(),
                               im.kvh(), config_.head_dim, page_size, width},
                              stream_)) {
