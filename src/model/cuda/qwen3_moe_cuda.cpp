@@ -561,6 +561,7 @@ struct Qwen3MoeCuda::Impl {
     last = DeviceMem(T * h * b);
     logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
     sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
+    sampler->set_batch_invariant(det);
     gemm = std::make_unique<cuda::GemmLt>();
     gemm->set_batch_invariant(det);
     bool any_moe = false;
