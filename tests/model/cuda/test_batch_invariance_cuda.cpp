@@ -13,6 +13,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "engine/deterministic_util.h"
 #include "model/cuda/batch_invariant.h"
 #include "model/cuda/cuda_golden_util.h"
 #include "model/cuda/qwen3_moe_cuda.h"
@@ -101,6 +102,18 @@ TEST(CudaBatchInvariance, Qwen3_30bShapesRowsIndependentOfBatchChunkingAndCacheH
   auto plain = Qwen3MoeCuda::random(c, options(false), 5);
   std::printf("default mode (30B shapes, 2 layers): %d of 6 schedules differ from alone\n",
               check_schedules(*plain, 150, false));
+}
+
+// Through the engine (engine/deterministic_util.h): 64 seeded sampled requests with top-3
+// logprobs alone, all at once (decode graphs up to bucket 64, device sampling), chunked and
+// with prefix-cache hits: the same tokens, bitwise the same logprobs (the GPU side of
+// RealEngineTest.SixtyFourConcurrentStreamsMatchSolo without the HTTP layer).
+TEST(CudaBatchInvariance, EngineSampledTokensAndLogprobsMatchSolo) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  CudaModelOptions o = options(true);
+  o.max_seqs = 64;
+  auto model = Qwen3MoeCuda::load(std::string(TANDEM_SOURCE_DIR) + "/models/demo", o);
+  testing::check_engine_invariance(*model, 64, 8000);
 }
 
 TEST(CudaBatchInvariance, ShardedModelIsRefused) {
