@@ -125,12 +125,13 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
 #endif
 }
 
-// --deterministic (tandem generate / serve).
+// --deterministic (tandem generate / serve / prefill / decode).
 void add_deterministic_flag(CLI::App* cmd, bool& on) {
   cmd->add_flag("--deterministic", on,
                 "Batch-invariant numerics: a request's tokens and logprobs do not depend on the "
                 "other requests of its batch, on prompt chunking or on prefix-cache hits "
-                "(--device cuda: Qwen3-MoE on one GPU, no MTP; slower prefill; docs/api.md)");
+                "(--device cuda: Qwen3-MoE on one GPU, no MTP, one rank; slower prefill; "
+                "docs/api.md)");
 }
 
 // --speculative-config (tandem generate / serve / decode): the MTP layer from the model's own
@@ -479,6 +480,11 @@ void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
   o.page_size = a.engine.page_size;
   o.graph_max_context = a.engine.max_model_len;
   o.gpu_memory_utilization = a.gpu_memory_utilization;
+  // --deterministic on the GPU: one unsharded model (Qwen3MoeCuda refuses a sharded one too).
+  TANDEM_CHECK_KIND(kUnsupported, !a.engine.deterministic || a.ranks == 1,
+                    "--deterministic with --device cuda: one rank only (--tp / --dp 1), not ",
+                    a.ranks);
+  o.deterministic = a.engine.deterministic;
   o.store = store;
   const int local_rank = store ? comm::RankEnv::from_env().local_rank : 0;
   const std::string dir = a.model;
@@ -803,6 +809,7 @@ int cli_main(int argc, char** argv) {
   auto* dc = app.add_subcommand("decode", "Run a decode instance (DP=EP ranks), for a router");
   for (auto [cmd, a] : {std::pair{pf, &pre}, std::pair{dc, &dec}}) {
     cmd->add_option("--model", a->model, "Model directory (default: the embedded demo model)");
+    add_deterministic_flag(cmd, a->engine.deterministic);
     cmd->add_option("--host", a->host, "Address to listen on (control and KV)");
     cmd->add_option("--port", a->port, "Control port for the router (0: any)")
         ->check(CLI::Range(0, 65535));

@@ -77,7 +77,10 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t const (&a)[4], 
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
-template <class Cfg, bool kSilu>
+// kDense (GemmLt's batch-invariant mode only): expert_offsets may be null (one dense expert of
+// max_rows rows) and the plain epilogue may write fp32 (y_f32). The default kernels
+// (kDense false) compile without either.
+template <class Cfg, bool kSilu, bool kDense = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     moe_gemm_kernel(MoeGemmParams p, int n_tiles) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kLd = Cfg::kLd;
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     for (int e0 = 0; e0 < E; e0 += 32) {
       const int e = e0 + lane;
       int start = 0, count = 0;
-      if (e < E && p.expert_offsets == nullptr) {  // dense: one expert of max_rows rows
+      if (kDense && e < E && p.expert_offsets == nullptr) {  // one expert of max_rows rows
         count = static_cast<int>(p.max_rows);
       } else if (e < E) {
         start = p.expert_offsets[e];
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       if (r >= rows) continue;
       const int64_t grow = static_cast<int64_t>(row0) + r;
       if constexpr (!kSilu) {
-        if (p.y_f32 != nullptr) {  // fp32 out (uniform over the CTA)
+        if (kDense && p.y_f32 != nullptr) {  // fp32 out (uniform over the CTA)
           float* gF = p.y_f32 + grow * N;
 #pragma unroll
           for (int ni = 0; ni < kNI; ++ni) {
@@ -317,14 +320,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 // Raises the dynamic shared memory limit of one kernel once per device (the limit is per
 // device). The first launch normally runs eagerly, before any graph capture; MoeLayer's
 // constructor also calls moe_gemm_prepare() so that a capture never is the first launch.
-template <class Cfg, bool kSilu>
+template <class Cfg, bool kSilu, bool kDense = false>
 void raise_smem() {
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
     static std::atomic<uint64_t> raised{0};  // bit d: done on device d
     int dev = 0;
     TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
     if (dev >= 64 || !((raised.load(std::memory_order_relaxed) >> dev) & 1u)) {
-      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<Cfg, kSilu>,
+      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<Cfg, kSilu, kDense>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(Cfg::kSmemBytes)));
       if (dev < 64) raised.fetch_or(uint64_t{1} << dev, std::memory_order_relaxed);
@@ -336,9 +339,10 @@ template <class Cfg>
 void raise_smem_both() {
   raise_smem<Cfg, false>();
   raise_smem<Cfg, true>();
+  raise_smem<Cfg, false, true>();
 }
 
-template <class Cfg, bool kSilu>
+template <class Cfg, bool kSilu, bool kDense = false>
 void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
   const int64_t n_tiles = (p.n + Cfg::BN - 1) / Cfg::BN;
   // Row tiles: sum_e ceil(c_e / BM) <= floor(max_rows / BM) + (non-empty experts), and
@@ -347,8 +351,8 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
       std::min(p.max_rows, p.max_rows / Cfg::BM + std::min(p.num_experts, p.max_rows));
   const int64_t blocks = m_tiles * n_tiles;
   TANDEM_CHECK(blocks <= INT32_MAX, "moe_gemm: grid too large: ", blocks);
-  auto kernel = moe_gemm_kernel<Cfg, kSilu>;
-  raise_smem<Cfg, kSilu>();
+  auto kernel = moe_gemm_kernel<Cfg, kSilu, kDense>;
+  raise_smem<Cfg, kSilu, kDense>();
   if (p.pdl != MoeGemmPdl::kOff) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks));
@@ -371,7 +375,13 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
 template <class Cfg>
 void launch_epilogue(MoeGemmParams const& p, cudaStream_t stream) {
   switch (p.epilogue) {
-    case MoeGemmEpilogue::kPlain: launch_tile<Cfg, false>(p, stream); break;
+    case MoeGemmEpilogue::kPlain:
+      if (p.expert_offsets == nullptr || p.y_f32 != nullptr) {
+        launch_tile<Cfg, false, true>(p, stream);
+      } else {
+        launch_tile<Cfg, false>(p, stream);
+      }
+      break;
     case MoeGemmEpilogue::kSiluMul: launch_tile<Cfg, true>(p, stream); break;
     default: TANDEM_THROW(kUnsupported, "moe_gemm: unsupported epilogue");
   }
