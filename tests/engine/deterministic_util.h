@@ -119,7 +119,9 @@ inline void check_engine_invariance(Model& model, int num_requests, int32_t max_
           << "request " << i << ": top logprobs";
       hits += got[i].cached > 0 ? 1 : 0;
     }
-    if (run.staggered) EXPECT_GT(hits, 0) << "no prefix-cache hit happened";
+    if (run.staggered) {
+      EXPECT_GT(hits, 0) << "no prefix-cache hit happened";
+    }
   }
 }
 
