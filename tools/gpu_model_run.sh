@@ -18,6 +18,7 @@
 #                      expects exactly the default kernel's tokens, logprobs and top-n
 #   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
 #                      greedy through the engine (alone / batched / chunked / graphs / eager)
+#   test_model_cuda_det  --deterministic: batch / chunk / cache-hit invariance, bitwise
 #   test_server_cuda   the HTTP tests of the "Serving" issue, the real-engine ones over the GPU
 #                      model (TANDEM_TEST_DEVICE=cuda)
 #   openai_client      the official openai client against `tandem serve --device cuda`
@@ -29,7 +30,8 @@
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
 #   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
-#   bench_fp8_mxfp8), profile_decode (per-kernel decode step),
+#   bench_fp8_mxfp8, and --deterministic: bench_model_det), profile_decode (per-kernel decode
+#   step),
 #   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
@@ -103,7 +105,11 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 
 step test_backend_cuda 240 "$BIN/test_backend_cuda"
-step test_model_cuda 150 "$BIN/test_model_cuda"
+step test_model_cuda 150 "$BIN/test_model_cuda" --gtest_filter='-CudaBatchInvariance.*'
+# --deterministic (issue 15 item 6): a request's logits bitwise the same alone / batched /
+# chunked / after a prefix-cache hit (demo model, 30B layer shapes), 64 seeded engine requests vs
+# solo; each test prints the default mode's count of differing schedules beside.
+step test_model_cuda_det 150 "$BIN/test_model_cuda" --gtest_filter='CudaBatchInvariance.*'
 # GPU instances (issue "GPU instances"): ranks as processes sharing the GPU.
 step test_transfer_cuda 120 "$BIN/test_transfer_cuda"
 step test_model_cuda_sharded 420 "$BIN/test_model_cuda_sharded"
@@ -171,6 +177,11 @@ step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
     --variants default,pdl+moe1+topk,pdl+moe1+topk1,pdl+moe1+topk2,pdl+moe1+topk3
 step test_model_cuda_topk 150 env TANDEM_DECODE_KERNELS=topk "$BIN/test_model_cuda" \
   --gtest_filter='CudaGolden.GreedyMatchesTransformers/*'
+# --deterministic beside the default in one run (Qwen3-30B-A3B, decode 1 / 32 / 128 at 1k
+# context, prefill 2k): the "--deterministic vs default" table (docs/perf.md).
+export TANDEM_BENCH_CSV="$LOG/bench_model_det.csv"
+step bench_model_det 240 "$BIN/bench_model_cuda" --model 30b --quick --batches 1,32,128 \
+  --deterministic
 # Block FP8 beside bf16 in one run (Qwen3-30B-A3B, decode 1 / 32, prefill 2k; the weights
 # E4M3 in device memory): the "FP8 vs bf16" table. Then the FP8-weight kernels alone.
 export TANDEM_BENCH_CSV="$LOG/bench_model_fp8.csv"

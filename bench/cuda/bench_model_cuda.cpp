@@ -29,6 +29,9 @@
 //   (native per-32 scales in the kernels, TANDEM_CUDA_MXFP8=native) and "-mxfp8b" (requantized
 //   to 128x128 block FP8 at load, TANDEM_CUDA_MXFP8=block: the block-FP8 kernels and layout).
 //   --no-prefill: decode rows only.
+//   --deterministic: each built-in model also in the batch-invariant mode
+//   (CudaModelOptions::deterministic, rows "-det") in the same run, then its cost per row
+//   (det us / default us).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -155,6 +158,8 @@ bool g_fp8 = false;      // --fp8
 bool g_fp8_act = false;  // --fp8-act: block FP8 with W8A8 (TANDEM_CUDA_FP8_ACT=1)
 bool g_mxfp8 = false;    // --mxfp8: MXFP8 native and requantized to blocks
 std::string g_moe_path;  // --moe-path
+bool g_det = false;      // --deterministic
+bool g_det_run = false;  // the model being measured runs in the batch-invariant mode
 
 void print_row(const Row& r, bool record = true) {
   std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %7.1f%% %12.0f  %s\n", r.model.c_str(),
@@ -175,6 +180,7 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
   o.page_size = 16;
   o.graph_max_context = ctxs.empty() ? 1024 : *std::max_element(ctxs.begin(), ctxs.end());
   o.moe_prefill_path = g_moe_path;
+  o.deterministic = g_det_run;
   std::unique_ptr<Qwen3MoeCuda> model;
   if (checkpoint.empty()) {
     model = Qwen3MoeCuda::random(config, o, 7);
@@ -318,6 +324,29 @@ void print_fp8_comparison() {
   }
 }
 
+// The batch-invariant mode's cost: each "-det" row beside the default row of the same run.
+void print_det_comparison() {
+  std::printf("\n== --deterministic vs default (same run): cost = det us / default us - 1\n");
+  std::printf("%-16s %-8s %6s %6s %11s %11s %8s %12s\n", "model", "phase", "batch", "ctx",
+              "default us", "det us", "cost", "det tok/s");
+  const std::string suffix = "-det";
+  for (const Row& f : g_rows) {
+    if (f.model.size() <= suffix.size() ||
+        f.model.compare(f.model.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    const std::string base = f.model.substr(0, f.model.size() - suffix.size());
+    for (const Row& b : g_rows) {
+      if (b.model == base && b.what == f.what && b.batch == f.batch && b.ctx == f.ctx && b.us > 0 &&
+          f.us > 0) {
+        std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %7.1f%% %12.0f\n", f.model.c_str(),
+                    f.what.c_str(), static_cast<long long>(f.batch), static_cast<long long>(f.ctx),
+                    b.us, f.us, 100.0 * (f.us / b.us - 1.0), f.tokens_per_s);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -339,6 +368,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--fp8-act") == 0) g_fp8_act = true;
     if (std::strcmp(argv[i], "--mxfp8") == 0) g_mxfp8 = true;
     if (std::strcmp(argv[i], "--no-prefill") == 0) no_prefill = true;
+    if (std::strcmp(argv[i], "--deterministic") == 0) g_det = true;
     if (std::strcmp(argv[i], "--batches") == 0 && i + 1 < argc) batches_arg = argv[++i];
   }
   try {
@@ -386,6 +416,11 @@ int main(int argc, char** argv) {
       const ModelConfig c = qwen3_30b();
       const double budget = static_cast<double>(free_b) - 61.1e9 - 10e9;
       bench_model("qwen3-30b-a3b", c, ceil, batches, ctxs, prompts, budget);
+      if (g_det) {
+        g_det_run = true;
+        bench_model("qwen3-30b-a3b-det", c, ceil, batches, ctxs, prompts, budget);
+        g_det_run = false;
+      }
       if (g_fp8) bench_model("qwen3-30b-a3b-fp8", fp8_of(c), ceil, batches, ctxs, prompts, budget);
       if (g_fp8_act) {  // W8A8: the FP8 activations of Qwen3MoeCuda (read at construction)
         setenv("TANDEM_CUDA_FP8_ACT", "1", 1);
@@ -402,12 +437,18 @@ int main(int argc, char** argv) {
     }
     if (which == "all" || which == "235b-layer") {
       bench_model("qwen3-235b-layer", qwen3_235b_layer(), ceil, batches, ctxs, prompts, 40e9);
+      if (g_det) {
+        g_det_run = true;
+        bench_model("qwen3-235b-layer-det", qwen3_235b_layer(), ceil, batches, ctxs, prompts, 40e9);
+        g_det_run = false;
+      }
       if (g_fp8) {
         bench_model("qwen3-235b-layer-fp8", fp8_of(qwen3_235b_layer()), ceil, batches, ctxs,
                     prompts, 40e9);
       }
     }
     if (g_fp8 || g_fp8_act || g_mxfp8) print_fp8_comparison();
+    if (g_det) print_det_comparison();
     std::printf("\n== summary (decode %%bound = roofline / time; prefill %%bound = MFU)\n");
     for (const auto& r : g_rows) print_row(r, /*record=*/false);
     bench::write_csv(g_rows, "model,phase,batch,ctx,us,bound_us,tokens_per_s,note\n",

@@ -46,6 +46,11 @@ struct EngineConfig {
   int64_t max_model_len = 0;   // 0: the model's max_position_embeddings
   int64_t max_waiting = 1024;  // queue limit; submit beyond it fails (429)
   bool enable_prefix_cache = true;
+  // --deterministic: batch-invariant numerics, a request's tokens and logprobs independent of
+  // the batch it shares, its chunking and prefix-cache hits. The CPU model is so by
+  // construction; the GPU model takes it as CudaModelOptions::deterministic (the CLI passes it
+  // on; the engine itself schedules as usual).
+  bool deterministic = false;
   // Hybrid models (recurrent state per sequence): the prefix cache checkpoints the state every
   // state_checkpoint_interval prompt tokens (rounded up to whole pages) into at most
   // num_state_checkpoints slots (0: max_num_seqs), out of the kv_cache_mb budget.

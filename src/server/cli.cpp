@@ -100,7 +100,11 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
   o.max_seqs = engine.max_num_seqs;
   o.page_size = engine.page_size;
   o.graph_max_context = engine.max_model_len;
+  o.deterministic = engine.deterministic;
   if (ModelConfig::from_dir(dir).is_hybrid()) {  // Qwen3.5: one GPU
+    TANDEM_CHECK_KIND(kUnsupported, !engine.deterministic, dir,
+                      "/config.json: --deterministic is not supported for Qwen3.5 hybrid models "
+                      "on the GPU (Qwen3-MoE only; --device cpu is batch-invariant)");
     auto model = Qwen35MoeCuda::load(dir, o);
     if (engine.kv_cache_mb <= 0) {
       engine.kv_cache_mb = model->kv_cache_budget_mb(gpu_memory_utilization);
@@ -119,6 +123,15 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
 #else
   TANDEM_THROW(kUnsupported, "--device cuda: this tandem was built without CUDA");
 #endif
+}
+
+// --deterministic (tandem generate / serve / prefill / decode).
+void add_deterministic_flag(CLI::App* cmd, bool& on) {
+  cmd->add_flag("--deterministic", on,
+                "Batch-invariant numerics: a request's tokens and logprobs do not depend on the "
+                "other requests of its batch, on prompt chunking or on prefix-cache hits "
+                "(--device cuda: Qwen3-MoE on one GPU, no MTP, one rank; slower prefill; "
+                "docs/api.md)");
 }
 
 // --speculative-config (tandem generate / serve / decode): the MTP layer from the model's own
@@ -158,11 +171,13 @@ struct GenerateArgs {
   bool ignore_eos = false;
   std::string device = "cpu";
   std::string speculative_config;
+  bool deterministic = false;
 };
 
 int run_generate(const GenerateArgs& a) {
   EngineConfig cfg;
   cfg.max_num_seqs = 1;
+  cfg.deterministic = a.deterministic;
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
   std::unique_ptr<Model> model = load_model(a.model, a.device, cfg);
   apply_speculative(a.speculative_config, a.model, a.device, *model, cfg);
@@ -465,6 +480,11 @@ void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
   o.page_size = a.engine.page_size;
   o.graph_max_context = a.engine.max_model_len;
   o.gpu_memory_utilization = a.gpu_memory_utilization;
+  // --deterministic on the GPU: one unsharded model (Qwen3MoeCuda refuses a sharded one too).
+  TANDEM_CHECK_KIND(kUnsupported, !a.engine.deterministic || a.ranks == 1,
+                    "--deterministic with --device cuda: one rank only (--tp / --dp 1), not ",
+                    a.ranks);
+  o.deterministic = a.engine.deterministic;
   o.store = store;
   const int local_rank = store ? comm::RankEnv::from_env().local_rank : 0;
   const std::string dir = a.model;
@@ -715,6 +735,7 @@ int cli_main(int argc, char** argv) {
   g->add_flag("--json", gen.json, "Print {ids, text, logprobs} as JSON");
   g->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at EOS");
   g->add_option("--device", gen.device, "cpu or cuda (one GPU)");
+  add_deterministic_flag(g, gen.deterministic);
   add_speculative_option(g, gen.speculative_config);
 
   ServeArgs srv;
@@ -765,6 +786,7 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   bool no_prefix_cache = false;
   sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
+  add_deterministic_flag(sv, srv.engine.deterministic);
   add_speculative_option(sv, srv.speculative_config);
   srv.parsers.add_to(sv);
 
@@ -796,6 +818,7 @@ int cli_main(int argc, char** argv) {
   auto* dc = app.add_subcommand("decode", "Run a decode instance (DP=EP ranks), for a router");
   for (auto [cmd, a] : {std::pair{pf, &pre}, std::pair{dc, &dec}}) {
     cmd->add_option("--model", a->model, "Model directory (default: the embedded demo model)");
+    add_deterministic_flag(cmd, a->engine.deterministic);
     cmd->add_option("--host", a->host, "Address to listen on (control and KV)");
     cmd->add_option("--port", a->port, "Control port for the router (0: any)")
         ->check(CLI::Range(0, 65535));

@@ -4,6 +4,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_switches.h"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/moe_gemm.h"
 
 namespace tandem::cuda {
 
@@ -175,11 +176,41 @@ void GemmLt::tune(Plan& plan, GemmParams const& p, void* y, cudaStream_t stream)
   }
 }
 
+void GemmLt::run_invariant(GemmParams const& p, cudaStream_t stream) {
+  TANDEM_CHECK_KIND(kUnsupported, p.beta == 0.0f && p.k % 8 == 0 && p.n % 8 == 0,
+                    "gemm: the batch-invariant mode needs beta 0, k % 8 == 0 and n % 8 == 0 (beta ",
+                    p.beta, ", n ", p.n, ", k ", p.k, ")");
+  MoeGemmParams g{};
+  g.x = p.x;
+  g.w = p.w;
+  g.y = p.y;
+  g.y_f32 = p.y_f32;
+  g.expert_offsets = nullptr;  // one dense expert of m rows
+  g.max_rows = p.m;
+  g.n = p.n;
+  g.k = p.k;
+  g.num_experts = 1;
+  g.epilogue = MoeGemmEpilogue::kPlain;
+  // Any tile gives the same bits (moe_gemm.h); the tile only sets the speed. Decode rows on
+  // the small tile (16 x 32: many CTAs stream the weights; a second row tile rereads them from
+  // L2) unless the matrix is larger than L2 (lm_head: one 64-row tile reads it once).
+  const bool big = p.n * p.k * static_cast<int64_t>(sizeof(bf16)) > (int64_t{32} << 20);
+  g.tile = p.m <= 16 || (p.m <= 64 && !big) ? MoeGemmTile::kSmall
+           : p.m <= 128                     ? MoeGemmTile::kMedium
+                                            : MoeGemmTile::kLarge;
+  TANDEM_CHECK(p.alpha == 1.0f, "gemm: the batch-invariant mode needs alpha 1, not ", p.alpha);
+  moe_gemm_launch(g, stream);
+}
+
 void GemmLt::run(GemmParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.m >= 0 && p.n > 0 && p.k > 0, "gemm: bad sizes m ", p.m, " n ", p.n, " k ", p.k);
   if (p.m == 0) return;
   const bool f32_out = p.y_f32 != nullptr;
   void* y = f32_out ? static_cast<void*>(p.y_f32) : static_cast<void*>(p.y);
+  if (batch_invariant_) {
+    run_invariant(p, stream);
+    return;
+  }
   Plan& plan = plan_for(p.m, p.n, p.k, p.beta != 0.0f, common_alignment(p.x, p.w, y), f32_out);
   if (plan.tune_pending) tune(plan, p, y, stream);
   if (plan.use_gemv) {

@@ -49,6 +49,12 @@ class GemmLt {
   size_t num_gemv_plans() const;
   /// Whether plans created from now on may time (and pick) the gemv kernel (default true).
   void set_gemv_enabled(bool on) { gemv_enabled_ = on; }
+  /// Batch-invariant mode (--deterministic): every run() goes to one kernel whose row results
+  /// do not depend on m (moe_gemm.h's mma GEMM as one dense expert: a fixed k order, no
+  /// split-K, no m-dependent algorithm), so a row's bits are the same alone or in any batch.
+  /// beta must be 0; k % 8, n % 8 and 16-byte aligned x, w, y (kUnsupported otherwise).
+  void set_batch_invariant(bool on) { batch_invariant_ = on; }
+  bool batch_invariant() const { return batch_invariant_; }
 
  private:
   struct Plan {
@@ -63,7 +69,10 @@ class GemmLt {
   // Times the candidates on the call's own operands and keeps the fastest.
   void tune(Plan& plan, GemmParams const& p, void* y, cudaStream_t stream);
   Plan& plan_for(int64_t m, int64_t n, int64_t k, bool beta, uint32_t align, bool f32_out);
+  // The batch-invariant mode's GEMM (set_batch_invariant).
+  void run_invariant(GemmParams const& p, cudaStream_t stream);
   bool gemv_enabled_ = true;
+  bool batch_invariant_ = false;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

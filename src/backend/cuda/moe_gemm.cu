@@ -77,7 +77,10 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t const (&a)[4], 
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
-template <class Cfg, bool kSilu>
+// kDense (GemmLt's batch-invariant mode only): expert_offsets may be null (one dense expert of
+// max_rows rows) and the plain epilogue may write fp32 (y_f32). The default kernels
+// (kDense false) compile without either.
+template <class Cfg, bool kSilu, bool kDense = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     moe_gemm_kernel(MoeGemmParams p, int n_tiles) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kLd = Cfg::kLd;
@@ -106,7 +109,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     for (int e0 = 0; e0 < E; e0 += 32) {
       const int e = e0 + lane;
       int start = 0, count = 0;
-      if (e < E) {
+      if (kDense && e < E && p.expert_offsets == nullptr) {  // one expert of max_rows rows
+        count = static_cast<int>(p.max_rows);
+      } else if (e < E) {
         start = p.expert_offsets[e];
         count = p.expert_offsets[e + 1] - start;
       }
@@ -272,6 +277,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       if (r >= rows) continue;
       const int64_t grow = static_cast<int64_t>(row0) + r;
       if constexpr (!kSilu) {
+        if (kDense && p.y_f32 != nullptr) {  // fp32 out (uniform over the CTA)
+          float* gF = p.y_f32 + grow * N;
+#pragma unroll
+          for (int ni = 0; ni < kNI; ++ni) {
+            const int col = n0 + wn * Cfg::kWN + ni * 8 + 2 * t;
+            if (col < N) {
+              *reinterpret_cast<float2*>(gF + col) =
+                  make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+            }
+          }
+          continue;
+        }
         bf16* gY = p.y + grow * N;
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni) {
@@ -303,14 +320,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 // Raises the dynamic shared memory limit of one kernel once per device (the limit is per
 // device). The first launch normally runs eagerly, before any graph capture; MoeLayer's
 // constructor also calls moe_gemm_prepare() so that a capture never is the first launch.
-template <class Cfg, bool kSilu>
+template <class Cfg, bool kSilu, bool kDense = false>
 void raise_smem() {
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
     static std::atomic<uint64_t> raised{0};  // bit d: done on device d
     int dev = 0;
     TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
     if (dev >= 64 || !((raised.load(std::memory_order_relaxed) >> dev) & 1u)) {
-      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<Cfg, kSilu>,
+      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<Cfg, kSilu, kDense>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(Cfg::kSmemBytes)));
       if (dev < 64) raised.fetch_or(uint64_t{1} << dev, std::memory_order_relaxed);
@@ -322,9 +339,10 @@ template <class Cfg>
 void raise_smem_both() {
   raise_smem<Cfg, false>();
   raise_smem<Cfg, true>();
+  raise_smem<Cfg, false, true>();
 }
 
-template <class Cfg, bool kSilu>
+template <class Cfg, bool kSilu, bool kDense = false>
 void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
   const int64_t n_tiles = (p.n + Cfg::BN - 1) / Cfg::BN;
   // Row tiles: sum_e ceil(c_e / BM) <= floor(max_rows / BM) + (non-empty experts), and
@@ -333,8 +351,8 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
       std::min(p.max_rows, p.max_rows / Cfg::BM + std::min(p.num_experts, p.max_rows));
   const int64_t blocks = m_tiles * n_tiles;
   TANDEM_CHECK(blocks <= INT32_MAX, "moe_gemm: grid too large: ", blocks);
-  auto kernel = moe_gemm_kernel<Cfg, kSilu>;
-  raise_smem<Cfg, kSilu>();
+  auto kernel = moe_gemm_kernel<Cfg, kSilu, kDense>;
+  raise_smem<Cfg, kSilu, kDense>();
   if (p.pdl != MoeGemmPdl::kOff) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks));
@@ -357,7 +375,13 @@ void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
 template <class Cfg>
 void launch_epilogue(MoeGemmParams const& p, cudaStream_t stream) {
   switch (p.epilogue) {
-    case MoeGemmEpilogue::kPlain: launch_tile<Cfg, false>(p, stream); break;
+    case MoeGemmEpilogue::kPlain:
+      if (p.expert_offsets == nullptr || p.y_f32 != nullptr) {
+        launch_tile<Cfg, false, true>(p, stream);
+      } else {
+        launch_tile<Cfg, false>(p, stream);
+      }
+      break;
     case MoeGemmEpilogue::kSiluMul: launch_tile<Cfg, true>(p, stream); break;
     default: TANDEM_THROW(kUnsupported, "moe_gemm: unsupported epilogue");
   }
@@ -377,10 +401,14 @@ MoeGemmTile moe_gemm_pick_tile(int64_t max_rows, int64_t num_experts) {
 
 void moe_gemm_launch(MoeGemmParams const& p, cudaStream_t stream) {
   if (p.w_fp8 != nullptr) {
+    TANDEM_CHECK(p.y_f32 == nullptr, "moe_gemm: fp32 output with bf16 weights only");
     moe_gemm_detail::moe_gemm_fp8_launch(p, stream);
     return;
   }
-  TANDEM_CHECK(p.expert_offsets != nullptr, "moe_gemm: expert_offsets is null (bf16 weights)");
+  TANDEM_CHECK(p.expert_offsets != nullptr || p.num_experts == 1,
+               "moe_gemm: expert_offsets is null with ", p.num_experts, " experts");
+  TANDEM_CHECK(p.y_f32 == nullptr || p.epilogue == MoeGemmEpilogue::kPlain,
+               "moe_gemm: fp32 output with the plain epilogue only");
   TANDEM_CHECK(p.max_rows >= 0 && p.num_experts >= 1 && p.n > 0 && p.k > 0,
                "moe_gemm: bad sizes: max_rows ", p.max_rows, " experts ", p.num_experts, " n ", p.n,
                " k ", p.k);
@@ -393,7 +421,8 @@ void moe_gemm_launch(MoeGemmParams const& p, cudaStream_t stream) {
                "moe_gemm: too large");
   TANDEM_CHECK(p.gather_div >= 1 && p.gather_div <= INT32_MAX, "moe_gemm: bad gather_div ",
                p.gather_div);
-  TANDEM_CHECK(aligned16(p.x) && aligned16(p.w) && aligned16(p.y),
+  TANDEM_CHECK(aligned16(p.x) && aligned16(p.w) &&
+                   (p.y_f32 != nullptr ? aligned16(p.y_f32) : aligned16(p.y)),
                "moe_gemm: x, w, y must be 16-byte aligned");
   if (p.max_rows == 0) return;
   const MoeGemmTile tile =

@@ -47,8 +47,9 @@ struct MoeGemmParams {
   bf16* y;                        // [max_rows, n] (kPlain) or [max_rows, n / 2] (kSiluMul)
   int32_t const* expert_offsets;  // [num_experts + 1] on the device: rows of expert e are
                                   // [offsets[e], offsets[e + 1]); offsets[num_experts] <= max_rows.
-                                  // FP8 only: null with num_experts 1 = a dense matrix over
-                                  // max_rows rows (the FP8 linear for m > 8)
+                                  // Null with num_experts 1: a dense matrix over max_rows
+                                  // rows (the FP8 linear for m > 8; GemmLt's batch-invariant
+                                  // mode, bf16)
   int64_t max_rows;               // host-side upper bound on the routed rows (tokens * top_k)
   int64_t n, k, num_experts;
   MoeGemmEpilogue epilogue = MoeGemmEpilogue::kPlain;
@@ -87,8 +88,14 @@ struct MoeGemmParams {
   // unused. The kernel loads E4M3 straight into shared memory (no in-kernel quant pass).
   uint8_t const* x_fp8 = nullptr;
   float const* x_scale = nullptr;
+  // bf16 weights, kPlain: when set, the output is fp32 here ([max_rows, n]) and y is unused
+  // (GemmLt's batch-invariant mode: router logits, lm_head).
+  float* y_f32 = nullptr;
 };
 
+/// Every output element is one fp32 accumulator chained over k in ascending 16-deep steps
+/// whatever the tile, the row count or the other rows (no split-K): a row's result does not
+/// depend on the batch (GemmLt's batch-invariant mode relies on it).
 /// Rows at and past offsets[num_experts] of y are left untouched. Requirements (checked):
 /// k % 8 == 0, n % 8 == 0 (kSiluMul: n % 16 == 0), x, w, y 16-byte aligned.
 /// max_rows may be 0 (nothing is launched).

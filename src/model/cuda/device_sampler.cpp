@@ -134,7 +134,7 @@ void DeviceSampler::sample(float* logits, const std::vector<DeviceSampling>& row
     }
   }
 
-  const bool multi = R <= (any_cut ? kMultiCtaCutRows : kMultiCtaRows);
+  const bool multi = !batch_invariant_ && R <= (any_cut ? kMultiCtaCutRows : kMultiCtaRows);
   cuda::sample_launch({logits, DType::kF32, params_.as<cuda::SamplingRowParams>(),
                        tokens_.as<int32_t>(), logprobs_.as<float>(), top_ids_.as<int32_t>(),
                        top_lp_.as<float>(), R, vocab_, multi ? workspace_.as<void>() : nullptr},

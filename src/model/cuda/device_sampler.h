@@ -27,8 +27,13 @@ class DeviceSampler {
   void sample(float* logits, const std::vector<DeviceSampling>& rows,
               const std::function<void()>& wait_masks, std::vector<SampledToken>& out,
               cudaStream_t stream);
+  /// Batch-invariant mode (--deterministic): every row on the single-CTA sampling kernel. The
+  /// multi-CTA path, taken by the row count and the batch's top-k / top-p, draws the same
+  /// tokens but sums a row's log-sum-exp over batch-sized slices (logprobs' last bits).
+  void set_batch_invariant(bool on) { batch_invariant_ = on; }
 
  private:
+  bool batch_invariant_ = false;
   int64_t rows_cap_, vocab_, words_;
   DeviceMem params_, tokens_, logprobs_, top_ids_, top_lp_, workspace_;
   PinnedMem host_;  // params [R] | tokens [R] | logprobs [R] | top ids [R, 20] | top lps [R, 20]

@@ -391,6 +391,9 @@ void MtpCuda::hidden_to_host(int64_t rows, std::vector<float>& out) {
 void Qwen3MoeCuda::load_mtp(const std::string& dir) {
   TANDEM_CHECK_KIND(kUnsupported, !(shard().tensor_parallel() && shard().spec.size > 1),
                     "MTP speculative decoding: prefill instances (TP) do not speculate");
+  TANDEM_CHECK_KIND(kUnsupported, !opts_.deterministic,
+                    "MTP speculative decoding with --deterministic is not supported (the drafts, "
+                    "hence the accepted tokens, would depend on the batch)");
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   mtp_ = MtpCuda::load(config_, dir, mtp_scratch());
   weight_bytes_ += mtp_->weight_bytes();

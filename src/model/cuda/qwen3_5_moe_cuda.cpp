@@ -611,6 +611,8 @@ Qwen35MoeCuda::Qwen35MoeCuda(ModelConfig config, const CudaModelOptions& opts)
     : config_(std::move(config)), opts_(opts) {
   TANDEM_CHECK_KIND(kInvalidArgument, opts_.max_tokens > 0 && opts_.max_seqs > 0,
                     "max_tokens and max_seqs must be positive");
+  TANDEM_CHECK_KIND(kUnsupported, !opts_.deterministic,
+                    "--deterministic is not supported for Qwen3.5 hybrid models on the GPU");
   TANDEM_CHECK_KIND(kUnsupported, opts_.shard.size <= 1,
                     "Qwen3.5 on the GPU runs on one GPU only (no sharding yet)");
   int count = 0;

@@ -21,6 +21,7 @@
 #include "comm/cuda/cuda_moe.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "model/cuda/batch_invariant.h"
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/device_sampler.h"
 #include "model/cuda/fp8_dense.h"
@@ -186,6 +187,8 @@ struct Qwen3MoeCuda::Impl {
   // linears at prefill sizes (cuBLASLt) quantize their activations per token and 128-column
   // group (backend/cuda/fp8_linear.h); off: W8A16 (the dequantized numerics).
   bool fp8_act = false;
+  // CudaModelOptions::deterministic (batch_invariant.h).
+  bool det = false;
   // With fp8_act: the dense FP8 linears from kFp8LtMinRows rows on (prefill) through cuBLASLt's
   // block-FP8 GEMM (model/cuda/fp8_dense.h); below, as W8A16.
   static constexpr int64_t kFp8LtMinRows = 512;
@@ -558,7 +561,9 @@ struct Qwen3MoeCuda::Impl {
     last = DeviceMem(T * h * b);
     logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
     sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
+    sampler->set_batch_invariant(det);
     gemm = std::make_unique<cuda::GemmLt>();
+    gemm->set_batch_invariant(det);
     bool any_moe = false;
     for (const auto& w : layers) any_moe |= w.moe;
     if (any_moe) {
@@ -585,7 +590,7 @@ struct Qwen3MoeCuda::Impl {
     }
     // The FP8 grouped GEMM's tiles before any graph capture; the dense FP8 linears' bf16
     // scratch for m above the gemv's.
-    if (!fp8_allocs.empty()) cuda::moe_gemm_prepare();
+    if (!fp8_allocs.empty() || det) cuda::moe_gemm_prepare();
     int64_t dq_elems = 0;
     for (const auto& w : layers) {
       if (w.qkv8) dq_elems = std::max(dq_elems, qkv_rows() * h);
@@ -717,6 +722,7 @@ struct Qwen3MoeCuda::Impl {
       ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
       ap.num_prefill_tokens = m.num_prefill;
       ap.prefill_plan = m.prefill_plan;
+      if (det) cuda_model::make_batch_invariant(ap);
       cuda::paged_attention_launch(ap, stream);
       // Row-parallel o_proj (prefill TP): the partial products go straight into the
       // all-reduce's registered buffer and come back summed over the ranks into Y.
@@ -727,7 +733,8 @@ struct Qwen3MoeCuda::Impl {
         moe_ep(w, XN, Y, m, warmup);
       } else if (w.moe) {
         // A forced prefill path (benchmarks) applies to eager batches only.
-        moe->set_path(batch != nullptr ? moe_prefill_path : cuda::MoeLayerPath::kAuto);
+        moe->set_path(cuda_model::moe_path(
+            det, batch != nullptr ? moe_prefill_path : cuda::MoeLayerPath::kAuto));
         // Prefill EP: this rank's experts' weighted sum (zeros for tokens routed elsewhere),
         // into the registered buffer, then summed over the ranks.
         moe->run({w.router, w.gate_up, w.down, w.gate_up8.q, w.gate_up8.s, w.down8.q, w.down8.s,
@@ -935,7 +942,9 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   const bool env_off =
       env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
                          std::strcmp(env, "dequant") == 0);
-  impl_->fp8 = opts_.fp8_weights && !env_off &&
+  cuda_model::check_deterministic(opts_);
+  impl_->det = opts_.deterministic;
+  impl_->fp8 = opts_.fp8_weights && !env_off && !impl_->det &&
                ((config_.quant.method == WeightQuant::kFp8Block &&
                  config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
                 (mxfp8 && mx_mode != cuda_model::Mxfp8Gpu::kDequant));
@@ -1230,7 +1239,7 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     m.num_rows = num_rows;
     m.num_prefill = num_prefill;
     im.upload(hm, m, m.tables);
-    if (num_prefill > 0 &&
+    if (num_prefill > 0 && !im.det &&  // the mode runs no prefill kernel (batch_invariant.h)
         im.prefill_plan.plan({hm.token_seq.data(), hm.positions.data(), num_prefill, im.qh(),
                               im.kvh(), config_.head_dim, page_size, width},
                              stream_)) {

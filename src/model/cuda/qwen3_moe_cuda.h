@@ -63,6 +63,12 @@ struct CudaModelOptions {
   /// them to bf16 at load (the comparison path). random() keeps FP8 when its config says
   /// block FP8. MXFP8 checkpoints are dequantized to bf16 either way.
   bool fp8_weights = true;
+  /// Batch-invariant numerics (--deterministic, model/cuda/batch_invariant.h): a request's
+  /// logits are bitwise the same alone, batched with any others, chunked or after a prefix-cache
+  /// hit, in graphs or eager. Slower prefill attention (every token on the decode kernel);
+  /// block-FP8 weights dequantized to bf16 at load; one GPU only (kUnsupported when sharded);
+  /// no MTP (load_mtp refuses it: drafts would depend on the batch).
+  bool deterministic = false;
   /// The group's bootstrap store (required when shard.size > 1; one process per rank): the
   /// rank's CUDA communicators rendezvous through it. Kept alive by the model.
   std::shared_ptr<comm::TcpStore> store;

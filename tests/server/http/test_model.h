@@ -27,6 +27,7 @@ inline std::unique_ptr<Model> load_test_model(const std::string& dir, const Engi
     o.max_tokens = cfg.max_batched_tokens;
     o.max_seqs = cfg.max_num_seqs;
     o.page_size = cfg.page_size;
+    o.deterministic = cfg.deterministic;
     return Qwen3MoeCuda::load(dir, o);
 #else
     throw std::runtime_error("TANDEM_TEST_DEVICE=cuda: built without CUDA");
