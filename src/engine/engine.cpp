@@ -278,7 +278,15 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
   rows.clear();
   for (const auto& ss : batch.seqs) {
     const Sequence& s = *ss.seq;
-    if (speculating() && !s.req.sampling.greedy()) return false;  // rejection sampling: p, q
+    // Sampled verify rows stay on the device for deterministic drafts (q one-hot: the MTP's
+    // argmax on the device, or the test hook's): row j draws its token from the target's p with
+    // the draw counter of output position num_output + j, and the draft is accepted while the
+    // drawn token equals it. That is the rejection rule for a one-hot q exactly (accept with
+    // probability p(d); a rejection's token is distributed as norm(max(0, p - q)), p without
+    // d), and every emitted token is the draw that non-speculative device sampling makes at its
+    // position: the same tokens for the same seed whatever K. Drafts sampled from q on the
+    // host (draft_probs) take the host rule (accept_draft).
+    if (ss.verify && !s.req.sampling.greedy() && !s.draft_probs.empty()) return false;
     // A constrained verify row needs one mask per position (the host path); a constrained
     // next-token row takes its MaskWorker mask to the device below.
     if (s.req.constraint && ss.verify) return false;
@@ -758,14 +766,15 @@ void Engine::draft() {
     }
   }
   if (fb.seqs.empty()) return;
-  // Greedy drafts on a model that samples on its device: the rows' argmax there (no logits
-  // come to the host), when no row needs host logits (penalties, the min_tokens mask, a token
-  // constraint's mask).
+  // Drafts on a model that samples on its device: the rows' argmax there (no logits come to
+  // the host), when no row needs host logits (penalties, the min_tokens mask, a token
+  // constraint's mask). A sampled request's drafts are then deterministic (q one-hot at the
+  // MTP's argmax), which its verify step accepts on the device (device_rows).
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) {
     const SamplingParams& sp = s->req.sampling;
-    on_device = on_device && sp.greedy() && !sp.needs_host_logits() &&
-                s->num_output() >= s->req.min_tokens && !s->req.constraint;
+    on_device = on_device && !sp.needs_host_logits() && s->num_output() >= s->req.min_tokens &&
+                !s->req.constraint;
   }
   std::vector<float> logits, hout;
   std::vector<DeviceSampling> dev_rows;

@@ -281,9 +281,11 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, SpecLosslessTest, ::testing::ValuesIn(testing
 // The demo model's own MTP head (tools/train_mtp.py, committed into models/demo with the model):
 // greedy mean acceptance length on the golden prompts at K = 3 (tokens per verify step) above
 // a floor. Skips while the demo checkpoint has no mtp.* tensors.
-// A model that "samples on its device" (the CPU model with greedy rows picked here, as the
-// GPU sampler picks them): the engine's device path for speculation (verify rows and MTP drafts
-// as sampled tokens, no logits) must give exactly the host path's tokens and logprobs.
+// A model that "samples on its device" (the CPU model with its rows sampled here, as the GPU
+// sampler samples them: greedy rows their argmax, sampled rows one draw keyed by (seed,
+// counter)): the engine's device path for speculation (verify rows and MTP drafts as sampled
+// tokens, no logits) must give exactly the host path's tokens and logprobs (greedy), and
+// exactly the tokens of non-speculative device sampling (sampled; SpecSamplingTest).
 class DeviceGreedy final : public Model {
  public:
   explicit DeviceGreedy(Qwen3MoeCpu& m) : m_(m) {}
@@ -323,6 +325,7 @@ class DeviceGreedy final : public Model {
     pick(logits, rows, out);
   }
   int64_t host_forwards = 0, host_drafts = 0, verify_rows = 0, device_drafts = 0;
+  mutable int64_t sampled_rows = 0;
 
  private:
   void pick(const std::vector<float>& logits, const std::vector<DeviceSampling>& rows,
@@ -334,10 +337,26 @@ class DeviceGreedy final : public Model {
     greedy.temperature = 0;
     SamplerRng rng(0);
     for (size_t r = 0; r < rows.size(); ++r) {
-      ASSERT_LT(rows[r].temperature, 1e-5f) << "the test's device samples greedy rows only";
       std::span<const float> row(logits.data() + static_cast<int64_t>(r) * v,
                                  static_cast<size_t>(v));
-      out[r].token = sample_token(row, greedy, {}, {}, rng);
+      const DeviceSampling& d = rows[r];
+      if (d.temperature >= 1e-5f) {
+        // A sampled row: one draw keyed by (seed, counter), as the GPU's Philox stream is, so
+        // a request's token at an output position does not depend on the step that drew it.
+        ASSERT_TRUE(d.bias.empty() && d.mask == nullptr) << "the test's device has no biases";
+        SamplingParams sp;
+        sp.temperature = d.temperature;
+        sp.top_k = d.top_k;
+        sp.top_p = d.top_p;
+        sp.min_p = d.min_p;
+        std::seed_seq key{static_cast<uint32_t>(d.seed), static_cast<uint32_t>(d.seed >> 32),
+                          static_cast<uint32_t>(d.counter), static_cast<uint32_t>(d.counter >> 32)};
+        SamplerRng keyed(key);
+        out[r].token = sample_token(row, sp, {}, {}, keyed);
+        ++sampled_rows;
+      } else {
+        out[r].token = sample_token(row, greedy, {}, {}, rng);
+      }
       out[r].logprob = token_logprob(row, out[r].token);
       if (rows[r].logprobs > 0) {
         for (const auto& t : top_logprobs(row, rows[r].logprobs))
@@ -621,6 +640,91 @@ TEST_F(SpecSamplingTest, WrongAcceptanceRuleFailsTheBound) {
   EXPECT_GT(x2, chi_square_bound(df)) << "df " << df;
   std::cout << "always accept: chi-square " << x2 << " (df " << df << ", bound "
             << chi_square_bound(df) << ")\n";
+}
+
+// Sampled requests on a device-sampling model (DeviceGreedy: draws keyed by (seed, counter)):
+// verify rows and drafts stay on the device (no host logits), the drafts are the MTP's argmax
+// (q one-hot) and row j's draw is the one non-speculative decoding makes at that output
+// position, so every request gets exactly the tokens it gets without speculation, for K = 1..4,
+// with random MTP drafts and with mostly-right ones (every accepted length, the bonus token).
+TEST_F(SpecSamplingTest, DeviceRowsGiveTheNonSpeculativeTokens) {
+  GenRequest p = proto_;
+  p.max_tokens = 8;
+  p.sampling.top_p = 0.95f;
+  std::vector<GenRequest> reqs;
+  for (int i = 0; i < 48; ++i) {
+    GenRequest r = p;
+    r.id = "s" + std::to_string(i);
+    r.sampling.seed = static_cast<uint64_t>(500 + i);
+    reqs.push_back(r);
+  }
+  EngineConfig cfg;
+  cfg.max_num_seqs = 16;  // several waves: batches of mixed prefill and verify steps
+  DeviceGreedy base_dev(*model_);
+  const RunResult base = run(base_dev, reqs, cfg);
+  EXPECT_GT(base_dev.sampled_rows, 0);
+  for (int64_t k = 1; k <= kMaxSpeculativeTokens; ++k) {
+    for (const bool good : {false, true}) {
+      SCOPED_TRACE("K = " + std::to_string(k) + (good ? ", oracle drafts" : ", MTP drafts"));
+      EngineConfig c = cfg;
+      c.num_speculative_tokens = k;
+      if (good) c.spec_draft_hook = oracle(reqs, base.outs, model_->config().vocab_size);
+      DeviceGreedy dev(*model_);
+      const RunResult r = run(dev, reqs, c);
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        EXPECT_EQ(r.outs[i].ids, base.outs[i].ids) << "request " << i;
+      }
+      EXPECT_EQ(dev.host_forwards, 0) << "sampled verify steps took host logits";
+      EXPECT_EQ(dev.host_drafts, 0) << "sampled requests' drafts took host logits";
+      EXPECT_GT(dev.verify_rows, 0);
+      EXPECT_GT(r.stats.spec_num_draft_tokens, 0);
+      if (good) EXPECT_GT(r.stats.spec_num_accepted_tokens, r.stats.spec_num_draft_tokens / 4);
+    }
+  }
+}
+
+// The device path's distribution against the host sampler's (another random stream): the
+// chi-square of SpecSamplingTest with deterministic drafts (the most frequent continuation,
+// often accepted); always accepting (forced acceptance at p = 1, on the device path too) fails
+// the same bound.
+TEST_F(SpecSamplingTest, DeviceRowsDistributionEqualsNonSpeculative) {
+  const auto want = sample_counts(*model_, proto_, EngineConfig{}, kSamples);
+  std::vector<int32_t> mode;
+  int64_t best = 0;
+  for (const auto& [ids, n] : want) {
+    if (n > best) {
+      best = n;
+      mode = ids;
+    }
+  }
+  const size_t prompt_len = proto_.prompt_ids.size();
+  EngineConfig spec;
+  spec.num_speculative_tokens = 2;
+  spec.spec_draft_hook = [&](const std::string&, std::span<const int32_t> tokens,
+                             std::vector<int32_t>& drafts) {
+    for (size_t m = 0; m < drafts.size(); ++m) {
+      const size_t i = tokens.size() - prompt_len + m;
+      if (i < mode.size()) drafts[m] = mode[i];
+    }
+  };
+  DeviceGreedy dev(*model_);
+  EngineStats st;
+  const auto got = sample_counts(dev, proto_, spec, kSamples, &st);
+  const auto [x2, df] = chi_square(got, want);
+  EXPECT_LT(x2, chi_square_bound(df)) << "df " << df;
+  EXPECT_GT(st.spec_num_accepted_tokens, st.spec_num_draft_tokens / 10);
+  EXPECT_EQ(dev.host_forwards, 0);
+  std::cout << "device rows, deterministic drafts: " << st.spec_num_accepted_tokens << " of "
+            << st.spec_num_draft_tokens << " accepted, chi-square " << x2 << " (df " << df
+            << ", bound " << chi_square_bound(df) << ")\n";
+  EngineConfig wrong;
+  wrong.num_speculative_tokens = 2;
+  wrong.spec_forced_accept_prob = 1.0;
+  DeviceGreedy dev2(*model_);
+  const auto bad = sample_counts(dev2, proto_, wrong, kSamples);
+  const auto [x2w, dfw] = chi_square(bad, want);
+  EXPECT_GT(x2w, chi_square_bound(dfw)) << "df " << dfw;
+  EXPECT_EQ(dev2.host_forwards, 0);
 }
 
 // A decode instance (DP = 2, EP MoE) speculates too: each rank drafts with its own copy of the
