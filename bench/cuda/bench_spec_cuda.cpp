@@ -11,7 +11,10 @@
 // Models: Qwen3-30B-A3B (48 layers, or --layers N), one Qwen3-235B-A22B layer (vocab 1024).
 //
 //   bench_spec_cuda [--model 30b|235b-layer|all] [--layers N] [--verify-only] [--e2e-only]
-//                   [--batches 1,8,32,128] [--tokens N]
+//                   [--batches 1,8,32,128] [--tokens N] [--e2e-batches 1,32]
+//                   [--ks 1,2,3 --ps 0.6,0.7,0.8] [--temperature T]
+// --ks / --ps: the end-to-end grid (every K with every p; default K = 3 at p = 0.6 / 0.7 / 0.8
+// and K = 1 at 0.7); --temperature: sampled requests (seeded, on the device) instead of greedy.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include "bench_util.h"
 #include "core/error.h"
 #include "engine/engine.h"
+#include "model/cuda/mtp_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
 
@@ -119,6 +123,32 @@ void bench_verify(const std::string& name, Qwen3MoeCuda& model,
         1e3 * bench::upper_median(bench::event_samples_ms(st, timer.ev0, timer.ev1, 0, 20, [&] {
           model.mtp_forward_device(mb, hidden.data(), mkv);
         }));
+    // The pass's stages (CUDA events between them; the events add a little).
+    if (MtpCuda* mtp = model.mtp()) {
+      mtp->profile_stages(true);
+      std::vector<std::string> names;
+      std::vector<std::vector<float>> samples;
+      for (int rep = 0; rep < 10; ++rep) {
+        model.mtp_forward_device(mb, hidden.data(), mkv);
+        const auto st_ms = mtp->stage_ms();
+        if (samples.empty()) samples.resize(st_ms.size());
+        for (size_t i = 0; i < st_ms.size(); ++i) {
+          if (rep == 0) names.push_back(st_ms[i].first);
+          samples[i].push_back(st_ms[i].second);
+        }
+      }
+      mtp->profile_stages(false);
+      std::string line;
+      for (size_t i = 0; i < samples.size(); ++i) {
+        std::sort(samples[i].begin(), samples[i].end());
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "%s%s %.1f", i ? ", " : "", names[i].c_str(),
+                      1e3 * samples[i][samples[i].size() / 2]);
+        line += buf;
+      }
+      std::printf("%-14s %6lld   MTP pass stages (median us): %s\n", name.c_str(),
+                  static_cast<long long>(b), line.c_str());
+    }
     for (int64_t k = 0; k <= 4; ++k) {
       const int64_t q = k + 1;
       ForwardBatch fb;
@@ -150,7 +180,7 @@ struct E2e {
 // One engine, two waves of `batch` requests: the first captures the graphs (and warms the
 // GEMM plans), the second is timed from the step after every request has its first token.
 E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t prompt_len,
-               int64_t max_tokens) {
+               int64_t max_tokens, float temperature) {
   EngineConfig cfg;
   cfg.max_num_seqs = batch;
   cfg.max_batched_tokens = 2048;
@@ -173,7 +203,8 @@ E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t 
       }
       r.max_tokens = static_cast<int32_t>(max_tokens);
       r.ignore_eos = true;
-      r.sampling.temperature = 0;
+      r.sampling.temperature = temperature;
+      r.sampling.seed = static_cast<uint64_t>(i);
       engine.add(r, [&produced, i](const StepOutput& o) {
         produced[static_cast<size_t>(i)] += static_cast<int64_t>(o.token_ids.size());
       });
@@ -202,21 +233,21 @@ E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t 
 }
 
 void bench_e2e(const std::string& name, Qwen3MoeCuda& model, const std::vector<int64_t>& batches,
-               int64_t max_tokens) {
+               int64_t max_tokens, const std::vector<std::pair<int64_t, double>>& runs,
+               float temperature) {
   std::printf(
-      "\n== %s: end-to-end decode through the engine (greedy, 256-token prompts, %lld "
+      "\n== %s: end-to-end decode through the engine (%s, 256-token prompts, %lld "
       "new tokens each), speculation with forced acceptance p\n",
-      name.c_str(), static_cast<long long>(max_tokens));
+      name.c_str(), temperature > 0 ? "sampled on the device" : "greedy",
+      static_cast<long long>(max_tokens));
   std::printf("%-14s %6s %3s %5s %12s %10s %9s\n", "model", "batch", "K", "p", "tok/s",
               "accept_len", "speedup");
   for (int64_t b : batches) {
-    const E2e base = run_engine(model, b, 0, 0, 256, max_tokens);
+    const E2e base = run_engine(model, b, 0, 0, 256, max_tokens, temperature);
     std::printf("%-14s %6lld %3d %5s %12.1f %10.2f %8.2fx\n", name.c_str(),
                 static_cast<long long>(b), 0, "-", base.tok_s, 1.0, 1.0);
-    // K = 3 at p = 0.6 / 0.7 / 0.8 (acceptance length 2.18 / 2.53 / 2.95), K = 1 at 0.7.
-    const std::pair<int64_t, double> runs[] = {{3, 0.6}, {3, 0.7}, {3, 0.8}, {1, 0.7}};
     for (const auto& [k, p] : runs) {
-      const E2e e = run_engine(model, b, k, p, 256, max_tokens);
+      const E2e e = run_engine(model, b, k, p, 256, max_tokens, temperature);
       std::printf("%-14s %6lld %3lld %5.1f %12.1f %10.2f %8.2fx\n", name.c_str(),
                   static_cast<long long>(b), static_cast<long long>(k), p, e.tok_s, e.accept_len,
                   e.tok_s / base.tok_s);
@@ -231,7 +262,9 @@ int main(int argc, char** argv) {
   std::string which = "all";
   int64_t layers = 0, max_tokens = 128;
   bool verify = true, e2e = true;
-  std::vector<int64_t> batches{1, 8, 32, 128}, e2e_batches{1, 32};
+  std::vector<int64_t> batches{1, 8, 32, 128}, e2e_batches{1, 32}, ks;
+  std::vector<double> ps;
+  float temperature = 0.0f;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
     if (std::strcmp(argv[i], "--layers") == 0 && i + 1 < argc) layers = std::atoll(argv[++i]);
@@ -240,8 +273,27 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--e2e-batches") == 0 && i + 1 < argc) {
       e2e_batches = parse_list(argv[++i]);
     }
+    if (std::strcmp(argv[i], "--ks") == 0 && i + 1 < argc) ks = parse_list(argv[++i]);
+    if (std::strcmp(argv[i], "--ps") == 0 && i + 1 < argc) {
+      std::stringstream ss(argv[++i]);
+      for (std::string item; std::getline(ss, item, ',');) ps.push_back(std::atof(item.c_str()));
+    }
+    if (std::strcmp(argv[i], "--temperature") == 0 && i + 1 < argc) {
+      temperature = static_cast<float>(std::atof(argv[++i]));
+    }
     if (std::strcmp(argv[i], "--verify-only") == 0) e2e = false;
     if (std::strcmp(argv[i], "--e2e-only") == 0) verify = false;
+  }
+  // K = 3 at p = 0.6 / 0.7 / 0.8 (acceptance length 2.18 / 2.53 / 2.95), K = 1 at 0.7; or the
+  // --ks x --ps grid.
+  std::vector<std::pair<int64_t, double>> runs = {{3, 0.6}, {3, 0.7}, {3, 0.8}, {1, 0.7}};
+  if (!ks.empty() || !ps.empty()) {
+    if (ks.empty()) ks = {3};
+    if (ps.empty()) ps = {0.7};
+    runs.clear();
+    for (int64_t k : ks) {
+      for (double p : ps) runs.emplace_back(k, p);
+    }
   }
   try {
     int n = 0;
@@ -272,7 +324,8 @@ int main(int argc, char** argv) {
       std::printf("== %s: %.1f GB of weights (MTP layer included)\n", m.name.c_str(),
                   model->weight_bytes() / 1e9);
       if (verify) bench_verify(m.name, *model, batches);
-      if (e2e && m.c.num_hidden_layers > 1) bench_e2e(m.name, *model, e2e_batches, max_tokens);
+      if (e2e && m.c.num_hidden_layers > 1)
+        bench_e2e(m.name, *model, e2e_batches, max_tokens, runs, temperature);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_spec_cuda: %s\n", e.what());

@@ -110,7 +110,13 @@ Engine::Engine(Model& model, const EngineConfig& config)
                  "predicted_ms,measured_ms\n");
     trace_t0_ = std::chrono::steady_clock::now();
   }
-  if (config_.warm_up) model.warm_up(kv_, config_.max_num_seqs);
+  if (config_.warm_up) {
+    model.warm_up(kv_, config_.max_num_seqs);
+    // Verify steps of K + 1 tokens per sequence (the common case: every draft made).
+    if (speculating()) {
+      model.warm_up_verify(kv_, config_.max_num_seqs, config_.num_speculative_tokens + 1);
+    }
+  }
   if (model.state_slot_elems() > 0) {
     kv_.allocate_states(config_.max_num_seqs + config_.num_state_checkpoints,
                         model.state_slot_elems());

@@ -69,6 +69,13 @@ class Model {
     (void)kv;
     (void)max_batch;
   }
+  /// As warm_up, for speculative verify steps of `tokens_per_seq` (K + 1) tokens per sequence
+  /// (the CUDA model's verify graphs of every bucket up to max_batch).
+  virtual void warm_up_verify(KvCache& kv, int64_t max_batch, int64_t tokens_per_seq) {
+    (void)kv;
+    (void)max_batch;
+    (void)tokens_per_seq;
+  }
   /// The MTP layer's KV cache (mtp_kv_geometry): host pools by default; a GPU model allocates
   /// device pools.
   virtual KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {

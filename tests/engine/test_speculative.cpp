@@ -14,6 +14,7 @@
 #include <mutex>
 #include <random>
 
+#include "chi_square.h"
 #include "core/error.h"
 #include "engine/decode_instance.h"
 #include "engine/engine.h"
@@ -324,7 +325,11 @@ class DeviceGreedy final : public Model {
     device_drafts += static_cast<int64_t>(rows.size());
     pick(logits, rows, out);
   }
+  void warm_up_verify(KvCache&, int64_t max_batch, int64_t tokens_per_seq) override {
+    warmed_verify.emplace_back(max_batch, tokens_per_seq);
+  }
   int64_t host_forwards = 0, host_drafts = 0, verify_rows = 0, device_drafts = 0;
+  std::vector<std::pair<int64_t, int64_t>> warmed_verify;  // warm_up_verify's arguments
   mutable int64_t sampled_rows = 0;
 
  private:
@@ -394,6 +399,28 @@ TEST_P(SpecLosslessTest, DeviceSampledGreedyEqualsHostPath) {
   }
 }
 
+// EngineConfig::warm_up also warms the verify steps of the configured K (K + 1 tokens per
+// sequence, every batch up to max_num_seqs); without speculation or warm-up, nothing.
+TEST(SpecWarmUp, VerifyStepsOfTheConfiguredK) {
+  auto model = load_with_mtp(testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2");
+  for (const int64_t k : {0, 1, 3}) {
+    for (const bool warm : {false, true}) {
+      EngineConfig c;
+      c.max_num_seqs = 12;
+      c.num_speculative_tokens = k;
+      c.warm_up = warm;
+      DeviceGreedy dev(*model);
+      Engine engine(dev, c);
+      if (warm && k > 0) {
+        ASSERT_EQ(dev.warmed_verify.size(), 1u);
+        EXPECT_EQ(dev.warmed_verify[0], std::make_pair(int64_t{12}, k + 1));
+      } else {
+        EXPECT_TRUE(dev.warmed_verify.empty()) << "K " << k << " warm " << warm;
+      }
+    }
+  }
+}
+
 TEST(SpecDemoHead, AcceptanceLengthAboveFloor) {
   const std::string dir = testing::source_dir() + "/models/demo";
   if (!fs::exists(dir + "/config.json") || !Checkpoint(dir).has("mtp.fc.weight")) {
@@ -444,26 +471,8 @@ std::map<std::vector<int32_t>, int64_t> sample_counts(Model& model, const GenReq
   return counts;
 }
 
-// Two-sample chi-square statistic (equal sample sizes) and its degrees of freedom.
-std::pair<double, int64_t> chi_square(const std::map<std::vector<int32_t>, int64_t>& a,
-                                      const std::map<std::vector<int32_t>, int64_t>& b) {
-  std::map<std::vector<int32_t>, std::pair<int64_t, int64_t>> all;
-  for (const auto& [k, v] : a) all[k].first = v;
-  for (const auto& [k, v] : b) all[k].second = v;
-  double x2 = 0.0;
-  for (const auto& [k, v] : all) {
-    const double d = double(v.first - v.second);
-    x2 += d * d / double(v.first + v.second);
-  }
-  return {x2, static_cast<int64_t>(all.size()) - 1};
-}
-
-// The chi-square quantile at 1 - 1e-3 (Wilson-Hilferty).
-double chi_square_bound(int64_t df) {
-  const double z = 3.09, k = double(df);
-  const double t = 1.0 - 2.0 / (9.0 * k) + z * std::sqrt(2.0 / (9.0 * k));
-  return k * t * t * t;
-}
+using testing::chi_square;
+using testing::chi_square_bound;
 
 class SpecSamplingTest : public ::testing::Test {
  protected:
@@ -678,7 +687,9 @@ TEST_F(SpecSamplingTest, DeviceRowsGiveTheNonSpeculativeTokens) {
       EXPECT_EQ(dev.host_drafts, 0) << "sampled requests' drafts took host logits";
       EXPECT_GT(dev.verify_rows, 0);
       EXPECT_GT(r.stats.spec_num_draft_tokens, 0);
-      if (good) EXPECT_GT(r.stats.spec_num_accepted_tokens, r.stats.spec_num_draft_tokens / 4);
+      if (good) {
+        EXPECT_GT(r.stats.spec_num_accepted_tokens, r.stats.spec_num_draft_tokens / 4);
+      }
     }
   }
 }

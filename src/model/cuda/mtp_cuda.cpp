@@ -50,10 +50,23 @@ struct MtpCuda::Impl {
   DeviceMem d_meta, d_tables;
   PinnedMem h_meta, h_tables, h_hidden;
   cudaEvent_t staged = nullptr;  // the pinned staging may be reused
+  // Stage timing (MtpCuda::profile_stages): an event before the pass and after each stage.
+  bool profile = false;
+  std::vector<cudaEvent_t> stage_ev;
+  void mark(size_t i) {
+    if (!profile) return;
+    if (stage_ev.size() <= i) {
+      const size_t from = stage_ev.size();
+      stage_ev.resize(i + 1, nullptr);
+      for (size_t e = from; e <= i; ++e) TANDEM_CUDA_CHECK(cudaEventCreate(&stage_ev[e]));
+    }
+    TANDEM_CUDA_CHECK(cudaEventRecord(stage_ev[i], s.stream));
+  }
 
   Impl(const ModelConfig& config, const MtpScratch& scratch) : c(config), s(scratch) {}
   ~Impl() {
     if (staged != nullptr) (void)cudaEventDestroy(staged);
+    for (cudaEvent_t e : stage_ev) (void)cudaEventDestroy(e);
   }
 
   int64_t qkv_rows() const {
@@ -239,6 +252,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
 
   // 1. Metadata and the hidden states (bf16) through pinned staging.
   TANDEM_CUDA_CHECK(cudaEventSynchronize(im.staged));
+  im.mark(0);
   int64_t width = 1;
   for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
   const size_t tb = batch.seqs.size() * static_cast<size_t>(width) * sizeof(int32_t);
@@ -293,6 +307,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   h2d(im.d_tables.as<void>(), tables, tb);
   h2d(im.hidden_in.as<void>(), hh, static_cast<size_t>(n * h) * sizeof(bf16));
   TANDEM_CUDA_CHECK(cudaEventRecord(im.staged, st));
+  im.mark(1);
   const int32_t *d_ids = dm, *d_pos = dm + T, *d_seq = dm + 2 * T, *d_rows = dm + 3 * T;
   const auto* d_slots = reinterpret_cast<const int64_t*>(dm + 4 * T);
 
@@ -311,6 +326,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT + h, 2 * row, XN, row, row, static_cast<size_t>(n),
                                       cudaMemcpyDeviceToDevice, st));
   im.linear(CAT, im.fc, X, n, h, 2 * h);
+  im.mark(2);
 
   // 3. The decoder layer over the MTP KV.
   auto* QKV = static_cast<bf16*>(s.qkv);
@@ -322,6 +338,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   cuda::qkv_prep_launch(
       {QKV, Q, pool, d_slots, im.q_norm, im.k_norm, d_pos, n, qh, kvh, d, ps, eps, c.rope_theta},
       st);
+  im.mark(3);
   cuda::PagedAttentionParams ap{};
   ap.q = Q;
   ap.pool = pool;
@@ -345,8 +362,10 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   ap.workspace = split > 0 ? s.attn_ws : nullptr;
   ap.num_prefill_tokens = -1;  // the kernels pick: every token is correct either way
   cuda::paged_attention_launch(ap, st);
+  im.mark(4);
   im.linear(ATT, im.o_w, Y, n, h, qh * d);
   cuda::add_rms_norm_launch({X, Y, im.post_norm, XN, n, h, eps}, st);
+  im.mark(5);
   if (im.moe) {
     im.moe_layer->run({im.router, im.gate_up, im.down}, XN, Y, n, *s.gemm, st);
   } else {
@@ -356,6 +375,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
     im.linear(im.act.as<bf16>(), im.down, Y, n, h, inter);
   }
 
+  im.mark(6);
   // 4. mtp.norm, the logits rows gathered, the shared lm_head.
   cuda::add_rms_norm_launch({X, Y, im.norm, XN, n, h, eps}, st);
   auto* LAST = static_cast<bf16*>(s.last);
@@ -370,7 +390,26 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
     gp.y_f32 = s.logits;
     s.gemm->run(gp, st);
   }
+  im.mark(7);
   return r;
+}
+
+void MtpCuda::profile_stages(bool on) { impl_->profile = on; }
+
+std::vector<std::pair<std::string, float>> MtpCuda::stage_ms() const {
+  static const char* const kNames[] = {"staging (h2d)", "embed + norms + fc", "qkv + rope",
+                                       "attention",     "o_proj + norm",      "moe / mlp",
+                                       "norm + lm_head"};
+  std::vector<std::pair<std::string, float>> out;
+  const Impl& im = *impl_;
+  if (!im.profile || im.stage_ev.size() < 8) return out;
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(im.stage_ev[7]));
+  for (size_t i = 0; i < 7; ++i) {
+    float ms = 0.0f;
+    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, im.stage_ev[i], im.stage_ev[i + 1]));
+    out.emplace_back(kNames[i], ms);
+  }
+  return out;
 }
 
 void MtpCuda::hidden_to_host(int64_t rows, std::vector<float>& out) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kv/kv_cache.h"
@@ -61,6 +62,10 @@ class MtpCuda {
   /// The last pass's hidden states of its logits rows as fp32 on the host (synchronises).
   void hidden_to_host(int64_t rows, std::vector<float>& out);
   int64_t weight_bytes() const { return weight_bytes_; }
+  /// Benchmarks: time each stage of the following passes with CUDA events (off by default);
+  /// stage_ms() gives the last pass's (name, ms) per stage (synchronises; empty when off).
+  void profile_stages(bool on);
+  std::vector<std::pair<std::string, float>> stage_ms() const;
 
   struct Impl;
 

@@ -1107,6 +1107,31 @@ void Qwen3MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+void Qwen3MoeCuda::warm_up_verify(KvCache& kv, int64_t max_batch, int64_t tokens_per_seq) {
+  if (impl_->plan.spec.size > 1 || buckets_.empty() || tokens_per_seq < 2 ||
+      tokens_per_seq > kMaxGraphTokensPerSeq || tokens_per_seq > opts_.page_size) {
+    return;
+  }
+  const std::vector<int32_t> tokens(static_cast<size_t>(tokens_per_seq), 0);
+  const int32_t page = 0;
+  for (const int64_t bucket : buckets_) {
+    if (bucket > std::max<int64_t>(1, max_batch)) break;
+    if (bucket * tokens_per_seq > impl_->t_cap || bucket * tokens_per_seq > impl_->rows_cap) break;
+    ForwardBatch batch;  // bucket verify-shaped sequences at positions 0.. of page 0
+    for (int64_t i = 0; i < bucket; ++i) {
+      ForwardSeq s;
+      s.tokens = tokens.data();
+      s.num_tokens = tokens_per_seq;
+      s.block_table = &page;
+      s.num_pages = 1;
+      s.logits = LogitsMode::kAll;
+      batch.seqs.push_back(s);
+    }
+    launch(batch, kv);  // captures the (bucket, tokens_per_seq) graph, then replays it once
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
   std::vector<int64_t> out;
   for (const auto& [k, g] : impl_->graphs) {

@@ -124,6 +124,9 @@ class Qwen3MoeCuda final : public Model {
   /// Captures the decode graph of every bucket <= max_batch (single-GPU models; a sharded
   /// model's ranks capture together on first use). Writes page 0 of `kv`.
   void warm_up(KvCache& kv, int64_t max_batch) override;
+  /// Captures the verify graph (tokens_per_seq tokens per sequence, logits of all) of every
+  /// bucket <= max_batch that fits max_tokens (single-GPU models). Writes page 0 of `kv`.
+  void warm_up_verify(KvCache& kv, int64_t max_batch, int64_t tokens_per_seq) override;
   /// Batch-size buckets captured so far (decode steps).
   std::vector<int64_t> captured_buckets() const;
   /// Verify-step graphs captured so far: (bucket of sequences, tokens per sequence).
@@ -136,6 +139,7 @@ class Qwen3MoeCuda final : public Model {
   /// Random MTP weights (benchmarks at real shapes without a checkpoint).
   void random_mtp(uint64_t seed);
   bool has_mtp() const override { return mtp_ != nullptr; }
+  MtpCuda* mtp() { return mtp_.get(); }  // benchmarks (stage timing); nullptr without one
   KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
   KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) override;
   void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,

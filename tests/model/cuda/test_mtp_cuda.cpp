@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/chi_square.h"
 #include "engine/engine.h"
 #include "engine/golden.h"
 #include "engine/mtp_weights.h"
@@ -316,6 +317,156 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
     } else {
       EXPECT_TRUE(gpu->captured_verify_graphs().empty());
     }
+  }
+}
+
+// Sampled requests with speculation on the device (engine device_rows: deterministic MTP
+// drafts, each verify row drawn by the device sampler with its output position's counter,
+// accepted while the draw equals the draft). Over a small-vocabulary fixture, 3000 seeded
+// 3-token continuations at temperature 0.8 / top-k 4 with K = 2 follow the distribution of the
+// same model's non-speculative sampling: the chi-square of tests/engine/test_speculative.cpp,
+// with deterministic drafts (the most frequent continuation, often accepted) and with the random
+// MTP layer's drafts; always accepting (forced acceptance at p = 1) fails the same bound. The
+// same seeds mostly give the very same tokens (the draws are the non-speculative ones; only
+// the verify rows' logit rounding differs).
+TEST(CudaMtpSampling, DistributionEqualsNonSpeculative) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir =
+      testing::source_dir() + "/tests/data/fixtures/hub_mqa_hd128";  // vocab 256
+  CudaModelOptions o;
+  o.max_tokens = 2048;
+  o.max_seqs = 128;
+  o.page_size = 16;
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  gpu->load_mtp(mtp_dir(dir));
+  const testing::Golden g = testing::load_golden(dir);
+  constexpr int kSamples = 3000;
+  using Counts = std::map<std::vector<int32_t>, int64_t>;
+  auto sample = [&](EngineConfig cfg, std::vector<std::vector<int32_t>>* ids, EngineStats* stats) {
+    cfg.max_num_seqs = 128;
+    cfg.max_batched_tokens = 2048;
+    cfg.page_size = 16;
+    cfg.kv_cache_mb = 64;
+    cfg.max_waiting = kSamples + 1;
+    Engine engine(*gpu, cfg);
+    std::vector<std::vector<int32_t>> out(kSamples);
+    for (int i = 0; i < kSamples; ++i) {
+      GenRequest r;
+      r.id = "s" + std::to_string(i);
+      r.prompt_ids = g.cases[0].prompt_ids;
+      r.max_tokens = 3;
+      r.sampling.temperature = 0.8f;
+      r.sampling.top_k = 4;
+      r.sampling.seed = static_cast<uint64_t>(1000 + i);
+      engine.add(r, [&out, i](const StepOutput& s) {
+        out[static_cast<size_t>(i)].insert(out[static_cast<size_t>(i)].end(), s.token_ids.begin(),
+                                           s.token_ids.end());
+      });
+    }
+    while (engine.step()) {
+    }
+    EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages()) << "leaked KV pages";
+    if (stats) *stats = engine.stats();
+    Counts counts;
+    for (const auto& t : out) ++counts[t];
+    if (ids) *ids = std::move(out);
+    return counts;
+  };
+  std::vector<std::vector<int32_t>> base_ids;
+  const Counts want = sample(EngineConfig{}, &base_ids, nullptr);
+  std::vector<int32_t> mode;
+  int64_t best = 0;
+  for (const auto& [ids, n] : want) {
+    if (n > best) {
+      best = n;
+      mode = ids;
+    }
+  }
+  const size_t prompt_len = g.cases[0].prompt_ids.size();
+  for (const bool hooked : {true, false}) {
+    SCOPED_TRACE(hooked ? "deterministic drafts" : "random MTP drafts");
+    EngineConfig spec;
+    spec.num_speculative_tokens = 2;
+    if (hooked) {
+      spec.spec_draft_hook = [&](const std::string&, std::span<const int32_t> tokens,
+                                 std::vector<int32_t>& drafts) {
+        for (size_t m = 0; m < drafts.size(); ++m) {
+          const size_t i = tokens.size() - prompt_len + m;
+          if (i < mode.size()) drafts[m] = mode[i];
+        }
+      };
+    }
+    std::vector<std::vector<int32_t>> ids;
+    EngineStats st;
+    const Counts got = sample(spec, &ids, &st);
+    const auto [x2, df] = testing::chi_square(got, want);
+    int same = 0;
+    for (int i = 0; i < kSamples; ++i)
+      same += ids[static_cast<size_t>(i)] == base_ids[static_cast<size_t>(i)];
+    std::printf(
+        "[ %s ] sampled, K = 2, %s: %lld of %lld drafts accepted, chi-square %.1f (df "
+        "%lld, bound %.1f), %d of %d continuations token-identical\n",
+        g.name.c_str(), hooked ? "deterministic drafts" : "MTP drafts",
+        static_cast<long long>(st.spec_num_accepted_tokens),
+        static_cast<long long>(st.spec_num_draft_tokens), x2, static_cast<long long>(df),
+        testing::chi_square_bound(df), same, kSamples);
+    EXPECT_LT(x2, testing::chi_square_bound(df)) << "df " << df;
+    EXPECT_GT(st.spec_num_draft_tokens, 0);
+    if (hooked) {
+      EXPECT_GT(st.spec_num_accepted_tokens, st.spec_num_draft_tokens / 10);
+    }
+    EXPECT_GT(same, kSamples / 2);
+  }
+  EngineConfig wrong;
+  wrong.num_speculative_tokens = 2;
+  wrong.spec_forced_accept_prob = 1.0;
+  const Counts bad = sample(wrong, nullptr, nullptr);
+  const auto [x2w, dfw] = testing::chi_square(bad, want);
+  std::printf("[ %s ] always accept: chi-square %.1f (df %lld, bound %.1f)\n", g.name.c_str(), x2w,
+              static_cast<long long>(dfw), testing::chi_square_bound(dfw));
+  EXPECT_GT(x2w, testing::chi_square_bound(dfw)) << "df " << dfw;
+}
+
+// EngineConfig::warm_up with K = 3 (as tandem serve runs it): the verify graph of every decode
+// bucket up to max_num_seqs (4 tokens per sequence) is captured before the first request, and
+// decoding afterwards still gives the tokens of a model that never warmed up.
+TEST(CudaMtpWarmUp, CapturesTheVerifyGraphsOfK) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = testing::source_dir() + "/tests/data/fixtures/hub_mqa_hd128";
+  const testing::Golden g = testing::load_golden(dir);
+  CudaModelOptions o;
+  o.max_tokens = 1024;
+  o.max_seqs = 8;
+  o.page_size = 16;
+  EngineConfig cfg;
+  cfg.max_num_seqs = 8;
+  cfg.max_batched_tokens = 1024;
+  cfg.page_size = 16;
+  cfg.kv_cache_mb = 64;
+  cfg.num_speculative_tokens = 3;
+  auto cold = Qwen3MoeCuda::load(dir, o);
+  cold->load_mtp(mtp_dir(dir));
+  const auto want = run_engine(*cold, g.cases, cfg, /*together=*/true);
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  gpu->load_mtp(mtp_dir(dir));
+  {
+    EngineConfig w = cfg;
+    w.warm_up = true;
+    Engine engine(*gpu, w);
+  }
+  const auto buckets = gpu->captured_buckets();
+  ASSERT_FALSE(buckets.empty());
+  const auto verify = gpu->captured_verify_graphs();
+  for (const int64_t b : buckets) {
+    EXPECT_NE(std::find(verify.begin(), verify.end(), std::make_pair(b, int64_t{4})), verify.end())
+        << "bucket " << b << " has no verify graph of 4 tokens per sequence";
+  }
+  EngineConfig w = cfg;
+  w.warm_up = true;
+  const auto got = run_engine(*gpu, g.cases, w, /*together=*/true);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].ids, want[i].ids) << "case " << i;
   }
 }
 
