@@ -112,9 +112,10 @@ Engine::Engine(Model& model, const EngineConfig& config)
   }
   if (config_.warm_up) {
     model.warm_up(kv_, config_.max_num_seqs);
-    // Verify steps of K + 1 tokens per sequence (the common case: every draft made).
+    // Verify steps of K + 1 tokens per sequence (the common case: every draft made) and the
+    // chained draft passes.
     if (speculating()) {
-      model.warm_up_verify(kv_, config_.max_num_seqs, config_.num_speculative_tokens + 1);
+      model.warm_up_speculative(kv_, mtp_kv_, config_.max_num_seqs, config_.num_speculative_tokens);
     }
   }
   if (model.state_slot_elems() > 0) {

@@ -69,12 +69,14 @@ class Model {
     (void)kv;
     (void)max_batch;
   }
-  /// As warm_up, for speculative verify steps of `tokens_per_seq` (K + 1) tokens per sequence
-  /// (the CUDA model's verify graphs of every bucket up to max_batch).
-  virtual void warm_up_verify(KvCache& kv, int64_t max_batch, int64_t tokens_per_seq) {
+  /// As warm_up, for speculative decoding with K drafts: verify steps of K + 1 tokens per
+  /// sequence and chained (one-token) MTP passes (the CUDA model's verify and draft graphs of
+  /// every bucket up to max_batch). May write into `kv` and `mtp_kv` as warm_up does.
+  virtual void warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) {
     (void)kv;
+    (void)mtp_kv;
     (void)max_batch;
-    (void)tokens_per_seq;
+    (void)k;
   }
   /// The MTP layer's KV cache (mtp_kv_geometry): host pools by default; a GPU model allocates
   /// device pools.

@@ -325,11 +325,12 @@ class DeviceGreedy final : public Model {
     device_drafts += static_cast<int64_t>(rows.size());
     pick(logits, rows, out);
   }
-  void warm_up_verify(KvCache&, int64_t max_batch, int64_t tokens_per_seq) override {
-    warmed_verify.emplace_back(max_batch, tokens_per_seq);
+  void warm_up_speculative(KvCache&, KvCache& mtp_kv, int64_t max_batch, int64_t k) override {
+    EXPECT_EQ(mtp_kv.geometry().num_layers, 1);  // the MTP layer's own pool
+    warmed_verify.emplace_back(max_batch, k);
   }
   int64_t host_forwards = 0, host_drafts = 0, verify_rows = 0, device_drafts = 0;
-  std::vector<std::pair<int64_t, int64_t>> warmed_verify;  // warm_up_verify's arguments
+  std::vector<std::pair<int64_t, int64_t>> warmed_verify;  // warm_up_speculative's (batch, K)
   mutable int64_t sampled_rows = 0;
 
  private:
@@ -399,8 +400,8 @@ TEST_P(SpecLosslessTest, DeviceSampledGreedyEqualsHostPath) {
   }
 }
 
-// EngineConfig::warm_up also warms the verify steps of the configured K (K + 1 tokens per
-// sequence, every batch up to max_num_seqs); without speculation or warm-up, nothing.
+// EngineConfig::warm_up also warms speculative decoding with the configured K (verify steps and
+// draft passes, every batch up to max_num_seqs); without speculation or warm-up, nothing.
 TEST(SpecWarmUp, VerifyStepsOfTheConfiguredK) {
   auto model = load_with_mtp(testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2");
   for (const int64_t k : {0, 1, 3}) {
@@ -413,7 +414,7 @@ TEST(SpecWarmUp, VerifyStepsOfTheConfiguredK) {
       Engine engine(dev, c);
       if (warm && k > 0) {
         ASSERT_EQ(dev.warmed_verify.size(), 1u);
-        EXPECT_EQ(dev.warmed_verify[0], std::make_pair(int64_t{12}, k + 1));
+        EXPECT_EQ(dev.warmed_verify[0], std::make_pair(int64_t{12}, k));
       } else {
         EXPECT_TRUE(dev.warmed_verify.empty()) << "K " << k << " warm " << warm;
       }

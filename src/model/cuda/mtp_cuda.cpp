@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
@@ -50,6 +51,15 @@ struct MtpCuda::Impl {
   DeviceMem d_meta, d_tables;
   PinnedMem h_meta, h_tables, h_hidden;
   cudaEvent_t staged = nullptr;  // the pinned staging may be reused
+  // Chained draft passes' graphs by bucket of sequences, against one KV pool and page size.
+  std::map<int64_t, cudaGraphExec_t> graphs;
+  const void* graph_kv = nullptr;
+  int64_t graph_page_size = 0;
+  void drop_graphs() {
+    for (auto& [b, e] : graphs) (void)cudaGraphExecDestroy(e);
+    graphs.clear();
+    graph_kv = nullptr;
+  }
   // Stage timing (MtpCuda::profile_stages): an event before the pass and after each stage.
   bool profile = false;
   std::vector<cudaEvent_t> stage_ev;
@@ -67,6 +77,7 @@ struct MtpCuda::Impl {
   ~Impl() {
     if (staged != nullptr) (void)cudaEventDestroy(staged);
     for (cudaEvent_t e : stage_ev) (void)cudaEventDestroy(e);
+    drop_graphs();
   }
 
   int64_t qkv_rows() const {
@@ -177,6 +188,99 @@ struct MtpCuda::Impl {
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   }
 
+  // Steps 2-4 of a pass over n tokens (r logits rows, block tables `width` wide) from the
+  // staged metadata in d_meta / d_tables / hidden_in: graph-capturable (no host work).
+  void body(KvCache& kv, int64_t n, int64_t r, int64_t width) {
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
+                  kvh = c.num_key_value_heads, ps = kv.geometry().page_size;
+    const int64_t T = s.t_cap;
+    cudaStream_t st = s.stream;
+    auto& im = *this;
+    auto* dm = d_meta.as<int32_t>();
+    const int32_t *d_ids = dm, *d_pos = dm + T, *d_seq = dm + 2 * T, *d_rows = dm + 3 * T;
+    const auto* d_slots = reinterpret_cast<const int64_t*>(dm + 4 * T);
+
+    // 2. x = fc([norm_e(embed(t + 1)); norm_h(h_t)]).
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    auto* X = static_cast<bf16*>(s.x);
+    auto* XN = static_cast<bf16*>(s.xn);
+    auto* Y = static_cast<bf16*>(s.y);
+    bf16* CAT = im.cat.as<bf16>();
+    const size_t row = static_cast<size_t>(h) * sizeof(bf16);
+    cuda::embedding_launch({d_ids, static_cast<const bf16*>(s.embed), Y, n, h, c.vocab_size}, st);
+    cuda::rms_norm_launch({Y, im.norm_e, Y, n, h, eps}, st);
+    cuda::rms_norm_launch({im.hidden_in.as<bf16>(), im.norm_h, XN, n, h, eps}, st);
+    TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT, 2 * row, Y, row, row, static_cast<size_t>(n),
+                                        cudaMemcpyDeviceToDevice, st));
+    TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT + h, 2 * row, XN, row, row, static_cast<size_t>(n),
+                                        cudaMemcpyDeviceToDevice, st));
+    im.linear(CAT, im.fc, X, n, h, 2 * h);
+    im.mark(2);
+
+    // 3. The decoder layer over the MTP KV.
+    auto* QKV = static_cast<bf16*>(s.qkv);
+    auto* Q = static_cast<bf16*>(s.q);
+    auto* ATT = static_cast<bf16*>(s.attn);
+    auto* pool = static_cast<bf16*>(kv.layer_data(0));
+    cuda::rms_norm_launch({X, im.input_norm, XN, n, h, eps}, st);
+    im.linear(XN, im.qkv_w, QKV, n, im.qkv_rows(), h);
+    cuda::qkv_prep_launch(
+        {QKV, Q, pool, d_slots, im.q_norm, im.k_norm, d_pos, n, qh, kvh, d, ps, eps, c.rope_theta},
+        st);
+    im.mark(3);
+    cuda::PagedAttentionParams ap{};
+    ap.q = Q;
+    ap.pool = pool;
+    ap.block_table = im.d_tables.as<int32_t>();
+    ap.token_seq = d_seq;
+    ap.positions = d_pos;
+    ap.out = ATT;
+    ap.num_tokens = n;
+    ap.num_q_heads = qh;
+    ap.num_kv_heads = kvh;
+    ap.head_dim = d;
+    ap.page_size = ps;
+    ap.max_pages_per_seq = width;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    int64_t split = cuda::paged_attention_decode_split(n, kvh, width, ps, s.num_sms);
+    if (split > 0 &&
+        cuda::paged_attention_workspace_floats(n, qh, d, width, ps, split) > s.attn_ws_floats) {
+      split = 0;
+    }
+    ap.kv_split = split;
+    ap.workspace = split > 0 ? s.attn_ws : nullptr;
+    ap.num_prefill_tokens = -1;  // the kernels pick: every token is correct either way
+    cuda::paged_attention_launch(ap, st);
+    im.mark(4);
+    im.linear(ATT, im.o_w, Y, n, h, qh * d);
+    cuda::add_rms_norm_launch({X, Y, im.post_norm, XN, n, h, eps}, st);
+    im.mark(5);
+    if (im.moe) {
+      im.moe_layer->run({im.router, im.gate_up, im.down}, XN, Y, n, *s.gemm, st);
+    } else {
+      const int64_t inter = c.intermediate_size;
+      im.linear(XN, im.gate_up, im.gu.as<bf16>(), n, 2 * inter, h);
+      cuda::silu_mul_launch({im.gu.as<bf16>(), im.act.as<bf16>(), n, inter}, st);
+      im.linear(im.act.as<bf16>(), im.down, Y, n, h, inter);
+    }
+
+    im.mark(6);
+    // 4. mtp.norm, the logits rows gathered, the shared lm_head.
+    cuda::add_rms_norm_launch({X, Y, im.norm, XN, n, h, eps}, st);
+    auto* LAST = static_cast<bf16*>(s.last);
+    cuda::embedding_launch({d_rows, XN, LAST, r, h, n}, st);
+    if (r > 0) {
+      cuda::GemmParams gp{};
+      gp.x = LAST;
+      gp.w = static_cast<const bf16*>(s.lm_head);
+      gp.m = r;
+      gp.n = c.vocab_size;
+      gp.k = h;
+      gp.y_f32 = s.logits;
+      s.gemm->run(gp, st);
+    }
+  }
+
   // y[m, n] = x[m, k] W^T.
   void linear(const bf16* x, const bf16* w, bf16* y, int64_t m, int64_t n, int64_t k) {
     s.gemm->run({x, w, y, m, n, k}, s.stream);
@@ -243,22 +347,37 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   TANDEM_CHECK(!kv.is_host() && g.num_layers == 1 && g.dtype == DType::kBF16 &&
                    g.num_kv_heads == c.num_key_value_heads && g.head_dim == c.head_dim,
                "the MTP KV cache was not made by this CUDA model");
-  const int64_t n = batch.num_tokens(), h = c.hidden_size, d = c.head_dim,
-                qh = c.num_attention_heads, kvh = c.num_key_value_heads, ps = g.page_size;
+  const int64_t n = batch.num_tokens(), h = c.hidden_size, ps = g.page_size;
   const int64_t rows = batch.num_logit_rows();
   if (n == 0) return 0;
   TANDEM_CHECK_KIND(kInvalidArgument, n <= s.t_cap && rows <= s.rows_cap, "an MTP pass of ", n,
                     " tokens (", rows, " rows) exceeds the CUDA model's max_tokens ", s.t_cap);
 
+  // Graph eligibility: a chained draft pass (one token per sequence, its logits) that fits a
+  // bucket of sequences and the graph's table width; not while stage timing is on.
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
+  int64_t width = 1;
+  for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
+  bool graph = !im.profile && !s.buckets.empty() && nseq <= s.buckets.back() && s.graph_context > 0;
+  for (const auto& q : batch.seqs)
+    graph = graph && q.num_tokens == 1 && q.logits == LogitsMode::kLast;
+  const int64_t gw = (s.graph_context + ps - 1) / ps;
+  graph = graph && width <= gw;
+  const int64_t bucket = graph ? *std::lower_bound(s.buckets.begin(), s.buckets.end(), nseq) : 0;
+  graph = graph && bucket <= s.t_cap && bucket <= s.rows_cap;
+  const int64_t n_run = graph ? bucket : n;     // tokens the kernels see (padded)
+  const int64_t r_run = graph ? bucket : rows;  // logits rows they compute
+  const int64_t w_run = graph ? gw : width;     // block-table width
+  const int64_t seqs_run = graph ? bucket : nseq;
+
   // 1. Metadata and the hidden states (bf16) through pinned staging.
   TANDEM_CUDA_CHECK(cudaEventSynchronize(im.staged));
   im.mark(0);
-  int64_t width = 1;
-  for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
-  const size_t tb = batch.seqs.size() * static_cast<size_t>(width) * sizeof(int32_t);
+  const size_t tb = static_cast<size_t>(seqs_run * w_run) * sizeof(int32_t);
   if (im.h_tables.size() < tb) {
     im.h_tables = PinnedMem(tb * 2);
     im.d_tables = DeviceMem(tb * 2);
+    im.drop_graphs();  // they read the old table buffer
   }
   const int64_t T = s.t_cap;
   auto* hm = im.h_meta.as<int32_t>();
@@ -276,7 +395,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
     for (int64_t p = 0; p < q.num_pages; ++p) {
       TANDEM_CHECK(q.block_table[p] >= 0 && q.block_table[p] < g.num_pages, "page ",
                    q.block_table[p], " outside the MTP KV cache");
-      tables[static_cast<int64_t>(si) * width + p] = q.block_table[p];
+      tables[static_cast<int64_t>(si) * w_run + p] = q.block_table[p];
     }
     for (int64_t i = 0; i < q.num_tokens; ++i, ++t) {
       const int64_t at = q.start_pos + i;
@@ -292,106 +411,82 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
       }
     }
   }
+  // Graph padding: one token per padding sequence at position 0 (tables of zeros), writing no
+  // KV, its (discarded) logits row after the real ones.
+  for (; t < n_run; ++t) {
+    ids[t] = 0;
+    pos[t] = 0;
+    seq[t] = static_cast<int32_t>(t);
+    slots[t] = -1;
+    rw[r++] = static_cast<int32_t>(t);
+  }
   auto* hh = im.h_hidden.as<uint16_t>();
   for (int64_t i = 0; i < n * h; ++i) hh[i] = f32_to_bf16(hidden[i]);
+  std::memset(hh + n * h, 0, static_cast<size_t>((n_run - n) * h) * sizeof(uint16_t));
   auto* dm = im.d_meta.as<int32_t>();
   auto h2d = [&](void* dst, const void* src, size_t bytes) {
     if (bytes > 0) TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st));
   };
-  const auto nb = static_cast<size_t>(n) * 4;
-  h2d(dm, ids, nb);
-  h2d(dm + T, pos, nb);
-  h2d(dm + 2 * T, seq, nb);
-  h2d(dm + 3 * T, rw, static_cast<size_t>(r) * 4);
-  h2d(dm + 4 * T, slots, nb * 2);
-  h2d(im.d_tables.as<void>(), tables, tb);
-  h2d(im.hidden_in.as<void>(), hh, static_cast<size_t>(n * h) * sizeof(bf16));
+  auto upload = [&] {
+    const auto nb = static_cast<size_t>(n_run) * 4;
+    h2d(dm, ids, nb);
+    h2d(dm + T, pos, nb);
+    h2d(dm + 2 * T, seq, nb);
+    h2d(dm + 3 * T, rw, static_cast<size_t>(r_run) * 4);
+    h2d(dm + 4 * T, slots, nb * 2);
+    h2d(im.d_tables.as<void>(), tables, tb);
+    h2d(im.hidden_in.as<void>(), hh, static_cast<size_t>(n_run * h) * sizeof(bf16));
+  };
+  if (!graph) {
+    upload();
+    TANDEM_CUDA_CHECK(cudaEventRecord(im.staged, st));
+    im.mark(1);
+    im.body(kv, n_run, r_run, w_run);
+    im.mark(7);
+    return rows;
+  }
+
+  // 2. Graph replay (captured on first use of the bucket).
+  if (im.graph_kv != kv.layer_data(0) || im.graph_page_size != ps) {
+    im.drop_graphs();
+    im.graph_kv = kv.layer_data(0);
+    im.graph_page_size = ps;
+  }
+  auto it = im.graphs.find(bucket);
+  if (it == im.graphs.end()) {
+    // A warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
+    std::vector<int64_t> real_slots(slots, slots + n_run);
+    for (int64_t i = 0; i < n_run; ++i) slots[i] = -1;
+    upload();
+    im.body(kv, n_run, r_run, w_run);
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));
+    std::copy(real_slots.begin(), real_slots.end(), slots);
+    cudaGraph_t cg = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    try {
+      im.body(kv, n_run, r_run, w_run);
+    } catch (...) {
+      (void)cudaStreamEndCapture(st, &cg);
+      if (cg != nullptr) (void)cudaGraphDestroy(cg);
+      throw;
+    }
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(st, &cg));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, cg, 0);
+    (void)cudaGraphDestroy(cg);
+    TANDEM_CUDA_CHECK(err);
+    it = im.graphs.emplace(bucket, exec).first;
+  }
+  upload();
   TANDEM_CUDA_CHECK(cudaEventRecord(im.staged, st));
-  im.mark(1);
-  const int32_t *d_ids = dm, *d_pos = dm + T, *d_seq = dm + 2 * T, *d_rows = dm + 3 * T;
-  const auto* d_slots = reinterpret_cast<const int64_t*>(dm + 4 * T);
+  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, st));
+  return rows;
+}
 
-  // 2. x = fc([norm_e(embed(t + 1)); norm_h(h_t)]).
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  auto* X = static_cast<bf16*>(s.x);
-  auto* XN = static_cast<bf16*>(s.xn);
-  auto* Y = static_cast<bf16*>(s.y);
-  bf16* CAT = im.cat.as<bf16>();
-  const size_t row = static_cast<size_t>(h) * sizeof(bf16);
-  cuda::embedding_launch({d_ids, static_cast<const bf16*>(s.embed), Y, n, h, c.vocab_size}, st);
-  cuda::rms_norm_launch({Y, im.norm_e, Y, n, h, eps}, st);
-  cuda::rms_norm_launch({im.hidden_in.as<bf16>(), im.norm_h, XN, n, h, eps}, st);
-  TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT, 2 * row, Y, row, row, static_cast<size_t>(n),
-                                      cudaMemcpyDeviceToDevice, st));
-  TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT + h, 2 * row, XN, row, row, static_cast<size_t>(n),
-                                      cudaMemcpyDeviceToDevice, st));
-  im.linear(CAT, im.fc, X, n, h, 2 * h);
-  im.mark(2);
-
-  // 3. The decoder layer over the MTP KV.
-  auto* QKV = static_cast<bf16*>(s.qkv);
-  auto* Q = static_cast<bf16*>(s.q);
-  auto* ATT = static_cast<bf16*>(s.attn);
-  auto* pool = static_cast<bf16*>(kv.layer_data(0));
-  cuda::rms_norm_launch({X, im.input_norm, XN, n, h, eps}, st);
-  im.linear(XN, im.qkv_w, QKV, n, im.qkv_rows(), h);
-  cuda::qkv_prep_launch(
-      {QKV, Q, pool, d_slots, im.q_norm, im.k_norm, d_pos, n, qh, kvh, d, ps, eps, c.rope_theta},
-      st);
-  im.mark(3);
-  cuda::PagedAttentionParams ap{};
-  ap.q = Q;
-  ap.pool = pool;
-  ap.block_table = im.d_tables.as<int32_t>();
-  ap.token_seq = d_seq;
-  ap.positions = d_pos;
-  ap.out = ATT;
-  ap.num_tokens = n;
-  ap.num_q_heads = qh;
-  ap.num_kv_heads = kvh;
-  ap.head_dim = d;
-  ap.page_size = ps;
-  ap.max_pages_per_seq = width;
-  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  int64_t split = cuda::paged_attention_decode_split(n, kvh, width, ps, s.num_sms);
-  if (split > 0 &&
-      cuda::paged_attention_workspace_floats(n, qh, d, width, ps, split) > s.attn_ws_floats) {
-    split = 0;
-  }
-  ap.kv_split = split;
-  ap.workspace = split > 0 ? s.attn_ws : nullptr;
-  ap.num_prefill_tokens = -1;  // the kernels pick: every token is correct either way
-  cuda::paged_attention_launch(ap, st);
-  im.mark(4);
-  im.linear(ATT, im.o_w, Y, n, h, qh * d);
-  cuda::add_rms_norm_launch({X, Y, im.post_norm, XN, n, h, eps}, st);
-  im.mark(5);
-  if (im.moe) {
-    im.moe_layer->run({im.router, im.gate_up, im.down}, XN, Y, n, *s.gemm, st);
-  } else {
-    const int64_t inter = c.intermediate_size;
-    im.linear(XN, im.gate_up, im.gu.as<bf16>(), n, 2 * inter, h);
-    cuda::silu_mul_launch({im.gu.as<bf16>(), im.act.as<bf16>(), n, inter}, st);
-    im.linear(im.act.as<bf16>(), im.down, Y, n, h, inter);
-  }
-
-  im.mark(6);
-  // 4. mtp.norm, the logits rows gathered, the shared lm_head.
-  cuda::add_rms_norm_launch({X, Y, im.norm, XN, n, h, eps}, st);
-  auto* LAST = static_cast<bf16*>(s.last);
-  cuda::embedding_launch({d_rows, XN, LAST, r, h, n}, st);
-  if (r > 0) {
-    cuda::GemmParams gp{};
-    gp.x = LAST;
-    gp.w = static_cast<const bf16*>(s.lm_head);
-    gp.m = r;
-    gp.n = c.vocab_size;
-    gp.k = h;
-    gp.y_f32 = s.logits;
-    s.gemm->run(gp, st);
-  }
-  im.mark(7);
-  return r;
+std::vector<int64_t> MtpCuda::captured_buckets() const {
+  std::vector<int64_t> out;
+  for (const auto& [b, e] : impl_->graphs) out.push_back(b);
+  return out;
 }
 
 void MtpCuda::profile_stages(bool on) { impl_->profile = on; }

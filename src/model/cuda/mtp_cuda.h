@@ -37,6 +37,10 @@ struct MtpScratch {
   const void* lm_head = nullptr;  // [vocab, hidden]
   int64_t t_cap = 0, rows_cap = 0;
   int num_sms = 0;
+  // Chained draft passes (one token per sequence) replay CUDA graphs for these batch-size
+  // buckets (the target's; empty: always eager) up to graph_context tokens of context.
+  std::vector<int64_t> buckets;
+  int64_t graph_context = 0;
   cudaStream_t stream = nullptr;
 };
 
@@ -58,13 +62,17 @@ class MtpCuda {
   /// One pass (see the top of the file): `hidden` [batch.num_tokens(), hidden] fp32 on the
   /// host. Leaves the rows' logits in scratch.logits and their normed hidden states in
   /// hidden_out() (device, [rows, hidden] bf16), ordered on the stream. Returns the rows.
+  /// A chained pass (one token per sequence, its logits) replays the graph of its batch
+  /// bucket (captured on first use, padded with sequences that write no KV); others are eager.
   int64_t forward(const ForwardBatch& batch, const float* hidden, KvCache& kv);
   /// The last pass's hidden states of its logits rows as fp32 on the host (synchronises).
   void hidden_to_host(int64_t rows, std::vector<float>& out);
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Benchmarks: time each stage of the following passes with CUDA events (off by default);
   /// stage_ms() gives the last pass's (name, ms) per stage (synchronises; empty when off).
-  void profile_stages(bool on);
+  void profile_stages(bool on);  // (the passes run eagerly while it is on)
+  /// Buckets whose chained-pass graph is captured.
+  std::vector<int64_t> captured_buckets() const;
   std::vector<std::pair<std::string, float>> stage_ms() const;
 
   struct Impl;

@@ -990,6 +990,11 @@ MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   s.rows_cap = im.rows_cap;
   s.num_sms = im.num_sms;
   s.stream = stream_;
+  if (im.plan.spec.size == 1) {  // the draft passes' graphs (mtp_cuda.h): single-GPU models
+    s.buckets = buckets_;
+    s.graph_context =
+        opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
+  }
   return s;
 }
 
@@ -1107,27 +1112,37 @@ void Qwen3MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void Qwen3MoeCuda::warm_up_verify(KvCache& kv, int64_t max_batch, int64_t tokens_per_seq) {
-  if (impl_->plan.spec.size > 1 || buckets_.empty() || tokens_per_seq < 2 ||
-      tokens_per_seq > kMaxGraphTokensPerSeq || tokens_per_seq > opts_.page_size) {
+void Qwen3MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) {
+  const int64_t q = k + 1;  // tokens per verify sequence
+  if (impl_->plan.spec.size > 1 || buckets_.empty() || k < 1 || q > kMaxGraphTokensPerSeq ||
+      q > opts_.page_size) {
     return;
   }
-  const std::vector<int32_t> tokens(static_cast<size_t>(tokens_per_seq), 0);
+  const std::vector<int32_t> tokens(static_cast<size_t>(q), 0);
+  const std::vector<float> hidden(
+      static_cast<size_t>(std::min(std::max<int64_t>(1, max_batch), buckets_.back()) *
+                          config_.hidden_size),
+      0.0f);
   const int32_t page = 0;
   for (const int64_t bucket : buckets_) {
     if (bucket > std::max<int64_t>(1, max_batch)) break;
-    if (bucket * tokens_per_seq > impl_->t_cap || bucket * tokens_per_seq > impl_->rows_cap) break;
+    if (bucket * q > impl_->t_cap || bucket * q > impl_->rows_cap) break;
     ForwardBatch batch;  // bucket verify-shaped sequences at positions 0.. of page 0
+    ForwardBatch chain;  // bucket one-token MTP passes at position 0 of page 0
     for (int64_t i = 0; i < bucket; ++i) {
       ForwardSeq s;
       s.tokens = tokens.data();
-      s.num_tokens = tokens_per_seq;
+      s.num_tokens = q;
       s.block_table = &page;
       s.num_pages = 1;
       s.logits = LogitsMode::kAll;
       batch.seqs.push_back(s);
+      s.num_tokens = 1;
+      s.logits = LogitsMode::kLast;
+      chain.seqs.push_back(s);
     }
-    launch(batch, kv);  // captures the (bucket, tokens_per_seq) graph, then replays it once
+    launch(batch, kv);  // captures the (bucket, K + 1) graph, then replays it once
+    if (mtp_ != nullptr) mtp_->forward(chain, hidden.data(), mtp_kv);  // its draft pass graph
   }
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }

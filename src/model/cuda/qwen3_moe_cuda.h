@@ -124,9 +124,10 @@ class Qwen3MoeCuda final : public Model {
   /// Captures the decode graph of every bucket <= max_batch (single-GPU models; a sharded
   /// model's ranks capture together on first use). Writes page 0 of `kv`.
   void warm_up(KvCache& kv, int64_t max_batch) override;
-  /// Captures the verify graph (tokens_per_seq tokens per sequence, logits of all) of every
-  /// bucket <= max_batch that fits max_tokens (single-GPU models). Writes page 0 of `kv`.
-  void warm_up_verify(KvCache& kv, int64_t max_batch, int64_t tokens_per_seq) override;
+  /// Captures the verify graph (K + 1 tokens per sequence, logits of all) and the chained MTP
+  /// pass's graph of every bucket <= max_batch that fits max_tokens (single-GPU models). Writes
+  /// page 0 of `kv` and `mtp_kv`.
+  void warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) override;
   /// Batch-size buckets captured so far (decode steps).
   std::vector<int64_t> captured_buckets() const;
   /// Verify-step graphs captured so far: (bucket of sequences, tokens per sequence).

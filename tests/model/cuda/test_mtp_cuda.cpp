@@ -30,6 +30,7 @@
 #include "engine/speculative.h"
 #include "model/config.h"
 #include "model/cuda/cuda_golden_util.h"
+#include "model/cuda/mtp_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/qwen3_moe.h"
 
@@ -137,9 +138,22 @@ TEST_P(CudaMtp, MtpPassMatchesTheCpuModel) {
           {tokens.data() + begin + 1, count, begin, table.data(), pages, LogitsMode::kAll});
       cpu->mtp_forward(mb, hidden.data() + begin * h, cpu_mkv, part, hout_c);
       want.insert(want.end(), part.begin(), part.end());
-      gpu->mtp_forward(mb, hidden.data() + begin * h, gpu_mkv, part, hout_g);
-      got.insert(got.end(), part.begin(), part.end());
-      ASSERT_EQ(hout_g.size(), hout_c.size());
+      if (begin == 0) {
+        gpu->mtp_forward(mb, hidden.data() + begin * h, gpu_mkv, part, hout_g);
+        got.insert(got.end(), part.begin(), part.end());
+        ASSERT_EQ(hout_g.size(), hout_c.size());
+        continue;
+      }
+      // The second chunk on the GPU one position per pass (chained-draft shaped: the graph of
+      // bucket 1, captured on first use, then replayed).
+      for (int64_t t = begin; t < n; ++t) {
+        ForwardBatch one;
+        one.seqs.push_back({tokens.data() + t + 1, 1, t, table.data(), pages, LogitsMode::kLast});
+        gpu->mtp_forward(one, hidden.data() + t * h, gpu_mkv, part, hout_g);
+        ASSERT_EQ(static_cast<int64_t>(part.size()), vocab);
+        ASSERT_EQ(static_cast<int64_t>(hout_g.size()), h);
+        got.insert(got.end(), part.begin(), part.end());
+      }
     }
     checked += compare_rows(got, want, vocab, g.name + " mtp case " + std::to_string(i), errs);
   }
@@ -149,6 +163,8 @@ TEST_P(CudaMtp, MtpPassMatchesTheCpuModel) {
   EXPECT_LT(med, kMedianTol);
   EXPECT_LT(p95, kP95Tol);
   EXPECT_LT(worst, kMaxTol);
+  const auto mtp_graphs = gpu->mtp()->captured_buckets();
+  EXPECT_EQ(mtp_graphs, std::vector<int64_t>{1}) << "the one-token passes ran no graph";
 }
 
 // The target's verify step (K + 1 tokens per sequence, logits of all; a captured graph when
@@ -314,8 +330,10 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
     }
     if (graphs) {
       EXPECT_FALSE(gpu->captured_verify_graphs().empty()) << "no verify step ran a graph";
+      EXPECT_FALSE(gpu->mtp()->captured_buckets().empty()) << "no draft pass ran a graph";
     } else {
       EXPECT_TRUE(gpu->captured_verify_graphs().empty());
+      EXPECT_TRUE(gpu->mtp()->captured_buckets().empty());
     }
   }
 }
@@ -428,7 +446,8 @@ TEST(CudaMtpSampling, DistributionEqualsNonSpeculative) {
 }
 
 // EngineConfig::warm_up with K = 3 (as tandem serve runs it): the verify graph of every decode
-// bucket up to max_num_seqs (4 tokens per sequence) is captured before the first request, and
+// bucket up to max_num_seqs (4 tokens per sequence) and the draft pass graph of every bucket
+// are captured before the first request, and
 // decoding afterwards still gives the tokens of a model that never warmed up.
 TEST(CudaMtpWarmUp, CapturesTheVerifyGraphsOfK) {
   if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
@@ -461,6 +480,7 @@ TEST(CudaMtpWarmUp, CapturesTheVerifyGraphsOfK) {
     EXPECT_NE(std::find(verify.begin(), verify.end(), std::make_pair(b, int64_t{4})), verify.end())
         << "bucket " << b << " has no verify graph of 4 tokens per sequence";
   }
+  EXPECT_EQ(gpu->mtp()->captured_buckets(), buckets) << "the draft passes' graphs";
   EngineConfig w = cfg;
   w.warm_up = true;
   const auto got = run_engine(*gpu, g.cases, w, /*together=*/true);
