@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 
@@ -25,6 +27,9 @@ namespace {
 
 EngineConfig resolve(const Model& model, EngineConfig c) {
   const ModelConfig& m = model.config();
+  if (const char* e = std::getenv("TANDEM_SPEC_SAMPLED_ON_DEVICE"); e && std::strcmp(e, "1") == 0) {
+    c.spec_sampled_on_device = true;
+  }
   if (c.max_model_len <= 0) c.max_model_len = m.max_position_embeddings;
   TANDEM_CHECK_KIND(kInvalidArgument, c.max_model_len > 0, "max_model_len must be positive");
   TANDEM_CHECK_KIND(kInvalidArgument,
@@ -293,7 +298,10 @@ bool Engine::device_rows(const ScheduledBatch& batch, std::vector<DeviceSampling
     // d), and every emitted token is the draw that non-speculative device sampling makes at its
     // position: the same tokens for the same seed whatever K. Drafts sampled from q on the
     // host (draft_probs) take the host rule (accept_draft).
-    if (ss.verify && !s.req.sampling.greedy() && !s.draft_probs.empty()) return false;
+    if (speculating() && !s.req.sampling.greedy() &&
+        (!config_.spec_sampled_on_device || (ss.verify && !s.draft_probs.empty()))) {
+      return false;  // the host path (rejection sampling against q, or the switch is off)
+    }
     // A constrained verify row needs one mask per position (the host path); a constrained
     // next-token row takes its MaskWorker mask to the device below.
     if (s.req.constraint && ss.verify) return false;
@@ -780,7 +788,8 @@ void Engine::draft() {
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) {
     const SamplingParams& sp = s->req.sampling;
-    on_device = on_device && !sp.needs_host_logits() && s->num_output() >= s->req.min_tokens &&
+    on_device = on_device && (sp.greedy() || config_.spec_sampled_on_device) &&
+                !sp.needs_host_logits() && s->num_output() >= s->req.min_tokens &&
                 !s->req.constraint;
   }
   std::vector<float> logits, hout;

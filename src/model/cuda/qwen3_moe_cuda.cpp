@@ -970,6 +970,12 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
 
 const ShardPlan& Qwen3MoeCuda::shard() const { return impl_->plan; }
 
+bool Qwen3MoeCuda::mtp_graphs_on() const {
+  const char* e = std::getenv("TANDEM_MTP_GRAPHS");
+  return impl_->plan.spec.size == 1 &&
+         (opts_.mtp_graphs || (e != nullptr && std::strcmp(e, "1") == 0));
+}
+
 MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   Impl& im = *impl_;
   MtpScratch s;
@@ -990,7 +996,7 @@ MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   s.rows_cap = im.rows_cap;
   s.num_sms = im.num_sms;
   s.stream = stream_;
-  if (im.plan.spec.size == 1) {  // the draft passes' graphs (mtp_cuda.h): single-GPU models
+  if (mtp_graphs_on()) {  // the draft passes' graphs (mtp_cuda.h): single-GPU models
     s.buckets = buckets_;
     s.graph_context =
         opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
@@ -1114,7 +1120,7 @@ void Qwen3MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
 
 void Qwen3MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) {
   const int64_t q = k + 1;  // tokens per verify sequence
-  if (impl_->plan.spec.size > 1 || buckets_.empty() || k < 1 || q > kMaxGraphTokensPerSeq ||
+  if (!mtp_graphs_on() || buckets_.empty() || k < 1 || q > kMaxGraphTokensPerSeq ||
       q > opts_.page_size) {
     return;
   }

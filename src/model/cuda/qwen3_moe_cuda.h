@@ -45,6 +45,11 @@ struct CudaModelOptions {
   int64_t graph_max_context = 0;
   /// Page size the graphs are captured for (the engine's page size).
   int64_t page_size = 16;
+  /// MTP speculative decoding: replay the chained (one-token) draft passes in CUDA graphs by
+  /// batch bucket, and capture them and the verify graphs of the configured K at warm-up
+  /// (Model::warm_up_speculative). Off by default until measured on the H200 (passes eager,
+  /// verify graphs captured on first use); TANDEM_MTP_GRAPHS=1 in the environment turns it on.
+  bool mtp_graphs = false;
   /// For benchmarks: force the MoE layer's path for eager (prefill) batches: "" (auto), "mma",
   /// "cublas" or "padded" (backend/cuda/moe_layer.h).
   std::string moe_prefill_path;
@@ -124,9 +129,9 @@ class Qwen3MoeCuda final : public Model {
   /// Captures the decode graph of every bucket <= max_batch (single-GPU models; a sharded
   /// model's ranks capture together on first use). Writes page 0 of `kv`.
   void warm_up(KvCache& kv, int64_t max_batch) override;
-  /// Captures the verify graph (K + 1 tokens per sequence, logits of all) and the chained MTP
-  /// pass's graph of every bucket <= max_batch that fits max_tokens (single-GPU models). Writes
-  /// page 0 of `kv` and `mtp_kv`.
+  /// With mtp_graphs on (else nothing): captures the verify graph (K + 1 tokens per sequence,
+  /// logits of all) and the chained MTP pass's graph of every bucket <= max_batch that fits
+  /// max_tokens (single-GPU models). Writes page 0 of `kv` and `mtp_kv`.
   void warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) override;
   /// Batch-size buckets captured so far (decode steps).
   std::vector<int64_t> captured_buckets() const;
@@ -173,6 +178,7 @@ class Qwen3MoeCuda final : public Model {
   void sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
                    std::vector<SampledToken>& out, const std::function<void()>& wait_masks = {});
   MtpScratch mtp_scratch() const;
+  bool mtp_graphs_on() const;  // CudaModelOptions::mtp_graphs or TANDEM_MTP_GRAPHS=1, one GPU
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<MtpCuda> mtp_;
   ModelConfig config_;
