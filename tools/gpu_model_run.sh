@@ -35,7 +35,9 @@
 #   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
-#   bench_spec_verify, bench_spec_e2e (MTP speculative decoding: bench_spec_cuda)
+#   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs (TANDEM_MTP_GRAPHS=1),
+#   bench_spec_sampled (TANDEM_SPEC_SAMPLED_ON_DEVICE=1) (MTP speculative decoding:
+#   bench_spec_cuda)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
 PACK=$(cd "$PACK" && pwd)
@@ -234,6 +236,21 @@ fi
   step bench_spec_verify 240 "$BIN/bench_spec_cuda" --verify-only
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_e2e 300 "$BIN/bench_spec_cuda" --model 30b --e2e-only
+# The e2e grid (batch 1 / 8 / 32, K 1..3, p 0.6 / 0.7 / 0.8), then the opt-in paths not yet
+# measured (off by default): the chained draft passes in CUDA graphs with the speculative
+# warm-up (TANDEM_MTP_GRAPHS=1; compare with the bench_spec_grid rows), and sampled requests
+# speculating on the device (TANDEM_SPEC_SAMPLED_ON_DEVICE=1, temperature 0.7, seeded).
+# bench_spec_verify's "MTP pass stages" lines time each stage of one draft pass (the 235B
+# layer's 1 ms pass at batch 1).
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_grid 240 "$BIN/bench_spec_cuda" --model 30b --e2e-only --e2e-batches 1,8,32 \
+    --ks 1,2,3 --ps 0.6,0.7,0.8 --tokens 64
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_graphs 180 env TANDEM_MTP_GRAPHS=1 "$BIN/bench_spec_cuda" --model 30b \
+    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 64
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_sampled 180 env TANDEM_SPEC_SAMPLED_ON_DEVICE=1 "$BIN/bench_spec_cuda" \
+    --model 30b --e2e-only --e2e-batches 1,32 --ks 3 --ps 0.7 --tokens 64 --temperature 0.7
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -246,7 +263,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_sampled bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

@@ -51,8 +51,10 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
   } else {
     c.num_state_checkpoints = 0;
   }
-  const int64_t state_bytes = model.state_slot_elems() * static_cast<int64_t>(sizeof(float)) *
-                              (c.max_num_seqs + c.num_state_checkpoints);
+  // (Speculation on a hybrid: one spare slot per sequence, the state before its verify step.)
+  const int64_t state_bytes =
+      model.state_slot_elems() * static_cast<int64_t>(sizeof(float)) *
+      (c.max_num_seqs * (c.num_speculative_tokens > 0 ? 2 : 1) + c.num_state_checkpoints);
   TANDEM_CHECK_KIND(
       kInvalidArgument,
       c.num_speculative_tokens >= 0 && c.num_speculative_tokens <= kMaxSpeculativeTokens,
@@ -124,8 +126,9 @@ Engine::Engine(Model& model, const EngineConfig& config)
     }
   }
   if (model.state_slot_elems() > 0) {
-    kv_.allocate_states(config_.max_num_seqs + config_.num_state_checkpoints,
-                        model.state_slot_elems());
+    kv_.allocate_states(
+        config_.max_num_seqs * (speculating() ? 2 : 1) + config_.num_state_checkpoints,
+        model.state_slot_elems());
     if (config_.num_state_checkpoints > 0) {
       scheduler_.enable_state_checkpoints(static_cast<int32_t>(config_.max_num_seqs),
                                           config_.num_state_checkpoints,
@@ -370,6 +373,7 @@ void Engine::start_masks(const ScheduledBatch& batch) {
 bool Engine::forward(const ScheduledBatch& batch) {
   start_masks(batch);  // overlaps the model's forward
   try {
+    snapshot_states(batch);
     sampled_on_device_ = model_.samples_on_device() && device_rows(batch, device_rows_);
     if (sampled_on_device_) {
       model_.forward_sample(batch.forward, kv_, device_rows_, sampled_, [this] {
@@ -397,7 +401,10 @@ void Engine::complete(const ScheduledBatch& batch) {
   scheduler_.commit(batch);
   copy_states(scheduler_.take_state_saves());  // before a finished sequence frees its slot
   process_outputs(batch, logits_);
-  if (speculating()) draft();
+  if (speculating()) {
+    rollback_states();
+    draft();
+  }
   const auto now = std::chrono::steady_clock::now();
   const double seconds = std::chrono::duration<double>(now - step_start_).count();
   scheduler_.observe_step(batch.shape, seconds);  // the step's time for the step-time model
@@ -733,8 +740,43 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
     finish(s, reason, out);
     return;
   }
+  if (model_.state_slot_elems() > 0 && emitted < ss.num_tokens) {
+    rollbacks_.push_back({s.req.id, start, emitted, 0});
+  }
   note_computed(s, start, emitted, hidden_row);
   emit(s, out);
+}
+
+void Engine::snapshot_states(const ScheduledBatch& batch) {
+  rollbacks_.clear();
+  if (!speculating() || model_.state_slot_elems() <= 0) return;
+  for (const auto& ss : batch.seqs) {
+    if (ss.verify && ss.seq->state_slot >= 0) {
+      kv_.copy_state(ss.seq->state_slot, spare_state_slot(ss.seq->state_slot));
+    }
+  }
+}
+
+void Engine::rollback_states() {
+  std::vector<Computed> todo = std::move(rollbacks_);
+  rollbacks_.clear();
+  ForwardBatch fb;
+  for (const Computed& c : todo) {
+    Sequence* s = scheduler_.find(c.id);
+    if (s == nullptr || s->state_slot < 0) continue;
+    kv_.copy_state(spare_state_slot(s->state_slot), s->state_slot);
+    ForwardSeq f{s->tokens.data() + c.start,
+                 c.count,
+                 c.start,
+                 s->pages.data(),
+                 static_cast<int64_t>(s->pages.size()),
+                 LogitsMode::kNone,
+                 s->state_slot};
+    fb.seqs.push_back(f);
+  }
+  if (fb.seqs.empty()) return;
+  std::vector<float> none;
+  model_.forward(fb, kv_, none);
 }
 
 void Engine::draft() {

@@ -161,6 +161,16 @@ class Engine {
   /// After the outputs: the MTP layer over the positions computed this step (its KV follows
   /// the target's), then the drafts of every decoding sequence, chained K times.
   void draft();
+  /// Hybrid models (recurrent state slots): a verify step advances a sequence's DeltaNet state
+  /// over all K + 1 positions. Before it the state is copied to the sequence's spare slot
+  /// (snapshot_states); when fewer positions were kept, rollback_states restores the copy and
+  /// recomputes the kept positions (one forward without logits; their KV is rewritten with the
+  /// same values), so the state is the one after the last kept token.
+  void snapshot_states(const ScheduledBatch& batch);
+  void rollback_states();
+  int64_t spare_state_slot(int32_t slot) const {
+    return config_.max_num_seqs + config_.num_state_checkpoints + slot;
+  }
   /// Constrained rows that sample this step: their masks filled on the worker (during the
   /// forward; process_outputs waits).
   void start_masks(const ScheduledBatch& batch);
@@ -184,7 +194,8 @@ class Engine {
     int64_t start = 0, count = 0, hidden_row = 0;
   };
   std::vector<Computed> computed_;
-  SamplerRng forced_accept_rng_{0x5eed};              // spec_forced_accept_prob draws
+  std::vector<Computed> rollbacks_;       // verified sequences whose state must go back (hybrids)
+  SamplerRng forced_accept_rng_{0x5eed};  // spec_forced_accept_prob draws
   std::chrono::steady_clock::time_point step_start_;  // schedule() -> complete(): the step time
   // EngineConfig::step_trace_path: the file, and this step's target and prediction.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> trace_{nullptr, &std::fclose};

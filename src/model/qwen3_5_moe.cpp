@@ -234,14 +234,6 @@ void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt, const std::string& confi
                     "/config.json: layer_types has no full_attention layer");
 }
 
-void Qwen35MoeCpu::load_mtp(const std::string& dir) {
-  TANDEM_THROW(kUnsupported, dir,
-               ": MTP speculative decoding of Qwen3.5 hybrid models (model_type '",
-               config_.model_type,
-               "') is not supported yet: the DeltaNet states of rejected drafts cannot be rolled "
-               "back; serve it without --speculative-config");
-}
-
 KvGeometry Qwen35MoeCpu::kv_geometry(int64_t num_pages, int64_t page_size) const {
   return {num_attention_, num_pages, plan_.kv_heads.size(), page_size, config_.head_dim};
 }
@@ -447,6 +439,12 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
   const std::vector<int64_t> rows = batch.logit_token_rows();
   const int64_t r = static_cast<int64_t>(rows.size());
   std::vector<float> last = buf(r * h);
+  if (batch.hidden_out != nullptr) {  // every row's final hidden state (MTP drafting)
+    std::vector<float>& hid = *batch.hidden_out;
+    hid.resize(static_cast<size_t>(n * h));
+    for (size_t i = 0; i < hid.size(); ++i) hid[i] = x[i] + y[i];
+    cpu::rms_norm({hid.data(), norm_.ptr<float>(), hid.data(), n, h, eps});
+  }
   for (int64_t i = 0; i < r; ++i) {
     const int64_t src = rows[static_cast<size_t>(i)];
     for (int64_t j = 0; j < h; ++j) {

@@ -56,9 +56,14 @@ class Qwen35MoeCpu final : public Model {
   /// the same batch (each its own KV / state slots of its heads) and get all logits rows, full
   /// vocabulary; kDecodeDpEp ranks pass their own batches, which may be empty.
   void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override;
-  /// Refused for now: speculation here must also roll back the DeltaNet states of rejected
-  /// drafts (per-position states during the verify), which is not built yet.
+  /// MTP speculative decoding (model/qwen3_5_mtp.cpp): the mtp.* layer of `dir` (the published
+  /// Qwen3.5 layout), its own one-layer KV; the engine rolls the DeltaNet states of rejected
+  /// drafts back (Engine::rollback_states).
   void load_mtp(const std::string& dir) override;
+  bool has_mtp() const override;
+  KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                   std::vector<float>& logits, std::vector<float>& hidden_out) override;
 
   /// Floats of one linear-attention layer's part of a state slot.
   int64_t state_elems_per_layer() const;
@@ -114,6 +119,8 @@ class Qwen35MoeCpu final : public Model {
   HostTensor norm_;          // [hidden], 1 + w
   HostTensor lm_head_;       // [this rank's vocab rows, hidden]; empty when tied
   std::vector<Layer> layers_;
+  struct Mtp;                 // qwen3_5_mtp.cpp
+  std::shared_ptr<Mtp> mtp_;  // the MTP layer, once loaded
 };
 
 /// The CPU model for the checkpoint in `dir`, picked by config.json's model_type (qwen3_moe:

@@ -148,7 +148,8 @@ void apply_speculative(const std::string& json, const std::string& model_dir,
                        const std::string& device, Model& model, EngineConfig& engine) {
   if (json.empty()) return;
   const SpeculativeConfig sc = parse_speculative_config(json);
-  // The GPU: Qwen3MoeCuda's MTP layer (Qwen3.5 hybrids refuse it in load_mtp).
+  // The GPU: Qwen3MoeCuda's MTP layer (Qwen35MoeCuda refuses it in load_mtp; the CPU
+  // Qwen35MoeCpu has one).
   TANDEM_CHECK_KIND(kUnsupported, device == "cpu" || device == "cuda",
                     "--speculative-config: not supported with --device ", device,
                     " yet (use --device cpu or cuda)");

@@ -16,7 +16,9 @@
 namespace tandem::testing {
 
 /// Writes DIR/model.safetensors with the MTP layer of `model_dir`'s architecture: matrices
-/// N(0, std^2), norms 1 + U(-0.05, 0.05). A MoE layer when the model has experts.
+/// N(0, std^2), norms 1 + U(-0.05, 0.05). A MoE layer when the model has experts. Qwen3.5
+/// hybrids get their published layout: a gated q_proj (query and gate rows per head), the
+/// shared expert and its gate, zero-centred norms (U(-0.05, 0.05), loaded as 1 + w).
 inline void write_random_mtp(const std::string& model_dir, const std::string& dir, uint64_t seed,
                              float std_dev = 0.05f) {
   const ModelConfig c = ModelConfig::from_dir(model_dir);
@@ -34,7 +36,8 @@ inline void write_random_mtp(const std::string& model_dir, const std::string& di
   const std::string p = "mtp.layers.0.";
   add(p + "input_layernorm.weight", {h}, true);
   add(p + "post_attention_layernorm.weight", {h}, true);
-  add(p + "self_attn.q_proj.weight", {c.num_attention_heads * d, h});
+  const bool hybrid = c.is_hybrid();
+  add(p + "self_attn.q_proj.weight", {c.num_attention_heads * d * (hybrid ? 2 : 1), h});
   add(p + "self_attn.k_proj.weight", {c.num_key_value_heads * d, h});
   add(p + "self_attn.v_proj.weight", {c.num_key_value_heads * d, h});
   add(p + "self_attn.o_proj.weight", {h, c.num_attention_heads * d});
@@ -47,6 +50,13 @@ inline void write_random_mtp(const std::string& model_dir, const std::string& di
       add(q + "gate_proj.weight", {c.moe_intermediate_size, h});
       add(q + "up_proj.weight", {c.moe_intermediate_size, h});
       add(q + "down_proj.weight", {h, c.moe_intermediate_size});
+    }
+    if (hybrid) {
+      const int64_t si = c.shared_expert_intermediate_size;
+      add(p + "mlp.shared_expert.gate_proj.weight", {si, h});
+      add(p + "mlp.shared_expert.up_proj.weight", {si, h});
+      add(p + "mlp.shared_expert.down_proj.weight", {h, si});
+      add(p + "mlp.shared_expert_gate.weight", {1, h});
     }
   } else {
     add(p + "mlp.gate_proj.weight", {c.intermediate_size, h});
@@ -62,7 +72,9 @@ inline void write_random_mtp(const std::string& model_dir, const std::string& di
     int64_t n = 1;
     for (int64_t s : t[i].second) n *= s;
     const auto begin = static_cast<int64_t>(data.size() * sizeof(float));
-    for (int64_t j = 0; j < n; ++j) data.push_back(norm[i] ? 1.0f + ud(rng) : nd(rng));
+    for (int64_t j = 0; j < n; ++j) {
+      data.push_back(norm[i] ? (hybrid ? 0.0f : 1.0f) + ud(rng) : nd(rng));
+    }
     header[t[i].first] = {
         {"dtype", "F32"}, {"shape", t[i].second}, {"data_offsets", {begin, begin + n * 4}}};
   }

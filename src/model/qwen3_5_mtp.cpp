@@ -1,0 +1,235 @@
+// The MTP layer of a Qwen3.5 hybrid (Qwen35MoeCpu::load_mtp / mtp_forward) on the CPU, the
+// published layout: x = mtp.fc([RMSNorm_e(embed(t + 1)); RMSNorm_h(h_t)]), mtp.layers.0 (a
+// gated full-attention Qwen3.5 decoder layer: (1 + w) norms, partial RoPE, the routed MoE with
+// the sigmoid-gated shared expert), mtp.norm, the target's embedding and lm_head. Its own
+// one-layer paged KV on the target's page ids. The verify step's DeltaNet rollback is the
+// engine's (Engine::rollback_states).
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+#include "model/qwen3_5_moe.h"
+#include "model/safetensors.h"
+
+namespace tandem {
+
+namespace {
+
+HostTensor f32(const Checkpoint& ckpt, const std::string& name, const Shape& shape,
+               bool plus_one = false) {
+  TensorView src = ckpt.get(name, shape);
+  HostTensor t(DType::kF32, shape);
+  Checkpoint::to_f32(src, t.ptr<float>());
+  if (plus_one) {
+    float* p = t.ptr<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) p[i] = 1.0f + p[i];
+  }
+  return t;
+}
+
+HostTensor concat(const Checkpoint& ckpt, const std::vector<std::pair<std::string, int64_t>>& parts,
+                  int64_t cols) {
+  int64_t total = 0;
+  for (const auto& [name, rows] : parts) total += rows;
+  HostTensor t(DType::kF32, {total, cols});
+  float* dst = t.ptr<float>();
+  for (const auto& [name, rows] : parts) {
+    Checkpoint::to_f32(ckpt.get(name, {rows, cols}), dst);
+    dst += rows * cols;
+  }
+  return t;
+}
+
+}  // namespace
+
+struct Qwen35MoeCpu::Mtp {
+  HostTensor fc;              // [hidden, 2 hidden] over [embedding; hidden]
+  HostTensor norm_e, norm_h;  // [hidden], 1 + w
+  HostTensor norm;            // [hidden], 1 + w
+  Layer layer;                // full attention + MoE + shared expert
+};
+
+void Qwen35MoeCpu::load_mtp(const std::string& dir) {
+  Checkpoint ckpt(dir);
+  TANDEM_CHECK_KIND(kNotFound, ckpt.has("mtp.fc.weight"), dir,
+                    ": no MTP weights (tensor 'mtp.fc.weight' not found)");
+  const auto& c = config_;
+  const int64_t h = c.hidden_size, d = c.head_dim;
+  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  const int64_t inter = c.moe_intermediate_size, sinter = c.shared_expert_intermediate_size;
+  auto m = std::make_unique<Mtp>();
+  m->fc = f32(ckpt, "mtp.fc.weight", {h, 2 * h});
+  m->norm_e = f32(ckpt, "mtp.pre_fc_norm_embedding.weight", {h}, true);
+  m->norm_h = f32(ckpt, "mtp.pre_fc_norm_hidden.weight", {h}, true);
+  m->norm = f32(ckpt, "mtp.norm.weight", {h}, true);
+  Layer& l = m->layer;
+  const std::string p = "mtp.layers.0.";
+  l.input_norm = f32(ckpt, p + "input_layernorm.weight", {h}, true);
+  l.post_norm = f32(ckpt, p + "post_attention_layernorm.weight", {h}, true);
+  const std::string a = p + "self_attn.";
+  l.qkv = concat(ckpt,
+                 {{a + "q_proj.weight", qh * 2 * d},
+                  {a + "k_proj.weight", kvh * d},
+                  {a + "v_proj.weight", kvh * d}},
+                 h);
+  l.o = f32(ckpt, a + "o_proj.weight", {h, qh * d});
+  l.q_norm = f32(ckpt, a + "q_norm.weight", {d}, true);
+  l.k_norm = f32(ckpt, a + "k_norm.weight", {d}, true);
+  const std::string mp = p + "mlp.";
+  l.router = f32(ckpt, mp + "gate.weight", {c.num_experts, h});
+  const bool fused = ckpt.has(mp + "experts.gate_up_proj");
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    if (fused) {
+      HostTensor gu(DType::kF32, {2 * inter, h}), dn(DType::kF32, {h, inter});
+      Checkpoint::to_f32(ckpt.get(mp + "experts.gate_up_proj", {c.num_experts, 2 * inter, h}),
+                         gu.ptr<float>(), e, e + 1);
+      Checkpoint::to_f32(ckpt.get(mp + "experts.down_proj", {c.num_experts, h, inter}),
+                         dn.ptr<float>(), e, e + 1);
+      l.gate_up.push_back(std::move(gu));
+      l.down.push_back(std::move(dn));
+    } else {
+      const std::string ep = mp + "experts." + std::to_string(e) + ".";
+      l.gate_up.push_back(
+          concat(ckpt, {{ep + "gate_proj.weight", inter}, {ep + "up_proj.weight", inter}}, h));
+      l.down.push_back(f32(ckpt, ep + "down_proj.weight", {h, inter}));
+    }
+  }
+  for (auto& t : l.gate_up) l.gate_up_ptrs.push_back(t.ptr<float>());
+  for (auto& t : l.down) l.down_ptrs.push_back(t.ptr<float>());
+  l.shared_gate_up = concat(ckpt,
+                            {{mp + "shared_expert.gate_proj.weight", sinter},
+                             {mp + "shared_expert.up_proj.weight", sinter}},
+                            h);
+  l.shared_down = f32(ckpt, mp + "shared_expert.down_proj.weight", {h, sinter});
+  l.shared_gate = f32(ckpt, mp + "shared_expert_gate.weight", {1, h});
+  mtp_ = std::move(m);
+}
+
+bool Qwen35MoeCpu::has_mtp() const { return mtp_ != nullptr; }
+
+KvGeometry Qwen35MoeCpu::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
+  return {1, num_pages, config_.num_key_value_heads, page_size, config_.head_dim};
+}
+
+void Qwen35MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& kv,
+                               std::vector<float>& logits, std::vector<float>& hidden_out) {
+  TANDEM_CHECK(mtp_ != nullptr, "mtp_forward: no MTP layer loaded");
+  const auto& c = config_;
+  const Layer& layer = mtp_->layer;
+  const int64_t h = c.hidden_size, d = c.head_dim;
+  const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  const int64_t page_size = kv.geometry().page_size;
+  const int64_t n = batch.num_tokens();
+  TANDEM_CHECK(kv.geometry().num_layers == 1 && kv.geometry().num_kv_heads == kvh &&
+                   kv.geometry().head_dim == d,
+               "MTP KV cache geometry does not match the model");
+  logits.clear();
+  hidden_out.clear();
+  if (n == 0) return;
+
+  // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
+  std::vector<int32_t> ids(static_cast<size_t>(n)), positions(static_cast<size_t>(n)),
+      token_seq(static_cast<size_t>(n));
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  int64_t max_pages = 1;
+  for (const auto& s : batch.seqs) max_pages = std::max(max_pages, s.num_pages);
+  std::vector<int32_t> tables(batch.seqs.size() * static_cast<size_t>(max_pages), 0);
+  int64_t t = 0;
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& s = batch.seqs[si];
+    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
+    std::memcpy(tables.data() + si * static_cast<size_t>(max_pages), s.block_table,
+                sizeof(int32_t) * static_cast<size_t>(s.num_pages));
+    for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
+      const int64_t pos = s.start_pos + i;
+      TANDEM_CHECK_KIND(kInvalidArgument, s.tokens[i] >= 0 && s.tokens[i] < c.vocab_size,
+                        "token id ", s.tokens[i], " is out of range [0, ", c.vocab_size, ")");
+      ids[static_cast<size_t>(t)] = s.tokens[i];
+      positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
+      token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
+      slots[static_cast<size_t>(t)] = s.block_table[pos / page_size] * page_size + pos % page_size;
+    }
+  }
+
+  auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  // x = fc([norm_e(embed(t + 1)); norm_h(h_t)])       // shapes
+  std::vector<float> e = buf(n * h), hn = buf(n * h);  // [n, hidden]
+  std::vector<float> cat = buf(n * 2 * h);             // [n, 2 hidden]
+  cpu::embedding({ids.data(), embed_.ptr<float>(), e.data(), n, h, c.vocab_size});
+  cpu::rms_norm({e.data(), mtp_->norm_e.ptr<float>(), e.data(), n, h, eps});
+  cpu::rms_norm({hidden, mtp_->norm_h.ptr<float>(), hn.data(), n, h, eps});
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(cat.data() + i * 2 * h, e.data() + i * h, sizeof(float) * h);
+    std::memcpy(cat.data() + i * 2 * h + h, hn.data() + i * h, sizeof(float) * h);
+  }
+  std::vector<float> x = buf(n * h), xn = buf(n * h), y = buf(n * h);
+  cpu::gemm({cat.data(), mtp_->fc.ptr<float>(), x.data(), n, h, 2 * h});
+
+  // Gated full attention over the MTP KV: q_proj rows are (query, gate) per head.
+  const int64_t w = (qh * 2 + 2 * kvh) * d;
+  std::vector<float> qkv = buf(n * w), q = buf(n * qh * d), gate = buf(n * qh * d);
+  std::vector<float> k = buf(n * kvh * d), v = buf(n * kvh * d), attn = buf(n * qh * d);
+  cpu::rms_norm({x.data(), layer.input_norm.ptr<float>(), xn.data(), n, h, eps});
+  cpu::gemm({xn.data(), layer.qkv.ptr<float>(), qkv.data(), n, w, h});
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = qkv.data() + i * w;
+    for (int64_t hh = 0; hh < qh; ++hh) {
+      std::memcpy(q.data() + (i * qh + hh) * d, row + hh * 2 * d, sizeof(float) * d);
+      std::memcpy(gate.data() + (i * qh + hh) * d, row + hh * 2 * d + d, sizeof(float) * d);
+    }
+    std::memcpy(k.data() + i * kvh * d, row + qh * 2 * d, sizeof(float) * kvh * d);
+    std::memcpy(v.data() + i * kvh * d, row + qh * 2 * d + kvh * d, sizeof(float) * kvh * d);
+  }
+  cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
+                     positions.data(), n, qh, kvh, d, eps, c.rope_theta, c.rotary_dim()});
+  cpu::kv_write({k.data(), v.data(), kv.layer(0), slots.data(), n, kvh, d, page_size});
+  cpu::paged_attention({q.data(), kv.layer(0), tables.data(), token_seq.data(), positions.data(),
+                        attn.data(), n, qh, kvh, d, page_size, max_pages,
+                        1.0f / std::sqrt(static_cast<float>(d))});
+  cpu::sigmoid_gate({attn.data(), gate.data(), attn.data(), n, qh * d, qh * d});
+  cpu::gemm({attn.data(), layer.o.ptr<float>(), y.data(), n, h, qh * d});
+
+  // MoE block: routed experts (top-k renormalised) + sigmoid-gated shared expert.
+  cpu::add_rms_norm({x.data(), y.data(), layer.post_norm.ptr<float>(), xn.data(), n, h, eps});
+  std::vector<float> router = buf(n * c.num_experts);
+  std::vector<int32_t> topk_ids(static_cast<size_t>(n * c.num_experts_per_tok));
+  std::vector<float> topk_w(topk_ids.size());
+  cpu::gemm({xn.data(), layer.router.ptr<float>(), router.data(), n, c.num_experts, h});
+  cpu::topk_softmax({router.data(), topk_ids.data(), topk_w.data(), n, c.num_experts,
+                     c.num_experts_per_tok, true});
+  cpu::moe({xn.data(), topk_ids.data(), topk_w.data(), layer.gate_up_ptrs.data(),
+            layer.down_ptrs.data(), y.data(), n, h, c.moe_intermediate_size, c.num_experts_per_tok,
+            0, c.num_experts});
+  const int64_t sinter = c.shared_expert_intermediate_size;
+  std::vector<float> sgu = buf(n * 2 * sinter), sact = buf(n * sinter), sout = buf(n * h);
+  std::vector<float> sgate = buf(n);
+  cpu::gemm({xn.data(), layer.shared_gate_up.ptr<float>(), sgu.data(), n, 2 * sinter, h});
+  cpu::silu_mul({sgu.data(), sact.data(), n, sinter});
+  cpu::gemm({sact.data(), layer.shared_down.ptr<float>(), sout.data(), n, h, sinter});
+  cpu::gemm({xn.data(), layer.shared_gate.ptr<float>(), sgate.data(), n, 1, h});
+  cpu::sigmoid_gate({sout.data(), sgate.data(), y.data(), n, h, 1, /*per_row=*/true,
+                     /*accumulate=*/true});
+
+  // mtp.norm and the shared lm_head on the rows asked for.
+  const std::vector<int64_t> rows = batch.logit_token_rows();
+  const auto r = static_cast<int64_t>(rows.size());
+  hidden_out.resize(static_cast<size_t>(r * h));
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t src = rows[static_cast<size_t>(i)];
+    for (int64_t j = 0; j < h; ++j) {
+      hidden_out[static_cast<size_t>(i * h + j)] =
+          x[static_cast<size_t>(src * h + j)] + y[static_cast<size_t>(src * h + j)];
+    }
+  }
+  cpu::rms_norm({hidden_out.data(), mtp_->norm.ptr<float>(), hidden_out.data(), r, h, eps});
+  logits.resize(static_cast<size_t>(r * c.vocab_size));
+  const float* head = c.tie_word_embeddings ? embed_.ptr<float>() : lm_head_.ptr<float>();
+  cpu::gemm({hidden_out.data(), head, logits.data(), r, c.vocab_size, h});
+}
+
+}  // namespace tandem
