@@ -129,30 +129,11 @@ void Qwen35MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, K
   if (n == 0) return;
 
   // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
-  std::vector<int32_t> ids(static_cast<size_t>(n)), positions(static_cast<size_t>(n)),
-      token_seq(static_cast<size_t>(n));
-  std::vector<int64_t> slots(static_cast<size_t>(n));
-  int64_t max_pages = 1;
-  for (const auto& s : batch.seqs) max_pages = std::max(max_pages, s.num_pages);
-  std::vector<int32_t> tables(batch.seqs.size() * static_cast<size_t>(max_pages), 0);
-  int64_t t = 0;
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const ForwardSeq& s = batch.seqs[si];
-    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
-    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
-                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
-                 " tokens");
-    std::memcpy(tables.data() + si * static_cast<size_t>(max_pages), s.block_table,
-                sizeof(int32_t) * static_cast<size_t>(s.num_pages));
-    for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
-      const int64_t pos = s.start_pos + i;
-      TANDEM_CHECK_KIND(kInvalidArgument, s.tokens[i] >= 0 && s.tokens[i] < c.vocab_size,
-                        "token id ", s.tokens[i], " is out of range [0, ", c.vocab_size, ")");
-      ids[static_cast<size_t>(t)] = s.tokens[i];
-      positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
-      token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
-      slots[static_cast<size_t>(t)] = s.block_table[pos / page_size] * page_size + pos % page_size;
-    }
+  const auto [ids, positions, token_seq, slots, tables, max_pages, seq_begin] =
+      flatten_batch(batch, page_size);
+  for (const int32_t id : ids) {
+    TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < c.vocab_size, "token id ", id,
+                      " is out of range [0, ", c.vocab_size, ")");
   }
 
   auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
