@@ -51,10 +51,12 @@ struct Qwen35MoeCpu::Mtp {
 };
 
 void Qwen35MoeCpu::load_mtp(const std::string& dir) {
-  // The pass below is local (every head and expert, the whole lm_head): not on a prefill TP
-  // rank (prefill instances do not speculate; its lm_head is a vocabulary slice).
-  TANDEM_CHECK_KIND(kUnsupported, !(plan_.tensor_parallel() && plan_.spec.size > 1),
-                    "MTP speculative decoding: prefill instances (TP) do not speculate");
+  // One process only for now: the pass below is local (every head and expert, the whole
+  // lm_head), and the engine's DeltaNet rollback recomputes kept positions with an extra
+  // forward that the ranks of a sharded group (collectives in lockstep) would not all run.
+  TANDEM_CHECK_KIND(kUnsupported, plan_.spec.size <= 1,
+                    "MTP speculative decoding of Qwen3.5 hybrids on a sharded instance (",
+                    plan_.spec.size, " ranks) is not supported yet; use one process");
   Checkpoint ckpt(dir);
   TANDEM_CHECK_KIND(kNotFound, ckpt.has("mtp.fc.weight"), dir,
                     ": no MTP weights (tensor 'mtp.fc.weight' not found)");
