@@ -9,55 +9,14 @@
 #include "comm/communicator.h"
 #include "comm/moe_dispatch.h"
 #include "core/error.h"
+#include "model/lm_head.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
+#include "model/weight_load.h"
 
 namespace tandem {
 
 namespace {
-
-// `name` (bf16/f16/f32 on disk) as an fp32 tensor of the expected shape; `plus_one` stores
-// 1 + w (the zero-centred RMSNorm weights), computed in fp32 as transformers does.
-HostTensor load_f32(const Checkpoint& ckpt, const std::string& name, const Shape& shape,
-                    bool plus_one = false) {
-  TensorView src = ckpt.get(name, shape);
-  HostTensor t(DType::kF32, shape);
-  Checkpoint::to_f32(src, t.ptr<float>());
-  if (plus_one) {
-    float* p = t.ptr<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) p[i] = 1.0f + p[i];
-  }
-  return t;
-}
-
-// Rows [range) of a [rows, cols] tensor.
-struct RowSlice {
-  std::string name;
-  int64_t rows;
-  IndexRange range;
-};
-
-// [sum of the slices' rows, cols]: the slices one after the other (fused projections, a rank's
-// rows of them).
-HostTensor load_rows(const WeightReader& wr, const std::vector<RowSlice>& slices, int64_t cols) {
-  int64_t total = 0;
-  for (const auto& sl : slices) total += sl.range.size();
-  HostTensor t(DType::kF32, {total, cols});
-  float* dst = t.ptr<float>();
-  for (const auto& sl : slices) {
-    if (sl.range.size() > 0) wr.read(sl.name, sl.rows, cols, sl.range, {0, cols}, dst);
-    dst += sl.range.size() * cols;
-  }
-  return t;
-}
-
-// Columns [range) of a [rows, cols] tensor (row-parallel projections).
-HostTensor load_cols(const WeightReader& wr, const std::string& name, int64_t rows, int64_t cols,
-                     IndexRange range) {
-  HostTensor t(DType::kF32, {rows, range.size()});
-  wr.read(name, rows, cols, {0, rows}, range, t.ptr<float>());
-  return t;
-}
 
 // Rows of a vector / matrix already in memory: [r.begin, r.end) of `t` ([rows, cols]).
 HostTensor take_rows(const HostTensor& t, int64_t cols, const std::vector<IndexRange>& ranges) {
@@ -282,32 +241,11 @@ void Qwen35MoeCpu::moe_block(const Layer& layer, const float* xn, int64_t n, flo
 }
 
 void Qwen35MoeCpu::lm_head(const float* last, int64_t r, std::vector<float>& logits) {
-  const auto& c = config_;
-  const int64_t h = c.hidden_size, v = c.vocab_size;
-  logits.resize(static_cast<size_t>(r * v));
-  if (!plan_.tensor_parallel()) {
-    const float* head = c.tie_word_embeddings ? embed_.ptr<float>() : lm_head_.ptr<float>();
-    cpu::gemm({last, head, logits.data(), r, v, h});
-    return;
-  }
-  // Vocab-parallel: this rank's rows of the logits, padded to vocab_rows, then all-gathered.
-  const int64_t vl = plan_.vocab.size(), vp = plan_.vocab_rows, t = plan_.spec.size;
-  const float* head =
-      c.tie_word_embeddings ? embed_.ptr<float>() + plan_.vocab.begin * h : lm_head_.ptr<float>();
-  std::vector<float> local(static_cast<size_t>(r * vl));  // [r, vl]
-  if (vl > 0) cpu::gemm({last, head, local.data(), r, vl, h});
-  std::vector<float> padded(static_cast<size_t>(r * vp), 0.f);  // [r, vp]
-  for (int64_t i = 0; i < r; ++i) {
-    std::memcpy(padded.data() + i * vp, local.data() + i * vl, sizeof(float) * vl);
-  }
-  std::vector<float> all(static_cast<size_t>(t * r * vp));  // [t, r, vp]
-  comm_->all_gather(padded.data(), all.data(), r * vp, DType::kF32);
-  for (int64_t q = 0; q < t; ++q) {
-    const int64_t v0 = std::min(v, q * vp), count = std::min(v, v0 + vp) - v0;
-    for (int64_t i = 0; i < r && count > 0; ++i) {
-      std::memcpy(logits.data() + i * v + v0, all.data() + (q * r + i) * vp, sizeof(float) * count);
-    }
-  }
+  const int64_t vocab_begin = plan_.tensor_parallel() ? plan_.vocab.begin : 0;
+  const float* head = config_.tie_word_embeddings
+                          ? embed_.ptr<float>() + vocab_begin * config_.hidden_size
+                          : lm_head_.ptr<float>();
+  cpu_lm_head(config_, plan_, comm_, head, last, r, logits);
 }
 
 void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {

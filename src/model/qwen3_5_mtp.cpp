@@ -11,37 +11,9 @@
 #include "core/error.h"
 #include "model/qwen3_5_moe.h"
 #include "model/safetensors.h"
+#include "model/weight_load.h"
 
 namespace tandem {
-
-namespace {
-
-HostTensor f32(const Checkpoint& ckpt, const std::string& name, const Shape& shape,
-               bool plus_one = false) {
-  TensorView src = ckpt.get(name, shape);
-  HostTensor t(DType::kF32, shape);
-  Checkpoint::to_f32(src, t.ptr<float>());
-  if (plus_one) {
-    float* p = t.ptr<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) p[i] = 1.0f + p[i];
-  }
-  return t;
-}
-
-HostTensor concat(const Checkpoint& ckpt, const std::vector<std::pair<std::string, int64_t>>& parts,
-                  int64_t cols) {
-  int64_t total = 0;
-  for (const auto& [name, rows] : parts) total += rows;
-  HostTensor t(DType::kF32, {total, cols});
-  float* dst = t.ptr<float>();
-  for (const auto& [name, rows] : parts) {
-    Checkpoint::to_f32(ckpt.get(name, {rows, cols}), dst);
-    dst += rows * cols;
-  }
-  return t;
-}
-
-}  // namespace
 
 struct Qwen35MoeCpu::Mtp {
   HostTensor fc;              // [hidden, 2 hidden] over [embedding; hidden]
@@ -65,25 +37,25 @@ void Qwen35MoeCpu::load_mtp(const std::string& dir) {
   const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
   const int64_t inter = c.moe_intermediate_size, sinter = c.shared_expert_intermediate_size;
   auto m = std::make_unique<Mtp>();
-  m->fc = f32(ckpt, "mtp.fc.weight", {h, 2 * h});
-  m->norm_e = f32(ckpt, "mtp.pre_fc_norm_embedding.weight", {h}, true);
-  m->norm_h = f32(ckpt, "mtp.pre_fc_norm_hidden.weight", {h}, true);
-  m->norm = f32(ckpt, "mtp.norm.weight", {h}, true);
+  m->fc = load_f32(ckpt, "mtp.fc.weight", {h, 2 * h});
+  m->norm_e = load_f32(ckpt, "mtp.pre_fc_norm_embedding.weight", {h}, true);
+  m->norm_h = load_f32(ckpt, "mtp.pre_fc_norm_hidden.weight", {h}, true);
+  m->norm = load_f32(ckpt, "mtp.norm.weight", {h}, true);
   Layer& l = m->layer;
   const std::string p = "mtp.layers.0.";
-  l.input_norm = f32(ckpt, p + "input_layernorm.weight", {h}, true);
-  l.post_norm = f32(ckpt, p + "post_attention_layernorm.weight", {h}, true);
+  l.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {h}, true);
+  l.post_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {h}, true);
   const std::string a = p + "self_attn.";
-  l.qkv = concat(ckpt,
-                 {{a + "q_proj.weight", qh * 2 * d},
-                  {a + "k_proj.weight", kvh * d},
-                  {a + "v_proj.weight", kvh * d}},
-                 h);
-  l.o = f32(ckpt, a + "o_proj.weight", {h, qh * d});
-  l.q_norm = f32(ckpt, a + "q_norm.weight", {d}, true);
-  l.k_norm = f32(ckpt, a + "k_norm.weight", {d}, true);
+  l.qkv = load_concat(ckpt,
+                      {{a + "q_proj.weight", qh * 2 * d},
+                       {a + "k_proj.weight", kvh * d},
+                       {a + "v_proj.weight", kvh * d}},
+                      h);
+  l.o = load_f32(ckpt, a + "o_proj.weight", {h, qh * d});
+  l.q_norm = load_f32(ckpt, a + "q_norm.weight", {d}, true);
+  l.k_norm = load_f32(ckpt, a + "k_norm.weight", {d}, true);
   const std::string mp = p + "mlp.";
-  l.router = f32(ckpt, mp + "gate.weight", {c.num_experts, h});
+  l.router = load_f32(ckpt, mp + "gate.weight", {c.num_experts, h});
   const bool fused = ckpt.has(mp + "experts.gate_up_proj");
   for (int64_t e = 0; e < c.num_experts; ++e) {
     if (fused) {
@@ -97,18 +69,18 @@ void Qwen35MoeCpu::load_mtp(const std::string& dir) {
     } else {
       const std::string ep = mp + "experts." + std::to_string(e) + ".";
       l.gate_up.push_back(
-          concat(ckpt, {{ep + "gate_proj.weight", inter}, {ep + "up_proj.weight", inter}}, h));
-      l.down.push_back(f32(ckpt, ep + "down_proj.weight", {h, inter}));
+          load_concat(ckpt, {{ep + "gate_proj.weight", inter}, {ep + "up_proj.weight", inter}}, h));
+      l.down.push_back(load_f32(ckpt, ep + "down_proj.weight", {h, inter}));
     }
   }
   for (auto& t : l.gate_up) l.gate_up_ptrs.push_back(t.ptr<float>());
   for (auto& t : l.down) l.down_ptrs.push_back(t.ptr<float>());
-  l.shared_gate_up = concat(ckpt,
-                            {{mp + "shared_expert.gate_proj.weight", sinter},
-                             {mp + "shared_expert.up_proj.weight", sinter}},
-                            h);
-  l.shared_down = f32(ckpt, mp + "shared_expert.down_proj.weight", {h, sinter});
-  l.shared_gate = f32(ckpt, mp + "shared_expert_gate.weight", {1, h});
+  l.shared_gate_up = load_concat(ckpt,
+                                 {{mp + "shared_expert.gate_proj.weight", sinter},
+                                  {mp + "shared_expert.up_proj.weight", sinter}},
+                                 h);
+  l.shared_down = load_f32(ckpt, mp + "shared_expert.down_proj.weight", {h, sinter});
+  l.shared_gate = load_f32(ckpt, mp + "shared_expert_gate.weight", {1, h});
   mtp_ = std::move(m);
 }
 

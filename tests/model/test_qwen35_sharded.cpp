@@ -20,6 +20,7 @@
 #include "comm/local_comm.h"
 #include "core/error.h"
 #include "engine/golden.h"
+#include "forward_harness.h"
 #include "model/config.h"
 #include "model/hybrid_state.h"
 #include "model/qwen3_5_moe.h"
@@ -30,62 +31,15 @@ namespace {
 using comm::Communicator;
 using comm::run_local_group;
 
-constexpr int64_t kPageSize = 16;
+constexpr int64_t kPageSize = testing::kHarnessPageSize;
 
 // One sequence: its tokens (prompt, then generated), its pages, its state slot, how many of its
 // tokens are in the cache.
-struct Seq {
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> table;
-  int32_t slot = 0;
-  int64_t cached = 0;
-};
-
-int64_t pages_for(int64_t max_len) { return (max_len + kPageSize - 1) / kPageSize; }
-
-KvCache make_cache(const Model& m, int64_t num_seqs, int64_t max_len) {
-  KvCache kv(m.kv_geometry(std::max<int64_t>(1, num_seqs * pages_for(max_len)), kPageSize));
-  kv.allocate_states(std::max<int64_t>(1, num_seqs), m.state_slot_elems());
-  return kv;
-}
-
-Seq make_seq(int64_t slot, int64_t max_len, const std::vector<int32_t>& prompt) {
-  Seq s;
-  s.tokens = prompt;
-  s.slot = static_cast<int32_t>(slot);
-  const int64_t p = pages_for(max_len);
-  for (int64_t i = 0; i < p; ++i) s.table.push_back(static_cast<int32_t>(slot * p + i));
-  return s;
-}
-
-// One forward over every sequence's pending tokens (up to `upto` tokens each when given).
-std::vector<float> run_step(Model& m, KvCache& kv, const std::vector<Seq*>& seqs, LogitsMode mode,
-                            int64_t upto = -1) {
-  ForwardBatch batch;
-  std::vector<int64_t> ends;
-  for (Seq* s : seqs) {
-    const int64_t end = upto < 0 ? static_cast<int64_t>(s->tokens.size())
-                                 : std::min<int64_t>(upto, static_cast<int64_t>(s->tokens.size()));
-    ForwardSeq fs;
-    fs.tokens = s->tokens.data() + s->cached;
-    fs.num_tokens = end - s->cached;
-    fs.start_pos = s->cached;
-    fs.block_table = s->table.data();
-    fs.num_pages = static_cast<int64_t>(s->table.size());
-    fs.logits = mode;
-    fs.state_slot = s->slot;
-    batch.seqs.push_back(fs);
-    ends.push_back(end);
-  }
-  std::vector<float> logits;
-  m.forward(batch, kv, logits);
-  for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->cached = ends[i];
-  return logits;
-}
-
-int32_t argmax(const float* row, int64_t v) {
-  return static_cast<int32_t>(std::max_element(row, row + v) - row);
-}
+using testing::argmax;
+using testing::make_cache;
+using testing::make_seq;
+using testing::run_step;
+using testing::Seq;
 
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
