@@ -10,6 +10,7 @@
 #include "comm/moe_dispatch.h"
 #include "core/error.h"
 #include "model/lm_head.h"
+#include "model/mtp_input.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
 #include "model/weight_load.h"
@@ -356,18 +357,11 @@ void Qwen3MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, Kv
 
   auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
   const float eps = static_cast<float>(c.rms_norm_eps);
-  // x = fc([norm_e(embed(t + 1)); norm_h(h_t)])       // shapes
-  std::vector<float> e = buf(n * h), hn = buf(n * h);  // [n, hidden]
-  std::vector<float> cat = buf(n * 2 * h);             // [n, 2 hidden]
-  cpu::embedding({ids.data(), embed_.ptr<float>(), e.data(), n, h, c.vocab_size});
-  cpu::rms_norm({e.data(), mtp_->norm_e.ptr<float>(), e.data(), n, h, eps});
-  cpu::rms_norm({hidden, mtp_->norm_h.ptr<float>(), hn.data(), n, h, eps});
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(cat.data() + i * 2 * h, e.data() + i * h, sizeof(float) * h);
-    std::memcpy(cat.data() + i * 2 * h + h, hn.data() + i * h, sizeof(float) * h);
-  }
-  std::vector<float> x = buf(n * h), xn = buf(n * h), y = buf(n * h);
-  cpu::gemm({cat.data(), mtp_->fc.ptr<float>(), x.data(), n, h, 2 * h});
+  // x = fc([norm_e(embed(t + 1)); norm_h(h_t)])       // [n, hidden]
+  std::vector<float> x =
+      cpu_mtp_input(c, embed_.ptr<float>(), mtp_->norm_e.ptr<float>(), mtp_->norm_h.ptr<float>(),
+                    mtp_->fc.ptr<float>(), ids.data(), hidden, n);
+  std::vector<float> xn = buf(n * h), y = buf(n * h);
 
   // The decoder layer (all heads and experts here: no collectives).
   std::vector<float> qkv = buf(n * (qh + 2 * kvh) * d);
