@@ -23,6 +23,9 @@ trap cleanup EXIT
 
 start() {  # start NAME ARGS...: `tandem ARGS` in the background, waits for its address line
   local name="$1"; shift
+  # (emptied here: the background job's own redirection may come after the first grep below,
+  # which would then read the address of the previous run's process of this name)
+  : >"$dir/$name.log"
   "$bin" "$@" >"$dir/$name.log" 2>&1 &
   local pid=$!
   pids+=("$pid")
