@@ -14,9 +14,15 @@ set -uo pipefail
 bin="$1"; shift
 dir=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+cleanup_pids() {  # (a --nprocs instance's rank processes are its children)
+  for p in "${pids[@]}"; do
+    for c in $(pgrep -P "$p" 2>/dev/null); do kill "$c" 2>/dev/null; done
+    kill "$p" 2>/dev/null
+  done
   wait 2>/dev/null
+}
+cleanup() {
+  cleanup_pids
   rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -37,12 +43,8 @@ start() {  # start NAME ARGS...: `tandem ARGS` in the background, waits for its 
   done
   echo "$name did not start"; cat "$dir/$name.log"; exit 1
 }
-stop_all() {  # (a --nprocs instance's rank processes are its children)
-  for p in "${pids[@]}"; do
-    for c in $(pgrep -P "$p" 2>/dev/null); do kill "$c" 2>/dev/null; done
-    kill "$p" 2>/dev/null
-  done
-  wait 2>/dev/null
+stop_all() {
+  cleanup_pids
   pids=()
 }
 wait_ready() {
