@@ -205,7 +205,7 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
     }
     // Hybrid models: the recurrent state of every prompt that ended now, merged from the
     // ranks' heads (the sequence frees its slot when complete() finishes it after token 1).
-    std::vector<std::vector<float>> states = gather_states(rank, comm, step, failed);
+    std::vector<std::vector<float>> states = gather_states(rank, comm, step, failed, ok);
     for (size_t i = 0; ok && i < step.seqs.size(); ++i) {
       auto it = jobs_.find(step.seqs[i].id);
       if (!states[i].empty() && it != jobs_.end()) it->second->state = std::move(states[i]);
@@ -246,15 +246,17 @@ void PrefillInstance::follower_loop(Rank& rank, comm::Communicator& comm) {
     batch.on_layer_kv = [&](int64_t l) { send_layer(rank, step, l, failed); };
     rank.model->forward(batch, *rank.kv, rank.logits);
     comm.all_reduce_sum(failed.data(), static_cast<int64_t>(failed.size()), DType::kI64);
-    gather_states(rank, comm, step, failed);
+    gather_states(rank, comm, step, failed, true);
   }
 }
 
 std::vector<std::vector<float>> PrefillInstance::gather_states(Rank& rank, comm::Communicator& comm,
                                                                const PrefillStep& step,
-                                                               const std::vector<int64_t>& failed) {
+                                                               const std::vector<int64_t>& failed,
+                                                               bool ok) {
   std::vector<std::vector<float>> states(step.seqs.size());
-  if (!hybrid_) return states;
+  // (a failed forward at TP 1: nothing to send, nobody waiting for the parts)
+  if (!hybrid_ || (!ok && config_.tp == 1)) return states;
   // NOTE: every rank takes the same sequences (failed[] is all-reduced), whether or not rank
   // 0's forward succeeded (the other ranks cannot know): the collective calls agree.
   for (size_t i = 0; i < step.seqs.size(); ++i) {

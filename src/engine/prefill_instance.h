@@ -143,9 +143,10 @@ class PrefillInstance final : public PrefillClient {
   void send_layer(Rank& rank, const PrefillStep& step, int64_t layer, std::vector<int64_t>& failed);
   // Every rank (collective): the whole recurrent state of each prompt that ended in this step
   // and whose transfer did not fail, merged on rank 0 (empty elsewhere, and for other models).
+  // `ok`: rank 0's forward succeeded (the other ranks pass true: they cannot know).
   std::vector<std::vector<float>> gather_states(Rank& rank, comm::Communicator& comm,
                                                 const PrefillStep& step,
-                                                const std::vector<int64_t>& failed);
+                                                const std::vector<int64_t>& failed, bool ok);
   // Rank 0: the pool counters after a step.
   void note_pools();
   void on_output(Job& job, const StepOutput& out);
