@@ -77,8 +77,8 @@ void PrefillInstance::init_ranks(int first_rank, int count) {
       const int64_t have = ranks_[static_cast<size_t>(i)]->model->state_slot_elems();
       TANDEM_CHECK_KIND(kUnsupported, have == want, "prefill --tp ", config_.tp, ": rank ", r,
                         "'s model keeps ", have,
-                        " floats of recurrent state per sequence, not its ", "DeltaNet heads' ",
-                        want, " (model/hybrid_state.h)");
+                        " floats of recurrent state per sequence, not its DeltaNet heads' ", want,
+                        " (model/hybrid_state.h)");
     }
   }
   int64_t sizes[2] = {0, 0};  // rank 0's pages and state slots: every rank mirrors its ids
