@@ -399,7 +399,8 @@ bool Engine::forward(const ScheduledBatch& batch) {
 void Engine::complete(const ScheduledBatch& batch) {
   if (batch.empty()) return;
   scheduler_.commit(batch);
-  copy_states(scheduler_.take_state_saves());  // before a finished sequence frees its slot
+  last_state_saves_ = scheduler_.take_state_saves();
+  copy_states(last_state_saves_);  // before a finished sequence frees its slot
   process_outputs(batch, logits_);
   if (speculating()) {
     rollback_states();

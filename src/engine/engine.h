@@ -128,6 +128,11 @@ class Engine {
   /// Marks the batch computed, samples, streams outputs and finishes requests.
   void complete(const ScheduledBatch& batch);
   bool has_work() const { return scheduler_.has_work(); }
+  /// Hybrid models: the state copies (running slot -> prefix-cache checkpoint slot) the last
+  /// complete() made, e.g. for a prefill instance's other ranks to make the same ones.
+  const std::vector<StateCopy>& last_state_saves() const { return last_state_saves_; }
+  /// Hybrid models: state slots not held by a running sequence (of max_num_seqs).
+  int64_t num_free_state_slots() const { return scheduler_.num_free_state_slots(); }
 
   EngineStats stats() const;
   int64_t max_model_len() const { return config_.max_model_len; }
@@ -194,6 +199,7 @@ class Engine {
     int64_t start = 0, count = 0, hidden_row = 0;
   };
   std::vector<Computed> computed_;
+  std::vector<StateCopy> last_state_saves_;  // complete()'s checkpoint copies (hybrids)
   std::vector<Computed> rollbacks_;       // verified sequences whose state must go back (hybrids)
   SamplerRng forced_accept_rng_{0x5eed};  // spec_forced_accept_prob draws
   std::chrono::steady_clock::time_point step_start_;  // schedule() -> complete(): the step time

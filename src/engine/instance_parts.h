@@ -24,8 +24,8 @@ class Communicator;
 using ModelFactory =
     std::function<std::unique_ptr<Model>(const ShardSpec& shard, comm::Communicator* comm)>;
 
-/// The CPU model of `dir` by config.json's model_type: Qwen3MoeCpu (sharded as asked) or, for a
-/// Qwen3.5 hybrid, Qwen35MoeCpu (decode DP/EP shards; a TP prefill spec: Error(kUnsupported)).
+/// The CPU model of `dir` by config.json's model_type: Qwen3MoeCpu or, for a Qwen3.5 hybrid,
+/// Qwen35MoeCpu, sharded as asked (prefill TP/EP: each rank its DeltaNet value heads' states).
 ModelFactory cpu_model_factory(std::string dir);
 
 struct HostTransferSettings {

@@ -6,6 +6,7 @@
 #include "comm/local_comm.h"
 #include "core/error.h"
 #include "engine/lockstep.h"
+#include "model/hybrid_state.h"
 
 namespace tandem {
 
@@ -62,22 +63,37 @@ void PrefillInstance::init_ranks(int first_rank, int count) {
                                 comms_[static_cast<size_t>(i)].get());
     ranks_.push_back(std::move(rank));
   }
-  sharding_ = {ranks_[0]->model->config().num_key_value_heads, config_.tp};
-  // NOTE: a hybrid model's recurrent state is sent whole from rank 0; its TP split (by value
-  // heads, as the KV splits by KV heads) is not implemented.
-  TANDEM_CHECK_KIND(kUnsupported, ranks_[0]->model->state_slot_elems() == 0 || config_.tp == 1,
-                    "prefill --tp ", config_.tp, ": a hybrid (Qwen3.5) model's prefill instance ",
-                    "runs at --tp 1 only (its recurrent state is not split over ranks)");
-  int64_t num_pages = 0;
+  const ModelConfig& mc = ranks_[0]->model->config();
+  sharding_ = {mc.num_key_value_heads, config_.tp};
+  // Hybrid models: each rank holds its value heads' part of every DeltaNet state
+  // (model/hybrid_state.h), merged on rank 0 after a prompt's last chunk (gather_states).
+  hybrid_ = ranks_[0]->model->state_slot_elems() > 0;
+  if (hybrid_ && config_.tp > 1) {
+    for (int i = 0; i < count; ++i) {
+      const int r = first_rank + i;
+      const int64_t want =
+          HybridStateLayout::of(mc, DeltaNetHeads::of(mc, ShardSpec::prefill(r, config_.tp)))
+              .slot_elems();
+      const int64_t have = ranks_[static_cast<size_t>(i)]->model->state_slot_elems();
+      TANDEM_CHECK_KIND(kUnsupported, have == want, "prefill --tp ", config_.tp, ": rank ", r,
+                        "'s model keeps ", have,
+                        " floats of recurrent state per sequence, not its DeltaNet heads' ", want,
+                        " (model/hybrid_state.h)");
+    }
+  }
+  int64_t sizes[2] = {0, 0};  // rank 0's pages and state slots: every rank mirrors its ids
   if (is_leader()) {
     engine_ = std::make_unique<Engine>(*ranks_[0]->model, config_.engine);
     ranks_[0]->kv = &engine_->kv_cache();
-    num_pages = engine_->config().num_pages;
+    sizes[0] = engine_->config().num_pages;
+    sizes[1] = engine_->kv_cache().num_state_slots();
+    note_pools();
   }
   if (count < config_.tp) {
-    // One process per rank: rank 0's page count, for the caches of the others (collective).
-    comms_[0]->broadcast(&num_pages, 1, DType::kI64, 0);
+    // One process per rank: rank 0's sizes, for the caches of the others (collective).
+    comms_[0]->broadcast(sizes, 2, DType::kI64, 0);
   }
+  const int64_t num_pages = sizes[0], num_state_slots = sizes[1];
   transfer_ = config_.transfer ? config_.transfer : host_transfer_backend({});
   for (int i = 0; i < count; ++i) {
     Rank& rank = *ranks_[static_cast<size_t>(i)];
@@ -85,6 +101,10 @@ void PrefillInstance::init_ranks(int first_rank, int count) {
       // NOTE: same page count as rank 0: every rank writes the pages rank 0 allocated.
       rank.own_kv =
           std::make_unique<KvCache>(rank.model->make_kv_cache(num_pages, config_.engine.page_size));
+      // NOTE: as many state slots as rank 0's engine (running sequences, prefix-cache
+      // checkpoints, spares), each of this rank's heads; the step names the slot of each
+      // sequence and the checkpoint copies, so no allocator runs here (nothing to leak).
+      if (hybrid_) rank.own_kv->allocate_states(num_state_slots, rank.model->state_slot_elems());
       rank.kv = rank.own_kv.get();
     }
     transfer::SenderCallbacks cbs;
@@ -161,7 +181,9 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
     std::vector<uint8_t> msg = encode_prefill_step(make_step(batch, stop));
     broadcast_bytes(comm, msg, 0);  // 1. the step, to every rank
     const PrefillStep step = decode_prefill_step(msg);
-    end_transfers(rank, step);  // (token 1 of earlier steps' prompts)
+    // NOTE: step.ends are for the other ranks: rank 0 ended those transfers in end_job (ending
+    // one twice fails at the sender, which would count as a transfer error).
+    note_pools();  // (after the inbox's aborts and the admissions)
     if (stop) return;
     if (batch.empty()) continue;                                // (an idle heartbeat)
     std::vector<int64_t> failed = begin_transfers(rank, step);  // 2. prompts ending now
@@ -181,17 +203,18 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
       count_computed(now - job.computed);
       job.computed = now;
     }
-    // Hybrid models: the recurrent state of every prompt that ended now (the sequence frees
-    // its slot when complete() finishes it after token 1).
-    if (ok && ranks_[0]->model->state_slot_elems() > 0) {
-      for (const PrefillStep::Seq& s : step.seqs) {
-        auto it = jobs_.find(s.id);
-        if (!s.last || it == jobs_.end()) continue;
-        const std::span<const float> st = engine_->sequence_state(s.id);
-        it->second->state.assign(st.begin(), st.end());
-      }
+    // Hybrid models: the recurrent state of every prompt that ended now, merged from the
+    // ranks' heads (the sequence frees its slot when complete() finishes it after token 1).
+    std::vector<std::vector<float>> states = gather_states(rank, comm, step, failed, ok);
+    for (size_t i = 0; ok && i < step.seqs.size(); ++i) {
+      auto it = jobs_.find(step.seqs[i].id);
+      if (!states[i].empty() && it != jobs_.end()) it->second->state = std::move(states[i]);
     }
-    if (ok) engine_->complete(batch);  // 4. sample token 1: the transfers can finish
+    if (ok) {
+      engine_->complete(batch);  // 4. sample token 1: the transfers can finish
+      const std::vector<StateCopy>& saves = engine_->last_state_saves();
+      if (config_.tp > 1) saves_.insert(saves_.end(), saves.begin(), saves.end());
+    }
     {
       const EngineStats st = engine_->stats();
       std::lock_guard<std::mutex> lock(stats_mu_);
@@ -201,6 +224,7 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
     for (size_t i = 0; i < step.seqs.size(); ++i) {
       if (failed[i] > 0) engine_->abort(step.seqs[i].id);  // ends it as failed (no-op if done)
     }
+    note_pools();
   }
 }
 
@@ -211,13 +235,54 @@ void PrefillInstance::follower_loop(Rank& rank, comm::Communicator& comm) {
     const PrefillStep step = decode_prefill_step(msg);
     end_transfers(rank, step);
     if (step.stop) return;
+    // Rank 0's prefix-cache state copies, in its order (its engine made them around its
+    // schedule() and complete()).
+    for (const auto* copies : {&step.state_saves, &step.state_restores}) {
+      for (const StateCopy& c : *copies) rank.kv->copy_state(c.src, c.dst);
+    }
     if (step.seqs.empty()) continue;
     std::vector<int64_t> failed = begin_transfers(rank, step);
     ForwardBatch batch = step.forward();
     batch.on_layer_kv = [&](int64_t l) { send_layer(rank, step, l, failed); };
     rank.model->forward(batch, *rank.kv, rank.logits);
     comm.all_reduce_sum(failed.data(), static_cast<int64_t>(failed.size()), DType::kI64);
+    gather_states(rank, comm, step, failed, true);
   }
+}
+
+std::vector<std::vector<float>> PrefillInstance::gather_states(Rank& rank, comm::Communicator& comm,
+                                                               const PrefillStep& step,
+                                                               const std::vector<int64_t>& failed,
+                                                               bool ok) {
+  std::vector<std::vector<float>> states(step.seqs.size());
+  // (a failed forward at TP 1: nothing to send, nobody waiting for the parts)
+  if (!hybrid_ || (!ok && config_.tp == 1)) return states;
+  // NOTE: every rank takes the same sequences (failed[] is all-reduced), whether or not rank
+  // 0's forward succeeded (the other ranks cannot know): the collective calls agree.
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const PrefillStep::Seq& s = step.seqs[i];
+    if (!s.last || failed[i] > 0 || s.state_slot < 0) continue;
+    const std::span<const float> part = rank.kv->read_state(s.state_slot);
+    if (config_.tp == 1) {
+      states[i].assign(part.begin(), part.end());
+    } else {
+      states[i] = gather_hybrid_state(comm, rank.model->config(), part, 0);
+    }
+  }
+  return states;
+}
+
+void PrefillInstance::note_pools() {
+  const EngineStats st = engine_->stats();
+  PrefillPools p;
+  p.kv_pages_free = st.kv_pages_free;
+  p.kv_pages_total = st.kv_pages_total;
+  p.state_slots_free = hybrid_ ? engine_->num_free_state_slots() : 0;
+  p.state_slots_total = hybrid_ ? engine_->config().max_num_seqs : 0;
+  p.preemptions = st.preemptions;
+  p.prefix_cache_hits = st.prefix_cache_hits;
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  pools_ = p;
 }
 
 void PrefillInstance::note_transfer_error(const std::string& id, int rank) {
@@ -324,7 +389,12 @@ PrefillStep PrefillInstance::make_step(const ScheduledBatch& batch, bool stop) {
     s.logits = ss.logits;
     s.last = end >= seq.prompt_len;
     if (s.last) s.dst = jobs_.at(seq.req.id)->dst;
+    s.state_slot = seq.state_slot;
     st.seqs.push_back(std::move(s));
+  }
+  if (config_.tp > 1) {
+    st.state_saves.swap(saves_);
+    st.state_restores = batch.state_restores;
   }
   return st;
 }

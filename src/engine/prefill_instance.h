@@ -5,6 +5,11 @@
 // sender (transfer/transfer.h: a rank holding a replica of a head sends nothing); rank 0
 // samples token 1 and every rank finishes the transfer with it.
 //
+// Hybrid models (Qwen3.5): every rank keeps the state slots of its DeltaNet value heads
+// (model/hybrid_state.h) under rank 0's slot ids, and makes rank 0's prefix-cache state copies
+// (the step carries them); after a prompt's last chunk rank 0 gathers the ranks' parts into the
+// whole state, which goes with its FINISH (the decode side holds whole states: DP ranks).
+//
 // NOTE: a prompt's KV leaves during the forward of its last chunk, layer by layer (the
 // model's ForwardBatch::on_layer_kv hook, right after the layer's KV write): the transfer
 // engine moves whole layers of a request, and a layer is complete only once the last chunk
@@ -43,6 +48,14 @@ struct PrefillLoad {
   bool alive = true;
   HistogramCounts queue_time;        // rank 0's engine (EngineStats)
   HistogramCounts iteration_tokens;  // likewise
+};
+
+/// A prefill instance's pools (leak checks) and the counters of what returns to them.
+struct PrefillPools {
+  int64_t kv_pages_free = 0, kv_pages_total = 0;
+  int64_t state_slots_free = 0, state_slots_total = 0;  // hybrid models: running sequences'
+  int64_t preemptions = 0;
+  int64_t prefix_cache_hits = 0;  // prompt tokens
 };
 
 /// Called once when a prefill ends, except after abort(): error empty and `first` the first
@@ -101,6 +114,12 @@ class PrefillInstance final : public PrefillClient {
   int num_senders() const;
   /// Transfers that failed at a sender (the decode side ends those requests).
   int64_t transfer_errors() const { return transfer_errors_; }
+  /// Rank 0's pools after its last iteration (the other ranks use rank 0's page and state
+  /// slot ids, so these count theirs too).
+  PrefillPools pools() const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return pools_;
+  }
 
  private:
   struct Rank;
@@ -122,6 +141,14 @@ class PrefillInstance final : public PrefillClient {
   void note_transfer_error(const std::string& id, int rank);
   std::vector<int64_t> begin_transfers(Rank& rank, const PrefillStep& step);
   void send_layer(Rank& rank, const PrefillStep& step, int64_t layer, std::vector<int64_t>& failed);
+  // Every rank (collective): the whole recurrent state of each prompt that ended in this step
+  // and whose transfer did not fail, merged on rank 0 (empty elsewhere, and for other models).
+  // `ok`: rank 0's forward succeeded (the other ranks pass true: they cannot know).
+  std::vector<std::vector<float>> gather_states(Rank& rank, comm::Communicator& comm,
+                                                const PrefillStep& step,
+                                                const std::vector<int64_t>& failed, bool ok);
+  // Rank 0: the pool counters after a step.
+  void note_pools();
   void on_output(Job& job, const StepOutput& out);
   void end_job(const std::string& id, const std::string& error, const StepOutput& first);
   void count_computed(int64_t tokens);
@@ -131,6 +158,7 @@ class PrefillInstance final : public PrefillClient {
   std::vector<std::unique_ptr<comm::Communicator>> comms_;  // this process's ranks'
   std::vector<std::unique_ptr<Rank>> ranks_;                // ranks_[i] is rank first_rank_ + i
   int first_rank_ = 0;
+  bool hybrid_ = false;             // the model keeps a recurrent state per sequence
   std::unique_ptr<Engine> engine_;  // rank 0's scheduler and sampler over rank 0's shard
   std::shared_ptr<transfer::TransferBackend> transfer_;
   std::vector<std::thread> threads_;
@@ -148,10 +176,12 @@ class PrefillInstance final : public PrefillClient {
   // Rank 0 thread only.
   std::unordered_map<std::string, std::shared_ptr<Job>> jobs_;
   std::vector<TransferEnd> ends_;  // for the next step's message (the other ranks' senders)
+  std::vector<StateCopy> saves_;   // likewise: the checkpoint copies of the last complete()
 
   mutable std::mutex stats_mu_;
   int64_t queued_tokens_ = 0;
   int64_t computed_total_ = 0;
+  PrefillPools pools_;
   HistogramCounts queue_time_, iteration_tokens_;               // rank 0's engine, after each step
   mutable std::deque<std::pair<double, int64_t>> rate_window_;  // (seconds, tokens) per step
 };

@@ -144,7 +144,8 @@ ForwardBatch PrefillStep::forward() const {
   ForwardBatch b;
   for (const Seq& s : seqs) {
     b.seqs.push_back({s.tokens.data(), static_cast<int64_t>(s.tokens.size()), s.start,
-                      s.table.data(), static_cast<int64_t>(s.table.size()), s.logits});
+                      s.table.data(), static_cast<int64_t>(s.table.size()), s.logits,
+                      s.state_slot});
   }
   return b;
 }
@@ -168,6 +169,14 @@ std::vector<uint8_t> encode_prefill_step(const PrefillStep& st) {
     w.put<uint8_t>(static_cast<uint8_t>(s.logits));
     w.put<uint8_t>(s.last ? 1 : 0);
     if (s.last) put_descriptor(w, s.dst);
+    w.put<int32_t>(s.state_slot);
+  }
+  for (const auto* copies : {&st.state_saves, &st.state_restores}) {
+    w.put<int64_t>(static_cast<int64_t>(copies->size()));
+    for (const StateCopy& c : *copies) {
+      w.put<int32_t>(c.src);
+      w.put<int32_t>(c.dst);
+    }
   }
   return std::move(w.bytes());
 }
@@ -197,7 +206,18 @@ PrefillStep decode_prefill_step(const std::vector<uint8_t>& msg) {
     s.logits = static_cast<LogitsMode>(r.get<uint8_t>());
     s.last = r.get<uint8_t>() != 0;
     if (s.last) s.dst = get_descriptor(r);
+    s.state_slot = r.get<int32_t>();
     st.seqs.push_back(std::move(s));
+  }
+  for (auto* copies : {&st.state_saves, &st.state_restores}) {
+    const int64_t nc = r.get<int64_t>();
+    TANDEM_CHECK_KIND(kIo, nc >= 0 && static_cast<size_t>(nc) * 8 <= r.left(), "truncated message");
+    for (int64_t i = 0; i < nc; ++i) {
+      StateCopy c;
+      c.src = r.get<int32_t>();
+      c.dst = r.get<int32_t>();
+      copies->push_back(c);
+    }
   }
   return st;
 }

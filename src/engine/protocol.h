@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "engine/request.h"
+#include "engine/scheduler.h"
 #include "model/forward_batch.h"
 #include "transfer/transfer.h"
 
@@ -116,10 +117,15 @@ struct PrefillStep {
     LogitsMode logits = LogitsMode::kNone;
     bool last = false;                 // the prompt's last chunk: its KV goes out now
     transfer::TransferDescriptor dst;  // when last
+    int32_t state_slot = -1;           // hybrid models: rank 0's state slot (every rank mirrors it)
   };
   bool stop = false;
   std::vector<TransferEnd> ends;
   std::vector<Seq> seqs;
+  // Hybrid models' prefix cache, in the order rank 0 made the copies: the checkpoints saved
+  // after the previous step's forward, then the checkpoints restored before this one.
+  std::vector<StateCopy> state_saves;
+  std::vector<StateCopy> state_restores;
 
   /// The batch to forward (pointers into this step's vectors).
   ForwardBatch forward() const;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "comm/communicator.h"
 #include "core/error.h"
 
 namespace tandem {
@@ -87,6 +88,34 @@ void merge_hybrid_state(const ModelConfig& c, const DeltaNetHeads& heads, const 
   for_each_run(c, heads, [&](int64_t f, int64_t p, int64_t n) {
     if (n > 0) std::memcpy(full_slot + f, part_slot + p, sizeof(float) * static_cast<size_t>(n));
   });
+}
+
+std::vector<float> gather_hybrid_state(comm::Communicator& comm, const ModelConfig& c,
+                                       std::span<const float> part, int root) {
+  const int t = comm.world_size(), me = comm.rank();
+  auto heads_of = [&](int r) { return DeltaNetHeads::of(c, ShardSpec::prefill(r, t)); };
+  auto elems_of = [&](int r) { return HybridStateLayout::of(c, heads_of(r)).slot_elems(); };
+  TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(part.size()) == elems_of(me), "rank ",
+                    me, " of ", t, ": a recurrent state part of ", part.size(),
+                    " floats, its DeltaNet heads hold ", elems_of(me));
+  // NOTE: a tag of its own, so a state never meets another message between the same ranks.
+  constexpr uint32_t kStateTag = 0x5a7e;
+  if (me != root) {
+    comm.send(part.data(), static_cast<int64_t>(part.size() * sizeof(float)), root, kStateTag);
+    return {};
+  }
+  std::vector<float> full(static_cast<size_t>(HybridStateLayout::full(c).slot_elems()), 0.f);
+  std::vector<float> buf;
+  for (int r = 0; r < t; ++r) {
+    const float* p = part.data();
+    if (r != me) {
+      buf.resize(static_cast<size_t>(elems_of(r)));
+      comm.recv(buf.data(), static_cast<int64_t>(buf.size() * sizeof(float)), r, kStateTag);
+      p = buf.data();
+    }
+    merge_hybrid_state(c, heads_of(r), p, full.data());
+  }
+  return full;
 }
 
 }  // namespace tandem

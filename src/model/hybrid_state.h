@@ -15,11 +15,17 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "model/config.h"
 #include "model/shard.h"
 
 namespace tandem {
+
+namespace comm {
+class Communicator;
+}
 
 /// The DeltaNet heads one rank holds (global indices).
 struct DeltaNetHeads {
@@ -67,5 +73,13 @@ void slice_hybrid_state(const ModelConfig& c, const DeltaNetHeads& heads, const 
 /// heads are written by every rank that holds them, with equal values).
 void merge_hybrid_state(const ModelConfig& c, const DeltaNetHeads& heads, const float* part_slot,
                         float* full_slot);
+
+/// One sequence's state over a tensor-parallel group (ShardMode::kPrefillTpEp over
+/// comm.world_size() ranks): every rank passes its slot (`part`, HybridStateLayout::of(c, its
+/// heads)); rank `root` gets the full slot (HybridStateLayout::full(c)) merged from all of
+/// them, the other ranks an empty vector. Collective (ranks != root send their part to root);
+/// throws kInvalidArgument on a part of another size than the rank's layout.
+std::vector<float> gather_hybrid_state(comm::Communicator& comm, const ModelConfig& c,
+                                       std::span<const float> part, int root = 0);
 
 }  // namespace tandem

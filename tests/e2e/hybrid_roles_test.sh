@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
 # Disaggregated serving of the Qwen3.5 hybrid fixtures as separate processes on the CPU (issue
-# "Qwen3.5 hybrid MoE", Deliver 5): router -> `tandem prefill` (TP 1) -> `tandem decode` (DP 1,
-# and DP 2 with EP experts as processes on the first fixture) against colocated `tandem serve`:
+# "Qwen3.5 hybrid MoE", Deliver 5): router -> `tandem prefill` (TP 1 on every fixture; TP 2 as
+# processes, --nprocs 2, and as threads, --tp 2) -> `tandem decode` (DP 1, and DP 2 with EP
+# experts as processes) against colocated `tandem serve`:
 #   - every golden case (token-id prompts: the fixtures have no tokenizer): the same greedy
 #     token ids and logprobs (within 1e-4) through the router as through serve (the prefill
-#     instance sends the attention layers' KV and the DeltaNet layers' recurrent state);
-#   - a TP hybrid prefill (prefill --tp 2) exits non-zero at start-up with an error naming the
-#     flag.
+#     instance sends the attention layers' KV and the DeltaNet layers' recurrent state; at TP 2
+#     each rank holds its value heads' part of the state, merged on rank 0);
+#   - a TP size the DeltaNet value heads do not split over (prefill --tp 4 on a fixture of 2)
+#     exits non-zero at start-up with an error naming them.
 #   hybrid_roles_test.sh TANDEM_BIN FIXTURE_DIR...
 set -uo pipefail
 bin="$1"; shift
 dir=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+cleanup_pids() {  # (a --nprocs instance's rank processes are its children)
+  for p in "${pids[@]}"; do
+    for c in $(pgrep -P "$p" 2>/dev/null); do kill "$c" 2>/dev/null; done
+    kill "$p" 2>/dev/null
+  done
   wait 2>/dev/null
+}
+cleanup() {
+  cleanup_pids
   rm -rf "$dir"
 }
 trap cleanup EXIT
 
 start() {  # start NAME ARGS...: `tandem ARGS` in the background, waits for its address line
   local name="$1"; shift
+  # (emptied here: the background job's own redirection may come after the first grep below,
+  # which would then read the address of the previous run's process of this name)
+  : >"$dir/$name.log"
   "$bin" "$@" >"$dir/$name.log" 2>&1 &
   local pid=$!
   pids+=("$pid")
@@ -33,8 +44,7 @@ start() {  # start NAME ARGS...: `tandem ARGS` in the background, waits for its 
   echo "$name did not start"; cat "$dir/$name.log"; exit 1
 }
 stop_all() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  wait 2>/dev/null
+  cleanup_pids
   pids=()
 }
 wait_ready() {
@@ -47,18 +57,20 @@ wait_ready() {
 
 status=0
 runs=()
-for model in "$@"; do runs+=("$model|"); done
-runs+=("$1|--nprocs 2")
+# model|decode flags|prefill flags
+for model in "$@"; do runs+=("$model||"); done
+runs+=("$1|--nprocs 2|" "$1||--nprocs 2" "${2:-$1}|--nprocs 2|--tp 2")
 for run in "${runs[@]}"; do
-  model=${run%%|*}; dec_flags=${run#*|}
+  IFS='|' read -r model dec_flags pre_flags <<<"$run"
   common=(--model "$model" --kv-cache-mb 64)
   # shellcheck disable=SC2086
   start dec decode "${common[@]}" --port 0 $dec_flags
-  start pre prefill "${common[@]}" --port 0
+  # shellcheck disable=SC2086
+  start pre prefill "${common[@]}" --port 0 $pre_flags
   start router router --model "$model" --served-model-name m --prefill "$pre_addr" --decode "$dec_addr" --port 0
   start serve serve "${common[@]}" --served-model-name m --port 0
   wait_ready "$router_addr"
-  python3 - "$model" "$router_addr" "$serve_addr" "${dec_flags:+ (decode $dec_flags)}" <<'PY' || status=1
+  python3 - "$model" "$router_addr" "$serve_addr" "${pre_flags:+ (prefill $pre_flags)}${dec_flags:+ (decode $dec_flags)}" <<'PY' || status=1
 import json, sys, urllib.request
 model, router, serve = sys.argv[1:4]
 golden = json.load(open(model + "/golden.json"))
@@ -82,17 +94,17 @@ PY
   stop_all
 done
 
-# A TP hybrid prefill is refused at start-up (exit status non-zero, the flag named).
-model="$1"
-for role in "prefill --tp 2"; do
-  # shellcheck disable=SC2086
-  timeout 60 "$bin" $role --model "$model" --port 0 --kv-cache-mb 64 >"$dir/refused.log" 2>&1
+# A TP size the DeltaNet value heads do not split over is refused at start-up (exit status
+# non-zero, the heads named).
+model="${2:-$1}"
+if [ "$(python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c.get("text_config", c)["linear_num_value_heads"])' "$model/config.json")" = 2 ]; then
+  timeout 60 "$bin" prefill --tp 4 --model "$model" --port 0 --kv-cache-mb 64 >"$dir/refused.log" 2>&1
   rc=$?
-  if [ "$rc" = 0 ] || [ "$rc" = 124 ] || ! grep -q -- "--tp 1" "$dir/refused.log"; then
-    echo "'$role' on a hybrid model: rc $rc, want a start-up error naming --tp 1"
+  if [ "$rc" = 0 ] || [ "$rc" = 124 ] || ! grep -q "linear_num_value_heads 2 do not split over 4" "$dir/refused.log"; then
+    echo "'prefill --tp 4' on a model of 2 value heads: rc $rc, want a start-up error naming them"
     cat "$dir/refused.log"; status=1
   else
-    echo "'$role' refused: $(grep -o 'prefills on one rank only.*' "$dir/refused.log" | head -1)"
+    echo "'prefill --tp 4' refused: $(grep -o 'linear_num_value_heads.*' "$dir/refused.log" | head -1)"
   fi
-done
+fi
 exit $status

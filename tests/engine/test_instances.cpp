@@ -121,6 +121,45 @@ TEST(RoleMessages, StepOutputAndDescriptorRoundTrip) {
   EXPECT_EQ(rd.left(), 0u);
 }
 
+// The prefill step carries each sequence's state slot and rank 0's prefix-cache state copies
+// (hybrid models' TP ranks mirror them), in order; a cut message is refused.
+TEST(RoleMessages, PrefillStepCarriesStateSlotsAndCopies) {
+  PrefillStep st;
+  st.ends.push_back({"e", true, 7, -0.5f});
+  PrefillStep::Seq a;
+  a.id = "a";
+  a.tokens = {1, 2, 3};
+  a.table = {5};
+  a.start = 16;
+  a.logits = LogitsMode::kLast;
+  a.state_slot = 3;
+  PrefillStep::Seq b = a;
+  b.id = "b";
+  b.state_slot = -1;
+  b.last = true;
+  b.dst.request_id = "b";
+  b.dst.num_tokens = 19;
+  st.seqs = {a, b};
+  st.state_saves = {{0, 4}, {1, 5}};
+  st.state_restores = {{5, 2}};
+  const std::vector<uint8_t> bytes = encode_prefill_step(st);
+  const PrefillStep r = decode_prefill_step(bytes);
+  ASSERT_EQ(r.seqs.size(), 2u);
+  EXPECT_EQ(r.seqs[0].state_slot, 3);
+  EXPECT_EQ(r.seqs[1].state_slot, -1);
+  EXPECT_EQ(r.seqs[1].dst.num_tokens, 19);
+  ASSERT_EQ(r.state_saves.size(), 2u);
+  EXPECT_EQ(r.state_saves[1].src, 1);
+  EXPECT_EQ(r.state_saves[1].dst, 5);
+  ASSERT_EQ(r.state_restores.size(), 1u);
+  EXPECT_EQ(r.state_restores[0].src, 5);
+  EXPECT_EQ(r.state_restores[0].dst, 2);
+  const ForwardBatch fb = r.forward();
+  EXPECT_EQ(fb.seqs[0].state_slot, 3);
+  EXPECT_EQ(fb.seqs[0].start_pos, 16);
+  EXPECT_THROW(decode_prefill_step(std::vector<uint8_t>(bytes.begin(), bytes.end() - 4)), Error);
+}
+
 // ---- Instances. ----
 
 TEST(DecodeInstance, AdmissionLimitsAndFailures) {
@@ -309,127 +348,244 @@ TEST(DecodeInstance, ProcessGroupRanks) {
 
 // ---- Qwen3.5 hybrid models through the roles. ----
 
-// A prefill instance (TP 1) and a decode instance (DP 1, and DP 2 with EP experts) in-process on
-// each Qwen3.5 fixture: the attention layers' KV and the DeltaNet layers' recurrent state (with
-// the FINISH of the transfer) move from one to the other, and every request gets exactly the
-// colocated engine's greedy tokens and logprobs (the golden prompts, submitted together).
-TEST(HybridInstances, PrefillThenDecodeGiveTheColocatedTokensAndLogprobs) {
-  for (int dp : {1, 2})
-    for (const char* name : {"qwen35_text_hd64_int2_fused", "qwen35_vl_hd256_int4_tied_bf16"}) {
-      SCOPED_TRACE(std::string(name) + ", decode dp " + std::to_string(dp));
-      const std::string dir = testing::source_dir() + "/tests/data/fixtures/" + name;
-      const testing::Golden g = testing::load_golden(dir);
-      ASSERT_FALSE(g.cases.empty());
-      std::vector<GenRequest> reqs;
-      for (size_t i = 0; i < g.cases.size(); ++i) {
-        GenRequest r = greedy("h" + std::to_string(i), g.cases[i].prompt_ids,
-                              std::max<int32_t>(2, g.cases[i].max_tokens));
-        r.sampling.logprobs = 0;
-        reqs.push_back(r);
-      }
-      struct Got {
-        std::vector<int32_t> ids;
-        std::vector<float> logprobs;
-        int finished = 0;
-        FinishReason reason = FinishReason::kStop;
-        std::string error;
-      };
-      // Colocated: one engine, the same requests.
-      std::map<std::string, Got> want;
-      {
-        auto model = load_cpu_model(dir);
-        ASSERT_GT(model->state_slot_elems(), 0);
-        Engine e(*model, small_engine());
-        for (const GenRequest& r : reqs) {
-          e.add(r, [&want, id = r.id](const StepOutput& o) {
-            Got& w = want[id];
-            w.ids.insert(w.ids.end(), o.token_ids.begin(), o.token_ids.end());
-            w.logprobs.insert(w.logprobs.end(), o.token_logprobs.begin(), o.token_logprobs.end());
-            if (o.finished) ++w.finished;
-          });
-        }
-        while (e.step()) {
-        }
-      }
-      DecodeInstanceConfig dcfg;
-      dcfg.model_dir = dir;
-      dcfg.dp = dp;
-      dcfg.engine = small_engine();
-      dcfg.max_decode_batch = 4;
-      std::mutex mu;
-      std::condition_variable cv;
-      std::map<std::string, Got> got;
-      int finished = 0;
-      DecodeInstance d(dcfg);
-      PrefillInstanceConfig pcfg;
-      pcfg.model_dir = dir;
-      pcfg.engine = small_engine();
-      PrefillInstance p(pcfg);
-      for (const GenRequest& r : reqs) {
-        auto dst = d.accept(r, p.kv_sharding(), [&, id = r.id](const StepOutput& o) {
-          std::lock_guard<std::mutex> lock(mu);
-          Got& w = got[id];
-          w.ids.insert(w.ids.end(), o.token_ids.begin(), o.token_ids.end());
-          w.logprobs.insert(w.logprobs.end(), o.token_logprobs.begin(), o.token_logprobs.end());
-          if (o.finished) {
-            ++w.finished;
-            w.reason = o.finish_reason;
-            w.error = o.error;
-            ++finished;
-            cv.notify_all();
-          }
-        });
-        ASSERT_TRUE(dst.has_value());
-        EXPECT_GT(dst->state_elems, 0);
-        p.submit(r, *dst, [&d, id = r.id](const std::string& error, const StepOutput& first) {
-          if (error.empty()) {
-            d.prefilled(id, first);
-          } else {
-            d.fail(id, error);
-          }
-        });
-      }
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        ASSERT_TRUE(
-            cv.wait_for(lock, 60s, [&] { return finished == static_cast<int>(reqs.size()); }));
-      }
-      for (const GenRequest& r : reqs) {
-        SCOPED_TRACE(r.id);
-        const Got& w = want[r.id];
-        const Got& h = got[r.id];
-        EXPECT_EQ(h.error, "");
-        EXPECT_EQ(h.finished, 1);
-        EXPECT_EQ(h.ids, w.ids);
-        EXPECT_EQ(h.logprobs, w.logprobs);  // the same kernels on both sides: exact
-        EXPECT_EQ(static_cast<int32_t>(h.ids.size()), r.max_tokens);
-      }
-      EXPECT_EQ(p.transfer_errors(), 0);
-    }
+std::string hybrid_fixture(const std::string& name) {
+  return testing::source_dir() + "/tests/data/fixtures/" + name;
 }
 
-// A hybrid prefill instance at TP 2 is refused at start-up (its DeltaNet states would arrive in
-// slices), naming the model type and the flag to use.
-TEST(HybridInstances, ShardedRolesAreRefused) {
-  const std::string dir =
-      testing::source_dir() + "/tests/data/fixtures/qwen35_text_hd64_int2_fused";
-  auto expect_refusal = [](const std::function<void()>& f) {
-    try {
-      f();
-      ADD_FAILURE() << "no error";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.message();
-      EXPECT_NE(e.message().find("qwen3_5"), std::string::npos) << e.message();
-      EXPECT_NE(e.message().find("--tp 1"), std::string::npos) << e.message();
+struct Got {
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+  int finished = 0;
+  FinishReason reason = FinishReason::kStop;
+  std::string error;
+};
+
+// Colocated: one engine, every request at once.
+std::map<std::string, Got> colocated(const std::string& dir, const std::vector<GenRequest>& reqs) {
+  std::map<std::string, Got> want;
+  auto model = load_cpu_model(dir);
+  EXPECT_GT(model->state_slot_elems(), 0);
+  Engine e(*model, small_engine());
+  for (const GenRequest& r : reqs) {
+    e.add(r, [&want, id = r.id](const StepOutput& o) {
+      Got& w = want[id];
+      w.ids.insert(w.ids.end(), o.token_ids.begin(), o.token_ids.end());
+      w.logprobs.insert(w.logprobs.end(), o.token_logprobs.begin(), o.token_logprobs.end());
+      if (o.finished) ++w.finished;
+    });
+  }
+  while (e.step()) {
+  }
+  return want;
+}
+
+// In-process roles: a prefill instance of `tp` ranks (its engine `pre`) and a decode instance
+// of `dp` ranks. Every request of `waves` goes through both, a wave once the one before it has
+// finished; those of `aborted` are aborted on both sides right after their submission (as the
+// router does when a client goes away). Returns the decode side's outputs of the others;
+// `pools` gets the prefill instance's pools once they are whole again (or after 30 s).
+std::map<std::string, Got> disaggregated(const std::string& dir, int tp, int dp,
+                                         const EngineConfig& pre,
+                                         const std::vector<std::vector<GenRequest>>& waves,
+                                         const std::set<std::string>& aborted, PrefillPools& pools,
+                                         int64_t& transfer_errors) {
+  DecodeInstanceConfig dcfg;
+  dcfg.model_dir = dir;
+  dcfg.dp = dp;
+  dcfg.engine = small_engine();
+  dcfg.max_decode_batch = 8;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, Got> got;
+  DecodeInstance d(dcfg);
+  PrefillInstanceConfig pcfg;
+  pcfg.model_dir = dir;
+  pcfg.tp = tp;
+  pcfg.engine = pre;
+  PrefillInstance p(pcfg);
+  EXPECT_EQ(p.kv_sharding().tp, tp);
+  for (const std::vector<GenRequest>& reqs : waves) {
+    for (const GenRequest& r : reqs) {
+      auto dst = d.accept(r, p.kv_sharding(), [&, id = r.id](const StepOutput& o) {
+        std::lock_guard<std::mutex> lock(mu);
+        Got& w = got[id];
+        w.ids.insert(w.ids.end(), o.token_ids.begin(), o.token_ids.end());
+        w.logprobs.insert(w.logprobs.end(), o.token_logprobs.begin(), o.token_logprobs.end());
+        if (o.finished) {
+          ++w.finished;
+          w.reason = o.finish_reason;
+          w.error = o.error;
+          cv.notify_all();
+        }
+      });
+      EXPECT_TRUE(dst.has_value()) << r.id;
+      if (!dst) continue;
+      EXPECT_GT(dst->state_elems, 0);
+      p.submit(r, *dst, [&d, id = r.id](const std::string& error, const StepOutput& first) {
+        if (error.empty()) {
+          d.prefilled(id, first);
+        } else {
+          d.fail(id, error);
+        }
+      });
+      if (aborted.count(r.id)) {
+        p.abort(r.id);
+        d.abort(r.id);
+      }
     }
+    std::unique_lock<std::mutex> lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, 120s, [&] {
+      for (const GenRequest& r : reqs) {
+        if (!aborted.count(r.id) && got[r.id].finished == 0) return false;
+      }
+      return true;
+    })) << "not every request finished";
+  }
+  for (int i = 0; i < 3000; ++i) {
+    pools = p.pools();
+    if (pools.state_slots_free == pools.state_slots_total &&
+        pools.kv_pages_free == pools.kv_pages_total) {
+      break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  transfer_errors = p.transfer_errors();
+  std::lock_guard<std::mutex> lock(mu);
+  std::map<std::string, Got> out;
+  for (const auto& reqs : waves) {
+    for (const GenRequest& r : reqs) {
+      if (!aborted.count(r.id)) out[r.id] = got[r.id];
+    }
+  }
+  return out;
+}
+
+// Every request's decode output: the colocated greedy tokens exactly; logprobs bit for bit
+// when `exact` (TP 1: the same kernels on both sides), else within 1e-4 (a TP prefill sums
+// its all-reduces in another order: its KV and states differ in the last bits).
+void expect_colocated(const std::map<std::string, Got>& got, const std::map<std::string, Got>& want,
+                      const std::vector<GenRequest>& reqs, bool exact) {
+  for (const auto& [id, h] : got) {
+    SCOPED_TRACE(id);
+    const Got& w = want.at(id);
+    EXPECT_EQ(h.error, "");
+    EXPECT_EQ(h.finished, 1);
+    EXPECT_EQ(h.ids, w.ids);
+    if (exact) {
+      EXPECT_EQ(h.logprobs, w.logprobs);
+    } else {
+      ASSERT_EQ(h.logprobs.size(), w.logprobs.size());
+      for (size_t i = 0; i < h.logprobs.size(); ++i) {
+        EXPECT_NEAR(h.logprobs[i], w.logprobs[i], 1e-4) << "token " << i;
+      }
+    }
+    for (const GenRequest& r : reqs) {
+      if (r.id == id) EXPECT_EQ(static_cast<int32_t>(h.ids.size()), r.max_tokens);
+    }
+  }
+}
+
+// A prefill instance (TP 1, and TP 2: each rank its DeltaNet value heads' states, gathered on
+// rank 0) and a decode instance (DP 1, and DP 2 with EP experts) in-process on each Qwen3.5
+// fixture: the attention layers' KV and the DeltaNet layers' recurrent state (with the FINISH of
+// the transfer) move from one to the other, and every request gets exactly the colocated
+// engine's greedy tokens (and logprobs: see expect_colocated); afterwards the prefill
+// instance's pages and state slots are all free.
+TEST(HybridInstances, PrefillThenDecodeGiveTheColocatedTokensAndLogprobs) {
+  for (int tp : {1, 2})
+    for (int dp : {1, 2})
+      for (const char* name : {"qwen35_text_hd64_int2_fused", "qwen35_vl_hd256_int4_tied_bf16"}) {
+        SCOPED_TRACE(std::string(name) + ", prefill tp " + std::to_string(tp) + ", decode dp " +
+                     std::to_string(dp));
+        const std::string dir = hybrid_fixture(name);
+        const testing::Golden g = testing::load_golden(dir);
+        ASSERT_FALSE(g.cases.empty());
+        std::vector<GenRequest> reqs;
+        for (size_t i = 0; i < g.cases.size(); ++i) {
+          GenRequest r = greedy("h" + std::to_string(i), g.cases[i].prompt_ids,
+                                std::max<int32_t>(2, g.cases[i].max_tokens));
+          r.sampling.logprobs = 0;
+          reqs.push_back(r);
+        }
+        const std::map<std::string, Got> want = colocated(dir, reqs);
+        PrefillPools pools;
+        int64_t errors = -1;
+        const std::map<std::string, Got> got =
+            disaggregated(dir, tp, dp, small_engine(), {reqs}, {}, pools, errors);
+        expect_colocated(got, want, reqs, tp == 1);
+        EXPECT_EQ(errors, 0);
+        EXPECT_GT(pools.state_slots_total, 0);
+        EXPECT_EQ(pools.state_slots_free, pools.state_slots_total);
+        EXPECT_EQ(pools.kv_pages_free, pools.kv_pages_total);
+      }
+}
+
+// A TP 2 prefill instance whose pages are short (sequences preempted and recomputed), some of
+// whose requests are aborted, then (one at a time, so the hits do not depend on timing) prompts
+// that share a prefix with the first ones (prefix-cache hits resume from state checkpoints,
+// restored on every rank): the others get the colocated tokens, and every page and state slot
+// comes back (the other rank holds slots under rank 0's ids).
+TEST(HybridInstances, TensorParallelPrefillPreemptsAbortsAndHitsThePrefixCache) {
+  const std::string dir = hybrid_fixture("qwen35_text_hd64_int2_fused");
+  const testing::Golden g = testing::load_golden(dir);
+  const testing::GoldenCase* longest = &g.cases[0];
+  for (const auto& c : g.cases) {
+    if (c.prompt_ids.size() > longest->prompt_ids.size()) longest = &c;
+  }
+  const std::vector<int32_t>& base = longest->prompt_ids;
+  ASSERT_GE(base.size(), 200u);
+  // Prompts sharing the first 160 tokens (checkpoints every 64 tokens: hits at 128), then
+  // their own tails.
+  auto request = [&](int i) {
+    std::vector<int32_t> prompt(base.begin(), base.begin() + 160);
+    for (int j = 0; j < 40 + 10 * (i % 6); ++j) {
+      prompt.push_back(base[static_cast<size_t>((160 + 7 * i + j) % base.size())]);
+    }
+    GenRequest r = greedy("p" + std::to_string(i), prompt, 4);
+    r.sampling.logprobs = 0;
+    return r;
   };
-  expect_refusal([&] {
-    PrefillInstanceConfig c;
-    c.model_dir = dir;
-    c.tp = 2;
-    c.engine = small_engine();
+  std::vector<std::vector<GenRequest>> waves(1);
+  std::vector<GenRequest> all;
+  std::set<std::string> aborted = {"p2", "p5"};
+  for (int i = 0; i < 6; ++i) waves[0].push_back(request(i));
+  for (int i = 6; i < 8; ++i) waves.push_back({request(i)});
+  for (const auto& w : waves) all.insert(all.end(), w.begin(), w.end());
+  const std::map<std::string, Got> want = colocated(dir, all);
+  EngineConfig pre = small_engine();
+  pre.num_pages = 30;  // 480 tokens: two of the ~200-token prompts at once, not more
+  pre.max_model_len = 256;
+  pre.max_batched_tokens = 256;  // four prompts start at once (chunks end at checkpoints)
+  pre.max_num_seqs = 4;
+  pre.num_state_checkpoints = 16;
+  PrefillPools pools;
+  int64_t errors = -1;
+  const std::map<std::string, Got> got =
+      disaggregated(dir, 2, 1, pre, waves, aborted, pools, errors);
+  EXPECT_EQ(got.size(), all.size() - aborted.size());
+  expect_colocated(got, want, all, false);
+  EXPECT_EQ(errors, 0);
+  EXPECT_GT(pools.preemptions, 0) << "the test wants preemption";
+  EXPECT_GE(pools.prefix_cache_hits, 2 * 128) << "the test wants prefix-cache hits";
+  EXPECT_EQ(pools.state_slots_total, 4);
+  EXPECT_EQ(pools.state_slots_free, pools.state_slots_total) << "leaked state slots";
+  EXPECT_EQ(pools.kv_pages_free, pools.kv_pages_total) << "leaked KV pages";
+}
+
+// A TP size the DeltaNet heads do not split over is refused at start-up, naming the heads.
+TEST(HybridInstances, PrefillTensorParallelThatDoesNotSplitIsRefused) {
+  PrefillInstanceConfig c;
+  c.model_dir = hybrid_fixture("qwen35_vl_hd256_int4_tied_bf16");  // 2 value heads
+  c.tp = 4;  // (its query, KV heads and experts split over 4)
+  c.engine = small_engine();
+  try {
     PrefillInstance p(c);
-  });
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.message();
+    EXPECT_NE(e.message().find("linear_num_value_heads 2 do not split over 4"), std::string::npos)
+        << e.message();
+  }
 }
 
 }  // namespace

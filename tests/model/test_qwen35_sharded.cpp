@@ -3,7 +3,9 @@
 //  - prefill TP=t EP=t (t = 2, 4 where the shapes split): logits of every prompt position within
 //    1e-4 of the single model's, in two chunks (the DeltaNet state carried over), then greedy
 //    decode steps; every rank the same logits bit for bit; each rank's state slot the slice of
-//    the single model's (model/hybrid_state.h) within 1e-5;
+//    the single model's (model/hybrid_state.h) within 1e-5, and the ranks' slots gathered on
+//    rank 0 (gather_hybrid_state, what a TP prefill instance sends) the single model's whole
+//    state within 1e-5 (fp32: the TP all-reduces sum in another order, so not bit for bit);
 //  - decode DP=d EP=d: each rank its own sequences, bit-identical logits and tokens, rank 0 with
 //    zero tokens in the later steps;
 //  - what does not split is refused with a message naming it.
@@ -118,13 +120,20 @@ TEST_P(ShardedQwen35, PrefillTensorParallelMatchesSingle) {
     SCOPED_TRACE(g.name + " TP=" + std::to_string(t));
     std::vector<PrefillResult> got(static_cast<size_t>(t));
     std::vector<DeltaNetHeads> heads(static_cast<size_t>(t));
+    std::vector<std::vector<float>> gathered(static_cast<size_t>(t));
     run_local_group(t, [&](Communicator& comm) {
       auto m = Qwen35MoeCpu::load(g.dir, ShardSpec::prefill(comm.rank(), t), &comm);
       EXPECT_EQ(m->kv_geometry(1, kPageSize).num_kv_heads, m->shard().kv_heads.size());
       EXPECT_EQ(m->state_slot_elems(), m->state_layout().slot_elems());
-      heads[static_cast<size_t>(comm.rank())] = m->deltanet_heads();
-      got[static_cast<size_t>(comm.rank())] = prefill_and_continue(*m, longest->prompt_ids, steps);
+      const auto r = static_cast<size_t>(comm.rank());
+      heads[r] = m->deltanet_heads();
+      got[r] = prefill_and_continue(*m, longest->prompt_ids, steps);
+      gathered[r] = gather_hybrid_state(comm, m->config(), got[r].state, 0);
     });
+    // Rank 0 holds the whole state after the prompt, as the single model's; the others none.
+    EXPECT_EQ(gathered[0].size(), want.state.size());
+    EXPECT_LE(max_abs_diff(gathered[0], want.state), 1e-5f) << "the gathered state";
+    for (int r = 1; r < t; ++r) EXPECT_TRUE(gathered[static_cast<size_t>(r)].empty()) << r;
     for (int r = 0; r < t; ++r) {
       const PrefillResult& p = got[static_cast<size_t>(r)];
       if (r > 0) {

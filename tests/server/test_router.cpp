@@ -245,6 +245,7 @@ TEST_P(DisaggregatedGolden, MatchesSingleProcess) {
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(want[i].ids, g.cases[i].output_ids);
   Cluster cluster(g.dir, tp, dp);
   expect_same(want, run_router(*cluster.router, reqs), g.name);
+  EXPECT_EQ(cluster.prefill->transfer_errors(), 0);  // (each rank ends each transfer once)
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
@@ -272,6 +273,7 @@ TEST(Disaggregated, PrefillTp4OverTwoKvHeads) {
   Cluster cluster(dir, /*tp=*/4, /*dp=*/2);
   EXPECT_EQ(cluster.prefill->num_senders(), 2);  // ranks 0 and 2; 1 and 3 hold replicas
   expect_same(run_single(dir, reqs), run_router(*cluster.router, reqs), "TP=4 over 2 KV heads");
+  EXPECT_EQ(cluster.prefill->transfer_errors(), 0);
 }
 
 TEST(Disaggregated, PrefillTp2OnMqa) {
