@@ -375,8 +375,13 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   im.mark(0);
   const size_t tb = static_cast<size_t>(seqs_run * w_run) * sizeof(int32_t);
   if (im.h_tables.size() < tb) {
-    im.h_tables = PinnedMem(tb * 2);
-    im.d_tables = DeviceMem(tb * 2);
+    // Room for the largest bucket's graph table at once: a regrown buffer drops the graphs
+    // captured so far (they read the old one), so warm-up must not grow it bucket by bucket.
+    const size_t cap = std::max(
+        tb * 2, s.buckets.empty() ? size_t{0}
+                                  : static_cast<size_t>(s.buckets.back() * gw) * sizeof(int32_t));
+    im.h_tables = PinnedMem(cap);
+    im.d_tables = DeviceMem(cap);
     im.drop_graphs();  // they read the old table buffer
   }
   const int64_t T = s.t_cap;
