@@ -36,7 +36,8 @@
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs (TANDEM_MTP_GRAPHS=1),
-#   bench_spec_sampled (TANDEM_SPEC_SAMPLED_ON_DEVICE=1) (MTP speculative decoding:
+#   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
+#   default, / on the host: TANDEM_SPEC_SAMPLED_ON_DEVICE=0) (MTP speculative decoding:
 #   bench_spec_cuda)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
@@ -253,6 +254,11 @@ fi
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_sampled 180 env TANDEM_SPEC_SAMPLED_ON_DEVICE=1 "$BIN/bench_spec_cuda" \
     --model 30b --e2e-only --e2e-batches 1,32 --ks 3 --ps 0.7 --tokens 64 --temperature 0.7
+# The same with sampled speculative rows on the host (logits copied back): the baseline of the
+# device path, the default.
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_sampled_host 180 env TANDEM_SPEC_SAMPLED_ON_DEVICE=0 "$BIN/bench_spec_cuda" \
+    --model 30b --e2e-only --e2e-batches 1,32 --ks 3 --ps 0.7 --tokens 64 --temperature 0.7
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -265,7 +271,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_sampled bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_sampled bench_spec_sampled_host bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

@@ -27,8 +27,8 @@ namespace {
 
 EngineConfig resolve(const Model& model, EngineConfig c) {
   const ModelConfig& m = model.config();
-  if (const char* e = std::getenv("TANDEM_SPEC_SAMPLED_ON_DEVICE"); e && std::strcmp(e, "1") == 0) {
-    c.spec_sampled_on_device = true;
+  if (const char* e = std::getenv("TANDEM_SPEC_SAMPLED_ON_DEVICE"); e && std::strcmp(e, "0") == 0) {
+    c.spec_sampled_on_device = false;
   }
   if (c.max_model_len <= 0) c.max_model_len = m.max_position_embeddings;
   TANDEM_CHECK_KIND(kInvalidArgument, c.max_model_len > 0, "max_model_len must be positive");

@@ -65,10 +65,10 @@ struct EngineConfig {
   double spec_forced_accept_prob = -1.0;
   // Sampled (non-greedy) speculative requests on a model that samples on its device: drafts
   // the MTP's argmax there, verify rows drawn there with their output positions' counters and
-  // accepted while equal (Engine::device_rows). Off by default until measured on the GPU
-  // (sampled requests then take the host path, logits to the host); TANDEM_SPEC_SAMPLED_ON_DEVICE=1
-  // in the environment turns it on.
-  bool spec_sampled_on_device = false;
+  // accepted while equal (Engine::device_rows). On by default since the H200 ran it (its
+  // distribution test and docs/perf.md); off (sampled requests then take the host path, logits
+  // to the host): false here or TANDEM_SPEC_SAMPLED_ON_DEVICE=0 in the environment.
+  bool spec_sampled_on_device = true;
   // Tests only: may replace a sequence's drafts after the MTP drafted them (given its tokens
   // so far); replaced drafts count as deterministic (q one-hot) in rejection sampling.
   using SpecHookFn = std::function<void(const std::string& id, std::span<const int32_t> tokens,

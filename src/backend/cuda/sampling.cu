@@ -1848,7 +1848,7 @@ int resident_ctas() {
 bool sampling_v2_from_env() {
   static const bool on = [] {
     char const* e = std::getenv("TANDEM_SAMPLING_V2");
-    return e != nullptr && e[0] == '1';
+    return e == nullptr || e[0] != '0';
   }();
   return on;
 }
@@ -1889,7 +1889,7 @@ void sample_launch(SampleParams const& p, cudaStream_t stream) {
     }
   }
   const unsigned blocks = static_cast<unsigned>(p.rows);
-  const bool v2 = p.v2 || sampling_v2_from_env();
+  const bool v2 = p.v2 && sampling_v2_from_env();
   switch (p.dtype) {
     case DType::kF32:
       if (v2) {

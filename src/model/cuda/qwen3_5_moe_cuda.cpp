@@ -90,9 +90,10 @@ struct HostMeta {
 constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
                                 80, 96, 112, 128, 160, 192, 224, 256};
 
-bool env_on(const char* name) {
+// A switch that is on unless NAME=0 in the environment.
+bool env_not_off(const char* name) {
   const char* e = std::getenv(name);
-  return e != nullptr && std::strcmp(e, "1") == 0;
+  return e == nullptr || std::strcmp(e, "0") != 0;
 }
 
 // A host float vector as bf16 bits.
@@ -138,17 +139,18 @@ struct Qwen35MoeCuda::Impl {
   }();
   std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
-  // Opt-in (off by default: not yet measured on the H200): steps of at most kForkMaxTokens
-  // tokens run the shared expert (gate_up, SiLU, down) on a second stream beside the router and
-  // the routed experts (both read the post-attention norm; the shared expert's gate joins them):
-  // at decode sizes these are latency-bound kernels of few CTAs, so the two chains overlap. Its
-  // own GemmLt (one per stream). On: set_shared_expert_fork(true) or TANDEM_Q35_SHARED_FORK=1.
+  // On by default since the H200 measured it (docs/perf.md: decode 1-4% faster): steps of at most
+  // kForkMaxTokens tokens run the shared expert (gate_up, SiLU, down) on a second stream beside the
+  // router and the routed experts (both read the post-attention norm; the shared expert's gate
+  // joins them): at decode sizes these are latency-bound kernels of few CTAs, so the two chains
+  // overlap. Its own GemmLt (one per stream). Off: set_shared_expert_fork(false) or
+  // TANDEM_Q35_SHARED_FORK=0.
   static constexpr int64_t kForkMaxTokens = 256;
-  bool fork_shared = env_on("TANDEM_Q35_SHARED_FORK");
-  // Opt-in (off by default: not yet measured on the H200): a DeltaNet decode step as one kernel
-  // (GatedDeltaRuleParams::fused_decode). On: set_fused_deltanet_decode(true) or
-  // TANDEM_Q35_FUSED_DECODE=1.
-  bool fused_decode = env_on("TANDEM_Q35_FUSED_DECODE");
+  bool fork_shared = env_not_off("TANDEM_Q35_SHARED_FORK");
+  // On by default since the H200 measured it: a DeltaNet decode step as one kernel
+  // (GatedDeltaRuleParams::fused_decode). Off: set_fused_deltanet_decode(false) or
+  // TANDEM_Q35_FUSED_DECODE=0.
+  bool fused_decode = env_not_off("TANDEM_Q35_FUSED_DECODE");
   cudaStream_t side = nullptr;
   cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
   std::unique_ptr<cuda::GemmLt> gemm_side;

@@ -64,14 +64,14 @@ class Qwen35MoeCuda final : public Model {
   /// Drops the captured decode graphs (the next decode step of each bucket captures again), e.g.
   /// after a change of backend/cuda/decode_switches.h, which a graph keeps as captured.
   void reset_graphs();
-  /// Opt-in, off by default (not yet measured on the H200; TANDEM_Q35_SHARED_FORK=1 at load
-  /// turns it on): steps of up to 256 tokens run the shared expert on a second stream beside the
-  /// routed experts. Changing it drops the captured graphs.
+  /// On by default (measured on the H200; TANDEM_Q35_SHARED_FORK=0 at load turns it off): steps of
+  /// up to 256 tokens run the shared expert on a second stream beside the routed experts. Changing
+  /// it drops the captured graphs.
   void set_shared_expert_fork(bool on);
   bool shared_expert_fork() const;
-  /// Opt-in, off by default (not yet measured on the H200; TANDEM_Q35_FUSED_DECODE=1 at load
-  /// turns it on): a DeltaNet layer's decode delta rule as one kernel
-  /// (GatedDeltaRuleParams::fused_decode). Changing it drops the captured graphs.
+  /// On by default (measured on the H200; TANDEM_Q35_FUSED_DECODE=0 at load turns it off): a
+  /// DeltaNet layer's decode delta rule as one kernel (GatedDeltaRuleParams::fused_decode).
+  /// Changing it drops the captured graphs.
   void set_fused_deltanet_decode(bool on);
   bool fused_deltanet_decode() const;
   int64_t num_linear_layers() const;
