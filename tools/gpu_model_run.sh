@@ -1,59 +1,63 @@
-#!/usr/bin/env bash
-# The one script for the single-GPU machine (issue "CUDA backend on one H200"): unpacks the
-# binaries packed by tools/pack_gpu_bin.sh, runs every GPU test, then the benchmarks, and prints
-# the tables last. It builds nothing.
+#!/ usr / bin / env bash
+#The one script for the single - GPU machine(issue "CUDA backend on one H200") : unpacks the
+#binaries packed by tools / pack_gpu_bin.sh, runs every GPU test, then the benchmarks, and prints
+#the tables last.It builds nothing.
 #
-#   tools/gpu_model_run.sh PACK_DIR        (from the repo root; PACK_DIR holds bin.tar.xz)
+#tools / gpu_model_run.sh PACK_DIR(from the repo root; PACK_DIR holds bin.tar.xz)
 #
-# TANDEM_GPU_RUN_STEPS="name ..." runs only those steps; TANDEM_BENCH_ARGS goes to the C++
-# benchmarks (e.g. --quick). Logs and CSVs go to /tmp/gpu_model_run, and as one logs.tgz to
-# $OUT when set (the device tool brings back only a few files).
-# Wheels in .whl/ (openai and the packages it needs that the image lacks) are installed into
-# /tmp/site for the openai client step.
+#TANDEM_GPU_RUN_STEPS = "name ..." runs only those steps; TANDEM_BENCH_ARGS goes to the C++
+#benchmarks(e.g.--quick).Logs and CSVs go to / tmp / gpu_model_run, and as one logs.tgz to
+#$OUT when set(the device tool brings back only a few files).
+#Wheels in.whl / (openai and the packages it needs that the image lacks) are installed into
+#/ tmp / site for the openai client step.
 #
-# Steps (each time-limited; exit status 0 only when every test step passed, not skipped):
-#   test_backend_cuda  every kernel vs its CPU reference (norms, attention, MoE GEMM and layer,
-#                      sampling, ...), fresh random inputs, poisoned outputs; CudaSampling also
-#                      runs the single-CTA kernel's v2 (SampleParams::v2, off by default) and
-#                      expects exactly the default kernel's tokens, logprobs and top-n
-#   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
-#                      greedy through the engine (alone / batched / chunked / graphs / eager)
-#   test_model_cuda_det  --deterministic: batch / chunk / cache-hit invariance, bitwise
-#   test_server_cuda   the HTTP tests of the "Serving" issue, the real-engine ones over the GPU
-#                      model (TANDEM_TEST_DEVICE=cuda)
-#   openai_client      the official openai client against `tandem serve --device cuda`
-#   memcheck_model     compute-sanitizer memcheck over one fixture's model tests
-#   bench_itl          colocated serve at concurrency 128, step-time policy off vs the relative
-#                      target (--step-time-factor 3), steady and two-wave loads: ITL p50 / p99,
-#                      output tok/s and their ratios, the per-step trace's predicted vs measured
-#                      step times (tools/gpu_itl_bench.sh)
-#   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
-#   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
-#   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
-#   bench_fp8_mxfp8, and --deterministic: bench_model_det), profile_decode (per-kernel decode
-#   step),
-#   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
-#   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
-#   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
-#   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs (TANDEM_MTP_GRAPHS=1),
-#   bench_spec_sampled (TANDEM_SPEC_SAMPLED_ON_DEVICE=1) (MTP speculative decoding:
-#   bench_spec_cuda)
-set -uo pipefail
-PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
-PACK=$(cd "$PACK" && pwd)
-ROOT=$(pwd)
-LOG=/tmp/gpu_model_run
-rm -rf "$LOG" && mkdir -p "$LOG"
-BIN=/tmp/tandem_gpu_bin
-rm -rf "$BIN" && mkdir -p "$BIN"
-python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
-  "$PACK/bin.tar.xz" "$BIN" || { echo "cannot unpack $PACK/bin.tar.xz"; exit 2; }
+#Steps(each time - limited; exit status 0 only when every test step passed, not skipped):
+#test_backend_cuda every kernel vs its CPU reference(norms, attention, MoE GEMM and layer,
+#sampling, ...), fresh random inputs, poisoned outputs; CudaSampling also
+#runs the single - CTA kernel's v2 (SampleParams::v2, off by default) and
+#expects exactly the default kernel's tokens, logprobs and top-n
+#test_model_cuda golden fixtures on the GPU : teacher - forced logits vs the CPU model,
+#greedy through the engine(alone / batched / chunked / graphs / eager)
+#test_model_cuda_det-- deterministic : batch / chunk / cache - hit invariance, bitwise
+#test_server_cuda the HTTP tests of the "Serving" issue, the real - engine ones over the GPU
+#model(TANDEM_TEST_DEVICE = cuda)
+#openai_client the official openai client against `tandem serve-- device cuda`
+#memcheck_model compute - sanitizer memcheck over one fixture's model tests
+#bench_itl colocated serve at concurrency 128, step - time policy off vs the relative
+#target(--step - time - factor 3), steady and two - wave loads : ITL p50 / p99,
+#output tok / s and their ratios, the per - step trace's predicted vs measured
+#step times(tools / gpu_itl_bench.sh)
+#bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
+#sampling_torch(bench / cuda / sampling_torch_baseline.py beside bench_sampling's CSV),
+#bench_grammar, bench_model_cuda(also with-- fp8, and--mxfp8 : bench_model_mxfp8,
+#bench_fp8_mxfp8, and--deterministic : bench_model_det), profile_decode(per - kernel decode
+#step),
+#profile_decode_topk + test_model_cuda_topk(the opt - in moe_topk decode variants),
+#bench_qwen35_cuda(a 4 - layer Qwen3 .5 - 35B - A3B checkpoint written by make_random_checkpoint),
+#bench_qwen35_122b(one Qwen3 .5 - 122B - A10B DeltaNet + attention pair and the attention layer),
+#bench_qwen35_397b(the same for Qwen3 .5 - 397B - A17B : 512 experts, top - 10),
+#bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs(TANDEM_MTP_GRAPHS = 1),
+#bench_spec_sampled(TANDEM_SPEC_SAMPLED_ON_DEVICE = 1)(MTP speculative decoding:
+#bench_spec_cuda)
+set - uo pipefail PACK =
+${1 : ? usage : tools / gpu_model_run.sh PACK_DIR} PACK = $(cd "$PACK" && pwd) ROOT = $(pwd) LOG =
+    / tmp / gpu_model_run rm - rf "$LOG" && mkdir - p "$LOG" BIN =
+        / tmp / tandem_gpu_bin rm - rf "$BIN" &&
+            mkdir - p "$BIN" python3 -
+                c
+                "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])"
+                "$PACK/bin.tar.xz"
+                "$BIN" ||
+{
+  echo "cannot unpack $PACK/bin.tar.xz";
+  exit 2;
+}
 export NCCL_NVLS_ENABLE=0
 [ -d "$BIN/qwen3_tokenizer" ] && export TANDEM_QWEN3_TOKENIZER_DIR=$BIN/qwen3_tokenizer
 export TANDEM_SOURCE_DIR=$ROOT
 source "$(dirname "$0")/gpu_libs.sh"
 find_gpu_libs libcudart.so.13 libcublasLt.so.13 libcublas.so.13
-# Of the carried libraries keep only those the machine lacks (python and torch keep theirs).
+#Of the carried libraries keep only those the machine lacks(python and torch keep theirs).
 for f in "$BIN"/lib/*; do
   ldconfig -p 2>/dev/null | grep -q "$(basename "$f") " && rm -f "$f"
 done
@@ -228,6 +232,18 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
       --full-attention-interval 1 --vocab 1024 && \
     '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
       --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
+  # The same for Qwen3.5-397B-A17B (512 experts, top-10: the wide router / permute kernels):
+  # 12.9 GB of bf16 experts per layer, 26.1 GB for the pair + 13.1 GB for the attention layer
+  # (39.2 GB; /tmp when /dev/shm has less than 42 GB free); the pair's 26 GB on the GPU.
+  export TANDEM_BENCH_CSV="$LOG/bench_qwen35_397b.csv"
+  step bench_qwen35_397b 300 bash -c "d=/dev/shm/q397l; \
+    [ \$(df --output=avail -k /dev/shm | tail -1) -gt 42000000 ] || d=/tmp/q397l; rm -rf \$d && \
+    '$BIN/make_random_checkpoint' --out \$d/pair --preset qwen3.5-397b-a17b --layers 2 \
+      --full-attention-interval 2 --vocab 1024 && \
+    '$BIN/make_random_checkpoint' --out \$d/attn --preset qwen3.5-397b-a17b --layers 1 \
+      --full-attention-interval 1 --vocab 1024 && \
+    '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
+      --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
 fi
 # MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1
 # tokens vs the 1-token step, 30B 48 layers and one 235B layer, B 1 / 8 / 32 / 128, K 0..4) and
@@ -275,6 +291,7 @@ done
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"
 [ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
 [ -f "$LOG/bench_qwen35_122b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_122b.log"
+[ -f "$LOG/bench_qwen35_397b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_397b.log"
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
 done
