@@ -14,8 +14,8 @@
 # Steps (each time-limited; exit status 0 only when every test step passed, not skipped):
 #   test_backend_cuda  every kernel vs its CPU reference (norms, attention, MoE GEMM and layer,
 #                      sampling, ...), fresh random inputs, poisoned outputs; CudaSampling also
-#                      runs the single-CTA kernel's v2 (SampleParams::v2, off by default) and
-#                      expects exactly the default kernel's tokens, logprobs and top-n
+#                      runs the single-CTA kernel's v1 and v2 (SampleParams::v2, the default) and
+#                      expects exactly the same tokens, logprobs and top-n
 #   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
 #                      greedy through the engine (alone / batched / chunked / graphs / eager)
 #   test_model_cuda_det  --deterministic: batch / chunk / cache-hit invariance, bitwise
@@ -35,6 +35,7 @@
 #   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
+#   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
 #   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs (TANDEM_MTP_GRAPHS=1),
 #   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
 #   default, / on the host: TANDEM_SPEC_SAMPLED_ON_DEVICE=0) (MTP speculative decoding:
@@ -231,6 +232,18 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
       --full-attention-interval 1 --vocab 1024 && \
     '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
       --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
+  # The same for Qwen3.5-397B-A17B (512 experts, top-10: the wide router / permute kernels):
+  # 12.9 GB of bf16 experts per layer, 26.1 GB for the pair + 13.1 GB for the attention layer
+  # (39.2 GB; /tmp when /dev/shm has less than 42 GB free); the pair's 26 GB on the GPU.
+  export TANDEM_BENCH_CSV="$LOG/bench_qwen35_397b.csv"
+  step bench_qwen35_397b 300 bash -c "d=/dev/shm/q397l; \
+    [ \$(df --output=avail -k /dev/shm | tail -1) -gt 42000000 ] || d=/tmp/q397l; rm -rf \$d && \
+    '$BIN/make_random_checkpoint' --out \$d/pair --preset qwen3.5-397b-a17b --layers 2 \
+      --full-attention-interval 2 --vocab 1024 && \
+    '$BIN/make_random_checkpoint' --out \$d/attn --preset qwen3.5-397b-a17b --layers 1 \
+      --full-attention-interval 1 --vocab 1024 && \
+    '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
+      --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
 fi
 # MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1
 # tokens vs the 1-token step, 30B 48 layers and one 235B layer, B 1 / 8 / 32 / 128, K 0..4) and
@@ -283,6 +296,7 @@ done
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"
 [ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
 [ -f "$LOG/bench_qwen35_122b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_122b.log"
+[ -f "$LOG/bench_qwen35_397b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_397b.log"
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
 done

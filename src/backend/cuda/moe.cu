@@ -1,5 +1,6 @@
 // Router top-k softmax, SiLU-multiply, MoE permute / unpermute. See moe.h.
 #include <algorithm>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
@@ -12,7 +13,7 @@ using namespace detail;
 namespace {
 
 // ---------------------------------------------------------------- top-k softmax
-constexpr int kMaxTopK = 8;
+constexpr int kMaxTopK = static_cast<int>(kRouterMaxTopK);  // unpermute's sort buffer
 constexpr int kTopkWarps = 4;
 
 template <typename T>
@@ -24,8 +25,8 @@ __device__ __forceinline__ float to_f32(T v) {
   }
 }
 
-// One warp per token; lane l holds experts l, l + 32, ... (kPerLane of them).
-template <typename T, int kPerLane>
+// One warp per token; lane l holds experts l, l + 32, ... (kPerLane of them); top_k <= kMaxK.
+template <typename T, int kPerLane, int kMaxK>
 __global__ void __launch_bounds__(kTopkWarps * 32) topk_softmax_kernel(TopkSoftmaxParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kTopkWarps + (threadIdx.x >> 5);
@@ -54,10 +55,10 @@ __global__ void __launch_bounds__(kTopkWarps * 32) topk_softmax_kernel(TopkSoftm
     prob[i] = e < p.num_experts ? prob[i] / sum : -INFINITY;  // padding never wins
   }
   // k rounds of a warp arg-max (greater probability, then lower expert id).
-  float sel_w[kMaxTopK];
-  int sel_e[kMaxTopK];
+  float sel_w[kMaxK];
+  int sel_e[kMaxK];
 #pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) {
+  for (int j = 0; j < kMaxK; ++j) {
     sel_w[j] = 0.f;
     sel_e[j] = 0;
     if (j < p.top_k) {
@@ -90,11 +91,11 @@ __global__ void __launch_bounds__(kTopkWarps * 32) topk_softmax_kernel(TopkSoftm
   if (lane == 0) {
     float ksum = 0.f;
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < kMaxK; ++j) {
       if (j < p.top_k) ksum += sel_w[j];
     }
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < kMaxK; ++j) {
       if (j < p.top_k) {
         p.topk_ids[t * p.top_k + j] = sel_e[j];
         p.topk_weights[t * p.top_k + j] = p.renormalize ? sel_w[j] / ksum : sel_w[j];
@@ -108,15 +109,21 @@ void topk_softmax_per_lane(TopkSoftmaxParams const& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.num_tokens + kTopkWarps - 1) / kTopkWarps);
   constexpr int threads = kTopkWarps * 32;
   const int64_t per_lane = (p.num_experts + 31) / 32;
+  constexpr int kNarrowK = static_cast<int>(kRouterNarrowTopK);
+  if (p.top_k > kNarrowK || p.num_experts > kRouterNarrowExperts) {  // the wide variant
+    topk_softmax_kernel<T, static_cast<int>(kRouterMaxExperts / 32), kMaxTopK>
+        <<<blocks, threads, 0, stream>>>(p);
+    return;
+  }
   switch (per_lane) {
-    case 1: topk_softmax_kernel<T, 1><<<blocks, threads, 0, stream>>>(p); break;
-    case 2: topk_softmax_kernel<T, 2><<<blocks, threads, 0, stream>>>(p); break;
+    case 1: topk_softmax_kernel<T, 1, kNarrowK><<<blocks, threads, 0, stream>>>(p); break;
+    case 2: topk_softmax_kernel<T, 2, kNarrowK><<<blocks, threads, 0, stream>>>(p); break;
     case 3:
-    case 4: topk_softmax_kernel<T, 4><<<blocks, threads, 0, stream>>>(p); break;
+    case 4: topk_softmax_kernel<T, 4, kNarrowK><<<blocks, threads, 0, stream>>>(p); break;
     case 5:
     case 6:
     case 7:
-    case 8: topk_softmax_kernel<T, 8><<<blocks, threads, 0, stream>>>(p); break;
+    case 8: topk_softmax_kernel<T, 8, kNarrowK><<<blocks, threads, 0, stream>>>(p); break;
     default: TANDEM_THROW(kUnsupported, "topk_softmax: unsupported num_experts ", p.num_experts);
   }
 }
@@ -138,8 +145,12 @@ __global__ void silu_mul_kernel(SiluMulParams p) {
 }
 
 // ---------------------------------------------------------------- permute
-constexpr int kMaxLocalExperts = 256;
+// The permute kernels come in two widths: kMaxE = 256 (up to 256 local experts) and 512.
 constexpr int kPermuteThreads = 1024;  // token-slots per block of the histogram/place kernels
+// Per-warp expert counts of the place kernel (<= 32 each): int at 256 experts (32 KB), 16-bit at
+// 512 (32 KB of static shared memory as well; ints would take 64 KB).
+template <int kMaxE>
+using WarpCount = std::conditional_t<(kMaxE > 256), uint16_t, int>;
 
 __device__ __forceinline__ int local_expert(MoePermuteParams const& p, int64_t slot) {
   const int64_t e = static_cast<int64_t>(p.topk_ids[slot]) - p.expert_begin;
@@ -147,8 +158,9 @@ __device__ __forceinline__ int local_expert(MoePermuteParams const& p, int64_t s
 }
 
 // Per block of 1024 token-slots: histogram over local experts -> hist[block][expert].
+template <int kMaxE>
 __global__ void __launch_bounds__(kPermuteThreads) moe_hist_kernel(MoePermuteParams p) {
-  __shared__ int sH[kMaxLocalExperts];
+  __shared__ int sH[kMaxE];
   const int E = static_cast<int>(p.num_local_experts);
   for (int e = threadIdx.x; e < E; e += blockDim.x) sH[e] = 0;
   __syncthreads();
@@ -162,11 +174,11 @@ __global__ void __launch_bounds__(kPermuteThreads) moe_hist_kernel(MoePermutePar
   for (int e = threadIdx.x; e < E; e += blockDim.x) gHist[e] = sH[e];
 }
 
-// One block of 256 threads: counts, offsets (exclusive scan over experts) and each block's
+// One block of kMaxE threads: counts, offsets (exclusive scan over experts) and each block's
 // base row per expert: base[b][e] = offsets[e] + sum_{b' < b} hist[b'][e].
-__global__ void __launch_bounds__(kMaxLocalExperts)
-    moe_scan_kernel(MoePermuteParams p, int num_blocks) {
-  __shared__ int sScan[kMaxLocalExperts];
+template <int kMaxE>
+__global__ void __launch_bounds__(kMaxE) moe_scan_kernel(MoePermuteParams p, int num_blocks) {
+  __shared__ int sScan[kMaxE];
   const int E = static_cast<int>(p.num_local_experts);
   const int e = threadIdx.x;
   int32_t const* gHist = p.workspace;
@@ -181,7 +193,7 @@ __global__ void __launch_bounds__(kMaxLocalExperts)
   // Inclusive Hillis-Steele scan of counts over the experts.
   sScan[e] = count;
   __syncthreads();
-  for (int o = 1; o < kMaxLocalExperts; o <<= 1) {
+  for (int o = 1; o < kMaxE; o <<= 1) {
     const int v = e >= o ? sScan[e - o] : 0;
     __syncthreads();
     sScan[e] += v;
@@ -198,13 +210,14 @@ __global__ void __launch_bounds__(kMaxLocalExperts)
 
 // Per block of 1024 token-slots: stable rank within the block (warp match + per-warp counts),
 // then row = base[block][expert] + rank.
+template <int kMaxE>
 __global__ void __launch_bounds__(kPermuteThreads)
     moe_place_kernel(MoePermuteParams p, int num_blocks) {
   constexpr int kWarps = kPermuteThreads / 32;
-  __shared__ int sWarpCount[kWarps][kMaxLocalExperts];
+  __shared__ WarpCount<kMaxE> sWarpCount[kWarps][kMaxE];
   const int E = static_cast<int>(p.num_local_experts);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < kWarps * kMaxLocalExperts; i += blockDim.x) {
+  for (int i = threadIdx.x; i < kWarps * kMaxE; i += blockDim.x) {
     (&sWarpCount[0][0])[i] = 0;
   }
   __syncthreads();
@@ -213,7 +226,9 @@ __global__ void __launch_bounds__(kPermuteThreads)
   const int e = slot < num_slots ? local_expert(p, slot) : -1;
   const unsigned peers = __match_any_sync(0xffffffffu, e);
   const int rank_in_warp = __popc(peers & ((1u << lane) - 1u));
-  if (e >= 0 && rank_in_warp == 0) sWarpCount[warp][e] = __popc(peers);
+  if (e >= 0 && rank_in_warp == 0) {
+    sWarpCount[warp][e] = static_cast<WarpCount<kMaxE>>(__popc(peers));
+  }
   __syncthreads();
   if (slot >= num_slots) return;
   if (e < 0) {
@@ -306,12 +321,13 @@ void moe_unpermute_vec(MoeUnpermuteParams const& p, int vec, cudaStream_t stream
 
 void topk_softmax_launch(TopkSoftmaxParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.num_tokens >= 0, "topk_softmax: bad num_tokens ", p.num_tokens);
-  if (p.num_experts < 1 || p.num_experts > 256) {
-    TANDEM_THROW(kUnsupported, "topk_softmax: unsupported num_experts ", p.num_experts,
-                 " (1..256)");
+  if (p.num_experts < 1 || p.num_experts > kRouterMaxExperts) {
+    TANDEM_THROW(kUnsupported, "topk_softmax: unsupported num_experts ", p.num_experts, " (1..",
+                 kRouterMaxExperts, ")");
   }
   if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.num_experts) {
-    TANDEM_THROW(kUnsupported, "topk_softmax: unsupported top_k ", p.top_k, " (1..8)");
+    TANDEM_THROW(kUnsupported, "topk_softmax: unsupported top_k ", p.top_k, " (1..", kMaxTopK,
+                 " and at most num_experts)");
   }
   if (p.num_tokens == 0) return;
   switch (p.logits_dtype) {
@@ -347,20 +363,28 @@ size_t moe_permute_workspace_elems(int64_t num_tokens, int64_t top_k, int64_t nu
 
 void moe_permute_launch(MoePermuteParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.num_tokens >= 0 && p.top_k >= 1 && p.hidden > 0, "moe_permute: bad sizes");
-  if (p.num_local_experts < 1 || p.num_local_experts > kMaxLocalExperts) {
+  if (p.num_local_experts < 1 || p.num_local_experts > kRouterMaxExperts) {
     TANDEM_THROW(kUnsupported, "moe_permute: unsupported num_local_experts ", p.num_local_experts,
-                 " (1..256)");
+                 " (1..", kRouterMaxExperts, ")");
   }
   const int64_t num_slots = p.num_tokens * p.top_k;
   TANDEM_CHECK(num_slots <= INT32_MAX / 2, "moe_permute: too many token-slots ", num_slots);
   const int num_blocks =
       static_cast<int>(std::max<int64_t>((num_slots + kPermuteThreads - 1) / kPermuteThreads, 1));
-  moe_hist_kernel<<<num_blocks, kPermuteThreads, 0, stream>>>(p);
-  TANDEM_CUDA_CHECK_LAUNCH();
-  moe_scan_kernel<<<1, kMaxLocalExperts, 0, stream>>>(p, num_blocks);
-  TANDEM_CUDA_CHECK_LAUNCH();
-  moe_place_kernel<<<num_blocks, kPermuteThreads, 0, stream>>>(p, num_blocks);
-  TANDEM_CUDA_CHECK_LAUNCH();
+  auto indices = [&](auto max_e) {
+    constexpr int kMaxE = decltype(max_e)::value;
+    moe_hist_kernel<kMaxE><<<num_blocks, kPermuteThreads, 0, stream>>>(p);
+    TANDEM_CUDA_CHECK_LAUNCH();
+    moe_scan_kernel<kMaxE><<<1, kMaxE, 0, stream>>>(p, num_blocks);
+    TANDEM_CUDA_CHECK_LAUNCH();
+    moe_place_kernel<kMaxE><<<num_blocks, kPermuteThreads, 0, stream>>>(p, num_blocks);
+    TANDEM_CUDA_CHECK_LAUNCH();
+  };
+  if (p.num_local_experts <= kRouterNarrowExperts) {
+    indices(std::integral_constant<int, static_cast<int>(kRouterNarrowExperts)>{});
+  } else {
+    indices(std::integral_constant<int, static_cast<int>(kRouterMaxExperts)>{});
+  }
   if (p.permuted_x == nullptr || num_slots == 0) return;
   const int vec = p.hidden % 8 == 0 && aligned_to(16, p.x, p.permuted_x) ? 8 : 1;
   const int threads = row_threads((p.hidden + vec - 1) / vec, 256);
@@ -379,7 +403,8 @@ void moe_permute_launch(MoePermuteParams const& p, cudaStream_t stream) {
 void moe_unpermute_launch(MoeUnpermuteParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.num_tokens >= 0 && p.hidden > 0, "moe_unpermute: bad sizes");
   if (p.top_k < 1 || p.top_k > kMaxTopK) {
-    TANDEM_THROW(kUnsupported, "moe_unpermute: unsupported top_k ", p.top_k, " (1..8)");
+    TANDEM_THROW(kUnsupported, "moe_unpermute: unsupported top_k ", p.top_k, " (1..", kMaxTopK,
+                 ")");
   }
   if (p.num_tokens == 0) return;
   TANDEM_CHECK(p.num_tokens <= INT32_MAX, "moe_unpermute: too many tokens");

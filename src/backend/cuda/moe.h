@@ -16,8 +16,16 @@ namespace tandem::cuda {
 
 using bf16 = __nv_bfloat16;
 
+/// Limits of the routed-MoE kernels (router top-k, permute / unpermute, the decode router and
+/// expert GEMVs, MoeLayer): Qwen3.5-397B-A17B's 512 experts, top-10, fit. Up to 256 experts and
+/// top-8 (Qwen3-MoE, Qwen3.5-35B / 122B) every kernel runs its narrow variant (fewer registers,
+/// unchanged); past either the wide one (32 x 16 experts per warp, top-16).
+constexpr int64_t kRouterMaxExperts = 512, kRouterMaxTopK = 16;
+constexpr int64_t kRouterNarrowExperts = 256, kRouterNarrowTopK = 8;
+
 /// Router: fp32 softmax over experts, top-k (ties -> lower expert id), optional
-/// renormalisation of the k weights. logits bf16 or fp32; num_experts <= 256, top_k <= 8.
+/// renormalisation of the k weights. logits bf16 or fp32; num_experts <= kRouterMaxExperts,
+/// top_k <= kRouterMaxTopK.
 struct TopkSoftmaxParams {
   void const* logits;   // [num_tokens, num_experts] of logits_dtype
   int32_t* topk_ids;    // [num_tokens, top_k]
@@ -40,7 +48,7 @@ void silu_mul_launch(SiluMulParams const& p, cudaStream_t stream);
 /// num_local_experts) by expert; within an expert, rows keep token order (deterministic).
 /// Row counts stay on the device (CUDA-graph safe): rows at and past
 /// expert_offsets[num_local_experts] of permuted_x / permuted_src are left untouched.
-/// num_local_experts <= 256.
+/// num_local_experts <= kRouterMaxExperts.
 struct MoePermuteParams {
   bf16 const* x;            // [num_tokens, hidden]
   int32_t const* topk_ids;  // [num_tokens, top_k]: global expert ids
@@ -58,7 +66,7 @@ void moe_permute_launch(MoePermuteParams const& p, cudaStream_t stream);
 
 /// out[t] = sum over the token's local slots, in ascending expert order, of
 /// topk_weights[t, j] * permuted_y[slot_row[t, j]]; fp32 sum, stored as out_dtype (bf16 or
-/// fp32). Tokens with no local slot get zeros.
+/// fp32). Tokens with no local slot get zeros. top_k <= kRouterMaxTopK.
 struct MoeUnpermuteParams {
   bf16 const* permuted_y;     // [num_tokens * top_k, hidden]: expert outputs, permuted order
   int32_t const* topk_ids;    // [num_tokens, top_k]

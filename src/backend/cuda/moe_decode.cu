@@ -15,6 +15,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/moe.h"
 #include "backend/cuda/moe_decode.h"
 #include "backend/cuda/moe_gemm.h"
 
@@ -26,6 +27,7 @@ using detail::pdl_trigger;
 using detail::pdl_wait;
 
 constexpr int kWarps = 8, kThreads = kWarps * 32, kMaxSlots = 64, kT = kMoeDecodeMaxTokens;
+constexpr int kMaxLocal = static_cast<int>(kRouterMaxExperts);  // down: local experts listed
 constexpr int kPreLoads = 24;  // down: 16-byte loads per lane issued before the wait (at most)
 
 __device__ __forceinline__ uint4 load_stream(uint4 const* p) {
@@ -148,26 +150,35 @@ __global__ void __launch_bounds__(kThreads, 2) gate_up_kernel(MoeDecodeParams p)
 template <int kCpl>
 __global__ void __launch_bounds__(kThreads, 2) down_kernel(MoeDecodeParams p) {
   constexpr int kPre = kCpl >= kPreLoads ? 1 : kPreLoads / kCpl;
-  __shared__ int sExp[256], sOff[257], sWarpCount[kWarps], sNum;
+  // At most kMaxSlots non-empty experts (each has a routed row).
+  __shared__ int sExp[kMaxSlots], sOff[kMaxLocal + 1], sWarpCount[kWarps], sNum;
   __shared__ int sTok[kMaxSlots];
   __shared__ float sW[kMaxSlots];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
   const int L = p.num_local_experts;
-  // Routing, complete before gate_up started: non-empty local experts in ascending order.
-  int count = 0;
-  if (tid < L) sOff[tid] = p.expert_offsets[tid];
+  // Routing, complete before gate_up started: non-empty local experts in ascending order, one
+  // expert per thread and pass (one pass up to 256 local experts).
   if (tid == 0) sOff[L] = p.expert_offsets[L];
-  if (tid < L) count = p.expert_offsets[tid + 1] - p.expert_offsets[tid];
-  const unsigned ne = __ballot_sync(0xffffffffu, count > 0);
-  if (lane == 0) sWarpCount[warp] = __popc(ne);
-  __syncthreads();
-  int before = 0, total = 0;
+  int total = 0;
+  for (int e0 = 0; e0 < L; e0 += kThreads) {
+    const int e = e0 + tid;
+    int count = 0;
+    if (e < L) {
+      sOff[e] = p.expert_offsets[e];
+      count = p.expert_offsets[e + 1] - p.expert_offsets[e];
+    }
+    const unsigned ne = __ballot_sync(0xffffffffu, count > 0);
+    if (lane == 0) sWarpCount[warp] = __popc(ne);
+    __syncthreads();
+    int before = total;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    before += w < warp ? sWarpCount[w] : 0;
-    total += sWarpCount[w];
+    for (int w = 0; w < kWarps; ++w) {
+      before += w < warp ? sWarpCount[w] : 0;
+      total += sWarpCount[w];
+    }
+    if (count > 0) sExp[before + __popc(ne & ((1u << lane) - 1u))] = e;
+    __syncthreads();  // sWarpCount is rewritten by the next pass
   }
-  if (count > 0) sExp[before + __popc(ne & ((1u << lane) - 1u))] = tid;
   const int rows = sOff[L];
   if (tid < rows) {
     const int slot = p.permuted_src[tid];
@@ -518,7 +529,7 @@ bool moe_decode_supported(MoeDecodeParams const& p) {
   return p.num_tokens >= 1 && p.num_tokens <= kMoeDecodeMaxTokens && p.top_k >= 1 &&
          p.num_tokens * p.top_k <= kMaxSlots && p.hidden >= 8 && p.hidden % 8 == 0 &&
          p.inter >= 8 && p.inter % kMoeGateUpInterleave == 0 && p.inter <= 2048 &&
-         p.num_local_experts >= 1 && p.num_local_experts <= 256 && p.expert_begin >= 0 &&
+         p.num_local_experts >= 1 && p.num_local_experts <= kMaxLocal && p.expert_begin >= 0 &&
          p.x != nullptr && p.gate_up != nullptr && p.down != nullptr && p.act != nullptr &&
          p.out != nullptr && aligned16(p.x) && aligned16(p.gate_up) && aligned16(p.down) &&
          aligned16(p.act) && p.topk_ids != nullptr && p.topk_weights != nullptr &&

@@ -42,8 +42,8 @@ struct MoeDecodeParams {
 constexpr int kMoeDecodeMaxTokens = 8;
 
 /// Whether the two kernels take these sizes: 1 <= num_tokens <= 8, num_tokens * top_k <= 64,
-/// hidden and inter multiples of 8, inter <= 2048, 1 <= num_local_experts <= 256, and the
-/// pointers 16-byte aligned.
+/// hidden and inter multiples of 8, inter <= 2048, 1 <= num_local_experts <= 512
+/// (kRouterMaxExperts), and the pointers 16-byte aligned.
 bool moe_decode_supported(MoeDecodeParams const& p);
 
 /// Both launches (gate_up, then down + unpermute) on `stream`, programmatic dependent launches.
@@ -87,6 +87,8 @@ struct MoeDecodeTopkParams {
 
 /// 1 <= top_k <= 8, top_k <= num_experts <= 256, hidden and inter multiples of 8,
 /// inter <= 2048, 1 <= num_local_experts <= 256, expert_begin >= 0, pointers set and aligned.
+/// (Narrow routing only: with more experts or a larger top_k, e.g. Qwen3.5-397B's 512 / top-10,
+/// MoeLayer's one-token decode takes the router's top-k and moe_decode_launch instead.)
 bool moe_decode_topk_supported(MoeDecodeTopkParams const& p);
 
 /// How the persistent gate_up kernel runs: kPrefetch (the next item's rows in flight while the

@@ -51,6 +51,11 @@ MoeLayer::MoeLayer(int64_t max_tokens, int64_t hidden, int64_t inter, int64_t nu
   TANDEM_CHECK(expert_begin >= 0 && num_local_experts >= 1 &&
                    expert_begin + num_local_experts <= num_experts,
                "MoeLayer: bad local experts [", expert_begin, ", +", num_local_experts, ")");
+  if (num_experts > kRouterMaxExperts || top_k > kRouterMaxTopK) {
+    TANDEM_THROW(kUnsupported, "MoeLayer: ", num_experts, " experts, top_k ", top_k,
+                 " (the CUDA MoE kernels take at most ", kRouterMaxExperts, " experts, top_k ",
+                 kRouterMaxTopK, ")");
+  }
   // Validate what the grouped GEMMs need once here, not per step.
   if (hidden % 8 != 0 || inter % kMoeGateUpInterleave != 0) {
     TANDEM_THROW(kUnsupported, "MoeLayer: hidden ", hidden, " must be a multiple of 8, inter ",
@@ -143,8 +148,8 @@ void MoeLayer::reserve_fp8_prefill() {
 
 MoeLayerPath MoeLayer::pick_path(int64_t num_tokens) const {
   if (num_tokens <= moe_layer_detail::kDecodeMaxTokens &&
-      num_tokens * top_k_ <= moe_layer_detail::kDecodeMaxSlots && top_k_ <= 8 &&
-      num_experts_ <= 256) {
+      num_tokens * top_k_ <= moe_layer_detail::kDecodeMaxSlots && top_k_ <= kRouterMaxTopK &&
+      num_experts_ <= kRouterMaxExperts) {
     return MoeLayerPath::kDecode;
   }
   if (cublas_ok_ && num_tokens * top_k_ >= kCublasMinRowsPerExpert * num_local_) {

@@ -4,7 +4,8 @@
 //    with fused SiLU-multiply -> grouped GEMM down -> weighted unpermute into out. Eight
 //    launches, no host sync, no allocation: CUDA-graph capturable for a fixed num_tokens once
 //    run() has been called eagerly for that num_tokens (cuBLASLt plan creation).
-//  - decode (num_tokens <= 8, num_experts <= 256): one kernel does router dot products (fp32),
+//  - decode (num_tokens <= 8, num_tokens * top_k <= 64): one kernel does router dot products
+//  (fp32),
 //    top-k softmax and the permute indices, then with bf16 experts the two expert GEMVs of
 //    moe_decode.h (gate_up + SiLU, down + weighted unpermute: three launches; the grouped GEMMs
 //    below when decode_switches().moe_gemv is off), with FP8 experts the same grouped GEMMs and
@@ -60,7 +61,7 @@ struct MoeLayerWeights {
 
 /// Which implementation run() uses. kAuto picks (see above); a forced path is for tests and
 /// benchmarks and still falls back to kMma where it cannot run (kDecode: num_tokens > 8 or
-/// more than 256 experts; kCublas: the stream is capturing or the layer was built without the
+/// num_tokens * top_k > 64; kCublas: the stream is capturing or the layer was built without the
 /// cuBLAS buffers, i.e. max_tokens * top_k < 64 * num_local_experts; kPadded: as kCublas, and
 /// it falls back to kCublas when the padded rows exceed the padded buffers, whatever the
 /// balance). pick_path says kPadded for prefill sizes: run() then takes kPadded or kCublas by
@@ -185,7 +186,7 @@ struct DecodeRouterParams {
   bool logits_only = false;
 };
 /// Router logits + top-k softmax + permute indices; num_tokens <= 8, num_tokens * top_k <= 64,
-/// num_experts <= 256, top_k <= 8, hidden % 8 == 0, num_local_experts <= 256.
+/// num_experts <= kRouterMaxExperts, top_k <= kRouterMaxTopK (moe.h), hidden % 8 == 0.
 void decode_router_launch(DecodeRouterParams const& p, cudaStream_t stream);
 struct UnpermutePdlParams {
   bf16 const* permuted_y;  // written by the preceding kernel (the down GEMM)
@@ -196,7 +197,7 @@ struct UnpermutePdlParams {
   int64_t num_tokens, hidden, top_k;
 };
 /// moe_unpermute_launch's bf16 result as a programmatic dependent launch (see the .cu).
-/// hidden % 8 == 0, top_k <= 8, permuted_y and out 16-byte aligned.
+/// hidden % 8 == 0, top_k <= kRouterMaxTopK, permuted_y and out 16-byte aligned.
 void unpermute_pdl_launch(UnpermutePdlParams const& p, cudaStream_t stream);
 /// gate_up [rows, 2 inter] packed (moe_pack_gate_up order) -> columns [0, inter) of each row =
 /// silu(gate) * up, in place. inter % 8 == 0, inter <= 8192, 16-byte aligned.

@@ -5,6 +5,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/moe.h"
 #include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/moe_layer.h"
 
@@ -14,15 +15,16 @@ using namespace detail;
 
 namespace {
 
-constexpr int kRouterWarps = 4;  // experts per CTA (one warp each)
-constexpr int kMaxTopK = 8;
+constexpr int kRouterWarps = 4;                             // experts per CTA (one warp each)
+constexpr int kMaxTopK = static_cast<int>(kRouterMaxTopK);  // unpermute's sort buffer
 
 // Grid: ceil(E / 4) CTAs of 4 warps; warp w of CTA b computes logits[t, 4 b + w] for every token
 // (fp32, lane-strided 8-element chunks, then a fixed xor-shuffle tree: deterministic). The last
 // CTA to finish (atomic counter, reset by it) then does the top-k softmax of every token, with
 // exactly topk_softmax_kernel's arithmetic and tie rule (greater probability, then lower
 // expert id), and the permute indices (moe_permute's order: by local expert, then token-slot).
-template <int kPerLane>
+// kPerLane logits per lane (num_experts <= 32 kPerLane), top_k <= kMaxK.
+template <int kPerLane, int kMaxK>
 __global__ void __launch_bounds__(kRouterWarps * 32) decode_router_kernel(DecodeRouterParams p) {
   __shared__ int sLocal[kDecodeMaxSlots];
   __shared__ bool sLast;
@@ -123,10 +125,10 @@ __global__ void __launch_bounds__(kRouterWarps * 32) decode_router_kernel(Decode
       const int ee = lane + 32 * i;
       prob[i] = ee < E ? prob[i] / sum : -INFINITY;
     }
-    float sel_w[kMaxTopK];
-    int sel_e[kMaxTopK];
+    float sel_w[kMaxK];
+    int sel_e[kMaxK];
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < kMaxK; ++j) {
       sel_w[j] = 0.f;
       sel_e[j] = 0;
       if (j < K) {
@@ -159,11 +161,11 @@ __global__ void __launch_bounds__(kRouterWarps * 32) decode_router_kernel(Decode
     if (lane == 0) {
       float ksum = 0.f;
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) {
+      for (int j = 0; j < kMaxK; ++j) {
         if (j < K) ksum += sel_w[j];
       }
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) {
+      for (int j = 0; j < kMaxK; ++j) {
         if (j < K) {
           p.topk_ids[t * K + j] = sel_e[j];
           p.topk_weights[t * K + j] = p.renormalize ? sel_w[j] / ksum : sel_w[j];
@@ -343,9 +345,11 @@ void unpermute_pdl_launch(UnpermutePdlParams const& p, cudaStream_t stream) {
 
 void decode_router_launch(DecodeRouterParams const& p, cudaStream_t stream) {
   TANDEM_CHECK(p.num_tokens >= 1 && p.num_tokens <= kDecodeMaxTokens &&
-                   p.num_tokens * p.top_k <= kDecodeMaxSlots && p.top_k <= kMaxTopK &&
-                   p.num_experts >= 1 && p.num_experts <= 256 && p.hidden % 8 == 0,
-               "decode_router: unsupported sizes");
+                   p.num_tokens * p.top_k <= kDecodeMaxSlots && p.top_k >= 1 &&
+                   p.top_k <= kMaxTopK && p.top_k <= p.num_experts && p.num_experts >= 1 &&
+                   p.num_experts <= kRouterMaxExperts && p.hidden % 8 == 0,
+               "decode_router: unsupported sizes (tokens ", p.num_tokens, ", experts ",
+               p.num_experts, ", top_k ", p.top_k, ", hidden ", p.hidden, ")");
   const unsigned blocks = static_cast<unsigned>((p.num_experts + kRouterWarps - 1) / kRouterWarps);
   constexpr int threads = kRouterWarps * 32;
   auto launch = [&](auto kernel) {
@@ -355,12 +359,17 @@ void decode_router_launch(DecodeRouterParams const& p, cudaStream_t stream) {
       kernel<<<blocks, threads, 0, stream>>>(p);
     }
   };
-  switch ((p.num_experts + 31) / 32) {
-    case 1: launch(decode_router_kernel<1>); break;
-    case 2: launch(decode_router_kernel<2>); break;
-    case 3:
-    case 4: launch(decode_router_kernel<4>); break;
-    default: launch(decode_router_kernel<8>); break;
+  constexpr int kNarrowK = static_cast<int>(kRouterNarrowTopK);
+  if (p.top_k > kNarrowK || p.num_experts > kRouterNarrowExperts) {  // the wide variant
+    launch(decode_router_kernel<static_cast<int>(kRouterMaxExperts / 32), kMaxTopK>);
+  } else {
+    switch ((p.num_experts + 31) / 32) {
+      case 1: launch(decode_router_kernel<1, kNarrowK>); break;
+      case 2: launch(decode_router_kernel<2, kNarrowK>); break;
+      case 3:
+      case 4: launch(decode_router_kernel<4, kNarrowK>); break;
+      default: launch(decode_router_kernel<8, kNarrowK>); break;
+    }
   }
   TANDEM_CUDA_CHECK_LAUNCH();
 }

@@ -147,10 +147,13 @@ void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
   bool any_moe = false;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) any_moe |= c.is_moe_layer(l);
   if (any_moe) {
-    TANDEM_CHECK_KIND(kUnsupported, c.num_experts <= 256, origin, ": num_experts ", c.num_experts,
-                      " is not supported on the GPU (at most 256)");
-    TANDEM_CHECK_KIND(kUnsupported, c.num_experts_per_tok <= 8, origin, ": num_experts_per_tok ",
-                      c.num_experts_per_tok, " is not supported on the GPU (at most 8)");
+    // The CUDA MoE kernels' limits (backend/cuda/moe.h).
+    TANDEM_CHECK_KIND(kUnsupported, c.num_experts <= cuda::kRouterMaxExperts, origin,
+                      ": num_experts ", c.num_experts, " is not supported on the GPU (at most ",
+                      cuda::kRouterMaxExperts, ")");
+    TANDEM_CHECK_KIND(kUnsupported, c.num_experts_per_tok <= cuda::kRouterMaxTopK, origin,
+                      ": num_experts_per_tok ", c.num_experts_per_tok,
+                      " is not supported on the GPU (at most ", cuda::kRouterMaxTopK, ")");
   }
 }
 

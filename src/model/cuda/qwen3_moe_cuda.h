@@ -84,7 +84,7 @@ class Qwen3MoeCuda final : public Model {
   /// Loads config.json and the safetensors weights of `dir` (mmap -> pinned staging ->
   /// device): the slice opts.shard names. Throws kUnsupported, naming config.json and the
   /// field, for shapes the CUDA ops do not cover (head_dim other than 64 / 128, attention
-  /// bias, > 256 experts, top-k > 8, a local GQA group other than 1/2/4/8/16).
+  /// bias, > 512 experts, top-k > 16, a local GQA group other than 1/2/4/8/16).
   /// Sharded (opts.shard.size > 1) the load is collective: every rank of the group loads its
   /// model at the same time (the communicators are built then).
   static std::unique_ptr<Qwen3MoeCuda> load(const std::string& dir, const CudaModelOptions& opts);

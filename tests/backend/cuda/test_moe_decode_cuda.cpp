@@ -40,6 +40,11 @@ struct Case {
   int T, H, I, E, K, begin, L;
 };
 
+struct LayerDecodeCase {
+  int H, I, E, K;
+  std::vector<int> tokens;
+};
+
 std::string name(Case const& c) {
   return "tokens " + std::to_string(c.T) + " hidden " + std::to_string(c.H) + " inter " +
          std::to_string(c.I) + " experts " + std::to_string(c.E) + " top_k " + std::to_string(c.K) +
@@ -54,6 +59,9 @@ class MoeDecodeCuda : public test_util::CudaFixture<> {
     for (auto& v : b) v = f32_to_bf16(d(rng_));
     return b;
   }
+
+  // MoeLayer's decode path with the expert GEMVs vs the grouped GEMMs (below).
+  void check_layer_decode(LayerDecodeCase const& lc);
 
   // Runs one case and checks out (and act) against the CPU. Returns out's bits.
   Bits run_case(Case const& c) {
@@ -178,6 +186,15 @@ TEST_F(MoeDecodeCuda, MatchesCpuMoe) {
       {6, 256, 128, 32, 4, 8, 16},   // expert-parallel slice
       {3, 128, 64, 64, 2, 60, 4},    // EP slice most tokens miss: zero rows
       {7, 1032, 200, 40, 9, 0, 40},  // top-9 (63 slots), hidden 1032
+      // Qwen3.5-397B-A17B routing (512 experts, top-10): more than 256 local experts (two
+      // passes of the down kernel's expert listing), its widths with fewer experts, odd k,
+      // top-16.
+      {6, 512, 64, 512, 10, 0, 512},      // 60 slots over 512 local experts
+      {1, 4096, 1024, 16, 10, 0, 16},     // hidden 4096, inter 1024 (4 chunks per lane)
+      {2, 4096, 1024, 512, 10, 500, 12},  // EP slice at the top of 512: mostly zero rows
+      {5, 136, 72, 400, 7, 0, 400},       // top-7 over 400 local experts, odd chunk counts
+      {3, 200, 72, 300, 11, 260, 40},     // top-11, expert ids past 256, EP slice
+      {4, 64, 16, 512, 16, 0, 512},       // top-16: 64 slots
   };
   for (Case const& c : cases) {
     SCOPED_TRACE(name(c));
@@ -221,13 +238,32 @@ TEST_F(MoeDecodeCuda, RejectsUnsupported) {
   q.num_tokens = 8;
   q.top_k = 9;  // 72 slots
   EXPECT_FALSE(moe_decode_supported(q));
+  q = p;
+  q.num_tokens = 7;
+  q.top_k = 10;  // 70 slots
+  EXPECT_FALSE(moe_decode_supported(q));
+  q = p;
+  q.num_local_experts = 512;
+  EXPECT_TRUE(moe_decode_supported(q));
+  q.num_local_experts = 513;
+  EXPECT_FALSE(moe_decode_supported(q));
 }
 
 // The MoE layer's decode path (router kernel + these two) against the same layer with the
-// grouped GEMMs + unpermute (decode_switches().moe_gemv off), Qwen3-30B-A3B widths.
+// grouped GEMMs + unpermute (decode_switches().moe_gemv off), Qwen3-30B-A3B widths, and
+// Qwen3.5-397B-A17B's routing (512 experts, top-10: the wide router; one token takes the
+// router's top-k, moe_decode_topk being narrow only) and top-13 of 300 at smaller widths.
 TEST_F(MoeDecodeCuda, LayerDecodePathMatchesGroupedGemms) {
   SCOPED_TRACE(trace());
-  const int H = 2048, I = 768, E = 64, K = 8;
+  for (LayerDecodeCase const& lc :
+       {LayerDecodeCase{2048, 768, 64, 8, {1, 2, 5, 8}},
+        LayerDecodeCase{512, 128, 512, 10, {1, 3, 6}}, LayerDecodeCase{264, 64, 300, 13, {1, 4}}}) {
+    check_layer_decode(lc);
+  }
+}
+
+void MoeDecodeCuda::check_layer_decode(LayerDecodeCase const& lc) {
+  const int H = lc.H, I = lc.I, E = lc.E, K = lc.K;
   Bits router = rand_bf16(size_t(E) * H, 1.0f / std::sqrt(float(H)));
   Bits gate = rand_bf16(size_t(E) * I * H, 1.0f / std::sqrt(float(H)));
   Bits up = rand_bf16(size_t(E) * I * H, 1.0f / std::sqrt(float(H)));
@@ -243,8 +279,9 @@ TEST_F(MoeDecodeCuda, LayerDecodePathMatchesGroupedGemms) {
   GemmLt gemm;
   const DecodeSwitches saved = decode_switches();
   decode_switches().moe_gemv_max_tokens = 8;
-  for (int T : {1, 2, 5, 8}) {
-    SCOPED_TRACE("tokens " + std::to_string(T));
+  for (int T : lc.tokens) {
+    SCOPED_TRACE("tokens " + std::to_string(T) + " experts " + std::to_string(E) + " top_k " +
+                 std::to_string(K));
     MoeLayer layer(8, H, I, E, K, 0, E, true);
     layer.set_path(MoeLayerPath::kDecode);
     Bits x = rand_bf16(size_t(T) * H, 1.0f);

@@ -407,9 +407,12 @@ MoeLayerPath expected_prefill_path(MoeLayer const& layer, int64_t max_tokens, in
 TEST_F(MoeLayerCuda, MatchesCpuMoe) {
   SCOPED_TRACE(trace());
   const std::vector<LayerCase> cases = {
-      {0, 256, 128, 16, 4, 0, 16, true},     {1, 256, 128, 16, 4, 0, 16, true},
-      {2, 256, 128, 16, 4, 0, 16, true},     {8, 256, 128, 16, 4, 4, 8, true},    // EP slice
-      {37, 256, 128, 16, 4, 0, 16, false},   {300, 256, 128, 16, 4, 4, 8, true},  // EP slice
+      {0, 256, 128, 16, 4, 0, 16, true},
+      {1, 256, 128, 16, 4, 0, 16, true},
+      {2, 256, 128, 16, 4, 0, 16, true},
+      {8, 256, 128, 16, 4, 4, 8, true},  // EP slice
+      {37, 256, 128, 16, 4, 0, 16, false},
+      {300, 256, 128, 16, 4, 4, 8, true},     // EP slice
       {5, 2048, 768, 16, 8, 0, 16, true},     // Qwen3-30B-A3B widths, fewer experts
       {8, 2048, 768, 128, 8, 0, 128, true},   // Qwen3-30B-A3B decode, batch 8 (64 slots)
       {2, 256, 128, 200, 8, 0, 200, false},   // 200 experts: 7 per lane in the top-k
@@ -418,6 +421,16 @@ TEST_F(MoeLayerCuda, MatchesCpuMoe) {
       {4096, 128, 64, 128, 8, 0, 128, true},  // 256 rows per expert: padded by default
       {4096, 128, 64, 16, 2, 0, 16, true},    // 512 rows per expert: padded (Mmax 640)
       {2000, 128, 64, 16, 4, 4, 8, false},    // EP slice at prefill size
+      // Qwen3.5-397B-A17B routing (512 experts, top-10; the wide router / permute kernels),
+      // odd k, top-16, at smaller widths.
+      {1, 512, 128, 512, 10, 0, 512, true},      // decode, one token
+      {6, 256, 64, 512, 10, 0, 512, true},       // decode, 60 slots
+      {7, 256, 64, 512, 10, 0, 512, true},       // 70 slots: past the decode path
+      {3, 256, 64, 300, 7, 0, 300, false},       // top-7 of 300
+      {4, 128, 64, 512, 16, 0, 512, true},       // top-16, 64 slots
+      {300, 128, 64, 512, 10, 0, 512, true},     // prefill, mma
+      {4096, 128, 64, 512, 10, 0, 512, true},    // 80 rows per expert: padded / cuBLAS
+      {200, 256, 64, 512, 11, 128, 300, false},  // EP slice of 300 local experts, top-11
   };
   for (LayerCase const& c : cases) {
     SCOPED_TRACE("tokens " + std::to_string(c.tokens) + " hidden " + std::to_string(c.hidden) +
@@ -431,7 +444,7 @@ TEST_F(MoeLayerCuda, MatchesCpuMoe) {
     DeviceBuffer<uint16_t> d_x(x), d_out(c.tokens * c.hidden);
     const bool cublas_possible = (c.tokens + 3) * c.top_k >= 64 * c.local;
     std::vector<MoeLayerPath> paths = {MoeLayerPath::kAuto, MoeLayerPath::kMma};
-    if (c.tokens <= 8) paths.push_back(MoeLayerPath::kDecode);
+    if (c.tokens <= 8 && c.tokens * c.top_k <= 64) paths.push_back(MoeLayerPath::kDecode);
     if (cublas_possible) {
       paths.push_back(MoeLayerPath::kCublas);
       paths.push_back(MoeLayerPath::kPadded);
@@ -465,6 +478,31 @@ TEST_F(MoeLayerCuda, PicksPaths) {
   // Too small for the cuBLAS buffers: never cuBLAS.
   MoeLayer small(256, 2048, 768, 128, 8, 0, 128, true);
   EXPECT_EQ(small.pick_path(256), MoeLayerPath::kMma);
+  // Qwen3.5-397B-A17B's routing (512 experts, top-10): decode up to 64 slots (6 tokens), cuBLAS
+  // from 64 rows per expert (3277 tokens).
+  MoeLayer wide(4096, 256, 128, 512, 10, 0, 512, true);
+  EXPECT_EQ(wide.pick_path(1), MoeLayerPath::kDecode);
+  EXPECT_EQ(wide.pick_path(6), MoeLayerPath::kDecode);
+  EXPECT_EQ(wide.pick_path(7), MoeLayerPath::kMma);
+  EXPECT_EQ(wide.pick_path(3276), MoeLayerPath::kMma);
+  EXPECT_EQ(wide.pick_path(3277), MoeLayerPath::kPadded);
+  MoeLayer top16(8, 256, 128, 512, 16, 0, 512, true);
+  EXPECT_EQ(top16.pick_path(4), MoeLayerPath::kDecode);
+  EXPECT_EQ(top16.pick_path(5), MoeLayerPath::kMma);
+}
+
+// More experts or a larger top-k than the kernels take: refused at construction, naming both.
+TEST_F(MoeLayerCuda, RejectsTooManyExperts) {
+  for (auto [experts, top_k] : {std::pair<int64_t, int64_t>{513, 8}, {512, 17}}) {
+    try {
+      MoeLayer layer(8, 64, 32, experts, top_k, 0, experts, true);
+      ADD_FAILURE() << experts << " experts, top_k " << top_k << " accepted";
+    } catch (Error const& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+      EXPECT_NE(std::string(e.what()).find("at most 512 experts, top_k 16"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // Captured once for a fixed token count, replayed on fresh inputs: the routing changes, the

@@ -420,7 +420,11 @@ TEST_F(CudaOps, TopkSoftmax) {
   struct Case {
     int64_t experts, top_k;
   };
-  for (Case c : {Case{128, 8}, Case{256, 8}, Case{60, 4}, Case{8, 1}, Case{33, 8}, Case{8, 8}}) {
+  // Narrow variant (<= 256 experts, top-8) and the wide one (Qwen3.5-397B's 512 / top-10, an odd
+  // k, top-16, more than 256 experts at top-8, a top-k past 8 of few experts).
+  for (Case c :
+       {Case{128, 8}, Case{256, 8}, Case{60, 4}, Case{8, 1}, Case{33, 8}, Case{8, 8}, Case{512, 10},
+        Case{512, 16}, Case{300, 7}, Case{257, 8}, Case{64, 11}, Case{16, 16}}) {
     for (int64_t tokens : {1, 33, 300}) {
       for (bool renorm : {true, false}) {
         for (DType dt : {DType::kBF16, DType::kF32}) {
@@ -466,12 +470,16 @@ TEST_F(CudaOps, TopkSoftmax) {
 TEST_F(CudaOps, TopkSoftmaxRejectsUnsupported) {
   TopkSoftmaxParams p{};
   p.num_tokens = 1;
-  p.num_experts = 257;
+  p.num_experts = 513;
   p.top_k = 8;
   EXPECT_THROW(topk_softmax_launch(p, stream_), Error);
-  p.num_experts = 128;
-  p.top_k = 9;
+  p.num_experts = 512;
+  p.top_k = 17;
   EXPECT_THROW(topk_softmax_launch(p, stream_), Error);
+  p.num_experts = 9;
+  p.top_k = 10;  // more than the experts
+  EXPECT_THROW(topk_softmax_launch(p, stream_), Error);
+  p.num_experts = 128;
   p.top_k = 8;
   p.logits_dtype = DType::kF16;
   EXPECT_THROW(topk_softmax_launch(p, stream_), Error);
@@ -545,6 +553,17 @@ TEST_F(MoePermute, MatchesHostReference) {
       {1500, 16, 1, 0, 16, 40, Routing::kAllToOne},  // all slots to one expert
       {37, 256, 8, 0, 256, 128, Routing::kRandom},   // many empty experts
       {5, 128, 8, 120, 8, 64, Routing::kAllToOne},   // no local slot at all
+      // Past 256 local experts (the 512-wide kernels) and top-k past 8: Qwen3.5-397B's 512 /
+      // top-10, odd k, top-16.
+      {1, 512, 10, 0, 512, 4096, Routing::kRandom},
+      {1000, 512, 10, 0, 512, 64, Routing::kRandom},  // 10 blocks of token-slots
+      {3000, 512, 11, 0, 512, 40, Routing::kRandom},  // 33 blocks, odd hidden rows of 40
+      {700, 512, 9, 100, 300, 37, Routing::kRandom},  // EP: 300 of 512 local, odd hidden
+      {2000, 512, 9, 0, 512, 64, Routing::kSkewed},   // every token to expert 5; most empty
+      {1500, 512, 13, 0, 512, 40, Routing::kAllToOne},
+      {64, 512, 16, 0, 512, 128, Routing::kRandom},
+      {5, 512, 16, 500, 12, 64, Routing::kAllToOne},  // no local slot at all
+      {40, 128, 10, 0, 128, 64, Routing::kRandom},    // top-10 of 128: narrow permute
   };
   for (PermuteCase const& c : cases) {
     SCOPED_TRACE("tokens " + std::to_string(c.tokens) + " E " + std::to_string(c.experts) + " k " +
@@ -640,7 +659,7 @@ TEST_F(MoePermute, RejectsTooManyExperts) {
   p.num_tokens = 1;
   p.top_k = 1;
   p.hidden = 8;
-  p.num_local_experts = 257;
+  p.num_local_experts = 513;
   EXPECT_THROW(moe_permute_launch(p, stream_), Error);
 }
 

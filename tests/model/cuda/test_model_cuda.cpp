@@ -83,6 +83,40 @@ TEST(CudaModelConfig, UnsupportedShapesAreRefusedNamingTheField) {
   EXPECT_GE(supported_dirs().size(), 3u);
 }
 
+// The CUDA MoE kernels' limits (backend/cuda/moe.h): Qwen3.5-397B-A17B's 512 experts / top-10
+// and up to 512 / 16 pass, one more expert or one more slot is refused naming the field.
+TEST(CudaModelConfig, MoeLimitsAreRefusedNamingTheField) {
+  const auto dirs = supported_dirs();
+  ASSERT_FALSE(dirs.empty());
+  ModelConfig c = ModelConfig::from_dir(dirs.front());
+  bool any_moe = false;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) any_moe |= c.is_moe_layer(l);
+  ASSERT_TRUE(any_moe) << dirs.front();
+  for (const auto& [experts, top_k] : {std::pair<int64_t, int64_t>{512, 10}, {512, 16}, {128, 8}}) {
+    c.num_experts = experts;
+    c.num_experts_per_tok = top_k;
+    EXPECT_NO_THROW(check_cuda_model_config(c, "x/config.json")) << experts << " / " << top_k;
+  }
+  struct Bad {
+    int64_t experts, top_k;
+    std::string field;
+  };
+  for (const Bad& b : {Bad{513, 10, "num_experts 513"}, Bad{1024, 8, "num_experts 1024"},
+                       Bad{512, 17, "num_experts_per_tok 17"}}) {
+    c.num_experts = b.experts;
+    c.num_experts_per_tok = b.top_k;
+    try {
+      check_cuda_model_config(c, "x/config.json");
+      ADD_FAILURE() << b.field << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("x/config.json: " + b.field), std::string::npos) << what;
+      EXPECT_NE(what.find("at most"), std::string::npos) << what;
+    }
+  }
+}
+
 // --gpu-memory-utilization: the KV budget is what is free beyond the share left unused.
 TEST(CudaModelConfig, KvCacheBudgetFromGpuMemory) {
   constexpr size_t kGiB = size_t{1} << 30;
