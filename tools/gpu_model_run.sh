@@ -263,7 +263,11 @@ fi
     --ks 1,2,3 --ps 0.6,0.7,0.8 --tokens 64
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_graphs 180 env TANDEM_MTP_GRAPHS=1 "$BIN/bench_spec_cuda" --model 30b \
-    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 64
+    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
+# Its eager twin (draft passes eager, the same rows), the baseline of the same call.
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_eager 180 env TANDEM_MTP_GRAPHS=0 "$BIN/bench_spec_cuda" --model 30b \
+    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_sampled 180 env TANDEM_SPEC_SAMPLED_ON_DEVICE=1 "$BIN/bench_spec_cuda" \
     --model 30b --e2e-only --e2e-batches 1,32 --ks 3 --ps 0.7 --tokens 64 --temperature 0.7
@@ -284,7 +288,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_sampled bench_spec_sampled_host bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
