@@ -23,7 +23,9 @@
 # The same on the CPU: TANDEM_ITL_MODEL=models/demo TANDEM_ITL_DEVICE=cpu and a smaller load via
 # TANDEM_ITL_CONCURRENCY, TANDEM_ITL_PROMPT (1024), TANDEM_ITL_OUT (256), TANDEM_ITL_STEP_TOKENS
 # (8192), TANDEM_ITL_KV_MB (24000), TANDEM_ITL_VOCAB (151936); TANDEM_AIPERF_REQUESTS (3 x
-# concurrency), TANDEM_AIPERF_ARGS (more aiperf flags).
+# concurrency), TANDEM_AIPERF_ARGS (more aiperf flags); without TANDEM_ITL_MODEL,
+# TANDEM_AIPERF_CKPT_ARGS (more make_random_checkpoint flags: a smaller random checkpoint, still
+# with Qwen3's vocabulary and tokenizer, e.g. "--hidden 256 --experts 8 --top-k 2").
 set -uo pipefail
 BIN=$1; CSV=$2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -74,7 +76,7 @@ print("   aiperf uses: " + " ".join("%s %s" % (n, ver(n)) for n in names))
 EOF
 
 dir=$(mktemp -d)
-pid= made=
+pid='' made=''
 cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir" ${made:+"$made"}; }
 trap cleanup EXIT
 if [ -n "${TANDEM_ITL_MODEL:-}" ]; then
@@ -82,7 +84,9 @@ if [ -n "${TANDEM_ITL_MODEL:-}" ]; then
 else
   ck=/dev/shm/q30_aiperf; made=$ck
   rm -rf "$ck"
-  "$BIN/make_random_checkpoint" --out "$ck" --preset qwen3-30b-a3b --layers "$layers" || exit 1
+  # shellcheck disable=SC2086
+  "$BIN/make_random_checkpoint" --out "$ck" --preset qwen3-30b-a3b --layers "$layers" \
+    ${TANDEM_AIPERF_CKPT_ARGS:-} || exit 1
   tok=${TANDEM_QWEN3_TOKENIZER_DIR:-$BIN/qwen3_tokenizer}
   [ -f "$tok/tokenizer.json" ] || { echo "no Qwen3 tokenizer in $tok (tools/fetch_qwen3_tokenizer.sh)"; exit 1; }
   cp "$tok/tokenizer.json" "$tok/tokenizer_config.json" "$ck"/
