@@ -23,7 +23,8 @@
 # The same on the CPU: TANDEM_ITL_MODEL=models/demo TANDEM_ITL_DEVICE=cpu and a smaller load via
 # TANDEM_ITL_CONCURRENCY, TANDEM_ITL_PROMPT (1024), TANDEM_ITL_OUT (256), TANDEM_ITL_STEP_TOKENS
 # (8192), TANDEM_ITL_KV_MB (24000), TANDEM_ITL_VOCAB (151936); TANDEM_AIPERF_REQUESTS (3 x
-# concurrency), TANDEM_AIPERF_ARGS (more aiperf flags); without TANDEM_ITL_MODEL,
+# concurrency), TANDEM_AIPERF_ARGS (more aiperf flags), TANDEM_AIPERF_TIMEOUT_S (180: aiperf's
+# limit); without TANDEM_ITL_MODEL,
 # TANDEM_AIPERF_CKPT_ARGS (more make_random_checkpoint flags: a smaller random checkpoint, still
 # with Qwen3's vocabulary and tokenizer, e.g. "--hidden 256 --experts 8 --top-k 2").
 set -uo pipefail
@@ -61,8 +62,8 @@ if [ -f "$whl/site.tar.xz" ] || ls "$whl"/*.whl > /dev/null 2>&1; then
 elif [ -z "${TANDEM_AIPERF_SITE:-}" ]; then
   echo "no aiperf: run tools/fetch_aiperf.sh (writes .whl/aiperf) and carry .whl"; exit 1
 fi
-aiperf() { PYTHONPATH=$site HF_HUB_DISABLE_TELEMETRY=1 "$py" -m aiperf "$@"; }
-aiperf --version || { echo "aiperf does not start (PYTHONPATH=$site, $py)"; exit 1; }
+aiperf=(env PYTHONPATH="$site" HF_HUB_DISABLE_TELEMETRY=1 "$py" -m aiperf)
+"${aiperf[@]}" --version || { echo "aiperf does not start (PYTHONPATH=$site, $py)"; exit 1; }
 PYTHONPATH=$site "$py" - <<'EOF'
 import importlib.metadata as md
 names = ["aiohttp", "numpy", "transformers", "tokenizers", "rich", "psutil", "pillow", "aiofiles",
@@ -111,13 +112,13 @@ done
 echo "| load / client | concurrency | ok | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 t0=$SECONDS
-python3 "$ROOT/bench/serve_load.py" --url "http://$addr" --concurrency "$conc" \
+timeout --kill-after=5 150 python3 "$ROOT/bench/serve_load.py" --url "http://$addr" --concurrency "$conc" \
   --prompt-len "$plen" --max-tokens "$olen" --vocab "${TANDEM_ITL_VOCAB:-151936}" \
   --label steady/serve_load --csv "$CSV" --steady --requests "$nreq" || exit 1
 echo "   (serve_load.py: $((SECONDS - t0)) s)"
 t0=$SECONDS
 # shellcheck disable=SC2086
-aiperf profile --model m --url "http://$addr" --endpoint-type completions --streaming \
+timeout --kill-after=5 "${TANDEM_AIPERF_TIMEOUT_S:-180}" "${aiperf[@]}" profile --model m --url "http://$addr" --endpoint-type completions --streaming \
   --tokenizer "$ck" --prompt-corpus random --isl "$plen" --osl "$olen" --random-range-ratio 0.5 \
   --concurrency "$conc" --concurrency-ramp-duration 2 --request-count "$nreq" --random-seed 0 \
   --extra-inputs ignore_eos:true --use-server-token-count --export-level records \
