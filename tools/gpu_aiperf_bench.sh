@@ -45,7 +45,9 @@ rm -f "$CSV"
 if [ -f "$whl/site.tar.xz" ] || ls "$whl"/*.whl > /dev/null 2>&1; then
   rm -rf "$site" && mkdir -p "$site"
   if [ -f "$whl/site.tar.xz" ]; then
-    tar -C "$site" -xJf "$whl/site.tar.xz" || { echo "cannot unpack $whl/site.tar.xz"; exit 1; }
+    # (python's tarfile, as gpu_model_run.sh unpacks its pack: no xz binary needed)
+    "$py" -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+      "$whl/site.tar.xz" "$site" || { echo "cannot unpack $whl/site.tar.xz"; exit 1; }
   fi
   wheels=()
   ls "$whl"/*.whl > /dev/null 2>&1 && wheels+=("$whl"/*.whl)
