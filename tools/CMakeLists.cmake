@@ -4,8 +4,9 @@
 #
 # Targets:
 #   make_random_checkpoint   random bf16 Qwen3-MoE checkpoints at real shapes (tools/README.md)
-# Test (ctest): Tools.RandomCheckpoint writes a 2-layer tiny checkpoint and generates from it
-# with `tandem generate`.
+# Tests (ctest): Tools.RandomCheckpoint writes a 2-layer tiny checkpoint and generates from it
+# with `tandem generate`; Tools.AiperfRows checks bench/aiperf_rows.py on a hand-made aiperf
+# artifact directory.
 
 add_executable(make_random_checkpoint ${CMAKE_CURRENT_LIST_DIR}/make_random_checkpoint.cpp)
 target_link_libraries(make_random_checkpoint PRIVATE Threads::Threads)
@@ -24,4 +25,10 @@ if(TANDEM_TESTS AND TARGET tandem)
            COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_mtp_tools.sh
                    $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem> ${CMAKE_SOURCE_DIR})
   set_tests_properties(Tools.MtpTools PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77)
+endif()
+if(TANDEM_TESTS)
+  # bench/aiperf_rows.py (the aiperf rows of tools/gpu_aiperf_bench.sh) on a hand-made artifact.
+  add_test(NAME Tools.AiperfRows
+           COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_aiperf_rows.sh ${CMAKE_SOURCE_DIR})
+  set_tests_properties(Tools.AiperfRows PROPERTIES TIMEOUT 60)
 endif()

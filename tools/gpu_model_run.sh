@@ -27,6 +27,9 @@
 #                      target (--step-time-factor 3), steady and two-wave loads: ITL p50 / p99,
 #                      output tok/s and their ratios, the per-step trace's predicted vs measured
 #                      step times (tools/gpu_itl_bench.sh)
+#   bench_aiperf       the serving figure with an outside client: aiperf (PyPI) beside
+#                      serve_load.py on one server at bench_itl's steady load; runs when
+#                      .whl/aiperf holds tools/fetch_aiperf.sh's output (tools/gpu_aiperf_bench.sh)
 #   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
 #   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
@@ -149,6 +152,11 @@ step bench_disagg 420 "$ROOT/tools/gpu_disagg_bench.sh" "$BIN" "$LOG/bench_disag
 # Steady ITL (step-time policy off vs the relative target F = 3, concurrency 128, 1024 / 256
 # tokens: a steady load and two waves; each server's --step-trace summarised).
 step bench_itl 420 "$ROOT/tools/gpu_itl_bench.sh" "$BIN" "$LOG/bench_itl.csv"
+# The same steady load through aiperf (NVIDIA's client, carried in .whl/aiperf) and serve_load.py,
+# one server, one row each (issue 15, Benchmarks: a load client that is not ours).
+if [ -f "$ROOT/.whl/aiperf/site.tar.xz" ] || ls "$ROOT"/.whl/aiperf/*.whl > /dev/null 2>&1; then
+  step bench_aiperf 300 "$ROOT/tools/gpu_aiperf_bench.sh" "$BIN" "$LOG/bench_aiperf.csv"
+fi
 export TANDEM_BENCH_CSV="$LOG/bench_moe_layer.csv"
 step bench_moe_layer 120 "$BIN/bench_moe_layer" ${TANDEM_BENCH_ARGS:-}
 step moe_torch 150 python3 "$ROOT/bench/cuda/moe_torch_baseline.py" --csv "$LOG/moe_torch.csv"
@@ -288,7 +296,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_kv_transfer bench_disagg bench_itl bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
