@@ -229,29 +229,22 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
   step bench_qwen35_cuda 300 bash -c "rm -rf /tmp/q35l && \
     '$BIN/make_random_checkpoint' --out /tmp/q35l --preset qwen3.5-35b-a3b --layers 4 && \
     '$BIN/bench_qwen35_cuda' --checkpoint /tmp/q35l ${TANDEM_Q35_BENCH_ARGS:-$Q35_ARGS}; rc=\$?; rm -rf /tmp/q35l; exit \$rc"
-  # One Qwen3.5-122B-A10B layer of each kind at real shapes (a DeltaNet + attention pair and the
-  # attention layer alone, vocab 1024 so the head is < 1% of the bound; 15 GB in /dev/shm):
-  # the DeltaNet layer's figures are the pair's minus the attention layer's.
-  export TANDEM_BENCH_CSV="$LOG/bench_qwen35_122b.csv"
-  step bench_qwen35_122b 300 bash -c "d=/dev/shm/q122l; rm -rf \$d && \
-    '$BIN/make_random_checkpoint' --out \$d/pair --preset qwen3.5-122b-a10b --layers 2 \
-      --full-attention-interval 2 --vocab 1024 && \
-    '$BIN/make_random_checkpoint' --out \$d/attn --preset qwen3.5-122b-a10b --layers 1 \
-      --full-attention-interval 1 --vocab 1024 && \
-    '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
-      --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
-  # The same for Qwen3.5-397B-A17B (512 experts, top-10: the wide router / permute kernels):
-  # 12.9 GB of bf16 experts per layer, 26.1 GB for the pair + 13.1 GB for the attention layer
-  # (39.2 GB; /tmp when /dev/shm has less than 42 GB free); the pair's 26 GB on the GPU.
-  export TANDEM_BENCH_CSV="$LOG/bench_qwen35_397b.csv"
-  step bench_qwen35_397b 300 bash -c "d=/dev/shm/q397l; \
-    [ \$(df --output=avail -k /dev/shm | tail -1) -gt 42000000 ] || d=/tmp/q397l; rm -rf \$d && \
-    '$BIN/make_random_checkpoint' --out \$d/pair --preset qwen3.5-397b-a17b --layers 2 \
-      --full-attention-interval 2 --vocab 1024 && \
-    '$BIN/make_random_checkpoint' --out \$d/attn --preset qwen3.5-397b-a17b --layers 1 \
-      --full-attention-interval 1 --vocab 1024 && \
-    '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
-      --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
+  # One layer of each kind at real shapes (a DeltaNet + attention pair and the attention layer
+  # alone, vocab 1024 so the head is < 1% of the bound): the DeltaNet layer's figures are the
+  # pair's minus the attention layer's. 122B-A10B: 15 GB; 397B-A17B (512 experts, top-10: the
+  # wide router / permute kernels): 12.9 GB of bf16 experts per layer, 39.2 GB in all (/tmp
+  # when /dev/shm has less than 42 GB free), the pair's 26 GB on the GPU.
+  for q in 122b:qwen3.5-122b-a10b 397b:qwen3.5-397b-a17b; do
+    name=${q%%:*} preset=${q#*:}
+    export TANDEM_BENCH_CSV="$LOG/bench_qwen35_$name.csv"
+    step "bench_qwen35_$name" 300 bash -c "d=/dev/shm/q${name}l; \
+      [ \$(df --output=avail -k /dev/shm | tail -1) -gt 42000000 ] || d=/tmp/q${name}l; rm -rf \$d && \
+      for kind in pair:2:2 attn:1:1; do IFS=: read -r out layers every <<< \$kind; \
+        '$BIN/make_random_checkpoint' --out \$d/\$out --preset $preset --layers \$layers \
+          --full-attention-interval \$every --vocab 1024 || exit 1; done && \
+      '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
+        --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
+  done
 fi
 # MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1
 # tokens vs the 1-token step, 30B 48 layers and one 235B layer, B 1 / 8 / 32 / 128, K 0..4) and
