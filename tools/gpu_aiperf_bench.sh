@@ -30,6 +30,7 @@
 set -uo pipefail
 BIN=$1; CSV=$2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/tools/serve_address.sh"
 layers=${TANDEM_ITL_LAYERS:-8}
 conc=${TANDEM_ITL_CONCURRENCY:-128}
 device=${TANDEM_ITL_DEVICE:-cuda}
@@ -102,13 +103,7 @@ ck=$(cd "$ck" && pwd)  # aiperf takes a relative path for a hub id
   --kv-cache-mb "${TANDEM_ITL_KV_MB:-24000}" --step-time-target-ms 0 --step-time-factor 0 \
   --disable-access-log > "$dir/serve.log" 2>&1 &
 pid=$!
-addr=
-for _ in $(seq 1800); do
-  addr=$(grep -o 'http://[0-9.]*:[0-9]*' "$dir/serve.log" 2>/dev/null | head -1 | sed 's|http://||')
-  [ -n "$addr" ] && break
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
+addr=$(serve_address "$dir/serve.log" "$pid")
 [ -n "$addr" ] || { echo "serve did not start"; cat "$dir/serve.log"; exit 1; }
 
 echo "| load / client | concurrency | ok | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms |"

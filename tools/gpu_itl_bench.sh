@@ -23,6 +23,7 @@
 set -uo pipefail
 BIN=$1; CSV=$2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/tools/serve_address.sh"
 layers=${TANDEM_ITL_LAYERS:-8}
 conc=${TANDEM_ITL_CONCURRENCY:-128}
 configs=${TANDEM_ITL_CONFIGS:-"off:0:0 f3:-1:3"}
@@ -55,13 +56,7 @@ for load in $loads; do
       --step-time-target-ms "$t" --step-time-factor "$f" --step-trace "$trace" \
       > "$dir/serve_$label.log" 2>&1 &
     pid=$!
-    addr=
-    for _ in $(seq 1800); do
-      addr=$(grep -o 'http://[0-9.]*:[0-9]*' "$dir/serve_$label.log" 2>/dev/null | head -1 | sed 's|http://||')
-      [ -n "$addr" ] && break
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
+    addr=$(serve_address "$dir/serve_$label.log" "$pid")
     [ -n "$addr" ] || { echo "serve ($label) did not start"; cat "$dir/serve_$label.log"; exit 1; }
     if [ "$load" = steady ]; then
       extra=(--steady --requests $((3 * conc)))
