@@ -47,9 +47,10 @@ struct CudaModelOptions {
   int64_t page_size = 16;
   /// MTP speculative decoding: replay the chained (one-token) draft passes in CUDA graphs by
   /// batch bucket, and capture them and the verify graphs of the configured K at warm-up
-  /// (Model::warm_up_speculative). Off by default until measured on the H200 (passes eager,
-  /// verify graphs captured on first use); TANDEM_MTP_GRAPHS=1 in the environment turns it on.
-  bool mtp_graphs = false;
+  /// (Model::warm_up_speculative). On by default (the H200 measured it as fast as eager draft
+  /// passes, docs/perf.md, and warm-up moves the captures out of serving); false, or
+  /// TANDEM_MTP_GRAPHS=0 in the environment: passes eager, verify graphs captured on first use.
+  bool mtp_graphs = true;
   /// For benchmarks: force the MoE layer's path for eager (prefill) batches: "" (auto), "mma",
   /// "cublas" or "padded" (backend/cuda/moe_layer.h).
   std::string moe_prefill_path;
@@ -178,7 +179,7 @@ class Qwen3MoeCuda final : public Model {
   void sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
                    std::vector<SampledToken>& out, const std::function<void()>& wait_masks = {});
   MtpScratch mtp_scratch() const;
-  bool mtp_graphs_on() const;  // CudaModelOptions::mtp_graphs or TANDEM_MTP_GRAPHS=1, one GPU
+  bool mtp_graphs_on() const;  // CudaModelOptions::mtp_graphs unless TANDEM_MTP_GRAPHS=0, one GPU
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<MtpCuda> mtp_;
   ModelConfig config_;

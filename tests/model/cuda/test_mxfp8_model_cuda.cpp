@@ -9,6 +9,13 @@
 // checkpoint converted to block FP8 (the same requantization, quantize_fp8_block). Teacher-forced
 // logits and greedy generation (the golden margin rule of cuda_golden_util.h, over a golden made by
 // the CPU reference's greedy run).
+// This checkpoint has rows where bf16 activations flip a near-tie routing decision: the H200
+// run of 2026-12-01 showed the bf16 default ("dequant", the verified bf16 kernels) itself at a
+// worst row of 0.305 and one argmax flip at margin 1.24 against the CPU, the FP8 paths the
+// same rows. So against the CPU a flip share of kFlipShare is allowed (printed, as for the
+// hybrids) and the worst row is bounded by kWorstRow; the strict check of the FP8 kernels is
+// against the GPU's bf16 default over the same weight values (no flip allowed), and their greedy
+// runs follow the bf16 default's golden.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -36,6 +43,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using namespace cuda_golden;  // NOLINT: the shared rule (cuda_golden_util.h)
+
+constexpr double kFlipShare = 0.01;  // argmax checks that may flip against the CPU model
+constexpr double kWorstRow = 0.35;   // the bf16 default's own worst row here: 0.305
 
 // The MXFP8 conversion of the block-FP8 fixture and its block-FP8 requantization, made once.
 struct MxDirs {
@@ -68,14 +78,15 @@ const MxDirs& mx_dirs() {
   return dirs;
 }
 
-// A golden of the CPU model's own greedy run (top-5 logprobs in fp32) over the fixture's prompts.
-testing::Golden cpu_golden(Model& cpu, const std::string& name) {
+// A golden of a model's own greedy run through the engine (top-5 logprobs) over the fixture's
+// prompts.
+testing::Golden engine_golden(Model& model, const std::string& name) {
   testing::Golden fx =
       testing::load_golden(testing::source_dir() + "/tests/data/fixtures_fp8/hub_fp8_block128");
   EngineConfig cfg;
   cfg.max_num_seqs = 8;
   cfg.kv_cache_mb = 64;
-  const auto res = run_engine(cpu, fx.cases, cfg, false);
+  const auto res = run_engine(model, fx.cases, cfg, false);
   testing::Golden g;
   g.name = name;
   for (size_t i = 0; i < fx.cases.size(); ++i) {
@@ -116,7 +127,7 @@ TEST_P(CudaMxfp8, TeacherForcedLogitsMatchTheCpuReference) {
   EXPECT_EQ(gpu->fp8_linears(), block() || native() ? 4 * c.num_hidden_layers - 1 : 0);
   const int64_t vocab = c.vocab_size;
   std::vector<double> errs;
-  int checked = 0;
+  int checked = 0, flipped = 0;
   for (size_t i = 0; i < fx.cases.size(); ++i) {
     const auto& cs = fx.cases[i];
     std::vector<int32_t> tokens = cs.prompt_ids;
@@ -129,24 +140,48 @@ TEST_P(CudaMxfp8, TeacherForcedLogitsMatchTheCpuReference) {
     for (const int64_t chunk : {int64_t{1} << 20, int64_t{7}, int64_t{1}}) {
       KvCache kv = gpu->make_kv_cache(pages, 4);
       const auto got = teacher_forced(*gpu, kv, tokens, chunk);
-      checked += compare_rows(
-          got, want, vocab, "case " + std::to_string(i) + " chunk " + std::to_string(chunk), errs);
+      const std::string what = "case " + std::to_string(i) + " chunk " + std::to_string(chunk);
+      const RowStats st = compare_logit_rows(
+          got, want, vocab, what, errs, [&](int64_t r, int64_t ga, int64_t wa, float margin) {
+            if (ga == wa) return;
+            std::printf("  %s row %lld: argmax %lld, reference %lld (margin %.3f)\n", what.c_str(),
+                        static_cast<long long>(r), static_cast<long long>(ga),
+                        static_cast<long long>(wa), margin);
+          });
+      checked += st.checked;
+      flipped += st.flipped;
     }
   }
   const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
   std::printf(
       "[ mxfp8 %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
-      "%d argmax checks\n",
-      GetParam(), errs.size(), med, p95, worst, checked);
+      "%d argmax checks, %d flipped\n",
+      GetParam(), errs.size(), med, p95, worst, checked, flipped);
   EXPECT_LT(med, kMedianTol);
   EXPECT_LT(p95, kP95Tol);
-  EXPECT_LT(worst, kMaxTol);
+  EXPECT_LT(worst, kWorstRow);
+  EXPECT_LE(flipped, kFlipShare * checked);
   EXPECT_GT(checked, 0);
 }
 
-TEST_P(CudaMxfp8, GreedyMatchesTheCpuReferenceByTheMarginRule) {
-  auto cpu = Qwen3MoeCpu::load(ref_dir());
-  const testing::Golden g = cpu_golden(*cpu, std::string("mxfp8 ") + GetParam());
+// dequant against the CPU model's golden; native and block against the golden of the GPU's bf16
+// default over the same weight values (the MXFP8 checkpoint; its block-FP8 requantization).
+TEST_P(CudaMxfp8, GreedyMatchesTheReferenceByTheMarginRule) {
+  testing::Golden g;
+  if (!native() && !block()) {
+    auto cpu = Qwen3MoeCpu::load(ref_dir());
+    g = engine_golden(*cpu, std::string("mxfp8 ") + GetParam());
+  } else {
+    unsetenv("TANDEM_CUDA_MXFP8");
+    CudaModelOptions o;
+    o.max_tokens = 1024;
+    o.max_seqs = 8;
+    o.page_size = 16;
+    o.fp8_weights = false;  // the requantized block-FP8 checkpoint dequantized to bf16 too
+    auto bf16 = Qwen3MoeCuda::load(ref_dir(), o);
+    g = engine_golden(*bf16, std::string("mxfp8 ") + GetParam());
+    setenv("TANDEM_CUDA_MXFP8", GetParam(), 1);
+  }
   struct Mode {
     const char* name;
     bool graphs, together;
@@ -200,7 +235,9 @@ TEST(CudaMxfp8Paths, MatchTheBf16DefaultOverTheSameWeights) {
     setenv("TANDEM_CUDA_MXFP8", p.path, 1);
     auto gpu = Qwen3MoeCuda::load(p.dir, o);
     unsetenv("TANDEM_CUDA_MXFP8");
-    auto ref = Qwen3MoeCuda::load(std::string(p.path) == "block" ? mx_dirs().blk : p.dir, o);
+    CudaModelOptions bf16 = o;
+    bf16.fp8_weights = false;  // block FP8 dequantized to bf16 at load too
+    auto ref = Qwen3MoeCuda::load(std::string(p.path) == "block" ? mx_dirs().blk : p.dir, bf16);
     const int64_t vocab = gpu->config().vocab_size;
     std::vector<double> errs;
     int checked = 0, flipped = 0;
