@@ -975,8 +975,7 @@ const ShardPlan& Qwen3MoeCuda::shard() const { return impl_->plan; }
 
 bool Qwen3MoeCuda::mtp_graphs_on() const {
   const char* e = std::getenv("TANDEM_MTP_GRAPHS");
-  return impl_->plan.spec.size == 1 &&
-         (e != nullptr ? std::strcmp(e, "0") != 0 : opts_.mtp_graphs);
+  return impl_->plan.spec.size == 1 && (e != nullptr ? std::strcmp(e, "0") != 0 : opts_.mtp_graphs);
 }
 
 MtpScratch Qwen3MoeCuda::mtp_scratch() const {
