@@ -224,7 +224,7 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
   # Decode 1 / 32 / 128 at 1k and 8k; the decode switches' defaults, with each opt-in of
   # Qwen35MoeCuda (shared expert forked, one-kernel DeltaNet step), and every switch off.
   Q35_ARGS="--batches 1,32,128 --contexts 1024,8192 --prefill 8192,2048 \
---switches default,default+fork,default+fused,default+fork+fused,base"
+--switches default,default+fork,default+fused,default+fork+fused,base --profile-prefill 8192"
   export TANDEM_BENCH_CSV="$LOG/bench_qwen35_cuda.csv"
   step bench_qwen35_cuda 300 bash -c "rm -rf /tmp/q35l && \
     '$BIN/make_random_checkpoint' --out /tmp/q35l --preset qwen3.5-35b-a3b --layers 4 && \
@@ -233,7 +233,8 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
   # alone, vocab 1024 so the head is < 1% of the bound): the DeltaNet layer's figures are the
   # pair's minus the attention layer's. 122B-A10B: 15 GB; 397B-A17B (512 experts, top-10: the
   # wide router / permute kernels): 12.9 GB of bf16 experts per layer, 39.2 GB in all (/tmp
-  # when /dev/shm has less than 42 GB free), the pair's 26 GB on the GPU.
+  # when /dev/shm has less than 42 GB free), the pair's 26 GB on the GPU. Then one 8k prefill
+  # of each under CUPTI (--profile-prefill: per-kernel times, the kernels in order).
   for q in 122b:qwen3.5-122b-a10b 397b:qwen3.5-397b-a17b; do
     name=${q%%:*} preset=${q#*:}
     export TANDEM_BENCH_CSV="$LOG/bench_qwen35_$name.csv"
@@ -243,7 +244,7 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
         '$BIN/make_random_checkpoint' --out \$d/\$out --preset $preset --layers \$layers \
           --full-attention-interval \$every --vocab 1024 || exit 1; done && \
       '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
-        --contexts 1024 --prefill 2048,8192; rc=\$?; rm -rf \$d; exit \$rc"
+        --contexts 1024 --prefill 2048,8192 --profile-prefill 8192; rc=\$?; rm -rf \$d; exit \$rc"
   done
 fi
 # MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1

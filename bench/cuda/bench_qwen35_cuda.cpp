@@ -5,7 +5,8 @@
 //       --full-attention-interval 2 --vocab 1024     (one DeltaNet + one attention layer)
 //   bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR2 ...] [--quick]
 //       [--batches 1,32,128] [--contexts 1024,8192] [--prefill 8192[,2048...]]
-//       [--switches default[,base,...]] [--prefill-only] [--decode-only]   CSV to $TANDEM_BENCH_CSV
+//       [--switches default[,base,...]] [--prefill-only] [--decode-only]
+//       [--profile-prefill TOKENS]   CSV to $TANDEM_BENCH_CSV
 // Several checkpoints run one after the other in one process (one set of ceilings); each row's
 // shape names its checkpoint (the directory's last component).
 // --switches: decode rows per backend/cuda/decode_switches.h setting: default (the switches'
@@ -23,9 +24,13 @@
 //     rows read are left out), and per layer the expected distinct experts of B x top_k uniformly
 //     routed tokens (E (1 - (1 - k/E)^B)). The B sequences decode B different token ids, so that
 //     their routing differs (the same id in every row would route every row to the same experts);
-//   - prefill of one T-token prompt (eager, one chunk) as MFU: (2 x active parameters x T +
-//     causal attention 2 T^2 head_dim q_heads per attention layer + the delta rule's
-//     6 T hv dk dv per DeltaNet layer) over the time, against cuBLASLt's bf16 8192^3 rate.
+//   - prefill of one T-token prompt (eager, one chunk) as MFU: (2 x active parameters but the
+//     lm_head x T + the lm_head's 2 x vocab x hidden for the one logits row + causal attention
+//     2 T^2 head_dim q_heads per attention layer + the delta rule's 6 T hv dk dv per DeltaNet
+//     layer) over the time, against cuBLASLt's bf16 8192^3 rate.
+// --profile-prefill T: after the rows of each checkpoint, one T-token prefill with CUPTI's
+// activity records on (when built with CUPTI): per kernel (launches, GPU time, share of the
+// busy time), the busy time and the idle gaps, and the kernels in order (the first 400 records).
 // The KV and the states hold zeros (the work per step does not depend on their values).
 #include <cuda_runtime_api.h>
 
@@ -35,6 +40,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -43,6 +49,14 @@
 #include "backend/cuda/decode_switches.h"
 #include "bench_util.h"
 #include "model/cuda/qwen3_5_moe_cuda.h"
+#ifndef TANDEM_BENCH_CUPTI
+#define TANDEM_BENCH_CUPTI 0
+#endif
+#if TANDEM_BENCH_CUPTI
+#include <map>
+
+#include "cupti_kernels.h"
+#endif
 
 using namespace tandem;
 
@@ -52,6 +66,7 @@ struct Shapes {
   double weights_all = 0;    // bytes of every weight but the routed experts
   double expert_bytes = 0;   // one expert's gate/up/down
   double active_params = 0;  // per token: everything but the experts not picked
+  double head_params = 0;    // of which the lm_head (run for the logits rows only)
   int64_t moe_layers = 0, attn_layers = 0, linear_layers = 0;
 };
 
@@ -81,6 +96,7 @@ Shapes shapes_of(const ModelConfig& c) {
   s.weights_all = 2 * (params + head);
   s.expert_bytes = 2 * 3 * inter * h;
   s.active_params = params + head + s.moe_layers * c.num_experts_per_tok * 3 * inter * h;
+  s.head_params = head;
   return s;
 }
 
@@ -144,12 +160,52 @@ double now_us() {
       .count();
 }
 
+#if TANDEM_BENCH_CUPTI
+// The records of one forward: per kernel name, then in order (--profile-prefill).
+void print_profile(const std::string& label, int64_t tokens, double wall_us,
+                   const std::vector<cupti::KernelRec>& recs) {
+  const auto [busy, idle] = cupti::busy_idle_us(recs, 1e9);
+  std::printf(
+      "== profile %s: one %lld-token prefill, %zu records, wall %.1f us (CUPTI on), GPU busy "
+      "%.1f us, idle gaps %.1f us\n",
+      label.c_str(), static_cast<long long>(tokens), recs.size(), wall_us, busy, idle);
+  struct Agg {
+    int64_t n = 0;
+    double us = 0;
+  };
+  std::map<std::string, Agg> by;
+  for (const auto& r : recs) {
+    Agg& a = by[cupti::short_name(r.name)];
+    ++a.n;
+    a.us += 1e-3 * static_cast<double>(r.end - r.start);
+  }
+  std::vector<std::pair<std::string, Agg>> rows(by.begin(), by.end());
+  std::sort(rows.begin(), rows.end(),
+            [](const auto& a, const auto& z) { return a.second.us > z.second.us; });
+  std::printf("   %-48s %6s %11s %10s %7s\n", "kernel", "n", "us", "us/each", "%busy");
+  for (const auto& [n, a] : rows) {
+    std::printf("   %-48s %6lld %11.1f %10.1f %6.1f%%\n", n.c_str(), static_cast<long long>(a.n),
+                a.us, a.us / static_cast<double>(a.n), busy > 0 ? 100.0 * a.us / busy : 0.0);
+  }
+  std::printf("   in order (kernel, us, gap to the previous end us, grid x block):\n");
+  for (size_t i = 0; i < recs.size() && i < 400; ++i) {
+    const auto& r = recs[i];
+    const double gap =
+        i > 0 ? 1e-3 * (static_cast<double>(r.start) - static_cast<double>(recs[i - 1].end)) : 0;
+    std::printf("     %3zu %-48s %10.1f %8.1f  %d x %d\n", i, cupti::short_name(r.name).c_str(),
+                1e-3 * static_cast<double>(r.end - r.start), gap, r.grid, r.block);
+  }
+  std::fflush(stdout);
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::string> dirs, switches = {"default"};
   bool quick = false, prefill_only = false, decode_only = false;
   std::vector<int64_t> prefills, batches, contexts;
+  int64_t profile_prefill = 0;
   bool bad = false;
   for (int i = 1; i < argc; ++i) {
     const bool has = i + 1 < argc;
@@ -169,6 +225,9 @@ int main(int argc, char** argv) {
       contexts = int_list(argv[++i]);
     } else if (std::strcmp(argv[i], "--switches") == 0 && has) {
       switches = str_list(argv[++i]);
+    } else if (std::strcmp(argv[i], "--profile-prefill") == 0 && has) {
+      profile_prefill = std::atoll(argv[++i]);
+      bad = bad || profile_prefill < 16;
     } else {
       bad = true;
     }
@@ -188,7 +247,8 @@ int main(int argc, char** argv) {
     std::printf(
         "usage: bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR ...] [--quick]\n"
         "  [--batches 1,32,128] [--contexts 1024,8192] [--prefill TOKENS[,TOKENS...]]\n"
-        "  [--switches default,base,all[+fork][+fused],...] [--prefill-only] [--decode-only]\n");
+        "  [--switches default,base,all[+fork][+fused],...] [--prefill-only] [--decode-only]\n"
+        "  [--profile-prefill TOKENS]\n");
     return 2;
   }
   bench::OpBench b;
@@ -201,7 +261,7 @@ int main(int argc, char** argv) {
     for (const std::string& dir : dirs) {
       const std::string label = base_name(dir);
       CudaModelOptions o;
-      o.max_tokens = *std::max_element(prefills.begin(), prefills.end());
+      o.max_tokens = std::max(*std::max_element(prefills.begin(), prefills.end()), profile_prefill);
       o.max_seqs = std::max<int64_t>(8, *std::max_element(batches.begin(), batches.end()));
       o.page_size = page;
       o.graph_max_context = max_ctx;
@@ -280,39 +340,62 @@ int main(int argc, char** argv) {
       model->set_fused_deltanet_decode(false);
       model->reset_graphs();
 
-      // Prefill: one prompt of T tokens.
+      // Prefill: one prompt of T tokens; `body` runs after the warm-up forward (GEMM plans)
+      // with a function that runs the forward once more.
+      auto with_prefill = [&](int64_t prefill_t,
+                              const std::function<void(const std::function<void()>&)>& body) {
+        const int64_t pages = (prefill_t + page - 1) / page;
+        KvCache kv = model->make_kv_cache(pages + 1, page);
+        if (model->state_slot_elems() > 0) kv.allocate_states(1, model->state_slot_elems());
+        std::vector<int32_t> table(static_cast<size_t>(pages)),
+            tokens(static_cast<size_t>(prefill_t));
+        std::iota(table.begin(), table.end(), 0);
+        for (int64_t i = 0; i < prefill_t; ++i) {
+          tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+        }
+        ForwardBatch fb;
+        fb.seqs.push_back({tokens.data(), prefill_t, 0, table.data(), pages, LogitsMode::kLast, 0});
+        std::vector<DeviceSampling> rows(1);
+        rows[0].temperature = 0;
+        std::vector<SampledToken> out;
+        model->forward_sample(fb, kv, rows, out);  // GEMM plans
+        body([&] { model->forward_sample(fb, kv, rows, out); });
+      };
       for (int64_t prefill_t : prefills) {
         if (decode_only) break;
         b.guarded("prefill", [&] {
-          const int64_t pages = (prefill_t + page - 1) / page;
-          KvCache kv = model->make_kv_cache(pages + 1, page);
-          if (model->state_slot_elems() > 0) kv.allocate_states(1, model->state_slot_elems());
-          std::vector<int32_t> table(static_cast<size_t>(pages)),
-              tokens(static_cast<size_t>(prefill_t));
-          std::iota(table.begin(), table.end(), 0);
-          for (int64_t i = 0; i < prefill_t; ++i) {
-            tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % c.vocab_size);
-          }
-          ForwardBatch fb;
-          fb.seqs.push_back(
-              {tokens.data(), prefill_t, 0, table.data(), pages, LogitsMode::kLast, 0});
-          std::vector<DeviceSampling> rows(1);
-          rows[0].temperature = 0;
-          std::vector<SampledToken> out;
-          model->forward_sample(fb, kv, rows, out);  // GEMM plans
           std::vector<double> us;
-          for (int it = 0; it < (quick ? 2 : 4); ++it) {
-            const double t0 = now_us();
-            model->forward_sample(fb, kv, rows, out);
-            us.push_back(now_us() - t0);
-          }
+          with_prefill(prefill_t, [&](const std::function<void()>& run) {
+            for (int it = 0; it < (quick ? 2 : 4); ++it) {
+              const double t0 = now_us();
+              run();
+              us.push_back(now_us() - t0);
+            }
+          });
           const double T = static_cast<double>(prefill_t);
-          const double flops = 2 * s.active_params * T +
+          const double flops = 2 * (s.active_params - s.head_params) * T + 2 * s.head_params +
                                s.attn_layers * 2.0 * T * T * c.head_dim * c.num_attention_heads +
                                s.linear_layers * 6.0 * T * c.linear_num_value_heads *
                                    c.linear_key_head_dim * c.linear_value_head_dim;
           b.add("prefill", prefill_t, label + ": one prompt, eager (MFU = bound / us)",
                 bench::median(us), s.weights_all, flops);
+        });
+      }
+      if (profile_prefill > 0) {
+        b.guarded("profile prefill", [&] {
+#if TANDEM_BENCH_CUPTI
+          with_prefill(profile_prefill, [&](const std::function<void()>& run) {
+            cupti::Recorder rec;
+            rec.start();
+            const double t0 = now_us();
+            run();
+            const double wall = now_us() - t0;
+            print_profile(label, profile_prefill, wall, rec.stop());
+          });
+#else
+          std::printf("== profile %s: built without CUPTI (CUDA::cupti not found)\n",
+                      label.c_str());
+#endif
         });
       }
     }

@@ -19,8 +19,6 @@
 // Kernel times under PDL include the time a dependent kernel waits for its predecessor
 // (griddepcontrol.wait), so the busy union, not the sum, is the step's GPU time.
 #include <cuda_runtime_api.h>
-#include <cupti.h>
-#include <cxxabi.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +35,7 @@
 #include "backend/cuda/decode_switches.h"
 #include "bench_util.h"
 #include "core/error.h"
+#include "cupti_kernels.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
 
@@ -44,57 +43,8 @@ using namespace tandem;
 
 namespace {
 
-#define CUPTI_CHECK(call)                                                                 \
-  do {                                                                                    \
-    CUptiResult r_ = (call);                                                              \
-    if (r_ != CUPTI_SUCCESS) {                                                            \
-      const char* s_ = nullptr;                                                           \
-      cuptiGetResultString(r_, &s_);                                                      \
-      TANDEM_CHECK(false, "CUPTI: ", #call, " failed: ", s_ != nullptr ? s_ : "unknown"); \
-    }                                                                                     \
-  } while (0)
-
-struct KernelRec {
-  std::string name;
-  uint64_t start, end;
-  int grid, block;
-};
-
-std::vector<KernelRec> g_recs;
-
-void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
-  *size = size_t{8} << 20;
-  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, *size));
-  *max_records = 0;
-}
-
-std::string demangle(const char* n) {
-  if (n == nullptr) return "?";
-  int st = 0;
-  char* d = abi::__cxa_demangle(n, nullptr, nullptr, &st);
-  std::string s = (st == 0 && d != nullptr) ? d : n;
-  std::free(d);
-  return s;
-}
-
-void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
-  CUpti_Activity* rec = nullptr;
-  while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
-    if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL ||
-        rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
-      auto* k = reinterpret_cast<CUpti_ActivityKernel10*>(rec);
-      g_recs.push_back({demangle(k->name), k->start, k->end, k->gridX * k->gridY * k->gridZ,
-                        k->blockX * k->blockY * k->blockZ});
-    } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
-      auto* m = reinterpret_cast<CUpti_ActivityMemset4*>(rec);
-      g_recs.push_back({"[memset]", m->start, m->end, 0, 0});
-    } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
-      auto* m = reinterpret_cast<CUpti_ActivityMemcpy6*>(rec);
-      g_recs.push_back({"[memcpy]", m->start, m->end, 0, 0});
-    }
-  }
-  std::free(buffer);
-}
+using cupti::KernelRec;
+using cupti::short_name;
 
 ModelConfig qwen3_30b(int64_t layers) {
   ModelConfig c;
@@ -114,29 +64,6 @@ ModelConfig qwen3_30b(int64_t layers) {
   c.rope_theta = 1e6;
   c.max_position_embeddings = 40960;
   return c;
-}
-
-// Short kernel name: the function name without namespaces, template arguments or parameters.
-std::string short_name(const std::string& full) {
-  std::string s = full;
-  const std::string anon = "(anonymous namespace)::";
-  for (size_t at; (at = s.find(anon)) != std::string::npos;) s.erase(at, anon.size());
-  // Drop template arguments (outermost <...>) and the parameter list.
-  std::string out;
-  int depth = 0;
-  for (char ch : s) {
-    if (ch == '<') ++depth;
-    if (depth == 0 && ch == '(') break;
-    if (depth == 0) out += ch;
-    if (ch == '>') --depth;
-  }
-  const size_t sp = out.rfind(' ');
-  if (sp != std::string::npos) out = out.substr(sp + 1);
-  const size_t ns = out.rfind("::");
-  if (ns != std::string::npos) out = out.substr(ns + 2);
-  if (out.empty()) out = full.empty() ? "(no name)" : full;
-  if (out.size() > 48) out = out.substr(0, 48);
-  return out;
 }
 
 // The kernel's role in the step and the bytes it must move (weights + activations + KV at
@@ -231,10 +158,8 @@ std::pair<double, double> profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, i
       touched, 100.0 * bound_us / us);
 
   // CUPTI over `steps` replays (each synchronised, so steps do not overlap).
-  g_recs.clear();
-  CUPTI_CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
-  CUPTI_CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET));
-  CUPTI_CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY));
+  cupti::Recorder recorder;
+  recorder.start();
   std::vector<double> wall;
   for (int i = 0; i < steps; ++i) {
     TANDEM_CUDA_CHECK(cudaEventRecord(timer.ev0, st));
@@ -245,18 +170,12 @@ std::pair<double, double> profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, i
     TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, timer.ev0, timer.ev1));
     wall.push_back(1e3 * ms);
   }
-  TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-  CUPTI_CHECK(cuptiActivityFlushAll(1));
-  CUPTI_CHECK(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
-  CUPTI_CHECK(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_MEMSET));
-  CUPTI_CHECK(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_MEMCPY));
-  std::sort(g_recs.begin(), g_recs.end(),
-            [](const KernelRec& a, const KernelRec& z) { return a.start < z.start; });
+  const std::vector<KernelRec> recs = recorder.stop();
   // Split into steps at gaps > 20 us after the host-side metadata copy (each step starts with
   // the H2D metadata copies, then the graph).
-  const size_t per_step = g_recs.size() / static_cast<size_t>(steps);
+  const size_t per_step = recs.size() / static_cast<size_t>(steps);
   std::printf("   %zu records over %d steps (%zu per step); wall with CUPTI on: %.1f us/step\n",
-              g_recs.size(), steps, per_step, bench::upper_median(wall));
+              recs.size(), steps, per_step, bench::upper_median(wall));
   // Per role and per kernel name, over all steps.
   struct Agg {
     int64_t count = 0;
@@ -266,9 +185,9 @@ std::pair<double, double> profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, i
   std::map<std::string, Agg> by_role;
   std::map<std::string, Agg> by_name;
   int lin = 0, mg = 0;
-  std::vector<std::string> rec_role(g_recs.size());
-  for (size_t i = 0; i < g_recs.size(); ++i) {
-    const KernelRec& r = g_recs[i];
+  std::vector<std::string> rec_role(recs.size());
+  for (size_t i = 0; i < recs.size(); ++i) {
+    const KernelRec& r = recs[i];
     const std::string sn = short_name(r.name);
     std::string role = role_of(sn, lin, mg);
     // The last linear of a step (after the final norm) is the LM head.
@@ -279,38 +198,22 @@ std::pair<double, double> profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, i
   }
   // LM head: the linear right after the gather of the logits rows (the step's second
   // embedding-kernel launch; the first, the token embedding, is followed by a norm).
-  for (size_t i = 1; i < g_recs.size(); ++i) {
+  for (size_t i = 1; i < recs.size(); ++i) {
     if (rec_role[i - 1] == "embedding/gather" &&
         (rec_role[i] == "qkv_linear" || rec_role[i] == "o_linear")) {
       rec_role[i] = "lm_head";
     }
   }
-  for (size_t i = 0; i < g_recs.size(); ++i) {
+  for (size_t i = 0; i < recs.size(); ++i) {
     Agg& a = by_role[rec_role[i]];
     a.count++;
-    a.us += 1e-3 * static_cast<double>(g_recs[i].end - g_recs[i].start);
-    const std::string sn = short_name(g_recs[i].name);
+    a.us += 1e-3 * static_cast<double>(recs[i].end - recs[i].start);
+    const std::string sn = short_name(recs[i].name);
     if (a.kernels.find(sn) == std::string::npos && a.kernels.size() < 90)
       a.kernels += (a.kernels.empty() ? "" : ",") + sn;
   }
   // Busy time: union of the intervals; idle = the gaps inside each step.
-  double busy = 0, idle = 0;
-  uint64_t cur_s = 0, cur_e = 0;
-  for (size_t i = 0; i < g_recs.size(); ++i) {
-    const KernelRec& r = g_recs[i];
-    if (i == 0 || r.start > cur_e) {
-      if (i > 0) {
-        busy += 1e-3 * static_cast<double>(cur_e - cur_s);
-        const double gap = 1e-3 * static_cast<double>(r.start - cur_e);
-        if (gap < 30) idle += gap;  // inside a step
-      }
-      cur_s = r.start;
-      cur_e = r.end;
-    } else {
-      cur_e = std::max(cur_e, r.end);
-    }
-  }
-  busy += 1e-3 * static_cast<double>(cur_e - cur_s);
+  const auto [busy, idle] = cupti::busy_idle_us(recs, 30);  // gaps < 30 us: inside a step
   const double S = steps;
   std::printf("   busy (union of kernels) %.1f us/step, idle gaps inside the step %.1f us/step\n",
               busy / S, idle / S);
@@ -335,18 +238,18 @@ std::pair<double, double> profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, i
   for (const auto& [n, a] : names)
     std::printf("   %-48s %7.1f %10.1f\n", n.c_str(), a.count / S, a.us / S);
   // One middle layer of the last step, in order: start offset, duration, gap, grid x block.
-  const size_t last0 = g_recs.size() - per_step;
+  const size_t last0 = recs.size() - per_step;
   int norms = 0;
   const int want = static_cast<int>(c.num_hidden_layers / 2) * 2 + 1;  // the layer's input norm
   std::printf(
       "   one layer of the last step (kernel, us, gap to the previous end, grid x block):\n");
-  for (size_t i = last0; i < g_recs.size(); ++i) {
+  for (size_t i = last0; i < recs.size(); ++i) {
     if (rec_role[i] == "norm") ++norms;
     if (norms > want + 1) break;
     if (norms < want) continue;
-    const KernelRec& r = g_recs[i];
+    const KernelRec& r = recs[i];
     const double gap =
-        i > 0 ? 1e-3 * (static_cast<double>(r.start) - static_cast<double>(g_recs[i - 1].end)) : 0;
+        i > 0 ? 1e-3 * (static_cast<double>(r.start) - static_cast<double>(recs[i - 1].end)) : 0;
     std::printf("     %-16s %-44s %7.2f %7.2f  %d x %d\n", rec_role[i].c_str(),
                 short_name(r.name).c_str(), 1e-3 * static_cast<double>(r.end - r.start), gap,
                 r.grid, r.block);
@@ -384,7 +287,7 @@ int main(int argc, char** argv) {
       std::printf("no CUDA device: nothing to measure\n");
       return 0;
     }
-    CUPTI_CHECK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
+    cupti::register_callbacks();
     cudaStream_t s;
     TANDEM_CUDA_CHECK(cudaStreamCreate(&s));
     bench::Timer t;

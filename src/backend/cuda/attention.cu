@@ -317,8 +317,28 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
   TANDEM_CHECK(num_splits <= 65535, "paged_attention: too many splits ", num_splits);
   TANDEM_CHECK(p.num_prefill_tokens >= -1 && p.num_prefill_tokens <= p.num_tokens,
                "paged_attention: num_prefill_tokens ", p.num_prefill_tokens, " of ", p.num_tokens);
-  // head_dim 256 (Qwen3.5): the simple kernel only, whatever the algo.
-  switch (p.head_dim == 256 ? PagedAttentionAlgo::kSimple : p.algo) {
+  // head_dim 256 (Qwen3.5): with algo kAuto and a ready plan, the prefill tokens on
+  // FlashInfer's sm90 ragged kernel and the tokens after them on the simple kernel; otherwise
+  // the simple kernel for every token, whatever the algo (no tensor-core kernel of ours at 256).
+  if (p.head_dim == 256) {
+    const int64_t num_prefill =
+        p.algo == PagedAttentionAlgo::kAuto && p.prefill_plan != nullptr && p.prefill_plan->ready()
+            ? std::max<int64_t>(p.num_prefill_tokens, 0)
+            : 0;
+    if (num_prefill > 0) p.prefill_plan->run(p, stream);
+    if (num_prefill == p.num_tokens) return;
+    PagedAttentionParams rest = p;  // tokens [num_prefill, num_tokens)
+    rest.q += num_prefill * p.num_q_heads * p.head_dim;
+    rest.out += num_prefill * p.num_q_heads * p.head_dim;
+    rest.token_seq += num_prefill;
+    rest.positions += num_prefill;
+    rest.num_tokens -= num_prefill;
+    rest.num_prefill_tokens = 0;
+    paged_attention_group<256>(rest, static_cast<int>(group), static_cast<int>(num_splits), stream);
+    TANDEM_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  switch (p.algo) {
     case PagedAttentionAlgo::kSimple: break;
     case PagedAttentionAlgo::kPrefill:
       detail::paged_attention_prefill(p, p.num_tokens, stream);
@@ -348,9 +368,6 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
       break;
     case 128:
       paged_attention_group<128>(p, static_cast<int>(group), static_cast<int>(num_splits), stream);
-      break;
-    case 256:
-      paged_attention_group<256>(p, static_cast<int>(group), static_cast<int>(num_splits), stream);
       break;
     default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported head_dim ", p.head_dim);
   }

@@ -55,6 +55,10 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_qwen35_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_qwen35_cuda.cpp)
     target_link_libraries(bench_qwen35_cuda PRIVATE tandem_model_cuda)
     target_compile_options(bench_qwen35_cuda PRIVATE ${TANDEM_WARNINGS})
+    if(TARGET CUDA::cupti)  # --profile-prefill (bench/cuda/cupti_kernels.h)
+      target_link_libraries(bench_qwen35_cuda PRIVATE CUDA::cupti)
+      target_compile_definitions(bench_qwen35_cuda PRIVATE TANDEM_BENCH_CUPTI=1)
+    endif()
     # Per-kernel profile of a decode step's graph through CUPTI's activity API (no nsys on the
     # GPU image): issue 15 item 1.
     if(TARGET CUDA::cupti)

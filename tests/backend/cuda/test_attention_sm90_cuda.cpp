@@ -76,12 +76,14 @@ struct Case {
   std::vector<SeqSpec> prefill;  // the prefill part (num_prefill_tokens)
   std::vector<SeqSpec> decode;   // decode tokens after it (queries 1 each)
   float q_mean = 0.f;            // > 0: peaked softmax
+  int64_t kv_split = 0;          // > 0: the decode tokens' keys in splits (with a workspace)
   std::string name() const {
     std::ostringstream s;
     s << q_heads << "q/" << kv_heads << "kv d" << head_dim << " page " << page_size << " prefill";
     for (auto const& q : prefill) s << " " << q.len << ":" << q.queries;
     s << " decode";
     for (auto const& q : decode) s << " " << q.len;
+    if (kv_split > 0) s << " split " << kv_split;
     return s.str();
   }
 };
@@ -103,8 +105,7 @@ class CudaAttentionSm90 : public test_util::CudaFixture<> {
     return b;
   }
 
-  // direct: calls plan.run() itself instead of paged_attention_launch (head_dim 256, which the
-  // launcher's other kernels do not take here; prefill tokens only).
+  // direct: calls plan.run() itself instead of paged_attention_launch (prefill tokens only).
   void check(Case const& c, PrefillAttentionPlan& plan, bool direct = false) {
     SCOPED_TRACE(c.name());
     const int64_t ps = c.page_size;
@@ -154,6 +155,14 @@ class CudaAttentionSm90 : public test_util::CudaFixture<> {
                            ps,         max_pages,   scale};
     p.num_prefill_tokens = num_prefill;
     p.prefill_plan = &plan;
+    DeviceBuffer<float> d_ws(
+        std::max<size_t>(1, paged_attention_workspace_floats(tokens, c.q_heads, c.head_dim,
+                                                             max_pages, ps, c.kv_split)));
+    if (c.kv_split > 0) {
+      d_ws.poison(0xff);
+      p.kv_split = c.kv_split;
+      p.workspace = d_ws.ptr;
+    }
     if (direct) {
       ASSERT_EQ(num_prefill, tokens);
       plan.run(p, stream_);
@@ -241,6 +250,19 @@ TEST_F(CudaAttentionSm90, HeadDim256) {
   check_both({16, 2, 256, 16, {{300, 300}}, {}}, /*direct=*/true);
   check_both({16, 2, 256, 16, {{129, 129}, {1000, 77}, {5, 5}}, {}}, /*direct=*/true);
   check_both({32, 2, 256, 64, {{600 + 65, 65}, {64, 64}}, {}}, /*direct=*/true);
+}
+
+TEST_F(CudaAttentionSm90, HeadDim256ThroughLaunch) {
+  SCOPED_TRACE(trace());
+  // Qwen35MoeCuda's call: paged_attention_launch with a ready plan runs the prefill tokens on
+  // the ragged kernel and the decode tokens after them on the simple kernel (no FlashInfer or
+  // not sm90: plan() declines and the simple kernel runs every token). GQA 8 and 16 (the 35B /
+  // 122B-A10B shapes), several query tiles, chunks after a history, split decode tokens.
+  check_both({16, 2, 256, 16, {{300, 300}}, {}});
+  check_both({32, 2, 256, 16, {{520, 520}, {129 + 40, 40}}, {{33, 1}, {700, 1}}});
+  Case split{32, 2, 256, 16, {{600 + 65, 65}}, {{1, 1}, {900, 1}, {2000, 1}}};
+  split.kv_split = 256;
+  check_both(split);
 }
 
 TEST_F(CudaAttentionSm90, AutoPathAndFallbacks) {
