@@ -187,14 +187,14 @@ TEST_F(MoeDecodeCuda, MatchesCpuMoe) {
       {3, 128, 64, 64, 2, 60, 4},    // EP slice most tokens miss: zero rows
       {7, 1032, 200, 40, 9, 0, 40},  // top-9 (63 slots), hidden 1032
       // Qwen3.5-397B-A17B routing (512 experts, top-10): more than 256 local experts (two
-      // passes of the down kernel's expert listing), its widths with fewer experts, odd k,
+      // passes of the down kernel's expert listing), its expert width with fewer experts, odd k,
       // top-16.
-      {6, 512, 64, 512, 10, 0, 512},      // 60 slots over 512 local experts
-      {1, 4096, 1024, 16, 10, 0, 16},     // hidden 4096, inter 1024 (4 chunks per lane)
-      {2, 4096, 1024, 512, 10, 500, 12},  // EP slice at the top of 512: mostly zero rows
-      {5, 136, 72, 400, 7, 0, 400},       // top-7 over 400 local experts, odd chunk counts
-      {3, 200, 72, 300, 11, 260, 40},     // top-11, expert ids past 256, EP slice
-      {4, 64, 16, 512, 16, 0, 512},       // top-16: 64 slots
+      {6, 512, 64, 512, 10, 0, 512},    // 60 slots over 512 local experts
+      {1, 1024, 1024, 12, 10, 0, 12},   // inter 1024 (397B's): 4 chunks per lane
+      {2, 512, 256, 512, 10, 500, 12},  // EP slice at the top of 512: mostly zero rows
+      {5, 136, 72, 400, 7, 0, 400},     // top-7 over 400 local experts, odd chunk counts
+      {3, 200, 72, 300, 11, 260, 40},   // top-11, expert ids past 256, EP slice
+      {4, 64, 16, 512, 16, 0, 512},     // top-16: 64 slots
   };
   for (Case const& c : cases) {
     SCOPED_TRACE(name(c));
