@@ -84,16 +84,17 @@ def main():
     a = ap.parse_args()
     s = json.load(open(os.path.join(a.dir, "profile_export_aiperf.json")))
     get = lambda k, f="avg": (s.get(k) or {}).get(f, float("nan"))
-    total = int(get("request_count"))
+    good = int(get("request_count"))  # aiperf counts the successful ones here
     errors = sum(e.get("count", 0) for e in s.get("error_summary") or [])
-    if total == 0:
-        raise SystemExit("aiperf_rows: no request finished")
+    total = int(get("completed_request_count")) if "completed_request_count" in s else good + errors
     if errors:
-        print("   aiperf errors: %s" % json.dumps(s.get("error_summary"))[:600])
-    print("   aiperf %s: %d requests, input length mean %.0f, output length mean %.0f tokens, "
-          "%.1f s" % (s.get("aiperf_version", "?"), total, get("input_sequence_length"),
+        print("   aiperf: %d failed requests: %s" % (errors, json.dumps(s.get("error_summary"))[:600]))
+    if good == 0:
+        raise SystemExit("aiperf_rows: no request succeeded")
+    print("   aiperf %s: %d successful requests, input length mean %.0f, output length mean %.0f tokens, "
+          "%.1f s" % (s.get("aiperf_version", "?"), good, get("input_sequence_length"),
                       get("output_sequence_length"), get("benchmark_duration")))
-    emit({"label": a.label, "concurrency": a.concurrency, "ok": "%d/%d" % (total - errors, total),
+    emit({"label": a.label, "concurrency": a.concurrency, "ok": "%d/%d" % (good, total),
           "tok_s": get("output_token_throughput"),
           "ttft_p50": get("time_to_first_token", "p50"),
           "ttft_p99": get("time_to_first_token", "p99"),

@@ -8,18 +8,18 @@
 #   tools/fetch_aiperf.sh [--wheels] [--slim] [--reuse-whl]
 #
 # Default: the wheels installed (--no-deps, for cp312 manylinux) into one folder and packed as
-# .whl/aiperf/site.tar.xz (7.9 MB: xz over the installed files is ~40% smaller than the wheels'
+# .whl/aiperf/site.tar.xz (8.1 MB: xz over the installed files is ~40% smaller than the wheels'
 # per-file deflate); __pycache__, C / Cython sources and the debug info of crick's extensions
 # (crick ships its .so with debug info: 7.7 MB installed, 0.85 MB without) are left out.
 # --wheels: the 15 wheels themselves in .whl/aiperf/ instead (13.6 MB).
 # --slim: also leaves out aiperf/operator, aiperf/api and aiperf/plot (a Kubernetes operator, a
 #   FastAPI service and plot dashboards: their dependencies kopf, fastapi, plotly and dash are
-#   neither here nor on the GPU image, so they cannot be imported there anyway) and the sample
-#   images of aiperf's image synthesis (text loads never read them): 6.6 MB.
+#   neither in this set nor on the GPU image, so they cannot be imported there anyway) and the sample
+#   images of aiperf's image synthesis (text loads never read them): 7.0 MB.
 # --reuse-whl: wheels already in .whl/ itself with the same file name (the openai client's set
 #   holds pydantic, pydantic_core, annotated_types, typing_inspection at these versions) are not
 #   packed again; .whl/aiperf/from_whl.txt lists them and tools/gpu_aiperf_bench.sh installs them
-#   from .whl/ (about 2 MB less).
+#   from .whl/ (6.2 MB; 5.0 MB with --slim).
 #
 # The set was found by tracing every import of `aiperf profile` (completions endpoint,
 # streaming, synthetic prompts, server token counts, summary + records export, --ui none) against
