@@ -608,30 +608,52 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// chunk_wy_kernel: one block of 4 warps per (tile, value head). Shared tiles.
+// chunk_wy_kernel: one block of 4 warps per (tile, value head). Shared tiles. kCompact (the
+// default): K is scaled in place into beta G K, A (fp32) takes Q's place once Q K^T is done and T
+// takes A's once the substitution is: 52 KB at dk = dv = 128, 4 blocks per SM. Otherwise (the
+// first layout, GatedDeltaRuleParams::wide_wy, for comparison) every tile has its own place:
+// 97 KB, 2 blocks per SM.
 template <int kDk>
 struct WyShape {
   static constexpr int kLdK = kDk + 8;     // bf16 rows of K, Q, beta G K
   static constexpr int kLdA = kChunk + 4;  // fp32 rows of A (16-byte aligned)
   static constexpr int kLdT = kChunk + 8;  // bf16 rows of T
-  static size_t smem_bytes(int64_t dvp) {
-    return (3 * kChunk * kLdK + kChunk * (dvp + 8) + kChunk * kLdT) * sizeof(bf16) +
-           (kChunk * kLdA + 4 * kChunk) * sizeof(float);
+  static constexpr size_t kKBytes = kChunk * kLdK * sizeof(bf16);
+  static constexpr size_t kABytes = kChunk * kLdA * sizeof(float);
+  static constexpr size_t kTBytes = kChunk * kLdT * sizeof(bf16);
+  // Q, then A, then T (kCompact).
+  static constexpr size_t kQatBytes = kKBytes > kABytes ? kKBytes : kABytes;
+  static size_t smem_bytes(int64_t dvp, bool compact) {
+    const size_t v = kChunk * (dvp + 8) * sizeof(bf16), meta = 4 * kChunk * sizeof(float);
+    return compact ? kKBytes + kQatBytes + v + meta : 3 * kKBytes + kTBytes + v + kABytes + meta;
   }
 };
-template <int kDk>
-__global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p, bool vec_v) {
+template <int kDk, bool kCompact>
+__global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p, bool vec_v) {
   using Sh = WyShape<kDk>;
+  static_assert(Sh::kKBytes % 16 == 0 && Sh::kABytes % 16 == 0 && Sh::kTBytes % 16 == 0 &&
+                Sh::kTBytes <= Sh::kQatBytes);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim, n = p.num_tokens;
   const int dvp = static_cast<int>(pad_cols(dv)), ldv = dvp + 8;
-  bf16* sK = reinterpret_cast<bf16*>(smem_raw);
-  bf16* sQ = sK + kChunk * Sh::kLdK;
-  bf16* sKs = sQ + kChunk * Sh::kLdK;
-  bf16* sT = sKs + kChunk * Sh::kLdK;
-  bf16* sV = sT + kChunk * Sh::kLdT;
-  float* sA = reinterpret_cast<float*>(sV + kChunk * ldv);
-  float* sGam = sA + kChunk * Sh::kLdA;
+  bf16 *sK, *sQ, *sKs, *sT, *sV;
+  float* sA;
+  if constexpr (kCompact) {
+    sK = reinterpret_cast<bf16*>(smem_raw);
+    sKs = sK;
+    sQ = reinterpret_cast<bf16*>(smem_raw + Sh::kKBytes);
+    sA = reinterpret_cast<float*>(sQ);
+    sT = sQ;
+    sV = reinterpret_cast<bf16*>(smem_raw + Sh::kKBytes + Sh::kQatBytes);
+  } else {
+    sK = reinterpret_cast<bf16*>(smem_raw);
+    sQ = sK + kChunk * Sh::kLdK;
+    sKs = sQ + kChunk * Sh::kLdK;
+    sT = sKs + kChunk * Sh::kLdK;
+    sV = sT + kChunk * Sh::kLdT;
+    sA = reinterpret_cast<float*>(sV + kChunk * ldv);
+  }
+  float* sGam = reinterpret_cast<float*>(sV + kChunk * ldv) + (kCompact ? 0 : kChunk * Sh::kLdA);
   float* sBeta = sGam + kChunk;
   float* sKsc = sBeta + kChunk;  // beta G per row
   int* sSeq = reinterpret_cast<int*>(sKsc + kChunk);
@@ -700,6 +722,7 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p, b
         mma16816(aq[nt], fq, b0, b1);
       }
     }
+    if constexpr (kCompact) __syncthreads();  // every warp is done with sQ: A takes its place
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -727,11 +750,11 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p, b
   }
   __syncthreads();
 
+  // T = (I + A)^-1 by forward substitution, thread c < kChunk owning column c (in registers;
+  // the rows of A are broadcast reads): x_i = [i == c] - sum_{j < i} A_ij x_j.
+  float x[kChunk];
   if (tid < kChunk) {
-    // T = (I + A)^-1 by forward substitution, thread c owning column c (in registers; the
-    // rows of A are broadcast reads): x_i = [i == c] - sum_{j < i} A_ij x_j.
     const int c = tid;
-    float x[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       float acc[4] = {i == c ? 1.f : 0.f, 0.f, 0.f, 0.f};
@@ -748,8 +771,10 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p, b
       for (int j = i & ~3; j < i; ++j) acc[0] -= arow[j] * x[j];
       x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     }
+    if constexpr (!kCompact) {
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + c] = __float2bfloat16_rn(x[i]);
+      for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + c] = __float2bfloat16_rn(x[i]);
+    }
   } else {
     // Meanwhile the other warps scale: beta G K and beta V (zero past dv and the end).
     const int u = tid - kChunk;
@@ -781,6 +806,13 @@ __global__ void __launch_bounds__(128) chunk_wy_kernel(GatedDeltaRuleParams p, b
         const float v = (t < n && c < dv) ? __bfloat162float(gv[t * p.qkv_stride + c]) : 0.f;
         sV[r * ldv + c] = __float2bfloat16_rn(sBeta[r] * v);
       }
+    }
+  }
+  if constexpr (kCompact) {
+    __syncthreads();  // every thread is done with A: T takes its place
+    if (tid < kChunk) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + tid] = __float2bfloat16_rn(x[i]);
     }
   }
   __syncthreads();
@@ -1061,13 +1093,17 @@ template <int kDk>
 void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
   const int64_t tiles = (p.num_tokens + kChunk - 1) / kChunk;
   TANDEM_CHECK(tiles <= INT32_MAX, "gated_delta_rule: too many tokens");
-  const size_t wy_smem = WyShape<kDk>::smem_bytes(pad_cols(p.v_dim));
+  const size_t wy_smem = WyShape<kDk>::smem_bytes(pad_cols(p.v_dim), !p.wide_wy);
   // V by 16-byte cp.async when its rows allow (the model's and the benchmark's always do).
   const bool vec_v =
       p.v_dim % 8 == 0 && p.qkv_stride % 8 == 0 && reinterpret_cast<uintptr_t>(p.qkv) % 16 == 0;
-  raise_smem(chunk_wy_kernel<kDk>, wy_smem);
-  chunk_wy_kernel<kDk><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_v_heads)),
-                         128, wy_smem, stream>>>(p, vec_v);
+  const dim3 wy_grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_v_heads));
+  auto wy = p.wide_wy ? chunk_wy_kernel<kDk, false> : chunk_wy_kernel<kDk, true>;
+  raise_smem(wy, wy_smem);
+  // All of the SM's unified memory as shared memory: 4 compact blocks (4 x 53 KB) fit.
+  TANDEM_CUDA_CHECK(cudaFuncSetAttribute(wy, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
+  wy<<<wy_grid, 128, wy_smem, stream>>>(p, vec_v);
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.stages < 3) return;
   constexpr size_t st_smem = StateShape<kDk>::kSmemBytes;

@@ -74,6 +74,9 @@ struct GatedDeltaRuleParams {
   // Benchmarks only: the chunked form stops after its first `stages` kernels (1: the q / k norm
   // and gates, 2: + the per-chunk WY kernel, 3: + the sequence-order state kernel, all).
   int stages = 3;
+  // Benchmarks and tests only: the WY kernel in its first shared-memory layout (every tile in its
+  // own place: 97 KB, 2 blocks per SM, vs 52 KB and 4); the same results bit for bit.
+  bool wide_wy = false;
   // A decode step as one kernel (the delta-rule kernel normalises q / k and computes the gates
   // itself, no prep launch). Off by default: not yet measured on the H200.
   bool fused_decode = false;

@@ -155,39 +155,6 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   std::vector<float> a_log = randn(static_cast<size_t>(hv), 0.5f);
   std::vector<float> dt_bias = randn(static_cast<size_t>(hv), 0.5f);
   std::vector<float> states = randn(static_cast<size_t>(b.num_slots * slot_stride), 0.3f);
-  DeviceBuffer<uint16_t> d_qkv(to_bf16(qkv)), d_ab(to_bf16(ab));
-  DeviceBuffer<float> d_alog(a_log), d_dt(dt_bias), d_states(states);
-  DeviceBuffer<float> d_out(static_cast<size_t>(n * hv * dv));
-  DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk, dv));
-  // The chunked form takes prefill batches at k_dim 64 / 128 (launch's dispatch).
-  const bool chunked =
-      !sequential && n != static_cast<int64_t>(seqs.size()) && (dk == 64 || dk == 128);
-  const double tol = chunked ? kTolChunked : kTolF32;
-  DeviceSeqs ds(b);
-  d_out.poison(0xff);
-  d_ws.poison(0xff);
-  GatedDeltaRuleParams p{};
-  p.qkv = d_qkv.bf();
-  p.b = d_ab.bf();           // columns [0, hv)
-  p.a = d_ab.bf() + hv + 1;  // columns [hv + 1, 2 hv + 1)
-  p.a_log = d_alog.ptr;
-  p.dt_bias = d_dt.ptr;
-  p.states = d_states.ptr;
-  p.out = d_out.ptr;
-  p.workspace = d_ws.ptr;
-  p.seqs = ds.view(b);
-  p.num_tokens = n;
-  p.num_k_heads = hk;
-  p.num_v_heads = hv;
-  p.k_dim = dk;
-  p.v_dim = dv;
-  p.qkv_stride = qkv_stride;
-  p.ab_stride = ab_stride;
-  p.state_stride = slot_stride;
-  p.sequential = sequential;
-  p.fused_decode = fused;
-  gated_delta_rule_launch(p, stream_);
-  sync();
   // Reference: gates over the batch, then the rule per sequence on a copy of its state.
   std::vector<float> beta(static_cast<size_t>(n * hv)), g(static_cast<size_t>(n * hv));
   cpu::deltanet_gates({ab.data(), ab.data() + hv + 1, a_log.data(), dt_bias.data(), beta.data(),
@@ -207,18 +174,57 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
       std::copy(st.begin(), st.end(), ref_states.begin() + b.slot[s] * slot_stride);
     }
   }
-  EXPECT_LT(rel_err(d_out.download(), ref_out), tol);
-  // Per slot, so an untouched slot or a wrong one shows; the gaps between slots keep their
-  // values exactly.
-  const std::vector<float> got = d_states.download();
-  const int64_t per = hv * dk * dv;
-  for (int64_t sl = 0; sl < b.num_slots; ++sl) {
-    const auto at = static_cast<size_t>(sl * slot_stride);
-    std::vector<float> g1(got.begin() + at, got.begin() + at + per);
-    std::vector<float> r1(ref_states.begin() + at, ref_states.begin() + at + per);
-    EXPECT_LT(rel_err(g1, r1), tol) << "slot " << sl;
-    for (int64_t i = per; i < slot_stride; ++i) {
-      EXPECT_EQ(got[at + i], ref_states[at + i]) << "slot " << sl << " gap " << i;
+  // The chunked form takes prefill batches at k_dim 64 / 128 (launch's dispatch); it runs
+  // twice, its WY kernel in both shared-memory layouts (GatedDeltaRuleParams::wide_wy).
+  const bool chunked =
+      !sequential && n != static_cast<int64_t>(seqs.size()) && (dk == 64 || dk == 128);
+  const double tol = chunked ? kTolChunked : kTolF32;
+  DeviceBuffer<uint16_t> d_qkv(to_bf16(qkv)), d_ab(to_bf16(ab));
+  DeviceBuffer<float> d_alog(a_log), d_dt(dt_bias);
+  DeviceBuffer<float> d_out(static_cast<size_t>(n * hv * dv));
+  DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk, dv));
+  DeviceSeqs ds(b);
+  for (int wide = 0; wide < (chunked ? 2 : 1); ++wide) {
+    SCOPED_TRACE(wide ? "wide WY layout" : "default WY layout");
+    DeviceBuffer<float> d_states(states);
+    d_out.poison(0xff);
+    d_ws.poison(0xff);
+    GatedDeltaRuleParams p{};
+    p.qkv = d_qkv.bf();
+    p.b = d_ab.bf();           // columns [0, hv)
+    p.a = d_ab.bf() + hv + 1;  // columns [hv + 1, 2 hv + 1)
+    p.a_log = d_alog.ptr;
+    p.dt_bias = d_dt.ptr;
+    p.states = d_states.ptr;
+    p.out = d_out.ptr;
+    p.workspace = d_ws.ptr;
+    p.seqs = ds.view(b);
+    p.num_tokens = n;
+    p.num_k_heads = hk;
+    p.num_v_heads = hv;
+    p.k_dim = dk;
+    p.v_dim = dv;
+    p.qkv_stride = qkv_stride;
+    p.ab_stride = ab_stride;
+    p.state_stride = slot_stride;
+    p.sequential = sequential;
+    p.fused_decode = fused;
+    p.wide_wy = wide != 0;
+    gated_delta_rule_launch(p, stream_);
+    sync();
+    EXPECT_LT(rel_err(d_out.download(), ref_out), tol);
+    // Per slot, so an untouched slot or a wrong one shows; the gaps between slots keep their
+    // values exactly.
+    const std::vector<float> got = d_states.download();
+    const int64_t per = hv * dk * dv;
+    for (int64_t sl = 0; sl < b.num_slots; ++sl) {
+      const auto at = static_cast<size_t>(sl * slot_stride);
+      std::vector<float> g1(got.begin() + at, got.begin() + at + per);
+      std::vector<float> r1(ref_states.begin() + at, ref_states.begin() + at + per);
+      EXPECT_LT(rel_err(g1, r1), tol) << "slot " << sl;
+      for (int64_t i = per; i < slot_stride; ++i) {
+        EXPECT_EQ(got[at + i], ref_states[at + i]) << "slot " << sl << " gap " << i;
+      }
     }
   }
 }
