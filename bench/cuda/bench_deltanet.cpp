@@ -88,13 +88,15 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
   // per-chunk WY kernel; the sequence-order state kernel is the difference to the whole), the
   // per-token recurrence.
   // Decode: also the opt-in one-kernel step (gdr_decode_fused: fused_decode). Prefill: also the
-  // WY kernel's first shared-memory layout (_wywide: wide_wy, 2 blocks per SM, vs 4).
+  // WY kernel's first shared-memory layout (_wywide: wide_wy, 2 blocks per SM, vs 4) and the
+  // state kernel in each of its shapes (gdr_stateN: state_variant N; the default picks by grid).
   struct Variant {
     const char* name;
     bool sequential;
     int stages;
     bool fused = false;
     bool wide = false;
+    int state_variant = 0;
   };
   const Variant variants[] = {{"gated_delta_rule", false, 3},
                               {"gdr_decode_fused", false, 3, true},
@@ -102,11 +104,14 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
                               {"gdr_chunked_prep_wy", false, 2},
                               {"gdr_chunked_prep_wywide", false, 2, false, true},
                               {"gated_delta_rule_wywide", false, 3, false, true},
+                              {"gdr_state1", false, 3, false, false, 1},
+                              {"gdr_state2", false, 3, false, false, 2},
+                              {"gdr_state3", false, 3, false, false, 3},
                               {"gated_delta_rule_seq", true, 3}};
   for (const Variant& var : variants) {
-    if (len == 1 && (var.sequential || var.stages < 3)) continue;  // decode: no stages
-    if (len > 1 && var.fused) continue;                            // a decode kernel
-    if (len == 1 && var.wide) continue;                            // a prefill kernel
+    if (len == 1 && (var.sequential || var.stages < 3)) continue;    // decode: no stages
+    if (len > 1 && var.fused) continue;                              // a decode kernel
+    if (len == 1 && (var.wide || var.state_variant != 0)) continue;  // prefill kernels
     const bool sequential = var.sequential;
     const char* name = var.name;
     b.guarded(name, [&] {
@@ -132,6 +137,7 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       p.stages = var.stages;
       p.fused_decode = var.fused;
       p.wide_wy = var.wide;
+      p.state_variant = var.state_variant;
       const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
       // qkv read, out written (fp32), the state read and written once per sequence.
       const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;

@@ -1,4 +1,5 @@
 // Gated DeltaNet ops: causal conv1d, the gated delta rule, gated RMSNorm. See deltanet.h.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/check.h"
@@ -181,12 +182,55 @@ __host__ __device__ inline Ws ws_at(GatedDeltaRuleParams const& p) {
   return ws_at(p.workspace, p.num_tokens, p.num_k_heads, p.num_v_heads, p.k_dim, p.v_dim);
 }
 
+// The gates of token t: beta = sigmoid(b), g = -exp(a_log) softplus(a + dt_bias), a thread per
+// value head.
+__device__ __forceinline__ void delta_gates(GatedDeltaRuleParams const& p, Ws const& ws,
+                                            int64_t t) {
+  const int64_t hv = p.num_v_heads;
+  for (int64_t h = threadIdx.x; h < hv; h += blockDim.x) {
+    const float b = __bfloat162float(p.b[t * p.ab_stride + h]);
+    const float x = __bfloat162float(p.a[t * p.ab_stride + h]) + p.dt_bias[h];
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    ws.beta[t * hv + h] = 1.0f / (1.0f + expf(-b));
+    ws.g[t * hv + h] = -expf(p.a_log[h]) * sp;
+  }
+}
+
+// The chunked form's prep at k_dim 64 / 128 on rows aligned for kDk / 32-element vectors: one
+// block per token, a warp per q / k head (one pass over the 2 hk heads when 2 hk <= 32), each
+// lane loading its kDk / 32 contiguous elements once and storing them normalised as bf16.
+template <int kDk>
+__global__ void __launch_bounds__(1024) delta_prep_vec_kernel(GatedDeltaRuleParams p) {
+  constexpr int kPer = kDk / 32;
+  const int64_t t = blockIdx.x;
+  const int64_t hk = p.num_k_heads;
+  const Ws ws = ws_at(p);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const float q_scale = rsqrtf(static_cast<float>(kDk));
+  bf16 const* row = p.qkv + t * p.qkv_stride;
+  for (int64_t h = warp; h < 2 * hk; h += nwarps) {  // [0, hk): q heads, [hk, 2 hk): k heads
+    float v[kPer];
+    load_bf16<kPer>(row + h * kDk + lane * kPer, v);
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) ss += v[e] * v[e];
+    ss = warp_sum(ss);
+    const bool is_q = h < hk;
+    const float inv = 1.0f / sqrtf(ss + 1e-6f) * (is_q ? q_scale : 1.0f);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) v[e] *= inv;
+    const int64_t off = (t * hk + (is_q ? h : h - hk)) * kDk;
+    store_bf16<kPer>((is_q ? ws.qb : ws.kb) + off + lane * kPer, v);
+  }
+  delta_gates(p, ws, t);
+}
+
 // One block per token: a warp per q / k head normalises it (fp32; kBf16: stored as bf16 for the
 // chunked form's tensor cores); threads compute the gates.
 template <bool kBf16>
 __global__ void __launch_bounds__(128) delta_prep_kernel(GatedDeltaRuleParams p) {
   const int64_t t = blockIdx.x;
-  const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dk = p.k_dim;
+  const int64_t hk = p.num_k_heads, dk = p.k_dim;
   const Ws ws = ws_at(p);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const float q_scale = rsqrtf(static_cast<float>(dk));
@@ -212,13 +256,7 @@ __global__ void __launch_bounds__(128) delta_prep_kernel(GatedDeltaRuleParams p)
       for (int64_t i = lane; i < dk; i += 32) dst[i] = __bfloat162float(src[i]) * inv;
     }
   }
-  for (int64_t h = threadIdx.x; h < hv; h += blockDim.x) {
-    const float b = __bfloat162float(p.b[t * p.ab_stride + h]);
-    const float x = __bfloat162float(p.a[t * p.ab_stride + h]) + p.dt_bias[h];
-    const float sp = x > 20.0f ? x : log1pf(expf(x));
-    ws.beta[t * hv + h] = 1.0f / (1.0f + expf(-b));
-    ws.g[t * hv + h] = -expf(p.a_log[h]) * sp;
-  }
+  delta_gates(p, ws, t);
 }
 
 // One block per (32 value columns, value head, sequence): 4 warps split the k_dim rows of the
@@ -846,33 +884,46 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
   if (tid < kChunk && t0 + tid < n) ws.gam[(t0 + tid) * hv + h] = sGam[tid];
 }
 
-// chunk_state_kernel: one block of 4 warps per (32 value columns, value head, sequence), over
-// the sequence's chunks in order; the next two chunks' tiles arrive by cp.async (three stages)
-// while this one computes. The state [dk, 32] stays in the fp32 accumulators (warp w: rows
-// [w dk / 4, (w + 1) dk / 4)), a bf16 copy in sS is the operand of W S and Q S.
-template <int kDk>
+// chunk_state_kernel: one block of kGroups groups of 4 warps per (kGroups x 8 kNt value
+// columns, value head, sequence), over the sequence's chunks in order; the next kStages - 1
+// chunks' tiles arrive by cp.async while this one computes (W, Q, K, P shared by the groups, U'
+// per group). Group q owns 8 kNt columns: its state [dk, 8 kNt] stays in the fp32 accumulators
+// (warp w of the group: rows [w dk / 4, (w + 1) dk / 4)), a bf16 copy in its sS is the operand of
+// W S and Q S. Shapes (StateVariant): 32 columns x 4 warps x 3 stages (the first), 32 columns
+// x 8 warps (16 per group) x 3 stages for grids of at most one block per SM (twice the warps on
+// the sequence-order chain), 64 columns x 8 warps x 2 stages for grids of many blocks (the
+// shared tiles loaded once for twice the columns).
+template <int kDk, int kGroups, int kNt, int kStages>
 struct StateShape {
+  static constexpr int kCols = 8 * kNt;  // per group
+  static constexpr int kBlockCols = kGroups * kCols;
+  static constexpr int kThreads = 128 * kGroups;
   static constexpr int kLdK = kDk + 8;
   static constexpr int kLdP = kChunk + 8;
-  static constexpr int kLdV = 32 + 8;
-  static constexpr int kStage = 3 * kChunk * kLdK + kChunk * kLdP + kChunk * kLdV;  // bf16
-  static constexpr int kStages = 3;
+  static constexpr int kLdV = kCols + 8;
+  static constexpr int kStage =
+      3 * kChunk * kLdK + kChunk * kLdP + kGroups * kChunk * kLdV;  // bf16
   static constexpr size_t kSmemBytes =
-      (kStages * kStage + kDk * kLdV + 2 * kChunk * kLdV) * sizeof(bf16) + kChunk * sizeof(float);
+      (kStages * kStage + kGroups * (kDk + 2 * kChunk) * kLdV) * sizeof(bf16) +
+      kChunk * sizeof(float);
   static constexpr int kMt = kDk / 64;  // 16-row tiles of the state per warp
+  static_assert(kSmemBytes <= 227 * 1024, "chunk_state_kernel: shared memory");
 };
-template <int kDk>
-__global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p) {
-  using Sh = StateShape<kDk>;
+template <int kDk, int kGroups, int kNt, int kStages>
+__global__ void __launch_bounds__(128 * kGroups) chunk_state_kernel(GatedDeltaRuleParams p) {
+  using Sh = StateShape<kDk, kGroups, kNt, kStages>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int grp = (tid >> 5) / 4, warp = (tid >> 5) % 4;  // the group, the warp in it
   bf16* sStage = reinterpret_cast<bf16*>(smem_raw);
-  bf16* sS = sStage + Sh::kStages * Sh::kStage;
-  bf16* sU = sS + kDk * Sh::kLdV;
-  bf16* sUt = sU + kChunk * Sh::kLdV;
-  float* sGam = reinterpret_cast<float*>(sUt + kChunk * Sh::kLdV);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  bf16* sS = sStage + kStages * Sh::kStage + grp * kDk * Sh::kLdV;
+  bf16* sU = sStage + kStages * Sh::kStage + kGroups * kDk * Sh::kLdV + grp * kChunk * Sh::kLdV;
+  bf16* sUt = sU + kGroups * kChunk * Sh::kLdV;
+  float* sGam = reinterpret_cast<float*>(sStage + kStages * Sh::kStage +
+                                         kGroups * (kDk + 2 * kChunk) * Sh::kLdV);
   const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim, dvp = pad_cols(dv);
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 32, h = blockIdx.y, s = blockIdx.z;
+  const int64_t bcol0 = static_cast<int64_t>(blockIdx.x) * Sh::kBlockCols;
+  const int64_t col0 = bcol0 + grp * Sh::kCols, h = blockIdx.y, s = blockIdx.z;
   const int64_t kh = h / (hv / hk);
   const Ws ws = ws_at(p);
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
@@ -883,11 +934,11 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
 
   // The state: accS[mt][nt] holds rows srow(mt) + g (+ 8), columns 8 nt + 2 t (+ 1).
   const int srow0 = warp * (kDk / 4);
-  float accS[Sh::kMt][4][4];
+  float accS[Sh::kMt][kNt][4];
 #pragma unroll
   for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = srow0 + 16 * mt + g + 8 * (e >> 1);
@@ -900,7 +951,7 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
 #pragma unroll
     for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int r = srow0 + 16 * mt + g + 8 * hh;
@@ -913,16 +964,17 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
   write_sS();
 
   const int64_t m_first = begin / kChunk, m_last = (end - 1) / kChunk;
-  // Tiles of chunk m into stage st; rows outside the chunk are zero-filled.
+  // Tiles of chunk m into stage st; rows outside the chunk (and U' columns past dvp) are
+  // zero-filled.
   auto issue = [&](int64_t m, int st) {
     bf16* sW = sStage + st * Sh::kStage;
     bf16* sQ = sW + kChunk * Sh::kLdK;
     bf16* sK = sQ + kChunk * Sh::kLdK;
     bf16* sP = sK + kChunk * Sh::kLdK;
-    bf16* sUp = sP + kChunk * Sh::kLdP;
+    bf16* sUp = sP + kChunk * Sh::kLdP;  // [kGroups][kChunk][kLdV]
     const int64_t t0 = m * kChunk;
     constexpr int kVec = kDk / 8;
-    for (int i = tid; i < kChunk * kVec; i += blockDim.x) {
+    for (int i = tid; i < kChunk * kVec; i += Sh::kThreads) {
       const int r = i / kVec, c = (i % kVec) * 8;
       const int64_t tt = t0 + r;
       const bool v = tt >= begin && tt < end;
@@ -931,19 +983,22 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
       cp_async16(sQ + r * Sh::kLdK + c, ws.qb + (ts * hk + kh) * kDk + c, v);
       cp_async16(sK + r * Sh::kLdK + c, ws.kb + (ts * hk + kh) * kDk + c, v);
     }
-    for (int i = tid; i < kChunk * (kChunk / 8); i += blockDim.x) {
+    for (int i = tid; i < kChunk * (kChunk / 8); i += Sh::kThreads) {
       const int r = i / (kChunk / 8), c = (i % (kChunk / 8)) * 8;
       const int64_t tt = t0 + r;
       const bool v = tt >= begin && tt < end;
       const int64_t ts = v ? tt : begin;
       cp_async16(sP + r * Sh::kLdP + c, ws.p + (ts * hv + h) * kChunk + c, v);
     }
-    for (int i = tid; i < kChunk * 4; i += blockDim.x) {
-      const int r = i / 4, c = (i % 4) * 8;
+    constexpr int kUVec = Sh::kBlockCols / 8;
+    for (int i = tid; i < kChunk * kUVec; i += Sh::kThreads) {
+      const int r = i / kUVec, cb = (i % kUVec) * 8;  // column in the block
+      const int q = cb / Sh::kCols, c = cb % Sh::kCols;
       const int64_t tt = t0 + r;
-      const bool v = tt >= begin && tt < end;
+      const bool v = tt >= begin && tt < end && bcol0 + cb < dvp;
       const int64_t ts = v ? tt : begin;
-      cp_async16(sUp + r * Sh::kLdV + c, ws.u + (ts * hv + h) * dvp + col0 + c, v);
+      cp_async16(sUp + (q * kChunk + r) * Sh::kLdV + c,
+                 ws.u + (ts * hv + h) * dvp + (v ? bcol0 + cb : 0), v);
     }
     cp_async_commit();
   };
@@ -952,31 +1007,36 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
     return (tid < kChunk && tt >= begin && tt < end) ? ws.gam[tt * hv + h] : 0.f;
   };
 
-  // Three stages: chunk m + 2 is in flight while m computes (a commit group per chunk, empty
-  // past the last, so wait_group 2 always means "chunk m landed").
-  issue(m_first, 0);
-  if (m_first + 1 <= m_last) {
-    issue(m_first + 1, 1);
-  } else {
-    cp_async_commit();
-  }
-  float cur_g = gam_of(m_first), nxt_g = gam_of(m_first + 1);
-  for (int64_t m = m_first; m <= m_last; ++m) {
-    const int st = static_cast<int>((m - m_first) % Sh::kStages);
-    if (m + 2 <= m_last) {
-      issue(m + 2, (st + 2) % Sh::kStages);
+  // kStages stages: chunks m + 1 .. m + kStages - 1 are in flight while m computes (a commit
+  // group per chunk, empty past the last, so wait_group kStages - 1 always means "chunk m
+  // landed").
+#pragma unroll
+  for (int k = 0; k + 1 < kStages; ++k) {
+    if (m_first + k <= m_last) {
+      issue(m_first + k, k);
     } else {
       cp_async_commit();
     }
-    const float nxt2_g = gam_of(m + 2);
-    if (tid < kChunk) sGam[tid] = cur_g;
-    cp_async_wait<2>();
+  }
+  float gq[kStages];  // gamma of chunks m .. m + kStages - 1 (this thread's row)
+#pragma unroll
+  for (int k = 0; k + 1 < kStages; ++k) gq[k] = gam_of(m_first + k);
+  for (int64_t m = m_first; m <= m_last; ++m) {
+    const int st = static_cast<int>((m - m_first) % kStages);
+    if (m + kStages - 1 <= m_last) {
+      issue(m + kStages - 1, (st + kStages - 1) % kStages);
+    } else {
+      cp_async_commit();
+    }
+    gq[kStages - 1] = gam_of(m + kStages - 1);
+    if (tid < kChunk) sGam[tid] = gq[0];
+    cp_async_wait<kStages - 1>();
     __syncthreads();  // this chunk's tiles, sGam, sS
     bf16 const* sW = sStage + st * Sh::kStage;
     bf16 const* sQ = sW + kChunk * Sh::kLdK;
     bf16 const* sK = sQ + kChunk * Sh::kLdK;
     bf16 const* sP = sK + kChunk * Sh::kLdK;
-    bf16 const* sUp = sP + kChunk * Sh::kLdP;
+    bf16 const* sUp = sP + kChunk * Sh::kLdP + grp * kChunk * Sh::kLdV;
     const int64_t t0 = m * kChunk;
     const int lo = begin > t0 ? static_cast<int>(begin - t0) : 0;
     const int hi = end - t0 < kChunk ? static_cast<int>(end - t0) : kChunk;
@@ -984,14 +1044,14 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
 
     // U = U' - W S0 and Q S0 for the warp's 16 token rows.
     const int r0 = 16 * warp;
-    float accU[4][4] = {}, accO[4][4] = {};
+    float accU[kNt][4] = {}, accO[kNt][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kDk; kk += 16) {
       uint32_t aw[4], aq[4];
       frag_a(aw, sW, Sh::kLdK, r0, kk);
       frag_a(aq, sQ, Sh::kLdK, r0, kk);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
         uint32_t b0, b1;
         frag_b_kn(b0, b1, sS, Sh::kLdV, kk, 8 * nt);
         mma16816(accU[nt], aw, b0, b1);
@@ -1004,9 +1064,9 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
       const bool in = i >= lo && i < hi;
       const float gi = sGam[i];
       const float f = in ? expf(g_last - gi) : 0.f;
-      const float gq = in ? expf(gi) : 0.f;
+      const float gqi = in ? expf(gi) : 0.f;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
         const int j = 8 * nt + 2 * t;
         const float2 up =
             __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(sUp + i * Sh::kLdV + j));
@@ -1015,21 +1075,21 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
         *reinterpret_cast<__nv_bfloat162*>(sU + i * Sh::kLdV + j) = __floats2bfloat162_rn(u0, u1);
         *reinterpret_cast<__nv_bfloat162*>(sUt + i * Sh::kLdV + j) =
             __floats2bfloat162_rn(f * u0, f * u1);
-        accO[nt][2 * hh] *= gq;
-        accO[nt][2 * hh + 1] *= gq;
+        accO[nt][2 * hh] *= gqi;
+        accO[nt][2 * hh + 1] *= gqi;
       }
     }
     __syncthreads();  // sU, sUt complete; every warp is done with sS
 
     // O = diag(G) Q S0 + P U.
-    warp_gemm_kn<4, kChunk>(accO, sP, Sh::kLdP, r0, sU, Sh::kLdV, 0);
+    warp_gemm_kn<kNt, kChunk>(accO, sP, Sh::kLdP, r0, sU, Sh::kLdV, 0);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int i = r0 + g + 8 * hh;
       if (i < lo || i >= hi) continue;
       float* o = p.out + ((t0 + i) * hv + h) * dv;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int64_t c = col0 + 8 * nt + 2 * t + e;
@@ -1042,7 +1102,7 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
 #pragma unroll
     for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) accS[mt][nt][e] *= decay;
       }
@@ -1054,7 +1114,7 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
         uint32_t a[4];
         frag_a_t(a, sK, Sh::kLdK, srow0 + 16 * mt, kk);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+        for (int nt = 0; nt < kNt; ++nt) {
           uint32_t b0, b1;
           frag_b_kn(b0, b1, sUt, Sh::kLdV, kk, 8 * nt);
           mma16816(accS[mt][nt], a, b0, b1);
@@ -1063,14 +1123,14 @@ __global__ void __launch_bounds__(128) chunk_state_kernel(GatedDeltaRuleParams p
     }
     write_sS();
     __syncthreads();  // sS for the next chunk; this stage, sU, sUt, sGam free
-    cur_g = nxt_g;
-    nxt_g = nxt2_g;
+#pragma unroll
+    for (int k = 0; k + 1 < kStages; ++k) gq[k] = gq[k + 1];
   }
   if (gS != nullptr) {
 #pragma unroll
     for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = srow0 + 16 * mt + g + 8 * (e >> 1);
@@ -1087,6 +1147,31 @@ void raise_smem(Kernel kernel, size_t bytes) {
   // NOTE: cudaFuncSetAttribute is not a stream operation, so it is legal during capture.
   TANDEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(bytes)));
+}
+
+// Streaming multiprocessors of the current device (cached per device).
+int sm_count() {
+  static int cached[64] = {};
+  int dev = 0;
+  TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cached[dev] == 0) {
+    int n = 0;
+    TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cached[dev] = n > 0 ? n : 1;
+  }
+  return cached[dev];
+}
+
+template <int kDk, int kGroups, int kNt, int kStages>
+void state_launch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
+  using Sh = StateShape<kDk, kGroups, kNt, kStages>;
+  auto kernel = chunk_state_kernel<kDk, kGroups, kNt, kStages>;
+  raise_smem(kernel, Sh::kSmemBytes);
+  const dim3 grid(static_cast<unsigned>((p.v_dim + Sh::kBlockCols - 1) / Sh::kBlockCols),
+                  static_cast<unsigned>(p.num_v_heads), static_cast<unsigned>(p.seqs.num_seqs));
+  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(p);
+  TANDEM_CUDA_CHECK_LAUNCH();
 }
 
 template <int kDk>
@@ -1106,12 +1191,18 @@ void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
   wy<<<wy_grid, 128, wy_smem, stream>>>(p, vec_v);
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.stages < 3) return;
-  constexpr size_t st_smem = StateShape<kDk>::kSmemBytes;
-  raise_smem(chunk_state_kernel<kDk>, st_smem);
-  const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
-                  static_cast<unsigned>(p.seqs.num_seqs));
-  chunk_state_kernel<kDk><<<grid, 128, st_smem, stream>>>(p);
-  TANDEM_CUDA_CHECK_LAUNCH();
+  int variant = p.state_variant;
+  if (variant == 0) {  // by the grid's size
+    const int64_t blocks32 = (p.v_dim + 31) / 32 * p.num_v_heads * p.seqs.num_seqs;
+    const int sms = sm_count();
+    variant = blocks32 <= sms ? 2 : blocks32 >= 2 * sms ? 3 : 1;
+  }
+  switch (variant) {
+    case 1: state_launch<kDk, 1, 4, 3>(p, stream); break;
+    case 2: state_launch<kDk, 2, 2, 3>(p, stream); break;
+    case 3: state_launch<kDk, 2, 4, 2>(p, stream); break;
+    default: TANDEM_CHECK(false, "gated_delta_rule: state_variant ", p.state_variant);
+  }
 }
 
 // ---------------------------------------------------------------- gated rms norm
@@ -1221,7 +1312,21 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
   const bool decode = p.num_tokens == p.seqs.num_seqs;
   const bool chunked = !decode && !p.sequential && (p.k_dim == 64 || p.k_dim == 128);
   if (chunked) {
-    delta_prep_kernel<true><<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
+    // q / k as kDk / 32-element vectors when the rows allow (the model's always do).
+    const int64_t per = p.k_dim / 32;
+    const bool vec =
+        p.qkv_stride % per == 0 && reinterpret_cast<uintptr_t>(p.qkv) % (per * sizeof(bf16)) == 0;
+    const unsigned blocks = static_cast<unsigned>(p.num_tokens);
+    if (vec) {
+      const int threads = 32 * static_cast<int>(std::min<int64_t>(2 * p.num_k_heads, 32));
+      if (p.k_dim == 64) {
+        delta_prep_vec_kernel<64><<<blocks, threads, 0, stream>>>(p);
+      } else {
+        delta_prep_vec_kernel<128><<<blocks, threads, 0, stream>>>(p);
+      }
+    } else {
+      delta_prep_kernel<true><<<blocks, 128, 0, stream>>>(p);
+    }
     TANDEM_CUDA_CHECK_LAUNCH();
     if (p.seqs.num_seqs == 0 || p.stages < 2) return;
     if (p.k_dim == 64) {

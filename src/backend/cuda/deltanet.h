@@ -77,6 +77,11 @@ struct GatedDeltaRuleParams {
   // Benchmarks and tests only: the WY kernel in its first shared-memory layout (every tile in its
   // own place: 97 KB, 2 blocks per SM, vs 52 KB and 4); the same results bit for bit.
   bool wide_wy = false;
+  // Benchmarks and tests only: the sequence-order state kernel's shape. 0: by the grid's size
+  // (below: blocks of 32 value columns per (value head, sequence)): 2 when they are at most one per
+  // SM, 3 when at least two per SM, else 1. 1: 32 columns x 4 warps (the first shape), 2: 32
+  // columns x 8 warps, 3: 64 columns x 8 warps (2 cp.async stages, not 3).
+  int state_variant = 0;
   // A decode step as one kernel (the delta-rule kernel normalises q / k and computes the gates
   // itself, no prep launch). Off by default: not yet measured on the H200.
   bool fused_decode = false;

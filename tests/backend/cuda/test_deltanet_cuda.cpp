@@ -95,7 +95,7 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
   /// for the per-token prefill instead of the chunked one, `fused` for the one-kernel decode
   /// step (GatedDeltaRuleParams::fused_decode).
   void delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
-                  bool sequential = false, bool fused = false);
+                  bool sequential = false, bool fused = false, int64_t row_pad = 8);
 };
 
 void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel) {
@@ -142,13 +142,13 @@ void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels,
 }
 
 void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk,
-                              int64_t dv, bool sequential, bool fused) {
+                              int64_t dv, bool sequential, bool fused, int64_t row_pad) {
   SCOPED_TRACE("hk " + std::to_string(hk) + " hv " + std::to_string(hv) + " dk " +
                std::to_string(dk) + " dv " + std::to_string(dv) +
                (sequential ? " sequential" : ""));
   const Batch b = make_batch(seqs);
   const int64_t n = b.tokens;
-  const int64_t width = 2 * hk * dk + hv * dv, qkv_stride = width + 8, ab_stride = 2 * hv + 3;
+  const int64_t width = 2 * hk * dk + hv * dv, qkv_stride = width + row_pad, ab_stride = 2 * hv + 3;
   const int64_t slot_stride = hv * dk * dv + 16;
   std::vector<float> qkv = randn_bf(static_cast<size_t>(n * qkv_stride));
   std::vector<float> ab = randn_bf(static_cast<size_t>(n * ab_stride), 1.5f);
@@ -174,8 +174,10 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
       std::copy(st.begin(), st.end(), ref_states.begin() + b.slot[s] * slot_stride);
     }
   }
-  // The chunked form takes prefill batches at k_dim 64 / 128 (launch's dispatch); it runs
-  // twice, its WY kernel in both shared-memory layouts (GatedDeltaRuleParams::wide_wy).
+  // The chunked form takes prefill batches at k_dim 64 / 128 (launch's dispatch); it runs in
+  // each of its shapes: the default (the state kernel's by the grid), the WY kernel's first
+  // layout (wide_wy) with the state kernel's first shape, then the state kernel's other two
+  // (GatedDeltaRuleParams::state_variant).
   const bool chunked =
       !sequential && n != static_cast<int64_t>(seqs.size()) && (dk == 64 || dk == 128);
   const double tol = chunked ? kTolChunked : kTolF32;
@@ -184,8 +186,8 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   DeviceBuffer<float> d_out(static_cast<size_t>(n * hv * dv));
   DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk, dv));
   DeviceSeqs ds(b);
-  for (int wide = 0; wide < (chunked ? 2 : 1); ++wide) {
-    SCOPED_TRACE(wide ? "wide WY layout" : "default WY layout");
+  for (int run = 0; run < (chunked ? 4 : 1); ++run) {
+    SCOPED_TRACE("chunked shape " + std::to_string(run));
     DeviceBuffer<float> d_states(states);
     d_out.poison(0xff);
     d_ws.poison(0xff);
@@ -209,7 +211,8 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
     p.state_stride = slot_stride;
     p.sequential = sequential;
     p.fused_decode = fused;
-    p.wide_wy = wide != 0;
+    p.wide_wy = run == 1;
+    p.state_variant = run;  // 0: by the grid, 1 .. 3: forced
     gated_delta_rule_launch(p, stream_);
     sync();
     EXPECT_LT(rel_err(d_out.download(), ref_out), tol);
@@ -307,7 +310,10 @@ TEST_F(CudaDeltaNet, DeltaRuleChunked) {
   delta_case(mixed, 1, 3, 128, 40);
   delta_case(mixed, 2, 2, 64, 64);
   delta_case(mixed, 1, 2, 64, 256);
-  delta_case(mixed, 1, 2, 64, 36);               // v_dim not a multiple of 8: V by scalar loads
+  delta_case(mixed, 1, 2, 64, 36);  // v_dim not a multiple of 8: V by scalar loads
+  // An odd row stride: q / k (the prep) and V by scalar loads.
+  delta_case(mixed, 2, 4, 128, 128, false, false, 7);
+  delta_case(mixed, 1, 2, 64, 64, false, false, 3);
   delta_case({{64, true}}, 1, 1, 128, 128);      // exactly one chunk
   delta_case({{2, false}, {1}}, 2, 4, 128, 96);  // a 2-token prefill beside a decode token
 }
