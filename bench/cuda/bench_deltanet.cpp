@@ -107,6 +107,7 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
                               {"gdr_state1", false, 3, false, false, 1},
                               {"gdr_state2", false, 3, false, false, 2},
                               {"gdr_state3", false, 3, false, false, 3},
+                              {"gdr_state4", false, 3, false, false, 4},
                               {"gated_delta_rule_seq", true, 3}};
   for (const Variant& var : variants) {
     if (len == 1 && (var.sequential || var.stages < 3)) continue;    // decode: no stages

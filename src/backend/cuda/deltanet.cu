@@ -900,7 +900,8 @@ struct StateShape {
   static constexpr int kThreads = 128 * kGroups;
   static constexpr int kLdK = kDk + 8;
   static constexpr int kLdP = kChunk + 8;
-  static constexpr int kLdV = kCols + 8;
+  // Row strides of 48 B or more are conflict-free for ldmatrix (8 columns: 16 B + 32 B pad).
+  static constexpr int kLdV = kCols + 8 > 24 ? kCols + 8 : 24;
   static constexpr int kStage =
       3 * kChunk * kLdK + kChunk * kLdP + kGroups * kChunk * kLdV;  // bf16
   static constexpr size_t kSmemBytes =
@@ -1201,6 +1202,7 @@ void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
     case 1: state_launch<kDk, 1, 4, 3>(p, stream); break;
     case 2: state_launch<kDk, 2, 2, 3>(p, stream); break;
     case 3: state_launch<kDk, 2, 4, 2>(p, stream); break;
+    case 4: state_launch<kDk, 4, 1, 2>(p, stream); break;
     default: TANDEM_CHECK(false, "gated_delta_rule: state_variant ", p.state_variant);
   }
 }

@@ -80,7 +80,8 @@ struct GatedDeltaRuleParams {
   // Benchmarks and tests only: the sequence-order state kernel's shape. 0: by the grid's size
   // (below: blocks of 32 value columns per (value head, sequence)): 2 when they are at most one per
   // SM, 3 when at least two per SM, else 1. 1: 32 columns x 4 warps (the first shape), 2: 32
-  // columns x 8 warps, 3: 64 columns x 8 warps (2 cp.async stages, not 3).
+  // columns x 8 warps, 3: 64 columns x 8 warps (2 cp.async stages, not 3), 4: 32 columns x 16
+  // warps (2 stages; a probe for one-sequence prefills, never picked by 0).
   int state_variant = 0;
   // A decode step as one kernel (the delta-rule kernel normalises q / k and computes the gates
   // itself, no prep launch). Off by default: not yet measured on the H200.
