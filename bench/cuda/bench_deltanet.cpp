@@ -89,7 +89,9 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
   // per-token recurrence.
   // Decode: also the opt-in one-kernel step (gdr_decode_fused: fused_decode). Prefill: also the
   // WY kernel's first shared-memory layout (_wywide: wide_wy, 2 blocks per SM, vs 4) and the
-  // state kernel in each of its shapes (gdr_stateN: state_variant N; the default picks by grid).
+  // state kernel in each of its shapes (gdr_stateN: state_variant N; the default picks by grid),
+  // the opt-in prep (_prep4: prep_heads4), and the WY kernel without its substitution
+  // (gdr_chunked_prep_wy_nosub: wy_probe_no_substitution, wrong results, its cost only).
   struct Variant {
     const char* name;
     bool sequential;
@@ -97,6 +99,8 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
     bool fused = false;
     bool wide = false;
     int state_variant = 0;
+    bool prep4 = false;
+    bool nosub = false;
   };
   const Variant variants[] = {{"gated_delta_rule", false, 3},
                               {"gdr_decode_fused", false, 3, true},
@@ -106,13 +110,14 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
                               {"gated_delta_rule_wywide", false, 3, false, true},
                               {"gdr_state1", false, 3, false, false, 1},
                               {"gdr_state2", false, 3, false, false, 2},
-                              {"gdr_state3", false, 3, false, false, 3},
-                              {"gdr_state4", false, 3, false, false, 4},
+                              {"gated_delta_rule_prep4", false, 3, false, false, 0, true},
+                              {"gdr_chunked_prep4", false, 1, false, false, 0, true},
+                              {"gdr_chunked_prep_wy_nosub", false, 2, false, false, 0, false, true},
                               {"gated_delta_rule_seq", true, 3}};
   for (const Variant& var : variants) {
-    if (len == 1 && (var.sequential || var.stages < 3)) continue;    // decode: no stages
-    if (len > 1 && var.fused) continue;                              // a decode kernel
-    if (len == 1 && (var.wide || var.state_variant != 0)) continue;  // prefill kernels
+    if (len == 1 && (var.sequential || var.stages < 3)) continue;  // decode: no stages
+    if (len > 1 && var.fused) continue;                            // a decode kernel
+    if (len == 1 && (var.wide || var.state_variant != 0 || var.prep4 || var.nosub)) continue;
     const bool sequential = var.sequential;
     const char* name = var.name;
     b.guarded(name, [&] {
@@ -139,6 +144,8 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       p.fused_decode = var.fused;
       p.wide_wy = var.wide;
       p.state_variant = var.state_variant;
+      p.prep_heads4 = var.prep4;
+      p.wy_probe_no_substitution = var.nosub;
       const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
       // qkv read, out written (fp32), the state read and written once per sequence.
       const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;

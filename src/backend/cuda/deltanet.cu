@@ -197,9 +197,10 @@ __device__ __forceinline__ void delta_gates(GatedDeltaRuleParams const& p, Ws co
 }
 
 // The chunked form's prep at k_dim 64 / 128 on rows aligned for kDk / 32-element vectors: one
-// block per token, a warp per q / k head (one pass over the 2 hk heads when 2 hk <= 32), each
-// lane loading its kDk / 32 contiguous elements once and storing them normalised as bf16.
-template <int kDk>
+// block per token, a warp per kHeads q / k heads (heads warp, warp + nwarps, ...: one pass over
+// the 2 hk heads when 2 hk <= 32 kHeads), each lane loading its kDk / 32 contiguous elements of
+// each (kHeads loads in flight) once and storing them normalised as bf16.
+template <int kDk, int kHeads>
 __global__ void __launch_bounds__(1024) delta_prep_vec_kernel(GatedDeltaRuleParams p) {
   constexpr int kPer = kDk / 32;
   const int64_t t = blockIdx.x;
@@ -208,19 +209,29 @@ __global__ void __launch_bounds__(1024) delta_prep_vec_kernel(GatedDeltaRulePara
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const float q_scale = rsqrtf(static_cast<float>(kDk));
   bf16 const* row = p.qkv + t * p.qkv_stride;
-  for (int64_t h = warp; h < 2 * hk; h += nwarps) {  // [0, hk): q heads, [hk, 2 hk): k heads
-    float v[kPer];
-    load_bf16<kPer>(row + h * kDk + lane * kPer, v);
-    float ss = 0.f;
+  // [0, hk): q heads, [hk, 2 hk): k heads
+  for (int64_t h0 = warp; h0 < 2 * hk; h0 += static_cast<int64_t>(nwarps) * kHeads) {
+    float v[kHeads][kPer];
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) ss += v[e] * v[e];
-    ss = warp_sum(ss);
-    const bool is_q = h < hk;
-    const float inv = 1.0f / sqrtf(ss + 1e-6f) * (is_q ? q_scale : 1.0f);
+    for (int j = 0; j < kHeads; ++j) {
+      const int64_t h = h0 + j * nwarps;
+      if (h < 2 * hk) load_bf16<kPer>(row + h * kDk + lane * kPer, v[j]);
+    }
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) v[e] *= inv;
-    const int64_t off = (t * hk + (is_q ? h : h - hk)) * kDk;
-    store_bf16<kPer>((is_q ? ws.qb : ws.kb) + off + lane * kPer, v);
+    for (int j = 0; j < kHeads; ++j) {
+      const int64_t h = h0 + j * nwarps;
+      if (h >= 2 * hk) break;
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) ss += v[j][e] * v[j][e];
+      ss = warp_sum(ss);
+      const bool is_q = h < hk;
+      const float inv = 1.0f / sqrtf(ss + 1e-6f) * (is_q ? q_scale : 1.0f);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) v[j][e] *= inv;
+      const int64_t off = (t * hk + (is_q ? h : h - hk)) * kDk;
+      store_bf16<kPer>((is_q ? ws.qb : ws.kb) + off + lane * kPer, v[j]);
+    }
   }
   delta_gates(p, ws, t);
 }
@@ -791,7 +802,10 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
   // T = (I + A)^-1 by forward substitution, thread c < kChunk owning column c (in registers;
   // the rows of A are broadcast reads): x_i = [i == c] - sum_{j < i} A_ij x_j.
   float x[kChunk];
-  if (tid < kChunk) {
+  if (tid < kChunk && p.wy_probe_no_substitution) {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) x[i] = i == tid ? 1.f : -sA[i * Sh::kLdA + tid];
+  } else if (tid < kChunk) {
     const int c = tid;
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
@@ -889,10 +903,11 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
 // chunks' tiles arrive by cp.async while this one computes (W, Q, K, P shared by the groups, U'
 // per group). Group q owns 8 kNt columns: its state [dk, 8 kNt] stays in the fp32 accumulators
 // (warp w of the group: rows [w dk / 4, (w + 1) dk / 4)), a bf16 copy in its sS is the operand of
-// W S and Q S. Shapes (StateVariant): 32 columns x 4 warps x 3 stages (the first), 32 columns
-// x 8 warps (16 per group) x 3 stages for grids of at most one block per SM (twice the warps on
-// the sequence-order chain), 64 columns x 8 warps x 2 stages for grids of many blocks (the
-// shared tiles loaded once for twice the columns).
+// W S and Q S. Shapes (GatedDeltaRuleParams::state_variant): 32 columns x 4 warps x 3 stages
+// (the first), and 64 columns x 8 warps x 2 stages for grids of at least two blocks per SM (the
+// shared tiles loaded once for twice the columns: 8 x 1024 tokens 393 -> 289 us on the H200).
+// 32 columns x 8 or 16 warps (16 or 8 per group) measured no faster at one sequence (the
+// sequence-order chain's per-chunk latency, not the warps' issue, bounds it there).
 template <int kDk, int kGroups, int kNt, int kStages>
 struct StateShape {
   static constexpr int kCols = 8 * kNt;  // per group
@@ -1196,13 +1211,11 @@ void chunked_dispatch(GatedDeltaRuleParams const& p, cudaStream_t stream) {
   if (variant == 0) {  // by the grid's size
     const int64_t blocks32 = (p.v_dim + 31) / 32 * p.num_v_heads * p.seqs.num_seqs;
     const int sms = sm_count();
-    variant = blocks32 <= sms ? 2 : blocks32 >= 2 * sms ? 3 : 1;
+    variant = blocks32 >= 2 * sms ? 2 : 1;
   }
   switch (variant) {
     case 1: state_launch<kDk, 1, 4, 3>(p, stream); break;
-    case 2: state_launch<kDk, 2, 2, 3>(p, stream); break;
-    case 3: state_launch<kDk, 2, 4, 2>(p, stream); break;
-    case 4: state_launch<kDk, 4, 1, 2>(p, stream); break;
+    case 2: state_launch<kDk, 2, 4, 2>(p, stream); break;
     default: TANDEM_CHECK(false, "gated_delta_rule: state_variant ", p.state_variant);
   }
 }
@@ -1320,12 +1333,14 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
         p.qkv_stride % per == 0 && reinterpret_cast<uintptr_t>(p.qkv) % (per * sizeof(bf16)) == 0;
     const unsigned blocks = static_cast<unsigned>(p.num_tokens);
     if (vec) {
-      const int threads = 32 * static_cast<int>(std::min<int64_t>(2 * p.num_k_heads, 32));
-      if (p.k_dim == 64) {
-        delta_prep_vec_kernel<64><<<blocks, threads, 0, stream>>>(p);
-      } else {
-        delta_prep_vec_kernel<128><<<blocks, threads, 0, stream>>>(p);
-      }
+      const int heads = p.prep_heads4 ? 4 : 1;  // per warp
+      const int threads =
+          32 * static_cast<int>(std::min<int64_t>((2 * p.num_k_heads + heads - 1) / heads, 32));
+      auto prep =
+          p.k_dim == 64
+              ? (heads == 4 ? delta_prep_vec_kernel<64, 4> : delta_prep_vec_kernel<64, 1>)
+              : (heads == 4 ? delta_prep_vec_kernel<128, 4> : delta_prep_vec_kernel<128, 1>);
+      prep<<<blocks, threads, 0, stream>>>(p);
     } else {
       delta_prep_kernel<true><<<blocks, 128, 0, stream>>>(p);
     }

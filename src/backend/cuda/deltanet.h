@@ -77,12 +77,16 @@ struct GatedDeltaRuleParams {
   // Benchmarks and tests only: the WY kernel in its first shared-memory layout (every tile in its
   // own place: 97 KB, 2 blocks per SM, vs 52 KB and 4); the same results bit for bit.
   bool wide_wy = false;
-  // Benchmarks and tests only: the sequence-order state kernel's shape. 0: by the grid's size
-  // (below: blocks of 32 value columns per (value head, sequence)): 2 when they are at most one per
-  // SM, 3 when at least two per SM, else 1. 1: 32 columns x 4 warps (the first shape), 2: 32
-  // columns x 8 warps, 3: 64 columns x 8 warps (2 cp.async stages, not 3), 4: 32 columns x 16
-  // warps (2 stages; a probe for one-sequence prefills, never picked by 0).
+  // Benchmarks and tests only: the sequence-order state kernel's shape. 0: by the grid's size: 2
+  // when the blocks of 32 value columns per (value head, sequence) are at least two per SM, else
+  // 1. 1: 32 columns x 4 warps (the first shape), 2: 64 columns x 8 warps (2 cp.async stages).
   int state_variant = 0;
+  // Opt-in, not yet measured: the chunked form's q / k prep with 4 heads per warp (4 loads in
+  // flight per lane instead of 1).
+  bool prep_heads4 = false;
+  // Benchmarks only, wrong results: the WY kernel with T = I - A instead of the substitution
+  // (its cost without the serial part; compact layout).
+  bool wy_probe_no_substitution = false;
   // A decode step as one kernel (the delta-rule kernel normalises q / k and computes the gates
   // itself, no prep launch). Off by default: not yet measured on the H200.
   bool fused_decode = false;

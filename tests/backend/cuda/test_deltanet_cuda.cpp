@@ -176,8 +176,8 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   }
   // The chunked form takes prefill batches at k_dim 64 / 128 (launch's dispatch); it runs in
   // each of its shapes: the default (the state kernel's by the grid), the WY kernel's first
-  // layout (wide_wy) with the state kernel's first shape, then the state kernel's other three
-  // (GatedDeltaRuleParams::state_variant).
+  // layout (wide_wy) with the state kernel's first shape, the state kernel's other shape
+  // (GatedDeltaRuleParams::state_variant), the opt-in prep (prep_heads4).
   const bool chunked =
       !sequential && n != static_cast<int64_t>(seqs.size()) && (dk == 64 || dk == 128);
   const double tol = chunked ? kTolChunked : kTolF32;
@@ -186,7 +186,7 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   DeviceBuffer<float> d_out(static_cast<size_t>(n * hv * dv));
   DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk, dv));
   DeviceSeqs ds(b);
-  for (int run = 0; run < (chunked ? 5 : 1); ++run) {
+  for (int run = 0; run < (chunked ? 4 : 1); ++run) {
     SCOPED_TRACE("chunked shape " + std::to_string(run));
     DeviceBuffer<float> d_states(states);
     d_out.poison(0xff);
@@ -212,7 +212,8 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
     p.sequential = sequential;
     p.fused_decode = fused;
     p.wide_wy = run == 1;
-    p.state_variant = run;  // 0: by the grid, 1 .. 4: forced
+    p.state_variant = run < 3 ? run : 0;  // 0: by the grid, 1, 2: forced
+    p.prep_heads4 = run == 3;
     gated_delta_rule_launch(p, stream_);
     sync();
     EXPECT_LT(rel_err(d_out.download(), ref_out), tol);
