@@ -171,6 +171,12 @@ int main(int argc, char** argv) {
     if (!b.open()) return 2;
     b.measure_ceilings();
     for (int64_t seqs : {1, 32, 128}) bench_case(b, seqs, 1);  // decode steps
+    int occ[4] = {};
+    gated_delta_rule_occupancy(kDv, occ);
+    std::printf(
+        "== resident blocks per SM: chunk_wy %d (wide layout %d), chunk_state shape 1 %d, "
+        "shape 2 %d\n",
+        occ[0], occ[1], occ[2], occ[3]);
     bench_case(b, 1, 1024);
     if (!b.quick) {
       bench_case(b, 1, 8192);

@@ -1300,6 +1300,30 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream) {
   }
 }
 
+void gated_delta_rule_occupancy(int64_t v_dim, int (&blocks)[4]) {
+  const int64_t dvp = pad_cols(v_dim);
+  auto wy_occ = [&](auto kernel, size_t smem) {
+    raise_smem(kernel, smem);
+    TANDEM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+    int n = 0;
+    TANDEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 128, smem));
+    return n;
+  };
+  blocks[0] = wy_occ(chunk_wy_kernel<128, true>, WyShape<128>::smem_bytes(dvp, true));
+  blocks[1] = wy_occ(chunk_wy_kernel<128, false>, WyShape<128>::smem_bytes(dvp, false));
+  auto st_occ = [&](auto kernel, int threads, size_t smem) {
+    raise_smem(kernel, smem);
+    int n = 0;
+    TANDEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+    return n;
+  };
+  using S1 = StateShape<128, 1, 4, 3>;
+  using S2 = StateShape<128, 2, 4, 2>;
+  blocks[2] = st_occ(chunk_state_kernel<128, 1, 4, 3>, S1::kThreads, S1::kSmemBytes);
+  blocks[3] = st_occ(chunk_state_kernel<128, 2, 4, 2>, S2::kThreads, S2::kSmemBytes);
+}
+
 size_t gated_delta_rule_workspace_floats(int64_t num_tokens, int64_t num_k_heads,
                                          int64_t num_v_heads, int64_t k_dim, int64_t v_dim) {
   return static_cast<size_t>(ws_offsets(num_tokens, num_k_heads, num_v_heads, k_dim, v_dim).total);

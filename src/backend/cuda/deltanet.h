@@ -92,6 +92,10 @@ struct GatedDeltaRuleParams {
   bool fused_decode = false;
 };
 void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream);
+/// Benchmarks: resident blocks per SM of the chunked form's kernels at k_dim 128 and v_dim
+/// (cudaOccupancyMaxActiveBlocksPerMultiprocessor after the launches' shared-memory settings):
+/// [0] the WY kernel, [1] its wide layout, [2] / [3] the state kernel's shapes 1 / 2.
+void gated_delta_rule_occupancy(int64_t v_dim, int (&blocks)[4]);
 /// fp32 elements of GatedDeltaRuleParams::workspace for num_tokens tokens.
 size_t gated_delta_rule_workspace_floats(int64_t num_tokens, int64_t num_k_heads,
                                          int64_t num_v_heads, int64_t k_dim, int64_t v_dim);
