@@ -91,7 +91,8 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
   // WY kernel's first shared-memory layout (_wywide: wide_wy, 2 blocks per SM, vs 4) and the
   // state kernel in each of its shapes (gdr_stateN: state_variant N; the default picks by grid),
   // the opt-in prep (_prep4: prep_heads4), and the WY kernel without its substitution
-  // (gdr_chunked_prep_wy_nosub: wy_probe_no_substitution, wrong results, its cost only).
+  // (gdr_chunked_prep_wy_nosub: wy_probe_no_substitution, wrong results, its cost only) or with
+  // the opt-in blockwise inverse (_blkinv: wy_blocked_inverse).
   struct Variant {
     const char* name;
     bool sequential;
@@ -101,23 +102,29 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
     int state_variant = 0;
     bool prep4 = false;
     bool nosub = false;
+    bool blkinv = false;
   };
-  const Variant variants[] = {{"gated_delta_rule", false, 3},
-                              {"gdr_decode_fused", false, 3, true},
-                              {"gdr_chunked_prep", false, 1},
-                              {"gdr_chunked_prep_wy", false, 2},
-                              {"gdr_chunked_prep_wywide", false, 2, false, true},
-                              {"gated_delta_rule_wywide", false, 3, false, true},
-                              {"gdr_state1", false, 3, false, false, 1},
-                              {"gdr_state2", false, 3, false, false, 2},
-                              {"gated_delta_rule_prep4", false, 3, false, false, 0, true},
-                              {"gdr_chunked_prep4", false, 1, false, false, 0, true},
-                              {"gdr_chunked_prep_wy_nosub", false, 2, false, false, 0, false, true},
-                              {"gated_delta_rule_seq", true, 3}};
+  const Variant variants[] = {
+      {"gated_delta_rule", false, 3},
+      {"gdr_decode_fused", false, 3, true},
+      {"gdr_chunked_prep", false, 1},
+      {"gdr_chunked_prep_wy", false, 2},
+      {"gdr_chunked_prep_wywide", false, 2, false, true},
+      {"gated_delta_rule_wywide", false, 3, false, true},
+      {"gdr_state1", false, 3, false, false, 1},
+      {"gdr_state2", false, 3, false, false, 2},
+      {"gated_delta_rule_prep4", false, 3, false, false, 0, true},
+      {"gdr_chunked_prep4", false, 1, false, false, 0, true},
+      {"gdr_chunked_prep_wy_nosub", false, 2, false, false, 0, false, true},
+      {"gdr_chunked_prep_wy_blkinv", false, 2, false, false, 0, false, false, true},
+      {"gated_delta_rule_blkinv", false, 3, false, false, 0, false, false, true},
+      {"gated_delta_rule_seq", true, 3}};
   for (const Variant& var : variants) {
     if (len == 1 && (var.sequential || var.stages < 3)) continue;  // decode: no stages
     if (len > 1 && var.fused) continue;                            // a decode kernel
-    if (len == 1 && (var.wide || var.state_variant != 0 || var.prep4 || var.nosub)) continue;
+    if (len == 1 && (var.wide || var.state_variant != 0 || var.prep4 || var.nosub || var.blkinv)) {
+      continue;  // prefill rows
+    }
     const bool sequential = var.sequential;
     const char* name = var.name;
     b.guarded(name, [&] {
@@ -146,6 +153,7 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       p.state_variant = var.state_variant;
       p.prep_heads4 = var.prep4;
       p.wy_probe_no_substitution = var.nosub;
+      p.wy_blocked_inverse = var.blkinv;
       const double us = b.time_us(1, [&](int) { gated_delta_rule_launch(p, b.stream); });
       // qkv read, out written (fp32), the state read and written once per sequence.
       const double bytes = T * kConv * 2.0 + T * kHv * kDv * 4.0 + seqs * rec_state * 4.0 * 2;

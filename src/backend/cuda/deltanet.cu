@@ -799,38 +799,9 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
   }
   __syncthreads();
 
-  // T = (I + A)^-1 by forward substitution, thread c < kChunk owning column c (in registers;
-  // the rows of A are broadcast reads): x_i = [i == c] - sum_{j < i} A_ij x_j.
-  float x[kChunk];
-  if (tid < kChunk && p.wy_probe_no_substitution) {
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) x[i] = i == tid ? 1.f : -sA[i * Sh::kLdA + tid];
-  } else if (tid < kChunk) {
-    const int c = tid;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float acc[4] = {i == c ? 1.f : 0.f, 0.f, 0.f, 0.f};
-      float const* arow = sA + i * Sh::kLdA;
-#pragma unroll
-      for (int j = 0; j + 4 <= i; j += 4) {
-        const float4 a4 = *reinterpret_cast<float4 const*>(arow + j);
-        acc[0] -= a4.x * x[j];
-        acc[1] -= a4.y * x[j + 1];
-        acc[2] -= a4.z * x[j + 2];
-        acc[3] -= a4.w * x[j + 3];
-      }
-#pragma unroll
-      for (int j = i & ~3; j < i; ++j) acc[0] -= arow[j] * x[j];
-      x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    }
-    if constexpr (!kCompact) {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + c] = __float2bfloat16_rn(x[i]);
-    }
-  } else {
-    // Meanwhile the other warps scale: beta G K and beta V (zero past dv and the end).
-    const int u = tid - kChunk;
-    for (int i = u; i < kChunk * kVec; i += kChunk) {
+  // beta G K and beta V (zero past dv and the end), threads u, u + stride, ...
+  auto scale = [&](int u, int stride) {
+    for (int i = u; i < kChunk * kVec; i += stride) {
       const int r = i / kVec, c = (i % kVec) * 8;
       float v[8];
       load_bf16<8>(sK + r * Sh::kLdK + c, v);
@@ -841,7 +812,7 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
     }
     if (vec_v) {
       const int vv = dvp / 8;
-      for (int i = u; i < kChunk * vv; i += kChunk) {
+      for (int i = u; i < kChunk * vv; i += stride) {
         const int r = i / vv, c = (i % vv) * 8;
         float v[8];
         load_bf16<8>(sV + r * ldv + c, v);
@@ -852,19 +823,127 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
       }
     } else {
 #pragma unroll 8
-      for (int i = u; i < kChunk * dvp; i += kChunk) {
+      for (int i = u; i < kChunk * dvp; i += stride) {
         const int r = i / dvp, c = i % dvp;
         const int64_t t = t0 + r;
         const float v = (t < n && c < dv) ? __bfloat162float(gv[t * p.qkv_stride + c]) : 0.f;
         sV[r * ldv + c] = __float2bfloat16_rn(sBeta[r] * v);
       }
     }
-  }
-  if constexpr (kCompact) {
-    __syncthreads();  // every thread is done with A: T takes its place
-    if (tid < kChunk) {
+  };
+  // T = (I + A)^-1 by forward substitution, thread c < kChunk owning column c (in registers;
+  // the rows of A are broadcast reads): x_i = [i == c] - sum_{j < i} A_ij x_j; meanwhile the
+  // other warps scale. Or (kCompact, wy_blocked_inverse) blockwise by all four warps: the 16 x 16
+  // diagonal blocks T_ii = (I + A_ii)^-1 by substitution (a warp each), then per block row
+  // i = 1..3 R_ik = T_ii A_ik (k < i) and T_ij = -sum_{k = j}^{i - 1} R_ik T_kj, each in place
+  // of its operand in sA (fp32 throughout).
+  float x[kChunk];
+  if (kCompact && p.wy_blocked_inverse) {
+    scale(tid, blockDim.x);
+    {
+      const int c = lane & 15, b0 = 16 * warp;  // lanes 16..31 repeat lanes 0..15
+      float y[16];
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + tid] = __float2bfloat16_rn(x[i]);
+      for (int i = 0; i < 16; ++i) {
+        float acc = i == c ? 1.f : 0.f;
+        float const* arow = sA + (b0 + i) * Sh::kLdA + b0;
+#pragma unroll
+        for (int j = 0; j < i; ++j) acc -= arow[j] * y[j];
+        y[i] = acc;
+      }
+      __syncwarp();  // the warp is done reading its block
+      if (lane < 16) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) sA[(b0 + i) * Sh::kLdA + b0 + c] = y[i];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int bi = 1; bi < 4; ++bi) {
+      const int w = 16 * bi;  // the block row's rows [w, w + 16), columns [0, w) left of T_ii
+      const int per = 16 * w / 128;  // entries per thread: 2 bi
+      float rv[6];
+#pragma unroll
+      for (int q = 0; q < 6; ++q) {
+        if (q >= per) break;
+        const int e = tid + 128 * q, r = e / w, c = e % w;
+        float const* trow = sA + (w + r) * Sh::kLdA + w;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) acc += trow[m] * sA[(w + m) * Sh::kLdA + c];
+        rv[q] = acc;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int q = 0; q < 6; ++q) {
+        if (q >= per) break;
+        const int e = tid + 128 * q;
+        sA[(w + e / w) * Sh::kLdA + e % w] = rv[q];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int q = 0; q < 6; ++q) {
+        if (q >= per) break;
+        const int e = tid + 128 * q, r = e / w, c = e % w;
+        float const* rrow = sA + (w + r) * Sh::kLdA;
+        float acc = 0.f;
+        for (int m = c & ~15; m < w; ++m) acc += rrow[m] * sA[m * Sh::kLdA + c];
+        rv[q] = -acc;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int q = 0; q < 6; ++q) {
+        if (q >= per) break;
+        const int e = tid + 128 * q;
+        sA[(w + e / w) * Sh::kLdA + e % w] = rv[q];
+      }
+      __syncthreads();
+    }
+    // T as bf16 over itself: thread (c, rh) holds rows rh, rh + 2, ... of column c.
+    const int c = tid & (kChunk - 1), rh = tid / kChunk;
+    float tv[kChunk / 2];
+#pragma unroll
+    for (int q = 0; q < kChunk / 2; ++q) tv[q] = sA[(rh + 2 * q) * Sh::kLdA + c];
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < kChunk / 2; ++q) {
+      sT[(rh + 2 * q) * Sh::kLdT + c] = __float2bfloat16_rn(tv[q]);
+    }
+  } else {
+    if (tid < kChunk && p.wy_probe_no_substitution) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) x[i] = i == tid ? 1.f : -sA[i * Sh::kLdA + tid];
+    } else if (tid < kChunk) {
+      const int c = tid;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        float acc[4] = {i == c ? 1.f : 0.f, 0.f, 0.f, 0.f};
+        float const* arow = sA + i * Sh::kLdA;
+#pragma unroll
+        for (int j = 0; j + 4 <= i; j += 4) {
+          const float4 a4 = *reinterpret_cast<float4 const*>(arow + j);
+          acc[0] -= a4.x * x[j];
+          acc[1] -= a4.y * x[j + 1];
+          acc[2] -= a4.z * x[j + 2];
+          acc[3] -= a4.w * x[j + 3];
+        }
+#pragma unroll
+        for (int j = i & ~3; j < i; ++j) acc[0] -= arow[j] * x[j];
+        x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      }
+      if constexpr (!kCompact) {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + c] = __float2bfloat16_rn(x[i]);
+      }
+    } else {
+      scale(tid - kChunk, kChunk);
+    }
+    if constexpr (kCompact) {
+      __syncthreads();  // every thread is done with A: T takes its place
+      if (tid < kChunk) {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) sT[i * Sh::kLdT + tid] = __float2bfloat16_rn(x[i]);
+      }
     }
   }
   __syncthreads();

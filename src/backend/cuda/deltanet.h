@@ -84,6 +84,10 @@ struct GatedDeltaRuleParams {
   // Opt-in, not yet measured: the chunked form's q / k prep with 4 heads per warp (4 loads in
   // flight per lane instead of 1).
   bool prep_heads4 = false;
+  // Opt-in, not yet measured: the WY kernel's T = (I + A)^-1 blockwise by all four warps (16 x 16
+  // diagonal blocks by substitution, then the off-diagonal blocks by products; fp32) instead of
+  // the 64-row substitution on two warps. Compact layout only.
+  bool wy_blocked_inverse = false;
   // Benchmarks only, wrong results: the WY kernel with T = I - A instead of the substitution
   // (its cost without the serial part; compact layout).
   bool wy_probe_no_substitution = false;

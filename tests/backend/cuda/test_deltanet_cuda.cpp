@@ -96,6 +96,8 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
   /// step (GatedDeltaRuleParams::fused_decode).
   void delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                   bool sequential = false, bool fused = false, int64_t row_pad = 8);
+  // Every chunked run with GatedDeltaRuleParams::wy_blocked_inverse (the opt-in).
+  bool blocked_inverse_ = false;
 };
 
 void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel) {
@@ -214,6 +216,7 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
     p.wide_wy = run == 1;
     p.state_variant = run < 3 ? run : 0;  // 0: by the grid, 1, 2: forced
     p.prep_heads4 = run == 3;
+    p.wy_blocked_inverse = blocked_inverse_ && run != 1;  // compact layout only
     gated_delta_rule_launch(p, stream_);
     sync();
     EXPECT_LT(rel_err(d_out.download(), ref_out), tol);
@@ -317,6 +320,22 @@ TEST_F(CudaDeltaNet, DeltaRuleChunked) {
   delta_case(mixed, 1, 2, 64, 64, false, false, 3);
   delta_case({{64, true}}, 1, 1, 128, 128);      // exactly one chunk
   delta_case({{2, false}, {1}}, 2, 4, 128, 96);  // a 2-token prefill beside a decode token
+}
+
+TEST_F(CudaDeltaNet, DeltaRuleChunkedBlockedInverse) {
+  SCOPED_TRACE(trace());
+  // The opt-in blockwise T = (I + A)^-1 (wy_blocked_inverse) on DeltaRuleChunked's batch:
+  // sequences starting and ending mid-tile, several in a tile, fresh / continuing / padding.
+  blocked_inverse_ = true;
+  const std::vector<SeqSpec> mixed = {{1, true},        {63, false}, {64, true},       {65, false},
+                                      {130, true},      {5, false},  {1, false},       {200, false},
+                                      {3, false, true}, {129, true}, {66, false, true}};
+  delta_case(mixed, 2, 4, 128, 128);
+  delta_case(mixed, 1, 3, 128, 40);
+  delta_case(mixed, 2, 2, 64, 64);
+  delta_case(mixed, 1, 2, 64, 36);
+  delta_case({{64, true}}, 1, 1, 128, 128);
+  delta_case({{700, true}, {300, false}}, 2, 4, 128, 128);
 }
 
 TEST_F(CudaDeltaNet, DeltaRuleChunkedPiecesEqualOnePrefill) {
