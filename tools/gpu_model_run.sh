@@ -39,7 +39,7 @@
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
-#   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs (TANDEM_MTP_GRAPHS=1),
+#   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs / bench_spec_eager (draft passes in graphs, the default / eager),
 #   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
 #   default, / on the host: TANDEM_SPEC_SAMPLED_ON_DEVICE=0) (MTP speculative decoding:
 #   bench_spec_cuda)
@@ -254,10 +254,9 @@ fi
   step bench_spec_verify 240 "$BIN/bench_spec_cuda" --verify-only
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_e2e 300 "$BIN/bench_spec_cuda" --model 30b --e2e-only
-# The e2e grid (batch 1 / 8 / 32, K 1..3, p 0.6 / 0.7 / 0.8), then the opt-in paths not yet
-# measured (off by default): the chained draft passes in CUDA graphs with the speculative
-# warm-up (TANDEM_MTP_GRAPHS=1; compare with the bench_spec_grid rows), and sampled requests
-# speculating on the device (TANDEM_SPEC_SAMPLED_ON_DEVICE=1, temperature 0.7, seeded).
+# The e2e grid (batch 1 / 8 / 32, K 1..3, p 0.6 / 0.7 / 0.8), then the chained draft passes in
+# CUDA graphs with the speculative warm-up (the default) beside eager ones, and sampled requests
+# speculating on the device (the default) beside the host path (temperature 0.7, seeded).
 # bench_spec_verify's "MTP pass stages" lines time each stage of one draft pass (the 235B
 # layer's 1 ms pass at batch 1).
 [ -x "$BIN/bench_spec_cuda" ] &&

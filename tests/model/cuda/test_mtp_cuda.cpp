@@ -297,7 +297,8 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
     o.max_tokens = 1024;
     o.max_seqs = 8;
     o.page_size = 16;
-    o.cuda_graphs = graphs;  // (the draft passes eager: mtp_graphs off, the default)
+    o.cuda_graphs =
+        graphs;  // with graphs: the draft passes in graphs too (mtp_graphs, the default)
     auto gpu = Qwen3MoeCuda::load(dir, o);
     gpu->load_mtp(mtp_dir(dir));
     EngineConfig base;
@@ -331,10 +332,11 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
     }
     if (graphs) {
       EXPECT_FALSE(gpu->captured_verify_graphs().empty()) << "no verify step ran a graph";
+      EXPECT_FALSE(gpu->mtp()->captured_buckets().empty()) << "no draft pass ran a graph";
     } else {
       EXPECT_TRUE(gpu->captured_verify_graphs().empty());
+      EXPECT_TRUE(gpu->mtp()->captured_buckets().empty()) << "draft graphs with graphs off";
     }
-    EXPECT_TRUE(gpu->mtp()->captured_buckets().empty()) << "draft graphs with mtp_graphs off";
   }
 }
 
@@ -367,7 +369,7 @@ TEST(CudaMtpSampling, DistributionEqualsNonSpeculative) {
     cfg.page_size = 16;
     cfg.kv_cache_mb = 64;
     cfg.max_waiting = kSamples + 1;
-    cfg.spec_sampled_on_device = true;  // the switch under test (off by default)
+    cfg.spec_sampled_on_device = true;  // the switch under test (the default)
     Engine engine(*gpu, cfg);
     std::vector<std::vector<int32_t>> out(kSamples);
     for (int i = 0; i < kSamples; ++i) {
@@ -447,7 +449,7 @@ TEST(CudaMtpSampling, DistributionEqualsNonSpeculative) {
   EXPECT_GT(x2w, testing::chi_square_bound(dfw)) << "df " << dfw;
 }
 
-// CudaModelOptions::mtp_graphs (off by default) with EngineConfig::warm_up and K = 3 (as tandem
+// CudaModelOptions::mtp_graphs (the default) with EngineConfig::warm_up and K = 3 (as tandem
 // serve runs it): the verify graph of every decode bucket up to max_num_seqs (4 tokens per
 // sequence) and the draft pass graph of every bucket are captured before the first request, and
 // decoding afterwards (draft passes in graphs) gives the tokens of the default model (draft
@@ -460,7 +462,7 @@ TEST(CudaMtpWarmUp, CapturesTheVerifyGraphsOfK) {
   o.max_tokens = 1024;
   o.max_seqs = 8;
   o.page_size = 16;
-  o.mtp_graphs = true;  // the switch under test (off by default)
+  o.mtp_graphs = true;  // the switch under test (the default)
   EngineConfig cfg;
   cfg.max_num_seqs = 8;
   cfg.max_batched_tokens = 1024;
@@ -468,7 +470,7 @@ TEST(CudaMtpWarmUp, CapturesTheVerifyGraphsOfK) {
   cfg.kv_cache_mb = 64;
   cfg.num_speculative_tokens = 3;
   CudaModelOptions eager = o;
-  eager.mtp_graphs = false;  // the default: draft passes eager, verify graphs on first use
+  eager.mtp_graphs = false;  // draft passes eager, verify graphs on first use
   auto cold = Qwen3MoeCuda::load(dir, eager);
   cold->load_mtp(mtp_dir(dir));
   const auto want = run_engine(*cold, g.cases, cfg, /*together=*/true);
