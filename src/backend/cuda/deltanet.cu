@@ -863,6 +863,17 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
       const int w = 16 * bi;  // the block row's rows [w, w + 16), columns [0, w) left of T_ii
       const int per = 16 * w / 128;  // entries per thread: 2 bi
       float rv[6];
+      // The block row's entries from rv back into sA, between barriers.
+      auto store_rv = [&] {
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < 6; ++q) {
+          if (q >= per) break;
+          const int e = tid + 128 * q;
+          sA[(w + e / w) * Sh::kLdA + e % w] = rv[q];
+        }
+        __syncthreads();
+      };
 #pragma unroll
       for (int q = 0; q < 6; ++q) {
         if (q >= per) break;
@@ -873,14 +884,7 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
         for (int m = 0; m < 16; ++m) acc += trow[m] * sA[(w + m) * Sh::kLdA + c];
         rv[q] = acc;
       }
-      __syncthreads();
-#pragma unroll
-      for (int q = 0; q < 6; ++q) {
-        if (q >= per) break;
-        const int e = tid + 128 * q;
-        sA[(w + e / w) * Sh::kLdA + e % w] = rv[q];
-      }
-      __syncthreads();
+      store_rv();
 #pragma unroll
       for (int q = 0; q < 6; ++q) {
         if (q >= per) break;
@@ -890,14 +894,7 @@ __global__ void __launch_bounds__(128, 4) chunk_wy_kernel(GatedDeltaRuleParams p
         for (int m = c & ~15; m < w; ++m) acc += rrow[m] * sA[m * Sh::kLdA + c];
         rv[q] = -acc;
       }
-      __syncthreads();
-#pragma unroll
-      for (int q = 0; q < 6; ++q) {
-        if (q >= per) break;
-        const int e = tid + 128 * q;
-        sA[(w + e / w) * Sh::kLdA + e % w] = rv[q];
-      }
-      __syncthreads();
+      store_rv();
     }
     // T as bf16 over itself: thread (c, rh) holds rows rh, rh + 2, ... of column c.
     const int c = tid & (kChunk - 1), rh = tid / kChunk;

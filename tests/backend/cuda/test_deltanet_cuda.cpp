@@ -302,14 +302,20 @@ TEST_F(CudaDeltaNet, DeltaRuleShapes) {
   delta_case(mixed, 2, 2, 64, 48, true);
 }
 
+// The chunked tests' batch: sequences shorter than a chunk, ending on / next to chunk boundaries,
+// spanning several chunks, starting mid-chunk (the tiles are global over the batch), fresh,
+// continuing and padding.
+std::vector<SeqSpec> chunked_batch() {
+  return {{1, true},  {63, false},  {64, true},       {65, false}, {130, true},      {5, false},
+          {1, false}, {200, false}, {3, false, true}, {129, true}, {66, false, true}};
+}
+
 TEST_F(CudaDeltaNet, DeltaRuleChunked) {
   SCOPED_TRACE(trace());
   // The chunked form: sequences shorter than a chunk, ending on / next to chunk boundaries,
   // spanning several chunks, starting mid-chunk (the tiles are global over the batch), fresh,
   // continuing and padding; k_dim 128 and 64; v_dim 128, partial column blocks, 256.
-  const std::vector<SeqSpec> mixed = {{1, true},        {63, false}, {64, true},       {65, false},
-                                      {130, true},      {5, false},  {1, false},       {200, false},
-                                      {3, false, true}, {129, true}, {66, false, true}};
+  const std::vector<SeqSpec> mixed = chunked_batch();
   delta_case(mixed, 2, 4, 128, 128);
   delta_case(mixed, 1, 3, 128, 40);
   delta_case(mixed, 2, 2, 64, 64);
@@ -327,9 +333,7 @@ TEST_F(CudaDeltaNet, DeltaRuleChunkedBlockedInverse) {
   // The opt-in blockwise T = (I + A)^-1 (wy_blocked_inverse) on DeltaRuleChunked's batch:
   // sequences starting and ending mid-tile, several in a tile, fresh / continuing / padding.
   blocked_inverse_ = true;
-  const std::vector<SeqSpec> mixed = {{1, true},        {63, false}, {64, true},       {65, false},
-                                      {130, true},      {5, false},  {1, false},       {200, false},
-                                      {3, false, true}, {129, true}, {66, false, true}};
+  const std::vector<SeqSpec> mixed = chunked_batch();
   delta_case(mixed, 2, 4, 128, 128);
   delta_case(mixed, 1, 3, 128, 40);
   delta_case(mixed, 2, 2, 64, 64);

@@ -90,10 +90,31 @@ inline int compare_rows(const std::vector<float>& got, const std::vector<float>&
       .checked;
 }
 
+// compare_logit_rows where a flipped argmax is printed, not failed: the caller bounds the share
+// (RowStats::flipped of RowStats::checked).
+inline RowStats compare_rows_counting_flips(const std::vector<float>& got,
+                                            const std::vector<float>& want, int64_t vocab,
+                                            const std::string& what, std::vector<double>& errs) {
+  return compare_logit_rows(
+      got, want, vocab, what, errs, [&](int64_t r, int64_t ga, int64_t wa, float margin) {
+        if (ga == wa) return;
+        std::printf("  %s row %lld: argmax %lld, reference %lld (margin %.3f)\n", what.c_str(),
+                    static_cast<long long>(r), static_cast<long long>(ga),
+                    static_cast<long long>(wa), margin);
+      });
+}
+
 inline double quantile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
+}
+
+// A golden case as one teacher-forced sequence: the prompt and every output token but the last.
+inline std::vector<int32_t> teacher_forced_tokens(const testing::GoldenCase& c) {
+  std::vector<int32_t> tokens = c.prompt_ids;
+  tokens.insert(tokens.end(), c.output_ids.begin(), c.output_ids.end() - 1);
+  return tokens;
 }
 
 // One sequence, all positions' logits, in chunks of `chunk` tokens.

@@ -155,8 +155,7 @@ TEST_P(CudaGolden, TeacherForcedLogitsMatchTheCpuModel) {
   int checked = 0;
   for (size_t i = 0; i < g.cases.size(); ++i) {
     const auto& c = g.cases[i];
-    std::vector<int32_t> tokens = c.prompt_ids;
-    tokens.insert(tokens.end(), c.output_ids.begin(), c.output_ids.end() - 1);
+    const std::vector<int32_t> tokens = teacher_forced_tokens(c);
     const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
     KvCache cpu_kv(cpu->kv_geometry(pages, 4));
     KvCache gpu_kv = gpu->make_kv_cache(pages, 4);
@@ -328,8 +327,7 @@ TEST(CudaFp8, KeepsFp8AndMatchesTheDequantizedModel) {
   int checked = 0;
   for (size_t i = 0; i < g.cases.size(); ++i) {
     const auto& cs = g.cases[i];
-    std::vector<int32_t> tokens = cs.prompt_ids;
-    tokens.insert(tokens.end(), cs.output_ids.begin(), cs.output_ids.end() - 1);
+    const std::vector<int32_t> tokens = teacher_forced_tokens(cs);
     const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
     for (const int64_t chunk : {int64_t{1} << 20, int64_t{7}, int64_t{1}}) {
       KvCache kv8 = fp8->make_kv_cache(pages, 4), kv16 = bf16->make_kv_cache(pages, 4);

@@ -189,8 +189,7 @@ TEST_P(CudaMtp, VerifyRowsMatchTheCpuModel) {
     size_t longest = 0;
     std::vector<std::vector<int32_t>> toks;
     for (const auto& c : g.cases) {
-      std::vector<int32_t> t = c.prompt_ids;
-      t.insert(t.end(), c.output_ids.begin(), c.output_ids.end() - 1);
+      const std::vector<int32_t> t = teacher_forced_tokens(c);
       longest = std::max(longest, t.size());
       toks.push_back(t);
     }

@@ -130,8 +130,7 @@ TEST_P(CudaMxfp8, TeacherForcedLogitsMatchTheCpuReference) {
   int checked = 0, flipped = 0;
   for (size_t i = 0; i < fx.cases.size(); ++i) {
     const auto& cs = fx.cases[i];
-    std::vector<int32_t> tokens = cs.prompt_ids;
-    tokens.insert(tokens.end(), cs.output_ids.begin(), cs.output_ids.end() - 1);
+    const std::vector<int32_t> tokens = teacher_forced_tokens(cs);
     const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
     KvCache cpu_kv(cpu->kv_geometry(pages, 4));
     const auto want = teacher_forced(*cpu, cpu_kv, tokens, 1 << 20);
@@ -140,14 +139,8 @@ TEST_P(CudaMxfp8, TeacherForcedLogitsMatchTheCpuReference) {
     for (const int64_t chunk : {int64_t{1} << 20, int64_t{7}, int64_t{1}}) {
       KvCache kv = gpu->make_kv_cache(pages, 4);
       const auto got = teacher_forced(*gpu, kv, tokens, chunk);
-      const std::string what = "case " + std::to_string(i) + " chunk " + std::to_string(chunk);
-      const RowStats st = compare_logit_rows(
-          got, want, vocab, what, errs, [&](int64_t r, int64_t ga, int64_t wa, float margin) {
-            if (ga == wa) return;
-            std::printf("  %s row %lld: argmax %lld, reference %lld (margin %.3f)\n", what.c_str(),
-                        static_cast<long long>(r), static_cast<long long>(ga),
-                        static_cast<long long>(wa), margin);
-          });
+      const RowStats st = compare_rows_counting_flips(
+          got, want, vocab, "case " + std::to_string(i) + " chunk " + std::to_string(chunk), errs);
       checked += st.checked;
       flipped += st.flipped;
     }
@@ -243,24 +236,16 @@ TEST(CudaMxfp8Paths, MatchTheBf16DefaultOverTheSameWeights) {
     int checked = 0, flipped = 0;
     for (size_t i = 0; i < fx.cases.size(); ++i) {
       const auto& cs = fx.cases[i];
-      std::vector<int32_t> tokens = cs.prompt_ids;
-      tokens.insert(tokens.end(), cs.output_ids.begin(), cs.output_ids.end() - 1);
+      const std::vector<int32_t> tokens = teacher_forced_tokens(cs);
       const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
       for (const int64_t chunk : {int64_t{1} << 20, int64_t{1}}) {
         KvCache kv_ref = ref->make_kv_cache(pages, 4), kv = gpu->make_kv_cache(pages, 4);
         const auto want = teacher_forced(*ref, kv_ref, tokens, chunk);
         const auto got = teacher_forced(*gpu, kv, tokens, chunk);
-        const RowStats st = compare_logit_rows(
-            got, want, vocab, std::string(p.path) + " case " + std::to_string(i), errs,
-            [&](int64_t r, int64_t ga, int64_t wa, float margin) {
-              if (ga != wa) {
-                std::printf(
-                    "  %s case %zu chunk %lld row %lld: argmax %lld vs bf16 %lld (margin "
-                    "%.3f)\n",
-                    p.path, i, static_cast<long long>(chunk), static_cast<long long>(r),
-                    static_cast<long long>(ga), static_cast<long long>(wa), margin);
-              }
-            });
+        const RowStats st = compare_rows_counting_flips(
+            got, want, vocab,
+            std::string(p.path) + " case " + std::to_string(i) + " chunk " + std::to_string(chunk),
+            errs);
         checked += st.checked;
         flipped += st.flipped;
       }
