@@ -110,6 +110,14 @@ inline double quantile(std::vector<double> v, double q) {
   return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
 }
 
+// The median, 95th percentile and worst of the rows' relative errors.
+struct ErrorQuantiles {
+  double med, p95, worst;
+};
+inline ErrorQuantiles error_quantiles(const std::vector<double>& errs) {
+  return {quantile(errs, 0.5), quantile(errs, 0.95), quantile(errs, 1.0)};
+}
+
 // A golden case as one teacher-forced sequence: the prompt and every output token but the last.
 inline std::vector<int32_t> teacher_forced_tokens(const testing::GoldenCase& c) {
   std::vector<int32_t> tokens = c.prompt_ids;

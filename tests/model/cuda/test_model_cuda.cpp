@@ -168,7 +168,7 @@ TEST_P(CudaGolden, TeacherForcedLogitsMatchTheCpuModel) {
     checked +=
         compare_rows(chunked, want, vocab, g.name + " chunked case " + std::to_string(i), errs);
   }
-  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  const auto [med, p95, worst] = error_quantiles(errs);
   std::printf(
       "[ %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
       "%d argmax checks\n",
@@ -338,7 +338,7 @@ TEST(CudaFp8, KeepsFp8AndMatchesTheDequantizedModel) {
                        "case " + std::to_string(i) + " chunk " + std::to_string(chunk), errs);
     }
   }
-  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  const auto [med, p95, worst] = error_quantiles(errs);
   std::printf("[ fp8 vs dequantized ] rows %zu: relative error median %.2e p95 %.2e max %.2e\n",
               errs.size(), med, p95, worst);
   EXPECT_LT(med, kMedianTol);

@@ -158,7 +158,7 @@ TEST_P(CudaMtp, MtpPassMatchesTheCpuModel) {
     }
     checked += compare_rows(got, want, vocab, g.name + " mtp case " + std::to_string(i), errs);
   }
-  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  const auto [med, p95, worst] = error_quantiles(errs);
   std::printf("[ %s ] MTP rows %zu: relative error median %.2e p95 %.2e max %.2e, %d argmax\n",
               g.name.c_str(), errs.size(), med, p95, worst, checked);
   EXPECT_LT(med, kMedianTol);
@@ -239,7 +239,7 @@ TEST_P(CudaMtp, VerifyRowsMatchTheCpuModel) {
     }
   }
   EXPECT_FALSE(gpu->captured_verify_graphs().empty()) << "no verify step ran a graph";
-  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  const auto [med, p95, worst] = error_quantiles(errs);
   std::printf(
       "[ %s ] verify rows %zu: relative error median %.2e p95 %.2e max %.2e, %d argmax checks\n",
       g.name.c_str(), errs.size(), med, p95, worst, checked);

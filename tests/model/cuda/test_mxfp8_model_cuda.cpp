@@ -145,7 +145,7 @@ TEST_P(CudaMxfp8, TeacherForcedLogitsMatchTheCpuReference) {
       flipped += st.flipped;
     }
   }
-  const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+  const auto [med, p95, worst] = error_quantiles(errs);
   std::printf(
       "[ mxfp8 %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
       "%d argmax checks, %d flipped\n",
@@ -250,7 +250,7 @@ TEST(CudaMxfp8Paths, MatchTheBf16DefaultOverTheSameWeights) {
         flipped += st.flipped;
       }
     }
-    const double med = quantile(errs, 0.5), p95 = quantile(errs, 0.95), worst = quantile(errs, 1.0);
+    const auto [med, p95, worst] = error_quantiles(errs);
     std::printf(
         "[ mxfp8 %s vs bf16 default ] rows %zu: relative error median %.2e p95 %.2e max "
         "%.2e, %d argmax checks, %d flipped\n",
