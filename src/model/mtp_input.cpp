@@ -3,8 +3,22 @@
 #include <cstring>
 
 #include "backend/cpu/ops.h"
+#include "core/error.h"
 
 namespace tandem {
+
+FlatBatch mtp_flat_batch(const ModelConfig& c, const ForwardBatch& batch, const KvCache& kv) {
+  TANDEM_CHECK(kv.geometry().num_layers == 1 &&
+                   kv.geometry().num_kv_heads == c.num_key_value_heads &&
+                   kv.geometry().head_dim == c.head_dim,
+               "MTP KV cache geometry does not match the model");
+  FlatBatch f = flatten_batch(batch, kv.geometry().page_size);
+  for (const int32_t id : f.ids) {
+    TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < c.vocab_size, "token id ", id,
+                      " is out of range [0, ", c.vocab_size, ")");
+  }
+  return f;
+}
 
 std::vector<float> cpu_mtp_input(const ModelConfig& c, const float* embed, const float* norm_e,
                                  const float* norm_h, const float* fc, const int32_t* ids,

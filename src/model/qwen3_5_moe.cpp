@@ -9,6 +9,7 @@
 #include "comm/communicator.h"
 #include "comm/moe_dispatch.h"
 #include "core/error.h"
+#include "model/gated_qkv.h"
 #include "model/lm_head.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -76,14 +77,7 @@ std::unique_ptr<Qwen35MoeCpu> Qwen35MoeCpu::load(const std::string& dir, const S
                       config.shared_expert_intermediate_size, " does not split over ", shard.size,
                       " ranks");
   }
-  if (shard.mode != ShardMode::kSingle) {
-    TANDEM_CHECK_KIND(kInvalidArgument, comm != nullptr, shard_mode_name(shard.mode),
-                      " needs a communicator");
-    TANDEM_CHECK_KIND(kInvalidArgument,
-                      comm->world_size() == shard.size && comm->rank() == shard.rank, "shard rank ",
-                      shard.rank, " of ", shard.size, " does not match the communicator's rank ",
-                      comm->rank(), " of ", comm->world_size());
-  }
+  check_shard_communicator(shard, comm);
   Checkpoint ckpt(dir);
   std::unique_ptr<Qwen35MoeCpu> model(new Qwen35MoeCpu(std::move(config), plan, dn, comm));
   model->load_weights(ckpt, (std::filesystem::path(dir) / "config.json").string());
@@ -317,15 +311,7 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
       // Gated full attention: q_proj rows are (query, gate) per head.
       const int64_t w = (qh * 2 + 2 * kvh) * d;
       cpu::gemm({xn.data(), layer.qkv.ptr<float>(), qkv.data(), n, w, h});
-      for (int64_t i = 0; i < n; ++i) {
-        const float* row = qkv.data() + i * w;
-        for (int64_t hh = 0; hh < qh; ++hh) {
-          std::memcpy(q.data() + (i * qh + hh) * d, row + hh * 2 * d, sizeof(float) * d);
-          std::memcpy(gate.data() + (i * qh + hh) * d, row + hh * 2 * d + d, sizeof(float) * d);
-        }
-        std::memcpy(k.data() + i * kvh * d, row + qh * 2 * d, sizeof(float) * kvh * d);
-        std::memcpy(v.data() + i * kvh * d, row + qh * 2 * d + kvh * d, sizeof(float) * kvh * d);
-      }
+      split_gated_qkv(qkv.data(), n, qh, kvh, d, q.data(), gate.data(), k.data(), v.data());
       cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
                          positions.data(), n, qh, kvh, d, eps, c.rope_theta, c.rotary_dim()});
       float* pool = kv.layer(layer.index);

@@ -9,6 +9,7 @@
 
 #include "backend/cpu/ops.h"
 #include "core/error.h"
+#include "model/gated_qkv.h"
 #include "model/mtp_input.h"
 #include "model/qwen3_5_moe.h"
 #include "model/safetensors.h"
@@ -100,20 +101,12 @@ void Qwen35MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, K
   const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
   const int64_t page_size = kv.geometry().page_size;
   const int64_t n = batch.num_tokens();
-  TANDEM_CHECK(kv.geometry().num_layers == 1 && kv.geometry().num_kv_heads == kvh &&
-                   kv.geometry().head_dim == d,
-               "MTP KV cache geometry does not match the model");
+  // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
+  const auto [ids, positions, token_seq, slots, tables, max_pages, seq_begin] =
+      mtp_flat_batch(c, batch, kv);
   logits.clear();
   hidden_out.clear();
   if (n == 0) return;
-
-  // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
-  const auto [ids, positions, token_seq, slots, tables, max_pages, seq_begin] =
-      flatten_batch(batch, page_size);
-  for (const int32_t id : ids) {
-    TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < c.vocab_size, "token id ", id,
-                      " is out of range [0, ", c.vocab_size, ")");
-  }
 
   auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -129,15 +122,7 @@ void Qwen35MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, K
   std::vector<float> k = buf(n * kvh * d), v = buf(n * kvh * d), attn = buf(n * qh * d);
   cpu::rms_norm({x.data(), layer.input_norm.ptr<float>(), xn.data(), n, h, eps});
   cpu::gemm({xn.data(), layer.qkv.ptr<float>(), qkv.data(), n, w, h});
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = qkv.data() + i * w;
-    for (int64_t hh = 0; hh < qh; ++hh) {
-      std::memcpy(q.data() + (i * qh + hh) * d, row + hh * 2 * d, sizeof(float) * d);
-      std::memcpy(gate.data() + (i * qh + hh) * d, row + hh * 2 * d + d, sizeof(float) * d);
-    }
-    std::memcpy(k.data() + i * kvh * d, row + qh * 2 * d, sizeof(float) * kvh * d);
-    std::memcpy(v.data() + i * kvh * d, row + qh * 2 * d + kvh * d, sizeof(float) * kvh * d);
-  }
+  split_gated_qkv(qkv.data(), n, qh, kvh, d, q.data(), gate.data(), k.data(), v.data());
   cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
                      positions.data(), n, qh, kvh, d, eps, c.rope_theta, c.rotary_dim()});
   cpu::kv_write({k.data(), v.data(), kv.layer(0), slots.data(), n, kvh, d, page_size});

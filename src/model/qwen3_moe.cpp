@@ -67,14 +67,7 @@ std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Sha
       "' is a hybrid model: this path (sharded roles, Qwen3MoeCpu) serves qwen3_moe only; ",
       "tandem generate / serve run it on the CPU");
   ShardPlan plan = ShardPlan::make(config, shard);
-  if (shard.mode != ShardMode::kSingle) {
-    TANDEM_CHECK_KIND(kInvalidArgument, comm != nullptr, shard_mode_name(shard.mode),
-                      " needs a communicator");
-    TANDEM_CHECK_KIND(kInvalidArgument,
-                      comm->world_size() == shard.size && comm->rank() == shard.rank, "shard rank ",
-                      shard.rank, " of ", shard.size, " does not match the communicator's rank ",
-                      comm->rank(), " of ", comm->world_size());
-  }
+  check_shard_communicator(shard, comm);
   Checkpoint ckpt(dir);
   std::unique_ptr<Qwen3MoeCpu> model(new Qwen3MoeCpu(std::move(config), plan, comm));
   model->load_weights(ckpt, (std::filesystem::path(dir) / "config.json").string());
@@ -344,16 +337,12 @@ void Qwen3MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, Kv
   const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
   const int64_t page_size = kv.geometry().page_size;
   const int64_t n = batch.num_tokens();
-  TANDEM_CHECK(kv.geometry().num_layers == 1 && kv.geometry().num_kv_heads == kvh &&
-                   kv.geometry().head_dim == d,
-               "MTP KV cache geometry does not match the model");
+  // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
+  const auto [ids, positions, token_seq, slots, tables, max_pages, seq_begin] =
+      mtp_flat_batch(c, batch, kv);
   logits.clear();
   hidden_out.clear();
   if (n == 0) return;
-
-  // Flatten the batch: ids, positions, owning sequence, KV slot; one block table row each.
-  const auto [ids, positions, token_seq, slots, tables, max_pages, seq_begin] =
-      flatten_batch(batch, page_size);
 
   auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
   const float eps = static_cast<float>(c.rms_norm_eps);

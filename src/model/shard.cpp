@@ -1,8 +1,19 @@
 #include "model/shard.h"
 
+#include "comm/communicator.h"
 #include "core/error.h"
 
 namespace tandem {
+
+void check_shard_communicator(const ShardSpec& shard, const comm::Communicator* comm) {
+  if (shard.mode == ShardMode::kSingle) return;
+  TANDEM_CHECK_KIND(kInvalidArgument, comm != nullptr, shard_mode_name(shard.mode),
+                    " needs a communicator");
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    comm->world_size() == shard.size && comm->rank() == shard.rank, "shard rank ",
+                    shard.rank, " of ", shard.size, " does not match the communicator's rank ",
+                    comm->rank(), " of ", comm->world_size());
+}
 
 std::string_view shard_mode_name(ShardMode mode) {
   switch (mode) {

@@ -14,6 +14,10 @@
 
 namespace tandem {
 
+namespace comm {
+class Communicator;
+}
+
 enum class ShardMode : uint8_t {
   kSingle,       // one rank holds the whole model
   kPrefillTpEp,  // tensor-parallel attention + expert-parallel MoE; input replicated
@@ -32,6 +36,10 @@ struct ShardSpec {
   static ShardSpec prefill(int rank, int size) { return {ShardMode::kPrefillTpEp, rank, size}; }
   static ShardSpec decode(int rank, int size) { return {ShardMode::kDecodeDpEp, rank, size}; }
 };
+
+/// A sharded spec needs a communicator whose rank and size are the spec's (kInvalidArgument
+/// naming both otherwise); a single-rank spec needs none.
+void check_shard_communicator(const ShardSpec& shard, const comm::Communicator* comm);
 
 /// A half-open index range [begin, end).
 struct IndexRange {
