@@ -3,8 +3,11 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <map>
+#include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -30,6 +33,31 @@ inline double chi_square_bound(int64_t df) {
   const double z = 3.09, k = double(df);
   const double t = 1.0 - 2.0 / (9.0 * k) + z * std::sqrt(2.0 / (9.0 * k));
   return k * t * t * t;
+}
+
+/// The most frequent continuation in `counts` (the first of equals).
+inline std::vector<int32_t> most_frequent(const std::map<std::vector<int32_t>, int64_t>& counts) {
+  std::vector<int32_t> mode;
+  int64_t best = 0;
+  for (const auto& [ids, n] : counts) {
+    if (n > best) {
+      best = n;
+      mode = ids;
+    }
+  }
+  return mode;
+}
+
+/// An EngineConfig::spec_draft_hook drafting the continuation `mode` (deterministic drafts,
+/// often accepted) after a prompt of `prompt_len` tokens; past its end the MTP's drafts stay.
+inline auto drafts_from(std::vector<int32_t> mode, size_t prompt_len) {
+  return [mode = std::move(mode), prompt_len](const std::string&, std::span<const int32_t> tokens,
+                                              std::vector<int32_t>& drafts) {
+    for (size_t m = 0; m < drafts.size(); ++m) {
+      const size_t i = tokens.size() - prompt_len + m;
+      if (i < mode.size()) drafts[m] = mode[i];
+    }
+  };
 }
 
 }  // namespace tandem::testing

@@ -544,23 +544,10 @@ TEST_F(SpecSamplingTest, DistributionEqualsNonSpeculative) {
               << st.spec_num_draft_tokens << " accepted, chi-square " << x2 << " (df " << df
               << ", bound " << chi_square_bound(df) << ")\n";
     // Deterministic drafts (q one-hot): the most frequent continuation, often accepted.
-    std::vector<int32_t> mode;
-    int64_t best = 0;
-    for (const auto& [ids, n] : want) {
-      if (n > best) {
-        best = n;
-        mode = ids;
-      }
-    }
+    const std::vector<int32_t> mode = testing::most_frequent(want);
     const size_t prompt_len = p.prompt_ids.size();
     EngineConfig hooked = spec;
-    hooked.spec_draft_hook = [&](const std::string&, std::span<const int32_t> tokens,
-                                 std::vector<int32_t>& drafts) {
-      for (size_t m = 0; m < drafts.size(); ++m) {
-        const size_t i = tokens.size() - prompt_len + m;
-        if (i < mode.size()) drafts[m] = mode[i];
-      }
-    };
+    hooked.spec_draft_hook = testing::drafts_from(mode, prompt_len);
     EngineStats hs;
     const auto got2 = sample_counts(*model_, p, hooked, kSamples, &hs);
     const auto [x2b, dfb] = chi_square(got2, want);
@@ -589,24 +576,11 @@ TEST(SpecHybridSampling, DistributionEqualsNonSpeculative) {
   proto.sampling.top_k = 4;
   constexpr int kN = 2000;
   const auto want = sample_counts(*model, proto, EngineConfig{}, kN);
-  std::vector<int32_t> mode;
-  int64_t best = 0;
-  for (const auto& [ids, n] : want) {
-    if (n > best) {
-      best = n;
-      mode = ids;
-    }
-  }
+  const std::vector<int32_t> mode = testing::most_frequent(want);
   const size_t prompt_len = proto.prompt_ids.size();
   EngineConfig spec;
   spec.num_speculative_tokens = 2;
-  spec.spec_draft_hook = [&](const std::string&, std::span<const int32_t> tokens,
-                             std::vector<int32_t>& drafts) {
-    for (size_t m = 0; m < drafts.size(); ++m) {
-      const size_t i = tokens.size() - prompt_len + m;
-      if (i < mode.size()) drafts[m] = mode[i];
-    }
-  };
+  spec.spec_draft_hook = testing::drafts_from(mode, prompt_len);
   EngineStats st;
   const auto got = sample_counts(*model, proto, spec, kN, &st);
   const auto [x2, df] = chi_square(got, want);
@@ -787,25 +761,12 @@ TEST_F(SpecSamplingTest, DeviceRowsGiveTheNonSpeculativeTokens) {
 // the same bound.
 TEST_F(SpecSamplingTest, DeviceRowsDistributionEqualsNonSpeculative) {
   const auto want = sample_counts(*model_, proto_, EngineConfig{}, kSamples);
-  std::vector<int32_t> mode;
-  int64_t best = 0;
-  for (const auto& [ids, n] : want) {
-    if (n > best) {
-      best = n;
-      mode = ids;
-    }
-  }
+  const std::vector<int32_t> mode = testing::most_frequent(want);
   const size_t prompt_len = proto_.prompt_ids.size();
   EngineConfig spec;
   spec.num_speculative_tokens = 2;
   spec.spec_sampled_on_device = true;
-  spec.spec_draft_hook = [&](const std::string&, std::span<const int32_t> tokens,
-                             std::vector<int32_t>& drafts) {
-    for (size_t m = 0; m < drafts.size(); ++m) {
-      const size_t i = tokens.size() - prompt_len + m;
-      if (i < mode.size()) drafts[m] = mode[i];
-    }
-  };
+  spec.spec_draft_hook = testing::drafts_from(mode, prompt_len);
   DeviceGreedy dev(*model_);
   EngineStats st;
   const auto got = sample_counts(dev, proto_, spec, kSamples, &st);

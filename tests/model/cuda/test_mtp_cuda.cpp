@@ -395,27 +395,14 @@ TEST(CudaMtpSampling, DistributionEqualsNonSpeculative) {
   };
   std::vector<std::vector<int32_t>> base_ids;
   const Counts want = sample(EngineConfig{}, &base_ids, nullptr);
-  std::vector<int32_t> mode;
-  int64_t best = 0;
-  for (const auto& [ids, n] : want) {
-    if (n > best) {
-      best = n;
-      mode = ids;
-    }
-  }
+  const std::vector<int32_t> mode = testing::most_frequent(want);
   const size_t prompt_len = g.cases[0].prompt_ids.size();
   for (const bool hooked : {true, false}) {
     SCOPED_TRACE(hooked ? "deterministic drafts" : "random MTP drafts");
     EngineConfig spec;
     spec.num_speculative_tokens = 2;
     if (hooked) {
-      spec.spec_draft_hook = [&](const std::string&, std::span<const int32_t> tokens,
-                                 std::vector<int32_t>& drafts) {
-        for (size_t m = 0; m < drafts.size(); ++m) {
-          const size_t i = tokens.size() - prompt_len + m;
-          if (i < mode.size()) drafts[m] = mode[i];
-        }
-      };
+      spec.spec_draft_hook = testing::drafts_from(mode, prompt_len);
     }
     std::vector<std::vector<int32_t>> ids;
     EngineStats st;
