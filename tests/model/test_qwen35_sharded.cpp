@@ -38,6 +38,9 @@ constexpr int64_t kPageSize = testing::kHarnessPageSize;
 // One sequence: its tokens (prompt, then generated), its pages, its state slot, how many of its
 // tokens are in the cache.
 using testing::argmax;
+using testing::Greedy;
+using testing::greedy_alone;
+using testing::greedy_together;
 using testing::make_cache;
 using testing::make_seq;
 using testing::run_step;
@@ -154,31 +157,9 @@ TEST_P(ShardedQwen35, PrefillTensorParallelMatchesSingle) {
 
 // ---- Decode DP/EP. ----
 
-struct Greedy {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;
-};
-
-Greedy greedy_alone(Model& m, const std::vector<int32_t>& prompt, int steps) {
-  const int64_t v = m.config().vocab_size;
-  KvCache kv = make_cache(m, 1, static_cast<int64_t>(prompt.size()) + steps);
-  Seq s = make_seq(0, static_cast<int64_t>(prompt.size()) + steps, prompt);
-  Greedy gr;
-  std::vector<float> lg = run_step(m, kv, {&s}, LogitsMode::kLast);
-  for (int i = 0; i < steps; ++i) {
-    gr.tokens.push_back(argmax(lg.data(), v));
-    gr.logits.push_back(lg);
-    if (i + 1 == steps) break;
-    s.tokens.push_back(gr.tokens.back());
-    lg = run_step(m, kv, {&s}, LogitsMode::kLast);
-  }
-  return gr;
-}
-
 TEST_P(ShardedQwen35, DecodeDataParallelMatchesSingleExactly) {
   const testing::Golden g = testing::load_golden(GetParam());
   auto single = Qwen35MoeCpu::load(g.dir);
-  const int64_t v = single->config().vocab_size;
   int tested = 0;
   for (int world : {2, 4}) {
     if (!splits(single->config(), ShardSpec::decode(0, world))) continue;
@@ -217,37 +198,15 @@ TEST_P(ShardedQwen35, DecodeDataParallelMatchesSingleExactly) {
       KvCache kv = make_cache(*m, static_cast<int64_t>(mine.size()), max_len);
       std::vector<Seq> seqs;
       auto& out = per_rank[static_cast<size_t>(comm.rank())];
+      std::vector<int> steps;
       for (size_t j = 0; j < mine.size(); ++j) {
         seqs.push_back(make_seq(static_cast<int64_t>(j), max_len, cases[mine[j]].prompt));
         out.push_back({mine[j], {}});
+        steps.push_back(cases[mine[j]].steps);
       }
-      std::vector<size_t> active(mine.size());
-      for (size_t j = 0; j < active.size(); ++j) active[j] = j;
-      auto batch = [&] {
-        std::vector<Seq*> b;
-        for (size_t j : active) b.push_back(&seqs[j]);
-        return b;
-      };
-      std::vector<float> lg = run_step(*m, kv, batch(), LogitsMode::kLast);  // the prompts
-      for (int step = 0; step < max_steps; ++step) {
-        EXPECT_EQ(static_cast<int64_t>(lg.size()), static_cast<int64_t>(active.size()) * v);
-        std::vector<size_t> next;
-        for (size_t a = 0; a < active.size(); ++a) {
-          const size_t j = active[a];
-          Greedy& gr = out[j].second;
-          std::vector<float> row(lg.begin() + static_cast<int64_t>(a) * v,
-                                 lg.begin() + static_cast<int64_t>(a + 1) * v);
-          gr.tokens.push_back(argmax(row.data(), v));
-          gr.logits.push_back(std::move(row));
-          if (static_cast<int>(gr.tokens.size()) < cases[mine[j]].steps) {
-            seqs[j].tokens.push_back(gr.tokens.back());
-            next.push_back(j);
-          }
-        }
-        active = next;
-        if (step + 1 < max_steps)
-          lg = run_step(*m, kv, batch(), LogitsMode::kLast);  // may be empty
-      }
+      std::vector<Greedy*> got;
+      for (auto& r : out) got.push_back(&r.second);
+      greedy_together(*m, kv, seqs, steps, max_steps, got);
     });
     size_t seen = 0;
     for (const auto& rank_results : per_rank) {

@@ -39,33 +39,13 @@ constexpr int64_t kPageSize = testing::kHarnessPageSize;
 
 // One sequence: its tokens (prompt, then generated), its pages, how many are in the KV cache.
 using testing::argmax;
+using testing::Greedy;
+using testing::greedy_alone;
+using testing::greedy_together;
 using testing::make_cache;
 using testing::make_seq;
 using testing::run_step;
 using testing::Seq;
-
-// Greedy decoding of one sequence alone: the tokens and the logits row behind each.
-struct Greedy {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;
-};
-
-Greedy greedy_alone(Model& m, const std::vector<int32_t>& prompt, int steps) {
-  const int64_t v = m.config().vocab_size;
-  const int64_t max_len = static_cast<int64_t>(prompt.size()) + steps;
-  KvCache kv = make_cache(m, 1, max_len);
-  Seq s = make_seq(0, max_len, prompt);
-  Greedy g;
-  std::vector<float> lg = run_step(m, kv, {&s}, LogitsMode::kLast);
-  for (int i = 0; i < steps; ++i) {
-    g.tokens.push_back(argmax(lg.data(), v));
-    g.logits.push_back(lg);
-    if (i + 1 == steps) break;
-    s.tokens.push_back(g.tokens.back());
-    lg = run_step(m, kv, {&s}, LogitsMode::kLast);
-  }
-  return g;
-}
 
 bool splits(const ModelConfig& c, const ShardSpec& spec) {
   try {
@@ -154,7 +134,6 @@ struct DecodeCase {
 // Returns, per case it owns, the greedy result.
 std::vector<std::pair<size_t, Greedy>> decode_rank(Model& m, const std::vector<DecodeCase>& cases,
                                                    int rank) {
-  const int64_t v = m.config().vocab_size;
   int max_steps = 0;
   int64_t max_len = 1;
   std::vector<size_t> mine;
@@ -169,33 +148,14 @@ std::vector<std::pair<size_t, Greedy>> decode_rank(Model& m, const std::vector<D
   for (size_t j = 0; j < mine.size(); ++j)
     seqs.push_back(make_seq(static_cast<int64_t>(j), max_len, cases[mine[j]].prompt));
   std::vector<std::pair<size_t, Greedy>> results;
-  for (size_t i : mine) results.push_back({i, {}});
-  std::vector<size_t> active(mine.size());  // indices into seqs / results
-  for (size_t j = 0; j < active.size(); ++j) active[j] = j;
-  auto batch = [&] {
-    std::vector<Seq*> b;
-    for (size_t j : active) b.push_back(&seqs[j]);
-    return b;
-  };
-  std::vector<float> lg = run_step(m, kv, batch(), LogitsMode::kLast);  // prefill
-  for (int step = 0; step < max_steps; ++step) {
-    EXPECT_EQ(static_cast<int64_t>(lg.size()), static_cast<int64_t>(active.size()) * v);
-    std::vector<size_t> next;
-    for (size_t a = 0; a < active.size(); ++a) {
-      const size_t j = active[a];
-      Greedy& g = results[j].second;
-      std::vector<float> row(lg.begin() + static_cast<int64_t>(a) * v,
-                             lg.begin() + static_cast<int64_t>(a + 1) * v);
-      g.tokens.push_back(argmax(row.data(), v));
-      g.logits.push_back(std::move(row));
-      if (static_cast<int>(g.tokens.size()) < cases[mine[j]].steps) {
-        seqs[j].tokens.push_back(g.tokens.back());
-        next.push_back(j);
-      }
-    }
-    active = next;
-    if (step + 1 < max_steps) lg = run_step(m, kv, batch(), LogitsMode::kLast);  // may be empty
+  std::vector<int> steps;
+  for (size_t i : mine) {
+    results.push_back({i, {}});
+    steps.push_back(cases[i].steps);
   }
+  std::vector<Greedy*> out;
+  for (auto& r : results) out.push_back(&r.second);
+  greedy_together(m, kv, seqs, steps, max_steps, out);
   return results;
 }
 
