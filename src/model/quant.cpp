@@ -23,6 +23,17 @@ bool is_f8_nan(uint8_t c) { return (c & 0x7f) == 0x7f; }
 
 std::string shape_str(int64_t a, int64_t b) { return Shape{a, b}.str(); }
 
+// A slice [row_range) x [col_range) inside a [rows, cols] tensor.
+void check_slice(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
+                 IndexRange col_range) {
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
+          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
+      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
+      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
+}
+
 }  // namespace
 
 const float* f8e4m3_table() {
@@ -40,12 +51,7 @@ bool WeightReader::is_quantized(const std::string& name) const {
 
 void WeightReader::read(const std::string& name, int64_t rows, int64_t cols, IndexRange row_range,
                         IndexRange col_range, float* dst) const {
-  TANDEM_CHECK_KIND(
-      kInvalidArgument,
-      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
-          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
-      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
-      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
+  check_slice(name, rows, cols, row_range, col_range);
   TensorView src = ckpt_.get(name, {rows, cols});
   if (src.dtype == DType::kF8E4M3) {
     read_fp8(name, src, rows, cols, row_range, col_range, dst);
@@ -120,12 +126,7 @@ void WeightReader::read_fp8_codes(const std::string& name, int64_t rows, int64_t
                                   IndexRange row_range, IndexRange col_range, uint8_t* q,
                                   float* row_scales) const {
   constexpr int64_t kBlockK = 128;  // the GPU kernels' K block
-  TANDEM_CHECK_KIND(
-      kInvalidArgument,
-      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
-          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
-      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
-      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
+  check_slice(name, rows, cols, row_range, col_range);
   const TensorView src = ckpt_.get(name, {rows, cols});
   const std::string file = ckpt_.file_of(name);
   TANDEM_CHECK_KIND(kInvalidArgument, src.dtype == DType::kF8E4M3, file, ": tensor '", name,
@@ -190,12 +191,7 @@ void WeightReader::read_mxfp8_codes(const std::string& name, int64_t rows, int64
                                     IndexRange row_range, IndexRange col_range, uint8_t* q,
                                     uint8_t* e8m0) const {
   constexpr int64_t kB = 32;
-  TANDEM_CHECK_KIND(
-      kInvalidArgument,
-      0 <= row_range.begin && row_range.begin <= row_range.end && row_range.end <= rows &&
-          0 <= col_range.begin && col_range.begin <= col_range.end && col_range.end <= cols,
-      "tensor '", name, "': rows [", row_range.begin, ", ", row_range.end, ") x columns [",
-      col_range.begin, ", ", col_range.end, ") outside ", shape_str(rows, cols));
+  check_slice(name, rows, cols, row_range, col_range);
   const TensorView src = ckpt_.get(name, {rows, cols});
   const std::string file = ckpt_.file_of(name);
   TANDEM_CHECK_KIND(kInvalidArgument, src.dtype == DType::kF8E4M3, file, ": tensor '", name,
