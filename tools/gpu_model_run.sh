@@ -40,6 +40,8 @@
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
 #   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs / bench_spec_eager (draft passes in graphs, the default / eager),
+#   bench_spec_chain / bench_spec_passes (the MTP draft chain on the device, the default / pass
+#   by pass through the host),
 #   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
 #   default, / on the host: TANDEM_SPEC_SAMPLED_ON_DEVICE=0) (MTP speculative decoding:
 #   bench_spec_cuda)
@@ -277,6 +279,14 @@ fi
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_sampled_host 180 env TANDEM_SPEC_SAMPLED_ON_DEVICE=0 "$BIN/bench_spec_cuda" \
     --model 30b --e2e-only --e2e-batches 1,32 --ks 3 --ps 0.7 --tokens 64 --temperature 0.7
+# The draft chain on the device (the default: one host sync per chain, no hidden state through
+# the host) beside pass-by-pass drafting through the host (TANDEM_MTP_DEVICE_CHAIN=0), same rows.
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_chain 180 env TANDEM_MTP_DEVICE_CHAIN=1 "$BIN/bench_spec_cuda" --model 30b \
+    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_passes 180 env TANDEM_MTP_DEVICE_CHAIN=0 "$BIN/bench_spec_cuda" --model 30b \
+    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -289,7 +299,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

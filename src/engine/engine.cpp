@@ -267,7 +267,12 @@ bool Engine::step() {
 ScheduledBatch Engine::schedule() {
   if (!scheduler_.has_work()) return {};
   ScheduledBatch batch = scheduler_.schedule();
-  if (speculating()) batch.forward.hidden_out = &hidden_;  // the MTP layer's input
+  if (speculating()) {  // the MTP layer's input: on the host unless every draft stays on the device
+    bool host = !model_.mtp_drafts_on_device();
+    for (const auto& ss : batch.seqs) host = host || !drafts_on_device(*ss.seq);
+    batch.forward.hidden_out = host ? &hidden_ : nullptr;
+    if (!host) hidden_.clear();
+  }
   if (trace_) {
     trace_target_s_ = scheduler_.last_step_target();
     trace_predicted_s_ = scheduler_.cost_model().predict(batch.shape);
@@ -609,6 +614,15 @@ bool mask_row(TokenConstraint& c, int64_t vocab, std::vector<uint32_t>& mask) {
 
 }  // namespace
 
+bool Engine::drafts_on_device(const Sequence& s) const {
+  // No row needs host logits (penalties, the min_tokens mask, a token constraint's mask); a
+  // sampled request drafts deterministically then (q one-hot at the MTP's argmax), which its
+  // verify step accepts on the device (device_rows).
+  const SamplingParams& sp = s.req.sampling;
+  return model_.samples_on_device() && (sp.greedy() || config_.spec_sampled_on_device) &&
+         !sp.needs_host_logits() && s.num_output() >= s.req.min_tokens && !s.req.constraint;
+}
+
 void Engine::note_computed(const Sequence& s, int64_t start, int64_t count, int64_t hidden_row) {
   // A constrained request speculates when its constraint can roll back (its drafts are then
   // masked along the draft, and each verified position with the state before it).
@@ -783,16 +797,15 @@ void Engine::rollback_states() {
 void Engine::draft() {
   std::vector<Computed> computed = std::move(computed_);
   computed_.clear();
-  const ModelConfig& mc = model_.config();
-  const int64_t h = mc.hidden_size, vocab = mc.vocab_size, ps = config_.page_size;
+  const int64_t vocab = model_.config().vocab_size, ps = config_.page_size;
 
   // 1. The MTP layer over every position the target computed this step: position t takes the
   // target's hidden state at t and the token at t + 1 (known for all of them now), so its KV
   // follows the target's. A decoding sequence's last row gives its first draft.
   ForwardBatch fb;
-  std::vector<float> hin;           // [tokens, hidden]
-  std::vector<Sequence*> drafting;  // sequences that draft, in batch order
-  std::vector<int64_t> num_drafts;  // their K for this step
+  std::vector<int64_t> hidden_rows;  // [tokens]: rows of the target's hidden states
+  std::vector<Sequence*> drafting;   // sequences that draft, in batch order
+  std::vector<int64_t> num_drafts;   // their K for this step
   for (const Computed& c : computed) {
     Sequence* s = scheduler_.find(c.id);
     if (s == nullptr) continue;  // finished this step
@@ -816,8 +829,7 @@ void Engine::draft() {
     fb.seqs.push_back({s->tokens.data() + c.start + 1, c.count, c.start, s->pages.data(),
                        static_cast<int64_t>(s->pages.size()),
                        k > 0 ? LogitsMode::kLast : LogitsMode::kNone, -1});
-    hin.insert(hin.end(), hidden_.begin() + c.hidden_row * h,
-               hidden_.begin() + (c.hidden_row + c.count) * h);
+    for (int64_t i = 0; i < c.count; ++i) hidden_rows.push_back(c.hidden_row + i);
     if (k > 0) {
       drafting.push_back(s);
       num_drafts.push_back(k);
@@ -825,15 +837,73 @@ void Engine::draft() {
   }
   if (fb.seqs.empty()) return;
   // Drafts on a model that samples on its device: the rows' argmax there (no logits come to
-  // the host), when no row needs host logits (penalties, the min_tokens mask, a token
-  // constraint's mask). A sampled request's drafts are then deterministic (q one-hot at the
-  // MTP's argmax), which its verify step accepts on the device (device_rows).
+  // the host; drafts_on_device). A model that chains its drafts on the device runs all K
+  // passes in one call (no hidden state leaves it); otherwise each pass's hidden states come
+  // to the host for the next.
   bool on_device = model_.samples_on_device();
-  for (const Sequence* s : drafting) {
-    const SamplingParams& sp = s->req.sampling;
-    on_device = on_device && (sp.greedy() || config_.spec_sampled_on_device) &&
-                !sp.needs_host_logits() && s->num_output() >= s->req.min_tokens &&
-                !s->req.constraint;
+  for (const Sequence* s : drafting) on_device = on_device && drafts_on_device(*s);
+  if (on_device && model_.mtp_drafts_on_device()) {
+    draft_chain_on_device(fb, hidden_rows, drafting, num_drafts);
+  } else {
+    draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);
+  }
+  if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)
+    for (Sequence* s : drafting) {
+      std::vector<int32_t> d(s->spec_tokens.begin() + 1, s->spec_tokens.end());
+      const size_t k = d.size();
+      config_.spec_draft_hook(s->req.id, s->tokens, d);
+      d.resize(std::min(d.size(), k));
+      for (int32_t& t : d) t = std::clamp<int32_t>(t, 0, static_cast<int32_t>(vocab - 1));
+      s->spec_tokens.resize(1);
+      s->spec_tokens.insert(s->spec_tokens.end(), d.begin(), d.end());
+      if (d.empty()) s->spec_tokens.clear();
+      s->draft_probs.clear();
+    }
+  }
+}
+
+void Engine::draft_chain_on_device(const ForwardBatch& fb, const std::vector<int64_t>& hidden_rows,
+                                   const std::vector<Sequence*>& drafting,
+                                   const std::vector<int64_t>& num_drafts) {
+  // 2. Every drafting sequence in every chained pass (the passes keep their shape, so a graph
+  // bucket serves them all); a sequence past its K computes at a position it wrote before and
+  // writes no KV. Chained pass p writes position num_computed + p - 1.
+  const int64_t kmax =
+      drafting.empty() ? 0 : *std::max_element(num_drafts.begin(), num_drafts.end());
+  std::vector<MtpChainPass> chain(static_cast<size_t>(std::max<int64_t>(kmax - 1, 0)));
+  for (size_t p = 1; p <= chain.size(); ++p) {
+    MtpChainPass& c = chain[p - 1];
+    for (size_t i = 0; i < drafting.size(); ++i) {
+      Sequence& s = *drafting[i];
+      const bool live = static_cast<int64_t>(p) < num_drafts[i];
+      const int64_t at = s.num_computed + (live ? static_cast<int64_t>(p) - 1 : num_drafts[i] - 2);
+      c.batch.seqs.push_back({&s.tokens.back(), 1, at, s.pages.data(),
+                              static_cast<int64_t>(s.pages.size()), LogitsMode::kLast, -1});
+      c.writes.push_back(live ? 1 : 0);
+    }
+  }
+  std::vector<std::vector<int32_t>> drafts;
+  model_.mtp_draft_chain(fb, hidden_rows, chain, mtp_kv_, drafts);
+  for (size_t i = 0; i < drafting.size(); ++i) {
+    Sequence& s = *drafting[i];
+    s.spec_tokens.assign(1, s.tokens.back());
+    for (int64_t p = 0; p < num_drafts[i]; ++p) {
+      s.spec_tokens.push_back(drafts[static_cast<size_t>(p)][i]);
+    }
+  }
+}
+
+void Engine::draft_on_host(const ForwardBatch& fb, const std::vector<int64_t>& hidden_rows,
+                           const std::vector<Sequence*>& drafting, std::vector<int64_t>& num_drafts,
+                           bool on_device) {
+  const ModelConfig& mc = model_.config();
+  const int64_t h = mc.hidden_size, vocab = mc.vocab_size;
+  std::vector<float> hin;  // [tokens, hidden]
+  hin.reserve(hidden_rows.size() * static_cast<size_t>(h));
+  for (const int64_t r : hidden_rows) {
+    TANDEM_CHECK((r + 1) * h <= static_cast<int64_t>(hidden_.size()),
+                 "speculative decoding: the step's hidden states are not on the host");
+    hin.insert(hin.end(), hidden_.begin() + r * h, hidden_.begin() + (r + 1) * h);
   }
   std::vector<float> logits, hout;
   std::vector<DeviceSampling> dev_rows;
@@ -932,20 +1002,6 @@ void Engine::draft() {
   }
   for (size_t i = 0; i < drafting.size(); ++i) {  // the grammar back to the emitted tokens
     if (advanced[i] > 0) drafting[i]->req.constraint->rollback(advanced[i]);
-  }
-
-  if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)
-    for (Sequence* s : drafting) {
-      std::vector<int32_t> d(s->spec_tokens.begin() + 1, s->spec_tokens.end());
-      const size_t k = d.size();
-      config_.spec_draft_hook(s->req.id, s->tokens, d);
-      d.resize(std::min(d.size(), k));
-      for (int32_t& t : d) t = std::clamp<int32_t>(t, 0, static_cast<int32_t>(vocab - 1));
-      s->spec_tokens.resize(1);
-      s->spec_tokens.insert(s->spec_tokens.end(), d.begin(), d.end());
-      if (d.empty()) s->spec_tokens.clear();
-      s->draft_probs.clear();
-    }
   }
 }
 

@@ -166,6 +166,16 @@ class Engine {
   /// After the outputs: the MTP layer over the positions computed this step (its KV follows
   /// the target's), then the drafts of every decoding sequence, chained K times.
   void draft();
+  // draft()'s passes: chained on the host (each pass's hidden states through the engine; the
+  // rows' logits sampled here unless on_device), or in one call on the model's device.
+  void draft_on_host(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
+                     const std::vector<Sequence*>& drafting, std::vector<int64_t>& num_drafts,
+                     bool on_device);
+  void draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
+                             const std::vector<Sequence*>& drafting,
+                             const std::vector<int64_t>& num_drafts);
+  /// True when s's drafts can be the MTP's argmax on the model's device (no host logits).
+  bool drafts_on_device(const Sequence& s) const;
   /// Hybrid models (recurrent state slots): a verify step advances a sequence's DeltaNet state
   /// over all K + 1 positions. Before it the state is copied to the sequence's spare slot
   /// (snapshot_states); when fewer positions were kept, rollback_states restores the copy and

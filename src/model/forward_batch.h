@@ -141,4 +141,15 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top;  // (id, logprob), descending
 };
 
+/// One chained pass of a device-resident MTP draft chain (Model::mtp_draft_chain): one token per
+/// drafting sequence (every logits row of the chain's first pass, in order), each row continuing
+/// the same row of the pass before: its token is that pass's draft (the argmax), its hidden state
+/// that pass's MTP output. A row past its sequence's drafts (writes[i] == 0) still computes, so
+/// that every pass has the same rows, but writes no KV; its start_pos is a position it wrote
+/// before (inside its block table).
+struct MtpChainPass {
+  ForwardBatch batch;           // seqs[i]: num_tokens 1, logits kLast; tokens unused
+  std::vector<uint8_t> writes;  // [seqs]: 1 = a live draft (writes the MTP KV at start_pos)
+};
+
 }  // namespace tandem

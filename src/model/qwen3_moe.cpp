@@ -42,6 +42,74 @@ void Model::mtp_forward_sample(const ForwardBatch&, const float*, KvCache&,
   TANDEM_THROW(kUnsupported, "this model samples the MTP drafts on the host only");
 }
 
+void Model::mtp_draft_chain(const ForwardBatch&, std::span<const int64_t>,
+                            const std::vector<MtpChainPass>&, KvCache&,
+                            std::vector<std::vector<int32_t>>&) {
+  TANDEM_THROW(kUnsupported, "this model drafts on the host only (mtp_forward)");
+}
+
+namespace {
+
+// Row r's argmax of logits [rows, vocab]; ties and NaN as the device's greedy rows (lowest id,
+// NaN never wins).
+int32_t argmax_row(const std::vector<float>& logits, int64_t r, int64_t vocab) {
+  const float* row = logits.data() + r * vocab;
+  int64_t best = 0;
+  for (int64_t i = 1; i < vocab; ++i) {
+    if (row[i] > row[best] || (std::isnan(row[best]) && !std::isnan(row[i]))) best = i;
+  }
+  return static_cast<int32_t>(best);
+}
+
+}  // namespace
+
+void mtp_draft_chain_on_host(Model& model, std::span<const float> target_hidden,
+                             const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                             const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
+                             std::vector<std::vector<int32_t>>& drafts) {
+  const int64_t h = model.config().hidden_size, vocab = model.config().vocab_size;
+  TANDEM_CHECK(static_cast<int64_t>(hidden_rows.size()) == first.num_tokens(),
+               "mtp_draft_chain: ", hidden_rows.size(), " hidden rows for ", first.num_tokens(),
+               " tokens");
+  std::vector<float> hin, logits, hout, next_hout;
+  for (const int64_t r : hidden_rows) {
+    TANDEM_CHECK(r >= 0 && (r + 1) * h <= static_cast<int64_t>(target_hidden.size()),
+                 "mtp_draft_chain: hidden row ", r, " outside the target's last forward");
+    hin.insert(hin.end(), target_hidden.begin() + r * h, target_hidden.begin() + (r + 1) * h);
+  }
+  model.mtp_forward(first, hin.data(), mtp_kv, logits, hout);
+  const int64_t rows = first.num_logit_rows();
+  drafts.assign(chain.size() + 1, {});
+  for (int64_t r = 0; r < rows; ++r) drafts[0].push_back(argmax_row(logits, r, vocab));
+  for (size_t p = 0; p < chain.size(); ++p) {
+    const MtpChainPass& c = chain[p];
+    TANDEM_CHECK(static_cast<int64_t>(c.batch.seqs.size()) == rows &&
+                     static_cast<int64_t>(c.writes.size()) == rows,
+                 "mtp_draft_chain: pass ", p + 1, " has ", c.batch.seqs.size(), " rows for ", rows);
+    drafts[p + 1] = drafts[p];  // rows past their drafts keep theirs
+    ForwardBatch live;
+    std::vector<size_t> index;
+    hin.clear();
+    for (size_t i = 0; i < c.writes.size(); ++i) {
+      if (c.writes[i] == 0) continue;
+      ForwardSeq f = c.batch.seqs[i];
+      f.tokens = &drafts[p][i];
+      live.seqs.push_back(f);
+      index.push_back(i);
+      hin.insert(hin.end(), hout.begin() + static_cast<int64_t>(i) * h,
+                 hout.begin() + static_cast<int64_t>(i + 1) * h);
+    }
+    if (live.seqs.empty()) continue;
+    model.mtp_forward(live, hin.data(), mtp_kv, logits, next_hout);
+    for (size_t j = 0; j < index.size(); ++j) {
+      drafts[p + 1][index[j]] = argmax_row(logits, static_cast<int64_t>(j), vocab);
+      std::copy(next_hout.begin() + static_cast<int64_t>(j) * h,
+                next_hout.begin() + static_cast<int64_t>(j + 1) * h,
+                hout.begin() + static_cast<int64_t>(index[j]) * h);
+    }
+  }
+}
+
 struct Qwen3MoeCpu::Mtp {
   HostTensor fc;      // [hidden, 2 * hidden] over [embedding; hidden]
   HostTensor norm_e;  // [hidden] pre_fc_norm_embedding

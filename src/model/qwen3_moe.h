@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,18 @@ class Model {
   virtual void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                                   const std::vector<DeviceSampling>& rows,
                                   std::vector<SampledToken>& out, std::vector<float>& hidden_out);
+  /// True when mtp_draft_chain() runs (a GPU model: the drafts' hidden states and logits stay
+  /// on the device, one host sync per chain).
+  virtual bool mtp_drafts_on_device() const { return false; }
+  /// A whole chain of greedy MTP drafts: pass 0 as mtp_forward over `first`, its hidden input
+  /// the target's final hidden states of the last forward / forward_sample (batch order: row
+  /// hidden_rows[t] for token t of `first`; the engine asks no hidden_out then), then chain[0],
+  /// chain[1], ... (MtpChainPass: every logits row of pass 0 once per pass). drafts[p][i]: the
+  /// argmax (ties: the lowest id) of pass p's logits row i, p = 0 .. chain.size(); a row's
+  /// drafts past its writes are unspecified. No forward may run between the target's and this.
+  virtual void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                               const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
+                               std::vector<std::vector<int32_t>>& drafts);
   /// True when forward_sample() is available (a GPU model: the logits never leave it).
   virtual bool samples_on_device() const { return false; }
   /// Runs the batch and samples each logits row (batch order: kLast rows, and every row of a
@@ -99,6 +112,15 @@ class Model {
                               std::vector<SampledToken>& out,
                               const std::function<void()>& wait_masks = {});
 };
+
+/// Model::mtp_draft_chain's meaning on the host, from the target's hidden states
+/// `target_hidden` ([tokens of the target's batch, hidden], batch order) with mtp_forward: each
+/// chained pass runs its live rows only; a row past its drafts keeps its last draft. The
+/// reference the device chains are tested against (a test model that drafts "on its device").
+void mtp_draft_chain_on_host(Model& model, std::span<const float> target_hidden,
+                             const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                             const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
+                             std::vector<std::vector<int32_t>>& drafts);
 
 /// Qwen3-MoE forward on the CPU, fp32 weights and accumulation.
 class Qwen3MoeCpu final : public Model {

@@ -326,7 +326,7 @@ class DeviceGreedy final : public Model {
   }
   void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
     ++host_forwards;
-    m_.forward(b, kv, logits);
+    forward_keeping_hidden(b, kv, logits);
   }
   bool samples_on_device() const override { return true; }
   void forward_sample(const ForwardBatch& b, KvCache& kv, const std::vector<DeviceSampling>& rows,
@@ -334,7 +334,7 @@ class DeviceGreedy final : public Model {
                       const std::function<void()>& wait_masks = {}) override {
     if (wait_masks) wait_masks();
     std::vector<float> logits;
-    m_.forward(b, kv, logits);
+    forward_keeping_hidden(b, kv, logits);
     for (const auto& s : b.seqs) verify_rows += s.logits == LogitsMode::kAll ? s.num_tokens : 0;
     pick(logits, rows, out);
   }
@@ -355,11 +355,26 @@ class DeviceGreedy final : public Model {
     device_drafts += static_cast<int64_t>(rows.size());
     pick(logits, rows, out);
   }
+  // chain: drafts "on the device" (Model::mtp_draft_chain, its host reference): the target's
+  // hidden states stay in the model, as a GPU model keeps them.
+  bool mtp_drafts_on_device() const override { return chain; }
+  void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                       const std::vector<MtpChainPass>& passes, KvCache& kv,
+                       std::vector<std::vector<int32_t>>& drafts) override {
+    ++chains;
+    for (const MtpChainPass& p : passes) {
+      for (const uint8_t w : p.writes) rows_past_their_drafts += w == 0 ? 1 : 0;
+    }
+    mtp_draft_chain_on_host(m_, last_hidden_, first, hidden_rows, passes, kv, drafts);
+    device_drafts += static_cast<int64_t>(drafts[0].size());
+  }
   void warm_up_speculative(KvCache&, KvCache& mtp_kv, int64_t max_batch, int64_t k) override {
     EXPECT_EQ(mtp_kv.geometry().num_layers, 1);  // the MTP layer's own pool
     warmed_verify.emplace_back(max_batch, k);
   }
+  bool chain = false;
   int64_t host_forwards = 0, host_drafts = 0, verify_rows = 0, device_drafts = 0;
+  int64_t chains = 0, rows_past_their_drafts = 0, hidden_to_host = 0;
   std::vector<std::pair<int64_t, int64_t>> warmed_verify;  // warm_up_speculative's (batch, K)
   mutable int64_t sampled_rows = 0;
 
@@ -400,7 +415,17 @@ class DeviceGreedy final : public Model {
       }
     }
   }
+  // The target's hidden states of every forward kept here (chain); batch.hidden_out filled
+  // only when the engine asks for it.
+  void forward_keeping_hidden(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) {
+    ForwardBatch fb = b;
+    if (b.hidden_out != nullptr) ++hidden_to_host;
+    fb.hidden_out = &last_hidden_;
+    m_.forward(fb, kv, logits);
+    if (b.hidden_out != nullptr) *b.hidden_out = last_hidden_;
+  }
   Qwen3MoeCpu& m_;
+  std::vector<float> last_hidden_;
 };
 
 TEST_P(SpecLosslessTest, DeviceSampledGreedyEqualsHostPath) {
@@ -428,6 +453,55 @@ TEST_P(SpecLosslessTest, DeviceSampledGreedyEqualsHostPath) {
       if (good) EXPECT_GT(r.stats.spec_num_accepted_tokens, 0);
     }
   }
+}
+
+// The draft chain in one model call (Model::mtp_draft_chain, as the GPU model runs it without
+// the hidden states leaving the device): the same drafts as pass-by-pass drafting, so the same
+// tokens and the same acceptance counts, no hidden state asked on the host, sequences past their
+// K (max_tokens) riding along without writing KV.
+TEST_P(SpecLosslessTest, DraftChainOnDeviceEqualsPassByPass) {
+  const Golden g = testing::load_golden(GetParam());
+  auto model = load_with_mtp(GetParam());
+  std::vector<GenRequest> reqs = greedy_requests(g);
+  for (size_t i = 0; i < reqs.size(); ++i) {  // uneven ends: some sequences draft fewer than K
+    reqs[i].max_tokens = std::max<int32_t>(2, reqs[i].max_tokens - static_cast<int32_t>(i % 3));
+  }
+  const RunResult ref = run(*model, reqs, EngineConfig{});
+  int64_t past = 0;
+  for (int64_t k = 1; k <= kMaxSpeculativeTokens; ++k) {
+    SCOPED_TRACE("K = " + std::to_string(k));
+    EngineConfig c;
+    c.num_speculative_tokens = k;
+    c.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
+    DeviceGreedy passes(*model);
+    const RunResult by_pass = run(passes, reqs, c);
+    c.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);  // its draws again
+    DeviceGreedy dev(*model);
+    dev.chain = true;
+    const RunResult chained = run(dev, reqs, c);
+    // Without the oracle: the MTP's own drafts (the hook replaces them after drafting).
+    EngineConfig own = c;
+    own.spec_draft_hook = {};
+    DeviceGreedy passes_own(*model);
+    const RunResult by_pass_own = run(passes_own, reqs, own);
+    DeviceGreedy dev_own(*model);
+    dev_own.chain = true;
+    const RunResult chained_own = run(dev_own, reqs, own);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      expect_same(chained.outs[i], ref.outs[i], "oracle case " + std::to_string(i));
+      expect_same(chained_own.outs[i], ref.outs[i], "case " + std::to_string(i));
+    }
+    EXPECT_EQ(chained_own.stats.spec_num_drafts, by_pass_own.stats.spec_num_drafts);
+    EXPECT_EQ(chained_own.stats.spec_num_accepted_tokens,
+              by_pass_own.stats.spec_num_accepted_tokens);
+    EXPECT_EQ(chained.stats.spec_num_accepted_tokens, by_pass.stats.spec_num_accepted_tokens);
+    EXPECT_GT(dev_own.chains, 0) << "no draft chain ran";
+    EXPECT_EQ(dev_own.host_drafts, 0) << "a pass ran on the host";
+    EXPECT_EQ(dev_own.hidden_to_host, 0) << "the engine asked for the hidden states";
+    EXPECT_GT(passes_own.hidden_to_host, 0);
+    past += dev_own.rows_past_their_drafts;
+  }
+  EXPECT_GT(past, 0) << "no sequence drafted fewer than the chain's passes";
 }
 
 // EngineConfig::warm_up also warms speculative decoding with the configured K (verify steps and

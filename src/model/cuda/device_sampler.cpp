@@ -33,6 +33,23 @@ DeviceSampler::DeviceSampler(int64_t rows_cap, int64_t vocab)
   host_ = PinnedMem(R * (sizeof(cuda::SamplingRowParams) + 8 + kTop * 8));
   mask_row_ = DeviceMem(R * sizeof(int32_t));
   host_mask_row_ = PinnedMem(R * sizeof(int32_t));
+  cuda::SamplingRowParams greedy;
+  greedy.temperature = 0.0f;
+  const std::vector<cuda::SamplingRowParams> rows(R, greedy);
+  greedy_ = DeviceMem(R * sizeof(cuda::SamplingRowParams));
+  TANDEM_CUDA_CHECK(cudaMemcpy(greedy_.as<void>(), rows.data(), R * sizeof(cuda::SamplingRowParams),
+                               cudaMemcpyHostToDevice));
+}
+
+void DeviceSampler::argmax(const float* logits, int64_t rows, int32_t* tokens,
+                           cudaStream_t stream) {
+  TANDEM_CHECK_KIND(kInvalidArgument, rows <= rows_cap_, rows,
+                    " sampling rows exceed the CUDA model's ", rows_cap_);
+  if (rows <= 0) return;
+  const bool multi = !batch_invariant_ && rows <= kMultiCtaRows;
+  cuda::sample_launch({logits, DType::kF32, greedy_.as<cuda::SamplingRowParams>(), tokens, nullptr,
+                       nullptr, nullptr, rows, vocab_, multi ? workspace_.as<void>() : nullptr},
+                      stream);
 }
 
 void DeviceSampler::sample(float* logits, const std::vector<DeviceSampling>& rows,

@@ -27,6 +27,10 @@ class DeviceSampler {
   void sample(float* logits, const std::vector<DeviceSampling>& rows,
               const std::function<void()>& wait_masks, std::vector<SampledToken>& out,
               cudaStream_t stream);
+  /// Greedy tokens (the argmax of the raw logits, ties -> lowest id) of rows [0, rows) of
+  /// `logits` into the device array `tokens`, enqueued on `stream` only (no host copy, no
+  /// sync): the next MTP pass of a draft chain reads them there.
+  void argmax(const float* logits, int64_t rows, int32_t* tokens, cudaStream_t stream);
   /// Batch-invariant mode (--deterministic): every row on the single-CTA sampling kernel. The
   /// multi-CTA path, taken by the row count and the batch's top-k / top-p, draws the same
   /// tokens but sums a row's log-sum-exp over batch-sized slices (logprobs' last bits).
@@ -35,6 +39,7 @@ class DeviceSampler {
  private:
   bool batch_invariant_ = false;
   int64_t rows_cap_, vocab_, words_;
+  DeviceMem greedy_;  // SamplingRowParams [rows_cap], every row greedy (argmax)
   DeviceMem params_, tokens_, logprobs_, top_ids_, top_lp_, workspace_;
   PinnedMem host_;  // params [R] | tokens [R] | logprobs [R] | top ids [R, 20] | top lps [R, 20]
   DeviceMem mask_, mask_row_;  // [rows_cap, words_] packed masks of the masked rows; [rows_cap]

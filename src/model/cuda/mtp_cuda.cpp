@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/device_sampler.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
 #include "model/quant.h"
@@ -31,6 +33,16 @@ using cuda_model::DeviceMem;
 using cuda_model::host_bf16;
 using cuda_model::PinnedMem;
 using cuda_model::Uploader;
+
+// One pass as staged (Impl::stage): its real sizes and what the kernels run (a graph bucket's
+// padded sizes).
+struct MtpLaunch {
+  int64_t n = 0, rows = 0;                  // tokens, logits rows
+  int64_t n_run = 0, r_run = 0, w_run = 0;  // as the kernels see them (padded)
+  int64_t bucket = 0;                       // the graph's (0: eager)
+  size_t table_bytes = 0;
+  bool graph() const { return bucket > 0; }
+};
 
 struct MtpCuda::Impl {
   const ModelConfig c;
@@ -47,10 +59,20 @@ struct MtpCuda::Impl {
   DeviceMem hidden_in;                                          // [t_cap, H]
   DeviceMem gu, act;                                            // dense MLP only
   std::unique_ptr<cuda::MoeLayer> moe_layer;
-  // Metadata: ids | positions | token_seq | rows (int32, t_cap each) | slots (int64).
+  // Metadata: ids | positions | token_seq | rows | hidden source rows (int32, t_cap each) |
+  // slots (int64).
   DeviceMem d_meta, d_tables;
-  PinnedMem h_meta, h_tables, h_hidden;
-  cudaEvent_t staged = nullptr;  // the pinned staging may be reused
+  // Host staging, one set per pass of a draft chain (the passes are enqueued back to back, so
+  // a pass's staging must not be reused before its copies ran); set 0 serves single passes.
+  struct Staging {
+    PinnedMem meta, tables;
+    cudaEvent_t copied = nullptr;  // the set may be reused
+  };
+  static constexpr size_t kStages = 8;
+  std::array<Staging, kStages> stages;
+  PinnedMem h_hidden;  // fp32 hidden states as bf16 (single passes, set 0)
+  DeviceMem d_drafts;  // int32 [kStages, rows_cap]: a chain's drafts per pass
+  PinnedMem h_drafts;
   // Chained draft passes' graphs by bucket of sequences, against one KV pool and page size.
   std::map<int64_t, cudaGraphExec_t> graphs;
   const void* graph_kv = nullptr;
@@ -75,11 +97,16 @@ struct MtpCuda::Impl {
 
   Impl(const ModelConfig& config, const MtpScratch& scratch) : c(config), s(scratch) {}
   ~Impl() {
-    if (staged != nullptr) (void)cudaEventDestroy(staged);
+    for (Staging& st : stages) {
+      if (st.copied != nullptr) (void)cudaEventDestroy(st.copied);
+    }
     for (cudaEvent_t e : stage_ev) (void)cudaEventDestroy(e);
     drop_graphs();
   }
 
+  // d_meta's regions (int32 units of t_cap): ids, positions, token_seq, rows, hidden source
+  // rows, then the int64 slots.
+  static constexpr size_t kMetaInts = 7;
   int64_t qkv_rows() const {
     return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
   }
@@ -118,10 +145,15 @@ struct MtpCuda::Impl {
     }
     cat = DeviceMem(T * static_cast<size_t>(2 * h) * sizeof(bf16));
     hidden_in = DeviceMem(T * static_cast<size_t>(h) * sizeof(bf16));
-    d_meta = DeviceMem(T * 6 * sizeof(int32_t));
-    h_meta = PinnedMem(T * 6 * sizeof(int32_t));
+    d_meta = DeviceMem(T * kMetaInts * sizeof(int32_t));
+    for (Staging& st : stages) {
+      st.meta = PinnedMem(T * kMetaInts * sizeof(int32_t));
+      TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&st.copied, cudaEventDisableTiming));
+    }
     h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
-    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&staged, cudaEventDisableTiming));
+    const auto R = static_cast<size_t>(s.rows_cap);
+    d_drafts = DeviceMem(kStages * R * sizeof(int32_t));
+    h_drafts = PinnedMem(kStages * R * sizeof(int32_t));
   }
 
   void load(const WeightReader& wr) {
@@ -198,7 +230,7 @@ struct MtpCuda::Impl {
     auto& im = *this;
     auto* dm = d_meta.as<int32_t>();
     const int32_t *d_ids = dm, *d_pos = dm + T, *d_seq = dm + 2 * T, *d_rows = dm + 3 * T;
-    const auto* d_slots = reinterpret_cast<const int64_t*>(dm + 4 * T);
+    const auto* d_slots = reinterpret_cast<const int64_t*>(dm + 5 * T);
 
     // 2. x = fc([norm_e(embed(t + 1)); norm_h(h_t)]).
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -281,6 +313,14 @@ struct MtpCuda::Impl {
     }
   }
 
+  // A pass in four parts (a draft chain stages all its passes first): its metadata into a
+  // staging set, that set to the device, a bucket's graph on first use, the kernels.
+  MtpLaunch stage(const ForwardBatch& batch, const KvCache& kv, size_t si, const uint8_t* writes,
+                  bool ids_on_device, const int32_t* src_rows);
+  void upload(const MtpLaunch& l, size_t si);
+  void capture(const MtpLaunch& l, KvCache& kv, size_t si);
+  void run(const MtpLaunch& l, KvCache& kv);
+
   // y[m, n] = x[m, k] W^T.
   void linear(const bf16* x, const bf16* w, bf16* y, int64_t m, int64_t n, int64_t k) {
     s.gemm->run({x, w, y, m, n, k}, s.stream);
@@ -338,78 +378,100 @@ KvCache MtpCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
   return KvCache(g, std::move(ext));
 }
 
-int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache& kv) {
-  Impl& im = *impl_;
-  const ModelConfig& c = im.c;
-  const MtpScratch& s = im.s;
-  cudaStream_t st = s.stream;
+namespace {
+
+void check_mtp_kv(const ModelConfig& c, const KvCache& kv) {
   const auto& g = kv.geometry();
   TANDEM_CHECK(!kv.is_host() && g.num_layers == 1 && g.dtype == DType::kBF16 &&
                    g.num_kv_heads == c.num_key_value_heads && g.head_dim == c.head_dim,
                "the MTP KV cache was not made by this CUDA model");
-  const int64_t n = batch.num_tokens(), h = c.hidden_size, ps = g.page_size;
-  const int64_t rows = batch.num_logit_rows();
-  if (n == 0) return 0;
-  TANDEM_CHECK_KIND(kInvalidArgument, n <= s.t_cap && rows <= s.rows_cap, "an MTP pass of ", n,
-                    " tokens (", rows, " rows) exceeds the CUDA model's max_tokens ", s.t_cap);
+}
 
+}  // namespace
+
+// Fills staging set `si` with `batch`'s metadata (waiting until the set's last copies ran).
+// writes: per sequence, 0 = a row that writes no KV (nullptr: every row writes). Token ids
+// are 0 with ids_on_device (the pass before's drafts are copied over them on the device),
+// `src_rows` (when given) the rows of the target's hidden states per token.
+MtpLaunch MtpCuda::Impl::stage(const ForwardBatch& batch, const KvCache& kv, size_t si,
+                               const uint8_t* writes, bool ids_on_device, const int32_t* src_rows) {
+  const int64_t n = batch.num_tokens(), ps = kv.geometry().page_size;
+  const int64_t num_pages = kv.geometry().num_pages;
+  MtpLaunch l;
+  l.n = n;
+  l.rows = batch.num_logit_rows();
+  TANDEM_CHECK_KIND(kInvalidArgument, n <= s.t_cap && l.rows <= s.rows_cap, "an MTP pass of ", n,
+                    " tokens (", l.rows, " rows) exceeds the CUDA model's max_tokens ", s.t_cap);
   // Graph eligibility: a chained draft pass (one token per sequence, its logits) that fits a
   // bucket of sequences and the graph's table width; not while stage timing is on.
   const auto nseq = static_cast<int64_t>(batch.seqs.size());
   int64_t width = 1;
   for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
-  bool graph = !im.profile && !s.buckets.empty() && nseq <= s.buckets.back() && s.graph_context > 0;
+  bool graph = !profile && !s.buckets.empty() && nseq <= s.buckets.back() && s.graph_context > 0;
   for (const auto& q : batch.seqs)
     graph = graph && q.num_tokens == 1 && q.logits == LogitsMode::kLast;
   const int64_t gw = (s.graph_context + ps - 1) / ps;
   graph = graph && width <= gw;
   const int64_t bucket = graph ? *std::lower_bound(s.buckets.begin(), s.buckets.end(), nseq) : 0;
   graph = graph && bucket <= s.t_cap && bucket <= s.rows_cap;
-  const int64_t n_run = graph ? bucket : n;     // tokens the kernels see (padded)
-  const int64_t r_run = graph ? bucket : rows;  // logits rows they compute
-  const int64_t w_run = graph ? gw : width;     // block-table width
-  const int64_t seqs_run = graph ? bucket : nseq;
 
-  // 1. Metadata and the hidden states (bf16) through pinned staging.
-  TANDEM_CUDA_CHECK(cudaEventSynchronize(im.staged));
-  im.mark(0);
-  const size_t tb = static_cast<size_t>(seqs_run * w_run) * sizeof(int32_t);
-  if (im.h_tables.size() < tb) {
-    // Room for the largest bucket's graph table at once: a regrown buffer drops the graphs
-    // captured so far (they read the old one), so warm-up must not grow it bucket by bucket.
+  // The block tables' room, for either shape (a regrown device buffer drops the graphs
+  // captured so far: they read the old one), then the shape.
+  Staging& sg = stages[si];
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(sg.copied));
+  const size_t need =
+      static_cast<size_t>(std::max(graph ? bucket * gw : 0, nseq * width)) * sizeof(int32_t);
+  if (sg.tables.size() < need || d_tables.size() < need) {
+    // Room for the largest bucket's graph table at once, so that warm-up does not grow it
+    // bucket by bucket.
     const size_t cap = std::max(
-        tb * 2, s.buckets.empty() ? size_t{0}
-                                  : static_cast<size_t>(s.buckets.back() * gw) * sizeof(int32_t));
-    im.h_tables = PinnedMem(cap);
-    im.d_tables = DeviceMem(cap);
-    im.drop_graphs();  // they read the old table buffer
+        need * 2, s.buckets.empty() ? size_t{0}
+                                    : static_cast<size_t>(s.buckets.back() * gw) * sizeof(int32_t));
+    if (sg.tables.size() < need) sg.tables = PinnedMem(cap);
+    if (d_tables.size() < need) {
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // passes in flight may read it
+      d_tables = DeviceMem(cap);
+      drop_graphs();  // they read the old table buffer
+    }
   }
+  l.bucket = graph ? bucket : 0;
+  l.n_run = graph ? bucket : n;
+  l.r_run = graph ? bucket : l.rows;
+  l.w_run = graph ? gw : width;
+  const int64_t seqs_run = graph ? bucket : nseq;
+  l.table_bytes = static_cast<size_t>(seqs_run * l.w_run) * sizeof(int32_t);
   const int64_t T = s.t_cap;
-  auto* hm = im.h_meta.as<int32_t>();
-  int32_t *ids = hm, *pos = hm + T, *seq = hm + 2 * T, *rw = hm + 3 * T;
-  auto* slots = reinterpret_cast<int64_t*>(hm + 4 * T);
-  auto* tables = im.h_tables.as<int32_t>();
-  std::memset(tables, 0, tb);
+  auto* hm = sg.meta.as<int32_t>();
+  int32_t *ids = hm, *pos = hm + T, *seq = hm + 2 * T, *rw = hm + 3 * T, *src = hm + 4 * T;
+  auto* slots = reinterpret_cast<int64_t*>(hm + 5 * T);
+  auto* tables = sg.tables.as<int32_t>();
+  std::memset(tables, 0, l.table_bytes);
   int64_t t = 0, r = 0;
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const ForwardSeq& q = batch.seqs[si];
+  for (size_t si2 = 0; si2 < batch.seqs.size(); ++si2) {
+    const ForwardSeq& q = batch.seqs[si2];
     TANDEM_CHECK(q.num_tokens > 0, "empty sequence chunk");
     TANDEM_CHECK((q.start_pos + q.num_tokens + ps - 1) / ps <= q.num_pages,
                  "block table too short: ", q.num_pages, " pages for ", q.start_pos + q.num_tokens,
                  " tokens");
     for (int64_t p = 0; p < q.num_pages; ++p) {
-      TANDEM_CHECK(q.block_table[p] >= 0 && q.block_table[p] < g.num_pages, "page ",
-                   q.block_table[p], " outside the MTP KV cache");
-      tables[static_cast<int64_t>(si) * w_run + p] = q.block_table[p];
+      TANDEM_CHECK(q.block_table[p] >= 0 && q.block_table[p] < num_pages, "page ", q.block_table[p],
+                   " outside the MTP KV cache");
+      tables[static_cast<int64_t>(si2) * l.w_run + p] = q.block_table[p];
     }
+    const bool write = writes == nullptr || writes[si2] != 0;
     for (int64_t i = 0; i < q.num_tokens; ++i, ++t) {
       const int64_t at = q.start_pos + i;
-      TANDEM_CHECK_KIND(kInvalidArgument, q.tokens[i] >= 0 && q.tokens[i] < c.vocab_size,
-                        "token id ", q.tokens[i], " is out of range [0, ", c.vocab_size, ")");
-      ids[t] = q.tokens[i];
+      if (ids_on_device) {
+        ids[t] = 0;
+      } else {
+        TANDEM_CHECK_KIND(kInvalidArgument, q.tokens[i] >= 0 && q.tokens[i] < c.vocab_size,
+                          "token id ", q.tokens[i], " is out of range [0, ", c.vocab_size, ")");
+        ids[t] = q.tokens[i];
+      }
       pos[t] = static_cast<int32_t>(at);
-      seq[t] = static_cast<int32_t>(si);
-      slots[t] = int64_t{q.block_table[at / ps]} * ps + at % ps;
+      seq[t] = static_cast<int32_t>(si2);
+      slots[t] = write ? int64_t{q.block_table[at / ps]} * ps + at % ps : -1;
+      src[t] = src_rows != nullptr ? src_rows[t] : 0;
       if (q.logits == LogitsMode::kAll ||
           (q.logits == LogitsMode::kLast && i == q.num_tokens - 1)) {
         rw[r++] = static_cast<int32_t>(t);
@@ -418,74 +480,203 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   }
   // Graph padding: one token per padding sequence at position 0 (tables of zeros), writing no
   // KV, its (discarded) logits row after the real ones.
-  for (; t < n_run; ++t) {
+  for (; t < l.n_run; ++t) {
     ids[t] = 0;
     pos[t] = 0;
     seq[t] = static_cast<int32_t>(t);
     slots[t] = -1;
+    src[t] = 0;
     rw[r++] = static_cast<int32_t>(t);
   }
-  auto* hh = im.h_hidden.as<uint16_t>();
-  for (int64_t i = 0; i < n * h; ++i) hh[i] = f32_to_bf16(hidden[i]);
-  std::memset(hh + n * h, 0, static_cast<size_t>((n_run - n) * h) * sizeof(uint16_t));
-  auto* dm = im.d_meta.as<int32_t>();
+  return l;
+}
+
+// Staging set si's metadata (and block tables) to the device, then its event.
+void MtpCuda::Impl::upload(const MtpLaunch& l, size_t si) {
+  const int64_t T = s.t_cap;
+  auto* hm = stages[si].meta.as<int32_t>();
+  auto* dm = d_meta.as<int32_t>();
   auto h2d = [&](void* dst, const void* src, size_t bytes) {
-    if (bytes > 0) TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st));
+    if (bytes > 0) {
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s.stream));
+    }
   };
-  auto upload = [&] {
-    const auto nb = static_cast<size_t>(n_run) * 4;
-    h2d(dm, ids, nb);
-    h2d(dm + T, pos, nb);
-    h2d(dm + 2 * T, seq, nb);
-    h2d(dm + 3 * T, rw, static_cast<size_t>(r_run) * 4);
-    h2d(dm + 4 * T, slots, nb * 2);
-    h2d(im.d_tables.as<void>(), tables, tb);
-    h2d(im.hidden_in.as<void>(), hh, static_cast<size_t>(n_run * h) * sizeof(bf16));
-  };
-  if (!graph) {
-    upload();
-    TANDEM_CUDA_CHECK(cudaEventRecord(im.staged, st));
-    im.mark(1);
-    im.body(kv, n_run, r_run, w_run);
-    im.mark(7);
-    return rows;
+  const auto nb = static_cast<size_t>(l.n_run) * 4;
+  for (int64_t region : {0, 1, 2, 4}) h2d(dm + region * T, hm + region * T, nb);
+  h2d(dm + 3 * T, hm + 3 * T, static_cast<size_t>(l.r_run) * 4);
+  h2d(dm + 5 * T, hm + 5 * T, nb * 2);
+  h2d(d_tables.as<void>(), stages[si].tables.as<void>(), l.table_bytes);
+  TANDEM_CUDA_CHECK(cudaEventRecord(stages[si].copied, s.stream));
+}
+
+// A graph bucket's first use: a warm-up run (GEMM plans, workspaces) with padding only (no KV
+// written; staging set si's slots for it), then the capture. Synchronises (warm-up time).
+void MtpCuda::Impl::capture(const MtpLaunch& l, KvCache& kv, size_t si) {
+  if (graph_kv != kv.layer_data(0) || graph_page_size != kv.geometry().page_size) {
+    drop_graphs();
+    graph_kv = kv.layer_data(0);
+    graph_page_size = kv.geometry().page_size;
+  }
+  if (graphs.count(l.bucket) > 0) return;
+  auto* slots = reinterpret_cast<int64_t*>(stages[si].meta.as<int32_t>() + 5 * s.t_cap);
+  const std::vector<int64_t> real(slots, slots + l.n_run);
+  std::fill(slots, slots + l.n_run, int64_t{-1});
+  upload(l, si);
+  body(kv, l.n_run, l.r_run, l.w_run);
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  std::copy(real.begin(), real.end(), slots);
+  cudaGraph_t cg = nullptr;
+  TANDEM_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    body(kv, l.n_run, l.r_run, l.w_run);
+  } catch (...) {
+    (void)cudaStreamEndCapture(s.stream, &cg);
+    if (cg != nullptr) (void)cudaGraphDestroy(cg);
+    throw;
+  }
+  TANDEM_CUDA_CHECK(cudaStreamEndCapture(s.stream, &cg));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, cg, 0);
+  (void)cudaGraphDestroy(cg);
+  TANDEM_CUDA_CHECK(err);
+  graphs.emplace(l.bucket, exec);
+}
+
+// The pass's kernels over the uploaded metadata and hidden_in: its graph, or eagerly.
+void MtpCuda::Impl::run(const MtpLaunch& l, KvCache& kv) {
+  if (l.graph()) {
+    const auto it = graphs.find(l.bucket);
+    TANDEM_CHECK(it != graphs.end(), "MTP pass: no graph captured for bucket ", l.bucket);
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, s.stream));
+    return;
+  }
+  mark(1);
+  body(kv, l.n_run, l.r_run, l.w_run);
+  mark(7);
+}
+
+int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache& kv) {
+  Impl& im = *impl_;
+  check_mtp_kv(im.c, kv);
+  if (batch.num_tokens() == 0) return 0;
+  const int64_t h = im.c.hidden_size;
+  im.mark(0);
+  const MtpLaunch l = im.stage(batch, kv, 0, nullptr, false, nullptr);
+  // The hidden states (bf16) through pinned staging (free: stage() waited for set 0's copies),
+  // before a first use's capture runs the bucket once.
+  auto* hh = im.h_hidden.as<uint16_t>();
+  for (int64_t i = 0; i < l.n * h; ++i) hh[i] = f32_to_bf16(hidden[i]);
+  std::memset(hh + l.n * h, 0, static_cast<size_t>((l.n_run - l.n) * h) * sizeof(uint16_t));
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.hidden_in.as<void>(), hh,
+                                    static_cast<size_t>(l.n_run * h) * sizeof(bf16),
+                                    cudaMemcpyHostToDevice, im.s.stream));
+  if (l.graph()) im.capture(l, kv, 0);
+  im.upload(l, 0);
+  im.run(l, kv);
+  return l.rows;
+}
+
+void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, int64_t target_rows,
+                          std::span<const int32_t> hidden_rows,
+                          const std::vector<MtpChainPass>& chain, KvCache& kv,
+                          std::vector<std::vector<int32_t>>& drafts) {
+  Impl& im = *impl_;
+  const MtpScratch& s = im.s;
+  cudaStream_t st = s.stream;
+  check_mtp_kv(im.c, kv);
+  TANDEM_CHECK(s.sampler != nullptr, "MTP draft chain: no device sampler");
+  TANDEM_CHECK(chain.size() + 1 <= Impl::kStages, "MTP draft chain: ", chain.size() + 1,
+               " passes (at most ", Impl::kStages, ")");
+  TANDEM_CHECK(static_cast<int64_t>(hidden_rows.size()) == first.num_tokens(),
+               "MTP draft chain: ", hidden_rows.size(), " hidden rows for ", first.num_tokens(),
+               " tokens");
+  for (const int32_t r : hidden_rows) {
+    TANDEM_CHECK(r >= 0 && r < target_rows, "MTP draft chain: hidden row ", r,
+                 " outside the target's last forward (", target_rows, " tokens)");
+  }
+  const int64_t h = im.c.hidden_size, R = s.rows_cap;
+  const size_t row = static_cast<size_t>(h) * sizeof(bf16);
+  auto* hidden_in = im.hidden_in.as<bf16>();
+  auto* dm = im.d_meta.as<int32_t>();
+  auto* d_drafts = im.d_drafts.as<int32_t>();
+  drafts.assign(chain.size() + 1, {});
+  std::vector<int64_t> rows(chain.size() + 1, 0);
+  if (first.num_tokens() == 0) return;
+
+  // Every pass staged first (host work only).
+  std::vector<MtpLaunch> launches;
+  launches.push_back(im.stage(first, kv, 0, nullptr, false, hidden_rows.data()));
+  for (size_t p = 1; p <= chain.size(); ++p) {
+    const MtpChainPass& c = chain[p - 1];
+    const int64_t prev = launches.back().rows;
+    TANDEM_CHECK(static_cast<int64_t>(c.batch.seqs.size()) == prev &&
+                     c.writes.size() == c.batch.seqs.size() && c.batch.num_tokens() == prev &&
+                     c.batch.num_logit_rows() == prev,
+                 "MTP draft chain: pass ", p, " must have one token and logits row for each of ",
+                 prev, " rows");
+    if (prev == 0) break;
+    launches.push_back(im.stage(c.batch, kv, p, c.writes.data(), true, nullptr));
   }
 
-  // 2. Graph replay (captured on first use of the bucket).
-  if (im.graph_kv != kv.layer_data(0) || im.graph_page_size != ps) {
-    im.drop_graphs();
-    im.graph_kv = kv.layer_data(0);
-    im.graph_page_size = ps;
-  }
-  auto it = im.graphs.find(bucket);
-  if (it == im.graphs.end()) {
-    // A warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
-    std::vector<int64_t> real_slots(slots, slots + n_run);
-    for (int64_t i = 0; i < n_run; ++i) slots[i] = -1;
-    upload();
-    im.body(kv, n_run, r_run, w_run);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));
-    std::copy(real_slots.begin(), real_slots.end(), slots);
-    cudaGraph_t cg = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    try {
-      im.body(kv, n_run, r_run, w_run);
-    } catch (...) {
-      (void)cudaStreamEndCapture(st, &cg);
-      if (cg != nullptr) (void)cudaGraphDestroy(cg);
-      throw;
+  // Pass 0: the target's hidden rows gathered on the device (the embedding gather, the row
+  // index as id; the target's buffer holds target_rows rows).
+  MtpLaunch l = launches[0];
+  im.upload(l, 0);
+  cuda::embedding_launch(
+      {dm + 4 * s.t_cap, static_cast<const bf16*>(target_hidden), hidden_in, l.n, h, target_rows},
+      st);
+  auto zero_padding = [&](const MtpLaunch& p) {
+    if (p.n_run > p.n) {
+      TANDEM_CUDA_CHECK(
+          cudaMemsetAsync(hidden_in + p.n * h, 0, static_cast<size_t>(p.n_run - p.n) * row, st));
     }
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(st, &cg));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, cg, 0);
-    (void)cudaGraphDestroy(cg);
-    TANDEM_CUDA_CHECK(err);
-    it = im.graphs.emplace(bucket, exec).first;
+  };
+  zero_padding(l);
+  // A bucket's first use captures its graph now: its warm-up run overwrites the scratch (the
+  // target's hidden states among it, gathered already), so no pass may have run yet.
+  bool captured = false;
+  for (size_t p = 0; p < launches.size(); ++p) {
+    if (!launches[p].graph() ||
+        (im.graph_kv == kv.layer_data(0) && im.graph_page_size == kv.geometry().page_size &&
+         im.graphs.count(launches[p].bucket) > 0)) {
+      continue;
+    }
+    im.capture(launches[p], kv, p);
+    captured = true;
   }
-  upload();
-  TANDEM_CUDA_CHECK(cudaEventRecord(im.staged, st));
-  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, st));
-  return rows;
+  if (captured) im.upload(l, 0);  // pass 0's metadata again
+  im.run(l, kv);
+  rows[0] = l.rows;
+  s.sampler->argmax(s.logits, l.rows, d_drafts, st);
+
+  // Chained passes: row i's token is the pass before's draft of row i, its hidden state that
+  // pass's output (s.last), both copied on the device over the staged zeros.
+  for (size_t p = 1; p < launches.size(); ++p) {
+    l = launches[p];
+    im.upload(l, p);
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm, d_drafts + (p - 1) * R,
+                                      static_cast<size_t>(l.n) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToDevice, st));
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(hidden_in, s.last, static_cast<size_t>(l.n) * row,
+                                      cudaMemcpyDeviceToDevice, st));
+    zero_padding(l);
+    im.run(l, kv);
+    rows[p] = l.rows;
+    s.sampler->argmax(s.logits, l.rows, d_drafts + p * R, st);
+  }
+
+  // The drafts to the host: the chain's one synchronisation.
+  auto* hd = im.h_drafts.as<int32_t>();
+  for (size_t p = 0; p < rows.size(); ++p) {
+    if (rows[p] == 0) continue;
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(hd + p * R, d_drafts + p * R,
+                                      static_cast<size_t>(rows[p]) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, st));
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));
+  for (size_t p = 0; p < rows.size(); ++p) {
+    drafts[p].assign(hd + p * R, hd + p * R + rows[p]);
+  }
 }
 
 std::vector<int64_t> MtpCuda::captured_buckets() const {
@@ -517,7 +708,7 @@ void MtpCuda::hidden_to_host(int64_t rows, std::vector<float>& out) {
   const int64_t h = im.c.hidden_size;
   out.resize(static_cast<size_t>(rows * h));
   if (rows == 0) return;
-  TANDEM_CUDA_CHECK(cudaEventSynchronize(im.staged));  // h_hidden is free once staged
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(im.stages[0].copied));  // h_hidden is free then
   auto* hh = im.h_hidden.as<uint16_t>();
   TANDEM_CUDA_CHECK(cudaMemcpyAsync(hh, im.s.last, static_cast<size_t>(rows * h) * sizeof(bf16),
                                     cudaMemcpyDeviceToHost, im.s.stream));

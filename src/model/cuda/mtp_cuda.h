@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +25,9 @@ namespace tandem {
 
 namespace cuda {
 class GemmLt;
+}
+namespace cuda_model {
+class DeviceSampler;
 }
 
 /// The target's buffers a pass borrows (all device pointers, bf16 unless said).
@@ -42,6 +46,7 @@ struct MtpScratch {
   std::vector<int64_t> buckets;
   int64_t graph_context = 0;
   cudaStream_t stream = nullptr;
+  cuda_model::DeviceSampler* sampler = nullptr;  // the target's (draft chains' argmax)
 };
 
 class MtpCuda {
@@ -65,6 +70,15 @@ class MtpCuda {
   /// A chained pass (one token per sequence, its logits) replays the graph of its batch
   /// bucket (captured on first use, padded with sequences that write no KV); others are eager.
   int64_t forward(const ForwardBatch& batch, const float* hidden, KvCache& kv);
+  /// Model::mtp_draft_chain on the stream: pass 0 over `first` with its hidden states
+  /// gathered from `target_hidden` (device bf16 [target_rows, hidden]) at `hidden_rows`, then
+  /// the chained passes (tokens and hidden states copied on the device from the pass before);
+  /// each pass's argmax into a device buffer (the target's sampler), one copy to the host and
+  /// one synchronisation at the end. Chained passes replay the graphs captured so far
+  /// (warm-up, or single passes) and run eagerly otherwise.
+  void draft_chain(const ForwardBatch& first, const void* target_hidden, int64_t target_rows,
+                   std::span<const int32_t> hidden_rows, const std::vector<MtpChainPass>& chain,
+                   KvCache& kv, std::vector<std::vector<int32_t>>& drafts);
   /// The last pass's hidden states of its logits rows as fp32 on the host (synchronises).
   void hidden_to_host(int64_t rows, std::vector<float>& out);
   int64_t weight_bytes() const { return weight_bytes_; }

@@ -232,8 +232,10 @@ struct Qwen3MoeCuda::Impl {
     cudaGraphExec_t exec = nullptr;
   };
   std::map<int64_t, Graph> graphs;  // by graph_key(bucket, tokens per sequence)
-  // The last launch's device token index of each sequence's first token (hidden_out order).
+  // The last launch's device token index of each sequence's first token (hidden_out order),
+  // and of each of its tokens in batch order (the rows of xn, its final hidden states).
   std::vector<int64_t> first_token;
+  std::vector<int32_t> hidden_rows;
   const void* graph_kv = nullptr;  // the cache the graphs were captured against
   int64_t graph_page_size = 0;
 
@@ -998,12 +1000,35 @@ MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   s.rows_cap = im.rows_cap;
   s.num_sms = im.num_sms;
   s.stream = stream_;
+  s.sampler = im.sampler.get();
   if (mtp_graphs_on()) {  // the draft passes' graphs (mtp_cuda.h): single-GPU models
     s.buckets = buckets_;
     s.graph_context =
         opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
   }
   return s;
+}
+
+bool Qwen3MoeCuda::mtp_drafts_on_device() const {
+  const char* e = std::getenv("TANDEM_MTP_DEVICE_CHAIN");
+  return mtp_ != nullptr && (e == nullptr || std::strcmp(e, "0") != 0);
+}
+
+void Qwen3MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                                   const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
+                                   std::vector<std::vector<int32_t>>& drafts) {
+  TANDEM_CHECK(mtp_ != nullptr, "mtp_draft_chain: no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const Impl& im = *impl_;
+  std::vector<int32_t> rows(hidden_rows.size());  // batch order -> rows of xn
+  for (size_t t = 0; t < rows.size(); ++t) {
+    const int64_t r = hidden_rows[t];
+    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(im.hidden_rows.size()),
+                 "mtp_draft_chain: hidden row ", r, " is not a token of the last forward (",
+                 im.hidden_rows.size(), " tokens)");
+    rows[t] = im.hidden_rows[static_cast<size_t>(r)];
+  }
+  mtp_->draft_chain(first, im.xn.as<void>(), im.t_cap, rows, chain, mtp_kv, drafts);
 }
 
 int64_t Qwen3MoeCuda::fp8_linears() const { return static_cast<int64_t>(impl_->fp8_allocs.size()); }
@@ -1275,6 +1300,12 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     for (int64_t t = n; t < rows_n; ++t) hm.token_seq[static_cast<size_t>(t)] = int32_t(t / q);
   }
   im.first_token = first_token;
+  im.hidden_rows.clear();
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i) {
+      im.hidden_rows.push_back(static_cast<int32_t>(first_token[si] + i));
+    }
+  }
 
   if (!decode) {
     // 2a. Eager.

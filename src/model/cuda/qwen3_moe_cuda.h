@@ -154,6 +154,13 @@ class Qwen3MoeCuda final : public Model {
   void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
+  /// The draft chain on the device (MtpCuda::draft_chain; its hidden input this model's final
+  /// hidden states of the last launch); on unless TANDEM_MTP_DEVICE_CHAIN=0 in the environment
+  /// (each pass's hidden states then go through the host, as before).
+  bool mtp_drafts_on_device() const override;
+  void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                       const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
+                       std::vector<std::vector<int32_t>>& drafts) override;
   /// One MTP pass leaving the logits rows on the device (benchmarks; as forward_device).
   const float* mtp_forward_device(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv);
   /// The MoE path the last MoE layer of the last forward took ("decode", "mma", "cublas",

@@ -339,6 +339,61 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
   }
 }
 
+// The draft chain on the device (Model::mtp_draft_chain, MtpCuda::draft_chain: the default)
+// against pass-by-pass drafting through the host (TANDEM_MTP_DEVICE_CHAIN=0): every pass gets
+// the same bf16 inputs either way, so the drafts are the same, hence the tokens and the
+// acceptance counts; uneven max_tokens make sequences ride along past their K (no KV written).
+TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  std::vector<testing::GoldenCase> cases = g.cases;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    cases[i].max_tokens = std::max<int32_t>(2, cases[i].max_tokens - static_cast<int32_t>(i % 3));
+  }
+  CudaModelOptions o;
+  o.max_tokens = 1024;
+  o.max_seqs = 8;
+  o.page_size = 16;
+  auto gpu = Qwen3MoeCuda::load(dir, o);
+  gpu->load_mtp(mtp_dir(dir));
+  EngineConfig base;
+  base.max_num_seqs = 8;
+  base.max_batched_tokens = 1024;
+  base.page_size = 16;
+  base.kv_cache_mb = 64;
+  struct Unset {
+    ~Unset() { ::unsetenv("TANDEM_MTP_DEVICE_CHAIN"); }
+  } unset;
+  for (const int64_t k : {2, 4}) {
+    for (const bool good : {false, true}) {
+      const std::string what =
+          std::string(good ? "oracle drafts" : "MTP drafts") + ", K = " + std::to_string(k);
+      EngineConfig cfg = base;
+      cfg.num_speculative_tokens = k;
+      EngineStats by_pass, chained;
+      ::setenv("TANDEM_MTP_DEVICE_CHAIN", "0", 1);
+      ASSERT_FALSE(gpu->mtp_drafts_on_device());
+      if (good) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);
+      const auto ref = run_engine(*gpu, cases, cfg, /*together=*/true, &by_pass);
+      ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
+      ASSERT_TRUE(gpu->mtp_drafts_on_device());
+      if (good) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);
+      const auto res = run_engine(*gpu, cases, cfg, /*together=*/true, &chained);
+      for (size_t i = 0; i < cases.size(); ++i) {
+        EXPECT_EQ(res[i].ids, ref[i].ids) << g.name << " " << what << " case " << i;
+      }
+      EXPECT_GT(chained.spec_num_drafts, 0) << what;
+      EXPECT_EQ(chained.spec_num_drafts, by_pass.spec_num_drafts) << what;
+      EXPECT_EQ(chained.spec_num_draft_tokens, by_pass.spec_num_draft_tokens) << what;
+      EXPECT_EQ(chained.spec_num_accepted_tokens, by_pass.spec_num_accepted_tokens) << what;
+      std::printf("[ %s ] %s: %lld drafts, %lld accepted, chain == pass by pass\n", g.name.c_str(),
+                  what.c_str(), static_cast<long long>(chained.spec_num_drafts),
+                  static_cast<long long>(chained.spec_num_accepted_tokens));
+    }
+  }
+  EXPECT_FALSE(gpu->mtp()->captured_buckets().empty()) << "no draft pass ran a graph";
+}
+
 // Sampled requests with speculation on the device (engine device_rows: deterministic MTP
 // drafts, each verify row drawn by the device sampler with its output position's counter,
 // accepted while the draw equals the draft). Over a small-vocabulary fixture, 3000 seeded
