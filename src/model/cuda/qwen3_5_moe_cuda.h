@@ -55,6 +55,26 @@ class Qwen35MoeCuda final : public Model {
                       const std::function<void()>& wait_masks = {}) override;
   int64_t kv_cache_mb_hint() const override;
 
+  // MTP speculative decoding: the published Qwen3.5 layout of Qwen35MoeCpu::load_mtp
+  // (model/qwen3_5_mtp.cpp) in bf16 on the device, its decoder layer run by this model's own
+  // gated-attention and MoE (+ shared expert) code over its own one-layer paged KV on the
+  // target's page ids; embedding and lm_head shared. forward() and forward_sample() fill
+  // ForwardBatch::hidden_out (bf16-rounded, batch order); the engine rolls the DeltaNet states
+  // of rejected drafts back through the device state slots (KvCache::copy_state). The passes
+  // run eagerly (no draft graphs yet).
+  /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
+  void load_mtp(const std::string& dir) override;
+  bool has_mtp() const override;
+  /// One layer, the target's KV heads and head_dim, bf16.
+  KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  /// Device pools, zero-filled.
+  KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) override;
+  void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                   std::vector<float>& logits, std::vector<float>& hidden_out) override;
+  void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                          const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                          std::vector<float>& hidden_out) override;
+
   cudaStream_t stream() const { return stream_; }
   /// kv_cache_mb_for() with this device's free and total memory now.
   int64_t kv_cache_budget_mb(double utilization) const;
@@ -84,6 +104,12 @@ class Qwen35MoeCuda final : public Model {
   // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
   // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
   bool launch(const ForwardBatch& batch, KvCache& kv);
+  // The last launch's final hidden states (after the final norm) in batch order.
+  void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
+  // One MTP pass up to the logits rows' logits on the device; returns the rows.
+  int64_t mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv);
+  // The last MTP pass's rows' hidden states (after mtp.norm) as fp32 (synchronises).
+  void mtp_hidden(int64_t rows, std::vector<float>& out);
   std::unique_ptr<Impl> impl_;
   ModelConfig config_;
   CudaModelOptions opts_;
