@@ -1115,7 +1115,7 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   const WeightReader reader(ckpt, config_.quant, dir + "/config.json");
   Impl::MtpW& t = im.mtp_w;
-  if (!t.loaded) {  // a second load_mtp reloads into the same buffers
+  if (t.fc == nullptr) {  // a second load_mtp reloads into the same buffers
     const int64_t h = config_.hidden_size;
     t.fc = im.alloc<bf16>(2 * h * h);
     t.norm_e = im.alloc<bf16>(h);
