@@ -271,6 +271,13 @@ struct Qwen35MoeCuda::Impl {
   cudaEvent_t meta_copied = nullptr;
 
   std::map<int64_t, cudaGraphExec_t> graphs;
+  // Chained MTP passes (one token per sequence) replayed from graphs by bucket, against one MTP
+  // KV pool; their own metadata buffers (g_meta's layout) and block tables.
+  bool mtp_graphs_on = false;
+  std::map<int64_t, cudaGraphExec_t> mtp_graphs;
+  const void* mtp_graph_kv = nullptr;
+  int64_t mtp_graph_page_size = 0;
+  DeviceMem mg_meta, mg_tables;
   // The last launch's (or MTP pass's) device token of each sequence's first token.
   std::vector<int64_t> first_token;
   const void* graph_kv = nullptr;      // the cache the graphs were captured against
@@ -298,6 +305,12 @@ struct Qwen35MoeCuda::Impl {
     graphs.clear();
     graph_kv = nullptr;
     graph_states = nullptr;
+    drop_mtp_graphs();
+  }
+  void drop_mtp_graphs() {
+    for (auto& [b, g] : mtp_graphs) (void)cudaGraphExecDestroy(g);
+    mtp_graphs.clear();
+    mtp_graph_kv = nullptr;
   }
 
   // The second stream, its GemmLt and the fork / join events (made when the fork is turned on).
@@ -922,6 +935,16 @@ void Qwen35MoeCuda::set_fused_deltanet_decode(bool on) {
 
 bool Qwen35MoeCuda::fused_deltanet_decode() const { return impl_->fused_decode; }
 
+int64_t Qwen35MoeCuda::graph_width(int64_t page_size) {
+  Impl& im = *impl_;
+  if (im.graph_width == 0) {
+    const int64_t ctx =
+        opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
+    im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
+  }
+  return im.graph_width;
+}
+
 bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   Impl& im = *impl_;
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
@@ -950,14 +973,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     width = std::max(width, s.num_pages);
     decode = decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
   }
-  if (decode) {
-    if (im.graph_width == 0) {
-      const int64_t ctx =
-          opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
-      im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
-    }
-    decode = width <= im.graph_width;
-  }
+  if (decode) decode = width <= graph_width(page_size);
   const int64_t bucket =
       decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), n) : int64_t{0};
   const int64_t rows_n = decode ? bucket : n;  // padded token count
@@ -1130,6 +1146,7 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
     t.h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
     TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&t.staged, cudaEventDisableTiming));
   }
+  im.mtp_graphs_on = opts_.mtp_graphs && env_not_off("TANDEM_MTP_GRAPHS");
   t.loaded = false;  // until every tensor is in
   im.load_weights(reader, /*mtp=*/true);
   t.loaded = true;
@@ -1178,13 +1195,27 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
       "an MTP pass of ", n, " tokens (", rows, " logits rows, ", batch.seqs.size(),
       " sequences) exceeds the CUDA model's max_tokens ", im.t_cap);
   TANDEM_CHECK(hidden != nullptr, "mtp_forward: no hidden states");
+  // A chained draft pass (one token per sequence, its logits) that fits a bucket and the graph
+  // width replays the bucket's graph (captured on first use), padded with sequences that write
+  // no KV; anything else runs eagerly.
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
   int64_t width = 1;
-  for (const auto& s : batch.seqs) width = std::max(width, s.num_pages);
-  const auto num_seqs = static_cast<int64_t>(batch.seqs.size());
+  bool graph = im.mtp_graphs_on && !buckets_.empty() && nseq <= buckets_.back() &&
+               page_size == opts_.page_size;
+  for (const auto& s : batch.seqs) {
+    width = std::max(width, s.num_pages);
+    graph = graph && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+  }
+  if (graph) graph = width <= graph_width(page_size);
+  const int64_t bucket =
+      graph ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : int64_t{0};
+  const int64_t n_run = graph ? bucket : n;  // tokens the kernels see (padded)
+  const int64_t tw = graph ? im.graph_width : width;
+  const int64_t seqs_run = graph ? bucket : nseq;
   int64_t num_prefill = 0;
-  const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n, width,
-                                 num_seqs, false, -1, im.first_token, num_prefill);
-  // h_t as bf16 in device token order (the order build_meta gave the tokens).
+  const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n_run, tw,
+                                 seqs_run, graph, -1, im.first_token, num_prefill);
+  // h_t as bf16 in device token order (the order build_meta gave the tokens), padding zero.
   Impl::MtpW& t = im.mtp_w;
   TANDEM_CUDA_CHECK(cudaEventSynchronize(t.staged));
   auto* hh = t.h_hidden.as<uint16_t>();
@@ -1196,30 +1227,87 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
       for (int64_t j = 0; j < h; ++j) dst[j] = f32_to_bf16(src[j]);
     }
   }
+  std::memset(hh + n * h, 0, static_cast<size_t>((n_run - n) * h) * sizeof(uint16_t));
   TANDEM_CUDA_CHECK(cudaMemcpyAsync(t.hidden_in.as<void>(), hh,
-                                    static_cast<size_t>(n * h) * sizeof(bf16),
+                                    static_cast<size_t>(n_run * h) * sizeof(bf16),
                                     cudaMemcpyHostToDevice, stream_));
   TANDEM_CUDA_CHECK(cudaEventRecord(t.staged, stream_));
-  const size_t tb = hm.tables.size() * sizeof(int32_t);
-  if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
-  Meta m = im.meta_at(im.e_meta);
-  m.tables = im.e_tables.as<int32_t>();
-  m.n = n;
-  m.width = width;
-  m.num_rows = rows;
-  m.num_seqs = num_seqs;
-  m.num_prefill = num_prefill;
-  im.upload(hm, m, m.tables);
-  if (num_prefill > 0 &&
-      im.prefill_plan.plan(
-          {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
-           config_.num_key_value_heads, config_.head_dim, page_size, width},
-          stream_)) {
-    m.prefill_plan = &im.prefill_plan;
+  if (!graph) {
+    const size_t tb = hm.tables.size() * sizeof(int32_t);
+    if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
+    Meta m = im.meta_at(im.e_meta);
+    m.tables = im.e_tables.as<int32_t>();
+    m.n = n;
+    m.width = width;
+    m.num_rows = rows;
+    m.num_seqs = nseq;
+    m.num_prefill = num_prefill;
+    im.upload(hm, m, m.tables);
+    if (num_prefill > 0 &&
+        im.prefill_plan.plan(
+            {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
+             config_.num_key_value_heads, config_.head_dim, page_size, width},
+            stream_)) {
+      m.prefill_plan = &im.prefill_plan;
+    }
+    im.mtp_body(m, mtp_kv);
+    if (rows > 0) im.head(0, rows);
+    return rows;
   }
-  im.mtp_body(m, mtp_kv);
-  if (rows > 0) im.head(0, rows);
+
+  // Graph replay.
+  if (im.mg_meta.size() == 0) {
+    im.mg_meta = DeviceMem(im.meta_elems() * sizeof(int32_t));
+    im.mg_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
+  }
+  Meta m = im.meta_at(im.mg_meta);
+  m.tables = im.mg_tables.as<int32_t>();
+  m.n = bucket;
+  m.width = im.graph_width;
+  m.num_rows = bucket;
+  m.num_seqs = bucket;
+  m.num_prefill = 0;
+  if (im.mtp_graph_kv != mtp_kv.layer_data(0) || im.mtp_graph_page_size != page_size) {
+    im.drop_mtp_graphs();
+    im.mtp_graph_kv = mtp_kv.layer_data(0);
+    im.mtp_graph_page_size = page_size;
+  }
+  auto it = im.mtp_graphs.find(bucket);
+  if (it == im.mtp_graphs.end()) {
+    // Warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
+    HostMeta pad = hm;
+    std::fill(pad.slots.begin(), pad.slots.end(), -1);
+    std::fill(pad.ids.begin(), pad.ids.end(), 0);
+    im.upload(pad, m, m.tables);
+    im.mtp_body(m, mtp_kv);
+    im.head(0, bucket);
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaGraph_t cg = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      im.mtp_body(m, mtp_kv);
+      im.head(0, bucket);
+    } catch (...) {
+      (void)cudaStreamEndCapture(stream_, &cg);
+      if (cg != nullptr) (void)cudaGraphDestroy(cg);
+      throw;
+    }
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &cg));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, cg, 0);
+    (void)cudaGraphDestroy(cg);
+    TANDEM_CUDA_CHECK(err);
+    it = im.mtp_graphs.emplace(bucket, exec).first;
+  }
+  im.upload(hm, m, m.tables);
+  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
   return rows;
+}
+
+std::vector<int64_t> Qwen35MoeCuda::captured_mtp_buckets() const {
+  std::vector<int64_t> out;
+  for (const auto& [b, g] : impl_->mtp_graphs) out.push_back(b);
+  return out;
 }
 
 void Qwen35MoeCuda::mtp_hidden(int64_t rows, std::vector<float>& out) {

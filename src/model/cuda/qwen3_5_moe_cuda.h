@@ -60,8 +60,10 @@ class Qwen35MoeCuda final : public Model {
   // gated-attention and MoE (+ shared expert) code over its own one-layer paged KV on the
   // target's page ids; embedding and lm_head shared. forward() and forward_sample() fill
   // ForwardBatch::hidden_out (bf16-rounded, batch order); the engine rolls the DeltaNet states
-  // of rejected drafts back through the device state slots (KvCache::copy_state). The passes
-  // run eagerly (no draft graphs yet).
+  // of rejected drafts back through the device state slots (KvCache::copy_state). Chained
+  // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured on first
+  // use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not 0) and decode
+  // graphs are; other passes and the verify steps run eagerly.
   /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
   void load_mtp(const std::string& dir) override;
   bool has_mtp() const override;
@@ -74,6 +76,8 @@ class Qwen35MoeCuda final : public Model {
   void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
+  /// Batch buckets whose chained MTP pass graph is captured.
+  std::vector<int64_t> captured_mtp_buckets() const;
 
   cudaStream_t stream() const { return stream_; }
   /// kv_cache_mb_for() with this device's free and total memory now.
@@ -104,6 +108,8 @@ class Qwen35MoeCuda final : public Model {
   // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
   // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
   bool launch(const ForwardBatch& batch, KvCache& kv);
+  // The decode graphs' block-table width for page_size (set on first use).
+  int64_t graph_width(int64_t page_size);
   // The last launch's final hidden states (after the final norm) in batch order.
   void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
   // One MTP pass up to the logits rows' logits on the device; returns the rows.

@@ -1,18 +1,20 @@
 // MTP speculative decoding of the Qwen3.5 hybrid on the GPU (Qwen35MoeCuda::load_mtp, the
 // published layout of model/qwen3_5_mtp.cpp), on the qwen35_* golden fixtures with random MTP
 // weights (tests/engine/mtp_weights.h):
-//  - the target's hidden_out (forward) and the MTP passes (mtp_forward: logits and hidden_out)
-//    against the CPU model's (Qwen35MoeCpu) for the same batches: mixed batches whose device
-//    token order (multi-token chunks first) differs from the batch order, chunks reading the MTP
-//    KV written by earlier passes, and one-token passes shaped as chained drafts; logits rows by
-//    the teacher-forced rule of test_model_cuda.cpp (median / p95 relative error; argmax where
-//    the CPU's margin exceeds kMarginBf16, a few flips allowed as in test_qwen35_cuda.cpp),
-//    hidden rows by their relative error;
+//  - the target's hidden_out (forward, forward_sample) and the MTP passes (mtp_forward: logits
+//    and hidden_out) against the CPU model's (Qwen35MoeCpu) for the same batches: mixed batches
+//    whose device token order (multi-token chunks first) differs from the batch order, chunks
+//    reading the MTP KV written by earlier passes, and one-token passes shaped as chained drafts
+//    (replaying the draft graphs of their buckets); logits rows by the teacher-forced rule of
+//    test_model_cuda.cpp (median / p95 relative error; argmax where the CPU's margin exceeds
+//    kMarginBf16, a few flips allowed as in test_qwen35_cuda.cpp), hidden rows by their
+//    relative error;
 //  - lossless greedy decoding: K = 1..4, alone, batched, chunked, with prefix-cache hits, decode
-//    graphs on and off, with the random MTP layer's drafts (nearly always rejected: every verify
-//    step rolls the DeltaNet states back) and with oracle drafts (mostly right: every accepted
-//    length, the bonus token, partial rollbacks), give the tokens of the same model's run without
-//    speculation up to the margin rule's horizon; the K = 0 runs match golden by the margin rule;
+//    and draft graphs on and off, with the random MTP layer's drafts (nearly always rejected:
+//    every verify step rolls the DeltaNet states back) and with oracle drafts (mostly right:
+//    every accepted length, the bonus token, partial rollbacks), give the tokens of the same
+//    model's run without speculation up to the margin rule's horizon; the K = 0 runs match
+//    golden by the margin rule;
 //  - sampled requests with speculation on the device: the chi-square of CudaMtpSampling over the
 //    text fixture (vocab 256), a wrong acceptance rule failing the same bound.
 // Skips without a GPU.
@@ -130,6 +132,7 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
   o.max_tokens = 512;
   o.max_seqs = 8;
   o.page_size = 4;
+  o.mtp_graphs = true;  // the one-token passes below replay the draft graphs
   auto gpu = Qwen35MoeCuda::load(dir, o);
   EXPECT_FALSE(gpu->has_mtp());
   gpu->load_mtp(mtp_dir(dir));
@@ -261,6 +264,8 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
   EXPECT_LT(hp95, kP95Tol);
   EXPECT_GT(st.checked, 0);
   EXPECT_LE(st.flipped, kFlips * st.checked);
+  // The one-token passes of two, then one sequence replayed their buckets' graphs.
+  EXPECT_EQ(gpu->captured_mtp_buckets(), (std::vector<int64_t>{1, 2}));
 
   // Bad input: a token id out of range, a cache the model did not make.
   ForwardBatch bad;
@@ -379,8 +384,10 @@ TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
     }
     if (m.graphs) {
       EXPECT_FALSE(gpu->captured_buckets().empty()) << "no decode step ran a graph";
+      EXPECT_FALSE(gpu->captured_mtp_buckets().empty()) << "no draft pass ran a graph";
     } else {
       EXPECT_TRUE(gpu->captured_buckets().empty());
+      EXPECT_TRUE(gpu->captured_mtp_buckets().empty()) << "draft graphs with graphs off";
     }
   }
 }
