@@ -1304,6 +1304,23 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
   return rows;
 }
 
+void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,
+                                        int64_t k) {
+  (void)kv;  // verify steps run eagerly
+  if (!has_mtp() || !impl_->mtp_graphs_on || buckets_.empty() || k < 2) return;  // no chain
+  const int32_t token = 0, page = 0;
+  const std::vector<float> hidden(static_cast<size_t>(buckets_.back() * config_.hidden_size), 0.0f);
+  for (const int64_t bucket : buckets_) {
+    if (bucket > std::max<int64_t>(1, max_batch)) break;
+    ForwardBatch chain;  // bucket one-token MTP passes at position 0 of page 0
+    for (int64_t i = 0; i < bucket; ++i) {
+      chain.seqs.push_back({&token, 1, 0, &page, 1, LogitsMode::kLast, -1});
+    }
+    mtp_launch(chain, hidden.data(), mtp_kv);  // captures the bucket's graph, replays it once
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 std::vector<int64_t> Qwen35MoeCuda::captured_mtp_buckets() const {
   std::vector<int64_t> out;
   for (const auto& [b, g] : impl_->mtp_graphs) out.push_back(b);

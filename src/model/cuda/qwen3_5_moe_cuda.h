@@ -61,9 +61,9 @@ class Qwen35MoeCuda final : public Model {
   // target's page ids; embedding and lm_head shared. forward() and forward_sample() fill
   // ForwardBatch::hidden_out (bf16-rounded, batch order); the engine rolls the DeltaNet states
   // of rejected drafts back through the device state slots (KvCache::copy_state). Chained
-  // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured on first
-  // use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not 0) and decode
-  // graphs are; other passes and the verify steps run eagerly.
+  // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured at
+  // warm-up or on first use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not
+  // 0) and decode graphs are; other passes and the verify steps run eagerly.
   /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
   void load_mtp(const std::string& dir) override;
   bool has_mtp() const override;
@@ -76,6 +76,9 @@ class Qwen35MoeCuda final : public Model {
   void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
+  /// With K >= 2 and draft graphs on: captures the chained MTP pass graph of every bucket up to
+  /// max_batch (writes MTP KV at position 0 of page 0); the verify steps have no graphs.
+  void warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) override;
   /// Batch buckets whose chained MTP pass graph is captured.
   std::vector<int64_t> captured_mtp_buckets() const;
 

@@ -392,6 +392,49 @@ TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
   }
 }
 
+// EngineConfig::warm_up with K = 3 (as tandem serve runs it): the draft pass graph of every
+// bucket up to max_num_seqs is captured before the first request, and decoding afterwards gives
+// the tokens of the run without speculation (the margin rule) and of a model whose draft passes
+// run eagerly.
+TEST(CudaQwen35MtpWarmUp, CapturesTheDraftGraphs) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir =
+      testing::source_dir() + "/tests/data/fixtures/qwen35_vl_hd256_int4_tied_bf16";
+  const testing::Golden g = testing::load_golden(dir);
+  CudaModelOptions o;
+  o.max_tokens = 1024;
+  o.max_seqs = 8;
+  o.page_size = 16;
+  o.mtp_graphs = true;
+  EngineConfig cfg;
+  cfg.max_num_seqs = 8;
+  cfg.max_batched_tokens = 1024;
+  cfg.page_size = 16;
+  cfg.kv_cache_mb = 64;
+  CudaModelOptions eager = o;
+  eager.mtp_graphs = false;
+  auto cold = Qwen35MoeCuda::load(dir, eager);
+  cold->load_mtp(mtp_dir(dir));
+  const auto ref = run_engine(*cold, g.cases, cfg, /*together=*/true);
+  EXPECT_GT(compare_greedy(g, ref, "K = 0", /*lower_ranks=*/false), 0);
+  cfg.num_speculative_tokens = 3;
+  const auto want = run_engine(*cold, g.cases, cfg, /*together=*/true);
+  EXPECT_TRUE(cold->captured_mtp_buckets().empty()) << "draft graphs with mtp_graphs off";
+  auto gpu = Qwen35MoeCuda::load(dir, o);
+  gpu->load_mtp(mtp_dir(dir));
+  EngineConfig w = cfg;
+  w.warm_up = true;
+  { Engine engine(*gpu, w); }
+  EXPECT_EQ(gpu->captured_mtp_buckets(), (std::vector<int64_t>{1, 2, 4, 8}));
+  const auto got = run_engine(*gpu, g.cases, w, /*together=*/true);
+  const int a = compare_to_reference(g, got, ref, "warm draft graphs, K = 3");
+  const int b = compare_to_reference(g, want, ref, "eager draft passes, K = 3");
+  EXPECT_GT(a, 0);
+  EXPECT_GT(b, 0);
+  std::printf("[ %s ] warm-up: %d / %d greedy steps compared with K = 0 (draft graphs / eager)\n",
+              g.name.c_str(), a, b);
+}
+
 // Sampled requests with speculation on the device (CudaMtpSampling's test for the Qwen3-MoE
 // target, here over the Qwen3.5 text fixture, vocab 256): 3000 seeded 3-token continuations at
 // temperature 0.8 / top-k 4 with K = 2 follow the distribution of the same model's
