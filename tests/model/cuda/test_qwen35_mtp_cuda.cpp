@@ -9,6 +9,8 @@
 //    test_model_cuda.cpp (median / p95 relative error; argmax where the CPU's margin exceeds
 //    kMarginBf16, a few flips allowed as in test_qwen35_cuda.cpp), hidden rows by their
 //    relative error;
+//  - the target's verify-shaped steps (q = 2, 3, 5 tokens per sequence, all cases batched)
+//    against the CPU's teacher-forced logits by the hybrid statistics of test_qwen35_cuda.cpp;
 //  - lossless greedy decoding: K = 1..4, alone, batched, chunked, with prefix-cache hits, decode
 //    and draft graphs on and off, with the random MTP layer's drafts (nearly always rejected:
 //    every verify step rolls the DeltaNet states back) and with oracle drafts (mostly right:
@@ -277,6 +279,90 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
   EXPECT_THROW(gpu->mtp_forward(bad, one.data(), cpu_mkv, lg, hg), Error);
   EXPECT_THROW(gpu->load_mtp(dir + "/no_such_dir"), Error);
   EXPECT_TRUE(gpu->has_mtp());
+}
+
+// The target's verify-shaped steps (q tokens per sequence, logits of all, every case in one
+// batch: chunks continuing the DeltaNet states and the KV mid-page) against the CPU model's
+// teacher-forced logits of the same positions, by the hybrid statistics of test_qwen35_cuda.cpp.
+TEST_P(CudaQwen35Mtp, VerifyRowsMatchTheCpuModel) {
+  const std::string dir = GetParam();
+  const testing::Golden g = testing::load_golden(dir);
+  auto cpu = Qwen35MoeCpu::load(dir);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto gpu = Qwen35MoeCuda::load(dir, o);
+  const int64_t vocab = cpu->config().vocab_size;
+  std::vector<double> errs;
+  RowStats st;
+  std::vector<std::vector<int32_t>> toks;
+  size_t longest = 0;
+  for (const auto& c : g.cases) {
+    toks.push_back(teacher_forced_tokens(c));
+    longest = std::max(longest, toks.back().size());
+  }
+  const auto nc = static_cast<int64_t>(toks.size());
+  std::vector<std::vector<float>> want;
+  for (int64_t i = 0; i < nc; ++i) {
+    const auto& t = toks[static_cast<size_t>(i)];
+    KvCache cpu_kv(cpu->kv_geometry(static_cast<int64_t>(t.size()) / 4 + 2, 4));
+    cpu_kv.allocate_states(1, cpu->state_slot_elems());
+    want.push_back(teacher_forced(*cpu, cpu_kv, t, 1 << 20, 0));
+  }
+  for (const int64_t q : {int64_t{2}, int64_t{3}, int64_t{5}}) {
+    const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
+    std::vector<int32_t> tables(static_cast<size_t>(nc * per));
+    std::iota(tables.begin(), tables.end(), 0);
+    std::reverse(tables.begin(), tables.end());
+    KvCache kv = gpu->make_kv_cache(nc * per, 4);
+    kv.allocate_states(nc, gpu->state_slot_elems());
+    std::vector<std::vector<float>> got(static_cast<size_t>(nc));
+    std::vector<int64_t> done(static_cast<size_t>(nc));
+    std::vector<float> part;
+    // The prompts, then steps of q tokens for every case still running.
+    for (int64_t step = 0;; ++step) {
+      ForwardBatch b;
+      std::vector<int64_t> idx;
+      for (int64_t i = 0; i < nc; ++i) {
+        const auto n = static_cast<int64_t>(toks[static_cast<size_t>(i)].size());
+        const int64_t start = done[static_cast<size_t>(i)];
+        if (start >= n) continue;
+        const int64_t count =
+            step == 0 ? static_cast<int64_t>(g.cases[static_cast<size_t>(i)].prompt_ids.size())
+                      : std::min(q, n - start);
+        b.seqs.push_back({toks[static_cast<size_t>(i)].data() + start, count, start,
+                          tables.data() + i * per, per, LogitsMode::kAll, static_cast<int32_t>(i)});
+        idx.push_back(i);
+      }
+      if (b.seqs.empty()) break;
+      gpu->forward(b, kv, part);
+      int64_t row = 0;
+      for (size_t j = 0; j < idx.size(); ++j) {
+        const int64_t cnt = b.seqs[j].num_tokens;
+        auto& dst = got[static_cast<size_t>(idx[j])];
+        dst.insert(dst.end(), part.begin() + row * vocab, part.begin() + (row + cnt) * vocab);
+        done[static_cast<size_t>(idx[j])] += cnt;
+        row += cnt;
+      }
+    }
+    for (int64_t i = 0; i < nc; ++i) {
+      const RowStats s = compare_rows_counting_flips(
+          got[static_cast<size_t>(i)], want[static_cast<size_t>(i)], vocab,
+          g.name + " verify q " + std::to_string(q) + " case " + std::to_string(i), errs);
+      st.checked += s.checked;
+      st.flipped += s.flipped;
+    }
+  }
+  const auto [med, p95, worst] = error_quantiles(errs);
+  std::printf(
+      "[ %s ] verify rows %zu: relative error median %.2e p95 %.2e max %.2e, %d argmax checks, "
+      "%d flipped\n",
+      g.name.c_str(), errs.size(), med, p95, worst, st.checked, st.flipped);
+  EXPECT_LT(med, kHybridMedianTol);
+  EXPECT_LT(p95, kHybridP95Tol);
+  EXPECT_GT(st.checked, 0);
+  EXPECT_LE(st.flipped, kFlips * st.checked);
 }
 
 // Drafts from the golden continuation, each replaced by a random token with probability 0.3.
