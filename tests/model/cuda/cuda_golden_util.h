@@ -178,8 +178,10 @@ struct Result {
   int finished = 0;
 };
 
+// `stats` (when set) gets the engine's counters after the run.
 inline std::vector<Result> run_engine(Model& model, const std::vector<testing::GoldenCase>& cases,
-                                      EngineConfig cfg, bool together) {
+                                      EngineConfig cfg, bool together,
+                                      EngineStats* stats = nullptr) {
   Engine engine(model, cfg);
   std::vector<Result> results(cases.size());
   auto add = [&](size_t i) {
@@ -208,6 +210,7 @@ inline std::vector<Result> run_engine(Model& model, const std::vector<testing::G
     }
   }
   EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages()) << "leaked KV pages";
+  if (stats != nullptr) *stats = engine.stats();
   return results;
 }
 

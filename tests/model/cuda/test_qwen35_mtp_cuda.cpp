@@ -462,11 +462,20 @@ TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
       EngineConfig cfg = base;
       cfg.num_speculative_tokens = k;
       if (m.oracle) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);
-      const auto results = run_engine(*gpu, cases, cfg, m.together);
+      EngineStats st;
+      const auto results = run_engine(*gpu, cases, cfg, m.together, &st);
       const int compared = compare_to_reference(gg, results, ref, what);
       EXPECT_GT(compared, 0) << g.name << " " << what;
-      std::printf("[ %s ] %s: %d greedy steps compared with K = 0\n", g.name.c_str(), what.c_str(),
-                  compared);
+      EXPECT_GT(st.spec_num_drafts, 0) << what;
+      EXPECT_LE(st.spec_num_accepted_tokens, st.spec_num_draft_tokens) << what;
+      if (m.oracle) {  // mostly right: accepted runs, bonus tokens and partial rollbacks
+        EXPECT_GT(st.spec_num_accepted_tokens, 0) << what;
+        EXPECT_LT(st.spec_num_accepted_tokens, st.spec_num_draft_tokens) << what;
+      }
+      std::printf("[ %s ] %s: %d greedy steps compared with K = 0, %lld of %lld drafts accepted\n",
+                  g.name.c_str(), what.c_str(), compared,
+                  static_cast<long long>(st.spec_num_accepted_tokens),
+                  static_cast<long long>(st.spec_num_draft_tokens));
     }
     if (m.graphs) {
       EXPECT_FALSE(gpu->captured_buckets().empty()) << "no decode step ran a graph";
