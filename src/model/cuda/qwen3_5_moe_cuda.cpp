@@ -109,10 +109,13 @@ std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
 // rows): the tokens of multi-token chunks first (the attention's prefill kernel takes the
 // leading num_prefill tokens), then the one-token sequences; logits rows in batch order, every
 // padding row's too when pad_rows (a graph's fixed shape). first_token: each sequence's first
-// device token. state_slots >= 0: every sequence needs a state slot below it.
+// device token. state_slots >= 0: every sequence needs a state slot below it. Padding
+// sequences have pad_q tokens each at positions 0.. (a verify graph's shape; 1: a decode graph's),
+// no KV slot and no state slot.
 HostMeta build_meta(const ForwardBatch& batch, int64_t page_size, int64_t num_pages, int64_t vocab,
                     int64_t rows_n, int64_t tw, int64_t num_seqs, bool pad_rows,
-                    int64_t state_slots, std::vector<int64_t>& first_token, int64_t& num_prefill) {
+                    int64_t state_slots, std::vector<int64_t>& first_token, int64_t& num_prefill,
+                    int64_t pad_q = 1) {
   const int64_t n = batch.num_tokens();
   HostMeta hm;
   hm.ids.assign(static_cast<size_t>(rows_n), 0);
@@ -154,7 +157,13 @@ HostMeta build_meta(const ForwardBatch& batch, int64_t page_size, int64_t num_pa
       hm.dn_token_seq[static_cast<size_t>(first_token[si] + i)] = static_cast<int32_t>(oi);
     }
   }
-  for (int64_t t = n; t < rows_n; ++t) {  // padding: one token, no slot
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
+  for (int64_t t = n; t < rows_n; ++t) {  // padding: pad_q tokens per sequence, no slot
+    const int64_t j = (t - n) / pad_q;
+    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(nseq + j);
+    hm.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(nseq + j);
+    hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>((t - n) % pad_q);
+    if ((t - n) % pad_q != 0) continue;
     hm.dn_begin.push_back(static_cast<int32_t>(t));
     hm.dn_slot.push_back(-1);
     hm.dn_fresh.push_back(0);
@@ -270,6 +279,16 @@ struct Qwen35MoeCuda::Impl {
   PinnedMem h_meta, h_tables;
   cudaEvent_t meta_copied = nullptr;
 
+  // Decode graphs by bucket; verify graphs (q tokens per sequence) at (q - 1) * kVerifyKey +
+  // bucket.
+  static constexpr int64_t kVerifyKey = 1 << 16;
+  static constexpr int64_t kMaxVerifyTokens = 5;  // K + 1 for K up to kMaxSpeculativeTokens
+  // Off by default (not yet measured on the H200): verify steps replay graphs
+  // (set_verify_graphs, TANDEM_Q35_VERIFY_GRAPHS=1 at load).
+  bool verify_graphs = [] {
+    const char* e = std::getenv("TANDEM_Q35_VERIFY_GRAPHS");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
   std::map<int64_t, cudaGraphExec_t> graphs;
   // Chained MTP passes (one token per sequence) replayed from graphs by bucket, against one MTP
   // KV pool; their own metadata buffers (g_meta's layout) and block tables.
@@ -908,9 +927,27 @@ int64_t Qwen35MoeCuda::kv_cache_mb_hint() const {
 
 std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const {
   std::vector<int64_t> out;
-  for (const auto& [b, g] : impl_->graphs) out.push_back(b);
+  for (const auto& [k, g] : impl_->graphs) {
+    if (k < Impl::kVerifyKey) out.push_back(k);
+  }
   return out;
 }
+
+std::vector<std::pair<int64_t, int64_t>> Qwen35MoeCuda::captured_verify_graphs() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& [k, g] : impl_->graphs) {
+    if (k >= Impl::kVerifyKey) out.emplace_back(k % Impl::kVerifyKey, k / Impl::kVerifyKey + 1);
+  }
+  return out;
+}
+
+void Qwen35MoeCuda::set_verify_graphs(bool on) {
+  if (impl_->verify_graphs == on) return;
+  reset_graphs();
+  impl_->verify_graphs = on;
+}
+
+bool Qwen35MoeCuda::verify_graphs() const { return impl_->verify_graphs; }
 
 void Qwen35MoeCuda::reset_graphs() {
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -966,25 +1003,33 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
                     im.s_cap);
   if (n == 0) return false;
 
-  bool decode = !batch.on_layer_kv && !buckets_.empty() && n <= buckets_.back() &&
-                page_size == opts_.page_size;
+  // A graph replays a decode step (one token per sequence, its logits) or, with verify graphs
+  // on, a verify step (q = 2..kMaxVerifyTokens tokens per sequence, logits of all), padded to
+  // the smallest bucket of sequences that holds the batch.
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
+  const int64_t q = batch.seqs.front().num_tokens;  // tokens per sequence when uniform
+  bool decode = !batch.on_layer_kv && !buckets_.empty() && nseq <= buckets_.back() &&
+                page_size == opts_.page_size &&
+                (q == 1 || (im.verify_graphs && q <= Impl::kMaxVerifyTokens));
   int64_t width = 1;
   for (const auto& s : batch.seqs) {
     width = std::max(width, s.num_pages);
-    decode = decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+    decode =
+        decode && s.num_tokens == q && s.logits == (q == 1 ? LogitsMode::kLast : LogitsMode::kAll);
   }
   if (decode) decode = width <= graph_width(page_size);
   const int64_t bucket =
-      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), n) : int64_t{0};
-  const int64_t rows_n = decode ? bucket : n;  // padded token count
+      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : int64_t{0};
+  if (decode) decode = bucket * q <= im.t_cap && bucket * q <= im.rows_cap;
+  const int64_t rows_n = decode ? bucket * q : n;  // padded token count
   const int64_t tw = decode ? im.graph_width : width;
-  const int64_t num_seqs = decode ? bucket : static_cast<int64_t>(batch.seqs.size());
+  const int64_t num_seqs = decode ? bucket : nseq;
 
   // 1. Metadata on the host.
   int64_t num_prefill = 0;
-  const HostMeta hm =
-      build_meta(batch, page_size, g.num_pages, config_.vocab_size, rows_n, tw, num_seqs, decode,
-                 im.num_linear > 0 ? kv.num_state_slots() : -1, im.first_token, num_prefill);
+  const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, rows_n, tw,
+                                 num_seqs, decode, im.num_linear > 0 ? kv.num_state_slots() : -1,
+                                 im.first_token, num_prefill, decode ? q : 1);
 
   if (!decode) {
     const size_t tb = hm.tables.size() * sizeof(int32_t);
@@ -1014,11 +1059,12 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     im.g_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
   }
   m.tables = im.g_tables.as<int32_t>();
-  m.n = bucket;
+  m.n = rows_n;
   m.width = im.graph_width;
-  m.num_rows = bucket;
+  m.num_rows = rows_n;
   m.num_seqs = bucket;
-  m.num_prefill = 0;
+  m.num_prefill = 0;  // a verify step's tokens as decode tokens of the attention (each attends
+                      // to its own prefix): no host plan in the graph
   const void* states = im.num_linear > 0 ? kv.state_data(0) : nullptr;
   if (im.graph_kv != kv.layer_data(0) || im.graph_states != states ||
       im.graph_page_size != page_size) {
@@ -1027,7 +1073,8 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     im.graph_states = states;
     im.graph_page_size = page_size;
   }
-  auto it = im.graphs.find(bucket);
+  const int64_t key = (q - 1) * Impl::kVerifyKey + bucket;
+  auto it = im.graphs.find(key);
   if (it == im.graphs.end()) {
     // Warm-up run (GEMM plans, workspaces) with padding only: no KV, no state is written.
     HostMeta pad = hm;
@@ -1036,13 +1083,13 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     std::fill(pad.dn_slot.begin(), pad.dn_slot.end(), -1);
     im.upload(pad, m, m.tables);
     im.body(m, kv, nullptr);
-    im.head(0, bucket);
+    im.head(0, rows_n);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     cudaGraph_t graph = nullptr;
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
       im.body(m, kv, nullptr);
-      im.head(0, bucket);
+      im.head(0, rows_n);
     } catch (...) {
       (void)cudaStreamEndCapture(stream_, &graph);
       if (graph != nullptr) (void)cudaGraphDestroy(graph);
@@ -1053,7 +1100,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
     (void)cudaGraphDestroy(graph);
     TANDEM_CUDA_CHECK(st);
-    it = im.graphs.emplace(bucket, exec).first;
+    it = im.graphs.emplace(key, exec).first;
   }
   im.upload(hm, m, m.tables);
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/cuda/qwen3_moe_cuda.h"
@@ -63,7 +64,7 @@ class Qwen35MoeCuda final : public Model {
   // of rejected drafts back through the device state slots (KvCache::copy_state). Chained
   // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured at
   // warm-up or on first use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not
-  // 0) and decode graphs are; other passes and the verify steps run eagerly.
+  // 0) and decode graphs are; other passes run eagerly, verify steps too unless set_verify_graphs.
   /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
   void load_mtp(const std::string& dir) override;
   bool has_mtp() const override;
@@ -86,8 +87,17 @@ class Qwen35MoeCuda final : public Model {
   /// kv_cache_mb_for() with this device's free and total memory now.
   int64_t kv_cache_budget_mb(double utilization) const;
   int64_t weight_bytes() const { return weight_bytes_; }
-  /// Batch-size buckets captured so far.
+  /// Batch-size buckets captured so far (decode graphs).
   std::vector<int64_t> captured_buckets() const;
+  /// (bucket, tokens per sequence) of the verify graphs captured so far.
+  std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
+  /// Off by default (not yet measured on the H200; TANDEM_Q35_VERIFY_GRAPHS=1 at load turns it
+  /// on): a verify step (2..5 tokens per sequence, the same for all, logits of all) replays a
+  /// CUDA graph per (batch bucket, tokens per sequence), captured on first use, its tokens
+  /// decode tokens of the attention and one DeltaNet chunk per sequence. Changing it drops the
+  /// captured graphs.
+  void set_verify_graphs(bool on);
+  bool verify_graphs() const;
   /// Drops the captured decode graphs (the next decode step of each bucket captures again), e.g.
   /// after a change of backend/cuda/decode_switches.h, which a graph keeps as captured.
   void reset_graphs();

@@ -284,8 +284,8 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
 // The target's verify-shaped steps (q tokens per sequence, logits of all, every case in one
 // batch: chunks continuing the DeltaNet states and the KV mid-page) against the CPU model's
 // teacher-forced logits of the same positions, by the hybrid statistics of test_qwen35_cuda.cpp.
-TEST_P(CudaQwen35Mtp, VerifyRowsMatchTheCpuModel) {
-  const std::string dir = GetParam();
+// verify_graphs: the uniform steps replay the verify graphs (Qwen35MoeCuda::set_verify_graphs).
+void expect_verify_rows_match_the_cpu(const std::string& dir, bool verify_graphs) {
   const testing::Golden g = testing::load_golden(dir);
   auto cpu = Qwen35MoeCpu::load(dir);
   CudaModelOptions o;
@@ -293,6 +293,7 @@ TEST_P(CudaQwen35Mtp, VerifyRowsMatchTheCpuModel) {
   o.max_seqs = 8;
   o.page_size = 4;
   auto gpu = Qwen35MoeCuda::load(dir, o);
+  gpu->set_verify_graphs(verify_graphs);
   const int64_t vocab = cpu->config().vocab_size;
   std::vector<double> errs;
   RowStats st;
@@ -356,13 +357,28 @@ TEST_P(CudaQwen35Mtp, VerifyRowsMatchTheCpuModel) {
   }
   const auto [med, p95, worst] = error_quantiles(errs);
   std::printf(
-      "[ %s ] verify rows %zu: relative error median %.2e p95 %.2e max %.2e, %d argmax checks, "
+      "[ %s ] verify rows%s %zu: relative error median %.2e p95 %.2e max %.2e, %d argmax checks, "
       "%d flipped\n",
-      g.name.c_str(), errs.size(), med, p95, worst, st.checked, st.flipped);
+      g.name.c_str(), verify_graphs ? " (graphs)" : "", errs.size(), med, p95, worst, st.checked,
+      st.flipped);
   EXPECT_LT(med, kHybridMedianTol);
   EXPECT_LT(p95, kHybridP95Tol);
   EXPECT_GT(st.checked, 0);
   EXPECT_LE(st.flipped, kFlips * st.checked);
+  if (verify_graphs) {
+    EXPECT_FALSE(gpu->captured_verify_graphs().empty()) << "no verify step ran a graph";
+  } else {
+    EXPECT_TRUE(gpu->captured_verify_graphs().empty());
+  }
+}
+
+TEST_P(CudaQwen35Mtp, VerifyRowsMatchTheCpuModel) {
+  expect_verify_rows_match_the_cpu(GetParam(), false);
+}
+
+// The same steps replaying the verify graphs (opt-in).
+TEST_P(CudaQwen35Mtp, VerifyGraphRowsMatchTheCpuModel) {
+  expect_verify_rows_match_the_cpu(GetParam(), true);
 }
 
 // Drafts from the golden continuation, each replaced by a random token with probability 0.3.
@@ -415,25 +431,18 @@ int compare_to_reference(const testing::Golden& g, const std::vector<Result>& go
   return compared;
 }
 
-TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
-  const std::string dir = GetParam();
+struct LosslessMode {
+  const char* name;
+  bool graphs, together;
+  int64_t budget, page;
+  bool twice = false;  // every prompt a second time in the same engine: prefix-cache hits
+  bool oracle = false;
+  bool verify_graphs = false;  // Qwen35MoeCuda::set_verify_graphs
+};
+
+void expect_greedy_lossless(const std::string& dir, const std::vector<LosslessMode>& modes) {
   const testing::Golden g = testing::load_golden(dir);
-  struct Mode {
-    const char* name;
-    bool graphs, together;
-    int64_t budget, page;
-    bool twice = false;  // every prompt a second time in the same engine: prefix-cache hits
-    bool oracle = false;
-  };
-  const Mode modes[] = {{"alone+graphs", true, false, 1024, 16},
-                        {"batched+graphs", true, true, 1024, 16},
-                        {"batched+graphs, oracle drafts", true, true, 1024, 16, false, true},
-                        {"alone+graphs, oracle drafts", true, false, 1024, 16, false, true},
-                        {"alone twice (prefix cache)+graphs", true, false, 1024, 16, true},
-                        {"chunked+graphs, oracle drafts", true, true, 7, 4, false, true},
-                        {"batched eager", false, true, 1024, 16},
-                        {"batched eager, oracle drafts", false, true, 1024, 16, false, true}};
-  for (const Mode& m : modes) {
+  for (const LosslessMode& m : modes) {
     CudaModelOptions o;
     o.max_tokens = m.budget;
     o.max_seqs = 8;
@@ -441,6 +450,7 @@ TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
     o.cuda_graphs = m.graphs;
     auto gpu = Qwen35MoeCuda::load(dir, o);
     gpu->load_mtp(mtp_dir(dir));
+    gpu->set_verify_graphs(m.verify_graphs);
     EngineConfig base;
     base.max_num_seqs = 8;
     base.max_batched_tokens = m.budget;
@@ -484,7 +494,31 @@ TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
       EXPECT_TRUE(gpu->captured_buckets().empty());
       EXPECT_TRUE(gpu->captured_mtp_buckets().empty()) << "draft graphs with graphs off";
     }
+    EXPECT_EQ(!gpu->captured_verify_graphs().empty(), m.verify_graphs && m.graphs) << m.name;
   }
+}
+
+TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
+  expect_greedy_lossless(GetParam(),
+                         {{"alone+graphs", true, false, 1024, 16},
+                          {"batched+graphs", true, true, 1024, 16},
+                          {"batched+graphs, oracle drafts", true, true, 1024, 16, false, true},
+                          {"alone+graphs, oracle drafts", true, false, 1024, 16, false, true},
+                          {"alone twice (prefix cache)+graphs", true, false, 1024, 16, true},
+                          {"chunked+graphs, oracle drafts", true, true, 7, 4, false, true},
+                          {"batched eager", false, true, 1024, 16},
+                          {"batched eager, oracle drafts", false, true, 1024, 16, false, true}});
+}
+
+// The same with the verify steps in graphs (opt-in).
+TEST_P(CudaQwen35Mtp, GreedyLosslessWithVerifyGraphs) {
+  expect_greedy_lossless(
+      GetParam(),
+      {{"alone+verify graphs", true, false, 1024, 16, false, false, true},
+       {"batched+verify graphs", true, true, 1024, 16, false, false, true},
+       {"batched+verify graphs, oracle drafts", true, true, 1024, 16, false, true, true},
+       {"alone twice (prefix cache)+verify graphs, oracle drafts", true, false, 1024, 16, true,
+        true, true}});
 }
 
 // EngineConfig::warm_up with K = 3 (as tandem serve runs it): the draft pass graph of every
