@@ -19,6 +19,7 @@
 #   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
 #                      greedy through the engine (alone / batched / chunked / graphs / eager)
 #   test_model_cuda_det  --deterministic: batch / chunk / cache-hit invariance, bitwise
+#   test_model_cuda_q35mtp  Qwen3.5 MTP speculation on the GPU (vs the CPU MTP, lossless, chi-square)
 #   test_server_cuda   the HTTP tests of the "Serving" issue, the real-engine ones over the GPU
 #                      model (TANDEM_TEST_DEVICE=cuda)
 #   openai_client      the official openai client against `tandem serve --device cuda`
@@ -114,7 +115,10 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 
 step test_backend_cuda 240 "$BIN/test_backend_cuda"
-step test_model_cuda 150 "$BIN/test_model_cuda" --gtest_filter='-CudaBatchInvariance.*'
+step test_model_cuda 150 "$BIN/test_model_cuda" --gtest_filter='-CudaBatchInvariance.*:*CudaQwen35Mtp*'
+# MTP speculative decoding of Qwen3.5 hybrids on the GPU (issue 13): the MTP pass and hidden_out
+# vs the CPU model, greedy lossless K = 1..4, the sampled chi-square.
+step test_model_cuda_q35mtp 150 "$BIN/test_model_cuda" --gtest_filter='*CudaQwen35Mtp*'
 # --deterministic (issue 15 item 6): a request's logits bitwise the same alone / batched /
 # chunked / after a prefix-cache hit (demo model, 30B layer shapes), 64 seeded engine requests vs
 # solo; each test prints the default mode's count of differing schedules beside.

@@ -148,8 +148,8 @@ void apply_speculative(const std::string& json, const std::string& model_dir,
                        const std::string& device, Model& model, EngineConfig& engine) {
   if (json.empty()) return;
   const SpeculativeConfig sc = parse_speculative_config(json);
-  // The GPU: Qwen3MoeCuda's MTP layer (Qwen35MoeCuda refuses it in load_mtp; the CPU
-  // Qwen35MoeCpu has one).
+  // The GPU: Qwen3MoeCuda's MTP layer (model/cuda/mtp_cuda.h) and Qwen35MoeCuda's (the
+  // published Qwen3.5 layout, as the CPU Qwen35MoeCpu's).
   TANDEM_CHECK_KIND(kUnsupported, device == "cpu" || device == "cuda",
                     "--speculative-config: not supported with --device ", device,
                     " yet (use --device cpu or cuda)");

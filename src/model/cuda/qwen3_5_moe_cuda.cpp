@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
+#include <utility>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_sm90.h"
@@ -103,6 +105,108 @@ std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
   return b;
 }
 
+// The host metadata of `batch` (n real tokens padded to rows_n, block tables tw wide, num_seqs
+// rows): the tokens of multi-token chunks first (the attention's prefill kernel takes the
+// leading num_prefill tokens), then the one-token sequences; logits rows in batch order, every
+// padding row's too when pad_rows (a graph's fixed shape). first_token: each sequence's first
+// device token. state_slots >= 0: every sequence needs a state slot below it. Padding
+// sequences have pad_q tokens each at positions 0.. (a verify graph's shape; 1: a decode graph's),
+// no KV slot and no state slot.
+HostMeta build_meta(const ForwardBatch& batch, int64_t page_size, int64_t num_pages, int64_t vocab,
+                    int64_t rows_n, int64_t tw, int64_t num_seqs, bool pad_rows,
+                    int64_t state_slots, std::vector<int64_t>& first_token, int64_t& num_prefill,
+                    int64_t pad_q = 1) {
+  const int64_t n = batch.num_tokens();
+  HostMeta hm;
+  hm.ids.assign(static_cast<size_t>(rows_n), 0);
+  hm.positions.assign(static_cast<size_t>(rows_n), 0);
+  hm.token_seq.resize(static_cast<size_t>(rows_n));
+  hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
+  hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
+  hm.dn_token_seq.resize(static_cast<size_t>(rows_n));
+  for (int64_t t = 0; t < rows_n; ++t) {
+    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+    hm.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+  }
+  // Tokens of multi-token chunks go first (the attention's prefill kernel takes the leading
+  // num_prefill tokens); logits rows stay in batch order.
+  first_token.assign(batch.seqs.size(), 0);
+  num_prefill = 0;
+  {
+    int64_t chunk_t = 0, decode_t = 0;
+    for (const auto& s : batch.seqs) num_prefill += s.num_tokens > 1 ? s.num_tokens : 0;
+    for (size_t si = 0; si < batch.seqs.size(); ++si) {
+      const int64_t k = batch.seqs[si].num_tokens;
+      first_token[si] = k > 1 ? chunk_t : num_prefill + decode_t;
+      (k > 1 ? chunk_t : decode_t) += k;
+    }
+  }
+  // DeltaNet sequences in token order: the chunks, then the decode tokens (each group in
+  // batch order), then padding sequences of one token.
+  std::vector<size_t> order(batch.seqs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return first_token[a] < first_token[b]; });
+  for (size_t oi = 0; oi < order.size(); ++oi) {
+    const size_t si = order[oi];
+    const ForwardSeq& s = batch.seqs[si];
+    hm.dn_begin.push_back(static_cast<int32_t>(first_token[si]));
+    hm.dn_slot.push_back(s.state_slot);
+    hm.dn_fresh.push_back(s.start_pos == 0 ? 1 : 0);
+    for (int64_t i = 0; i < s.num_tokens; ++i) {
+      hm.dn_token_seq[static_cast<size_t>(first_token[si] + i)] = static_cast<int32_t>(oi);
+    }
+  }
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
+  for (int64_t t = n; t < rows_n; ++t) {  // padding: pad_q tokens per sequence, no slot
+    const int64_t j = (t - n) / pad_q;
+    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(nseq + j);
+    hm.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(nseq + j);
+    hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>((t - n) % pad_q);
+    if ((t - n) % pad_q != 0) continue;
+    hm.dn_begin.push_back(static_cast<int32_t>(t));
+    hm.dn_slot.push_back(-1);
+    hm.dn_fresh.push_back(0);
+  }
+  hm.dn_begin.push_back(static_cast<int32_t>(rows_n));
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const ForwardSeq& s = batch.seqs[si];
+    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
+    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
+                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
+                 " tokens");
+    if (state_slots >= 0) {
+      TANDEM_CHECK(s.state_slot >= 0 && s.state_slot < state_slots, "sequence ", si,
+                   " has no state slot (", s.state_slot, ")");
+    }
+    for (int64_t p = 0; p < s.num_pages; ++p) {
+      const int32_t page = s.block_table[p];
+      TANDEM_CHECK(page >= 0 && page < num_pages, "page ", page, " outside the KV cache");
+      hm.tables[static_cast<size_t>(static_cast<int64_t>(si) * tw + p)] = page;
+    }
+    const bool all = s.logits == LogitsMode::kAll;
+    for (int64_t i = 0; i < s.num_tokens; ++i) {
+      const int64_t t = first_token[si] + i;
+      const int64_t pos = s.start_pos + i;
+      const int32_t id = s.tokens[i];
+      TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < vocab, "token id ", id,
+                        " is out of range [0, ", vocab, ")");
+      hm.ids[static_cast<size_t>(t)] = id;
+      hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
+      hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
+      hm.slots[static_cast<size_t>(t)] =
+          int64_t{s.block_table[pos / page_size]} * page_size + pos % page_size;
+      if (all || (s.logits == LogitsMode::kLast && i == s.num_tokens - 1)) {
+        hm.rows.push_back(static_cast<int32_t>(t));
+      }
+    }
+  }
+  if (pad_rows) {  // every padded row produces (discarded) logits, so the graph is fixed
+    for (int64_t r = n; r < rows_n; ++r) hm.rows.push_back(static_cast<int32_t>(r));
+  }
+  return hm;
+}
+
 }  // namespace
 
 struct Qwen35MoeCuda::Impl {
@@ -120,6 +224,20 @@ struct Qwen35MoeCuda::Impl {
   bf16* final_norm = nullptr;
   bf16* lm_head = nullptr;  // the embedding when tied
   std::vector<LayerW> layers;
+  // The MTP layer (load_mtp): x = fc([norm_e(embed(t + 1)); norm_h(h_t)]), one gated
+  // full-attention decoder layer with the MoE block (its own one-layer KV: layer.index 0),
+  // norm; the target's embedding, lm_head, activations, GEMM plans and metadata buffers.
+  struct MtpW {
+    bool loaded = false;
+    bf16* fc = nullptr;                         // [H, 2H] over [embedding; hidden]
+    bf16 *norm_e = nullptr, *norm_h = nullptr;  // [H], 1 + w
+    bf16* norm = nullptr;                       // [H], 1 + w
+    LayerW layer;
+    DeviceMem cat;                 // [t_cap, 2H] bf16: [norm_e(embed); norm_h(hidden)]
+    DeviceMem hidden_in;           // [t_cap, H] bf16, device token order
+    PinnedMem h_hidden;            // its staging
+    cudaEvent_t staged = nullptr;  // h_hidden may be reused
+  } mtp_w;
 
   // Activations, sized for t_cap tokens.
   int64_t t_cap = 0, rows_cap = 0, s_cap = 0;
@@ -161,7 +279,26 @@ struct Qwen35MoeCuda::Impl {
   PinnedMem h_meta, h_tables;
   cudaEvent_t meta_copied = nullptr;
 
+  // Decode graphs by bucket; verify graphs (q tokens per sequence) at (q - 1) * kVerifyKey +
+  // bucket.
+  static constexpr int64_t kVerifyKey = 1 << 16;
+  static constexpr int64_t kMaxVerifyTokens = 5;  // K + 1 for K up to kMaxSpeculativeTokens
+  // Off by default (not yet measured on the H200): verify steps replay graphs
+  // (set_verify_graphs, TANDEM_Q35_VERIFY_GRAPHS=1 at load).
+  bool verify_graphs = [] {
+    const char* e = std::getenv("TANDEM_Q35_VERIFY_GRAPHS");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
   std::map<int64_t, cudaGraphExec_t> graphs;
+  // Chained MTP passes (one token per sequence) replayed from graphs by bucket, against one MTP
+  // KV pool; their own metadata buffers (g_meta's layout) and block tables.
+  bool mtp_graphs_on = false;
+  std::map<int64_t, cudaGraphExec_t> mtp_graphs;
+  const void* mtp_graph_kv = nullptr;
+  int64_t mtp_graph_page_size = 0;
+  DeviceMem mg_meta, mg_tables;
+  // The last launch's (or MTP pass's) device token of each sequence's first token.
+  std::vector<int64_t> first_token;
   const void* graph_kv = nullptr;      // the cache the graphs were captured against
   const void* graph_states = nullptr;  // and its state slots
   int64_t graph_page_size = 0;
@@ -176,6 +313,7 @@ struct Qwen35MoeCuda::Impl {
   ~Impl() {
     drop_graphs();
     if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
+    if (mtp_w.staged != nullptr) (void)cudaEventDestroy(mtp_w.staged);
     if (ev_fork != nullptr) (void)cudaEventDestroy(ev_fork);
     if (ev_join != nullptr) (void)cudaEventDestroy(ev_join);
     gemm_side.reset();
@@ -186,6 +324,12 @@ struct Qwen35MoeCuda::Impl {
     graphs.clear();
     graph_kv = nullptr;
     graph_states = nullptr;
+    drop_mtp_graphs();
+  }
+  void drop_mtp_graphs() {
+    for (auto& [b, g] : mtp_graphs) (void)cudaGraphExecDestroy(g);
+    mtp_graphs.clear();
+    mtp_graph_kv = nullptr;
   }
 
   // The second stream, its GemmLt and the fork / join events (made when the fork is turned on).
@@ -213,10 +357,7 @@ struct Qwen35MoeCuda::Impl {
   }
 
   void allocate_weights() {
-    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
-    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
-    const int64_t E = c.num_experts, inter = c.moe_intermediate_size,
-                  sinter = c.shared_expert_intermediate_size;
+    const int64_t h = c.hidden_size;
     embed = alloc<bf16>(c.vocab_size * h);
     final_norm = alloc<bf16>(h);
     lm_head = c.tie_word_embeddings ? embed : alloc<bf16>(c.vocab_size * h);
@@ -225,33 +366,44 @@ struct Qwen35MoeCuda::Impl {
       LayerW& w = layers[static_cast<size_t>(l)];
       w.linear = c.layer_types[static_cast<size_t>(l)] == ModelConfig::LayerType::kLinearAttention;
       w.index = w.linear ? num_linear++ : num_attention++;
-      w.input_norm = alloc<bf16>(h);
-      w.post_norm = alloc<bf16>(h);
-      if (w.linear) {
-        w.in_proj = alloc<bf16>(in_rows * h);
-        w.conv = alloc<bf16>(conv_dim * c.linear_conv_kernel_dim);
-        w.a_log = alloc<float>(hv);
-        w.dt_bias = alloc<float>(hv);
-        w.out_norm = alloc<float>(dv);
-        w.out_proj = alloc<bf16>(h * value_dim);
-      } else {
-        w.qkv = alloc<bf16>(qkv_rows() * h);
-        w.o = alloc<bf16>(h * qh * d);
-        w.q_norm = alloc<bf16>(d);
-        w.k_norm = alloc<bf16>(d);
-      }
-      w.router = alloc<bf16>(E * h);
-      w.gate_up = alloc<bf16>(E * 2 * inter * h);
-      w.down = alloc<bf16>(E * h * inter);
-      w.shared_gate_up = alloc<bf16>(2 * sinter * h);
-      w.shared_down = alloc<bf16>(h * sinter);
-      w.shared_gate = alloc<bf16>(h);
+      allocate_layer(w);
     }
     TANDEM_CHECK_KIND(kUnsupported, num_attention > 0, "config.json: layer_types has no ",
                       "full_attention layer");
   }
 
-  void load_weights(const WeightReader& wr) {
+  // The device weights of one layer of w.linear's kind.
+  void allocate_layer(LayerW& w) {
+    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
+    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+    const int64_t E = c.num_experts, inter = c.moe_intermediate_size,
+                  sinter = c.shared_expert_intermediate_size;
+    w.input_norm = alloc<bf16>(h);
+    w.post_norm = alloc<bf16>(h);
+    if (w.linear) {
+      w.in_proj = alloc<bf16>(in_rows * h);
+      w.conv = alloc<bf16>(conv_dim * c.linear_conv_kernel_dim);
+      w.a_log = alloc<float>(hv);
+      w.dt_bias = alloc<float>(hv);
+      w.out_norm = alloc<float>(dv);
+      w.out_proj = alloc<bf16>(h * value_dim);
+    } else {
+      w.qkv = alloc<bf16>(qkv_rows() * h);
+      w.o = alloc<bf16>(h * qh * d);
+      w.q_norm = alloc<bf16>(d);
+      w.k_norm = alloc<bf16>(d);
+    }
+    w.router = alloc<bf16>(E * h);
+    w.gate_up = alloc<bf16>(E * 2 * inter * h);
+    w.down = alloc<bf16>(E * h * inter);
+    w.shared_gate_up = alloc<bf16>(2 * sinter * h);
+    w.shared_down = alloc<bf16>(h * sinter);
+    w.shared_gate = alloc<bf16>(h);
+  }
+
+  // The target's weights, or (mtp) the MTP layer's: mtp.fc, its norms and mtp.layers.0 (the
+  // target's layer layout; every norm zero-centred, stored 1 + w).
+  void load_weights(const WeightReader& wr, bool mtp = false) {
     const Checkpoint& ckpt = wr.checkpoint();
     const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                   kvh = c.num_key_value_heads;
@@ -283,13 +435,25 @@ struct Qwen35MoeCuda::Impl {
       const std::vector<float> f = f32(name, {n}, false);
       up.put(dst, f.data(), f.size() * sizeof(float));
     };
-    put(embed, root + "embed_tokens.weight", {c.vocab_size, h});
-    put_norm(final_norm, root + "norm.weight", h);
-    if (!c.tie_word_embeddings) put(lm_head, "lm_head.weight", {c.vocab_size, h});
+    std::vector<std::pair<LayerW*, std::string>> todo;  // each layer and its tensors' prefix
+    if (mtp) {
+      put(mtp_w.fc, "mtp.fc.weight", {h, 2 * h});
+      put_norm(mtp_w.norm_e, "mtp.pre_fc_norm_embedding.weight", h);
+      put_norm(mtp_w.norm_h, "mtp.pre_fc_norm_hidden.weight", h);
+      put_norm(mtp_w.norm, "mtp.norm.weight", h);
+      todo.emplace_back(&mtp_w.layer, "mtp.layers.0.");
+    } else {
+      put(embed, root + "embed_tokens.weight", {c.vocab_size, h});
+      put_norm(final_norm, root + "norm.weight", h);
+      if (!c.tie_word_embeddings) put(lm_head, "lm_head.weight", {c.vocab_size, h});
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+        todo.emplace_back(&layers[static_cast<size_t>(l)],
+                          root + "layers." + std::to_string(l) + ".");
+      }
+    }
     std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h));
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      LayerW& w = layers[static_cast<size_t>(l)];
-      const std::string p = root + "layers." + std::to_string(l) + ".";
+    for (auto& [wp, p] : todo) {
+      LayerW& w = *wp;
       put_norm(w.input_norm, p + "input_layernorm.weight", h);
       put_norm(w.post_norm, p + "post_attention_layernorm.weight", h);
       if (w.linear) {
@@ -484,13 +648,75 @@ struct Qwen35MoeCuda::Impl {
     return split;
   }
 
-  // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
-  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch) {
+  // Layer w's gated full attention over `pool` (its KV layer): reads XN, writes Y and the new
+  // KV of m's tokens (batch->on_layer_kv after the KV write when set).
+  void gated_attention(const LayerW& w, const Meta& m, bf16* pool, int64_t page_size, int64_t split,
+                       const ForwardBatch* batch) {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim;
     const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    bf16 *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *P = proj.as<bf16>();
+    gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
+    cuda::gated_qkv_prep_launch(
+        {P, q.as<bf16>(), gate.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm, m.positions, n, qh,
+         kvh, d, page_size, c.rotary_dim(), eps, c.rope_theta},
+        stream);
+    if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(w.index);
+    cuda::PagedAttentionParams ap{};
+    ap.q = q.as<bf16>();
+    ap.pool = pool;
+    ap.block_table = m.tables;
+    ap.token_seq = m.token_seq;
+    ap.positions = m.positions;
+    ap.out = attn.as<bf16>();
+    ap.num_tokens = n;
+    ap.num_q_heads = qh;
+    ap.num_kv_heads = kvh;
+    ap.head_dim = d;
+    ap.page_size = page_size;
+    ap.max_pages_per_seq = m.width;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ap.kv_split = split;
+    ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
+    ap.num_prefill_tokens = m.num_prefill;
+    ap.prefill_plan = m.prefill_plan;
+    cuda::paged_attention_launch(ap, stream);
+    cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
+                             stream);
+    gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
+  }
+
+  // Layer w's MoE block over n tokens: routed experts + the sigmoid-gated shared expert, from XN
+  // into Y.
+  void moe_block(const LayerW& w, int64_t n) {
+    const int64_t h = c.hidden_size, sinter = c.shared_expert_intermediate_size;
+    bf16 *XN = xn.as<bf16>(), *Y = y.as<bf16>();
+    if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
+      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+      gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
+      cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
+      gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+    } else {
+      // The shared expert on the side stream: it reads XN and writes sgu / sact / sout only;
+      // the next writer of XN (the next layer's norm) comes after the join below.
+      TANDEM_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
+      TANDEM_CUDA_CHECK(cudaStreamWaitEvent(side, ev_fork, 0));
+      gemm_side->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, side);
+      cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, side);
+      gemm_side->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, side);
+      TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
+      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+      TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
+    }
+    cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
+  }
+
+  // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
+  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch) {
+    const int64_t n = m.n, h = c.hidden_size;
     const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
     const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-    const int64_t kern = c.linear_conv_kernel_dim, sinter = c.shared_expert_intermediate_size;
+    const int64_t kern = c.linear_conv_kernel_dim;
     const int64_t page_size = kv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
     bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *P = proj.as<bf16>();
@@ -507,35 +733,7 @@ struct Qwen35MoeCuda::Impl {
         cuda::add_rms_norm_launch({X, Y, w.input_norm, XN, n, h, eps}, stream);
       }
       if (!w.linear) {
-        gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
-        bf16* pool = static_cast<bf16*>(kv.layer_data(w.index));
-        cuda::gated_qkv_prep_launch(
-            {P, q.as<bf16>(), gate.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm, m.positions, n,
-             qh, kvh, d, page_size, c.rotary_dim(), eps, c.rope_theta},
-            stream);
-        if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(w.index);
-        cuda::PagedAttentionParams ap{};
-        ap.q = q.as<bf16>();
-        ap.pool = pool;
-        ap.block_table = m.tables;
-        ap.token_seq = m.token_seq;
-        ap.positions = m.positions;
-        ap.out = attn.as<bf16>();
-        ap.num_tokens = n;
-        ap.num_q_heads = qh;
-        ap.num_kv_heads = kvh;
-        ap.head_dim = d;
-        ap.page_size = page_size;
-        ap.max_pages_per_seq = m.width;
-        ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-        ap.kv_split = split;
-        ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
-        ap.num_prefill_tokens = m.num_prefill;
-        ap.prefill_plan = m.prefill_plan;
-        cuda::paged_attention_launch(ap, stream);
-        cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
-                                 stream);
-        gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
+        gated_attention(w, m, static_cast<bf16*>(kv.layer_data(w.index)), page_size, split, batch);
       } else {
         // One fused projection [qkv | z | b | a], the conv and the delta rule per sequence on
         // its state slot, the gated norm, out_proj.
@@ -573,24 +771,7 @@ struct Qwen35MoeCuda::Impl {
       }
       // MoE block: routed experts + the sigmoid-gated shared expert.
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
-      if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
-        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
-        gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
-        cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
-        gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
-      } else {
-        // The shared expert on the side stream: it reads XN and writes sgu / sact / sout only;
-        // the next writer of XN (the next layer's norm) comes after the join below.
-        TANDEM_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
-        TANDEM_CUDA_CHECK(cudaStreamWaitEvent(side, ev_fork, 0));
-        gemm_side->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, side);
-        cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, side);
-        gemm_side->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, side);
-        TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
-        moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
-        TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
-      }
-      cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
+      moe_block(w, n);
     }
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
     cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
@@ -606,6 +787,35 @@ struct Qwen35MoeCuda::Impl {
     gp.k = c.hidden_size;
     gp.y_f32 = logits.as<float>();
     gemm->run(gp, stream);
+  }
+
+  // One MTP pass over m's tokens (ids: the tokens t + 1; mtp_w.hidden_in: h_t, device token
+  // order), as Qwen35MoeCpu::mtp_forward: x = fc([norm_e(embed); norm_h(hidden)]), the decoder
+  // layer over the MTP KV `mkv`, then mtp.norm of its output gathered for the logits rows into
+  // `last`.
+  void mtp_body(const Meta& m, KvCache& mkv) {
+    const int64_t n = m.n, h = c.hidden_size;
+    const int64_t page_size = mkv.geometry().page_size;
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    const MtpW& t = mtp_w;
+    bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *CAT = t.cat.as<bf16>();
+    const size_t row = static_cast<size_t>(h) * sizeof(bf16);
+    cuda::embedding_launch({m.ids, embed, Y, n, h, c.vocab_size}, stream);
+    cuda::rms_norm_launch({Y, t.norm_e, Y, n, h, eps}, stream);
+    cuda::rms_norm_launch({t.hidden_in.as<bf16>(), t.norm_h, XN, n, h, eps}, stream);
+    TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT, 2 * row, Y, row, row, static_cast<size_t>(n),
+                                        cudaMemcpyDeviceToDevice, stream));
+    TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT + h, 2 * row, XN, row, row, static_cast<size_t>(n),
+                                        cudaMemcpyDeviceToDevice, stream));
+    gemm->run({CAT, t.fc, X, n, h, 2 * h}, stream);
+    const LayerW& w = t.layer;
+    cuda::rms_norm_launch({X, w.input_norm, XN, n, h, eps}, stream);
+    gated_attention(w, m, static_cast<bf16*>(mkv.layer_data(0)), page_size,
+                    pick_split(n, m.num_prefill, m.width, page_size), nullptr);
+    cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
+    moe_block(w, n);
+    cuda::add_rms_norm_launch({X, Y, t.norm, XN, n, h, eps}, stream);
+    cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
   }
 };
 
@@ -717,9 +927,27 @@ int64_t Qwen35MoeCuda::kv_cache_mb_hint() const {
 
 std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const {
   std::vector<int64_t> out;
-  for (const auto& [b, g] : impl_->graphs) out.push_back(b);
+  for (const auto& [k, g] : impl_->graphs) {
+    if (k < Impl::kVerifyKey) out.push_back(k);
+  }
   return out;
 }
+
+std::vector<std::pair<int64_t, int64_t>> Qwen35MoeCuda::captured_verify_graphs() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& [k, g] : impl_->graphs) {
+    if (k >= Impl::kVerifyKey) out.emplace_back(k % Impl::kVerifyKey, k / Impl::kVerifyKey + 1);
+  }
+  return out;
+}
+
+void Qwen35MoeCuda::set_verify_graphs(bool on) {
+  if (impl_->verify_graphs == on) return;
+  reset_graphs();
+  impl_->verify_graphs = on;
+}
+
+bool Qwen35MoeCuda::verify_graphs() const { return impl_->verify_graphs; }
 
 void Qwen35MoeCuda::reset_graphs() {
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -744,6 +972,16 @@ void Qwen35MoeCuda::set_fused_deltanet_decode(bool on) {
 
 bool Qwen35MoeCuda::fused_deltanet_decode() const { return impl_->fused_decode; }
 
+int64_t Qwen35MoeCuda::graph_width(int64_t page_size) {
+  Impl& im = *impl_;
+  if (im.graph_width == 0) {
+    const int64_t ctx =
+        opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
+    im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
+  }
+  return im.graph_width;
+}
+
 bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   Impl& im = *impl_;
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
@@ -765,109 +1003,33 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
                     im.s_cap);
   if (n == 0) return false;
 
-  bool decode = !batch.on_layer_kv && !buckets_.empty() && n <= buckets_.back() &&
-                page_size == opts_.page_size;
+  // A graph replays a decode step (one token per sequence, its logits) or, with verify graphs
+  // on, a verify step (q = 2..kMaxVerifyTokens tokens per sequence, logits of all), padded to
+  // the smallest bucket of sequences that holds the batch.
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
+  const int64_t q = batch.seqs.front().num_tokens;  // tokens per sequence when uniform
+  bool decode = !batch.on_layer_kv && !buckets_.empty() && nseq <= buckets_.back() &&
+                page_size == opts_.page_size &&
+                (q == 1 || (im.verify_graphs && q <= Impl::kMaxVerifyTokens));
   int64_t width = 1;
   for (const auto& s : batch.seqs) {
     width = std::max(width, s.num_pages);
-    decode = decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+    decode =
+        decode && s.num_tokens == q && s.logits == (q == 1 ? LogitsMode::kLast : LogitsMode::kAll);
   }
-  if (decode) {
-    if (im.graph_width == 0) {
-      const int64_t ctx =
-          opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
-      im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
-    }
-    decode = width <= im.graph_width;
-  }
+  if (decode) decode = width <= graph_width(page_size);
   const int64_t bucket =
-      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), n) : int64_t{0};
-  const int64_t rows_n = decode ? bucket : n;  // padded token count
+      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : int64_t{0};
+  if (decode) decode = bucket * q <= im.t_cap && bucket * q <= im.rows_cap;
+  const int64_t rows_n = decode ? bucket * q : n;  // padded token count
   const int64_t tw = decode ? im.graph_width : width;
-  const int64_t num_seqs = decode ? bucket : static_cast<int64_t>(batch.seqs.size());
+  const int64_t num_seqs = decode ? bucket : nseq;
 
   // 1. Metadata on the host.
-  HostMeta hm;
-  hm.ids.assign(static_cast<size_t>(rows_n), 0);
-  hm.positions.assign(static_cast<size_t>(rows_n), 0);
-  hm.token_seq.resize(static_cast<size_t>(rows_n));
-  hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
-  hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
-  hm.dn_token_seq.resize(static_cast<size_t>(rows_n));
-  for (int64_t t = 0; t < rows_n; ++t) {
-    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
-    hm.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
-  }
-  // Tokens of multi-token chunks go first (the attention's prefill kernel takes the leading
-  // num_prefill tokens); logits rows stay in batch order.
-  std::vector<int64_t> first_token(batch.seqs.size());
   int64_t num_prefill = 0;
-  {
-    int64_t chunk_t = 0, decode_t = 0;
-    for (const auto& s : batch.seqs) num_prefill += s.num_tokens > 1 ? s.num_tokens : 0;
-    for (size_t si = 0; si < batch.seqs.size(); ++si) {
-      const int64_t k = batch.seqs[si].num_tokens;
-      first_token[si] = k > 1 ? chunk_t : num_prefill + decode_t;
-      (k > 1 ? chunk_t : decode_t) += k;
-    }
-  }
-  // DeltaNet sequences in token order: the chunks, then the decode tokens (each group in
-  // batch order), then padding sequences of one token.
-  std::vector<size_t> order(batch.seqs.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return first_token[a] < first_token[b]; });
-  for (size_t oi = 0; oi < order.size(); ++oi) {
-    const size_t si = order[oi];
-    const ForwardSeq& s = batch.seqs[si];
-    hm.dn_begin.push_back(static_cast<int32_t>(first_token[si]));
-    hm.dn_slot.push_back(s.state_slot);
-    hm.dn_fresh.push_back(s.start_pos == 0 ? 1 : 0);
-    for (int64_t i = 0; i < s.num_tokens; ++i) {
-      hm.dn_token_seq[static_cast<size_t>(first_token[si] + i)] = static_cast<int32_t>(oi);
-    }
-  }
-  for (int64_t t = n; t < rows_n; ++t) {  // padding: one token, no slot
-    hm.dn_begin.push_back(static_cast<int32_t>(t));
-    hm.dn_slot.push_back(-1);
-    hm.dn_fresh.push_back(0);
-  }
-  hm.dn_begin.push_back(static_cast<int32_t>(rows_n));
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const ForwardSeq& s = batch.seqs[si];
-    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
-    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
-                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
-                 " tokens");
-    if (im.num_linear > 0) {
-      TANDEM_CHECK(s.state_slot >= 0 && s.state_slot < kv.num_state_slots(), "sequence ", si,
-                   " has no state slot (", s.state_slot, ")");
-    }
-    for (int64_t p = 0; p < s.num_pages; ++p) {
-      const int32_t page = s.block_table[p];
-      TANDEM_CHECK(page >= 0 && page < g.num_pages, "page ", page, " outside the KV cache");
-      hm.tables[static_cast<size_t>(static_cast<int64_t>(si) * tw + p)] = page;
-    }
-    const bool all = s.logits == LogitsMode::kAll;
-    for (int64_t i = 0; i < s.num_tokens; ++i) {
-      const int64_t t = first_token[si] + i;
-      const int64_t pos = s.start_pos + i;
-      const int32_t id = s.tokens[i];
-      TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < config_.vocab_size, "token id ", id,
-                        " is out of range [0, ", config_.vocab_size, ")");
-      hm.ids[static_cast<size_t>(t)] = id;
-      hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
-      hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
-      hm.slots[static_cast<size_t>(t)] =
-          int64_t{s.block_table[pos / page_size]} * page_size + pos % page_size;
-      if (all || (s.logits == LogitsMode::kLast && i == s.num_tokens - 1)) {
-        hm.rows.push_back(static_cast<int32_t>(t));
-      }
-    }
-  }
-  if (decode) {  // every padded row produces (discarded) logits, so the graph is fixed
-    for (int64_t r = n; r < rows_n; ++r) hm.rows.push_back(static_cast<int32_t>(r));
-  }
+  const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, rows_n, tw,
+                                 num_seqs, decode, im.num_linear > 0 ? kv.num_state_slots() : -1,
+                                 im.first_token, num_prefill, decode ? q : 1);
 
   if (!decode) {
     const size_t tb = hm.tables.size() * sizeof(int32_t);
@@ -897,11 +1059,12 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     im.g_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
   }
   m.tables = im.g_tables.as<int32_t>();
-  m.n = bucket;
+  m.n = rows_n;
   m.width = im.graph_width;
-  m.num_rows = bucket;
+  m.num_rows = rows_n;
   m.num_seqs = bucket;
-  m.num_prefill = 0;
+  m.num_prefill = 0;  // a verify step's tokens as decode tokens of the attention (each attends
+                      // to its own prefix): no host plan in the graph
   const void* states = im.num_linear > 0 ? kv.state_data(0) : nullptr;
   if (im.graph_kv != kv.layer_data(0) || im.graph_states != states ||
       im.graph_page_size != page_size) {
@@ -910,7 +1073,8 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     im.graph_states = states;
     im.graph_page_size = page_size;
   }
-  auto it = im.graphs.find(bucket);
+  const int64_t key = (q - 1) * Impl::kVerifyKey + bucket;
+  auto it = im.graphs.find(key);
   if (it == im.graphs.end()) {
     // Warm-up run (GEMM plans, workspaces) with padding only: no KV, no state is written.
     HostMeta pad = hm;
@@ -919,13 +1083,13 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     std::fill(pad.dn_slot.begin(), pad.dn_slot.end(), -1);
     im.upload(pad, m, m.tables);
     im.body(m, kv, nullptr);
-    im.head(0, bucket);
+    im.head(0, rows_n);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     cudaGraph_t graph = nullptr;
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
       im.body(m, kv, nullptr);
-      im.head(0, bucket);
+      im.head(0, rows_n);
     } catch (...) {
       (void)cudaStreamEndCapture(stream_, &graph);
       if (graph != nullptr) (void)cudaGraphDestroy(graph);
@@ -936,7 +1100,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
     (void)cudaGraphDestroy(graph);
     TANDEM_CUDA_CHECK(st);
-    it = im.graphs.emplace(bucket, exec).first;
+    it = im.graphs.emplace(key, exec).first;
   }
   im.upload(hm, m, m.tables);
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
@@ -957,7 +1121,28 @@ void Qwen35MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<
                                       static_cast<size_t>(count * v) * sizeof(float),
                                       cudaMemcpyDeviceToHost, stream_));
   }
+  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);  // synchronises
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void Qwen35MoeCuda::copy_hidden(const ForwardBatch& batch, std::vector<float>& out) {
+  Impl& im = *impl_;
+  const int64_t n = batch.num_tokens(), h = config_.hidden_size;
+  out.resize(static_cast<size_t>(n * h));
+  if (n == 0) return;
+  std::vector<uint16_t> dev(static_cast<size_t>(n * h));  // device token order
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dev.data(), im.xn.as<void>(), dev.size() * sizeof(uint16_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  int64_t t = 0;  // batch order
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const int64_t k = batch.seqs[si].num_tokens, first = im.first_token[si];
+    for (int64_t i = 0; i < k; ++i, ++t) {
+      const uint16_t* src = dev.data() + (first + i) * h;
+      float* dst = out.data() + t * h;
+      for (int64_t j = 0; j < h; ++j) dst[j] = bf16_to_f32(src[j]);
+    }
+  }
 }
 
 void Qwen35MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
@@ -973,11 +1158,259 @@ void Qwen35MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
   out.clear();
   if (batch.num_tokens() == 0) return;
   if (!launch(batch, kv) && R > 0) im.head(0, R);
+  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);  // synchronises
   if (R == 0) {
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
   im.sampler->sample(im.logits.as<float>(), rows, wait_masks, out, stream_);
+}
+
+// ---- MTP speculative decoding (the published Qwen3.5 layout; Impl::mtp_body) ---------------
+
+void Qwen35MoeCuda::load_mtp(const std::string& dir) {
+  Impl& im = *impl_;
+  Checkpoint ckpt(dir);
+  TANDEM_CHECK_KIND(kNotFound, ckpt.has("mtp.fc.weight"), dir,
+                    ": no MTP weights (tensor 'mtp.fc.weight' not found); the checkpoint needs "
+                    "mtp.* tensors, or give the MTP layer's directory as \"model\" in "
+                    "--speculative-config");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const WeightReader reader(ckpt, config_.quant, dir + "/config.json");
+  Impl::MtpW& t = im.mtp_w;
+  if (t.fc == nullptr) {  // a second load_mtp reloads into the same buffers
+    const int64_t h = config_.hidden_size;
+    t.fc = im.alloc<bf16>(2 * h * h);
+    t.norm_e = im.alloc<bf16>(h);
+    t.norm_h = im.alloc<bf16>(h);
+    t.norm = im.alloc<bf16>(h);
+    t.layer.linear = false;
+    t.layer.index = 0;
+    im.allocate_layer(t.layer);
+    const auto T = static_cast<size_t>(im.t_cap);
+    t.cat = DeviceMem(T * static_cast<size_t>(2 * h) * sizeof(bf16));
+    t.hidden_in = DeviceMem(T * static_cast<size_t>(h) * sizeof(bf16));
+    t.h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&t.staged, cudaEventDisableTiming));
+  }
+  im.mtp_graphs_on = opts_.mtp_graphs && env_not_off("TANDEM_MTP_GRAPHS");
+  t.loaded = false;  // until every tensor is in
+  im.load_weights(reader, /*mtp=*/true);
+  t.loaded = true;
+  weight_bytes_ = 0;
+  for (const auto& d : im.mem) weight_bytes_ += static_cast<int64_t>(d.size());
+}
+
+bool Qwen35MoeCuda::has_mtp() const { return impl_->mtp_w.loaded; }
+
+KvGeometry Qwen35MoeCuda::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
+  TANDEM_CHECK_KIND(kUnsupported, has_mtp(), "this model has no MTP layer loaded");
+  KvGeometry g{1, num_pages, config_.num_key_value_heads, page_size, config_.head_dim};
+  g.dtype = DType::kBF16;
+  return g;
+}
+
+KvCache Qwen35MoeCuda::make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {
+  const KvGeometry g = mtp_kv_geometry(num_pages, page_size);
+  TANDEM_CHECK_KIND(kInvalidArgument, num_pages > 0 && page_size > 0, "bad MTP KV cache size");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  auto pool =
+      std::make_shared<DeviceMem>(static_cast<size_t>(g.page_elems() * num_pages) * sizeof(bf16));
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(pool->as<void>(), 0, pool->size(), stream_));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KvCache::External ext;
+  ext.layers.push_back(pool->as<uint8_t>());
+  ext.owner = pool;
+  ext.stream = stream_;
+  return KvCache(g, std::move(ext));
+}
+
+int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv) {
+  Impl& im = *impl_;
+  TANDEM_CHECK(has_mtp(), "mtp_forward: no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const auto& g = mtp_kv.geometry();
+  TANDEM_CHECK(!mtp_kv.is_host() && g.num_layers == 1 && g.dtype == DType::kBF16 &&
+                   g.num_kv_heads == config_.num_key_value_heads && g.head_dim == config_.head_dim,
+               "the MTP KV cache was not made by this CUDA model");
+  const int64_t n = batch.num_tokens(), h = config_.hidden_size, page_size = g.page_size;
+  const int64_t rows = batch.num_logit_rows();
+  if (n == 0) return 0;
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      n <= im.t_cap && rows <= im.rows_cap && static_cast<int64_t>(batch.seqs.size()) <= im.s_cap,
+      "an MTP pass of ", n, " tokens (", rows, " logits rows, ", batch.seqs.size(),
+      " sequences) exceeds the CUDA model's max_tokens ", im.t_cap);
+  TANDEM_CHECK(hidden != nullptr, "mtp_forward: no hidden states");
+  // A chained draft pass (one token per sequence, its logits) that fits a bucket and the graph
+  // width replays the bucket's graph (captured on first use), padded with sequences that write
+  // no KV; anything else runs eagerly.
+  const auto nseq = static_cast<int64_t>(batch.seqs.size());
+  int64_t width = 1;
+  bool graph = im.mtp_graphs_on && !buckets_.empty() && nseq <= buckets_.back() &&
+               page_size == opts_.page_size;
+  for (const auto& s : batch.seqs) {
+    width = std::max(width, s.num_pages);
+    graph = graph && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+  }
+  if (graph) graph = width <= graph_width(page_size);
+  const int64_t bucket =
+      graph ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : int64_t{0};
+  const int64_t n_run = graph ? bucket : n;  // tokens the kernels see (padded)
+  const int64_t tw = graph ? im.graph_width : width;
+  const int64_t seqs_run = graph ? bucket : nseq;
+  int64_t num_prefill = 0;
+  const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n_run, tw,
+                                 seqs_run, graph, -1, im.first_token, num_prefill);
+  // h_t as bf16 in device token order (the order build_meta gave the tokens), padding zero.
+  Impl::MtpW& t = im.mtp_w;
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(t.staged));
+  auto* hh = t.h_hidden.as<uint16_t>();
+  int64_t bt = 0;  // batch order
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i, ++bt) {
+      const float* src = hidden + bt * h;
+      uint16_t* dst = hh + (im.first_token[si] + i) * h;
+      for (int64_t j = 0; j < h; ++j) dst[j] = f32_to_bf16(src[j]);
+    }
+  }
+  std::memset(hh + n * h, 0, static_cast<size_t>((n_run - n) * h) * sizeof(uint16_t));
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(t.hidden_in.as<void>(), hh,
+                                    static_cast<size_t>(n_run * h) * sizeof(bf16),
+                                    cudaMemcpyHostToDevice, stream_));
+  TANDEM_CUDA_CHECK(cudaEventRecord(t.staged, stream_));
+  if (!graph) {
+    const size_t tb = hm.tables.size() * sizeof(int32_t);
+    if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
+    Meta m = im.meta_at(im.e_meta);
+    m.tables = im.e_tables.as<int32_t>();
+    m.n = n;
+    m.width = width;
+    m.num_rows = rows;
+    m.num_seqs = nseq;
+    m.num_prefill = num_prefill;
+    im.upload(hm, m, m.tables);
+    if (num_prefill > 0 &&
+        im.prefill_plan.plan(
+            {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
+             config_.num_key_value_heads, config_.head_dim, page_size, width},
+            stream_)) {
+      m.prefill_plan = &im.prefill_plan;
+    }
+    im.mtp_body(m, mtp_kv);
+    if (rows > 0) im.head(0, rows);
+    return rows;
+  }
+
+  // Graph replay.
+  if (im.mg_meta.size() == 0) {
+    im.mg_meta = DeviceMem(im.meta_elems() * sizeof(int32_t));
+    im.mg_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
+  }
+  Meta m = im.meta_at(im.mg_meta);
+  m.tables = im.mg_tables.as<int32_t>();
+  m.n = bucket;
+  m.width = im.graph_width;
+  m.num_rows = bucket;
+  m.num_seqs = bucket;
+  m.num_prefill = 0;
+  if (im.mtp_graph_kv != mtp_kv.layer_data(0) || im.mtp_graph_page_size != page_size) {
+    im.drop_mtp_graphs();
+    im.mtp_graph_kv = mtp_kv.layer_data(0);
+    im.mtp_graph_page_size = page_size;
+  }
+  auto it = im.mtp_graphs.find(bucket);
+  if (it == im.mtp_graphs.end()) {
+    // Warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
+    HostMeta pad = hm;
+    std::fill(pad.slots.begin(), pad.slots.end(), -1);
+    std::fill(pad.ids.begin(), pad.ids.end(), 0);
+    im.upload(pad, m, m.tables);
+    im.mtp_body(m, mtp_kv);
+    im.head(0, bucket);
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaGraph_t cg = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      im.mtp_body(m, mtp_kv);
+      im.head(0, bucket);
+    } catch (...) {
+      (void)cudaStreamEndCapture(stream_, &cg);
+      if (cg != nullptr) (void)cudaGraphDestroy(cg);
+      throw;
+    }
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &cg));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, cg, 0);
+    (void)cudaGraphDestroy(cg);
+    TANDEM_CUDA_CHECK(err);
+    it = im.mtp_graphs.emplace(bucket, exec).first;
+  }
+  im.upload(hm, m, m.tables);
+  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  return rows;
+}
+
+void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,
+                                        int64_t k) {
+  (void)kv;  // verify steps run eagerly
+  if (!has_mtp() || !impl_->mtp_graphs_on || buckets_.empty() || k < 2) return;  // no chain
+  const int32_t token = 0, page = 0;
+  const std::vector<float> hidden(static_cast<size_t>(buckets_.back() * config_.hidden_size), 0.0f);
+  for (const int64_t bucket : buckets_) {
+    if (bucket > std::max<int64_t>(1, max_batch)) break;
+    ForwardBatch chain;  // bucket one-token MTP passes at position 0 of page 0
+    for (int64_t i = 0; i < bucket; ++i) {
+      chain.seqs.push_back({&token, 1, 0, &page, 1, LogitsMode::kLast, -1});
+    }
+    mtp_launch(chain, hidden.data(), mtp_kv);  // captures the bucket's graph, replays it once
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+std::vector<int64_t> Qwen35MoeCuda::captured_mtp_buckets() const {
+  std::vector<int64_t> out;
+  for (const auto& [b, g] : impl_->mtp_graphs) out.push_back(b);
+  return out;
+}
+
+void Qwen35MoeCuda::mtp_hidden(int64_t rows, std::vector<float>& out) {
+  const int64_t h = config_.hidden_size;
+  out.resize(static_cast<size_t>(rows * h));
+  if (rows == 0) {
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
+  std::vector<uint16_t> b(out.size());
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.data(), impl_->last.as<void>(), b.size() * sizeof(uint16_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (size_t i = 0; i < b.size(); ++i) out[i] = bf16_to_f32(b[i]);
+}
+
+void Qwen35MoeCuda::mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                                std::vector<float>& logits, std::vector<float>& hidden_out) {
+  const int64_t rows = mtp_launch(batch, hidden, mtp_kv), v = config_.vocab_size;
+  logits.resize(static_cast<size_t>(rows * v));
+  if (rows > 0) {
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data(), impl_->logits.as<float>(),
+                                      logits.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                      stream_));
+  }
+  mtp_hidden(rows, hidden_out);  // synchronises
+}
+
+void Qwen35MoeCuda::mtp_forward_sample(const ForwardBatch& batch, const float* hidden,
+                                       KvCache& mtp_kv, const std::vector<DeviceSampling>& rows,
+                                       std::vector<SampledToken>& out,
+                                       std::vector<float>& hidden_out) {
+  TANDEM_CHECK(static_cast<int64_t>(rows.size()) == batch.num_logit_rows(),
+               "mtp_forward_sample: ", rows.size(), " sampling rows for ", batch.num_logit_rows(),
+               " logits rows");
+  const int64_t r = mtp_launch(batch, hidden, mtp_kv);
+  out.clear();
+  mtp_hidden(r, hidden_out);  // before the sampler may touch the logits (synchronises)
+  if (r > 0) impl_->sampler->sample(impl_->logits.as<float>(), rows, {}, out, stream_);
 }
 
 std::unique_ptr<Model> load_cuda_model(const std::string& dir, const CudaModelOptions& opts) {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/cuda/qwen3_moe_cuda.h"
@@ -55,12 +56,48 @@ class Qwen35MoeCuda final : public Model {
                       const std::function<void()>& wait_masks = {}) override;
   int64_t kv_cache_mb_hint() const override;
 
+  // MTP speculative decoding: the published Qwen3.5 layout of Qwen35MoeCpu::load_mtp
+  // (model/qwen3_5_mtp.cpp) in bf16 on the device, its decoder layer run by this model's own
+  // gated-attention and MoE (+ shared expert) code over its own one-layer paged KV on the
+  // target's page ids; embedding and lm_head shared. forward() and forward_sample() fill
+  // ForwardBatch::hidden_out (bf16-rounded, batch order); the engine rolls the DeltaNet states
+  // of rejected drafts back through the device state slots (KvCache::copy_state). Chained
+  // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured at
+  // warm-up or on first use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not
+  // 0) and decode graphs are; other passes run eagerly, verify steps too unless set_verify_graphs.
+  /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
+  void load_mtp(const std::string& dir) override;
+  bool has_mtp() const override;
+  /// One layer, the target's KV heads and head_dim, bf16.
+  KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
+  /// Device pools, zero-filled.
+  KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) override;
+  void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                   std::vector<float>& logits, std::vector<float>& hidden_out) override;
+  void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                          const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                          std::vector<float>& hidden_out) override;
+  /// With K >= 2 and draft graphs on: captures the chained MTP pass graph of every bucket up to
+  /// max_batch (writes MTP KV at position 0 of page 0); the verify steps have no graphs.
+  void warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) override;
+  /// Batch buckets whose chained MTP pass graph is captured.
+  std::vector<int64_t> captured_mtp_buckets() const;
+
   cudaStream_t stream() const { return stream_; }
   /// kv_cache_mb_for() with this device's free and total memory now.
   int64_t kv_cache_budget_mb(double utilization) const;
   int64_t weight_bytes() const { return weight_bytes_; }
-  /// Batch-size buckets captured so far.
+  /// Batch-size buckets captured so far (decode graphs).
   std::vector<int64_t> captured_buckets() const;
+  /// (bucket, tokens per sequence) of the verify graphs captured so far.
+  std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
+  /// Off by default (not yet measured on the H200; TANDEM_Q35_VERIFY_GRAPHS=1 at load turns it
+  /// on): a verify step (2..5 tokens per sequence, the same for all, logits of all) replays a
+  /// CUDA graph per (batch bucket, tokens per sequence), captured on first use, its tokens
+  /// decode tokens of the attention and one DeltaNet chunk per sequence. Changing it drops the
+  /// captured graphs.
+  void set_verify_graphs(bool on);
+  bool verify_graphs() const;
   /// Drops the captured decode graphs (the next decode step of each bucket captures again), e.g.
   /// after a change of backend/cuda/decode_switches.h, which a graph keeps as captured.
   void reset_graphs();
@@ -84,6 +121,14 @@ class Qwen35MoeCuda final : public Model {
   // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
   // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
   bool launch(const ForwardBatch& batch, KvCache& kv);
+  // The decode graphs' block-table width for page_size (set on first use).
+  int64_t graph_width(int64_t page_size);
+  // The last launch's final hidden states (after the final norm) in batch order.
+  void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
+  // One MTP pass up to the logits rows' logits on the device; returns the rows.
+  int64_t mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv);
+  // The last MTP pass's rows' hidden states (after mtp.norm) as fp32 (synchronises).
+  void mtp_hidden(int64_t rows, std::vector<float>& out);
   std::unique_ptr<Impl> impl_;
   ModelConfig config_;
   CudaModelOptions opts_;

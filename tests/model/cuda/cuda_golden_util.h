@@ -178,6 +178,7 @@ struct Result {
   int finished = 0;
 };
 
+// `stats` (when set) gets the engine's counters after the run.
 inline std::vector<Result> run_engine(Model& model, const std::vector<testing::GoldenCase>& cases,
                                       EngineConfig cfg, bool together,
                                       EngineStats* stats = nullptr) {
