@@ -391,13 +391,19 @@ bool Engine::forward(const ScheduledBatch& batch) {
       out.error = e.what();
       finish(*ss.seq, FinishReason::kError, out);
     }
+    // complete() is not called: a collective MTP layer still runs this step's passes (empty),
+    // which the peers of a decode EP rank run too.
+    pad_mtp_passes(0);
     return false;
   }
   return true;
 }
 
 void Engine::complete(const ScheduledBatch& batch) {
-  if (batch.empty()) return;
+  if (batch.empty()) {
+    pad_mtp_passes(0);  // a decode EP rank's empty step: its peers' MTP passes need its experts
+    return;
+  }
   scheduler_.commit(batch);
   last_state_saves_ = scheduler_.take_state_saves();
   copy_states(last_state_saves_);  // before a finished sequence frees its slot
@@ -823,7 +829,10 @@ void Engine::draft() {
       num_drafts.push_back(k);
     }
   }
-  if (fb.seqs.empty()) return;
+  if (fb.seqs.empty()) {
+    pad_mtp_passes(0);
+    return;
+  }
   // Drafts on a model that samples on its device: the rows' argmax there (no logits come to
   // the host), when no row needs host logits (penalties, the min_tokens mask, a token
   // constraint's mask). A sampled request's drafts are then deterministic (q one-hot at the
@@ -838,7 +847,9 @@ void Engine::draft() {
   std::vector<float> logits, hout;
   std::vector<DeviceSampling> dev_rows;
   std::vector<SampledToken> dev_out;
+  int64_t passes = 0;  // MTP passes run this step (pad_mtp_passes)
   auto pass = [&](const ForwardBatch& b, const float* hid) {
+    ++passes;
     if (on_device) {
       DeviceSampling greedy;
       greedy.temperature = 0.0f;
@@ -933,6 +944,7 @@ void Engine::draft() {
   for (size_t i = 0; i < drafting.size(); ++i) {  // the grammar back to the emitted tokens
     if (advanced[i] > 0) drafting[i]->req.constraint->rollback(advanced[i]);
   }
+  pad_mtp_passes(passes);
 
   if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)
     for (Sequence* s : drafting) {
@@ -947,6 +959,19 @@ void Engine::draft() {
       s->draft_probs.clear();
     }
   }
+}
+
+int64_t Engine::mtp_passes() const {
+  return speculating() && model_.mtp_collective() ? config_.num_speculative_tokens : 0;
+}
+
+void Engine::pad_mtp_passes(int64_t done) {
+  const int64_t want = mtp_passes();
+  TANDEM_CHECK(want == 0 || done <= want, "draft(): ", done, " MTP passes in a step of ", want);
+  if (done >= want) return;
+  ForwardBatch none;
+  std::vector<float> logits, hout;
+  for (; done < want; ++done) model_.mtp_forward(none, nullptr, mtp_kv_, logits, hout);
 }
 
 // ---------------------------------------------------------------------------------------

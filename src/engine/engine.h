@@ -166,6 +166,14 @@ class Engine {
   /// After the outputs: the MTP layer over the positions computed this step (its KV follows
   /// the target's), then the drafts of every decoding sequence, chained K times.
   void draft();
+  /// The MTP passes every step must run (Model::mtp_collective(): a decode EP rank's group
+  /// runs num_speculative_tokens passes in every step, pass 0 over the computed positions and
+  /// K - 1 chained ones, whatever each rank drafts; 0: as many as the rank's drafts need).
+  int64_t mtp_passes() const;
+  /// Runs empty MTP passes up to mtp_passes() after `done` ran this step (this rank's experts
+  /// serve its peers' rows): at the end of draft(), for an empty batch in complete(), and when
+  /// forward() failed (complete() is not called).
+  void pad_mtp_passes(int64_t done);
   /// Hybrid models (recurrent state slots): a verify step advances a sequence's DeltaNet state
   /// over all K + 1 positions. Before it the state is copied to the sequence's spare slot
   /// (snapshot_states); when fewer positions were kept, rollback_states restores the copy and
