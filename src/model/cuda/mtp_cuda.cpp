@@ -16,6 +16,7 @@
 #include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/moe_layer.h"
 #include "backend/cuda/norm.h"
+#include "comm/cuda/cuda_moe.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
@@ -42,12 +43,16 @@ struct MtpCuda::Impl {
   bf16 *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
   bf16 *qkv_w = nullptr, *o_w = nullptr;  // [(qh + 2 kvh) d, H], [H, qh d]
   bool moe = false;
-  bf16 *router = nullptr, *gate_up = nullptr, *down = nullptr;  // MoE packed / dense
-  DeviceMem cat;                                                // [t_cap, 2H]
-  DeviceMem hidden_in;                                          // [t_cap, H]
-  DeviceMem gu, act;                                            // dense MLP only
+  // MoE: experts [expert_begin, expert_begin + local_experts) here (all, or this rank's with
+  // s.ep); gate_up [local, 2I, H] packed, down [local, H, I]. Dense: [2I, H], [H, I].
+  int64_t expert_begin = 0, local_experts = 0;
+  bf16 *router = nullptr, *gate_up = nullptr, *down = nullptr;
+  DeviceMem cat;        // [t_cap, 2H]
+  DeviceMem hidden_in;  // [t_cap, H]
+  DeviceMem gu, act;    // dense MLP only
   std::unique_ptr<cuda::MoeLayer> moe_layer;
-  // Metadata: ids | positions | token_seq | rows (int32, t_cap each) | slots (int64).
+  // Metadata: ids | positions | token_seq | rows (int32, t_cap each) | slots (int64) |
+  // the pass's token count (int32, the EP dispatch's num_tokens; 4 int32 of room).
   DeviceMem d_meta, d_tables;
   PinnedMem h_meta, h_tables, h_hidden;
   cudaEvent_t staged = nullptr;  // the pinned staging may be reused
@@ -103,12 +108,17 @@ struct MtpCuda::Impl {
     o_w = alloc(h * c.num_attention_heads * d);
     const auto T = static_cast<size_t>(s.t_cap);
     if (moe) {
-      const int64_t e = c.num_experts, inter = c.moe_intermediate_size;
-      router = alloc(e * h);
+      const int64_t inter = c.moe_intermediate_size;
+      expert_begin = s.ep != nullptr ? s.ep_expert_begin : 0;
+      local_experts = s.ep != nullptr ? s.ep_local_experts : c.num_experts;
+      const int64_t e = local_experts;
+      router = alloc(c.num_experts * h);
       gate_up = alloc(e * 2 * inter * h);
       down = alloc(e * h * inter);
-      moe_layer = std::make_unique<cuda::MoeLayer>(s.t_cap, h, inter, e, c.num_experts_per_tok, 0,
-                                                   e, c.norm_topk_prob);
+      if (s.ep == nullptr) {
+        moe_layer = std::make_unique<cuda::MoeLayer>(s.t_cap, h, inter, e, c.num_experts_per_tok, 0,
+                                                     e, c.norm_topk_prob);
+      }
     } else {
       const int64_t inter = c.intermediate_size;
       gate_up = alloc(2 * inter * h);
@@ -118,8 +128,8 @@ struct MtpCuda::Impl {
     }
     cat = DeviceMem(T * static_cast<size_t>(2 * h) * sizeof(bf16));
     hidden_in = DeviceMem(T * static_cast<size_t>(h) * sizeof(bf16));
-    d_meta = DeviceMem(T * 6 * sizeof(int32_t));
-    h_meta = PinnedMem(T * 6 * sizeof(int32_t));
+    d_meta = DeviceMem((T * 6 + 4) * sizeof(int32_t));
+    h_meta = PinnedMem((T * 6 + 4) * sizeof(int32_t));
     h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
     TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&staged, cudaEventDisableTiming));
   }
@@ -150,8 +160,8 @@ struct MtpCuda::Impl {
       const int64_t inter = c.moe_intermediate_size;
       put(router, p + "mlp.gate.weight", {c.num_experts, h});
       std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h)), gate_copy;
-      for (int64_t e = 0; e < c.num_experts; ++e) {
-        const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+      for (int64_t e = 0; e < local_experts; ++e) {  // this rank's (all without s.ep)
+        const std::string ep = p + "mlp.experts." + std::to_string(expert_begin + e) + ".";
         const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, h}, tmp);
         if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
           gate_copy = tmp;
@@ -255,7 +265,9 @@ struct MtpCuda::Impl {
     im.linear(ATT, im.o_w, Y, n, h, qh * d);
     cuda::add_rms_norm_launch({X, Y, im.post_norm, XN, n, h, eps}, st);
     im.mark(5);
-    if (im.moe) {
+    if (im.moe && s.ep != nullptr) {
+      im.moe_ep(XN, Y, n);
+    } else if (im.moe) {
       im.moe_layer->run({im.router, im.gate_up, im.down}, XN, Y, n, *s.gemm, st);
     } else {
       const int64_t inter = c.intermediate_size;
@@ -279,6 +291,44 @@ struct MtpCuda::Impl {
       gp.y_f32 = s.logits;
       s.gemm->run(gp, st);
     }
+  }
+
+  // Decode EP MoE block over n tokens (0: an empty pass), as Qwen3MoeCuda's moe_ep: router
+  // and top-k here, the tokens to their experts' ranks through the target's exchange (the
+  // token count from d_meta, staged by the caller), this rank's experts over what arrived
+  // (the other ranks' tokens too), the outputs back home, summed per token in ascending
+  // expert id into Y [n, hidden]. Collective: every rank of the group runs it per pass.
+  void moe_ep(const bf16* XN, bf16* Y, int64_t n) {
+    const int64_t h = c.hidden_size, inter = c.moe_intermediate_size, E = c.num_experts,
+                  k = c.num_experts_per_tok, L = local_experts;
+    cudaStream_t st = s.stream;
+    if (n > 0) {
+      cuda::GemmParams rp{};
+      rp.x = XN;
+      rp.w = router;
+      rp.m = n;
+      rp.n = E;
+      rp.k = h;
+      rp.y_f32 = s.ep_logits;
+      s.gemm->run(rp, st);  // fp32 router logits, as MoeLayer
+      cuda::topk_softmax_launch(
+          {s.ep_logits, s.ep_ids, s.ep_w, n, E, k, c.norm_topk_prob, DType::kF32}, st);
+    }
+    const int32_t* num_real = d_meta.as<int32_t>() + 6 * s.t_cap;
+    s.ep->dispatch_send(XN, s.ep_ids, s.ep_w, num_real, st);
+    s.ep->dispatch_recv(st);
+    const auto* rx = static_cast<const bf16*>(s.ep->recv_x());
+    auto* act_buf = static_cast<bf16*>(s.ep_act);
+    auto* out_buf = static_cast<bf16*>(s.ep_out);
+    cuda::MoeGemmParams gu{
+        rx,        gate_up, act_buf, s.ep->expert_offsets(),         s.ep_max_rows,
+        2 * inter, h,       L,       cuda::MoeGemmEpilogue::kSiluMul};
+    cuda::moe_gemm_launch(gu, st);
+    cuda::MoeGemmParams dn{act_buf, down,  out_buf, s.ep->expert_offsets(),       s.ep_max_rows,
+                           h,       inter, L,       cuda::MoeGemmEpilogue::kPlain};
+    cuda::moe_gemm_launch(dn, st);
+    s.ep->combine_send(out_buf, st);
+    s.ep->combine_recv(Y, st);  // rows [0, n): every real token (no padding: eager passes)
   }
 
   // y[m, n] = x[m, k] W^T.
@@ -349,7 +399,14 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
                "the MTP KV cache was not made by this CUDA model");
   const int64_t n = batch.num_tokens(), h = c.hidden_size, ps = g.page_size;
   const int64_t rows = batch.num_logit_rows();
-  if (n == 0) return 0;
+  if (n == 0) {
+    if (collective()) {  // an empty pass of a decode EP rank: its experts serve the others
+      TANDEM_CUDA_CHECK(
+          cudaMemsetAsync(im.d_meta.as<int32_t>() + 6 * s.t_cap, 0, sizeof(int32_t), st));
+      im.moe_ep(static_cast<const bf16*>(s.xn), static_cast<bf16*>(s.y), 0);
+    }
+    return 0;
+  }
   TANDEM_CHECK_KIND(kInvalidArgument, n <= s.t_cap && rows <= s.rows_cap, "an MTP pass of ", n,
                     " tokens (", rows, " rows) exceeds the CUDA model's max_tokens ", s.t_cap);
 
@@ -358,7 +415,8 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   const auto nseq = static_cast<int64_t>(batch.seqs.size());
   int64_t width = 1;
   for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
-  bool graph = !im.profile && !s.buckets.empty() && nseq <= s.buckets.back() && s.graph_context > 0;
+  bool graph = !im.profile && s.ep == nullptr && !s.buckets.empty() && nseq <= s.buckets.back() &&
+               s.graph_context > 0;
   for (const auto& q : batch.seqs)
     graph = graph && q.num_tokens == 1 && q.logits == LogitsMode::kLast;
   const int64_t gw = (s.graph_context + ps - 1) / ps;
@@ -425,6 +483,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
     slots[t] = -1;
     rw[r++] = static_cast<int32_t>(t);
   }
+  hm[6 * T] = static_cast<int32_t>(n);  // the real tokens (the EP dispatch's count)
   auto* hh = im.h_hidden.as<uint16_t>();
   for (int64_t i = 0; i < n * h; ++i) hh[i] = f32_to_bf16(hidden[i]);
   std::memset(hh + n * h, 0, static_cast<size_t>((n_run - n) * h) * sizeof(uint16_t));
@@ -439,6 +498,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
     h2d(dm + 2 * T, seq, nb);
     h2d(dm + 3 * T, rw, static_cast<size_t>(r_run) * 4);
     h2d(dm + 4 * T, slots, nb * 2);
+    h2d(dm + 6 * T, hm + 6 * T, sizeof(int32_t));
     h2d(im.d_tables.as<void>(), tables, tb);
     h2d(im.hidden_in.as<void>(), hh, static_cast<size_t>(n_run * h) * sizeof(bf16));
   };
@@ -487,6 +547,8 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, st));
   return rows;
 }
+
+bool MtpCuda::collective() const { return impl_->moe && impl_->s.ep != nullptr; }
 
 std::vector<int64_t> MtpCuda::captured_buckets() const {
   std::vector<int64_t> out;
@@ -543,6 +605,8 @@ void Qwen3MoeCuda::random_mtp(uint64_t seed) {
   mtp_ = MtpCuda::random(config_, seed, mtp_scratch());
   weight_bytes_ += mtp_->weight_bytes();
 }
+
+bool Qwen3MoeCuda::mtp_collective() const { return mtp_ != nullptr && mtp_->collective(); }
 
 KvGeometry Qwen3MoeCuda::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
   TANDEM_CHECK_KIND(kUnsupported, mtp_ != nullptr, "this model has no MTP layer loaded");
