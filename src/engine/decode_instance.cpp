@@ -83,7 +83,7 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config) : config_(std::move(
     // NOTE: loaded one after another: a model factory whose sharded load is collective (the
     // CUDA model) needs one process per rank.
     rank->model = config_.model(ShardSpec::decode(r, config_.dp), rank->comm.get());
-    if (!config_.mtp_dir.empty()) rank->model->load_mtp(config_.mtp_dir);
+    load_mtp(*rank->model);
     rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
     ranks_.push_back(std::move(rank));
   }
@@ -109,7 +109,7 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config,
   rank->index = first_rank_;
   rank->comm = std::move(comm);
   rank->model = config_.model(ShardSpec::decode(first_rank_, config_.dp), rank->comm.get());
-  if (!config_.mtp_dir.empty()) rank->model->load_mtp(config_.mtp_dir);
+  load_mtp(*rank->model);
   rank->engine = std::make_unique<Engine>(*rank->model, config_.engine);
   ranks_.push_back(std::move(rank));
   batch_.assign(static_cast<size_t>(config_.dp), 0);
@@ -118,6 +118,18 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config,
   init_receivers();
   running_ranks_ = 1;
   ranks_[0]->thread = std::thread([this] { rank_main(*ranks_[0]); });
+}
+
+void DecodeInstance::load_mtp(Model& model) const {
+  if (config_.mtp_dir.empty()) return;
+  // A hybrid's verify step rolls the recurrent state of a rejected draft back with a forward
+  // of its own (Engine::rollback_states), which only the ranks with a rejection would run: a
+  // collective the others never join under EP.
+  TANDEM_CHECK_KIND(kUnsupported, config_.dp == 1 || model.state_slot_elems() == 0,
+                    "MTP speculative decoding on a decode instance with --dp ", config_.dp,
+                    " is not supported for hybrid models (model_type '", model.config().model_type,
+                    "'): use --dp 1, or drop --speculative-config");
+  model.load_mtp(config_.mtp_dir);
 }
 
 void DecodeInstance::init_receivers() {

@@ -94,8 +94,13 @@ struct DecodeInstanceConfig {
   ModelFactory model;
   std::shared_ptr<transfer::TransferBackend> transfer;
   /// MTP speculative decoding (engine.num_speculative_tokens > 0): the directory of the MTP
-  /// layer's weights, loaded whole into every rank's model (Model::load_mtp): drafting needs no
-  /// collectives, and the verify is the rank's ordinary lockstep forward.
+  /// layer's weights, loaded into every rank's model (Model::load_mtp). Qwen3-MoE: attention,
+  /// fc, norms and router whole on every rank, the MoE block's experts sharded as the target's
+  /// (each rank its own) and run through the same EP all-to-all, so every rank runs
+  /// num_speculative_tokens MTP passes in every step, empty ones included
+  /// (Model::mtp_collective, Engine::pad_mtp_passes); the verify is the rank's ordinary
+  /// lockstep forward. Hybrids (Qwen3.5): refused with dp > 1 (a rejected draft's state
+  /// rollback is a forward only some ranks would run).
   std::string mtp_dir;
 };
 
@@ -145,6 +150,8 @@ class DecodeInstance final : public DecodeClient {
   // the last iteration) to every rank, a step when any rank has work, each rank's report back.
   void rank_main(Rank& rank);
   void rank_loop(Rank& rank);
+  /// Loads the MTP layer (config_.mtp_dir) into a rank's model; hybrids refused with dp > 1.
+  void load_mtp(Model& model) const;
   void init_receivers();
   std::vector<uint8_t> take_commands();
   void apply_commands(Rank& rank, const std::vector<DecodeCommand>& cmds);

@@ -396,13 +396,19 @@ bool Engine::forward(const ScheduledBatch& batch) {
       out.error = e.what();
       finish(*ss.seq, FinishReason::kError, out);
     }
+    // complete() is not called: a collective MTP layer still runs this step's passes (empty),
+    // which the peers of a decode EP rank run too.
+    pad_mtp_passes(0);
     return false;
   }
   return true;
 }
 
 void Engine::complete(const ScheduledBatch& batch) {
-  if (batch.empty()) return;
+  if (batch.empty()) {
+    pad_mtp_passes(0);  // a decode EP rank's empty step: its peers' MTP passes need its experts
+    return;
+  }
   scheduler_.commit(batch);
   last_state_saves_ = scheduler_.take_state_saves();
   copy_states(last_state_saves_);  // before a finished sequence frees its slot
@@ -835,18 +841,25 @@ void Engine::draft() {
       num_drafts.push_back(k);
     }
   }
-  if (fb.seqs.empty()) return;
+  if (fb.seqs.empty()) {
+    pad_mtp_passes(0);
+    return;
+  }
   // Drafts on a model that samples on its device: the rows' argmax there (no logits come to
   // the host; drafts_on_device). A model that chains its drafts on the device runs all K
   // passes in one call (no hidden state leaves it); otherwise each pass's hidden states come
   // to the host for the next.
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) on_device = on_device && drafts_on_device(*s);
-  if (on_device && model_.mtp_drafts_on_device()) {
+  // NOTE: a collective MTP layer (decode EP) drafts pass by pass: its peers run K passes in
+  // every step (pad_mtp_passes), which the one-call chain does not count yet.
+  int64_t passes = 0;
+  if (on_device && model_.mtp_drafts_on_device() && !model_.mtp_collective()) {
     draft_chain_on_device(fb, hidden_rows, drafting, num_drafts);
   } else {
-    draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);
+    passes = draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);
   }
+  pad_mtp_passes(passes);
   if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)
     for (Sequence* s : drafting) {
       std::vector<int32_t> d(s->spec_tokens.begin() + 1, s->spec_tokens.end());
@@ -893,9 +906,9 @@ void Engine::draft_chain_on_device(const ForwardBatch& fb, const std::vector<int
   }
 }
 
-void Engine::draft_on_host(const ForwardBatch& fb, const std::vector<int64_t>& hidden_rows,
-                           const std::vector<Sequence*>& drafting, std::vector<int64_t>& num_drafts,
-                           bool on_device) {
+int64_t Engine::draft_on_host(const ForwardBatch& fb, const std::vector<int64_t>& hidden_rows,
+                              const std::vector<Sequence*>& drafting,
+                              std::vector<int64_t>& num_drafts, bool on_device) {
   const ModelConfig& mc = model_.config();
   const int64_t h = mc.hidden_size, vocab = mc.vocab_size;
   std::vector<float> hin;  // [tokens, hidden]
@@ -908,7 +921,9 @@ void Engine::draft_on_host(const ForwardBatch& fb, const std::vector<int64_t>& h
   std::vector<float> logits, hout;
   std::vector<DeviceSampling> dev_rows;
   std::vector<SampledToken> dev_out;
+  int64_t passes = 0;  // MTP passes run this step (pad_mtp_passes)
   auto pass = [&](const ForwardBatch& b, const float* hid) {
+    ++passes;
     if (on_device) {
       DeviceSampling greedy;
       greedy.temperature = 0.0f;
@@ -1003,6 +1018,20 @@ void Engine::draft_on_host(const ForwardBatch& fb, const std::vector<int64_t>& h
   for (size_t i = 0; i < drafting.size(); ++i) {  // the grammar back to the emitted tokens
     if (advanced[i] > 0) drafting[i]->req.constraint->rollback(advanced[i]);
   }
+  return passes;
+}
+
+int64_t Engine::mtp_passes() const {
+  return speculating() && model_.mtp_collective() ? config_.num_speculative_tokens : 0;
+}
+
+void Engine::pad_mtp_passes(int64_t done) {
+  const int64_t want = mtp_passes();
+  TANDEM_CHECK(want == 0 || done <= want, "draft(): ", done, " MTP passes in a step of ", want);
+  if (done >= want) return;
+  ForwardBatch none;
+  std::vector<float> logits, hout;
+  for (; done < want; ++done) model_.mtp_forward(none, nullptr, mtp_kv_, logits, hout);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -168,14 +168,23 @@ class Engine {
   void draft();
   // draft()'s passes: chained on the host (each pass's hidden states through the engine; the
   // rows' logits sampled here unless on_device), or in one call on the model's device.
-  void draft_on_host(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
-                     const std::vector<Sequence*>& drafting, std::vector<int64_t>& num_drafts,
-                     bool on_device);
+  // draft_on_host returns the passes it ran.
+  int64_t draft_on_host(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
+                        const std::vector<Sequence*>& drafting, std::vector<int64_t>& num_drafts,
+                        bool on_device);
   void draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
                              const std::vector<Sequence*>& drafting,
                              const std::vector<int64_t>& num_drafts);
   /// True when s's drafts can be the MTP's argmax on the model's device (no host logits).
   bool drafts_on_device(const Sequence& s) const;
+  /// The MTP passes every step must run (Model::mtp_collective(): a decode EP rank's group
+  /// runs num_speculative_tokens passes in every step, pass 0 over the computed positions and
+  /// K - 1 chained ones, whatever each rank drafts; 0: as many as the rank's drafts need).
+  int64_t mtp_passes() const;
+  /// Runs empty MTP passes up to mtp_passes() after `done` ran this step (this rank's experts
+  /// serve its peers' rows): at the end of draft(), for an empty batch in complete(), and when
+  /// forward() failed (complete() is not called).
+  void pad_mtp_passes(int64_t done);
   /// Hybrid models (recurrent state slots): a verify step advances a sequence's DeltaNet state
   /// over all K + 1 positions. Before it the state is copied to the sequence's spare slot
   /// (snapshot_states); when fewer positions were kept, rollback_states restores the copy and

@@ -31,6 +31,15 @@ KvGeometry Model::mtp_kv_geometry(int64_t, int64_t) const {
   TANDEM_THROW(kUnsupported, "this model has no MTP layer");
 }
 
+KvCache Model::make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {
+  KvCache kv(mtp_kv_geometry(num_pages, page_size));
+  const KvGeometry& g = kv.geometry();
+  for (int64_t l = 0; l < g.num_layers; ++l) {
+    std::memset(kv.layer(l), 0, static_cast<size_t>(g.page_elems() * g.num_pages) * sizeof(float));
+  }
+  return kv;
+}
+
 void Model::mtp_forward(const ForwardBatch&, const float*, KvCache&, std::vector<float>&,
                         std::vector<float>&) {
   TANDEM_THROW(kUnsupported, "this model has no MTP layer");
@@ -371,10 +380,14 @@ void Qwen3MoeCpu::load_mtp(const std::string& dir) {
   layer.o = load_matrix(wr, p + "self_attn.o_proj.weight", h, qh * d);
   layer.moe = ckpt.has(p + "mlp.gate.weight");
   if (layer.moe) {
+    TANDEM_CHECK_KIND(kUnsupported, c.num_experts > 0, dir,
+                      ": the MTP layer has experts but config.json has num_experts 0");
     const int64_t inter = c.moe_intermediate_size;
     const IndexRange all{0, inter};
     layer.router = load_matrix(wr, p + "mlp.gate.weight", c.num_experts, h);
-    for (int64_t e = 0; e < c.num_experts; ++e) {
+    // Decode DP/EP: this rank's experts only, as the target's MoE layers (the router whole);
+    // the block runs through the same all-to-all (moe_block). Single: every expert.
+    for (int64_t e = plan_.experts.begin; e < plan_.experts.end; ++e) {
       const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
       layer.gate_up.push_back(load_rows(
           wr, {{ep + "gate_proj.weight", inter, all}, {ep + "up_proj.weight", inter, all}}, h));
@@ -390,6 +403,27 @@ void Qwen3MoeCpu::load_mtp(const std::string& dir) {
   for (auto& t : layer.gate_up) layer.gate_up_ptrs.push_back(t.ptr<float>());
   for (auto& t : layer.down) layer.down_ptrs.push_back(t.ptr<float>());
   mtp_ = std::move(m);
+}
+
+bool Qwen3MoeCpu::mtp_collective() const {
+  return mtp_ != nullptr && mtp_->layer.moe && plan_.data_parallel() && plan_.spec.size > 1;
+}
+
+int64_t Qwen3MoeCpu::mtp_weight_bytes() const {
+  if (mtp_ == nullptr) return 0;
+  const Mtp& m = *mtp_;
+  const Layer& l = m.layer;
+  int64_t bytes = 0;
+  auto add = [&](const HostTensor& t) {
+    if (!t.empty()) bytes += t.numel() * static_cast<int64_t>(dtype_size(t.dtype()));
+  };
+  for (const HostTensor* t : {&m.fc, &m.norm_e, &m.norm_h, &m.norm, &l.input_norm, &l.post_norm,
+                              &l.q_norm, &l.k_norm, &l.qkv, &l.o, &l.router}) {
+    add(*t);
+  }
+  for (const auto& t : l.gate_up) add(t);
+  for (const auto& t : l.down) add(t);
+  return bytes;
 }
 
 KvGeometry Qwen3MoeCpu::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
@@ -410,7 +444,11 @@ void Qwen3MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, Kv
       mtp_flat_batch(c, batch, kv);
   logits.clear();
   hidden_out.clear();
-  if (n == 0) return;
+  if (n == 0) {
+    // Nothing of our own; a decode EP rank still serves its MTP experts (mtp_collective).
+    if (plan_.data_parallel() && layer.moe) moe_block(layer, nullptr, nullptr, nullptr, 0, nullptr);
+    return;
+  }
 
   auto buf = [](int64_t elems) { return std::vector<float>(static_cast<size_t>(elems)); };
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -420,7 +458,8 @@ void Qwen3MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, Kv
                     mtp_->fc.ptr<float>(), ids.data(), hidden, n);
   std::vector<float> xn = buf(n * h), y = buf(n * h);
 
-  // The decoder layer (all heads and experts here: no collectives).
+  // The decoder layer: all heads here; the MoE block as the target's (moe_block: this rank's
+  // experts through the decode all-to-all under DP/EP).
   std::vector<float> qkv = buf(n * (qh + 2 * kvh) * d);
   std::vector<float> q = buf(n * qh * d), k = buf(n * kvh * d), v = buf(n * kvh * d);
   std::vector<float> attn = buf(n * qh * d);
@@ -447,9 +486,7 @@ void Qwen3MoeCpu::mtp_forward(const ForwardBatch& batch, const float* hidden, Kv
     cpu::gemm({xn.data(), layer.router.ptr<float>(), router.data(), n, c.num_experts, h});
     cpu::topk_softmax({router.data(), topk_ids.data(), topk_w.data(), n, c.num_experts,
                        c.num_experts_per_tok, c.norm_topk_prob});
-    cpu::moe({xn.data(), topk_ids.data(), topk_w.data(), layer.gate_up_ptrs.data(),
-              layer.down_ptrs.data(), y.data(), n, h, c.moe_intermediate_size,
-              c.num_experts_per_tok, 0, c.num_experts});
+    moe_block(layer, xn.data(), topk_ids.data(), topk_w.data(), n, y.data());
   } else {
     std::vector<float> gu = buf(n * 2 * c.intermediate_size), act = buf(n * c.intermediate_size);
     cpu::gemm({xn.data(), layer.gate_up_ptrs[0], gu.data(), n, 2 * c.intermediate_size, h});

@@ -53,6 +53,12 @@ class Model {
   /// kUnsupported for a model without MTP support.
   virtual void load_mtp(const std::string& dir);
   virtual bool has_mtp() const { return false; }
+  /// True when an MTP pass is collective (a decode DP/EP rank of a group of several whose MTP
+  /// layer's MoE block is sharded by experts, as the target's): every rank of the group then
+  /// makes the same number of mtp_forward / mtp_forward_sample calls per step, in the same
+  /// order, a rank without drafting rows with an empty batch (it still serves its experts).
+  /// Engine::draft runs exactly num_speculative_tokens passes per step then (mtp_passes).
+  virtual bool mtp_collective() const { return false; }
   /// The MTP layer's own KV pool: one layer, indexed by the same page ids (block tables) as
   /// the target's KV, so a page holds both and admission counts both.
   virtual KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const;
@@ -79,11 +85,10 @@ class Model {
     (void)max_batch;
     (void)k;
   }
-  /// The MTP layer's KV cache (mtp_kv_geometry): host pools by default; a GPU model allocates
-  /// device pools.
-  virtual KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {
-    return KvCache(mtp_kv_geometry(num_pages, page_size));
-  }
+  /// The MTP layer's KV cache (mtp_kv_geometry): host pools by default, zero-filled (as a GPU
+  /// model's device pools): a decode instance never writes the MTP KV of prompt positions
+  /// (the prefill instance computed the prompt), so a fresh page reads zeros, never garbage.
+  virtual KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size);
   /// As mtp_forward, sampling each logits row on the device with rows[i] (samples_on_device():
   /// the logits never leave it); out gets one entry per row.
   virtual void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
@@ -150,10 +155,16 @@ class Qwen3MoeCpu final : public Model {
 
   /// The MTP layer: mtp.fc [hidden, 2 hidden] over [RMSNorm_e(embed(t + 1)); RMSNorm_h(h_t)]
   /// (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden), mtp.layers.0 (a Qwen3-MoE decoder
-  /// layer: all heads and experts on this rank, no collectives), mtp.norm; embedding and
-  /// lm_head shared. Not with ShardMode::kPrefillTpEp (prefill instances do not speculate).
+  /// layer: all heads on this rank; its MoE block sharded as the target's, kDecodeDpEp: this
+  /// rank's experts only, run through the decode all-to-all), mtp.norm; embedding and lm_head
+  /// shared. Not with ShardMode::kPrefillTpEp (prefill instances do not speculate).
   void load_mtp(const std::string& dir) override;
   bool has_mtp() const override { return mtp_ != nullptr; }
+  /// kDecodeDpEp with several ranks and an MoE MTP layer: mtp_forward is collective (an empty
+  /// batch still serves this rank's MTP experts).
+  bool mtp_collective() const override;
+  /// Bytes of the MTP layer's weights held here (0 without one).
+  int64_t mtp_weight_bytes() const;
   KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
   void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                    std::vector<float>& logits, std::vector<float>& hidden_out) override;

@@ -862,9 +862,10 @@ TEST_F(SpecSamplingTest, DeviceRowsDistributionEqualsNonSpeculative) {
   EXPECT_EQ(dev2.host_forwards, 0);
 }
 
-// A decode instance (DP = 2, EP MoE) speculates too: each rank drafts with its own copy of the
-// MTP layer (no collectives) and verifies with its ordinary lockstep forward; the tokens are one
-// engine's, without speculation.
+// A decode instance (DP = 2, EP MoE) speculates too: the MTP layer's experts are sharded like
+// the target's and its MoE runs through the same all-to-all (test_speculative_ep.cpp); each
+// rank verifies with its ordinary lockstep forward; the tokens are one engine's, without
+// speculation.
 TEST(SpecDecodeInstance, SameTokensAsOneEngine) {
   const std::string dir = testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2";
   std::vector<GenRequest> reqs;

@@ -17,6 +17,7 @@
 #include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/moe_layer.h"
 #include "backend/cuda/norm.h"
+#include "comm/cuda/cuda_moe.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
@@ -54,13 +55,17 @@ struct MtpCuda::Impl {
   bf16 *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
   bf16 *qkv_w = nullptr, *o_w = nullptr;  // [(qh + 2 kvh) d, H], [H, qh d]
   bool moe = false;
-  bf16 *router = nullptr, *gate_up = nullptr, *down = nullptr;  // MoE packed / dense
-  DeviceMem cat;                                                // [t_cap, 2H]
-  DeviceMem hidden_in;                                          // [t_cap, H]
-  DeviceMem gu, act;                                            // dense MLP only
+  // MoE: experts [expert_begin, expert_begin + local_experts) here (all, or this rank's with
+  // s.ep); gate_up [local, 2I, H] packed, down [local, H, I]. Dense: [2I, H], [H, I].
+  int64_t expert_begin = 0, local_experts = 0;
+  bf16 *router = nullptr, *gate_up = nullptr, *down = nullptr;
+  DeviceMem cat;        // [t_cap, 2H]
+  DeviceMem hidden_in;  // [t_cap, H]
+  DeviceMem gu, act;    // dense MLP only
   std::unique_ptr<cuda::MoeLayer> moe_layer;
   // Metadata: ids | positions | token_seq | rows | hidden source rows (int32, t_cap each) |
-  // slots (int64).
+  // slots (int64) | the pass's token count (int32, the EP dispatch's num_tokens; 4 int32 of
+  // room).
   DeviceMem d_meta, d_tables;
   // Host staging, one set per pass of a draft chain (the passes are enqueued back to back, so
   // a pass's staging must not be reused before its copies ran); set 0 serves single passes.
@@ -107,6 +112,8 @@ struct MtpCuda::Impl {
   // d_meta's regions (int32 units of t_cap): ids, positions, token_seq, rows, hidden source
   // rows, then the int64 slots.
   static constexpr size_t kMetaInts = 7;
+  size_t meta_ints() const { return static_cast<size_t>(s.t_cap) * kMetaInts + 4; }
+  int32_t* num_real() { return d_meta.as<int32_t>() + kMetaInts * s.t_cap; }
   int64_t qkv_rows() const {
     return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
   }
@@ -130,12 +137,17 @@ struct MtpCuda::Impl {
     o_w = alloc(h * c.num_attention_heads * d);
     const auto T = static_cast<size_t>(s.t_cap);
     if (moe) {
-      const int64_t e = c.num_experts, inter = c.moe_intermediate_size;
-      router = alloc(e * h);
+      const int64_t inter = c.moe_intermediate_size;
+      expert_begin = s.ep != nullptr ? s.ep_expert_begin : 0;
+      local_experts = s.ep != nullptr ? s.ep_local_experts : c.num_experts;
+      const int64_t e = local_experts;
+      router = alloc(c.num_experts * h);
       gate_up = alloc(e * 2 * inter * h);
       down = alloc(e * h * inter);
-      moe_layer = std::make_unique<cuda::MoeLayer>(s.t_cap, h, inter, e, c.num_experts_per_tok, 0,
-                                                   e, c.norm_topk_prob);
+      if (s.ep == nullptr) {
+        moe_layer = std::make_unique<cuda::MoeLayer>(s.t_cap, h, inter, e, c.num_experts_per_tok, 0,
+                                                     e, c.norm_topk_prob);
+      }
     } else {
       const int64_t inter = c.intermediate_size;
       gate_up = alloc(2 * inter * h);
@@ -145,9 +157,9 @@ struct MtpCuda::Impl {
     }
     cat = DeviceMem(T * static_cast<size_t>(2 * h) * sizeof(bf16));
     hidden_in = DeviceMem(T * static_cast<size_t>(h) * sizeof(bf16));
-    d_meta = DeviceMem(T * kMetaInts * sizeof(int32_t));
+    d_meta = DeviceMem(meta_ints() * sizeof(int32_t));
     for (Staging& st : stages) {
-      st.meta = PinnedMem(T * kMetaInts * sizeof(int32_t));
+      st.meta = PinnedMem(meta_ints() * sizeof(int32_t));
       TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&st.copied, cudaEventDisableTiming));
     }
     h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
@@ -182,8 +194,8 @@ struct MtpCuda::Impl {
       const int64_t inter = c.moe_intermediate_size;
       put(router, p + "mlp.gate.weight", {c.num_experts, h});
       std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h)), gate_copy;
-      for (int64_t e = 0; e < c.num_experts; ++e) {
-        const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+      for (int64_t e = 0; e < local_experts; ++e) {  // this rank's (all without s.ep)
+        const std::string ep = p + "mlp.experts." + std::to_string(expert_begin + e) + ".";
         const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, h}, tmp);
         if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
           gate_copy = tmp;
@@ -287,7 +299,9 @@ struct MtpCuda::Impl {
     im.linear(ATT, im.o_w, Y, n, h, qh * d);
     cuda::add_rms_norm_launch({X, Y, im.post_norm, XN, n, h, eps}, st);
     im.mark(5);
-    if (im.moe) {
+    if (im.moe && s.ep != nullptr) {
+      im.moe_ep(XN, Y, n);
+    } else if (im.moe) {
       im.moe_layer->run({im.router, im.gate_up, im.down}, XN, Y, n, *s.gemm, st);
     } else {
       const int64_t inter = c.intermediate_size;
@@ -311,6 +325,43 @@ struct MtpCuda::Impl {
       gp.y_f32 = s.logits;
       s.gemm->run(gp, st);
     }
+  }
+
+  // Decode EP MoE block over n tokens (0: an empty pass), as Qwen3MoeCuda's moe_ep: router
+  // and top-k here, the tokens to their experts' ranks through the target's exchange (the
+  // token count from d_meta, staged by the caller), this rank's experts over what arrived
+  // (the other ranks' tokens too), the outputs back home, summed per token in ascending
+  // expert id into Y [n, hidden]. Collective: every rank of the group runs it per pass.
+  void moe_ep(const bf16* XN, bf16* Y, int64_t n) {
+    const int64_t h = c.hidden_size, inter = c.moe_intermediate_size, E = c.num_experts,
+                  k = c.num_experts_per_tok, L = local_experts;
+    cudaStream_t st = s.stream;
+    if (n > 0) {
+      cuda::GemmParams rp{};
+      rp.x = XN;
+      rp.w = router;
+      rp.m = n;
+      rp.n = E;
+      rp.k = h;
+      rp.y_f32 = s.ep_logits;
+      s.gemm->run(rp, st);  // fp32 router logits, as MoeLayer
+      cuda::topk_softmax_launch(
+          {s.ep_logits, s.ep_ids, s.ep_w, n, E, k, c.norm_topk_prob, DType::kF32}, st);
+    }
+    s.ep->dispatch_send(XN, s.ep_ids, s.ep_w, num_real(), st);
+    s.ep->dispatch_recv(st);
+    const auto* rx = static_cast<const bf16*>(s.ep->recv_x());
+    auto* act_buf = static_cast<bf16*>(s.ep_act);
+    auto* out_buf = static_cast<bf16*>(s.ep_out);
+    cuda::MoeGemmParams gu{
+        rx,        gate_up, act_buf, s.ep->expert_offsets(),         s.ep_max_rows,
+        2 * inter, h,       L,       cuda::MoeGemmEpilogue::kSiluMul};
+    cuda::moe_gemm_launch(gu, st);
+    cuda::MoeGemmParams dn{act_buf, down,  out_buf, s.ep->expert_offsets(),       s.ep_max_rows,
+                           h,       inter, L,       cuda::MoeGemmEpilogue::kPlain};
+    cuda::moe_gemm_launch(dn, st);
+    s.ep->combine_send(out_buf, st);
+    s.ep->combine_recv(Y, st);  // rows [0, n): every real token (no padding: eager passes)
   }
 
   // A pass in four parts (a draft chain stages all its passes first): its metadata into a
@@ -407,7 +458,8 @@ MtpLaunch MtpCuda::Impl::stage(const ForwardBatch& batch, const KvCache& kv, siz
   const auto nseq = static_cast<int64_t>(batch.seqs.size());
   int64_t width = 1;
   for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
-  bool graph = !profile && !s.buckets.empty() && nseq <= s.buckets.back() && s.graph_context > 0;
+  bool graph = !profile && s.ep == nullptr && !s.buckets.empty() && nseq <= s.buckets.back() &&
+               s.graph_context > 0;
   for (const auto& q : batch.seqs)
     graph = graph && q.num_tokens == 1 && q.logits == LogitsMode::kLast;
   const int64_t gw = (s.graph_context + ps - 1) / ps;
@@ -488,6 +540,7 @@ MtpLaunch MtpCuda::Impl::stage(const ForwardBatch& batch, const KvCache& kv, siz
     src[t] = 0;
     rw[r++] = static_cast<int32_t>(t);
   }
+  hm[kMetaInts * T] = static_cast<int32_t>(n);  // the real tokens (the EP dispatch's count)
   return l;
 }
 
@@ -505,6 +558,7 @@ void MtpCuda::Impl::upload(const MtpLaunch& l, size_t si) {
   for (int64_t region : {0, 1, 2, 4}) h2d(dm + region * T, hm + region * T, nb);
   h2d(dm + 3 * T, hm + 3 * T, static_cast<size_t>(l.r_run) * 4);
   h2d(dm + 5 * T, hm + 5 * T, nb * 2);
+  h2d(dm + kMetaInts * T, hm + kMetaInts * T, sizeof(int32_t));
   h2d(d_tables.as<void>(), stages[si].tables.as<void>(), l.table_bytes);
   TANDEM_CUDA_CHECK(cudaEventRecord(stages[si].copied, s.stream));
 }
@@ -558,7 +612,13 @@ void MtpCuda::Impl::run(const MtpLaunch& l, KvCache& kv) {
 int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache& kv) {
   Impl& im = *impl_;
   check_mtp_kv(im.c, kv);
-  if (batch.num_tokens() == 0) return 0;
+  if (batch.num_tokens() == 0) {
+    if (collective()) {  // an empty pass of a decode EP rank: its experts serve the others
+      TANDEM_CUDA_CHECK(cudaMemsetAsync(im.num_real(), 0, sizeof(int32_t), im.s.stream));
+      im.moe_ep(static_cast<const bf16*>(im.s.xn), static_cast<bf16*>(im.s.y), 0);
+    }
+    return 0;
+  }
   const int64_t h = im.c.hidden_size;
   im.mark(0);
   const MtpLaunch l = im.stage(batch, kv, 0, nullptr, false, nullptr);
@@ -585,6 +645,7 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
   cudaStream_t st = s.stream;
   check_mtp_kv(im.c, kv);
   TANDEM_CHECK(s.sampler != nullptr, "MTP draft chain: no device sampler");
+  TANDEM_CHECK(!collective(), "MTP draft chain: a collective MTP layer drafts pass by pass");
   TANDEM_CHECK(chain.size() + 1 <= Impl::kStages, "MTP draft chain: ", chain.size() + 1,
                " passes (at most ", Impl::kStages, ")");
   TANDEM_CHECK(static_cast<int64_t>(hidden_rows.size()) == first.num_tokens(),
@@ -679,6 +740,8 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
   }
 }
 
+bool MtpCuda::collective() const { return impl_->moe && impl_->s.ep != nullptr; }
+
 std::vector<int64_t> MtpCuda::captured_buckets() const {
   std::vector<int64_t> out;
   for (const auto& [b, e] : impl_->graphs) out.push_back(b);
@@ -734,6 +797,8 @@ void Qwen3MoeCuda::random_mtp(uint64_t seed) {
   mtp_ = MtpCuda::random(config_, seed, mtp_scratch());
   weight_bytes_ += mtp_->weight_bytes();
 }
+
+bool Qwen3MoeCuda::mtp_collective() const { return mtp_ != nullptr && mtp_->collective(); }
 
 KvGeometry Qwen3MoeCuda::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
   TANDEM_CHECK_KIND(kUnsupported, mtp_ != nullptr, "this model has no MTP layer loaded");

@@ -29,6 +29,9 @@ class GemmLt;
 namespace cuda_model {
 class DeviceSampler;
 }
+namespace comm {
+class CudaMoe;
+}
 
 /// The target's buffers a pass borrows (all device pointers, bf16 unless said).
 struct MtpScratch {
@@ -47,12 +50,24 @@ struct MtpScratch {
   int64_t graph_context = 0;
   cudaStream_t stream = nullptr;
   cuda_model::DeviceSampler* sampler = nullptr;  // the target's (draft chains' argmax)
+  // Decode DP/EP (a group of several ranks): the target's MoE exchange (sized for t_cap
+  // tokens) and its intermediates. The MTP layer then holds only the experts
+  // [ep_expert_begin, ep_expert_begin + ep_local_experts) and its MoE block runs through the
+  // exchange as the target's layers do (Qwen3MoeCuda's moe_ep): every pass is collective,
+  // an empty one (no tokens) included. Null: one rank holds every expert.
+  comm::CudaMoe* ep = nullptr;
+  float* ep_logits = nullptr;                 // [t_cap, experts] fp32 router logits
+  int32_t* ep_ids = nullptr;                  // [t_cap, top_k]
+  float* ep_w = nullptr;                      // [t_cap, top_k]
+  void *ep_act = nullptr, *ep_out = nullptr;  // [ep_max_rows, inter] / [ep_max_rows, hidden]
+  int64_t ep_max_rows = 0, ep_expert_begin = 0, ep_local_experts = 0;
 };
 
 class MtpCuda {
  public:
-  /// Loads the mtp.* tensors of `dir` (all heads and experts; bf16 on the device whatever the
-  /// stored dtype). Throws kNotFound naming `dir` when it has none.
+  /// Loads the mtp.* tensors of `dir` (all heads; every expert, or this rank's with
+  /// scratch.ep; bf16 on the device whatever the stored dtype). Throws kNotFound naming `dir`
+  /// when it has none.
   static std::unique_ptr<MtpCuda> load(const ModelConfig& config, const std::string& dir,
                                        const MtpScratch& scratch);
   /// Random weights of the target's distribution (benchmarks; Qwen3MoeCuda::random's rule).
@@ -69,6 +84,8 @@ class MtpCuda {
   /// hidden_out() (device, [rows, hidden] bf16), ordered on the stream. Returns the rows.
   /// A chained pass (one token per sequence, its logits) replays the graph of its batch
   /// bucket (captured on first use, padded with sequences that write no KV); others are eager.
+  /// With scratch.ep (collective): an empty batch still runs the MoE exchange (this rank's
+  /// experts serve the other ranks' tokens).
   int64_t forward(const ForwardBatch& batch, const float* hidden, KvCache& kv);
   /// Model::mtp_draft_chain on the stream: pass 0 over `first` with its hidden states
   /// gathered from `target_hidden` (device bf16 [target_rows, hidden]) at `hidden_rows`, then
@@ -79,6 +96,8 @@ class MtpCuda {
   void draft_chain(const ForwardBatch& first, const void* target_hidden, int64_t target_rows,
                    std::span<const int32_t> hidden_rows, const std::vector<MtpChainPass>& chain,
                    KvCache& kv, std::vector<std::vector<int32_t>>& drafts);
+  /// True when each pass is collective (scratch.ep and a MoE MTP layer).
+  bool collective() const;
   /// The last pass's hidden states of its logits rows as fp32 on the host (synchronises).
   void hidden_to_host(int64_t rows, std::vector<float>& out);
   int64_t weight_bytes() const { return weight_bytes_; }

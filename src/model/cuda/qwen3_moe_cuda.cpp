@@ -1001,6 +1001,17 @@ MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   s.num_sms = im.num_sms;
   s.stream = stream_;
   s.sampler = im.sampler.get();
+  if (im.ep) {  // decode DP/EP: the MTP layer's MoE through the target's exchange
+    s.ep = im.ep.get();
+    s.ep_logits = im.ep_logits.as<float>();
+    s.ep_ids = im.ep_ids.as<int32_t>();
+    s.ep_w = im.ep_w.as<float>();
+    s.ep_act = im.ep_act.as<void>();
+    s.ep_out = im.ep_out.as<void>();
+    s.ep_max_rows = im.ep_max_rows;
+    s.ep_expert_begin = im.plan.experts.begin;
+    s.ep_local_experts = im.local_experts();
+  }
   if (mtp_graphs_on()) {  // the draft passes' graphs (mtp_cuda.h): single-GPU models
     s.buckets = buckets_;
     s.graph_context =

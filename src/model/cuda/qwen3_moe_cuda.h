@@ -139,13 +139,17 @@ class Qwen3MoeCuda final : public Model {
   /// Verify-step graphs captured so far: (bucket of sequences, tokens per sequence).
   std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
 
-  // MTP speculative decoding (mtp_cuda.h): the layer on this GPU, its KV in device pools,
-  // passes eager; verify steps of K + 1 tokens per sequence replay graphs as decode steps do.
-  // Not with prefill TP (prefill instances do not speculate).
+  // MTP speculative decoding (mtp_cuda.h): the layer on this GPU (its experts sharded as the
+  // target's under decode DP/EP), its KV in device pools, passes eager; verify steps of K + 1
+  // tokens per sequence replay graphs as decode steps do. Not with prefill TP (prefill instances do
+  // not speculate).
   void load_mtp(const std::string& dir) override;
   /// Random MTP weights (benchmarks at real shapes without a checkpoint).
   void random_mtp(uint64_t seed);
   bool has_mtp() const override { return mtp_ != nullptr; }
+  /// Decode DP/EP with several ranks: the MTP layer holds this rank's experts only and each
+  /// pass runs through the target's MoE exchange (collective; mtp_cuda.h).
+  bool mtp_collective() const override;
   MtpCuda* mtp() { return mtp_.get(); }  // benchmarks (stage timing); nullptr without one
   KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
   KvCache make_mtp_kv_cache(int64_t num_pages, int64_t page_size) override;

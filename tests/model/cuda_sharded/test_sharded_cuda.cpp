@@ -10,8 +10,11 @@
 // Every CUDA call runs in the forked ranks (never in this process); skips without a GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -26,7 +29,10 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/golden.h"
+#include "engine/mtp_weights.h"
+#include "model/cuda/mtp_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
+#include "model/qwen3_moe.h"
 #include "model/shard.h"
 
 namespace tandem {
@@ -90,9 +96,10 @@ int check_greedy(const testing::Golden& g, const std::vector<size_t>& cases,
 }
 
 // One rank: the sharded model, an engine over `cases`, steps in lockstep with the group until
-// no rank has work (prefill TP: every rank the same cases).
+// no rank has work (prefill TP: every rank the same cases). With `mtp`: speculating with K
+// drafts (decode EP: the MTP layer's experts sharded, K collective MTP passes every step).
 void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<size_t>& cases,
-              int* compared) {
+              int* compared, const std::string& mtp = "", int64_t k = 0) {
   const comm::RankEnv env = comm::RankEnv::from_env();
   auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
   comm::GlooCommunicator gloo(*store);
@@ -111,6 +118,12 @@ void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<s
   cfg.max_num_seqs = 8;
   cfg.max_batched_tokens = 512;
   cfg.kv_cache_mb = 64;
+  if (!mtp.empty()) {
+    model->load_mtp(mtp);
+    TANDEM_CHECK(model->mtp_collective() == (spec.size > 1), "mtp_collective() is ",
+                 model->mtp_collective());
+    cfg.num_speculative_tokens = k;
+  }
   Engine engine(*model, cfg);
   std::vector<Result> results(cases.size());
   for (size_t k = 0; k < cases.size(); ++k) {
@@ -138,8 +151,17 @@ void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<s
   const std::string mode =
       std::string(shard_mode_name(spec.mode)) + " rank " + std::to_string(spec.rank);
   *compared = check_greedy(g, cases, results, mode);
-  if (spec.mode == ShardMode::kDecodeDpEp && !cases.empty()) {
+  if (spec.mode == ShardMode::kDecodeDpEp && !cases.empty() && k == 0) {
     TANDEM_CHECK(!model->captured_buckets().empty(), mode, ": no decode step ran a graph");
+  }
+  if (k > 0 && !cases.empty()) {
+    const EngineStats st = engine.stats();
+    TANDEM_CHECK(st.spec_num_drafts > 0, mode, ": no drafts");
+    std::fprintf(stderr, "%s %s K %lld: drafts %lld, draft tokens %lld, accepted %lld\n",
+                 g.name.c_str(), mode.c_str(), static_cast<long long>(k),
+                 static_cast<long long>(st.spec_num_drafts),
+                 static_cast<long long>(st.spec_num_draft_tokens),
+                 static_cast<long long>(st.spec_num_accepted_tokens));
   }
   std::fprintf(stderr, "%s %s: %d steps, %d tokens compared\n", g.name.c_str(), mode.c_str(), steps,
                *compared);
@@ -195,6 +217,166 @@ TEST_P(CudaSharded, DecodeEpRankWithNothingServesItsExperts) {
     run_rank(dir, ShardSpec::decode(rank, 2), mine, &compared);
     TANDEM_CHECK(rank != 0 || compared > 0, "no step with a margin over ", kMarginBf16);
   });
+}
+
+// ---- MTP on decode DP/EP: the MTP layer's MoE through the target's exchange -------------
+
+// The demo model's trained head when it ships one, else random MTP weights (a MoE layer) for
+// the first GPU-shaped fixture; written by the parent (host code), read by the ranks.
+struct MtpCase {
+  std::string model, mtp;
+  bool random = false;
+};
+
+MtpCase mtp_case() {
+  const std::string demo = testing::source_dir() + "/models/demo";
+  if (std::filesystem::exists(demo + "/model-mtp.safetensors")) return {demo, demo, false};
+  for (const auto& d : dirs_for(2)) {
+    if (ModelConfig::from_dir(d).num_experts == 0) continue;
+    const std::string mtp = (std::filesystem::temp_directory_path() /
+                             ("tandem_mtpep_cuda_" + std::to_string(::getpid())))
+                                .string();
+    testing::write_random_mtp(d, mtp, 7);
+    return {d, mtp, true};
+  }
+  return {};
+}
+
+class CudaShardedMtp : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (visible_gpus() == 0) GTEST_SKIP() << "no CUDA device";
+    ::setenv("TANDEM_ALLOW_SHARED_GPU", "1", 1);
+    ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+    c_ = mtp_case();
+    if (c_.model.empty()) GTEST_SKIP() << "no GPU-shaped MoE fixture";
+  }
+  void TearDown() override {
+    if (c_.random) std::filesystem::remove_all(c_.mtp);
+  }
+  void run(const std::function<void(int)>& body) {
+    auto results = comm::run_local_ranks(2, body, std::chrono::seconds(300));
+    EXPECT_EQ(comm::describe_failures(results), "");
+  }
+  MtpCase c_;
+};
+
+// One rank's MTP passes against the CPU model's (fp32, whole) over the same hidden states and
+// tokens: round 1 both ranks run a case, round 2 rank 1 runs an empty pass (its experts serve
+// rank 0's tokens). Also: the rank holds only its experts (the MTP weight bytes).
+TEST_F(CudaShardedMtp, DecodeEpMtpPassMatchesTheCpuModel) {
+  const MtpCase mc = c_;
+  run([&](int rank) {
+    const comm::RankEnv env = comm::RankEnv::from_env();
+    auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
+    const testing::Golden g = testing::load_golden(mc.model);
+    auto cpu = Qwen3MoeCpu::load(mc.model);
+    cpu->load_mtp(mc.mtp);
+    CudaModelOptions o;
+    o.max_tokens = 512;
+    o.max_seqs = 8;
+    o.page_size = 16;
+    o.shard = ShardSpec::decode(rank, 2);
+    o.store = store;
+    int gpus = 0;
+    TANDEM_CHECK(cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 0, "no GPU in the rank");
+    o.device = env.local_rank % gpus;
+    auto gpu = Qwen3MoeCuda::load(mc.model, o);
+    gpu->load_mtp(mc.mtp);
+    TANDEM_CHECK(gpu->mtp_collective(), "rank ", rank, ": the MTP layer is not collective");
+    // bf16 weights: everything whole but the experts, of which this rank holds E / 2.
+    const ModelConfig& c = cpu->config();
+    const int64_t h = c.hidden_size, d = c.head_dim, E = c.num_experts;
+    const int64_t qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * d;
+    const int64_t elems = 2 * h * h + 5 * h + 2 * d + qkv * h + h * c.num_attention_heads * d +
+                          E * h + (E / 2) * 3 * c.moe_intermediate_size * h;
+    TANDEM_CHECK(gpu->mtp()->weight_bytes() == 2 * elems, "rank ", rank, ": MTP weights of ",
+                 gpu->mtp()->weight_bytes(), " bytes, want ", 2 * elems, " (E / 2 experts)");
+    const int64_t vocab = c.vocab_size;
+    std::vector<double> errs;
+    int checked = 0;
+    for (int round = 0; round < 2; ++round) {
+      const bool empty = round == 1 && rank == 1;
+      const auto& gc = g.cases[static_cast<size_t>(round == 0 ? rank : 0) % g.cases.size()];
+      std::vector<int32_t> tokens = gc.prompt_ids;
+      tokens.insert(tokens.end(), gc.output_ids.begin(), gc.output_ids.end());
+      const auto n = static_cast<int64_t>(tokens.size()) - 1;
+      const int64_t pages = n / 16 + 2;
+      std::vector<int32_t> table(static_cast<size_t>(pages));
+      for (int64_t p = 0; p < pages; ++p) table[static_cast<size_t>(p)] = int32_t(pages - 1 - p);
+      KvCache kv(cpu->kv_geometry(pages, 16));
+      std::vector<float> hidden, logits;
+      ForwardBatch tb;
+      tb.seqs.push_back({tokens.data(), n, 0, table.data(), pages, LogitsMode::kLast});
+      tb.hidden_out = &hidden;
+      cpu->forward(tb, kv, logits);
+      KvCache cpu_mkv = cpu->make_mtp_kv_cache(pages, 16);
+      KvCache gpu_mkv = gpu->make_mtp_kv_cache(pages, 16);
+      ForwardBatch mb;
+      if (!empty) {
+        mb.seqs.push_back({tokens.data() + 1, n, 0, table.data(), pages, LogitsMode::kAll});
+      }
+      std::vector<float> want, got, hc, hg;
+      gpu->mtp_forward(mb, hidden.data(), gpu_mkv, got, hg);  // collective
+      if (empty) {
+        TANDEM_CHECK(got.empty() && hg.empty(), "an empty pass returned rows");
+        continue;
+      }
+      cpu->mtp_forward(mb, hidden.data(), cpu_mkv, want, hc);
+      TANDEM_CHECK(got.size() == want.size(), "rows ", got.size(), " vs ", want.size());
+      for (int64_t r = 0; r < n; ++r) {
+        const float* gr = got.data() + r * vocab;
+        const float* wr = want.data() + r * vocab;
+        double num = 0, den = 0;
+        int64_t ga = 0, wa = 0;
+        for (int64_t i = 0; i < vocab; ++i) {
+          TANDEM_CHECK(std::isfinite(gr[i]), "row ", r, ": not finite");
+          num += (double(gr[i]) - wr[i]) * (double(gr[i]) - wr[i]);
+          den += double(wr[i]) * wr[i];
+          if (gr[i] > gr[ga]) ga = i;
+          if (wr[i] > wr[wa]) wa = i;
+        }
+        float second = -INFINITY;
+        for (int64_t i = 0; i < vocab; ++i) {
+          if (i != wa) second = std::max(second, wr[i]);
+        }
+        errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
+        if (wr[wa] - second > kMarginBf16) {
+          TANDEM_CHECK(ga == wa, "rank ", rank, " round ", round, " row ", r, ": argmax ", ga,
+                       ", the CPU's ", wa);
+          ++checked;
+        }
+      }
+    }
+    std::sort(errs.begin(), errs.end());
+    const double med = errs[errs.size() / 2], worst = errs.back();
+    std::fprintf(stderr, "rank %d: MTP rows %zu, relative error median %.2e max %.2e, %d argmax\n",
+                 rank, errs.size(), med, worst, checked);
+    TANDEM_CHECK(med < 1.5e-2 && worst < 0.3, "rank ", rank, ": MTP logits off (median ", med,
+                 ", max ", worst, ")");
+  });
+}
+
+// Speculating decode EP ranks: greedy tokens by the margin rule against the golden
+// continuation, K = 3 with each rank its own requests, then K = 2 with rank 1 idle (its engine
+// runs the K empty MTP passes of every step while rank 0 drafts).
+TEST_F(CudaShardedMtp, DecodeDp2SpeculatingGreedyMatchesTransformers) {
+  const MtpCase mc = c_;
+  const size_t n = testing::load_golden(mc.model).cases.size();
+  for (const auto& [k, uneven] : {std::pair<int64_t, bool>{3, false}, {2, true}}) {
+    {
+      SCOPED_TRACE("K " + std::to_string(k) + (uneven ? " rank 1 idle" : " both ranks"));
+      run([&, k = k, uneven = uneven](int rank) {
+        std::vector<size_t> mine;
+        for (size_t i = 0; i < n; ++i) {
+          if (uneven ? rank == 0 : i % 2 == static_cast<size_t>(rank)) mine.push_back(i);
+        }
+        int compared = 0;
+        run_rank(mc.model, ShardSpec::decode(rank, 2), mine, &compared, mc.mtp, k);
+        TANDEM_CHECK(mine.empty() || compared > 0, "no step with a margin over ", kMarginBf16);
+      });
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaSharded, ::testing::ValuesIn(dirs_for(2)),

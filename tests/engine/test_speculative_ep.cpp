@@ -1,0 +1,338 @@
+// MTP speculative decoding on a decode instance (DP attention + EP MoE): the MTP layer's MoE
+// block is sharded by experts as the target's and runs through the same all-to-all, so every
+// rank runs num_speculative_tokens MTP passes per step, empty ones included
+// (Model::mtp_collective, Engine::pad_mtp_passes). Greedy tokens, drafts and counters equal
+// DP 1's; the experts are really sharded; uneven work (idle ranks) does not hang.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <map>
+#include <mutex>
+
+#include "comm/local_comm.h"
+#include "core/error.h"
+#include "engine/decode_instance.h"
+#include "engine/engine.h"
+#include "engine/prefill_instance.h"
+#include "golden.h"
+#include "model/qwen3_5_moe.h"
+#include "model/qwen3_moe.h"
+#include "mtp_weights.h"
+
+namespace tandem {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Random MTP weights (a MoE layer) for the fixture, one directory per process.
+struct RandomMtp {
+  std::string dir;
+  RandomMtp(const std::string& model_dir, uint64_t seed) {
+    dir = (fs::temp_directory_path() / ("tandem_mtpep_" + fs::path(model_dir).filename().string() +
+                                        "_" + std::to_string(::getpid())))
+              .string();
+    testing::write_random_mtp(model_dir, dir, seed);
+  }
+  ~RandomMtp() { fs::remove_all(dir); }
+};
+
+std::string fixture() { return testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2"; }
+std::string demo() { return testing::source_dir() + "/models/demo"; }
+bool has_demo_mtp() { return fs::exists(demo() + "/model-mtp.safetensors"); }
+
+// What one decode instance produced.
+struct DecodeRun {
+  std::map<std::string, std::vector<int32_t>> tokens;
+  std::map<std::string, int> errors;
+  // The MTP's drafts (recorded by a hook that keeps them), by request and tokens so far.
+  std::map<std::string, std::vector<int32_t>> drafts;
+  EngineStats stats;
+  bool completed = false;
+};
+
+// Runs `reqs` through prefill (one rank) -> decode instance (dp ranks, EP). Every request is
+// reserved before any is prefilled, so the prompts' pages are fresh on every rank whatever
+// dp: the decode side never writes the MTP KV of prompt positions (the prefill instance
+// computed them), and fresh pages read the same (zeros) in every configuration.
+DecodeRun run_decode(const std::string& dir, const std::string& mtp, int dp, int64_t k,
+                     const std::vector<GenRequest>& reqs) {
+  DecodeRun res;
+  std::mutex mu;
+  std::condition_variable cv;
+  DecodeInstanceConfig cfg;
+  cfg.model_dir = dir;
+  cfg.dp = dp;
+  cfg.engine.num_pages = 256;
+  cfg.engine.num_speculative_tokens = k;
+  cfg.max_decode_batch = 8;
+  cfg.mtp_dir = mtp;
+  if (k > 0) {
+    cfg.engine.spec_draft_hook = [&](const std::string& id, std::span<const int32_t> tokens,
+                                     std::vector<int32_t>& drafts) {
+      std::lock_guard<std::mutex> lock(mu);  // (every rank's thread)
+      res.drafts[id + "@" + std::to_string(tokens.size())] = drafts;
+    };
+  }
+  int finished = 0;
+  DecodeInstance d(cfg);
+  PrefillInstanceConfig pcfg;
+  pcfg.model_dir = dir;
+  pcfg.engine.num_pages = 256;
+  PrefillInstance p(pcfg);
+  std::vector<transfer::TransferDescriptor> dsts;
+  for (const GenRequest& r : reqs) {
+    auto dst = d.accept(r, p.kv_sharding(), [&, id = r.id](const StepOutput& o) {
+      std::lock_guard<std::mutex> lock(mu);
+      res.tokens[id].insert(res.tokens[id].end(), o.token_ids.begin(), o.token_ids.end());
+      if (o.finished) {
+        if (o.finish_reason == FinishReason::kError) ++res.errors[id];
+        ++finished;
+        cv.notify_all();
+      }
+    });
+    EXPECT_TRUE(dst.has_value()) << r.id;
+    if (!dst) return res;
+    dsts.push_back(*dst);
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    p.submit(reqs[i], dsts[i],
+             [&d, id = reqs[i].id](const std::string& error, const StepOutput& first) {
+               if (error.empty()) {
+                 d.prefilled(id, first);
+               } else {
+                 d.fail(id, error);
+               }
+             });
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    res.completed = cv.wait_for(lock, std::chrono::seconds(90),
+                                [&] { return finished == static_cast<int>(reqs.size()); });
+  }
+  res.stats = d.stats();
+  return res;
+}
+
+// Prompts of several lengths and max_tokens: ranks run out of work at different steps (idle
+// ranks serve their experts with empty passes), sequences near max_tokens draft fewer than K.
+std::vector<GenRequest> requests(const std::string& dir, int count) {
+  const int64_t vocab = ModelConfig::from_dir(dir).vocab_size;
+  std::vector<GenRequest> reqs;
+  const testing::Golden g = testing::load_golden(dir);
+  for (int i = 0; i < count; ++i) {
+    GenRequest r;
+    r.id = "q" + std::to_string(i);
+    const auto& c = g.cases[static_cast<size_t>(i) % g.cases.size()];
+    r.prompt_ids = c.prompt_ids;
+    for (int j = 0; j < i / static_cast<int>(g.cases.size()); ++j) {
+      r.prompt_ids.push_back(static_cast<int32_t>((7 * i + 3 * j + 1) % vocab));
+    }
+    r.max_tokens = 5 + (i * 7) % 23;
+    r.sampling.temperature = 0;
+    reqs.push_back(r);
+  }
+  return reqs;
+}
+
+void expect_counters_consistent(const EngineStats& st, int64_t k) {
+  ASSERT_EQ(st.spec_accepted_per_pos.size(), static_cast<size_t>(k));
+  int64_t accepted = 0;
+  for (int64_t a : st.spec_accepted_per_pos) accepted += a;
+  EXPECT_EQ(accepted, st.spec_num_accepted_tokens);
+  EXPECT_GT(st.spec_num_drafts, 0);
+  EXPECT_LE(st.spec_num_draft_tokens, k * st.spec_num_drafts);
+}
+
+// DP 2 and 4 with K = 1..3: the greedy tokens of the instance without speculation and of DP 1,
+// and the same drafts (the MTP's argmax at every position) and counters as DP 1: the CPU EP
+// MoE sums each token's expert outputs in ascending expert id as one process does, and every
+// op is per row, so the MTP's logits are bitwise DP 1's whatever batch a rank runs.
+void expect_dp_equals_dp1(const std::string& dir, const std::string& mtp, bool real_head) {
+  const std::vector<GenRequest> reqs = requests(dir, 6);
+  const DecodeRun plain = run_decode(dir, "", 1, 0, reqs);
+  ASSERT_TRUE(plain.completed);
+  for (int64_t k = 1; k <= 3; ++k) {
+    SCOPED_TRACE("K = " + std::to_string(k));
+    const DecodeRun one = run_decode(dir, mtp, 1, k, reqs);
+    ASSERT_TRUE(one.completed);
+    EXPECT_EQ(one.tokens, plain.tokens);
+    EXPECT_TRUE(one.errors.empty());
+    expect_counters_consistent(one.stats, k);
+    if (real_head) EXPECT_GT(one.stats.spec_num_accepted_tokens, 0);
+    for (int dp : {2, 4}) {
+      SCOPED_TRACE("dp = " + std::to_string(dp));
+      const DecodeRun many = run_decode(dir, mtp, dp, k, reqs);
+      ASSERT_TRUE(many.completed) << "the instance did not finish (a rank out of lockstep?)";
+      EXPECT_TRUE(many.errors.empty());
+      EXPECT_EQ(many.tokens, plain.tokens);
+      EXPECT_EQ(many.drafts, one.drafts);
+      EXPECT_EQ(many.stats.spec_num_drafts, one.stats.spec_num_drafts);
+      EXPECT_EQ(many.stats.spec_num_draft_tokens, one.stats.spec_num_draft_tokens);
+      EXPECT_EQ(many.stats.spec_num_accepted_tokens, one.stats.spec_num_accepted_tokens);
+      EXPECT_EQ(many.stats.spec_accepted_per_pos, one.stats.spec_accepted_per_pos);
+    }
+  }
+}
+
+TEST(SpecDecodeEp, RandomHeadDpEqualsDp1ForK1To3) {
+  const RandomMtp mtp(fixture(), 5);
+  expect_dp_equals_dp1(fixture(), mtp.dir, /*real_head=*/false);
+}
+
+// The demo model's trained head: drafts are accepted, so acceptance and the rollback of
+// rejected positions run across ranks too.
+TEST(SpecDecodeEp, DemoHeadDpEqualsDp1ForK1To3) {
+  if (!has_demo_mtp()) GTEST_SKIP() << "models/demo has no MTP head";
+  expect_dp_equals_dp1(demo(), demo(), /*real_head=*/true);
+}
+
+// One sequence on a DP 2 instance: rank 1 never drafts, yet rank 0's MTP passes need rank 1's
+// experts every step (K passes of rank 1 with empty batches). Without them rank 0 would wait
+// in the all-to-all until the group's timeout and the request would fail.
+TEST(SpecDecodeEp, OneBusyRankOneIdleRankDoesNotHang) {
+  const RandomMtp mtp(fixture(), 9);
+  std::vector<GenRequest> reqs = requests(fixture(), 1);
+  reqs[0].max_tokens = 20;
+  const DecodeRun plain = run_decode(fixture(), "", 1, 0, reqs);
+  for (int64_t k : {1, 3}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const DecodeRun r = run_decode(fixture(), mtp.dir, 2, k, reqs);
+    ASSERT_TRUE(r.completed) << "K " << k;
+    EXPECT_TRUE(r.errors.empty());
+    EXPECT_EQ(r.tokens, plain.tokens);
+    EXPECT_GT(r.stats.spec_num_drafts, 0);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  }
+}
+
+// Each rank holds only its own MTP experts (mtp.layers.0.mlp.experts.*); the router, attention,
+// fc and norms are whole on every rank.
+TEST(SpecDecodeEp, MtpExpertsAreSharded) {
+  const std::string dir = fixture();
+  const RandomMtp mtp(dir, 3);
+  const ModelConfig c = ModelConfig::from_dir(dir);
+  const int64_t expert_bytes = 3 * c.moe_intermediate_size * c.hidden_size * 4;  // fp32
+  auto whole = Qwen3MoeCpu::load(dir);
+  EXPECT_EQ(whole->mtp_weight_bytes(), 0);
+  whole->load_mtp(mtp.dir);
+  const int64_t all = whole->mtp_weight_bytes();
+  EXPECT_FALSE(whole->mtp_collective());
+  ASSERT_GT(all, c.num_experts * expert_bytes);
+  for (int dp : {1, 2, 4}) {
+    auto comms = comm::LocalCommunicator::create_group(dp);
+    for (int r = 0; r < dp; ++r) {
+      auto m =
+          Qwen3MoeCpu::load(dir, ShardSpec::decode(r, dp), comms[static_cast<size_t>(r)].get());
+      m->load_mtp(mtp.dir);
+      EXPECT_EQ(m->mtp_weight_bytes(), all - (c.num_experts - c.num_experts / dp) * expert_bytes)
+          << "dp " << dp << " rank " << r;
+      EXPECT_EQ(m->mtp_collective(), dp > 1);
+    }
+  }
+}
+
+// The engine's rule for a collective MTP layer: every step runs exactly K passes (pass 0, the
+// chained ones, empty ones for what the rank does not draft), also an empty step and a step
+// whose forward failed; without it, K - 1 chained passes at most, none for an empty step.
+class CountingModel final : public Model {
+ public:
+  CountingModel(Model& inner, bool collective) : inner_(inner), collective_(collective) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  KvGeometry kv_geometry(int64_t p, int64_t s) const override { return inner_.kv_geometry(p, s); }
+  void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
+    if (fail_forward) TANDEM_THROW(kInternal, "forward failed (test)");
+    inner_.forward(b, kv, logits);
+  }
+  bool has_mtp() const override { return inner_.has_mtp(); }
+  bool mtp_collective() const override { return collective_; }
+  KvGeometry mtp_kv_geometry(int64_t p, int64_t s) const override {
+    return inner_.mtp_kv_geometry(p, s);
+  }
+  void mtp_forward(const ForwardBatch& b, const float* hidden, KvCache& kv,
+                   std::vector<float>& logits, std::vector<float>& hidden_out) override {
+    ++passes;
+    inner_.mtp_forward(b, hidden, kv, logits, hidden_out);
+  }
+  int64_t passes = 0;
+  bool fail_forward = false;
+
+ private:
+  Model& inner_;
+  bool collective_;
+};
+
+TEST(SpecDecodeEp, CollectiveMtpRunsKPassesEveryStep) {
+  const RandomMtp mtp(fixture(), 4);
+  auto inner = Qwen3MoeCpu::load(fixture());
+  inner->load_mtp(mtp.dir);
+  for (bool collective : {true, false}) {
+    for (int64_t k : {1, 3}) {
+      SCOPED_TRACE("collective " + std::to_string(collective) + " K " + std::to_string(k));
+      CountingModel model(*inner, collective);
+      EngineConfig cfg;
+      cfg.num_speculative_tokens = k;
+      Engine engine(model, cfg);
+      for (const GenRequest& r : requests(fixture(), 3)) engine.add(r, nullptr);
+      int64_t steps = 0, short_steps = 0;
+      auto step = [&] {
+        const int64_t before = model.passes;
+        ScheduledBatch batch = engine.schedule();
+        if (engine.forward(batch)) engine.complete(batch);
+        return model.passes - before;
+      };
+      while (engine.has_work()) {
+        const int64_t n = step();
+        ++steps;
+        if (collective) {
+          EXPECT_EQ(n, k) << "step " << steps;
+        } else {
+          EXPECT_LE(n, k);
+          short_steps += n < k;
+        }
+      }
+      EXPECT_GT(steps, 3);
+      // An empty step (nothing scheduled, as an idle decode rank's).
+      EXPECT_EQ(step(), collective ? k : 0);
+      // A step whose forward fails: its requests end with an error, the passes still run.
+      GenRequest r = requests(fixture(), 1)[0];
+      r.id = "fails";
+      StepOutput last;
+      engine.add(r, [&](const StepOutput& o) { last = o; });
+      model.fail_forward = true;
+      EXPECT_EQ(step(), collective ? k : 0);
+      EXPECT_TRUE(last.finished);
+      EXPECT_EQ(last.finish_reason, FinishReason::kError);
+      model.fail_forward = false;
+      if (!collective && k > 1) EXPECT_GT(short_steps, 0);  // the rule is not vacuous
+    }
+  }
+}
+
+// Hybrids keep their MTP layer whole and local (no collectives); under DP > 1 their state
+// rollback would be a forward of some ranks only: refused with a message.
+TEST(SpecDecodeEp, HybridRefusedUnderDpAbove1) {
+  const std::string dir = testing::hybrid_golden_dirs().front();
+  const RandomMtp mtp(dir, 2);
+  DecodeInstanceConfig cfg;
+  cfg.model_dir = dir;
+  cfg.dp = 2;
+  cfg.engine.num_pages = 64;
+  cfg.engine.num_speculative_tokens = 2;
+  cfg.mtp_dir = mtp.dir;
+  try {
+    DecodeInstance d(cfg);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(e.message().find("hybrid"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("--dp 2"), std::string::npos) << e.message();
+  }
+  cfg.dp = 1;  // one rank speculates as before
+  DecodeInstance one(cfg);
+}
+
+}  // namespace
+}  // namespace tandem
