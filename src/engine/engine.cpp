@@ -268,7 +268,7 @@ ScheduledBatch Engine::schedule() {
   if (!scheduler_.has_work()) return {};
   ScheduledBatch batch = scheduler_.schedule();
   if (speculating()) {  // the MTP layer's input: on the host unless every draft stays on the device
-    bool host = !model_.mtp_drafts_on_device();
+    bool host = !chains_on_device();
     for (const auto& ss : batch.seqs) host = host || !drafts_on_device(*ss.seq);
     batch.forward.hidden_out = host ? &hidden_ : nullptr;
     if (!host) hidden_.clear();
@@ -851,10 +851,8 @@ void Engine::draft() {
   // to the host for the next.
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) on_device = on_device && drafts_on_device(*s);
-  // NOTE: a collective MTP layer (decode EP) drafts pass by pass: its peers run K passes in
-  // every step (pad_mtp_passes), which the one-call chain does not count yet.
   int64_t passes = 0;
-  if (on_device && model_.mtp_drafts_on_device() && !model_.mtp_collective()) {
+  if (on_device && chains_on_device()) {
     draft_chain_on_device(fb, hidden_rows, drafting, num_drafts);
   } else {
     passes = draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);

@@ -175,6 +175,12 @@ class Engine {
   void draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
                              const std::vector<Sequence*>& drafting,
                              const std::vector<int64_t>& num_drafts);
+  /// True when the model drafts a whole chain in one call (Model::mtp_draft_chain). Not with a
+  /// collective MTP layer (decode EP): its peers run K passes in every step (pad_mtp_passes),
+  /// which the one-call chain does not count yet, so it drafts pass by pass.
+  bool chains_on_device() const {
+    return model_.mtp_drafts_on_device() && !model_.mtp_collective();
+  }
   /// True when s's drafts can be the MTP's argmax on the model's device (no host logits).
   bool drafts_on_device(const Sequence& s) const;
   /// The MTP passes every step must run (Model::mtp_collective(): a decode EP rank's group
