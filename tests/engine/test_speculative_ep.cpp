@@ -6,11 +6,15 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <span>
+#include <utility>
 
 #include "comm/local_comm.h"
 #include "core/error.h"
@@ -236,10 +240,14 @@ TEST(SpecDecodeEp, MtpExpertsAreSharded) {
 
 // The engine's rule for a collective MTP layer: every step runs exactly K passes (pass 0, the
 // chained ones, empty ones for what the rank does not draft), also an empty step and a step
-// whose forward failed; without it, K - 1 chained passes at most, none for an empty step.
+// whose forward failed; without it, K - 1 chained passes at most, none for an empty step. With
+// `chain`, the model drafts "on its device" (greedy rows argmax'd here, Model::mtp_draft_chain
+// by its host reference, counting its 1 + chain.size() passes): a collective layer still drafts
+// pass by pass (mtp_forward_sample; the one-call chain stays single-rank), others chain.
 class CountingModel final : public Model {
  public:
-  CountingModel(Model& inner, bool collective) : inner_(inner), collective_(collective) {}
+  CountingModel(Model& inner, bool collective, bool chain = false)
+      : inner_(inner), collective_(collective), chain_(chain) {}
   const ModelConfig& config() const override { return inner_.config(); }
   KvGeometry kv_geometry(int64_t p, int64_t s) const override { return inner_.kv_geometry(p, s); }
   void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
@@ -256,22 +264,63 @@ class CountingModel final : public Model {
     ++passes;
     inner_.mtp_forward(b, hidden, kv, logits, hidden_out);
   }
-  int64_t passes = 0;
+  // The device paths (chain_): greedy rows only.
+  bool samples_on_device() const override { return chain_; }
+  void forward_sample(const ForwardBatch& b, KvCache& kv, const std::vector<DeviceSampling>& rows,
+                      std::vector<SampledToken>& out,
+                      const std::function<void()>& wait_masks = {}) override {
+    if (wait_masks) wait_masks();
+    if (fail_forward) TANDEM_THROW(kInternal, "forward failed (test)");
+    ForwardBatch keep = b;  // the target's hidden states stay "on the device" (here)
+    keep.hidden_out = &last_hidden_;
+    std::vector<float> logits;
+    inner_.forward(keep, kv, logits);
+    if (b.hidden_out != nullptr) *b.hidden_out = last_hidden_;
+    argmax(logits, static_cast<int64_t>(rows.size()), out);
+  }
+  void mtp_forward_sample(const ForwardBatch& b, const float* hidden, KvCache& kv,
+                          const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                          std::vector<float>& hidden_out) override {
+    std::vector<float> logits;
+    mtp_forward(b, hidden, kv, logits, hidden_out);
+    argmax(logits, static_cast<int64_t>(rows.size()), out);
+  }
+  bool mtp_drafts_on_device() const override { return chain_; }
+  void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                       const std::vector<MtpChainPass>& chain, KvCache& kv,
+                       std::vector<std::vector<int32_t>>& drafts) override {
+    mtp_draft_chain_on_host(inner_, last_hidden_, first, hidden_rows, chain, kv, drafts);
+    passes += 1 + static_cast<int64_t>(chain.size());  // one exchange per pass
+    ++chains;
+  }
+  int64_t passes = 0, chains = 0;
   bool fail_forward = false;
 
  private:
+  void argmax(const std::vector<float>& logits, int64_t rows, std::vector<SampledToken>& out) {
+    const int64_t v = config().vocab_size;
+    out.assign(static_cast<size_t>(rows), {});
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = logits.data() + r * v;
+      out[static_cast<size_t>(r)].token =
+          static_cast<int32_t>(std::max_element(row, row + v) - row);
+    }
+  }
   Model& inner_;
-  bool collective_;
+  bool collective_, chain_;
+  std::vector<float> last_hidden_;
 };
 
 TEST(SpecDecodeEp, CollectiveMtpRunsKPassesEveryStep) {
   const RandomMtp mtp(fixture(), 4);
   auto inner = Qwen3MoeCpu::load(fixture());
   inner->load_mtp(mtp.dir);
-  for (bool collective : {true, false}) {
+  for (const auto& [collective, chain] : {std::pair{true, false}, std::pair{false, false},
+                                          std::pair{true, true}, std::pair{false, true}}) {
     for (int64_t k : {1, 3}) {
-      SCOPED_TRACE("collective " + std::to_string(collective) + " K " + std::to_string(k));
-      CountingModel model(*inner, collective);
+      SCOPED_TRACE("collective " + std::to_string(collective) + " chain " + std::to_string(chain) +
+                   " K " + std::to_string(k));
+      CountingModel model(*inner, collective, chain);
       EngineConfig cfg;
       cfg.num_speculative_tokens = k;
       Engine engine(model, cfg);
@@ -307,6 +356,7 @@ TEST(SpecDecodeEp, CollectiveMtpRunsKPassesEveryStep) {
       EXPECT_EQ(last.finish_reason, FinishReason::kError);
       model.fail_forward = false;
       if (!collective && k > 1) EXPECT_GT(short_steps, 0);  // the rule is not vacuous
+      if (chain) EXPECT_EQ(model.chains > 0, !collective) << model.chains << " chains";
     }
   }
 }
