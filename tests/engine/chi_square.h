@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <utility>
@@ -56,6 +58,24 @@ inline auto drafts_from(std::vector<int32_t> mode, size_t prompt_len) {
     for (size_t m = 0; m < drafts.size(); ++m) {
       const size_t i = tokens.size() - prompt_len + m;
       if (i < mode.size()) drafts[m] = mode[i];
+    }
+  };
+}
+
+/// An EngineConfig::spec_draft_hook from known continuations: request id -> its whole token
+/// sequence (prompt, then output); an id's wave prefix up to its first '-' is dropped. Each draft
+/// is the continuation's token (mostly right: every accepted length, bonus tokens, rollbacks),
+/// replaced by a random one with probability 0.3 from a seeded stream of the hook's own.
+inline auto oracle_drafts(std::map<std::string, std::vector<int32_t>> full, int64_t vocab) {
+  auto want = std::make_shared<const std::map<std::string, std::vector<int32_t>>>(std::move(full));
+  auto rng = std::make_shared<std::mt19937_64>(11);
+  return [want, rng, vocab](const std::string& id, std::span<const int32_t> tokens,
+                            std::vector<int32_t>& drafts) {
+    const auto& t = want->at(id.substr(id.find('-') + 1));
+    for (size_t m = 0; m < drafts.size(); ++m) {
+      const size_t pos = tokens.size() + m;
+      if (pos < t.size()) drafts[m] = t[pos];
+      if ((*rng)() % 10 < 3) drafts[m] = static_cast<int32_t>((*rng)() % vocab);
     }
   };
 }

@@ -2,9 +2,12 @@
 // checkpoint, written into a directory of their own (--speculative-config "model": DIR).
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -87,6 +90,27 @@ inline void write_random_mtp(const std::string& model_dir, const std::string& di
   out.write(hs.data(), static_cast<std::streamsize>(hs.size()));
   out.write(reinterpret_cast<const char*>(data.data()),
             static_cast<std::streamsize>(data.size() * sizeof(float)));
+}
+
+/// write_random_mtp(model_dir, DIR, 7) into a temporary DIR of its own, once per process and
+/// model (removed at exit): random MTP weights draft nearly nothing acceptable, which the
+/// losslessness tests want (the output must not change anyway).
+inline const std::string& random_mtp_dir(const std::string& model_dir) {
+  struct Dirs : std::map<std::string, std::string> {
+    ~Dirs() {
+      for (const auto& [model, dir] : *this) std::filesystem::remove_all(dir);
+    }
+  };
+  static Dirs dirs;
+  std::string& d = dirs[model_dir];
+  if (d.empty()) {
+    d = (std::filesystem::temp_directory_path() /
+         ("tandem_mtp_" + std::filesystem::path(model_dir).filename().string() + "_" +
+          std::to_string(::getpid())))
+            .string();
+    write_random_mtp(model_dir, d, 7);
+  }
+  return d;
 }
 
 }  // namespace tandem::testing

@@ -32,28 +32,9 @@ namespace {
 namespace fs = std::filesystem;
 using testing::Golden;
 
-// Random MTP weights for a fixture, written once per process (acceptance near zero: the
-// output must not change anyway).
-const std::string& mtp_dir(const std::string& model_dir) {
-  struct Dirs : std::map<std::string, std::string> {
-    ~Dirs() {
-      for (const auto& [model, dir] : *this) fs::remove_all(dir);
-    }
-  };
-  static Dirs dirs;
-  std::string& d = dirs[model_dir];
-  if (d.empty()) {
-    d = (fs::temp_directory_path() / ("tandem_mtp_" + fs::path(model_dir).filename().string() +
-                                      "_" + std::to_string(::getpid())))
-            .string();
-    testing::write_random_mtp(model_dir, d, 7);
-  }
-  return d;
-}
-
 std::unique_ptr<Qwen3MoeCpu> load_with_mtp(const std::string& dir) {
   auto m = Qwen3MoeCpu::load(dir);
-  m->load_mtp(mtp_dir(dir));
+  m->load_mtp(testing::random_mtp_dir(dir));
   return m;
 }
 
@@ -140,23 +121,13 @@ void expect_same(const Out& got, const Out& want, const std::string& what) {
 // length 0..K occurs): exercises acceptance, the bonus token and the rollback of rejected KV.
 EngineConfig::SpecHookFn oracle(const std::vector<GenRequest>& reqs, const std::vector<Out>& ref,
                                 int64_t vocab) {
-  auto full = std::make_shared<std::map<std::string, std::vector<int32_t>>>();
+  std::map<std::string, std::vector<int32_t>> full;
   for (size_t i = 0; i < reqs.size(); ++i) {
     std::vector<int32_t> t = reqs[i].prompt_ids;
     t.insert(t.end(), ref[i].ids.begin(), ref[i].ids.end());
-    (*full)[reqs[i].id] = t;
+    full[reqs[i].id] = t;
   }
-  auto rng = std::make_shared<std::mt19937_64>(11);
-  return [full, rng, vocab](const std::string& id, std::span<const int32_t> tokens,
-                            std::vector<int32_t>& drafts) {
-    const std::string key = id.substr(id.find('-') + 1);  // strip the wave
-    const auto& want = full->at(key);
-    for (size_t m = 0; m < drafts.size(); ++m) {
-      const size_t pos = tokens.size() + m;
-      if (pos < want.size()) drafts[m] = want[pos];
-      if ((*rng)() % 10 < 3) drafts[m] = static_cast<int32_t>((*rng)() % vocab);
-    }
-  };
+  return testing::oracle_drafts(std::move(full), vocab);
 }
 
 class SpecLosslessTest : public ::testing::TestWithParam<std::string> {};
@@ -234,7 +205,7 @@ class SpecHybridLosslessTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SpecHybridLosslessTest, GreedyTokensUnchangedForK1To4) {
   auto model = load_cpu_model(GetParam());
-  model->load_mtp(mtp_dir(GetParam()));
+  model->load_mtp(testing::random_mtp_dir(GetParam()));
   ASSERT_TRUE(model->has_mtp());
   expect_lossless_for_k1_to_4(*model, testing::load_golden(GetParam()), /*golden_exact=*/false);
 }
@@ -642,7 +613,7 @@ TEST(SpecHybridSampling, DistributionEqualsNonSpeculative) {
       testing::source_dir() + "/tests/data/fixtures/qwen35_text_hd64_int2_fused";
   if (!fs::exists(dir + "/golden.json")) GTEST_SKIP() << "no fixture";
   auto model = load_cpu_model(dir);
-  model->load_mtp(mtp_dir(dir));
+  model->load_mtp(testing::random_mtp_dir(dir));
   GenRequest proto;
   proto.prompt_ids = testing::load_golden(dir).cases[0].prompt_ids;
   proto.max_tokens = 3;
@@ -886,7 +857,7 @@ TEST(SpecDecodeInstance, SameTokensAsOneEngine) {
   cfg.engine.num_pages = 256;
   cfg.engine.num_speculative_tokens = 3;
   cfg.max_decode_batch = 4;
-  cfg.mtp_dir = mtp_dir(dir);
+  cfg.mtp_dir = testing::random_mtp_dir(dir);
   std::mutex mu;
   std::condition_variable cv;
   std::map<std::string, std::vector<int32_t>> got;

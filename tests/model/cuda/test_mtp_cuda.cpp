@@ -32,6 +32,7 @@
 #include "model/cuda/cuda_golden_util.h"
 #include "model/cuda/mtp_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
+#include "model/cuda/spec_sampling_check.h"
 #include "model/qwen3_moe.h"
 
 namespace tandem {
@@ -49,42 +50,15 @@ std::vector<std::string> mtp_fixtures() {
   return out;
 }
 
-// Random MTP weights for a fixture, written once per process.
-const std::string& mtp_dir(const std::string& model_dir) {
-  struct Dirs : std::map<std::string, std::string> {
-    ~Dirs() {
-      for (const auto& [model, dir] : *this) fs::remove_all(dir);
-    }
-  };
-  static Dirs dirs;
-  std::string& d = dirs[model_dir];
-  if (d.empty()) {
-    d = (fs::temp_directory_path() / ("tandem_mtp_cuda_" + fs::path(model_dir).filename().string() +
-                                      "_" + std::to_string(::getpid())))
-            .string();
-    testing::write_random_mtp(model_dir, d, 7);
-  }
-  return d;
-}
-
-// Drafts from the golden continuation, each replaced by a random token with probability 0.3.
+// Drafts from the golden continuations of requests "r<i>" (testing::oracle_drafts).
 EngineConfig::SpecHookFn oracle(const std::vector<testing::GoldenCase>& cases, int64_t vocab) {
-  auto full = std::make_shared<std::map<std::string, std::vector<int32_t>>>();
+  std::map<std::string, std::vector<int32_t>> full;
   for (size_t i = 0; i < cases.size(); ++i) {
     std::vector<int32_t> t = cases[i].prompt_ids;
     t.insert(t.end(), cases[i].output_ids.begin(), cases[i].output_ids.end());
-    (*full)["r" + std::to_string(i)] = t;
+    full["r" + std::to_string(i)] = t;
   }
-  auto rng = std::make_shared<std::mt19937_64>(11);
-  return [full, rng, vocab](const std::string& id, std::span<const int32_t> tokens,
-                            std::vector<int32_t>& drafts) {
-    const auto& want = full->at(id);
-    for (size_t m = 0; m < drafts.size(); ++m) {
-      const size_t pos = tokens.size() + m;
-      if (pos < want.size()) drafts[m] = want[pos];
-      if ((*rng)() % 10 < 3) drafts[m] = static_cast<int32_t>((*rng)() % vocab);
-    }
-  };
+  return testing::oracle_drafts(std::move(full), vocab);
 }
 
 class CudaMtp : public ::testing::TestWithParam<std::string> {
@@ -98,14 +72,14 @@ TEST_P(CudaMtp, MtpPassMatchesTheCpuModel) {
   const std::string dir = GetParam();
   const testing::Golden g = testing::load_golden(dir);
   auto cpu = Qwen3MoeCpu::load(dir);
-  cpu->load_mtp(mtp_dir(dir));
+  cpu->load_mtp(testing::random_mtp_dir(dir));
   CudaModelOptions o;
   o.max_tokens = 512;
   o.max_seqs = 8;
   o.page_size = 4;
   o.mtp_graphs = true;  // the one-token passes below replay the draft graph
   auto gpu = Qwen3MoeCuda::load(dir, o);
-  gpu->load_mtp(mtp_dir(dir));
+  gpu->load_mtp(testing::random_mtp_dir(dir));
   ASSERT_TRUE(gpu->has_mtp());
   const int64_t vocab = cpu->config().vocab_size;
   std::vector<double> errs;
@@ -299,7 +273,7 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
     o.cuda_graphs =
         graphs;  // with graphs: the draft passes in graphs too (mtp_graphs, the default)
     auto gpu = Qwen3MoeCuda::load(dir, o);
-    gpu->load_mtp(mtp_dir(dir));
+    gpu->load_mtp(testing::random_mtp_dir(dir));
     EngineConfig base;
     base.max_num_seqs = 8;
     base.max_batched_tokens = 1024;
@@ -355,7 +329,7 @@ TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
   o.max_seqs = 8;
   o.page_size = 16;
   auto gpu = Qwen3MoeCuda::load(dir, o);
-  gpu->load_mtp(mtp_dir(dir));
+  gpu->load_mtp(testing::random_mtp_dir(dir));
   EngineConfig base;
   base.max_num_seqs = 8;
   base.max_batched_tokens = 1024;
@@ -413,81 +387,9 @@ TEST(CudaMtpSampling, DistributionEqualsNonSpeculative) {
   o.page_size = 16;
   o.mtp_graphs = true;
   auto gpu = Qwen3MoeCuda::load(dir, o);
-  gpu->load_mtp(mtp_dir(dir));
+  gpu->load_mtp(testing::random_mtp_dir(dir));
   const testing::Golden g = testing::load_golden(dir);
-  constexpr int kSamples = 3000;
-  using Counts = std::map<std::vector<int32_t>, int64_t>;
-  auto sample = [&](EngineConfig cfg, std::vector<std::vector<int32_t>>* ids, EngineStats* stats) {
-    cfg.max_num_seqs = 128;
-    cfg.max_batched_tokens = 2048;
-    cfg.page_size = 16;
-    cfg.kv_cache_mb = 64;
-    cfg.max_waiting = kSamples + 1;
-    cfg.spec_sampled_on_device = true;  // the switch under test (the default)
-    Engine engine(*gpu, cfg);
-    std::vector<std::vector<int32_t>> out(kSamples);
-    for (int i = 0; i < kSamples; ++i) {
-      GenRequest r;
-      r.id = "s" + std::to_string(i);
-      r.prompt_ids = g.cases[0].prompt_ids;
-      r.max_tokens = 3;
-      r.sampling.temperature = 0.8f;
-      r.sampling.top_k = 4;
-      r.sampling.seed = static_cast<uint64_t>(1000 + i);
-      engine.add(r, [&out, i](const StepOutput& s) {
-        out[static_cast<size_t>(i)].insert(out[static_cast<size_t>(i)].end(), s.token_ids.begin(),
-                                           s.token_ids.end());
-      });
-    }
-    while (engine.step()) {
-    }
-    EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages()) << "leaked KV pages";
-    if (stats) *stats = engine.stats();
-    Counts counts;
-    for (const auto& t : out) ++counts[t];
-    if (ids) *ids = std::move(out);
-    return counts;
-  };
-  std::vector<std::vector<int32_t>> base_ids;
-  const Counts want = sample(EngineConfig{}, &base_ids, nullptr);
-  const std::vector<int32_t> mode = testing::most_frequent(want);
-  const size_t prompt_len = g.cases[0].prompt_ids.size();
-  for (const bool hooked : {true, false}) {
-    SCOPED_TRACE(hooked ? "deterministic drafts" : "random MTP drafts");
-    EngineConfig spec;
-    spec.num_speculative_tokens = 2;
-    if (hooked) {
-      spec.spec_draft_hook = testing::drafts_from(mode, prompt_len);
-    }
-    std::vector<std::vector<int32_t>> ids;
-    EngineStats st;
-    const Counts got = sample(spec, &ids, &st);
-    const auto [x2, df] = testing::chi_square(got, want);
-    int same = 0;
-    for (int i = 0; i < kSamples; ++i)
-      same += ids[static_cast<size_t>(i)] == base_ids[static_cast<size_t>(i)];
-    std::printf(
-        "[ %s ] sampled, K = 2, %s: %lld of %lld drafts accepted, chi-square %.1f (df "
-        "%lld, bound %.1f), %d of %d continuations token-identical\n",
-        g.name.c_str(), hooked ? "deterministic drafts" : "MTP drafts",
-        static_cast<long long>(st.spec_num_accepted_tokens),
-        static_cast<long long>(st.spec_num_draft_tokens), x2, static_cast<long long>(df),
-        testing::chi_square_bound(df), same, kSamples);
-    EXPECT_LT(x2, testing::chi_square_bound(df)) << "df " << df;
-    EXPECT_GT(st.spec_num_draft_tokens, 0);
-    if (hooked) {
-      EXPECT_GT(st.spec_num_accepted_tokens, st.spec_num_draft_tokens / 10);
-    }
-    EXPECT_GT(same, kSamples / 2);
-  }
-  EngineConfig wrong;
-  wrong.num_speculative_tokens = 2;
-  wrong.spec_forced_accept_prob = 1.0;
-  const Counts bad = sample(wrong, nullptr, nullptr);
-  const auto [x2w, dfw] = testing::chi_square(bad, want);
-  std::printf("[ %s ] always accept: chi-square %.1f (df %lld, bound %.1f)\n", g.name.c_str(), x2w,
-              static_cast<long long>(dfw), testing::chi_square_bound(dfw));
-  EXPECT_GT(x2w, testing::chi_square_bound(dfw)) << "df " << dfw;
+  expect_spec_sampling_matches(*gpu, g, 0);
 }
 
 // CudaModelOptions::mtp_graphs (the default) with EngineConfig::warm_up and K = 3 (as tandem
@@ -513,10 +415,10 @@ TEST(CudaMtpWarmUp, CapturesTheVerifyGraphsOfK) {
   CudaModelOptions eager = o;
   eager.mtp_graphs = false;  // draft passes eager, verify graphs on first use
   auto cold = Qwen3MoeCuda::load(dir, eager);
-  cold->load_mtp(mtp_dir(dir));
+  cold->load_mtp(testing::random_mtp_dir(dir));
   const auto want = run_engine(*cold, g.cases, cfg, /*together=*/true);
   auto gpu = Qwen3MoeCuda::load(dir, o);
-  gpu->load_mtp(mtp_dir(dir));
+  gpu->load_mtp(testing::random_mtp_dir(dir));
   {
     EngineConfig w = cfg;
     w.warm_up = true;

@@ -42,6 +42,7 @@
 #include "model/config.h"
 #include "model/cuda/cuda_golden_util.h"
 #include "model/cuda/qwen3_5_moe_cuda.h"
+#include "model/cuda/spec_sampling_check.h"
 #include "model/qwen3_5_moe.h"
 
 namespace tandem {
@@ -57,25 +58,6 @@ constexpr double kHybridMedianTol = 2.5e-2;
 constexpr double kHybridP95Tol = 0.2;
 constexpr double kFlips = 0.05;
 
-// Random MTP weights for a fixture, written once per process.
-const std::string& mtp_dir(const std::string& model_dir) {
-  struct Dirs : std::map<std::string, std::string> {
-    ~Dirs() {
-      for (const auto& [model, dir] : *this) fs::remove_all(dir);
-    }
-  };
-  static Dirs dirs;
-  std::string& d = dirs[model_dir];
-  if (d.empty()) {
-    d = (fs::temp_directory_path() /
-         ("tandem_q35_mtp_cuda_" + fs::path(model_dir).filename().string() + "_" +
-          std::to_string(::getpid())))
-            .string();
-    testing::write_random_mtp(model_dir, d, 7);
-  }
-  return d;
-}
-
 // Relative L2 error of each row of got vs want ([rows, width]) appended to errs.
 void row_errors(const std::vector<float>& got, const std::vector<float>& want, int64_t width,
                 const std::string& what, std::vector<double>& errs) {
@@ -90,6 +72,17 @@ void row_errors(const std::vector<float>& got, const std::vector<float>& want, i
     }
     errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
   }
+}
+
+// Drafts from the golden continuations of requests "r<i>" (testing::oracle_drafts).
+EngineConfig::SpecHookFn oracle(const std::vector<testing::GoldenCase>& cases, int64_t vocab) {
+  std::map<std::string, std::vector<int32_t>> full;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    std::vector<int32_t> t = cases[i].prompt_ids;
+    t.insert(t.end(), cases[i].output_ids.begin(), cases[i].output_ids.end());
+    full["r" + std::to_string(i)] = t;
+  }
+  return testing::oracle_drafts(std::move(full), vocab);
 }
 
 class CudaQwen35Mtp : public ::testing::TestWithParam<std::string> {
@@ -129,7 +122,7 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
   const std::string dir = GetParam();
   const testing::Golden g = testing::load_golden(dir);
   auto cpu = Qwen35MoeCpu::load(dir);
-  cpu->load_mtp(mtp_dir(dir));
+  cpu->load_mtp(testing::random_mtp_dir(dir));
   CudaModelOptions o;
   o.max_tokens = 512;
   o.max_seqs = 8;
@@ -137,7 +130,7 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
   o.mtp_graphs = true;  // the one-token passes below replay the draft graphs
   auto gpu = Qwen35MoeCuda::load(dir, o);
   EXPECT_FALSE(gpu->has_mtp());
-  gpu->load_mtp(mtp_dir(dir));
+  gpu->load_mtp(testing::random_mtp_dir(dir));
   ASSERT_TRUE(gpu->has_mtp());
   const int64_t vocab = cpu->config().vocab_size, h = cpu->config().hidden_size;
   const Layout l = layout(g, 4);
@@ -381,26 +374,6 @@ TEST_P(CudaQwen35Mtp, VerifyGraphRowsMatchTheCpuModel) {
   expect_verify_rows_match_the_cpu(GetParam(), true);
 }
 
-// Drafts from the golden continuation, each replaced by a random token with probability 0.3.
-EngineConfig::SpecHookFn oracle(const std::vector<testing::GoldenCase>& cases, int64_t vocab) {
-  auto full = std::make_shared<std::map<std::string, std::vector<int32_t>>>();
-  for (size_t i = 0; i < cases.size(); ++i) {
-    std::vector<int32_t> t = cases[i].prompt_ids;
-    t.insert(t.end(), cases[i].output_ids.begin(), cases[i].output_ids.end());
-    (*full)["r" + std::to_string(i)] = t;
-  }
-  auto rng = std::make_shared<std::mt19937_64>(11);
-  return [full, rng, vocab](const std::string& id, std::span<const int32_t> tokens,
-                            std::vector<int32_t>& drafts) {
-    const auto& want = full->at(id);
-    for (size_t m = 0; m < drafts.size(); ++m) {
-      const size_t pos = tokens.size() + m;
-      if (pos < want.size()) drafts[m] = want[pos];
-      if ((*rng)() % 10 < 3) drafts[m] = static_cast<int32_t>((*rng)() % vocab);
-    }
-  };
-}
-
 // A speculative run against the run without speculation (K = 0, the same model and mode): the
 // same tokens at every step up to the first whose golden top1-top2 margin is under kMarginBf16
 // or where the reference left golden, the chosen token's logprob within kLogprobTol. Returns the
@@ -449,7 +422,7 @@ void expect_greedy_lossless(const std::string& dir, const std::vector<LosslessMo
     o.page_size = m.page;
     o.cuda_graphs = m.graphs;
     auto gpu = Qwen35MoeCuda::load(dir, o);
-    gpu->load_mtp(mtp_dir(dir));
+    gpu->load_mtp(testing::random_mtp_dir(dir));
     gpu->set_verify_graphs(m.verify_graphs);
     EngineConfig base;
     base.max_num_seqs = 8;
@@ -543,14 +516,14 @@ TEST(CudaQwen35MtpWarmUp, CapturesTheDraftGraphs) {
   CudaModelOptions eager = o;
   eager.mtp_graphs = false;
   auto cold = Qwen35MoeCuda::load(dir, eager);
-  cold->load_mtp(mtp_dir(dir));
+  cold->load_mtp(testing::random_mtp_dir(dir));
   const auto ref = run_engine(*cold, g.cases, cfg, /*together=*/true);
   EXPECT_GT(compare_greedy(g, ref, "K = 0", /*lower_ranks=*/false), 0);
   cfg.num_speculative_tokens = 3;
   const auto want = run_engine(*cold, g.cases, cfg, /*together=*/true);
   EXPECT_TRUE(cold->captured_mtp_buckets().empty()) << "draft graphs with mtp_graphs off";
   auto gpu = Qwen35MoeCuda::load(dir, o);
-  gpu->load_mtp(mtp_dir(dir));
+  gpu->load_mtp(testing::random_mtp_dir(dir));
   EngineConfig w = cfg;
   w.warm_up = true;
   { Engine engine(*gpu, w); }
@@ -579,79 +552,9 @@ TEST(CudaQwen35MtpSampling, DistributionEqualsNonSpeculative) {
   o.max_seqs = 128;
   o.page_size = 16;
   auto gpu = Qwen35MoeCuda::load(dir, o);
-  gpu->load_mtp(mtp_dir(dir));
+  gpu->load_mtp(testing::random_mtp_dir(dir));
   const testing::Golden g = testing::load_golden(dir);
-  constexpr int kSamples = 3000;
-  using Counts = std::map<std::vector<int32_t>, int64_t>;
-  auto sample = [&](EngineConfig cfg, std::vector<std::vector<int32_t>>* ids, EngineStats* stats) {
-    cfg.max_num_seqs = 128;
-    cfg.max_batched_tokens = 2048;
-    cfg.page_size = 16;
-    cfg.kv_cache_mb = 64;
-    cfg.max_waiting = kSamples + 1;
-    cfg.spec_sampled_on_device = true;
-    Engine engine(*gpu, cfg);
-    std::vector<std::vector<int32_t>> out(kSamples);
-    for (int i = 0; i < kSamples; ++i) {
-      GenRequest r;
-      r.id = "s" + std::to_string(i);
-      r.prompt_ids = g.cases[1].prompt_ids;
-      r.max_tokens = 3;
-      r.sampling.temperature = 0.8f;
-      r.sampling.top_k = 4;
-      r.sampling.seed = static_cast<uint64_t>(1000 + i);
-      engine.add(r, [&out, i](const StepOutput& s) {
-        out[static_cast<size_t>(i)].insert(out[static_cast<size_t>(i)].end(), s.token_ids.begin(),
-                                           s.token_ids.end());
-      });
-    }
-    while (engine.step()) {
-    }
-    EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages()) << "leaked KV pages";
-    if (stats) *stats = engine.stats();
-    Counts counts;
-    for (const auto& t : out) ++counts[t];
-    if (ids) *ids = std::move(out);
-    return counts;
-  };
-  std::vector<std::vector<int32_t>> base_ids;
-  const Counts want = sample(EngineConfig{}, &base_ids, nullptr);
-  const std::vector<int32_t> mode = testing::most_frequent(want);
-  const size_t prompt_len = g.cases[1].prompt_ids.size();
-  for (const bool hooked : {true, false}) {
-    SCOPED_TRACE(hooked ? "deterministic drafts" : "random MTP drafts");
-    EngineConfig spec;
-    spec.num_speculative_tokens = 2;
-    if (hooked) spec.spec_draft_hook = testing::drafts_from(mode, prompt_len);
-    std::vector<std::vector<int32_t>> ids;
-    EngineStats st;
-    const Counts got = sample(spec, &ids, &st);
-    const auto [x2, df] = testing::chi_square(got, want);
-    int same = 0;
-    for (int i = 0; i < kSamples; ++i)
-      same += ids[static_cast<size_t>(i)] == base_ids[static_cast<size_t>(i)];
-    std::printf(
-        "[ %s ] sampled, K = 2, %s: %lld of %lld drafts accepted, chi-square %.1f (df "
-        "%lld, bound %.1f), %d of %d continuations token-identical\n",
-        g.name.c_str(), hooked ? "deterministic drafts" : "MTP drafts",
-        static_cast<long long>(st.spec_num_accepted_tokens),
-        static_cast<long long>(st.spec_num_draft_tokens), x2, static_cast<long long>(df),
-        testing::chi_square_bound(df), same, kSamples);
-    EXPECT_LT(x2, testing::chi_square_bound(df)) << "df " << df;
-    EXPECT_GT(st.spec_num_draft_tokens, 0);
-    if (hooked) {
-      EXPECT_GT(st.spec_num_accepted_tokens, st.spec_num_draft_tokens / 10);
-    }
-    EXPECT_GT(same, kSamples / 2);
-  }
-  EngineConfig wrong;
-  wrong.num_speculative_tokens = 2;
-  wrong.spec_forced_accept_prob = 1.0;
-  const Counts bad = sample(wrong, nullptr, nullptr);
-  const auto [x2w, dfw] = testing::chi_square(bad, want);
-  std::printf("[ %s ] always accept: chi-square %.1f (df %lld, bound %.1f)\n", g.name.c_str(), x2w,
-              static_cast<long long>(dfw), testing::chi_square_bound(dfw));
-  EXPECT_GT(x2w, testing::chi_square_bound(dfw)) << "df " << dfw;
+  expect_spec_sampling_matches(*gpu, g, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaQwen35Mtp,
