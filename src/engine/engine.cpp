@@ -851,12 +851,10 @@ void Engine::draft() {
   // to the host for the next.
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) on_device = on_device && drafts_on_device(*s);
-  int64_t passes = 0;
-  if (on_device && chains_on_device()) {
-    draft_chain_on_device(fb, hidden_rows, drafting, num_drafts);
-  } else {
-    passes = draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);
-  }
+  // A collective MTP layer (decode EP): every rank runs K passes per step (pad_mtp_passes).
+  const int64_t passes = on_device && chains_on_device()
+                             ? draft_chain_on_device(fb, hidden_rows, drafting, num_drafts)
+                             : draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);
   pad_mtp_passes(passes);
   if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)
     for (Sequence* s : drafting) {
@@ -873,9 +871,10 @@ void Engine::draft() {
   }
 }
 
-void Engine::draft_chain_on_device(const ForwardBatch& fb, const std::vector<int64_t>& hidden_rows,
-                                   const std::vector<Sequence*>& drafting,
-                                   const std::vector<int64_t>& num_drafts) {
+int64_t Engine::draft_chain_on_device(const ForwardBatch& fb,
+                                      const std::vector<int64_t>& hidden_rows,
+                                      const std::vector<Sequence*>& drafting,
+                                      const std::vector<int64_t>& num_drafts) {
   // 2. Every drafting sequence in every chained pass (the passes keep their shape, so a graph
   // bucket serves them all); a sequence past its K computes at a position it wrote before and
   // writes no KV. Chained pass p writes position num_computed + p - 1.
@@ -902,6 +901,7 @@ void Engine::draft_chain_on_device(const ForwardBatch& fb, const std::vector<int
       s.spec_tokens.push_back(drafts[static_cast<size_t>(p)][i]);
     }
   }
+  return 1 + static_cast<int64_t>(chain.size());  // pass 0 and the chained ones
 }
 
 int64_t Engine::draft_on_host(const ForwardBatch& fb, const std::vector<int64_t>& hidden_rows,

@@ -172,15 +172,14 @@ class Engine {
   int64_t draft_on_host(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
                         const std::vector<Sequence*>& drafting, std::vector<int64_t>& num_drafts,
                         bool on_device);
-  void draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
-                             const std::vector<Sequence*>& drafting,
-                             const std::vector<int64_t>& num_drafts);
-  /// True when the model drafts a whole chain in one call (Model::mtp_draft_chain). Not with a
-  /// collective MTP layer (decode EP): its peers run K passes in every step (pad_mtp_passes),
-  /// which the one-call chain does not count yet, so it drafts pass by pass.
-  bool chains_on_device() const {
-    return model_.mtp_drafts_on_device() && !model_.mtp_collective();
-  }
+  /// Returns the MTP passes it ran (1 + chained; pad_mtp_passes counts them toward K).
+  int64_t draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
+                                const std::vector<Sequence*>& drafting,
+                                const std::vector<int64_t>& num_drafts);
+  /// True when the model drafts a whole chain in one call (Model::mtp_draft_chain); with a
+  /// collective MTP layer (decode EP) too: each pass of the chain is one exchange, the chain
+  /// reports its passes and pad_mtp_passes adds the rest of the step's K.
+  bool chains_on_device() const { return model_.mtp_drafts_on_device(); }
   /// True when s's drafts can be the MTP's argmax on the model's device (no host logits).
   bool drafts_on_device(const Sequence& s) const;
   /// The MTP passes every step must run (Model::mtp_collective(): a decode EP rank's group

@@ -242,8 +242,8 @@ TEST(SpecDecodeEp, MtpExpertsAreSharded) {
 // chained ones, empty ones for what the rank does not draft), also an empty step and a step
 // whose forward failed; without it, K - 1 chained passes at most, none for an empty step. With
 // `chain`, the model drafts "on its device" (greedy rows argmax'd here, Model::mtp_draft_chain
-// by its host reference, counting its 1 + chain.size() passes): a collective layer still drafts
-// pass by pass (mtp_forward_sample; the one-call chain stays single-rank), others chain.
+// by its host reference), each chain counting its 1 + chain.size() passes, as the GPU model
+// under decode EP runs one exchange per pass of the chain.
 class CountingModel final : public Model {
  public:
   CountingModel(Model& inner, bool collective, bool chain = false)
@@ -356,7 +356,7 @@ TEST(SpecDecodeEp, CollectiveMtpRunsKPassesEveryStep) {
       EXPECT_EQ(last.finish_reason, FinishReason::kError);
       model.fail_forward = false;
       if (!collective && k > 1) EXPECT_GT(short_steps, 0);  // the rule is not vacuous
-      if (chain) EXPECT_EQ(model.chains > 0, !collective) << model.chains << " chains";
+      if (chain) EXPECT_GT(model.chains, 0);
     }
   }
 }

@@ -64,8 +64,7 @@ struct MtpCuda::Impl {
   DeviceMem gu, act;    // dense MLP only
   std::unique_ptr<cuda::MoeLayer> moe_layer;
   // Metadata: ids | positions | token_seq | rows | hidden source rows (int32, t_cap each) |
-  // slots (int64) | the pass's token count (int32, the EP dispatch's num_tokens; 4 int32 of
-  // room).
+  // slots (int64) | the pass's real token count (int32 at region 7: the EP dispatch's).
   DeviceMem d_meta, d_tables;
   // Host staging, one set per pass of a draft chain (the passes are enqueued back to back, so
   // a pass's staging must not be reused before its copies ran); set 0 serves single passes.
@@ -110,10 +109,10 @@ struct MtpCuda::Impl {
   }
 
   // d_meta's regions (int32 units of t_cap): ids, positions, token_seq, rows, hidden source
-  // rows, then the int64 slots.
-  static constexpr size_t kMetaInts = 7;
-  size_t meta_ints() const { return static_cast<size_t>(s.t_cap) * kMetaInts + 4; }
-  int32_t* num_real() { return d_meta.as<int32_t>() + kMetaInts * s.t_cap; }
+  // rows, then the int64 slots, then the token count (one int32 used).
+  static constexpr size_t kMetaInts = 8;
+  static constexpr int64_t kNumRealRegion = 7;
+  bool collective() const { return moe && s.ep != nullptr; }
   int64_t qkv_rows() const {
     return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
   }
@@ -157,9 +156,9 @@ struct MtpCuda::Impl {
     }
     cat = DeviceMem(T * static_cast<size_t>(2 * h) * sizeof(bf16));
     hidden_in = DeviceMem(T * static_cast<size_t>(h) * sizeof(bf16));
-    d_meta = DeviceMem(meta_ints() * sizeof(int32_t));
+    d_meta = DeviceMem(T * kMetaInts * sizeof(int32_t));
     for (Staging& st : stages) {
-      st.meta = PinnedMem(meta_ints() * sizeof(int32_t));
+      st.meta = PinnedMem(T * kMetaInts * sizeof(int32_t));
       TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&st.copied, cudaEventDisableTiming));
     }
     h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
@@ -329,9 +328,9 @@ struct MtpCuda::Impl {
 
   // Decode EP MoE block over n tokens (0: an empty pass), as Qwen3MoeCuda's moe_ep: router
   // and top-k here, the tokens to their experts' ranks through the target's exchange (the
-  // token count from d_meta, staged by the caller), this rank's experts over what arrived
-  // (the other ranks' tokens too), the outputs back home, summed per token in ascending
-  // expert id into Y [n, hidden]. Collective: every rank of the group runs it per pass.
+  // token count from d_meta's region 7, uploaded with the pass), this rank's experts over what
+  // arrived (the other ranks' tokens too), the outputs back home, summed per token in
+  // ascending expert id into Y [n, hidden]. Collective: every rank runs it once per pass.
   void moe_ep(const bf16* XN, bf16* Y, int64_t n) {
     const int64_t h = c.hidden_size, inter = c.moe_intermediate_size, E = c.num_experts,
                   k = c.num_experts_per_tok, L = local_experts;
@@ -348,7 +347,8 @@ struct MtpCuda::Impl {
       cuda::topk_softmax_launch(
           {s.ep_logits, s.ep_ids, s.ep_w, n, E, k, c.norm_topk_prob, DType::kF32}, st);
     }
-    s.ep->dispatch_send(XN, s.ep_ids, s.ep_w, num_real(), st);
+    const int32_t* num_real = d_meta.as<int32_t>() + kNumRealRegion * s.t_cap;
+    s.ep->dispatch_send(XN, s.ep_ids, s.ep_w, num_real, st);
     s.ep->dispatch_recv(st);
     const auto* rx = static_cast<const bf16*>(s.ep->recv_x());
     auto* act_buf = static_cast<bf16*>(s.ep_act);
@@ -362,6 +362,12 @@ struct MtpCuda::Impl {
     cuda::moe_gemm_launch(dn, st);
     s.ep->combine_send(out_buf, st);
     s.ep->combine_recv(Y, st);  // rows [0, n): every real token (no padding: eager passes)
+  }
+  // A pass with no tokens of this rank (collective()): only the exchange, serving the others.
+  void empty_pass() {
+    TANDEM_CUDA_CHECK(cudaMemsetAsync(d_meta.as<int32_t>() + kNumRealRegion * s.t_cap, 0,
+                                      sizeof(int32_t), s.stream));
+    moe_ep(static_cast<const bf16*>(s.xn), static_cast<bf16*>(s.y), 0);
   }
 
   // A pass in four parts (a draft chain stages all its passes first): its metadata into a
@@ -458,6 +464,7 @@ MtpLaunch MtpCuda::Impl::stage(const ForwardBatch& batch, const KvCache& kv, siz
   const auto nseq = static_cast<int64_t>(batch.seqs.size());
   int64_t width = 1;
   for (const auto& q : batch.seqs) width = std::max(width, q.num_pages);
+  // (Not under decode EP: the passes are eager there, mtp_graphs_on.)
   bool graph = !profile && s.ep == nullptr && !s.buckets.empty() && nseq <= s.buckets.back() &&
                s.graph_context > 0;
   for (const auto& q : batch.seqs)
@@ -540,7 +547,7 @@ MtpLaunch MtpCuda::Impl::stage(const ForwardBatch& batch, const KvCache& kv, siz
     src[t] = 0;
     rw[r++] = static_cast<int32_t>(t);
   }
-  hm[kMetaInts * T] = static_cast<int32_t>(n);  // the real tokens (the EP dispatch's count)
+  hm[kNumRealRegion * T] = static_cast<int32_t>(n);  // the real tokens (the EP dispatch's count)
   return l;
 }
 
@@ -558,7 +565,7 @@ void MtpCuda::Impl::upload(const MtpLaunch& l, size_t si) {
   for (int64_t region : {0, 1, 2, 4}) h2d(dm + region * T, hm + region * T, nb);
   h2d(dm + 3 * T, hm + 3 * T, static_cast<size_t>(l.r_run) * 4);
   h2d(dm + 5 * T, hm + 5 * T, nb * 2);
-  h2d(dm + kMetaInts * T, hm + kMetaInts * T, sizeof(int32_t));
+  h2d(dm + kNumRealRegion * T, hm + kNumRealRegion * T, sizeof(int32_t));
   h2d(d_tables.as<void>(), stages[si].tables.as<void>(), l.table_bytes);
   TANDEM_CUDA_CHECK(cudaEventRecord(stages[si].copied, s.stream));
 }
@@ -613,10 +620,7 @@ int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache
   Impl& im = *impl_;
   check_mtp_kv(im.c, kv);
   if (batch.num_tokens() == 0) {
-    if (collective()) {  // an empty pass of a decode EP rank: its experts serve the others
-      TANDEM_CUDA_CHECK(cudaMemsetAsync(im.num_real(), 0, sizeof(int32_t), im.s.stream));
-      im.moe_ep(static_cast<const bf16*>(im.s.xn), static_cast<bf16*>(im.s.y), 0);
-    }
+    if (im.collective()) im.empty_pass();  // a decode EP rank's: its experts serve the others
     return 0;
   }
   const int64_t h = im.c.hidden_size;
@@ -645,7 +649,6 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
   cudaStream_t st = s.stream;
   check_mtp_kv(im.c, kv);
   TANDEM_CHECK(s.sampler != nullptr, "MTP draft chain: no device sampler");
-  TANDEM_CHECK(!collective(), "MTP draft chain: a collective MTP layer drafts pass by pass");
   TANDEM_CHECK(chain.size() + 1 <= Impl::kStages, "MTP draft chain: ", chain.size() + 1,
                " passes (at most ", Impl::kStages, ")");
   TANDEM_CHECK(static_cast<int64_t>(hidden_rows.size()) == first.num_tokens(),
@@ -662,7 +665,13 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
   auto* d_drafts = im.d_drafts.as<int32_t>();
   drafts.assign(chain.size() + 1, {});
   std::vector<int64_t> rows(chain.size() + 1, 0);
-  if (first.num_tokens() == 0) return;
+  if (first.num_tokens() == 0) {
+    if (im.collective()) {  // every pass's exchange still runs (decode EP)
+      for (size_t p = 0; p <= chain.size(); ++p) im.empty_pass();
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));
+    }
+    return;
+  }
 
   // Every pass staged first (host work only).
   std::vector<MtpLaunch> launches;
@@ -678,6 +687,8 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
     if (prev == 0) break;
     launches.push_back(im.stage(c.batch, kv, p, c.writes.data(), true, nullptr));
   }
+  // Passes past the last with rows (none of this rank's): empty ones under decode EP.
+  const size_t empty_passes = im.collective() ? chain.size() + 1 - launches.size() : 0;
 
   // Pass 0: the target's hidden rows gathered on the device (the embedding gather, the row
   // index as id; the target's buffer holds target_rows rows).
@@ -726,6 +737,8 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
     s.sampler->argmax(s.logits, l.rows, d_drafts + p * R, st);
   }
 
+  for (size_t p = 0; p < empty_passes; ++p) im.empty_pass();
+
   // The drafts to the host: the chain's one synchronisation.
   auto* hd = im.h_drafts.as<int32_t>();
   for (size_t p = 0; p < rows.size(); ++p) {
@@ -740,7 +753,7 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
   }
 }
 
-bool MtpCuda::collective() const { return impl_->moe && impl_->s.ep != nullptr; }
+bool MtpCuda::collective() const { return impl_->collective(); }
 
 std::vector<int64_t> MtpCuda::captured_buckets() const {
   std::vector<int64_t> out;

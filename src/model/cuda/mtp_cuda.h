@@ -87,6 +87,9 @@ class MtpCuda {
   /// With scratch.ep (collective): an empty batch still runs the MoE exchange (this rank's
   /// experts serve the other ranks' tokens).
   int64_t forward(const ForwardBatch& batch, const float* hidden, KvCache& kv);
+  /// True when each pass is collective (scratch.ep and a MoE MTP layer): forward and every
+  /// pass of draft_chain run one MoE exchange, empty ones included.
+  bool collective() const;
   /// Model::mtp_draft_chain on the stream: pass 0 over `first` with its hidden states
   /// gathered from `target_hidden` (device bf16 [target_rows, hidden]) at `hidden_rows`, then
   /// the chained passes (tokens and hidden states copied on the device from the pass before);
@@ -96,8 +99,6 @@ class MtpCuda {
   void draft_chain(const ForwardBatch& first, const void* target_hidden, int64_t target_rows,
                    std::span<const int32_t> hidden_rows, const std::vector<MtpChainPass>& chain,
                    KvCache& kv, std::vector<std::vector<int32_t>>& drafts);
-  /// True when each pass is collective (scratch.ep and a MoE MTP layer).
-  bool collective() const;
   /// The last pass's hidden states of its logits rows as fp32 on the host (synchronises).
   void hidden_to_host(int64_t rows, std::vector<float>& out);
   int64_t weight_bytes() const { return weight_bytes_; }
