@@ -223,36 +223,6 @@ TEST_P(CudaMtp, VerifyRowsMatchTheCpuModel) {
   EXPECT_GT(checked, 0);
 }
 
-// Lossless: a speculative run gives the tokens of the run without speculation (K = 0, the same
-// model and mode), at every step up to the first one whose golden top1-top2 margin is under
-// kMarginBf16 (the margin rule), with the chosen token's logprob within kLogprobTol. Returns the
-// steps compared.
-int compare_to_reference(const testing::Golden& g, const std::vector<Result>& got,
-                         const std::vector<Result>& ref, const std::string& what) {
-  int compared = 0;
-  for (size_t i = 0; i < g.cases.size(); ++i) {
-    SCOPED_TRACE(g.name + " " + what + " case " + std::to_string(i));
-    const auto& c = g.cases[i];
-    const Result& r = got[i];
-    const Result& w = ref[i];
-    EXPECT_EQ(r.finished, 1);
-    for (size_t t = 0; t < c.output_ids.size(); ++t) {
-      const auto& top = c.top_logprobs[t];
-      if (top.size() < 2 || top[0].logprob - top[1].logprob < kMarginBf16) break;
-      if (t >= w.ids.size() || w.ids[t] != c.output_ids[t]) break;  // the reference diverged
-      const bool same = t < r.ids.size() && r.ids[t] == w.ids[t] && t < r.top.size() &&
-                        !r.top[t].empty() && t < w.top.size() && !w.top[t].empty();
-      EXPECT_TRUE(same) << "step " << t << ": got "
-                        << (t < r.ids.size() ? std::to_string(r.ids[t]) : "nothing")
-                        << ", without speculation " << w.ids[t];
-      if (!same) break;
-      EXPECT_NEAR(r.top[t][0].logprob, w.top[t][0].logprob, kLogprobTol) << "step " << t;
-      ++compared;
-    }
-  }
-  return compared;
-}
-
 TEST_P(CudaMtp, GreedyLosslessForK1To4) {
   const std::string dir = GetParam();
   const testing::Golden g = testing::load_golden(dir);
