@@ -1,6 +1,6 @@
 // Device memory helpers shared by the CUDA models (src/model/cuda): RAII device / pinned
-// buffers, the chunked host -> device uploader of checkpoint weights, and checkpoint tensors as
-// host bf16. Host code only.
+// buffers, the chunked host -> device uploader of checkpoint weights, checkpoint tensors as
+// host bf16, and the capture of a CUDA graph. Host code only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -126,6 +126,27 @@ inline const uint16_t* host_bf16(const WeightReader& wr, const std::string& name
   tmp.resize(f.size());
   for (size_t i = 0; i < f.size(); ++i) tmp[i] = f32_to_bf16(f[i]);
   return tmp.data();
+}
+
+/// Captures what `record` enqueues on `stream` (thread-local capture mode) into an
+/// instantiated graph; on a throw the capture is ended and discarded, and the error rethrown.
+template <typename F>
+cudaGraphExec_t capture_graph(cudaStream_t stream, F&& record) {
+  cudaGraph_t graph = nullptr;
+  TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    record();
+  } catch (...) {
+    (void)cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    throw;
+  }
+  TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  (void)cudaGraphDestroy(graph);
+  TANDEM_CUDA_CHECK(err);
+  return exec;
 }
 
 }  // namespace tandem::cuda_model

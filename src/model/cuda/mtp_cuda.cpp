@@ -586,21 +586,8 @@ void MtpCuda::Impl::capture(const MtpLaunch& l, KvCache& kv, size_t si) {
   body(kv, l.n_run, l.r_run, l.w_run);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   std::copy(real.begin(), real.end(), slots);
-  cudaGraph_t cg = nullptr;
-  TANDEM_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
-  try {
-    body(kv, l.n_run, l.r_run, l.w_run);
-  } catch (...) {
-    (void)cudaStreamEndCapture(s.stream, &cg);
-    if (cg != nullptr) (void)cudaGraphDestroy(cg);
-    throw;
-  }
-  TANDEM_CUDA_CHECK(cudaStreamEndCapture(s.stream, &cg));
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t err = cudaGraphInstantiate(&exec, cg, 0);
-  (void)cudaGraphDestroy(cg);
-  TANDEM_CUDA_CHECK(err);
-  graphs.emplace(l.bucket, exec);
+  graphs.emplace(l.bucket,
+                 cuda_model::capture_graph(s.stream, [&] { body(kv, l.n_run, l.r_run, l.w_run); }));
 }
 
 // The pass's kernels over the uploaded metadata and hidden_in: its graph, or eagerly.

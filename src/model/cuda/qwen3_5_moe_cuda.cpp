@@ -1085,21 +1085,10 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     im.body(m, kv, nullptr);
     im.head(0, rows_n);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    cudaGraph_t graph = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
+    const cudaGraphExec_t exec = cuda_model::capture_graph(stream_, [&] {
       im.body(m, kv, nullptr);
       im.head(0, rows_n);
-    } catch (...) {
-      (void)cudaStreamEndCapture(stream_, &graph);
-      if (graph != nullptr) (void)cudaGraphDestroy(graph);
-      throw;
-    }
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
-    (void)cudaGraphDestroy(graph);
-    TANDEM_CUDA_CHECK(st);
+    });
     it = im.graphs.emplace(key, exec).first;
   }
   im.upload(hm, m, m.tables);
@@ -1329,21 +1318,10 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     im.mtp_body(m, mtp_kv);
     im.head(0, bucket);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    cudaGraph_t cg = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
+    const cudaGraphExec_t exec = cuda_model::capture_graph(stream_, [&] {
       im.mtp_body(m, mtp_kv);
       im.head(0, bucket);
-    } catch (...) {
-      (void)cudaStreamEndCapture(stream_, &cg);
-      if (cg != nullptr) (void)cudaGraphDestroy(cg);
-      throw;
-    }
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &cg));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, cg, 0);
-    (void)cudaGraphDestroy(cg);
-    TANDEM_CUDA_CHECK(err);
+    });
     it = im.mtp_graphs.emplace(bucket, exec).first;
   }
   im.upload(hm, m, m.tables);

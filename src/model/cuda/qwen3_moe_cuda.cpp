@@ -1365,21 +1365,11 @@ bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     im.body(m, kv, nullptr, /*warmup=*/true);
     im.head(0, rows_n);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    cudaGraph_t graph = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
+    Impl::Graph gr;
+    gr.exec = cuda_model::capture_graph(stream_, [&] {
       im.body(m, kv, nullptr);
       im.head(0, rows_n);
-    } catch (...) {
-      (void)cudaStreamEndCapture(stream_, &graph);
-      if (graph != nullptr) (void)cudaGraphDestroy(graph);
-      throw;
-    }
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    Impl::Graph gr;
-    const cudaError_t st = cudaGraphInstantiate(&gr.exec, graph, 0);
-    (void)cudaGraphDestroy(graph);
-    TANDEM_CUDA_CHECK(st);
+    });
     it = im.graphs.emplace(key, gr).first;
   }
   im.upload(hm, m, m.tables);
