@@ -379,8 +379,12 @@ bool Engine::forward(const ScheduledBatch& batch) {
   start_masks(batch);  // overlaps the model's forward
   try {
     snapshot_states(batch);
+    draw_forced_accepts(batch);
     sampled_on_device_ = model_.samples_on_device() && device_rows(batch, device_rows_);
-    if (sampled_on_device_) {
+    fused_ = sampled_on_device_ && fused_step(batch);
+    if (fused_) {
+      forward_fused(batch);
+    } else if (sampled_on_device_) {
       model_.forward_sample(batch.forward, kv_, device_rows_, sampled_, [this] {
         if (masks_) masks_->wait();  // this step's token masks (start_masks)
       });
@@ -692,9 +696,8 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
       token = dev->token;
       if (j < k) {
         const int32_t d = drafts[static_cast<size_t>(j)];
-        accepted = config_.spec_forced_accept_prob >= 0.0  // benchmarks only
-                       ? uniform_draw(forced_accept_rng_) < config_.spec_forced_accept_prob
-                       : token == d;
+        accepted = s.forced_accepts >= 0 ? j < s.forced_accepts  // benchmarks only
+                                         : token == d;
         if (accepted) token = d;
       }
       out.token_ids.push_back(token);
@@ -708,8 +711,8 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
       }
     } else if (j < k) {
       const int32_t d = drafts[static_cast<size_t>(j)];
-      if (config_.spec_forced_accept_prob >= 0.0) {  // benchmarks only
-        accepted = uniform_draw(forced_accept_rng_) < config_.spec_forced_accept_prob;
+      if (s.forced_accepts >= 0) {  // benchmarks only
+        accepted = j < s.forced_accepts;
         token = accepted ? d : sample_token(from, sp, prompt, output, s.rng);
       } else if (sp.greedy()) {
         token = sample_token(from, sp, prompt, output, s.rng);  // the argmax; no draw
@@ -800,10 +803,30 @@ void Engine::rollback_states() {
   model_.forward(fb, kv_, none);
 }
 
+int64_t Engine::draft_budget(Sequence& s, const Computed& c) {
+  const int64_t ps = config_.page_size;
+  const auto n = static_cast<int64_t>(s.tokens.size());
+  if (s.num_computed + 1 != n || s.num_computed != c.start + c.count) return 0;
+  // Drafts past max_tokens or the context are never used.
+  int64_t k = std::min({config_.num_speculative_tokens,
+                        static_cast<int64_t>(s.req.max_tokens) - s.num_output() - 1,
+                        config_.max_model_len - 1 - s.num_computed});
+  // Chained drafts write MTP KV up to position num_computed + k - 2.
+  const int64_t need_tokens = s.num_computed + k - 1;
+  const int64_t need = (need_tokens + ps - 1) / ps - static_cast<int64_t>(s.pages.size());
+  if (k > 1 && need > 0 && !blocks_.allocate(need, s.pages)) {
+    k = std::min(k, static_cast<int64_t>(s.pages.size()) * ps - s.num_computed + 1);
+  }
+  return std::max<int64_t>(k, 0);
+}
+
 void Engine::draft() {
   std::vector<Computed> computed = std::move(computed_);
   computed_.clear();
-  const int64_t vocab = model_.config().vocab_size, ps = config_.page_size;
+  if (fused_) {
+    adopt_fused_drafts(computed);
+    return;
+  }
 
   // 1. The MTP layer over every position the target computed this step: position t takes the
   // target's hidden state at t and the token at t + 1 (known for all of them now), so its KV
@@ -817,21 +840,7 @@ void Engine::draft() {
     if (s == nullptr) continue;  // finished this step
     s->spec_tokens.clear();
     s->draft_probs.clear();
-    const auto n = static_cast<int64_t>(s->tokens.size());
-    int64_t k = 0;
-    if (s->num_computed + 1 == n && s->num_computed == c.start + c.count) {
-      // Drafts past max_tokens or the context are never used.
-      k = std::min({config_.num_speculative_tokens,
-                    static_cast<int64_t>(s->req.max_tokens) - s->num_output() - 1,
-                    config_.max_model_len - 1 - s->num_computed});
-      // Chained drafts write MTP KV up to position num_computed + k - 2.
-      const int64_t need_tokens = s->num_computed + k - 1;
-      const int64_t need = (need_tokens + ps - 1) / ps - static_cast<int64_t>(s->pages.size());
-      if (k > 1 && need > 0 && !blocks_.allocate(need, s->pages)) {
-        k = std::min(k, static_cast<int64_t>(s->pages.size()) * ps - s->num_computed + 1);
-      }
-      k = std::max<int64_t>(k, 0);
-    }
+    const int64_t k = draft_budget(*s, c);
     fb.seqs.push_back({s->tokens.data() + c.start + 1, c.count, c.start, s->pages.data(),
                        static_cast<int64_t>(s->pages.size()),
                        k > 0 ? LogitsMode::kLast : LogitsMode::kNone, -1});
@@ -856,19 +865,100 @@ void Engine::draft() {
                              ? draft_chain_on_device(fb, hidden_rows, drafting, num_drafts)
                              : draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);
   pad_mtp_passes(passes);
-  if (config_.spec_draft_hook) {  // tests: replaced drafts are deterministic (q one-hot)
-    for (Sequence* s : drafting) {
-      std::vector<int32_t> d(s->spec_tokens.begin() + 1, s->spec_tokens.end());
-      const size_t k = d.size();
-      config_.spec_draft_hook(s->req.id, s->tokens, d);
-      d.resize(std::min(d.size(), k));
-      for (int32_t& t : d) t = std::clamp<int32_t>(t, 0, static_cast<int32_t>(vocab - 1));
-      s->spec_tokens.resize(1);
-      s->spec_tokens.insert(s->spec_tokens.end(), d.begin(), d.end());
-      if (d.empty()) s->spec_tokens.clear();
-      s->draft_probs.clear();
-    }
+  apply_draft_hook(drafting);
+}
+
+void Engine::apply_draft_hook(const std::vector<Sequence*>& drafting) {
+  if (!config_.spec_draft_hook) return;  // tests: replaced drafts are deterministic (q one-hot)
+  const int64_t vocab = model_.config().vocab_size;
+  for (Sequence* s : drafting) {
+    std::vector<int32_t> d(s->spec_tokens.begin() + 1, s->spec_tokens.end());
+    const size_t k = d.size();
+    config_.spec_draft_hook(s->req.id, s->tokens, d);
+    d.resize(std::min(d.size(), k));
+    for (int32_t& t : d) t = std::clamp<int32_t>(t, 0, static_cast<int32_t>(vocab - 1));
+    s->spec_tokens.resize(1);
+    s->spec_tokens.insert(s->spec_tokens.end(), d.begin(), d.end());
+    if (d.empty()) s->spec_tokens.clear();
+    s->draft_probs.clear();
   }
+}
+
+// ---- The fused speculative step (Model::forward_verify_draft) --------------------------
+
+void Engine::draw_forced_accepts(const ScheduledBatch& batch) {
+  for (const auto& ss : batch.seqs) {
+    Sequence& s = *ss.seq;
+    s.forced_accepts = -1;
+    if (config_.spec_forced_accept_prob < 0.0 || !ss.verify) continue;
+    int32_t a = 0;
+    while (a < ss.num_tokens - 1 &&
+           uniform_draw(forced_accept_rng_) < config_.spec_forced_accept_prob) {
+      ++a;
+    }
+    s.forced_accepts = a;
+  }
+}
+
+bool Engine::fused_step(const ScheduledBatch& batch) {
+  if (!speculating() || batch.seqs.empty() || !model_.fuses_verify_and_draft() ||
+      model_.mtp_collective() || model_.state_slot_elems() > 0) {
+    return false;
+  }
+  for (const auto& ss : batch.seqs) {
+    const Sequence& s = *ss.seq;
+    const bool decode = ss.num_tokens == 1 && ss.logits == LogitsMode::kLast &&
+                        s.num_computed + 1 == static_cast<int64_t>(s.tokens.size());
+    if (!(ss.verify || decode) || !s.req.allow_speculation || !drafts_on_device(s)) return false;
+  }
+  // The pages the chained drafts write: up to position start + drafts + K - 2 (all accepted).
+  const int64_t ps = config_.page_size, K = config_.num_speculative_tokens;
+  for (const auto& ss : batch.seqs) {
+    Sequence& s = *ss.seq;
+    const int64_t tokens = std::min(s.num_computed + ss.num_tokens + K - 1, config_.max_model_len);
+    const int64_t need = (tokens + ps - 1) / ps - static_cast<int64_t>(s.pages.size());
+    if (need > 0 && !blocks_.allocate(need, s.pages)) return false;  // (process_verify trims)
+  }
+  return true;
+}
+
+void Engine::forward_fused(const ScheduledBatch& batch) {
+  ForwardBatch fb = batch.forward;  // the block tables again: fused_step may have grown them
+  VerifyDraftStep step;
+  step.num_drafts = config_.num_speculative_tokens;
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    Sequence& s = *batch.seqs[i].seq;
+    fb.seqs[i].block_table = s.pages.data();
+    fb.seqs[i].num_pages = static_cast<int64_t>(s.pages.size());
+    step.forced.push_back(s.forced_accepts);
+  }
+  model_.forward_verify_draft(fb, kv_, device_rows_, mtp_kv_, step, sampled_);
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    Sequence& s = *batch.seqs[i].seq;
+    s.fused_drafts = std::move(step.drafts[i]);
+    s.fused_accepted = step.accepted[i];
+  }
+}
+
+void Engine::adopt_fused_drafts(const std::vector<Computed>& computed) {
+  std::vector<Sequence*> drafting;
+  for (const Computed& c : computed) {
+    Sequence* s = scheduler_.find(c.id);
+    if (s == nullptr) continue;  // finished this step
+    std::vector<int32_t> d = std::move(s->fused_drafts);
+    s->fused_drafts.clear();
+    s->spec_tokens.clear();
+    s->draft_probs.clear();
+    // The device accepted what process_verify did unless the step ended the sequence (then it
+    // is gone); drafts made after another count would continue other positions: none then.
+    if (s->fused_accepted != c.count - 1) continue;
+    const int64_t k = std::min(draft_budget(*s, c), static_cast<int64_t>(d.size()));
+    if (k <= 0) continue;
+    s->spec_tokens.assign(1, s->tokens.back());
+    s->spec_tokens.insert(s->spec_tokens.end(), d.begin(), d.begin() + k);
+    drafting.push_back(s);
+  }
+  apply_draft_hook(drafting);
 }
 
 int64_t Engine::draft_chain_on_device(const ForwardBatch& fb,

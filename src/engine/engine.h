@@ -143,6 +143,12 @@ class Engine {
   KvCache& kv_cache() { return kv_; }
 
  private:
+  // A sequence's target positions [start, start + count) computed this step (hidden_ rows from
+  // hidden_row on), for draft().
+  struct Computed {
+    std::string id;
+    int64_t start = 0, count = 0, hidden_row = 0;
+  };
   void process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits);
   void copy_states(const std::vector<StateCopy>& copies);
   /// The batch's rows as device sampling requests; false when a row needs host logits
@@ -176,6 +182,22 @@ class Engine {
   int64_t draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
                                 const std::vector<Sequence*>& drafting,
                                 const std::vector<int64_t>& num_drafts);
+  /// The drafts s gets after this step (0: none; bounded by max_tokens, the context and the
+  /// pages its chained drafts write, allocated here).
+  int64_t draft_budget(Sequence& s, const Computed& c);
+  /// Tests: EngineConfig::spec_draft_hook over the drafting sequences' drafts.
+  void apply_draft_hook(const std::vector<Sequence*>& drafting);
+  // The fused step (Model::forward_verify_draft): a steady decode batch verifies and drafts in
+  // one model call, one host synchronisation; draft() then adopts the drafts.
+  /// Benchmarks (spec_forced_accept_prob): each verify chunk's accepted drafts, drawn before
+  /// its forward (Sequence::forced_accepts).
+  void draw_forced_accepts(const ScheduledBatch& batch);
+  /// True when this step runs fused: a model that fuses, one rank's MTP layer, no recurrent
+  /// state, every sequence a verify chunk or a one-token decode that drafts on the device; also
+  /// allocates the pages its chained drafts write (false when the pool has none).
+  bool fused_step(const ScheduledBatch& batch);
+  void forward_fused(const ScheduledBatch& batch);
+  void adopt_fused_drafts(const std::vector<Computed>& computed);
   /// True when the model drafts a whole chain in one call (Model::mtp_draft_chain); with a
   /// collective MTP layer (decode EP) too: each pass of the chain is one exchange, the chain
   /// reports its passes and pad_mtp_passes adds the rest of the step's K.
@@ -213,15 +235,12 @@ class Engine {
   std::vector<DeviceSampling> device_rows_;
   std::vector<SampledToken> sampled_;  // this step's tokens when sampled on the device
   bool sampled_on_device_ = false;
+  bool fused_ = false;                 // this step ran Model::forward_verify_draft
   std::unique_ptr<MaskWorker> masks_;  // created at the first constrained request
   EngineStats counters_;
   // Speculative decoding.
   KvCache mtp_kv_;             // the MTP layer's KV (same page ids as kv_)
   std::vector<float> hidden_;  // [batch tokens, hidden] this step's target hidden states
-  struct Computed {
-    std::string id;
-    int64_t start = 0, count = 0, hidden_row = 0;
-  };
   std::vector<Computed> computed_;
   std::vector<StateCopy> last_state_saves_;  // complete()'s checkpoint copies (hybrids)
   std::vector<Computed> rollbacks_;       // verified sequences whose state must go back (hybrids)

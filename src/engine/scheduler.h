@@ -40,6 +40,13 @@ struct Sequence {
   // verified together in the next step; empty when there are none.
   std::vector<int32_t> spec_tokens;
   std::vector<float> draft_probs;  // [drafts, vocab] the draft distributions; empty: one-hot
+  // Benchmarks (EngineConfig::spec_forced_accept_prob): the drafts this verify step accepts,
+  // drawn when it is forwarded; -1: the target decides.
+  int32_t forced_accepts = -1;
+  // A fused step's next drafts (Model::forward_verify_draft), made with `fused_accepted` drafts
+  // accepted; draft() adopts them when the verify accepted as many.
+  std::vector<int32_t> fused_drafts;
+  int32_t fused_accepted = -1;
   // req.constraint's next-token mask, filled by the engine's MaskWorker during the forward.
   std::vector<uint32_t> mask;
   bool mask_active = false;

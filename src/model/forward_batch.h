@@ -152,4 +152,12 @@ struct MtpChainPass {
   std::vector<uint8_t> writes;  // [seqs]: 1 = a live draft (writes the MTP KV at start_pos)
 };
 
+/// A speculative step's verify fused with its next drafts (Model::forward_verify_draft).
+struct VerifyDraftStep {
+  std::vector<int32_t> forced;  // [seqs] in: accepted drafts forced (benchmarks); -1: the target's
+  int64_t num_drafts = 0;       // in: K, the drafts each sequence gets for the next step
+  std::vector<int32_t> accepted;             // [seqs] out: drafts accepted
+  std::vector<std::vector<int32_t>> drafts;  // [seqs][num_drafts] out: the next drafts
+};
+
 }  // namespace tandem

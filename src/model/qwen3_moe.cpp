@@ -119,6 +119,70 @@ void mtp_draft_chain_on_host(Model& model, std::span<const float> target_hidden,
   }
 }
 
+void verify_draft_on_host(Model& model, std::span<const float> target_hidden,
+                          const ForwardBatch& batch, const std::vector<SampledToken>& sampled,
+                          KvCache& mtp_kv, VerifyDraftStep& step) {
+  const size_t n = batch.seqs.size();
+  const int64_t ps = mtp_kv.geometry().page_size, K = step.num_drafts;
+  TANDEM_CHECK(step.forced.size() == n && K >= 1 &&
+                   static_cast<int64_t>(sampled.size()) == batch.num_tokens() &&
+                   batch.num_logit_rows() == batch.num_tokens(),
+               "forward_verify_draft: ", n, " sequences, ", step.forced.size(), " forced counts, ",
+               sampled.size(), " sampled rows for ", batch.num_tokens(), " tokens (one row each)");
+  // Pass 0 over positions start .. start + a of each sequence (the token at t + 1: the accepted
+  // drafts, then the target's token of row a), its last row drafting; chained pass p at
+  // start + a + p, writing MTP KV inside the block table only.
+  step.accepted.assign(n, 0);
+  std::vector<std::vector<int32_t>> next(n);  // pass 0's tokens per sequence
+  ForwardBatch first;
+  std::vector<int64_t> hidden_rows;
+  std::vector<MtpChainPass> chain(static_cast<size_t>(K - 1));
+  int64_t t = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const ForwardSeq& f = batch.seqs[i];
+    const int64_t k = f.num_tokens - 1;
+    int64_t a = 0;
+    if (step.forced[i] >= 0) {
+      a = std::min<int64_t>(step.forced[i], k);
+    } else {
+      while (a < k && sampled[static_cast<size_t>(t + a)].token == f.tokens[a + 1]) ++a;
+    }
+    step.accepted[i] = static_cast<int32_t>(a);
+    next[i].assign(f.tokens + 1, f.tokens + 1 + a);
+    next[i].push_back(sampled[static_cast<size_t>(t + a)].token);
+    first.seqs.push_back(
+        {next[i].data(), a + 1, f.start_pos, f.block_table, f.num_pages, LogitsMode::kLast, -1});
+    for (int64_t j = 0; j <= a; ++j) hidden_rows.push_back(t + j);
+    const int64_t cap = f.num_pages * ps;
+    for (int64_t p = 1; p < K; ++p) {
+      const int64_t at = f.start_pos + a + p;
+      MtpChainPass& c = chain[static_cast<size_t>(p - 1)];
+      c.batch.seqs.push_back(
+          {f.tokens, 1, std::min(at, cap - 1), f.block_table, f.num_pages, LogitsMode::kLast, -1});
+      c.writes.push_back(at < cap ? 1 : 0);
+    }
+    t += f.num_tokens;
+  }
+  std::vector<std::vector<int32_t>> drafts;  // [pass][sequence]
+  mtp_draft_chain_on_host(model, target_hidden, first, hidden_rows, chain, mtp_kv, drafts);
+  step.drafts.assign(n, std::vector<int32_t>(static_cast<size_t>(K)));
+  for (size_t i = 0; i < n; ++i) {
+    for (int64_t p = 0; p < K; ++p) {
+      step.drafts[i][static_cast<size_t>(p)] = drafts[static_cast<size_t>(p)][i];
+    }
+  }
+}
+
+void Model::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
+                                 const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                                 VerifyDraftStep& step, std::vector<SampledToken>& out) {
+  ForwardBatch fb = batch;
+  std::vector<float> hidden;
+  fb.hidden_out = &hidden;
+  forward_sample(fb, kv, rows, out);
+  verify_draft_on_host(*this, hidden, batch, out, mtp_kv, step);
+}
+
 struct Qwen3MoeCpu::Mtp {
   HostTensor fc;      // [hidden, 2 * hidden] over [embedding; hidden]
   HostTensor norm_e;  // [hidden] pre_fc_norm_embedding

@@ -106,6 +106,24 @@ class Model {
   virtual void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                                const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                                std::vector<std::vector<int32_t>>& drafts);
+  /// True when forward_verify_draft() runs on the model's device in one go (one host
+  /// synchronisation per speculative step).
+  virtual bool fuses_verify_and_draft() const { return false; }
+  /// A steady speculative decode step in one call (single rank, greedy device drafts). Every
+  /// sequence of `batch` is a verify chunk (its last token, then its drafts; logits kAll) or a
+  /// one-token decode (kLast); its block table covers the verify positions, and as many of the
+  /// chained drafts' positions as it can (start + drafts + num_drafts). Runs forward_sample
+  /// with `rows` (out: one entry per row), then per sequence i: a_i = min(forced[i], drafts) when
+  /// forced[i] >= 0, else the leading drafts equal to the sampled token of the row before each;
+  /// then its next drafts as draft() would make them after a_i + 1 tokens: the MTP layer over
+  /// positions start .. start + a_i (the token at t + 1: the accepted drafts, then row a_i's
+  /// token; the target's hidden states), its row's argmax, chained num_drafts - 1 times at
+  /// positions start + a_i + 1 ... Drafts at positions past the block table are unspecified; MTP
+  /// KV past the sequence's tokens may be written (it is rewritten before it is read).
+  /// The default: forward_sample, then verify_draft_on_host.
+  virtual void forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
+                                    const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                                    VerifyDraftStep& step, std::vector<SampledToken>& out);
   /// True when forward_sample() is available (a GPU model: the logits never leave it).
   virtual bool samples_on_device() const { return false; }
   /// Runs the batch and samples each logits row (batch order: kLast rows, and every row of a
@@ -126,6 +144,13 @@ void mtp_draft_chain_on_host(Model& model, std::span<const float> target_hidden,
                              const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                              const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                              std::vector<std::vector<int32_t>>& drafts);
+
+/// Model::forward_verify_draft after its forward_sample, on the host: the accepted drafts from
+/// `sampled` and the next drafts through mtp_draft_chain_on_host over the target's hidden states
+/// `target_hidden` ([batch tokens, hidden], batch order). The reference of the fused device step.
+void verify_draft_on_host(Model& model, std::span<const float> target_hidden,
+                          const ForwardBatch& batch, const std::vector<SampledToken>& sampled,
+                          KvCache& mtp_kv, VerifyDraftStep& step);
 
 /// Qwen3-MoE forward on the CPU, fp32 weights and accumulation.
 class Qwen3MoeCpu final : public Model {

@@ -343,7 +343,19 @@ class DeviceGreedy final : public Model {
     EXPECT_EQ(mtp_kv.geometry().num_layers, 1);  // the MTP layer's own pool
     warmed_verify.emplace_back(max_batch, k);
   }
-  bool chain = false;
+  // fused: the verify step and the next drafts in one call (Model::forward_verify_draft, its
+  // host reference over the hidden states kept here).
+  bool fuses_verify_and_draft() const override { return fused; }
+  void forward_verify_draft(const ForwardBatch& b, KvCache& kv,
+                            const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                            VerifyDraftStep& step, std::vector<SampledToken>& out) override {
+    ++fused_steps;
+    EXPECT_EQ(b.hidden_out, nullptr) << "a fused step asked for the hidden states";
+    forward_sample(b, kv, rows, out);
+    verify_draft_on_host(m_, last_hidden_, b, out, mtp_kv, step);
+  }
+  bool chain = false, fused = false;
+  int64_t fused_steps = 0;
   int64_t host_forwards = 0, host_drafts = 0, verify_rows = 0, device_drafts = 0;
   int64_t chains = 0, rows_past_their_drafts = 0, hidden_to_host = 0;
   std::vector<std::pair<int64_t, int64_t>> warmed_verify;  // warm_up_speculative's (batch, K)
@@ -473,6 +485,60 @@ TEST_P(SpecLosslessTest, DraftChainOnDeviceEqualsPassByPass) {
     past += dev_own.rows_past_their_drafts;
   }
   EXPECT_GT(past, 0) << "no sequence drafted fewer than the chain's passes";
+}
+
+// The fused step (Model::forward_verify_draft: verify, acceptance and the next drafts in one
+// model call, as the GPU model runs it with one host synchronisation) gives what the unfused
+// step gives (verify, then the draft chain): the same tokens, logprobs and counters, with the
+// MTP's own drafts, an oracle's, forced acceptance (benchmarks; the drafts emitted whatever the
+// target says) and sampled requests drawn on the device; sequences near max_tokens (uneven
+// ends) and one-token decodes (no drafts yet) inside fused steps.
+TEST_P(SpecLosslessTest, FusedStepEqualsUnfused) {
+  const Golden g = testing::load_golden(GetParam());
+  auto model = load_with_mtp(GetParam());
+  std::vector<GenRequest> reqs = greedy_requests(g);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].max_tokens = std::max<int32_t>(2, reqs[i].max_tokens - static_cast<int32_t>(i % 3));
+    if (i % 2 == 1) {  // sampled on the device (its draws keyed by seed and position)
+      reqs[i].sampling.temperature = 0.8f;
+      reqs[i].sampling.seed = 100 + i;
+      reqs[i].sampling.logprobs = -1;
+    }
+  }
+  const RunResult ref = run(*model, reqs, EngineConfig{});
+  std::vector<GenRequest> plain = reqs;  // forced acceptance: no logprobs (device rows)
+  for (auto& r : plain) r.sampling.logprobs = -1;
+  for (int64_t k = 1; k <= kMaxSpeculativeTokens; ++k) {
+    for (const int mode : {0, 1, 2}) {  // own drafts, the oracle's, forced acceptance
+      SCOPED_TRACE("K = " + std::to_string(k) + " mode " + std::to_string(mode));
+      EngineConfig c;
+      c.num_speculative_tokens = k;
+      const std::vector<GenRequest>& rs = mode == 2 ? plain : reqs;
+      if (mode == 1) c.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
+      if (mode == 2) c.spec_forced_accept_prob = 0.7;
+      DeviceGreedy unfused(*model);
+      unfused.chain = true;
+      const RunResult want = run(unfused, rs, c);
+      if (mode == 1) c.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
+      DeviceGreedy dev(*model);
+      dev.chain = dev.fused = true;
+      const RunResult got = run(dev, rs, c);
+      for (size_t i = 0; i < rs.size(); ++i) {
+        expect_same(got.outs[i], want.outs[i], "case " + std::to_string(i));
+        if (mode != 2 && i % 2 == 0)
+          expect_same(got.outs[i], ref.outs[i], "greedy " + std::to_string(i));
+      }
+      EXPECT_EQ(got.stats.spec_num_drafts, want.stats.spec_num_drafts);
+      EXPECT_EQ(got.stats.spec_num_draft_tokens, want.stats.spec_num_draft_tokens);
+      EXPECT_EQ(got.stats.spec_num_accepted_tokens, want.stats.spec_num_accepted_tokens);
+      EXPECT_EQ(got.stats.spec_accepted_per_pos, want.stats.spec_accepted_per_pos);
+      EXPECT_GT(dev.fused_steps, 0) << "no step ran fused";
+      EXPECT_EQ(unfused.fused_steps, 0);
+      EXPECT_EQ(dev.host_drafts, 0) << "a pass ran on the host";
+      EXPECT_EQ(dev.hidden_to_host, 0) << "the engine asked for the hidden states";
+      if (mode != 0) EXPECT_GT(got.stats.spec_num_accepted_tokens, 0);
+    }
+  }
 }
 
 // EngineConfig::warm_up also warms speculative decoding with the configured K (verify steps and
