@@ -18,6 +18,7 @@
 #                      expects exactly the same tokens, logprobs and top-n
 #   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
 #                      greedy through the engine (alone / batched / chunked / graphs / eager)
+#   test_spec_kernels  test_backend_cuda's speculative-step kernels alone (short runs)
 #   test_model_cuda_det  --deterministic: batch / chunk / cache-hit invariance, bitwise
 #   test_model_cuda_q35mtp  Qwen3.5 MTP speculation on the GPU (vs the CPU MTP, lossless, chi-square)
 #   test_server_cuda   the HTTP tests of the "Serving" issue, the real-engine ones over the GPU
@@ -41,6 +42,7 @@
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
 #   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs / bench_spec_eager (draft passes in graphs, the default / eager),
+#   bench_spec_fused / bench_spec_unfused (the fused speculative step, the default / unfused),
 #   bench_spec_chain / bench_spec_passes (the MTP draft chain on the device, the default / pass
 #   by pass through the host),
 #   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
@@ -116,6 +118,9 @@ step() {  # step NAME TIMEOUT_S CMD...
 
 step test_backend_cuda 240 "$BIN/test_backend_cuda"
 step test_model_cuda 150 "$BIN/test_model_cuda" --gtest_filter='-CudaBatchInvariance.*:*CudaQwen35Mtp*'
+# The speculative step's kernels alone (a subset of test_backend_cuda, for a short run): the
+# after-verify metadata (spec_advance) and the rejection sampler vs their CPU references.
+step test_spec_kernels 60 "$BIN/test_backend_cuda" --gtest_filter='*SpecAdvance*:*SpecAccept*'
 # MTP speculative decoding of Qwen3.5 hybrids on the GPU (issue 13): the MTP pass and hidden_out
 # vs the CPU model, greedy lossless K = 1..4, the sampled chi-square.
 step test_model_cuda_q35mtp 150 "$BIN/test_model_cuda" --gtest_filter='*CudaQwen35Mtp*'
@@ -291,6 +296,15 @@ fi
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_passes 180 env TANDEM_MTP_DEVICE_CHAIN=0 "$BIN/bench_spec_cuda" --model 30b \
     --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
+# The fused speculative step (the default: verify, sampler, acceptance and the draft chain on
+# the stream, one host sync per step) beside the unfused one (TANDEM_SPEC_FUSED=0: the verify's
+# tokens to the host, then the chain: two syncs), same rows.
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_fused 180 env TANDEM_SPEC_FUSED=1 "$BIN/bench_spec_cuda" --model 30b \
+    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
+[ -x "$BIN/bench_spec_cuda" ] &&
+  step bench_spec_unfused 180 env TANDEM_SPEC_FUSED=0 "$BIN/bench_spec_cuda" --model 30b \
+    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -303,7 +317,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_spec_fused bench_spec_unfused bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

@@ -908,6 +908,7 @@ bool Engine::fused_step(const ScheduledBatch& batch) {
   for (const auto& ss : batch.seqs) {
     const Sequence& s = *ss.seq;
     const bool decode = ss.num_tokens == 1 && ss.logits == LogitsMode::kLast &&
+                        s.num_computed >= s.prompt_len &&
                         s.num_computed + 1 == static_cast<int64_t>(s.tokens.size());
     if (!(ss.verify || decode) || !s.req.allow_speculation || !drafts_on_device(s)) return false;
   }

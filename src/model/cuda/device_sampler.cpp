@@ -55,10 +55,16 @@ void DeviceSampler::argmax(const float* logits, int64_t rows, int32_t* tokens,
 void DeviceSampler::sample(float* logits, const std::vector<DeviceSampling>& rows,
                            const std::function<void()>& wait_masks, std::vector<SampledToken>& out,
                            cudaStream_t stream) {
+  enqueue(logits, rows, wait_masks, stream);
+  collect(out, stream);
+}
+
+void DeviceSampler::enqueue(float* logits, const std::vector<DeviceSampling>& rows,
+                            const std::function<void()>& wait_masks, cudaStream_t stream) {
   const auto R = static_cast<int64_t>(rows.size());
   TANDEM_CHECK_KIND(kInvalidArgument, R <= rows_cap_, R, " sampling rows exceed the CUDA model's ",
                     rows_cap_);
-  out.clear();
+  pending_ = 0;
   if (R == 0) return;
   auto h2d = [&](void* dst, const void* src, size_t bytes) {
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
@@ -162,6 +168,19 @@ void DeviceSampler::sample(float* logits, const std::vector<DeviceSampling>& row
     d2h(hti, top_ids_.as<void>(), static_cast<size_t>(R * kTop) * 4);
     d2h(htl, top_lp_.as<void>(), static_cast<size_t>(R * kTop) * 4);
   }
+  pending_ = R;
+}
+
+void DeviceSampler::collect(std::vector<SampledToken>& out, cudaStream_t stream) {
+  const int64_t R = pending_;
+  pending_ = 0;
+  out.clear();
+  if (R == 0) return;
+  auto* hp = host_.as<cuda::SamplingRowParams>();
+  auto* ht = reinterpret_cast<int32_t*>(hp + R);
+  auto* hl = reinterpret_cast<float*>(ht + R);
+  auto* hti = reinterpret_cast<int32_t*>(hl + R);
+  auto* htl = reinterpret_cast<float*>(hti + R * kTop);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   out.resize(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {

@@ -27,6 +27,14 @@ class DeviceSampler {
   void sample(float* logits, const std::vector<DeviceSampling>& rows,
               const std::function<void()>& wait_masks, std::vector<SampledToken>& out,
               cudaStream_t stream);
+  /// sample() in two halves: enqueue() queues everything, the copies to the host included,
+  /// without waiting (the rows' tokens are in device_tokens() once the stream gets there, for
+  /// more work on the stream: the fused speculative step); collect() waits and unpacks.
+  void enqueue(float* logits, const std::vector<DeviceSampling>& rows,
+               const std::function<void()>& wait_masks, cudaStream_t stream);
+  void collect(std::vector<SampledToken>& out, cudaStream_t stream);
+  /// [rows] the last enqueue()'s tokens (device).
+  const int32_t* device_tokens() const { return tokens_.as<int32_t>(); }
   /// Greedy tokens (the argmax of the raw logits, ties -> lowest id) of rows [0, rows) of
   /// `logits` into the device array `tokens`, enqueued on `stream` only (no host copy, no
   /// sync): the next MTP pass of a draft chain reads them there.
@@ -38,6 +46,7 @@ class DeviceSampler {
 
  private:
   bool batch_invariant_ = false;
+  int64_t pending_ = 0;  // rows enqueued, not yet collected
   int64_t rows_cap_, vocab_, words_;
   DeviceMem greedy_;  // SamplingRowParams [rows_cap], every row greedy (argmax)
   DeviceMem params_, tokens_, logprobs_, top_ids_, top_lp_, workspace_;

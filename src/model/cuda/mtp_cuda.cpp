@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 
 #include "backend/cuda/attention.h"
@@ -17,6 +18,7 @@
 #include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/moe_layer.h"
 #include "backend/cuda/norm.h"
+#include "backend/cuda/spec_advance.h"
 #include "comm/cuda/cuda_moe.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -378,6 +380,58 @@ struct MtpCuda::Impl {
   void capture(const MtpLaunch& l, KvCache& kv, size_t si);
   void run(const MtpLaunch& l, KvCache& kv);
 
+  // A draft chain's checks: at most kStages passes, one hidden row per token of `first`, each
+  // a row of the target's last forward.
+  void check_chain(const ForwardBatch& first, int64_t target_rows,
+                   std::span<const int32_t> hidden_rows, size_t chained) const {
+    TANDEM_CHECK(s.sampler != nullptr, "MTP draft chain: no device sampler");
+    TANDEM_CHECK(chained + 1 <= kStages, "MTP draft chain: ", chained + 1, " passes (at most ",
+                 kStages, ")");
+    TANDEM_CHECK(static_cast<int64_t>(hidden_rows.size()) == first.num_tokens(),
+                 "MTP draft chain: ", hidden_rows.size(), " hidden rows for ", first.num_tokens(),
+                 " tokens");
+    for (const int32_t r : hidden_rows) {
+      TANDEM_CHECK(r >= 0 && r < target_rows, "MTP draft chain: hidden row ", r,
+                   " outside the target's last forward (", target_rows, " tokens)");
+    }
+  }
+  std::vector<int64_t> run_chain(const std::vector<MtpLaunch>& launches, KvCache& kv,
+                                 const void* target_hidden, int64_t target_rows,
+                                 const std::function<void(size_t)>& fix);
+  // The drafts of each pass (rows[p] of them) to h_drafts; then, after a sync, unpacked.
+  void drafts_to_host(const std::vector<int64_t>& rows) {
+    const int64_t R = s.rows_cap;
+    auto* hd = h_drafts.as<int32_t>();
+    const auto* dd = d_drafts.as<int32_t>();
+    for (size_t p = 0; p < rows.size(); ++p) {
+      if (rows[p] == 0) continue;
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(hd + p * R, dd + p * R,
+                                        static_cast<size_t>(rows[p]) * sizeof(int32_t),
+                                        cudaMemcpyDeviceToHost, s.stream));
+    }
+  }
+  void unpack_drafts(const std::vector<int64_t>& rows,
+                     std::vector<std::vector<int32_t>>& drafts) const {
+    const int64_t R = s.rows_cap;
+    const auto* hd = h_drafts.as<int32_t>();
+    drafts.resize(std::max(drafts.size(), rows.size()));
+    for (size_t p = 0; p < rows.size(); ++p) {
+      drafts[p].assign(hd + p * R, hd + p * R + rows[p]);
+    }
+  }
+  // draft_after_verify's kernel inputs and outputs (device, and pinned for the copies), grown
+  // on demand (a step synchronises before the next one writes them).
+  struct Buffers {
+    DeviceMem dev;
+    PinnedMem host;
+    void grow(size_t bytes) {
+      if (dev.size() >= bytes) return;
+      dev = DeviceMem(bytes * 2);
+      host = PinnedMem(bytes * 2);
+    }
+  };
+  Buffers adv_in, adv_out;
+
   // y[m, n] = x[m, k] W^T.
   void linear(const bf16* x, const bf16* w, bf16* y, int64_t m, int64_t n, int64_t k) {
     s.gemm->run({x, w, y, m, n, k}, s.stream);
@@ -603,6 +657,66 @@ void MtpCuda::Impl::run(const MtpLaunch& l, KvCache& kv) {
   mark(7);
 }
 
+// The staged passes of a chain (launches[0]: pass 0, its hidden states gathered from the
+// target's buffer of target_rows rows by the staged region 4; then one-token passes, row i
+// continuing row i of the pass before: its token that pass's draft, its hidden state that pass's
+// output, copied on the device). A bucket's first use is captured before any pass runs (its
+// warm-up run overwrites the scratch the target's hidden states are in). fix(p), when given,
+// runs after pass p's metadata is uploaded and before its kernels. Each pass's argmax goes to
+// d_drafts + p * rows_cap. Returns the rows of each pass.
+std::vector<int64_t> MtpCuda::Impl::run_chain(const std::vector<MtpLaunch>& launches, KvCache& kv,
+                                              const void* target_hidden, int64_t target_rows,
+                                              const std::function<void(size_t)>& fix) {
+  cudaStream_t st = s.stream;
+  const int64_t h = c.hidden_size, R = s.rows_cap;
+  const size_t row = static_cast<size_t>(h) * sizeof(bf16);
+  auto* hin = hidden_in.as<bf16>();
+  auto* dm = d_meta.as<int32_t>();
+  auto* dd = d_drafts.as<int32_t>();
+  std::vector<int64_t> rows(launches.size(), 0);
+  MtpLaunch l = launches[0];
+  upload(l, 0);
+  cuda::embedding_launch(
+      {dm + 4 * s.t_cap, static_cast<const bf16*>(target_hidden), hin, l.n, h, target_rows}, st);
+  auto zero_padding = [&](const MtpLaunch& p) {
+    if (p.n_run > p.n) {
+      TANDEM_CUDA_CHECK(
+          cudaMemsetAsync(hin + p.n * h, 0, static_cast<size_t>(p.n_run - p.n) * row, st));
+    }
+  };
+  zero_padding(l);
+  bool captured = false;
+  for (size_t p = 0; p < launches.size(); ++p) {
+    if (!launches[p].graph() ||
+        (graph_kv == kv.layer_data(0) && graph_page_size == kv.geometry().page_size &&
+         graphs.count(launches[p].bucket) > 0)) {
+      continue;
+    }
+    capture(launches[p], kv, p);
+    captured = true;
+  }
+  if (captured) upload(l, 0);  // pass 0's metadata again
+  if (fix) fix(0);
+  run(l, kv);
+  rows[0] = l.rows;
+  s.sampler->argmax(s.logits, l.rows, dd, st);
+  for (size_t p = 1; p < launches.size(); ++p) {
+    l = launches[p];
+    upload(l, p);
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm, dd + (p - 1) * R,
+                                      static_cast<size_t>(l.n) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToDevice, st));
+    TANDEM_CUDA_CHECK(
+        cudaMemcpyAsync(hin, s.last, static_cast<size_t>(l.n) * row, cudaMemcpyDeviceToDevice, st));
+    zero_padding(l);
+    if (fix) fix(p);
+    run(l, kv);
+    rows[p] = l.rows;
+    s.sampler->argmax(s.logits, l.rows, dd + p * R, st);
+  }
+  return rows;
+}
+
 int64_t MtpCuda::forward(const ForwardBatch& batch, const float* hidden, KvCache& kv) {
   Impl& im = *impl_;
   check_mtp_kv(im.c, kv);
@@ -632,30 +746,13 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
                           const std::vector<MtpChainPass>& chain, KvCache& kv,
                           std::vector<std::vector<int32_t>>& drafts) {
   Impl& im = *impl_;
-  const MtpScratch& s = im.s;
-  cudaStream_t st = s.stream;
   check_mtp_kv(im.c, kv);
-  TANDEM_CHECK(s.sampler != nullptr, "MTP draft chain: no device sampler");
-  TANDEM_CHECK(chain.size() + 1 <= Impl::kStages, "MTP draft chain: ", chain.size() + 1,
-               " passes (at most ", Impl::kStages, ")");
-  TANDEM_CHECK(static_cast<int64_t>(hidden_rows.size()) == first.num_tokens(),
-               "MTP draft chain: ", hidden_rows.size(), " hidden rows for ", first.num_tokens(),
-               " tokens");
-  for (const int32_t r : hidden_rows) {
-    TANDEM_CHECK(r >= 0 && r < target_rows, "MTP draft chain: hidden row ", r,
-                 " outside the target's last forward (", target_rows, " tokens)");
-  }
-  const int64_t h = im.c.hidden_size, R = s.rows_cap;
-  const size_t row = static_cast<size_t>(h) * sizeof(bf16);
-  auto* hidden_in = im.hidden_in.as<bf16>();
-  auto* dm = im.d_meta.as<int32_t>();
-  auto* d_drafts = im.d_drafts.as<int32_t>();
+  im.check_chain(first, target_rows, hidden_rows, chain.size());
   drafts.assign(chain.size() + 1, {});
-  std::vector<int64_t> rows(chain.size() + 1, 0);
   if (first.num_tokens() == 0) {
     if (im.collective()) {  // every pass's exchange still runs (decode EP)
       for (size_t p = 0; p <= chain.size(); ++p) im.empty_pass();
-      TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(im.s.stream));
     }
     return;
   }
@@ -674,69 +771,120 @@ void MtpCuda::draft_chain(const ForwardBatch& first, const void* target_hidden, 
     if (prev == 0) break;
     launches.push_back(im.stage(c.batch, kv, p, c.writes.data(), true, nullptr));
   }
+  const std::vector<int64_t> rows = im.run_chain(launches, kv, target_hidden, target_rows, {});
   // Passes past the last with rows (none of this rank's): empty ones under decode EP.
   const size_t empty_passes = im.collective() ? chain.size() + 1 - launches.size() : 0;
-
-  // Pass 0: the target's hidden rows gathered on the device (the embedding gather, the row
-  // index as id; the target's buffer holds target_rows rows).
-  MtpLaunch l = launches[0];
-  im.upload(l, 0);
-  cuda::embedding_launch(
-      {dm + 4 * s.t_cap, static_cast<const bf16*>(target_hidden), hidden_in, l.n, h, target_rows},
-      st);
-  auto zero_padding = [&](const MtpLaunch& p) {
-    if (p.n_run > p.n) {
-      TANDEM_CUDA_CHECK(
-          cudaMemsetAsync(hidden_in + p.n * h, 0, static_cast<size_t>(p.n_run - p.n) * row, st));
-    }
-  };
-  zero_padding(l);
-  // A bucket's first use captures its graph now: its warm-up run overwrites the scratch (the
-  // target's hidden states among it, gathered already), so no pass may have run yet.
-  bool captured = false;
-  for (size_t p = 0; p < launches.size(); ++p) {
-    if (!launches[p].graph() ||
-        (im.graph_kv == kv.layer_data(0) && im.graph_page_size == kv.geometry().page_size &&
-         im.graphs.count(launches[p].bucket) > 0)) {
-      continue;
-    }
-    im.capture(launches[p], kv, p);
-    captured = true;
-  }
-  if (captured) im.upload(l, 0);  // pass 0's metadata again
-  im.run(l, kv);
-  rows[0] = l.rows;
-  s.sampler->argmax(s.logits, l.rows, d_drafts, st);
-
-  // Chained passes: row i's token is the pass before's draft of row i, its hidden state that
-  // pass's output (s.last), both copied on the device over the staged zeros.
-  for (size_t p = 1; p < launches.size(); ++p) {
-    l = launches[p];
-    im.upload(l, p);
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm, d_drafts + (p - 1) * R,
-                                      static_cast<size_t>(l.n) * sizeof(int32_t),
-                                      cudaMemcpyDeviceToDevice, st));
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(hidden_in, s.last, static_cast<size_t>(l.n) * row,
-                                      cudaMemcpyDeviceToDevice, st));
-    zero_padding(l);
-    im.run(l, kv);
-    rows[p] = l.rows;
-    s.sampler->argmax(s.logits, l.rows, d_drafts + p * R, st);
-  }
-
   for (size_t p = 0; p < empty_passes; ++p) im.empty_pass();
+  im.drafts_to_host(rows);
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(im.s.stream));  // the chain's one synchronisation
+  im.unpack_drafts(rows, drafts);
+}
 
-  // The drafts to the host: the chain's one synchronisation.
-  auto* hd = im.h_drafts.as<int32_t>();
-  for (size_t p = 0; p < rows.size(); ++p) {
-    if (rows[p] == 0) continue;
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(hd + p * R, d_drafts + p * R,
-                                      static_cast<size_t>(rows[p]) * sizeof(int32_t),
-                                      cudaMemcpyDeviceToHost, st));
+void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_hidden,
+                                 int64_t target_rows, std::span<const int32_t> hidden_rows,
+                                 const int32_t* sampled, VerifyDraftStep& step, KvCache& kv) {
+  Impl& im = *impl_;
+  const MtpScratch& s = im.s;
+  cudaStream_t st = s.stream;
+  check_mtp_kv(im.c, kv);
+  TANDEM_CHECK(!im.collective(), "draft_after_verify: not with a collective MTP layer");
+  const auto n = static_cast<int64_t>(verify.seqs.size());
+  const int64_t K = step.num_drafts, T = verify.num_tokens(), ps = kv.geometry().page_size;
+  TANDEM_CHECK(K >= 1 && static_cast<int64_t>(step.forced.size()) == n && n > 0 &&
+                   verify.num_logit_rows() == T,
+               "draft_after_verify: ", n, " sequences, ", step.forced.size(), " forced counts, K ",
+               K, ", ", verify.num_logit_rows(), " rows for ", T, " tokens (one row each)");
+  im.check_chain(verify, target_rows, hidden_rows, static_cast<size_t>(K - 1));
+
+  // Pass 0 over every verify position (one logits row per sequence: the kernel picks it), the
+  // chained passes one token per sequence at placeholder positions (the kernel's).
+  ForwardBatch first = verify;
+  int64_t width = 1;
+  for (ForwardSeq& f : first.seqs) {
+    f.logits = LogitsMode::kLast;
+    width = std::max(width, f.num_pages);
   }
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));
-  for (size_t p = 0; p < rows.size(); ++p) {
-    drafts[p].assign(hd + p * R, hd + p * R + rows[p]);
+  std::vector<MtpLaunch> launches;
+  launches.push_back(im.stage(first, kv, 0, nullptr, true, hidden_rows.data()));
+  ForwardBatch one;
+  for (const ForwardSeq& f : verify.seqs) {
+    one.seqs.push_back({f.tokens, 1, f.start_pos + f.num_tokens - 1, f.block_table, f.num_pages,
+                        LogitsMode::kLast, -1});
+  }
+  for (int64_t p = 1; p < K; ++p) {
+    launches.push_back(im.stage(one, kv, static_cast<size_t>(p), nullptr, true, nullptr));
+  }
+
+  // The kernel's inputs: x, sequence offsets, forced counts, starts, tables, pages.
+  const size_t ints = static_cast<size_t>(T + (n + 1) + 4 * n + n * width);
+  im.adv_in.grow(ints * sizeof(int32_t));
+  auto* h = im.adv_in.host.as<int32_t>();
+  int32_t *h_ids = h, *h_begin = h_ids + T, *h_forced = h_begin + n + 1, *h_start = h_forced + n,
+          *h_pages = h_start + n, *h_tables = h_pages + n;
+  int64_t t = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const ForwardSeq& f = verify.seqs[static_cast<size_t>(i)];
+    h_begin[i] = static_cast<int32_t>(t);
+    for (int64_t j = 0; j < f.num_tokens; ++j) h_ids[t++] = f.tokens[j];
+    h_forced[i] = step.forced[static_cast<size_t>(i)];
+    h_start[i] = static_cast<int32_t>(f.start_pos);
+    h_pages[i] = static_cast<int32_t>(f.num_pages);
+    std::memset(h_tables + i * width, 0, static_cast<size_t>(width) * sizeof(int32_t));
+    std::memcpy(h_tables + i * width, f.block_table,
+                static_cast<size_t>(f.num_pages) * sizeof(int32_t));
+  }
+  h_begin[n] = static_cast<int32_t>(t);
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.adv_in.dev.as<void>(), h, ints * sizeof(int32_t),
+                                    cudaMemcpyHostToDevice, st));
+  auto* d = im.adv_in.dev.as<int32_t>();
+  // Its outputs: accepted [n] | chained positions [K - 1, n] | slots (int64) [K - 1, n].
+  const auto P = static_cast<size_t>(K - 1), N = static_cast<size_t>(n);
+  im.adv_out.grow((N + P * N) * sizeof(int32_t) + P * N * sizeof(int64_t) + 8);
+  auto* d_acc = im.adv_out.dev.as<int32_t>();
+  int32_t* d_pos = d_acc + N;
+  auto* d_slots = reinterpret_cast<int64_t*>(im.adv_out.dev.as<uint8_t>() +
+                                             ((N + P * N) * sizeof(int32_t) + 7) / 8 * 8);
+  auto* dm = im.d_meta.as<int32_t>();
+  cuda::SpecAdvanceParams ap;
+  ap.sampled = sampled;
+  ap.verify_ids = d;
+  ap.seq_begin = d + T;
+  ap.forced = d + T + n + 1;
+  ap.start = ap.forced + n;
+  ap.num_pages = ap.start + n;
+  ap.tables = ap.num_pages + n;
+  ap.seqs = n;
+  ap.table_width = width;
+  ap.page_size = ps;
+  ap.passes = K - 1;
+  ap.accepted = d_acc;
+  ap.mtp_ids = dm;                 // pass 0's ids (d_meta region 0), after its upload
+  ap.mtp_rows = dm + 3 * s.t_cap;  // pass 0's logits rows (region 3)
+  ap.chain_pos = d_pos;
+  ap.chain_slots = d_slots;
+  const std::vector<int64_t> rows =
+      im.run_chain(launches, kv, target_hidden, target_rows, [&](size_t p) {
+        if (p == 0) {
+          cuda::spec_advance_launch(ap, st);
+          return;
+        }
+        // Chained pass p's positions and slots over the staged placeholders.
+        const size_t o = (p - 1) * N;
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + s.t_cap, d_pos + o, N * sizeof(int32_t),
+                                          cudaMemcpyDeviceToDevice, st));
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + 5 * s.t_cap, d_slots + o, N * sizeof(int64_t),
+                                          cudaMemcpyDeviceToDevice, st));
+      });
+  im.drafts_to_host(rows);
+  auto* h_acc = im.adv_out.host.as<int32_t>();
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(h_acc, d_acc, N * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));  // the step's one synchronisation
+  std::vector<std::vector<int32_t>> drafts;
+  im.unpack_drafts(rows, drafts);
+  step.accepted.assign(h_acc, h_acc + n);
+  step.drafts.assign(N, std::vector<int32_t>(static_cast<size_t>(K)));
+  for (size_t i = 0; i < N; ++i) {
+    for (size_t p = 0; p < static_cast<size_t>(K); ++p) step.drafts[i][p] = drafts[p][i];
   }
 }
 

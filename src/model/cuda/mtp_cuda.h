@@ -99,6 +99,15 @@ class MtpCuda {
   void draft_chain(const ForwardBatch& first, const void* target_hidden, int64_t target_rows,
                    std::span<const int32_t> hidden_rows, const std::vector<MtpChainPass>& chain,
                    KvCache& kv, std::vector<std::vector<int32_t>>& drafts);
+  /// Model::forward_verify_draft's drafting half on the stream, after the target's verify
+  /// forward and its sampler (`sampled`: device [verify tokens], one row per token): the
+  /// accepted drafts (spec_advance), pass 0 over every verify position (hidden states gathered
+  /// from `target_hidden` at `hidden_rows`, its logits row at the last accepted position), the
+  /// chained passes at the positions after it; step.accepted and step.drafts come back in one
+  /// copy and one synchronisation. Not with a collective MTP layer.
+  void draft_after_verify(const ForwardBatch& verify, const void* target_hidden,
+                          int64_t target_rows, std::span<const int32_t> hidden_rows,
+                          const int32_t* sampled, VerifyDraftStep& step, KvCache& kv);
   /// The last pass's hidden states of its logits rows as fp32 on the host (synchronises).
   void hidden_to_host(int64_t rows, std::vector<float>& out);
   int64_t weight_bytes() const { return weight_bytes_; }

@@ -1042,6 +1042,34 @@ void Qwen3MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const in
   mtp_->draft_chain(first, im.xn.as<void>(), im.t_cap, rows, chain, mtp_kv, drafts);
 }
 
+bool Qwen3MoeCuda::fuses_verify_and_draft() const {
+  const char* e = std::getenv("TANDEM_SPEC_FUSED");
+  return mtp_drafts_on_device() && !mtp_->collective() &&
+         (e == nullptr || std::strcmp(e, "0") != 0);
+}
+
+void Qwen3MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
+                                        const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                                        VerifyDraftStep& step, std::vector<SampledToken>& out) {
+  TANDEM_CHECK(mtp_ != nullptr, "forward_verify_draft: no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  Impl& im = *impl_;
+  const auto R = static_cast<int64_t>(rows.size());
+  TANDEM_CHECK(R == batch.num_logit_rows() && R == batch.num_tokens() && R > 0,
+               "forward_verify_draft: ", R, " sampling rows for ", batch.num_logit_rows(),
+               " logits rows of ", batch.num_tokens(), " tokens (one row each)");
+  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R,
+                    " sampling rows exceed the CUDA model's ", im.rows_cap);
+  // The logits are the model's own device scratch (the sampler's biases apply in place); the
+  // MTP passes reuse that buffer after the sampler read it (one stream).
+  ++fused_steps_;
+  float* logits = const_cast<float*>(forward_device(batch, kv));
+  im.sampler->enqueue(logits, rows, {}, stream_);
+  mtp_->draft_after_verify(batch, im.xn.as<void>(), im.t_cap, im.hidden_rows,
+                           im.sampler->device_tokens(), step, mtp_kv);  // synchronises
+  im.sampler->collect(out, stream_);
+}
+
 int64_t Qwen3MoeCuda::fp8_linears() const { return static_cast<int64_t>(impl_->fp8_allocs.size()); }
 
 Qwen3MoeCuda::~Qwen3MoeCuda() {

@@ -138,6 +138,8 @@ class Qwen3MoeCuda final : public Model {
   std::vector<int64_t> captured_buckets() const;
   /// Verify-step graphs captured so far: (bucket of sequences, tokens per sequence).
   std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
+  /// Steps that ran forward_verify_draft (tests, benchmarks).
+  int64_t fused_steps() const { return fused_steps_; }
 
   // MTP speculative decoding (mtp_cuda.h): the layer on this GPU (its experts sharded as the
   // target's under decode DP/EP), its KV in device pools, passes eager; verify steps of K + 1
@@ -165,6 +167,13 @@ class Qwen3MoeCuda final : public Model {
   void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                        const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                        std::vector<std::vector<int32_t>>& drafts) override;
+  /// The fused speculative step (verify, its sampler, the acceptance and the next drafts on the
+  /// stream, one synchronisation: MtpCuda::draft_after_verify): with the device chain and one
+  /// rank's MTP layer; on unless TANDEM_SPEC_FUSED=0 in the environment.
+  bool fuses_verify_and_draft() const override;
+  void forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
+                            const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                            VerifyDraftStep& step, std::vector<SampledToken>& out) override;
   /// One MTP pass leaving the logits rows on the device (benchmarks; as forward_device).
   const float* mtp_forward_device(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv);
   /// The MoE path the last MoE layer of the last forward took ("decode", "mma", "cublas",
@@ -193,6 +202,7 @@ class Qwen3MoeCuda final : public Model {
   bool mtp_graphs_on() const;  // CudaModelOptions::mtp_graphs unless TANDEM_MTP_GRAPHS=0, one GPU
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<MtpCuda> mtp_;
+  int64_t fused_steps_ = 0;
   ModelConfig config_;
   CudaModelOptions opts_;
   cudaStream_t stream_ = nullptr;
