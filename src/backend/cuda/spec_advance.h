@@ -26,20 +26,20 @@
 namespace tandem::cuda {
 
 struct SpecAdvanceParams {
-  int32_t const* sampled;     // [tokens] y: the target's token of each verify row
-  int32_t const* verify_ids;  // [tokens] x: per sequence its last token, then its drafts
-  int32_t const* seq_begin;   // [seqs + 1] token offsets
-  int32_t const* forced;      // [seqs] accepted drafts forced (>= 0), -1: by the target
-  int32_t const* start;       // [seqs] the position of x_0
-  int32_t const* tables;      // [seqs, table_width] block tables
-  int32_t const* num_pages;   // [seqs] pages of each table (<= table_width)
+  int32_t const* sampled = nullptr;     // [tokens] y: the target's token of each verify row
+  int32_t const* verify_ids = nullptr;  // [tokens] x: per sequence its last token, then its drafts
+  int32_t const* seq_begin = nullptr;   // [seqs + 1] token offsets
+  int32_t const* forced = nullptr;      // [seqs] accepted drafts forced (>= 0), -1: by the target
+  int32_t const* start = nullptr;       // [seqs] the position of x_0
+  int32_t const* tables = nullptr;      // [seqs, table_width] block tables
+  int32_t const* num_pages = nullptr;   // [seqs] pages of each table (<= table_width)
   int64_t seqs = 0, table_width = 0, page_size = 0;
-  int64_t passes = 0;    // chained MTP passes (K - 1 >= 0)
-  int32_t* accepted;     // [seqs] out: a
-  int32_t* mtp_ids;      // [tokens] out: pass 0's tokens
-  int32_t* mtp_rows;     // [seqs] out: pass 0's logits row (a token index)
-  int32_t* chain_pos;    // [passes, seqs] out
-  int64_t* chain_slots;  // [passes, seqs] out
+  int64_t passes = 0;              // chained MTP passes (K - 1 >= 0)
+  int32_t* accepted = nullptr;     // [seqs] out: a
+  int32_t* mtp_ids = nullptr;      // [tokens] out: pass 0's tokens
+  int32_t* mtp_rows = nullptr;     // [seqs] out: pass 0's logits row (a token index)
+  int32_t* chain_pos = nullptr;    // [passes, seqs] out
+  int64_t* chain_slots = nullptr;  // [passes, seqs] out
 };
 
 /// Launches on `stream`; throws Error(kInvalidArgument) for bad shapes or a null pointer.
