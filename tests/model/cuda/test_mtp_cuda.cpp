@@ -283,28 +283,42 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
   }
 }
 
+// The setup of the chain and fused-step comparisons: the golden cases with max_tokens shortened
+// unevenly (some sequences end inside a chain), the model with a random MTP layer, 8 sequences
+// of 16-token pages.
+struct SpecComparison {
+  testing::Golden g;
+  std::vector<testing::GoldenCase> cases;
+  std::unique_ptr<Qwen3MoeCuda> gpu;
+  EngineConfig base;
+  explicit SpecComparison(const std::string& dir) : g(testing::load_golden(dir)), cases(g.cases) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      cases[i].max_tokens = std::max<int32_t>(2, cases[i].max_tokens - static_cast<int32_t>(i % 3));
+    }
+    CudaModelOptions o;
+    o.max_tokens = 1024;
+    o.max_seqs = 8;
+    o.page_size = 16;
+    gpu = Qwen3MoeCuda::load(dir, o);
+    gpu->load_mtp(testing::random_mtp_dir(dir));
+    base.max_num_seqs = 8;
+    base.max_batched_tokens = 1024;
+    base.page_size = 16;
+    base.kv_cache_mb = 64;
+  }
+};
+
 // The draft chain on the device (Model::mtp_draft_chain, MtpCuda::draft_chain: the default)
 // against pass-by-pass drafting through the host (TANDEM_MTP_DEVICE_CHAIN=0): every pass gets
 // the same bf16 inputs either way, so the drafts are the same, hence the tokens and the
 // acceptance counts; uneven max_tokens make sequences ride along past their K (no KV written).
 TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
   const std::string dir = GetParam();
-  const testing::Golden g = testing::load_golden(dir);
-  std::vector<testing::GoldenCase> cases = g.cases;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    cases[i].max_tokens = std::max<int32_t>(2, cases[i].max_tokens - static_cast<int32_t>(i % 3));
-  }
-  CudaModelOptions o;
-  o.max_tokens = 1024;
-  o.max_seqs = 8;
-  o.page_size = 16;
-  auto gpu = Qwen3MoeCuda::load(dir, o);
-  gpu->load_mtp(testing::random_mtp_dir(dir));
-  EngineConfig base;
-  base.max_num_seqs = 8;
-  base.max_batched_tokens = 1024;
-  base.page_size = 16;
-  base.kv_cache_mb = 64;
+  SpecComparison sc(dir);
+  const testing::Golden& g = sc.g;
+  const std::vector<testing::GoldenCase>& cases = sc.cases;
+  Qwen3MoeCuda* gpu = sc.gpu.get();
+  const EngineConfig& base = sc.base;
   struct Unset {
     ~Unset() {
       ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
@@ -352,22 +366,11 @@ TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
 // forced acceptance takes to the host). Uneven max_tokens: chains that run past their end.
 TEST_P(CudaMtp, FusedStepMatchesUnfused) {
   const std::string dir = GetParam();
-  const testing::Golden g = testing::load_golden(dir);
-  std::vector<testing::GoldenCase> cases = g.cases;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    cases[i].max_tokens = std::max<int32_t>(2, cases[i].max_tokens - static_cast<int32_t>(i % 3));
-  }
-  CudaModelOptions o;
-  o.max_tokens = 1024;
-  o.max_seqs = 8;
-  o.page_size = 16;
-  auto gpu = Qwen3MoeCuda::load(dir, o);
-  gpu->load_mtp(testing::random_mtp_dir(dir));
-  EngineConfig base;
-  base.max_num_seqs = 8;
-  base.max_batched_tokens = 1024;
-  base.page_size = 16;
-  base.kv_cache_mb = 64;
+  SpecComparison sc(dir);
+  const testing::Golden& g = sc.g;
+  const std::vector<testing::GoldenCase>& cases = sc.cases;
+  Qwen3MoeCuda* gpu = sc.gpu.get();
+  const EngineConfig& base = sc.base;
   struct Unset {
     ~Unset() { ::unsetenv("TANDEM_SPEC_FUSED"); }
   } unset;
