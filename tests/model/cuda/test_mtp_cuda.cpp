@@ -313,12 +313,8 @@ struct SpecComparison {
 // the same bf16 inputs either way, so the drafts are the same, hence the tokens and the
 // acceptance counts; uneven max_tokens make sequences ride along past their K (no KV written).
 TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
-  const std::string dir = GetParam();
-  SpecComparison sc(dir);
-  const testing::Golden& g = sc.g;
-  const std::vector<testing::GoldenCase>& cases = sc.cases;
-  Qwen3MoeCuda* gpu = sc.gpu.get();
-  const EngineConfig& base = sc.base;
+  SpecComparison sc(GetParam());
+  auto& [g, cases, gpu, base] = sc;
   struct Unset {
     ~Unset() {
       ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
@@ -365,12 +361,8 @@ TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
 // benchmarks run fused, is covered by the kernel's test: these requests ask for logprobs, which
 // forced acceptance takes to the host). Uneven max_tokens: chains that run past their end.
 TEST_P(CudaMtp, FusedStepMatchesUnfused) {
-  const std::string dir = GetParam();
-  SpecComparison sc(dir);
-  const testing::Golden& g = sc.g;
-  const std::vector<testing::GoldenCase>& cases = sc.cases;
-  Qwen3MoeCuda* gpu = sc.gpu.get();
-  const EngineConfig& base = sc.base;
+  SpecComparison sc(GetParam());
+  auto& [g, cases, gpu, base] = sc;
   struct Unset {
     ~Unset() { ::unsetenv("TANDEM_SPEC_FUSED"); }
   } unset;
