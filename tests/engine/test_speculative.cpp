@@ -541,6 +541,18 @@ TEST_P(SpecLosslessTest, FusedStepEqualsUnfused) {
   }
 }
 
+// The fused step under everything the lossless test varies (alone, batched, chunked, prefix-cache
+// hits, preempted with a tight pool where the chain's pages may not be there, oracle drafts):
+// the same greedy tokens as without speculation, no page leaked (run() checks).
+TEST_P(SpecLosslessTest, FusedStepLosslessForK1To4) {
+  auto model = load_with_mtp(GetParam());
+  DeviceGreedy dev(*model);
+  dev.chain = dev.fused = true;
+  expect_lossless_for_k1_to_4(dev, testing::load_golden(GetParam()), /*golden_exact=*/true);
+  EXPECT_GT(dev.fused_steps, 0);
+  EXPECT_EQ(dev.host_drafts, 0);
+}
+
 // EngineConfig::warm_up also warms speculative decoding with the configured K (verify steps and
 // draft passes, every batch up to max_num_seqs); without speculation or warm-up, nothing.
 TEST(SpecWarmUp, VerifyStepsOfTheConfiguredK) {
