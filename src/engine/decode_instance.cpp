@@ -38,6 +38,9 @@ struct DecodeInstance::Rank {
   // Hybrid models: recurrent states that came with completed transfers, until the admission
   // (or release) of their request. Guarded by out_mu (the receiver's thread writes).
   std::map<std::string, std::vector<float>> states;
+  // MTP speculative decoding: the prompts' final hidden states that came with completed
+  // transfers (the engine runs its MTP layer over them at admission). Guarded by out_mu.
+  std::map<std::string, transfer::PromptHidden> hidden;
 
   EngineStats stats;  // the engine's counters as of the last load_locked() (for the report)
 
@@ -143,6 +146,10 @@ void DecodeInstance::init_receivers() {
     cbs.on_state = [r](const std::string& id, std::vector<float> state) {
       std::lock_guard<std::mutex> lock(r->out_mu);
       r->states[id] = std::move(state);
+    };
+    cbs.on_hidden = [r](const std::string& id, transfer::PromptHidden hidden) {
+      std::lock_guard<std::mutex> lock(r->out_mu);
+      r->hidden[id] = std::move(hidden);
     };
     cbs.on_complete = [r](const std::string& id, int32_t, float) {
       std::lock_guard<std::mutex> lock(r->out_mu);
@@ -277,7 +284,8 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
         std::lock_guard<std::mutex> lock(r->out_mu);
         r->report.outputs.push_back(out);
       };
-      std::vector<float> state;  // hybrid models: from the transfer
+      std::vector<float> state;       // hybrid models: from the transfer
+      transfer::PromptHidden hidden;  // a speculating instance: from the transfer
       {
         std::lock_guard<std::mutex> lock(rank.out_mu);
         auto it = rank.states.find(c.id);
@@ -285,11 +293,17 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
           state = std::move(it->second);
           rank.states.erase(it);
         }
+        auto h = rank.hidden.find(c.id);
+        if (h != rank.hidden.end()) {
+          hidden = std::move(h->second);
+          rank.hidden.erase(h);
+        }
       }
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
       try {
-        engine.add_prefilled(c.req, cb, c.pages, c.token, c.logprob, std::move(state));
+        engine.add_prefilled(c.req, cb, c.pages, c.token, c.logprob, std::move(state),
+                             std::move(hidden.rows), hidden.begin);
       } catch (const std::exception& ex) {
         engine.release_pages(c.pages);
         finish_with(cb, c.id, FinishReason::kError, ex.what());
@@ -300,6 +314,7 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
       {
         std::lock_guard<std::mutex> lock(rank.out_mu);
         rank.states.erase(c.id);
+        rank.hidden.erase(c.id);
       }
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
@@ -380,6 +395,11 @@ transfer::TransferDescriptor DecodeInstance::descriptor(Rank& rank, const std::s
   // The KV cache's layers (a hybrid model's attention layers only), and its recurrent state.
   d.num_layers = rank.engine->kv_cache().geometry().num_layers;
   d.state_elems = rank.model->state_slot_elems();
+  // A speculating engine runs its MTP layer over the prompt at admission (Engine::add_prefilled)
+  // when the backend carries the prompt's hidden states; else its MTP KV of the prompt is zeros.
+  if (rank.engine->config().num_speculative_tokens > 0 && transfer_->carries_prompt_hidden()) {
+    d.hidden_size = mc.hidden_size;
+  }
   return d;
 }
 

@@ -192,7 +192,8 @@ bool Engine::reserve_pages(int64_t num_tokens, std::vector<int32_t>& pages) {
 void Engine::release_pages(const std::vector<int32_t>& pages) { blocks_.release(pages); }
 
 void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector<int32_t> pages,
-                           int32_t first_token, float first_logprob, std::vector<float> state) {
+                           int32_t first_token, float first_logprob, std::vector<float> state,
+                           std::vector<float> prompt_hidden, int64_t prompt_hidden_begin) {
   TANDEM_CHECK_KIND(kInvalidArgument,
                     static_cast<int64_t>(state.size()) == model_.state_slot_elems(), "request '",
                     req.id, "': a prefilled request of this model carries ",
@@ -204,11 +205,24 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
                     " prompt tokens");
   TANDEM_CHECK_KIND(kInvalidArgument, first_token >= 0 && first_token < model_.config().vocab_size,
                     "request '", req.id, "': first token ", first_token, " out of range");
+  const int64_t h = model_.config().hidden_size;
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      prompt_hidden.empty() ||
+          (static_cast<int64_t>(prompt_hidden.size()) % h == 0 && prompt_hidden_begin >= 0 &&
+           prompt_hidden_begin + static_cast<int64_t>(prompt_hidden.size()) / h == n),
+      "request '", req.id, "': prompt hidden states of ", prompt_hidden.size(),
+      " floats from position ", prompt_hidden_begin, " are not the rows of positions ",
+      prompt_hidden_begin, "..", n - 1, " (hidden size ", h, ")");
   if (!req.constraint) req.constraint = constraint_from_spec(req);
   auto seq = std::make_unique<Sequence>();
   seq->tokens = req.prompt_ids;
   seq->prompt_len = n;
   seq->num_computed = n;  // the prompt's KV arrived with the pages
+  if (speculating()) {  // the MTP layer runs over the prompt when first scheduled (hold_prefilled)
+    seq->prompt_hidden = std::move(prompt_hidden);
+    seq->prompt_hidden_begin = prompt_hidden_begin;
+  }
   seq->pages = std::move(pages);
   seq->admitted_once = true;
   seq->prompt_logprobs_done = true;
@@ -259,7 +273,11 @@ void Engine::finish(Sequence& seq, FinishReason reason, StepOutput& out) {
 bool Engine::step() {
   if (!scheduler_.has_work()) return false;
   ScheduledBatch batch = schedule();
-  if (batch.empty()) return false;
+  if (batch.empty()) {
+    if (held_.empty()) return false;
+    complete(batch);  // held prefilled sequences (hold_prefilled): the MTP over their prompts
+    return true;
+  }
   if (forward(batch)) complete(batch);
   return true;
 }
@@ -267,8 +285,9 @@ bool Engine::step() {
 ScheduledBatch Engine::schedule() {
   if (!scheduler_.has_work()) return {};
   ScheduledBatch batch = scheduler_.schedule();
+  hold_prefilled(batch);
   if (speculating()) {  // the MTP layer's input: on the host unless every draft stays on the device
-    bool host = !chains_on_device();
+    bool host = !chains_on_device() || !held_.empty();  // (held prompts' rows: host)
     for (const auto& ss : batch.seqs) host = host || !drafts_on_device(*ss.seq);
     batch.forward.hidden_out = host ? &hidden_ : nullptr;
     if (!host) hidden_.clear();
@@ -410,7 +429,14 @@ bool Engine::forward(const ScheduledBatch& batch) {
 
 void Engine::complete(const ScheduledBatch& batch) {
   if (batch.empty()) {
-    pad_mtp_passes(0);  // a decode EP rank's empty step: its peers' MTP passes need its experts
+    // A decode EP rank's empty step: its peers' MTP passes need its experts; held prefilled
+    // sequences (hold_prefilled) run theirs.
+    if (held_.empty()) {
+      pad_mtp_passes(0);
+    } else {
+      fused_ = false;  // (no forward ran)
+      draft();
+    }
     return;
   }
   scheduler_.commit(batch);
@@ -771,6 +797,71 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
   emit(s, out);
 }
 
+void Engine::hold_prefilled(ScheduledBatch& batch) {
+  if (!speculating()) return;
+  size_t kept = 0;
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const ScheduledSeq ss = batch.seqs[i];
+    Sequence& s = *ss.seq;
+    bool hold = false;
+    if (!s.prompt_hidden.empty()) {
+      // Its first decode token (not a recomputation after a preemption), with drafts to make:
+      // the MTP layer over the prompt this step (its drafts are verified in the next), as the
+      // step that computes a prompt does in one engine.
+      const int64_t k = std::min({config_.num_speculative_tokens,
+                                  static_cast<int64_t>(s.req.max_tokens) - s.num_output() - 1,
+                                  config_.max_model_len - 1 - s.num_computed});
+      hold = !ss.verify && ss.num_tokens == 1 && s.num_computed == s.prompt_len &&
+             static_cast<int64_t>(s.tokens.size()) == s.prompt_len + 1 && k > 0 &&
+             s.req.allow_speculation && (!s.req.constraint || s.req.constraint->can_rollback());
+      if (hold) {
+        const int64_t count = s.prompt_len - s.prompt_hidden_begin;
+        held_.push_back({s.req.id, s.prompt_hidden_begin, count, std::move(s.prompt_hidden)});
+        StepShape row;  // its decode row leaves the step
+        row.add(s.num_computed, 1, true);
+        batch.shape.decode_rows -= row.decode_rows;
+        batch.shape.decode_context -= row.decode_context;
+      }
+      s.prompt_hidden = {};
+    }
+    if (hold) continue;
+    batch.seqs[kept] = ss;
+    batch.forward.seqs[kept] = batch.forward.seqs[i];
+    ++kept;
+  }
+  batch.seqs.resize(kept);
+  batch.forward.seqs.resize(kept);
+}
+
+bool Engine::take_host_rows(std::vector<Computed>& computed) {
+  if (held_.empty()) return false;
+  const int64_t h = model_.config().hidden_size;
+  std::vector<HeldPrompt> held = std::move(held_);
+  held_.clear();
+  for (HeldPrompt& p : held) {
+    // The same sequence computed this step too (a failed forward skipped the draft of its
+    // hold): right after the transferred positions, one run of positions; else (recomputed
+    // after a preemption) the transferred rows are stale.
+    bool stale = false;
+    for (Computed& d : computed) {
+      if (d.id != p.id || d.count == 0) continue;
+      if (d.start != p.start + p.count) {
+        stale = true;
+        break;
+      }
+      p.rows.insert(p.rows.end(), hidden_.begin() + d.hidden_row * h,
+                    hidden_.begin() + (d.hidden_row + d.count) * h);
+      p.count += d.count;
+      d.count = 0;
+    }
+    if (stale) continue;
+    computed.push_back({p.id, p.start, p.count, static_cast<int64_t>(hidden_.size()) / h});
+    hidden_.insert(hidden_.end(), p.rows.begin(), p.rows.end());
+  }
+  std::erase_if(computed, [](const Computed& c) { return c.count == 0; });
+  return true;
+}
+
 void Engine::snapshot_states(const ScheduledBatch& batch) {
   rollbacks_.clear();
   if (!speculating() || model_.state_slot_elems() <= 0) return;
@@ -827,6 +918,7 @@ void Engine::draft() {
     adopt_fused_drafts(computed);
     return;
   }
+  const bool host_rows = take_host_rows(computed);  // prefilled prompts' (hold_prefilled)
 
   // 1. The MTP layer over every position the target computed this step: position t takes the
   // target's hidden state at t and the token at t + 1 (known for all of them now), so its KV
@@ -861,7 +953,7 @@ void Engine::draft() {
   bool on_device = model_.samples_on_device();
   for (const Sequence* s : drafting) on_device = on_device && drafts_on_device(*s);
   // A collective MTP layer (decode EP): every rank runs K passes per step (pad_mtp_passes).
-  const int64_t passes = on_device && chains_on_device()
+  const int64_t passes = on_device && chains_on_device() && !host_rows
                              ? draft_chain_on_device(fb, hidden_rows, drafting, num_drafts)
                              : draft_on_host(fb, hidden_rows, drafting, num_drafts, on_device);
   pad_mtp_passes(passes);
@@ -901,8 +993,9 @@ void Engine::draw_forced_accepts(const ScheduledBatch& batch) {
 }
 
 bool Engine::fused_step(const ScheduledBatch& batch) {
+  // (held prefilled prompts: their MTP pass over the prompt runs in draft(), not fused)
   if (!speculating() || batch.seqs.empty() || !model_.fuses_verify_and_draft() ||
-      model_.mtp_collective() || model_.state_slot_elems() > 0) {
+      model_.mtp_collective() || model_.state_slot_elems() > 0 || !held_.empty()) {
     return false;
   }
   for (const auto& ss : batch.seqs) {

@@ -98,8 +98,15 @@ class Engine {
   /// Takes ownership of the pages.
   /// Hybrid models: `state` is the prompt's final recurrent state (state_slot_elems floats,
   /// the layout of Model::state_slot_elems), restored into the sequence's slot at admission.
+  /// Speculating: `prompt_hidden` ([n - prompt_hidden_begin, hidden]; may be empty) are the
+  /// target's final hidden states of prompt positions prompt_hidden_begin..n - 1 as the
+  /// prefill computed them. The first step that schedules the sequence leaves it out of the
+  /// target's batch and runs the MTP layer over those positions instead (in draft()'s pass 0,
+  /// as a single engine does over a prompt it computed), so the MTP KV holds the prompt and
+  /// the sequence's first decode step verifies drafts, as in one engine.
   void add_prefilled(GenRequest request, OutputCallback on_output, std::vector<int32_t> pages,
-                     int32_t first_token, float first_logprob, std::vector<float> state = {});
+                     int32_t first_token, float first_logprob, std::vector<float> state = {},
+                     std::vector<float> prompt_hidden = {}, int64_t prompt_hidden_begin = 0);
   /// Hybrid models: a live running sequence's recurrent state (its state slot), e.g. for a
   /// prefill instance to send after the prompt; empty when it holds none.
   std::span<const float> sequence_state(const std::string& id);
@@ -169,6 +176,7 @@ class Engine {
   /// Remembers a sequence whose target positions [start, start + count) were computed this
   /// step (hidden_ rows from hidden_row on), for draft().
   void note_computed(const Sequence& s, int64_t start, int64_t count, int64_t hidden_row);
+
   /// After the outputs: the MTP layer over the positions computed this step (its KV follows
   /// the target's), then the drafts of every decoding sequence, chained K times.
   void draft();
@@ -242,6 +250,21 @@ class Engine {
   KvCache mtp_kv_;             // the MTP layer's KV (same page ids as kv_)
   std::vector<float> hidden_;  // [batch tokens, hidden] this step's target hidden states
   std::vector<Computed> computed_;
+  // Prefilled prompts held out of the target's batch (hold_prefilled): their positions and the
+  // transferred hidden rows ([count, hidden]), for the next draft()'s pass 0.
+  struct HeldPrompt {
+    std::string id;
+    int64_t start = 0, count = 0;
+    std::vector<float> rows;
+  };
+  std::vector<HeldPrompt> held_;
+  /// Prefilled sequences with prompt hidden states (add_prefilled) that this batch schedules
+  /// for their first decode token: taken out of it, their prompt positions held for draft().
+  void hold_prefilled(ScheduledBatch& batch);
+  /// draft()'s first step: the held prompts as Computed entries whose rows are appended to
+  /// hidden_ after the step's (an entry of this step that continues one merged into it). True
+  /// when there were any (the MTP's input is then on the host, not the model's device).
+  bool take_host_rows(std::vector<Computed>& computed);
   std::vector<StateCopy> last_state_saves_;  // complete()'s checkpoint copies (hybrids)
   std::vector<Computed> rollbacks_;       // verified sequences whose state must go back (hybrids)
   SamplerRng forced_accept_rng_{0x5eed};  // spec_forced_accept_prob draws

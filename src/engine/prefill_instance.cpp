@@ -24,6 +24,7 @@ struct PrefillInstance::Rank {
   KvCache* kv = nullptr;
   std::unique_ptr<transfer::TransferSender> sender;
   std::vector<float> logits;
+  std::vector<float> hidden;  // rank 0: the step's final hidden states when a job wants them
 };
 
 struct PrefillInstance::Job {
@@ -36,7 +37,25 @@ struct PrefillInstance::Job {
   bool failed = false;   // a rank could not begin the transfer
   bool ended = false;
   std::vector<float> state;  // hybrid models: the recurrent state after the prompt
+  // The decode side speculates (dst.hidden_size > 0): the prompt's final hidden states of the
+  // positions computed here, gathered chunk by chunk (rank 0's: identical on every rank).
+  transfer::PromptHidden hidden;
 };
+
+namespace {
+// Appends a chunk's hidden rows (positions [start, start + count)) to a job's, which cover
+// [hidden.begin, ...) without gaps; a recomputed chunk (preemption) overwrites from its start.
+void add_hidden_rows(transfer::PromptHidden& hidden, int64_t hidden_size, int64_t start,
+                     int64_t count, const float* rows) {
+  const auto have = static_cast<int64_t>(hidden.rows.size()) / hidden_size;
+  if (hidden.rows.empty() || start < hidden.begin || start > hidden.begin + have) {
+    hidden.begin = start;
+    hidden.rows.clear();
+  }
+  hidden.rows.resize(static_cast<size_t>((start - hidden.begin) * hidden_size));
+  hidden.rows.insert(hidden.rows.end(), rows, rows + count * hidden_size);
+}
+}  // namespace
 
 PrefillInstance::PrefillInstance(PrefillInstanceConfig config) : config_(std::move(config)) {
   TANDEM_CHECK_KIND(kInvalidArgument, config_.tp >= 1, "--tp must be at least 1");
@@ -191,12 +210,29 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
       if (s.last) jobs_.at(s.id)->begun = true;  // (whatever happens next ends the transfer)
     }
     batch.forward.on_layer_kv = [&](int64_t l) { send_layer(rank, step, l, failed); };
+    // The prompts whose decode instance speculates: their final hidden states (after the final
+    // norm the ranks' residual streams are identical: attention and MoE outputs all-reduced,
+    // so rank 0's are every rank's).
+    bool want_hidden = false;
+    for (const PrefillStep::Seq& s : step.seqs) {
+      auto it = jobs_.find(s.id);
+      want_hidden = want_hidden || (it != jobs_.end() && it->second->dst.hidden_size > 0);
+    }
+    batch.forward.hidden_out = want_hidden ? &rank.hidden : nullptr;
     const bool ok = engine_->forward(batch);  // 3. TP attention + EP MoE (KV out per layer)
     comm.all_reduce_sum(failed.data(), static_cast<int64_t>(failed.size()), DType::kI64);
+    const int64_t hs = rank.model->config().hidden_size;
+    int64_t row = 0;  // the sequence's first token in the batch (hidden_out rows)
     for (size_t i = 0; i < step.seqs.size(); ++i) {
+      const auto count = static_cast<int64_t>(step.seqs[i].tokens.size());
+      row += count;
       auto it = jobs_.find(step.seqs[i].id);
       if (it == jobs_.end()) continue;
       Job& job = *it->second;
+      if (ok && job.dst.hidden_size > 0) {
+        add_hidden_rows(job.hidden, hs, step.seqs[i].start, count,
+                        rank.hidden.data() + (row - count) * hs);
+      }
       job.failed = job.failed || failed[i] > 0;
       const int64_t now =
           std::min(job.computed + static_cast<int64_t>(step.seqs[i].tokens.size()), job.prompt_len);
@@ -437,7 +473,8 @@ void PrefillInstance::end_job(const std::string& id, const std::string& error,
   if (job->begun) {
     try {
       if (e.ok) {
-        ranks_[0]->sender->finish_with_state(id, e.token, e.logprob, std::move(job->state));
+        ranks_[0]->sender->finish_with(id, e.token, e.logprob,
+                                       {std::move(job->state), std::move(job->hidden)});
       } else {
         ranks_[0]->sender->abort(id);
       }
@@ -471,6 +508,10 @@ void PrefillInstance::submit(const GenRequest& req, transfer::TransferDescriptor
   dst.validate();
   TANDEM_CHECK_KIND(kInvalidArgument, dst.num_tokens == n, "request '", req.id,
                     "': the destination expects ", dst.num_tokens, " tokens, the prompt has ", n);
+  const int64_t hs = ranks_[0]->model->config().hidden_size;
+  TANDEM_CHECK_KIND(kInvalidArgument, dst.hidden_size == 0 || dst.hidden_size == hs, "request '",
+                    req.id, "': the destination asks for hidden states of size ", dst.hidden_size,
+                    ", this model's hidden size is ", hs);
   GenRequest queued = req;
   // A constrained request (token 1 samples here): its grammar compiled now, off the step loop.
   if (!req.constraint_spec.empty()) queued.constraint = engine_->constraint_from_spec(req);

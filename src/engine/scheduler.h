@@ -30,6 +30,11 @@ struct Sequence {
   std::vector<uint64_t> page_hashes;  // hashes of the leading full prompt pages
   int32_t state_slot = -1;            // hybrid models: recurrent state slot while running
   std::vector<float> initial_state;   // prefilled elsewhere: restored into the slot at admission
+  // Prefilled elsewhere, speculating (Engine::add_prefilled): the prompt's final hidden states
+  // of positions [prompt_hidden_begin, prompt_len) ([rows, hidden]), for the MTP layer's pass
+  // over the prompt in the step the sequence is first scheduled (Engine::hold_prefilled).
+  std::vector<float> prompt_hidden;
+  int64_t prompt_hidden_begin = 0;
   SamplerRng rng;
   double arrival_s = -1;     // when the scheduler got it (its clock; queue-time metric)
   uint64_t device_seed = 0;  // the seed of on-device sampling (the request's, else random)

@@ -220,6 +220,8 @@ class TcpReceiver final : public TransferReceiver {
     int token_rank = -1;
     bool have_state = false;  // hybrid models: the recurrent state arrived with a FINISH
     std::vector<float> state;
+    bool have_hidden = false;  // MTP: the prompt's hidden states arrived (HIDDEN)
+    PromptHidden hidden;
     std::vector<std::weak_ptr<Conn>> conns;
     // Guarded by TcpReceiver::mu_.
     int64_t pieces_received = 0;
@@ -322,6 +324,9 @@ class TcpReceiver final : public TransferReceiver {
     if (!take(inc)) return;
     if (inc.have_state && callbacks_.on_state) {
       callbacks_.on_state(inc.desc.request_id, std::move(inc.state));
+    }
+    if (inc.have_hidden && callbacks_.on_hidden) {
+      callbacks_.on_hidden(inc.desc.request_id, std::move(inc.hidden));
     }
     if (callbacks_.on_complete) {
       callbacks_.on_complete(inc.desc.request_id, inc.first_token, inc.logprob);
@@ -484,6 +489,18 @@ class TcpReceiver final : public TransferReceiver {
                                   std::to_string(with_state) + " with the recurrent state)");
             return;
           }
+        } else if (h.type == wire::MsgType::kHidden) {  // 16 + rows * 4 * hidden_size
+          const uint64_t row = sizeof(float) * static_cast<uint64_t>(inc.desc.hidden_size);
+          const uint64_t rows = h.body_bytes - wire::kHiddenPrefixBytes;
+          if (row == 0 || h.body_bytes <= wire::kHiddenPrefixBytes || rows % row != 0 ||
+              rows / row > static_cast<uint64_t>(inc.desc.num_tokens)) {
+            protocol_error(
+                c, "HIDDEN of " + std::to_string(h.body_bytes) + " bytes" +
+                       (row == 0 ? " where the descriptor asks for no hidden states"
+                                 : " is not 16 + k * " + std::to_string(row) +
+                                       " for 1 <= k <= " + std::to_string(inc.desc.num_tokens)));
+            return;
+          }
         } else {
           protocol_error(c, "a second HELLO");
           return;
@@ -502,6 +519,7 @@ class TcpReceiver final : public TransferReceiver {
         case wire::MsgType::kHello: on_hello(c); break;
         case wire::MsgType::kLayer: on_layer(c); break;
         case wire::MsgType::kFinish: on_finish(c); break;
+        case wire::MsgType::kHidden: on_hidden(c); break;
       }
     });
   }
@@ -622,6 +640,36 @@ class TcpReceiver final : public TransferReceiver {
     read_header(c);
   }
 
+  void on_hidden(const ConnPtr& c) {
+    Incoming& inc = *c->req;
+    wire::Hidden h;
+    try {
+      h = wire::decode_hidden(c->body);  // (the size was checked against the descriptor)
+    } catch (const Error& e) {
+      protocol_error(c, e.message());
+      return;
+    }
+    const int64_t rows = static_cast<int64_t>(h.rows.size()) / inc.desc.hidden_size;
+    if (h.hidden_size != inc.desc.hidden_size || h.row_begin + rows != inc.desc.num_tokens) {
+      protocol_error(c, "HIDDEN of rows [" + std::to_string(h.row_begin) + ", " +
+                            std::to_string(h.row_begin + rows) + ") x " +
+                            std::to_string(h.hidden_size) + ", the descriptor wants rows up to " +
+                            std::to_string(inc.desc.num_tokens) + " x " +
+                            std::to_string(inc.desc.hidden_size));
+      return;
+    }
+    if (inc.have_hidden) {
+      protocol_error(c, "a second HIDDEN (rank " +
+                            std::to_string(inc.senders[static_cast<size_t>(c->sender)]) + ")");
+      return;
+    }
+    inc.have_hidden = true;
+    inc.hidden.begin = h.row_begin;
+    inc.hidden.rows = std::move(h.rows);
+    touch(inc, 0, 0);
+    read_header(c);
+  }
+
   void on_finish(const ConnPtr& c) {
     Incoming& inc = *c->req;
     if (!is_live(inc)) {
@@ -666,6 +714,11 @@ class TcpReceiver final : public TransferReceiver {
       if (inc.desc.state_elems > 0 && !inc.have_state) {
         fail_request(inc, "every sender finished without the recurrent state (" +
                               std::to_string(inc.desc.state_elems) + " floats)");
+        return;
+      }
+      if (inc.desc.hidden_size > 0 && !inc.have_hidden) {
+        fail_request(inc, "every sender finished without the prompt's hidden states (" +
+                              std::to_string(inc.desc.hidden_size) + " per row)");
         return;
       }
       complete_request(inc);
@@ -756,6 +809,7 @@ class TcpSender final : public TransferSender {
     job->num_tokens = destinations.front().num_tokens;
     job->num_layers = destinations.front().num_layers;
     job->state_elems = destinations.front().state_elems;
+    job->hidden_size = destinations.front().hidden_size;
     for (auto& d : destinations) {
       d.validate();
       const std::string at = where + " to " + d.dst_address + ": ";
@@ -771,6 +825,8 @@ class TcpSender final : public TransferSender {
                         " tokens differ from another destination's ", job->num_tokens);
       TANDEM_CHECK_KIND(kInvalidArgument, d.state_elems == job->state_elems, at, "state_elems ",
                         d.state_elems, " differs from another destination's ", job->state_elems);
+      TANDEM_CHECK_KIND(kInvalidArgument, d.hidden_size == job->hidden_size, at, "hidden_size ",
+                        d.hidden_size, " differs from another destination's ", job->hidden_size);
       auto slice = plan_head_slice(sharding_, rank_, d.dst_heads);
       auto [host, port] = split_address(d.dst_address);
       if (!slice) continue;
@@ -846,14 +902,25 @@ class TcpSender final : public TransferSender {
   }
 
   void finish(const std::string& request, int32_t first_token, float logprob) override {
-    finish_with_state(request, first_token, logprob, {});
+    finish_with(request, first_token, logprob, {});
   }
 
-  void finish_with_state(const std::string& request, int32_t first_token, float logprob,
-                         std::vector<float> state) override {
+  void finish_with(const std::string& request, int32_t first_token, float logprob,
+                   FinishPayload payload) override {
     std::shared_ptr<Job> job = find_job(request, "finish");
+    std::vector<float>& state = payload.state;
+    const PromptHidden& hidden = payload.hidden;
     {
       std::lock_guard lock(mu_);
+      const auto hs = job->hidden_size;
+      TANDEM_CHECK_KIND(
+          kInvalidArgument,
+          hidden.empty() ||
+              (hs > 0 && static_cast<int64_t>(hidden.rows.size()) % hs == 0 && hidden.begin >= 0 &&
+               hidden.begin + static_cast<int64_t>(hidden.rows.size()) / hs == job->num_tokens),
+          "KV transfer of request '", request, "': hidden states of ", hidden.rows.size(),
+          " floats from row ", hidden.begin, ", the destination expects rows up to ",
+          job->num_tokens, " of ", hs, hs == 0 ? " (it asked for none)" : "");
       TANDEM_CHECK_KIND(kInvalidArgument,
                         state.empty() || static_cast<int64_t>(state.size()) == job->state_elems,
                         "KV transfer of request '", request, "': a recurrent state of ",
@@ -881,9 +948,17 @@ class TcpSender final : public TransferSender {
       }
       for (auto& link : job->links) link->finish_queued = true;
     }
+    std::shared_ptr<Bytes> hidden_buf;
+    if (!hidden.empty()) {
+      hidden_buf = std::make_shared<Bytes>(
+          wire::encode_hidden({hidden.begin, job->hidden_size, std::move(payload.hidden.rows)}));
+    }
     const auto buf =
         std::make_shared<Bytes>(wire::encode_finish({first_token, logprob, std::move(state)}));
-    for (auto& link : job->links) enqueue(job, link, {buf, true});
+    for (auto& link : job->links) {
+      if (hidden_buf) enqueue(job, link, {hidden_buf, false});
+      enqueue(job, link, {buf, true});
+    }
   }
 
   void abort(const std::string& request) override {
@@ -933,7 +1008,7 @@ class TcpSender final : public TransferSender {
   struct Job {
     std::string request;
     std::vector<int32_t> src_pages;
-    int64_t num_layers = 0, num_tokens = 0, state_elems = 0;
+    int64_t num_layers = 0, num_tokens = 0, state_elems = 0, hidden_size = 0;
     std::vector<std::shared_ptr<Link>> links;  // destinations this rank owes heads
     // Guarded by TcpSender::mu_.
     std::vector<int64_t> next_token;  // per layer: tokens sent so far
@@ -1173,6 +1248,7 @@ class HostTcpBackend final : public TransferBackend {
  public:
   explicit HostTcpBackend(HostTcpOptions options) : options_(std::move(options)) {}
   std::string_view name() const override { return "host-tcp"; }
+  bool carries_prompt_hidden() const override { return true; }
   std::unique_ptr<TransferSender> make_sender(const KvCache& cache, const KvSharding& sharding,
                                               int rank, SenderCallbacks callbacks) override {
     return std::make_unique<TcpSender>(cache, sharding, rank, std::move(callbacks), options_);

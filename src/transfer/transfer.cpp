@@ -25,6 +25,12 @@ void TransferDescriptor::validate() const {
   // A bound on the FINISH body a receiver accepts: 1 GiB of state (Qwen3.5-397B's is ~0.2 GB).
   TANDEM_CHECK_KIND(kInvalidArgument, state_elems >= 0 && state_elems <= (int64_t{1} << 28), where,
                     "state_elems ", state_elems, " out of range [0, 2^28]");
+  // Likewise for the prompt's hidden states (1 GiB of floats at most).
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    hidden_size >= 0 && hidden_size <= (int64_t{1} << 20) &&
+                        (hidden_size == 0 || num_tokens <= (int64_t{1} << 28) / hidden_size),
+                    where, "hidden_size ", hidden_size, " out of range for ", num_tokens,
+                    " tokens ([0, 2^20], and at most 2^28 floats in all)");
   const int64_t need = (num_tokens + page_size - 1) / page_size;
   TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(dst_pages.size()) >= need, where,
                     dst_pages.size(), " destination pages cannot hold ", num_tokens,

@@ -65,6 +65,10 @@ struct TransferDescriptor {
   /// Hybrid models (Qwen3.5): floats of the sequence's recurrent state (Model::state_slot_elems)
   /// that travel with the FINISH (finish_with_state), 0 for attention-only models.
   int64_t state_elems = 0;
+  /// MTP speculative decoding on the destination (it asked for them): the hidden size of the
+  /// prompt's final hidden states (the target's, after the final norm, one row per prompt
+  /// position it computed) that travel from one sending rank before its FINISH; 0: none.
+  int64_t hidden_size = 0;
 
   /// Checks the fields against each other (not against a cache); throws
   /// Error(kInvalidArgument) naming the request.
@@ -78,6 +82,22 @@ struct TransferDescriptor {
 struct TokenRange {
   int64_t begin = 0;
   int64_t end = -1;
+};
+
+/// The prompt's final hidden states a prefill computed (TransferDescriptor::hidden_size > 0):
+/// rows for positions [begin, num_tokens) (begin > 0 after a prefix-cache hit there, whose
+/// positions have no row).
+struct PromptHidden {
+  int64_t begin = 0;
+  std::vector<float> rows;  // [num_tokens - begin, hidden_size]
+  bool empty() const { return rows.empty(); }
+};
+
+/// What a FINISH carries beyond the first token, from one sending rank.
+struct FinishPayload {
+  std::vector<float> state;  // descriptor state_elems floats (hybrid models), or empty
+  PromptHidden hidden;       // descriptor hidden_size > 0: the prompt's hidden states, or empty
+  bool empty() const { return state.empty() && hidden.empty(); }
 };
 
 struct TransferProgress {
@@ -103,6 +123,9 @@ struct ReceiverCallbacks {
   /// Hybrid models (descriptor state_elems > 0): the request's recurrent state, once, right
   /// before on_complete (same thread). Not called when the request fails.
   std::function<void(const std::string& request, std::vector<float> state)> on_state;
+  /// Descriptor hidden_size > 0: the prompt's final hidden states, once, right before
+  /// on_complete (same thread, after on_state). Not called when the request fails.
+  std::function<void(const std::string& request, PromptHidden hidden)> on_hidden;
 };
 
 /// The prefill side of one rank. Thread-safe; callbacks run on the backend's thread. Exactly
@@ -144,13 +167,20 @@ class TransferSender {
   virtual void finish(const std::string& request, int32_t first_token, float logprob) = 0;
   /// finish() for a hybrid model's request: `state` (descriptor state_elems floats, the
   /// sequence's recurrent state after the prompt) goes with the first token. A receiver whose
-  /// descriptor has state_elems > 0 fails the request without it. Throws
-  /// Error(kInvalidArgument) on a state of another size, Error(kUnsupported) where the backend
-  /// carries no state (the default, for a non-empty state).
-  virtual void finish_with_state(const std::string& request, int32_t first_token, float logprob,
-                                 std::vector<float> state) {
-    TANDEM_CHECK_KIND(kUnsupported, state.empty(), "KV transfer of request '", request,
-                      "': this transfer backend does not carry a recurrent state");
+  /// descriptor has state_elems > 0 fails the request without it.
+  void finish_with_state(const std::string& request, int32_t first_token, float logprob,
+                         std::vector<float> state) {
+    finish_with(request, first_token, logprob, {std::move(state), {}});
+  }
+  /// finish() with what one sending rank carries beyond the token (FinishPayload: the recurrent
+  /// state, the prompt's hidden states). A receiver whose descriptor asks for either fails the
+  /// request when every sender finished without it. Throws Error(kInvalidArgument) on a part
+  /// the descriptor does not ask for or of another size, Error(kUnsupported) where the backend
+  /// carries no payload (the default, for a non-empty one).
+  virtual void finish_with(const std::string& request, int32_t first_token, float logprob,
+                           FinishPayload payload) {
+    TANDEM_CHECK_KIND(kUnsupported, payload.empty(), "KV transfer of request '", request,
+                      "': this transfer backend does not carry a recurrent state or hidden states");
     finish(request, first_token, logprob);
   }
   /// Drops the request (e.g. the client went away); no callback follows. The destinations
@@ -184,6 +214,9 @@ class TransferBackend {
  public:
   virtual ~TransferBackend() = default;
   virtual std::string_view name() const = 0;
+  /// True when its FINISH carries the prompt's hidden states (TransferDescriptor::hidden_size):
+  /// a decode instance asks for them only then.
+  virtual bool carries_prompt_hidden() const { return false; }
   /// The sender of prefill rank `rank` of an instance sharded as `sharding`, reading `cache`
   /// (which holds sharding.held(rank).size() heads; it must outlive the sender).
   virtual std::unique_ptr<TransferSender> make_sender(const KvCache& cache,

@@ -101,6 +101,18 @@ std::vector<uint8_t> encode_finish(const Finish& f) {
   return out;
 }
 
+std::vector<uint8_t> encode_hidden(const Hidden& h) {
+  std::vector<uint8_t> out;
+  const uint64_t row_bytes = h.rows.size() * sizeof(float);
+  put_header(out, MsgType::kHidden, kHiddenPrefixBytes + row_bytes);
+  put<int64_t>(out, h.row_begin);
+  put<int64_t>(out, h.hidden_size);
+  const size_t at = out.size();
+  out.resize(at + row_bytes);
+  if (row_bytes > 0) std::memcpy(out.data() + at, h.rows.data(), row_bytes);
+  return out;
+}
+
 std::vector<uint8_t> encode_reply(const Reply& r) {
   const size_t n = std::min<size_t>(r.message.size(), kMaxReplyMessageBytes);
   std::vector<uint8_t> out;
@@ -122,7 +134,7 @@ MsgHeader decode_header(std::span<const uint8_t, kHeaderBytes> bytes) {
                     std::hex, magic, ")");
   TANDEM_CHECK_KIND(kInvalidArgument, version == kVersion, "unsupported KV transfer version ",
                     version, " (this build speaks ", kVersion, ")");
-  TANDEM_CHECK_KIND(kInvalidArgument, type >= 1 && type <= 3, "unknown KV transfer message type ",
+  TANDEM_CHECK_KIND(kInvalidArgument, type >= 1 && type <= 4, "unknown KV transfer message type ",
                     type);
   return {static_cast<MsgType>(type), body};
 }
@@ -166,6 +178,22 @@ Finish decode_finish(std::span<const uint8_t> body) {
   for (float& v : f.state) v = in.take<float>();
   in.expect_end();
   return f;
+}
+
+Hidden decode_hidden(std::span<const uint8_t> body) {
+  Reader in(body, "HIDDEN");
+  Hidden h;
+  h.row_begin = in.take<int64_t>();
+  h.hidden_size = in.take<int64_t>();
+  const size_t bytes = body.size() - kHiddenPrefixBytes;
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    h.row_begin >= 0 && h.hidden_size >= 1 &&
+                        bytes % (sizeof(float) * static_cast<uint64_t>(h.hidden_size)) == 0,
+                    "malformed HIDDEN: ", bytes, " bytes of rows from row ", h.row_begin,
+                    " are not whole rows of hidden_size ", h.hidden_size);
+  h.rows.resize(bytes / sizeof(float));
+  if (bytes > 0) std::memcpy(h.rows.data(), body.data() + kHiddenPrefixBytes, bytes);
+  return h;
 }
 
 bool decode_reply_header(std::span<const uint8_t, kReplyHeaderBytes> bytes,

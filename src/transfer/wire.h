@@ -3,7 +3,7 @@
 //
 // One TCP connection per (request, source rank, destination rank), sender -> receiver:
 //   HELLO, then LAYER pieces (each layer's token ranges in order and without gaps, layers in any
-//   order and interleaved), then FINISH.
+//   order and interleaved), then (one sending rank, when the descriptor asks) HIDDEN, then FINISH.
 // Every message is a 16-byte header followed by body_bytes of body:
 //   header  u32 magic "TKV1" | u16 type | u16 version (1) | u64 body_bytes
 //   HELLO   u32 id_bytes | id | i32 src_rank | i32 src_tp | i64 src_num_kv_heads |
@@ -11,6 +11,10 @@
 //           i64 num_tokens | i64 head_dim | u8 dtype (0 = f32)
 //   LAYER   i64 layer | i64 token_begin | i64 token_end |
 //           f32 [2 (k, v), heads, token_end - token_begin, head_dim]     (transfer/kv_pack.h)
+//   HIDDEN  i64 row_begin | i64 hidden_size | f32 [num_tokens - row_begin, hidden_size]
+//           (descriptor hidden_size > 0: the prompt's final hidden states, after the target's
+//           final norm, of positions row_begin.. num_tokens - 1, for the decode side's MTP layer;
+//           f32 as the KV payload: 4 * hidden_size bytes per prompt token)
 //   FINISH  i32 first_token | f32 logprob | f32 state[n]   (n = 0, or the descriptor's
 //           state_elems: a hybrid model's recurrent state, from one sending rank)
 // The receiver answers once on the same connection, receiver -> sender:
@@ -43,10 +47,11 @@ constexpr size_t kHeaderBytes = 16;
 constexpr size_t kReplyHeaderBytes = 12;
 constexpr size_t kLayerPrefixBytes = 24;        // i64 layer, token_begin, token_end
 constexpr size_t kFinishBytes = 8;              // without a state
+constexpr size_t kHiddenPrefixBytes = 16;       // i64 row_begin, hidden_size
 constexpr uint64_t kMaxHelloBytes = 64 * 1024;  // request ids are short
 constexpr uint32_t kMaxReplyMessageBytes = 64 * 1024;
 
-enum class MsgType : uint16_t { kHello = 1, kLayer = 2, kFinish = 3 };
+enum class MsgType : uint16_t { kHello = 1, kLayer = 2, kFinish = 3, kHidden = 4 };
 
 struct MsgHeader {
   MsgType type = MsgType::kHello;
@@ -76,6 +81,12 @@ struct Finish {
   std::vector<float> state;  // empty, or the request's recurrent state
 };
 
+struct Hidden {
+  int64_t row_begin = 0;
+  int64_t hidden_size = 0;
+  std::vector<float> rows;  // [num_tokens - row_begin, hidden_size]
+};
+
 struct Reply {
   bool ok = true;
   std::string message;
@@ -88,6 +99,8 @@ std::vector<uint8_t> encode_hello(const Hello& hello);
 std::vector<uint8_t> encode_layer(const LayerPrefix& prefix, int64_t payload_floats);
 /// Header + body of a FINISH.
 std::vector<uint8_t> encode_finish(const Finish& finish);
+/// Header + body of a HIDDEN.
+std::vector<uint8_t> encode_hidden(const Hidden& hidden);
 /// The whole REPLY (the message is truncated to kMaxReplyMessageBytes).
 std::vector<uint8_t> encode_reply(const Reply& reply);
 
@@ -97,6 +110,8 @@ Hello decode_hello(std::span<const uint8_t> body);
 /// The prefix of a LAYER body (the payload follows it).
 LayerPrefix decode_layer_prefix(std::span<const uint8_t> body);
 Finish decode_finish(std::span<const uint8_t> body);
+/// Checks the rows are whole (hidden_size >= 1), not their count against a descriptor.
+Hidden decode_hidden(std::span<const uint8_t> body);
 /// Returns ok and sets message_bytes (checked against kMaxReplyMessageBytes).
 bool decode_reply_header(std::span<const uint8_t, kReplyHeaderBytes> bytes,
                          uint32_t& message_bytes);
