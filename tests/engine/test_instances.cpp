@@ -106,6 +106,7 @@ TEST(RoleMessages, StepOutputAndDescriptorRoundTrip) {
   d.head_dim = 8;
   d.num_layers = 3;
   d.state_elems = 77;
+  d.hidden_size = 55;
   ByteWriter w;
   put_descriptor(w, d);
   ByteReader rd(w.bytes());
@@ -118,6 +119,7 @@ TEST(RoleMessages, StepOutputAndDescriptorRoundTrip) {
   EXPECT_EQ(e.num_tokens, 20);
   EXPECT_EQ(e.num_layers, 3);
   EXPECT_EQ(e.state_elems, 77);
+  EXPECT_EQ(e.hidden_size, 55);
   EXPECT_EQ(rd.left(), 0u);
 }
 

@@ -28,6 +28,7 @@
 #include "engine/decode_instance.h"
 #include "engine/engine.h"
 #include "engine/golden.h"
+#include "engine/mtp_weights.h"
 #include "engine/prefill_instance.h"
 #include "model/qwen3_moe.h"
 #include "server/instance_api.h"
@@ -137,6 +138,12 @@ bool splits(const std::string& dir, const ShardSpec& spec) {
 // One prefill instance, `num_decode` decode instances, a router over them. Remote: the router
 // reaches the instances through their InstanceServers over loopback TCP (as in separate
 // processes), not through the objects.
+// Changes to the instances' configurations (speculation, a transfer backend).
+struct ClusterSetup {
+  std::function<void(PrefillInstanceConfig&)> prefill;
+  std::function<void(DecodeInstanceConfig&)> decode;
+};
+
 struct Cluster {
   std::unique_ptr<PrefillInstance> prefill;
   std::vector<std::unique_ptr<DecodeInstance>> decode;
@@ -146,11 +153,12 @@ struct Cluster {
   std::unique_ptr<Router> router;
 
   Cluster(const std::string& dir, int tp, int dp, int num_decode = 1, int64_t max_decode_batch = 32,
-          bool remote = false, RouterConfig rcfg = {}) {
+          bool remote = false, RouterConfig rcfg = {}, const ClusterSetup& setup = {}) {
     PrefillInstanceConfig pc;
     pc.model_dir = dir;
     pc.tp = tp;
     pc.engine = small_engine();
+    if (setup.prefill) setup.prefill(pc);
     prefill = std::make_unique<PrefillInstance>(pc);
     PrefillClient* p = prefill.get();
     if (remote) {
@@ -166,6 +174,7 @@ struct Cluster {
       dc.dp = dp;
       dc.engine = small_engine();
       dc.max_decode_batch = max_decode_batch;
+      if (setup.decode) setup.decode(dc);
       decode.push_back(std::make_unique<DecodeInstance>(dc));
       ds.push_back(decode.back().get());
       if (remote) {
@@ -441,6 +450,234 @@ TEST(DisaggregatedRemote, GoldenOverControlProtocol) {
 }
 
 TEST(DisaggregatedRemote, KilledDecodeInstanceEndsOnlyItsRequests) { kill_test(true); }
+
+// ---- MTP speculation on the decode instances. ----
+
+// Every call of a speculating engine's draft hook: the tokens so far and the MTP layer's own
+// drafts (before the hook replaces them), per request.
+struct DraftLog {
+  std::mutex mu;
+  std::map<std::string, std::vector<std::vector<int32_t>>> calls;
+};
+
+// Drafts from the reference continuations, wrong where (position * 7 + id length) % 5 == 0 (so
+// several accepted lengths occur; deterministic whatever the order of the calls across ranks),
+// logging the MTP's drafts first.
+EngineConfig::SpecHookFn logging_oracle(const std::vector<GenRequest>& reqs,
+                                        const std::vector<Result>& ref, int64_t vocab,
+                                        std::shared_ptr<DraftLog> log) {
+  std::map<std::string, std::vector<int32_t>> full;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    std::vector<int32_t> t = reqs[i].prompt_ids;
+    t.insert(t.end(), ref[i].ids.begin(), ref[i].ids.end());
+    full[reqs[i].id] = t;
+  }
+  return [full, vocab, log](const std::string& id, std::span<const int32_t> tokens,
+                            std::vector<int32_t>& drafts) {
+    {
+      std::lock_guard<std::mutex> lock(log->mu);
+      std::vector<int32_t> call = {static_cast<int32_t>(tokens.size())};
+      call.insert(call.end(), drafts.begin(), drafts.end());
+      log->calls[id].push_back(std::move(call));
+    }
+    auto it = full.find(id);
+    if (it == full.end()) return;
+    for (size_t m = 0; m < drafts.size(); ++m) {
+      const size_t pos = tokens.size() + m;
+      if (pos < it->second.size()) drafts[m] = it->second[pos];
+      if ((pos * 7 + id.size()) % 5 == 0) drafts[m] = static_cast<int32_t>((drafts[m] + 1) % vocab);
+    }
+  };
+}
+
+// Requests whose counters differ when the decode side's first step does not verify.
+std::vector<GenRequest> spec_requests() {
+  std::vector<GenRequest> reqs;
+  const int32_t max_tokens[] = {13, 10, 14, 11, 9};
+  for (int i = 0; i < 5; ++i) {
+    std::vector<int32_t> prompt;
+    for (int j = 0; j < 5 + 11 * i; ++j) prompt.push_back((3 + 7 * i + 5 * j) % 97);
+    GenRequest r = greedy("s" + std::to_string(i), prompt, max_tokens[i]);
+    r.sampling.logprobs = -1;
+    reqs.push_back(r);
+  }
+  return reqs;
+}
+
+EngineConfig spec_engine(EngineConfig::SpecHookFn hook) {
+  EngineConfig c = small_engine();
+  c.num_speculative_tokens = 3;
+  c.spec_draft_hook = std::move(hook);
+  return c;
+}
+
+struct SpecRun {
+  std::vector<Result> results;
+  EngineStats stats;
+  std::shared_ptr<DraftLog> log = std::make_shared<DraftLog>();
+};
+
+// One speculating engine (the MTP layer's KV of each prompt from its own prefill step).
+SpecRun run_single_spec(const std::string& dir, const std::vector<GenRequest>& reqs,
+                        const std::vector<Result>& ref) {
+  auto model = Qwen3MoeCpu::load(dir);
+  model->load_mtp(testing::random_mtp_dir(dir));
+  SpecRun run;
+  Engine engine(*model,
+                spec_engine(logging_oracle(reqs, ref, model->config().vocab_size, run.log)));
+  Collector c(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) engine.add(reqs[i], c.callback(i));
+  while (engine.step()) {
+  }
+  run.results = c.results();
+  run.stats = engine.stats();
+  return run;
+}
+
+// Wraps a backend, counting per request the hidden_size the destination asked for and the
+// hidden-state floats the prefill ranks sent (every rank's FINISH payload).
+class RecordingBackend final : public transfer::TransferBackend {
+ public:
+  struct Seen {
+    int64_t hidden_size = -1;  // the descriptor's (rank 0's begin)
+    int64_t hidden_floats = 0;
+    int64_t hidden_begin = -1;
+  };
+  explicit RecordingBackend(std::shared_ptr<transfer::TransferBackend> inner)
+      : inner_(std::move(inner)) {}
+  std::string_view name() const override { return inner_->name(); }
+  bool carries_prompt_hidden() const override { return inner_->carries_prompt_hidden(); }
+  std::unique_ptr<transfer::TransferSender> make_sender(const KvCache& cache,
+                                                        const transfer::KvSharding& sharding,
+                                                        int rank,
+                                                        transfer::SenderCallbacks cbs) override {
+    return std::make_unique<Sender>(inner_->make_sender(cache, sharding, rank, std::move(cbs)),
+                                    *this);
+  }
+  std::unique_ptr<transfer::TransferReceiver> make_receiver(
+      KvCache& cache, transfer::ReceiverCallbacks cbs) override {
+    return inner_->make_receiver(cache, std::move(cbs));
+  }
+  std::map<std::string, Seen> seen() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return seen_;
+  }
+
+ private:
+  class Sender final : public transfer::TransferSender {
+   public:
+    Sender(std::unique_ptr<transfer::TransferSender> inner, RecordingBackend& b)
+        : inner_(std::move(inner)), b_(b) {}
+    void begin(const std::string& request, std::vector<transfer::TransferDescriptor> dst,
+               std::vector<int32_t> pages) override {
+      {
+        std::lock_guard<std::mutex> lock(b_.mu_);
+        b_.seen_[request].hidden_size = dst.front().hidden_size;
+      }
+      inner_->begin(request, std::move(dst), std::move(pages));
+    }
+    void send_layer(const std::string& request, int64_t layer,
+                    transfer::TokenRange tokens) override {
+      inner_->send_layer(request, layer, tokens);
+    }
+    void finish(const std::string& request, int32_t token, float logprob) override {
+      inner_->finish(request, token, logprob);
+    }
+    void finish_with(const std::string& request, int32_t token, float logprob,
+                     transfer::FinishPayload payload) override {
+      {
+        std::lock_guard<std::mutex> lock(b_.mu_);
+        Seen& s = b_.seen_[request];
+        s.hidden_floats += static_cast<int64_t>(payload.hidden.rows.size());
+        if (!payload.hidden.empty()) s.hidden_begin = payload.hidden.begin;
+      }
+      inner_->finish_with(request, token, logprob, std::move(payload));
+    }
+    void abort(const std::string& request) override { inner_->abort(request); }
+
+   private:
+    std::unique_ptr<transfer::TransferSender> inner_;
+    RecordingBackend& b_;
+  };
+  std::shared_ptr<transfer::TransferBackend> inner_;
+  std::mutex mu_;
+  std::map<std::string, Seen> seen_;
+};
+
+// A speculating decode instance gets each prompt's final hidden states from the prefill
+// instance (TP 2: rank 0's, 4 * hidden bytes per prompt token) and runs its MTP layer over the
+// prompt before the first decode step: the MTP layer's own drafts, step by step, the tokens and
+// the spec counters are a single speculating engine's, under decode DP 1 and DP 2 (a
+// collective MTP layer: the prompt's rows ride in pass 0 of a step's K passes). Without the
+// hidden states the first decode step would not verify and the drafts would attend to zeros.
+void expect_spec_like_single(bool remote) {
+  const std::string dir = fixture("hub_gqa_top2");
+  const std::vector<GenRequest> reqs = spec_requests();
+  const std::vector<Result> ref = run_single(dir, reqs);  // no speculation: the oracle
+  const SpecRun want = run_single_spec(dir, reqs, ref);
+  ASSERT_GT(want.stats.spec_num_accepted_tokens, 0);
+  ASSERT_LT(want.stats.spec_num_accepted_tokens, want.stats.spec_num_draft_tokens);
+  const int64_t hidden = ModelConfig::from_dir(dir).hidden_size;
+  for (int dp : {1, 2}) {
+    SCOPED_TRACE("decode dp " + std::to_string(dp) + (remote ? " remote" : ""));
+    auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
+    SpecRun got;
+    ClusterSetup setup;
+    setup.prefill = [&](PrefillInstanceConfig& c) { c.transfer = backend; };
+    setup.decode = [&](DecodeInstanceConfig& c) {
+      c.engine =
+          spec_engine(logging_oracle(reqs, ref, ModelConfig::from_dir(dir).vocab_size, got.log));
+      c.mtp_dir = testing::random_mtp_dir(dir);
+      c.transfer = backend;
+    };
+    Cluster cluster(dir, /*tp=*/2, dp, /*num_decode=*/1, /*max_decode_batch=*/32, remote, {},
+                    setup);
+    got.results = run_router(*cluster.router, reqs);
+    got.stats = cluster.decode[0]->stats();
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      SCOPED_TRACE(reqs[i].id);
+      EXPECT_EQ(got.results[i].reason, FinishReason::kLength) << got.results[i].error;
+      EXPECT_EQ(got.results[i].ids, ref[i].ids);
+      std::lock_guard<std::mutex> lock(got.log->mu);
+      EXPECT_EQ(got.log->calls[reqs[i].id], want.log->calls[reqs[i].id]);
+    }
+    EXPECT_EQ(got.stats.spec_num_drafts, want.stats.spec_num_drafts);
+    EXPECT_EQ(got.stats.spec_num_draft_tokens, want.stats.spec_num_draft_tokens);
+    EXPECT_EQ(got.stats.spec_num_accepted_tokens, want.stats.spec_num_accepted_tokens);
+    EXPECT_EQ(got.stats.spec_accepted_per_pos, want.stats.spec_accepted_per_pos);
+    const auto seen = backend->seen();
+    for (const GenRequest& r : reqs) {
+      ASSERT_TRUE(seen.contains(r.id)) << r.id;
+      EXPECT_EQ(seen.at(r.id).hidden_size, hidden) << r.id;
+      EXPECT_EQ(seen.at(r.id).hidden_floats, static_cast<int64_t>(r.prompt_ids.size()) * hidden)
+          << r.id;  // once, from one rank
+      EXPECT_EQ(seen.at(r.id).hidden_begin, 0) << r.id;
+    }
+    EXPECT_EQ(cluster.prefill->transfer_errors(), 0);
+  }
+}
+
+TEST(Disaggregated, SpeculativeDecodeGetsThePromptsMtpKv) { expect_spec_like_single(false); }
+
+TEST(DisaggregatedRemote, SpeculativeDecodeGetsThePromptsMtpKv) { expect_spec_like_single(true); }
+
+// A decode instance that does not speculate asks for no hidden states, and none travel.
+TEST(Disaggregated, NoHiddenStatesWithoutSpeculation) {
+  const std::string dir = fixture("hub_gqa_top2");
+  const std::vector<GenRequest> reqs = spec_requests();
+  auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
+  ClusterSetup setup;
+  setup.prefill = [&](PrefillInstanceConfig& c) { c.transfer = backend; };
+  setup.decode = [&](DecodeInstanceConfig& c) { c.transfer = backend; };
+  Cluster cluster(dir, /*tp=*/2, /*dp=*/2, 1, 32, false, {}, setup);
+  expect_same(run_single(dir, reqs), run_router(*cluster.router, reqs), "no speculation");
+  const auto seen = backend->seen();
+  ASSERT_EQ(seen.size(), reqs.size());
+  for (const auto& [id, s] : seen) {
+    EXPECT_EQ(s.hidden_size, 0) << id;
+    EXPECT_EQ(s.hidden_floats, 0) << id;
+  }
+}
 
 TEST(Disaggregated, AbortAndMetrics) {
   const std::string dir = fixture("hub_gqa_top2");

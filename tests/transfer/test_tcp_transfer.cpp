@@ -218,7 +218,7 @@ struct Decode {
   // Reserves pages on every rank, registers the request, returns the descriptors.
   std::vector<TransferDescriptor> reserve(const std::string& id, int64_t tokens,
                                           const KvSharding& src, std::mt19937& rng,
-                                          int64_t state_elems = 0) {
+                                          int64_t state_elems = 0, int64_t hidden_size = 0) {
     std::vector<TransferDescriptor> out;
     for (size_t i = 0; i < ranges.size(); ++i) {
       const auto& g = caches[i]->geometry();
@@ -233,6 +233,7 @@ struct Decode {
       d.head_dim = g.head_dim;
       d.num_layers = g.num_layers;
       d.state_elems = state_elems;
+      d.hidden_size = hidden_size;
       receivers[i]->expect(d);
       out.push_back(std::move(d));
     }
@@ -503,6 +504,103 @@ TEST(TcpTransfer, RecurrentStateTravelsWithTheFinish) {
     prefill.begin_all("plain", descs, tables);
     for (int64_t l = 0; l < m.layers; ++l) prefill.send_all("plain", l);
     EXPECT_THROW(prefill.senders[0]->finish_with_state("plain", 3, 0.f, state), Error);
+    prefill.finish_all("plain", 3, 0.f);
+    EXPECT_EQ(ev.wait("rx0/plain").kind, "complete");
+  }
+}
+
+// MTP on the decode side (descriptor hidden_size > 0): the prompt's final hidden states travel
+// from one sending rank (HIDDEN, before its FINISH) and reach on_hidden (after on_state, before
+// on_complete) bit for bit, from row 0 or from a later row (a prefix-cache hit at the prefill);
+// a request whose senders all finish without them fails; rows that do not end at num_tokens,
+// or hidden states to a destination that asked for none, are refused at the sender.
+TEST(TcpTransfer, PromptHiddenStatesTravelBeforeTheFinish) {
+  const ModelShape m{2, 3, 8};  // 2 KV heads, 3 layers
+  auto b = backend();
+  EXPECT_TRUE(b->carries_prompt_hidden());
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> ud(-2.f, 2.f);
+  constexpr int64_t kTokens = 20, kHidden = 6;
+  std::vector<float> rows(static_cast<size_t>(kTokens * kHidden));
+  for (float& v : rows) v = ud(rng);
+  const std::vector<float> state = {1.f, 2.f, 3.f};
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE("prefill tp " + std::to_string(tp));
+    Events ev;
+    Prefill prefill(m, tp, 8, *b, ev);
+    Decode decode(m, {{0, 2}}, 16, *b, ev);
+    std::mutex mu;
+    std::map<std::string, PromptHidden> got;
+    std::vector<std::string> order;  // as the callbacks ran
+    ReceiverCallbacks cbs = ev.receiver("rx0");
+    auto complete = cbs.on_complete;
+    cbs.on_complete = [&, complete](const std::string& r, int32_t t, float lp) {
+      {
+        std::lock_guard lock(mu);
+        order.push_back("complete " + r);
+      }
+      complete(r, t, lp);
+    };
+    cbs.on_state = [&](const std::string& r, std::vector<float>) {
+      std::lock_guard lock(mu);
+      order.push_back("state " + r);
+    };
+    cbs.on_hidden = [&](const std::string& r, PromptHidden h) {
+      std::lock_guard lock(mu);
+      order.push_back("hidden " + r);
+      got[r] = std::move(h);
+    };
+    decode.receivers[0] = b->make_receiver(*decode.caches[0], cbs);
+    const Reference ref(m, kTokens, 3);
+    // "a": every row from rank 0 (with a recurrent state too); "p": rows 8.. from the last
+    // rank; "n": nobody sends them; "w": rows that stop short of the prompt's end.
+    for (const std::string id : {"a", "p", "n", "w"}) {
+      const auto tables = prefill.store(ref, rng);
+      const int64_t state_elems = id == "a" ? 3 : 0;
+      const auto descs = decode.reserve(id, kTokens, prefill.sharding, rng, state_elems, kHidden);
+      prefill.begin_all(id, descs, tables);
+      for (int64_t l = 0; l < m.layers; ++l) prefill.send_all(id, l);
+      const size_t sender = id == "p" ? prefill.senders.size() - 1 : 0;
+      const int64_t begin = id == "p" ? 8 : 0;
+      PromptHidden h{begin, std::vector<float>(rows.begin() + begin * kHidden, rows.end())};
+      if (id == "w") {
+        h.rows.resize(h.rows.size() - kHidden);
+        EXPECT_THROW(prefill.senders[0]->finish_with(id, 7, -0.5f, {{}, h}), Error);
+        for (auto& s : prefill.senders) s->abort(id);
+        decode.receivers[0]->cancel(id);
+        continue;
+      }
+      for (size_t r = 0; r < prefill.senders.size(); ++r) {
+        if (id != "n" && r == sender) {
+          prefill.senders[r]->finish_with(id, 7, -0.5f,
+                                          {id == "a" ? state : std::vector<float>{}, h});
+        } else {
+          prefill.senders[r]->finish(id, 7, -0.5f);
+        }
+      }
+      const auto e = ev.wait("rx0/" + id);
+      std::lock_guard lock(mu);
+      if (id == "n") {
+        EXPECT_EQ(e.kind, "error");
+        EXPECT_NE(e.message.find("hidden states"), std::string::npos) << e.message;
+        EXPECT_FALSE(got.contains("n"));
+        continue;
+      }
+      ASSERT_EQ(e.kind, "complete") << e.message;
+      EXPECT_EQ(got[id].begin, begin);
+      EXPECT_EQ(got[id].rows, h.rows);  // bit for bit (f32 on the wire)
+    }
+    {
+      std::lock_guard lock(mu);
+      EXPECT_EQ(order, (std::vector<std::string>{"state a", "hidden a", "complete a", "hidden p",
+                                                 "complete p"}));
+    }
+    // A request that asked for none: hidden states are refused; it completes without.
+    const auto tables = prefill.store(ref, rng);
+    const auto descs = decode.reserve("plain", kTokens, prefill.sharding, rng);
+    prefill.begin_all("plain", descs, tables);
+    for (int64_t l = 0; l < m.layers; ++l) prefill.send_all("plain", l);
+    EXPECT_THROW(prefill.senders[0]->finish_with("plain", 3, 0.f, {{}, {0, rows}}), Error);
     prefill.finish_all("plain", 3, 0.f);
     EXPECT_EQ(ev.wait("rx0/plain").kind, "complete");
   }

@@ -148,6 +148,29 @@ TEST(Wire, RoundTripsAndRejectsMalformedInput) {
   EXPECT_THROW(wire::decode_finish(std::span<const uint8_t>(fs).subspan(wire::kHeaderBytes, 6)),
                Error);  // truncated
 
+  // The prompt's hidden states (MTP on the decode side): rows 5.. of hidden_size 2.
+  const std::vector<float> rows = {0.5f, -1.f, 2.f, 3.5f, -4.25f, 6.f};
+  const auto hid = wire::encode_hidden({5, 2, rows});
+  EXPECT_EQ(hid.size(), wire::kHeaderBytes + wire::kHiddenPrefixBytes + 24);
+  const auto hh = wire::decode_header(
+      std::span<const uint8_t, wire::kHeaderBytes>(hid.data(), wire::kHeaderBytes));
+  EXPECT_EQ(hh.type, wire::MsgType::kHidden);
+  EXPECT_EQ(hh.body_bytes, wire::kHiddenPrefixBytes + 24);
+  const auto hbody = std::span<const uint8_t>(hid).subspan(wire::kHeaderBytes);
+  const auto hd = wire::decode_hidden(hbody);
+  EXPECT_EQ(hd.row_begin, 5);
+  EXPECT_EQ(hd.hidden_size, 2);
+  EXPECT_EQ(hd.rows, rows);
+  EXPECT_THROW(wire::decode_hidden(hbody.first(wire::kHiddenPrefixBytes + 20)),
+               Error);                                        // not whole rows
+  EXPECT_THROW(wire::decode_hidden(hbody.first(12)), Error);  // truncated
+  const auto zero = wire::encode_hidden({0, 0, {}});
+  EXPECT_THROW(wire::decode_hidden(std::span<const uint8_t>(zero).subspan(wire::kHeaderBytes)),
+               Error);  // hidden_size 0
+  const auto neg = wire::encode_hidden({-1, 2, rows});
+  EXPECT_THROW(wire::decode_hidden(std::span<const uint8_t>(neg).subspan(wire::kHeaderBytes)),
+               Error);  // a negative first row
+
   const auto reply = wire::encode_reply({false, "nope"});
   uint32_t n = 0;
   EXPECT_FALSE(wire::decode_reply_header(
