@@ -30,6 +30,7 @@
 #include "engine/golden.h"
 #include "engine/mtp_weights.h"
 #include "engine/prefill_instance.h"
+#include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
 #include "server/instance_api.h"
 #include "server/router.h"
@@ -517,14 +518,16 @@ struct SpecRun {
   std::shared_ptr<DraftLog> log = std::make_shared<DraftLog>();
 };
 
-// One speculating engine (the MTP layer's KV of each prompt from its own prefill step).
+// One speculating engine (the MTP layer's KV of each prompt from its own prefill step); without
+// `ref`, one that does not speculate.
 SpecRun run_single_spec(const std::string& dir, const std::vector<GenRequest>& reqs,
-                        const std::vector<Result>& ref) {
-  auto model = Qwen3MoeCpu::load(dir);
+                        const std::vector<Result>* ref) {
+  auto model = load_cpu_model(dir);
   model->load_mtp(testing::random_mtp_dir(dir));
   SpecRun run;
-  Engine engine(*model,
-                spec_engine(logging_oracle(reqs, ref, model->config().vocab_size, run.log)));
+  Engine engine(*model, ref == nullptr ? small_engine()
+                                       : spec_engine(logging_oracle(
+                                             reqs, *ref, model->config().vocab_size, run.log)));
   Collector c(reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) engine.add(reqs[i], c.callback(i));
   while (engine.step()) {
@@ -610,15 +613,16 @@ class RecordingBackend final : public transfer::TransferBackend {
 // the spec counters are a single speculating engine's, under decode DP 1 and DP 2 (a
 // collective MTP layer: the prompt's rows ride in pass 0 of a step's K passes). Without the
 // hidden states the first decode step would not verify and the drafts would attend to zeros.
-void expect_spec_like_single(bool remote) {
-  const std::string dir = fixture("hub_gqa_top2");
+void expect_spec_like_single(const std::string& dir, int tp, const std::vector<int>& dps,
+                             bool remote) {
   const std::vector<GenRequest> reqs = spec_requests();
-  const std::vector<Result> ref = run_single(dir, reqs);  // no speculation: the oracle
-  const SpecRun want = run_single_spec(dir, reqs, ref);
+  // No speculation: the oracle's continuations.
+  const std::vector<Result> ref = run_single_spec(dir, reqs, nullptr).results;
+  const SpecRun want = run_single_spec(dir, reqs, &ref);
   ASSERT_GT(want.stats.spec_num_accepted_tokens, 0);
   ASSERT_LT(want.stats.spec_num_accepted_tokens, want.stats.spec_num_draft_tokens);
   const int64_t hidden = ModelConfig::from_dir(dir).hidden_size;
-  for (int dp : {1, 2}) {
+  for (int dp : dps) {
     SCOPED_TRACE("decode dp " + std::to_string(dp) + (remote ? " remote" : ""));
     auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
     SpecRun got;
@@ -630,8 +634,7 @@ void expect_spec_like_single(bool remote) {
       c.mtp_dir = testing::random_mtp_dir(dir);
       c.transfer = backend;
     };
-    Cluster cluster(dir, /*tp=*/2, dp, /*num_decode=*/1, /*max_decode_batch=*/32, remote, {},
-                    setup);
+    Cluster cluster(dir, tp, dp, /*num_decode=*/1, /*max_decode_batch=*/32, remote, {}, setup);
     got.results = run_router(*cluster.router, reqs);
     got.stats = cluster.decode[0]->stats();
     for (size_t i = 0; i < reqs.size(); ++i) {
@@ -657,9 +660,20 @@ void expect_spec_like_single(bool remote) {
   }
 }
 
-TEST(Disaggregated, SpeculativeDecodeGetsThePromptsMtpKv) { expect_spec_like_single(false); }
+TEST(Disaggregated, SpeculativeDecodeGetsThePromptsMtpKv) {
+  expect_spec_like_single(fixture("hub_gqa_top2"), 2, {1, 2}, false);
+}
 
-TEST(DisaggregatedRemote, SpeculativeDecodeGetsThePromptsMtpKv) { expect_spec_like_single(true); }
+// Qwen3.5 (hybrid): the recurrent state and the hidden states travel with rank 0's FINISH; the
+// decode instance speculates with DP 1 (hybrids refuse MTP under DP > 1).
+TEST(Disaggregated, SpeculativeHybridDecodeGetsThePromptsMtpKv) {
+  const std::string dir = fixture("qwen35_text_hd64_int2_fused");
+  expect_spec_like_single(dir, splits(dir, ShardSpec::prefill(0, 2)) ? 2 : 1, {1}, false);
+}
+
+TEST(DisaggregatedRemote, SpeculativeDecodeGetsThePromptsMtpKv) {
+  expect_spec_like_single(fixture("hub_gqa_top2"), 2, {1, 2}, true);
+}
 
 // A decode instance that does not speculate asks for no hidden states, and none travel.
 TEST(Disaggregated, NoHiddenStatesWithoutSpeculation) {
