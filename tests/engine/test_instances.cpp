@@ -242,6 +242,10 @@ TEST(PrefillInstance, RefusesBadDestinationsAndCountsTransferFailures) {
   small.dst_pages = {0};
   EXPECT_THROW(p.submit(greedy("y", std::vector<int32_t>(40, 5), 1), small, nullptr), Error);
   EXPECT_THROW(p.submit(greedy("z", {1, 2}, 1), dst, nullptr), Error);
+  // Hidden states of another size than the model's (a speculating decode side asks for them).
+  transfer::TransferDescriptor hid = dst;
+  hid.hidden_size = ModelConfig::from_dir(fixture()).hidden_size + 1;
+  EXPECT_THROW(p.submit(greedy("h", std::vector<int32_t>(40, 5), 1), hid, nullptr), Error);
   // An unreachable destination: the prefill itself completes (token 1), the transfer fails
   // at the senders (the decode side would end the request).
   std::promise<std::pair<std::string, StepOutput>> done;
