@@ -10,6 +10,10 @@
 // (the step carries them); after a prompt's last chunk rank 0 gathers the ranks' parts into the
 // whole state, which goes with its FINISH (the decode side holds whole states: DP ranks).
 //
+// MTP on the decode side (TransferDescriptor::hidden_size > 0): rank 0 also gathers the prompt's
+// final hidden states (ForwardBatch::hidden_out, chunk by chunk; after the final norm every
+// rank's are the same, the residual stream being all-reduced), which go before its FINISH.
+//
 // NOTE: a prompt's KV leaves during the forward of its last chunk, layer by layer (the
 // model's ForwardBatch::on_layer_kv hook, right after the layer's KV write): the transfer
 // engine moves whole layers of a request, and a layer is complete only once the last chunk
