@@ -980,10 +980,12 @@ TEST(SpecDecodeInstance, SameTokensAsOneEngine) {
 }
 
 // A prefilled request with its prompt's hidden states (Engine::add_prefilled, as a decode
-// instance admits one): on an otherwise idle engine the first step is the MTP layer's pass over
-// the prompt alone (no target forward), the next one verifies drafts; the drafts, tokens and
-// counters are those of the engine that computed the prompt itself. Hidden states of the wrong
-// shape are refused.
+// instance admits one): the first step that schedules it runs the MTP layer over the prompt
+// instead of decoding it (on an otherwise idle engine an MTP-only step), the next one verifies
+// drafts; the drafts, tokens and counters are those of the engine that computed the prompt
+// itself, beside a request that it computes itself, on the host path and on the device-like
+// ones (drafts sampled on the device, the draft chain in one call, the fused verify + draft
+// step: the held prompt's pass goes through the host hidden states). Bad shapes are refused.
 TEST(SpecPrefilled, PromptHiddenStatesGiveTheSameDraftsAsComputingThePrompt) {
   const std::string dir = testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2";
   auto model = load_with_mtp(dir);
@@ -993,69 +995,92 @@ TEST(SpecPrefilled, PromptHiddenStatesGiveTheSameDraftsAsComputingThePrompt) {
   for (int j = 0; j < 21; ++j) r.prompt_ids.push_back((5 + 3 * j) % 89);
   r.max_tokens = 12;
   r.sampling.temperature = 0;
+  GenRequest q = r;  // computed by the engine itself (a busy engine: the hold leaves a batch)
+  q.id = "q";
+  q.prompt_ids.resize(9);
+  q.max_tokens = 15;
   const auto n = static_cast<int64_t>(r.prompt_ids.size());
-  std::vector<std::vector<int32_t>> calls[2];  // the MTP's drafts, as the hook sees them
-  auto config = [&](int which) {
+  using Calls = std::map<std::string, std::vector<std::vector<int32_t>>>;
+  auto config = [](Calls& calls) {  // the MTP's drafts, as the hook sees them
     EngineConfig c;
     c.num_pages = 64;
     c.num_speculative_tokens = 3;
-    c.spec_draft_hook = [&calls, which](const std::string&, std::span<const int32_t> tokens,
-                                        std::vector<int32_t>& drafts) {
+    c.spec_draft_hook = [&calls](const std::string& id, std::span<const int32_t> tokens,
+                                 std::vector<int32_t>& drafts) {
       std::vector<int32_t> call = {static_cast<int32_t>(tokens.size())};
       call.insert(call.end(), drafts.begin(), drafts.end());
-      calls[which].push_back(std::move(call));
+      calls[id].push_back(std::move(call));
     };
     return c;
   };
-  Engine one(*model, config(0));
-  std::vector<int32_t> want;
-  one.add(r, [&](const StepOutput& o) {
-    want.insert(want.end(), o.token_ids.begin(), o.token_ids.end());
-  });
-  while (one.step()) {
+  auto collect = [](std::map<std::string, std::vector<int32_t>>& out) {
+    return [&out](const StepOutput& o) {
+      out[o.id].insert(out[o.id].end(), o.token_ids.begin(), o.token_ids.end());
+    };
+  };
+  for (const bool busy : {false, true}) {
+    Calls want_calls;
+    std::map<std::string, std::vector<int32_t>> want;
+    Engine one(*model, config(want_calls));
+    one.add(r, collect(want));
+    if (busy) one.add(q, collect(want));
+    while (one.step()) {
+    }
+    ASSERT_EQ(static_cast<int64_t>(want["p"].size()), r.max_tokens);
+    for (int variant = 0; variant < 4; ++variant) {
+      SCOPED_TRACE(std::string(busy ? "busy, " : "idle, ") + "variant " + std::to_string(variant));
+      DeviceGreedy dev(*model);
+      dev.chain = variant >= 2;
+      dev.fused = variant == 3;
+      Model& m = variant == 0 ? static_cast<Model&>(*model) : dev;
+      Calls calls;
+      Engine two(m, config(calls));
+      std::map<std::string, std::vector<int32_t>> got;
+      if (busy) {
+        two.add(q, collect(got));
+        ASSERT_TRUE(two.step());  // q's prefill
+      }
+      // The prefill: the prompt's KV and final hidden states, computed into the decode
+      // engine's own reserved pages (as a transfer would write them).
+      std::vector<int32_t> pages;
+      ASSERT_TRUE(two.reserve_pages(n, pages));
+      std::vector<float> logits, hidden;
+      ForwardBatch b;
+      b.seqs.push_back({r.prompt_ids.data(), n, 0, pages.data(), static_cast<int64_t>(pages.size()),
+                        LogitsMode::kLast});
+      b.hidden_out = &hidden;
+      model->forward(b, two.kv_cache(), logits);
+      ASSERT_EQ(static_cast<int64_t>(hidden.size()), n * h);
+      const auto first =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      ASSERT_EQ(first, want["p"][0]);
+      EXPECT_THROW(two.add_prefilled(r, nullptr, pages, first, 0.f, {},
+                                     std::vector<float>(hidden.begin(), hidden.end() - 1)),
+                   Error);  // not whole rows
+      EXPECT_THROW(two.add_prefilled(r, nullptr, pages, first, 0.f, {}, hidden, 1),
+                   Error);  // rows past the prompt
+      two.add_prefilled(r, collect(got), pages, first, 0.f, {}, hidden, 0);
+      const int64_t before = two.stats().spec_num_drafts;
+      ASSERT_TRUE(two.step());  // p: the MTP layer over its prompt only
+      EXPECT_EQ(got["p"].size(), 1u);
+      ASSERT_EQ(calls["p"].size(), 1u);
+      const int64_t after = two.stats().spec_num_drafts;
+      ASSERT_TRUE(two.step());  // p verifies its drafts
+      EXPECT_EQ(two.stats().spec_num_drafts - after, busy ? 2 : 1);
+      if (!busy) EXPECT_EQ(before, 0);
+      while (two.step()) {
+      }
+      EXPECT_EQ(got, want);
+      EXPECT_EQ(calls, want_calls);
+      const EngineStats a = one.stats(), c = two.stats();
+      EXPECT_EQ(c.spec_num_drafts, a.spec_num_drafts);
+      EXPECT_EQ(c.spec_num_draft_tokens, a.spec_num_draft_tokens);
+      EXPECT_EQ(c.spec_num_accepted_tokens, a.spec_num_accepted_tokens);
+      EXPECT_EQ(two.blocks().num_available(), two.blocks().num_pages());
+      if (variant == 3) EXPECT_GT(dev.fused_steps, 0);
+      if (variant == 2) EXPECT_GT(dev.chains, 0);
+    }
   }
-  ASSERT_EQ(static_cast<int64_t>(want.size()), r.max_tokens);
-
-  // The prefill: the prompt's KV and final hidden states, computed into the decode engine's
-  // own reserved pages (as a transfer would write them).
-  Engine two(*model, config(1));
-  std::vector<int32_t> pages;
-  ASSERT_TRUE(two.reserve_pages(n, pages));
-  std::vector<float> logits, hidden;
-  ForwardBatch b;
-  b.seqs.push_back({r.prompt_ids.data(), n, 0, pages.data(), static_cast<int64_t>(pages.size()),
-                    LogitsMode::kLast});
-  b.hidden_out = &hidden;
-  model->forward(b, two.kv_cache(), logits);
-  ASSERT_EQ(static_cast<int64_t>(hidden.size()), n * h);
-  const auto first =
-      static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  ASSERT_EQ(first, want[0]);
-  EXPECT_THROW(two.add_prefilled(r, nullptr, pages, first, 0.f, {},
-                                 std::vector<float>(hidden.begin(), hidden.end() - 1)),
-               Error);  // not whole rows
-  EXPECT_THROW(two.add_prefilled(r, nullptr, pages, first, 0.f, {}, hidden, 1),
-               Error);  // rows past the prompt
-  std::vector<int32_t> got;
-  two.add_prefilled(
-      r,
-      [&](const StepOutput& o) { got.insert(got.end(), o.token_ids.begin(), o.token_ids.end()); },
-      pages, first, 0.f, {}, hidden, 0);
-  ASSERT_TRUE(two.step());  // the MTP layer over the prompt only
-  EXPECT_EQ(got.size(), 1u);
-  EXPECT_EQ(two.stats().spec_num_drafts, 0);
-  ASSERT_EQ(calls[1].size(), 1u);
-  ASSERT_TRUE(two.step());  // verifies its drafts
-  EXPECT_EQ(two.stats().spec_num_drafts, 1);
-  while (two.step()) {
-  }
-  EXPECT_EQ(got, want);
-  EXPECT_EQ(calls[1], calls[0]);
-  const EngineStats a = one.stats(), c = two.stats();
-  EXPECT_EQ(c.spec_num_drafts, a.spec_num_drafts);
-  EXPECT_EQ(c.spec_num_draft_tokens, a.spec_num_draft_tokens);
-  EXPECT_EQ(c.spec_num_accepted_tokens, a.spec_num_accepted_tokens);
-  EXPECT_EQ(two.blocks().num_available(), two.blocks().num_pages());
 }
 
 // ---- Configuration ---------------------------------------------------------------------
