@@ -59,8 +59,10 @@ struct DecodeRun {
 
 // Runs `reqs` through prefill (one rank) -> decode instance (dp ranks, EP). Every request is
 // reserved before any is prefilled, so the prompts' pages are fresh on every rank whatever
-// dp: the decode side never writes the MTP KV of prompt positions (the prefill instance
-// computed them), and fresh pages read the same (zeros) in every configuration.
+// dp. The decode side writes the MTP KV of prompt positions from the prompts' hidden states
+// (they come with the KV); the prefill instance runs without its prefix cache, as a prompt
+// position it took from there would travel without one (its MTP KV zeros), at the whim of the
+// timing (here some prompts share a prefix).
 DecodeRun run_decode(const std::string& dir, const std::string& mtp, int dp, int64_t k,
                      const std::vector<GenRequest>& reqs) {
   DecodeRun res;
@@ -85,6 +87,7 @@ DecodeRun run_decode(const std::string& dir, const std::string& mtp, int dp, int
   PrefillInstanceConfig pcfg;
   pcfg.model_dir = dir;
   pcfg.engine.num_pages = 256;
+  pcfg.engine.enable_prefix_cache = false;
   PrefillInstance p(pcfg);
   std::vector<transfer::TransferDescriptor> dsts;
   for (const GenRequest& r : reqs) {

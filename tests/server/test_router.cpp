@@ -675,6 +675,40 @@ TEST(DisaggregatedRemote, SpeculativeDecodeGetsThePromptsMtpKv) {
   expect_spec_like_single(fixture("hub_gqa_top2"), 2, {1, 2}, true);
 }
 
+// A prompt whose first pages the prefill instance takes from its prefix cache: its hidden states
+// travel from the first position it computed (the decode side's MTP KV of the cached ones stays
+// zeros); the tokens are unchanged.
+TEST(Disaggregated, SpeculativeDecodeAfterAPrefillPrefixCacheHit) {
+  const std::string dir = fixture("hub_gqa_top2");
+  std::vector<GenRequest> reqs = spec_requests();
+  reqs.resize(2);
+  for (int j = 0; j < 40; ++j) reqs[0].prompt_ids.push_back((11 + 3 * j) % 97);
+  reqs[1].prompt_ids = reqs[0].prompt_ids;
+  reqs[1].prompt_ids.resize(37);  // pages 0 and 1 (32 tokens) cached by the first
+  reqs[1].prompt_ids.push_back(5);
+  const std::vector<Result> ref = run_single(dir, reqs);
+  const int64_t hidden = ModelConfig::from_dir(dir).hidden_size;
+  auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
+  ClusterSetup setup;
+  setup.prefill = [&](PrefillInstanceConfig& c) { c.transfer = backend; };
+  setup.decode = [&](DecodeInstanceConfig& c) {
+    c.engine = spec_engine({});
+    c.mtp_dir = testing::random_mtp_dir(dir);
+    c.transfer = backend;
+  };
+  Cluster cluster(dir, /*tp=*/2, /*dp=*/1, 1, 32, false, {}, setup);
+  for (size_t i = 0; i < reqs.size(); ++i) {  // one after the other: the second hits the cache
+    const std::vector<Result> got = run_router(*cluster.router, {reqs[i]});
+    EXPECT_EQ(got[0].ids, ref[i].ids) << reqs[i].id;
+  }
+  const auto seen = backend->seen();
+  ASSERT_TRUE(seen.contains("s0") && seen.contains("s1"));
+  EXPECT_EQ(seen.at("s0").hidden_begin, 0);
+  EXPECT_EQ(seen.at("s1").hidden_begin, 32);
+  EXPECT_EQ(seen.at("s1").hidden_floats, (38 - 32) * hidden);
+  EXPECT_GT(cluster.decode[0]->stats().spec_num_drafts, 0);
+}
+
 // A decode instance that does not speculate asks for no hidden states, and none travel.
 TEST(Disaggregated, NoHiddenStatesWithoutSpeculation) {
   const std::string dir = fixture("hub_gqa_top2");
