@@ -265,7 +265,8 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
         if (res.ok) ++rank.reserved;
       }
       if (res.ok) {
-        res.d = descriptor(rank, rank.receiver->address(), c.id, c.num_tokens, c.src, pages);
+        res.d = descriptor(rank, rank.receiver->address(), c.id, c.num_tokens, c.src, pages,
+                           c.speculate);
         try {
           rank.receiver->expect(res.d);  // before the descriptor leaves
         } catch (const std::exception& e) {
@@ -381,7 +382,8 @@ void DecodeInstance::handle_report(int r, const std::vector<uint8_t>& bytes) {
 transfer::TransferDescriptor DecodeInstance::descriptor(Rank& rank, const std::string& address,
                                                         const std::string& id, int64_t num_tokens,
                                                         const transfer::KvSharding& src,
-                                                        const std::vector<int32_t>& pages) const {
+                                                        const std::vector<int32_t>& pages,
+                                                        bool speculate) const {
   const ModelConfig& mc = rank.model->config();
   transfer::TransferDescriptor d;
   d.request_id = id;
@@ -397,7 +399,9 @@ transfer::TransferDescriptor DecodeInstance::descriptor(Rank& rank, const std::s
   d.state_elems = rank.model->state_slot_elems();
   // A speculating engine runs its MTP layer over the prompt at admission (Engine::add_prefilled)
   // when the backend carries the prompt's hidden states; else its MTP KV of the prompt is zeros.
-  if (rank.engine->config().num_speculative_tokens > 0 && transfer_->carries_prompt_hidden()) {
+  // A request that opted out of speculation asks for none.
+  if (speculate && rank.engine->config().num_speculative_tokens > 0 &&
+      transfer_->carries_prompt_hidden()) {
     d.hidden_size = mc.hidden_size;
   }
   return d;
@@ -502,6 +506,7 @@ std::optional<transfer::TransferDescriptor> DecodeInstance::accept(const GenRequ
       c.id = req.id;
       c.num_tokens = static_cast<int64_t>(req.prompt_ids.size());
       c.src = src;
+      c.speculate = req.allow_speculation;
       cmds_.push_back(std::move(c));
       cmd_cv_.notify_all();
       res_cv_.wait(lock, [&] { return res->done || dead_ || stop_; });

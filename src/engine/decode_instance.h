@@ -159,7 +159,7 @@ class DecodeInstance final : public DecodeClient {
   transfer::TransferDescriptor descriptor(Rank& rank, const std::string& address,
                                           const std::string& id, int64_t num_tokens,
                                           const transfer::KvSharding& src,
-                                          const std::vector<int32_t>& pages) const;
+                                          const std::vector<int32_t>& pages, bool speculate) const;
   std::vector<uint8_t> take_report(Rank& rank);
   void handle_report(int r, const std::vector<uint8_t>& report);
   // Queues a command for the next iteration (rank 0).

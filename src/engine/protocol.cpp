@@ -239,6 +239,7 @@ std::vector<uint8_t> encode_decode_commands(const DecodeCommands& c) {
         w.put<int64_t>(d.num_tokens);
         w.put<int64_t>(d.src.num_kv_heads);
         w.put<int32_t>(d.src.tp);
+        w.put<uint8_t>(d.speculate ? 1 : 0);
         break;
       case DecodeCommand::kAdmit:
         put_request(w, d.req);
@@ -273,6 +274,7 @@ DecodeCommands decode_decode_commands(const std::vector<uint8_t>& bytes) {
         d.num_tokens = r.get<int64_t>();
         d.src.num_kv_heads = r.get<int64_t>();
         d.src.tp = r.get<int32_t>();
+        d.speculate = r.get<uint8_t>() != 0;
         break;
       case DecodeCommand::kAdmit:
         d.req = get_request(r);

@@ -143,6 +143,7 @@ struct DecodeCommand {
   std::string id;
   int64_t num_tokens = 0;      // kReserve: prompt tokens to reserve pages for
   transfer::KvSharding src;    // kReserve: the prefill instance's sharding
+  bool speculate = true;       // kReserve: the request may speculate (its prompt's hidden states)
   GenRequest req;              // kAdmit
   std::vector<int32_t> pages;  // kAdmit, kRelease
   int32_t token = 0;           // kAdmit: the prefill's first token and its logprob

@@ -709,6 +709,38 @@ TEST(Disaggregated, SpeculativeDecodeAfterAPrefillPrefixCacheHit) {
   EXPECT_GT(cluster.decode[0]->stats().spec_num_drafts, 0);
 }
 
+// A request that opts out of speculation (allow_speculation false) on a speculating decode
+// instance asks for no hidden states either (decode DP 2: the reserve command carries it to
+// the rank); the others get theirs; the tokens are the single engine's.
+TEST(Disaggregated, OptedOutRequestGetsNoHiddenStates) {
+  const std::string dir = fixture("hub_gqa_top2");
+  std::vector<GenRequest> reqs = spec_requests();
+  ASSERT_GE(reqs.size(), 2u);
+  for (size_t i = 0; i < reqs.size(); i += 2) reqs[i].allow_speculation = false;
+  const std::vector<Result> ref = run_single(dir, reqs);
+  const int64_t hidden = ModelConfig::from_dir(dir).hidden_size;
+  auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
+  ClusterSetup setup;
+  setup.prefill = [&](PrefillInstanceConfig& c) { c.transfer = backend; };
+  setup.decode = [&](DecodeInstanceConfig& c) {
+    c.engine = spec_engine({});
+    c.mtp_dir = testing::random_mtp_dir(dir);
+    c.transfer = backend;
+  };
+  Cluster cluster(dir, /*tp=*/2, /*dp=*/2, 1, 32, false, {}, setup);
+  expect_same(ref, run_router(*cluster.router, reqs), "opted out");
+  const auto seen = backend->seen();
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const std::string& id = reqs[i].id;
+    ASSERT_TRUE(seen.contains(id)) << id;
+    const bool opted_out = i % 2 == 0;
+    EXPECT_EQ(seen.at(id).hidden_size, opted_out ? 0 : hidden) << id;
+    EXPECT_EQ(seen.at(id).hidden_floats,
+              opted_out ? 0 : static_cast<int64_t>(reqs[i].prompt_ids.size()) * hidden)
+        << id;
+  }
+}
+
 // A decode instance that does not speculate asks for no hidden states, and none travel.
 TEST(Disaggregated, NoHiddenStatesWithoutSpeculation) {
   const std::string dir = fixture("hub_gqa_top2");
