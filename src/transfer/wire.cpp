@@ -55,6 +55,13 @@ void put_header(std::vector<uint8_t>& out, MsgType type, uint64_t body_bytes) {
   put<uint64_t>(out, body_bytes);
 }
 
+// Appends the floats' bytes (a message's payload after its fixed fields).
+void put_floats(std::vector<uint8_t>& out, const std::vector<float>& v) {
+  const size_t at = out.size(), bytes = v.size() * sizeof(float);
+  out.resize(at + bytes);
+  if (bytes > 0) std::memcpy(out.data() + at, v.data(), bytes);
+}
+
 }  // namespace
 
 std::vector<uint8_t> encode_hello(const Hello& h) {
@@ -95,9 +102,7 @@ std::vector<uint8_t> encode_finish(const Finish& f) {
   put_header(out, MsgType::kFinish, kFinishBytes + state_bytes);
   put<int32_t>(out, f.first_token);
   put<float>(out, f.logprob);
-  const size_t at = out.size();
-  out.resize(at + state_bytes);
-  if (state_bytes > 0) std::memcpy(out.data() + at, f.state.data(), state_bytes);
+  put_floats(out, f.state);
   return out;
 }
 
@@ -107,9 +112,7 @@ std::vector<uint8_t> encode_hidden(const Hidden& h) {
   put_header(out, MsgType::kHidden, kHiddenPrefixBytes + row_bytes);
   put<int64_t>(out, h.row_begin);
   put<int64_t>(out, h.hidden_size);
-  const size_t at = out.size();
-  out.resize(at + row_bytes);
-  if (row_bytes > 0) std::memcpy(out.data() + at, h.rows.data(), row_bytes);
+  put_floats(out, h.rows);
   return out;
 }
 

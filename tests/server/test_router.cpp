@@ -512,6 +512,21 @@ EngineConfig spec_engine(EngineConfig::SpecHookFn hook) {
   return c;
 }
 
+// A cluster whose instances transfer through `backend` and whose decode instance speculates
+// (spec_engine(hook), the random MTP layer of `dir`).
+ClusterSetup speculating_setup(const std::string& dir,
+                               std::shared_ptr<transfer::TransferBackend> backend,
+                               EngineConfig::SpecHookFn hook) {
+  ClusterSetup setup;
+  setup.prefill = [backend](PrefillInstanceConfig& c) { c.transfer = backend; };
+  setup.decode = [dir, backend, hook](DecodeInstanceConfig& c) {
+    c.engine = spec_engine(hook);
+    c.mtp_dir = testing::random_mtp_dir(dir);
+    c.transfer = backend;
+  };
+  return setup;
+}
+
 struct SpecRun {
   std::vector<Result> results;
   EngineStats stats;
@@ -626,14 +641,8 @@ void expect_spec_like_single(const std::string& dir, int tp, const std::vector<i
     SCOPED_TRACE("decode dp " + std::to_string(dp) + (remote ? " remote" : ""));
     auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
     SpecRun got;
-    ClusterSetup setup;
-    setup.prefill = [&](PrefillInstanceConfig& c) { c.transfer = backend; };
-    setup.decode = [&](DecodeInstanceConfig& c) {
-      c.engine =
-          spec_engine(logging_oracle(reqs, ref, ModelConfig::from_dir(dir).vocab_size, got.log));
-      c.mtp_dir = testing::random_mtp_dir(dir);
-      c.transfer = backend;
-    };
+    const ClusterSetup setup = speculating_setup(
+        dir, backend, logging_oracle(reqs, ref, ModelConfig::from_dir(dir).vocab_size, got.log));
     Cluster cluster(dir, tp, dp, /*num_decode=*/1, /*max_decode_batch=*/32, remote, {}, setup);
     got.results = run_router(*cluster.router, reqs);
     got.stats = cluster.decode[0]->stats();
@@ -689,13 +698,7 @@ TEST(Disaggregated, SpeculativeDecodeAfterAPrefillPrefixCacheHit) {
   const std::vector<Result> ref = run_single(dir, reqs);
   const int64_t hidden = ModelConfig::from_dir(dir).hidden_size;
   auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
-  ClusterSetup setup;
-  setup.prefill = [&](PrefillInstanceConfig& c) { c.transfer = backend; };
-  setup.decode = [&](DecodeInstanceConfig& c) {
-    c.engine = spec_engine({});
-    c.mtp_dir = testing::random_mtp_dir(dir);
-    c.transfer = backend;
-  };
+  const ClusterSetup setup = speculating_setup(dir, backend, {});
   Cluster cluster(dir, /*tp=*/2, /*dp=*/1, 1, 32, false, {}, setup);
   for (size_t i = 0; i < reqs.size(); ++i) {  // one after the other: the second hits the cache
     const std::vector<Result> got = run_router(*cluster.router, {reqs[i]});
@@ -720,13 +723,7 @@ TEST(Disaggregated, OptedOutRequestGetsNoHiddenStates) {
   const std::vector<Result> ref = run_single(dir, reqs);
   const int64_t hidden = ModelConfig::from_dir(dir).hidden_size;
   auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
-  ClusterSetup setup;
-  setup.prefill = [&](PrefillInstanceConfig& c) { c.transfer = backend; };
-  setup.decode = [&](DecodeInstanceConfig& c) {
-    c.engine = spec_engine({});
-    c.mtp_dir = testing::random_mtp_dir(dir);
-    c.transfer = backend;
-  };
+  const ClusterSetup setup = speculating_setup(dir, backend, {});
   Cluster cluster(dir, /*tp=*/2, /*dp=*/2, 1, 32, false, {}, setup);
   expect_same(ref, run_router(*cluster.router, reqs), "opted out");
   const auto seen = backend->seen();

@@ -428,6 +428,37 @@ TEST(TcpTransfer, CompletesOnlyAfterTheLastPieceAndFinish) {
   EXPECT_TRUE(decode.check(0, {{&ref, &descs[0]}}));
 }
 
+// Receiver callbacks over ev's that also record the order they ran in ("state r", "hidden r",
+// "complete r") and keep the states and hidden states that arrived.
+struct Recorded {
+  std::mutex mu;
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<float>> states;
+  std::map<std::string, PromptHidden> hidden;
+  ReceiverCallbacks callbacks(Events& ev, const std::string& name) {
+    ReceiverCallbacks cbs = ev.receiver(name);
+    auto complete = cbs.on_complete;
+    cbs.on_complete = [this, complete](const std::string& r, int32_t t, float lp) {
+      {
+        std::lock_guard lock(mu);
+        order.push_back("complete " + r);
+      }
+      complete(r, t, lp);
+    };
+    cbs.on_state = [this](const std::string& r, std::vector<float> s) {
+      std::lock_guard lock(mu);
+      order.push_back("state " + r);
+      states[r] = std::move(s);
+    };
+    cbs.on_hidden = [this](const std::string& r, PromptHidden h) {
+      std::lock_guard lock(mu);
+      order.push_back("hidden " + r);
+      hidden[r] = std::move(h);
+    };
+    return cbs;
+  }
+};
+
 // Hybrid models: the recurrent state travels with the FINISH of the rank that sends it and
 // reaches on_state (before on_complete) bit for bit; a request whose senders all finish without
 // it fails; a state of the wrong size is refused at the sender.
@@ -443,24 +474,8 @@ TEST(TcpTransfer, RecurrentStateTravelsWithTheFinish) {
     Events ev;
     Prefill prefill(m, tp, 8, *b, ev);
     Decode decode(m, {{0, 2}}, 16, *b, ev);
-    std::mutex mu;
-    std::map<std::string, std::vector<float>> got;
-    std::vector<std::string> order;  // "state r" / "complete r", as the callbacks ran
-    ReceiverCallbacks cbs = ev.receiver("rx0");
-    auto complete = cbs.on_complete;
-    cbs.on_complete = [&, complete](const std::string& r, int32_t t, float lp) {
-      {
-        std::lock_guard lock(mu);
-        order.push_back("complete " + r);
-      }
-      complete(r, t, lp);
-    };
-    cbs.on_state = [&](const std::string& r, std::vector<float> s) {
-      std::lock_guard lock(mu);
-      order.push_back("state " + r);
-      got[r] = std::move(s);
-    };
-    decode.receivers[0] = b->make_receiver(*decode.caches[0], cbs);
+    Recorded rec;
+    decode.receivers[0] = b->make_receiver(*decode.caches[0], rec.callbacks(ev, "rx0"));
     const Reference ref(m, 20, 3);
     // "s": rank 0 sends the state; "n": nobody does; "w": a state of another size.
     for (const std::string id : {"s", "n", "w"}) {
@@ -488,14 +503,14 @@ TEST(TcpTransfer, RecurrentStateTravelsWithTheFinish) {
       if (id == "s") {
         ASSERT_EQ(e.kind, "complete") << e.message;
         EXPECT_EQ(e.token, 7);
-        std::lock_guard lock(mu);
-        EXPECT_EQ(got["s"], state);
-        EXPECT_EQ(order, (std::vector<std::string>{"state s", "complete s"}));
+        std::lock_guard lock(rec.mu);
+        EXPECT_EQ(rec.states["s"], state);
+        EXPECT_EQ(rec.order, (std::vector<std::string>{"state s", "complete s"}));
       } else {
         EXPECT_EQ(e.kind, "error");
         EXPECT_NE(e.message.find("recurrent state"), std::string::npos) << e.message;
-        std::lock_guard lock(mu);
-        EXPECT_FALSE(got.contains("n"));
+        std::lock_guard lock(rec.mu);
+        EXPECT_FALSE(rec.states.contains("n"));
       }
     }
     // A plain (attention-only) request on the same receiver still completes without one.
@@ -529,28 +544,9 @@ TEST(TcpTransfer, PromptHiddenStatesTravelBeforeTheFinish) {
     Events ev;
     Prefill prefill(m, tp, 8, *b, ev);
     Decode decode(m, {{0, 2}}, 16, *b, ev);
-    std::mutex mu;
-    std::map<std::string, PromptHidden> got;
-    std::vector<std::string> order;  // as the callbacks ran
-    ReceiverCallbacks cbs = ev.receiver("rx0");
-    auto complete = cbs.on_complete;
-    cbs.on_complete = [&, complete](const std::string& r, int32_t t, float lp) {
-      {
-        std::lock_guard lock(mu);
-        order.push_back("complete " + r);
-      }
-      complete(r, t, lp);
-    };
-    cbs.on_state = [&](const std::string& r, std::vector<float>) {
-      std::lock_guard lock(mu);
-      order.push_back("state " + r);
-    };
-    cbs.on_hidden = [&](const std::string& r, PromptHidden h) {
-      std::lock_guard lock(mu);
-      order.push_back("hidden " + r);
-      got[r] = std::move(h);
-    };
-    decode.receivers[0] = b->make_receiver(*decode.caches[0], cbs);
+    Recorded rec;
+    decode.receivers[0] = b->make_receiver(*decode.caches[0], rec.callbacks(ev, "rx0"));
+    auto& got = rec.hidden;
     const Reference ref(m, kTokens, 3);
     // "a": every row from rank 0 (with a recurrent state too); "p": rows 8.. from the last
     // rank; "n": nobody sends them; "w": rows that stop short of the prompt's end.
@@ -579,7 +575,7 @@ TEST(TcpTransfer, PromptHiddenStatesTravelBeforeTheFinish) {
         }
       }
       const auto e = ev.wait("rx0/" + id);
-      std::lock_guard lock(mu);
+      std::lock_guard lock(rec.mu);
       if (id == "n") {
         EXPECT_EQ(e.kind, "error");
         EXPECT_NE(e.message.find("hidden states"), std::string::npos) << e.message;
@@ -591,9 +587,9 @@ TEST(TcpTransfer, PromptHiddenStatesTravelBeforeTheFinish) {
       EXPECT_EQ(got[id].rows, h.rows);  // bit for bit (f32 on the wire)
     }
     {
-      std::lock_guard lock(mu);
-      EXPECT_EQ(order, (std::vector<std::string>{"state a", "hidden a", "complete a", "hidden p",
-                                                 "complete p"}));
+      std::lock_guard lock(rec.mu);
+      EXPECT_EQ(rec.order, (std::vector<std::string>{"state a", "hidden a", "complete a",
+                                                     "hidden p", "complete p"}));
     }
     // A request that asked for none: hidden states are refused; it completes without.
     const auto tables = prefill.store(ref, rng);
