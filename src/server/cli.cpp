@@ -519,6 +519,10 @@ template <typename Instance, typename Config>
 std::unique_ptr<Instance> make_instance(const InstanceArgs& a, Config& cfg, int& ranks,
                                         std::chrono::milliseconds transfer_timeout) {
   if (env_world_size() > 1) {
+    // Gloo writes to its peers' sockets without MSG_NOSIGNAL: a write to a dead rank's socket
+    // would kill this process with SIGPIPE before the watchdog below reports the loss. Ignored,
+    // the write fails, the group's loop ends with an error and the watchdog exits as it should.
+    std::signal(SIGPIPE, SIG_IGN);
     if (ranks == 1) ranks = env_world_size();
     const comm::RankEnv env = comm::RankEnv::from_env();
     auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
