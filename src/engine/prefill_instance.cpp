@@ -40,6 +40,7 @@ struct PrefillInstance::Job {
   // The decode side speculates (dst.hidden_size > 0): the prompt's final hidden states of the
   // positions computed here, gathered chunk by chunk (rank 0's: identical on every rank).
   transfer::PromptHidden hidden;
+  std::vector<int32_t> prompt;  // (the same: PromptHiddenCache's pages)
 };
 
 namespace {
@@ -450,6 +451,15 @@ void PrefillInstance::on_output(Job& job, const StepOutput& out) {
   end_job(job.id, error, out);
 }
 
+void PrefillInstance::complete_hidden(Job& job) {
+  if (config_.hidden_cache_mb <= 0 || job.hidden.empty()) return;
+  if (!hidden_cache_) {
+    hidden_cache_ = std::make_unique<PromptHiddenCache>(
+        engine_->config().page_size, job.dst.hidden_size, config_.hidden_cache_mb << 20);
+  }
+  hidden_cache_->complete(job.prompt, job.hidden);
+}
+
 void PrefillInstance::end_job(const std::string& id, const std::string& error,
                               const StepOutput& first) {
   auto it = jobs_.find(id);
@@ -473,6 +483,7 @@ void PrefillInstance::end_job(const std::string& id, const std::string& error,
   if (job->begun) {
     try {
       if (e.ok) {
+        if (job->dst.hidden_size > 0) complete_hidden(*job);
         ranks_[0]->sender->finish_with(id, e.token, e.logprob,
                                        {std::move(job->state), std::move(job->hidden)});
       } else {
@@ -520,6 +531,7 @@ void PrefillInstance::submit(const GenRequest& req, transfer::TransferDescriptor
   job->dst = std::move(dst);
   job->on_done = std::move(on_done);
   job->prompt_len = n;
+  if (job->dst.hidden_size > 0) job->prompt = req.prompt_ids;
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     queued_tokens_ += n;

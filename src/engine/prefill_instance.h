@@ -35,6 +35,7 @@
 
 #include "engine/engine.h"
 #include "engine/instance_parts.h"
+#include "engine/prompt_hidden_cache.h"
 #include "engine/protocol.h"
 #include "transfer/transfer.h"
 
@@ -88,6 +89,10 @@ struct PrefillInstanceConfig {
   /// The parts (instance_parts.h); empty: Qwen3MoeCpu from model_dir and the host TCP backend.
   ModelFactory model;
   std::shared_ptr<transfer::TransferBackend> transfer;
+  /// For speculating decode instances: the budget (MiB) of the prompt pages' hidden states
+  /// kept for prefix-cache hits (PromptHiddenCache); 0: none kept (a hit's pages then travel
+  /// without hidden states).
+  int64_t hidden_cache_mb = 256;
 };
 
 class PrefillInstance final : public PrefillClient {
@@ -155,6 +160,9 @@ class PrefillInstance final : public PrefillClient {
   void note_pools();
   void on_output(Job& job, const StepOutput& out);
   void end_job(const std::string& id, const std::string& error, const StepOutput& first);
+  // A job whose decode side speculates: the hidden rows of the prompt pages its prefix-cache
+  // hit skipped, from hidden_cache_; its own full pages kept there.
+  void complete_hidden(Job& job);
   void count_computed(int64_t tokens);
 
   PrefillInstanceConfig config_;
@@ -179,6 +187,7 @@ class PrefillInstance final : public PrefillClient {
 
   // Rank 0 thread only.
   std::unordered_map<std::string, std::shared_ptr<Job>> jobs_;
+  std::unique_ptr<PromptHiddenCache> hidden_cache_;  // rank 0, at the first job that wants it
   std::vector<TransferEnd> ends_;  // for the next step's message (the other ranks' senders)
   std::vector<StateCopy> saves_;   // likewise: the checkpoint copies of the last complete()
 

@@ -538,7 +538,7 @@ struct SpecRun {
 // One speculating engine (the MTP layer's KV of each prompt from its own prefill step); without
 // `ref`, one that does not speculate.
 SpecRun run_single_spec(const std::string& dir, const std::vector<GenRequest>& reqs,
-                        const std::vector<Result>* ref) {
+                        const std::vector<Result>* ref, bool one_by_one = false) {
   auto model = load_cpu_model(dir);
   model->load_mtp(testing::random_mtp_dir(dir));
   SpecRun run;
@@ -546,7 +546,11 @@ SpecRun run_single_spec(const std::string& dir, const std::vector<GenRequest>& r
                                        : spec_engine(logging_oracle(
                                              reqs, *ref, model->config().vocab_size, run.log)));
   Collector c(reqs.size());
-  for (size_t i = 0; i < reqs.size(); ++i) engine.add(reqs[i], c.callback(i));
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    engine.add(reqs[i], c.callback(i));
+    while (one_by_one && engine.step()) {
+    }
+  }
   while (engine.step()) {
   }
   run.results = c.results();
@@ -686,9 +690,12 @@ TEST(DisaggregatedRemote, SpeculativeDecodeGetsThePromptsMtpKv) {
   expect_spec_like_single(fixture("hub_gqa_top2"), 2, {1, 2}, true);
 }
 
-// A prompt whose first pages the prefill instance takes from its prefix cache: its hidden states
-// travel from the first position it computed (the decode side's MTP KV of the cached ones stays
-// zeros); the tokens are unchanged.
+// A prompt whose first pages the prefill instance takes from its prefix cache: those positions
+// are not computed there, and their hidden states come from the pages it kept of the earlier
+// prompt (PromptHiddenCache), so the decode side's MTP KV of the whole prompt is built and its
+// drafts, tokens and spec counters are those of one speculating engine serving the two prompts
+// one after the other (where the second hits the prefix cache and its MTP KV too). Without the
+// kept pages (hidden_cache_mb 0) the rows start at the first computed position.
 TEST(Disaggregated, SpeculativeDecodeAfterAPrefillPrefixCacheHit) {
   const std::string dir = fixture("hub_gqa_top2");
   std::vector<GenRequest> reqs = spec_requests();
@@ -697,21 +704,39 @@ TEST(Disaggregated, SpeculativeDecodeAfterAPrefillPrefixCacheHit) {
   reqs[1].prompt_ids = reqs[0].prompt_ids;
   reqs[1].prompt_ids.resize(37);  // pages 0 and 1 (32 tokens) cached by the first
   reqs[1].prompt_ids.push_back(5);
-  const std::vector<Result> ref = run_single(dir, reqs);
+  const std::vector<Result> ref = run_single_spec(dir, reqs, nullptr, true).results;
+  const SpecRun want = run_single_spec(dir, reqs, &ref, /*one_by_one=*/true);
   const int64_t hidden = ModelConfig::from_dir(dir).hidden_size;
-  auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
-  const ClusterSetup setup = speculating_setup(dir, backend, {});
-  Cluster cluster(dir, /*tp=*/2, /*dp=*/1, 1, 32, false, {}, setup);
-  for (size_t i = 0; i < reqs.size(); ++i) {  // one after the other: the second hits the cache
-    const std::vector<Result> got = run_router(*cluster.router, {reqs[i]});
-    EXPECT_EQ(got[0].ids, ref[i].ids) << reqs[i].id;
+  for (const int64_t cache_mb : {256, 0}) {
+    SCOPED_TRACE("hidden cache " + std::to_string(cache_mb) + " MiB");
+    auto backend = std::make_shared<RecordingBackend>(host_transfer_backend({}));
+    SpecRun got;
+    ClusterSetup setup = speculating_setup(
+        dir, backend, logging_oracle(reqs, ref, ModelConfig::from_dir(dir).vocab_size, got.log));
+    setup.prefill = [backend, cache_mb](PrefillInstanceConfig& c) {
+      c.transfer = backend;
+      c.hidden_cache_mb = cache_mb;
+    };
+    Cluster cluster(dir, /*tp=*/2, /*dp=*/1, 1, 32, false, {}, setup);
+    for (size_t i = 0; i < reqs.size(); ++i) {  // one after the other: the second hits the cache
+      const std::vector<Result> r = run_router(*cluster.router, {reqs[i]});
+      EXPECT_EQ(r[0].ids, ref[i].ids) << reqs[i].id;
+    }
+    const auto seen = backend->seen();
+    ASSERT_TRUE(seen.contains("s0") && seen.contains("s1"));
+    EXPECT_EQ(seen.at("s0").hidden_begin, 0);
+    const int64_t begin = cache_mb > 0 ? 0 : 32;
+    EXPECT_EQ(seen.at("s1").hidden_begin, begin);
+    EXPECT_EQ(seen.at("s1").hidden_floats, (38 - begin) * hidden);
+    const EngineStats st = cluster.decode[0]->stats();
+    EXPECT_GT(st.spec_num_drafts, 0);
+    if (cache_mb > 0) {  // the whole prompt's MTP KV: the drafts are one engine's
+      std::lock_guard<std::mutex> a(got.log->mu), b(want.log->mu);
+      EXPECT_EQ(got.log->calls["s1"], want.log->calls["s1"]);
+      EXPECT_EQ(st.spec_num_accepted_tokens, want.stats.spec_num_accepted_tokens);
+      EXPECT_EQ(st.spec_accepted_per_pos, want.stats.spec_accepted_per_pos);
+    }
   }
-  const auto seen = backend->seen();
-  ASSERT_TRUE(seen.contains("s0") && seen.contains("s1"));
-  EXPECT_EQ(seen.at("s0").hidden_begin, 0);
-  EXPECT_EQ(seen.at("s1").hidden_begin, 32);
-  EXPECT_EQ(seen.at("s1").hidden_floats, (38 - 32) * hidden);
-  EXPECT_GT(cluster.decode[0]->stats().spec_num_drafts, 0);
 }
 
 // A request that opts out of speculation (allow_speculation false) on a speculating decode
