@@ -40,14 +40,14 @@ struct SpecAcceptRow {
 };
 
 struct SpecAcceptParams {
-  float const* p;             // [seqs, K + 1, vocab] the target's distributions, row j after
-                              // the last token and drafts 0..j-1
-  float const* q;             // [seqs, K, vocab] the drafts' distributions; nullptr: one-hot
-  int32_t const* drafts;      // [seqs, K] (entries past num_drafts unused)
-  SpecAcceptRow const* rows;  // [seqs]
-  int32_t* tokens;            // [seqs, K + 1] out: accepted drafts then the final token, -1 after
-  int32_t* num_accepted;      // [seqs] out: drafts accepted, in [0, k]
-  int64_t seqs, K, vocab;     // K >= 0; vocab in [1, 2^23]
+  float const* p = nullptr;         // [seqs, K + 1, vocab] the target's distributions, row j after
+                                    // the last token and drafts 0..j-1
+  float const* q = nullptr;         // [seqs, K, vocab] the drafts' distributions; nullptr: one-hot
+  int32_t const* drafts = nullptr;  // [seqs, K] (entries past num_drafts unused)
+  SpecAcceptRow const* rows = nullptr;  // [seqs]
+  int32_t* tokens = nullptr;  // [seqs, K + 1] out: accepted drafts then the final token, -1 after
+  int32_t* num_accepted = nullptr;     // [seqs] out: drafts accepted, in [0, k]
+  int64_t seqs = 0, K = 0, vocab = 0;  // K >= 0; vocab in [1, 2^23]
 };
 
 /// Launches on `stream`; throws Error(kInvalidArgument) for bad shapes or a null pointer.
