@@ -125,6 +125,57 @@ inline std::vector<int32_t> teacher_forced_tokens(const testing::GoldenCase& c) 
   return tokens;
 }
 
+// Every case's teacher-forced tokens through `model` with all cases in each step: the prompts
+// (their prompt lengths) first, then verify-shaped steps of q tokens for every case still
+// running (uniform while every case has q tokens left: a verify graph's shape). Case i owns 4-token
+// pages [i * per, (i + 1) * per) in descending order and, for a model with recurrent state, state
+// slot i. Returns each case's logits rows, all positions ([tokens, vocab]).
+inline std::vector<std::vector<float>> verify_shaped_rows(
+    Model& model, const testing::Golden& g, const std::vector<std::vector<int32_t>>& toks,
+    int64_t q) {
+  const int64_t vocab = model.config().vocab_size;
+  const auto nc = static_cast<int64_t>(toks.size());
+  size_t longest = 0;
+  for (const auto& t : toks) longest = std::max(longest, t.size());
+  const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
+  std::vector<int32_t> tables(static_cast<size_t>(nc * per));
+  std::iota(tables.begin(), tables.end(), 0);
+  std::reverse(tables.begin(), tables.end());
+  KvCache kv = model.make_kv_cache(nc * per, 4);
+  const bool states = model.state_slot_elems() > 0;
+  if (states) kv.allocate_states(nc, model.state_slot_elems());
+  std::vector<std::vector<float>> got(static_cast<size_t>(nc));
+  std::vector<int64_t> done(static_cast<size_t>(nc));
+  std::vector<float> part;
+  for (int64_t step = 0;; ++step) {
+    ForwardBatch b;
+    std::vector<int64_t> idx;
+    for (int64_t i = 0; i < nc; ++i) {
+      const auto n = static_cast<int64_t>(toks[static_cast<size_t>(i)].size());
+      const int64_t start = done[static_cast<size_t>(i)];
+      if (start >= n) continue;
+      const int64_t count =
+          step == 0 ? static_cast<int64_t>(g.cases[static_cast<size_t>(i)].prompt_ids.size())
+                    : std::min(q, n - start);
+      b.seqs.push_back({toks[static_cast<size_t>(i)].data() + start, count, start,
+                        tables.data() + i * per, per, LogitsMode::kAll,
+                        states ? static_cast<int32_t>(i) : -1});
+      idx.push_back(i);
+    }
+    if (b.seqs.empty()) break;
+    model.forward(b, kv, part);
+    int64_t row = 0;
+    for (size_t j = 0; j < idx.size(); ++j) {
+      const int64_t cnt = b.seqs[j].num_tokens;
+      auto& dst = got[static_cast<size_t>(idx[j])];
+      dst.insert(dst.end(), part.begin() + row * vocab, part.begin() + (row + cnt) * vocab);
+      done[static_cast<size_t>(idx[j])] += cnt;
+      row += cnt;
+    }
+  }
+  return got;
+}
+
 // One sequence, all positions' logits, in chunks of `chunk` tokens.
 inline std::vector<float> teacher_forced(Model& model, KvCache& kv,
                                          const std::vector<int32_t>& tokens, int64_t chunk,

@@ -159,50 +159,10 @@ TEST_P(CudaMtp, VerifyRowsMatchTheCpuModel) {
   std::vector<double> errs;
   int checked = 0;
   for (const int64_t q : {int64_t{2}, int64_t{3}, int64_t{5}}) {
-    // All cases in one batch; sequence i owns pages [i * per, (i + 1) * per).
-    size_t longest = 0;
     std::vector<std::vector<int32_t>> toks;
-    for (const auto& c : g.cases) {
-      const std::vector<int32_t> t = teacher_forced_tokens(c);
-      longest = std::max(longest, t.size());
-      toks.push_back(t);
-    }
+    for (const auto& c : g.cases) toks.push_back(teacher_forced_tokens(c));
     const auto nc = static_cast<int64_t>(toks.size());
-    const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
-    std::vector<int32_t> tables(static_cast<size_t>(nc * per));
-    std::iota(tables.begin(), tables.end(), 0);
-    std::reverse(tables.begin(), tables.end());
-    KvCache kv = gpu->make_kv_cache(nc * per, 4);
-    std::vector<std::vector<float>> got(static_cast<size_t>(nc));
-    std::vector<int64_t> done(static_cast<size_t>(nc));
-    std::vector<float> part;
-    // Prompts (the cases' prompt lengths), then verify-shaped steps of q tokens for all cases
-    // still running (uniform while every case has q tokens left: the verify graph).
-    for (int64_t step = 0;; ++step) {
-      ForwardBatch b;
-      std::vector<int64_t> idx;
-      for (int64_t i = 0; i < nc; ++i) {
-        const auto n = static_cast<int64_t>(toks[static_cast<size_t>(i)].size());
-        const int64_t start = done[static_cast<size_t>(i)];
-        if (start >= n) continue;
-        const int64_t count =
-            step == 0 ? static_cast<int64_t>(g.cases[static_cast<size_t>(i)].prompt_ids.size())
-                      : std::min(q, n - start);
-        b.seqs.push_back({toks[static_cast<size_t>(i)].data() + start, count, start,
-                          tables.data() + i * per, per, LogitsMode::kAll});
-        idx.push_back(i);
-      }
-      if (b.seqs.empty()) break;
-      gpu->forward(b, kv, part);
-      int64_t row = 0;
-      for (size_t j = 0; j < idx.size(); ++j) {
-        const int64_t cnt = b.seqs[j].num_tokens;
-        auto& dst = got[static_cast<size_t>(idx[j])];
-        dst.insert(dst.end(), part.begin() + row * vocab, part.begin() + (row + cnt) * vocab);
-        done[static_cast<size_t>(idx[j])] += cnt;
-        row += cnt;
-      }
-    }
+    const std::vector<std::vector<float>> got = verify_shaped_rows(*gpu, g, toks, q);
     for (int64_t i = 0; i < nc; ++i) {
       const auto& t = toks[static_cast<size_t>(i)];
       KvCache cpu_kv(cpu->kv_geometry(static_cast<int64_t>(t.size()) / 4 + 2, 4));

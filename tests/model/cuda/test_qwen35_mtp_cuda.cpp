@@ -291,11 +291,7 @@ void expect_verify_rows_match_the_cpu(const std::string& dir, bool verify_graphs
   std::vector<double> errs;
   RowStats st;
   std::vector<std::vector<int32_t>> toks;
-  size_t longest = 0;
-  for (const auto& c : g.cases) {
-    toks.push_back(teacher_forced_tokens(c));
-    longest = std::max(longest, toks.back().size());
-  }
+  for (const auto& c : g.cases) toks.push_back(teacher_forced_tokens(c));
   const auto nc = static_cast<int64_t>(toks.size());
   std::vector<std::vector<float>> want;
   for (int64_t i = 0; i < nc; ++i) {
@@ -305,41 +301,7 @@ void expect_verify_rows_match_the_cpu(const std::string& dir, bool verify_graphs
     want.push_back(teacher_forced(*cpu, cpu_kv, t, 1 << 20, 0));
   }
   for (const int64_t q : {int64_t{2}, int64_t{3}, int64_t{5}}) {
-    const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
-    std::vector<int32_t> tables(static_cast<size_t>(nc * per));
-    std::iota(tables.begin(), tables.end(), 0);
-    std::reverse(tables.begin(), tables.end());
-    KvCache kv = gpu->make_kv_cache(nc * per, 4);
-    kv.allocate_states(nc, gpu->state_slot_elems());
-    std::vector<std::vector<float>> got(static_cast<size_t>(nc));
-    std::vector<int64_t> done(static_cast<size_t>(nc));
-    std::vector<float> part;
-    // The prompts, then steps of q tokens for every case still running.
-    for (int64_t step = 0;; ++step) {
-      ForwardBatch b;
-      std::vector<int64_t> idx;
-      for (int64_t i = 0; i < nc; ++i) {
-        const auto n = static_cast<int64_t>(toks[static_cast<size_t>(i)].size());
-        const int64_t start = done[static_cast<size_t>(i)];
-        if (start >= n) continue;
-        const int64_t count =
-            step == 0 ? static_cast<int64_t>(g.cases[static_cast<size_t>(i)].prompt_ids.size())
-                      : std::min(q, n - start);
-        b.seqs.push_back({toks[static_cast<size_t>(i)].data() + start, count, start,
-                          tables.data() + i * per, per, LogitsMode::kAll, static_cast<int32_t>(i)});
-        idx.push_back(i);
-      }
-      if (b.seqs.empty()) break;
-      gpu->forward(b, kv, part);
-      int64_t row = 0;
-      for (size_t j = 0; j < idx.size(); ++j) {
-        const int64_t cnt = b.seqs[j].num_tokens;
-        auto& dst = got[static_cast<size_t>(idx[j])];
-        dst.insert(dst.end(), part.begin() + row * vocab, part.begin() + (row + cnt) * vocab);
-        done[static_cast<size_t>(idx[j])] += cnt;
-        row += cnt;
-      }
-    }
+    const std::vector<std::vector<float>> got = verify_shaped_rows(*gpu, g, toks, q);
     for (int64_t i = 0; i < nc; ++i) {
       const RowStats s = compare_rows_counting_flips(
           got[static_cast<size_t>(i)], want[static_cast<size_t>(i)], vocab,
