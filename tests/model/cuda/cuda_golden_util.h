@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "engine/chi_square.h"
 #include "engine/engine.h"
 #include "engine/golden.h"
 #include "model/qwen3_moe.h"
@@ -116,6 +118,19 @@ struct ErrorQuantiles {
 };
 inline ErrorQuantiles error_quantiles(const std::vector<double>& errs) {
   return {quantile(errs, 0.5), quantile(errs, 0.95), quantile(errs, 1.0)};
+}
+
+// Drafts from the golden continuations of requests "r<i>" (testing::oracle_drafts), for the
+// speculative tests' run_engine.
+inline EngineConfig::SpecHookFn oracle(const std::vector<testing::GoldenCase>& cases,
+                                       int64_t vocab) {
+  std::map<std::string, std::vector<int32_t>> full;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    std::vector<int32_t> t = cases[i].prompt_ids;
+    t.insert(t.end(), cases[i].output_ids.begin(), cases[i].output_ids.end());
+    full["r" + std::to_string(i)] = t;
+  }
+  return testing::oracle_drafts(std::move(full), vocab);
 }
 
 // A golden case as one teacher-forced sequence: the prompt and every output token but the last.

@@ -50,17 +50,6 @@ std::vector<std::string> mtp_fixtures() {
   return out;
 }
 
-// Drafts from the golden continuations of requests "r<i>" (testing::oracle_drafts).
-EngineConfig::SpecHookFn oracle(const std::vector<testing::GoldenCase>& cases, int64_t vocab) {
-  std::map<std::string, std::vector<int32_t>> full;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    std::vector<int32_t> t = cases[i].prompt_ids;
-    t.insert(t.end(), cases[i].output_ids.begin(), cases[i].output_ids.end());
-    full["r" + std::to_string(i)] = t;
-  }
-  return testing::oracle_drafts(std::move(full), vocab);
-}
-
 class CudaMtp : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
