@@ -43,6 +43,8 @@
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
 #   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs / bench_spec_eager (draft passes in graphs, the default / eager),
 #   bench_spec_fused / bench_spec_unfused (the fused speculative step, the default / unfused),
+#   bench_spec_q35 (Qwen3.5-35B-A3B with an MTP layer from make_random_checkpoint --mtp: the
+#   DeltaNet rollback by replay / by a second forward / replay with verify graphs),
 #   bench_spec_chain / bench_spec_passes (the MTP draft chain on the device, the default / pass
 #   by pass through the host),
 #   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
@@ -305,6 +307,15 @@ fi
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_unfused 180 env TANDEM_SPEC_FUSED=0 "$BIN/bench_spec_cuda" --model 30b \
     --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
+# Qwen3.5-35B-A3B at real shapes with an MTP layer (make_random_checkpoint --mtp: all 40
+# layers, ~70 GB in /dev/shm), end to end with forced acceptance: the DeltaNet rollback by the
+# replay of the verify's inputs (the default) beside a second forward and beside the replay with
+# verify graphs, and the no-speculation baseline, same run.
+[ -x "$BIN/bench_spec_cuda" ] && [ -x "$BIN/make_random_checkpoint" ] &&
+  step bench_spec_q35 420 bash -c "d=/dev/shm/q35mtp; rm -rf \$d && \
+    '$BIN/make_random_checkpoint' --out \$d --preset qwen3.5-35b-a3b --mtp ${TANDEM_Q35_SPEC_LAYERS:+--layers $TANDEM_Q35_SPEC_LAYERS} && \
+    '$BIN/bench_spec_cuda' --checkpoint \$d --e2e-batches ${TANDEM_Q35_SPEC_BATCHES:-1,8,32} --ks 1,3 \
+      --ps 0.7 --tokens 64; rc=\$?; rm -rf \$d; exit \$rc"
 # Where a decode step's time goes: per-kernel GPU time at batch 1 and 32 (when nsys exists).
 if command -v nsys > /dev/null; then
   for b in 1 32; do
@@ -317,7 +328,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_spec_fused bench_spec_unfused bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_spec_q35 bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_spec_fused bench_spec_unfused bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

@@ -3,7 +3,7 @@
 // generation_config.json, model.safetensors.index.json and model-0000i-of-0000N.safetensors
 // shards of at most --shard-gb GB, tensor names as the hub's Qwen3MoeForCausalLM, or (a
 // qwen3.5 preset) as Qwen3_5MoeForConditionalGeneration's language model (image-text layout,
-// model.language_model.*, no vision tower or MTP weights).
+// model.language_model.*, no vision tower; MTP weights with --mtp).
 //
 //   make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b|qwen3.5-35b-a3b|
 //       qwen3.5-122b-a10b|qwen3.5-397b-a17b] [--layers N]
@@ -16,8 +16,8 @@
 //
 // --config-only: config.json and generation_config.json only (no weights), e.g. to check a
 // preset's shapes.
-// --mtp (Qwen3-MoE): also an MTP layer (mtp.fc, mtp.pre_fc_norm_{embedding,hidden},
-// mtp.layers.0.* as a decoder layer, mtp.norm), for speculative decoding benchmarks.
+// --mtp: also an MTP layer (mtp.fc, mtp.pre_fc_norm_{embedding,hidden}, mtp.layers.0.* as a
+// decoder layer, full attention for Qwen3.5, mtp.norm), for speculative decoding benchmarks.
 // Values: matrices N(0, 0.02^2) (Irwin-Hall approximation: 4 uniforms), norms 1 + U(-0.05, 0.05)
 // (Qwen3.5's zero-centred (1 + w) norms U(-0.05, 0.05), A_log log U(1, 16)).
 // Each 1 Mi-element chunk of each tensor has its own generator seeded from (seed, tensor, chunk),
@@ -136,10 +136,13 @@ std::vector<Tensor> qwen35_tensor_list(Config const& c) {
   const int64_t h = c.hidden, key_dim = c.lin_k_heads * c.lin_k_dim;
   const int64_t value_dim = c.lin_v_heads * c.lin_v_dim, conv_dim = 2 * key_dim + value_dim;
   t.push_back({root + "embed_tokens.weight", {c.vocab, h}, Init::kMatrix});
-  for (int64_t l = 0; l < c.layers; ++l) {
-    const std::string p = root + "layers." + std::to_string(l) + ".";
+  // Layer l of the model; l == c.layers: the MTP layer (--mtp), a full-attention one.
+  for (int64_t l = 0; l < c.layers + (c.mtp ? 1 : 0); ++l) {
+    const bool mtp = l == c.layers;
+    const std::string p =
+        mtp ? std::string("mtp.layers.0.") : root + "layers." + std::to_string(l) + ".";
     t.push_back({p + "input_layernorm.weight", {h}, Init::kZeroNorm});
-    if ((l + 1) % c.full_interval == 0) {
+    if (mtp || (l + 1) % c.full_interval == 0) {
       const std::string a = p + "self_attn.";
       t.push_back({a + "q_proj.weight", {c.heads * c.head_dim * 2, h}, Init::kMatrix});
       t.push_back({a + "k_proj.weight", {c.kv_heads * c.head_dim, h}, Init::kMatrix});
@@ -175,6 +178,12 @@ std::vector<Tensor> qwen35_tensor_list(Config const& c) {
   }
   t.push_back({root + "norm.weight", {h}, Init::kZeroNorm});
   if (!c.tie) t.push_back({"lm_head.weight", {c.vocab, h}, Init::kMatrix});
+  if (c.mtp) {  // the published layout's other MTP tensors (zero-centred norms)
+    t.push_back({"mtp.fc.weight", {h, 2 * h}, Init::kMatrix});
+    t.push_back({"mtp.pre_fc_norm_embedding.weight", {h}, Init::kZeroNorm});
+    t.push_back({"mtp.pre_fc_norm_hidden.weight", {h}, Init::kZeroNorm});
+    t.push_back({"mtp.norm.weight", {h}, Init::kZeroNorm});
+  }
   return t;
 }
 
@@ -309,7 +318,7 @@ std::string qwen35_config_json(Config const& c) {
     << "    \"max_position_embeddings\": " << c.max_position << ",\n"
     << "    \"model_type\": \"qwen3_5_moe_text\",\n"
     << "    \"moe_intermediate_size\": " << c.moe_intermediate << ",\n"
-    << "    \"mtp_num_hidden_layers\": 0,\n"
+    << "    \"mtp_num_hidden_layers\": " << (c.mtp ? 1 : 0) << ",\n"
     << "    \"num_attention_heads\": " << c.heads << ",\n"
     << "    \"num_experts\": " << c.experts << ",\n"
     << "    \"num_experts_per_tok\": " << c.top_k << ",\n"
@@ -506,7 +515,6 @@ Args parse(int argc, char** argv) {
       usage("unknown flag " + f);
   }
   if (a.out.empty()) usage("--out is required");
-  if (a.c.mtp && a.c.qwen35) usage("--mtp: Qwen3-MoE presets only");
   if (a.c.top_k > a.c.experts) usage("--top-k exceeds --experts");
   if (a.c.heads % a.c.kv_heads != 0) usage("--heads must be a multiple of --kv-heads");
   if (a.c.qwen35 && a.c.lin_v_heads % a.c.lin_k_heads != 0) {

@@ -8,9 +8,16 @@
 //      speculation and with K drafts accepted each with probability p (the benchmark switch
 //      EngineConfig::spec_forced_accept_prob: NOT lossless, the cost of a real acceptance
 //      rate), same run. Mean acceptance length = 1 + p + ... + p^K (2.53 at K = 3, p = 0.7).
-// Models: Qwen3-30B-A3B (48 layers, or --layers N), one Qwen3-235B-A22B layer (vocab 1024).
+// Models: Qwen3-30B-A3B (48 layers, or --layers N), one Qwen3-235B-A22B layer (vocab 1024);
+// or (--checkpoint DIR, end to end only) a checkpoint on disk with its mtp.* tensors, e.g. a
+// real-shape Qwen3.5 written by `make_random_checkpoint --preset qwen3.5-35b-a3b --mtp`. A
+// hybrid's speculative rows run three ways: rejected drafts' DeltaNet states rolled back by the
+// replay of the verify's inputs (the default), by a second forward
+// (EngineConfig::spec_state_replay off), and the replay with the verify steps in CUDA graphs
+// (Qwen35MoeCuda::set_verify_graphs).
 //
 //   bench_spec_cuda [--model 30b|235b-layer|all] [--layers N] [--verify-only] [--e2e-only]
+//                   [--checkpoint DIR]
 //                   [--batches 1,8,32,128] [--tokens N] [--e2e-batches 1,32]
 //                   [--ks 1,2,3 --ps 0.6,0.7,0.8] [--temperature T]
 // --ks / --ps: the end-to-end grid (every K with every p; default K = 3 at p = 0.6 / 0.7 / 0.8
@@ -34,6 +41,7 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "model/cuda/mtp_cuda.h"
+#include "model/cuda/qwen3_5_moe_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
 
@@ -179,8 +187,8 @@ struct E2e {
 
 // One engine, two waves of `batch` requests: the first captures the graphs (and warms the
 // GEMM plans), the second is timed from the step after every request has its first token.
-E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t prompt_len,
-               int64_t max_tokens, float temperature) {
+E2e run_engine(Model& model, int64_t batch, int64_t k, double p, int64_t prompt_len,
+               int64_t max_tokens, float temperature, bool state_replay = true) {
   EngineConfig cfg;
   cfg.max_num_seqs = batch;
   cfg.max_batched_tokens = 2048;
@@ -190,6 +198,7 @@ E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t 
   cfg.num_speculative_tokens = k;
   cfg.spec_forced_accept_prob = k > 0 ? p : -1.0;
   cfg.enable_prefix_cache = false;
+  cfg.spec_state_replay = state_replay;
   Engine engine(model, cfg);
   std::mt19937 rng(5);
   E2e e;
@@ -232,28 +241,43 @@ E2e run_engine(Qwen3MoeCuda& model, int64_t batch, int64_t k, double p, int64_t 
   return e;
 }
 
-void bench_e2e(const std::string& name, Qwen3MoeCuda& model, const std::vector<int64_t>& batches,
+void bench_e2e(const std::string& name, Model& model, const std::vector<int64_t>& batches,
                int64_t max_tokens, const std::vector<std::pair<int64_t, double>>& runs,
                float temperature) {
+  // A hybrid's rollback modes (see the top of the file).
+  struct Mode {
+    const char* name;
+    bool replay, verify_graphs;
+  };
+  auto* q35 = dynamic_cast<Qwen35MoeCuda*>(&model);
+  std::vector<Mode> modes = {{"-", true, false}};
+  if (q35 != nullptr) {
+    modes = {{"replay", true, false}, {"forward", false, false}, {"replay+vgraph", true, true}};
+  }
   std::printf(
       "\n== %s: end-to-end decode through the engine (%s, 256-token prompts, %lld "
       "new tokens each), speculation with forced acceptance p\n",
       name.c_str(), temperature > 0 ? "sampled on the device" : "greedy",
       static_cast<long long>(max_tokens));
-  std::printf("%-14s %6s %3s %5s %12s %10s %9s\n", "model", "batch", "K", "p", "tok/s",
-              "accept_len", "speedup");
+  std::printf("%-14s %6s %3s %5s %14s %12s %10s %9s\n", "model", "batch", "K", "p", "rollback",
+              "tok/s", "accept_len", "speedup");
   for (int64_t b : batches) {
+    if (q35 != nullptr) q35->set_verify_graphs(false);
     const E2e base = run_engine(model, b, 0, 0, 256, max_tokens, temperature);
-    std::printf("%-14s %6lld %3d %5s %12.1f %10.2f %8.2fx\n", name.c_str(),
-                static_cast<long long>(b), 0, "-", base.tok_s, 1.0, 1.0);
+    std::printf("%-14s %6lld %3d %5s %14s %12.1f %10.2f %8.2fx\n", name.c_str(),
+                static_cast<long long>(b), 0, "-", "-", base.tok_s, 1.0, 1.0);
     for (const auto& [k, p] : runs) {
-      const E2e e = run_engine(model, b, k, p, 256, max_tokens, temperature);
-      std::printf("%-14s %6lld %3lld %5.1f %12.1f %10.2f %8.2fx\n", name.c_str(),
-                  static_cast<long long>(b), static_cast<long long>(k), p, e.tok_s, e.accept_len,
-                  e.tok_s / base.tok_s);
-      std::fflush(stdout);
+      for (const Mode& m : modes) {
+        if (q35 != nullptr) q35->set_verify_graphs(m.verify_graphs);
+        const E2e e = run_engine(model, b, k, p, 256, max_tokens, temperature, m.replay);
+        std::printf("%-14s %6lld %3lld %5.1f %14s %12.1f %10.2f %8.2fx\n", name.c_str(),
+                    static_cast<long long>(b), static_cast<long long>(k), p, m.name, e.tok_s,
+                    e.accept_len, e.tok_s / base.tok_s);
+        std::fflush(stdout);
+      }
     }
   }
+  if (q35 != nullptr) q35->set_verify_graphs(false);
 }
 
 }  // namespace
@@ -265,7 +289,9 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches{1, 8, 32, 128}, e2e_batches{1, 32}, ks;
   std::vector<double> ps;
   float temperature = 0.0f;
+  std::string checkpoint;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--checkpoint") == 0 && i + 1 < argc) checkpoint = argv[++i];
     if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
     if (std::strcmp(argv[i], "--layers") == 0 && i + 1 < argc) layers = std::atoll(argv[++i]);
     if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) max_tokens = std::atoll(argv[++i]);
@@ -305,6 +331,22 @@ int main(int argc, char** argv) {
       std::string name;
       ModelConfig c;
     };
+    if (!checkpoint.empty()) {  // end to end only
+      CudaModelOptions o;
+      o.max_tokens = 2048;
+      o.max_seqs =
+          std::max<int64_t>(128, *std::max_element(e2e_batches.begin(), e2e_batches.end()));
+      o.page_size = 16;
+      o.graph_max_context = 2048;
+      std::unique_ptr<Model> model = load_cuda_model(checkpoint, o);
+      model->load_mtp(checkpoint);
+      std::string name = checkpoint.substr(checkpoint.find_last_of('/') + 1);
+      name = name.empty() ? checkpoint : name;
+      std::printf("== %s: %s, %lld layers\n", name.c_str(), model->config().model_type.c_str(),
+                  static_cast<long long>(model->config().num_hidden_layers));
+      bench_e2e(name, *model, e2e_batches, max_tokens, runs, temperature);
+      return 0;
+    }
     std::vector<M> models;
     if (which == "30b" || which == "all") {
       ModelConfig c = qwen3_30b();

@@ -30,6 +30,9 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
   if (const char* e = std::getenv("TANDEM_SPEC_SAMPLED_ON_DEVICE"); e && std::strcmp(e, "0") == 0) {
     c.spec_sampled_on_device = false;
   }
+  if (const char* e = std::getenv("TANDEM_SPEC_STATE_REPLAY"); e && std::strcmp(e, "0") == 0) {
+    c.spec_state_replay = false;
+  }
   if (c.max_model_len <= 0) c.max_model_len = m.max_position_embeddings;
   TANDEM_CHECK_KIND(kInvalidArgument, c.max_model_len > 0, "max_model_len must be positive");
   TANDEM_CHECK_KIND(kInvalidArgument,
@@ -291,6 +294,11 @@ ScheduledBatch Engine::schedule() {
     for (const auto& ss : batch.seqs) host = host || !drafts_on_device(*ss.seq);
     batch.forward.hidden_out = host ? &hidden_ : nullptr;
     if (!host) hidden_.clear();
+    // A hybrid's rejected drafts roll back from the verify's own recurrence inputs.
+    if (model_.state_slot_elems() > 0 && config_.spec_state_replay) {
+      batch.forward.keep_recurrent_inputs = std::any_of(batch.seqs.begin(), batch.seqs.end(),
+                                                        [](const auto& ss) { return ss.verify; });
+    }
   }
   if (trace_) {
     trace_target_s_ = scheduler_.last_step_target();
@@ -791,7 +799,7 @@ void Engine::process_verify(const ScheduledSeq& ss, const std::vector<float>& lo
     return;
   }
   if (model_.state_slot_elems() > 0 && emitted < ss.num_tokens) {
-    rollbacks_.push_back({s.req.id, start, emitted, 0});
+    rollbacks_.push_back({s.req.id, start, emitted, hidden_row});
   }
   note_computed(s, start, emitted, hidden_row);
   emit(s, out);
@@ -876,10 +884,12 @@ void Engine::rollback_states() {
   std::vector<Computed> todo = std::move(rollbacks_);
   rollbacks_.clear();
   ForwardBatch fb;
+  std::vector<StateReplay> replays;
   for (const Computed& c : todo) {
     Sequence* s = scheduler_.find(c.id);
     if (s == nullptr || s->state_slot < 0) continue;
     kv_.copy_state(spare_state_slot(s->state_slot), s->state_slot);
+    replays.push_back({s->state_slot, c.hidden_row, c.count});
     ForwardSeq f{s->tokens.data() + c.start,
                  c.count,
                  c.start,
@@ -890,6 +900,11 @@ void Engine::rollback_states() {
     fb.seqs.push_back(f);
   }
   if (fb.seqs.empty()) return;
+  // The verify kept its recurrence inputs (keep_recurrent_inputs): no second forward.
+  if (config_.spec_state_replay && model_.replay_states(replays, kv_)) {
+    state_replays_ += static_cast<int64_t>(replays.size());
+    return;
+  }
   std::vector<float> none;
   model_.forward(fb, kv_, none);
 }

@@ -69,6 +69,10 @@ struct EngineConfig {
   // distribution test and docs/perf.md); off (sampled requests then take the host path, logits
   // to the host): false here or TANDEM_SPEC_SAMPLED_ON_DEVICE=0 in the environment.
   bool spec_sampled_on_device = true;
+  // Hybrid models: a verify step keeps its DeltaNet recurrence inputs and a rejected draft's
+  // state rolls back by replaying them (Model::replay_states) instead of a second forward over
+  // the accepted tokens. Off: false here or TANDEM_SPEC_STATE_REPLAY=0.
+  bool spec_state_replay = true;
   // Tests only: may replace a sequence's drafts after the MTP drafted them (given its tokens
   // so far); replaced drafts count as deterministic (q one-hot) in rejection sampling.
   using SpecHookFn = std::function<void(const std::string& id, std::span<const int32_t> tokens,
@@ -142,6 +146,9 @@ class Engine {
   int64_t num_free_state_slots() const { return scheduler_.num_free_state_slots(); }
 
   EngineStats stats() const;
+  /// Hybrid models: rolled-back sequences whose state Model::replay_states recomputed (the
+  /// others took a second forward).
+  int64_t state_replays() const { return state_replays_; }
   int64_t max_model_len() const { return config_.max_model_len; }
   const EngineConfig& config() const { return config_; }
   const Model& model() const { return model_; }
@@ -267,6 +274,7 @@ class Engine {
   bool take_host_rows(std::vector<Computed>& computed);
   std::vector<StateCopy> last_state_saves_;  // complete()'s checkpoint copies (hybrids)
   std::vector<Computed> rollbacks_;       // verified sequences whose state must go back (hybrids)
+  int64_t state_replays_ = 0;             // state_replays()
   SamplerRng forced_accept_rng_{0x5eed};  // spec_forced_accept_prob draws
   std::chrono::steady_clock::time_point step_start_;  // schedule() -> complete(): the step time
   // EngineConfig::step_trace_path: the file, and this step's target and prediction.

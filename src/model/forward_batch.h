@@ -38,6 +38,10 @@ struct ForwardBatch {
   /// hidden state, after the final norm ([num_tokens, hidden], batch order), the input of the
   /// MTP layer.
   std::vector<float>* hidden_out = nullptr;
+  /// Hybrid models with speculative decoding: keep every token's inputs of the DeltaNet
+  /// recurrences (Model::replay_states), so that a verify step's rejected drafts roll back
+  /// without a second forward.
+  bool keep_recurrent_inputs = false;
 
   int64_t num_tokens() const {
     int64_t n = 0;
@@ -139,6 +143,13 @@ struct SampledToken {
   int32_t token = 0;
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top;  // (id, logprob), descending
+};
+
+/// One sequence of Model::replay_states: its first token's row in the last forward's batch
+/// (batch order), its state slot there, and how many of its tokens to replay (>= 1).
+struct StateReplay {
+  int32_t state_slot = -1;
+  int64_t row = 0, count = 0;
 };
 
 /// One chained pass of a device-resident MTP draft chain (Model::mtp_draft_chain): one token per

@@ -242,6 +242,43 @@ void Qwen35MoeCpu::lm_head(const float* last, int64_t r, std::vector<float>& log
   cpu_lm_head(config_, plan_, comm_, head, last, r, logits);
 }
 
+bool Qwen35MoeCpu::replay_states(const std::vector<StateReplay>& replays, KvCache& kv) {
+  if (kept_tokens_ < 0) return false;
+  const auto& c = config_;
+  const int64_t hk = dn_.key_heads.size(), hv = dn_.value_heads.size();
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t kern = c.linear_conv_kernel_dim;
+  int64_t most = 0;
+  for (const StateReplay& r : replays) {
+    const auto it = std::find_if(kept_chunks_.begin(), kept_chunks_.end(),
+                                 [&](const auto& ch) { return ch.first == r.row; });
+    TANDEM_CHECK(it != kept_chunks_.end(), "replay_states: row ", r.row,
+                 " starts no sequence of the last forward");
+    TANDEM_CHECK(r.count >= 1 && r.count <= it->second, "replay_states: ", r.count, " tokens of a ",
+                 it->second, "-token chunk");
+    TANDEM_CHECK(r.state_slot >= 0 && r.state_slot < kv.num_state_slots(),
+                 "replay_states: state slot ", r.state_slot, " out of range");
+    most = std::max(most, r.count);
+  }
+  std::vector<float> co(static_cast<size_t>(most * conv_dim_));
+  std::vector<float> out(static_cast<size_t>(most * value_dim_));  // (not needed)
+  for (const Layer& layer : layers_) {
+    if (!layer.linear) continue;
+    const KeptInputs& kept = kept_[static_cast<size_t>(layer.index)];
+    for (const StateReplay& r : replays) {
+      float* conv_state = kv.state(r.state_slot) + layer.index * state_elems_per_layer();
+      float* rec_state = conv_state + conv_dim_ * (kern - 1);
+      cpu::causal_conv1d({kept.mixed.data() + r.row * conv_dim_, layer.conv.ptr<float>(),
+                          conv_state, co.data(), r.count, conv_dim_, kern});
+      cpu::gated_delta_rule({co.data(), co.data() + key_dim_, co.data() + 2 * key_dim_,
+                             kept.g.data() + r.row * hv, kept.beta.data() + r.row * hv, rec_state,
+                             out.data(), r.count, hk, hv, dk, dv, conv_dim_});
+    }
+  }
+  kept_tokens_ = -1;  // replayed once
+  return true;
+}
+
 void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
   const auto& c = config_;
   const int64_t h = c.hidden_size, d = c.head_dim;
@@ -256,6 +293,7 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
                    kv.geometry().head_dim == d,
                "KV cache geometry does not match the model");
   logits.clear();
+  kept_tokens_ = -1;
   if (n == 0) {
     // Nothing of our own; a decode rank still serves its experts in every (MoE) layer.
     if (plan_.data_parallel()) {
@@ -300,6 +338,7 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
 
   cpu::embedding({ids.data(), embed_.ptr<float>(), x.data(), n, h, c.vocab_size});
   const float eps = static_cast<float>(c.rms_norm_eps);
+  if (batch.keep_recurrent_inputs) kept_.resize(static_cast<size_t>(num_linear_));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     Layer& layer = layers_[static_cast<size_t>(l)];
     if (l == 0) {
@@ -346,6 +385,12 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
                                beta.data() + t0 * hv, rec_state, attn.data() + t0 * value_dim_, ns,
                                hk, hv, dk, dv, conv_dim_});
       }
+      if (batch.keep_recurrent_inputs) {  // replay_states' inputs
+        KeptInputs& kept = kept_[static_cast<size_t>(layer.index)];
+        kept.mixed.assign(mixed.begin(), mixed.begin() + n * conv_dim_);
+        kept.beta.assign(beta.begin(), beta.begin() + n * hv);
+        kept.g.assign(g.begin(), g.begin() + n * hv);
+      }
       cpu::gated_rms_norm(
           {attn.data(), z.data(), layer.out_norm.ptr<float>(), attn.data(), n * hv, dv, eps});
       cpu::gemm({attn.data(), layer.out_proj.ptr<float>(), y.data(), n, h, value_dim_});
@@ -357,6 +402,14 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
     // MoE block: routed experts (top-k renormalised) + sigmoid-gated shared expert.
     cpu::add_rms_norm({x.data(), y.data(), layer.post_norm.ptr<float>(), xn.data(), n, h, eps});
     moe_block(layer, xn.data(), n, y.data());
+  }
+
+  if (batch.keep_recurrent_inputs) {
+    kept_tokens_ = n;
+    kept_chunks_.clear();
+    for (size_t si = 0; si < batch.seqs.size(); ++si) {
+      kept_chunks_.emplace_back(seq_begin[si], batch.seqs[si].num_tokens);
+    }
   }
 
   // Final norm and lm_head on the rows that need logits only.

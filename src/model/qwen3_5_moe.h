@@ -15,6 +15,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -64,6 +65,10 @@ class Qwen35MoeCpu final : public Model {
   KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
   void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                    std::vector<float>& logits, std::vector<float>& hidden_out) override;
+
+  /// Recomputes the states of the last forward's chunks (Model::replay_states) from what it
+  /// kept: per DeltaNet layer each token's conv input and gates (this rank's heads).
+  bool replay_states(const std::vector<StateReplay>& replays, KvCache& kv) override;
 
   /// Floats of one linear-attention layer's part of a state slot.
   int64_t state_elems_per_layer() const;
@@ -119,8 +124,17 @@ class Qwen35MoeCpu final : public Model {
   HostTensor norm_;          // [hidden], 1 + w
   HostTensor lm_head_;       // [this rank's vocab rows, hidden]; empty when tied
   std::vector<Layer> layers_;
-  struct Mtp;                 // qwen3_5_mtp.cpp
-  std::shared_ptr<Mtp> mtp_;  // the MTP layer, once loaded
+  // The last forward's recurrence inputs (ForwardBatch::keep_recurrent_inputs), per DeltaNet
+  // layer: the conv inputs [tokens, conv_dim_], beta and g [tokens, v_heads]; kept_tokens_ < 0:
+  // none kept.
+  struct KeptInputs {
+    std::vector<float> mixed, beta, g;
+  };
+  std::vector<KeptInputs> kept_;
+  int64_t kept_tokens_ = -1;
+  std::vector<std::pair<int64_t, int64_t>> kept_chunks_;  // (first row, tokens) per sequence
+  struct Mtp;                                             // qwen3_5_mtp.cpp
+  std::shared_ptr<Mtp> mtp_;                              // the MTP layer, once loaded
 };
 
 /// The CPU model for the checkpoint in `dir`, picked by config.json's model_type (qwen3_moe:

@@ -42,6 +42,18 @@ class Model {
   /// KvCache state slot; every sequence of a batch passes its ForwardSeq::state_slot). 0: the
   /// model keeps no per-sequence state.
   virtual int64_t state_slot_elems() const { return 0; }
+  /// Hybrid models, speculative decoding: rolls recurrent states forward over a prefix of the
+  /// last forward's chunks without a forward. Each replay's state slot holds the state before
+  /// its chunk again (the engine restored it); its state becomes the one after the chunk's
+  /// first `count` tokens, recomputed from the per-token inputs of the recurrence that the last
+  /// forward / forward_sample kept (ForwardBatch::keep_recurrent_inputs; no other forward may
+  /// run in between, MTP passes may). Returns false, changing nothing, when that forward kept
+  /// none (the engine then runs those tokens through forward()). Rank-local: no collective.
+  virtual bool replay_states(const std::vector<StateReplay>& replays, KvCache& kv) {
+    (void)replays;
+    (void)kv;
+    return false;
+  }
   /// Runs the batch, writing new KV into `kv` and the requested logits rows
   /// ([batch.num_logit_rows(), vocab], fp32) into `logits`.
   virtual void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) = 0;

@@ -55,7 +55,7 @@ struct RunResult {
 // Runs the requests through one engine, all at once; `waves` times one after the other
 // (later waves hit the prefix cache).
 RunResult run(Model& model, const std::vector<GenRequest>& reqs, const EngineConfig& cfg,
-              int waves = 1) {
+              int waves = 1, int64_t* state_replays = nullptr) {
   Engine engine(model, cfg);
   RunResult res;
   res.outs.resize(reqs.size() * static_cast<size_t>(waves));
@@ -81,6 +81,7 @@ RunResult run(Model& model, const std::vector<GenRequest>& reqs, const EngineCon
   }
   EXPECT_EQ(engine.blocks().num_available(), engine.blocks().num_pages()) << "leaked KV pages";
   res.stats = engine.stats();
+  if (state_replays != nullptr) *state_replays = engine.state_replays();
   return res;
 }
 
@@ -208,6 +209,40 @@ TEST_P(SpecHybridLosslessTest, GreedyTokensUnchangedForK1To4) {
   model->load_mtp(testing::random_mtp_dir(GetParam()));
   ASSERT_TRUE(model->has_mtp());
   expect_lossless_for_k1_to_4(*model, testing::load_golden(GetParam()), /*golden_exact=*/false);
+}
+
+// A rejected draft's DeltaNet state rolls back by replaying the verify's own recurrence inputs
+// (Model::replay_states): the same tokens and logprobs as the second forward it replaces
+// (EngineConfig::spec_state_replay off), and the replay is what ran.
+TEST_P(SpecHybridLosslessTest, StateReplayEqualsTheRollbackForward) {
+  auto model = load_cpu_model(GetParam());
+  model->load_mtp(testing::random_mtp_dir(GetParam()));
+  const std::vector<GenRequest> reqs = greedy_requests(testing::load_golden(GetParam()));
+  const RunResult ref = run(*model, reqs, EngineConfig{});
+  for (int64_t k : {1, 3}) {
+    SCOPED_TRACE("K = " + std::to_string(k));
+    EngineConfig spec;
+    spec.num_speculative_tokens = k;
+    for (int64_t tokens : {int64_t{1024}, int64_t{7}}) {  // batched, and chunked beside prefills
+      spec.max_batched_tokens = tokens;
+      int64_t replays = -1, forwards = -1;
+      spec.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);  // (fresh draws)
+      const RunResult replayed = run(*model, reqs, spec, 1, &replays);
+      EngineConfig off = spec;
+      off.spec_state_replay = false;
+      off.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
+      const RunResult forwarded = run(*model, reqs, off, 1, &forwards);
+      EXPECT_GT(replays, 0);
+      EXPECT_EQ(forwards, 0);
+      EXPECT_GT(replayed.stats.spec_num_accepted_tokens, 0);
+      EXPECT_LT(replayed.stats.spec_num_accepted_tokens, replayed.stats.spec_num_draft_tokens);
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        expect_same(replayed.outs[i], forwarded.outs[i], "case " + std::to_string(i));
+        expect_same(replayed.outs[i], ref.outs[i], "case " + std::to_string(i) + " vs no spec");
+      }
+      EXPECT_EQ(replayed.stats.spec_num_accepted_tokens, forwarded.stats.spec_num_accepted_tokens);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, SpecHybridLosslessTest,

@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -305,6 +307,59 @@ TEST(Qwen35Model, ChunkedPrefillEqualsOnePrefillAndSlotsAreIndependent) {
       model->forward(b, r.kv, step);
     }
     EXPECT_EQ(step, full);
+  }
+}
+
+// Model::replay_states: the state after a prefix of the last forward's chunks, from the inputs
+// that forward kept, equals a forward over that prefix from the same state.
+TEST(Qwen35Model, ReplayStatesEqualsAForwardOverThePrefix) {
+  for (const char* name : {kText, kVl}) {
+    SCOPED_TRACE(name);
+    auto model = load_cpu_model(fixture(name));
+    Runner r(*model);
+    std::vector<int32_t> a, b;
+    for (int i = 0; i < 25; ++i) a.push_back((i * 7 + 3) % 200);
+    for (int i = 0; i < 17; ++i) b.push_back((i * 11 + 5) % 200);
+    r.prefill({a.begin(), a.begin() + 20}, {20}, 0, 0);
+    r.prefill({b.begin(), b.begin() + 13}, {13}, 1, 10);
+    auto state = [&](int32_t slot) {
+      const auto s = r.kv.read_state(slot);
+      return std::vector<float>(s.begin(), s.end());
+    };
+    const std::vector<float> snap_a = state(0), snap_b = state(1);
+    std::vector<int32_t> table_a = {0, 1, 2, 3, 4, 5, 6}, table_b = {10, 11, 12, 13, 14};
+    auto verify = [&](int32_t slot_a, int64_t na, int32_t slot_b, int64_t nb, bool keep) {
+      ForwardBatch fb;
+      fb.keep_recurrent_inputs = keep;
+      fb.seqs.push_back({a.data() + 20, na, 20, table_a.data(), 7, LogitsMode::kAll, slot_a});
+      fb.seqs.push_back({b.data() + 13, nb, 13, table_b.data(), 5, LogitsMode::kAll, slot_b});
+      std::vector<float> logits;
+      model->forward(fb, r.kv, logits);
+    };
+    verify(0, 5, 1, 4, /*keep=*/true);
+    const std::vector<float> after_all = state(0);
+    r.kv.write_state(0, snap_a.data());
+    r.kv.write_state(1, snap_b.data());
+    ASSERT_TRUE(model->replay_states({{0, 0, 3}, {1, 5, 1}}, r.kv));
+    EXPECT_FALSE(model->replay_states({{0, 0, 3}}, r.kv)) << "the kept inputs replay once";
+    const std::vector<float> got_a = state(0), got_b = state(1);
+    // The reference: the same states in slots 2 and 3, forward over the prefixes only.
+    r.kv.write_state(2, snap_a.data());
+    r.kv.write_state(3, snap_b.data());
+    verify(2, 3, 3, 1, /*keep=*/false);
+    EXPECT_FALSE(model->replay_states({{2, 0, 1}}, r.kv)) << "that forward kept nothing";
+    const std::vector<float> want_a = state(2), want_b = state(3);
+    double worst = 0, moved = 0;
+    for (size_t i = 0; i < want_a.size(); ++i) {
+      worst = std::max<double>(worst, std::fabs(got_a[i] - want_a[i]));
+      worst = std::max<double>(worst, std::fabs(got_b[i] - want_b[i]));
+      moved = std::max<double>(moved, std::fabs(after_all[i] - want_a[i]));
+    }
+    EXPECT_LE(worst, 1e-5);
+    EXPECT_GT(moved, 1e-3) << "the two extra tokens change the state (the test can fail)";
+    // Rows that start no chunk, or past it, are refused.
+    verify(0, 5, 1, 4, /*keep=*/true);
+    EXPECT_THROW(model->replay_states({{0, 0, 6}}, r.kv), Error);
   }
 }
 

@@ -24,6 +24,21 @@ for k in 1 3; do
   echo "$got" | grep -q '"spec"' || { echo "FAIL: no spec in $got"; exit 1; }
 done
 
+# Qwen3.5 (hybrid): --mtp writes the published layout's mtp.* (a full-attention layer); the
+# same greedy tokens with K = 2, through the DeltaNet state rollback.
+"$mrc" --out "$dir/q35" --preset qwen3.5-35b-a3b --layers 4 --full-attention-interval 2 \
+  --hidden 64 --moe-intermediate 32 --shared-intermediate 48 --experts 8 --top-k 2 --heads 4 \
+  --kv-heads 2 --head-dim 64 --linear-key-heads 2 --linear-value-heads 4 --linear-key-dim 16 \
+  --linear-value-dim 16 --vocab 512 --max-position 512 --seed 5 --shard-gb 0.0002 --mtp >/dev/null
+grep -q '"mtp_num_hidden_layers": 1,' "$dir/q35/config.json" || { echo "FAIL: qwen3.5 config"; exit 1; }
+q35=(generate --model "$dir/q35" --prompt-ids 1,2,3,4 --max-tokens 16 --temperature 0 --ignore-eos --json)
+want=$("$tandem" "${q35[@]}")
+got=$("$tandem" "${q35[@]}" --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}')
+[ "$(echo "$got" | python3 -c 'import json,sys; print(json.load(sys.stdin)["ids"])')" = \
+  "$(echo "$want" | python3 -c 'import json,sys; print(json.load(sys.stdin)["ids"])')" ] ||
+  { echo "FAIL: qwen3.5 K=2 changed the tokens: $got vs $want"; exit 1; }
+echo "$got" | grep -q '"spec"' || { echo "FAIL: no spec in $got"; exit 1; }
+
 py=${PYTHON:-}
 if [ -z "$py" ]; then
   for c in python3 /usr/bin/python3; do

@@ -283,12 +283,10 @@ struct Qwen35MoeCuda::Impl {
   // bucket.
   static constexpr int64_t kVerifyKey = 1 << 16;
   static constexpr int64_t kMaxVerifyTokens = 5;  // K + 1 for K up to kMaxSpeculativeTokens
-  // Off by default (not yet measured on the H200): verify steps replay graphs
-  // (set_verify_graphs, TANDEM_Q35_VERIFY_GRAPHS=1 at load).
-  bool verify_graphs = [] {
-    const char* e = std::getenv("TANDEM_Q35_VERIFY_GRAPHS");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
+  // On by default since the H200 measured it (docs/perf.md: Qwen3.5-35B-A3B speculating 3-16%
+  // faster end to end): verify steps replay graphs. Off: set_verify_graphs(false) or
+  // TANDEM_Q35_VERIFY_GRAPHS=0 at load.
+  bool verify_graphs = env_not_off("TANDEM_Q35_VERIFY_GRAPHS");
   std::map<int64_t, cudaGraphExec_t> graphs;
   // Chained MTP passes (one token per sequence) replayed from graphs by bucket, against one MTP
   // KV pool; their own metadata buffers (g_meta's layout) and block tables.
@@ -299,6 +297,13 @@ struct Qwen35MoeCuda::Impl {
   DeviceMem mg_meta, mg_tables;
   // The last launch's (or MTP pass's) device token of each sequence's first token.
   std::vector<int64_t> first_token;
+  // The last launch's DeltaNet recurrence inputs (ForwardBatch::keep_recurrent_inputs; every
+  // verify graph keeps them): per linear layer its in_proj rows [kept_cap, in_rows] in device
+  // token order (conv input | z | b | a), for replay_states. kept_tokens < 0: none kept;
+  // kept_first / kept_count: that launch's sequences' first device tokens and sizes.
+  DeviceMem kept;
+  int64_t kept_cap = 0, kept_tokens = -1;
+  std::vector<int64_t> kept_first, kept_count;
   const void* graph_kv = nullptr;      // the cache the graphs were captured against
   const void* graph_states = nullptr;  // and its state slots
   int64_t graph_page_size = 0;
@@ -325,6 +330,33 @@ struct Qwen35MoeCuda::Impl {
     graph_kv = nullptr;
     graph_states = nullptr;
     drop_mtp_graphs();
+  }
+  void drop_verify_graphs() {
+    for (auto it = graphs.begin(); it != graphs.end();) {
+      if (it->first < kVerifyKey) {
+        ++it;
+        continue;
+      }
+      (void)cudaGraphExecDestroy(it->second);
+      it = graphs.erase(it);
+    }
+  }
+  // After a launch of `batch`: what replay_states needs to find its rows.
+  void note_kept(const ForwardBatch& batch, bool keep) {
+    kept_tokens = keep ? batch.num_tokens() : -1;
+    if (!keep) return;
+    kept_first.assign(first_token.begin(), first_token.begin() + batch.seqs.size());
+    kept_count.clear();
+    for (const auto& s : batch.seqs) kept_count.push_back(s.num_tokens);
+  }
+  // Room in `kept` for `tokens` tokens; growing it drops the verify graphs (they copy into it).
+  void ensure_kept(int64_t tokens) {
+    if (kept_cap >= tokens) return;
+    const int64_t cap = std::max(tokens, std::min(t_cap, std::max<int64_t>(2 * kept_cap, 64)));
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));  // nothing in flight writes the old one
+    drop_verify_graphs();
+    kept = DeviceMem(static_cast<size_t>(num_linear * cap * in_rows) * sizeof(bf16));
+    kept_cap = cap;
   }
   void drop_mtp_graphs() {
     for (auto& [b, g] : mtp_graphs) (void)cudaGraphExecDestroy(g);
@@ -712,10 +744,39 @@ struct Qwen35MoeCuda::Impl {
   }
 
   // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
-  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch) {
+  // The delta rule of DeltaNet layer w over n tokens: the conv output in conv_out, the gates in
+  // the in_proj rows P, the recurrent states at rec_state, the output in core.
+  cuda::GatedDeltaRuleParams delta_rule_params(const LayerW& w, const bf16* P, float* rec_state,
+                                               const cuda::DeltaNetSeqs& seqs, int64_t n,
+                                               int64_t slot_stride) const {
+    const int64_t hv = c.linear_num_value_heads;
+    cuda::GatedDeltaRuleParams dp{};
+    dp.qkv = conv_out.as<bf16>();
+    dp.b = P + conv_dim + value_dim;
+    dp.a = P + conv_dim + value_dim + hv;
+    dp.a_log = w.a_log;
+    dp.dt_bias = w.dt_bias;
+    dp.states = rec_state;
+    dp.out = core.as<float>();
+    dp.workspace = dn_ws.as<float>();
+    dp.seqs = seqs;
+    dp.num_tokens = n;
+    dp.num_k_heads = c.linear_num_key_heads;
+    dp.num_v_heads = hv;
+    dp.k_dim = c.linear_key_head_dim;
+    dp.v_dim = c.linear_value_head_dim;
+    dp.qkv_stride = conv_dim;
+    dp.ab_stride = in_rows;
+    dp.state_stride = slot_stride;
+    dp.sequential = sequential_delta_rule;
+    dp.fused_decode = fused_decode;
+    return dp;
+  }
+
+  // keep: each DeltaNet layer's in_proj rows go to `kept` (replay_states).
+  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch, bool keep = false) {
     const int64_t n = m.n, h = c.hidden_size;
-    const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
-    const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
     const int64_t kern = c.linear_conv_kernel_dim;
     const int64_t page_size = kv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -738,32 +799,18 @@ struct Qwen35MoeCuda::Impl {
         // One fused projection [qkv | z | b | a], the conv and the delta rule per sequence on
         // its state slot, the gated norm, out_proj.
         gemm->run({XN, w.in_proj, P, n, in_rows, h}, stream);
+        if (keep) {
+          TANDEM_CUDA_CHECK(cudaMemcpyAsync(kept.as<bf16>() + w.index * kept_cap * in_rows, P,
+                                            static_cast<size_t>(n * in_rows) * sizeof(bf16),
+                                            cudaMemcpyDeviceToDevice, stream));
+        }
         float* conv_state = states + w.index * state_per_layer();
         float* rec_state = conv_state + conv_dim * (kern - 1);
         cuda::causal_conv1d_launch({P, w.conv, conv_state, conv_out.as<bf16>(), seqs, n, conv_dim,
                                     kern, in_rows, slot_stride},
                                    stream);
-        cuda::GatedDeltaRuleParams dp{};
-        dp.qkv = conv_out.as<bf16>();
-        dp.b = P + conv_dim + value_dim;
-        dp.a = P + conv_dim + value_dim + hv;
-        dp.a_log = w.a_log;
-        dp.dt_bias = w.dt_bias;
-        dp.states = rec_state;
-        dp.out = core.as<float>();
-        dp.workspace = dn_ws.as<float>();
-        dp.seqs = seqs;
-        dp.num_tokens = n;
-        dp.num_k_heads = hk;
-        dp.num_v_heads = hv;
-        dp.k_dim = dk;
-        dp.v_dim = dv;
-        dp.qkv_stride = conv_dim;
-        dp.ab_stride = in_rows;
-        dp.state_stride = slot_stride;
-        dp.sequential = sequential_delta_rule;
-        dp.fused_decode = fused_decode;
-        cuda::gated_delta_rule_launch(dp, stream);
+        cuda::gated_delta_rule_launch(delta_rule_params(w, P, rec_state, seqs, n, slot_stride),
+                                      stream);
         cuda::gated_rms_norm_launch({core.as<float>(), P + conv_dim, w.out_norm, attn.as<bf16>(),
                                      n * hv, dv, hv, in_rows, eps},
                                     stream);
@@ -775,6 +822,29 @@ struct Qwen35MoeCuda::Impl {
     }
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
     cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
+  }
+
+  // replay_states: per DeltaNet layer, m's tokens' in_proj rows gathered from `kept` (m.ids:
+  // their rows there) into proj, then the conv and the delta rule on m's sequences' states
+  // (outputs unused), as body() runs them.
+  void replay(const Meta& m, KvCache& kv) {
+    const int64_t n = m.n, kern = c.linear_conv_kernel_dim;
+    bf16* P = proj.as<bf16>();
+    float* states = kv.state_data(0);
+    const int64_t slot_stride = kv.state_slot_elems();
+    const cuda::DeltaNetSeqs seqs{m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh, m.num_seqs};
+    for (const LayerW& w : layers) {
+      if (!w.linear) continue;
+      cuda::embedding_launch(
+          {m.ids, kept.as<bf16>() + w.index * kept_cap * in_rows, P, n, in_rows, kept_cap}, stream);
+      float* conv_state = states + w.index * state_per_layer();
+      cuda::causal_conv1d_launch({P, w.conv, conv_state, conv_out.as<bf16>(), seqs, n, conv_dim,
+                                  kern, in_rows, slot_stride},
+                                 stream);
+      cuda::gated_delta_rule_launch(
+          delta_rule_params(w, P, conv_state + conv_dim * (kern - 1), seqs, n, slot_stride),
+          stream);
+    }
   }
 
   // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
@@ -1001,6 +1071,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(batch.seqs.size()) <= im.s_cap,
                     "a batch of ", batch.seqs.size(), " sequences exceeds the CUDA model's ",
                     im.s_cap);
+  im.kept_tokens = -1;
   if (n == 0) return false;
 
   // A graph replays a decode step (one token per sequence, its logits) or, with verify graphs
@@ -1024,6 +1095,12 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   const int64_t rows_n = decode ? bucket * q : n;  // padded token count
   const int64_t tw = decode ? im.graph_width : width;
   const int64_t num_seqs = decode ? bucket : nseq;
+  // replay_states' inputs: kept by every verify graph, and by an eager batch that asks, up to a
+  // verify step's size (a larger batch rolls back with a forward).
+  const bool keep =
+      im.num_linear > 0 &&
+      (decode ? q > 1 : batch.keep_recurrent_inputs && n <= im.s_cap * Impl::kMaxVerifyTokens);
+  if (keep) im.ensure_kept(rows_n);
 
   // 1. Metadata on the host.
   int64_t num_prefill = 0;
@@ -1049,7 +1126,8 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
             stream_)) {
       m.prefill_plan = &im.prefill_plan;
     }
-    im.body(m, kv, &batch);
+    im.body(m, kv, &batch, keep);
+    im.note_kept(batch, keep);
     return false;
   }
 
@@ -1082,17 +1160,18 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     std::fill(pad.ids.begin(), pad.ids.end(), 0);
     std::fill(pad.dn_slot.begin(), pad.dn_slot.end(), -1);
     im.upload(pad, m, m.tables);
-    im.body(m, kv, nullptr);
+    im.body(m, kv, nullptr, keep);
     im.head(0, rows_n);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     const cudaGraphExec_t exec = cuda_model::capture_graph(stream_, [&] {
-      im.body(m, kv, nullptr);
+      im.body(m, kv, nullptr, keep);
       im.head(0, rows_n);
     });
     it = im.graphs.emplace(key, exec).first;
   }
   im.upload(hm, m, m.tables);
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  im.note_kept(batch, keep);
   return true;
 }
 
@@ -1112,6 +1191,49 @@ void Qwen35MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<
   }
   if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);  // synchronises
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+bool Qwen35MoeCuda::replay_states(const std::vector<StateReplay>& replays, KvCache& kv) {
+  Impl& im = *impl_;
+  if (im.kept_tokens < 0 || im.num_linear == 0) return false;
+  TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == im.slot_elems(),
+               "replay_states: the KV cache has no device state slots for this hybrid model");
+  // The replayed tokens gathered from `kept` (device token order), one DeltaNet sequence each.
+  HostMeta hm;
+  std::vector<int64_t> batch_begin(im.kept_count.size() + 1, 0);
+  for (size_t i = 0; i < im.kept_count.size(); ++i) {
+    batch_begin[i + 1] = batch_begin[i] + im.kept_count[i];
+  }
+  for (const StateReplay& r : replays) {
+    const auto it = std::lower_bound(batch_begin.begin(), batch_begin.end() - 1, r.row);
+    TANDEM_CHECK(it != batch_begin.end() - 1 && *it == r.row, "replay_states: row ", r.row,
+                 " starts no sequence of the last forward");
+    const auto si = static_cast<size_t>(it - batch_begin.begin());
+    TANDEM_CHECK(r.count >= 1 && r.count <= im.kept_count[si], "replay_states: ", r.count,
+                 " tokens of a ", im.kept_count[si], "-token chunk");
+    TANDEM_CHECK(r.state_slot >= 0 && r.state_slot < kv.num_state_slots(),
+                 "replay_states: state slot ", r.state_slot, " out of range");
+    hm.dn_begin.push_back(static_cast<int32_t>(hm.ids.size()));
+    hm.dn_slot.push_back(r.state_slot);
+    hm.dn_fresh.push_back(0);
+    for (int64_t i = 0; i < r.count; ++i) {
+      hm.ids.push_back(static_cast<int32_t>(im.kept_first[si] + i));
+      hm.dn_token_seq.push_back(static_cast<int32_t>(hm.dn_slot.size() - 1));
+    }
+  }
+  im.kept_tokens = -1;  // replayed once
+  const auto n = static_cast<int64_t>(hm.ids.size());
+  if (n == 0) return true;
+  hm.dn_begin.push_back(static_cast<int32_t>(n));
+  hm.positions.assign(static_cast<size_t>(n), 0);
+  hm.token_seq.assign(static_cast<size_t>(n), 0);
+  hm.slots.assign(static_cast<size_t>(n), -1);
+  Meta m = im.meta_at(im.e_meta);
+  m.n = n;
+  m.num_seqs = static_cast<int64_t>(replays.size());
+  im.upload(hm, m, nullptr);
+  im.replay(m, kv);
+  return true;
 }
 
 void Qwen35MoeCuda::copy_hidden(const ForwardBatch& batch, std::vector<float>& out) {
@@ -1331,8 +1453,34 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
 
 void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,
                                         int64_t k) {
-  (void)kv;  // verify steps run eagerly
-  if (!has_mtp() || !impl_->mtp_graphs_on || buckets_.empty() || k < 2) return;  // no chain
+  Impl& im = *impl_;
+  const int64_t q = k + 1;  // tokens per verify sequence
+  // The verify steps' recurrence inputs (replay_states), before serving.
+  if (has_mtp() && im.num_linear > 0 && k >= 1) {
+    im.ensure_kept(std::min(im.t_cap, std::max<int64_t>(1, max_batch) * q));
+  }
+  // The verify graph of every bucket: bucket sequences of q tokens at positions 0.. of page 0,
+  // each on its own state slot (the engine has handed out none yet; a sequence starting at 0
+  // starts from a zero state, so what these write is never read).
+  if (has_mtp() && im.verify_graphs && !buckets_.empty() && k >= 1 && q <= Impl::kMaxVerifyTokens &&
+      q <= kv.geometry().page_size && kv.geometry().page_size == opts_.page_size) {
+    const std::vector<int32_t> tokens(static_cast<size_t>(q), 0);
+    const int32_t page = 0;
+    for (const int64_t bucket : buckets_) {
+      if (bucket > std::max<int64_t>(1, max_batch) || bucket * q > im.t_cap ||
+          bucket * q > im.rows_cap || (im.num_linear > 0 && bucket > kv.num_state_slots())) {
+        break;
+      }
+      ForwardBatch b;
+      for (int64_t i = 0; i < bucket; ++i) {
+        b.seqs.push_back(
+            {tokens.data(), q, 0, &page, 1, LogitsMode::kAll, static_cast<int32_t>(i)});
+      }
+      launch(b, kv);  // captures the (bucket, q) graph, then replays it once
+    }
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  if (!has_mtp() || !im.mtp_graphs_on || buckets_.empty() || k < 2) return;  // no chain
   const int32_t token = 0, page = 0;
   const std::vector<float> hidden(static_cast<size_t>(buckets_.back() * config_.hidden_size), 0.0f);
   for (const int64_t bucket : buckets_) {

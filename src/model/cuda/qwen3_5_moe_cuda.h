@@ -64,10 +64,17 @@ class Qwen35MoeCuda final : public Model {
   // of rejected drafts back through the device state slots (KvCache::copy_state). Chained
   // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured at
   // warm-up or on first use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not
-  // 0) and decode graphs are; other passes run eagerly, verify steps too unless set_verify_graphs.
+  // 0) and decode graphs are; other passes run eagerly; verify steps replay graphs
+  // (set_verify_graphs).
   /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
   void load_mtp(const std::string& dir) override;
   bool has_mtp() const override;
+  /// Model::replay_states on the device: a verify step (a verify graph always; an eager batch
+  /// with keep_recurrent_inputs of at most max_num_seqs * 5 tokens) copies each DeltaNet layer's
+  /// in_proj rows aside (grown on demand: linear layers x tokens x the in_proj width, bf16;
+  /// growing drops the verify graphs); the replay gathers the accepted rows and runs the conv
+  /// and the delta rule over them per layer (no GEMM, no MoE).
+  bool replay_states(const std::vector<StateReplay>& replays, KvCache& kv) override;
   /// One layer, the target's KV heads and head_dim, bf16.
   KvGeometry mtp_kv_geometry(int64_t num_pages, int64_t page_size) const override;
   /// Device pools, zero-filled.
@@ -77,8 +84,10 @@ class Qwen35MoeCuda final : public Model {
   void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
-  /// With K >= 2 and draft graphs on: captures the chained MTP pass graph of every bucket up to
-  /// max_batch (writes MTP KV at position 0 of page 0); the verify steps have no graphs.
+  /// Captures the verify graph (K + 1 tokens per sequence; verify graphs on) of every bucket up
+  /// to max_batch (writes KV at positions 0..K of page 0 and the state slots 0..bucket - 1) and,
+  /// with K >= 2 and draft graphs on, the chained MTP pass graph of each (MTP KV at position 0
+  /// of page 0); sizes the verify steps' kept recurrence inputs (replay_states).
   void warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) override;
   /// Batch buckets whose chained MTP pass graph is captured.
   std::vector<int64_t> captured_mtp_buckets() const;
@@ -91,11 +100,11 @@ class Qwen35MoeCuda final : public Model {
   std::vector<int64_t> captured_buckets() const;
   /// (bucket, tokens per sequence) of the verify graphs captured so far.
   std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
-  /// Off by default (not yet measured on the H200; TANDEM_Q35_VERIFY_GRAPHS=1 at load turns it
-  /// on): a verify step (2..5 tokens per sequence, the same for all, logits of all) replays a
-  /// CUDA graph per (batch bucket, tokens per sequence), captured on first use, its tokens
-  /// decode tokens of the attention and one DeltaNet chunk per sequence. Changing it drops the
-  /// captured graphs.
+  /// On by default (measured on the H200; TANDEM_Q35_VERIFY_GRAPHS=0 at load turns it off): a
+  /// verify step (2..5 tokens per sequence, the same for all, logits of all) replays a CUDA
+  /// graph per (batch bucket, tokens per sequence), captured at warm_up_speculative or on first
+  /// use, its tokens decode tokens of the attention and one DeltaNet chunk per sequence.
+  /// Changing it drops the captured graphs.
   void set_verify_graphs(bool on);
   bool verify_graphs() const;
   /// Drops the captured decode graphs (the next decode step of each bucket captures again), e.g.

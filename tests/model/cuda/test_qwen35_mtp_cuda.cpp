@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -320,9 +321,104 @@ TEST_P(CudaQwen35Mtp, VerifyRowsMatchTheCpuModel) {
   expect_verify_rows_match_the_cpu(GetParam(), false);
 }
 
-// The same steps replaying the verify graphs (opt-in).
+// The same steps replaying the verify graphs (the default).
 TEST_P(CudaQwen35Mtp, VerifyGraphRowsMatchTheCpuModel) {
   expect_verify_rows_match_the_cpu(GetParam(), true);
+}
+
+// Qwen35MoeCuda::replay_states: a verify step (eager, or its graph) keeps its DeltaNet inputs;
+// replaying 1..4 of each sequence's 4 tokens from the restored states gives the states of a
+// forward over those tokens alone (relative L2 per slot; bf16 in_proj rows of a different batch
+// shape), far closer than the state after all 4.
+void expect_replay_matches_a_prefix_forward(const std::string& dir, bool verify_graphs) {
+  const testing::Golden g = testing::load_golden(dir);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto gpu = Qwen35MoeCuda::load(dir, o);
+  gpu->set_verify_graphs(verify_graphs);
+  constexpr int64_t q = 4;
+  std::vector<std::vector<int32_t>> toks;
+  std::vector<int64_t> prompt;
+  for (const auto& c : g.cases) {
+    std::vector<int32_t> t = teacher_forced_tokens(c);
+    if (t.size() < c.prompt_ids.size() + q || toks.size() == 4) continue;
+    toks.push_back(t);
+    prompt.push_back(static_cast<int64_t>(c.prompt_ids.size()));
+  }
+  ASSERT_FALSE(toks.empty());
+  const auto nc = static_cast<int64_t>(toks.size());
+  size_t longest = 0;
+  for (const auto& t : toks) longest = std::max(longest, t.size());
+  const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
+  std::vector<int32_t> tables(static_cast<size_t>(nc * per));
+  std::iota(tables.begin(), tables.end(), 0);
+  KvCache kv = gpu->make_kv_cache(nc * per, 4);
+  kv.allocate_states(2 * nc, gpu->state_slot_elems());
+  auto step = [&](const std::function<int64_t(int64_t)>& start,
+                  const std::function<int64_t(int64_t)>& count, int32_t slot_base, bool keep,
+                  LogitsMode mode) {
+    ForwardBatch b;
+    b.keep_recurrent_inputs = keep;
+    for (int64_t i = 0; i < nc; ++i) {
+      b.seqs.push_back({toks[static_cast<size_t>(i)].data() + start(i), count(i), start(i),
+                        tables.data() + i * per, per, mode, static_cast<int32_t>(slot_base + i)});
+    }
+    std::vector<float> logits;
+    gpu->forward(b, kv, logits);
+  };
+  auto state = [&](int64_t slot) {
+    const auto s = kv.read_state(slot);
+    return std::vector<float>(s.begin(), s.end());
+  };
+  auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+      den += double(b[i]) * b[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+  };
+  auto at = [&](int64_t i) { return prompt[static_cast<size_t>(i)]; };
+  auto replayed = [](int64_t i) { return 1 + i % q; };
+  step([](int64_t) { return 0; }, at, 0, false, LogitsMode::kLast);  // the prompts
+  std::vector<std::vector<float>> snap;
+  for (int64_t i = 0; i < nc; ++i) snap.push_back(state(i));
+  step(
+      at, [](int64_t) { return q; }, 0, /*keep=*/true, LogitsMode::kAll);  // the verify
+  std::vector<std::vector<float>> after_all;
+  std::vector<StateReplay> replays;
+  for (int64_t i = 0; i < nc; ++i) {
+    after_all.push_back(state(i));
+    kv.write_state(i, snap[static_cast<size_t>(i)].data());
+    kv.write_state(nc + i, snap[static_cast<size_t>(i)].data());
+    replays.push_back({static_cast<int32_t>(i), i * q, replayed(i)});
+  }
+  ASSERT_TRUE(gpu->replay_states(replays, kv));
+  EXPECT_FALSE(gpu->replay_states(replays, kv)) << "the kept inputs replay once";
+  step(at, replayed, static_cast<int32_t>(nc), false, LogitsMode::kAll);  // the reference
+  for (int64_t i = 0; i < nc; ++i) {
+    const std::vector<float> want = state(nc + i);
+    const double err = rel(state(i), want), moved = rel(after_all[static_cast<size_t>(i)], want);
+    std::printf(
+        "[ %s ] replay%s of %lld tokens: state relative error %.2e (after all %lld: %.2e)\n",
+        g.name.c_str(), verify_graphs ? " (verify graph)" : "", static_cast<long long>(replayed(i)),
+        err, static_cast<long long>(q), moved);
+    if (replayed(i) < q) {
+      EXPECT_LT(err * 4, moved) << "case " << i;
+    }
+    EXPECT_LT(err, 2e-2) << "case " << i;
+  }
+  EXPECT_EQ(gpu->captured_verify_graphs().empty(), !verify_graphs);
+}
+
+TEST_P(CudaQwen35Mtp, ReplayStatesMatchAPrefixForward) {
+  expect_replay_matches_a_prefix_forward(GetParam(), false);
+}
+
+TEST_P(CudaQwen35Mtp, ReplayStatesAfterAVerifyGraphMatchAPrefixForward) {
+  expect_replay_matches_a_prefix_forward(GetParam(), true);
 }
 
 struct LosslessMode {
@@ -332,6 +428,7 @@ struct LosslessMode {
   bool twice = false;  // every prompt a second time in the same engine: prefix-cache hits
   bool oracle = false;
   bool verify_graphs = false;  // Qwen35MoeCuda::set_verify_graphs
+  bool replay = true;          // EngineConfig::spec_state_replay
 };
 
 void expect_greedy_lossless(const std::string& dir, const std::vector<LosslessMode>& modes) {
@@ -365,6 +462,7 @@ void expect_greedy_lossless(const std::string& dir, const std::vector<LosslessMo
       const std::string what = std::string(m.name) + ", K = " + std::to_string(k);
       EngineConfig cfg = base;
       cfg.num_speculative_tokens = k;
+      cfg.spec_state_replay = m.replay;
       if (m.oracle) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);
       EngineStats st;
       const auto results = run_engine(*gpu, cases, cfg, m.together, &st);
@@ -393,18 +491,20 @@ void expect_greedy_lossless(const std::string& dir, const std::vector<LosslessMo
 }
 
 TEST_P(CudaQwen35Mtp, GreedyLosslessForK1To4) {
-  expect_greedy_lossless(GetParam(),
-                         {{"alone+graphs", true, false, 1024, 16},
-                          {"batched+graphs", true, true, 1024, 16},
-                          {"batched+graphs, oracle drafts", true, true, 1024, 16, false, true},
-                          {"alone+graphs, oracle drafts", true, false, 1024, 16, false, true},
-                          {"alone twice (prefix cache)+graphs", true, false, 1024, 16, true},
-                          {"chunked+graphs, oracle drafts", true, true, 7, 4, false, true},
-                          {"batched eager", false, true, 1024, 16},
-                          {"batched eager, oracle drafts", false, true, 1024, 16, false, true}});
+  expect_greedy_lossless(
+      GetParam(), {{"alone+graphs", true, false, 1024, 16},
+                   {"batched+graphs", true, true, 1024, 16},
+                   {"batched+graphs, oracle drafts", true, true, 1024, 16, false, true},
+                   {"alone+graphs, oracle drafts", true, false, 1024, 16, false, true},
+                   {"alone twice (prefix cache)+graphs", true, false, 1024, 16, true},
+                   {"chunked+graphs, oracle drafts", true, true, 7, 4, false, true},
+                   {"batched eager", false, true, 1024, 16},
+                   {"batched eager, oracle drafts", false, true, 1024, 16, false, true},
+                   {"batched+graphs, oracle drafts, rollback by forward", true, true, 1024, 16,
+                    false, true, false, false}});
 }
 
-// The same with the verify steps in graphs (opt-in).
+// The same with the verify steps in graphs (the default; GreedyLosslessForK1To4 runs them eager).
 TEST_P(CudaQwen35Mtp, GreedyLosslessWithVerifyGraphs) {
   expect_greedy_lossless(
       GetParam(),
@@ -449,6 +549,8 @@ TEST(CudaQwen35MtpWarmUp, CapturesTheDraftGraphs) {
   w.warm_up = true;
   { Engine engine(*gpu, w); }
   EXPECT_EQ(gpu->captured_mtp_buckets(), (std::vector<int64_t>{1, 2, 4, 8}));
+  const std::vector<std::pair<int64_t, int64_t>> verify = {{1, 4}, {2, 4}, {4, 4}, {8, 4}};
+  EXPECT_EQ(gpu->captured_verify_graphs(), verify) << "the verify graphs (K + 1 = 4 tokens)";
   const auto got = run_engine(*gpu, g.cases, w, /*together=*/true);
   const int a = compare_to_reference(g, got, ref, "warm draft graphs, K = 3");
   const int b = compare_to_reference(g, want, ref, "eager draft passes, K = 3");
