@@ -32,7 +32,8 @@
 #   bench_aiperf       the serving figure with an outside client: aiperf (PyPI) beside
 #                      serve_load.py on one server at bench_itl's steady load; runs when
 #                      .whl/aiperf holds tools/fetch_aiperf.sh's output (tools/gpu_aiperf_bench.sh)
-#   bench_moe_layer, moe_torch, bench_attention, bench_fp8_gemm, bench_fp8_linear, bench_sampling,
+#   bench_moe_layer, moe_torch, bench_attention, bench_deltanet_verify (the DeltaNet ops at the
+#   decode and verify shapes), bench_fp8_gemm, bench_fp8_linear, bench_sampling,
 #   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
 #   bench_fp8_mxfp8, and --deterministic: bench_model_det), profile_decode (per-kernel decode
@@ -44,7 +45,7 @@
 #   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs / bench_spec_eager (draft passes in graphs, the default / eager),
 #   bench_spec_fused / bench_spec_unfused (the fused speculative step, the default / unfused),
 #   bench_spec_q35 (Qwen3.5-35B-A3B with an MTP layer from make_random_checkpoint --mtp: the
-#   DeltaNet rollback by replay / by a second forward / replay with verify graphs),
+#   defaults / drafts pass by pass / eager verify steps / the rollback by a second forward),
 #   bench_spec_chain / bench_spec_passes (the MTP draft chain on the device, the default / pass
 #   by pass through the host),
 #   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
@@ -177,6 +178,9 @@ export TANDEM_BENCH_CSV="$LOG/bench_attention.csv"
 step bench_attention 120 "$BIN/bench_attention" ${TANDEM_BENCH_ARGS:-}
 export TANDEM_BENCH_CSV="$LOG/bench_gemv.csv"
 step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
+# The DeltaNet ops at the decode and speculative verify shapes (B x 2 / 4 tokens: the chunked
+# form vs the per-token recurrence), when packed (the full table: tools/gpu_ops_run.sh).
+[ -x "$BIN/bench_deltanet" ] && step bench_deltanet_verify 90 "$BIN/bench_deltanet" --verify
 [ -x "$BIN/bench_fp8_gemm" ] && step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
 # Paths single, single-v2 (SampleParams::v2: the fused kernel, not yet run on a GPU) and multi.
@@ -308,9 +312,9 @@ fi
   step bench_spec_unfused 180 env TANDEM_SPEC_FUSED=0 "$BIN/bench_spec_cuda" --model 30b \
     --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
 # Qwen3.5-35B-A3B at real shapes with an MTP layer (make_random_checkpoint --mtp: all 40
-# layers, ~70 GB in /dev/shm), end to end with forced acceptance: the DeltaNet rollback by the
-# replay of the verify's inputs (the default) beside a second forward and beside the replay with
-# verify graphs, and the no-speculation baseline, same run.
+# layers, ~70 GB in /dev/shm), end to end with forced acceptance: the defaults beside drafts
+# pass by pass, eager verify steps and the DeltaNet rollback by a second forward, and the
+# no-speculation baseline, same run (bench_spec_cuda --checkpoint).
 [ -x "$BIN/bench_spec_cuda" ] && [ -x "$BIN/make_random_checkpoint" ] &&
   step bench_spec_q35 420 bash -c "d=/dev/shm/q35mtp; rm -rf \$d && \
     '$BIN/make_random_checkpoint' --out \$d --preset qwen3.5-35b-a3b --mtp ${TANDEM_Q35_SPEC_LAYERS:+--layers $TANDEM_Q35_SPEC_LAYERS} && \
@@ -328,7 +332,7 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_spec_q35 bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_spec_fused bench_spec_unfused bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_deltanet_verify bench_spec_q35 bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_spec_fused bench_spec_unfused bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"

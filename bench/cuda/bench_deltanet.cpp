@@ -12,7 +12,8 @@
 // bench/cuda/deltanet_torch_baseline.py times flash-linear-attention's Triton kernel and
 // transformers' torch chunked reference at the same shapes.
 //
-//   bench_deltanet [--quick]   CSV to $TANDEM_BENCH_CSV when set
+//   bench_deltanet [--quick] [--verify]   CSV to $TANDEM_BENCH_CSV when set
+// --verify: the decode and speculative verify shapes only (B sequences x 2 / 4 tokens).
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -147,6 +148,7 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       p.ab_stride = kProj;
       p.state_stride = slot_stride;
       p.sequential = sequential;
+      p.short_chunk_tokens = 0;  // each row the form it names (the model's default picks by length)
       p.stages = var.stages;
       p.fused_decode = var.fused;
       p.wide_wy = var.wide;
@@ -172,8 +174,10 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
 
 int main(int argc, char** argv) {
   Bench b;
+  bool verify_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) b.quick = true;
+    if (std::strcmp(argv[i], "--verify") == 0) verify_only = true;
   }
   try {
     if (!b.open()) return 2;
@@ -185,6 +189,11 @@ int main(int argc, char** argv) {
         "== resident blocks per SM: chunk_wy %d (wide layout %d), chunk_state shape 1 %d, "
         "shape 2 %d\n",
         occ[0], occ[1], occ[2], occ[3]);
+    // Speculative verify steps: K + 1 = 2 / 4 tokens per sequence (the chunked form pads each
+    // sequence's tokens to a chunk; the per-token recurrence does not), beside the decode rows.
+    for (int64_t seqs : {1, 32, 128}) bench_case(b, seqs, 4);
+    bench_case(b, 32, 2);
+    if (verify_only) return b.finish();
     bench_case(b, 1, 1024);
     if (!b.quick) {
       bench_case(b, 1, 8192);

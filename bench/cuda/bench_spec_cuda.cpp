@@ -9,12 +9,13 @@
 //      EngineConfig::spec_forced_accept_prob: NOT lossless, the cost of a real acceptance
 //      rate), same run. Mean acceptance length = 1 + p + ... + p^K (2.53 at K = 3, p = 0.7).
 // Models: Qwen3-30B-A3B (48 layers, or --layers N), one Qwen3-235B-A22B layer (vocab 1024);
-// or (--checkpoint DIR, end to end only) a checkpoint on disk with its mtp.* tensors, e.g. a
+// or (--checkpoint DIR: a host-timed verify-cost table, then end to end) a checkpoint on disk with its mtp.* tensors, e.g. a
 // real-shape Qwen3.5 written by `make_random_checkpoint --preset qwen3.5-35b-a3b --mtp`. A
-// hybrid's speculative rows run three ways: rejected drafts' DeltaNet states rolled back by the
-// replay of the verify's inputs (the default), by a second forward
-// (EngineConfig::spec_state_replay off), and the replay with the verify steps in CUDA graphs
-// (Qwen35MoeCuda::set_verify_graphs).
+// hybrid's speculative rows run four ways: the defaults (rejected drafts' DeltaNet states rolled
+// back by the replay of the verify's inputs, verify steps in CUDA graphs, the draft chain on
+// the device), "passes" (drafts pass by pass through the host: TANDEM_MTP_DEVICE_CHAIN=0),
+// "eager-verify" (Qwen35MoeCuda::set_verify_graphs off) and "forward" (the rollback by a
+// second forward: EngineConfig::spec_state_replay off).
 //
 //   bench_spec_cuda [--model 30b|235b-layer|all] [--layers N] [--verify-only] [--e2e-only]
 //                   [--checkpoint DIR]
@@ -30,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -180,6 +182,81 @@ void bench_verify(const std::string& name, Qwen3MoeCuda& model,
   }
 }
 
+// A checkpoint's verify-step cost through the Model interface (host-timed forward_sample, greedy
+// rows, its synchronisation included): B sequences at 256 tokens of context, a decode step
+// (one token each), verify steps of K + 1 = 2 / 4 tokens (logits of all), and one MTP pass over
+// B tokens (mtp_forward_sample); each the median of 10.
+void bench_verify_model(const std::string& name, Model& model, const std::vector<int64_t>& batches) {
+  const ModelConfig& c = model.config();
+  const int64_t ctx = 256, ps = 16, per_seq = (ctx + 16) / ps + 1;
+  const int64_t bmax = *std::max_element(batches.begin(), batches.end());
+  KvCache kv = model.make_kv_cache(bmax * per_seq + 8, ps);
+  KvCache mkv = model.make_mtp_kv_cache(bmax * per_seq + 8, ps);
+  if (model.state_slot_elems() > 0) kv.allocate_states(bmax, model.state_slot_elems());
+  std::vector<int32_t> tables(static_cast<size_t>(bmax * per_seq));
+  std::iota(tables.begin(), tables.end(), 0);
+  std::vector<int32_t> tokens(static_cast<size_t>(bmax * (ctx + 8)));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+  }
+  std::printf("\n== %s: verify step (K + 1 tokens per sequence) vs decode step, %lld context, "
+              "host-timed forward_sample\n",
+              name.c_str(), static_cast<long long>(ctx));
+  std::printf("%-14s %6s %3s %11s %11s %9s %13s\n", "model", "batch", "K", "step_us", "decode_us",
+              "ratio", "mtp_pass_us");
+  std::vector<SampledToken> out;
+  std::vector<float> hid(static_cast<size_t>(bmax * c.hidden_size), 0.5f), hout;
+  DeviceSampling greedy;
+  greedy.temperature = 0.0f;
+  auto time_us = [](const std::function<void()>& f) {
+    std::vector<double> us;
+    for (int r = 0; r < 13; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      f();
+      us.push_back(1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    us.erase(us.begin(), us.begin() + 3);  // warm-up (graph capture, plans)
+    return bench::median(us);
+  };
+  for (int64_t b : batches) {
+    // The prompts (their states and KV), max_tokens (2048) at a time.
+    for (int64_t i0 = 0; i0 < b; i0 += 2048 / ctx) {
+      ForwardBatch pre;
+      for (int64_t i = i0; i < std::min(b, i0 + 2048 / ctx); ++i) {
+        pre.seqs.push_back({tokens.data() + i * (ctx + 8), ctx, 0, tables.data() + i * per_seq,
+                            per_seq, LogitsMode::kLast, static_cast<int32_t>(i)});
+      }
+      model.forward_sample(pre, kv, std::vector<DeviceSampling>(pre.seqs.size(), greedy), out);
+    }
+    ForwardBatch mb;
+    for (int64_t i = 0; i < b; ++i) {
+      mb.seqs.push_back({tokens.data() + i * (ctx + 8) + ctx, 1, ctx, tables.data() + i * per_seq,
+                         per_seq, LogitsMode::kLast, -1});
+    }
+    const std::vector<DeviceSampling> mrows(static_cast<size_t>(b), greedy);
+    const double mtp_us =
+        time_us([&] { model.mtp_forward_sample(mb, hid.data(), mkv, mrows, out, hout); });
+    double decode_us = 0;
+    for (int64_t k : {0, 1, 3}) {
+      const int64_t q = k + 1;
+      ForwardBatch fb;
+      for (int64_t i = 0; i < b; ++i) {
+        fb.seqs.push_back({tokens.data() + i * (ctx + 8) + ctx, q, ctx, tables.data() + i * per_seq,
+                           per_seq, q == 1 ? LogitsMode::kLast : LogitsMode::kAll,
+                           static_cast<int32_t>(i)});
+      }
+      fb.keep_recurrent_inputs = q > 1 && model.state_slot_elems() > 0;
+      const std::vector<DeviceSampling> rows(static_cast<size_t>(b * q), greedy);
+      const double us = time_us([&] { model.forward_sample(fb, kv, rows, out); });
+      if (k == 0) decode_us = us;
+      std::printf("%-14s %6lld %3lld %11.1f %11.1f %8.2fx %13.1f\n", name.c_str(),
+                  static_cast<long long>(b), static_cast<long long>(k), us, decode_us,
+                  us / decode_us, mtp_us);
+      std::fflush(stdout);
+    }
+  }
+}
+
 struct E2e {
   double tok_s = 0, accept_len = 0;
   int64_t tokens = 0;
@@ -247,12 +324,15 @@ void bench_e2e(const std::string& name, Model& model, const std::vector<int64_t>
   // A hybrid's rollback modes (see the top of the file).
   struct Mode {
     const char* name;
-    bool replay, verify_graphs;
+    bool replay, verify_graphs, chain;
   };
   auto* q35 = dynamic_cast<Qwen35MoeCuda*>(&model);
-  std::vector<Mode> modes = {{"-", true, false}};
+  std::vector<Mode> modes = {{"-", true, true, true}};
   if (q35 != nullptr) {
-    modes = {{"replay", true, false}, {"forward", false, false}, {"replay+vgraph", true, true}};
+    modes = {{"default", true, true, true},
+             {"passes", true, true, false},
+             {"eager-verify", true, false, true},
+             {"forward", false, true, true}};
   }
   std::printf(
       "\n== %s: end-to-end decode through the engine (%s, 256-token prompts, %lld "
@@ -262,13 +342,20 @@ void bench_e2e(const std::string& name, Model& model, const std::vector<int64_t>
   std::printf("%-14s %6s %3s %5s %14s %12s %10s %9s\n", "model", "batch", "K", "p", "rollback",
               "tok/s", "accept_len", "speedup");
   for (int64_t b : batches) {
-    if (q35 != nullptr) q35->set_verify_graphs(false);
+    if (q35 != nullptr) q35->set_verify_graphs(true);
     const E2e base = run_engine(model, b, 0, 0, 256, max_tokens, temperature);
     std::printf("%-14s %6lld %3d %5s %14s %12.1f %10.2f %8.2fx\n", name.c_str(),
                 static_cast<long long>(b), 0, "-", "-", base.tok_s, 1.0, 1.0);
     for (const auto& [k, p] : runs) {
       for (const Mode& m : modes) {
-        if (q35 != nullptr) q35->set_verify_graphs(m.verify_graphs);
+        if (q35 != nullptr) {
+          q35->set_verify_graphs(m.verify_graphs);
+          if (m.chain) {
+            ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
+          } else {
+            ::setenv("TANDEM_MTP_DEVICE_CHAIN", "0", 1);
+          }
+        }
         const E2e e = run_engine(model, b, k, p, 256, max_tokens, temperature, m.replay);
         std::printf("%-14s %6lld %3lld %5.1f %14s %12.1f %10.2f %8.2fx\n", name.c_str(),
                     static_cast<long long>(b), static_cast<long long>(k), p, m.name, e.tok_s,
@@ -277,7 +364,10 @@ void bench_e2e(const std::string& name, Model& model, const std::vector<int64_t>
       }
     }
   }
-  if (q35 != nullptr) q35->set_verify_graphs(false);
+  if (q35 != nullptr) {
+    q35->set_verify_graphs(true);
+    ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
+  }
 }
 
 }  // namespace
@@ -344,7 +434,8 @@ int main(int argc, char** argv) {
       name = name.empty() ? checkpoint : name;
       std::printf("== %s: %s, %lld layers\n", name.c_str(), model->config().model_type.c_str(),
                   static_cast<long long>(model->config().num_hidden_layers));
-      bench_e2e(name, *model, e2e_batches, max_tokens, runs, temperature);
+      if (verify) bench_verify_model(name, *model, {1, 8, 32});
+      if (e2e) bench_e2e(name, *model, e2e_batches, max_tokens, runs, temperature);
       return 0;
     }
     std::vector<M> models;

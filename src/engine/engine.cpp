@@ -120,14 +120,6 @@ Engine::Engine(Model& model, const EngineConfig& config)
                  "predicted_ms,measured_ms\n");
     trace_t0_ = std::chrono::steady_clock::now();
   }
-  if (config_.warm_up) {
-    model.warm_up(kv_, config_.max_num_seqs);
-    // Verify steps of K + 1 tokens per sequence (the common case: every draft made) and the
-    // chained draft passes.
-    if (speculating()) {
-      model.warm_up_speculative(kv_, mtp_kv_, config_.max_num_seqs, config_.num_speculative_tokens);
-    }
-  }
   if (model.state_slot_elems() > 0) {
     kv_.allocate_states(
         config_.max_num_seqs * (speculating() ? 2 : 1) + config_.num_state_checkpoints,
@@ -136,6 +128,15 @@ Engine::Engine(Model& model, const EngineConfig& config)
       scheduler_.enable_state_checkpoints(static_cast<int32_t>(config_.max_num_seqs),
                                           config_.num_state_checkpoints,
                                           config_.state_checkpoint_interval);
+    }
+  }
+  // (after the state slots: a hybrid's verify graphs capture on them)
+  if (config_.warm_up) {
+    model.warm_up(kv_, config_.max_num_seqs);
+    // Verify steps of K + 1 tokens per sequence (the common case: every draft made) and the
+    // chained draft passes.
+    if (speculating()) {
+      model.warm_up_speculative(kv_, mtp_kv_, config_.max_num_seqs, config_.num_speculative_tokens);
     }
   }
 }
@@ -452,8 +453,10 @@ void Engine::complete(const ScheduledBatch& batch) {
   copy_states(last_state_saves_);  // before a finished sequence frees its slot
   process_outputs(batch, logits_);
   if (speculating()) {
-    rollback_states();
+    // Drafts first: a device draft chain reads the verify's final hidden states on the device,
+    // which a rollback by forward would overwrite (the MTP passes touch no recurrent state).
     draft();
+    rollback_states();
   }
   const auto now = std::chrono::steady_clock::now();
   const double seconds = std::chrono::duration<double>(now - step_start_).count();

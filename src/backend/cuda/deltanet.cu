@@ -1423,9 +1423,11 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
   TANDEM_CHECK(p.workspace != nullptr, "gated_delta_rule: no workspace");
   // A decode step (one token per sequence): 4 warps split the state's rows (4x the warps
   // for the state's one read and write). Prefill: the chunked tensor-core form (k_dim 64 or
-  // 128), else (or when asked) a warp holds whole columns over the tokens.
+  // 128, chunks longer than short_chunk_tokens on average), else (or when asked) a warp holds
+  // whole columns over the tokens.
   const bool decode = p.num_tokens == p.seqs.num_seqs;
-  const bool chunked = !decode && !p.sequential && (p.k_dim == 64 || p.k_dim == 128);
+  const bool chunked = !decode && !p.sequential && (p.k_dim == 64 || p.k_dim == 128) &&
+                       p.num_tokens > p.short_chunk_tokens * p.seqs.num_seqs;
   if (chunked) {
     // q / k as kDk / 32-element vectors when the rows allow (the model's always do).
     const int64_t per = p.k_dim / 32;

@@ -53,7 +53,8 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream);
 ///   S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q   (S: [k_dim, v_dim], fp32).
 /// k_dim 16, 32, 64 or 128 (kUnsupported otherwise); v_dim at most 256.
 /// A decode step (one token per sequence): the recurrence, 4 warps per 32 value columns
-/// splitting the state's rows. Prefill (k_dim 64 or 128): the chunked form on tensor cores
+/// splitting the state's rows. Prefill (k_dim 64 or 128, more than short_chunk_tokens tokens per
+/// sequence on average): the chunked form on tensor cores
 /// (chunks of 64 tokens: the WY representation of each chunk in parallel, then the chunks of a
 /// sequence in order, the state fp32 in the accumulators, bf16 operands: bf16-level error);
 /// with `sequential` (or k_dim 16 / 32) the recurrence over the tokens, a warp holding its
@@ -71,6 +72,11 @@ struct GatedDeltaRuleParams {
   DeltaNetSeqs seqs;
   int64_t num_tokens, num_k_heads, num_v_heads, k_dim, v_dim, qkv_stride, ab_stride, state_stride;
   bool sequential = false;  // prefill by the per-token recurrence (reference, benchmarks)
+  // A prefill batch of at most this many tokens per sequence on average (speculative verify
+  // steps: K + 1 <= 5) takes the per-token recurrence too: the chunked form pads each sequence
+  // to a 64-token chunk (H200, bench_deltanet --verify, 32 sequences x 4 tokens at Qwen3.5-35B
+  // shapes: 105 vs 164 us). 0: the chunked form whenever it applies.
+  int64_t short_chunk_tokens = 8;
   // Benchmarks only: the chunked form stops after its first `stages` kernels (1: the q / k norm
   // and gates, 2: + the per-chunk WY kernel, 3: + the sequence-order state kernel, all).
   int stages = 3;

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <numeric>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -303,6 +305,11 @@ struct Qwen35MoeCuda::Impl {
   // kept_first / kept_count: that launch's sequences' first device tokens and sizes.
   DeviceMem kept;
   int64_t kept_cap = 0, kept_tokens = -1;
+  // The last launch's device row of each batch-order token (mtp_draft_chain's pass 0 input),
+  // and the draft chain's per-pass gather indices and argmax tokens.
+  std::vector<int32_t> hidden_rows;
+  DeviceMem chain_buf;
+  PinnedMem chain_host;
   std::vector<int64_t> kept_first, kept_count;
   const void* graph_kv = nullptr;      // the cache the graphs were captured against
   const void* graph_states = nullptr;  // and its state slots
@@ -341,8 +348,15 @@ struct Qwen35MoeCuda::Impl {
       it = graphs.erase(it);
     }
   }
-  // After a launch of `batch`: what replay_states needs to find its rows.
-  void note_kept(const ForwardBatch& batch, bool keep) {
+  // After a launch of `batch`: where its tokens are (mtp_draft_chain), and what replay_states
+  // needs to find its rows.
+  void note_launch(const ForwardBatch& batch, bool keep) {
+    hidden_rows.clear();
+    for (size_t si = 0; si < batch.seqs.size(); ++si) {
+      for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i) {
+        hidden_rows.push_back(static_cast<int32_t>(first_token[si] + i));
+      }
+    }
     kept_tokens = keep ? batch.num_tokens() : -1;
     if (!keep) return;
     kept_first.assign(first_token.begin(), first_token.begin() + batch.seqs.size());
@@ -1072,6 +1086,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
                     "a batch of ", batch.seqs.size(), " sequences exceeds the CUDA model's ",
                     im.s_cap);
   im.kept_tokens = -1;
+  im.hidden_rows.clear();
   if (n == 0) return false;
 
   // A graph replays a decode step (one token per sequence, its logits) or, with verify graphs
@@ -1127,7 +1142,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
       m.prefill_plan = &im.prefill_plan;
     }
     im.body(m, kv, &batch, keep);
-    im.note_kept(batch, keep);
+    im.note_launch(batch, keep);
     return false;
   }
 
@@ -1171,7 +1186,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   }
   im.upload(hm, m, m.tables);
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
-  im.note_kept(batch, keep);
+  im.note_launch(batch, keep);
   return true;
 }
 
@@ -1336,7 +1351,23 @@ KvCache Qwen35MoeCuda::make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {
   return KvCache(g, std::move(ext));
 }
 
-int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv) {
+// h_t gathered from `src` (device bf16 [src_rows, hidden]): rows[t] for the batch's token t
+// (batch order), through the device index buffer idx ([tokens of the pass, padded]) staged in
+// idx_host (pinned, as large: a pageable copy would wait for the stream); ids
+// (device [tokens], set for one-token sequences only): the tokens, replacing the batch's;
+// writes (when set) [seqs]: 0 = the sequence writes no KV.
+struct Qwen35MoeCuda::MtpDeviceIn {
+  const bf16* src = nullptr;
+  int64_t src_rows = 0;
+  std::span<const int32_t> rows;
+  int32_t* idx = nullptr;
+  int32_t* idx_host = nullptr;
+  const int32_t* ids = nullptr;
+  const std::vector<uint8_t>* writes = nullptr;
+};
+
+int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                                  const MtpDeviceIn* dev) {
   Impl& im = *impl_;
   TANDEM_CHECK(has_mtp(), "mtp_forward: no MTP layer loaded");
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
@@ -1352,7 +1383,7 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
       n <= im.t_cap && rows <= im.rows_cap && static_cast<int64_t>(batch.seqs.size()) <= im.s_cap,
       "an MTP pass of ", n, " tokens (", rows, " logits rows, ", batch.seqs.size(),
       " sequences) exceeds the CUDA model's max_tokens ", im.t_cap);
-  TANDEM_CHECK(hidden != nullptr, "mtp_forward: no hidden states");
+  TANDEM_CHECK(hidden != nullptr || dev != nullptr, "mtp_forward: no hidden states");
   // A chained draft pass (one token per sequence, its logits) that fits a bucket and the graph
   // width replays the bucket's graph (captured on first use), padded with sequences that write
   // no KV; anything else runs eagerly.
@@ -1371,25 +1402,46 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
   const int64_t tw = graph ? im.graph_width : width;
   const int64_t seqs_run = graph ? bucket : nseq;
   int64_t num_prefill = 0;
-  const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n_run, tw,
-                                 seqs_run, graph, -1, im.first_token, num_prefill);
-  // h_t as bf16 in device token order (the order build_meta gave the tokens), padding zero.
+  HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n_run, tw,
+                           seqs_run, graph, -1, im.first_token, num_prefill);
   Impl::MtpW& t = im.mtp_w;
-  TANDEM_CUDA_CHECK(cudaEventSynchronize(t.staged));
-  auto* hh = t.h_hidden.as<uint16_t>();
-  int64_t bt = 0;  // batch order
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i, ++bt) {
-      const float* src = hidden + bt * h;
-      uint16_t* dst = hh + (im.first_token[si] + i) * h;
-      for (int64_t j = 0; j < h; ++j) dst[j] = f32_to_bf16(src[j]);
+  if (dev != nullptr) {
+    TANDEM_CHECK(dev->rows.size() == static_cast<size_t>(n) &&
+                     (dev->writes == nullptr || dev->writes->size() == batch.seqs.size()),
+                 "mtp_draft_chain: ", dev->rows.size(), " hidden rows for ", n, " tokens");
+    int32_t* idx = dev->idx_host;  // device token order
+    std::fill(idx, idx + n_run, 0);
+    int64_t bt = 0;
+    for (size_t si = 0; si < batch.seqs.size(); ++si) {
+      const ForwardSeq& s = batch.seqs[si];
+      TANDEM_CHECK(dev->ids == nullptr || s.num_tokens == 1,
+                   "mtp_draft_chain: a chained pass has one token per sequence");
+      if (dev->writes != nullptr && (*dev->writes)[si] == 0) {
+        for (int64_t i = 0; i < s.num_tokens; ++i) {
+          hm.slots[static_cast<size_t>(im.first_token[si] + i)] = -1;
+        }
+      }
+      for (int64_t i = 0; i < s.num_tokens; ++i, ++bt) {
+        const int32_t r = dev->rows[static_cast<size_t>(bt)];
+        TANDEM_CHECK(r >= 0 && r < dev->src_rows, "mtp_draft_chain: hidden row ", r,
+                     " outside the ", dev->src_rows, " rows of its source");
+        idx[im.first_token[si] + i] = r;
+      }
     }
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dev->idx, idx, static_cast<size_t>(n_run) * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, stream_));
+    cuda::embedding_launch({dev->idx, dev->src, t.hidden_in.as<bf16>(), n_run, h, dev->src_rows},
+                           stream_);
+  } else {
+    stage_mtp_hidden(batch, hidden, n_run);
   }
-  std::memset(hh + n * h, 0, static_cast<size_t>((n_run - n) * h) * sizeof(uint16_t));
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(t.hidden_in.as<void>(), hh,
-                                    static_cast<size_t>(n_run * h) * sizeof(bf16),
-                                    cudaMemcpyHostToDevice, stream_));
-  TANDEM_CUDA_CHECK(cudaEventRecord(t.staged, stream_));
+  // The chained pass's tokens from the device, after the metadata upload (one-token sequences:
+  // device order is batch order).
+  auto device_ids = [&](const Meta& m) {
+    if (dev == nullptr || dev->ids == nullptr) return;
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(m.ids, dev->ids, static_cast<size_t>(n) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToDevice, stream_));
+  };
   if (!graph) {
     const size_t tb = hm.tables.size() * sizeof(int32_t);
     if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
@@ -1401,6 +1453,7 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     m.num_seqs = nseq;
     m.num_prefill = num_prefill;
     im.upload(hm, m, m.tables);
+    device_ids(m);
     if (num_prefill > 0 &&
         im.prefill_plan.plan(
             {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
@@ -1447,8 +1500,106 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     it = im.mtp_graphs.emplace(bucket, exec).first;
   }
   im.upload(hm, m, m.tables);
+  device_ids(m);
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
   return rows;
+}
+
+void Qwen35MoeCuda::stage_mtp_hidden(const ForwardBatch& batch, const float* hidden,
+                                     int64_t n_run) {
+  // h_t as bf16 in device token order (the order build_meta gave the tokens), padding zero.
+  Impl& im = *impl_;
+  Impl::MtpW& t = im.mtp_w;
+  const int64_t n = batch.num_tokens(), h = config_.hidden_size;
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(t.staged));
+  auto* hh = t.h_hidden.as<uint16_t>();
+  int64_t bt = 0;  // batch order
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i, ++bt) {
+      const float* src = hidden + bt * h;
+      uint16_t* dst = hh + (im.first_token[si] + i) * h;
+      for (int64_t j = 0; j < h; ++j) dst[j] = f32_to_bf16(src[j]);
+    }
+  }
+  std::memset(hh + n * h, 0, static_cast<size_t>((n_run - n) * h) * sizeof(uint16_t));
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(t.hidden_in.as<void>(), hh,
+                                    static_cast<size_t>(n_run * h) * sizeof(bf16),
+                                    cudaMemcpyHostToDevice, stream_));
+  TANDEM_CUDA_CHECK(cudaEventRecord(t.staged, stream_));
+}
+
+bool Qwen35MoeCuda::mtp_drafts_on_device() const {
+  const char* e = std::getenv("TANDEM_MTP_DEVICE_CHAIN");
+  return has_mtp() && (e == nullptr || std::strcmp(e, "0") != 0);
+}
+
+void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                                    const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
+                                    std::vector<std::vector<int32_t>>& drafts) {
+  Impl& im = *impl_;
+  TANDEM_CHECK(has_mtp(), "mtp_draft_chain: no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const int64_t rows = first.num_logit_rows();
+  const auto passes = static_cast<int64_t>(chain.size()) + 1;
+  drafts.assign(static_cast<size_t>(passes), {});
+  if (first.num_tokens() == 0) return;
+  // Device buffers: per pass its gather index ([t_cap]) and its argmax ([rows_cap]); their
+  // pinned twins (the indices up, the tokens down). Nothing of an earlier chain is in flight:
+  // it ended with a synchronisation.
+  const size_t bytes = static_cast<size_t>(passes * (im.t_cap + im.rows_cap)) * sizeof(int32_t);
+  if (im.chain_buf.size() < bytes) {
+    im.chain_buf = DeviceMem(bytes);
+    im.chain_host = PinnedMem(bytes);
+  }
+  int32_t* idx = im.chain_buf.as<int32_t>();
+  int32_t* tokens = idx + passes * im.t_cap;
+  int32_t* idx_host = im.chain_host.as<int32_t>();
+  int32_t* tokens_host = idx_host + passes * im.t_cap;
+  // Pass 0: h_t from the last forward's final hidden states (xn, device token order).
+  std::vector<int32_t> src(hidden_rows.size());
+  for (size_t t = 0; t < src.size(); ++t) {
+    const int64_t r = hidden_rows[t];
+    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(im.hidden_rows.size()),
+                 "mtp_draft_chain: hidden row ", r, " is not a token of the last forward (",
+                 im.hidden_rows.size(), " tokens)");
+    src[t] = im.hidden_rows[static_cast<size_t>(r)];
+  }
+  MtpDeviceIn in;
+  in.src = im.xn.as<bf16>();
+  in.src_rows = static_cast<int64_t>(im.hidden_rows.size());
+  in.rows = src;
+  in.idx = idx;
+  in.idx_host = idx_host;
+  TANDEM_CHECK(mtp_launch(first, nullptr, mtp_kv, &in) == rows, "mtp_draft_chain: ", rows,
+               " logits rows expected");
+  im.sampler->argmax(im.logits.as<float>(), rows, tokens, stream_);
+  // Chained passes: row i continues row i of the pass before (its argmax, its mtp.norm row).
+  std::vector<int32_t> same(static_cast<size_t>(rows));
+  std::iota(same.begin(), same.end(), 0);
+  for (int64_t p = 1; p < passes; ++p) {
+    const MtpChainPass& c = chain[static_cast<size_t>(p - 1)];
+    TANDEM_CHECK(c.batch.num_logit_rows() == rows && c.batch.num_tokens() == rows,
+                 "mtp_draft_chain: chained pass ", p, " has ", c.batch.num_tokens(),
+                 " tokens, not one per row of pass 0 (", rows, ")");
+    MtpDeviceIn ci;
+    ci.src = im.last.as<bf16>();
+    ci.src_rows = rows;
+    ci.rows = same;
+    ci.idx = idx + p * im.t_cap;
+    ci.idx_host = idx_host + p * im.t_cap;
+    ci.ids = tokens + (p - 1) * im.rows_cap;
+    ci.writes = &c.writes;
+    mtp_launch(c.batch, nullptr, mtp_kv, &ci);
+    im.sampler->argmax(im.logits.as<float>(), rows, tokens + p * im.rows_cap, stream_);
+  }
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(tokens_host, tokens,
+                                    static_cast<size_t>(passes * im.rows_cap) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (int64_t p = 0; p < passes; ++p) {
+    const int32_t* row = tokens_host + p * im.rows_cap;
+    drafts[static_cast<size_t>(p)].assign(row, row + rows);
+  }
 }
 
 void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,6 +85,17 @@ class Qwen35MoeCuda final : public Model {
   void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
+  /// True once the MTP layer is loaded, unless TANDEM_MTP_DEVICE_CHAIN=0: drafts chain on the
+  /// device (mtp_draft_chain).
+  bool mtp_drafts_on_device() const override;
+  /// Model::mtp_draft_chain on the stream: pass 0's h_t gathered on the device from the last
+  /// forward's final hidden states, each chained pass's tokens (the argmax of the pass before,
+  /// DeviceSampler::argmax) and h_t (its mtp.norm rows) copied on the device; chained passes
+  /// replay the MTP graphs of their buckets; one copy to the host and one synchronisation at
+  /// the end.
+  void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
+                       const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
+                       std::vector<std::vector<int32_t>>& drafts) override;
   /// Captures the verify graph (K + 1 tokens per sequence; verify graphs on) of every bucket up
   /// to max_batch (writes KV at positions 0..K of page 0 and the state slots 0..bucket - 1) and,
   /// with K >= 2 and draft graphs on, the chained MTP pass graph of each (MTP KV at position 0
@@ -134,8 +146,14 @@ class Qwen35MoeCuda final : public Model {
   int64_t graph_width(int64_t page_size);
   // The last launch's final hidden states (after the final norm) in batch order.
   void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
-  // One MTP pass up to the logits rows' logits on the device; returns the rows.
-  int64_t mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv);
+  // An MTP pass's inputs on the device (mtp_draft_chain); defined in the .cpp.
+  struct MtpDeviceIn;
+  // One MTP pass up to the logits rows' logits on the device; returns the rows. Its h_t:
+  // `hidden` (host, batch order), or `dev`'s.
+  int64_t mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
+                     const MtpDeviceIn* dev = nullptr);
+  // mtp_launch's host h_t (batch order, fp32) into the MTP input (device order, bf16).
+  void stage_mtp_hidden(const ForwardBatch& batch, const float* hidden, int64_t n_run);
   // The last MTP pass's rows' hidden states (after mtp.norm) as fp32 (synchronises).
   void mtp_hidden(int64_t rows, std::vector<float>& out);
   std::unique_ptr<Impl> impl_;

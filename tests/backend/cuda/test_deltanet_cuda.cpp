@@ -98,6 +98,8 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
                   bool sequential = false, bool fused = false, int64_t row_pad = 8);
   // Every chunked run with GatedDeltaRuleParams::wy_blocked_inverse (the opt-in).
   bool blocked_inverse_ = false;
+  // The chunked form for short chunks too (GatedDeltaRuleParams::short_chunk_tokens 0).
+  bool force_chunked_ = false;
 };
 
 void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel) {
@@ -180,8 +182,10 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   // each of its shapes: the default (the state kernel's by the grid), the WY kernel's first
   // layout (wide_wy) with the state kernel's first shape, the state kernel's other shape
   // (GatedDeltaRuleParams::state_variant), the opt-in prep (prep_heads4).
+  const auto nseq = static_cast<int64_t>(seqs.size());
+  const int64_t short_chunk = force_chunked_ ? 0 : GatedDeltaRuleParams{}.short_chunk_tokens;
   const bool chunked =
-      !sequential && n != static_cast<int64_t>(seqs.size()) && (dk == 64 || dk == 128);
+      !sequential && n != nseq && (dk == 64 || dk == 128) && n > short_chunk * nseq;
   const double tol = chunked ? kTolChunked : kTolF32;
   DeviceBuffer<uint16_t> d_qkv(to_bf16(qkv)), d_ab(to_bf16(ab));
   DeviceBuffer<float> d_alog(a_log), d_dt(dt_bias);
@@ -212,6 +216,7 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
     p.ab_stride = ab_stride;
     p.state_stride = slot_stride;
     p.sequential = sequential;
+    p.short_chunk_tokens = short_chunk;
     p.fused_decode = fused;
     p.wide_wy = run == 1;
     p.state_variant = run < 3 ? run : 0;  // 0: by the grid, 1, 2: forced
@@ -300,6 +305,22 @@ TEST_F(CudaDeltaNet, DeltaRuleShapes) {
   delta_case(mixed, 1, 2, 128, 40);         // rows split over two lanes, a partial column block
   delta_case(mixed, 2, 4, 128, 128, true);  // the sequential prefill at full precision
   delta_case(mixed, 2, 2, 64, 48, true);
+}
+
+// Speculative verify steps (2..5 tokens per sequence, continuing; a padding sequence): the
+// per-token recurrence by default (short_chunk_tokens), the chunked form when forced; both
+// against the reference.
+TEST_F(CudaDeltaNet, DeltaRuleVerifyShapes) {
+  SCOPED_TRACE(trace());
+  const std::vector<SeqSpec> verify = {{4},    {4}, {2},   {5},   {4, false, true},
+                                       {3},    {4}, {4},   {2},   {5}};
+  delta_case(verify, 2, 4, 128, 128);  // the recurrence (36 tokens over 10 sequences)
+  delta_case(verify, 2, 2, 64, 48);
+  delta_case(verify, 2, 4, 16, 16);
+  force_chunked_ = true;
+  delta_case(verify, 2, 4, 128, 128);
+  delta_case(verify, 2, 2, 64, 48);
+  force_chunked_ = false;
 }
 
 // The chunked tests' batch: sequences shorter than a chunk, ending on / next to chunk boundaries,

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <memory>
+#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -17,6 +19,8 @@
 #include "engine/chi_square.h"
 #include "engine/engine.h"
 #include "engine/golden.h"
+#include "engine/mtp_weights.h"
+#include "model/cuda/qwen3_moe_cuda.h"
 #include "model/qwen3_moe.h"
 
 namespace tandem::cuda_golden {
@@ -342,6 +346,74 @@ inline int compare_to_reference(const testing::Golden& g, const std::vector<Resu
     }
   }
   return compared;
+}
+
+// A speculation comparison's setup on the GPU model M (Qwen3MoeCuda, Qwen35MoeCuda) with its
+// random MTP layer: the golden cases with uneven max_tokens (chains that run past their end).
+template <class M>
+struct SpecComparison {
+  testing::Golden g;
+  std::vector<testing::GoldenCase> cases;
+  std::unique_ptr<M> gpu;
+  EngineConfig base;
+  explicit SpecComparison(const std::string& dir) : g(testing::load_golden(dir)), cases(g.cases) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      cases[i].max_tokens = std::max<int32_t>(2, cases[i].max_tokens - static_cast<int32_t>(i % 3));
+    }
+    CudaModelOptions o;
+    o.max_tokens = 1024;
+    o.max_seqs = 8;
+    o.page_size = 16;
+    gpu = M::load(dir, o);
+    gpu->load_mtp(testing::random_mtp_dir(dir));
+    base.max_num_seqs = 8;
+    base.max_batched_tokens = 1024;
+    base.page_size = 16;
+    base.kv_cache_mb = 64;
+  }
+};
+
+// The draft chain on the device (Model::mtp_draft_chain: the default) against pass-by-pass
+// drafting through the host (TANDEM_MTP_DEVICE_CHAIN=0), the fused step off: every pass gets
+// the same bf16 inputs either way, so the drafts are the same, hence the tokens and the
+// acceptance counts; K = 2 and 4, the MTP's own drafts and an oracle's.
+inline void expect_draft_chain_equals_pass_by_pass(Model& gpu, const testing::Golden& g,
+                                                   const std::vector<testing::GoldenCase>& cases,
+                                                   const EngineConfig& base) {
+  struct Unset {
+    ~Unset() {
+      ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
+      ::unsetenv("TANDEM_SPEC_FUSED");
+    }
+  } unset;
+  ::setenv("TANDEM_SPEC_FUSED", "0", 1);  // the chain itself (the fused step: its own test)
+  for (const int64_t k : {2, 4}) {
+    for (const bool good : {false, true}) {
+      const std::string what =
+          std::string(good ? "oracle drafts" : "MTP drafts") + ", K = " + std::to_string(k);
+      EngineConfig cfg = base;
+      cfg.num_speculative_tokens = k;
+      EngineStats by_pass, chained;
+      ::setenv("TANDEM_MTP_DEVICE_CHAIN", "0", 1);
+      ASSERT_FALSE(gpu.mtp_drafts_on_device());
+      if (good) cfg.spec_draft_hook = oracle(cases, gpu.config().vocab_size);
+      const auto ref = run_engine(gpu, cases, cfg, /*together=*/true, &by_pass);
+      ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
+      ASSERT_TRUE(gpu.mtp_drafts_on_device());
+      if (good) cfg.spec_draft_hook = oracle(cases, gpu.config().vocab_size);
+      const auto res = run_engine(gpu, cases, cfg, /*together=*/true, &chained);
+      for (size_t i = 0; i < cases.size(); ++i) {
+        EXPECT_EQ(res[i].ids, ref[i].ids) << g.name << " " << what << " case " << i;
+      }
+      EXPECT_GT(chained.spec_num_drafts, 0) << what;
+      EXPECT_EQ(chained.spec_num_drafts, by_pass.spec_num_drafts) << what;
+      EXPECT_EQ(chained.spec_num_draft_tokens, by_pass.spec_num_draft_tokens) << what;
+      EXPECT_EQ(chained.spec_num_accepted_tokens, by_pass.spec_num_accepted_tokens) << what;
+      std::printf("[ %s ] %s: %lld drafts, %lld accepted, chain == pass by pass\n", g.name.c_str(),
+                  what.c_str(), static_cast<long long>(chained.spec_num_drafts),
+                  static_cast<long long>(chained.spec_num_accepted_tokens));
+    }
+  }
 }
 
 }  // namespace tandem::cuda_golden

@@ -235,70 +235,14 @@ TEST_P(CudaMtp, GreedyLosslessForK1To4) {
 // The setup of the chain and fused-step comparisons: the golden cases with max_tokens shortened
 // unevenly (some sequences end inside a chain), the model with a random MTP layer, 8 sequences
 // of 16-token pages.
-struct SpecComparison {
-  testing::Golden g;
-  std::vector<testing::GoldenCase> cases;
-  std::unique_ptr<Qwen3MoeCuda> gpu;
-  EngineConfig base;
-  explicit SpecComparison(const std::string& dir) : g(testing::load_golden(dir)), cases(g.cases) {
-    for (size_t i = 0; i < cases.size(); ++i) {
-      cases[i].max_tokens = std::max<int32_t>(2, cases[i].max_tokens - static_cast<int32_t>(i % 3));
-    }
-    CudaModelOptions o;
-    o.max_tokens = 1024;
-    o.max_seqs = 8;
-    o.page_size = 16;
-    gpu = Qwen3MoeCuda::load(dir, o);
-    gpu->load_mtp(testing::random_mtp_dir(dir));
-    base.max_num_seqs = 8;
-    base.max_batched_tokens = 1024;
-    base.page_size = 16;
-    base.kv_cache_mb = 64;
-  }
-};
 
-// The draft chain on the device (Model::mtp_draft_chain, MtpCuda::draft_chain: the default)
-// against pass-by-pass drafting through the host (TANDEM_MTP_DEVICE_CHAIN=0): every pass gets
-// the same bf16 inputs either way, so the drafts are the same, hence the tokens and the
-// acceptance counts; uneven max_tokens make sequences ride along past their K (no KV written).
+// The draft chain on the device (MtpCuda::draft_chain) against pass-by-pass drafting through
+// the host (cuda_golden_util.h); uneven max_tokens make sequences ride along past their K (no
+// KV written).
 TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
-  SpecComparison sc(GetParam());
-  auto& [g, cases, gpu, base] = sc;
-  struct Unset {
-    ~Unset() {
-      ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
-      ::unsetenv("TANDEM_SPEC_FUSED");
-    }
-  } unset;
-  ::setenv("TANDEM_SPEC_FUSED", "0", 1);  // the chain itself (the fused step: the next test)
-  for (const int64_t k : {2, 4}) {
-    for (const bool good : {false, true}) {
-      const std::string what =
-          std::string(good ? "oracle drafts" : "MTP drafts") + ", K = " + std::to_string(k);
-      EngineConfig cfg = base;
-      cfg.num_speculative_tokens = k;
-      EngineStats by_pass, chained;
-      ::setenv("TANDEM_MTP_DEVICE_CHAIN", "0", 1);
-      ASSERT_FALSE(gpu->mtp_drafts_on_device());
-      if (good) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);
-      const auto ref = run_engine(*gpu, cases, cfg, /*together=*/true, &by_pass);
-      ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
-      ASSERT_TRUE(gpu->mtp_drafts_on_device());
-      if (good) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);
-      const auto res = run_engine(*gpu, cases, cfg, /*together=*/true, &chained);
-      for (size_t i = 0; i < cases.size(); ++i) {
-        EXPECT_EQ(res[i].ids, ref[i].ids) << g.name << " " << what << " case " << i;
-      }
-      EXPECT_GT(chained.spec_num_drafts, 0) << what;
-      EXPECT_EQ(chained.spec_num_drafts, by_pass.spec_num_drafts) << what;
-      EXPECT_EQ(chained.spec_num_draft_tokens, by_pass.spec_num_draft_tokens) << what;
-      EXPECT_EQ(chained.spec_num_accepted_tokens, by_pass.spec_num_accepted_tokens) << what;
-      std::printf("[ %s ] %s: %lld drafts, %lld accepted, chain == pass by pass\n", g.name.c_str(),
-                  what.c_str(), static_cast<long long>(chained.spec_num_drafts),
-                  static_cast<long long>(chained.spec_num_accepted_tokens));
-    }
-  }
-  EXPECT_FALSE(gpu->mtp()->captured_buckets().empty()) << "no draft pass ran a graph";
+  SpecComparison<Qwen3MoeCuda> sc(GetParam());
+  expect_draft_chain_equals_pass_by_pass(*sc.gpu, sc.g, sc.cases, sc.base);
+  EXPECT_FALSE(sc.gpu->mtp()->captured_buckets().empty()) << "no draft pass ran a graph";
 }
 
 // The fused step (the default: Model::forward_verify_draft, MtpCuda::draft_after_verify: the
@@ -310,7 +254,7 @@ TEST_P(CudaMtp, DraftChainEqualsPassByPass) {
 // benchmarks run fused, is covered by the kernel's test: these requests ask for logprobs, which
 // forced acceptance takes to the host). Uneven max_tokens: chains that run past their end.
 TEST_P(CudaMtp, FusedStepMatchesUnfused) {
-  SpecComparison sc(GetParam());
+  SpecComparison<Qwen3MoeCuda> sc(GetParam());
   auto& [g, cases, gpu, base] = sc;
   struct Unset {
     ~Unset() { ::unsetenv("TANDEM_SPEC_FUSED"); }

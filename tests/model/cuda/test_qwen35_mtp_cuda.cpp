@@ -421,6 +421,15 @@ TEST_P(CudaQwen35Mtp, ReplayStatesAfterAVerifyGraphMatchAPrefixForward) {
   expect_replay_matches_a_prefix_forward(GetParam(), true);
 }
 
+// The draft chain on the device (Qwen35MoeCuda::mtp_draft_chain: the default) against
+// pass-by-pass drafting through the host (cuda_golden_util.h).
+TEST_P(CudaQwen35Mtp, DraftChainEqualsPassByPass) {
+  SpecComparison<Qwen35MoeCuda> sc(GetParam());
+  sc.base.state_checkpoint_interval = 16;
+  expect_draft_chain_equals_pass_by_pass(*sc.gpu, sc.g, sc.cases, sc.base);
+  EXPECT_FALSE(sc.gpu->captured_mtp_buckets().empty()) << "no draft pass ran a graph";
+}
+
 struct LosslessMode {
   const char* name;
   bool graphs, together;
