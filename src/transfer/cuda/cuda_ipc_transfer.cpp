@@ -784,7 +784,11 @@ class IpcSender final : public TransferSender {
       if (with_hidden) {
         message = wire::encode_hidden({rows->begin, r->hidden_size, std::move(rows->rows)});
       }
-      bool ok = !r->failed;
+      bool ok;
+      {
+        std::lock_guard<std::mutex> lock(mu_);  // (a CANCEL may fail it meanwhile: finishing_)
+        ok = !r->failed;
+      }
       for (const Dest& dest : r->dests) {
         if (cancelled(dest)) continue;
         if (with_hidden && !send_hidden(*r, dest, message)) {
