@@ -14,7 +14,8 @@
 //   HIDDEN  i64 row_begin | i64 hidden_size | f32 [num_tokens - row_begin, hidden_size]
 //           (descriptor hidden_size > 0: the prompt's final hidden states, after the target's
 //           final norm, of positions row_begin.. num_tokens - 1, for the decode side's MTP layer;
-//           f32 as the KV payload: 4 * hidden_size bytes per prompt token)
+//           f32 as the KV payload: 4 * hidden_size bytes per prompt token; the cuda-ipc backend
+//           sends this same message cut into chunks over its control frames: hidden_chunks.h)
 //   FINISH  i32 first_token | f32 logprob | f32 state[n]   (n = 0, or the descriptor's
 //           state_elems: a hybrid model's recurrent state, from one sending rank)
 // The receiver answers once on the same connection, receiver -> sender:

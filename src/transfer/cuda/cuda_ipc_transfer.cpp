@@ -19,12 +19,15 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <thread>
 #include <unordered_map>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "transfer/cuda/kv_copy.h"
+#include "transfer/hidden_chunks.h"
+#include "transfer/wire.h"
 
 namespace tandem::transfer {
 
@@ -43,9 +46,22 @@ enum Msg : uint32_t {
   kAbort = 6,       // id, src rank, message
   kCancel = 7,      // receiver -> sender: id
   kCancelAck = 8,   // sender -> receiver: id
+  kHidden = 9,      // sender -> receiver: id, src rank, u64 offset, u64 total, bytes
 };
 
+// A frame's body is at most 1 MiB (the reader allocates it on the peer's word). The prompt's
+// hidden states (descriptor hidden_size > 0; 256 MiB for 32k tokens at hidden 2048) therefore
+// travel as the one HIDDEN wire message (wire::encode_hidden) cut into kHidden frames of at most
+// kHiddenChunkBytes (hidden_chunks.h), before the sending rank's FINISH on the same connection.
+// Why chunks over this connection rather than a buffer shared like the KV: the rows are host
+// memory at both ends (PromptHidden), so a device staging buffer would add two copies and an
+// allocation per request; a host shared-memory segment would need its own naming, lifetime and
+// cleanup when a process dies. Chunks need none of that and cost one host copy over loopback
+// (small beside the prefill that computed the rows), the receiver bounds the whole message by its
+// descriptor before allocating it, and other frames (BEGIN, CANCEL, other requests' FINISH)
+// interleave between chunks (one write lock per frame) instead of waiting for the whole message.
 constexpr uint32_t kMaxBody = 1 << 20;
+static_assert(kHiddenChunkBytes + 4096 <= kMaxBody, "a HIDDEN chunk and its fields fit a frame");
 
 class Writer {
  public:
@@ -58,6 +74,10 @@ class Writer {
   Writer& str(const std::string& s) {
     put<uint32_t>(static_cast<uint32_t>(s.size()));
     b_.insert(b_.end(), s.begin(), s.end());
+    return *this;
+  }
+  Writer& raw(std::span<const uint8_t> bytes) {  // the rest of the body
+    b_.insert(b_.end(), bytes.begin(), bytes.end());
     return *this;
   }
   const std::vector<uint8_t>& bytes() const { return b_; }
@@ -83,6 +103,11 @@ class Reader {
     std::string s(reinterpret_cast<const char*>(p_), n);
     p_ += n;
     return s;
+  }
+  std::span<const uint8_t> rest() {
+    std::span<const uint8_t> r(p_, static_cast<size_t>(end_ - p_));
+    p_ = end_;
+    return r;
   }
 
  private:
@@ -299,6 +324,7 @@ class IpcReceiver final : public TransferReceiver {
     Expected e;
     e.d = d;
     for (int r : d.senders()) e.senders.insert(r);
+    e.hidden = HiddenAssembler(d.num_tokens, d.hidden_size);
     e.deadline = Clock::now() + opts_.timeout;
     expected_.emplace(d.request_id, std::move(e));
   }
@@ -337,6 +363,8 @@ class IpcReceiver final : public TransferReceiver {
     TransferDescriptor d;
     std::set<int> senders, finished;
     std::map<int, std::shared_ptr<Conn>> begun;  // src rank -> its control connection
+    HiddenAssembler hidden{1, 0};  // descriptor hidden_size > 0: the prompt's hidden states
+    int hidden_rank = -1;          // the rank whose HIDDEN chunks arrive
     int32_t token = 0;
     float logprob = 0;
     Clock::time_point deadline;
@@ -413,17 +441,73 @@ class IpcReceiver final : public TransferReceiver {
           const auto token = rd.get<int32_t>();
           const auto lp = rd.get<float>();
           bool done = false;
+          std::string error;
+          std::vector<std::shared_ptr<Conn>> others;
+          std::optional<PromptHidden> hidden;
           {
             std::lock_guard<std::mutex> lock(mu_);
             auto it = expected_.find(id);
             if (it == expected_.end() || !it->second.begun.count(rank)) continue;
-            it->second.finished.insert(rank);
-            it->second.token = token;
-            it->second.logprob = lp;
-            done = it->second.finished == it->second.senders;
-            if (done) expected_.erase(it);
+            Expected& e = it->second;
+            e.finished.insert(rank);
+            e.token = token;
+            e.logprob = lp;
+            done = e.finished == e.senders;
+            if (e.hidden_rank == rank && !e.hidden.whole()) {
+              error = "prefill rank " + std::to_string(rank) +
+                      " finished before its hidden states were whole";
+            } else if (done && e.d.hidden_size > 0 && !e.hidden.whole()) {
+              error = "every sender finished without the prompt's hidden states (" +
+                      std::to_string(e.d.hidden_size) + " per row)";
+            } else if (done && e.hidden.whole()) {
+              hidden = e.hidden.take();
+            }
+            if (!error.empty()) {
+              for (auto& [r, oc] : e.begun) {
+                if (oc != c) others.push_back(oc);
+              }
+            }
+            if (done || !error.empty()) expected_.erase(it);
           }
+          if (!error.empty()) {
+            fail(id, "KV transfer of request '" + id + "' failed: " + error, others);
+            continue;
+          }
+          if (done && hidden && cbs_.on_hidden) cbs_.on_hidden(id, std::move(*hidden));
           if (done && cbs_.on_complete) cbs_.on_complete(id, token, lp);
+        } else if (type == kHidden) {
+          const std::string id = rd.str();
+          const int rank = rd.get<int32_t>();
+          const auto offset = rd.get<uint64_t>();
+          const auto total = rd.get<uint64_t>();
+          const std::span<const uint8_t> chunk = rd.rest();
+          std::string error;
+          std::vector<std::shared_ptr<Conn>> others;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = expected_.find(id);
+            // Cancelled, timed out or failed: the rest of its chunks are dropped (as a FINISH).
+            if (it == expected_.end() || !it->second.begun.count(rank)) continue;
+            Expected& e = it->second;
+            try {
+              TANDEM_CHECK_KIND(kInvalidArgument, !e.finished.count(rank),
+                                "HIDDEN after the FINISH");
+              TANDEM_CHECK_KIND(kInvalidArgument, e.hidden_rank < 0 || e.hidden_rank == rank,
+                                "a second HIDDEN (rank ", e.hidden_rank, " sent one)");
+              e.hidden_rank = rank;
+              e.hidden.add(offset, total, chunk);
+            } catch (const Error& ex) {
+              error = "prefill rank " + std::to_string(rank) + ": " + ex.message();
+              // (the sending rank's copies completed before its first chunk: no drain)
+              for (auto& [r, oc] : e.begun) {
+                if (oc != c) others.push_back(oc);
+              }
+              expected_.erase(it);
+            }
+          }
+          if (!error.empty()) {
+            fail(id, "KV transfer of request '" + id + "' failed: " + error, others);
+          }
         } else if (type == kAbort) {
           const std::string id = rd.str();
           const int rank = rd.get<int32_t>();
@@ -544,6 +628,7 @@ class IpcSender final : public TransferSender {
   }
 
   ~IpcSender() override {
+    stopping_ = true;  // a HIDDEN being sent stops at its next chunk
     {
       std::lock_guard<std::mutex> lock(work_mu_);
       stop_ = true;
@@ -577,9 +662,12 @@ class IpcSender final : public TransferSender {
     req->id = request;
     req->num_tokens = destinations.front().num_tokens;
     req->num_layers = destinations.front().num_layers;
+    req->hidden_size = destinations.front().hidden_size;
     for (auto& d : destinations) {
       d.validate();
       const std::string at = where + " to " + d.dst_address + ": ";
+      TANDEM_CHECK_KIND(kInvalidArgument, d.hidden_size == req->hidden_size, at, "hidden_size ",
+                        d.hidden_size, " differs from another destination's ", req->hidden_size);
       TANDEM_CHECK_KIND(kInvalidArgument, d.request_id == request && d.src == sharding_, at,
                         "descriptor of request '", d.request_id, "' sharded ", d.src.str(),
                         " does not fit this rank (", sharding_.str(), ")");
@@ -649,17 +737,72 @@ class IpcSender final : public TransferSender {
   }
 
   void finish(const std::string& request, int32_t first_token, float logprob) override {
+    finish_with(request, first_token, logprob, {});
+  }
+
+  void finish_with(const std::string& request, int32_t first_token, float logprob,
+                   FinishPayload payload) override {
+    TANDEM_CHECK_KIND(kUnsupported, payload.state.empty(), "KV transfer of request '", request,
+                      "': the cuda-ipc backend does not carry a recurrent state");
+    const PromptHidden& hidden = payload.hidden;
+    if (!hidden.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = reqs_.find(request);
+      if (it != reqs_.end()) {
+        const int64_t hs = it->second->hidden_size, tokens = it->second->num_tokens;
+        TANDEM_CHECK_KIND(
+            kInvalidArgument,
+            hs > 0 && static_cast<int64_t>(hidden.rows.size()) % hs == 0 && hidden.begin >= 0 &&
+                hidden.begin + static_cast<int64_t>(hidden.rows.size()) / hs == tokens,
+            "KV transfer of request '", request, "': hidden states of ", hidden.rows.size(),
+            " floats from row ", hidden.begin, ", the destination expects rows up to ", tokens,
+            " of ", hs, hs == 0 ? " (it asked for none)" : "");
+      }
+    }
     std::shared_ptr<Req> r = take(request, /*check_whole=*/true);
     if (!r) return;
-    // Once the copies completed: FINISH to every destination.
-    post([this, r, first_token, logprob] {
+    auto rows = std::make_shared<PromptHidden>(std::move(payload.hidden));
+    if (!rows->empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      finishing_[request] = r;  // a CANCEL from now on stops its chunks
+    }
+    // Once the copies completed: HIDDEN (in chunks, when given) then FINISH to every
+    // destination, from the worker (a HIDDEN may be hundreds of MiB: not on the caller's thread).
+    post([this, r, first_token, logprob, rows] {
       (void)cudaEventSynchronize(r->copied);
-      bool ok = !r->failed;
+      const bool with_hidden = !rows->empty();
+      if (with_hidden && stopping_) {  // destroyed: neither HIDDEN nor FINISH, no callback
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          finishing_.erase(r->id);
+          r->callback_done = true;
+        }
+        done(*r, "");
+        return;
+      }
+      std::vector<uint8_t> message;
+      if (with_hidden) {
+        message = wire::encode_hidden({rows->begin, r->hidden_size, std::move(rows->rows)});
+      }
+      bool ok;
+      {
+        std::lock_guard<std::mutex> lock(mu_);  // (a CANCEL may fail it meanwhile: finishing_)
+        ok = !r->failed;
+      }
       for (const Dest& dest : r->dests) {
-        if (dest.cancelled) continue;
+        if (cancelled(dest)) continue;
+        if (with_hidden && !send_hidden(*r, dest, message)) {
+          ok = false;
+          continue;
+        }
         Writer w;
         w.str(r->id).put<int32_t>(rank_).put(first_token).put(logprob);
         ok = dest.peer->sock.send(kFinish, w) && ok;
+      }
+      if (with_hidden) {
+        std::lock_guard<std::mutex> lock(mu_);
+        finishing_.erase(r->id);
+        if (stopping_) r->callback_done = true;  // destroyed meanwhile: no callback
       }
       done(*r, ok ? "" : "lost the control connection to a KV receiver");
     });
@@ -712,9 +855,30 @@ class IpcSender final : public TransferSender {
     std::vector<int64_t> sent;
     int64_t num_tokens = 0, num_layers = 0;
     cudaEvent_t copied = nullptr;
+    int64_t hidden_size = 0;  // descriptor hidden_size (every destination's)
     bool failed = false;
     bool callback_done = false;
   };
+
+  bool cancelled(const Dest& d) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return d.cancelled;
+  }
+
+  // The HIDDEN message of a finishing request to one destination, in chunks (see kMaxBody).
+  // False when the connection is lost, the destination cancelled or this sender is destroyed
+  // meanwhile (then no FINISH follows: the receiver fails or has dropped the request).
+  bool send_hidden(const Req& r, const Dest& dest, const std::vector<uint8_t>& message) {
+    uint64_t at = 0;
+    for (const std::span<const uint8_t> chunk : split_chunks(message)) {
+      if (stopping_ || cancelled(dest)) return false;
+      Writer w;
+      w.str(r.id).put<int32_t>(rank_).put<uint64_t>(at).put<uint64_t>(message.size()).raw(chunk);
+      if (!dest.peer->sock.send(kHidden, w)) return false;
+      at += chunk.size();
+    }
+    return true;
+  }
 
   struct Piece {  // tokens of one request's layer to move
     Req* req;
@@ -945,8 +1109,9 @@ class IpcSender final : public TransferSender {
           {
             std::lock_guard<std::mutex> lock(mu_);
             auto it = reqs_.find(id);
-            if (it != reqs_.end()) {
-              r = it->second;
+            auto fin = finishing_.find(id);  // sending its HIDDEN
+            if (it != reqs_.end() || fin != finishing_.end()) {
+              r = it != reqs_.end() ? it->second : fin->second;
               for (Dest& d : r->dests) {
                 if (d.peer == p) d.cancelled = true;
               }
@@ -1008,6 +1173,8 @@ class IpcSender final : public TransferSender {
   std::mutex mu_;                  // reqs_, peers_, Req fields
   std::map<std::string, std::shared_ptr<Peer>> peers_;
   std::unordered_map<std::string, std::shared_ptr<Req>> reqs_;
+  std::unordered_map<std::string, std::shared_ptr<Req>> finishing_;  // sending a HIDDEN
+  std::atomic<bool> stopping_{false};
   std::mutex work_mu_;
   std::condition_variable work_cv_;
   std::deque<std::function<void()>> work_;
@@ -1019,6 +1186,7 @@ class CudaIpcBackend final : public TransferBackend {
  public:
   explicit CudaIpcBackend(CudaIpcOptions opts) : opts_(std::move(opts)) {}
   std::string_view name() const override { return "cuda-ipc"; }
+  bool carries_prompt_hidden() const override { return true; }  // HIDDEN chunks (kMaxBody)
   std::unique_ptr<TransferSender> make_sender(const KvCache& cache, const KvSharding& sharding,
                                               int rank, SenderCallbacks callbacks) override {
     return std::make_unique<IpcSender>(cache, sharding, rank, std::move(callbacks), opts_);

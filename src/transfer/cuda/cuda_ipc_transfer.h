@@ -14,6 +14,12 @@
 //   finish     the model stream waits for the copies (the pages stay unchanged until then);
 //              once the copies completed, FINISH(first token) tells the receiver, which
 //              completes the request when every sending rank's FINISH arrived.
+//              finish_with(hidden states) (descriptor hidden_size > 0; the prefill sends them
+//              from rank 0) first sends the wire format's one HIDDEN message cut into chunks of
+//              at most 256 KiB over the control connection (hidden_chunks.h), before the FINISH;
+//              the receiver reassembles it into a buffer bounded by its descriptor and hands it
+//              to on_hidden right before on_complete, as the TCP backend. A recurrent state
+//              (finish_with_state) is not carried (Error(kUnsupported)).
 // Failure isolation as the TCP backend: a lost control connection fails the requests that
 // began on it, on both sides; the receiver times a request out `timeout` after expect();
 // cancel() on the receiver makes each sender that began the request stop and drain its copies

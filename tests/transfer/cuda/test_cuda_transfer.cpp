@@ -1,13 +1,16 @@
 // The device KV transfer: the kv_copy kernel against its CPU reference, and the cuda-ipc
 // backend end to end across processes on one GPU (prefill ranks -> decode rank, head merge,
-// page sizes that differ, a cancel). Every CUDA call runs in forked children (fork after
-// CUDA init is undefined), so the parent never touches the GPU; skips without one.
+// page sizes that differ, a cancel; the prompt's hidden states). Every CUDA call runs in forked
+// children (fork after CUDA init is undefined), so the parent never touches the GPU; skips
+// without one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -403,6 +406,295 @@ TEST(CudaIpc, PrefillRanksToDecodeRankAcrossProcesses) {
         store.barrier();
       },
       std::chrono::seconds(120));
+  EXPECT_EQ(comm::describe_failures(results), "");
+}
+
+// Random f32 bits (NaN payloads, infinities, -0 and denormals included) for rows [begin, tokens)
+// of a prompt's hidden states: both sides make the same ones from the seed.
+std::vector<float> hidden_rows(int64_t tokens, int64_t begin, int64_t hidden, uint64_t seed) {
+  std::vector<float> v(static_cast<size_t>((tokens - begin) * hidden));
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < v.size(); i += 2) {
+    const uint64_t u = rng();
+    std::memcpy(&v[i], &u, std::min<size_t>(8, (v.size() - i) * 4));
+  }
+  return v;
+}
+
+// MTP on the decode side (descriptor hidden_size > 0) over cuda-ipc, as the TCP backend's
+// TcpTransfer.PromptHiddenStatesTravelBeforeTheFinish: the prompt's final hidden states of a
+// 32k-token prompt at hidden 2048 (256 MiB of f32, 256 times the control frames' 1 MiB limit)
+// travel from one sending rank before its FINISH and reach on_hidden right before on_complete
+// bit for bit, from row 0 or from a later row (a prefix-cache hit at the prefill). Rank 0 is the
+// decode rank (4 KV heads), ranks 1..2 the prefill TP=2 ranks. Requests, one after the other:
+//   a      every row from prefill rank 0               -> complete, rows intact
+//   p      rows 8.. from prefill rank 1                -> complete, rows from 8 intact
+//   n      asked for, nobody sends them                -> fails ("hidden states")
+//   w      rows short of the prompt's end; a state     -> refused at the sender (then aborted)
+//   plain  asks for none: rows refused at the sender   -> completes without on_hidden
+//   cut    the receiver cancels while rank 0 streams   -> cancel() true, within 5 s (well under
+//          the 10 s control timeout a lost ack would cost: the CANCEL and its ack pass between
+//          chunks), no receiver callback after it, one sender callback each
+//   after  the same connections after the cut          -> complete, rows intact (the cut's
+//          late chunks are dropped, not mistaken for this request's)
+//   gone   rank 0's sender destroyed while streaming   -> fails (lost connection), no sender
+//          callback
+TEST(CudaIpc, PromptHiddenStatesTravelBeforeTheFinish) {
+  REQUIRE_GPU();
+  constexpr int64_t kLayers = 2, kHeads = 4, kHd = 64, kTokens = 32768, kHidden = 2048;
+  constexpr int64_t kPage = 16, kPages = kTokens / kPage;
+  const KvSharding src{kHeads, 2};
+  std::vector<int32_t> table(static_cast<size_t>(kPages));
+  std::iota(table.begin(), table.end(), 0);
+  auto seed = [](const std::string& id) { return std::hash<std::string>()(id); };
+  auto results = comm::run_local_ranks(
+      3,
+      [&](int rank) {
+        comm::RankEnv env = comm::RankEnv::from_env();
+        comm::TcpStore store(comm::TcpStoreOptions::of(env));
+        auto backend = make_cuda_ipc_backend();
+        TANDEM_CHECK(backend->carries_prompt_hidden(), "cuda-ipc carries no hidden states");
+        TransferDescriptor d;
+        d.dst_heads = {0, kHeads};
+        d.src = src;
+        d.num_tokens = kTokens;
+        d.page_size = kPage;
+        d.head_dim = kHd;
+        d.num_layers = kLayers;
+        d.dst_pages = table;
+        std::mutex mu;
+        std::condition_variable cv;
+        auto wait = [&](auto done) {
+          std::unique_lock<std::mutex> l(mu);
+          return cv.wait_for(l, std::chrono::seconds(60), done);
+        };
+        if (rank == 0) {
+          KvGeometry g{kLayers, kPages, kHeads, kPage, kHd};
+          DevicePool pool(
+              g, std::vector<uint16_t>(
+                     static_cast<size_t>(kLayers * kPages * 2 * kHeads * kPage * kHd), kPoison));
+          std::vector<std::string> order;  // "hidden id", "complete id", "error id"
+          std::map<std::string, PromptHidden> hidden;
+          std::map<std::string, std::string> errors;
+          ReceiverCallbacks cbs;
+          cbs.on_complete = [&](const std::string& id, int32_t t, float) {
+            std::lock_guard<std::mutex> l(mu);
+            order.push_back("complete " + id);
+            if (t != 42) errors[id] = "first token " + std::to_string(t);
+            cv.notify_all();
+          };
+          cbs.on_error = [&](const std::string& id, const std::string& m) {
+            std::lock_guard<std::mutex> l(mu);
+            order.push_back("error " + id);
+            errors[id] = m;
+            cv.notify_all();
+          };
+          cbs.on_hidden = [&](const std::string& id, PromptHidden h) {
+            std::lock_guard<std::mutex> l(mu);
+            order.push_back("hidden " + id);
+            hidden[id] = std::move(h);
+          };
+          auto rx = backend->make_receiver(pool.cache, cbs);
+          store.set("addr", rx->address());
+          auto expect = [&](const std::string& id, int64_t hidden_size) {
+            TransferDescriptor x = d;
+            x.request_id = id;
+            x.dst_address = rx->address();
+            x.hidden_size = hidden_size;
+            rx->expect(x);
+            store.set("ready_" + id, "1");
+          };
+          auto ended = [&](const std::string& id) {
+            return std::find(order.begin(), order.end(), "complete " + id) != order.end() ||
+                   errors.count(id);
+          };
+          auto complete_with = [&](const std::string& id, int64_t begin) {
+            const auto want = hidden_rows(kTokens, begin, kHidden, seed(id));
+            TANDEM_CHECK(wait([&] { return ended(id); }), "request ", id, " did not end");
+            std::lock_guard<std::mutex> l(mu);
+            TANDEM_CHECK(!errors.count(id), "request ", id, " failed: ", errors[id]);
+            auto it = hidden.find(id);
+            TANDEM_CHECK(it != hidden.end(), "request ", id, ": no hidden states");
+            TANDEM_CHECK(it->second.begin == begin, "request ", id, ": rows from ",
+                         it->second.begin);
+            TANDEM_CHECK(it->second.rows.size() == want.size() &&
+                             std::memcmp(it->second.rows.data(), want.data(),
+                                         want.size() * sizeof(float)) == 0,
+                         "request ", id, ": the hidden states differ");
+            hidden.erase(it);
+          };
+          auto fails_with = [&](const std::string& id, const std::string& why) {
+            TANDEM_CHECK(wait([&] { return ended(id); }), "request ", id, " did not end");
+            std::lock_guard<std::mutex> l(mu);
+            TANDEM_CHECK(errors.count(id) && errors[id].find(why) != std::string::npos, "request ",
+                         id, " should fail with '", why,
+                         "': ", errors.count(id) ? errors[id] : "it completed");
+            TANDEM_CHECK(!hidden.count(id), "request ", id, ": hidden states of a failed one");
+          };
+          expect("a", kHidden);
+          complete_with("a", 0);
+          expect("p", kHidden);
+          complete_with("p", 8);
+          expect("n", kHidden);
+          fails_with("n", "without the prompt's hidden states");
+          expect("w", kHidden);
+          fails_with("w", "aborted");
+          expect("plain", 0);
+          TANDEM_CHECK(wait([&] { return ended("plain"); }), "request plain did not end");
+          expect("cut", kHidden);
+          store.get("cut_streaming");
+          const auto t0 = std::chrono::steady_clock::now();
+          TANDEM_CHECK(rx->cancel("cut"), "cancel of cut");
+          const auto took = std::chrono::steady_clock::now() - t0;
+          TANDEM_CHECK(took < std::chrono::seconds(5), "the cancel waited ",
+                       std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                       " ms for the senders' acks");
+          store.set("cut_cancelled", "1");
+          expect("after", kHidden);
+          complete_with("after", 0);
+          expect("gone", kHidden);
+          fails_with("gone", "lost the control connection");
+          store.get("senders_done");
+          std::lock_guard<std::mutex> l(mu);
+          const std::vector<std::string> want = {
+              "hidden a", "complete a",     "hidden p",     "complete p",     "error n",
+              "error w",  "complete plain", "hidden after", "complete after", "error gone"};
+          std::string got;
+          for (const auto& o : order) got += o + "; ";
+          TANDEM_CHECK(order == want, "callbacks in the order: ", got);
+        } else {
+          const int prank = rank - 1;
+          KvGeometry g{kLayers, kPages, 2, kPage, kHd};
+          std::vector<uint16_t> bits(static_cast<size_t>(kLayers * kPages * 2 * 2 * kPage * kHd));
+          fill_random(bits, 500 + prank);
+          DevicePool pool(g, bits);
+          std::map<std::string, std::string> outcome;  // the first: "sent" or "error: message"
+          std::map<std::string, int> calls;
+          SenderCallbacks cbs;
+          cbs.on_sent = [&](const std::string& id) {
+            std::lock_guard<std::mutex> l(mu);
+            if (!calls[id]++) outcome[id] = "sent";
+            cv.notify_all();
+          };
+          cbs.on_error = [&](const std::string& id, const std::string& m) {
+            std::lock_guard<std::mutex> l(mu);
+            if (!calls[id]++) outcome[id] = "error: " + m;
+            cv.notify_all();
+          };
+          auto tx = backend->make_sender(pool.cache, src, prank, cbs);
+          const std::string addr = store.get_string("addr");
+          auto begin = [&](const std::string& id, int64_t hidden_size) {
+            store.get("ready_" + id);
+            TransferDescriptor x = d;
+            x.request_id = id;
+            x.dst_address = addr;
+            x.hidden_size = hidden_size;
+            tx->begin(id, {x}, table);
+            for (int64_t l = 0; l < kLayers; ++l) tx->send_layer(id, l);
+            // Both ranks began before either ends it (a failure could refuse a later BEGIN).
+            store.add(id + "_begun", 1);
+            while (store.add(id + "_begun", 0) < 2) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            }
+          };
+          auto rows = [&](const std::string& id, int64_t begin) {
+            return PromptHidden{begin, hidden_rows(kTokens, begin, kHidden, seed(id))};
+          };
+          auto result = [&](const std::string& id) {
+            TANDEM_CHECK(wait([&] { return outcome.count(id); }), "no callback for ", id);
+            std::lock_guard<std::mutex> l(mu);
+            return outcome[id];
+          };
+          auto expect_kind = [&](ErrorKind kind, const std::function<void()>& fn,
+                                 const std::string& what) {
+            try {
+              fn();
+            } catch (const Error& e) {
+              TANDEM_CHECK(e.kind() == kind, what, ": ", e.what());
+              return;
+            }
+            TANDEM_CHECK(false, what, " was not refused");
+          };
+          for (const std::string id : {"a", "p"}) {
+            begin(id, kHidden);
+            const int from = id == "a" ? 0 : 1;
+            if (prank == from) {
+              tx->finish_with(id, 42, -0.5f, {{}, rows(id, id == "a" ? 0 : 8)});
+            } else {
+              tx->finish(id, 42, -0.5f);
+            }
+            TANDEM_CHECK(result(id) == "sent", id, ": ", result(id));
+          }
+          begin("n", kHidden);
+          tx->finish("n", 42, -0.5f);
+          result("n");  // (the receiver fails it; a cuda-ipc sender hears "sent")
+          begin("w", kHidden);
+          if (prank == 0) {
+            PromptHidden h = rows("w", 0);
+            h.rows.resize(h.rows.size() - kHidden);
+            expect_kind(
+                ErrorKind::kInvalidArgument,
+                [&] {
+                  tx->finish_with("w", 42, -0.5f, {{}, h});
+                },
+                "rows short of the prompt's end");
+            expect_kind(
+                ErrorKind::kUnsupported, [&] { tx->finish_with_state("w", 42, -0.5f, {1.f}); },
+                "a recurrent state");
+          }
+          tx->abort("w");
+          begin("plain", 0);
+          if (prank == 0) {
+            expect_kind(
+                ErrorKind::kInvalidArgument,
+                [&] {
+                  tx->finish_with("plain", 42, -0.5f, {{}, rows("plain", 0)});
+                },
+                "hidden states where none were asked for");
+          }
+          tx->finish("plain", 42, -0.5f);
+          TANDEM_CHECK(result("plain") == "sent", "plain: ", result("plain"));
+          begin("cut", kHidden);
+          if (prank == 0) {
+            tx->finish_with("cut", 42, -0.5f, {{}, rows("cut", 0)});
+            store.set("cut_streaming", "1");
+            result("cut");  // one callback: "sent" or the cancel, by timing
+          } else {
+            store.get("cut_cancelled");  // rank 1 has not finished: the cut cannot complete
+            TANDEM_CHECK(result("cut").find("cancelled") != std::string::npos,
+                         "cut: ", result("cut"));
+            tx->abort("cut");
+          }
+          begin("after", kHidden);
+          if (prank == 0) {
+            tx->finish_with("after", 42, -0.5f, {{}, rows("after", 0)});
+          } else {
+            tx->finish("after", 42, -0.5f);
+          }
+          TANDEM_CHECK(result("after") == "sent", "after: ", result("after"));
+          begin("gone", kHidden);
+          if (prank == 0) {
+            tx->finish_with("gone", 42, -0.5f, {{}, rows("gone", 0)});
+            tx.reset();  // stops at its next chunk (long before 256 MiB are out): no FINISH
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            std::lock_guard<std::mutex> l(mu);
+            TANDEM_CHECK(!outcome.count("gone"),
+                         "a callback after the sender was destroyed: ", outcome["gone"]);
+          } else {
+            TANDEM_CHECK(result("gone").find("cancelled") != std::string::npos,
+                         "gone: ", result("gone"));
+            tx->abort("gone");
+          }
+          std::lock_guard<std::mutex> l(mu);
+          for (const auto& [id, n] : calls) {
+            TANDEM_CHECK(n == 1, "request ", id, ": ", n, " sender callbacks");
+          }
+          store.add("senders", 1);
+          if (store.add("senders", 0) == 2) store.set("senders_done", "1");
+        }
+        store.barrier();
+      },
+      std::chrono::seconds(300));
   EXPECT_EQ(comm::describe_failures(results), "");
 }
 
