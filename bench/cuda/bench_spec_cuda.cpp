@@ -9,16 +9,17 @@
 //      EngineConfig::spec_forced_accept_prob: NOT lossless, the cost of a real acceptance
 //      rate), same run. Mean acceptance length = 1 + p + ... + p^K (2.53 at K = 3, p = 0.7).
 // Models: Qwen3-30B-A3B (48 layers, or --layers N), one Qwen3-235B-A22B layer (vocab 1024);
-// or (--checkpoint DIR: a host-timed verify-cost table, then end to end) a checkpoint on disk with its mtp.* tensors, e.g. a
-// real-shape Qwen3.5 written by `make_random_checkpoint --preset qwen3.5-35b-a3b --mtp`. A
-// hybrid's speculative rows run four ways: the defaults (rejected drafts' DeltaNet states rolled
-// back by the replay of the verify's inputs, verify steps in CUDA graphs, the draft chain on
-// the device), "passes" (drafts pass by pass through the host: TANDEM_MTP_DEVICE_CHAIN=0),
-// "eager-verify" (Qwen35MoeCuda::set_verify_graphs off) and "forward" (the rollback by a
-// second forward: EngineConfig::spec_state_replay off).
+// or (--checkpoint DIR: a host-timed verify-cost table, then end to end) a checkpoint on disk
+// with its mtp.* tensors, e.g. a real-shape Qwen3.5 written by `make_random_checkpoint --preset
+// qwen3.5-35b-a3b --mtp`. A hybrid's speculative rows run four ways: the defaults (rejected
+// drafts' DeltaNet states rolled back by the replay of the verify's inputs, verify steps in
+// CUDA graphs, the draft chain on the device), "passes" (drafts pass by pass through the
+// host: Qwen35MoeCuda::set_device_chain off), "eager-verify" (set_verify_graphs off) and
+// "forward" (the rollback by a second forward: EngineConfig::spec_state_replay off).
+// --profile-calls adds each row's model calls in its timed wave (count x host milliseconds).
 //
 //   bench_spec_cuda [--model 30b|235b-layer|all] [--layers N] [--verify-only] [--e2e-only]
-//                   [--checkpoint DIR]
+//                   [--checkpoint DIR] [--profile-calls]
 //                   [--batches 1,8,32,128] [--tokens N] [--e2e-batches 1,32]
 //                   [--ks 1,2,3 --ps 0.6,0.7,0.8] [--temperature T]
 // --ks / --ps: the end-to-end grid (every K with every p; default K = 3 at p = 0.6 / 0.7 / 0.8
@@ -32,10 +33,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cuda/check.h"
@@ -186,7 +189,8 @@ void bench_verify(const std::string& name, Qwen3MoeCuda& model,
 // rows, its synchronisation included): B sequences at 256 tokens of context, a decode step
 // (one token each), verify steps of K + 1 = 2 / 4 tokens (logits of all), and one MTP pass over
 // B tokens (mtp_forward_sample); each the median of 10.
-void bench_verify_model(const std::string& name, Model& model, const std::vector<int64_t>& batches) {
+void bench_verify_model(const std::string& name, Model& model,
+                        const std::vector<int64_t>& batches) {
   const ModelConfig& c = model.config();
   const int64_t ctx = 256, ps = 16, per_seq = (ctx + 16) / ps + 1;
   const int64_t bmax = *std::max_element(batches.begin(), batches.end());
@@ -199,9 +203,10 @@ void bench_verify_model(const std::string& name, Model& model, const std::vector
   for (size_t i = 0; i < tokens.size(); ++i) {
     tokens[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
   }
-  std::printf("\n== %s: verify step (K + 1 tokens per sequence) vs decode step, %lld context, "
-              "host-timed forward_sample\n",
-              name.c_str(), static_cast<long long>(ctx));
+  std::printf(
+      "\n== %s: verify step (K + 1 tokens per sequence) vs decode step, %lld context, "
+      "host-timed forward_sample\n",
+      name.c_str(), static_cast<long long>(ctx));
   std::printf("%-14s %6s %3s %11s %11s %9s %13s\n", "model", "batch", "K", "step_us", "decode_us",
               "ratio", "mtp_pass_us");
   std::vector<SampledToken> out;
@@ -213,7 +218,8 @@ void bench_verify_model(const std::string& name, Model& model, const std::vector
     for (int r = 0; r < 13; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
       f();
-      us.push_back(1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      us.push_back(1e6 *
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     us.erase(us.begin(), us.begin() + 3);  // warm-up (graph capture, plans)
     return bench::median(us);
@@ -257,13 +263,100 @@ void bench_verify_model(const std::string& name, Model& model, const std::vector
   }
 }
 
+// A Model that forwards every call to `inner` and adds up the host wall time of the calls that
+// run work (--profile-calls: where a speculative step's time goes, per mode).
+class CallTimer final : public Model {
+ public:
+  explicit CallTimer(Model& inner) : m_(inner) {}
+  const ModelConfig& config() const override { return m_.config(); }
+  KvGeometry kv_geometry(int64_t p, int64_t s) const override { return m_.kv_geometry(p, s); }
+  KvCache make_kv_cache(int64_t p, int64_t s) override { return m_.make_kv_cache(p, s); }
+  int64_t kv_cache_mb_hint() const override { return m_.kv_cache_mb_hint(); }
+  int64_t state_slot_elems() const override { return m_.state_slot_elems(); }
+  bool replay_states(const std::vector<StateReplay>& r, KvCache& kv) override {
+    return timed("replay_states", [&] { return m_.replay_states(r, kv); });
+  }
+  void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& l) override {
+    timed("forward", [&] { m_.forward(b, kv, l); });
+  }
+  void load_mtp(const std::string& dir) override { m_.load_mtp(dir); }
+  bool has_mtp() const override { return m_.has_mtp(); }
+  bool mtp_collective() const override { return m_.mtp_collective(); }
+  KvGeometry mtp_kv_geometry(int64_t p, int64_t s) const override {
+    return m_.mtp_kv_geometry(p, s);
+  }
+  void mtp_forward(const ForwardBatch& b, const float* h, KvCache& kv, std::vector<float>& l,
+                   std::vector<float>& ho) override {
+    timed("mtp_forward", [&] { m_.mtp_forward(b, h, kv, l, ho); });
+  }
+  void warm_up(KvCache& kv, int64_t mb) override { m_.warm_up(kv, mb); }
+  void warm_up_speculative(KvCache& kv, KvCache& mkv, int64_t mb, int64_t k) override {
+    m_.warm_up_speculative(kv, mkv, mb, k);
+  }
+  KvCache make_mtp_kv_cache(int64_t p, int64_t s) override { return m_.make_mtp_kv_cache(p, s); }
+  void mtp_forward_sample(const ForwardBatch& b, const float* h, KvCache& kv,
+                          const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
+                          std::vector<float>& ho) override {
+    timed("mtp_forward_sample", [&] { m_.mtp_forward_sample(b, h, kv, rows, out, ho); });
+  }
+  bool mtp_drafts_on_device() const override { return m_.mtp_drafts_on_device(); }
+  void mtp_draft_chain(const ForwardBatch& f, std::span<const int64_t> hr,
+                       const std::vector<MtpChainPass>& c, KvCache& kv,
+                       std::vector<std::vector<int32_t>>& d) override {
+    timed("mtp_draft_chain", [&] { m_.mtp_draft_chain(f, hr, c, kv, d); });
+  }
+  bool fuses_verify_and_draft() const override { return m_.fuses_verify_and_draft(); }
+  void forward_verify_draft(const ForwardBatch& b, KvCache& kv,
+                            const std::vector<DeviceSampling>& rows, KvCache& mkv,
+                            VerifyDraftStep& st, std::vector<SampledToken>& out) override {
+    timed("forward_verify_draft", [&] { m_.forward_verify_draft(b, kv, rows, mkv, st, out); });
+  }
+  bool samples_on_device() const override { return m_.samples_on_device(); }
+  void forward_sample(const ForwardBatch& b, KvCache& kv, const std::vector<DeviceSampling>& rows,
+                      std::vector<SampledToken>& out,
+                      const std::function<void()>& wait_masks) override {
+    timed("forward_sample", [&] { m_.forward_sample(b, kv, rows, out, wait_masks); });
+  }
+  void reset() { totals_.clear(); }
+  // "name calls x ms, ..." of the calls since reset().
+  std::string report() const {
+    std::string r;
+    for (const auto& [name, t] : totals_) {
+      char buf[128];
+      std::snprintf(buf, sizeof(buf), "%s%s %lld x %.1f ms", r.empty() ? "" : ", ", name.c_str(),
+                    static_cast<long long>(t.first), t.second);
+      r += buf;
+    }
+    return r;
+  }
+
+ private:
+  template <class F>
+  std::invoke_result_t<F> timed(const std::string& name, F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    struct Add {
+      std::pair<int64_t, double>& t;
+      std::chrono::steady_clock::time_point t0;
+      ~Add() {
+        ++t.first;
+        t.second +=
+            1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+    } add{totals_[name], t0};
+    return f();
+  }
+  Model& m_;
+  std::map<std::string, std::pair<int64_t, double>> totals_;
+};
+
 struct E2e {
   double tok_s = 0, accept_len = 0;
   int64_t tokens = 0;
 };
 
-// One engine, two waves of `batch` requests: the first captures the graphs (and warms the
-// GEMM plans), the second is timed from the step after every request has its first token.
+// One engine (warmed up: the graphs of every bucket up to batch), two waves of `batch`
+// requests: the first warms the GEMM plans and captures what warm-up does not, the second is
+// timed from the step after every request has its first token.
 E2e run_engine(Model& model, int64_t batch, int64_t k, double p, int64_t prompt_len,
                int64_t max_tokens, float temperature, bool state_replay = true) {
   EngineConfig cfg;
@@ -276,6 +369,7 @@ E2e run_engine(Model& model, int64_t batch, int64_t k, double p, int64_t prompt_
   cfg.spec_forced_accept_prob = k > 0 ? p : -1.0;
   cfg.enable_prefix_cache = false;
   cfg.spec_state_replay = state_replay;
+  cfg.warm_up = true;  // every bucket's graphs before the first wave (as tandem serve does)
   Engine engine(model, cfg);
   std::mt19937 rng(5);
   E2e e;
@@ -302,6 +396,7 @@ E2e run_engine(Model& model, int64_t batch, int64_t k, double p, int64_t prompt_
     }
     const int64_t before = std::accumulate(produced.begin(), produced.end(), int64_t{0});
     const EngineStats s0 = engine.stats();
+    if (auto* ct = dynamic_cast<CallTimer*>(&model)) ct->reset();
     const auto t0 = std::chrono::steady_clock::now();
     while (engine.step()) {
     }
@@ -318,15 +413,20 @@ E2e run_engine(Model& model, int64_t batch, int64_t k, double p, int64_t prompt_
   return e;
 }
 
-void bench_e2e(const std::string& name, Model& model, const std::vector<int64_t>& batches,
+void bench_e2e(const std::string& name, Model& inner, const std::vector<int64_t>& batches,
                int64_t max_tokens, const std::vector<std::pair<int64_t, double>>& runs,
-               float temperature) {
+               float temperature, bool profile_calls = false) {
+  CallTimer timer(inner);  // --profile-calls: each row's model calls in the timed wave
+  Model& model = profile_calls ? static_cast<Model&>(timer) : inner;
+  auto calls = [&] {
+    if (profile_calls) std::printf("    calls: %s\n", timer.report().c_str());
+  };
   // A hybrid's rollback modes (see the top of the file).
   struct Mode {
     const char* name;
     bool replay, verify_graphs, chain;
   };
-  auto* q35 = dynamic_cast<Qwen35MoeCuda*>(&model);
+  auto* q35 = dynamic_cast<Qwen35MoeCuda*>(&inner);
   std::vector<Mode> modes = {{"-", true, true, true}};
   if (q35 != nullptr) {
     modes = {{"default", true, true, true},
@@ -346,27 +446,29 @@ void bench_e2e(const std::string& name, Model& model, const std::vector<int64_t>
     const E2e base = run_engine(model, b, 0, 0, 256, max_tokens, temperature);
     std::printf("%-14s %6lld %3d %5s %14s %12.1f %10.2f %8.2fx\n", name.c_str(),
                 static_cast<long long>(b), 0, "-", "-", base.tok_s, 1.0, 1.0);
+    calls();
     for (const auto& [k, p] : runs) {
+      // An untimed run first: the first speculative engine after a change of K pays one-time
+      // costs (the MTP passes' GEMM plans and attention plans of new shapes) that would
+      // otherwise land on whichever mode came first.
+      run_engine(model, b, k, p, 256, max_tokens, temperature);
       for (const Mode& m : modes) {
         if (q35 != nullptr) {
           q35->set_verify_graphs(m.verify_graphs);
-          if (m.chain) {
-            ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
-          } else {
-            ::setenv("TANDEM_MTP_DEVICE_CHAIN", "0", 1);
-          }
+          q35->set_device_chain(m.chain);
         }
         const E2e e = run_engine(model, b, k, p, 256, max_tokens, temperature, m.replay);
         std::printf("%-14s %6lld %3lld %5.1f %14s %12.1f %10.2f %8.2fx\n", name.c_str(),
                     static_cast<long long>(b), static_cast<long long>(k), p, m.name, e.tok_s,
                     e.accept_len, e.tok_s / base.tok_s);
+        calls();
         std::fflush(stdout);
       }
     }
   }
   if (q35 != nullptr) {
     q35->set_verify_graphs(true);
-    ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
+    q35->set_device_chain(true);
   }
 }
 
@@ -380,7 +482,9 @@ int main(int argc, char** argv) {
   std::vector<double> ps;
   float temperature = 0.0f;
   std::string checkpoint;
+  bool profile_calls = false;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--profile-calls") == 0) profile_calls = true;
     if (std::strcmp(argv[i], "--checkpoint") == 0 && i + 1 < argc) checkpoint = argv[++i];
     if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) which = argv[++i];
     if (std::strcmp(argv[i], "--layers") == 0 && i + 1 < argc) layers = std::atoll(argv[++i]);
@@ -435,7 +539,7 @@ int main(int argc, char** argv) {
       std::printf("== %s: %s, %lld layers\n", name.c_str(), model->config().model_type.c_str(),
                   static_cast<long long>(model->config().num_hidden_layers));
       if (verify) bench_verify_model(name, *model, {1, 8, 32});
-      if (e2e) bench_e2e(name, *model, e2e_batches, max_tokens, runs, temperature);
+      if (e2e) bench_e2e(name, *model, e2e_batches, max_tokens, runs, temperature, profile_calls);
       return 0;
     }
     std::vector<M> models;

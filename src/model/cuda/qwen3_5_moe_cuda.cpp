@@ -308,6 +308,9 @@ struct Qwen35MoeCuda::Impl {
   // The last launch's device row of each batch-order token (mtp_draft_chain's pass 0 input),
   // and the draft chain's per-pass gather indices and argmax tokens.
   std::vector<int32_t> hidden_rows;
+  // On by default since the H200 measured it (docs/perf.md: 1-18% faster end to end than
+  // drafting pass by pass): set_device_chain, TANDEM_Q35_DEVICE_CHAIN=0 at load turns it off.
+  bool device_chain = env_not_off("TANDEM_Q35_DEVICE_CHAIN");
   DeviceMem chain_buf;
   PinnedMem chain_host;
   std::vector<int64_t> kept_first, kept_count;
@@ -1402,8 +1405,8 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
   const int64_t tw = graph ? im.graph_width : width;
   const int64_t seqs_run = graph ? bucket : nseq;
   int64_t num_prefill = 0;
-  HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n_run, tw,
-                           seqs_run, graph, -1, im.first_token, num_prefill);
+  HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n_run, tw, seqs_run,
+                           graph, -1, im.first_token, num_prefill);
   Impl::MtpW& t = im.mtp_w;
   if (dev != nullptr) {
     TANDEM_CHECK(dev->rows.size() == static_cast<size_t>(n) &&
@@ -1530,8 +1533,12 @@ void Qwen35MoeCuda::stage_mtp_hidden(const ForwardBatch& batch, const float* hid
 
 bool Qwen35MoeCuda::mtp_drafts_on_device() const {
   const char* e = std::getenv("TANDEM_MTP_DEVICE_CHAIN");
-  return has_mtp() && (e == nullptr || std::strcmp(e, "0") != 0);
+  return has_mtp() && impl_->device_chain && (e == nullptr || std::strcmp(e, "0") != 0);
 }
+
+void Qwen35MoeCuda::set_device_chain(bool on) { impl_->device_chain = on; }
+
+bool Qwen35MoeCuda::device_chain() const { return impl_->device_chain; }
 
 void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                                     const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
@@ -1602,6 +1609,34 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
   }
 }
 
+void Qwen35MoeCuda::capture_buckets(KvCache& kv, int64_t max_batch, int64_t q) {
+  // bucket sequences of q tokens at positions 0.. of page 0, each on its own state slot (the
+  // engine has handed out none yet; a sequence starting at 0 starts from a zero state, so what
+  // these write is never read).
+  Impl& im = *impl_;
+  if (buckets_.empty() || q > kv.geometry().page_size ||
+      kv.geometry().page_size != opts_.page_size) {
+    return;
+  }
+  const std::vector<int32_t> tokens(static_cast<size_t>(q), 0);
+  const int32_t page = 0;
+  for (const int64_t bucket : buckets_) {
+    if (bucket > std::max<int64_t>(1, max_batch) || bucket * q > im.t_cap ||
+        bucket * q > im.rows_cap || (im.num_linear > 0 && bucket > kv.num_state_slots())) {
+      break;
+    }
+    ForwardBatch b;
+    for (int64_t i = 0; i < bucket; ++i) {
+      b.seqs.push_back({tokens.data(), q, 0, &page, 1,
+                        q == 1 ? LogitsMode::kLast : LogitsMode::kAll, static_cast<int32_t>(i)});
+    }
+    launch(b, kv);  // captures the (bucket, q) graph, then replays it once
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void Qwen35MoeCuda::warm_up(KvCache& kv, int64_t max_batch) { capture_buckets(kv, max_batch, 1); }
+
 void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,
                                         int64_t k) {
   Impl& im = *impl_;
@@ -1610,26 +1645,8 @@ void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t ma
   if (has_mtp() && im.num_linear > 0 && k >= 1) {
     im.ensure_kept(std::min(im.t_cap, std::max<int64_t>(1, max_batch) * q));
   }
-  // The verify graph of every bucket: bucket sequences of q tokens at positions 0.. of page 0,
-  // each on its own state slot (the engine has handed out none yet; a sequence starting at 0
-  // starts from a zero state, so what these write is never read).
-  if (has_mtp() && im.verify_graphs && !buckets_.empty() && k >= 1 && q <= Impl::kMaxVerifyTokens &&
-      q <= kv.geometry().page_size && kv.geometry().page_size == opts_.page_size) {
-    const std::vector<int32_t> tokens(static_cast<size_t>(q), 0);
-    const int32_t page = 0;
-    for (const int64_t bucket : buckets_) {
-      if (bucket > std::max<int64_t>(1, max_batch) || bucket * q > im.t_cap ||
-          bucket * q > im.rows_cap || (im.num_linear > 0 && bucket > kv.num_state_slots())) {
-        break;
-      }
-      ForwardBatch b;
-      for (int64_t i = 0; i < bucket; ++i) {
-        b.seqs.push_back(
-            {tokens.data(), q, 0, &page, 1, LogitsMode::kAll, static_cast<int32_t>(i)});
-      }
-      launch(b, kv);  // captures the (bucket, q) graph, then replays it once
-    }
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (has_mtp() && im.verify_graphs && k >= 1 && q <= Impl::kMaxVerifyTokens) {
+    capture_buckets(kv, max_batch, q);  // the verify graphs
   }
   if (!has_mtp() || !im.mtp_graphs_on || buckets_.empty() || k < 2) return;  // no chain
   const int32_t token = 0, page = 0;

@@ -85,9 +85,13 @@ class Qwen35MoeCuda final : public Model {
   void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
-  /// True once the MTP layer is loaded, unless TANDEM_MTP_DEVICE_CHAIN=0: drafts chain on the
-  /// device (mtp_draft_chain).
+  /// True once the MTP layer is loaded with the device chain on (set_device_chain) and
+  /// TANDEM_MTP_DEVICE_CHAIN is not 0: drafts chain on the device (mtp_draft_chain).
   bool mtp_drafts_on_device() const override;
+  /// On by default (measured on the H200: docs/perf.md); TANDEM_Q35_DEVICE_CHAIN=0 at load
+  /// turns it off.
+  void set_device_chain(bool on);
+  bool device_chain() const;
   /// Model::mtp_draft_chain on the stream: pass 0's h_t gathered on the device from the last
   /// forward's final hidden states, each chained pass's tokens (the argmax of the pass before,
   /// DeviceSampler::argmax) and h_t (its mtp.norm rows) copied on the device; chained passes
@@ -96,6 +100,9 @@ class Qwen35MoeCuda final : public Model {
   void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                        const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                        std::vector<std::vector<int32_t>>& drafts) override;
+  /// Captures the decode graph of every bucket up to max_batch (writes KV at position 0 of
+  /// page 0 and the state slots 0..bucket - 1).
+  void warm_up(KvCache& kv, int64_t max_batch) override;
   /// Captures the verify graph (K + 1 tokens per sequence; verify graphs on) of every bucket up
   /// to max_batch (writes KV at positions 0..K of page 0 and the state slots 0..bucket - 1) and,
   /// with K >= 2 and draft graphs on, the chained MTP pass graph of each (MTP KV at position 0
@@ -152,6 +159,9 @@ class Qwen35MoeCuda final : public Model {
   // `hidden` (host, batch order), or `dev`'s.
   int64_t mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                      const MtpDeviceIn* dev = nullptr);
+  // The graphs of q tokens per sequence (1: decode, 2..5: verify) of every bucket up to
+  // max_batch (warm_up, warm_up_speculative).
+  void capture_buckets(KvCache& kv, int64_t max_batch, int64_t q);
   // mtp_launch's host h_t (batch order, fp32) into the MTP input (device order, bf16).
   void stage_mtp_hidden(const ForwardBatch& batch, const float* hidden, int64_t n_run);
   // The last MTP pass's rows' hidden states (after mtp.norm) as fp32 (synchronises).

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
-#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <vector>

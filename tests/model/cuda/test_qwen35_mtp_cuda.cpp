@@ -426,6 +426,7 @@ TEST_P(CudaQwen35Mtp, ReplayStatesAfterAVerifyGraphMatchAPrefixForward) {
 TEST_P(CudaQwen35Mtp, DraftChainEqualsPassByPass) {
   SpecComparison<Qwen35MoeCuda> sc(GetParam());
   sc.base.state_checkpoint_interval = 16;
+  EXPECT_TRUE(sc.gpu->mtp_drafts_on_device()) << "on by default";
   expect_draft_chain_equals_pass_by_pass(*sc.gpu, sc.g, sc.cases, sc.base);
   EXPECT_FALSE(sc.gpu->captured_mtp_buckets().empty()) << "no draft pass ran a graph";
 }
@@ -558,6 +559,7 @@ TEST(CudaQwen35MtpWarmUp, CapturesTheDraftGraphs) {
   w.warm_up = true;
   { Engine engine(*gpu, w); }
   EXPECT_EQ(gpu->captured_mtp_buckets(), (std::vector<int64_t>{1, 2, 4, 8}));
+  EXPECT_EQ(gpu->captured_buckets(), (std::vector<int64_t>{1, 2, 4, 8})) << "the decode graphs";
   const std::vector<std::pair<int64_t, int64_t>> verify = {{1, 4}, {2, 4}, {4, 4}, {8, 4}};
   EXPECT_EQ(gpu->captured_verify_graphs(), verify) << "the verify graphs (K + 1 = 4 tokens)";
   const auto got = run_engine(*gpu, g.cases, w, /*together=*/true);
