@@ -125,13 +125,13 @@ DecodeInstance::DecodeInstance(DecodeInstanceConfig config,
 
 void DecodeInstance::load_mtp(Model& model) const {
   if (config_.mtp_dir.empty()) return;
-  // A hybrid's verify step rolls the recurrent state of a rejected draft back with a forward
-  // of its own (Engine::rollback_states), which only the ranks with a rejection would run: a
-  // collective the others never join under EP.
-  TANDEM_CHECK_KIND(kUnsupported, config_.dp == 1 || model.state_slot_elems() == 0,
-                    "MTP speculative decoding on a decode instance with --dp ", config_.dp,
-                    " is not supported for hybrid models (model_type '", model.config().model_type,
-                    "'): use --dp 1, or drop --speculative-config");
+  // A hybrid's rejected drafts roll back by Model::replay_states, rank-local (a rollback by
+  // forward would be a collective only the ranks with a rejection run).
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      config_.dp == 1 || model.state_slot_elems() == 0 || spec_state_replay_on(config_.engine),
+      "MTP speculative decoding of a hybrid model (model_type '", model.config().model_type,
+      "') with --dp ", config_.dp, " needs the state replay (TANDEM_SPEC_STATE_REPLAY is 0)");
   model.load_mtp(config_.mtp_dir);
 }
 

@@ -83,6 +83,10 @@ struct EngineConfig {
   ConstraintFactory constraint_factory;
 };
 
+/// EngineConfig::spec_state_replay as the engine applies it (TANDEM_SPEC_STATE_REPLAY=0 turns it
+/// off).
+bool spec_state_replay_on(const EngineConfig& c);
+
 /// Single-threaded engine core. Not thread-safe; AsyncEngine wraps it in a thread.
 class Engine {
  public:

@@ -243,6 +243,11 @@ void Qwen35MoeCpu::lm_head(const float* last, int64_t r, std::vector<float>& log
 }
 
 bool Qwen35MoeCpu::replay_states(const std::vector<StateReplay>& replays, KvCache& kv) {
+  // A decode DP rank cannot fall back to a forward: that is collective, and only the ranks with
+  // a rejection would run it.
+  TANDEM_CHECK(kept_tokens_ >= 0 || !plan_.data_parallel() || replays.empty(),
+               "replay_states: the last forward kept no recurrence inputs, and a decode DP rank "
+               "cannot roll back by a forward");
   if (kept_tokens_ < 0) return false;
   const auto& c = config_;
   const int64_t hk = dn_.key_heads.size(), hv = dn_.value_heads.size();

@@ -25,12 +25,12 @@ struct Qwen35MoeCpu::Mtp {
 };
 
 void Qwen35MoeCpu::load_mtp(const std::string& dir) {
-  // One process only for now: the pass below is local (every head and expert, the whole
-  // lm_head), and the engine's DeltaNet rollback recomputes kept positions with an extra
-  // forward that the ranks of a sharded group (collectives in lockstep) would not all run.
-  TANDEM_CHECK_KIND(kUnsupported, plan_.spec.size <= 1,
-                    "MTP speculative decoding of Qwen3.5 hybrids on a sharded instance (",
-                    plan_.spec.size, " ranks) is not supported yet; use one process");
+  // One process, or a decode DP/EP rank: the pass below is local (every head and expert, the
+  // whole lm_head, which a decode rank replicates), and a rejected draft's DeltaNet state rolls
+  // back by replay_states (local too). A prefill TP rank holds a slice of the heads and vocab.
+  TANDEM_CHECK_KIND(kUnsupported, plan_.spec.size <= 1 || plan_.data_parallel(),
+                    "MTP speculative decoding of Qwen3.5 hybrids on a tensor-parallel instance (",
+                    plan_.spec.size, " ranks) is not supported; use one process or decode DP");
   Checkpoint ckpt(dir);
   TANDEM_CHECK_KIND(kNotFound, ckpt.has("mtp.fc.weight"), dir,
                     ": no MTP weights (tensor 'mtp.fc.weight' not found)");

@@ -2,7 +2,8 @@
 // block is sharded by experts as the target's and runs through the same all-to-all, so every
 // rank runs num_speculative_tokens MTP passes per step, empty ones included
 // (Model::mtp_collective, Engine::pad_mtp_passes). Greedy tokens, drafts and counters equal
-// DP 1's; the experts are really sharded; uneven work (idle ranks) does not hang.
+// DP 1's; the experts are really sharded; uneven work (idle ranks) does not hang. Qwen3.5
+// hybrids (their MTP layer local, their state rollback a rank-local replay) under DP too.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -364,9 +365,18 @@ TEST(SpecDecodeEp, CollectiveMtpRunsKPassesEveryStep) {
   }
 }
 
-// Hybrids keep their MTP layer whole and local (no collectives); under DP > 1 their state
-// rollback would be a forward of some ranks only: refused with a message.
-TEST(SpecDecodeEp, HybridRefusedUnderDpAbove1) {
+// Qwen3.5 hybrids: each rank keeps the MTP layer whole and local, and a rejected draft's
+// DeltaNet state rolls back by the replay of its verify's inputs, rank-local: DP 2 and 4 give
+// DP 1's tokens, drafts and counters.
+TEST(SpecDecodeEp, HybridDpEqualsDp1ForK1To3) {
+  const std::string dir = testing::hybrid_golden_dirs().front();
+  const RandomMtp mtp(dir, 2);
+  expect_dp_equals_dp1(dir, mtp.dir, /*real_head=*/false);
+}
+
+// Without the replay (TANDEM_SPEC_STATE_REPLAY=0) the rollback is a forward that only some ranks
+// would run: a hybrid speculating with --dp above 1 is refused then, --dp 1 still speculates.
+TEST(SpecDecodeEp, HybridWithoutStateReplayRefusedUnderDpAbove1) {
   const std::string dir = testing::hybrid_golden_dirs().front();
   const RandomMtp mtp(dir, 2);
   DecodeInstanceConfig cfg;
@@ -374,16 +384,17 @@ TEST(SpecDecodeEp, HybridRefusedUnderDpAbove1) {
   cfg.dp = 2;
   cfg.engine.num_pages = 64;
   cfg.engine.num_speculative_tokens = 2;
+  cfg.engine.spec_state_replay = false;
   cfg.mtp_dir = mtp.dir;
   try {
     DecodeInstance d(cfg);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
-    EXPECT_NE(e.message().find("hybrid"), std::string::npos) << e.message();
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
     EXPECT_NE(e.message().find("--dp 2"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("replay"), std::string::npos) << e.message();
   }
-  cfg.dp = 1;  // one rank speculates as before
+  cfg.dp = 1;
   DecodeInstance one(cfg);
 }
 

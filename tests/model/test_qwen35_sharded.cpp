@@ -238,6 +238,20 @@ TEST_P(ShardedQwen35, WhatDoesNotSplitIsRefused) {
     }
   });
   EXPECT_THROW((void)Qwen35MoeCpu::load(g.dir, ShardSpec::prefill(0, 2), nullptr), Error);
+  // A tensor-parallel rank holds a slice of the heads and the vocabulary: no MTP layer there
+  // (a decode DP rank replicates them: tests/engine/test_speculative_ep.cpp).
+  if (splits(c, ShardSpec::prefill(0, 2))) {
+    run_local_group(2, [&](Communicator& comm) {
+      auto m = Qwen35MoeCpu::load(g.dir, ShardSpec::prefill(comm.rank(), 2), &comm);
+      try {
+        m->load_mtp(g.dir);
+        ADD_FAILURE() << "MTP on a TP rank accepted";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
+        EXPECT_NE(std::string(e.what()).find("tensor-parallel"), std::string::npos) << e.what();
+      }
+    });
+  }
   // Value heads that do not split over the TP group are named.
   const int t = static_cast<int>(c.linear_num_value_heads) * 2;
   if (c.num_experts % t == 0 && c.num_attention_heads % t == 0) {

@@ -144,6 +144,24 @@ inline std::vector<int32_t> teacher_forced_tokens(const testing::GoldenCase& c) 
   return tokens;
 }
 
+// Block tables for the token lists `toks` (pages of `page` tokens): case i owns pages
+// [i * per, (i + 1) * per), per = longest / page + 2, ascending or descending.
+struct CaseTables {
+  int64_t per = 0;
+  std::vector<int32_t> tables;  // [cases * per]
+};
+inline CaseTables case_tables(const std::vector<std::vector<int32_t>>& toks, int64_t page,
+                              bool descending) {
+  size_t longest = 0;
+  for (const auto& t : toks) longest = std::max(longest, t.size());
+  CaseTables c;
+  c.per = static_cast<int64_t>(longest) / page + 2;
+  c.tables.resize(toks.size() * static_cast<size_t>(c.per));
+  std::iota(c.tables.begin(), c.tables.end(), 0);
+  if (descending) std::reverse(c.tables.begin(), c.tables.end());
+  return c;
+}
+
 // Every case's teacher-forced tokens through `model` with all cases in each step: the prompts
 // (their prompt lengths) first, then verify-shaped steps of q tokens for every case still
 // running (uniform while every case has q tokens left: a verify graph's shape). Case i owns 4-token
@@ -154,12 +172,7 @@ inline std::vector<std::vector<float>> verify_shaped_rows(
     int64_t q) {
   const int64_t vocab = model.config().vocab_size;
   const auto nc = static_cast<int64_t>(toks.size());
-  size_t longest = 0;
-  for (const auto& t : toks) longest = std::max(longest, t.size());
-  const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
-  std::vector<int32_t> tables(static_cast<size_t>(nc * per));
-  std::iota(tables.begin(), tables.end(), 0);
-  std::reverse(tables.begin(), tables.end());
+  const auto [per, tables] = case_tables(toks, 4, /*descending=*/true);
   KvCache kv = model.make_kv_cache(nc * per, 4);
   const bool states = model.state_slot_elems() > 0;
   if (states) kv.allocate_states(nc, model.state_slot_elems());

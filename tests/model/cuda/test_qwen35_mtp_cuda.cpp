@@ -33,6 +33,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/chi_square.h"
@@ -93,18 +94,15 @@ struct Layout {
 
 Layout layout(const testing::Golden& g, int64_t page) {
   Layout l;
-  size_t longest = 0;
   for (const auto& c : g.cases) {
     std::vector<int32_t> t = c.prompt_ids;
     t.insert(t.end(), c.output_ids.begin(), c.output_ids.end());
-    longest = std::max(longest, t.size());
     l.toks.push_back(t);
   }
   l.nc = static_cast<int64_t>(l.toks.size());
-  l.per = static_cast<int64_t>(longest) / page + 2;
-  l.tables.resize(static_cast<size_t>(l.nc * l.per));
-  std::iota(l.tables.begin(), l.tables.end(), 0);
-  std::reverse(l.tables.begin(), l.tables.end());
+  CaseTables ct = case_tables(l.toks, page, /*descending=*/true);
+  l.per = ct.per;
+  l.tables = std::move(ct.tables);
   return l;
 }
 
@@ -264,6 +262,17 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
   EXPECT_TRUE(gpu->has_mtp());
 }
 
+// The GPU model of `dir` for the verify-step tests: 512 tokens, 8 sequences, 4-token pages.
+std::unique_ptr<Qwen35MoeCuda> load_for_verify_steps(const std::string& dir, bool verify_graphs) {
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto gpu = Qwen35MoeCuda::load(dir, o);
+  gpu->set_verify_graphs(verify_graphs);
+  return gpu;
+}
+
 // The target's verify-shaped steps (q tokens per sequence, logits of all, every case in one
 // batch: chunks continuing the DeltaNet states and the KV mid-page) against the CPU model's
 // teacher-forced logits of the same positions, by the hybrid statistics of test_qwen35_cuda.cpp.
@@ -271,12 +280,7 @@ TEST_P(CudaQwen35Mtp, HiddenAndMtpPassesMatchTheCpuModel) {
 void expect_verify_rows_match_the_cpu(const std::string& dir, bool verify_graphs) {
   const testing::Golden g = testing::load_golden(dir);
   auto cpu = Qwen35MoeCpu::load(dir);
-  CudaModelOptions o;
-  o.max_tokens = 512;
-  o.max_seqs = 8;
-  o.page_size = 4;
-  auto gpu = Qwen35MoeCuda::load(dir, o);
-  gpu->set_verify_graphs(verify_graphs);
+  auto gpu = load_for_verify_steps(dir, verify_graphs);
   const int64_t vocab = cpu->config().vocab_size;
   std::vector<double> errs;
   RowStats st;
@@ -332,12 +336,7 @@ TEST_P(CudaQwen35Mtp, VerifyGraphRowsMatchTheCpuModel) {
 // shape), far closer than the state after all 4.
 void expect_replay_matches_a_prefix_forward(const std::string& dir, bool verify_graphs) {
   const testing::Golden g = testing::load_golden(dir);
-  CudaModelOptions o;
-  o.max_tokens = 512;
-  o.max_seqs = 8;
-  o.page_size = 4;
-  auto gpu = Qwen35MoeCuda::load(dir, o);
-  gpu->set_verify_graphs(verify_graphs);
+  auto gpu = load_for_verify_steps(dir, verify_graphs);
   constexpr int64_t q = 4;
   std::vector<std::vector<int32_t>> toks;
   std::vector<int64_t> prompt;
@@ -349,11 +348,7 @@ void expect_replay_matches_a_prefix_forward(const std::string& dir, bool verify_
   }
   ASSERT_FALSE(toks.empty());
   const auto nc = static_cast<int64_t>(toks.size());
-  size_t longest = 0;
-  for (const auto& t : toks) longest = std::max(longest, t.size());
-  const int64_t per = static_cast<int64_t>(longest) / 4 + 2;
-  std::vector<int32_t> tables(static_cast<size_t>(nc * per));
-  std::iota(tables.begin(), tables.end(), 0);
+  const auto [per, tables] = case_tables(toks, 4, /*descending=*/false);
   KvCache kv = gpu->make_kv_cache(nc * per, 4);
   kv.allocate_states(2 * nc, gpu->state_slot_elems());
   auto step = [&](const std::function<int64_t(int64_t)>& start,
