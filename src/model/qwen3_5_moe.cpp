@@ -242,6 +242,20 @@ void Qwen35MoeCpu::lm_head(const float* last, int64_t r, std::vector<float>& log
   cpu_lm_head(config_, plan_, comm_, head, last, r, logits);
 }
 
+void Qwen35MoeCpu::recurrence(const Layer& layer, const float* mixed, const float* g,
+                              const float* beta, int64_t n, float* slot, float* conv_out,
+                              float* out) const {
+  const auto& c = config_;
+  const int64_t hk = dn_.key_heads.size(), hv = dn_.value_heads.size();
+  float* conv_state = slot + layer.index * state_elems_per_layer();
+  float* rec_state = conv_state + conv_dim_ * (c.linear_conv_kernel_dim - 1);
+  cpu::causal_conv1d({mixed, layer.conv.ptr<float>(), conv_state, conv_out, n, conv_dim_,
+                      c.linear_conv_kernel_dim});
+  cpu::gated_delta_rule({conv_out, conv_out + key_dim_, conv_out + 2 * key_dim_, g, beta, rec_state,
+                         out, n, hk, hv, c.linear_key_head_dim, c.linear_value_head_dim,
+                         conv_dim_});
+}
+
 bool Qwen35MoeCpu::replay_states(const std::vector<StateReplay>& replays, KvCache& kv) {
   // A decode DP rank cannot fall back to a forward: that is collective, and only the ranks with
   // a rejection would run it.
@@ -249,10 +263,7 @@ bool Qwen35MoeCpu::replay_states(const std::vector<StateReplay>& replays, KvCach
                "replay_states: the last forward kept no recurrence inputs, and a decode DP rank "
                "cannot roll back by a forward");
   if (kept_tokens_ < 0) return false;
-  const auto& c = config_;
-  const int64_t hk = dn_.key_heads.size(), hv = dn_.value_heads.size();
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t kern = c.linear_conv_kernel_dim;
+  const auto hv = static_cast<int64_t>(dn_.value_heads.size());
   int64_t most = 0;
   for (const StateReplay& r : replays) {
     const auto it = std::find_if(kept_chunks_.begin(), kept_chunks_.end(),
@@ -271,13 +282,9 @@ bool Qwen35MoeCpu::replay_states(const std::vector<StateReplay>& replays, KvCach
     if (!layer.linear) continue;
     const KeptInputs& kept = kept_[static_cast<size_t>(layer.index)];
     for (const StateReplay& r : replays) {
-      float* conv_state = kv.state(r.state_slot) + layer.index * state_elems_per_layer();
-      float* rec_state = conv_state + conv_dim_ * (kern - 1);
-      cpu::causal_conv1d({kept.mixed.data() + r.row * conv_dim_, layer.conv.ptr<float>(),
-                          conv_state, co.data(), r.count, conv_dim_, kern});
-      cpu::gated_delta_rule({co.data(), co.data() + key_dim_, co.data() + 2 * key_dim_,
-                             kept.g.data() + r.row * hv, kept.beta.data() + r.row * hv, rec_state,
-                             out.data(), r.count, hk, hv, dk, dv, conv_dim_});
+      recurrence(layer, kept.mixed.data() + r.row * conv_dim_, kept.g.data() + r.row * hv,
+                 kept.beta.data() + r.row * hv, r.count, kv.state(r.state_slot), co.data(),
+                 out.data());
     }
   }
   kept_tokens_ = -1;  // replayed once
@@ -288,9 +295,7 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
   const auto& c = config_;
   const int64_t h = c.hidden_size, d = c.head_dim;
   const int64_t qh = plan_.q_heads.size(), kvh = plan_.kv_heads.size();  // this rank's heads
-  const int64_t hk = dn_.key_heads.size(), hv = dn_.value_heads.size();
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t kern = c.linear_conv_kernel_dim;
+  const int64_t hv = dn_.value_heads.size(), dv = c.linear_value_head_dim;
   const int64_t in_w = conv_dim_ + value_dim_ + 2 * hv;  // in_proj row: qkv | z | b | a
   const int64_t page_size = kv.geometry().page_size;
   const int64_t n = batch.num_tokens();
@@ -380,15 +385,10 @@ void Qwen35MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<f
                            layer.dt_bias.ptr<float>(), beta.data(), g.data(), n, hv, in_w});
       for (size_t si = 0; si < batch.seqs.size(); ++si) {
         const ForwardSeq& s = batch.seqs[si];
-        const int64_t t0 = seq_begin[si], ns = s.num_tokens;
-        float* conv_state = kv.state(s.state_slot) + layer.index * state_elems_per_layer();
-        float* rec_state = conv_state + conv_dim_ * (kern - 1);
-        float* co = conv_out.data() + t0 * conv_dim_;
-        cpu::causal_conv1d({mixed.data() + t0 * conv_dim_, layer.conv.ptr<float>(), conv_state, co,
-                            ns, conv_dim_, kern});
-        cpu::gated_delta_rule({co, co + key_dim_, co + 2 * key_dim_, g.data() + t0 * hv,
-                               beta.data() + t0 * hv, rec_state, attn.data() + t0 * value_dim_, ns,
-                               hk, hv, dk, dv, conv_dim_});
+        const int64_t t0 = seq_begin[si];
+        recurrence(layer, mixed.data() + t0 * conv_dim_, g.data() + t0 * hv, beta.data() + t0 * hv,
+                   s.num_tokens, kv.state(s.state_slot), conv_out.data() + t0 * conv_dim_,
+                   attn.data() + t0 * value_dim_);
       }
       if (batch.keep_recurrent_inputs) {  // replay_states' inputs
         KeptInputs& kept = kept_[static_cast<size_t>(layer.index)];

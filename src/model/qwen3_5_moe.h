@@ -108,6 +108,11 @@ class Qwen35MoeCpu final : public Model {
   // y = the MoE block (routed experts + gated shared expert) of the n rows of xn, summed over
   // the ranks.
   void moe_block(const Layer& layer, const float* xn, int64_t n, float* y);
+  // One DeltaNet layer's recurrence over n tokens of one sequence: the conv over `mixed`
+  // ([n, conv_dim_]) into conv_out, then the delta rule with the gates g, beta ([n, v_heads])
+  // into out ([n, value_dim_]), on that layer's part of the state slot `slot`.
+  void recurrence(const Layer& layer, const float* mixed, const float* g, const float* beta,
+                  int64_t n, float* slot, float* conv_out, float* out) const;
   // logits [rows, vocab] from the final hidden rows `last` [rows, hidden] (normed).
   void lm_head(const float* last, int64_t rows, std::vector<float>& logits);
 

@@ -459,6 +459,19 @@ struct Recorded {
   }
 };
 
+// A prefill instance of tp ranks (8-token pages) and one decode rank holding KV heads [0, 2)
+// (16-token pages) whose receiver records what arrives (Recorded).
+struct PrefillToOneDecode {
+  Events ev;
+  Prefill prefill;
+  Decode decode;
+  Recorded rec;
+  PrefillToOneDecode(const ModelShape& m, int tp, TransferBackend& b)
+      : prefill(m, tp, 8, b, ev), decode(m, {{0, 2}}, 16, b, ev) {
+    decode.receivers[0] = b.make_receiver(*decode.caches[0], rec.callbacks(ev, "rx0"));
+  }
+};
+
 // Hybrid models: the recurrent state travels with the FINISH of the rank that sends it and
 // reaches on_state (before on_complete) bit for bit; a request whose senders all finish without
 // it fails; a state of the wrong size is refused at the sender.
@@ -471,11 +484,8 @@ TEST(TcpTransfer, RecurrentStateTravelsWithTheFinish) {
   for (float& v : state) v = ud(rng);
   for (int tp : {1, 2}) {
     SCOPED_TRACE("prefill tp " + std::to_string(tp));
-    Events ev;
-    Prefill prefill(m, tp, 8, *b, ev);
-    Decode decode(m, {{0, 2}}, 16, *b, ev);
-    Recorded rec;
-    decode.receivers[0] = b->make_receiver(*decode.caches[0], rec.callbacks(ev, "rx0"));
+    PrefillToOneDecode cluster(m, tp, *b);
+    auto& [ev, prefill, decode, rec] = cluster;
     const Reference ref(m, 20, 3);
     // "s": rank 0 sends the state; "n": nobody does; "w": a state of another size.
     for (const std::string id : {"s", "n", "w"}) {
@@ -541,11 +551,8 @@ TEST(TcpTransfer, PromptHiddenStatesTravelBeforeTheFinish) {
   const std::vector<float> state = {1.f, 2.f, 3.f};
   for (int tp : {1, 2}) {
     SCOPED_TRACE("prefill tp " + std::to_string(tp));
-    Events ev;
-    Prefill prefill(m, tp, 8, *b, ev);
-    Decode decode(m, {{0, 2}}, 16, *b, ev);
-    Recorded rec;
-    decode.receivers[0] = b->make_receiver(*decode.caches[0], rec.callbacks(ev, "rx0"));
+    PrefillToOneDecode cluster(m, tp, *b);
+    auto& [ev, prefill, decode, rec] = cluster;
     auto& got = rec.hidden;
     const Reference ref(m, kTokens, 3);
     // "a": every row from rank 0 (with a recurrent state too); "p": rows 8.. from the last
