@@ -123,7 +123,7 @@ step test_backend_cuda 240 "$BIN/test_backend_cuda"
 step test_model_cuda 150 "$BIN/test_model_cuda" --gtest_filter='-CudaBatchInvariance.*:*CudaQwen35Mtp*'
 # The speculative step's kernels alone (a subset of test_backend_cuda, for a short run): the
 # after-verify metadata (spec_advance) and the rejection sampler vs their CPU references.
-step test_spec_kernels 60 "$BIN/test_backend_cuda" --gtest_filter='*SpecAdvance*:*SpecAccept*'
+step test_spec_kernels 60 "$BIN/test_backend_cuda" --gtest_filter='*SpecAdvance*:*SpecAccept*:*SpecReplay*'
 # MTP speculative decoding of Qwen3.5 hybrids on the GPU (issue 13): the MTP pass and hidden_out
 # vs the CPU model, greedy lossless K = 1..4, the sampled chi-square.
 step test_model_cuda_q35mtp 150 "$BIN/test_model_cuda" --gtest_filter='*CudaQwen35Mtp*'

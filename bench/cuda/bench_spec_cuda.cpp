@@ -11,11 +11,13 @@
 // Models: Qwen3-30B-A3B (48 layers, or --layers N), one Qwen3-235B-A22B layer (vocab 1024);
 // or (--checkpoint DIR: a host-timed verify-cost table, then end to end) a checkpoint on disk
 // with its mtp.* tensors, e.g. a real-shape Qwen3.5 written by `make_random_checkpoint --preset
-// qwen3.5-35b-a3b --mtp`. A hybrid's speculative rows run four ways: the defaults (rejected
-// drafts' DeltaNet states rolled back by the replay of the verify's inputs, verify steps in
-// CUDA graphs, the draft chain on the device), "passes" (drafts pass by pass through the
-// host: Qwen35MoeCuda::set_device_chain off), "eager-verify" (set_verify_graphs off) and
-// "forward" (the rollback by a second forward: EngineConfig::spec_state_replay off).
+// qwen3.5-35b-a3b --mtp`. A hybrid's speculative rows run five ways: the defaults (the fused
+// step: verify, acceptance, the rejected drafts' DeltaNet states rolled back by the replay of
+// the verify's inputs and the draft chain on the device with one synchronisation; verify steps
+// in CUDA graphs), "unfused" (the same parts with the acceptance and the rollback through the
+// host: Qwen35MoeCuda::set_fused_step off), "passes" (drafts pass by pass through the host:
+// set_device_chain off), "eager-verify" (set_verify_graphs off) and "forward" (the rollback by a
+// second forward: EngineConfig::spec_state_replay off).
 // --profile-calls adds each row's model calls in its timed wave (count x host milliseconds).
 //
 //   bench_spec_cuda [--model 30b|235b-layer|all] [--layers N] [--verify-only] [--e2e-only]
@@ -424,15 +426,16 @@ void bench_e2e(const std::string& name, Model& inner, const std::vector<int64_t>
   // A hybrid's rollback modes (see the top of the file).
   struct Mode {
     const char* name;
-    bool replay, verify_graphs, chain;
+    bool replay, verify_graphs, chain, fused;
   };
   auto* q35 = dynamic_cast<Qwen35MoeCuda*>(&inner);
-  std::vector<Mode> modes = {{"-", true, true, true}};
+  std::vector<Mode> modes = {{"-", true, true, true, true}};
   if (q35 != nullptr) {
-    modes = {{"default", true, true, true},
-             {"passes", true, true, false},
-             {"eager-verify", true, false, true},
-             {"forward", false, true, true}};
+    modes = {{"default", true, true, true, true},
+             {"unfused", true, true, true, false},
+             {"passes", true, true, false, true},
+             {"eager-verify", true, false, true, true},
+             {"forward", false, true, true, true}};
   }
   std::printf(
       "\n== %s: end-to-end decode through the engine (%s, 256-token prompts, %lld "
@@ -456,6 +459,7 @@ void bench_e2e(const std::string& name, Model& inner, const std::vector<int64_t>
         if (q35 != nullptr) {
           q35->set_verify_graphs(m.verify_graphs);
           q35->set_device_chain(m.chain);
+          q35->set_fused_step(m.fused);
         }
         const E2e e = run_engine(model, b, k, p, 256, max_tokens, temperature, m.replay);
         std::printf("%-14s %6lld %3lld %5.1f %14s %12.1f %10.2f %8.2fx\n", name.c_str(),
@@ -469,6 +473,7 @@ void bench_e2e(const std::string& name, Model& inner, const std::vector<int64_t>
   if (q35 != nullptr) {
     q35->set_verify_graphs(true);
     q35->set_device_chain(true);
+    q35->set_fused_step(true);
   }
 }
 

@@ -409,10 +409,10 @@ void Engine::start_masks(const ScheduledBatch& batch) {
 bool Engine::forward(const ScheduledBatch& batch) {
   start_masks(batch);  // overlaps the model's forward
   try {
-    snapshot_states(batch);
     draw_forced_accepts(batch);
     sampled_on_device_ = model_.samples_on_device() && device_rows(batch, device_rows_);
     fused_ = sampled_on_device_ && fused_step(batch);
+    snapshot_states(batch);
     if (fused_) {
       forward_fused(batch);
     } else if (sampled_on_device_) {
@@ -878,7 +878,8 @@ bool Engine::take_host_rows(std::vector<Computed>& computed) {
 
 void Engine::snapshot_states(const ScheduledBatch& batch) {
   rollbacks_.clear();
-  if (!speculating() || model_.state_slot_elems() <= 0) return;
+  // (a fused step keeps the state before itself: VerifyDraftStep::spare_slots)
+  if (!speculating() || model_.state_slot_elems() <= 0 || fused_) return;
   for (const auto& ss : batch.seqs) {
     if (ss.verify && ss.seq->state_slot >= 0) {
       kv_.copy_state(ss.seq->state_slot, spare_state_slot(ss.seq->state_slot));
@@ -894,6 +895,20 @@ void Engine::rollback_states() {
   for (const Computed& c : todo) {
     Sequence* s = scheduler_.find(c.id);
     if (s == nullptr || s->state_slot < 0) continue;
+    if (fused_) {  // rolled back inside the step, to the device's accepted count
+      if (s->fused_accepted == c.count - 1) {
+        ++state_replays_;
+        continue;
+      }
+      // (the host accepts what the device did unless the step ended the sequence)
+      StepOutput out;
+      out.id = s->req.id;
+      out.error = "internal error: the fused speculative step kept " +
+                  std::to_string(s->fused_accepted + 1) + " positions, the engine " +
+                  std::to_string(c.count);
+      finish(*s, FinishReason::kError, out);
+      continue;
+    }
     kv_.copy_state(spare_state_slot(s->state_slot), s->state_slot);
     replays.push_back({s->state_slot, c.hidden_row, c.count});
     ForwardSeq f{s->tokens.data() + c.start,
@@ -1015,8 +1030,10 @@ void Engine::draw_forced_accepts(const ScheduledBatch& batch) {
 
 bool Engine::fused_step(const ScheduledBatch& batch) {
   // (held prefilled prompts: their MTP pass over the prompt runs in draft(), not fused)
+  // (a hybrid's rejected drafts roll back inside the step by replaying its recurrence inputs)
+  const bool states = model_.state_slot_elems() > 0;
   if (!speculating() || batch.seqs.empty() || !model_.fuses_verify_and_draft() ||
-      model_.mtp_collective() || model_.state_slot_elems() > 0 || !held_.empty()) {
+      model_.mtp_collective() || (states && !config_.spec_state_replay) || !held_.empty()) {
     return false;
   }
   for (const auto& ss : batch.seqs) {
@@ -1046,6 +1063,8 @@ void Engine::forward_fused(const ScheduledBatch& batch) {
     fb.seqs[i].block_table = s.pages.data();
     fb.seqs[i].num_pages = static_cast<int64_t>(s.pages.size());
     step.forced.push_back(s.forced_accepts);
+    const bool verify = batch.seqs[i].verify && s.state_slot >= 0;
+    step.spare_slots.push_back(verify ? static_cast<int32_t>(spare_state_slot(s.state_slot)) : -1);
   }
   model_.forward_verify_draft(fb, kv_, device_rows_, mtp_kv_, step, sampled_);
   for (size_t i = 0; i < batch.seqs.size(); ++i) {

@@ -211,8 +211,9 @@ class Engine {
   /// Benchmarks (spec_forced_accept_prob): each verify chunk's accepted drafts, drawn before
   /// its forward (Sequence::forced_accepts).
   void draw_forced_accepts(const ScheduledBatch& batch);
-  /// True when this step runs fused: a model that fuses, one rank's MTP layer, no recurrent
-  /// state, every sequence a verify chunk or a one-token decode that drafts on the device; also
+  /// True when this step runs fused: a model that fuses, one rank's MTP layer, recurrent states
+  /// only with the state replay on (the model rolls them back inside the step), every sequence
+  /// a verify chunk or a one-token decode that drafts on the device; also
   /// allocates the pages its chained drafts write (false when the pool has none).
   bool fused_step(const ScheduledBatch& batch);
   void forward_fused(const ScheduledBatch& batch);
@@ -235,7 +236,8 @@ class Engine {
   /// over all K + 1 positions. Before it the state is copied to the sequence's spare slot
   /// (snapshot_states); when fewer positions were kept, rollback_states restores the copy and
   /// recomputes the kept positions (one forward without logits; their KV is rewritten with the
-  /// same values), so the state is the one after the last kept token.
+  /// same values), so the state is the one after the last kept token. After a fused step the
+  /// model did both (Model::forward_verify_draft, from VerifyDraftStep::spare_slots).
   void snapshot_states(const ScheduledBatch& batch);
   void rollback_states();
   int64_t spare_state_slot(int32_t slot) const {

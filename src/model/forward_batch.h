@@ -167,6 +167,9 @@ struct MtpChainPass {
 struct VerifyDraftStep {
   std::vector<int32_t> forced;  // [seqs] in: accepted drafts forced (benchmarks); -1: the target's
   int64_t num_drafts = 0;       // in: K, the drafts each sequence gets for the next step
+  // [seqs] in, hybrid models: a free state slot for each verify sequence, the model's to use
+  // during the step (its contents are not kept), -1: none (no drafts to verify).
+  std::vector<int32_t> spare_slots;
   std::vector<int32_t> accepted;             // [seqs] out: drafts accepted
   std::vector<std::vector<int32_t>> drafts;  // [seqs][num_drafts] out: the next drafts
 };

@@ -173,14 +173,55 @@ void verify_draft_on_host(Model& model, std::span<const float> target_hidden,
   }
 }
 
+void snapshot_verify_states(Model& model, const ForwardBatch& batch, const VerifyDraftStep& step,
+                            KvCache& kv) {
+  if (model.state_slot_elems() <= 0) return;
+  TANDEM_CHECK(step.spare_slots.size() == batch.seqs.size(),
+               "forward_verify_draft: ", step.spare_slots.size(), " spare slots for ",
+               batch.seqs.size(), " sequences");
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const ForwardSeq& f = batch.seqs[i];
+    if (f.num_tokens > 1 && f.state_slot >= 0 && step.spare_slots[i] >= 0) {
+      kv.copy_state(f.state_slot, step.spare_slots[i]);
+    }
+  }
+}
+
+void rollback_verify_states(Model& model, const ForwardBatch& batch, const VerifyDraftStep& step,
+                            KvCache& kv) {
+  if (model.state_slot_elems() <= 0) return;
+  const size_t n = batch.seqs.size();
+  TANDEM_CHECK(step.spare_slots.size() == n && step.accepted.size() == n,
+               "forward_verify_draft: ", step.spare_slots.size(), " spare slots and ",
+               step.accepted.size(), " accepted counts for ", n, " sequences");
+  std::vector<StateReplay> replays;
+  int64_t row = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const ForwardSeq& f = batch.seqs[i];
+    const int32_t a = step.accepted[i];
+    if (a < f.num_tokens - 1 && f.state_slot >= 0) {
+      TANDEM_CHECK(step.spare_slots[i] >= 0, "forward_verify_draft: sequence ", i,
+                   " rejected a draft but has no snapshot slot");
+      kv.copy_state(step.spare_slots[i], f.state_slot);
+      replays.push_back({f.state_slot, row, a + 1});
+    }
+    row += f.num_tokens;
+  }
+  TANDEM_CHECK(replays.empty() || model.replay_states(replays, kv),
+               "forward_verify_draft: the verify kept no recurrence inputs to roll states back");
+}
+
 void Model::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
                                  const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
                                  VerifyDraftStep& step, std::vector<SampledToken>& out) {
   ForwardBatch fb = batch;
   std::vector<float> hidden;
   fb.hidden_out = &hidden;
+  fb.keep_recurrent_inputs = state_slot_elems() > 0;
+  snapshot_verify_states(*this, batch, step, kv);
   forward_sample(fb, kv, rows, out);
   verify_draft_on_host(*this, hidden, batch, out, mtp_kv, step);
+  rollback_verify_states(*this, batch, step, kv);
 }
 
 struct Qwen3MoeCpu::Mtp {

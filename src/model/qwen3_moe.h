@@ -132,7 +132,10 @@ class Model {
   /// token; the target's hidden states), its row's argmax, chained num_drafts - 1 times at
   /// positions start + a_i + 1 ... Drafts at positions past the block table are unspecified; MTP
   /// KV past the sequence's tokens may be written (it is rewritten before it is read).
-  /// The default: forward_sample, then verify_draft_on_host.
+  /// Hybrid models (state_slot_elems() > 0): every sequence's state is then the one after
+  /// position start + a (step.spare_slots: a free slot per verify sequence for the step's use).
+  /// The default: snapshot_verify_states, forward_sample (keeping the recurrence inputs),
+  /// verify_draft_on_host, then rollback_verify_states.
   virtual void forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
                                     const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
                                     VerifyDraftStep& step, std::vector<SampledToken>& out);
@@ -163,6 +166,17 @@ void mtp_draft_chain_on_host(Model& model, std::span<const float> target_hidden,
 void verify_draft_on_host(Model& model, std::span<const float> target_hidden,
                           const ForwardBatch& batch, const std::vector<SampledToken>& sampled,
                           KvCache& mtp_kv, VerifyDraftStep& step);
+
+/// The host reference of Model::forward_verify_draft's state handling for hybrid models (nothing
+/// for a model without state slots): before the verify, snapshot_verify_states copies each
+/// verify sequence's state into its step.spare_slots slot; after verify_draft_on_host,
+/// rollback_verify_states gives each sequence that accepted fewer drafts than it verified
+/// (step.accepted) its snapshot back and replay_states over its kept positions (throws when the
+/// verify kept no recurrence inputs).
+void snapshot_verify_states(Model& model, const ForwardBatch& batch, const VerifyDraftStep& step,
+                            KvCache& kv);
+void rollback_verify_states(Model& model, const ForwardBatch& batch, const VerifyDraftStep& step,
+                            KvCache& kv);
 
 /// Qwen3-MoE forward on the CPU, fp32 weights and accumulation.
 class Qwen3MoeCpu final : public Model {

@@ -325,10 +325,16 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, SpecLosslessTest, ::testing::ValuesIn(testing
 // exactly the tokens of non-speculative device sampling (sampled; SpecSamplingTest).
 class DeviceGreedy final : public Model {
  public:
-  explicit DeviceGreedy(Qwen3MoeCpu& m) : m_(m) {}
+  explicit DeviceGreedy(Model& m) : m_(m) {}
   const ModelConfig& config() const override { return m_.config(); }
   KvGeometry kv_geometry(int64_t pages, int64_t page) const override {
     return m_.kv_geometry(pages, page);
+  }
+  // Hybrids: the recurrent states and their replay are the wrapped model's.
+  int64_t state_slot_elems() const override { return m_.state_slot_elems(); }
+  bool replay_states(const std::vector<StateReplay>& replays, KvCache& kv) override {
+    ++state_replay_calls;
+    return m_.replay_states(replays, kv);
   }
   void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
     ++host_forwards;
@@ -386,11 +392,13 @@ class DeviceGreedy final : public Model {
                             VerifyDraftStep& step, std::vector<SampledToken>& out) override {
     ++fused_steps;
     EXPECT_EQ(b.hidden_out, nullptr) << "a fused step asked for the hidden states";
+    snapshot_verify_states(*this, b, step, kv);
     forward_sample(b, kv, rows, out);
     verify_draft_on_host(m_, last_hidden_, b, out, mtp_kv, step);
+    rollback_verify_states(*this, b, step, kv);
   }
   bool chain = false, fused = false;
-  int64_t fused_steps = 0;
+  int64_t fused_steps = 0, state_replay_calls = 0;
   int64_t host_forwards = 0, host_drafts = 0, verify_rows = 0, device_drafts = 0;
   int64_t chains = 0, rows_past_their_drafts = 0, hidden_to_host = 0;
   std::vector<std::pair<int64_t, int64_t>> warmed_verify;  // warm_up_speculative's (batch, K)
@@ -442,7 +450,7 @@ class DeviceGreedy final : public Model {
     m_.forward(fb, kv, logits);
     if (b.hidden_out != nullptr) *b.hidden_out = last_hidden_;
   }
-  Qwen3MoeCpu& m_;
+  Model& m_;
   std::vector<float> last_hidden_;
 };
 
@@ -586,6 +594,73 @@ TEST_P(SpecLosslessTest, FusedStepLosslessForK1To4) {
   expect_lossless_for_k1_to_4(dev, testing::load_golden(GetParam()), /*golden_exact=*/true);
   EXPECT_GT(dev.fused_steps, 0);
   EXPECT_EQ(dev.host_drafts, 0);
+}
+
+// Qwen3.5 hybrids: the fused step rolls a rejected draft's DeltaNet state back inside the model
+// call (Model::forward_verify_draft from VerifyDraftStep::spare_slots, the reference of the GPU
+// step's device-driven replay): the same tokens, logprobs and counters as the unfused step (its
+// rollback in Engine::rollback_states) and as no speculation, with mostly-right drafts (every
+// accepted length) and forced acceptance, batched and chunked beside prefills; the engine
+// replays nothing itself after a fused step, and without the state replay nothing fuses.
+TEST_P(SpecHybridLosslessTest, FusedStepRollsStatesBackLikeTheEngine) {
+  auto model = load_cpu_model(GetParam());
+  model->load_mtp(testing::random_mtp_dir(GetParam()));
+  std::vector<GenRequest> reqs = greedy_requests(testing::load_golden(GetParam()));
+  for (size_t i = 0; i < reqs.size(); ++i) {  // uneven ends
+    reqs[i].max_tokens = std::max<int32_t>(2, reqs[i].max_tokens - static_cast<int32_t>(i % 3));
+  }
+  const RunResult ref = run(*model, reqs, EngineConfig{});
+  std::vector<GenRequest> plain = reqs;  // forced acceptance: no logprobs (device rows)
+  for (auto& r : plain) r.sampling.logprobs = -1;
+  for (int64_t k : {1, 3, 4}) {
+    for (int64_t tokens : {int64_t{1024}, int64_t{7}}) {
+      for (const int mode : {0, 1}) {  // the oracle's drafts, forced acceptance
+        SCOPED_TRACE("K = " + std::to_string(k) + " max_batched_tokens " + std::to_string(tokens) +
+                     " mode " + std::to_string(mode));
+        EngineConfig c;
+        c.num_speculative_tokens = k;
+        c.max_batched_tokens = tokens;
+        const std::vector<GenRequest>& rs = mode == 1 ? plain : reqs;
+        if (mode == 1) c.spec_forced_accept_prob = 0.6;
+        auto fresh = [&] {
+          EngineConfig e = c;
+          if (mode == 0) e.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
+          return e;
+        };
+        DeviceGreedy unfused(*model);
+        unfused.chain = true;
+        int64_t engine_replays = -1;
+        const RunResult want = run(unfused, rs, fresh(), 1, &engine_replays);
+        DeviceGreedy dev(*model);
+        dev.chain = dev.fused = true;
+        int64_t fused_replays = -1;
+        const RunResult got = run(dev, rs, fresh(), 1, &fused_replays);
+        for (size_t i = 0; i < rs.size(); ++i) {
+          expect_same(got.outs[i], want.outs[i], "case " + std::to_string(i));
+          if (mode == 0) expect_same(got.outs[i], ref.outs[i], "no spec " + std::to_string(i));
+        }
+        EXPECT_EQ(got.stats.spec_num_draft_tokens, want.stats.spec_num_draft_tokens);
+        EXPECT_EQ(got.stats.spec_num_accepted_tokens, want.stats.spec_num_accepted_tokens);
+        EXPECT_EQ(got.stats.spec_accepted_per_pos, want.stats.spec_accepted_per_pos);
+        EXPECT_LT(got.stats.spec_num_accepted_tokens, got.stats.spec_num_draft_tokens);
+        EXPECT_GT(dev.fused_steps, 0) << "no step ran fused";
+        EXPECT_GT(engine_replays, 0);
+        // The same rollbacks, counted; after a fused step each one ran inside it.
+        EXPECT_EQ(fused_replays, engine_replays);
+        EXPECT_GT(dev.state_replay_calls, 0) << "the fused step replayed no state";
+        EXPECT_EQ(dev.host_forwards, 0) << "a rollback ran a forward";
+      }
+    }
+  }
+  // Without the state replay a hybrid's step does not fuse (its rollback needs a forward).
+  EngineConfig off;
+  off.num_speculative_tokens = 2;
+  off.spec_state_replay = false;
+  DeviceGreedy dev(*model);
+  dev.chain = dev.fused = true;
+  const RunResult r = run(dev, reqs, off);
+  EXPECT_EQ(dev.fused_steps, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) expect_same(r.outs[i], ref.outs[i], "replay off");
 }
 
 // EngineConfig::warm_up also warms speculative decoding with the configured K (verify steps and

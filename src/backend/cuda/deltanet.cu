@@ -16,6 +16,12 @@ constexpr int kMaxConvKernel = 8;
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
+// Where sequence s's state after its tokens goes (DeltaNetSeqs::state_slot_out): its out slot,
+// else its own slot (in place).
+__device__ __forceinline__ int32_t out_slot(DeltaNetSeqs const& q, int64_t s) {
+  return q.state_slot_out != nullptr ? q.state_slot_out[s] : q.state_slot[s];
+}
+
 // ---------------------------------------------------------------- causal conv1d
 // One thread per (token, channel): the kernel's inputs come from x (earlier tokens of the same
 // sequence) or from the sequence's window (the positions before its first new token). kDecode
@@ -46,9 +52,10 @@ __global__ void conv1d_kernel(CausalConv1dParams p) {
   }
   p.out[t * p.channels + c] = __float2bfloat16_rn(p.silu ? silu_f(acc) : acc);
   if constexpr (kDecode) {
-    if (slot < 0) return;
-    float* w = p.states + slot * p.state_stride + c * hist;
-    for (int j = 0; j + 1 < hist; ++j) w[j] = zero ? 0.f : w[j + 1];
+    const int32_t oslot = out_slot(p.seqs, s);
+    if (oslot < 0) return;
+    float* w = p.states + oslot * p.state_stride + c * hist;  // == win in place: j + 1 read first
+    for (int j = 0; j + 1 < hist; ++j) w[j] = zero ? 0.f : win[j + 1];
     w[hist - 1] = __bfloat162float(p.x[t * p.x_stride + c]);
   }
 }
@@ -117,19 +124,20 @@ __global__ void conv1d_state_kernel(CausalConv1dParams p) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t s = blockIdx.x;
   if (c >= p.channels) return;
-  const int32_t slot = p.seqs.state_slot[s];
-  if (slot < 0) return;
+  const int32_t slot = p.seqs.state_slot[s], oslot = out_slot(p.seqs, s);
+  if (oslot < 0) return;
   const int hist = static_cast<int>(p.kernel) - 1;
-  const bool zero = p.seqs.fresh[s] != 0;
+  const bool zero = slot < 0 || p.seqs.fresh[s] != 0;
   const int64_t begin = p.seqs.seq_begin[s], len = p.seqs.seq_begin[s + 1] - begin;
-  float* win = p.states + slot * p.state_stride + c * hist;
+  float const* win = zero ? nullptr : p.states + slot * p.state_stride + c * hist;
   float nw[kMaxConvKernel];
   for (int j = 0; j < hist; ++j) {
     const int64_t m = len - hist + j;
     nw[j] =
         m >= 0 ? __bfloat162float(p.x[(begin + m) * p.x_stride + c]) : (zero ? 0.f : win[hist + m]);
   }
-  for (int j = 0; j < hist; ++j) win[j] = nw[j];
+  float* wout = p.states + oslot * p.state_stride + c * hist;
+  for (int j = 0; j < hist; ++j) wout[j] = nw[j];
 }
 
 // ---------------------------------------------------------------- delta rule
@@ -289,6 +297,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const int32_t oslot = out_slot(p.seqs, s);
+  float* gO = oslot >= 0 ? p.states + oslot * p.state_stride + h * kDk * dv : nullptr;
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
   const int r0 = warp * kRows;
   float S[kRows];
@@ -332,9 +342,9 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
       p.out[(t * hv + h) * dv + j] = sum;
     }
   }
-  if (gS != nullptr && col) {
+  if (gO != nullptr && col) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) gS[(r0 + r) * dv + j] = S[r];
+    for (int r = 0; r < kRows; ++r) gO[(r0 + r) * dv + j] = S[r];
   }
 }
 
@@ -359,6 +369,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const int32_t oslot = out_slot(p.seqs, s);
+  float* gO = oslot >= 0 ? p.states + oslot * p.state_stride + h * kDk * dv : nullptr;
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
   const int r0 = warp * kRows;
   float S[kRows];
@@ -422,9 +434,9 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
       p.out[(t * hv + h) * dv + j] = sum;
     }
   }
-  if (gS != nullptr && col) {
+  if (gO != nullptr && col) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) gS[(r0 + r) * dv + j] = S[r];
+    for (int r = 0; r < kRows; ++r) gO[(r0 + r) * dv + j] = S[r];
   }
 }
 
@@ -457,6 +469,8 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const int32_t oslot = out_slot(p.seqs, s);
+  float* gO = oslot >= 0 ? p.states + oslot * p.state_stride + h * kDk * dv : nullptr;
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
   float S[Sh::kRows];
 #pragma unroll
@@ -512,9 +526,9 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
     for (int off = Sh::kCols; off < 32; off <<= 1) os += __shfl_xor_sync(0xffffffffu, os, off);
     if (col && part == 0) p.out[(t * hv + h) * dv + j] = os;
   }
-  if (gS != nullptr && col) {
+  if (gO != nullptr && col) {
 #pragma unroll
-    for (int i = 0; i < Sh::kRows; ++i) gS[(r0 + i) * dv + j] = S[i];
+    for (int i = 0; i < Sh::kRows; ++i) gO[(r0 + i) * dv + j] = S[i];
   }
 }
 
@@ -1022,6 +1036,8 @@ __global__ void __launch_bounds__(128 * kGroups) chunk_state_kernel(GatedDeltaRu
   if (begin >= end) return;
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  const int32_t oslot = out_slot(p.seqs, s);
+  float* gO = oslot >= 0 ? p.states + oslot * p.state_stride + h * kDk * dv : nullptr;
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
 
   // The state: accS[mt][nt] holds rows srow(mt) + g (+ 8), columns 8 nt + 2 t (+ 1).
@@ -1218,7 +1234,7 @@ __global__ void __launch_bounds__(128 * kGroups) chunk_state_kernel(GatedDeltaRu
 #pragma unroll
     for (int k = 0; k + 1 < kStages; ++k) gq[k] = gq[k + 1];
   }
-  if (gS != nullptr) {
+  if (gO != nullptr) {
 #pragma unroll
     for (int mt = 0; mt < Sh::kMt; ++mt) {
 #pragma unroll
@@ -1227,7 +1243,7 @@ __global__ void __launch_bounds__(128 * kGroups) chunk_state_kernel(GatedDeltaRu
         for (int e = 0; e < 4; ++e) {
           const int r = srow0 + 16 * mt + g + 8 * (e >> 1);
           const int64_t c = col0 + 8 * nt + 2 * t + (e & 1);
-          if (c < dv) gS[r * dv + c] = accS[mt][nt][e];
+          if (c < dv) gO[r * dv + c] = accS[mt][nt][e];
         }
       }
     }

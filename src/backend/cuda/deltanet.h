@@ -22,13 +22,18 @@ using bf16 = __nv_bfloat16;
 /// (at least one), sequences in token order; num_tokens == num_seqs is a decode step. A sequence
 /// whose slot is < 0 (padding of a captured batch) reads a zero state and writes none; a fresh one
 /// (its first token is position 0) starts from zero. Its state slot s lives at `states + s *
-/// state_stride` of the op's state pointer.
+/// state_stride` of the op's state pointer. A sequence may have no tokens (the recurrence forms:
+/// nothing is read, and a state slot it has keeps its state).
 struct DeltaNetSeqs {
   int32_t const* seq_begin;   // [num_seqs + 1]: first token of each sequence, then num_tokens
   int32_t const* token_seq;   // [num_tokens]: sequence of each token
   int32_t const* state_slot;  // [num_seqs]: state slot, < 0: padding
   int32_t const* fresh;       // [num_seqs]: 1: zero initial state
   int64_t num_seqs;
+  // [num_seqs] or null: the slot each sequence's state after its tokens goes to (< 0: none),
+  // its state_slot then only read (a speculative verify writes a spare slot and keeps the state
+  // before it); null: state_slot, in place.
+  int32_t const* state_slot_out = nullptr;
 };
 
 /// Depthwise causal conv1d (+ SiLU) over the new tokens of each sequence, continuing from its

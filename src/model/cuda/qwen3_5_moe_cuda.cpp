@@ -23,10 +23,13 @@
 #include "backend/cuda/moe_layer.h"
 #include "backend/cuda/norm.h"
 #include "backend/cuda/sampling.h"
+#include "backend/cuda/spec_advance.h"
+#include "backend/cuda/spec_replay.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/device_sampler.h"
+#include "model/cuda/spec_stage.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
 
@@ -37,6 +40,7 @@ using cuda_model::DeviceMem;
 using cuda_model::DeviceSampler;
 using cuda_model::host_bf16;
 using cuda_model::PinnedMem;
+using cuda_model::SpecAdvanceStage;
 using cuda_model::Uploader;
 
 namespace {
@@ -80,6 +84,7 @@ struct Meta {
   int32_t* dn_token_seq = nullptr;  // [n]
   int32_t* dn_slot = nullptr;       // [num_seqs]
   int32_t* dn_fresh = nullptr;      // [num_seqs]
+  int32_t* dn_slot_out = nullptr;   // [num_seqs]: where the state goes (null: dn_slot, in place)
   int64_t n = 0, width = 0, num_rows = 0, num_seqs = 0;
   int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
   const cuda::PrefillAttentionPlan* prefill_plan = nullptr;  // FlashInfer sm90, when planned
@@ -88,7 +93,7 @@ struct Meta {
 struct HostMeta {
   std::vector<int32_t> ids, positions, token_seq, tables, rows;
   std::vector<int64_t> slots;
-  std::vector<int32_t> dn_begin, dn_token_seq, dn_slot, dn_fresh;
+  std::vector<int32_t> dn_begin, dn_token_seq, dn_slot, dn_fresh, dn_slot_out;
 };
 
 constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
@@ -113,11 +118,12 @@ std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
 // padding row's too when pad_rows (a graph's fixed shape). first_token: each sequence's first
 // device token. state_slots >= 0: every sequence needs a state slot below it. Padding
 // sequences have pad_q tokens each at positions 0.. (a verify graph's shape; 1: a decode graph's),
-// no KV slot and no state slot.
+// no KV slot and no state slot. state_out (when set, per sequence): the slot its state after the
+// chunk goes to (-1: its own).
 HostMeta build_meta(const ForwardBatch& batch, int64_t page_size, int64_t num_pages, int64_t vocab,
                     int64_t rows_n, int64_t tw, int64_t num_seqs, bool pad_rows,
                     int64_t state_slots, std::vector<int64_t>& first_token, int64_t& num_prefill,
-                    int64_t pad_q = 1) {
+                    int64_t pad_q = 1, const std::vector<int32_t>* state_out = nullptr) {
   const int64_t n = batch.num_tokens();
   HostMeta hm;
   hm.ids.assign(static_cast<size_t>(rows_n), 0);
@@ -154,6 +160,8 @@ HostMeta build_meta(const ForwardBatch& batch, int64_t page_size, int64_t num_pa
     const ForwardSeq& s = batch.seqs[si];
     hm.dn_begin.push_back(static_cast<int32_t>(first_token[si]));
     hm.dn_slot.push_back(s.state_slot);
+    const int32_t out = state_out != nullptr ? (*state_out)[si] : -1;
+    hm.dn_slot_out.push_back(out >= 0 ? out : s.state_slot);
     hm.dn_fresh.push_back(s.start_pos == 0 ? 1 : 0);
     for (int64_t i = 0; i < s.num_tokens; ++i) {
       hm.dn_token_seq[static_cast<size_t>(first_token[si] + i)] = static_cast<int32_t>(oi);
@@ -168,6 +176,7 @@ HostMeta build_meta(const ForwardBatch& batch, int64_t page_size, int64_t num_pa
     if ((t - n) % pad_q != 0) continue;
     hm.dn_begin.push_back(static_cast<int32_t>(t));
     hm.dn_slot.push_back(-1);
+    hm.dn_slot_out.push_back(-1);
     hm.dn_fresh.push_back(0);
   }
   hm.dn_begin.push_back(static_cast<int32_t>(rows_n));
@@ -314,6 +323,38 @@ struct Qwen35MoeCuda::Impl {
   DeviceMem chain_buf;
   PinnedMem chain_host;
   std::vector<int64_t> kept_first, kept_count;
+  // A draft chain's device buffers: per pass its gather index ([t_cap]) and its argmax
+  // ([rows_cap]); their pinned twins (the indices up, the tokens down). Nothing of an earlier
+  // chain is in flight: it ended with a synchronisation.
+  struct ChainBuffers {
+    int32_t *idx, *tokens, *idx_host, *tokens_host;
+  };
+  ChainBuffers chain_buffers(int64_t passes) {
+    const size_t bytes = static_cast<size_t>(passes * (t_cap + rows_cap)) * sizeof(int32_t);
+    if (chain_buf.size() < bytes) {
+      chain_buf = DeviceMem(bytes);
+      chain_host = PinnedMem(bytes);
+    }
+    ChainBuffers b{};
+    b.idx = chain_buf.as<int32_t>();
+    b.tokens = b.idx + passes * t_cap;
+    b.idx_host = chain_host.as<int32_t>();
+    b.tokens_host = b.idx_host + passes * t_cap;
+    return b;
+  }
+  // Every pass's argmax tokens to the host (after the stream's sync: tokens_host).
+  void tokens_to_host(const ChainBuffers& b, int64_t passes) {
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.tokens_host, b.tokens,
+                                      static_cast<size_t>(passes * rows_cap) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, stream));
+  }
+  // The fused speculative step (forward_verify_draft): on unless set_fused_step(false) or
+  // TANDEM_SPEC_FUSED=0 (read per step, as Qwen3MoeCuda does); spec_advance's staging; the
+  // device-driven state replay's metadata (meta_elems, written by spec_replay_plan).
+  bool fused_step = true;
+  int64_t fused_steps = 0;
+  SpecAdvanceStage spec;
+  DeviceMem r_meta;
   const void* graph_kv = nullptr;      // the cache the graphs were captured against
   const void* graph_states = nullptr;  // and its state slots
   int64_t graph_page_size = 0;
@@ -638,12 +679,14 @@ struct Qwen35MoeCuda::Impl {
   }
 
   // int32 elements of a metadata buffer: ids | positions | token_seq | rows | slots (int64) |
-  // dn_token_seq (T each) | dn_begin (S + 1) | dn_slot | dn_fresh (S each), padded.
-  size_t meta_elems() const { return static_cast<size_t>(7 * t_cap + 3 * s_cap + 8); }
+  // dn_token_seq (T each) | dn_begin (S + 1) | dn_slot | dn_fresh | dn_slot_out (S each),
+  // padded; S: room for the state replay's padding sequences too (replay_rejected).
+  int64_t meta_seqs() const { return s_cap + 2; }
+  size_t meta_elems() const { return static_cast<size_t>(7 * t_cap + 4 * meta_seqs() + 8); }
   Meta meta_at(const DeviceMem& m) const {
     Meta r;
     auto* base = m.as<int32_t>();
-    const int64_t T = t_cap, S = s_cap;
+    const int64_t T = t_cap, S = meta_seqs();
     r.ids = base;
     r.positions = base + T;
     r.token_seq = base + 2 * T;
@@ -653,12 +696,13 @@ struct Qwen35MoeCuda::Impl {
     r.dn_begin = base + 7 * T;
     r.dn_slot = base + 7 * T + S + 1;
     r.dn_fresh = base + 7 * T + 2 * S + 1;
+    r.dn_slot_out = base + 7 * T + 3 * S + 1;
     return r;
   }
 
   void upload(const HostMeta& hm, const Meta& dst, int32_t* tables) {
     TANDEM_CUDA_CHECK(cudaEventSynchronize(meta_copied));  // the staging is free again
-    const int64_t T = t_cap, S = s_cap;
+    const int64_t T = t_cap, S = meta_seqs();
     const size_t tb = hm.tables.size() * sizeof(int32_t);
     if (h_tables.size() < tb) h_tables = PinnedMem(tb * 2);
     int32_t* h = h_meta.as<int32_t>();
@@ -677,6 +721,7 @@ struct Qwen35MoeCuda::Impl {
     stage(7 * T, hm.dn_begin.data(), hm.dn_begin.size() * 4, dst.dn_begin);
     stage(7 * T + S + 1, hm.dn_slot.data(), hm.dn_slot.size() * 4, dst.dn_slot);
     stage(7 * T + 2 * S + 1, hm.dn_fresh.data(), hm.dn_fresh.size() * 4, dst.dn_fresh);
+    stage(7 * T + 3 * S + 1, hm.dn_slot_out.data(), hm.dn_slot_out.size() * 4, dst.dn_slot_out);
     if (tb > 0) {
       std::memcpy(h_tables.as<int32_t>(), hm.tables.data(), tb);
       TANDEM_CUDA_CHECK(
@@ -800,7 +845,8 @@ struct Qwen35MoeCuda::Impl {
     bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *P = proj.as<bf16>();
     float* states = num_linear > 0 ? kv.state_data(0) : nullptr;
     const int64_t slot_stride = num_linear > 0 ? kv.state_slot_elems() : 0;
-    const cuda::DeltaNetSeqs seqs{m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh, m.num_seqs};
+    const cuda::DeltaNetSeqs seqs{m.dn_begin, m.dn_token_seq, m.dn_slot,
+                                  m.dn_fresh, m.num_seqs,     m.dn_slot_out};
     cuda::embedding_launch({m.ids, embed, X, n, h, c.vocab_size}, stream);
     const int64_t split = pick_split(n, m.num_prefill, m.width, page_size);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -862,6 +908,30 @@ struct Qwen35MoeCuda::Impl {
           delta_rule_params(w, P, conv_state + conv_dim * (kern - 1), seqs, n, slot_stride),
           stream);
     }
+  }
+
+  // After a fused step's acceptance (ap: spec_advance's, its sequences the last launch's in
+  // device order, `tokens` of them; the verify wrote each verify sequence's state to its spare
+  // slot): from the accepted counts on the device (backend/cuda/spec_replay.h), the spare slot's
+  // state copied over the slot of each sequence that accepted every draft, and the others'
+  // slots (the state before the step) rolled over their kept rows.
+  void settle_states(const cuda::SpecAdvanceParams& ap, int64_t tokens, const int32_t* slots,
+                     const int32_t* spares, KvCache& kv) {
+    if (r_meta.size() == 0) r_meta = DeviceMem(meta_elems() * sizeof(int32_t));
+    Meta m = meta_at(r_meta);
+    // One more replay sequence than num_tokens == num_seqs would make (a decode step's shape).
+    m.num_seqs = ap.seqs + 1 == tokens ? ap.seqs + 2 : ap.seqs + 1;
+    m.n = tokens;
+    TANDEM_CHECK(m.num_seqs <= meta_seqs() && tokens <= kept_cap, "settle_states: ", ap.seqs,
+                 " sequences, ", tokens, " tokens");
+    cuda::spec_replay_plan_launch({ap.accepted, ap.seq_begin, slots, ap.seqs, m.num_seqs, m.ids,
+                                   m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh},
+                                  stream);
+    cuda::accepted_state_copy_launch({ap.accepted, ap.seq_begin, slots, spares, kv.state_data(0),
+                                      ap.seqs, slot_elems(), kv.state_slot_elems()},
+                                     stream);
+    replay(m, kv);
+    kept_tokens = -1;  // replayed once
   }
 
   // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
@@ -1069,7 +1139,8 @@ int64_t Qwen35MoeCuda::graph_width(int64_t page_size) {
   return im.graph_width;
 }
 
-bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
+bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv,
+                           const std::vector<int32_t>* state_out) {
   Impl& im = *impl_;
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   const auto& g = kv.geometry();
@@ -1124,7 +1195,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
   int64_t num_prefill = 0;
   const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, rows_n, tw,
                                  num_seqs, decode, im.num_linear > 0 ? kv.num_state_slots() : -1,
-                                 im.first_token, num_prefill, decode ? q : 1);
+                                 im.first_token, num_prefill, decode ? q : 1, state_out);
 
   if (!decode) {
     const size_t tb = hm.tables.size() * sizeof(int32_t);
@@ -1177,6 +1248,7 @@ bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
     std::fill(pad.slots.begin(), pad.slots.end(), -1);
     std::fill(pad.ids.begin(), pad.ids.end(), 0);
     std::fill(pad.dn_slot.begin(), pad.dn_slot.end(), -1);
+    std::fill(pad.dn_slot_out.begin(), pad.dn_slot_out.end(), -1);
     im.upload(pad, m, m.tables);
     im.body(m, kv, nullptr, keep);
     im.head(0, rows_n);
@@ -1356,17 +1428,22 @@ KvCache Qwen35MoeCuda::make_mtp_kv_cache(int64_t num_pages, int64_t page_size) {
 
 // h_t gathered from `src` (device bf16 [src_rows, hidden]): rows[t] for the batch's token t
 // (batch order), through the device index buffer idx ([tokens of the pass, padded]) staged in
-// idx_host (pinned, as large: a pageable copy would wait for the stream); ids
-// (device [tokens], set for one-token sequences only): the tokens, replacing the batch's;
-// writes (when set) [seqs]: 0 = the sequence writes no KV.
+// idx_host (pinned, as large: a pageable copy would wait for the stream); writes (when set)
+// [seqs]: 0 = the sequence writes no KV. Device arrays that replace the metadata computed from
+// the batch (when set; the batch's device token order must be its batch order): ids and
+// positions [tokens], KV slots [tokens] (int64, -1: none), logits rows [rows] (token indices).
 struct Qwen35MoeCuda::MtpDeviceIn {
   const bf16* src = nullptr;
   int64_t src_rows = 0;
   std::span<const int32_t> rows;
   int32_t* idx = nullptr;
   int32_t* idx_host = nullptr;
-  const int32_t* ids = nullptr;
   const std::vector<uint8_t>* writes = nullptr;
+  const int32_t* ids = nullptr;
+  const int32_t* positions = nullptr;
+  const int64_t* kv_slots = nullptr;
+  const int32_t* logit_rows = nullptr;
+  bool replaces_meta() const { return ids || positions || kv_slots || logit_rows; }
 };
 
 int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
@@ -1417,8 +1494,8 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     int64_t bt = 0;
     for (size_t si = 0; si < batch.seqs.size(); ++si) {
       const ForwardSeq& s = batch.seqs[si];
-      TANDEM_CHECK(dev->ids == nullptr || s.num_tokens == 1,
-                   "mtp_draft_chain: a chained pass has one token per sequence");
+      TANDEM_CHECK(!dev->replaces_meta() || im.first_token[si] == bt,
+                   "mtp_launch: device metadata for a batch whose device order is not its own");
       if (dev->writes != nullptr && (*dev->writes)[si] == 0) {
         for (int64_t i = 0; i < s.num_tokens; ++i) {
           hm.slots[static_cast<size_t>(im.first_token[si] + i)] = -1;
@@ -1438,12 +1515,18 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
   } else {
     stage_mtp_hidden(batch, hidden, n_run);
   }
-  // The chained pass's tokens from the device, after the metadata upload (one-token sequences:
-  // device order is batch order).
-  auto device_ids = [&](const Meta& m) {
-    if (dev == nullptr || dev->ids == nullptr) return;
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(m.ids, dev->ids, static_cast<size_t>(n) * sizeof(int32_t),
-                                      cudaMemcpyDeviceToDevice, stream_));
+  // dev's device metadata over the uploaded one (device order is batch order).
+  auto device_meta = [&](const Meta& m) {
+    if (dev == nullptr) return;
+    auto put = [&](void* dst, const void* src, int64_t count, size_t elem) {
+      if (src == nullptr) return;
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(count) * elem,
+                                        cudaMemcpyDeviceToDevice, stream_));
+    };
+    put(m.ids, dev->ids, n, sizeof(int32_t));
+    put(m.positions, dev->positions, n, sizeof(int32_t));
+    put(m.slots, dev->kv_slots, n, sizeof(int64_t));
+    put(m.rows, dev->logit_rows, rows, sizeof(int32_t));
   };
   if (!graph) {
     const size_t tb = hm.tables.size() * sizeof(int32_t);
@@ -1456,7 +1539,7 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     m.num_seqs = nseq;
     m.num_prefill = num_prefill;
     im.upload(hm, m, m.tables);
-    device_ids(m);
+    device_meta(m);
     if (num_prefill > 0 &&
         im.prefill_plan.plan(
             {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
@@ -1503,7 +1586,7 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     it = im.mtp_graphs.emplace(bucket, exec).first;
   }
   im.upload(hm, m, m.tables);
-  device_ids(m);
+  device_meta(m);
   TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
   return rows;
 }
@@ -1550,18 +1633,8 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
   const auto passes = static_cast<int64_t>(chain.size()) + 1;
   drafts.assign(static_cast<size_t>(passes), {});
   if (first.num_tokens() == 0) return;
-  // Device buffers: per pass its gather index ([t_cap]) and its argmax ([rows_cap]); their
-  // pinned twins (the indices up, the tokens down). Nothing of an earlier chain is in flight:
-  // it ended with a synchronisation.
-  const size_t bytes = static_cast<size_t>(passes * (im.t_cap + im.rows_cap)) * sizeof(int32_t);
-  if (im.chain_buf.size() < bytes) {
-    im.chain_buf = DeviceMem(bytes);
-    im.chain_host = PinnedMem(bytes);
-  }
-  int32_t* idx = im.chain_buf.as<int32_t>();
-  int32_t* tokens = idx + passes * im.t_cap;
-  int32_t* idx_host = im.chain_host.as<int32_t>();
-  int32_t* tokens_host = idx_host + passes * im.t_cap;
+  const Impl::ChainBuffers cb = im.chain_buffers(passes);
+  int32_t *idx = cb.idx, *tokens = cb.tokens, *idx_host = cb.idx_host;
   // Pass 0: h_t from the last forward's final hidden states (xn, device token order).
   std::vector<int32_t> src(hidden_rows.size());
   for (size_t t = 0; t < src.size(); ++t) {
@@ -1599,13 +1672,139 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
     mtp_launch(c.batch, nullptr, mtp_kv, &ci);
     im.sampler->argmax(im.logits.as<float>(), rows, tokens + p * im.rows_cap, stream_);
   }
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(tokens_host, tokens,
-                                    static_cast<size_t>(passes * im.rows_cap) * sizeof(int32_t),
-                                    cudaMemcpyDeviceToHost, stream_));
+  im.tokens_to_host(cb, passes);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (int64_t p = 0; p < passes; ++p) {
-    const int32_t* row = tokens_host + p * im.rows_cap;
+    const int32_t* row = cb.tokens_host + p * im.rows_cap;
     drafts[static_cast<size_t>(p)].assign(row, row + rows);
+  }
+}
+
+bool Qwen35MoeCuda::fuses_verify_and_draft() const {
+  return mtp_drafts_on_device() && impl_->fused_step && env_not_off("TANDEM_SPEC_FUSED");
+}
+
+void Qwen35MoeCuda::set_fused_step(bool on) { impl_->fused_step = on; }
+
+int64_t Qwen35MoeCuda::fused_steps() const { return impl_->fused_steps; }
+
+void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
+                                         const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                                         VerifyDraftStep& step, std::vector<SampledToken>& out) {
+  Impl& im = *impl_;
+  TANDEM_CHECK(has_mtp(), "forward_verify_draft: no MTP layer loaded");
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const auto n = static_cast<int64_t>(batch.seqs.size());
+  const int64_t T = batch.num_tokens(), K = step.num_drafts;
+  TANDEM_CHECK(static_cast<int64_t>(rows.size()) == T && batch.num_logit_rows() == T && n > 0 &&
+                   K >= 1 && static_cast<int64_t>(step.forced.size()) == n &&
+                   (im.num_linear == 0 || static_cast<int64_t>(step.spare_slots.size()) == n),
+               "forward_verify_draft: ", rows.size(), " sampling rows, ", step.forced.size(),
+               " forced counts and ", step.spare_slots.size(), " snapshot slots for ", n,
+               " sequences of ", T, " tokens (one row each), K ", K);
+  TANDEM_CHECK_KIND(kInvalidArgument, T <= im.rows_cap, T,
+                    " sampling rows exceed the CUDA model's ", im.rows_cap);
+  // The step runs the sequences in device order (build_meta's: the verify chunks, then the
+  // one-token decodes), so that every device array below is in batch order too; the results go
+  // back to the caller's order at the end. order[j]: the caller's sequence at position j.
+  std::vector<size_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_partition(order.begin(), order.end(),
+                        [&](size_t i) { return batch.seqs[i].num_tokens > 1; });
+  std::vector<int64_t> row_begin(static_cast<size_t>(n) + 1, 0);  // the caller's rows
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    row_begin[i + 1] = row_begin[i] + batch.seqs[i].num_tokens;
+  }
+  ForwardBatch vb = batch;
+  vb.keep_recurrent_inputs = true;
+  vb.hidden_out = nullptr;
+  std::vector<DeviceSampling> vrows;
+  std::vector<int32_t> forced, slots, spares;
+  vrows.reserve(rows.size());
+  for (size_t j = 0; j < order.size(); ++j) {
+    const size_t i = order[j];
+    vb.seqs[j] = batch.seqs[i];
+    for (int64_t r = row_begin[i]; r < row_begin[i + 1]; ++r) {
+      vrows.push_back(rows[static_cast<size_t>(r)]);
+    }
+    forced.push_back(step.forced[i]);
+    slots.push_back(batch.seqs[i].state_slot);
+    spares.push_back(im.num_linear > 0 ? step.spare_slots[i] : -1);
+  }
+
+  // 1. The verify forward (kept recurrence inputs; each verify sequence's state after all its
+  // tokens into its spare slot, its own slot keeping the state before), its rows sampled on the
+  // device.
+  ++im.fused_steps;
+  if (!launch(vb, kv, im.num_linear > 0 ? &spares : nullptr)) im.head(0, T);
+  im.sampler->enqueue(im.logits.as<float>(), vrows, {}, stream_);
+  // 2. The accepted drafts (spec_advance), and the metadata of the MTP passes.
+  const int64_t ps = mtp_kv.geometry().page_size;
+  cuda::SpecAdvanceParams ap = im.spec.stage(vb, forced, K - 1, ps, {slots, spares}, stream_);
+  ap.sampled = im.sampler->device_tokens();
+  cuda::spec_advance_launch(ap, stream_);
+  // 3. The DeltaNet states: a sequence that accepted every draft takes its spare slot's; one
+  // that rejected a draft replays its kept rows on its own slot (the state before the step).
+  if (im.num_linear > 0 && T > n) {
+    TANDEM_CHECK(im.kept_tokens == T, "forward_verify_draft: the verify kept no recurrence inputs");
+    im.settle_states(ap, T, im.spec.extra(0), im.spec.extra(1), kv);
+  }
+  // 4. MTP pass 0 over every verify position (the token at t + 1: an accepted draft, else the
+  // target's; its logits row at the last accepted position), then K - 1 chained passes at the
+  // positions after it, as mtp_draft_chain chains them.
+  const Impl::ChainBuffers cb = im.chain_buffers(K);
+  ForwardBatch first = vb;
+  for (ForwardSeq& f : first.seqs) f.logits = LogitsMode::kLast;
+  MtpDeviceIn in;
+  in.src = im.xn.as<bf16>();
+  in.src_rows = static_cast<int64_t>(im.hidden_rows.size());
+  in.rows = im.hidden_rows;
+  in.idx = cb.idx;
+  in.idx_host = cb.idx_host;
+  in.ids = ap.mtp_ids;
+  in.logit_rows = ap.mtp_rows;
+  mtp_launch(first, nullptr, mtp_kv, &in);
+  im.sampler->argmax(im.logits.as<float>(), n, cb.tokens, stream_);
+  ForwardBatch one;
+  for (const ForwardSeq& f : vb.seqs) {  // positions and KV slots: the kernel's
+    one.seqs.push_back({f.tokens, 1, f.start_pos + f.num_tokens - 1, f.block_table, f.num_pages,
+                        LogitsMode::kLast, -1});
+  }
+  std::vector<int32_t> same(static_cast<size_t>(n));
+  std::iota(same.begin(), same.end(), 0);
+  for (int64_t p = 1; p < K; ++p) {
+    MtpDeviceIn ci;
+    ci.src = im.last.as<bf16>();
+    ci.src_rows = n;
+    ci.rows = same;
+    ci.idx = cb.idx + p * im.t_cap;
+    ci.idx_host = cb.idx_host + p * im.t_cap;
+    ci.ids = cb.tokens + (p - 1) * im.rows_cap;
+    ci.positions = ap.chain_pos + (p - 1) * n;
+    ci.kv_slots = ap.chain_slots + (p - 1) * n;
+    mtp_launch(one, nullptr, mtp_kv, &ci);
+    im.sampler->argmax(im.logits.as<float>(), n, cb.tokens + p * im.rows_cap, stream_);
+  }
+  im.tokens_to_host(cb, K);
+  im.spec.accepted_to_host(stream_);
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the step's one synchronisation
+  std::vector<SampledToken> vout;
+  im.sampler->collect(vout, stream_);
+
+  // Back to the caller's order.
+  out.assign(static_cast<size_t>(T), {});
+  step.accepted.assign(static_cast<size_t>(n), 0);
+  step.drafts.assign(static_cast<size_t>(n), std::vector<int32_t>(static_cast<size_t>(K)));
+  int64_t vr = 0;
+  for (size_t j = 0; j < order.size(); ++j) {
+    const size_t i = order[j];
+    for (int64_t r = row_begin[i]; r < row_begin[i + 1]; ++r) {
+      out[static_cast<size_t>(r)] = std::move(vout[static_cast<size_t>(vr++)]);
+    }
+    step.accepted[i] = im.spec.host_accepted()[j];
+    for (int64_t p = 0; p < K; ++p) {
+      step.drafts[i][static_cast<size_t>(p)] = cb.tokens_host[p * im.rows_cap + j];
+    }
   }
 }
 

@@ -61,8 +61,9 @@ class Qwen35MoeCuda final : public Model {
   // (model/qwen3_5_mtp.cpp) in bf16 on the device, its decoder layer run by this model's own
   // gated-attention and MoE (+ shared expert) code over its own one-layer paged KV on the
   // target's page ids; embedding and lm_head shared. forward() and forward_sample() fill
-  // ForwardBatch::hidden_out (bf16-rounded, batch order); the engine rolls the DeltaNet states
-  // of rejected drafts back through the device state slots (KvCache::copy_state). Chained
+  // ForwardBatch::hidden_out (bf16-rounded, batch order); the DeltaNet states of rejected
+  // drafts roll back through the device state slots (KvCache::copy_state, replay_states; inside
+  // forward_verify_draft when the step is fused). Chained
   // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured at
   // warm-up or on first use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not
   // 0) and decode graphs are; other passes run eagerly; verify steps replay graphs
@@ -100,6 +101,23 @@ class Qwen35MoeCuda final : public Model {
   void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                        const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                        std::vector<std::vector<int32_t>>& drafts) override;
+  /// True when the device chain is (mtp_drafts_on_device) and the fused step is on
+  /// (set_fused_step; TANDEM_SPEC_FUSED=0 turns it off).
+  bool fuses_verify_and_draft() const override;
+  void set_fused_step(bool on);
+  /// Model::forward_verify_draft with one host synchronisation: the verify forward (a verify
+  /// graph when it fits; its DeltaNet recurrence inputs kept, each verify sequence's state after
+  /// all its tokens written to its VerifyDraftStep::spare_slots slot) and its device sampler,
+  /// the acceptance (spec_advance), then from the accepted counts on the device (spec_replay)
+  /// the spare's state copied back where every draft was accepted, the kept positions replayed
+  /// on the state before the step elsewhere; MTP pass 0 over every verify position and the chained
+  /// passes (their positions and MTP KV slots from spec_advance); the sequences run in device order
+  /// (verify chunks first) and the results come back in the caller's.
+  void forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
+                            const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                            VerifyDraftStep& step, std::vector<SampledToken>& out) override;
+  /// Steps that ran forward_verify_draft (tests, benchmarks).
+  int64_t fused_steps() const;
   /// Captures the decode graph of every bucket up to max_batch (writes KV at position 0 of
   /// page 0 and the state slots 0..bucket - 1).
   void warm_up(KvCache& kv, int64_t max_batch) override;
@@ -148,7 +166,10 @@ class Qwen35MoeCuda final : public Model {
   Qwen35MoeCuda(ModelConfig config, const CudaModelOptions& opts);
   // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
   // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
-  bool launch(const ForwardBatch& batch, KvCache& kv);
+  // state_out (per sequence, when set): the slot its DeltaNet state after the chunk goes to (-1:
+  // its own), its own slot then only read.
+  bool launch(const ForwardBatch& batch, KvCache& kv,
+              const std::vector<int32_t>* state_out = nullptr);
   // The decode graphs' block-table width for page_size (set on first use).
   int64_t graph_width(int64_t page_size);
   // The last launch's final hidden states (after the final norm) in batch order.

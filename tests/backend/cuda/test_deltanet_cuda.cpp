@@ -60,14 +60,18 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
     return to_f32(to_bf16(randn(n, scale, mean)));
   }
 
-  /// Host metadata of a batch; slots shuffled among num_slots (> sequences), padding -1.
+  /// Host metadata of a batch; slots shuffled among num_slots (> sequences), padding -1. With
+  /// out_slots_, each sequence's state after its tokens goes to a slot of its own
+  /// (DeltaNetSeqs::state_slot_out; -1 for padding), its slot only read.
   struct Batch {
     int64_t tokens = 0, num_slots = 0;
-    std::vector<int32_t> seq_begin, token_seq, slot, fresh;
+    std::vector<int32_t> seq_begin, token_seq, slot, fresh, slot_out;
+    int32_t dst(size_t s) const { return slot_out.empty() ? slot[s] : slot_out[s]; }
   };
   Batch make_batch(std::vector<SeqSpec> const& seqs) {
     Batch b;
-    b.num_slots = static_cast<int64_t>(seqs.size()) + 3;
+    const auto n = static_cast<int64_t>(seqs.size());
+    b.num_slots = (out_slots_ ? 2 * n : n) + 3;
     std::vector<int32_t> perm(static_cast<size_t>(b.num_slots));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng_);
@@ -77,18 +81,30 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
       b.tokens += seqs[s].len;
       b.slot.push_back(seqs[s].padding ? -1 : perm[s]);
       b.fresh.push_back(seqs[s].fresh ? 1 : 0);
+      if (out_slots_) b.slot_out.push_back(seqs[s].padding ? -1 : perm[seqs.size() + s]);
     }
     b.seq_begin.push_back(static_cast<int32_t>(b.tokens));
     return b;
   }
   struct DeviceSeqs {
-    DeviceBuffer<int32_t> begin, token_seq, slot, fresh;
+    DeviceBuffer<int32_t> begin, token_seq, slot, fresh, slot_out;
     explicit DeviceSeqs(Batch const& b)
-        : begin(b.seq_begin), token_seq(b.token_seq), slot(b.slot), fresh(b.fresh) {}
+        : begin(b.seq_begin),
+          token_seq(b.token_seq),
+          slot(b.slot),
+          fresh(b.fresh),
+          slot_out(b.slot_out) {}
     DeltaNetSeqs view(Batch const& b) const {
-      return {begin.ptr, token_seq.ptr, slot.ptr, fresh.ptr, static_cast<int64_t>(b.slot.size())};
+      return {begin.ptr,
+              token_seq.ptr,
+              slot.ptr,
+              fresh.ptr,
+              static_cast<int64_t>(b.slot.size()),
+              b.slot_out.empty() ? nullptr : slot_out.ptr};
     }
   };
+  // make_batch: out slots (the speculative verify's spare slots).
+  bool out_slots_ = false;
 
   void conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel);
   /// Runs the rule on a random batch and compares with the CPU reference; `sequential` asks
@@ -133,7 +149,7 @@ void CudaDeltaNet::conv_case(std::vector<SeqSpec> const& seqs, int64_t channels,
     cpu::causal_conv1d(
         {xs.data(), w.data(), win.data(), ref_out.data() + t0 * channels, len, channels, kernel});
     if (!seqs[s].padding) {
-      std::copy(win.begin(), win.end(), ref_states.begin() + b.slot[s] * slot_stride);
+      std::copy(win.begin(), win.end(), ref_states.begin() + b.dst(s) * slot_stride);
     }
   }
   EXPECT_LT(rel_err(d_out.download(), ref_out), kTolBf16);
@@ -175,7 +191,7 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
                            beta.data() + t0 * hv, st.data(), ref_out.data() + t0 * hv * dv,
                            seqs[s].len, hk, hv, dk, dv, qkv_stride});
     if (!seqs[s].padding) {
-      std::copy(st.begin(), st.end(), ref_states.begin() + b.slot[s] * slot_stride);
+      std::copy(st.begin(), st.end(), ref_states.begin() + b.dst(s) * slot_stride);
     }
   }
   // The chunked form takes prefill batches at k_dim 64 / 128 (launch's dispatch); it runs in
@@ -443,6 +459,28 @@ TEST_F(CudaDeltaNet, DeltaRuleDecode) {
   delta_case(dec, 4, 8, 128, 128, false, true);
   delta_case(dec, 2, 4, 16, 16, false, true);
   delta_case(dec, 4, 4, 64, 96, false, true);
+}
+
+// Out slots (DeltaNetSeqs::state_slot_out: a speculative verify writes its sequences' states to
+// their spare slots): every form of the conv and the delta rule leaves the state it computes in
+// the out slot and every other slot as it was (the compared slots include the in slots).
+TEST_F(CudaDeltaNet, OutSlotsKeepTheStateBefore) {
+  SCOPED_TRACE(trace());
+  out_slots_ = true;
+  const std::vector<SeqSpec> mixed = {{37, true}, {1}, {2, false}, {70, false}, {1, false, true}};
+  const std::vector<SeqSpec> verify = {{4}, {2}, {5}, {4, false, true}, {3}};
+  std::vector<SeqSpec> dec;
+  for (int i = 0; i < 6; ++i) dec.push_back({1, i == 4, i == 2});
+  conv_case(mixed, 200, 4);  // the vectorised prefill
+  conv_case(mixed, 100, 4);  // the per-channel kernel
+  conv_case(verify, 8192, 4);
+  conv_case(dec, 8192, 4);             // the decode kernel (the window shifted into the out slot)
+  delta_case(verify, 2, 4, 128, 128);  // the recurrence over short chunks
+  delta_case(mixed, 2, 4, 128, 128, true);       // the sequential prefill
+  delta_case(dec, 4, 8, 128, 128);               // the decode kernel
+  delta_case(dec, 4, 8, 128, 128, false, true);  // the fused decode kernel
+  delta_case(chunked_batch(), 2, 4, 128, 128);   // the chunked form
+  out_slots_ = false;
 }
 
 TEST_F(CudaDeltaNet, DeltaRuleLongPrefill) {

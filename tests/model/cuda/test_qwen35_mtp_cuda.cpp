@@ -426,6 +426,15 @@ TEST_P(CudaQwen35Mtp, DraftChainEqualsPassByPass) {
   EXPECT_FALSE(sc.gpu->captured_mtp_buckets().empty()) << "no draft pass ran a graph";
 }
 
+// The fused step (Qwen35MoeCuda::forward_verify_draft: the default; the rejected drafts'
+// DeltaNet states restored and replayed on the device from the accepted counts there) against
+// the unfused one (the engine's rollback), cuda_golden_util.h.
+TEST_P(CudaQwen35Mtp, FusedStepMatchesUnfused) {
+  SpecComparison<Qwen35MoeCuda> sc(GetParam());
+  sc.base.state_checkpoint_interval = 16;
+  expect_fused_step_matches_unfused(sc);
+}
+
 struct LosslessMode {
   const char* name;
   bool graphs, together;
