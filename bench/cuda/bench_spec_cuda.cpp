@@ -319,8 +319,13 @@ class CallTimer final : public Model {
                       const std::function<void()>& wait_masks) override {
     timed("forward_sample", [&] { m_.forward_sample(b, kv, rows, out, wait_masks); });
   }
-  void reset() { totals_.clear(); }
-  // "name calls x ms, ..." of the calls since reset().
+  // (a Qwen3.5 model's fused-step stages too: Qwen35MoeCuda::profile_fused_stages)
+  void reset() {
+    totals_.clear();
+    if (auto* q = dynamic_cast<Qwen35MoeCuda*>(&m_)) (void)q->take_fused_stage_times();
+  }
+  // "name calls x ms, ..." of the calls since reset(), then the fused step's stages (device /
+  // host ms per step).
   std::string report() const {
     std::string r;
     for (const auto& [name, t] : totals_) {
@@ -328,6 +333,17 @@ class CallTimer final : public Model {
       std::snprintf(buf, sizeof(buf), "%s%s %lld x %.1f ms", r.empty() ? "" : ", ", name.c_str(),
                     static_cast<long long>(t.first), t.second);
       r += buf;
+    }
+    if (auto* q = dynamic_cast<Qwen35MoeCuda*>(&m_)) {
+      const auto stages = q->take_fused_stage_times();
+      if (!stages.empty()) r += "\n    fused step stages (device / host ms per step):";
+      for (const auto& t : stages) {
+        char buf[160];
+        const double n = static_cast<double>(t.calls);
+        std::snprintf(buf, sizeof(buf), " %s %.3f / %.3f;", t.name.c_str(), t.device_ms / n,
+                      t.host_ms / n);
+        r += buf;
+      }
     }
     return r;
   }
@@ -420,6 +436,7 @@ void bench_e2e(const std::string& name, Model& inner, const std::vector<int64_t>
                float temperature, bool profile_calls = false) {
   CallTimer timer(inner);  // --profile-calls: each row's model calls in the timed wave
   Model& model = profile_calls ? static_cast<Model&>(timer) : inner;
+  if (auto* q = dynamic_cast<Qwen35MoeCuda*>(&inner)) q->profile_fused_stages(profile_calls);
   auto calls = [&] {
     if (profile_calls) std::printf("    calls: %s\n", timer.report().c_str());
   };

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +42,7 @@ using cuda_model::DeviceSampler;
 using cuda_model::host_bf16;
 using cuda_model::PinnedMem;
 using cuda_model::SpecAdvanceStage;
+using cuda_model::StageClock;
 using cuda_model::Uploader;
 
 namespace {
@@ -353,6 +355,7 @@ struct Qwen35MoeCuda::Impl {
   // device-driven state replay's metadata (meta_elems, written by spec_replay_plan).
   bool fused_step = true;
   int64_t fused_steps = 0;
+  StageClock fused_clock;  // profile_fused_stages
   SpecAdvanceStage spec;
   DeviceMem r_meta;
   const void* graph_kv = nullptr;      // the cache the graphs were captured against
@@ -368,6 +371,7 @@ struct Qwen35MoeCuda::Impl {
   }
   ~Impl() {
     drop_graphs();
+    drop_settle_graphs();
     if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
     if (mtp_w.staged != nullptr) (void)cudaEventDestroy(mtp_w.staged);
     if (ev_fork != nullptr) (void)cudaEventDestroy(ev_fork);
@@ -680,8 +684,8 @@ struct Qwen35MoeCuda::Impl {
 
   // int32 elements of a metadata buffer: ids | positions | token_seq | rows | slots (int64) |
   // dn_token_seq (T each) | dn_begin (S + 1) | dn_slot | dn_fresh | dn_slot_out (S each),
-  // padded; S: room for the state replay's padding sequences too (replay_rejected).
-  int64_t meta_seqs() const { return s_cap + 2; }
+  // padded; S: room for the state settle's padding sequences too (one per verify token).
+  int64_t meta_seqs() const { return s_cap + std::min(t_cap, s_cap * kMaxVerifyTokens) + 2; }
   size_t meta_elems() const { return static_cast<size_t>(7 * t_cap + 4 * meta_seqs() + 8); }
   Meta meta_at(const DeviceMem& m) const {
     Meta r;
@@ -914,24 +918,56 @@ struct Qwen35MoeCuda::Impl {
   // device order, `tokens` of them; the verify wrote each verify sequence's state to its spare
   // slot): from the accepted counts on the device (backend/cuda/spec_replay.h), the spare slot's
   // state copied over the slot of each sequence that accepted every draft, and the others'
-  // slots (the state before the step) rolled over their kept rows.
+  // slots (the state before the step) rolled over their kept rows. `graph`: replayed from a
+  // graph per (sequences, tokens), captured on first use (a hundred small launches at 35B
+  // shapes, the host's enqueue of them the step's cost at batch 1).
   void settle_states(const cuda::SpecAdvanceParams& ap, int64_t tokens, const int32_t* slots,
-                     const int32_t* spares, KvCache& kv) {
+                     const int32_t* spares, KvCache& kv, bool graph) {
     if (r_meta.size() == 0) r_meta = DeviceMem(meta_elems() * sizeof(int32_t));
     Meta m = meta_at(r_meta);
-    // One more replay sequence than num_tokens == num_seqs would make (a decode step's shape).
-    m.num_seqs = ap.seqs + 1 == tokens ? ap.seqs + 2 : ap.seqs + 1;
+    m.num_seqs = ap.seqs + tokens;  // a padding sequence per token that is not replayed
     m.n = tokens;
     TANDEM_CHECK(m.num_seqs <= meta_seqs() && tokens <= kept_cap, "settle_states: ", ap.seqs,
                  " sequences, ", tokens, " tokens");
-    cuda::spec_replay_plan_launch({ap.accepted, ap.seq_begin, slots, ap.seqs, m.num_seqs, m.ids,
-                                   m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh},
-                                  stream);
-    cuda::accepted_state_copy_launch({ap.accepted, ap.seq_begin, slots, spares, kv.state_data(0),
-                                      ap.seqs, slot_elems(), kv.state_slot_elems()},
-                                     stream);
-    replay(m, kv);
     kept_tokens = -1;  // replayed once
+    auto record = [&] {
+      cuda::spec_replay_plan_launch({ap.accepted, ap.seq_begin, slots, ap.seqs, tokens,
+                                     m.num_seqs, m.ids, m.dn_begin, m.dn_token_seq, m.dn_slot,
+                                     m.dn_fresh},
+                                    stream);
+      cuda::accepted_state_copy_launch({ap.accepted, ap.seq_begin, slots, spares,
+                                        kv.state_data(0), ap.seqs, slot_elems(),
+                                        kv.state_slot_elems()},
+                                       stream);
+      replay(m, kv);
+    };
+    // What a captured settle reads and writes besides r_meta and the activations.
+    const SettleInputs in{ap.accepted, ap.seq_begin, slots, spares, kv.state_data(0),
+                          kept.as<void>()};
+    const std::pair<int64_t, int64_t> key{ap.seqs, tokens};
+    auto it = settle_graphs.find(key);
+    if (it != settle_graphs.end() && it->second.in != in) {
+      (void)cudaGraphExecDestroy(it->second.exec);
+      settle_graphs.erase(it);
+      it = settle_graphs.end();
+    }
+    if (it == settle_graphs.end()) {
+      if (!graph || settle_graphs.size() >= kMaxSettleGraphs) return record();
+      it = settle_graphs.emplace(key, SettleGraph{cuda_model::capture_graph(stream, record), in})
+               .first;
+    }
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream));
+  }
+  using SettleInputs = std::array<const void*, 6>;
+  struct SettleGraph {
+    cudaGraphExec_t exec;
+    SettleInputs in;
+  };
+  static constexpr size_t kMaxSettleGraphs = 512;
+  std::map<std::pair<int64_t, int64_t>, SettleGraph> settle_graphs;
+  void drop_settle_graphs() {
+    for (auto& [k, g] : settle_graphs) (void)cudaGraphExecDestroy(g.exec);
+    settle_graphs.clear();
   }
 
   // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
@@ -1688,6 +1724,12 @@ void Qwen35MoeCuda::set_fused_step(bool on) { impl_->fused_step = on; }
 
 int64_t Qwen35MoeCuda::fused_steps() const { return impl_->fused_steps; }
 
+void Qwen35MoeCuda::profile_fused_stages(bool on) { impl_->fused_clock.enable(on); }
+
+std::vector<cuda_model::StageTimes> Qwen35MoeCuda::take_fused_stage_times() {
+  return impl_->fused_clock.take();
+}
+
 void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
                                          const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
                                          VerifyDraftStep& step, std::vector<SampledToken>& out) {
@@ -1736,18 +1778,23 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   // tokens into its spare slot, its own slot keeping the state before), its rows sampled on the
   // device.
   ++im.fused_steps;
+  StageClock& clock = im.fused_clock;
+  clock.mark("start", stream_);
   if (!launch(vb, kv, im.num_linear > 0 ? &spares : nullptr)) im.head(0, T);
+  clock.mark("verify", stream_);
   im.sampler->enqueue(im.logits.as<float>(), vrows, {}, stream_);
   // 2. The accepted drafts (spec_advance), and the metadata of the MTP passes.
   const int64_t ps = mtp_kv.geometry().page_size;
   cuda::SpecAdvanceParams ap = im.spec.stage(vb, forced, K - 1, ps, {slots, spares}, stream_);
   ap.sampled = im.sampler->device_tokens();
   cuda::spec_advance_launch(ap, stream_);
+  clock.mark("sample + accept", stream_);
   // 3. The DeltaNet states: a sequence that accepted every draft takes its spare slot's; one
   // that rejected a draft replays its kept rows on its own slot (the state before the step).
   if (im.num_linear > 0 && T > n) {
     TANDEM_CHECK(im.kept_tokens == T, "forward_verify_draft: the verify kept no recurrence inputs");
-    im.settle_states(ap, T, im.spec.extra(0), im.spec.extra(1), kv);
+    im.settle_states(ap, T, im.spec.extra(0), im.spec.extra(1), kv, !buckets_.empty());
+    clock.mark("state settle", stream_);
   }
   // 4. MTP pass 0 over every verify position (the token at t + 1: an accepted draft, else the
   // target's; its logits row at the last accepted position), then K - 1 chained passes at the
@@ -1765,6 +1812,7 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   in.logit_rows = ap.mtp_rows;
   mtp_launch(first, nullptr, mtp_kv, &in);
   im.sampler->argmax(im.logits.as<float>(), n, cb.tokens, stream_);
+  clock.mark("mtp pass 0", stream_);
   ForwardBatch one;
   for (const ForwardSeq& f : vb.seqs) {  // positions and KV slots: the kernel's
     one.seqs.push_back({f.tokens, 1, f.start_pos + f.num_tokens - 1, f.block_table, f.num_pages,
@@ -1785,9 +1833,11 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
     mtp_launch(one, nullptr, mtp_kv, &ci);
     im.sampler->argmax(im.logits.as<float>(), n, cb.tokens + p * im.rows_cap, stream_);
   }
+  clock.mark("mtp chained passes", stream_);
   im.tokens_to_host(cb, K);
   im.spec.accepted_to_host(stream_);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the step's one synchronisation
+  clock.collect("copies + host wait");
   std::vector<SampledToken> vout;
   im.sampler->collect(vout, stream_);
 

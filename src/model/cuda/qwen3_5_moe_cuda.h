@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "model/cuda/qwen3_moe_cuda.h"
+#include "model/cuda/stage_clock.h"
 #include "model/qwen3_moe.h"
 
 namespace tandem {
@@ -118,6 +119,11 @@ class Qwen35MoeCuda final : public Model {
                             VerifyDraftStep& step, std::vector<SampledToken>& out) override;
   /// Steps that ran forward_verify_draft (tests, benchmarks).
   int64_t fused_steps() const;
+  /// Benchmarks: time the fused step's stages (verify, sample + accept, state settle, MTP pass
+  /// 0, chained passes, copies + host wait; device and host time each, StageClock); the totals
+  /// since the last take.
+  void profile_fused_stages(bool on);
+  std::vector<cuda_model::StageTimes> take_fused_stage_times();
   /// Captures the decode graph of every bucket up to max_batch (writes KV at position 0 of
   /// page 0 and the state slots 0..bucket - 1).
   void warm_up(KvCache& kv, int64_t max_batch) override;
