@@ -822,9 +822,7 @@ void Engine::hold_prefilled(ScheduledBatch& batch) {
       // Its first decode token (not a recomputation after a preemption), with drafts to make:
       // the MTP layer over the prompt this step (its drafts are verified in the next), as the
       // step that computes a prompt does in one engine.
-      const int64_t k = std::min({config_.num_speculative_tokens,
-                                  static_cast<int64_t>(s.req.max_tokens) - s.num_output() - 1,
-                                  config_.max_model_len - 1 - s.num_computed});
+      const int64_t k = draft_limit(s);
       hold = !ss.verify && ss.num_tokens == 1 && s.num_computed == s.prompt_len &&
              static_cast<int64_t>(s.tokens.size()) == s.prompt_len + 1 && k > 0 &&
              s.req.allow_speculation && (!s.req.constraint || s.req.constraint->can_rollback());
@@ -930,14 +928,15 @@ void Engine::rollback_states() {
   model_.forward(fb, kv_, none);
 }
 
+int64_t Engine::draft_limit(const Sequence& s) const {
+  return std::min(config_.num_speculative_tokens, config_.max_model_len - 1 - s.num_computed);
+}
+
 int64_t Engine::draft_budget(Sequence& s, const Computed& c) {
   const int64_t ps = config_.page_size;
   const auto n = static_cast<int64_t>(s.tokens.size());
   if (s.num_computed + 1 != n || s.num_computed != c.start + c.count) return 0;
-  // Drafts past max_tokens or the context are never used.
-  int64_t k = std::min({config_.num_speculative_tokens,
-                        static_cast<int64_t>(s.req.max_tokens) - s.num_output() - 1,
-                        config_.max_model_len - 1 - s.num_computed});
+  int64_t k = draft_limit(s);
   // Chained drafts write MTP KV up to position num_computed + k - 2.
   const int64_t need_tokens = s.num_computed + k - 1;
   const int64_t need = (need_tokens + ps - 1) / ps - static_cast<int64_t>(s.pages.size());

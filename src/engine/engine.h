@@ -201,8 +201,12 @@ class Engine {
   int64_t draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
                                 const std::vector<Sequence*>& drafting,
                                 const std::vector<int64_t>& num_drafts);
-  /// The drafts s gets after this step (0: none; bounded by max_tokens, the context and the
-  /// pages its chained drafts write, allocated here).
+  /// The drafts s may have: num_speculative_tokens within the context. Not bounded by
+  /// max_tokens, as vLLM's: the verify stops emitting at max_tokens, and a batch whose every
+  /// sequence verifies K drafts keeps the GPU's verify graphs (a shorter one runs eagerly).
+  int64_t draft_limit(const Sequence& s) const;
+  /// The drafts s gets after this step (0: none; draft_limit, and the pages its chained drafts
+  /// write, allocated here).
   int64_t draft_budget(Sequence& s, const Computed& c);
   /// Tests: EngineConfig::spec_draft_hook over the drafting sequences' drafts.
   void apply_draft_hook(const std::vector<Sequence*>& drafting);

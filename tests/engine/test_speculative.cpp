@@ -484,13 +484,16 @@ TEST_P(SpecLosslessTest, DeviceSampledGreedyEqualsHostPath) {
 // The draft chain in one model call (Model::mtp_draft_chain, as the GPU model runs it without
 // the hidden states leaving the device): the same drafts as pass-by-pass drafting, so the same
 // tokens and the same acceptance counts, no hidden state asked on the host, sequences past their
-// K (max_tokens) riding along without writing KV.
+// K (the context's end) riding along without writing KV.
 TEST_P(SpecLosslessTest, DraftChainOnDeviceEqualsPassByPass) {
   const Golden g = testing::load_golden(GetParam());
   auto model = load_with_mtp(GetParam());
   std::vector<GenRequest> reqs = greedy_requests(g);
-  for (size_t i = 0; i < reqs.size(); ++i) {  // uneven ends: some sequences draft fewer than K
+  int64_t context = 0;  // uneven ends: the longest sequences draft fewer than K at the end
+  for (size_t i = 0; i < reqs.size(); ++i) {
     reqs[i].max_tokens = std::max<int32_t>(2, reqs[i].max_tokens - static_cast<int32_t>(i % 3));
+    context = std::max(context, static_cast<int64_t>(reqs[i].prompt_ids.size()) +
+                                    reqs[i].max_tokens);
   }
   const RunResult ref = run(*model, reqs, EngineConfig{});
   int64_t past = 0;
@@ -498,6 +501,7 @@ TEST_P(SpecLosslessTest, DraftChainOnDeviceEqualsPassByPass) {
     SCOPED_TRACE("K = " + std::to_string(k));
     EngineConfig c;
     c.num_speculative_tokens = k;
+    c.max_model_len = context;
     c.spec_draft_hook = oracle(reqs, ref.outs, model->config().vocab_size);
     DeviceGreedy passes(*model);
     const RunResult by_pass = run(passes, reqs, c);
