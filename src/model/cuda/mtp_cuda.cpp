@@ -778,7 +778,6 @@ void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_
   const MtpScratch& s = im.s;
   cudaStream_t st = s.stream;
   check_mtp_kv(im.c, kv);
-  TANDEM_CHECK(!im.collective(), "draft_after_verify: not with a collective MTP layer");
   const auto n = static_cast<int64_t>(verify.seqs.size());
   const int64_t K = step.num_drafts, T = verify.num_tokens(), ps = kv.geometry().page_size;
   TANDEM_CHECK(K >= 1 && static_cast<int64_t>(step.forced.size()) == n && n > 0 &&
@@ -788,7 +787,9 @@ void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_
   im.check_chain(verify, target_rows, hidden_rows, static_cast<size_t>(K - 1));
 
   // Pass 0 over every verify position (one logits row per sequence: the kernel picks it), the
-  // chained passes one token per sequence at placeholder positions (the kernel's).
+  // chained passes one token per sequence at placeholder positions (the kernel's). Every pass
+  // has every sequence, so a collective layer (decode EP) runs exactly K exchanges here, as the
+  // unfused step's pass 0, chained and padding passes add up to (Engine::mtp_passes).
   ForwardBatch first = verify;
   for (ForwardSeq& f : first.seqs) f.logits = LogitsMode::kLast;
   std::vector<MtpLaunch> launches;
@@ -821,8 +822,8 @@ void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_
         const size_t o = (p - 1) * N;
         TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + s.t_cap, ap.chain_pos + o, N * sizeof(int32_t),
                                           cudaMemcpyDeviceToDevice, st));
-        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + 5 * s.t_cap, ap.chain_slots + o,
-                                          N * sizeof(int64_t), cudaMemcpyDeviceToDevice, st));
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + 5 * s.t_cap, ap.chain_slots + o, N * sizeof(int64_t),
+                                          cudaMemcpyDeviceToDevice, st));
       });
   im.drafts_to_host(rows);
   im.spec.accepted_to_host(st);
