@@ -99,8 +99,11 @@ struct DecodeInstanceConfig {
   /// (each rank its own) and run through the same EP all-to-all, so every rank runs
   /// num_speculative_tokens MTP passes in every step, empty ones included
   /// (Model::mtp_collective, Engine::pad_mtp_passes); the verify is the rank's ordinary
-  /// lockstep forward. Hybrids (Qwen3.5): refused with dp > 1 (a rejected draft's state
-  /// rollback is a forward only some ranks would run).
+  /// lockstep forward. A rank's steady steps run fused (Model::forward_verify_draft: the
+  /// verify, pass 0 and the K - 1 chained passes in one call), whatever its peers run.
+  /// Hybrids (Qwen3.5): the MTP layer whole on every rank (its passes rank-local), a rejected
+  /// draft's state rolled back by a rank-local replay (Model::replay_states); refused with
+  /// dp > 1 only when the replay is off (the rollback would be a forward only some ranks run).
   std::string mtp_dir;
 };
 
@@ -150,7 +153,8 @@ class DecodeInstance final : public DecodeClient {
   // the last iteration) to every rank, a step when any rank has work, each rank's report back.
   void rank_main(Rank& rank);
   void rank_loop(Rank& rank);
-  /// Loads the MTP layer (config_.mtp_dir) into a rank's model; hybrids refused with dp > 1.
+  /// Loads the MTP layer (config_.mtp_dir) into a rank's model; hybrids refused with dp > 1
+  /// when the state replay is off.
   void load_mtp(Model& model) const;
   void init_receivers();
   std::vector<uint8_t> take_commands();

@@ -949,7 +949,7 @@ int64_t Engine::draft_budget(Sequence& s, const Computed& c) {
 void Engine::draft() {
   std::vector<Computed> computed = std::move(computed_);
   computed_.clear();
-  if (fused_) {
+  if (fused_) {  // the step ran its MTP passes (all K of them: nothing to pad)
     adopt_fused_drafts(computed);
     return;
   }
@@ -1030,9 +1030,11 @@ void Engine::draw_forced_accepts(const ScheduledBatch& batch) {
 bool Engine::fused_step(const ScheduledBatch& batch) {
   // (held prefilled prompts: their MTP pass over the prompt runs in draft(), not fused)
   // (a hybrid's rejected drafts roll back inside the step by replaying its recurrence inputs)
+  // (a collective MTP layer: the step runs pass 0 and K - 1 chained passes, the K exchanges of
+  // an unfused or empty step of a peer, so the choice is this rank's alone)
   const bool states = model_.state_slot_elems() > 0;
   if (!speculating() || batch.seqs.empty() || !model_.fuses_verify_and_draft() ||
-      model_.mtp_collective() || (states && !config_.spec_state_replay) || !held_.empty()) {
+      (states && !config_.spec_state_replay) || !held_.empty()) {
     return false;
   }
   for (const auto& ss : batch.seqs) {

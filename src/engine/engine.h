@@ -215,10 +215,11 @@ class Engine {
   /// Benchmarks (spec_forced_accept_prob): each verify chunk's accepted drafts, drawn before
   /// its forward (Sequence::forced_accepts).
   void draw_forced_accepts(const ScheduledBatch& batch);
-  /// True when this step runs fused: a model that fuses, one rank's MTP layer, recurrent states
-  /// only with the state replay on (the model rolls them back inside the step), every sequence
-  /// a verify chunk or a one-token decode that drafts on the device; also
-  /// allocates the pages its chained drafts write (false when the pool has none).
+  /// True when this step runs fused: a model that fuses, recurrent states only with the state
+  /// replay on (the model rolls them back inside the step), every sequence a verify chunk or a
+  /// one-token decode that drafts on the device; also allocates the pages its chained drafts
+  /// write (false when the pool has none). Rank-local with a collective MTP layer too: a fused
+  /// step runs exactly K passes (Model::forward_verify_draft), as an unfused one pads to.
   bool fused_step(const ScheduledBatch& batch);
   void forward_fused(const ScheduledBatch& batch);
   void adopt_fused_drafts(const std::vector<Computed>& computed);
@@ -229,8 +230,9 @@ class Engine {
   /// True when s's drafts can be the MTP's argmax on the model's device (no host logits).
   bool drafts_on_device(const Sequence& s) const;
   /// The MTP passes every step must run (Model::mtp_collective(): a decode EP rank's group
-  /// runs num_speculative_tokens passes in every step, pass 0 over the computed positions and
-  /// K - 1 chained ones, whatever each rank drafts; 0: as many as the rank's drafts need).
+  /// runs num_speculative_tokens passes in every step, pass 0 over the computed positions (a
+  /// fused step's: over every verify position) and K - 1 chained ones, whatever each rank
+  /// drafts; 0: as many as the rank's drafts need).
   int64_t mtp_passes() const;
   /// Runs empty MTP passes up to mtp_passes() after `done` ran this step (this rank's experts
   /// serve its peers' rows): at the end of draft(), for an empty batch in complete(), and when

@@ -108,7 +108,12 @@ void mtp_draft_chain_on_host(Model& model, std::span<const float> target_hidden,
       hin.insert(hin.end(), hout.begin() + static_cast<int64_t>(i) * h,
                  hout.begin() + static_cast<int64_t>(i + 1) * h);
     }
-    if (live.seqs.empty()) continue;
+    if (live.seqs.empty()) {
+      // A collective layer (decode EP) runs the pass anyway: its peers' rows need this rank's
+      // experts, and every rank runs the same passes.
+      if (model.mtp_collective()) model.mtp_forward(live, nullptr, mtp_kv, logits, next_hout);
+      continue;
+    }
     model.mtp_forward(live, hin.data(), mtp_kv, logits, next_hout);
     for (size_t j = 0; j < index.size(); ++j) {
       drafts[p + 1][index[j]] = argmax_row(logits, static_cast<int64_t>(j), vocab);

@@ -121,7 +121,7 @@ class Model {
   /// True when forward_verify_draft() runs on the model's device in one go (one host
   /// synchronisation per speculative step).
   virtual bool fuses_verify_and_draft() const { return false; }
-  /// A steady speculative decode step in one call (single rank, greedy device drafts). Every
+  /// A steady speculative decode step in one call (greedy device drafts). Every
   /// sequence of `batch` is a verify chunk (its last token, then its drafts; logits kAll) or a
   /// one-token decode (kLast); its block table covers the verify positions, and as many of the
   /// chained drafts' positions as it can (start + drafts + num_drafts). Runs forward_sample
@@ -134,6 +134,9 @@ class Model {
   /// KV past the sequence's tokens may be written (it is rewritten before it is read).
   /// Hybrid models (state_slot_elems() > 0): every sequence's state is then the one after
   /// position start + a (step.spare_slots: a free slot per verify sequence for the step's use).
+  /// With a collective MTP layer (mtp_collective(): a decode EP rank) the forward is the rank's
+  /// lockstep forward and the MTP passes are exactly num_drafts (pass 0, then the chained ones,
+  /// each one exchange whatever rows it has), as many as an unfused step runs (and pads to).
   /// The default: snapshot_verify_states, forward_sample (keeping the recurrence inputs),
   /// verify_draft_on_host, then rollback_verify_states.
   virtual void forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
@@ -153,7 +156,8 @@ class Model {
 
 /// Model::mtp_draft_chain's meaning on the host, from the target's hidden states
 /// `target_hidden` ([tokens of the target's batch, hidden], batch order) with mtp_forward: each
-/// chained pass runs its live rows only; a row past its drafts keeps its last draft. The
+/// chained pass runs its live rows only (none: an empty pass with a collective MTP layer, so
+/// that every pass of the chain runs); a row past its drafts keeps its last draft. The
 /// reference the device chains are tested against (a test model that drafts "on its device").
 void mtp_draft_chain_on_host(Model& model, std::span<const float> target_hidden,
                              const ForwardBatch& first, std::span<const int64_t> hidden_rows,

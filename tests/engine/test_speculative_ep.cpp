@@ -2,8 +2,9 @@
 // block is sharded by experts as the target's and runs through the same all-to-all, so every
 // rank runs num_speculative_tokens MTP passes per step, empty ones included
 // (Model::mtp_collective, Engine::pad_mtp_passes). Greedy tokens, drafts and counters equal
-// DP 1's; the experts are really sharded; uneven work (idle ranks) does not hang. Qwen3.5
-// hybrids (their MTP layer local, their state rollback a rank-local replay) under DP too.
+// DP 1's; the experts are really sharded; uneven work (idle ranks) does not hang; ranks running
+// the fused step (Model::forward_verify_draft), all or some of them, equal ranks that do not.
+// Qwen3.5 hybrids (their MTP layer local, their state rollback a rank-local replay) under DP too.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <utility>
 
@@ -65,7 +67,7 @@ struct DecodeRun {
 // position it took from there would travel without one (its MTP KV zeros), at the whim of the
 // timing (here some prompts share a prefix).
 DecodeRun run_decode(const std::string& dir, const std::string& mtp, int dp, int64_t k,
-                     const std::vector<GenRequest>& reqs) {
+                     const std::vector<GenRequest>& reqs, ModelFactory model = {}) {
   DecodeRun res;
   std::mutex mu;
   std::condition_variable cv;
@@ -76,6 +78,7 @@ DecodeRun run_decode(const std::string& dir, const std::string& mtp, int dp, int
   cfg.engine.num_speculative_tokens = k;
   cfg.max_decode_batch = 8;
   cfg.mtp_dir = mtp;
+  cfg.model = std::move(model);
   if (k > 0) {
     cfg.engine.spec_draft_hook = [&](const std::string& id, std::span<const int32_t> tokens,
                                      std::vector<int32_t>& drafts) {
@@ -242,24 +245,53 @@ TEST(SpecDecodeEp, MtpExpertsAreSharded) {
   }
 }
 
+// The MTP passes each step of the ranks of a decode instance ran (CountingModel over a rank's
+// model), by rank: (passes -> steps), and the fused steps.
+struct PassTally {
+  std::mutex mu;
+  std::map<int, std::map<int64_t, int64_t>> steps_by_passes;
+  std::map<int, int64_t> fused_steps;
+  std::map<int, bool> collective;  // the rank's Model::mtp_collective()
+};
+
 // The engine's rule for a collective MTP layer: every step runs exactly K passes (pass 0, the
 // chained ones, empty ones for what the rank does not draft), also an empty step and a step
 // whose forward failed; without it, K - 1 chained passes at most, none for an empty step. With
 // `chain`, the model drafts "on its device" (greedy rows argmax'd here, Model::mtp_draft_chain
 // by its host reference), each chain counting its 1 + chain.size() passes, as the GPU model
-// under decode EP runs one exchange per pass of the chain.
+// under decode EP runs one exchange per pass of the chain. With `fused` too, steady steps run
+// fused (Model::forward_verify_draft by its host reference, each of its passes counted), as the
+// GPU model's do. A step's passes are those between its target call and the next one's.
 class CountingModel final : public Model {
  public:
-  CountingModel(Model& inner, bool collective, bool chain = false)
-      : inner_(inner), collective_(collective), chain_(chain) {}
+  CountingModel(Model& inner, bool collective, bool chain = false, bool fused = false)
+      : inner_(inner), collective_(collective), chain_(chain), fused_(fused) {}
+  // A decode instance's rank (DecodeInstanceConfig::model): owns the rank's model, whose MTP
+  // layer loads through here and says whether it is collective; the device paths on, fused
+  // steps with `fused`; each step's passes and the fused steps counted into `tally`.
+  CountingModel(std::unique_ptr<Model> rank_model, bool fused, std::shared_ptr<PassTally> tally,
+                int rank)
+      : owned_(std::move(rank_model)),
+        inner_(*owned_),
+        chain_(true),
+        fused_(fused),
+        tally_(std::move(tally)),
+        rank_(rank) {}
   const ModelConfig& config() const override { return inner_.config(); }
   KvGeometry kv_geometry(int64_t p, int64_t s) const override { return inner_.kv_geometry(p, s); }
+  // Hybrids: the recurrent states and their replay are the inner model's.
+  int64_t state_slot_elems() const override { return inner_.state_slot_elems(); }
+  bool replay_states(const std::vector<StateReplay>& replays, KvCache& kv) override {
+    return inner_.replay_states(replays, kv);
+  }
   void forward(const ForwardBatch& b, KvCache& kv, std::vector<float>& logits) override {
+    target_call();
     if (fail_forward) TANDEM_THROW(kInternal, "forward failed (test)");
     inner_.forward(b, kv, logits);
   }
+  void load_mtp(const std::string& dir) override { inner_.load_mtp(dir); }
   bool has_mtp() const override { return inner_.has_mtp(); }
-  bool mtp_collective() const override { return collective_; }
+  bool mtp_collective() const override { return collective_.value_or(inner_.mtp_collective()); }
   KvGeometry mtp_kv_geometry(int64_t p, int64_t s) const override {
     return inner_.mtp_kv_geometry(p, s);
   }
@@ -273,6 +305,7 @@ class CountingModel final : public Model {
   void forward_sample(const ForwardBatch& b, KvCache& kv, const std::vector<DeviceSampling>& rows,
                       std::vector<SampledToken>& out,
                       const std::function<void()>& wait_masks = {}) override {
+    target_call();
     if (wait_masks) wait_masks();
     if (fail_forward) TANDEM_THROW(kInternal, "forward failed (test)");
     ForwardBatch keep = b;  // the target's hidden states stay "on the device" (here)
@@ -297,10 +330,33 @@ class CountingModel final : public Model {
     passes += 1 + static_cast<int64_t>(chain.size());  // one exchange per pass
     ++chains;
   }
-  int64_t passes = 0, chains = 0;
+  bool fuses_verify_and_draft() const override { return chain_ && fused_; }
+  // Model::forward_verify_draft's default (the host reference): its MTP passes through
+  // mtp_forward (counted).
+  void forward_verify_draft(const ForwardBatch& b, KvCache& kv,
+                            const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
+                            VerifyDraftStep& step, std::vector<SampledToken>& out) override {
+    ++fused_steps;
+    if (tally_) {
+      std::lock_guard<std::mutex> lock(tally_->mu);
+      ++tally_->fused_steps[rank_];
+    }
+    Model::forward_verify_draft(b, kv, rows, mtp_kv, step, out);
+  }
+  int64_t passes = 0, chains = 0, fused_steps = 0;
   bool fail_forward = false;
 
  private:
+  // A step's first model call: the step before ran passes - step_start_ MTP passes.
+  void target_call() {
+    if (tally_ && target_calls_ > 0) {
+      std::lock_guard<std::mutex> lock(tally_->mu);
+      ++tally_->steps_by_passes[rank_][passes - step_start_];
+      tally_->collective[rank_] = mtp_collective();
+    }
+    ++target_calls_;
+    step_start_ = passes;
+  }
   void argmax(const std::vector<float>& logits, int64_t rows, std::vector<SampledToken>& out) {
     const int64_t v = config().vocab_size;
     out.assign(static_cast<size_t>(rows), {});
@@ -310,8 +366,13 @@ class CountingModel final : public Model {
           static_cast<int32_t>(std::max_element(row, row + v) - row);
     }
   }
+  std::unique_ptr<Model> owned_;
   Model& inner_;
-  bool collective_, chain_;
+  std::optional<bool> collective_;  // unset: the inner model's
+  bool chain_, fused_;
+  std::shared_ptr<PassTally> tally_;
+  int rank_ = 0;
+  int64_t target_calls_ = 0, step_start_ = 0;
   std::vector<float> last_hidden_;
 };
 
@@ -319,12 +380,17 @@ TEST(SpecDecodeEp, CollectiveMtpRunsKPassesEveryStep) {
   const RandomMtp mtp(fixture(), 4);
   auto inner = Qwen3MoeCpu::load(fixture());
   inner->load_mtp(mtp.dir);
-  for (const auto& [collective, chain] : {std::pair{true, false}, std::pair{false, false},
-                                          std::pair{true, true}, std::pair{false, true}}) {
+  struct Mode {
+    bool collective, chain, fused;
+  };
+  for (const Mode& m :
+       {Mode{true, false, false}, Mode{false, false, false}, Mode{true, true, false},
+        Mode{false, true, false}, Mode{true, true, true}}) {
+    const bool collective = m.collective, chain = m.chain;
     for (int64_t k : {1, 3}) {
       SCOPED_TRACE("collective " + std::to_string(collective) + " chain " + std::to_string(chain) +
-                   " K " + std::to_string(k));
-      CountingModel model(*inner, collective, chain);
+                   " fused " + std::to_string(m.fused) + " K " + std::to_string(k));
+      CountingModel model(*inner, collective, chain, m.fused);
       EngineConfig cfg;
       cfg.num_speculative_tokens = k;
       Engine engine(model, cfg);
@@ -361,8 +427,137 @@ TEST(SpecDecodeEp, CollectiveMtpRunsKPassesEveryStep) {
       model.fail_forward = false;
       if (!collective && k > 1) EXPECT_GT(short_steps, 0);  // the rule is not vacuous
       if (chain) EXPECT_GT(model.chains, 0);
+      if (m.fused) EXPECT_GT(model.fused_steps, 0);
     }
   }
+}
+
+// A fused step's chained passes all run on a collective layer, even those whose positions fall
+// past every block table (no live row: an empty pass, the exchange still made).
+TEST(SpecDecodeEp, FusedStepRunsKPassesPastTheBlockTables) {
+  const RandomMtp mtp(fixture(), 4);
+  auto inner = Qwen3MoeCpu::load(fixture());
+  inner->load_mtp(mtp.dir);
+  for (const bool collective : {true, false}) {
+    for (int64_t k : {1, 3, 4}) {
+      SCOPED_TRACE("collective " + std::to_string(collective) + " K " + std::to_string(k));
+      CountingModel model(*inner, collective, /*chain=*/true, /*fused=*/true);
+      // Two sequences verifying 2 drafts each at positions 13..15 of one page of 16, both
+      // accepted (forced): the chained passes sit at 16.., outside the tables.
+      const int64_t ps = 16;
+      KvCache kv(model.kv_geometry(4, ps));
+      KvCache mkv = model.make_mtp_kv_cache(4, ps);
+      const std::vector<std::vector<int32_t>> tokens = {{7, 1, 2}, {9, 3, 4}};
+      const std::vector<int32_t> tables = {0, 1};
+      ForwardBatch b;
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        b.seqs.push_back({tokens[i].data(), 3, 13, &tables[i], 1, LogitsMode::kAll, -1});
+      }
+      DeviceSampling greedy;
+      greedy.temperature = 0.0f;
+      const std::vector<DeviceSampling> rows(6, greedy);
+      VerifyDraftStep step;
+      step.num_drafts = k;
+      step.forced = {2, 2};
+      std::vector<SampledToken> out;
+      const int64_t before = model.passes;
+      model.forward_verify_draft(b, kv, rows, mkv, step, out);
+      EXPECT_EQ(model.passes - before, collective ? k : 1);
+      ASSERT_EQ(step.drafts.size(), 2u);
+      EXPECT_EQ(step.accepted, (std::vector<int32_t>{2, 2}));
+      for (const auto& d : step.drafts) EXPECT_EQ(d.size(), static_cast<size_t>(k));
+    }
+  }
+}
+
+// A decode instance's ranks over CountingModel: rank r fuses when fuses(r) says so.
+ModelFactory counted_ranks(const std::string& dir, std::function<bool(int)> fuses,
+                           std::shared_ptr<PassTally> tally) {
+  return [=](const ShardSpec& shard, comm::Communicator* comm) -> std::unique_ptr<Model> {
+    return std::make_unique<CountingModel>(load_cpu_model(dir, shard, comm), fuses(shard.rank),
+                                           tally, shard.rank);
+  };
+}
+
+// Decode EP ranks running the fused step (Model::forward_verify_draft: the verify, pass 0 over
+// every verify position and K - 1 chained passes, each one exchange). Each rank decides alone,
+// so every rank fusing, only rank 0 fusing (the others verify, then draft and pad to K), and a
+// busy fusing rank beside idle ones give the greedy tokens of no speculation and the drafts and
+// counters of ranks that never fuse (themselves those of the host path); and with a collective
+// MTP layer every rank runs K passes in every step (one pass off, a rank's exchanges would pair
+// with another pass's or layer's). Hybrids: their MTP layer local, the verify collective.
+// `collective`: whether the ranks' MTP layer must be collective (nullopt: either).
+void expect_fused_equals_unfused(const std::string& dir, const std::string& mtp,
+                                 std::optional<bool> collective) {
+  for (const int count : {6, 1}) {  // 1: rank 0 busy, the others idle
+    std::vector<GenRequest> reqs = requests(dir, count);
+    if (count == 1) reqs[0].max_tokens = 20;
+    const DecodeRun plain = run_decode(dir, "", 1, 0, reqs);
+    ASSERT_TRUE(plain.completed);
+    for (int64_t k = 1; k <= 3; ++k) {
+      for (int dp : {2, 4}) {
+        SCOPED_TRACE(std::to_string(count) + " requests, K = " + std::to_string(k) +
+                     ", dp = " + std::to_string(dp));
+        const DecodeRun host = run_decode(dir, mtp, dp, k, reqs);
+        auto run = [&](const std::function<bool(int)>& fuses, const std::string& what) {
+          SCOPED_TRACE(what);
+          auto tally = std::make_shared<PassTally>();
+          DecodeRun r = run_decode(dir, mtp, dp, k, reqs, counted_ranks(dir, fuses, tally));
+          EXPECT_TRUE(r.completed) << "the instance did not finish (a rank out of lockstep?)";
+          EXPECT_TRUE(r.errors.empty());
+          EXPECT_EQ(r.tokens, plain.tokens);
+          for (int rank = 0; rank < dp; ++rank) {
+            const int64_t fused = tally->fused_steps[rank];
+            if (!fuses(rank)) EXPECT_EQ(fused, 0) << "rank " << rank;
+            if (fuses(rank) && rank == 0) EXPECT_GT(fused, 0) << "rank 0 never fused";
+            if (collective) EXPECT_EQ(tally->collective[rank], *collective) << "rank " << rank;
+            if (!tally->collective[rank]) continue;
+            EXPECT_FALSE(tally->steps_by_passes[rank].empty()) << "rank " << rank;
+            for (const auto& [passes, steps] : tally->steps_by_passes[rank]) {
+              EXPECT_EQ(passes, k)
+                  << "rank " << rank << ": " << steps << " steps of " << passes << " MTP passes";
+            }
+          }
+          return r;
+        };
+        const DecodeRun unfused = run([](int) { return false; }, "no rank fuses");
+        EXPECT_EQ(unfused.drafts, host.drafts);
+        struct Layout {
+          std::string what;
+          std::function<bool(int)> fuses;
+        };
+        for (const Layout& l : {Layout{"every rank fuses", [](int) { return true; }},
+                                Layout{"rank 0 fuses", [](int rank) { return rank == 0; }}}) {
+          const std::string& what = l.what;
+          const DecodeRun fused = run(l.fuses, what);
+          EXPECT_EQ(fused.drafts, unfused.drafts) << what;
+          EXPECT_EQ(fused.stats.spec_num_drafts, unfused.stats.spec_num_drafts) << what;
+          EXPECT_EQ(fused.stats.spec_num_draft_tokens, unfused.stats.spec_num_draft_tokens) << what;
+          EXPECT_EQ(fused.stats.spec_num_accepted_tokens, unfused.stats.spec_num_accepted_tokens)
+              << what;
+          EXPECT_EQ(fused.stats.spec_accepted_per_pos, unfused.stats.spec_accepted_per_pos) << what;
+          expect_counters_consistent(fused.stats, k);
+        }
+      }
+    }
+  }
+}
+
+TEST(SpecDecodeEp, FusedStepsEqualUnfusedAndNoSpeculation) {
+  const RandomMtp mtp(fixture(), 5);
+  expect_fused_equals_unfused(fixture(), mtp.dir, true);
+}
+
+// The trained head: drafts accepted, so fused steps accept and reject across ranks too.
+TEST(SpecDecodeEp, DemoHeadFusedStepsEqualUnfused) {
+  if (!has_demo_mtp()) GTEST_SKIP() << "models/demo has no MTP head";
+  expect_fused_equals_unfused(demo(), demo(), std::nullopt);
+}
+
+TEST(SpecDecodeEp, HybridFusedStepsEqualUnfused) {
+  const std::string dir = testing::hybrid_golden_dirs().front();
+  const RandomMtp mtp(dir, 2);
+  expect_fused_equals_unfused(dir, mtp.dir, false);
 }
 
 // Qwen3.5 hybrids: each rank keeps the MTP layer whole and local, and a rejected draft's

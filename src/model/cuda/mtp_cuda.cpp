@@ -26,6 +26,7 @@
 #include "model/cuda/device_sampler.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
+#include "model/cuda/spec_stage.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
 
@@ -419,18 +420,8 @@ struct MtpCuda::Impl {
       drafts[p].assign(hd + p * R, hd + p * R + rows[p]);
     }
   }
-  // draft_after_verify's kernel inputs and outputs (device, and pinned for the copies), grown
-  // on demand (a step synchronises before the next one writes them).
-  struct Buffers {
-    DeviceMem dev;
-    PinnedMem host;
-    void grow(size_t bytes) {
-      if (dev.size() >= bytes) return;
-      dev = DeviceMem(bytes * 2);
-      host = PinnedMem(bytes * 2);
-    }
-  };
-  Buffers adv_in, adv_out;
+  // draft_after_verify's spec_advance staging (model/cuda/spec_stage.h).
+  cuda_model::SpecAdvanceStage spec;
 
   // y[m, n] = x[m, k] W^T.
   void linear(const bf16* x, const bf16* w, bf16* y, int64_t m, int64_t n, int64_t k) {
@@ -787,7 +778,6 @@ void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_
   const MtpScratch& s = im.s;
   cudaStream_t st = s.stream;
   check_mtp_kv(im.c, kv);
-  TANDEM_CHECK(!im.collective(), "draft_after_verify: not with a collective MTP layer");
   const auto n = static_cast<int64_t>(verify.seqs.size());
   const int64_t K = step.num_drafts, T = verify.num_tokens(), ps = kv.geometry().page_size;
   TANDEM_CHECK(K >= 1 && static_cast<int64_t>(step.forced.size()) == n && n > 0 &&
@@ -797,13 +787,11 @@ void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_
   im.check_chain(verify, target_rows, hidden_rows, static_cast<size_t>(K - 1));
 
   // Pass 0 over every verify position (one logits row per sequence: the kernel picks it), the
-  // chained passes one token per sequence at placeholder positions (the kernel's).
+  // chained passes one token per sequence at placeholder positions (the kernel's). Every pass
+  // has every sequence, so a collective layer (decode EP) runs exactly K exchanges here, as the
+  // unfused step's pass 0, chained and padding passes add up to (Engine::mtp_passes).
   ForwardBatch first = verify;
-  int64_t width = 1;
-  for (ForwardSeq& f : first.seqs) {
-    f.logits = LogitsMode::kLast;
-    width = std::max(width, f.num_pages);
-  }
+  for (ForwardSeq& f : first.seqs) f.logits = LogitsMode::kLast;
   std::vector<MtpLaunch> launches;
   launches.push_back(im.stage(first, kv, 0, nullptr, true, hidden_rows.data()));
   ForwardBatch one;
@@ -815,53 +803,15 @@ void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_
     launches.push_back(im.stage(one, kv, static_cast<size_t>(p), nullptr, true, nullptr));
   }
 
-  // The kernel's inputs: x, sequence offsets, forced counts, starts, tables, pages.
-  const size_t ints = static_cast<size_t>(T + (n + 1) + 4 * n + n * width);
-  im.adv_in.grow(ints * sizeof(int32_t));
-  auto* h = im.adv_in.host.as<int32_t>();
-  int32_t *h_ids = h, *h_begin = h_ids + T, *h_forced = h_begin + n + 1, *h_start = h_forced + n,
-          *h_pages = h_start + n, *h_tables = h_pages + n;
-  int64_t t = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const ForwardSeq& f = verify.seqs[static_cast<size_t>(i)];
-    h_begin[i] = static_cast<int32_t>(t);
-    for (int64_t j = 0; j < f.num_tokens; ++j) h_ids[t++] = f.tokens[j];
-    h_forced[i] = step.forced[static_cast<size_t>(i)];
-    h_start[i] = static_cast<int32_t>(f.start_pos);
-    h_pages[i] = static_cast<int32_t>(f.num_pages);
-    std::memset(h_tables + i * width, 0, static_cast<size_t>(width) * sizeof(int32_t));
-    std::memcpy(h_tables + i * width, f.block_table,
-                static_cast<size_t>(f.num_pages) * sizeof(int32_t));
-  }
-  h_begin[n] = static_cast<int32_t>(t);
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(im.adv_in.dev.as<void>(), h, ints * sizeof(int32_t),
-                                    cudaMemcpyHostToDevice, st));
-  auto* d = im.adv_in.dev.as<int32_t>();
-  // Its outputs: accepted [n] | chained positions [K - 1, n] | slots (int64) [K - 1, n].
-  const auto P = static_cast<size_t>(K - 1), N = static_cast<size_t>(n);
-  im.adv_out.grow((N + P * N) * sizeof(int32_t) + P * N * sizeof(int64_t) + 8);
-  auto* d_acc = im.adv_out.dev.as<int32_t>();
-  int32_t* d_pos = d_acc + N;
-  auto* d_slots = reinterpret_cast<int64_t*>(im.adv_out.dev.as<uint8_t>() +
-                                             ((N + P * N) * sizeof(int32_t) + 7) / 8 * 8);
+  // The kernel's inputs, and its outputs: the accepted counts and the chained passes' positions
+  // and KV slots in the stage's buffers, pass 0's tokens and logits rows straight into pass 0's
+  // metadata (d_meta regions 0 and 3, written after its upload).
   auto* dm = im.d_meta.as<int32_t>();
-  cuda::SpecAdvanceParams ap;
+  cuda::SpecAdvanceParams ap = im.spec.stage(verify, step.forced, K - 1, ps, {}, st);
   ap.sampled = sampled;
-  ap.verify_ids = d;
-  ap.seq_begin = d + T;
-  ap.forced = d + T + n + 1;
-  ap.start = ap.forced + n;
-  ap.num_pages = ap.start + n;
-  ap.tables = ap.num_pages + n;
-  ap.seqs = n;
-  ap.table_width = width;
-  ap.page_size = ps;
-  ap.passes = K - 1;
-  ap.accepted = d_acc;
-  ap.mtp_ids = dm;                 // pass 0's ids (d_meta region 0), after its upload
-  ap.mtp_rows = dm + 3 * s.t_cap;  // pass 0's logits rows (region 3)
-  ap.chain_pos = d_pos;
-  ap.chain_slots = d_slots;
+  ap.mtp_ids = dm;
+  ap.mtp_rows = dm + 3 * s.t_cap;
+  const auto N = static_cast<size_t>(n);
   const std::vector<int64_t> rows =
       im.run_chain(launches, kv, target_hidden, target_rows, [&](size_t p) {
         if (p == 0) {
@@ -870,18 +820,17 @@ void MtpCuda::draft_after_verify(const ForwardBatch& verify, const void* target_
         }
         // Chained pass p's positions and slots over the staged placeholders.
         const size_t o = (p - 1) * N;
-        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + s.t_cap, d_pos + o, N * sizeof(int32_t),
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + s.t_cap, ap.chain_pos + o, N * sizeof(int32_t),
                                           cudaMemcpyDeviceToDevice, st));
-        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + 5 * s.t_cap, d_slots + o, N * sizeof(int64_t),
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dm + 5 * s.t_cap, ap.chain_slots + o, N * sizeof(int64_t),
                                           cudaMemcpyDeviceToDevice, st));
       });
   im.drafts_to_host(rows);
-  auto* h_acc = im.adv_out.host.as<int32_t>();
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(h_acc, d_acc, N * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+  im.spec.accepted_to_host(st);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(st));  // the step's one synchronisation
   std::vector<std::vector<int32_t>> drafts;
   im.unpack_drafts(rows, drafts);
-  step.accepted.assign(h_acc, h_acc + n);
+  step.accepted.assign(im.spec.host_accepted(), im.spec.host_accepted() + n);
   step.drafts.assign(N, std::vector<int32_t>(static_cast<size_t>(K)));
   for (size_t i = 0; i < N; ++i) {
     for (size_t p = 0; p < static_cast<size_t>(K); ++p) step.drafts[i][p] = drafts[p][i];

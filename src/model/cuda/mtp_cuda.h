@@ -88,7 +88,7 @@ class MtpCuda {
   /// experts serve the other ranks' tokens).
   int64_t forward(const ForwardBatch& batch, const float* hidden, KvCache& kv);
   /// True when each pass is collective (scratch.ep and a MoE MTP layer): forward and every
-  /// pass of draft_chain run one MoE exchange, empty ones included.
+  /// pass of draft_chain and draft_after_verify run one MoE exchange, empty ones included.
   bool collective() const;
   /// Model::mtp_draft_chain on the stream: pass 0 over `first` with its hidden states
   /// gathered from `target_hidden` (device bf16 [target_rows, hidden]) at `hidden_rows`, then
@@ -104,7 +104,9 @@ class MtpCuda {
   /// accepted drafts (spec_advance), pass 0 over every verify position (hidden states gathered
   /// from `target_hidden` at `hidden_rows`, its logits row at the last accepted position), the
   /// chained passes at the positions after it; step.accepted and step.drafts come back in one
-  /// copy and one synchronisation. Not with a collective MTP layer.
+  /// copy and one synchronisation. Every pass has every sequence (a chained position past the
+  /// block table writes no KV), so a collective layer runs exactly K exchanges, as many as the
+  /// unfused step's pass 0, chained and empty passes (Engine::pad_mtp_passes).
   void draft_after_verify(const ForwardBatch& verify, const void* target_hidden,
                           int64_t target_rows, std::span<const int32_t> hidden_rows,
                           const int32_t* sampled, VerifyDraftStep& step, KvCache& kv);

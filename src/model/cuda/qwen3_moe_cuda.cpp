@@ -1044,8 +1044,8 @@ void Qwen3MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const in
 
 bool Qwen3MoeCuda::fuses_verify_and_draft() const {
   const char* e = std::getenv("TANDEM_SPEC_FUSED");
-  return mtp_drafts_on_device() && !mtp_->collective() &&
-         (e == nullptr || std::strcmp(e, "0") != 0);
+  // (decode EP too: the step's MTP passes are pass 0 and K - 1 chained ones, K exchanges)
+  return mtp_drafts_on_device() && (e == nullptr || std::strcmp(e, "0") != 0);
 }
 
 void Qwen3MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,

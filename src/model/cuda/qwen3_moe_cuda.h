@@ -168,8 +168,9 @@ class Qwen3MoeCuda final : public Model {
                        const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                        std::vector<std::vector<int32_t>>& drafts) override;
   /// The fused speculative step (verify, its sampler, the acceptance and the next drafts on the
-  /// stream, one synchronisation: MtpCuda::draft_after_verify): with the device chain and one
-  /// rank's MTP layer; on unless TANDEM_SPEC_FUSED=0 in the environment.
+  /// stream, one synchronisation: MtpCuda::draft_after_verify): with the device chain, on one
+  /// GPU or a decode DP/EP rank (the verify is the rank's lockstep forward, its K MTP passes K
+  /// exchanges); on unless TANDEM_SPEC_FUSED=0 in the environment.
   bool fuses_verify_and_draft() const override;
   void forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
                             const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,

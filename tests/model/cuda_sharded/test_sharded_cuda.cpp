@@ -18,7 +18,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -95,15 +97,10 @@ int check_greedy(const testing::Golden& g, const std::vector<size_t>& cases,
   return compared;
 }
 
-// One rank: the sharded model, an engine over `cases`, steps in lockstep with the group until
-// no rank has work (prefill TP: every rank the same cases). With `mtp`: speculating with K
-// drafts (decode EP: the MTP layer's experts sharded, K collective MTP passes every step).
-void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<size_t>& cases,
-              int* compared, const std::string& mtp = "", int64_t k = 0) {
+// The rank's sharded model of `dir` on its GPU (the ranks share the machine's GPUs).
+std::unique_ptr<Qwen3MoeCuda> load_rank_model(const std::string& dir, const ShardSpec& spec,
+                                              const std::shared_ptr<comm::TcpStore>& store) {
   const comm::RankEnv env = comm::RankEnv::from_env();
-  auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
-  comm::GlooCommunicator gloo(*store);
-  const testing::Golden g = testing::load_golden(dir);
   CudaModelOptions o;
   o.max_tokens = 512;
   o.max_seqs = 8;
@@ -113,11 +110,44 @@ void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<s
   int gpus = 0;
   TANDEM_CHECK(cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 0, "no GPU in the rank");
   o.device = env.local_rank % gpus;
-  auto model = Qwen3MoeCuda::load(dir, o);
+  return Qwen3MoeCuda::load(dir, o);
+}
+
+EngineConfig rank_engine_config() {
   EngineConfig cfg;
   cfg.max_num_seqs = 8;
   cfg.max_batched_tokens = 512;
   cfg.kv_cache_mb = 64;
+  return cfg;
+}
+
+// Steps the engine in lockstep with the group until no rank has work (an idle decode rank's
+// batches are empty). Returns the steps.
+int step_in_lockstep(Engine& engine, comm::GlooCommunicator& gloo) {
+  int steps = 0;
+  for (;;) {
+    int64_t any = engine.has_work() ? 1 : 0;
+    gloo.all_reduce_sum(&any, 1, DType::kI64);
+    if (any == 0) break;
+    ScheduledBatch batch = engine.schedule();  // empty on an idle decode rank
+    TANDEM_CHECK(engine.forward(batch), "forward failed");
+    engine.complete(batch);
+    ++steps;
+  }
+  return steps;
+}
+
+// One rank: the sharded model, an engine over `cases`, steps in lockstep with the group until
+// no rank has work (prefill TP: every rank the same cases). With `mtp`: speculating with K
+// drafts (decode EP: the MTP layer's experts sharded, K collective MTP passes every step).
+void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<size_t>& cases,
+              int* compared, const std::string& mtp = "", int64_t k = 0) {
+  const comm::RankEnv env = comm::RankEnv::from_env();
+  auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
+  comm::GlooCommunicator gloo(*store);
+  const testing::Golden g = testing::load_golden(dir);
+  auto model = load_rank_model(dir, spec, store);
+  EngineConfig cfg = rank_engine_config();
   if (!mtp.empty()) {
     model->load_mtp(mtp);
     TANDEM_CHECK(model->mtp_collective() == (spec.size > 1), "mtp_collective() is ",
@@ -137,16 +167,7 @@ void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<s
       if (out.finished) ++results[k].finished;
     });
   }
-  int steps = 0;
-  for (;;) {
-    int64_t any = engine.has_work() ? 1 : 0;
-    gloo.all_reduce_sum(&any, 1, DType::kI64);
-    if (any == 0) break;
-    ScheduledBatch batch = engine.schedule();  // empty on an idle decode rank
-    TANDEM_CHECK(engine.forward(batch), "forward failed");
-    engine.complete(batch);
-    ++steps;
-  }
+  const int steps = step_in_lockstep(engine, gloo);
   TANDEM_CHECK(engine.blocks().num_available() == engine.blocks().num_pages(), "leaked KV pages");
   const std::string mode =
       std::string(shard_mode_name(spec.mode)) + " rank " + std::to_string(spec.rank);
@@ -377,6 +398,144 @@ TEST_F(CudaShardedMtp, DecodeDp2SpeculatingGreedyMatchesTransformers) {
         TANDEM_CHECK(mine.empty() || compared > 0, "no step with a margin over ", kMarginBf16);
       });
     }
+  }
+}
+
+// One speculating engine run of a decode EP rank over `cases` (greedy; `forced`: the engine's
+// spec_forced_accept_prob, and then every case max_tokens `forced_tokens` with ignore_eos, so
+// that a rank's cases end together), fused (Model::forward_verify_draft) or not
+// (TANDEM_SPEC_FUSED=0): its tokens, drafts by request and tokens so far, counters and fused
+// steps.
+struct SpecRun {
+  std::vector<Result> results;
+  std::map<std::string, std::vector<int32_t>> drafts;
+  EngineStats stats;
+  int64_t fused_steps = 0;
+};
+
+SpecRun spec_run(Qwen3MoeCuda& model, comm::GlooCommunicator& gloo, const testing::Golden& g,
+                 const std::vector<size_t>& cases, int64_t k, double forced, bool fused) {
+  constexpr int32_t forced_tokens = 24;
+  if (fused) {
+    ::unsetenv("TANDEM_SPEC_FUSED");
+  } else {
+    ::setenv("TANDEM_SPEC_FUSED", "0", 1);
+  }
+  TANDEM_CHECK(model.fuses_verify_and_draft() == fused, "fuses_verify_and_draft() is ",
+               model.fuses_verify_and_draft());
+  SpecRun run;
+  EngineConfig cfg = rank_engine_config();
+  cfg.num_speculative_tokens = k;
+  cfg.spec_forced_accept_prob = forced;
+  cfg.spec_draft_hook = [&run](const std::string& id, std::span<const int32_t> tokens,
+                               std::vector<int32_t>& drafts) {
+    run.drafts[id + "@" + std::to_string(tokens.size())] = drafts;  // kept as drafted
+  };
+  const int64_t fused_before = model.fused_steps();
+  {
+    Engine engine(model, cfg);
+    run.results.resize(cases.size());
+    for (size_t i = 0; i < cases.size(); ++i) {
+      GenRequest r;
+      r.id = "r" + std::to_string(cases[i]);
+      r.prompt_ids = g.cases[cases[i]].prompt_ids;
+      r.max_tokens = forced >= 0 ? forced_tokens : g.cases[cases[i]].max_tokens;
+      r.ignore_eos = forced >= 0;
+      r.sampling.temperature = 0;
+      engine.add(r, [&run, i](const StepOutput& out) {
+        run.results[i].ids.insert(run.results[i].ids.end(), out.token_ids.begin(),
+                                  out.token_ids.end());
+        if (out.finished) ++run.results[i].finished;
+      });
+    }
+    step_in_lockstep(engine, gloo);
+    TANDEM_CHECK(engine.blocks().num_available() == engine.blocks().num_pages(), "leaked KV pages");
+    run.stats = engine.stats();
+  }
+  ::unsetenv("TANDEM_SPEC_FUSED");
+  run.fused_steps = model.fused_steps() - fused_before;
+  return run;
+}
+
+// Decode EP ranks running the fused speculative step (MtpCuda::draft_after_verify on a
+// collective MTP layer: the verify, pass 0 over every verify position and K - 1 chained passes,
+// K exchanges, one synchronisation) against the unfused path (TANDEM_SPEC_FUSED=0: the verify,
+// the tokens to the host, the draft chain, empty passes up to K), with both ranks fusing, rank 0
+// fusing beside an unfused rank 1, and rank 0 fusing beside an idle rank 1 (each rank decides
+// alone: a step runs K exchanges either way). Every case on a busy rank, K = 3 then 2:
+//  - every draft accepted (forced, the cases of a rank ending together): pass 0 covers the same
+//    positions fused or not and each pass the same rows, so the tokens, the drafts and the
+//    counters are the unfused run's exactly;
+//  - the target's acceptance: the fused pass 0 covers every verify position (the unfused one the
+//    accepted ones: other GEMM shapes), so a draft may differ by bf16 rounding at a near tie:
+//    both runs' tokens by the margin rule against golden, the accepted counts within 2%, as on
+//    one GPU (CudaMtp.FusedStepMatchesUnfused).
+TEST_F(CudaShardedMtp, DecodeDp2FusedStepMatchesUnfused) {
+  const MtpCase mc = c_;
+  const size_t n = testing::load_golden(mc.model).cases.size();
+  enum Layout { kBothFuse, kRank1Unfused, kRank1Idle };
+  const char* const names[] = {"both ranks fuse", "rank 1 unfused", "rank 1 idle"};
+  for (const Layout layout : {kBothFuse, kRank1Unfused, kRank1Idle}) {
+    SCOPED_TRACE(names[layout]);
+    run([&, layout](int rank) {
+      const comm::RankEnv env = comm::RankEnv::from_env();
+      auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
+      comm::GlooCommunicator gloo(*store);
+      const testing::Golden g = testing::load_golden(mc.model);
+      const ShardSpec spec = ShardSpec::decode(rank, 2);
+      auto model = load_rank_model(mc.model, spec, store);
+      model->load_mtp(mc.mtp);
+      TANDEM_CHECK(model->mtp_collective(), "rank ", rank, ": the MTP layer is not collective");
+      const bool fuses = rank == 0 || layout == kBothFuse;
+      std::vector<size_t> mine;
+      for (size_t i = 0; i < n && !(rank == 1 && layout == kRank1Idle); ++i) mine.push_back(i);
+      const std::string mode = std::string(names[layout]) + ", rank " + std::to_string(rank);
+      for (const int64_t k : {3, 2}) {
+        for (const double forced : {1.0, -1.0}) {
+          const std::string what = mode + ", K " + std::to_string(k) +
+                                   (forced >= 0 ? ", every draft accepted" : ", greedy");
+          const SpecRun ref = spec_run(*model, gloo, g, mine, k, forced, false);
+          const SpecRun got = spec_run(*model, gloo, g, mine, k, forced, fuses);
+          TANDEM_CHECK(ref.fused_steps == 0, what, ": the unfused run fused ", ref.fused_steps,
+                       " steps");
+          if (mine.empty()) continue;
+          TANDEM_CHECK(!fuses || got.fused_steps > 0, what, ": no step ran fused");
+          TANDEM_CHECK(ref.stats.spec_num_drafts > 0, what, ": no drafts");
+          const EngineStats &a = got.stats, &b = ref.stats;
+          if (forced >= 0) {
+            for (size_t i = 0; i < mine.size(); ++i) {
+              TANDEM_CHECK(got.results[i].finished == 1 && ref.results[i].finished == 1, what,
+                           " case ", mine[i], ": not finished once");
+              TANDEM_CHECK(got.results[i].ids == ref.results[i].ids, what, " case ", mine[i],
+                           ": the tokens differ from the unfused run's");
+            }
+            TANDEM_CHECK(got.drafts == ref.drafts, what, ": the drafts differ (", got.drafts.size(),
+                         " drafting steps, unfused ", ref.drafts.size(), ")");
+            TANDEM_CHECK(a.spec_num_drafts == b.spec_num_drafts &&
+                             a.spec_num_draft_tokens == b.spec_num_draft_tokens &&
+                             a.spec_num_accepted_tokens == b.spec_num_accepted_tokens &&
+                             a.spec_accepted_per_pos == b.spec_accepted_per_pos,
+                         what, ": counters differ: drafts ", a.spec_num_drafts, " / ",
+                         b.spec_num_drafts, ", draft tokens ", a.spec_num_draft_tokens, " / ",
+                         b.spec_num_draft_tokens, ", accepted ", a.spec_num_accepted_tokens, " / ",
+                         b.spec_num_accepted_tokens);
+            TANDEM_CHECK(a.spec_num_accepted_tokens > 0, what, ": no draft accepted");
+          } else {
+            check_greedy(g, mine, ref.results, what + " unfused");
+            check_greedy(g, mine, got.results, what + " fused");
+            const double x = static_cast<double>(a.spec_num_accepted_tokens),
+                         y = static_cast<double>(b.spec_num_accepted_tokens);
+            TANDEM_CHECK(std::abs(x - y) <= std::max(2.0, 0.02 * y), what, ": accepted ", x,
+                         " fused, ", y, " unfused");
+          }
+          std::fprintf(stderr, "%s: %lld fused steps, %lld drafts, %lld accepted (unfused %lld)\n",
+                       what.c_str(), static_cast<long long>(got.fused_steps),
+                       static_cast<long long>(a.spec_num_drafts),
+                       static_cast<long long>(a.spec_num_accepted_tokens),
+                       static_cast<long long>(b.spec_num_accepted_tokens));
+        }
+      }
+    });
   }
 }
 
