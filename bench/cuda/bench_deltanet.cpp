@@ -93,7 +93,9 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
   // state kernel in each of its shapes (gdr_stateN: state_variant N; the default picks by grid),
   // the opt-in prep (_prep4: prep_heads4), and the WY kernel without its substitution
   // (gdr_chunked_prep_wy_nosub: wy_probe_no_substitution, wrong results, its cost only) or with
-  // the opt-in blockwise inverse (_blkinv: wy_blocked_inverse).
+  // the opt-in blockwise inverse (_blkinv: wy_blocked_inverse). Verify shapes: also the short
+  // chunks' default form (gdr_short_block: the decode step's blocks; gated_delta_rule_seq is the
+  // one-warp recurrence they took before).
   struct Variant {
     const char* name;
     bool sequential;
@@ -104,6 +106,7 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
     bool prep4 = false;
     bool nosub = false;
     bool blkinv = false;
+    bool short_block = false;  // the model's pick for short chunks (the decode step's blocks)
   };
   const Variant variants[] = {
       {"gated_delta_rule", false, 3},
@@ -119,10 +122,12 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       {"gdr_chunked_prep_wy_nosub", false, 2, false, false, 0, false, true},
       {"gdr_chunked_prep_wy_blkinv", false, 2, false, false, 0, false, false, true},
       {"gated_delta_rule_blkinv", false, 3, false, false, 0, false, false, true},
-      {"gated_delta_rule_seq", true, 3}};
+      {"gated_delta_rule_seq", true, 3},
+      {"gdr_short_block", false, 3, false, false, 0, false, false, false, true}};
   for (const Variant& var : variants) {
     if (len == 1 && (var.sequential || var.stages < 3)) continue;  // decode: no stages
     if (len > 1 && var.fused) continue;                            // a decode kernel
+    if (var.short_block && (len == 1 || len > GatedDeltaRuleParams{}.short_chunk_tokens)) continue;
     if (len == 1 && (var.wide || var.state_variant != 0 || var.prep4 || var.nosub || var.blkinv)) {
       continue;  // prefill rows
     }
@@ -148,7 +153,8 @@ void bench_case(Bench& b, int64_t seqs, int64_t len) {
       p.ab_stride = kProj;
       p.state_stride = slot_stride;
       p.sequential = sequential;
-      p.short_chunk_tokens = 0;  // each row the form it names (the model's default picks by length)
+      // each row the form it names (the model's default picks by length)
+      p.short_chunk_tokens = var.short_block ? GatedDeltaRuleParams{}.short_chunk_tokens : 0;
       p.stages = var.stages;
       p.fused_decode = var.fused;
       p.wide_wy = var.wide;

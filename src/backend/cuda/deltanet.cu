@@ -297,6 +297,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  if (p.states_only && gS == nullptr) return;  // (the whole block)
   const int32_t oslot = out_slot(p.seqs, s);
   float* gO = oslot >= 0 ? p.states + oslot * p.state_stride + h * kDk * dv : nullptr;
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
@@ -469,6 +470,7 @@ __global__ void __launch_bounds__(32) delta_rule_chunk_kernel(GatedDeltaRulePara
   const int64_t begin = p.seqs.seq_begin[s], end = p.seqs.seq_begin[s + 1];
   const int32_t slot = p.seqs.state_slot[s];
   float* gS = slot >= 0 ? p.states + slot * p.state_stride + h * kDk * dv : nullptr;
+  if (p.states_only && gS == nullptr) return;  // (the whole warp)
   const int32_t oslot = out_slot(p.seqs, s);
   float* gO = oslot >= 0 ? p.states + oslot * p.state_stride + h * kDk * dv : nullptr;
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
@@ -1330,12 +1332,13 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(GatedRmsNormParams 
   }
 }
 
+// by_block: delta_rule_kernel over each sequence's tokens (a decode step, or short chunks).
 template <int kDk>
-void delta_rule_dispatch(GatedDeltaRuleParams const& p, dim3 grid, bool decode,
+void delta_rule_dispatch(GatedDeltaRuleParams const& p, dim3 grid, bool decode, bool by_block,
                          cudaStream_t stream) {
   if (decode && p.fused_decode) {
     delta_rule_fused_kernel<kDk><<<grid, kDeltaWarps * 32, 0, stream>>>(p);
-  } else if (decode) {
+  } else if (by_block) {
     delta_rule_kernel<kDk><<<grid, kDeltaWarps * 32, 0, stream>>>(p);
   } else {
     constexpr int kCols = ChunkShape<kDk>::kCols;
@@ -1478,11 +1481,15 @@ void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream)
   if (p.seqs.num_seqs == 0) return;
   const dim3 grid(static_cast<unsigned>((p.v_dim + 31) / 32), static_cast<unsigned>(p.num_v_heads),
                   static_cast<unsigned>(p.seqs.num_seqs));
+  // Short chunks (a speculative verify, a state replay) as a decode step's blocks: coalesced
+  // state rows, a few block barriers per token.
+  const bool by_block = decode || (!p.sequential && !p.short_chunks_by_warp &&
+                                   p.num_tokens <= p.short_chunk_tokens * p.seqs.num_seqs);
   switch (p.k_dim) {
-    case 16: delta_rule_dispatch<16>(p, grid, decode, stream); break;
-    case 32: delta_rule_dispatch<32>(p, grid, decode, stream); break;
-    case 64: delta_rule_dispatch<64>(p, grid, decode, stream); break;
-    case 128: delta_rule_dispatch<128>(p, grid, decode, stream); break;
+    case 16: delta_rule_dispatch<16>(p, grid, decode, by_block, stream); break;
+    case 32: delta_rule_dispatch<32>(p, grid, decode, by_block, stream); break;
+    case 64: delta_rule_dispatch<64>(p, grid, decode, by_block, stream); break;
+    case 128: delta_rule_dispatch<128>(p, grid, decode, by_block, stream); break;
     default: TANDEM_THROW(kUnsupported, "gated_delta_rule: unsupported k_dim ", p.k_dim);
   }
   TANDEM_CUDA_CHECK_LAUNCH();

@@ -57,8 +57,8 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream);
 ///   reads q/k head h / (num_v_heads / num_k_heads); per token
 ///   S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q   (S: [k_dim, v_dim], fp32).
 /// k_dim 16, 32, 64 or 128 (kUnsupported otherwise); v_dim at most 256.
-/// A decode step (one token per sequence): the recurrence, 4 warps per 32 value columns
-/// splitting the state's rows. Prefill (k_dim 64 or 128, more than short_chunk_tokens tokens per
+/// A decode step (one token per sequence) and short chunks (short_chunk_tokens): the recurrence,
+/// 4 warps per 32 value columns splitting the state's rows. Prefill (k_dim 64 or 128, more than short_chunk_tokens tokens per
 /// sequence on average): the chunked form on tensor cores
 /// (chunks of 64 tokens: the WY representation of each chunk in parallel, then the chunks of a
 /// sequence in order, the state fp32 in the accumulators, bf16 operands: bf16-level error);
@@ -78,9 +78,10 @@ struct GatedDeltaRuleParams {
   int64_t num_tokens, num_k_heads, num_v_heads, k_dim, v_dim, qkv_stride, ab_stride, state_stride;
   bool sequential = false;  // prefill by the per-token recurrence (reference, benchmarks)
   // A prefill batch of at most this many tokens per sequence on average (speculative verify
-  // steps: K + 1 <= 5) takes the per-token recurrence too: the chunked form pads each sequence
-  // to a 64-token chunk (H200, bench_deltanet --verify, 32 sequences x 4 tokens at Qwen3.5-35B
-  // shapes: 105 vs 164 us). 0: the chunked form whenever it applies.
+  // steps: K + 1 <= 5) takes the per-token recurrence too, in the decode step's blocks: the
+  // chunked form pads each sequence to a 64-token chunk (H200, bench_deltanet --verify, 32
+  // sequences x 4 tokens at Qwen3.5-35B shapes: 69 us in blocks, 106 us by the one-warp
+  // recurrence, 168 us chunked). 0: the chunked form whenever it applies.
   int64_t short_chunk_tokens = 8;
   // Benchmarks only: the chunked form stops after its first `stages` kernels (1: the q / k norm
   // and gates, 2: + the per-chunk WY kernel, 3: + the sequence-order state kernel, all).
@@ -105,6 +106,16 @@ struct GatedDeltaRuleParams {
   // A decode step as one kernel (the delta-rule kernel normalises q / k and computes the gates
   // itself, no prep launch). Off by default: not yet measured on the H200.
   bool fused_decode = false;
+  // Benchmarks and tests: short chunks (at most short_chunk_tokens tokens per sequence on
+  // average) by the one-warp recurrence (a warp per (32 / (k_dim / 16)) columns, 16 state rows
+  // per lane, strided state reads) instead of the decode step's blocks (4 warps per 32 columns
+  // splitting the rows, coalesced state rows), the default.
+  bool short_chunks_by_warp = false;
+  // Only the states are wanted (a speculative step's state replay): the recurrence forms skip
+  // each sequence without a state slot outright, writing no output for its tokens (a launch of
+  // a fixed shape padded with many such tokens then costs what its real sequences do); the
+  // chunked and the fused decode forms ignore it.
+  bool states_only = false;
 };
 void gated_delta_rule_launch(GatedDeltaRuleParams const& p, cudaStream_t stream);
 /// Benchmarks: resident blocks per SM of the chunked form's kernels at k_dim 128 and v_dim

@@ -2,8 +2,6 @@
 // block (a prefix sum over the sequences, then their handful of tokens each); the copy is a plain
 // device copy of the slots of the sequences that accepted every draft, each block first reading
 // whether its sequence did.
-#include <cstdint>
-
 #include "backend/cuda/check.h"
 #include "backend/cuda/spec_replay.h"
 #include "core/error.h"
@@ -40,7 +38,7 @@ __global__ void __launch_bounds__(kPlanThreads) spec_replay_plan_kernel(SpecRepl
     for (int32_t s = 0; s < S; ++s) offset[s + 1] += offset[s];
   }
   __syncthreads();
-  const int32_t total = offset[S], tokens = static_cast<int32_t>(p.tokens);
+  const int32_t total = offset[S], tokens = p.seq_begin[S];
   for (int32_t s = threadIdx.x; s < S; s += kPlanThreads) {
     const int32_t o = offset[s], n = offset[s + 1] - o, b = p.seq_begin[s];
     p.dn_begin[s] = o;
@@ -51,13 +49,12 @@ __global__ void __launch_bounds__(kPlanThreads) spec_replay_plan_kernel(SpecRepl
       p.dn_token_seq[o + j] = s;
     }
   }
-  // The rest of the tokens: padding, one sequence each (rows 0: any kept row), then empty ones.
   for (int32_t t = total + static_cast<int32_t>(threadIdx.x); t < tokens; t += kPlanThreads) {
-    p.ids[t] = 0;
-    p.dn_token_seq[t] = S + (t - total);
+    p.ids[t] = 0;  // padding: any kept row
+    p.dn_token_seq[t] = S;
   }
   for (auto s = static_cast<int32_t>(S + threadIdx.x); s < p.out_seqs; s += kPlanThreads) {
-    p.dn_begin[s] = total + (s - S) < tokens ? total + (s - S) : tokens;
+    p.dn_begin[s] = s == S ? total : tokens;
     p.dn_slot[s] = -1;
     p.dn_fresh[s] = 0;
   }
@@ -89,11 +86,9 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 void spec_replay_plan_launch(SpecReplayPlanParams const& p, cudaStream_t stream) {
   TANDEM_CHECK_KIND(kInvalidArgument,
-                    p.seqs >= 0 && p.seqs <= kMaxPlanSeqs && p.tokens >= p.seqs &&
-                        p.tokens <= INT32_MAX && p.out_seqs >= p.seqs + p.tokens,
-                    "spec_replay_plan: ", p.seqs, " sequences (at most ", kMaxPlanSeqs, ") of ",
-                    p.tokens, " tokens, ", p.out_seqs,
-                    " replay sequences (at least one per sequence and token)");
+                    p.seqs >= 0 && p.seqs <= kMaxPlanSeqs && p.out_seqs >= p.seqs + 1,
+                    "spec_replay_plan: ", p.seqs, " sequences (at most ", kMaxPlanSeqs, "), ",
+                    p.out_seqs, " replay sequences (at least one more)");
   if (p.seqs == 0) return;
   TANDEM_CHECK_KIND(kInvalidArgument,
                     p.accepted && p.seq_begin && p.state_slot && p.ids && p.dn_begin &&

@@ -15,12 +15,11 @@
 // A sequence without drafts (k == 0) or without a state slot gets neither.
 // spec_replay_plan_launch writes the replay's DeltaNet metadata (DeltaNetSeqs, deltanet.h) for a
 // launch of seq_begin[seqs] tokens and out_seqs sequences: replay sequence s (s < seqs) has the
-// a + 1 tokens above from the sum of the earlier ones' counts, or none (state slot -1); each of
-// the remaining tokens (their rows 0) is a padding sequence of its own (slot -1: reads zeros,
-// writes nothing), from sequence seqs on, so that no sequence's recurrence runs longer than
-// k + 1 tokens; the sequences past them are empty. out_seqs >= seqs + tokens (room for every
-// token as padding) also keeps num_tokens != num_seqs (the DeltaNet ops take that as a
-// one-token decode step).
+// a + 1 tokens above from the sum of the earlier ones' counts, or none (state slot -1); sequence
+// seqs (padding, slot -1: reads zeros, writes nothing) has the rest of the tokens, at least one
+// (each replayed sequence keeps fewer tokens than it verified), their rows 0; sequences past it
+// are empty padding. out_seqs > seqs + 1 lets the caller keep num_tokens != num_seqs (the
+// DeltaNet ops take that as a one-token decode step).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,8 +33,7 @@ struct SpecReplayPlanParams {
   int32_t const* accepted = nullptr;    // [seqs] drafts accepted (spec_advance)
   int32_t const* seq_begin = nullptr;   // [seqs + 1] verify token offsets (= kept rows)
   int32_t const* state_slot = nullptr;  // [seqs] state slot (< 0: none)
-  int64_t seqs = 0, tokens = 0;         // tokens == seq_begin[seqs] (the launch's)
-  int64_t out_seqs = 0;                 // >= seqs + tokens
+  int64_t seqs = 0, out_seqs = 0;       // out_seqs >= seqs + 1
   int32_t* ids = nullptr;               // [tokens] out: the kept row of each replay token
   int32_t* dn_begin = nullptr;          // [out_seqs + 1] out
   int32_t* dn_token_seq = nullptr;      // [tokens] out

@@ -22,28 +22,25 @@ void spec_replay_plan_reference(SpecReplayPlanParams const& shape, SpecReplayHos
                    h.state_slot.size() == seqs && out >= seqs + 1,
                "spec_replay_plan_reference: inconsistent host arrays");
   const auto tokens = static_cast<size_t>(h.seq_begin.back());
-  TANDEM_CHECK(tokens == static_cast<size_t>(shape.tokens) && out >= seqs + tokens,
-               "spec_replay_plan_reference: ", shape.tokens, " tokens, ", out, " replay sequences");
   h.ids.assign(tokens, 0);
-  h.dn_token_seq.assign(tokens, -1);
+  h.dn_token_seq.assign(tokens, static_cast<int32_t>(seqs));  // the padding sequence's
   h.dn_begin.clear();
-  h.dn_slot.assign(out, -1);
+  h.dn_slot.clear();
   h.dn_fresh.assign(out, 0);
   int32_t t = 0;
   for (size_t s = 0; s < seqs; ++s) {
     const int32_t n = replay_count(h, s);
     h.dn_begin.push_back(t);
-    if (n > 0) h.dn_slot[s] = h.state_slot[s];
+    h.dn_slot.push_back(n > 0 ? h.state_slot[s] : -1);
     for (int32_t j = 0; j < n; ++j, ++t) {
       h.ids[static_cast<size_t>(t)] = h.seq_begin[s] + j;
       h.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(s);
     }
   }
-  for (; t < static_cast<int32_t>(tokens); ++t) {  // padding: a sequence per token
-    h.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(h.dn_begin.size());
-    h.dn_begin.push_back(t);
-  }
+  h.dn_begin.push_back(t);  // the padding sequence: the rest
+  h.dn_slot.push_back(-1);
   while (h.dn_begin.size() < out + 1) h.dn_begin.push_back(static_cast<int32_t>(tokens));
+  h.dn_slot.resize(out, -1);
 }
 
 void accepted_state_copy_reference(AcceptedStateCopyParams const& shape, const SpecReplayHost& h,

@@ -684,8 +684,8 @@ struct Qwen35MoeCuda::Impl {
 
   // int32 elements of a metadata buffer: ids | positions | token_seq | rows | slots (int64) |
   // dn_token_seq (T each) | dn_begin (S + 1) | dn_slot | dn_fresh | dn_slot_out (S each),
-  // padded; S: room for the state settle's padding sequences too (one per verify token).
-  int64_t meta_seqs() const { return s_cap + std::min(t_cap, s_cap * kMaxVerifyTokens) + 2; }
+  // padded; S: room for the state replay's padding sequences too (replay_rejected).
+  int64_t meta_seqs() const { return s_cap + 2; }
   size_t meta_elems() const { return static_cast<size_t>(7 * t_cap + 4 * meta_seqs() + 8); }
   Meta meta_at(const DeviceMem& m) const {
     Meta r;
@@ -908,9 +908,10 @@ struct Qwen35MoeCuda::Impl {
       cuda::causal_conv1d_launch({P, w.conv, conv_state, conv_out.as<bf16>(), seqs, n, conv_dim,
                                   kern, in_rows, slot_stride},
                                  stream);
-      cuda::gated_delta_rule_launch(
-          delta_rule_params(w, P, conv_state + conv_dim * (kern - 1), seqs, n, slot_stride),
-          stream);
+      cuda::GatedDeltaRuleParams dp =
+          delta_rule_params(w, P, conv_state + conv_dim * (kern - 1), seqs, n, slot_stride);
+      dp.states_only = true;  // (m's padding: no work)
+      cuda::gated_delta_rule_launch(dp, stream);
     }
   }
 
@@ -919,28 +920,31 @@ struct Qwen35MoeCuda::Impl {
   // slot): from the accepted counts on the device (backend/cuda/spec_replay.h), the spare slot's
   // state copied over the slot of each sequence that accepted every draft, and the others'
   // slots (the state before the step) rolled over their kept rows. `graph`: replayed from a
-  // graph per (sequences, tokens), captured on first use (a hundred small launches at 35B
-  // shapes, the host's enqueue of them the step's cost at batch 1).
+  // graph per (sequences, tokens), captured on first use (five launches per DeltaNet layer);
+  // eagerly while fused_clock profiles, its parts timed.
   void settle_states(const cuda::SpecAdvanceParams& ap, int64_t tokens, const int32_t* slots,
                      const int32_t* spares, KvCache& kv, bool graph) {
     if (r_meta.size() == 0) r_meta = DeviceMem(meta_elems() * sizeof(int32_t));
     Meta m = meta_at(r_meta);
-    m.num_seqs = ap.seqs + tokens;  // a padding sequence per token that is not replayed
+    // One more replay sequence than num_tokens == num_seqs would make (a decode step's shape).
+    m.num_seqs = ap.seqs + 1 == tokens ? ap.seqs + 2 : ap.seqs + 1;
     m.n = tokens;
     TANDEM_CHECK(m.num_seqs <= meta_seqs() && tokens <= kept_cap, "settle_states: ", ap.seqs,
                  " sequences, ", tokens, " tokens");
     kept_tokens = -1;  // replayed once
     auto record = [&] {
-      cuda::spec_replay_plan_launch({ap.accepted, ap.seq_begin, slots, ap.seqs, tokens,
-                                     m.num_seqs, m.ids, m.dn_begin, m.dn_token_seq, m.dn_slot,
-                                     m.dn_fresh},
+      cuda::spec_replay_plan_launch({ap.accepted, ap.seq_begin, slots, ap.seqs, m.num_seqs,
+                                     m.ids, m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh},
                                     stream);
+      fused_clock.mark("settle: plan", stream);
       cuda::accepted_state_copy_launch({ap.accepted, ap.seq_begin, slots, spares,
                                         kv.state_data(0), ap.seqs, slot_elems(),
                                         kv.state_slot_elems()},
                                        stream);
+      fused_clock.mark("settle: accepted copy", stream);
       replay(m, kv);
     };
+    if (fused_clock.on()) return record();
     // What a captured settle reads and writes besides r_meta and the activations.
     const SettleInputs in{ap.accepted, ap.seq_begin, slots, spares, kv.state_data(0),
                           kept.as<void>()};
@@ -1794,7 +1798,7 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   if (im.num_linear > 0 && T > n) {
     TANDEM_CHECK(im.kept_tokens == T, "forward_verify_draft: the verify kept no recurrence inputs");
     im.settle_states(ap, T, im.spec.extra(0), im.spec.extra(1), kv, !buckets_.empty());
-    clock.mark("state settle", stream_);
+    clock.mark("settle: replay", stream_);
   }
   // 4. MTP pass 0 over every verify position (the token at t + 1: an accepted draft, else the
   // target's; its logits row at the last accepted position), then K - 1 chained passes at the

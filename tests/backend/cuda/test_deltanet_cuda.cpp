@@ -105,6 +105,8 @@ class CudaDeltaNet : public test_util::CudaFixture<> {
   };
   // make_batch: out slots (the speculative verify's spare slots).
   bool out_slots_ = false;
+  // delta_case: GatedDeltaRuleParams::states_only (the padding's outputs left as they were).
+  bool states_only_ = false;
 
   void conv_case(std::vector<SeqSpec> const& seqs, int64_t channels, int64_t kernel);
   /// Runs the rule on a random batch and compares with the CPU reference; `sequential` asks
@@ -203,13 +205,15 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
   const bool chunked =
       !sequential && n != nseq && (dk == 64 || dk == 128) && n > short_chunk * nseq;
   const double tol = chunked ? kTolChunked : kTolF32;
+  // Short chunks run in both recurrence forms (the block's, the default, and the one-warp one).
+  const bool short_chunks = !chunked && !sequential && n != nseq && n <= short_chunk * nseq;
   DeviceBuffer<uint16_t> d_qkv(to_bf16(qkv)), d_ab(to_bf16(ab));
   DeviceBuffer<float> d_alog(a_log), d_dt(dt_bias);
   DeviceBuffer<float> d_out(static_cast<size_t>(n * hv * dv));
   DeviceBuffer<float> d_ws(gated_delta_rule_workspace_floats(n, hk, hv, dk, dv));
   DeviceSeqs ds(b);
-  for (int run = 0; run < (chunked ? 4 : 1); ++run) {
-    SCOPED_TRACE("chunked shape " + std::to_string(run));
+  for (int run = 0; run < (chunked ? 4 : short_chunks ? 2 : 1); ++run) {
+    SCOPED_TRACE((chunked ? "chunked shape " : "run ") + std::to_string(run));
     DeviceBuffer<float> d_states(states);
     d_out.poison(0xff);
     d_ws.poison(0xff);
@@ -238,9 +242,25 @@ void CudaDeltaNet::delta_case(std::vector<SeqSpec> const& seqs, int64_t hk, int6
     p.state_variant = run < 3 ? run : 0;  // 0: by the grid, 1, 2: forced
     p.prep_heads4 = run == 3;
     p.wy_blocked_inverse = blocked_inverse_ && run != 1;  // compact layout only
+    p.states_only = states_only_;
+    p.short_chunks_by_warp = short_chunks && run == 1;
     gated_delta_rule_launch(p, stream_);
     sync();
-    EXPECT_LT(rel_err(d_out.download(), ref_out), tol);
+    std::vector<float> out = d_out.download();
+    if (states_only_) {  // the padding's rows untouched (still poisoned), then not compared
+      for (size_t s = 0; s < seqs.size(); ++s) {
+        if (!seqs[s].padding) continue;
+        const auto r0 = static_cast<size_t>(b.seq_begin[s] * hv * dv),
+                   r1 = static_cast<size_t>(b.seq_begin[s + 1] * hv * dv);
+        for (size_t i = r0; i < r1; ++i) {
+          uint32_t bits = 0;
+          std::memcpy(&bits, &out[i], sizeof(bits));
+          ASSERT_EQ(bits, 0xffffffffu) << "sequence " << s << " (padding) wrote an output";
+          out[i] = ref_out[i];
+        }
+      }
+    }
+    EXPECT_LT(rel_err(out, ref_out), tol);
     // Per slot, so an untouched slot or a wrong one shows; the gaps between slots keep their
     // values exactly.
     const std::vector<float> got = d_states.download();
@@ -481,6 +501,17 @@ TEST_F(CudaDeltaNet, OutSlotsKeepTheStateBefore) {
   delta_case(dec, 4, 8, 128, 128, false, true);  // the fused decode kernel
   delta_case(chunked_batch(), 2, 4, 128, 128);   // the chunked form
   out_slots_ = false;
+}
+
+// A speculative step's state replay (GatedDeltaRuleParams::states_only, the recurrence over short
+// chunks): the sequences with a slot as without it, the padding's (many tokens, one sequence or
+// several, empty ones) skipped without an output written.
+TEST_F(CudaDeltaNet, StatesOnlySkipsThePadding) {
+  SCOPED_TRACE(trace());
+  states_only_ = true;
+  delta_case({{2}, {0, false, true}, {4}, {11, false, true}, {1}, {0}}, 2, 4, 128, 128);
+  delta_case({{3}, {1, false, true}, {1, false, true}, {2}, {1, false, true}}, 4, 8, 64, 32);
+  states_only_ = false;
 }
 
 TEST_F(CudaDeltaNet, DeltaRuleLongPrefill) {

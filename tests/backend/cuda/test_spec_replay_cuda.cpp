@@ -1,6 +1,6 @@
 // The device-driven DeltaNet state rollback's kernels (src/backend/cuda/spec_replay.h) against
 // their CPU references: the replay plan over fresh random batches (1 .. 300 sequences, 0 .. 4
-// drafts each, random acceptance, sequences without a state slot, extra empty sequences),
+// drafts each, random acceptance, sequences without a state slot, extra padding sequences),
 // outputs poisoned before the launch, every output equal; the accepted sequences' state copy
 // over random states, the slots it must not touch included. The references are checked on a
 // hand-worked case, and the launchers' argument checks run anywhere. The seed is printed on
@@ -27,27 +27,22 @@ using DeviceBuffer = test_util::DeviceBuffer<T, test_util::UploadCheck::kNone>;
 // Seq 0: 4 tokens (3 drafts), 1 accepted -> replays tokens 0, 1 on slot 5. Seq 1: 2 tokens, all
 // accepted -> takes its spare slot 10 (slot 7). Seq 2: 3 tokens, none accepted -> token 6 on slot
 // 2. Seq 3: 2 tokens, 0 accepted but no slot -> nothing. Seq 4: no drafts -> nothing. 12 tokens:
-// 3 replayed, the other 9 padding sequences of one token each (5 .. 13); 14 .. 17 are empty.
+// 3 replayed, the padding sequence (5) has the other 9; sequence 6 is empty.
 TEST(SpecReplayReference, HandWorkedCase) {
   SpecReplayPlanParams shape;
   shape.seqs = 5;
-  shape.tokens = 12;
-  shape.out_seqs = 18;
+  shape.out_seqs = 7;
   SpecReplayHost h;
   h.accepted = {1, 1, 0, 0, 0};
   h.seq_begin = {0, 4, 6, 9, 11, 12};
   h.state_slot = {5, 7, 2, -1, 8};
   h.spare_slot = {9, 10, 11, 12, 3};
   spec_replay_plan_reference(shape, h);
-  EXPECT_EQ(h.dn_begin, (std::vector<int32_t>{0, 2, 2, 3, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12,
-                                               12, 12, 12}));
-  std::vector<int32_t> slots(18, -1);
-  slots[0] = 5;
-  slots[2] = 2;
-  EXPECT_EQ(h.dn_slot, slots);
-  EXPECT_EQ(h.dn_fresh, (std::vector<int32_t>(18, 0)));
+  EXPECT_EQ(h.dn_begin, (std::vector<int32_t>{0, 2, 2, 3, 3, 3, 12, 12}));
+  EXPECT_EQ(h.dn_slot, (std::vector<int32_t>{5, -1, 2, -1, -1, -1, -1}));
+  EXPECT_EQ(h.dn_fresh, (std::vector<int32_t>(7, 0)));
   EXPECT_EQ(h.ids, (std::vector<int32_t>{0, 1, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0}));
-  EXPECT_EQ(h.dn_token_seq, (std::vector<int32_t>{0, 0, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13}));
+  EXPECT_EQ(h.dn_token_seq, (std::vector<int32_t>{0, 0, 2, 5, 5, 5, 5, 5, 5, 5, 5, 5}));
   // The copy: slot 10 -> 7 only.
   AcceptedStateCopyParams cs;
   cs.seqs = 5;
@@ -65,13 +60,9 @@ TEST(SpecReplayReference, HandWorkedCase) {
 TEST(SpecReplayLaunch, RejectsBadShapes) {
   SpecReplayPlanParams p;
   p.seqs = 2;
-  p.tokens = 5;
-  p.out_seqs = 6;  // needs room for a padding sequence per token
+  p.out_seqs = 2;  // needs a padding sequence
   EXPECT_THROW(spec_replay_plan_launch(p, nullptr), Error);
-  p.out_seqs = 7;
-  p.tokens = 1;  // fewer tokens than sequences
-  EXPECT_THROW(spec_replay_plan_launch(p, nullptr), Error);
-  p.tokens = 5;
+  p.out_seqs = 3;
   EXPECT_THROW(spec_replay_plan_launch(p, nullptr), Error);  // null arrays
   AcceptedStateCopyParams r;
   r.seqs = 1;
@@ -93,6 +84,7 @@ TEST(CudaSpecReplay, PlanAndRestoreMatchTheReference) {
   for (int trial = 0; trial < 40; ++trial) {
     SpecReplayPlanParams shape;
     shape.seqs = trial == 0 ? 1 : uni(1, 300);
+    shape.out_seqs = shape.seqs + uni(1, 3);
     const auto S = static_cast<size_t>(shape.seqs);
     SpecReplayHost h;
     h.seq_begin.push_back(0);
@@ -105,8 +97,6 @@ TEST(CudaSpecReplay, PlanAndRestoreMatchTheReference) {
       h.state_slot.push_back(uni(0, 7) == 0 ? -1 : static_cast<int32_t>(2 * s));
       h.spare_slot.push_back(static_cast<int32_t>(2 * s + 1));
     }
-    shape.tokens = h.seq_begin.back();
-    shape.out_seqs = shape.seqs + shape.tokens + uni(0, 3);
     SpecReplayHost want = h;
     spec_replay_plan_reference(shape, want);
     const size_t T = static_cast<size_t>(h.seq_begin.back()),
