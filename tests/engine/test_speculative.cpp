@@ -492,8 +492,8 @@ TEST_P(SpecLosslessTest, DraftChainOnDeviceEqualsPassByPass) {
   int64_t context = 0;  // uneven ends: the longest sequences draft fewer than K at the end
   for (size_t i = 0; i < reqs.size(); ++i) {
     reqs[i].max_tokens = std::max<int32_t>(2, reqs[i].max_tokens - static_cast<int32_t>(i % 3));
-    context = std::max(context, static_cast<int64_t>(reqs[i].prompt_ids.size()) +
-                                    reqs[i].max_tokens);
+    context =
+        std::max(context, static_cast<int64_t>(reqs[i].prompt_ids.size()) + reqs[i].max_tokens);
   }
   const RunResult ref = run(*model, reqs, EngineConfig{});
   int64_t past = 0;

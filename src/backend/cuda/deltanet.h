@@ -58,13 +58,13 @@ void causal_conv1d_launch(CausalConv1dParams const& p, cudaStream_t stream);
 ///   S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q   (S: [k_dim, v_dim], fp32).
 /// k_dim 16, 32, 64 or 128 (kUnsupported otherwise); v_dim at most 256.
 /// A decode step (one token per sequence) and short chunks (short_chunk_tokens): the recurrence,
-/// 4 warps per 32 value columns splitting the state's rows. Prefill (k_dim 64 or 128, more than short_chunk_tokens tokens per
-/// sequence on average): the chunked form on tensor cores
-/// (chunks of 64 tokens: the WY representation of each chunk in parallel, then the chunks of a
-/// sequence in order, the state fp32 in the accumulators, bf16 operands: bf16-level error);
-/// with `sequential` (or k_dim 16 / 32) the recurrence over the tokens, a warp holding its
-/// columns' state slice in registers (fp32 throughout). `workspace` holds the normalised q, k,
-/// the gates and the chunked form's intermediates.
+/// 4 warps per 32 value columns splitting the state's rows. Prefill (k_dim 64 or 128, more than
+/// short_chunk_tokens tokens per sequence on average): the chunked form on tensor cores (chunks of
+/// 64 tokens: the WY representation of each chunk in parallel, then the chunks of a sequence in
+/// order, the state fp32 in the accumulators, bf16 operands: bf16-level error); with `sequential`
+/// (or k_dim 16 / 32) the recurrence over the tokens, a warp holding its columns' state slice in
+/// registers (fp32 throughout). `workspace` holds the normalised q, k, the gates and the chunked
+/// form's intermediates.
 struct GatedDeltaRuleParams {
   bf16 const* qkv;       // [num_tokens, qkv_stride]: q [hk, dk] | k [hk, dk] | v [hv, dv]
   bf16 const* b;         // [num_tokens, ab_stride]: columns [0, num_v_heads)

@@ -933,21 +933,20 @@ struct Qwen35MoeCuda::Impl {
                  " sequences, ", tokens, " tokens");
     kept_tokens = -1;  // replayed once
     auto record = [&] {
-      cuda::spec_replay_plan_launch({ap.accepted, ap.seq_begin, slots, ap.seqs, m.num_seqs,
-                                     m.ids, m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh},
+      cuda::spec_replay_plan_launch({ap.accepted, ap.seq_begin, slots, ap.seqs, m.num_seqs, m.ids,
+                                     m.dn_begin, m.dn_token_seq, m.dn_slot, m.dn_fresh},
                                     stream);
       fused_clock.mark("settle: plan", stream);
-      cuda::accepted_state_copy_launch({ap.accepted, ap.seq_begin, slots, spares,
-                                        kv.state_data(0), ap.seqs, slot_elems(),
-                                        kv.state_slot_elems()},
+      cuda::accepted_state_copy_launch({ap.accepted, ap.seq_begin, slots, spares, kv.state_data(0),
+                                        ap.seqs, slot_elems(), kv.state_slot_elems()},
                                        stream);
       fused_clock.mark("settle: accepted copy", stream);
       replay(m, kv);
     };
     if (fused_clock.on()) return record();
     // What a captured settle reads and writes besides r_meta and the activations.
-    const SettleInputs in{ap.accepted, ap.seq_begin, slots, spares, kv.state_data(0),
-                          kept.as<void>()};
+    const SettleInputs in{ap.accepted, ap.seq_begin,     slots,
+                          spares,      kv.state_data(0), kept.as<void>()};
     const std::pair<int64_t, int64_t> key{ap.seqs, tokens};
     auto it = settle_graphs.find(key);
     if (it != settle_graphs.end() && it->second.in != in) {
