@@ -280,12 +280,17 @@ __global__ void __launch_bounds__(128) delta_prep_kernel(GatedDeltaRuleParams p)
 
 // One block per (32 value columns, value head, sequence): 4 warps split the k_dim rows of the
 // state, lane l owns column 32 * blockIdx.x + l; the block's state slice stays in registers
-// over the sequence's tokens (read once, written once).
+// over the sequence's tokens (read once, written once). A sequence of at most kDeltaPreload
+// tokens (a decode step, a speculative verify or replay) has every token's q, k, gates and v
+// staged in shared memory up front, their loads in flight with the state's, so that its tokens
+// wait on no global load; a longer one stages each token in turn.
 constexpr int kDeltaWarps = 4;
+constexpr int kDeltaPreload = 8;
 template <int kDk>
 __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDeltaRuleParams p) {
   constexpr int kRows = kDk / kDeltaWarps;
-  __shared__ float sQ[kDk], sK[kDk];
+  __shared__ float sQ[kDeltaPreload][kDk], sK[kDeltaPreload][kDk];
+  __shared__ float sV[kDeltaPreload][32], sG[kDeltaPreload], sB[kDeltaPreload];
   __shared__ float sRed1[kDeltaWarps][32], sRed2[kDeltaWarps][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t hk = p.num_k_heads, hv = p.num_v_heads, dv = p.v_dim;
@@ -302,37 +307,52 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
   float* gO = oslot >= 0 ? p.states + oslot * p.state_stride + h * kDk * dv : nullptr;
   const bool zero = gS == nullptr || p.seqs.fresh[s] != 0;
   const int r0 = warp * kRows;
+  bf16 const* gV = p.qkv + 2 * hk * kDk + h * dv + j;
+  // Token t's inputs into buffer b (0 .. kDeltaPreload - 1).
+  auto stage = [&](int64_t t, int b) {
+    for (int i = threadIdx.x; i < kDk; i += blockDim.x) {
+      sQ[b][i] = ws.q[(t * hk + kh) * kDk + i];
+      sK[b][i] = ws.k[(t * hk + kh) * kDk + i];
+    }
+    if (warp == 0) sV[b][lane] = col ? __bfloat162float(gV[t * p.qkv_stride]) : 0.f;
+    if (threadIdx.x == 32) {
+      sG[b] = expf(ws.g[t * hv + h]);
+      sB[b] = ws.beta[t * hv + h];
+    }
+  };
+  const bool preload = end - begin <= kDeltaPreload;
+  if (preload) {
+    for (int64_t t = begin; t < end; ++t) stage(t, static_cast<int>(t - begin));
+  }
   float S[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) S[r] = (!zero && col) ? gS[(r0 + r) * dv + j] : 0.f;
 
-  bf16 const* gV = p.qkv + 2 * hk * kDk + h * dv + j;
   for (int64_t t = begin; t < end; ++t) {
-    __syncthreads();  // the previous token is done with sQ / sK / sRed1
-    for (int i = threadIdx.x; i < kDk; i += blockDim.x) {
-      sQ[i] = ws.q[(t * hk + kh) * kDk + i];
-      sK[i] = ws.k[(t * hk + kh) * kDk + i];
+    const int b = preload ? static_cast<int>(t - begin) : 0;
+    if (!preload) {
+      __syncthreads();  // the previous token is done with buffer 0 and sRed1
+      stage(t, 0);
     }
-    __syncthreads();
-    const float decay = expf(ws.g[t * hv + h]), beta = ws.beta[t * hv + h];
+    __syncthreads();  // (preloaded: the staging, and the previous token's sRed1 reads)
+    const float decay = sG[b], beta = sB[b];
     float part = 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       S[r] *= decay;
-      part += S[r] * sK[r0 + r];
+      part += S[r] * sK[b][r0 + r];
     }
     sRed1[warp][lane] = part;
     __syncthreads();
     float kv = 0.f;
 #pragma unroll
     for (int w = 0; w < kDeltaWarps; ++w) kv += sRed1[w][lane];
-    const float v = col ? __bfloat162float(gV[t * p.qkv_stride]) : 0.f;
-    const float delta = (v - kv) * beta;
+    const float delta = (sV[b][lane] - kv) * beta;
     float o = 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      S[r] += sK[r0 + r] * delta;
-      o += S[r] * sQ[r0 + r];
+      S[r] += sK[b][r0 + r] * delta;
+      o += S[r] * sQ[b][r0 + r];
     }
     sRed2[warp][lane] = o;
     __syncthreads();
