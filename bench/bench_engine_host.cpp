@@ -6,7 +6,8 @@
 // non-speculative row of the same run. A GPU step's time adds to these (it does not overlap
 // them: the engine waits for the step, then does this work).
 //   build/bench_engine_host [--batch B] [--tokens N] [--prompt-len P] [--accept-prob p]
-//       [--vocab V]
+//       [--vocab V] [--state-floats S]
+// --state-floats: recurrent state slots of S floats (on the host) per sequence, as a hybrid's.
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -27,7 +28,7 @@ double now() {
 // acceptance (the benchmark switch) decides instead.
 class NullDeviceModel final : public Model {
  public:
-  explicit NullDeviceModel(int64_t vocab) {
+  NullDeviceModel(int64_t vocab, int64_t state_floats) : state_floats_(state_floats) {
     c_.model_type = "qwen3_moe";
     c_.vocab_size = vocab;
     c_.hidden_size = 8;
@@ -39,6 +40,7 @@ class NullDeviceModel final : public Model {
     c_.eos_token_ids = {0};
   }
   const ModelConfig& config() const override { return c_; }
+  int64_t state_slot_elems() const override { return state_floats_; }
   KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const override {
     return {1, num_pages, 1, page_size, 8};
   }
@@ -84,6 +86,7 @@ class NullDeviceModel final : public Model {
 
  private:
   ModelConfig c_;
+  int64_t state_floats_ = 0;
 };
 
 struct Row {
@@ -119,7 +122,7 @@ Row run(Model& model, const EngineConfig& cfg, int batch, int tokens, int prompt
 int main(int argc, char** argv) {
   int batch = 32, tokens = 256, prompt_len = 256;
   double accept = 0.7;
-  int64_t vocab = 151936;
+  int64_t vocab = 151936, state_floats = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--batch") {
@@ -132,12 +135,14 @@ int main(int argc, char** argv) {
       accept = std::stod(argv[i + 1]);
     } else if (k == "--vocab") {
       vocab = std::stoll(argv[i + 1]);
+    } else if (k == "--state-floats") {
+      state_floats = std::stoll(argv[i + 1]);
     } else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
     }
   }
-  NullDeviceModel model(vocab);
+  NullDeviceModel model(vocab, state_floats);
   EngineConfig cfg;
   cfg.max_num_seqs = batch;
   cfg.max_batched_tokens = 8192;
@@ -148,8 +153,10 @@ int main(int argc, char** argv) {
   run(model, cfg, batch, 16, prompt_len);  // warm up
   const Row base = run(model, cfg, batch, tokens, prompt_len);
   std::printf(
-      "engine host time per step, no model: batch %d, %d new tokens, prompts %d, vocab %lld\n",
-      batch, tokens, prompt_len, static_cast<long long>(vocab));
+      "engine host time per step, no model: batch %d, %d new tokens, prompts %d, vocab %lld, "
+      "state floats %lld\n",
+      batch, tokens, prompt_len, static_cast<long long>(vocab),
+      static_cast<long long>(state_floats));
   std::printf("%-4s %5s %14s %16s %14s\n", "K", "p", "ms per step", "tokens per step", "vs K = 0");
   std::printf("%-4s %5s %14.3f %16.2f %13.2fx\n", "0", "-", base.ms_per_step, base.tokens_per_step,
               1.0);
