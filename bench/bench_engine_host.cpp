@@ -8,11 +8,13 @@
 //   build/bench_engine_host [--batch B] [--tokens N] [--prompt-len P] [--accept-prob p]
 //       [--vocab V] [--state-floats S]
 // --state-floats: recurrent state slots of S floats (on the host) per sequence, as a hybrid's.
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "decode_wave.h"
 #include "engine/engine.h"
 #include "model/qwen3_moe.h"
 
@@ -123,33 +125,16 @@ int main(int argc, char** argv) {
   int batch = 32, tokens = 256, prompt_len = 256;
   double accept = 0.7;
   int64_t vocab = 151936, state_floats = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    if (k == "--batch") {
-      batch = std::stoi(argv[i + 1]);
-    } else if (k == "--tokens") {
-      tokens = std::stoi(argv[i + 1]);
-    } else if (k == "--prompt-len") {
-      prompt_len = std::stoi(argv[i + 1]);
-    } else if (k == "--accept-prob") {
-      accept = std::stod(argv[i + 1]);
-    } else if (k == "--vocab") {
-      vocab = std::stoll(argv[i + 1]);
-    } else if (k == "--state-floats") {
-      state_floats = std::stoll(argv[i + 1]);
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"the engine's host time per decode step, without a model"};
+  app.add_option("--batch", batch);
+  app.add_option("--tokens", tokens);
+  app.add_option("--prompt-len", prompt_len);
+  app.add_option("--accept-prob", accept);
+  app.add_option("--vocab", vocab);
+  app.add_option("--state-floats", state_floats);
+  CLI11_PARSE(app, argc, argv);
   NullDeviceModel model(vocab, state_floats);
-  EngineConfig cfg;
-  cfg.max_num_seqs = batch;
-  cfg.max_batched_tokens = 8192;
-  cfg.page_size = 16;
-  cfg.num_pages = batch * ((prompt_len + tokens + 8 + 15) / 16) + 16;
-  cfg.max_model_len = prompt_len + tokens + 8;
-  cfg.enable_prefix_cache = false;
+  const EngineConfig cfg = bench::decode_wave_config(batch, prompt_len, tokens);
   run(model, cfg, batch, 16, prompt_len);  // warm up
   const Row base = run(model, cfg, batch, tokens, prompt_len);
   std::printf(

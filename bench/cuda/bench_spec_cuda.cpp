@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../decode_wave.h"
 #include "backend/cuda/check.h"
 #include "bench_util.h"
 #include "core/error.h"
@@ -377,15 +378,9 @@ struct E2e {
 // timed from the step after every request has its first token.
 E2e run_engine(Model& model, int64_t batch, int64_t k, double p, int64_t prompt_len,
                int64_t max_tokens, float temperature, bool state_replay = true) {
-  EngineConfig cfg;
-  cfg.max_num_seqs = batch;
-  cfg.max_batched_tokens = 2048;
-  cfg.page_size = 16;
-  cfg.num_pages = batch * ((prompt_len + max_tokens + 8 + 15) / 16) + 16;
-  cfg.max_model_len = prompt_len + max_tokens + 8;
+  EngineConfig cfg = bench::decode_wave_config(batch, prompt_len, max_tokens);
   cfg.num_speculative_tokens = k;
   cfg.spec_forced_accept_prob = k > 0 ? p : -1.0;
-  cfg.enable_prefix_cache = false;
   cfg.spec_state_replay = state_replay;
   cfg.warm_up = true;  // every bucket's graphs before the first wave (as tandem serve does)
   Engine engine(model, cfg);
