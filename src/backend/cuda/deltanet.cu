@@ -330,11 +330,9 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) delta_rule_kernel(GatedDelta
 
   for (int64_t t = begin; t < end; ++t) {
     const int b = preload ? static_cast<int>(t - begin) : 0;
-    if (!preload) {
-      __syncthreads();  // the previous token is done with buffer 0 and sRed1
-      stage(t, 0);
-    }
-    __syncthreads();  // (preloaded: the staging, and the previous token's sRed1 reads)
+    // (the previous token's last barrier came after its every read of the staging and sRed1)
+    if (!preload) stage(t, 0);
+    if (!preload || t == begin) __syncthreads();  // the staging
     const float decay = sG[b], beta = sB[b];
     float part = 0.f;
 #pragma unroll
