@@ -38,14 +38,14 @@
 namespace tandem {
 
 using cuda::bf16;
-using cuda_model::DeviceMem;
 using cuda_model::CudaRunner;
-using cuda_model::HostStepMeta;
-using cuda_model::StepMeta;
+using cuda_model::DeviceMem;
 using cuda_model::host_bf16;
+using cuda_model::HostStepMeta;
 using cuda_model::PinnedMem;
 using cuda_model::SpecAdvanceStage;
 using cuda_model::StageClock;
+using cuda_model::StepMeta;
 using cuda_model::Uploader;
 
 namespace {
@@ -150,7 +150,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   std::unique_ptr<cuda::GemmLt> gemm_side;
 
   // The target's decode graphs and verify graphs (q tokens per sequence) are the runner's.
-  static constexpr int64_t kMaxVerifyTokens = cuda_model::kMaxGraphTokensPerSeq;  // K + 1 for K up to kMaxSpeculativeTokens
+  static constexpr int64_t kMaxVerifyTokens =
+      cuda_model::kMaxGraphTokensPerSeq;  // K + 1 for K up to kMaxSpeculativeTokens
   // On by default since the H200 measured it (docs/perf.md: Qwen3.5-35B-A3B speculating 3-16%
   // faster end to end): verify steps replay graphs. Off: set_verify_graphs(false) or
   // TANDEM_Q35_VERIFY_GRAPHS=0 at load.
@@ -256,9 +257,9 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   bool keeps_inputs(bool graph, int64_t q, int64_t rows_n, const ForwardBatch& batch) override {
     kept_tokens = -1;
     const bool keep =
-        num_linear > 0 && (graph ? q > 1
-                                 : batch.keep_recurrent_inputs &&
-                                       batch.num_tokens() <= ws.s_cap * kMaxVerifyTokens);
+        num_linear > 0 &&
+        (graph ? q > 1
+               : batch.keep_recurrent_inputs && batch.num_tokens() <= ws.s_cap * kMaxVerifyTokens);
     if (keep) ensure_kept(rows_n);
     return keep;
   }
@@ -500,8 +501,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     if (num_linear > 0) {
       conv_out = DeviceMem(T * static_cast<size_t>(conv_dim) * b);
       core = DeviceMem(T * static_cast<size_t>(hv * dv) * sizeof(float));
-      dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(ws.t_cap, c.linear_num_key_heads, hv,
-                                                                c.linear_key_head_dim, dv) *
+      dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(ws.t_cap, c.linear_num_key_heads,
+                                                                hv, c.linear_key_head_dim, dv) *
                         sizeof(float));
     }
     sgu = DeviceMem(T * static_cast<size_t>(2 * sinter) * b);
@@ -514,8 +515,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
 
   // Layer w's gated full attention over `pool` (its KV layer): reads XN, writes Y and the new
   // KV of m's tokens (batch->on_layer_kv after the KV write when set).
-  void gated_attention(const LayerW& w, const StepMeta& m, bf16* pool, int64_t page_size, int64_t split,
-                       const ForwardBatch* batch) {
+  void gated_attention(const LayerW& w, const StepMeta& m, bf16* pool, int64_t page_size,
+                       int64_t split, const ForwardBatch* batch) {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim;
     const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -744,7 +745,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     const int64_t page_size = mkv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
     const MtpW& t = mtp_w;
-    bf16 *X = ws.x.as<bf16>(), *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(), *CAT = t.cat.as<bf16>();
+    bf16 *X = ws.x.as<bf16>(), *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(),
+         *CAT = t.cat.as<bf16>();
     const size_t row = static_cast<size_t>(h) * sizeof(bf16);
     cuda::embedding_launch({m.ids, embed, Y, n, h, c.vocab_size}, stream);
     cuda::rms_norm_launch({Y, t.norm_e, Y, n, h, eps}, stream);
@@ -825,9 +827,7 @@ int64_t Qwen35MoeCuda::kv_cache_budget_mb(double utilization) const {
 
 int64_t Qwen35MoeCuda::kv_cache_mb_hint() const { return runner_->kv_cache_mb_hint(); }
 
-std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const {
-  return runner_->captured_buckets();
-}
+std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const { return runner_->captured_buckets(); }
 
 std::vector<std::pair<int64_t, int64_t>> Qwen35MoeCuda::captured_verify_graphs() const {
   return runner_->captured_verify_graphs();
@@ -1117,8 +1117,8 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
   m.num_rows = bucket;
   m.num_seqs = bucket;
   m.num_prefill = 0;
-  im.mtp_graphs.bind({mtp_kv.layer_data(0), reinterpret_cast<const void*>(
-                                                 static_cast<intptr_t>(page_size))});
+  im.mtp_graphs.bind(
+      {mtp_kv.layer_data(0), reinterpret_cast<const void*>(static_cast<intptr_t>(page_size))});
   run.replay(
       im.mtp_graphs, bucket, hm, m,
       [&](bool) {
@@ -1208,7 +1208,8 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
     ci.ids = tokens + (p - 1) * runner_->ws().rows_cap;
     ci.writes = &c.writes;
     mtp_launch(c.batch, nullptr, mtp_kv, &ci);
-    runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), rows, tokens + p * runner_->ws().rows_cap, stream_);
+    runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), rows,
+                                  tokens + p * runner_->ws().rows_cap, stream_);
   }
   im.tokens_to_host(cb, passes);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -1333,7 +1334,8 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
     ci.positions = ap.chain_pos + (p - 1) * n;
     ci.kv_slots = ap.chain_slots + (p - 1) * n;
     mtp_launch(one, nullptr, mtp_kv, &ci);
-    runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), n, cb.tokens + p * runner_->ws().rows_cap, stream_);
+    runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), n,
+                                  cb.tokens + p * runner_->ws().rows_cap, stream_);
   }
   clock.mark("mtp chained passes", stream_);
   im.tokens_to_host(cb, K);
@@ -1360,7 +1362,9 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   }
 }
 
-void Qwen35MoeCuda::warm_up(KvCache& kv, int64_t max_batch) { runner_->capture_buckets(kv, max_batch, 1); }
+void Qwen35MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
+  runner_->capture_buckets(kv, max_batch, 1);
+}
 
 void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,
                                         int64_t k) {
@@ -1375,7 +1379,8 @@ void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t ma
   }
   if (!has_mtp() || !im.mtp_graphs_on || runner_->buckets().empty() || k < 2) return;  // no chain
   const int32_t token = 0, page = 0;
-  const std::vector<float> hidden(static_cast<size_t>(runner_->buckets().back() * config_.hidden_size), 0.0f);
+  const std::vector<float> hidden(
+      static_cast<size_t>(runner_->buckets().back() * config_.hidden_size), 0.0f);
   for (const int64_t bucket : runner_->buckets()) {
     if (bucket > std::max<int64_t>(1, max_batch)) break;
     ForwardBatch chain;  // bucket one-token MTP passes at position 0 of page 0
@@ -1399,8 +1404,8 @@ void Qwen35MoeCuda::mtp_hidden(int64_t rows, std::vector<float>& out) {
     return;
   }
   std::vector<uint16_t> b(out.size());
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.data(), runner_->ws().last.as<void>(), b.size() * sizeof(uint16_t),
-                                    cudaMemcpyDeviceToHost, stream_));
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.data(), runner_->ws().last.as<void>(),
+                                    b.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost, stream_));
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (size_t i = 0; i < b.size(); ++i) out[i] = bf16_to_f32(b[i]);
 }
@@ -1427,7 +1432,8 @@ void Qwen35MoeCuda::mtp_forward_sample(const ForwardBatch& batch, const float* h
   const int64_t r = mtp_launch(batch, hidden, mtp_kv);
   out.clear();
   mtp_hidden(r, hidden_out);  // before the sampler may touch the logits (synchronises)
-  if (r > 0) runner_->ws().sampler->sample(runner_->ws().logits.as<float>(), rows, {}, out, stream_);
+  if (r > 0)
+    runner_->ws().sampler->sample(runner_->ws().logits.as<float>(), rows, {}, out, stream_);
 }
 
 }  // namespace tandem

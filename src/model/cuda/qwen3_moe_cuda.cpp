@@ -490,7 +490,8 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     }
     if (dq_elems > 0) dq = DeviceMem(static_cast<size_t>(dq_elems) * sizeof(bf16));
     if (dq_elems > 0 && fp8_act && ws.t_cap >= kFp8LtMinRows) {
-      fp8_lt = std::make_unique<cuda_model::Fp8DenseLt>(ws.t_cap, std::max({h, qh * d, dense_inter}));
+      fp8_lt =
+          std::make_unique<cuda_model::Fp8DenseLt>(ws.t_cap, std::max({h, qh * d, dense_inter}));
     }
     make_communicators(o, any_moe);
   }
@@ -819,8 +820,8 @@ void Qwen3MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const in
   std::vector<int32_t> rows(hidden_rows.size());  // batch order -> rows of xn
   for (size_t t = 0; t < rows.size(); ++t) {
     const int64_t r = hidden_rows[t];
-    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(last.size()), "mtp_draft_chain: hidden row ",
-                 r, " is not a token of the last forward (", last.size(), " tokens)");
+    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(last.size()), "mtp_draft_chain: hidden row ", r,
+                 " is not a token of the last forward (", last.size(), " tokens)");
     rows[t] = last[static_cast<size_t>(r)];
   }
   const cuda_model::Workspace& ws = runner_->ws();
@@ -975,9 +976,7 @@ void Qwen3MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
-  return runner_->captured_buckets();
-}
+std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const { return runner_->captured_buckets(); }
 
 std::vector<std::pair<int64_t, int64_t>> Qwen3MoeCuda::captured_verify_graphs() const {
   return runner_->captured_verify_graphs();

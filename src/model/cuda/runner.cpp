@@ -235,8 +235,8 @@ int64_t CudaRunner::pick_split(int64_t n, int64_t num_prefill, int64_t width,
                                int64_t page_size) const {
   if (n - num_prefill <= 0) return 0;
   const AttentionShape a = layers_->attention();
-  int64_t split =
-      cuda::paged_attention_decode_split(n - num_prefill, a.kv_heads, width, page_size, ws_.num_sms);
+  int64_t split = cuda::paged_attention_decode_split(n - num_prefill, a.kv_heads, width, page_size,
+                                                     ws_.num_sms);
   if (split > 0 && cuda::paged_attention_workspace_floats(n, a.q_heads, a.head_dim, width,
                                                           page_size, split) > ws_.attn_ws_floats) {
     split = 0;
@@ -245,8 +245,8 @@ int64_t CudaRunner::pick_split(int64_t n, int64_t num_prefill, int64_t width,
 }
 
 cuda::PagedAttentionParams CudaRunner::attention_params(const StepMeta& m, const void* q,
-                                                       const void* pool, void* out,
-                                                       int64_t page_size, int64_t split) const {
+                                                        const void* pool, void* out,
+                                                        int64_t page_size, int64_t split) const {
   const AttentionShape a = layers_->attention();
   cuda::PagedAttentionParams ap{};
   ap.q = static_cast<const cuda::bf16*>(q);
@@ -327,8 +327,8 @@ void CudaRunner::upload(const HostStepMeta& hm, const StepMeta& dst) {
   if (tb > 0 && dst.tables != nullptr) {
     if (h_tables_.size() < tb) h_tables_ = PinnedMem(tb * 2);
     std::memcpy(h_tables_.as<int32_t>(), hm.tables.data(), tb);
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst.tables, h_tables_.as<int32_t>(), tb,
-                                      cudaMemcpyHostToDevice, stream_));
+    TANDEM_CUDA_CHECK(
+        cudaMemcpyAsync(dst.tables, h_tables_.as<int32_t>(), tb, cudaMemcpyHostToDevice, stream_));
   }
   TANDEM_CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
 }

@@ -88,11 +88,11 @@ struct HostStepMeta {
 /// How build_step_meta lays a batch out.
 struct StepLayout {
   int64_t page_size = 0, num_pages = 0, vocab = 0;
-  int64_t rows_n = 0;      // tokens the kernels see: the batch's n, then padding
-  int64_t width = 1;       // block-table row width
-  int64_t num_seqs = 0;    // block-table rows (the batch's sequences, then padding ones)
-  bool pad_rows = false;   // every padding token is a logits row (a graph's fixed shape)
-  bool deltanet = false;   // fill the DeltaNet sequence arrays
+  int64_t rows_n = 0;        // tokens the kernels see: the batch's n, then padding
+  int64_t width = 1;         // block-table row width
+  int64_t num_seqs = 0;      // block-table rows (the batch's sequences, then padding ones)
+  bool pad_rows = false;     // every padding token is a logits row (a graph's fixed shape)
+  bool deltanet = false;     // fill the DeltaNet sequence arrays
   int64_t state_slots = -1;  // >= 0: every sequence needs a state slot below it
   int64_t pad_q = 1;         // tokens per padding sequence (a verify graph's q)
   const std::vector<int32_t>* state_out = nullptr;  // per sequence: its state's slot (-1: own)
@@ -125,7 +125,7 @@ struct Workspace {
 /// The attention an architecture's steps run (for split-KV and the prefill plan).
 struct AttentionShape {
   int64_t q_heads = 0, kv_heads = 0, head_dim = 0;  // this rank's
-  bool prefill_plan = true;  // plan FlashInfer's prefill for eager chunks
+  bool prefill_plan = true;                         // plan FlashInfer's prefill for eager chunks
 };
 
 /// What an architecture gives the runner: one step's layers over StepMeta, and its head.
@@ -133,8 +133,8 @@ class CudaLayers {
  public:
   struct Args {
     const ForwardBatch* batch = nullptr;  // the eager batch (its on_layer_kv hook); null in graphs
-    bool warmup = false;  // a graph's first run, padding only: no collective call
-    bool keep = false;    // keep the DeltaNet layers' inputs (replay_states)
+    bool warmup = false;                  // a graph's first run, padding only: no collective call
+    bool keep = false;                    // keep the DeltaNet layers' inputs (replay_states)
   };
   virtual ~CudaLayers() = default;
   /// Embedding -> layers -> final norm (Workspace::xn, device token order) -> the logits rows'
@@ -187,7 +187,9 @@ class GraphSet {
 
 /// Key of a target step's graph: (tokens per sequence - 1) * kGraphKeyStride + bucket.
 inline constexpr int64_t kGraphKeyStride = 1 << 20;
-constexpr int64_t graph_key(int64_t bucket, int64_t q) { return (q - 1) * kGraphKeyStride + bucket; }
+constexpr int64_t graph_key(int64_t bucket, int64_t q) {
+  return (q - 1) * kGraphKeyStride + bucket;
+}
 
 class CudaRunner {
  public:
