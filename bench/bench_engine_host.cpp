@@ -16,7 +16,7 @@
 
 #include "decode_wave.h"
 #include "engine/engine.h"
-#include "model/qwen3_moe.h"
+#include "model/model.h"
 
 using namespace tandem;
 

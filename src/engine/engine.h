@@ -18,7 +18,7 @@
 #include "engine/scheduler.h"
 #include "kv/block_manager.h"
 #include "kv/kv_cache.h"
-#include "model/qwen3_moe.h"
+#include "model/model.h"
 
 namespace tandem {
 

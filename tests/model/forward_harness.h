@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "model/qwen3_moe.h"
+#include "model/model.h"
 
 namespace tandem::testing {
 

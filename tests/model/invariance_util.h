@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "model/forward_batch.h"
-#include "model/qwen3_moe.h"
+#include "model/model.h"
 
 namespace tandem::testing {
 

@@ -26,6 +26,7 @@
 #include "model/cuda/device_sampler.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
+#include "model/cuda/runner.h"
 #include "model/cuda/spec_stage.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -941,7 +942,7 @@ void Qwen3MoeCuda::mtp_forward_sample(const ForwardBatch& batch, const float* hi
                " logits rows");
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   const int64_t r = mtp_->forward(batch, hidden, mtp_kv);
-  sample_rows(mtp_scratch().logits, rows, out);  // synchronises
+  runner_->sample_rows(mtp_scratch().logits, rows, out);  // synchronises
   mtp_->hidden_to_host(r, hidden_out);
 }
 

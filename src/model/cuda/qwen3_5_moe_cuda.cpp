@@ -30,6 +30,7 @@
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/device_sampler.h"
+#include "model/cuda/runner.h"
 #include "model/cuda/spec_stage.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -37,12 +38,14 @@
 namespace tandem {
 
 using cuda::bf16;
+using cuda_model::CudaRunner;
 using cuda_model::DeviceMem;
-using cuda_model::DeviceSampler;
 using cuda_model::host_bf16;
+using cuda_model::HostStepMeta;
 using cuda_model::PinnedMem;
 using cuda_model::SpecAdvanceStage;
 using cuda_model::StageClock;
+using cuda_model::StepMeta;
 using cuda_model::Uploader;
 
 namespace {
@@ -73,34 +76,6 @@ struct LayerW {
   bf16* shared_gate = nullptr;     // [H]
 };
 
-// Device pointers of one forward's metadata.
-struct Meta {
-  int32_t* ids = nullptr;        // [n]
-  int32_t* positions = nullptr;  // [n]
-  int32_t* token_seq = nullptr;  // [n]: attention's sequence (block-table row) of each token
-  int32_t* rows = nullptr;       // [num_rows]: token index of each logits row
-  int64_t* slots = nullptr;      // [n]
-  int32_t* tables = nullptr;     // [num_seqs, width]
-  // DeltaNet: sequences in token order.
-  int32_t* dn_begin = nullptr;      // [num_seqs + 1]
-  int32_t* dn_token_seq = nullptr;  // [n]
-  int32_t* dn_slot = nullptr;       // [num_seqs]
-  int32_t* dn_fresh = nullptr;      // [num_seqs]
-  int32_t* dn_slot_out = nullptr;   // [num_seqs]: where the state goes (null: dn_slot, in place)
-  int64_t n = 0, width = 0, num_rows = 0, num_seqs = 0;
-  int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
-  const cuda::PrefillAttentionPlan* prefill_plan = nullptr;  // FlashInfer sm90, when planned
-};
-
-struct HostMeta {
-  std::vector<int32_t> ids, positions, token_seq, tables, rows;
-  std::vector<int64_t> slots;
-  std::vector<int32_t> dn_begin, dn_token_seq, dn_slot, dn_fresh, dn_slot_out;
-};
-
-constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
-                                80, 96, 112, 128, 160, 192, 224, 256};
-
 // A switch that is on unless NAME=0 in the environment.
 bool env_not_off(const char* name) {
   const char* e = std::getenv(name);
@@ -114,118 +89,13 @@ std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
   return b;
 }
 
-// The host metadata of `batch` (n real tokens padded to rows_n, block tables tw wide, num_seqs
-// rows): the tokens of multi-token chunks first (the attention's prefill kernel takes the
-// leading num_prefill tokens), then the one-token sequences; logits rows in batch order, every
-// padding row's too when pad_rows (a graph's fixed shape). first_token: each sequence's first
-// device token. state_slots >= 0: every sequence needs a state slot below it. Padding
-// sequences have pad_q tokens each at positions 0.. (a verify graph's shape; 1: a decode graph's),
-// no KV slot and no state slot. state_out (when set, per sequence): the slot its state after the
-// chunk goes to (-1: its own).
-HostMeta build_meta(const ForwardBatch& batch, int64_t page_size, int64_t num_pages, int64_t vocab,
-                    int64_t rows_n, int64_t tw, int64_t num_seqs, bool pad_rows,
-                    int64_t state_slots, std::vector<int64_t>& first_token, int64_t& num_prefill,
-                    int64_t pad_q = 1, const std::vector<int32_t>* state_out = nullptr) {
-  const int64_t n = batch.num_tokens();
-  HostMeta hm;
-  hm.ids.assign(static_cast<size_t>(rows_n), 0);
-  hm.positions.assign(static_cast<size_t>(rows_n), 0);
-  hm.token_seq.resize(static_cast<size_t>(rows_n));
-  hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
-  hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
-  hm.dn_token_seq.resize(static_cast<size_t>(rows_n));
-  for (int64_t t = 0; t < rows_n; ++t) {
-    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
-    hm.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
-  }
-  // Tokens of multi-token chunks go first (the attention's prefill kernel takes the leading
-  // num_prefill tokens); logits rows stay in batch order.
-  first_token.assign(batch.seqs.size(), 0);
-  num_prefill = 0;
-  {
-    int64_t chunk_t = 0, decode_t = 0;
-    for (const auto& s : batch.seqs) num_prefill += s.num_tokens > 1 ? s.num_tokens : 0;
-    for (size_t si = 0; si < batch.seqs.size(); ++si) {
-      const int64_t k = batch.seqs[si].num_tokens;
-      first_token[si] = k > 1 ? chunk_t : num_prefill + decode_t;
-      (k > 1 ? chunk_t : decode_t) += k;
-    }
-  }
-  // DeltaNet sequences in token order: the chunks, then the decode tokens (each group in
-  // batch order), then padding sequences of one token.
-  std::vector<size_t> order(batch.seqs.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return first_token[a] < first_token[b]; });
-  for (size_t oi = 0; oi < order.size(); ++oi) {
-    const size_t si = order[oi];
-    const ForwardSeq& s = batch.seqs[si];
-    hm.dn_begin.push_back(static_cast<int32_t>(first_token[si]));
-    hm.dn_slot.push_back(s.state_slot);
-    const int32_t out = state_out != nullptr ? (*state_out)[si] : -1;
-    hm.dn_slot_out.push_back(out >= 0 ? out : s.state_slot);
-    hm.dn_fresh.push_back(s.start_pos == 0 ? 1 : 0);
-    for (int64_t i = 0; i < s.num_tokens; ++i) {
-      hm.dn_token_seq[static_cast<size_t>(first_token[si] + i)] = static_cast<int32_t>(oi);
-    }
-  }
-  const auto nseq = static_cast<int64_t>(batch.seqs.size());
-  for (int64_t t = n; t < rows_n; ++t) {  // padding: pad_q tokens per sequence, no slot
-    const int64_t j = (t - n) / pad_q;
-    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(nseq + j);
-    hm.dn_token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(nseq + j);
-    hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>((t - n) % pad_q);
-    if ((t - n) % pad_q != 0) continue;
-    hm.dn_begin.push_back(static_cast<int32_t>(t));
-    hm.dn_slot.push_back(-1);
-    hm.dn_slot_out.push_back(-1);
-    hm.dn_fresh.push_back(0);
-  }
-  hm.dn_begin.push_back(static_cast<int32_t>(rows_n));
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const ForwardSeq& s = batch.seqs[si];
-    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
-    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
-                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
-                 " tokens");
-    if (state_slots >= 0) {
-      TANDEM_CHECK(s.state_slot >= 0 && s.state_slot < state_slots, "sequence ", si,
-                   " has no state slot (", s.state_slot, ")");
-    }
-    for (int64_t p = 0; p < s.num_pages; ++p) {
-      const int32_t page = s.block_table[p];
-      TANDEM_CHECK(page >= 0 && page < num_pages, "page ", page, " outside the KV cache");
-      hm.tables[static_cast<size_t>(static_cast<int64_t>(si) * tw + p)] = page;
-    }
-    const bool all = s.logits == LogitsMode::kAll;
-    for (int64_t i = 0; i < s.num_tokens; ++i) {
-      const int64_t t = first_token[si] + i;
-      const int64_t pos = s.start_pos + i;
-      const int32_t id = s.tokens[i];
-      TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < vocab, "token id ", id,
-                        " is out of range [0, ", vocab, ")");
-      hm.ids[static_cast<size_t>(t)] = id;
-      hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
-      hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
-      hm.slots[static_cast<size_t>(t)] =
-          int64_t{s.block_table[pos / page_size]} * page_size + pos % page_size;
-      if (all || (s.logits == LogitsMode::kLast && i == s.num_tokens - 1)) {
-        hm.rows.push_back(static_cast<int32_t>(t));
-      }
-    }
-  }
-  if (pad_rows) {  // every padded row produces (discarded) logits, so the graph is fixed
-    for (int64_t r = n; r < rows_n; ++r) hm.rows.push_back(static_cast<int32_t>(r));
-  }
-  return hm;
-}
-
 }  // namespace
 
-struct Qwen35MoeCuda::Impl {
+struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   const ModelConfig& c;
+  CudaRunner& run;
+  cuda_model::Workspace& ws;
   cudaStream_t stream;
-  int num_sms = 0;
 
   // Sizes.
   int64_t num_linear = 0, num_attention = 0;
@@ -252,23 +122,16 @@ struct Qwen35MoeCuda::Impl {
     cudaEvent_t staged = nullptr;  // h_hidden may be reused
   } mtp_w;
 
-  // Activations, sized for t_cap tokens.
-  int64_t t_cap = 0, rows_cap = 0, s_cap = 0;
-  DeviceMem x, xn, y, proj, q, gate, attn, conv_out, core, dn_ws, sgu, sact, sout, last, logits,
-      attn_ws;
-  size_t attn_ws_floats = 0;
-  // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
-  std::unique_ptr<DeviceSampler> sampler;  // forward_sample
-  // Eager prefill chunks: FlashInfer's sm90 prefill (head_dim 256: its gathered-KV path),
-  // planned once per forward for every attention layer; FA2 when it does not plan.
-  cuda::PrefillAttentionPlan prefill_plan;
+  // Activations beside the runner's workspace, sized for its t_cap tokens. (Eager prefill
+  // chunks: FlashInfer's sm90 prefill, head_dim 256 by its gathered-KV path, planned by the
+  // runner once per step for every attention layer; FA2 when it does not plan.)
+  DeviceMem proj, q, gate, attn, conv_out, core, dn_ws, sgu, sact, sout;
   // TANDEM_DELTA_RULE=sequential: prefill by the per-token delta rule (A/B runs; the default is
   // the chunked tensor-core form).
   const bool sequential_delta_rule = [] {
     const char* e = std::getenv("TANDEM_DELTA_RULE");
     return e != nullptr && std::strcmp(e, "sequential") == 0;
   }();
-  std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
   // On by default since the H200 measured it (docs/perf.md: decode 1-4% faster): steps of at most
   // kForkMaxTokens tokens run the shared expert (gate_up, SiLU, down) on a second stream beside the
@@ -286,39 +149,24 @@ struct Qwen35MoeCuda::Impl {
   cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
   std::unique_ptr<cuda::GemmLt> gemm_side;
 
-  // Metadata: eager buffers and the captured graphs' own.
-  DeviceMem e_tables, e_meta, g_meta, g_tables;
-  int64_t graph_width = 0;
-  PinnedMem h_meta, h_tables;
-  cudaEvent_t meta_copied = nullptr;
-
-  // Decode graphs by bucket; verify graphs (q tokens per sequence) at (q - 1) * kVerifyKey +
-  // bucket.
-  static constexpr int64_t kVerifyKey = 1 << 16;
-  static constexpr int64_t kMaxVerifyTokens = 5;  // K + 1 for K up to kMaxSpeculativeTokens
+  // The target's decode graphs and verify graphs (q tokens per sequence) are the runner's.
+  static constexpr int64_t kMaxVerifyTokens =
+      cuda_model::kMaxGraphTokensPerSeq;  // K + 1 for K up to kMaxSpeculativeTokens
   // On by default since the H200 measured it (docs/perf.md: Qwen3.5-35B-A3B speculating 3-16%
   // faster end to end): verify steps replay graphs. Off: set_verify_graphs(false) or
   // TANDEM_Q35_VERIFY_GRAPHS=0 at load.
   bool verify_graphs = env_not_off("TANDEM_Q35_VERIFY_GRAPHS");
-  std::map<int64_t, cudaGraphExec_t> graphs;
   // Chained MTP passes (one token per sequence) replayed from graphs by bucket, against one MTP
   // KV pool; their own metadata buffers (g_meta's layout) and block tables.
   bool mtp_graphs_on = false;
-  std::map<int64_t, cudaGraphExec_t> mtp_graphs;
-  const void* mtp_graph_kv = nullptr;
-  int64_t mtp_graph_page_size = 0;
-  DeviceMem mg_meta, mg_tables;
-  // The last launch's (or MTP pass's) device token of each sequence's first token.
-  std::vector<int64_t> first_token;
+  cuda_model::GraphSet mtp_graphs;
   // The last launch's DeltaNet recurrence inputs (ForwardBatch::keep_recurrent_inputs; every
   // verify graph keeps them): per linear layer its in_proj rows [kept_cap, in_rows] in device
   // token order (conv input | z | b | a), for replay_states. kept_tokens < 0: none kept;
   // kept_first / kept_count: that launch's sequences' first device tokens and sizes.
   DeviceMem kept;
   int64_t kept_cap = 0, kept_tokens = -1;
-  // The last launch's device row of each batch-order token (mtp_draft_chain's pass 0 input),
-  // and the draft chain's per-pass gather indices and argmax tokens.
-  std::vector<int32_t> hidden_rows;
+  // The draft chain's per-pass gather indices and argmax tokens.
   // On by default since the H200 measured it (docs/perf.md: 1-18% faster end to end than
   // drafting pass by pass): set_device_chain, TANDEM_Q35_DEVICE_CHAIN=0 at load turns it off.
   bool device_chain = env_not_off("TANDEM_Q35_DEVICE_CHAIN");
@@ -326,43 +174,41 @@ struct Qwen35MoeCuda::Impl {
   PinnedMem chain_host;
   std::vector<int64_t> kept_first, kept_count;
   // A draft chain's device buffers: per pass its gather index ([t_cap]) and its argmax
-  // ([rows_cap]); their pinned twins (the indices up, the tokens down). Nothing of an earlier
+  // ([ws.rows_cap]); their pinned twins (the indices up, the tokens down). Nothing of an earlier
   // chain is in flight: it ended with a synchronisation.
   struct ChainBuffers {
     int32_t *idx, *tokens, *idx_host, *tokens_host;
   };
   ChainBuffers chain_buffers(int64_t passes) {
-    const size_t bytes = static_cast<size_t>(passes * (t_cap + rows_cap)) * sizeof(int32_t);
+    const size_t bytes = static_cast<size_t>(passes * (ws.t_cap + ws.rows_cap)) * sizeof(int32_t);
     if (chain_buf.size() < bytes) {
       chain_buf = DeviceMem(bytes);
       chain_host = PinnedMem(bytes);
     }
     ChainBuffers b{};
     b.idx = chain_buf.as<int32_t>();
-    b.tokens = b.idx + passes * t_cap;
+    b.tokens = b.idx + passes * ws.t_cap;
     b.idx_host = chain_host.as<int32_t>();
-    b.tokens_host = b.idx_host + passes * t_cap;
+    b.tokens_host = b.idx_host + passes * ws.t_cap;
     return b;
   }
   // Every pass's argmax tokens to the host (after the stream's sync: tokens_host).
   void tokens_to_host(const ChainBuffers& b, int64_t passes) {
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.tokens_host, b.tokens,
-                                      static_cast<size_t>(passes * rows_cap) * sizeof(int32_t),
+                                      static_cast<size_t>(passes * ws.rows_cap) * sizeof(int32_t),
                                       cudaMemcpyDeviceToHost, stream));
   }
   // The fused speculative step (forward_verify_draft): on unless set_fused_step(false) or
   // TANDEM_SPEC_FUSED=0 (read per step, as Qwen3MoeCuda does); spec_advance's staging; the
-  // device-driven state replay's metadata (meta_elems, written by spec_replay_plan).
+  // device-driven state replay's metadata (a metadata buffer, written by spec_replay_plan).
   bool fused_step = true;
   int64_t fused_steps = 0;
   StageClock fused_clock;  // profile_fused_stages
   SpecAdvanceStage spec;
   DeviceMem r_meta;
-  const void* graph_kv = nullptr;      // the cache the graphs were captured against
-  const void* graph_states = nullptr;  // and its state slots
-  int64_t graph_page_size = 0;
 
-  Impl(const ModelConfig& config, cudaStream_t s) : c(config), stream(s) {
+  Impl(const ModelConfig& config, CudaRunner& r)
+      : c(config), run(r), ws(r.ws()), stream(r.stream()) {
     key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
     value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
     conv_dim = 2 * key_dim + value_dim;
@@ -372,7 +218,6 @@ struct Qwen35MoeCuda::Impl {
   ~Impl() {
     drop_graphs();
     drop_settle_graphs();
-    if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
     if (mtp_w.staged != nullptr) (void)cudaEventDestroy(mtp_w.staged);
     if (ev_fork != nullptr) (void)cudaEventDestroy(ev_fork);
     if (ev_join != nullptr) (void)cudaEventDestroy(ev_join);
@@ -380,33 +225,49 @@ struct Qwen35MoeCuda::Impl {
     if (side != nullptr) (void)cudaStreamDestroy(side);
   }
   void drop_graphs() {
-    for (auto& [b, g] : graphs) (void)cudaGraphExecDestroy(g);
-    graphs.clear();
-    graph_kv = nullptr;
-    graph_states = nullptr;
-    drop_mtp_graphs();
+    run.graphs().drop();
+    mtp_graphs.drop();
   }
   void drop_verify_graphs() {
-    for (auto it = graphs.begin(); it != graphs.end();) {
-      if (it->first < kVerifyKey) {
-        ++it;
-        continue;
-      }
-      (void)cudaGraphExecDestroy(it->second);
-      it = graphs.erase(it);
+    run.graphs().drop_if([](int64_t key) { return key >= cuda_model::kGraphKeyStride; });
+  }
+
+  // CudaLayers.
+  void body(const StepMeta& m, KvCache& kv, const Args& a) override {
+    step(m, kv, a.batch, a.keep);
+  }
+  void check_cache(const KvCache& kv) const override {
+    const auto& g = kv.geometry();
+    TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 &&
+                     g.num_kv_heads == c.num_key_value_heads && g.head_dim == c.head_dim &&
+                     g.num_layers == num_attention,
+                 "the KV cache was not made by this CUDA model");
+    if (num_linear > 0) {
+      TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == slot_elems(),
+                   "the KV cache has no device state slots for this hybrid model");
     }
   }
-  // After a launch of `batch`: where its tokens are (mtp_draft_chain), and what replay_states
-  // needs to find its rows.
-  void note_launch(const ForwardBatch& batch, bool keep) {
-    hidden_rows.clear();
-    for (size_t si = 0; si < batch.seqs.size(); ++si) {
-      for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i) {
-        hidden_rows.push_back(static_cast<int32_t>(first_token[si] + i));
-      }
-    }
+  cuda_model::AttentionShape attention() const override {
+    return {c.num_attention_heads, c.num_key_value_heads, c.head_dim, num_attention > 0};
+  }
+  bool has_states() const override { return num_linear > 0; }
+  int64_t max_graph_q() const override { return verify_graphs ? kMaxVerifyTokens : 1; }
+  // replay_states' inputs: kept by every verify graph, and by an eager batch that asks, up to a
+  // verify step's size (a larger batch rolls back with a forward).
+  bool keeps_inputs(bool graph, int64_t q, int64_t rows_n, const ForwardBatch& batch) override {
+    kept_tokens = -1;
+    const bool keep =
+        num_linear > 0 &&
+        (graph ? q > 1
+               : batch.keep_recurrent_inputs && batch.num_tokens() <= ws.s_cap * kMaxVerifyTokens);
+    if (keep) ensure_kept(rows_n);
+    return keep;
+  }
+  // After a launch of `batch`: what replay_states needs to find its rows.
+  void launched(const ForwardBatch& batch, bool keep) override {
     kept_tokens = keep ? batch.num_tokens() : -1;
     if (!keep) return;
+    const std::vector<int64_t>& first_token = run.first_token();
     kept_first.assign(first_token.begin(), first_token.begin() + batch.seqs.size());
     kept_count.clear();
     for (const auto& s : batch.seqs) kept_count.push_back(s.num_tokens);
@@ -414,16 +275,11 @@ struct Qwen35MoeCuda::Impl {
   // Room in `kept` for `tokens` tokens; growing it drops the verify graphs (they copy into it).
   void ensure_kept(int64_t tokens) {
     if (kept_cap >= tokens) return;
-    const int64_t cap = std::max(tokens, std::min(t_cap, std::max<int64_t>(2 * kept_cap, 64)));
+    const int64_t cap = std::max(tokens, std::min(ws.t_cap, std::max<int64_t>(2 * kept_cap, 64)));
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));  // nothing in flight writes the old one
     drop_verify_graphs();
     kept = DeviceMem(static_cast<size_t>(num_linear * cap * in_rows) * sizeof(bf16));
     kept_cap = cap;
-  }
-  void drop_mtp_graphs() {
-    for (auto& [b, g] : mtp_graphs) (void)cudaGraphExecDestroy(g);
-    mtp_graphs.clear();
-    mtp_graph_kv = nullptr;
   }
 
   // The second stream, its GemmLt and the fork / join events (made when the fork is turned on).
@@ -631,18 +487,13 @@ struct Qwen35MoeCuda::Impl {
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
-  void allocate_activations(const CudaModelOptions& o, int64_t largest_bucket) {
+  void allocate_activations() {
+    run.allocate(/*batch_invariant=*/false);
     const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
     const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
-    const int64_t sinter = c.shared_expert_intermediate_size;
-    t_cap = std::max(o.max_tokens, largest_bucket);
-    rows_cap = std::max<int64_t>({o.max_seqs, largest_bucket, std::min<int64_t>(t_cap, 1024)});
-    s_cap = std::max(o.max_seqs, largest_bucket);
+    const int64_t sinter = c.shared_expert_intermediate_size, t_cap = ws.t_cap;
     const auto T = static_cast<size_t>(t_cap);
     const size_t b = sizeof(bf16);
-    x = DeviceMem(T * h * b);
-    xn = DeviceMem(T * h * b);
-    y = DeviceMem(T * h * b);
     proj = DeviceMem(T * static_cast<size_t>(std::max(qkv_rows(), in_rows)) * b);
     q = DeviceMem(T * static_cast<size_t>(qh * d) * b);
     gate = DeviceMem(T * static_cast<size_t>(qh * d) * b);
@@ -650,150 +501,50 @@ struct Qwen35MoeCuda::Impl {
     if (num_linear > 0) {
       conv_out = DeviceMem(T * static_cast<size_t>(conv_dim) * b);
       core = DeviceMem(T * static_cast<size_t>(hv * dv) * sizeof(float));
-      dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(t_cap, c.linear_num_key_heads, hv,
-                                                                c.linear_key_head_dim, dv) *
+      dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(ws.t_cap, c.linear_num_key_heads,
+                                                                hv, c.linear_key_head_dim, dv) *
                         sizeof(float));
     }
     sgu = DeviceMem(T * static_cast<size_t>(2 * sinter) * b);
     sact = DeviceMem(T * static_cast<size_t>(sinter) * b);
     sout = DeviceMem(T * h * b);
-    last = DeviceMem(T * h * b);
-    logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
-    sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
-    gemm = std::make_unique<cuda::GemmLt>();
     if (fork_shared) ensure_side();
-    moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
+    moe = std::make_unique<cuda::MoeLayer>(ws.t_cap, h, c.moe_intermediate_size, c.num_experts,
                                            c.num_experts_per_tok, 0, c.num_experts, true);
-    const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
-    const int64_t width = std::max<int64_t>(1, (ctx + o.page_size - 1) / o.page_size);
-    for (int64_t bb = 1; bb <= largest_bucket; ++bb) {
-      const int64_t split = cuda::paged_attention_decode_split(bb, c.num_key_value_heads, width,
-                                                               o.page_size, num_sms);
-      if (split > 0) {
-        attn_ws_floats = std::max(attn_ws_floats, cuda::paged_attention_workspace_floats(
-                                                      bb, qh, d, width, o.page_size, split));
-      }
-    }
-    attn_ws = DeviceMem(attn_ws_floats * sizeof(float));
-    const size_t meta = meta_elems();
-    e_meta = DeviceMem(meta * sizeof(int32_t));
-    g_meta = DeviceMem(meta * sizeof(int32_t));
-    h_meta = PinnedMem(meta * sizeof(int32_t));
-    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&meta_copied, cudaEventDisableTiming));
-  }
-
-  // int32 elements of a metadata buffer: ids | positions | token_seq | rows | slots (int64) |
-  // dn_token_seq (T each) | dn_begin (S + 1) | dn_slot | dn_fresh | dn_slot_out (S each),
-  // padded; S: room for the state replay's padding sequences too (replay_rejected).
-  int64_t meta_seqs() const { return s_cap + 2; }
-  size_t meta_elems() const { return static_cast<size_t>(7 * t_cap + 4 * meta_seqs() + 8); }
-  Meta meta_at(const DeviceMem& m) const {
-    Meta r;
-    auto* base = m.as<int32_t>();
-    const int64_t T = t_cap, S = meta_seqs();
-    r.ids = base;
-    r.positions = base + T;
-    r.token_seq = base + 2 * T;
-    r.rows = base + 3 * T;
-    r.slots = reinterpret_cast<int64_t*>(base + 4 * T);  // 4 T int32: 8-byte aligned
-    r.dn_token_seq = base + 6 * T;
-    r.dn_begin = base + 7 * T;
-    r.dn_slot = base + 7 * T + S + 1;
-    r.dn_fresh = base + 7 * T + 2 * S + 1;
-    r.dn_slot_out = base + 7 * T + 3 * S + 1;
-    return r;
-  }
-
-  void upload(const HostMeta& hm, const Meta& dst, int32_t* tables) {
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(meta_copied));  // the staging is free again
-    const int64_t T = t_cap, S = meta_seqs();
-    const size_t tb = hm.tables.size() * sizeof(int32_t);
-    if (h_tables.size() < tb) h_tables = PinnedMem(tb * 2);
-    int32_t* h = h_meta.as<int32_t>();
-    auto stage = [&](int64_t off, const void* src, size_t bytes, void* d) {
-      if (bytes == 0) return;
-      std::memcpy(h + off, src, bytes);
-      TANDEM_CUDA_CHECK(cudaMemcpyAsync(d, h + off, bytes, cudaMemcpyHostToDevice, stream));
-    };
-    const size_t n = hm.ids.size();
-    stage(0, hm.ids.data(), n * 4, dst.ids);
-    stage(T, hm.positions.data(), n * 4, dst.positions);
-    stage(2 * T, hm.token_seq.data(), n * 4, dst.token_seq);
-    stage(3 * T, hm.rows.data(), hm.rows.size() * 4, dst.rows);
-    stage(4 * T, hm.slots.data(), n * 8, dst.slots);
-    stage(6 * T, hm.dn_token_seq.data(), hm.dn_token_seq.size() * 4, dst.dn_token_seq);
-    stage(7 * T, hm.dn_begin.data(), hm.dn_begin.size() * 4, dst.dn_begin);
-    stage(7 * T + S + 1, hm.dn_slot.data(), hm.dn_slot.size() * 4, dst.dn_slot);
-    stage(7 * T + 2 * S + 1, hm.dn_fresh.data(), hm.dn_fresh.size() * 4, dst.dn_fresh);
-    stage(7 * T + 3 * S + 1, hm.dn_slot_out.data(), hm.dn_slot_out.size() * 4, dst.dn_slot_out);
-    if (tb > 0) {
-      std::memcpy(h_tables.as<int32_t>(), hm.tables.data(), tb);
-      TANDEM_CUDA_CHECK(
-          cudaMemcpyAsync(tables, h_tables.as<int32_t>(), tb, cudaMemcpyHostToDevice, stream));
-    }
-    TANDEM_CUDA_CHECK(cudaEventRecord(meta_copied, stream));
-  }
-
-  int64_t pick_split(int64_t n, int64_t num_prefill, int64_t width, int64_t page_size) const {
-    if (n - num_prefill <= 0) return 0;
-    int64_t split = cuda::paged_attention_decode_split(n - num_prefill, c.num_key_value_heads,
-                                                       width, page_size, num_sms);
-    if (split > 0 &&
-        cuda::paged_attention_workspace_floats(n, c.num_attention_heads, c.head_dim, width,
-                                               page_size, split) > attn_ws_floats) {
-      split = 0;
-    }
-    return split;
   }
 
   // Layer w's gated full attention over `pool` (its KV layer): reads XN, writes Y and the new
   // KV of m's tokens (batch->on_layer_kv after the KV write when set).
-  void gated_attention(const LayerW& w, const Meta& m, bf16* pool, int64_t page_size, int64_t split,
-                       const ForwardBatch* batch) {
+  void gated_attention(const LayerW& w, const StepMeta& m, bf16* pool, int64_t page_size,
+                       int64_t split, const ForwardBatch* batch) {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim;
     const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    bf16 *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *P = proj.as<bf16>();
-    gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
+    bf16 *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(), *P = proj.as<bf16>();
+    ws.gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
     cuda::gated_qkv_prep_launch(
         {P, q.as<bf16>(), gate.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm, m.positions, n, qh,
          kvh, d, page_size, c.rotary_dim(), eps, c.rope_theta},
         stream);
     if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(w.index);
-    cuda::PagedAttentionParams ap{};
-    ap.q = q.as<bf16>();
-    ap.pool = pool;
-    ap.block_table = m.tables;
-    ap.token_seq = m.token_seq;
-    ap.positions = m.positions;
-    ap.out = attn.as<bf16>();
-    ap.num_tokens = n;
-    ap.num_q_heads = qh;
-    ap.num_kv_heads = kvh;
-    ap.head_dim = d;
-    ap.page_size = page_size;
-    ap.max_pages_per_seq = m.width;
-    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    ap.kv_split = split;
-    ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
-    ap.num_prefill_tokens = m.num_prefill;
-    ap.prefill_plan = m.prefill_plan;
+    cuda::PagedAttentionParams ap =
+        run.attention_params(m, q.as<bf16>(), pool, attn.as<bf16>(), page_size, split);
     cuda::paged_attention_launch(ap, stream);
     cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
                              stream);
-    gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
+    ws.gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
   }
 
   // Layer w's MoE block over n tokens: routed experts + the sigmoid-gated shared expert, from XN
   // into Y.
   void moe_block(const LayerW& w, int64_t n) {
     const int64_t h = c.hidden_size, sinter = c.shared_expert_intermediate_size;
-    bf16 *XN = xn.as<bf16>(), *Y = y.as<bf16>();
+    bf16 *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>();
     if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
-      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
-      gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
+      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *ws.gemm, stream);
+      ws.gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
       cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
-      gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+      ws.gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
     } else {
       // The shared expert on the side stream: it reads XN and writes sgu / sact / sout only;
       // the next writer of XN (the next layer's norm) comes after the join below.
@@ -803,7 +554,7 @@ struct Qwen35MoeCuda::Impl {
       cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, side);
       gemm_side->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, side);
       TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
-      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *gemm, stream);
+      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *ws.gemm, stream);
       TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
     }
     cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
@@ -840,19 +591,19 @@ struct Qwen35MoeCuda::Impl {
   }
 
   // keep: each DeltaNet layer's in_proj rows go to `kept` (replay_states).
-  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch, bool keep = false) {
+  void step(const StepMeta& m, KvCache& kv, const ForwardBatch* batch, bool keep) {
     const int64_t n = m.n, h = c.hidden_size;
     const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
     const int64_t kern = c.linear_conv_kernel_dim;
     const int64_t page_size = kv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *P = proj.as<bf16>();
+    bf16 *X = ws.x.as<bf16>(), *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(), *P = proj.as<bf16>();
     float* states = num_linear > 0 ? kv.state_data(0) : nullptr;
     const int64_t slot_stride = num_linear > 0 ? kv.state_slot_elems() : 0;
     const cuda::DeltaNetSeqs seqs{m.dn_begin, m.dn_token_seq, m.dn_slot,
                                   m.dn_fresh, m.num_seqs,     m.dn_slot_out};
     cuda::embedding_launch({m.ids, embed, X, n, h, c.vocab_size}, stream);
-    const int64_t split = pick_split(n, m.num_prefill, m.width, page_size);
+    const int64_t split = run.pick_split(n, m.num_prefill, m.width, page_size);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       const LayerW& w = layers[static_cast<size_t>(l)];
       if (l == 0) {
@@ -865,7 +616,7 @@ struct Qwen35MoeCuda::Impl {
       } else {
         // One fused projection [qkv | z | b | a], the conv and the delta rule per sequence on
         // its state slot, the gated norm, out_proj.
-        gemm->run({XN, w.in_proj, P, n, in_rows, h}, stream);
+        ws.gemm->run({XN, w.in_proj, P, n, in_rows, h}, stream);
         if (keep) {
           TANDEM_CUDA_CHECK(cudaMemcpyAsync(kept.as<bf16>() + w.index * kept_cap * in_rows, P,
                                             static_cast<size_t>(n * in_rows) * sizeof(bf16),
@@ -881,20 +632,20 @@ struct Qwen35MoeCuda::Impl {
         cuda::gated_rms_norm_launch({core.as<float>(), P + conv_dim, w.out_norm, attn.as<bf16>(),
                                      n * hv, dv, hv, in_rows, eps},
                                     stream);
-        gemm->run({attn.as<bf16>(), w.out_proj, Y, n, h, value_dim}, stream);
+        ws.gemm->run({attn.as<bf16>(), w.out_proj, Y, n, h, value_dim}, stream);
       }
       // MoE block: routed experts + the sigmoid-gated shared expert.
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
       moe_block(w, n);
     }
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
-    cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
+    cuda::embedding_launch({m.rows, XN, ws.last.as<bf16>(), m.num_rows, h, n}, stream);
   }
 
   // replay_states: per DeltaNet layer, m's tokens' in_proj rows gathered from `kept` (m.ids:
   // their rows there) into proj, then the conv and the delta rule on m's sequences' states
   // (outputs unused), as body() runs them.
-  void replay(const Meta& m, KvCache& kv) {
+  void replay(const StepMeta& m, KvCache& kv) {
     const int64_t n = m.n, kern = c.linear_conv_kernel_dim;
     bf16* P = proj.as<bf16>();
     float* states = kv.state_data(0);
@@ -924,12 +675,12 @@ struct Qwen35MoeCuda::Impl {
   // eagerly while fused_clock profiles, its parts timed.
   void settle_states(const cuda::SpecAdvanceParams& ap, int64_t tokens, const int32_t* slots,
                      const int32_t* spares, KvCache& kv, bool graph) {
-    if (r_meta.size() == 0) r_meta = DeviceMem(meta_elems() * sizeof(int32_t));
-    Meta m = meta_at(r_meta);
+    if (r_meta.size() == 0) r_meta = run.make_meta_buffer();
+    StepMeta m = run.meta_at(r_meta);
     // One more replay sequence than num_tokens == num_seqs would make (a decode step's shape).
     m.num_seqs = ap.seqs + 1 == tokens ? ap.seqs + 2 : ap.seqs + 1;
     m.n = tokens;
-    TANDEM_CHECK(m.num_seqs <= meta_seqs() && tokens <= kept_cap, "settle_states: ", ap.seqs,
+    TANDEM_CHECK(m.num_seqs <= ws.s_cap + 2 && tokens <= kept_cap, "settle_states: ", ap.seqs,
                  " sequences, ", tokens, " tokens");
     kept_tokens = -1;  // replayed once
     auto record = [&] {
@@ -974,27 +725,28 @@ struct Qwen35MoeCuda::Impl {
   }
 
   // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
-  void head(int64_t begin, int64_t count) {
+  void head(int64_t begin, int64_t count) override {
     cuda::GemmParams gp{};
-    gp.x = last.as<bf16>() + begin * c.hidden_size;
+    gp.x = ws.last.as<bf16>() + begin * c.hidden_size;
     gp.w = lm_head;
     gp.m = count;
     gp.n = c.vocab_size;
     gp.k = c.hidden_size;
-    gp.y_f32 = logits.as<float>();
-    gemm->run(gp, stream);
+    gp.y_f32 = ws.logits.as<float>();
+    ws.gemm->run(gp, stream);
   }
 
   // One MTP pass over m's tokens (ids: the tokens t + 1; mtp_w.hidden_in: h_t, device token
   // order), as Qwen35MoeCpu::mtp_forward: x = fc([norm_e(embed); norm_h(hidden)]), the decoder
   // layer over the MTP KV `mkv`, then mtp.norm of its output gathered for the logits rows into
   // `last`.
-  void mtp_body(const Meta& m, KvCache& mkv) {
+  void mtp_body(const StepMeta& m, KvCache& mkv) {
     const int64_t n = m.n, h = c.hidden_size;
     const int64_t page_size = mkv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
     const MtpW& t = mtp_w;
-    bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>(), *CAT = t.cat.as<bf16>();
+    bf16 *X = ws.x.as<bf16>(), *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(),
+         *CAT = t.cat.as<bf16>();
     const size_t row = static_cast<size_t>(h) * sizeof(bf16);
     cuda::embedding_launch({m.ids, embed, Y, n, h, c.vocab_size}, stream);
     cuda::rms_norm_launch({Y, t.norm_e, Y, n, h, eps}, stream);
@@ -1003,15 +755,15 @@ struct Qwen35MoeCuda::Impl {
                                         cudaMemcpyDeviceToDevice, stream));
     TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(CAT + h, 2 * row, XN, row, row, static_cast<size_t>(n),
                                         cudaMemcpyDeviceToDevice, stream));
-    gemm->run({CAT, t.fc, X, n, h, 2 * h}, stream);
+    ws.gemm->run({CAT, t.fc, X, n, h, 2 * h}, stream);
     const LayerW& w = t.layer;
     cuda::rms_norm_launch({X, w.input_norm, XN, n, h, eps}, stream);
     gated_attention(w, m, static_cast<bf16*>(mkv.layer_data(0)), page_size,
-                    pick_split(n, m.num_prefill, m.width, page_size), nullptr);
+                    run.pick_split(n, m.num_prefill, m.width, page_size), nullptr);
     cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
     moe_block(w, n);
     cuda::add_rms_norm_launch({X, Y, t.norm, XN, n, h, eps}, stream);
-    cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
+    cuda::embedding_launch({m.rows, XN, ws.last.as<bf16>(), m.num_rows, h, n}, stream);
   }
 };
 
@@ -1023,30 +775,16 @@ Qwen35MoeCuda::Qwen35MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                     "--deterministic is not supported for Qwen3.5 hybrid models on the GPU");
   TANDEM_CHECK_KIND(kUnsupported, opts_.shard.size <= 1,
                     "Qwen3.5 on the GPU runs on one GPU only (no sharding yet)");
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    (void)cudaGetLastError();
-    TANDEM_THROW(kUnsupported, "--device cuda: no CUDA device is visible");
-  }
-  TANDEM_CHECK_KIND(kInvalidArgument, opts_.device >= 0 && opts_.device < count, "CUDA device ",
-                    opts_.device, " does not exist (", count, " visible)");
-  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  impl_ = std::make_unique<Impl>(config_, stream_);
-  TANDEM_CUDA_CHECK(
-      cudaDeviceGetAttribute(&impl_->num_sms, cudaDevAttrMultiProcessorCount, opts_.device));
-  for (int64_t b : kBuckets) {
-    if (b <= opts_.max_seqs) buckets_.push_back(b);
-  }
-  if (buckets_.empty() || buckets_.back() < std::min<int64_t>(opts_.max_seqs, 256)) {
-    buckets_.push_back(std::min<int64_t>(opts_.max_seqs, 256));
-  }
-  if (!opts_.cuda_graphs) buckets_.clear();
+  runner_ = std::make_unique<CudaRunner>(config_, opts_);
+  stream_ = runner_->stream();
+  impl_ = std::make_unique<Impl>(config_, *runner_);
+  runner_->set_layers(impl_.get());
 }
 
 Qwen35MoeCuda::~Qwen35MoeCuda() {
+  if (runner_) runner_->reset_graphs();
   impl_.reset();
-  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  runner_.reset();
 }
 
 std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
@@ -1060,7 +798,7 @@ std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
   std::unique_ptr<Qwen35MoeCuda> m(new Qwen35MoeCuda(std::move(config), opts));
   m->impl_->allocate_weights();
   m->impl_->load_weights(reader);
-  m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
+  m->impl_->allocate_activations();
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
   return m;
 }
@@ -1080,61 +818,19 @@ int64_t Qwen35MoeCuda::state_slot_elems() const {
 }
 
 KvCache Qwen35MoeCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
-  const KvGeometry g = kv_geometry(num_pages, page_size);
-  TANDEM_CHECK_KIND(kInvalidArgument, num_pages > 0 && page_size > 0, "bad KV cache size");
-  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const size_t layer_bytes = static_cast<size_t>(g.page_elems() * num_pages) * sizeof(bf16);
-  auto pool = std::make_shared<DeviceMem>(layer_bytes * static_cast<size_t>(g.num_layers));
-  TANDEM_CUDA_CHECK(cudaMemsetAsync(pool->as<void>(), 0, pool->size(), stream_));
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  KvCache::External ext;
-  for (int64_t l = 0; l < g.num_layers; ++l) {
-    ext.layers.push_back(pool->as<uint8_t>() + static_cast<size_t>(l) * layer_bytes);
-  }
-  ext.owner = pool;
-  ext.stream = stream_;
-  cudaStream_t s = stream_;
-  const int device = opts_.device;
-  ext.alloc_states = [s, device](size_t bytes) {
-    TANDEM_CUDA_CHECK(cudaSetDevice(device));
-    auto m = std::make_shared<DeviceMem>(bytes);
-    TANDEM_CUDA_CHECK(cudaMemsetAsync(m->as<void>(), 0, bytes, s));
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
-    return std::shared_ptr<void>(m, m->as<void>());
-  };
-  ext.copy_states = [s, device](void* dst, const void* src, size_t bytes, int kind) {
-    TANDEM_CUDA_CHECK(cudaSetDevice(device));
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, static_cast<cudaMemcpyKind>(kind), s));
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
-  };
-  return KvCache(g, std::move(ext));
+  return runner_->make_kv_cache(kv_geometry(num_pages, page_size), /*states=*/true);
 }
 
 int64_t Qwen35MoeCuda::kv_cache_budget_mb(double utilization) const {
-  size_t free_b = 0, total_b = 0;
-  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  TANDEM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  return kv_cache_mb_for(free_b, total_b, utilization);
+  return runner_->kv_cache_budget_mb(utilization);
 }
 
-int64_t Qwen35MoeCuda::kv_cache_mb_hint() const {
-  return opts_.gpu_memory_utilization > 0 ? kv_cache_budget_mb(opts_.gpu_memory_utilization) : 0;
-}
+int64_t Qwen35MoeCuda::kv_cache_mb_hint() const { return runner_->kv_cache_mb_hint(); }
 
-std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const {
-  std::vector<int64_t> out;
-  for (const auto& [k, g] : impl_->graphs) {
-    if (k < Impl::kVerifyKey) out.push_back(k);
-  }
-  return out;
-}
+std::vector<int64_t> Qwen35MoeCuda::captured_buckets() const { return runner_->captured_buckets(); }
 
 std::vector<std::pair<int64_t, int64_t>> Qwen35MoeCuda::captured_verify_graphs() const {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& [k, g] : impl_->graphs) {
-    if (k >= Impl::kVerifyKey) out.emplace_back(k % Impl::kVerifyKey, k / Impl::kVerifyKey + 1);
-  }
-  return out;
+  return runner_->captured_verify_graphs();
 }
 
 void Qwen35MoeCuda::set_verify_graphs(bool on) {
@@ -1168,158 +864,15 @@ void Qwen35MoeCuda::set_fused_deltanet_decode(bool on) {
 
 bool Qwen35MoeCuda::fused_deltanet_decode() const { return impl_->fused_decode; }
 
-int64_t Qwen35MoeCuda::graph_width(int64_t page_size) {
-  Impl& im = *impl_;
-  if (im.graph_width == 0) {
-    const int64_t ctx =
-        opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
-    im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
-  }
-  return im.graph_width;
-}
+const std::vector<int64_t>& Qwen35MoeCuda::buckets() const { return runner_->buckets(); }
 
 bool Qwen35MoeCuda::launch(const ForwardBatch& batch, KvCache& kv,
                            const std::vector<int32_t>* state_out) {
-  Impl& im = *impl_;
-  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const auto& g = kv.geometry();
-  TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 &&
-                   g.num_kv_heads == config_.num_key_value_heads &&
-                   g.head_dim == config_.head_dim && g.num_layers == im.num_attention,
-               "the KV cache was not made by this CUDA model");
-  if (im.num_linear > 0) {
-    TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == im.slot_elems(),
-                 "the KV cache has no device state slots for this hybrid model");
-  }
-  const int64_t n = batch.num_tokens(), page_size = g.page_size;
-  const int64_t num_rows = batch.num_logit_rows();
-  TANDEM_CHECK_KIND(kInvalidArgument, n <= im.t_cap, "a batch of ", n,
-                    " tokens exceeds the CUDA model's max_tokens ", im.t_cap);
-  TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(batch.seqs.size()) <= im.s_cap,
-                    "a batch of ", batch.seqs.size(), " sequences exceeds the CUDA model's ",
-                    im.s_cap);
-  im.kept_tokens = -1;
-  im.hidden_rows.clear();
-  if (n == 0) return false;
-
-  // A graph replays a decode step (one token per sequence, its logits) or, with verify graphs
-  // on, a verify step (q = 2..kMaxVerifyTokens tokens per sequence, logits of all), padded to
-  // the smallest bucket of sequences that holds the batch.
-  const auto nseq = static_cast<int64_t>(batch.seqs.size());
-  const int64_t q = batch.seqs.front().num_tokens;  // tokens per sequence when uniform
-  bool decode = !batch.on_layer_kv && !buckets_.empty() && nseq <= buckets_.back() &&
-                page_size == opts_.page_size &&
-                (q == 1 || (im.verify_graphs && q <= Impl::kMaxVerifyTokens));
-  int64_t width = 1;
-  for (const auto& s : batch.seqs) {
-    width = std::max(width, s.num_pages);
-    decode =
-        decode && s.num_tokens == q && s.logits == (q == 1 ? LogitsMode::kLast : LogitsMode::kAll);
-  }
-  if (decode) decode = width <= graph_width(page_size);
-  const int64_t bucket =
-      decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : int64_t{0};
-  if (decode) decode = bucket * q <= im.t_cap && bucket * q <= im.rows_cap;
-  const int64_t rows_n = decode ? bucket * q : n;  // padded token count
-  const int64_t tw = decode ? im.graph_width : width;
-  const int64_t num_seqs = decode ? bucket : nseq;
-  // replay_states' inputs: kept by every verify graph, and by an eager batch that asks, up to a
-  // verify step's size (a larger batch rolls back with a forward).
-  const bool keep =
-      im.num_linear > 0 &&
-      (decode ? q > 1 : batch.keep_recurrent_inputs && n <= im.s_cap * Impl::kMaxVerifyTokens);
-  if (keep) im.ensure_kept(rows_n);
-
-  // 1. Metadata on the host.
-  int64_t num_prefill = 0;
-  const HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, rows_n, tw,
-                                 num_seqs, decode, im.num_linear > 0 ? kv.num_state_slots() : -1,
-                                 im.first_token, num_prefill, decode ? q : 1, state_out);
-
-  if (!decode) {
-    const size_t tb = hm.tables.size() * sizeof(int32_t);
-    if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
-    Meta m = im.meta_at(im.e_meta);
-    m.tables = im.e_tables.as<int32_t>();
-    m.n = rows_n;
-    m.width = width;
-    m.num_rows = num_rows;
-    m.num_seqs = num_seqs;
-    m.num_prefill = num_prefill;
-    im.upload(hm, m, m.tables);
-    if (num_prefill > 0 && im.num_attention > 0 &&
-        im.prefill_plan.plan(
-            {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
-             config_.num_key_value_heads, config_.head_dim, page_size, width},
-            stream_)) {
-      m.prefill_plan = &im.prefill_plan;
-    }
-    im.body(m, kv, &batch, keep);
-    im.note_launch(batch, keep);
-    return false;
-  }
-
-  // Graph replay (captured on first use of the bucket).
-  Meta m = im.meta_at(im.g_meta);
-  if (im.g_tables.size() == 0) {
-    im.g_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
-  }
-  m.tables = im.g_tables.as<int32_t>();
-  m.n = rows_n;
-  m.width = im.graph_width;
-  m.num_rows = rows_n;
-  m.num_seqs = bucket;
-  m.num_prefill = 0;  // a verify step's tokens as decode tokens of the attention (each attends
-                      // to its own prefix): no host plan in the graph
-  const void* states = im.num_linear > 0 ? kv.state_data(0) : nullptr;
-  if (im.graph_kv != kv.layer_data(0) || im.graph_states != states ||
-      im.graph_page_size != page_size) {
-    im.drop_graphs();
-    im.graph_kv = kv.layer_data(0);
-    im.graph_states = states;
-    im.graph_page_size = page_size;
-  }
-  const int64_t key = (q - 1) * Impl::kVerifyKey + bucket;
-  auto it = im.graphs.find(key);
-  if (it == im.graphs.end()) {
-    // Warm-up run (GEMM plans, workspaces) with padding only: no KV, no state is written.
-    HostMeta pad = hm;
-    std::fill(pad.slots.begin(), pad.slots.end(), -1);
-    std::fill(pad.ids.begin(), pad.ids.end(), 0);
-    std::fill(pad.dn_slot.begin(), pad.dn_slot.end(), -1);
-    std::fill(pad.dn_slot_out.begin(), pad.dn_slot_out.end(), -1);
-    im.upload(pad, m, m.tables);
-    im.body(m, kv, nullptr, keep);
-    im.head(0, rows_n);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    const cudaGraphExec_t exec = cuda_model::capture_graph(stream_, [&] {
-      im.body(m, kv, nullptr, keep);
-      im.head(0, rows_n);
-    });
-    it = im.graphs.emplace(key, exec).first;
-  }
-  im.upload(hm, m, m.tables);
-  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
-  im.note_launch(batch, keep);
-  return true;
+  return runner_->launch(batch, kv, state_out);
 }
 
 void Qwen35MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
-  Impl& im = *impl_;
-  const int64_t rows = batch.num_logit_rows(), v = config_.vocab_size;
-  logits.clear();
-  if (batch.num_tokens() == 0) return;
-  logits.resize(static_cast<size_t>(rows * v));
-  const bool done = launch(batch, kv);
-  for (int64_t begin = 0; begin < rows; begin += im.rows_cap) {
-    const int64_t count = std::min(im.rows_cap, rows - begin);
-    if (!done) im.head(begin, count);
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data() + begin * v, im.logits.as<float>(),
-                                      static_cast<size_t>(count * v) * sizeof(float),
-                                      cudaMemcpyDeviceToHost, stream_));
-  }
-  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);  // synchronises
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  runner_->forward(batch, kv, logits);
 }
 
 bool Qwen35MoeCuda::replay_states(const std::vector<StateReplay>& replays, KvCache& kv) {
@@ -1328,7 +881,7 @@ bool Qwen35MoeCuda::replay_states(const std::vector<StateReplay>& replays, KvCac
   TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == im.slot_elems(),
                "replay_states: the KV cache has no device state slots for this hybrid model");
   // The replayed tokens gathered from `kept` (device token order), one DeltaNet sequence each.
-  HostMeta hm;
+  HostStepMeta hm;
   std::vector<int64_t> batch_begin(im.kept_count.size() + 1, 0);
   for (size_t i = 0; i < im.kept_count.size(); ++i) {
     batch_begin[i + 1] = batch_begin[i] + im.kept_count[i];
@@ -1357,53 +910,19 @@ bool Qwen35MoeCuda::replay_states(const std::vector<StateReplay>& replays, KvCac
   hm.positions.assign(static_cast<size_t>(n), 0);
   hm.token_seq.assign(static_cast<size_t>(n), 0);
   hm.slots.assign(static_cast<size_t>(n), -1);
-  Meta m = im.meta_at(im.e_meta);
+  StepMeta m = runner_->eager_meta(0);
   m.n = n;
   m.num_seqs = static_cast<int64_t>(replays.size());
-  im.upload(hm, m, nullptr);
+  runner_->upload(hm, m);
   im.replay(m, kv);
   return true;
-}
-
-void Qwen35MoeCuda::copy_hidden(const ForwardBatch& batch, std::vector<float>& out) {
-  Impl& im = *impl_;
-  const int64_t n = batch.num_tokens(), h = config_.hidden_size;
-  out.resize(static_cast<size_t>(n * h));
-  if (n == 0) return;
-  std::vector<uint16_t> dev(static_cast<size_t>(n * h));  // device token order
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dev.data(), im.xn.as<void>(), dev.size() * sizeof(uint16_t),
-                                    cudaMemcpyDeviceToHost, stream_));
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  int64_t t = 0;  // batch order
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const int64_t k = batch.seqs[si].num_tokens, first = im.first_token[si];
-    for (int64_t i = 0; i < k; ++i, ++t) {
-      const uint16_t* src = dev.data() + (first + i) * h;
-      float* dst = out.data() + t * h;
-      for (int64_t j = 0; j < h; ++j) dst[j] = bf16_to_f32(src[j]);
-    }
-  }
 }
 
 void Qwen35MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
                                    const std::vector<DeviceSampling>& rows,
                                    std::vector<SampledToken>& out,
                                    const std::function<void()>& wait_masks) {
-  Impl& im = *impl_;
-  const auto R = static_cast<int64_t>(rows.size());
-  TANDEM_CHECK(R == batch.num_logit_rows(), "forward_sample: ", R, " sampling rows for ",
-               batch.num_logit_rows(), " logits rows");
-  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R, " logits rows exceed the CUDA model's ",
-                    im.rows_cap);
-  out.clear();
-  if (batch.num_tokens() == 0) return;
-  if (!launch(batch, kv) && R > 0) im.head(0, R);
-  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);  // synchronises
-  if (R == 0) {
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return;
-  }
-  im.sampler->sample(im.logits.as<float>(), rows, wait_masks, out, stream_);
+  runner_->forward_sample(batch, kv, rows, out, wait_masks);
 }
 
 // ---- MTP speculative decoding (the published Qwen3.5 layout; Impl::mtp_body) ---------------
@@ -1427,7 +946,7 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
     t.layer.linear = false;
     t.layer.index = 0;
     im.allocate_layer(t.layer);
-    const auto T = static_cast<size_t>(im.t_cap);
+    const auto T = static_cast<size_t>(runner_->ws().t_cap);
     t.cat = DeviceMem(T * static_cast<size_t>(2 * h) * sizeof(bf16));
     t.hidden_in = DeviceMem(T * static_cast<size_t>(h) * sizeof(bf16));
     t.h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
@@ -1497,32 +1016,41 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
   const int64_t n = batch.num_tokens(), h = config_.hidden_size, page_size = g.page_size;
   const int64_t rows = batch.num_logit_rows();
   if (n == 0) return 0;
+  CudaRunner& run = *runner_;
+  const cuda_model::Workspace& ws = run.ws();
+  const std::vector<int64_t>& buckets = run.buckets();
   TANDEM_CHECK_KIND(
       kInvalidArgument,
-      n <= im.t_cap && rows <= im.rows_cap && static_cast<int64_t>(batch.seqs.size()) <= im.s_cap,
+      n <= ws.t_cap && rows <= ws.rows_cap && static_cast<int64_t>(batch.seqs.size()) <= ws.s_cap,
       "an MTP pass of ", n, " tokens (", rows, " logits rows, ", batch.seqs.size(),
-      " sequences) exceeds the CUDA model's max_tokens ", im.t_cap);
+      " sequences) exceeds the CUDA model's max_tokens ", ws.t_cap);
   TANDEM_CHECK(hidden != nullptr || dev != nullptr, "mtp_forward: no hidden states");
   // A chained draft pass (one token per sequence, its logits) that fits a bucket and the graph
   // width replays the bucket's graph (captured on first use), padded with sequences that write
   // no KV; anything else runs eagerly.
   const auto nseq = static_cast<int64_t>(batch.seqs.size());
   int64_t width = 1;
-  bool graph = im.mtp_graphs_on && !buckets_.empty() && nseq <= buckets_.back() &&
+  bool graph = im.mtp_graphs_on && !buckets.empty() && nseq <= buckets.back() &&
                page_size == opts_.page_size;
   for (const auto& s : batch.seqs) {
     width = std::max(width, s.num_pages);
     graph = graph && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
   }
-  if (graph) graph = width <= graph_width(page_size);
+  if (graph) graph = width <= run.graph_width(page_size);
   const int64_t bucket =
-      graph ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : int64_t{0};
+      graph ? *std::lower_bound(buckets.begin(), buckets.end(), nseq) : int64_t{0};
   const int64_t n_run = graph ? bucket : n;  // tokens the kernels see (padded)
-  const int64_t tw = graph ? im.graph_width : width;
-  const int64_t seqs_run = graph ? bucket : nseq;
+  cuda_model::StepLayout l;
+  l.page_size = page_size;
+  l.num_pages = g.num_pages;
+  l.vocab = config_.vocab_size;
+  l.rows_n = n_run;
+  l.width = graph ? run.graph_width(page_size) : width;
+  l.num_seqs = graph ? bucket : nseq;
+  l.pad_rows = graph;
   int64_t num_prefill = 0;
-  HostMeta hm = build_meta(batch, page_size, g.num_pages, config_.vocab_size, n_run, tw, seqs_run,
-                           graph, -1, im.first_token, num_prefill);
+  std::vector<int64_t>& first_token = run.first_token();
+  HostStepMeta hm = cuda_model::build_step_meta(batch, l, first_token, num_prefill);
   Impl::MtpW& t = im.mtp_w;
   if (dev != nullptr) {
     TANDEM_CHECK(dev->rows.size() == static_cast<size_t>(n) &&
@@ -1533,18 +1061,18 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     int64_t bt = 0;
     for (size_t si = 0; si < batch.seqs.size(); ++si) {
       const ForwardSeq& s = batch.seqs[si];
-      TANDEM_CHECK(!dev->replaces_meta() || im.first_token[si] == bt,
+      TANDEM_CHECK(!dev->replaces_meta() || first_token[si] == bt,
                    "mtp_launch: device metadata for a batch whose device order is not its own");
       if (dev->writes != nullptr && (*dev->writes)[si] == 0) {
         for (int64_t i = 0; i < s.num_tokens; ++i) {
-          hm.slots[static_cast<size_t>(im.first_token[si] + i)] = -1;
+          hm.slots[static_cast<size_t>(first_token[si] + i)] = -1;
         }
       }
       for (int64_t i = 0; i < s.num_tokens; ++i, ++bt) {
         const int32_t r = dev->rows[static_cast<size_t>(bt)];
         TANDEM_CHECK(r >= 0 && r < dev->src_rows, "mtp_draft_chain: hidden row ", r,
                      " outside the ", dev->src_rows, " rows of its source");
-        idx[im.first_token[si] + i] = r;
+        idx[first_token[si] + i] = r;
       }
     }
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(dev->idx, idx, static_cast<size_t>(n_run) * sizeof(int32_t),
@@ -1555,7 +1083,7 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     stage_mtp_hidden(batch, hidden, n_run);
   }
   // dev's device metadata over the uploaded one (device order is batch order).
-  auto device_meta = [&](const Meta& m) {
+  auto device_meta = [&](const StepMeta& m) {
     if (dev == nullptr) return;
     auto put = [&](void* dst, const void* src, int64_t count, size_t elem) {
       if (src == nullptr) return;
@@ -1568,65 +1096,36 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
     put(m.rows, dev->logit_rows, rows, sizeof(int32_t));
   };
   if (!graph) {
-    const size_t tb = hm.tables.size() * sizeof(int32_t);
-    if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
-    Meta m = im.meta_at(im.e_meta);
-    m.tables = im.e_tables.as<int32_t>();
+    StepMeta m = run.eager_meta(hm.tables.size());
     m.n = n;
     m.width = width;
     m.num_rows = rows;
     m.num_seqs = nseq;
     m.num_prefill = num_prefill;
-    im.upload(hm, m, m.tables);
+    run.upload(hm, m);
     device_meta(m);
-    if (num_prefill > 0 &&
-        im.prefill_plan.plan(
-            {hm.token_seq.data(), hm.positions.data(), num_prefill, config_.num_attention_heads,
-             config_.num_key_value_heads, config_.head_dim, page_size, width},
-            stream_)) {
-      m.prefill_plan = &im.prefill_plan;
-    }
+    run.plan_prefill(hm, m, page_size);
     im.mtp_body(m, mtp_kv);
     if (rows > 0) im.head(0, rows);
     return rows;
   }
 
-  // Graph replay.
-  if (im.mg_meta.size() == 0) {
-    im.mg_meta = DeviceMem(im.meta_elems() * sizeof(int32_t));
-    im.mg_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
-  }
-  Meta m = im.meta_at(im.mg_meta);
-  m.tables = im.mg_tables.as<int32_t>();
+  // Graph replay (captured on first use of the bucket).
+  StepMeta m = run.graph_meta(im.mtp_graphs);
   m.n = bucket;
-  m.width = im.graph_width;
+  m.width = l.width;
   m.num_rows = bucket;
   m.num_seqs = bucket;
   m.num_prefill = 0;
-  if (im.mtp_graph_kv != mtp_kv.layer_data(0) || im.mtp_graph_page_size != page_size) {
-    im.drop_mtp_graphs();
-    im.mtp_graph_kv = mtp_kv.layer_data(0);
-    im.mtp_graph_page_size = page_size;
-  }
-  auto it = im.mtp_graphs.find(bucket);
-  if (it == im.mtp_graphs.end()) {
-    // Warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
-    HostMeta pad = hm;
-    std::fill(pad.slots.begin(), pad.slots.end(), -1);
-    std::fill(pad.ids.begin(), pad.ids.end(), 0);
-    im.upload(pad, m, m.tables);
-    im.mtp_body(m, mtp_kv);
-    im.head(0, bucket);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    const cudaGraphExec_t exec = cuda_model::capture_graph(stream_, [&] {
-      im.mtp_body(m, mtp_kv);
-      im.head(0, bucket);
-    });
-    it = im.mtp_graphs.emplace(bucket, exec).first;
-  }
-  im.upload(hm, m, m.tables);
-  device_meta(m);
-  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  im.mtp_graphs.bind(
+      {mtp_kv.layer_data(0), reinterpret_cast<const void*>(static_cast<intptr_t>(page_size))});
+  run.replay(
+      im.mtp_graphs, bucket, hm, m,
+      [&](bool) {
+        im.mtp_body(m, mtp_kv);
+        im.head(0, bucket);
+      },
+      [&] { device_meta(m); });
   return rows;
 }
 
@@ -1642,7 +1141,7 @@ void Qwen35MoeCuda::stage_mtp_hidden(const ForwardBatch& batch, const float* hid
   for (size_t si = 0; si < batch.seqs.size(); ++si) {
     for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i, ++bt) {
       const float* src = hidden + bt * h;
-      uint16_t* dst = hh + (im.first_token[si] + i) * h;
+      uint16_t* dst = hh + (runner_->first_token()[si] + i) * h;
       for (int64_t j = 0; j < h; ++j) dst[j] = f32_to_bf16(src[j]);
     }
   }
@@ -1678,20 +1177,20 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
   std::vector<int32_t> src(hidden_rows.size());
   for (size_t t = 0; t < src.size(); ++t) {
     const int64_t r = hidden_rows[t];
-    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(im.hidden_rows.size()),
+    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(runner_->hidden_rows().size()),
                  "mtp_draft_chain: hidden row ", r, " is not a token of the last forward (",
-                 im.hidden_rows.size(), " tokens)");
-    src[t] = im.hidden_rows[static_cast<size_t>(r)];
+                 runner_->hidden_rows().size(), " tokens)");
+    src[t] = runner_->hidden_rows()[static_cast<size_t>(r)];
   }
   MtpDeviceIn in;
-  in.src = im.xn.as<bf16>();
-  in.src_rows = static_cast<int64_t>(im.hidden_rows.size());
+  in.src = runner_->ws().xn.as<bf16>();
+  in.src_rows = static_cast<int64_t>(runner_->hidden_rows().size());
   in.rows = src;
   in.idx = idx;
   in.idx_host = idx_host;
   TANDEM_CHECK(mtp_launch(first, nullptr, mtp_kv, &in) == rows, "mtp_draft_chain: ", rows,
                " logits rows expected");
-  im.sampler->argmax(im.logits.as<float>(), rows, tokens, stream_);
+  runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), rows, tokens, stream_);
   // Chained passes: row i continues row i of the pass before (its argmax, its mtp.norm row).
   std::vector<int32_t> same(static_cast<size_t>(rows));
   std::iota(same.begin(), same.end(), 0);
@@ -1701,20 +1200,21 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
                  "mtp_draft_chain: chained pass ", p, " has ", c.batch.num_tokens(),
                  " tokens, not one per row of pass 0 (", rows, ")");
     MtpDeviceIn ci;
-    ci.src = im.last.as<bf16>();
+    ci.src = runner_->ws().last.as<bf16>();
     ci.src_rows = rows;
     ci.rows = same;
-    ci.idx = idx + p * im.t_cap;
-    ci.idx_host = idx_host + p * im.t_cap;
-    ci.ids = tokens + (p - 1) * im.rows_cap;
+    ci.idx = idx + p * runner_->ws().t_cap;
+    ci.idx_host = idx_host + p * runner_->ws().t_cap;
+    ci.ids = tokens + (p - 1) * runner_->ws().rows_cap;
     ci.writes = &c.writes;
     mtp_launch(c.batch, nullptr, mtp_kv, &ci);
-    im.sampler->argmax(im.logits.as<float>(), rows, tokens + p * im.rows_cap, stream_);
+    runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), rows,
+                                  tokens + p * runner_->ws().rows_cap, stream_);
   }
   im.tokens_to_host(cb, passes);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (int64_t p = 0; p < passes; ++p) {
-    const int32_t* row = cb.tokens_host + p * im.rows_cap;
+    const int32_t* row = cb.tokens_host + p * runner_->ws().rows_cap;
     drafts[static_cast<size_t>(p)].assign(row, row + rows);
   }
 }
@@ -1747,8 +1247,8 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
                "forward_verify_draft: ", rows.size(), " sampling rows, ", step.forced.size(),
                " forced counts and ", step.spare_slots.size(), " snapshot slots for ", n,
                " sequences of ", T, " tokens (one row each), K ", K);
-  TANDEM_CHECK_KIND(kInvalidArgument, T <= im.rows_cap, T,
-                    " sampling rows exceed the CUDA model's ", im.rows_cap);
+  TANDEM_CHECK_KIND(kInvalidArgument, T <= runner_->ws().rows_cap, T,
+                    " sampling rows exceed the CUDA model's ", runner_->ws().rows_cap);
   // The step runs the sequences in device order (build_meta's: the verify chunks, then the
   // one-token decodes), so that every device array below is in batch order too; the results go
   // back to the caller's order at the end. order[j]: the caller's sequence at position j.
@@ -1783,20 +1283,20 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   ++im.fused_steps;
   StageClock& clock = im.fused_clock;
   clock.mark("start", stream_);
-  if (!launch(vb, kv, im.num_linear > 0 ? &spares : nullptr)) im.head(0, T);
+  if (!runner_->launch(vb, kv, im.num_linear > 0 ? &spares : nullptr)) im.head(0, T);
   clock.mark("verify", stream_);
-  im.sampler->enqueue(im.logits.as<float>(), vrows, {}, stream_);
+  runner_->ws().sampler->enqueue(runner_->ws().logits.as<float>(), vrows, {}, stream_);
   // 2. The accepted drafts (spec_advance), and the metadata of the MTP passes.
   const int64_t ps = mtp_kv.geometry().page_size;
   cuda::SpecAdvanceParams ap = im.spec.stage(vb, forced, K - 1, ps, {slots, spares}, stream_);
-  ap.sampled = im.sampler->device_tokens();
+  ap.sampled = runner_->ws().sampler->device_tokens();
   cuda::spec_advance_launch(ap, stream_);
   clock.mark("sample + accept", stream_);
   // 3. The DeltaNet states: a sequence that accepted every draft takes its spare slot's; one
   // that rejected a draft replays its kept rows on its own slot (the state before the step).
   if (im.num_linear > 0 && T > n) {
     TANDEM_CHECK(im.kept_tokens == T, "forward_verify_draft: the verify kept no recurrence inputs");
-    im.settle_states(ap, T, im.spec.extra(0), im.spec.extra(1), kv, !buckets_.empty());
+    im.settle_states(ap, T, im.spec.extra(0), im.spec.extra(1), kv, !runner_->buckets().empty());
     clock.mark("settle: replay", stream_);
   }
   // 4. MTP pass 0 over every verify position (the token at t + 1: an accepted draft, else the
@@ -1806,15 +1306,15 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   ForwardBatch first = vb;
   for (ForwardSeq& f : first.seqs) f.logits = LogitsMode::kLast;
   MtpDeviceIn in;
-  in.src = im.xn.as<bf16>();
-  in.src_rows = static_cast<int64_t>(im.hidden_rows.size());
-  in.rows = im.hidden_rows;
+  in.src = runner_->ws().xn.as<bf16>();
+  in.src_rows = static_cast<int64_t>(runner_->hidden_rows().size());
+  in.rows = runner_->hidden_rows();
   in.idx = cb.idx;
   in.idx_host = cb.idx_host;
   in.ids = ap.mtp_ids;
   in.logit_rows = ap.mtp_rows;
   mtp_launch(first, nullptr, mtp_kv, &in);
-  im.sampler->argmax(im.logits.as<float>(), n, cb.tokens, stream_);
+  runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), n, cb.tokens, stream_);
   clock.mark("mtp pass 0", stream_);
   ForwardBatch one;
   for (const ForwardSeq& f : vb.seqs) {  // positions and KV slots: the kernel's
@@ -1825,16 +1325,17 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   std::iota(same.begin(), same.end(), 0);
   for (int64_t p = 1; p < K; ++p) {
     MtpDeviceIn ci;
-    ci.src = im.last.as<bf16>();
+    ci.src = runner_->ws().last.as<bf16>();
     ci.src_rows = n;
     ci.rows = same;
-    ci.idx = cb.idx + p * im.t_cap;
-    ci.idx_host = cb.idx_host + p * im.t_cap;
-    ci.ids = cb.tokens + (p - 1) * im.rows_cap;
+    ci.idx = cb.idx + p * runner_->ws().t_cap;
+    ci.idx_host = cb.idx_host + p * runner_->ws().t_cap;
+    ci.ids = cb.tokens + (p - 1) * runner_->ws().rows_cap;
     ci.positions = ap.chain_pos + (p - 1) * n;
     ci.kv_slots = ap.chain_slots + (p - 1) * n;
     mtp_launch(one, nullptr, mtp_kv, &ci);
-    im.sampler->argmax(im.logits.as<float>(), n, cb.tokens + p * im.rows_cap, stream_);
+    runner_->ws().sampler->argmax(runner_->ws().logits.as<float>(), n,
+                                  cb.tokens + p * runner_->ws().rows_cap, stream_);
   }
   clock.mark("mtp chained passes", stream_);
   im.tokens_to_host(cb, K);
@@ -1842,7 +1343,7 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the step's one synchronisation
   clock.collect("copies + host wait");
   std::vector<SampledToken> vout;
-  im.sampler->collect(vout, stream_);
+  runner_->ws().sampler->collect(vout, stream_);
 
   // Back to the caller's order.
   out.assign(static_cast<size_t>(T), {});
@@ -1856,38 +1357,14 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
     }
     step.accepted[i] = im.spec.host_accepted()[j];
     for (int64_t p = 0; p < K; ++p) {
-      step.drafts[i][static_cast<size_t>(p)] = cb.tokens_host[p * im.rows_cap + j];
+      step.drafts[i][static_cast<size_t>(p)] = cb.tokens_host[p * runner_->ws().rows_cap + j];
     }
   }
 }
 
-void Qwen35MoeCuda::capture_buckets(KvCache& kv, int64_t max_batch, int64_t q) {
-  // bucket sequences of q tokens at positions 0.. of page 0, each on its own state slot (the
-  // engine has handed out none yet; a sequence starting at 0 starts from a zero state, so what
-  // these write is never read).
-  Impl& im = *impl_;
-  if (buckets_.empty() || q > kv.geometry().page_size ||
-      kv.geometry().page_size != opts_.page_size) {
-    return;
-  }
-  const std::vector<int32_t> tokens(static_cast<size_t>(q), 0);
-  const int32_t page = 0;
-  for (const int64_t bucket : buckets_) {
-    if (bucket > std::max<int64_t>(1, max_batch) || bucket * q > im.t_cap ||
-        bucket * q > im.rows_cap || (im.num_linear > 0 && bucket > kv.num_state_slots())) {
-      break;
-    }
-    ForwardBatch b;
-    for (int64_t i = 0; i < bucket; ++i) {
-      b.seqs.push_back({tokens.data(), q, 0, &page, 1,
-                        q == 1 ? LogitsMode::kLast : LogitsMode::kAll, static_cast<int32_t>(i)});
-    }
-    launch(b, kv);  // captures the (bucket, q) graph, then replays it once
-  }
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+void Qwen35MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
+  runner_->capture_buckets(kv, max_batch, 1);
 }
-
-void Qwen35MoeCuda::warm_up(KvCache& kv, int64_t max_batch) { capture_buckets(kv, max_batch, 1); }
 
 void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,
                                         int64_t k) {
@@ -1895,15 +1372,16 @@ void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t ma
   const int64_t q = k + 1;  // tokens per verify sequence
   // The verify steps' recurrence inputs (replay_states), before serving.
   if (has_mtp() && im.num_linear > 0 && k >= 1) {
-    im.ensure_kept(std::min(im.t_cap, std::max<int64_t>(1, max_batch) * q));
+    im.ensure_kept(std::min(runner_->ws().t_cap, std::max<int64_t>(1, max_batch) * q));
   }
   if (has_mtp() && im.verify_graphs && k >= 1 && q <= Impl::kMaxVerifyTokens) {
-    capture_buckets(kv, max_batch, q);  // the verify graphs
+    runner_->capture_buckets(kv, max_batch, q);  // the verify graphs
   }
-  if (!has_mtp() || !im.mtp_graphs_on || buckets_.empty() || k < 2) return;  // no chain
+  if (!has_mtp() || !im.mtp_graphs_on || runner_->buckets().empty() || k < 2) return;  // no chain
   const int32_t token = 0, page = 0;
-  const std::vector<float> hidden(static_cast<size_t>(buckets_.back() * config_.hidden_size), 0.0f);
-  for (const int64_t bucket : buckets_) {
+  const std::vector<float> hidden(
+      static_cast<size_t>(runner_->buckets().back() * config_.hidden_size), 0.0f);
+  for (const int64_t bucket : runner_->buckets()) {
     if (bucket > std::max<int64_t>(1, max_batch)) break;
     ForwardBatch chain;  // bucket one-token MTP passes at position 0 of page 0
     for (int64_t i = 0; i < bucket; ++i) {
@@ -1915,9 +1393,7 @@ void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t ma
 }
 
 std::vector<int64_t> Qwen35MoeCuda::captured_mtp_buckets() const {
-  std::vector<int64_t> out;
-  for (const auto& [b, g] : impl_->mtp_graphs) out.push_back(b);
-  return out;
+  return impl_->mtp_graphs.keys();
 }
 
 void Qwen35MoeCuda::mtp_hidden(int64_t rows, std::vector<float>& out) {
@@ -1928,8 +1404,8 @@ void Qwen35MoeCuda::mtp_hidden(int64_t rows, std::vector<float>& out) {
     return;
   }
   std::vector<uint16_t> b(out.size());
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.data(), impl_->last.as<void>(), b.size() * sizeof(uint16_t),
-                                    cudaMemcpyDeviceToHost, stream_));
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.data(), runner_->ws().last.as<void>(),
+                                    b.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost, stream_));
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (size_t i = 0; i < b.size(); ++i) out[i] = bf16_to_f32(b[i]);
 }
@@ -1939,7 +1415,7 @@ void Qwen35MoeCuda::mtp_forward(const ForwardBatch& batch, const float* hidden, 
   const int64_t rows = mtp_launch(batch, hidden, mtp_kv), v = config_.vocab_size;
   logits.resize(static_cast<size_t>(rows * v));
   if (rows > 0) {
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data(), impl_->logits.as<float>(),
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data(), runner_->ws().logits.as<float>(),
                                       logits.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                       stream_));
   }
@@ -1956,13 +1432,8 @@ void Qwen35MoeCuda::mtp_forward_sample(const ForwardBatch& batch, const float* h
   const int64_t r = mtp_launch(batch, hidden, mtp_kv);
   out.clear();
   mtp_hidden(r, hidden_out);  // before the sampler may touch the logits (synchronises)
-  if (r > 0) impl_->sampler->sample(impl_->logits.as<float>(), rows, {}, out, stream_);
-}
-
-std::unique_ptr<Model> load_cuda_model(const std::string& dir, const CudaModelOptions& opts) {
-  const ModelConfig config = ModelConfig::from_dir(dir);
-  if (config.is_hybrid()) return Qwen35MoeCuda::load(dir, opts);
-  return Qwen3MoeCuda::load(dir, opts);
+  if (r > 0)
+    runner_->ws().sampler->sample(runner_->ws().logits.as<float>(), rows, {}, out, stream_);
 }
 
 }  // namespace tandem

@@ -1,18 +1,10 @@
 // Qwen3.5 hybrid MoE on one GPU: bf16 weights in device memory, bf16 paged HND KV for the
 // full-attention layers, fp32 per-sequence state slots (conv window + recurrent state per
 // DeltaNet layer, the layout of Qwen35MoeCpu) in device memory, the layers built from the CUDA
-// backend ops (backend/cuda/deltanet.h, gated_attention.h and the Qwen3 ones), decode steps
-// replayed from CUDA graphs captured per batch-size bucket.
-//
-// One forward():
-//   1. the batch's metadata (ids, positions, owning sequence, KV slots, block tables, rows
-//      that need logits, and per sequence its token range, state slot and whether it starts
-//      at position 0) is packed on the host and copied up;
-//   2. a pure decode batch (one token per sequence) of n <= the largest bucket runs as the
-//      captured graph of the smallest bucket >= n, padded (padding tokens write no KV and
-//      padding sequences no state); anything else runs eagerly;
-//   3. fp32 logits rows come back to the host (forward), or are sampled on the device
-//      (forward_sample: only tokens and logprobs come back).
+// backend ops (backend/cuda/deltanet.h, gated_attention.h and the Qwen3 ones). Steps run
+// through the CUDA model runner (model/cuda/runner.h: metadata with the DeltaNet sequences and
+// their state slots, graphs, forward and sampling); this file holds the weights, the layers,
+// the MTP layer and the fused speculative step.
 // The (1 + w) zero-centred RMSNorm weights are stored as 1 + w (added in fp32 at load, then
 // rounded to bf16). One GPU only (no sharding yet).
 #pragma once
@@ -26,11 +18,16 @@
 #include <utility>
 #include <vector>
 
-#include "model/cuda/qwen3_moe_cuda.h"
+#include "model/cuda/factory.h"
+#include "model/cuda/options.h"
 #include "model/cuda/stage_clock.h"
-#include "model/qwen3_moe.h"
+#include "model/model.h"
 
 namespace tandem {
+
+namespace cuda_model {
+class CudaRunner;
+}
 
 class Qwen35MoeCuda final : public Model {
  public:
@@ -141,6 +138,8 @@ class Qwen35MoeCuda final : public Model {
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Batch-size buckets captured so far (decode graphs).
   std::vector<int64_t> captured_buckets() const;
+  /// Decode-step buckets (the batch sizes graphs are captured for).
+  const std::vector<int64_t>& buckets() const;
   /// (bucket, tokens per sequence) of the verify graphs captured so far.
   std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
   /// On by default (measured on the H200; TANDEM_Q35_VERIFY_GRAPHS=0 at load turns it off): a
@@ -176,33 +175,22 @@ class Qwen35MoeCuda final : public Model {
   // its own), its own slot then only read.
   bool launch(const ForwardBatch& batch, KvCache& kv,
               const std::vector<int32_t>* state_out = nullptr);
-  // The decode graphs' block-table width for page_size (set on first use).
-  int64_t graph_width(int64_t page_size);
-  // The last launch's final hidden states (after the final norm) in batch order.
-  void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
   // An MTP pass's inputs on the device (mtp_draft_chain); defined in the .cpp.
   struct MtpDeviceIn;
   // One MTP pass up to the logits rows' logits on the device; returns the rows. Its h_t:
   // `hidden` (host, batch order), or `dev`'s.
   int64_t mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                      const MtpDeviceIn* dev = nullptr);
-  // The graphs of q tokens per sequence (1: decode, 2..5: verify) of every bucket up to
-  // max_batch (warm_up, warm_up_speculative).
-  void capture_buckets(KvCache& kv, int64_t max_batch, int64_t q);
   // mtp_launch's host h_t (batch order, fp32) into the MTP input (device order, bf16).
   void stage_mtp_hidden(const ForwardBatch& batch, const float* hidden, int64_t n_run);
   // The last MTP pass's rows' hidden states (after mtp.norm) as fp32 (synchronises).
   void mtp_hidden(int64_t rows, std::vector<float>& out);
+  std::unique_ptr<cuda_model::CudaRunner> runner_;
   std::unique_ptr<Impl> impl_;
   ModelConfig config_;
   CudaModelOptions opts_;
   cudaStream_t stream_ = nullptr;
   int64_t weight_bytes_ = 0;
-  std::vector<int64_t> buckets_;
 };
-
-/// The CUDA model for the checkpoint in `dir`, picked by config.json's model_type (qwen3_moe:
-/// Qwen3MoeCuda; qwen3_5_moe / qwen3_5_moe_text: Qwen35MoeCuda, one GPU only).
-std::unique_ptr<Model> load_cuda_model(const std::string& dir, const CudaModelOptions& opts);
 
 }  // namespace tandem

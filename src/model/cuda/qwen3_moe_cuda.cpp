@@ -28,6 +28,7 @@
 #include "model/cuda/mtp_cuda.h"
 #include "model/cuda/mxfp8_weights.h"
 #include "model/cuda/random_fill.h"
+#include "model/cuda/runner.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
 
@@ -67,100 +68,13 @@ struct LayerW {
   Fp8Mat qkv8, o8, gate_up8, down8;
 };
 
-// Device pointers of one forward's metadata.
-struct Meta {
-  int32_t* ids = nullptr;        // [n]
-  int32_t* positions = nullptr;  // [n]
-  int32_t* token_seq = nullptr;  // [n]
-  int64_t* slots = nullptr;      // [n]
-  int32_t* tables = nullptr;     // [num_seqs, width]
-  int32_t* rows = nullptr;       // [num_rows]: token index of each logits row
-  int32_t* num_real = nullptr;   // [1]: real (unpadded) tokens, for the decode EP dispatch
-  int64_t n = 0, width = 0, num_rows = 0;
-  int64_t num_prefill = 0;  // leading tokens that belong to multi-token chunks
-  const cuda::PrefillAttentionPlan* prefill_plan = nullptr;  // FlashInfer sm90, when planned
-};
-
-// Host-side packed metadata with the same layout.
-struct HostMeta {
-  std::vector<int32_t> ids, positions, token_seq, tables, rows;
-  std::vector<int64_t> slots;
-  int32_t num_real = 0;
-};
-
-constexpr int64_t kBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
-                                80, 96, 112, 128, 160, 192, 224, 256};
-
-// Captured graphs: decode steps (one token per sequence) and verify steps (K + 1 tokens).
-constexpr int64_t kMaxGraphTokensPerSeq = 5;  // 1 + engine/speculative.h's largest K
-constexpr int64_t kGraphKeyStride = 1 << 20;  // key = (tokens per sequence - 1) * stride + bucket
-constexpr int64_t graph_key(int64_t bucket, int64_t q) {
-  return (q - 1) * kGraphKeyStride + bucket;
-}
-
 }  // namespace
 
-int64_t kv_cache_mb_for(size_t free_bytes, size_t total_bytes, double utilization) {
-  TANDEM_CHECK_KIND(kInvalidArgument, utilization > 0.0 && utilization <= 1.0,
-                    "--gpu-memory-utilization must be in (0, 1], not ", utilization);
-  const double keep = (1.0 - utilization) * static_cast<double>(total_bytes);
-  const double kv = static_cast<double>(free_bytes) - keep;
-  return std::max<int64_t>(64, static_cast<int64_t>(kv / (1 << 20)));
-}
-
-namespace {
-void check_gqa_group(int64_t group, const std::string& origin, const char* what) {
-  TANDEM_CHECK_KIND(kUnsupported,
-                    group == 1 || group == 2 || group == 4 || group == 8 || group == 16, origin,
-                    ": ", what, " = ", group, " is not supported on the GPU (1, 2, 4, 8 or 16)");
-}
-}  // namespace
-
-void check_cuda_model_config(const ModelConfig& c, const std::string& origin) {
-  if (c.is_hybrid()) {
-    // Qwen3.5 (Qwen35MoeCuda): gated attention at head_dim 64 / 128 / 256, DeltaNet layers
-    // within the CUDA DeltaNet ops (backend/cuda/deltanet.h).
-    TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256,
-                      origin, ": head_dim ", c.head_dim,
-                      " is not supported on the GPU (64, 128 or 256)");
-    const int64_t dk = c.linear_key_head_dim;
-    TANDEM_CHECK_KIND(kUnsupported, dk == 16 || dk == 32 || dk == 64 || dk == 128, origin,
-                      ": linear_key_head_dim ", dk,
-                      " is not supported on the GPU (16, 32, 64 or 128)");
-    TANDEM_CHECK_KIND(kUnsupported, c.linear_value_head_dim > 0 && c.linear_value_head_dim <= 256,
-                      origin, ": linear_value_head_dim ", c.linear_value_head_dim,
-                      " is not supported on the GPU (at most 256)");
-    TANDEM_CHECK_KIND(kUnsupported, c.linear_conv_kernel_dim >= 2 && c.linear_conv_kernel_dim <= 8,
-                      origin, ": linear_conv_kernel_dim ", c.linear_conv_kernel_dim,
-                      " is not supported on the GPU (2 to 8)");
-    TANDEM_CHECK_KIND(kUnsupported, c.ssm_state_dtype == DType::kF32, origin,
-                      ": mamba_ssm_dtype other than float32 is not supported on the GPU");
-  } else {
-    TANDEM_CHECK_KIND(kUnsupported, c.head_dim == 64 || c.head_dim == 128, origin, ": head_dim ",
-                      c.head_dim, " is not supported on the GPU (64 or 128)");
-  }
-  TANDEM_CHECK_KIND(kUnsupported, !c.attention_bias, origin,
-                    ": attention_bias true is not supported on the GPU");
-  const int64_t group =
-      c.num_key_value_heads > 0 ? c.num_attention_heads / c.num_key_value_heads : 0;
-  check_gqa_group(group, origin, "num_attention_heads / num_key_value_heads");
-  bool any_moe = false;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) any_moe |= c.is_moe_layer(l);
-  if (any_moe) {
-    // The CUDA MoE kernels' limits (backend/cuda/moe.h).
-    TANDEM_CHECK_KIND(kUnsupported, c.num_experts <= cuda::kRouterMaxExperts, origin,
-                      ": num_experts ", c.num_experts, " is not supported on the GPU (at most ",
-                      cuda::kRouterMaxExperts, ")");
-    TANDEM_CHECK_KIND(kUnsupported, c.num_experts_per_tok <= cuda::kRouterMaxTopK, origin,
-                      ": num_experts_per_tok ", c.num_experts_per_tok,
-                      " is not supported on the GPU (at most ", cuda::kRouterMaxTopK, ")");
-  }
-}
-
-struct Qwen3MoeCuda::Impl {
+struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   const ModelConfig& c;
+  cuda_model::CudaRunner& run;
+  cuda_model::Workspace& ws;
   cudaStream_t stream;
-  int num_sms = 0;
 
   // Sharding: local heads / experts / vocabulary rows, and the communicators.
   ShardPlan plan;
@@ -207,49 +121,30 @@ struct Qwen3MoeCuda::Impl {
   bf16* lm_head = nullptr;  // the embedding when tied
   std::vector<LayerW> layers;
 
-  // Activations, sized for max_tokens.
-  int64_t t_cap = 0, rows_cap = 0;
-  DeviceMem x, xn, y, qkv, q, attn, gu, act, last, logits, attn_ws;
+  // Activations beside the runner's workspace, sized for its t_cap tokens.
+  DeviceMem qkv, q, attn, gu, act;
   DeviceMem dq;  // [n, k] bf16: an FP8 dense linear dequantized (m above the gemv's)
-  // On-device sampling: per-row parameters and results ([rows_cap] / [rows_cap, 20]).
-  std::unique_ptr<DeviceSampler> sampler;  // forward_sample
-  size_t attn_ws_floats = 0;
-  cuda::PrefillAttentionPlan prefill_plan;  // eager prefill chunks: planned once per forward
-  std::unique_ptr<cuda::GemmLt> gemm;
   std::unique_ptr<cuda::MoeLayer> moe;
   cuda::MoeLayerPath moe_prefill_path = cuda::MoeLayerPath::kAuto;
 
-  // Metadata: eager buffers (grown on demand) and the captured graphs' own.
-  DeviceMem e_tables;
-  DeviceMem e_meta, g_meta;  // ids | positions | token_seq | rows (int32 x 4 x cap) | slots
-  DeviceMem g_tables;        // [largest bucket, graph_width]
-  int64_t graph_width = 0;
-  PinnedMem h_meta;    // staging for the int32 / int64 arrays
-  PinnedMem h_tables;  // staging for block tables
-  cudaEvent_t meta_copied = nullptr;
+  Impl(const ModelConfig& config, cuda_model::CudaRunner& r)
+      : c(config), run(r), ws(r.ws()), stream(r.stream()) {}
 
-  struct Graph {
-    cudaGraphExec_t exec = nullptr;
-  };
-  std::map<int64_t, Graph> graphs;  // by graph_key(bucket, tokens per sequence)
-  // The last launch's device token index of each sequence's first token (hidden_out order),
-  // and of each of its tokens in batch order (the rows of xn, its final hidden states).
-  std::vector<int64_t> first_token;
-  std::vector<int32_t> hidden_rows;
-  const void* graph_kv = nullptr;  // the cache the graphs were captured against
-  int64_t graph_page_size = 0;
-
-  Impl(const ModelConfig& config, cudaStream_t s) : c(config), stream(s) {}
-  ~Impl() {
-    drop_graphs();
-    if (meta_copied != nullptr) (void)cudaEventDestroy(meta_copied);
+  // CudaLayers.
+  void body(const cuda_model::StepMeta& m, KvCache& kv, const Args& a) override {
+    step(m, kv, a.batch, a.warmup);
   }
-
-  void drop_graphs() {
-    for (auto& [b, g] : graphs) (void)cudaGraphExecDestroy(g.exec);
-    graphs.clear();
-    graph_kv = nullptr;
+  void check_cache(const KvCache& kv) const override {
+    const auto& g = kv.geometry();
+    TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 && g.num_kv_heads == kvh() &&
+                     g.head_dim == c.head_dim && g.num_layers == c.num_hidden_layers,
+                 "the KV cache was not made by this CUDA model");
   }
+  cuda_model::AttentionShape attention() const override {
+    // (--deterministic runs no prefill kernel: batch_invariant.h)
+    return {qh(), kvh(), c.head_dim, !det};
+  }
+  bool collective_steps() const override { return dp_ep(); }
 
   bf16* alloc(int64_t elems) {
     mem.emplace_back(static_cast<size_t>(elems) * sizeof(bf16));
@@ -544,15 +439,11 @@ struct Qwen3MoeCuda::Impl {
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
-  void allocate_activations(const CudaModelOptions& o, int64_t largest_bucket) {
+  void allocate_activations(const CudaModelOptions& o) {
+    run.allocate(det);
     const int64_t h = c.hidden_size, d = c.head_dim, qh = this->qh();
-    t_cap = std::max(o.max_tokens, largest_bucket);
-    rows_cap = std::max<int64_t>({o.max_seqs, largest_bucket, std::min<int64_t>(t_cap, 1024)});
     const size_t b = sizeof(bf16);
-    const auto T = static_cast<size_t>(t_cap);
-    x = DeviceMem(T * h * b);
-    xn = DeviceMem(T * h * b);
-    y = DeviceMem(T * h * b);
+    const auto T = static_cast<size_t>(ws.t_cap);
     qkv = DeviceMem(T * static_cast<size_t>(qkv_rows()) * b);
     q = DeviceMem(T * static_cast<size_t>(qh * d) * b);
     attn = DeviceMem(T * static_cast<size_t>(qh * d) * b);
@@ -563,12 +454,6 @@ struct Qwen3MoeCuda::Impl {
       gu = DeviceMem(T * static_cast<size_t>(2 * dense_inter) * b);
       act = DeviceMem(T * static_cast<size_t>(dense_inter) * b);
     }
-    last = DeviceMem(T * h * b);
-    logits = DeviceMem(static_cast<size_t>(rows_cap * c.vocab_size) * sizeof(float));
-    sampler = std::make_unique<DeviceSampler>(rows_cap, c.vocab_size);
-    sampler->set_batch_invariant(det);
-    gemm = std::make_unique<cuda::GemmLt>();
-    gemm->set_batch_invariant(det);
     bool any_moe = false;
     for (const auto& w : layers) any_moe |= w.moe;
     if (any_moe) {
@@ -581,7 +466,7 @@ struct Qwen3MoeCuda::Impl {
                          : mp == "padded" ? cuda::MoeLayerPath::kPadded
                                           : cuda::MoeLayerPath::kAuto;
       if (!dp_ep()) {
-        moe = std::make_unique<cuda::MoeLayer>(t_cap, h, c.moe_intermediate_size, c.num_experts,
+        moe = std::make_unique<cuda::MoeLayer>(ws.t_cap, h, c.moe_intermediate_size, c.num_experts,
                                                c.num_experts_per_tok, plan.experts.begin,
                                                local_experts(), c.norm_topk_prob);
         bool fp8_experts = false;
@@ -604,96 +489,24 @@ struct Qwen3MoeCuda::Impl {
       if (!w.moe && w.down8) dq_elems = std::max(dq_elems, h * dense_inter);
     }
     if (dq_elems > 0) dq = DeviceMem(static_cast<size_t>(dq_elems) * sizeof(bf16));
-    if (dq_elems > 0 && fp8_act && t_cap >= kFp8LtMinRows) {
-      fp8_lt = std::make_unique<cuda_model::Fp8DenseLt>(t_cap, std::max({h, qh * d, dense_inter}));
+    if (dq_elems > 0 && fp8_act && ws.t_cap >= kFp8LtMinRows) {
+      fp8_lt =
+          std::make_unique<cuda_model::Fp8DenseLt>(ws.t_cap, std::max({h, qh * d, dense_inter}));
     }
     make_communicators(o, any_moe);
-    // Split-KV workspace for the captured decode steps (and eager batches that fit it).
-    const int64_t ctx = o.graph_max_context > 0 ? o.graph_max_context : c.max_position_embeddings;
-    const int64_t width = std::max<int64_t>(1, (ctx + o.page_size - 1) / o.page_size);
-    for (int64_t b = 1; b <= largest_bucket; ++b) {
-      const int64_t split =
-          cuda::paged_attention_decode_split(b, kvh(), width, o.page_size, num_sms);
-      if (split > 0) {
-        attn_ws_floats = std::max(attn_ws_floats, cuda::paged_attention_workspace_floats(
-                                                      b, qh, d, width, o.page_size, split));
-      }
-    }
-    attn_ws = DeviceMem(attn_ws_floats * sizeof(float));
-    // 4 int32 arrays + 1 int64 array (2 int32 each) + the real token count (padded to 4).
-    const size_t meta_elems = 4 * T + 2 * T + 4;
-    e_meta = DeviceMem(meta_elems * sizeof(int32_t));
-    g_meta = DeviceMem(meta_elems * sizeof(int32_t));
-    h_meta = PinnedMem(meta_elems * sizeof(int32_t));
-    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&meta_copied, cudaEventDisableTiming));
-  }
-
-  Meta meta_at(const DeviceMem& m) const {
-    Meta r;
-    auto* base = m.as<int32_t>();
-    const int64_t T = t_cap;
-    r.ids = base;
-    r.positions = base + T;
-    r.token_seq = base + 2 * T;
-    r.rows = base + 3 * T;
-    r.slots = reinterpret_cast<int64_t*>(base + 4 * T);  // 4 * T int32: 8-byte aligned
-    r.num_real = base + 6 * T;
-    return r;
-  }
-
-  // Copies `hm` into the device arrays of `dst` (tables into `tables`).
-  void upload(const HostMeta& hm, const Meta& dst, int32_t* tables) {
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(meta_copied));  // the staging is free again
-    const int64_t T = t_cap;
-    const auto n = hm.ids.size(), r = hm.rows.size(), tb = hm.tables.size();
-    const size_t tables_bytes = tb * sizeof(int32_t);
-    if (h_tables.size() < tables_bytes) h_tables = PinnedMem(tables_bytes * 2);
-    int32_t* h = h_meta.as<int32_t>();
-    std::memcpy(h, hm.ids.data(), n * 4);
-    std::memcpy(h + T, hm.positions.data(), n * 4);
-    std::memcpy(h + 2 * T, hm.token_seq.data(), n * 4);
-    std::memcpy(h + 3 * T, hm.rows.data(), r * 4);
-    std::memcpy(h + 4 * T, hm.slots.data(), n * 8);
-    h[6 * T] = hm.num_real;
-    std::memcpy(h_tables.as<int32_t>(), hm.tables.data(), tables_bytes);
-    auto h2d = [&](void* d, const void* s, size_t bytes) {
-      if (bytes > 0) {
-        TANDEM_CUDA_CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyHostToDevice, stream));
-      }
-    };
-    h2d(dst.ids, h, n * 4);
-    h2d(dst.positions, h + T, n * 4);
-    h2d(dst.token_seq, h + 2 * T, n * 4);
-    h2d(dst.rows, h + 3 * T, r * 4);
-    h2d(dst.slots, h + 4 * T, n * 8);
-    h2d(dst.num_real, h + 6 * T, 4);
-    h2d(tables, h_tables.as<int32_t>(), tables_bytes);
-    TANDEM_CUDA_CHECK(cudaEventRecord(meta_copied, stream));
-  }
-
-  // Split-KV for the decode tokens (flash-decoding), when the workspace holds it.
-  int64_t pick_split(int64_t n, int64_t num_prefill, int64_t width, int64_t page_size) const {
-    if (n - num_prefill <= 0) return 0;
-    int64_t split =
-        cuda::paged_attention_decode_split(n - num_prefill, kvh(), width, page_size, num_sms);
-    if (split > 0 && cuda::paged_attention_workspace_floats(n, qh(), c.head_dim, width, page_size,
-                                                            split) > attn_ws_floats) {
-      split = 0;
-    }
-    return split;
   }
 
   // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
   // `warmup`: a graph's first (eager) run with padding only: no collective call (the other
   // ranks are not running it), so the decode EP MoE block is left out.
-  void body(const Meta& m, KvCache& kv, const ForwardBatch* batch, bool warmup = false) {
+  void step(const cuda_model::StepMeta& m, KvCache& kv, const ForwardBatch* batch, bool warmup) {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim, qh = this->qh(), kvh = this->kvh();
     bf16* reg = ar ? static_cast<bf16*>(ar->registered_input()) : nullptr;
     const int64_t page_size = kv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    bf16 *X = x.as<bf16>(), *XN = xn.as<bf16>(), *Y = y.as<bf16>();
+    bf16 *X = ws.x.as<bf16>(), *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>();
     cuda::embedding_launch({m.ids, embed, X, n, h, c.vocab_size}, stream);
-    const int64_t split = pick_split(n, m.num_prefill, m.width, page_size);
+    const int64_t split = run.pick_split(n, m.num_prefill, m.width, page_size);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       const LayerW& w = layers[static_cast<size_t>(l)];
       if (l == 0) {
@@ -709,24 +522,8 @@ struct Qwen3MoeCuda::Impl {
       // The KV of layer l is written once the stream gets here (the hook orders its reads
       // after it on KvCache::device_stream()).
       if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(l);
-      cuda::PagedAttentionParams ap{};
-      ap.q = q.as<bf16>();
-      ap.pool = pool;
-      ap.block_table = m.tables;
-      ap.token_seq = m.token_seq;
-      ap.positions = m.positions;
-      ap.out = attn.as<bf16>();
-      ap.num_tokens = n;
-      ap.num_q_heads = qh;
-      ap.num_kv_heads = kvh;
-      ap.head_dim = d;
-      ap.page_size = page_size;
-      ap.max_pages_per_seq = m.width;
-      ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-      ap.kv_split = split;
-      ap.workspace = split > 0 ? attn_ws.as<float>() : nullptr;
-      ap.num_prefill_tokens = m.num_prefill;
-      ap.prefill_plan = m.prefill_plan;
+      cuda::PagedAttentionParams ap =
+          run.attention_params(m, q.as<bf16>(), pool, attn.as<bf16>(), page_size, split);
       if (det) cuda_model::make_batch_invariant(ap);
       cuda::paged_attention_launch(ap, stream);
       // Row-parallel o_proj (prefill TP): the partial products go straight into the
@@ -744,7 +541,7 @@ struct Qwen3MoeCuda::Impl {
         // into the registered buffer, then summed over the ranks.
         moe->run({w.router, w.gate_up, w.down, w.gate_up8.q, w.gate_up8.s, w.down8.q, w.down8.s,
                   w.gate_up8.e, w.down8.e},
-                 XN, tp() ? reg : Y, n, *gemm, stream);
+                 XN, tp() ? reg : Y, n, *ws.gemm, stream);
         if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
       } else {
         const int64_t inter = c.intermediate_size;
@@ -756,7 +553,7 @@ struct Qwen3MoeCuda::Impl {
     // x + y, normed; then the rows that need logits, gathered (the embedding gather with the
     // token index as id).
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
-    cuda::embedding_launch({m.rows, XN, last.as<bf16>(), m.num_rows, h, n}, stream);
+    cuda::embedding_launch({m.rows, XN, ws.last.as<bf16>(), m.num_rows, h, n}, stream);
   }
 
   // y[m, n] = x[m, k] W^T: bf16 through GemmLt, FP8 through fp8_gemv (m <= 8) or the FP8
@@ -764,7 +561,7 @@ struct Qwen3MoeCuda::Impl {
   void linear(const bf16* x, const bf16* w, const Fp8Mat& w8, bf16* y, int64_t m, int64_t n,
               int64_t k) {
     if (!w8) {
-      gemm->run({x, w, y, m, n, k}, stream);
+      ws.gemm->run({x, w, y, m, n, k}, stream);
       return;
     }
     if (m == 0) return;
@@ -787,13 +584,13 @@ struct Qwen3MoeCuda::Impl {
     } else {
       cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
     }
-    gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
+    ws.gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
   }
 
   // Decode EP MoE block: router + top-k here, the tokens to their experts' ranks, this
   // rank's experts over what arrived (grouped by local expert), the outputs back home and
   // summed per token in ascending expert id. Token counts stay on the device (graphs).
-  void moe_ep(const LayerW& w, bf16* XN, bf16* Y, const Meta& m, bool warmup) {
+  void moe_ep(const LayerW& w, bf16* XN, bf16* Y, const cuda_model::StepMeta& m, bool warmup) {
     const int64_t h = c.hidden_size, inter = c.moe_intermediate_size, E = c.num_experts,
                   k = c.num_experts_per_tok, L = local_experts();
     cuda::GemmParams rp{};
@@ -803,7 +600,7 @@ struct Qwen3MoeCuda::Impl {
     rp.n = E;
     rp.k = h;
     rp.y_f32 = ep_logits.as<float>();
-    gemm->run(rp, stream);  // fp32 router logits, as MoeLayer
+    ws.gemm->run(rp, stream);  // fp32 router logits, as MoeLayer
     cuda::topk_softmax_launch({ep_logits.as<float>(), ep_ids.as<int32_t>(), ep_w.as<float>(), m.n,
                                E, k, c.norm_topk_prob, DType::kF32},
                               stream);
@@ -846,17 +643,17 @@ struct Qwen3MoeCuda::Impl {
   }
 
   // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
-  void head(int64_t begin, int64_t count) {
+  void head(int64_t begin, int64_t count) override {
     cuda::GemmParams gp{};
-    gp.x = last.as<bf16>() + begin * c.hidden_size;
+    gp.x = ws.last.as<bf16>() + begin * c.hidden_size;
     gp.w = lm_head;
     gp.y = nullptr;
     gp.m = count;
     gp.n = c.vocab_size;
     gp.k = c.hidden_size;
-    gp.y_f32 = logits.as<float>();
+    gp.y_f32 = ws.logits.as<float>();
     if (!tp()) {
-      gemm->run(gp, stream);
+      ws.gemm->run(gp, stream);
       return;
     }
     // Vocab-parallel: this rank's columns of each row, placed into a zeroed full-width row of
@@ -868,16 +665,16 @@ struct Qwen3MoeCuda::Impl {
       TANDEM_CUDA_CHECK(
           cudaMemsetAsync(reg, 0, static_cast<size_t>(cnt * v) * sizeof(float), stream));
       if (vl > 0) {
-        gp.x = last.as<bf16>() + (begin + b) * c.hidden_size;
+        gp.x = ws.last.as<bf16>() + (begin + b) * c.hidden_size;
         gp.m = cnt;
         gp.n = vl;
         gp.y_f32 = lm_local.as<float>();
-        gemm->run(gp, stream);
+        ws.gemm->run(gp, stream);
         TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(
             reg + plan.vocab.begin, v * sizeof(float), lm_local.as<float>(), vl * sizeof(float),
             vl * sizeof(float), cnt, cudaMemcpyDeviceToDevice, stream));
       }
-      ar->all_reduce_registered(logits.as<float>() + b * v, static_cast<size_t>(cnt * v),
+      ar->all_reduce_registered(ws.logits.as<float>() + b * v, static_cast<size_t>(cnt * v),
                                 DType::kF32, stream);
     }
   }
@@ -891,9 +688,9 @@ struct Qwen3MoeCuda::Impl {
     comm::CudaAllReduceConfig ac = comm::CudaAllReduceConfig::defaults(plan.spec.size);
     if (tp()) {
       // One buffer carries a whole step's activations and a chunk of logits rows.
-      head_chunk = std::min(rows_cap, std::max<int64_t>(1, (int64_t{32} << 20) / (4 * v)));
+      head_chunk = std::min(ws.rows_cap, std::max<int64_t>(1, (int64_t{32} << 20) / (4 * v)));
       const size_t need = static_cast<size_t>(
-          std::max(t_cap * h * static_cast<int64_t>(sizeof(bf16)), head_chunk * v * 4));
+          std::max(ws.t_cap * h * static_cast<int64_t>(sizeof(bf16)), head_chunk * v * 4));
       ac.max_bytes = std::max(ac.max_bytes, (need + 4095) / 4096 * 4096);
       lm_local =
           DeviceMem(static_cast<size_t>(head_chunk * std::max<int64_t>(plan.vocab.size(), 1)) *
@@ -907,10 +704,10 @@ struct Qwen3MoeCuda::Impl {
       mc.num_experts = static_cast<int>(c.num_experts);
       mc.hidden = static_cast<int>(h);
       mc.top_k = static_cast<int>(c.num_experts_per_tok);
-      mc.max_tokens = static_cast<int>(t_cap);
+      mc.max_tokens = static_cast<int>(ws.t_cap);
       ep = std::make_unique<comm::CudaMoe>(*ar, mc);
       ep_max_rows = ep->max_recv_rows();
-      const auto T = static_cast<size_t>(t_cap);
+      const auto T = static_cast<size_t>(ws.t_cap);
       ep_logits = DeviceMem(T * static_cast<size_t>(c.num_experts) * sizeof(float));
       ep_ids = DeviceMem(T * static_cast<size_t>(c.num_experts_per_tok) * sizeof(int32_t));
       ep_w = DeviceMem(T * static_cast<size_t>(c.num_experts_per_tok) * sizeof(float));
@@ -929,16 +726,10 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   const bool mxfp8 = cuda_model::is_mxfp8(config_.quant);
   const cuda_model::Mxfp8Gpu mx_mode =
       mxfp8 ? cuda_model::mxfp8_gpu_mode_from_env() : cuda_model::Mxfp8Gpu::kDequant;
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    (void)cudaGetLastError();
-    TANDEM_THROW(kUnsupported, "--device cuda: no CUDA device is visible");
-  }
-  TANDEM_CHECK_KIND(kInvalidArgument, opts_.device >= 0 && opts_.device < count, "CUDA device ",
-                    opts_.device, " does not exist (", count, " visible)");
-  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  impl_ = std::make_unique<Impl>(config_, stream_);
+  runner_ = std::make_unique<cuda_model::CudaRunner>(config_, opts_);
+  stream_ = runner_->stream();
+  impl_ = std::make_unique<Impl>(config_, *runner_);
+  runner_->set_layers(impl_.get());
   impl_->plan = ShardPlan::make(config_, opts_.shard);
   impl_->store = opts_.store;
   // Block FP8 stays FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for comparisons);
@@ -961,17 +752,11 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
                     "query heads / KV heads per prefill TP rank");
   }
-  TANDEM_CUDA_CHECK(
-      cudaDeviceGetAttribute(&impl_->num_sms, cudaDevAttrMultiProcessorCount, opts_.device));
-  for (int64_t b : kBuckets) {
-    if (b <= opts_.max_seqs) buckets_.push_back(b);
-  }
-  if (buckets_.empty() || buckets_.back() < std::min<int64_t>(opts_.max_seqs, 256)) {
-    buckets_.push_back(std::min<int64_t>(opts_.max_seqs, 256));
-  }
   // Prefill TP batches are prompts: eager (no decode graphs).
-  if (!opts_.cuda_graphs || impl_->plan.tensor_parallel()) buckets_.clear();
+  if (impl_->plan.tensor_parallel()) runner_->clear_buckets();
 }
+
+const std::vector<int64_t>& Qwen3MoeCuda::buckets() const { return runner_->buckets(); }
 
 const ShardPlan& Qwen3MoeCuda::shard() const { return impl_->plan; }
 
@@ -982,25 +767,26 @@ bool Qwen3MoeCuda::mtp_graphs_on() const {
 
 MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   Impl& im = *impl_;
+  const cuda_model::Workspace& ws = runner_->ws();
   MtpScratch s;
-  s.x = im.x.as<void>();
-  s.xn = im.xn.as<void>();
-  s.y = im.y.as<void>();
+  s.x = ws.x.as<void>();
+  s.xn = ws.xn.as<void>();
+  s.y = ws.y.as<void>();
   s.qkv = im.qkv.as<void>();
   s.q = im.q.as<void>();
   s.attn = im.attn.as<void>();
-  s.last = im.last.as<void>();
-  s.logits = im.logits.as<float>();
-  s.attn_ws = im.attn_ws.as<float>();
-  s.attn_ws_floats = im.attn_ws_floats;
-  s.gemm = im.gemm.get();
+  s.last = ws.last.as<void>();
+  s.logits = ws.logits.as<float>();
+  s.attn_ws = ws.attn_ws.as<float>();
+  s.attn_ws_floats = ws.attn_ws_floats;
+  s.gemm = ws.gemm.get();
   s.embed = im.embed;
   s.lm_head = im.lm_head;
-  s.t_cap = im.t_cap;
-  s.rows_cap = im.rows_cap;
-  s.num_sms = im.num_sms;
+  s.t_cap = ws.t_cap;
+  s.rows_cap = ws.rows_cap;
+  s.num_sms = ws.num_sms;
   s.stream = stream_;
-  s.sampler = im.sampler.get();
+  s.sampler = ws.sampler.get();
   if (im.ep) {  // decode DP/EP: the MTP layer's MoE through the target's exchange
     s.ep = im.ep.get();
     s.ep_logits = im.ep_logits.as<float>();
@@ -1013,7 +799,7 @@ MtpScratch Qwen3MoeCuda::mtp_scratch() const {
     s.ep_local_experts = im.local_experts();
   }
   if (mtp_graphs_on()) {  // the draft passes' graphs (mtp_cuda.h): single-GPU models
-    s.buckets = buckets_;
+    s.buckets = runner_->buckets();
     s.graph_context =
         opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
   }
@@ -1030,16 +816,16 @@ void Qwen3MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const in
                                    std::vector<std::vector<int32_t>>& drafts) {
   TANDEM_CHECK(mtp_ != nullptr, "mtp_draft_chain: no MTP layer loaded");
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const Impl& im = *impl_;
+  const std::vector<int32_t>& last = runner_->hidden_rows();
   std::vector<int32_t> rows(hidden_rows.size());  // batch order -> rows of xn
   for (size_t t = 0; t < rows.size(); ++t) {
     const int64_t r = hidden_rows[t];
-    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(im.hidden_rows.size()),
-                 "mtp_draft_chain: hidden row ", r, " is not a token of the last forward (",
-                 im.hidden_rows.size(), " tokens)");
-    rows[t] = im.hidden_rows[static_cast<size_t>(r)];
+    TANDEM_CHECK(r >= 0 && r < static_cast<int64_t>(last.size()), "mtp_draft_chain: hidden row ", r,
+                 " is not a token of the last forward (", last.size(), " tokens)");
+    rows[t] = last[static_cast<size_t>(r)];
   }
-  mtp_->draft_chain(first, im.xn.as<void>(), im.t_cap, rows, chain, mtp_kv, drafts);
+  const cuda_model::Workspace& ws = runner_->ws();
+  mtp_->draft_chain(first, ws.xn.as<void>(), ws.t_cap, rows, chain, mtp_kv, drafts);
 }
 
 bool Qwen3MoeCuda::fuses_verify_and_draft() const {
@@ -1053,29 +839,30 @@ void Qwen3MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
                                         VerifyDraftStep& step, std::vector<SampledToken>& out) {
   TANDEM_CHECK(mtp_ != nullptr, "forward_verify_draft: no MTP layer loaded");
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  Impl& im = *impl_;
+  cuda_model::Workspace& ws = runner_->ws();
   const auto R = static_cast<int64_t>(rows.size());
   TANDEM_CHECK(R == batch.num_logit_rows() && R == batch.num_tokens() && R > 0,
                "forward_verify_draft: ", R, " sampling rows for ", batch.num_logit_rows(),
                " logits rows of ", batch.num_tokens(), " tokens (one row each)");
-  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R,
-                    " sampling rows exceed the CUDA model's ", im.rows_cap);
+  TANDEM_CHECK_KIND(kInvalidArgument, R <= ws.rows_cap, R,
+                    " sampling rows exceed the CUDA model's ", ws.rows_cap);
   // The logits are the model's own device scratch (the sampler's biases apply in place); the
   // MTP passes reuse that buffer after the sampler read it (one stream).
   ++fused_steps_;
   float* logits = const_cast<float*>(forward_device(batch, kv));
-  im.sampler->enqueue(logits, rows, {}, stream_);
-  mtp_->draft_after_verify(batch, im.xn.as<void>(), im.t_cap, im.hidden_rows,
-                           im.sampler->device_tokens(), step, mtp_kv);  // synchronises
-  im.sampler->collect(out, stream_);
+  ws.sampler->enqueue(logits, rows, {}, stream_);
+  mtp_->draft_after_verify(batch, ws.xn.as<void>(), ws.t_cap, runner_->hidden_rows(),
+                           ws.sampler->device_tokens(), step, mtp_kv);  // synchronises
+  ws.sampler->collect(out, stream_);
 }
 
 int64_t Qwen3MoeCuda::fp8_linears() const { return static_cast<int64_t>(impl_->fp8_allocs.size()); }
 
 Qwen3MoeCuda::~Qwen3MoeCuda() {
   mtp_.reset();
+  if (runner_) runner_->reset_graphs();
   impl_.reset();
-  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  runner_.reset();
 }
 
 std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
@@ -1089,7 +876,7 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(std::move(config), opts));
   m->impl_->allocate_weights(&reader);
   m->impl_->load_weights(reader);
-  m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
+  m->impl_->allocate_activations(opts);
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
   for (const auto& d : m->impl_->mem8) m->weight_bytes_ += static_cast<int64_t>(d.size());
   return m;
@@ -1102,7 +889,7 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::random(const ModelConfig& config,
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda(config, opts));
   m->impl_->allocate_weights(nullptr);
   m->impl_->random_weights(seed);
-  m->impl_->allocate_activations(opts, m->buckets_.empty() ? 1 : m->buckets_.back());
+  m->impl_->allocate_activations(opts);
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
   for (const auto& d : m->impl_->mem8) m->weight_bytes_ += static_cast<int64_t>(d.size());
   return m;
@@ -1115,32 +902,14 @@ KvGeometry Qwen3MoeCuda::kv_geometry(int64_t num_pages, int64_t page_size) const
 }
 
 KvCache Qwen3MoeCuda::make_kv_cache(int64_t num_pages, int64_t page_size) {
-  const KvGeometry g = kv_geometry(num_pages, page_size);
-  TANDEM_CHECK_KIND(kInvalidArgument, num_pages > 0 && page_size > 0, "bad KV cache size");
-  const size_t layer_bytes = static_cast<size_t>(g.page_elems() * num_pages) * sizeof(bf16);
-  // One allocation for all layers, zeroed: a captured step's padding tokens read page 0.
-  auto pool = std::make_shared<DeviceMem>(layer_bytes * static_cast<size_t>(g.num_layers));
-  TANDEM_CUDA_CHECK(cudaMemsetAsync(pool->as<void>(), 0, pool->size(), stream_));
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  KvCache::External ext;
-  for (int64_t l = 0; l < g.num_layers; ++l) {
-    ext.layers.push_back(pool->as<uint8_t>() + static_cast<size_t>(l) * layer_bytes);
-  }
-  ext.owner = pool;
-  ext.stream = stream_;
-  return KvCache(g, std::move(ext));
+  return runner_->make_kv_cache(kv_geometry(num_pages, page_size), /*states=*/false);
 }
 
 int64_t Qwen3MoeCuda::kv_cache_budget_mb(double utilization) const {
-  size_t free_b = 0, total_b = 0;
-  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  TANDEM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  return kv_cache_mb_for(free_b, total_b, utilization);
+  return runner_->kv_cache_budget_mb(utilization);
 }
 
-int64_t Qwen3MoeCuda::kv_cache_mb_hint() const {
-  return opts_.gpu_memory_utilization > 0 ? kv_cache_budget_mb(opts_.gpu_memory_utilization) : 0;
-}
+int64_t Qwen3MoeCuda::kv_cache_mb_hint() const { return runner_->kv_cache_mb_hint(); }
 
 std::string Qwen3MoeCuda::last_moe_path() const {
   if (!impl_->moe) return "";
@@ -1166,39 +935,27 @@ double Qwen3MoeCuda::last_moe_imbalance() const {
 }
 
 void Qwen3MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
-  if (impl_->plan.spec.size > 1 || buckets_.empty()) return;
-  const int32_t token = 0, page = 0;
-  for (const int64_t bucket : buckets_) {
-    if (bucket > std::max<int64_t>(1, max_batch)) break;
-    ForwardBatch batch;  // bucket one-token sequences at position 0 of page 0
-    for (int64_t i = 0; i < bucket; ++i) {
-      ForwardSeq s;
-      s.tokens = &token;
-      s.num_tokens = 1;
-      s.block_table = &page;
-      s.num_pages = 1;
-      batch.seqs.push_back(s);
-    }
-    launch(batch, kv);  // captures the bucket's graph, then replays it once
-  }
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // (a sharded model's ranks capture together on first use)
+  if (impl_->plan.spec.size == 1) runner_->capture_buckets(kv, max_batch, 1);
 }
 
 void Qwen3MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch, int64_t k) {
   const int64_t q = k + 1;  // tokens per verify sequence
-  if (!mtp_graphs_on() || buckets_.empty() || k < 1 || q > kMaxGraphTokensPerSeq ||
+  const std::vector<int64_t>& buckets = runner_->buckets();
+  const cuda_model::Workspace& ws = runner_->ws();
+  if (!mtp_graphs_on() || buckets.empty() || k < 1 || q > cuda_model::kMaxGraphTokensPerSeq ||
       q > opts_.page_size) {
     return;
   }
   const std::vector<int32_t> tokens(static_cast<size_t>(q), 0);
   const std::vector<float> hidden(
-      static_cast<size_t>(std::min(std::max<int64_t>(1, max_batch), buckets_.back()) *
+      static_cast<size_t>(std::min(std::max<int64_t>(1, max_batch), buckets.back()) *
                           config_.hidden_size),
       0.0f);
   const int32_t page = 0;
-  for (const int64_t bucket : buckets_) {
+  for (const int64_t bucket : buckets) {
     if (bucket > std::max<int64_t>(1, max_batch)) break;
-    if (bucket * q > impl_->t_cap || bucket * q > impl_->rows_cap) break;
+    if (bucket * q > ws.t_cap || bucket * q > ws.rows_cap) break;
     ForwardBatch batch;  // bucket verify-shaped sequences at positions 0.. of page 0
     ForwardBatch chain;  // bucket one-token MTP passes at position 0 of page 0
     for (int64_t i = 0; i < bucket; ++i) {
@@ -1213,288 +970,31 @@ void Qwen3MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max
       s.logits = LogitsMode::kLast;
       chain.seqs.push_back(s);
     }
-    launch(batch, kv);  // captures the (bucket, K + 1) graph, then replays it once
+    runner_->launch(batch, kv);  // captures the (bucket, K + 1) graph, then replays it once
     if (mtp_ != nullptr) mtp_->forward(chain, hidden.data(), mtp_kv);  // its draft pass graph
   }
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const {
-  std::vector<int64_t> out;
-  for (const auto& [k, g] : impl_->graphs) {
-    if (k < kGraphKeyStride) out.push_back(k);
-  }
-  return out;
-}
+std::vector<int64_t> Qwen3MoeCuda::captured_buckets() const { return runner_->captured_buckets(); }
 
 std::vector<std::pair<int64_t, int64_t>> Qwen3MoeCuda::captured_verify_graphs() const {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& [k, g] : impl_->graphs) {
-    if (k >= kGraphKeyStride) out.emplace_back(k % kGraphKeyStride, k / kGraphKeyStride + 1);
-  }
-  return out;
-}
-
-bool Qwen3MoeCuda::launch(const ForwardBatch& batch, KvCache& kv) {
-  Impl& im = *impl_;
-  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));  // the engine thread may be a new one
-  const auto& g = kv.geometry();
-  TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 && g.num_kv_heads == im.kvh() &&
-                   g.head_dim == config_.head_dim && g.num_layers == config_.num_hidden_layers,
-               "the KV cache was not made by this CUDA model");
-  const int64_t n = batch.num_tokens(), page_size = g.page_size;
-  const int64_t num_rows = batch.num_logit_rows();
-  TANDEM_CHECK_KIND(kInvalidArgument, n <= im.t_cap, "a batch of ", n,
-                    " tokens exceeds the CUDA model's max_tokens ", im.t_cap);
-  if (n == 0 && !im.dp_ep()) return false;
-  // NOTE: a decode EP rank with nothing to do still runs one (zero-token) step: its experts
-  // serve the other ranks' tokens, and every rank makes the same collective calls per step.
-
-  // Graph eligibility: a pure decode step (one token per sequence, its logits), or a
-  // speculative verify step (q = K + 1 tokens per sequence, logits of all, run as decode tokens
-  // of the attention), that fits a bucket of sequences and the captured table width.
-  const int64_t q = batch.seqs.empty() ? 1 : batch.seqs[0].num_tokens;
-  const auto nseq = static_cast<int64_t>(batch.seqs.size());
-  bool decode = !batch.on_layer_kv && !buckets_.empty() && nseq <= buckets_.back() &&
-                page_size == opts_.page_size && q >= 1 && q <= kMaxGraphTokensPerSeq;
-  int64_t width = 1;
-  for (const auto& s : batch.seqs) {
-    width = std::max(width, s.num_pages);
-    decode =
-        decode && s.num_tokens == q && s.logits == (q == 1 ? LogitsMode::kLast : LogitsMode::kAll);
-  }
-  if (decode) {
-    if (im.graph_width == 0) {
-      const int64_t ctx =
-          opts_.graph_max_context > 0 ? opts_.graph_max_context : config_.max_position_embeddings;
-      im.graph_width = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
-    }
-    decode = width <= im.graph_width;
-  }
-  int64_t bucket = decode ? *std::lower_bound(buckets_.begin(), buckets_.end(), nseq) : 0;
-  if (decode && q > 1 && (bucket * q > im.t_cap || bucket * q > im.rows_cap)) {
-    decode = false;
-    bucket = 0;
-  }
-  const bool zero = n == 0;  // decode EP, nothing of our own
-  const int64_t rows_n = decode ? bucket * q : std::max<int64_t>(n, 1);  // padded token count
-  const int64_t tw = decode ? im.graph_width : width;
-  const int64_t num_seqs =
-      decode ? bucket : std::max<int64_t>(1, static_cast<int64_t>(batch.seqs.size()));
-
-  // 1. Metadata on the host.
-  HostMeta hm;
-  hm.ids.assign(static_cast<size_t>(rows_n), 0);
-  hm.positions.assign(static_cast<size_t>(rows_n), 0);
-  hm.token_seq.resize(static_cast<size_t>(rows_n));
-  hm.slots.assign(static_cast<size_t>(rows_n), -1);  // padding writes no KV
-  hm.num_real = static_cast<int32_t>(n);
-  hm.tables.assign(static_cast<size_t>(num_seqs * tw), 0);
-  for (int64_t t = 0; t < rows_n; ++t)
-    hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(t);
-  // Tokens of multi-token chunks go first (the attention's prefill kernel takes the leading
-  // num_prefill tokens, the decode kernel the rest); logits rows stay in batch order.
-  std::vector<int64_t> first_token(batch.seqs.size());
-  int64_t num_prefill = 0;
-  {
-    int64_t chunk_t = 0, decode_t = 0;
-    for (const auto& s : batch.seqs) num_prefill += s.num_tokens > 1 ? s.num_tokens : 0;
-    for (size_t si = 0; si < batch.seqs.size(); ++si) {
-      const int64_t k = batch.seqs[si].num_tokens;
-      first_token[si] = k > 1 ? chunk_t : num_prefill + decode_t;
-      (k > 1 ? chunk_t : decode_t) += k;
-    }
-  }
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const ForwardSeq& s = batch.seqs[si];
-    TANDEM_CHECK(s.num_tokens > 0, "empty sequence chunk");
-    TANDEM_CHECK((s.start_pos + s.num_tokens + page_size - 1) / page_size <= s.num_pages,
-                 "block table too short: ", s.num_pages, " pages for ", s.start_pos + s.num_tokens,
-                 " tokens");
-    for (int64_t p = 0; p < s.num_pages; ++p) {
-      const int32_t page = s.block_table[p];
-      TANDEM_CHECK(page >= 0 && page < g.num_pages, "page ", page, " outside the KV cache");
-      hm.tables[static_cast<size_t>(static_cast<int64_t>(si) * tw + p)] = page;
-    }
-    const bool all = s.logits == LogitsMode::kAll;
-    for (int64_t i = 0; i < s.num_tokens; ++i) {
-      const int64_t t = first_token[si] + i;
-      const int64_t pos = s.start_pos + i;
-      const int32_t id = s.tokens[i];
-      TANDEM_CHECK_KIND(kInvalidArgument, id >= 0 && id < config_.vocab_size, "token id ", id,
-                        " is out of range [0, ", config_.vocab_size, ")");
-      hm.ids[static_cast<size_t>(t)] = id;
-      hm.positions[static_cast<size_t>(t)] = static_cast<int32_t>(pos);
-      hm.token_seq[static_cast<size_t>(t)] = static_cast<int32_t>(si);
-      hm.slots[static_cast<size_t>(t)] =
-          int64_t{s.block_table[pos / page_size]} * page_size + pos % page_size;
-      if (all || (s.logits == LogitsMode::kLast && i == s.num_tokens - 1)) {
-        hm.rows.push_back(static_cast<int32_t>(t));
-      }
-    }
-  }
-  if (decode) {  // every padded row produces (discarded) logits, so the graph is fixed
-    for (int64_t r = n; r < rows_n; ++r) hm.rows.push_back(static_cast<int32_t>(r));
-    // Padding tokens of a verify graph: q per padding sequence (tables of zeros).
-    for (int64_t t = n; t < rows_n; ++t) hm.token_seq[static_cast<size_t>(t)] = int32_t(t / q);
-  }
-  im.first_token = first_token;
-  im.hidden_rows.clear();
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    for (int64_t i = 0; i < batch.seqs[si].num_tokens; ++i) {
-      im.hidden_rows.push_back(static_cast<int32_t>(first_token[si] + i));
-    }
-  }
-
-  if (!decode) {
-    // 2a. Eager.
-    const size_t tb = hm.tables.size() * sizeof(int32_t);
-    if (im.e_tables.size() < tb) im.e_tables = DeviceMem(tb * 2);
-    Meta m = im.meta_at(im.e_meta);
-    m.tables = im.e_tables.as<int32_t>();
-    m.n = rows_n;  // n, or one padding token for a zero-token EP step
-    m.width = width;
-    m.num_rows = num_rows;
-    m.num_prefill = num_prefill;
-    im.upload(hm, m, m.tables);
-    if (num_prefill > 0 && !im.det &&  // the mode runs no prefill kernel (batch_invariant.h)
-        im.prefill_plan.plan({hm.token_seq.data(), hm.positions.data(), num_prefill, im.qh(),
-                              im.kvh(), config_.head_dim, page_size, width},
-                             stream_)) {
-      m.prefill_plan = &im.prefill_plan;
-    }
-    im.body(m, kv, zero ? nullptr : &batch);
-    return false;
-  }
-
-  // 2b. Graph replay (captured on first use of the bucket).
-  Meta m = im.meta_at(im.g_meta);
-  if (im.g_tables.size() == 0) {
-    im.g_tables = DeviceMem(static_cast<size_t>(buckets_.back() * im.graph_width) * 4);
-  }
-  m.tables = im.g_tables.as<int32_t>();
-  m.n = rows_n;
-  m.width = im.graph_width;
-  m.num_rows = rows_n;
-  m.num_prefill = 0;  // a verify step's tokens are decode tokens (few per sequence)
-  if (im.graph_kv != kv.layer_data(0) || im.graph_page_size != page_size) {
-    im.drop_graphs();
-    im.graph_kv = kv.layer_data(0);
-    im.graph_page_size = page_size;
-  }
-  const int64_t key = graph_key(bucket, q);
-  auto it = im.graphs.find(key);
-  if (it == im.graphs.end()) {
-    // Warm-up run (GEMM plans, workspaces) with padding only: no KV is written.
-    HostMeta pad = hm;
-    std::fill(pad.slots.begin(), pad.slots.end(), -1);
-    std::fill(pad.ids.begin(), pad.ids.end(), 0);
-    im.upload(pad, m, m.tables);
-    im.body(m, kv, nullptr, /*warmup=*/true);
-    im.head(0, rows_n);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    Impl::Graph gr;
-    gr.exec = cuda_model::capture_graph(stream_, [&] {
-      im.body(m, kv, nullptr);
-      im.head(0, rows_n);
-    });
-    it = im.graphs.emplace(key, gr).first;
-  }
-  im.upload(hm, m, m.tables);
-  TANDEM_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
-  return true;
+  return runner_->captured_verify_graphs();
 }
 
 const float* Qwen3MoeCuda::forward_device(const ForwardBatch& batch, KvCache& kv) {
-  Impl& im = *impl_;
-  const int64_t rows = batch.num_logit_rows();
-  TANDEM_CHECK_KIND(kInvalidArgument, rows <= im.rows_cap, rows,
-                    " logits rows exceed the CUDA model's ", im.rows_cap);
-  if (!launch(batch, kv) && rows > 0) im.head(0, rows);
-  return im.logits.as<float>();
+  return runner_->forward_device(batch, kv);
 }
 
 void Qwen3MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) {
-  Impl& im = *impl_;
-  const int64_t rows = batch.num_logit_rows(), v = config_.vocab_size;
-  if (batch.num_tokens() == 0) {
-    logits.clear();
-    if (im.dp_ep()) {  // the zero-token step of a decode EP rank
-      launch(batch, kv);
-      TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    }
-    return;
-  }
-  logits.resize(static_cast<size_t>(rows * v));
-  const bool done = launch(batch, kv);
-  // The head in chunks of the logits buffer (prompt logprobs of a long chunk need many rows).
-  for (int64_t begin = 0; begin < rows; begin += im.rows_cap) {
-    const int64_t count = std::min(im.rows_cap, rows - begin);
-    if (!done) im.head(begin, count);
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(logits.data() + begin * v, im.logits.as<float>(),
-                                      static_cast<size_t>(count * v) * sizeof(float),
-                                      cudaMemcpyDeviceToHost, stream_));
-    // the next chunk's GEMM overwrites the buffer: the copy comes first (same stream)
-  }
-  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);  // synchronises
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-}
-
-void Qwen3MoeCuda::copy_hidden(const ForwardBatch& batch, std::vector<float>& out) {
-  Impl& im = *impl_;
-  const int64_t n = batch.num_tokens(), h = config_.hidden_size;
-  std::vector<uint16_t> dev(static_cast<size_t>(n * h));  // device token order
-  out.resize(static_cast<size_t>(n * h));
-  if (n == 0) return;
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dev.data(), im.xn.as<void>(), dev.size() * sizeof(uint16_t),
-                                    cudaMemcpyDeviceToHost, stream_));
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  int64_t t = 0;  // batch order
-  for (size_t si = 0; si < batch.seqs.size(); ++si) {
-    const int64_t k = batch.seqs[si].num_tokens, first = im.first_token[si];
-    for (int64_t i = 0; i < k; ++i, ++t) {
-      const uint16_t* src = dev.data() + (first + i) * h;
-      float* dst = out.data() + t * h;
-      for (int64_t j = 0; j < h; ++j) dst[j] = bf16_to_f32(src[j]);
-    }
-  }
+  runner_->forward(batch, kv, logits);
 }
 
 void Qwen3MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
                                   const std::vector<DeviceSampling>& rows,
                                   std::vector<SampledToken>& out,
                                   const std::function<void()>& wait_masks) {
-  Impl& im = *impl_;
-  const auto R = static_cast<int64_t>(rows.size());
-  TANDEM_CHECK(R == batch.num_logit_rows(), "forward_sample: ", R, " sampling rows for ",
-               batch.num_logit_rows(), " logits rows");
-  out.clear();
-  if (batch.num_tokens() == 0) {
-    if (im.dp_ep()) {  // the zero-token step of a decode EP rank
-      launch(batch, kv);
-      TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    }
-    return;
-  }
-  const float* logits = forward_device(batch, kv);
-  if (batch.hidden_out != nullptr) copy_hidden(batch, *batch.hidden_out);
-  sample_rows(logits, rows, out, wait_masks);
-}
-
-void Qwen3MoeCuda::sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
-                               std::vector<SampledToken>& out,
-                               const std::function<void()>& wait_masks) {
-  Impl& im = *impl_;
-  const auto R = static_cast<int64_t>(rows.size());
-  out.clear();
-  if (R == 0) {
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return;
-  }
-  TANDEM_CHECK_KIND(kInvalidArgument, R <= im.rows_cap, R,
-                    " sampling rows exceed the CUDA model's ", im.rows_cap);
-  // The logits are the model's own device scratch: biases and masks are applied in place.
-  im.sampler->sample(const_cast<float*>(logits), rows, wait_masks, out, stream_);
+  runner_->forward_sample(batch, kv, rows, out, wait_masks);
 }
 
 }  // namespace tandem

@@ -1,15 +1,8 @@
-// Qwen3-MoE on one GPU: bf16 weights in device memory, bf16 paged HND KV in device memory,
-// the layer built from the CUDA backend ops (src/backend/cuda), decode steps replayed from
-// CUDA graphs captured per batch-size bucket.
-//
-// One forward():
-//   1. the batch's metadata (ids, positions, owning sequence, KV slots, block tables, rows
-//      that need logits) is packed on the host and copied up (no other host traffic);
-//   2. a pure decode batch (one token per sequence) of n <= the largest bucket runs as the
-//      captured graph of the smallest bucket >= n, padded (padding tokens write no KV);
-//      anything else runs eagerly;
-//   3. fp32 logits rows come back to the host (forward) or stay on the device
-//      (forward_device, for benchmarks and on-device sampling).
+// Qwen3-MoE on the GPU: bf16 (or block-FP8) weights in device memory, bf16 paged HND KV in
+// device memory, the layers built from the CUDA backend ops (src/backend/cuda); the whole model
+// on one GPU or one rank's slice of it (prefill TP/EP, decode DP/EP). Steps run through the
+// CUDA model runner (model/cuda/runner.h: metadata, graphs, forward and sampling); this file
+// holds the weights and the layers.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,64 +14,19 @@
 #include <utility>
 #include <vector>
 
-#include "model/qwen3_moe.h"
+#include "model/cuda/factory.h"
+#include "model/cuda/options.h"
+#include "model/model.h"
+#include "model/shard.h"
 
 namespace tandem {
 
 class MtpCuda;  // model/cuda/mtp_cuda.h
 struct MtpScratch;
 
-namespace comm {
-class TcpStore;
+namespace cuda_model {
+class CudaRunner;
 }
-
-struct CudaModelOptions {
-  int device = 0;
-  /// Most tokens in one forward (the engine's max_num_batched_tokens, or more).
-  int64_t max_tokens = 8192;
-  /// Most sequences in one forward (the engine's max_num_seqs).
-  int64_t max_seqs = 256;
-  /// Capture decode steps in CUDA graphs.
-  bool cuda_graphs = true;
-  /// Context a captured decode step can address (its block tables' width); 0: the model's
-  /// max_position_embeddings. Longer sequences run eagerly.
-  int64_t graph_max_context = 0;
-  /// Page size the graphs are captured for (the engine's page size).
-  int64_t page_size = 16;
-  /// MTP speculative decoding: replay the chained (one-token) draft passes in CUDA graphs by
-  /// batch bucket, and capture them and the verify graphs of the configured K at warm-up
-  /// (Model::warm_up_speculative). On by default (the H200 measured it as fast as eager draft
-  /// passes, docs/perf.md, and warm-up moves the captures out of serving); false, or
-  /// TANDEM_MTP_GRAPHS=0 in the environment: passes eager, verify graphs captured on first use.
-  bool mtp_graphs = true;
-  /// For benchmarks: force the MoE layer's path for eager (prefill) batches: "" (auto), "mma",
-  /// "cublas" or "padded" (backend/cuda/moe_layer.h).
-  std::string moe_prefill_path;
-  /// > 0: kv_cache_mb_hint() is what this share of the device's memory leaves after the model
-  /// (vLLM's --gpu-memory-utilization); 0: no hint.
-  double gpu_memory_utilization = 0;
-  /// Which slice of the model this rank holds (model/shard.h): the whole model (kSingle),
-  /// prefill TP/EP (heads and experts split, o_proj and the MoE block all-reduced with our
-  /// one-shot / two-shot kernels, vocab-parallel lm_head) or decode DP/EP (attention
-  /// replicated, experts split, tokens to their experts by our CUDA-IPC dispatch / combine
-  /// inside the decode graphs).
-  ShardSpec shard;
-  /// Block-FP8 checkpoints (quantization_config fp8, 128-wide blocks): keep the quantized
-  /// linears E4M3 in device memory with their block scales (half bf16's bytes; the FP8 kernels
-  /// of backend/cuda/fp8_linear.h). false, or TANDEM_CUDA_FP8=0 in the environment: dequantize
-  /// them to bf16 at load (the comparison path). random() keeps FP8 when its config says
-  /// block FP8. MXFP8 checkpoints are dequantized to bf16 either way.
-  bool fp8_weights = true;
-  /// Batch-invariant numerics (--deterministic, model/cuda/batch_invariant.h): a request's
-  /// logits are bitwise the same alone, batched with any others, chunked or after a prefix-cache
-  /// hit, in graphs or eager. Slower prefill attention (every token on the decode kernel);
-  /// block-FP8 weights dequantized to bf16 at load; one GPU only (kUnsupported when sharded);
-  /// no MTP (load_mtp refuses it: drafts would depend on the batch).
-  bool deterministic = false;
-  /// The group's bootstrap store (required when shard.size > 1; one process per rank): the
-  /// rank's CUDA communicators rendezvous through it. Kept alive by the model.
-  std::shared_ptr<comm::TcpStore> store;
-};
 
 class Qwen3MoeCuda final : public Model {
  public:
@@ -184,23 +132,15 @@ class Qwen3MoeCuda final : public Model {
   /// over the mean (1 = perfectly balanced). Synchronises the stream.
   double last_moe_imbalance() const;
   /// Decode-step buckets (the batch sizes graphs are captured for).
-  const std::vector<int64_t>& buckets() const { return buckets_; }
+  const std::vector<int64_t>& buckets() const;
 
   struct Impl;
 
  private:
   Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts);
-  // Runs the batch: a captured graph (returns true: logits of every row computed) or eagerly
-  // up to the gathered logits rows' hidden states (returns false: the head is the caller's).
-  bool launch(const ForwardBatch& batch, KvCache& kv);
-  // batch.hidden_out of the last launch (the final normed hidden states, batch order).
-  void copy_hidden(const ForwardBatch& batch, std::vector<float>& out);
-  // Samples logits rows [rows.size(), vocab] on the device (their biases and masks applied to
-  // the logits in place, after wait_masks()); synchronises.
-  void sample_rows(const float* logits, const std::vector<DeviceSampling>& rows,
-                   std::vector<SampledToken>& out, const std::function<void()>& wait_masks = {});
   MtpScratch mtp_scratch() const;
   bool mtp_graphs_on() const;  // CudaModelOptions::mtp_graphs unless TANDEM_MTP_GRAPHS=0, one GPU
+  std::unique_ptr<cuda_model::CudaRunner> runner_;
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<MtpCuda> mtp_;
   int64_t fused_steps_ = 0;
@@ -208,16 +148,6 @@ class Qwen3MoeCuda final : public Model {
   CudaModelOptions opts_;
   cudaStream_t stream_ = nullptr;
   int64_t weight_bytes_ = 0;
-  std::vector<int64_t> buckets_;
 };
-
-/// The KV cache a GPU can give once the model is loaded, as vLLM's --gpu-memory-utilization:
-/// what is free beyond the share (1 - utilization) of the device's memory left unused, in MiB
-/// (at least 64). CPU-only arithmetic; Qwen3MoeCuda::kv_cache_budget_mb asks the device.
-int64_t kv_cache_mb_for(size_t free_bytes, size_t total_bytes, double utilization);
-
-/// Checks that the CUDA model covers `config` (throws kUnsupported naming `origin` and the
-/// field otherwise). CPU-only: the server calls it before touching the GPU.
-void check_cuda_model_config(const ModelConfig& config, const std::string& origin);
 
 }  // namespace tandem

@@ -21,7 +21,7 @@
 #include "engine/golden.h"
 #include "engine/mtp_weights.h"
 #include "model/cuda/qwen3_moe_cuda.h"
-#include "model/qwen3_moe.h"
+#include "model/model.h"
 
 namespace tandem::cuda_golden {
 

@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "engine/engine.h"
-#include "model/qwen3_moe.h"
+#include "model/model.h"
 #ifdef TANDEM_WITH_CUDA
 #include "model/cuda/qwen3_moe_cuda.h"
 #endif

@@ -7,8 +7,8 @@
 
 #include "engine/engine.h"
 #include "engine/golden.h"
+#include "model/model.h"
 #include "model/qwen3_5_moe.h"
-#include "model/qwen3_moe.h"
 #ifdef TANDEM_WITH_CUDA
 #include "model/cuda/qwen3_moe_cuda.h"
 #endif
