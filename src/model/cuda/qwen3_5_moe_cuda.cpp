@@ -280,13 +280,14 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   bool has_states() const override { return num_linear > 0; }
   int64_t max_graph_q() const override { return verify_graphs ? kMaxVerifyTokens : 1; }
   // replay_states' inputs: kept by every verify graph, and by an eager batch that asks, up to a
-  // verify step's size (a larger batch rolls back with a forward).
+  // verify step's size (a larger batch rolls back with a forward), of any size on a decode EP
+  // rank (a forward there is collective: only the ranks with a rejection would run it).
   bool keeps_inputs(bool graph, int64_t q, int64_t rows_n, const ForwardBatch& batch) override {
     kept_tokens = -1;
-    const bool keep =
-        num_linear > 0 &&
-        (graph ? q > 1
-               : batch.keep_recurrent_inputs && batch.num_tokens() <= ws.s_cap * kMaxVerifyTokens);
+    const bool keep = num_linear > 0 &&
+                      (graph ? q > 1
+                             : batch.keep_recurrent_inputs &&
+                                   (dp_ep() || batch.num_tokens() <= ws.s_cap * kMaxVerifyTokens));
     if (keep) ensure_kept(rows_n);
     return keep;
   }

@@ -93,7 +93,8 @@ class Qwen35MoeCuda final : public Model {
   /// .slot_elems()] fp32; null before the first).
   const float* gathered_state() const;
   /// Model::replay_states on the device: a verify step (a verify graph always; an eager batch
-  /// with keep_recurrent_inputs of at most max_num_seqs * 5 tokens) copies each DeltaNet layer's
+  /// with keep_recurrent_inputs of at most max_num_seqs * 5 tokens, of any size on a decode EP
+  /// rank, whose rollback cannot be a forward) copies each DeltaNet layer's
   /// in_proj rows aside (grown on demand: linear layers x tokens x the in_proj width, bf16;
   /// growing drops the verify graphs); the replay gathers the accepted rows and runs the conv
   /// and the delta rule over them per layer (no GEMM, no MoE).
