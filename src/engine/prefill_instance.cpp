@@ -299,6 +299,9 @@ std::vector<std::vector<float>> PrefillInstance::gather_states(Rank& rank, comm:
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const PrefillStep::Seq& s = step.seqs[i];
     if (!s.last || failed[i] > 0 || s.state_slot < 0) continue;
+    // A model that merges the parts itself (a GPU model, on the devices) does; otherwise they
+    // meet on rank 0 through the group's communicator.
+    if (config_.tp > 1 && rank.model->gather_state(*rank.kv, s.state_slot, 0, states[i])) continue;
     const std::span<const float> part = rank.kv->read_state(s.state_slot);
     if (config_.tp == 1) {
       states[i].assign(part.begin(), part.end());

@@ -57,24 +57,61 @@ namespace {
 // Calls copy(full_offset, part_offset, floats) for every contiguous run of a rank's part.
 template <typename F>
 void for_each_run(const ModelConfig& c, const DeltaNetHeads& heads, F&& copy) {
+  for (const StateRun& r : hybrid_state_runs(c, heads)) copy(r.full, r.part, r.count);
+}
+
+}  // namespace
+
+std::vector<StateRun> hybrid_state_runs(const ModelConfig& c, const DeltaNetHeads& heads,
+                                        bool owned_only) {
   const HybridStateLayout full = HybridStateLayout::full(c), part = HybridStateLayout::of(c, heads);
   const int64_t dk = full.key_dim, dv = full.value_dim, w = full.conv_window;
   const int64_t hk = full.key_heads;
   const int64_t kb = heads.key_heads.begin, vb = heads.value_heads.begin;
+  // A replicated key head's first holder: its value heads start the key head's group.
+  const int64_t group = hk > 0 ? full.value_heads / hk : 1;
+  const bool keys = !owned_only || heads.key_replicas <= 1 || vb % group == 0;
+  std::vector<StateRun> runs;
   for (int64_t l = 0; l < full.num_linear_layers; ++l) {
     // Conv window: [channels, w] per channel; the rank's channels are three contiguous runs.
     const int64_t fc = full.conv_offset(l), pc = part.conv_offset(l);
     const int64_t kc = part.key_heads * dk, vc = part.value_heads * dv;
-    copy(fc + kb * dk * w, pc, kc * w);                               // q channels
-    copy(fc + (hk * dk + kb * dk) * w, pc + kc * w, kc * w);          // k channels
-    copy(fc + (2 * hk * dk + vb * dv) * w, pc + 2 * kc * w, vc * w);  // v channels
+    if (keys) {
+      runs.push_back({fc + kb * dk * w, pc, kc * w});                       // q channels
+      runs.push_back({fc + (hk * dk + kb * dk) * w, pc + kc * w, kc * w});  // k channels
+    }
+    runs.push_back({fc + (2 * hk * dk + vb * dv) * w, pc + 2 * kc * w, vc * w});  // v channels
     // Recurrent: [value heads, dk, dv], the rank's heads contiguous.
-    copy(full.recurrent_offset(l) + vb * dk * dv, part.recurrent_offset(l),
-         part.value_heads * dk * dv);
+    runs.push_back({full.recurrent_offset(l) + vb * dk * dv, part.recurrent_offset(l),
+                    part.value_heads * dk * dv});
   }
+  return runs;
 }
 
-}  // namespace
+HybridSlices HybridSlices::of(const ModelConfig& c, const ShardPlan& plan,
+                              const DeltaNetHeads& dn) {
+  const int64_t d = c.head_dim, hk = c.linear_num_key_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t si = c.shared_expert_intermediate_size;
+  HybridSlices s;
+  s.q_rows = {plan.q_heads.begin * 2 * d, plan.q_heads.end * 2 * d};
+  s.kv_rows = {plan.kv_heads.begin * d, plan.kv_heads.end * d};
+  s.o_cols = {plan.q_heads.begin * d, plan.q_heads.end * d};
+  s.conv_q = {dn.key_heads.begin * dk, dn.key_heads.end * dk};
+  s.conv_k = {hk * dk + s.conv_q.begin, hk * dk + s.conv_q.end};
+  s.conv_v = {2 * hk * dk + dn.value_heads.begin * dv, 2 * hk * dk + dn.value_heads.end * dv};
+  s.z_rows = {dn.value_heads.begin * dv, dn.value_heads.end * dv};
+  s.v_heads = dn.value_heads;
+  s.shared_inter = {0, si};
+  if (plan.tensor_parallel() && plan.spec.size > 1) {
+    const int64_t t = plan.spec.size, r = plan.spec.rank;
+    TANDEM_CHECK_KIND(kInvalidArgument, si % t == 0, shard_mode_name(plan.spec.mode),
+                      ": shared_expert_intermediate_size ", si, " does not split over ", t,
+                      " ranks");
+    s.shared_inter = {r * si / t, (r + 1) * si / t};
+  }
+  return s;
+}
 
 void slice_hybrid_state(const ModelConfig& c, const DeltaNetHeads& heads, const float* full_slot,
                         float* part_slot) {

@@ -65,6 +65,35 @@ struct HybridStateLayout {
   bool operator==(const HybridStateLayout&) const = default;
 };
 
+/// A contiguous run of a rank's slot (`part` floats in) and its place in the full slot (`full`).
+struct StateRun {
+  int64_t full = 0, part = 0, count = 0;
+  bool operator==(const StateRun&) const = default;
+};
+
+/// The runs of a slot of `heads` within the full slot, layer by layer (per DeltaNet layer the q,
+/// k and v conv channels, then the recurrent state). owned_only: without the q / k channels of a
+/// replicated key head on every holder but its first (the rank whose value heads start the key
+/// head's group), so that the ranks' runs cover every float of the full slot exactly once (a
+/// merge by summing zero-filled full slots is then exact: the device gather).
+std::vector<StateRun> hybrid_state_runs(const ModelConfig& c, const DeltaNetHeads& heads,
+                                        bool owned_only = false);
+
+/// The rows and columns of each Qwen3.5 tensor a rank loads (global indices; everything for
+/// single and data-parallel ranks), shared by the CPU and CUDA models:
+struct HybridSlices {
+  IndexRange q_rows;   // q_proj rows: its query heads' (query, gate) rows, 2 head_dim each
+  IndexRange kv_rows;  // k_proj / v_proj rows: its KV heads'
+  IndexRange o_cols;   // o_proj columns: its query heads'
+  IndexRange conv_q, conv_k, conv_v;  // in_proj_qkv rows = conv1d channels (q | k | v)
+  IndexRange z_rows;        // in_proj_z rows = out_proj columns: its value heads' channels
+  IndexRange v_heads;       // in_proj_b / in_proj_a rows, A_log, dt_bias: its value heads
+  IndexRange shared_inter;  // the shared expert's gate / up rows and down columns
+  /// Throws kInvalidArgument naming shared_expert_intermediate_size when a tensor-parallel
+  /// plan's size does not divide it.
+  static HybridSlices of(const ModelConfig& c, const ShardPlan& plan, const DeltaNetHeads& dn);
+};
+
 /// Copies the part of a full slot (HybridStateLayout::full(c)) that `heads` hold into a slot of
 /// HybridStateLayout::of(c, heads).
 void slice_hybrid_state(const ModelConfig& c, const DeltaNetHeads& heads, const float* full_slot,

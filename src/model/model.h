@@ -45,6 +45,19 @@ class Model {
     (void)kv;
     return false;
   }
+  /// Hybrid models on prefill TP ranks: the whole state of `slot` (HybridStateLayout::full in
+  /// model/hybrid_state.h: every DeltaNet head) merged from the ranks' heads by the model itself
+  /// (a GPU model on its devices, not through the host). Collective: every rank of the group
+  /// calls it for the same slots in the same order; rank `root` gets the whole state in `out`,
+  /// the others an empty vector. Returns false, changing nothing, when the model does not
+  /// gather (the caller merges the parts over its communicator: gather_hybrid_state).
+  virtual bool gather_state(KvCache& kv, int64_t slot, int root, std::vector<float>& out) {
+    (void)kv;
+    (void)slot;
+    (void)root;
+    (void)out;
+    return false;
+  }
   /// Runs the batch, writing new KV into `kv` and the requested logits rows
   /// ([batch.num_logit_rows(), vocab], fp32) into `logits`.
   virtual void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) = 0;

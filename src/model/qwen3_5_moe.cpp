@@ -50,12 +50,7 @@ Qwen35MoeCpu::Qwen35MoeCpu(ModelConfig config, ShardPlan plan, DeltaNetHeads dn,
   key_dim_ = dn_.key_heads.size() * c.linear_key_head_dim;
   value_dim_ = dn_.value_heads.size() * c.linear_value_head_dim;
   conv_dim_ = 2 * key_dim_ + value_dim_;
-  const int64_t si = c.shared_expert_intermediate_size;
-  shared_inter_ = {0, si};
-  if (plan_.tensor_parallel()) {
-    const int64_t t = plan_.spec.size, r = plan_.spec.rank;
-    shared_inter_ = {r * si / t, (r + 1) * si / t};
-  }
+  shared_inter_ = HybridSlices::of(c, plan_, dn_).shared_inter;
 }
 
 Qwen35MoeCpu::~Qwen35MoeCpu() = default;
@@ -71,12 +66,7 @@ std::unique_ptr<Qwen35MoeCpu> Qwen35MoeCpu::load(const std::string& dir, const S
                     config.model_type, "' is not a Qwen3.5 hybrid model");
   ShardPlan plan = ShardPlan::make(config, shard);
   DeltaNetHeads dn = DeltaNetHeads::of(config, shard);
-  if (plan.tensor_parallel()) {
-    TANDEM_CHECK_KIND(kInvalidArgument, config.shared_expert_intermediate_size % shard.size == 0,
-                      shard_mode_name(shard.mode), ": shared_expert_intermediate_size ",
-                      config.shared_expert_intermediate_size, " does not split over ", shard.size,
-                      " ranks");
-  }
+  (void)HybridSlices::of(config, plan, dn);  // throws when the shared expert does not split
   check_shard_communicator(shard, comm);
   Checkpoint ckpt(dir);
   std::unique_ptr<Qwen35MoeCpu> model(new Qwen35MoeCpu(std::move(config), plan, dn, comm));
@@ -101,15 +91,9 @@ void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt, const std::string& confi
   const std::string& root = c.weight_prefix;
   // This rank's rows: q_proj's (query, gate) rows of its query heads, its KV heads' rows; the
   // DeltaNet channels of its key / value heads (q | k | v of the conv, z, b, a).
-  const IndexRange q_rows{plan_.q_heads.begin * 2 * d, plan_.q_heads.end * 2 * d};
-  const IndexRange o_cols{plan_.q_heads.begin * d, plan_.q_heads.end * d};
-  const IndexRange kv_rows{plan_.kv_heads.begin * d, plan_.kv_heads.end * d};
-  const IndexRange kq{dn_.key_heads.begin * dk, dn_.key_heads.end * dk};
-  const IndexRange kk{hk * dk + kq.begin, hk * dk + kq.end};
-  const IndexRange vv{2 * hk * dk + dn_.value_heads.begin * dv,
-                      2 * hk * dk + dn_.value_heads.end * dv};
-  const IndexRange zr{dn_.value_heads.begin * dv, dn_.value_heads.end * dv};
-  const IndexRange vh = dn_.value_heads;
+  const HybridSlices sl = HybridSlices::of(c, plan_, dn_);
+  const IndexRange q_rows = sl.q_rows, o_cols = sl.o_cols, kv_rows = sl.kv_rows;
+  const IndexRange kq = sl.conv_q, kk = sl.conv_k, vv = sl.conv_v, zr = sl.z_rows, vh = sl.v_heads;
   const int64_t conv_all = 2 * hk * dk + hv * dv, value_all = hv * dv;
   embed_ = load_f32(ckpt, root + "embed_tokens.weight", {c.vocab_size, h});
   norm_ = load_f32(ckpt, root + "norm.weight", {h}, /*plus_one=*/true);

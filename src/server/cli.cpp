@@ -495,7 +495,7 @@ void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
     TANDEM_CHECK_KIND(kUnsupported, gpus > 0, "--device cuda: no CUDA device is visible");
     o.device = local_rank % gpus;
     o.shard = shard;
-    // Qwen3.5 runs on one GPU (Qwen35MoeCuda refuses a sharded ShardSpec).
+    // Qwen3-MoE or Qwen3.5, the rank's slice (prefill TP/EP, decode DP/EP).
     return load_cuda_model(dir, o);
   };
   transfer::CudaIpcOptions t;

@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "core/error.h"
 #include "model/hybrid_state.h"
+#include "model/shard.h"
 
 namespace tandem {
 namespace {
@@ -90,6 +92,111 @@ TEST(HybridState, SliceAndMergeCoverTheSlot) {
       merge_hybrid_state(c, h, mine.data(), merged.data());
     }
     EXPECT_EQ(merged, slot) << "hk " << hk << " hv " << hv << " t " << t;
+  }
+}
+
+// The device gather's plan (hybrid_state_runs, owned only): every rank scatters its owned runs
+// into a zero-filled full slot, the slots are summed; each float of the full slot must come from
+// exactly one rank (a replicated key head from its first holder), so the sum is the slot.
+TEST(HybridState, OwnedRunsCoverTheSlotOnce) {
+  for (const auto& [hk, hv, t] : std::vector<std::tuple<int64_t, int64_t, int>>{
+           {2, 4, 2}, {4, 8, 4}, {1, 2, 2}, {2, 8, 4}, {1, 4, 4}, {2, 4, 1}}) {
+    const ModelConfig c = hybrid(hk, hv, 8, 4, 5);
+    const HybridStateLayout full = HybridStateLayout::full(c);
+    std::vector<float> slot(static_cast<size_t>(full.slot_elems()));
+    std::iota(slot.begin(), slot.end(), 1.0f);
+    std::vector<int> writers(slot.size(), 0);
+    std::vector<float> sum(slot.size(), 0.0f);
+    int key_owners = 0;
+    for (int r = 0; r < t; ++r) {
+      const DeltaNetHeads h = DeltaNetHeads::of(c, ShardSpec::prefill(r, t));
+      const HybridStateLayout part = HybridStateLayout::of(c, h);
+      std::vector<float> mine(static_cast<size_t>(part.slot_elems()));
+      slice_hybrid_state(c, h, slot.data(), mine.data());
+      const std::vector<StateRun> all = hybrid_state_runs(c, h);
+      const std::vector<StateRun> owned = hybrid_state_runs(c, h, /*owned_only=*/true);
+      // Every run of the rank's part, in order, back to back.
+      int64_t next = 0;
+      for (const StateRun& run : all) {
+        EXPECT_EQ(run.part, next);
+        next += run.count;
+      }
+      EXPECT_EQ(next, part.slot_elems());
+      key_owners += owned.size() == all.size();
+      for (const StateRun& run : owned) {
+        for (int64_t i = 0; i < run.count; ++i) {
+          ++writers[static_cast<size_t>(run.full + i)];
+          sum[static_cast<size_t>(run.full + i)] += mine[static_cast<size_t>(run.part + i)];
+        }
+      }
+    }
+    for (size_t i = 0; i < writers.size(); ++i) {
+      ASSERT_EQ(writers[i], 1) << "hk " << hk << " hv " << hv << " t " << t << ": float " << i;
+    }
+    EXPECT_EQ(sum, slot);
+    // With replicated key heads, one holder of each writes its channels.
+    EXPECT_EQ(key_owners, t > hk ? hk : t) << "hk " << hk << " t " << t;
+  }
+}
+
+// The tensors' slices (HybridSlices, both models' loaders): TP ranks' rows and columns tile each
+// tensor; data-parallel and single ranks take everything; an unsplittable shared expert is refused.
+TEST(HybridState, SlicesTileTheTensors) {
+  ModelConfig c = hybrid(2, 4, 16, 8, 4);
+  c.hidden_size = 64;
+  c.head_dim = 32;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 16;
+  c.shared_expert_intermediate_size = 32;
+  c.vocab_size = 100;
+  const int64_t conv_all = 2 * 2 * 16 + 4 * 8;
+  for (const int t : {1, 2, 4}) {
+    std::vector<int> q(4 * 2 * 32), o(4 * 32), conv(static_cast<size_t>(conv_all)), z(4 * 8), vh(4),
+        si(32);
+    for (int r = 0; r < t; ++r) {
+      const ShardPlan plan = ShardPlan::make(c, ShardSpec::prefill(r, t));
+      const DeltaNetHeads dn = DeltaNetHeads::of(c, ShardSpec::prefill(r, t));
+      const HybridSlices s = HybridSlices::of(c, plan, dn);
+      auto mark = [](std::vector<int>& v, IndexRange x) {
+        for (int64_t i = x.begin; i < x.end; ++i) ++v[static_cast<size_t>(i)];
+      };
+      mark(q, s.q_rows);
+      mark(o, s.o_cols);
+      mark(z, s.z_rows);
+      mark(vh, s.v_heads);
+      mark(si, s.shared_inter);
+      mark(conv, s.conv_v);
+      // q / k channels: a key head's channels on each rank holding it (t > hk: replicated).
+      if (dn.key_replicas == 1 || dn.value_heads.begin % 2 == 0) {
+        mark(conv, s.conv_q);
+        mark(conv, s.conv_k);
+      }
+      EXPECT_EQ(s.conv_q.size(), dn.key_heads.size() * 16);
+      EXPECT_EQ(s.conv_k.begin, 2 * 16 + s.conv_q.begin);
+      EXPECT_EQ(s.z_rows.size(), s.conv_v.size());
+      EXPECT_EQ(s.kv_rows.size(), plan.kv_heads.size() * 32);
+      EXPECT_EQ(s.q_rows.size(), 2 * s.o_cols.size());  // (query, gate) rows per head
+    }
+    for (const auto* v : {&q, &o, &conv, &z, &vh, &si}) {
+      for (int x : *v) ASSERT_EQ(x, 1) << "t " << t;
+    }
+  }
+  const ShardPlan dp = ShardPlan::make(c, ShardSpec::decode(1, 2));
+  const HybridSlices all = HybridSlices::of(c, dp, DeltaNetHeads::of(c, ShardSpec::decode(1, 2)));
+  EXPECT_EQ(all.q_rows, (IndexRange{0, 4 * 2 * 32}));
+  EXPECT_EQ(all.conv_v, (IndexRange{64, conv_all}));
+  EXPECT_EQ(all.shared_inter, (IndexRange{0, 32}));
+  c.shared_expert_intermediate_size = 30;
+  try {
+    (void)HybridSlices::of(c, ShardPlan::make(c, ShardSpec::prefill(0, 4)),
+                           DeltaNetHeads::of(c, ShardSpec::prefill(0, 4)));
+    FAIL() << "a shared expert of 30 over 4 ranks accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shared_expert_intermediate_size 30"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
+#include "model/shard.h"
 
 namespace tandem::cuda_model {
 
@@ -126,6 +127,27 @@ inline const uint16_t* host_bf16(const WeightReader& wr, const std::string& name
   tmp.resize(f.size());
   for (size_t i = 0; i < f.size(); ++i) tmp[i] = f32_to_bf16(f[i]);
   return tmp.data();
+}
+
+/// Rows r of a host bf16 matrix src [rows, cols] (row-major) to dst [r.size(), cols].
+inline void upload_rows(Uploader& up, void* dst, const uint16_t* src, int64_t cols, IndexRange r) {
+  up.put(dst, src + r.begin * cols, static_cast<size_t>(r.size() * cols) * sizeof(uint16_t));
+}
+
+/// Columns r of a host bf16 matrix src [rows, cols] to dst [rows, r.size()] (a row-parallel
+/// linear's slice).
+inline void upload_cols(Uploader& up, void* dst, const uint16_t* src, int64_t rows, int64_t cols,
+                        IndexRange r) {
+  if (r.begin == 0 && r.end == cols) {
+    up.put(dst, src, static_cast<size_t>(rows * cols) * sizeof(uint16_t));
+    return;
+  }
+  std::vector<uint16_t> g(static_cast<size_t>(rows * r.size()));
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(g.data() + i * r.size(), src + i * cols + r.begin,
+                static_cast<size_t>(r.size()) * sizeof(uint16_t));
+  }
+  up.put(dst, g.data(), g.size() * sizeof(uint16_t));
 }
 
 /// Captures what `record` enqueues on `stream` (thread-local capture mode) into an

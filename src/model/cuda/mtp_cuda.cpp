@@ -27,6 +27,7 @@
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/cuda/random_fill.h"
 #include "model/cuda/runner.h"
+#include "model/cuda/shard_comms.h"
 #include "model/cuda/spec_stage.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -330,42 +331,17 @@ struct MtpCuda::Impl {
     }
   }
 
-  // Decode EP MoE block over n tokens (0: an empty pass), as Qwen3MoeCuda's moe_ep: router
-  // and top-k here, the tokens to their experts' ranks through the target's exchange (the
-  // token count from d_meta's region 7, uploaded with the pass), this rank's experts over what
-  // arrived (the other ranks' tokens too), the outputs back home, summed per token in
-  // ascending expert id into Y [n, hidden]. Collective: every rank runs it once per pass.
+  // Decode EP MoE block over n tokens (0: an empty pass) through the target's exchange
+  // (ShardComms::moe_ep; the token count from d_meta's region 7, uploaded with the pass).
+  // Collective: every rank runs it once per pass.
   void moe_ep(const bf16* XN, bf16* Y, int64_t n) {
-    const int64_t h = c.hidden_size, inter = c.moe_intermediate_size, E = c.num_experts,
-                  k = c.num_experts_per_tok, L = local_experts;
-    cudaStream_t st = s.stream;
-    if (n > 0) {
-      cuda::GemmParams rp{};
-      rp.x = XN;
-      rp.w = router;
-      rp.m = n;
-      rp.n = E;
-      rp.k = h;
-      rp.y_f32 = s.ep_logits;
-      s.gemm->run(rp, st);  // fp32 router logits, as MoeLayer
-      cuda::topk_softmax_launch(
-          {s.ep_logits, s.ep_ids, s.ep_w, n, E, k, c.norm_topk_prob, DType::kF32}, st);
-    }
+    cuda_model::EpExperts e;
+    e.router = router;
+    e.gate_up = gate_up;
+    e.down = down;
     const int32_t* num_real = d_meta.as<int32_t>() + kNumRealRegion * s.t_cap;
-    s.ep->dispatch_send(XN, s.ep_ids, s.ep_w, num_real, st);
-    s.ep->dispatch_recv(st);
-    const auto* rx = static_cast<const bf16*>(s.ep->recv_x());
-    auto* act_buf = static_cast<bf16*>(s.ep_act);
-    auto* out_buf = static_cast<bf16*>(s.ep_out);
-    cuda::MoeGemmParams gu{
-        rx,        gate_up, act_buf, s.ep->expert_offsets(),         s.ep_max_rows,
-        2 * inter, h,       L,       cuda::MoeGemmEpilogue::kSiluMul};
-    cuda::moe_gemm_launch(gu, st);
-    cuda::MoeGemmParams dn{act_buf, down,  out_buf, s.ep->expert_offsets(),       s.ep_max_rows,
-                           h,       inter, L,       cuda::MoeGemmEpilogue::kPlain};
-    cuda::moe_gemm_launch(dn, st);
-    s.ep->combine_send(out_buf, st);
-    s.ep->combine_recv(Y, st);  // rows [0, n): every real token (no padding: eager passes)
+    s.comms->moe_ep(e, XN, Y, n, num_real, /*warmup=*/false, c.norm_topk_prob,
+                    /*fp8_activations=*/false, *s.gemm, s.stream);
   }
   // A pass with no tokens of this rank (collective()): only the exchange, serving the others.
   void empty_pass() {

@@ -28,7 +28,8 @@ class GemmLt;
 }
 namespace cuda_model {
 class DeviceSampler;
-}
+class ShardComms;
+}  // namespace cuda_model
 namespace comm {
 class CudaMoe;
 }
@@ -50,17 +51,14 @@ struct MtpScratch {
   int64_t graph_context = 0;
   cudaStream_t stream = nullptr;
   cuda_model::DeviceSampler* sampler = nullptr;  // the target's (draft chains' argmax)
-  // Decode DP/EP (a group of several ranks): the target's MoE exchange (sized for t_cap
-  // tokens) and its intermediates. The MTP layer then holds only the experts
-  // [ep_expert_begin, ep_expert_begin + ep_local_experts) and its MoE block runs through the
-  // exchange as the target's layers do (Qwen3MoeCuda's moe_ep): every pass is collective,
-  // an empty one (no tokens) included. Null: one rank holds every expert.
+  // Decode DP/EP (a group of several ranks): the target's collectives (model/cuda/
+  // shard_comms.h: the MoE exchange sized for t_cap tokens, its intermediates). The MTP layer
+  // then holds only the experts [ep_expert_begin, ep_expert_begin + ep_local_experts) and its
+  // MoE block runs through the exchange as the target's layers do (ShardComms::moe_ep): every
+  // pass is collective, an empty one (no tokens) included. Null: one rank holds every expert.
   comm::CudaMoe* ep = nullptr;
-  float* ep_logits = nullptr;                 // [t_cap, experts] fp32 router logits
-  int32_t* ep_ids = nullptr;                  // [t_cap, top_k]
-  float* ep_w = nullptr;                      // [t_cap, top_k]
-  void *ep_act = nullptr, *ep_out = nullptr;  // [ep_max_rows, inter] / [ep_max_rows, hidden]
-  int64_t ep_max_rows = 0, ep_expert_begin = 0, ep_local_experts = 0;
+  cuda_model::ShardComms* comms = nullptr;
+  int64_t ep_expert_begin = 0, ep_local_experts = 0;
 };
 
 class MtpCuda {

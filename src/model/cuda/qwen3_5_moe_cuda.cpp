@@ -31,7 +31,9 @@
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/device_sampler.h"
 #include "model/cuda/runner.h"
+#include "model/cuda/shard_comms.h"
 #include "model/cuda/spec_stage.h"
+#include "model/hybrid_state.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
 
@@ -69,9 +71,9 @@ struct LayerW {
   bf16* out_proj = nullptr;   // [H, value_dim]
   // MoE + shared expert.
   bf16* router = nullptr;          // [E, H]
-  bf16* gate_up = nullptr;         // [E, 2I, H] packed (moe_pack_gate_up)
-  bf16* down = nullptr;            // [E, H, I]
-  bf16* shared_gate_up = nullptr;  // [2 SI, H]: gate rows, then up rows
+  bf16* gate_up = nullptr;         // [local E, 2I, H] packed (moe_pack_gate_up): this rank's
+  bf16* down = nullptr;            // [local E, H, I]
+  bf16* shared_gate_up = nullptr;  // [2 SI, H]: gate rows, then up rows (this rank's SI)
   bf16* shared_down = nullptr;     // [H, SI]
   bf16* shared_gate = nullptr;     // [H]
 };
@@ -97,9 +99,21 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   cuda_model::Workspace& ws;
   cudaStream_t stream;
 
-  // Sizes.
+  // Sharding (model/shard.h, model/hybrid_state.h): this rank's attention heads, DeltaNet
+  // heads, experts, shared-expert columns and vocabulary rows, and the collectives.
+  ShardPlan plan;
+  DeltaNetHeads dn;
+  HybridSlices sl;
+  std::unique_ptr<cuda_model::ShardComms> comms;
+  bool tp() const { return comms->tp(); }
+  bool dp_ep() const { return comms->dp_ep(); }
+
+  // Sizes (this rank's heads).
   int64_t num_linear = 0, num_attention = 0;
+  int64_t qh = 0, kvh = 0, hk = 0, hv = 0, sinter = 0, local_experts = 0;
   int64_t key_dim = 0, value_dim = 0, conv_dim = 0, in_rows = 0, in_used = 0;
+  // prefill TP: the last gathered whole state (gather_state) and one layer's sum.
+  DeviceMem whole_state, gather_sum;
 
   // Weights.
   std::vector<DeviceMem> mem;
@@ -207,12 +221,25 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   SpecAdvanceStage spec;
   DeviceMem r_meta;
 
-  Impl(const ModelConfig& config, CudaRunner& r)
-      : c(config), run(r), ws(r.ws()), stream(r.stream()) {
-    key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
-    value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
+  Impl(const ModelConfig& config, CudaRunner& r, const CudaModelOptions& o)
+      : c(config),
+        run(r),
+        ws(r.ws()),
+        stream(r.stream()),
+        plan(ShardPlan::make(config, o.shard)),
+        dn(DeltaNetHeads::of(config, o.shard)),
+        sl(HybridSlices::of(config, plan, dn)),
+        comms(std::make_unique<cuda_model::ShardComms>(config, plan, o.store)) {
+    qh = plan.q_heads.size();
+    kvh = plan.kv_heads.size();
+    hk = dn.key_heads.size();
+    hv = dn.value_heads.size();
+    sinter = sl.shared_inter.size();
+    local_experts = plan.experts.size();
+    key_dim = hk * c.linear_key_head_dim;
+    value_dim = hv * c.linear_value_head_dim;
     conv_dim = 2 * key_dim + value_dim;
-    in_used = conv_dim + value_dim + 2 * c.linear_num_value_heads;
+    in_used = conv_dim + value_dim + 2 * hv;
     in_rows = (in_used + 7) / 8 * 8;
   }
   ~Impl() {
@@ -234,13 +261,12 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
 
   // CudaLayers.
   void body(const StepMeta& m, KvCache& kv, const Args& a) override {
-    step(m, kv, a.batch, a.keep);
+    step(m, kv, a.batch, a.keep, a.warmup);
   }
   void check_cache(const KvCache& kv) const override {
     const auto& g = kv.geometry();
-    TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 &&
-                     g.num_kv_heads == c.num_key_value_heads && g.head_dim == c.head_dim &&
-                     g.num_layers == num_attention,
+    TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 && g.num_kv_heads == kvh &&
+                     g.head_dim == c.head_dim && g.num_layers == num_attention,
                  "the KV cache was not made by this CUDA model");
     if (num_linear > 0) {
       TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == slot_elems(),
@@ -248,18 +274,20 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     }
   }
   cuda_model::AttentionShape attention() const override {
-    return {c.num_attention_heads, c.num_key_value_heads, c.head_dim, num_attention > 0};
+    return {qh, kvh, c.head_dim, num_attention > 0};
   }
+  bool collective_steps() const override { return dp_ep(); }
   bool has_states() const override { return num_linear > 0; }
   int64_t max_graph_q() const override { return verify_graphs ? kMaxVerifyTokens : 1; }
   // replay_states' inputs: kept by every verify graph, and by an eager batch that asks, up to a
-  // verify step's size (a larger batch rolls back with a forward).
+  // verify step's size (a larger batch rolls back with a forward), of any size on a decode EP
+  // rank (a forward there is collective: only the ranks with a rejection would run it).
   bool keeps_inputs(bool graph, int64_t q, int64_t rows_n, const ForwardBatch& batch) override {
     kept_tokens = -1;
-    const bool keep =
-        num_linear > 0 &&
-        (graph ? q > 1
-               : batch.keep_recurrent_inputs && batch.num_tokens() <= ws.s_cap * kMaxVerifyTokens);
+    const bool keep = num_linear > 0 &&
+                      (graph ? q > 1
+                             : batch.keep_recurrent_inputs &&
+                                   (dp_ep() || batch.num_tokens() <= ws.s_cap * kMaxVerifyTokens));
     if (keep) ensure_kept(rows_n);
     return keep;
   }
@@ -291,12 +319,10 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming));
   }
 
-  int64_t qkv_rows() const {
-    return (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
-  }
+  int64_t qkv_rows() const { return (2 * qh + 2 * kvh) * c.head_dim; }
   int64_t state_per_layer() const {
     return conv_dim * (c.linear_conv_kernel_dim - 1) +
-           c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+           hv * c.linear_key_head_dim * c.linear_value_head_dim;
   }
   int64_t slot_elems() const { return std::max<int64_t>(1, num_linear * state_per_layer()); }
 
@@ -310,7 +336,10 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     const int64_t h = c.hidden_size;
     embed = alloc<bf16>(c.vocab_size * h);
     final_norm = alloc<bf16>(h);
-    lm_head = c.tie_word_embeddings ? embed : alloc<bf16>(c.vocab_size * h);
+    // The lm_head rows of this rank (all of them unless prefill TP): a slice of the embedding
+    // when tied.
+    lm_head =
+        c.tie_word_embeddings ? embed + plan.vocab.begin * h : alloc<bf16>(plan.vocab.size() * h);
     layers.resize(static_cast<size_t>(c.num_hidden_layers));
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       LayerW& w = layers[static_cast<size_t>(l)];
@@ -324,10 +353,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
 
   // The device weights of one layer of w.linear's kind.
   void allocate_layer(LayerW& w) {
-    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
-    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
-    const int64_t E = c.num_experts, inter = c.moe_intermediate_size,
-                  sinter = c.shared_expert_intermediate_size;
+    const int64_t h = c.hidden_size, d = c.head_dim, dv = c.linear_value_head_dim;
+    const int64_t E = c.num_experts, inter = c.moe_intermediate_size;
     w.input_norm = alloc<bf16>(h);
     w.post_norm = alloc<bf16>(h);
     if (w.linear) {
@@ -344,28 +371,42 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       w.k_norm = alloc<bf16>(d);
     }
     w.router = alloc<bf16>(E * h);
-    w.gate_up = alloc<bf16>(E * 2 * inter * h);
-    w.down = alloc<bf16>(E * h * inter);
+    w.gate_up = alloc<bf16>(local_experts * 2 * inter * h);
+    w.down = alloc<bf16>(local_experts * h * inter);
     w.shared_gate_up = alloc<bf16>(2 * sinter * h);
     w.shared_down = alloc<bf16>(h * sinter);
     w.shared_gate = alloc<bf16>(h);
   }
 
   // The target's weights, or (mtp) the MTP layer's: mtp.fc, its norms and mtp.layers.0 (the
-  // target's layer layout; every norm zero-centred, stored 1 + w).
+  // target's layer layout; every norm zero-centred, stored 1 + w). A sharded rank reads its
+  // slices (HybridSlices: heads, DeltaNet channels, shared-expert columns; its experts; its
+  // lm_head rows).
   void load_weights(const WeightReader& wr, bool mtp = false) {
     const Checkpoint& ckpt = wr.checkpoint();
-    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
-                  kvh = c.num_key_value_heads;
-    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+    const int64_t h = c.hidden_size, d = c.head_dim, qh_all = c.num_attention_heads,
+                  kvh_all = c.num_key_value_heads;
+    const int64_t hv_all = c.linear_num_value_heads, dv = c.linear_value_head_dim;
     const int64_t kern = c.linear_conv_kernel_dim, E = c.num_experts;
-    const int64_t inter = c.moe_intermediate_size, sinter = c.shared_expert_intermediate_size;
+    const int64_t inter = c.moe_intermediate_size, si_all = c.shared_expert_intermediate_size;
+    const int64_t conv_all = 2 * c.linear_num_key_heads * c.linear_key_head_dim + hv_all * dv;
+    const int64_t value_all = hv_all * dv;
     const std::string& root = c.weight_prefix;
     Uploader up(stream);
     std::vector<uint16_t> tmp, tmp2;
     auto put = [&](bf16* dst, const std::string& name, const Shape& shape) {
       const uint16_t* src = host_bf16(wr, name, shape, tmp);
       up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
+    };
+    // Rows r of a tensor of `shape` (rows of numel / shape[0] elements).
+    auto put_rows = [&](bf16* dst, const std::string& name, const Shape& shape, IndexRange r) {
+      cuda_model::upload_rows(up, dst, host_bf16(wr, name, shape, tmp), shape.numel() / shape[0],
+                              r);
+    };
+    // Columns r of a [rows, cols] tensor (a row-parallel linear).
+    auto put_cols = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
+                        IndexRange r) {
+      cuda_model::upload_cols(up, dst, host_bf16(wr, name, {rows, cols}, tmp), rows, cols, r);
     };
     // A vector as fp32 (optionally 1 + w, computed in fp32 as transformers does).
     auto f32 = [&](const std::string& name, const Shape& shape, bool plus_one) {
@@ -381,9 +422,10 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       const std::vector<uint16_t> b = to_bf16_bits(f32(name, {n}, true));
       up.put(dst, b.data(), b.size() * sizeof(uint16_t));
     };
-    auto put_f32 = [&](float* dst, const std::string& name, int64_t n) {
+    // Elements r of an fp32 vector of n.
+    auto put_f32 = [&](float* dst, const std::string& name, int64_t n, IndexRange r) {
       const std::vector<float> f = f32(name, {n}, false);
-      up.put(dst, f.data(), f.size() * sizeof(float));
+      up.put(dst, f.data() + r.begin, static_cast<size_t>(r.size()) * sizeof(float));
     };
     std::vector<std::pair<LayerW*, std::string>> todo;  // each layer and its tensors' prefix
     if (mtp) {
@@ -395,7 +437,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     } else {
       put(embed, root + "embed_tokens.weight", {c.vocab_size, h});
       put_norm(final_norm, root + "norm.weight", h);
-      if (!c.tie_word_embeddings) put(lm_head, "lm_head.weight", {c.vocab_size, h});
+      if (!c.tie_word_embeddings)
+        put_rows(lm_head, "lm_head.weight", {c.vocab_size, h}, plan.vocab);
       for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
         todo.emplace_back(&layers[static_cast<size_t>(l)],
                           root + "layers." + std::to_string(l) + ".");
@@ -407,36 +450,48 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       put_norm(w.input_norm, p + "input_layernorm.weight", h);
       put_norm(w.post_norm, p + "post_attention_layernorm.weight", h);
       if (w.linear) {
+        // in_proj rows: this rank's conv channels (q | k | v), z, b, a.
         const std::string a = p + "linear_attn.";
-        put(w.in_proj, a + "in_proj_qkv.weight", {conv_dim, h});
-        put(w.in_proj + conv_dim * h, a + "in_proj_z.weight", {value_dim, h});
-        put(w.in_proj + (conv_dim + value_dim) * h, a + "in_proj_b.weight", {hv, h});
-        put(w.in_proj + (conv_dim + value_dim + hv) * h, a + "in_proj_a.weight", {hv, h});
+        const std::string qkv = a + "in_proj_qkv.weight";
+        const int64_t kc = sl.conv_q.size();
+        put_rows(w.in_proj, qkv, {conv_all, h}, sl.conv_q);
+        put_rows(w.in_proj + kc * h, qkv, {conv_all, h}, sl.conv_k);
+        put_rows(w.in_proj + 2 * kc * h, qkv, {conv_all, h}, sl.conv_v);
+        put_rows(w.in_proj + conv_dim * h, a + "in_proj_z.weight", {value_all, h}, sl.z_rows);
+        put_rows(w.in_proj + (conv_dim + value_dim) * h, a + "in_proj_b.weight", {hv_all, h},
+                 sl.v_heads);
+        put_rows(w.in_proj + (conv_dim + value_dim + hv) * h, a + "in_proj_a.weight", {hv_all, h},
+                 sl.v_heads);
         if (in_rows > in_used) {
           TANDEM_CUDA_CHECK(cudaMemsetAsync(w.in_proj + in_used * h, 0,
                                             static_cast<size_t>((in_rows - in_used) * h) * 2,
                                             stream));
         }
-        put(w.conv, a + "conv1d.weight", {conv_dim, 1, kern});
-        put_f32(w.a_log, a + "A_log", hv);
-        put_f32(w.dt_bias, a + "dt_bias", hv);
-        put_f32(w.out_norm, a + "norm.weight", dv);
-        put(w.out_proj, a + "out_proj.weight", {h, value_dim});
+        const std::string conv = a + "conv1d.weight";
+        put_rows(w.conv, conv, {conv_all, 1, kern}, sl.conv_q);
+        put_rows(w.conv + kc * kern, conv, {conv_all, 1, kern}, sl.conv_k);
+        put_rows(w.conv + 2 * kc * kern, conv, {conv_all, 1, kern}, sl.conv_v);
+        put_f32(w.a_log, a + "A_log", hv_all, sl.v_heads);
+        put_f32(w.dt_bias, a + "dt_bias", hv_all, sl.v_heads);
+        put_f32(w.out_norm, a + "norm.weight", dv, {0, dv});
+        put_cols(w.out_proj, a + "out_proj.weight", h, value_all, sl.z_rows);
       } else {
         const std::string a = p + "self_attn.";
-        put(w.qkv, a + "q_proj.weight", {qh * 2 * d, h});
-        put(w.qkv + qh * 2 * d * h, a + "k_proj.weight", {kvh * d, h});
-        put(w.qkv + (qh * 2 * d + kvh * d) * h, a + "v_proj.weight", {kvh * d, h});
-        put(w.o, a + "o_proj.weight", {h, qh * d});
+        put_rows(w.qkv, a + "q_proj.weight", {qh_all * 2 * d, h}, sl.q_rows);
+        put_rows(w.qkv + qh * 2 * d * h, a + "k_proj.weight", {kvh_all * d, h}, sl.kv_rows);
+        put_rows(w.qkv + (qh * 2 * d + kvh * d) * h, a + "v_proj.weight", {kvh_all * d, h},
+                 sl.kv_rows);
+        put_cols(w.o, a + "o_proj.weight", h, qh_all * d, sl.o_cols);
         put_norm(w.q_norm, a + "q_norm.weight", d);
         put_norm(w.k_norm, a + "k_norm.weight", d);
       }
       const std::string m = p + "mlp.";
       put(w.router, m + "gate.weight", {E, h});
-      // Experts: fused 3D (transformers 5) or one tensor per expert (the hub).
+      // This rank's experts: fused 3D (transformers 5) or one tensor per expert (the hub).
       const bool fused = ckpt.has(m + "experts.gate_up_proj");
       std::vector<float> ef;
-      for (int64_t e = 0; e < E; ++e) {
+      for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
+        const int64_t le = e - plan.experts.begin;
         const uint16_t *gate = nullptr, *upw = nullptr;
         std::vector<uint16_t> gate_copy;
         if (fused) {
@@ -462,26 +517,29 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         cuda::moe_pack_gate_up(reinterpret_cast<const bf16*>(gate),
                                reinterpret_cast<const bf16*>(upw), inter, h,
                                reinterpret_cast<bf16*>(packed.data()));
-        up.put(w.gate_up + e * 2 * inter * h, packed.data(), packed.size() * sizeof(uint16_t));
+        up.put(w.gate_up + le * 2 * inter * h, packed.data(), packed.size() * sizeof(uint16_t));
         if (fused) {
-          TensorView dn = ckpt.get(m + "experts.down_proj", {E, h, inter});
-          if (dn.dtype == DType::kBF16) {
-            up.put(w.down + e * h * inter, dn.ptr<uint16_t>() + e * h * inter,
+          TensorView dn_v = ckpt.get(m + "experts.down_proj", {E, h, inter});
+          if (dn_v.dtype == DType::kBF16) {
+            up.put(w.down + le * h * inter, dn_v.ptr<uint16_t>() + e * h * inter,
                    static_cast<size_t>(h * inter) * sizeof(uint16_t));
           } else {
             ef.resize(static_cast<size_t>(h * inter));
-            Checkpoint::to_f32(dn, ef.data(), e, e + 1);
+            Checkpoint::to_f32(dn_v, ef.data(), e, e + 1);
             const std::vector<uint16_t> b = to_bf16_bits(ef);
-            up.put(w.down + e * h * inter, b.data(), b.size() * sizeof(uint16_t));
+            up.put(w.down + le * h * inter, b.data(), b.size() * sizeof(uint16_t));
           }
         } else {
-          put(w.down + e * h * inter, m + "experts." + std::to_string(e) + ".down_proj.weight",
+          put(w.down + le * h * inter, m + "experts." + std::to_string(e) + ".down_proj.weight",
               {h, inter});
         }
       }
-      put(w.shared_gate_up, m + "shared_expert.gate_proj.weight", {sinter, h});
-      put(w.shared_gate_up + sinter * h, m + "shared_expert.up_proj.weight", {sinter, h});
-      put(w.shared_down, m + "shared_expert.down_proj.weight", {h, sinter});
+      // The shared expert: this rank's intermediate columns (gate rows, then up rows).
+      put_rows(w.shared_gate_up, m + "shared_expert.gate_proj.weight", {si_all, h},
+               sl.shared_inter);
+      put_rows(w.shared_gate_up + sinter * h, m + "shared_expert.up_proj.weight", {si_all, h},
+               sl.shared_inter);
+      put_cols(w.shared_down, m + "shared_expert.down_proj.weight", h, si_all, sl.shared_inter);
       put(w.shared_gate, m + "shared_expert_gate.weight", {1, h});
     }
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -489,9 +547,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
 
   void allocate_activations() {
     run.allocate(/*batch_invariant=*/false);
-    const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads;
-    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
-    const int64_t sinter = c.shared_expert_intermediate_size, t_cap = ws.t_cap;
+    const int64_t h = c.hidden_size, d = c.head_dim, dv = c.linear_value_head_dim;
+    const int64_t t_cap = ws.t_cap;
     const auto T = static_cast<size_t>(t_cap);
     const size_t b = sizeof(bf16);
     proj = DeviceMem(T * static_cast<size_t>(std::max(qkv_rows(), in_rows)) * b);
@@ -501,16 +558,26 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     if (num_linear > 0) {
       conv_out = DeviceMem(T * static_cast<size_t>(conv_dim) * b);
       core = DeviceMem(T * static_cast<size_t>(hv * dv) * sizeof(float));
-      dn_ws = DeviceMem(cuda::gated_delta_rule_workspace_floats(ws.t_cap, c.linear_num_key_heads,
-                                                                hv, c.linear_key_head_dim, dv) *
-                        sizeof(float));
+      dn_ws = DeviceMem(
+          cuda::gated_delta_rule_workspace_floats(ws.t_cap, hk, hv, c.linear_key_head_dim, dv) *
+          sizeof(float));
     }
     sgu = DeviceMem(T * static_cast<size_t>(2 * sinter) * b);
     sact = DeviceMem(T * static_cast<size_t>(sinter) * b);
     sout = DeviceMem(T * h * b);
     if (fork_shared) ensure_side();
-    moe = std::make_unique<cuda::MoeLayer>(ws.t_cap, h, c.moe_intermediate_size, c.num_experts,
-                                           c.num_experts_per_tok, 0, c.num_experts, true);
+    // Routed experts: this rank's (all unless sharded) by MoeLayer, or through the decode EP
+    // exchange (ShardComms::moe_ep).
+    if (!dp_ep()) {
+      moe = std::make_unique<cuda::MoeLayer>(ws.t_cap, h, c.moe_intermediate_size, c.num_experts,
+                                             c.num_experts_per_tok, plan.experts.begin,
+                                             local_experts, true);
+    }
+    // The communicators (collective); the registered buffer also holds one DeltaNet layer of a
+    // whole state (gather_state).
+    const HybridStateLayout whole = HybridStateLayout::full(c);
+    comms->connect(run.device(), ws.t_cap, ws.rows_cap, /*any_moe=*/true,
+                   static_cast<size_t>(whole.layer_elems()) * sizeof(float));
   }
 
   // Layer w's gated full attention over `pool` (its KV layer): reads XN, writes Y and the new
@@ -518,7 +585,6 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   void gated_attention(const LayerW& w, const StepMeta& m, bf16* pool, int64_t page_size,
                        int64_t split, const ForwardBatch* batch) {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim;
-    const int64_t qh = c.num_attention_heads, kvh = c.num_key_value_heads;
     const float eps = static_cast<float>(c.rms_norm_eps);
     bf16 *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(), *P = proj.as<bf16>();
     ws.gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
@@ -532,16 +598,31 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     cuda::paged_attention_launch(ap, stream);
     cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
                              stream);
-    ws.gemm->run({attn.as<bf16>(), w.o, Y, n, h, qh * d}, stream);
+    // Row-parallel o_proj (prefill TP): the partial products summed over the ranks into Y.
+    ws.gemm->run({attn.as<bf16>(), w.o, comms->partial(Y), n, h, qh * d}, stream);
+    comms->reduce(Y, n * h, DType::kBF16, stream);
   }
 
-  // Layer w's MoE block over n tokens: routed experts + the sigmoid-gated shared expert, from XN
-  // into Y.
-  void moe_block(const LayerW& w, int64_t n) {
-    const int64_t h = c.hidden_size, sinter = c.shared_expert_intermediate_size;
-    bf16 *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>();
+  // Layer w's MoE block over m's n tokens: routed experts + the sigmoid-gated shared expert, from
+  // XN into Y. Prefill TP: this rank's experts and shared-expert columns into the registered
+  // buffer, summed over the ranks; decode EP: the routed experts through the exchange (not on a
+  // graph's warm-up run).
+  void moe_block(const LayerW& w, const StepMeta& m, bool warmup) {
+    const int64_t n = m.n, h = c.hidden_size;
+    bf16 *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(), *out = comms->partial(Y);
+    auto routed = [&] {
+      if (dp_ep()) {
+        cuda_model::EpExperts e;
+        e.router = w.router;
+        e.gate_up = w.gate_up;
+        e.down = w.down;
+        comms->moe_ep(e, XN, out, n, m.num_real, warmup, true, false, *ws.gemm, stream);
+      } else {
+        moe->run({w.router, w.gate_up, w.down}, XN, out, n, *ws.gemm, stream);
+      }
+    };
     if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
-      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *ws.gemm, stream);
+      routed();
       ws.gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
       cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
       ws.gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
@@ -554,10 +635,11 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, side);
       gemm_side->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, side);
       TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
-      moe->run({w.router, w.gate_up, w.down}, XN, Y, n, *ws.gemm, stream);
+      routed();
       TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
     }
-    cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), Y, n, h}, stream);
+    cuda::shared_expert_gate_launch({XN, w.shared_gate, sout.as<bf16>(), out, n, h}, stream);
+    comms->reduce(Y, n * h, DType::kBF16, stream);
   }
 
   // Embedding -> layers -> final norm -> the logits rows' hidden states in `last`.
@@ -566,7 +648,6 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   cuda::GatedDeltaRuleParams delta_rule_params(const LayerW& w, const bf16* P, float* rec_state,
                                                const cuda::DeltaNetSeqs& seqs, int64_t n,
                                                int64_t slot_stride) const {
-    const int64_t hv = c.linear_num_value_heads;
     cuda::GatedDeltaRuleParams dp{};
     dp.qkv = conv_out.as<bf16>();
     dp.b = P + conv_dim + value_dim;
@@ -578,7 +659,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     dp.workspace = dn_ws.as<float>();
     dp.seqs = seqs;
     dp.num_tokens = n;
-    dp.num_k_heads = c.linear_num_key_heads;
+    dp.num_k_heads = hk;
     dp.num_v_heads = hv;
     dp.k_dim = c.linear_key_head_dim;
     dp.v_dim = c.linear_value_head_dim;
@@ -591,9 +672,10 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   }
 
   // keep: each DeltaNet layer's in_proj rows go to `kept` (replay_states).
-  void step(const StepMeta& m, KvCache& kv, const ForwardBatch* batch, bool keep) {
+  // warmup: a graph's first run (padding only): no collective call.
+  void step(const StepMeta& m, KvCache& kv, const ForwardBatch* batch, bool keep, bool warmup) {
     const int64_t n = m.n, h = c.hidden_size;
-    const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+    const int64_t dv = c.linear_value_head_dim;
     const int64_t kern = c.linear_conv_kernel_dim;
     const int64_t page_size = kv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -632,11 +714,13 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         cuda::gated_rms_norm_launch({core.as<float>(), P + conv_dim, w.out_norm, attn.as<bf16>(),
                                      n * hv, dv, hv, in_rows, eps},
                                     stream);
-        ws.gemm->run({attn.as<bf16>(), w.out_proj, Y, n, h, value_dim}, stream);
+        // Row-parallel out_proj over this rank's value heads (prefill TP: summed).
+        ws.gemm->run({attn.as<bf16>(), w.out_proj, comms->partial(Y), n, h, value_dim}, stream);
+        comms->reduce(Y, n * h, DType::kBF16, stream);
       }
       // MoE block: routed experts + the sigmoid-gated shared expert.
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
-      moe_block(w, n);
+      moe_block(w, m, warmup);
     }
     cuda::add_rms_norm_launch({X, Y, final_norm, XN, n, h, eps}, stream);
     cuda::embedding_launch({m.rows, XN, ws.last.as<bf16>(), m.num_rows, h, n}, stream);
@@ -724,16 +808,43 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     settle_graphs.clear();
   }
 
-  // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
+  // prefill TP: the whole state of `slot` (HybridStateLayout::full) into whole_state on the
+  // device, on every rank: per DeltaNet layer each rank's runs (hybrid_state_runs, owned only)
+  // scattered into a zeroed full layer of the registered buffer, summed over the ranks (every
+  // float comes from one rank, the others add zeros: exact), then placed. Collective.
+  const float* gather_whole_state(KvCache& kv, int64_t slot) {
+    const HybridStateLayout full = HybridStateLayout::full(c);
+    const int64_t le = full.layer_elems();
+    if (whole_state.size() == 0) {
+      whole_state = DeviceMem(static_cast<size_t>(full.slot_elems()) * sizeof(float));
+      gather_sum = DeviceMem(static_cast<size_t>(le) * sizeof(float));
+    }
+    const std::vector<StateRun> runs = hybrid_state_runs(c, dn, /*owned_only=*/true);
+    auto* reg = static_cast<float*>(comms->registered());
+    const float* part = kv.state_data(slot);
+    float* whole = whole_state.as<float>();
+    size_t r = 0;
+    for (int64_t l = 0; l < full.num_linear_layers; ++l) {
+      TANDEM_CUDA_CHECK(cudaMemsetAsync(reg, 0, static_cast<size_t>(le) * sizeof(float), stream));
+      for (; r < runs.size() && runs[r].full < (l + 1) * le; ++r) {
+        if (runs[r].count == 0) continue;
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(reg + (runs[r].full - l * le), part + runs[r].part,
+                                          static_cast<size_t>(runs[r].count) * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, stream));
+      }
+      comms->reduce(gather_sum.as<float>(), le, DType::kF32, stream);
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(whole + l * le, gather_sum.as<float>(),
+                                        static_cast<size_t>(le) * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream));
+    }
+    return whole;
+  }
+
+  // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count) (vocab-parallel
+  // under prefill TP).
   void head(int64_t begin, int64_t count) override {
-    cuda::GemmParams gp{};
-    gp.x = ws.last.as<bf16>() + begin * c.hidden_size;
-    gp.w = lm_head;
-    gp.m = count;
-    gp.n = c.vocab_size;
-    gp.k = c.hidden_size;
-    gp.y_f32 = ws.logits.as<float>();
-    ws.gemm->run(gp, stream);
+    comms->head(*ws.gemm, ws.last.as<bf16>() + begin * c.hidden_size, lm_head, count,
+                ws.logits.as<float>(), stream);
   }
 
   // One MTP pass over m's tokens (ids: the tokens t + 1; mtp_w.hidden_in: h_t, device token
@@ -761,7 +872,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     gated_attention(w, m, static_cast<bf16*>(mkv.layer_data(0)), page_size,
                     run.pick_split(n, m.num_prefill, m.width, page_size), nullptr);
     cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
-    moe_block(w, n);
+    moe_block(w, m, /*warmup=*/false);
     cuda::add_rms_norm_launch({X, Y, t.norm, XN, n, h, eps}, stream);
     cuda::embedding_launch({m.rows, XN, ws.last.as<bf16>(), m.num_rows, h, n}, stream);
   }
@@ -773,12 +884,15 @@ Qwen35MoeCuda::Qwen35MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                     "max_tokens and max_seqs must be positive");
   TANDEM_CHECK_KIND(kUnsupported, !opts_.deterministic,
                     "--deterministic is not supported for Qwen3.5 hybrid models on the GPU");
-  TANDEM_CHECK_KIND(kUnsupported, opts_.shard.size <= 1,
-                    "Qwen3.5 on the GPU runs on one GPU only (no sharding yet)");
   runner_ = std::make_unique<CudaRunner>(config_, opts_);
   stream_ = runner_->stream();
-  impl_ = std::make_unique<Impl>(config_, *runner_);
+  impl_ = std::make_unique<Impl>(config_, *runner_, opts_);
   runner_->set_layers(impl_.get());
+  if (impl_->plan.tensor_parallel()) {
+    check_gqa_group(impl_->qh / impl_->kvh, "config.json",
+                    "query heads / KV heads per prefill TP rank");
+    runner_->clear_buckets();  // prefill TP batches are prompts: eager (no decode graphs)
+  }
 }
 
 Qwen35MoeCuda::~Qwen35MoeCuda() {
@@ -807,8 +921,7 @@ int64_t Qwen35MoeCuda::num_linear_layers() const { return impl_->num_linear; }
 int64_t Qwen35MoeCuda::num_attention_layers() const { return impl_->num_attention; }
 
 KvGeometry Qwen35MoeCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
-  KvGeometry g{impl_->num_attention, num_pages, config_.num_key_value_heads, page_size,
-               config_.head_dim};
+  KvGeometry g{impl_->num_attention, num_pages, impl_->kvh, page_size, config_.head_dim};
   g.dtype = DType::kBF16;
   return g;
 }
@@ -877,6 +990,11 @@ void Qwen35MoeCuda::forward(const ForwardBatch& batch, KvCache& kv, std::vector<
 
 bool Qwen35MoeCuda::replay_states(const std::vector<StateReplay>& replays, KvCache& kv) {
   Impl& im = *impl_;
+  // A decode EP rank cannot fall back to a forward: that is collective, and only the ranks with
+  // a rejection would run it.
+  TANDEM_CHECK(im.kept_tokens >= 0 || !im.dp_ep() || replays.empty() || im.num_linear == 0,
+               "replay_states: the last forward kept no recurrence inputs, and a decode EP rank "
+               "cannot roll back by a forward");
   if (im.kept_tokens < 0 || im.num_linear == 0) return false;
   TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == im.slot_elems(),
                "replay_states: the KV cache has no device state slots for this hybrid model");
@@ -952,7 +1070,8 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
     t.h_hidden = PinnedMem(T * static_cast<size_t>(h) * sizeof(bf16));
     TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&t.staged, cudaEventDisableTiming));
   }
-  im.mtp_graphs_on = opts_.mtp_graphs && env_not_off("TANDEM_MTP_GRAPHS");
+  // (sharded: passes eager; decode EP passes exchange with the peers' every time)
+  im.mtp_graphs_on = opts_.mtp_graphs && env_not_off("TANDEM_MTP_GRAPHS") && opts_.shard.size <= 1;
   t.loaded = false;  // until every tensor is in
   im.load_weights(reader, /*mtp=*/true);
   t.loaded = true;
@@ -962,9 +1081,45 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
 
 bool Qwen35MoeCuda::has_mtp() const { return impl_->mtp_w.loaded; }
 
+bool Qwen35MoeCuda::gather_state(KvCache& kv, int64_t slot, int root, std::vector<float>& out) {
+  Impl& im = *impl_;
+  if (!im.tp() || im.num_linear == 0) return false;
+  TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  im.check_cache(kv);
+  TANDEM_CHECK(slot >= 0 && slot < kv.num_state_slots(), "gather_state: state slot ", slot,
+               " out of range");
+  const float* whole = im.gather_whole_state(kv, slot);
+  out.clear();
+  if (opts_.shard.rank == root) {
+    out.resize(static_cast<size_t>(HybridStateLayout::full(config_).slot_elems()));
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(out.data(), whole, out.size() * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_));
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return true;
+}
+
+const float* Qwen35MoeCuda::gathered_state() const { return impl_->whole_state.as<float>(); }
+
+bool Qwen35MoeCuda::mtp_collective() const { return has_mtp() && impl_->dp_ep(); }
+
+void Qwen35MoeCuda::mtp_empty_pass() {
+  // Only the MTP layer's MoE exchange (no tokens of this rank): its experts serve the others.
+  Impl& im = *impl_;
+  const StepMeta m = runner_->eager_meta(0);
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(m.num_real, 0, sizeof(int32_t), stream_));
+  const LayerW& w = im.mtp_w.layer;
+  cuda_model::EpExperts e;
+  e.router = w.router;
+  e.gate_up = w.gate_up;
+  e.down = w.down;
+  im.comms->moe_ep(e, runner_->ws().xn.as<bf16>(), runner_->ws().y.as<bf16>(), 0, m.num_real, false,
+                   true, false, *runner_->ws().gemm, stream_);
+}
+
 KvGeometry Qwen35MoeCuda::mtp_kv_geometry(int64_t num_pages, int64_t page_size) const {
   TANDEM_CHECK_KIND(kUnsupported, has_mtp(), "this model has no MTP layer loaded");
-  KvGeometry g{1, num_pages, config_.num_key_value_heads, page_size, config_.head_dim};
+  KvGeometry g{1, num_pages, impl_->kvh, page_size, config_.head_dim};
   g.dtype = DType::kBF16;
   return g;
 }
@@ -1011,11 +1166,14 @@ int64_t Qwen35MoeCuda::mtp_launch(const ForwardBatch& batch, const float* hidden
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   const auto& g = mtp_kv.geometry();
   TANDEM_CHECK(!mtp_kv.is_host() && g.num_layers == 1 && g.dtype == DType::kBF16 &&
-                   g.num_kv_heads == config_.num_key_value_heads && g.head_dim == config_.head_dim,
+                   g.num_kv_heads == im.kvh && g.head_dim == config_.head_dim,
                "the MTP KV cache was not made by this CUDA model");
   const int64_t n = batch.num_tokens(), h = config_.hidden_size, page_size = g.page_size;
   const int64_t rows = batch.num_logit_rows();
-  if (n == 0) return 0;
+  if (n == 0) {
+    if (mtp_collective()) mtp_empty_pass();  // a decode EP rank's: its experts serve the others
+    return 0;
+  }
   CudaRunner& run = *runner_;
   const cuda_model::Workspace& ws = run.ws();
   const std::vector<int64_t>& buckets = run.buckets();
@@ -1170,7 +1328,13 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
   const int64_t rows = first.num_logit_rows();
   const auto passes = static_cast<int64_t>(chain.size()) + 1;
   drafts.assign(static_cast<size_t>(passes), {});
-  if (first.num_tokens() == 0) return;
+  if (first.num_tokens() == 0) {
+    if (mtp_collective()) {  // every pass's exchange still runs (decode EP)
+      for (int64_t p = 0; p < passes; ++p) mtp_empty_pass();
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    return;
+  }
   const Impl::ChainBuffers cb = im.chain_buffers(passes);
   int32_t *idx = cb.idx, *tokens = cb.tokens, *idx_host = cb.idx_host;
   // Pass 0: h_t from the last forward's final hidden states (xn, device token order).
@@ -1363,7 +1527,8 @@ void Qwen35MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
 }
 
 void Qwen35MoeCuda::warm_up(KvCache& kv, int64_t max_batch) {
-  runner_->capture_buckets(kv, max_batch, 1);
+  // (a sharded model's ranks capture together on first use)
+  if (opts_.shard.size <= 1) runner_->capture_buckets(kv, max_batch, 1);
 }
 
 void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t max_batch,
@@ -1374,6 +1539,7 @@ void Qwen35MoeCuda::warm_up_speculative(KvCache& kv, KvCache& mtp_kv, int64_t ma
   if (has_mtp() && im.num_linear > 0 && k >= 1) {
     im.ensure_kept(std::min(runner_->ws().t_cap, std::max<int64_t>(1, max_batch) * q));
   }
+  if (opts_.shard.size > 1) return;  // (a sharded model's ranks capture together on first use)
   if (has_mtp() && im.verify_graphs && k >= 1 && q <= Impl::kMaxVerifyTokens) {
     runner_->capture_buckets(kv, max_batch, q);  // the verify graphs
   }

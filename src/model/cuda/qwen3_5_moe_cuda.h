@@ -6,7 +6,20 @@
 // their state slots, graphs, forward and sampling); this file holds the weights, the layers,
 // the MTP layer and the fused speculative step.
 // The (1 + w) zero-centred RMSNorm weights are stored as 1 + w (added in fp32 at load, then
-// rounded to bf16). One GPU only (no sharding yet).
+// rounded to bf16). One GPU, or one rank of a sharded instance (CudaModelOptions::shard, as the
+// CPU Qwen35MoeCpu splits it; the collectives of model/cuda/shard_comms.h):
+//   prefill TP=t EP=t: gated attention heads split (KV heads replicated when t exceeds them),
+//     o_proj row-parallel; DeltaNet split by heads (DeltaNetHeads: value heads hv / t with their
+//     key heads; in_proj rows, conv channels, A_log / dt_bias and the state slots of those
+//     heads; out_proj row-parallel); routed experts E / t (MoeLayer over its range); the shared
+//     expert's intermediate split (its sigmoid gate replicated); one all-reduce after each
+//     mixer and one after each MoE block; vocab-parallel lm_head; eager steps; the whole state
+//     of a prompt merged on the devices (gather_state);
+//   decode DP=d EP=d: attention, DeltaNet, router, shared expert and lm_head replicated, each
+//     rank its own sequences, KV pages and state slots; routed experts E / d through the
+//     dispatch / combine inside the decode and verify graphs; every step collective (a rank
+//     without sequences runs a zero-token one); the MTP layer's experts through the same
+//     exchange (mtp_collective: exactly K passes per step, eager).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,7 +47,8 @@ class Qwen35MoeCuda final : public Model {
   /// Loads config.json (model_type qwen3_5_moe or qwen3_5_moe_text) and the safetensors weights
   /// of `dir` (both layouts; experts fused 3D or one tensor per expert). Throws kUnsupported,
   /// naming config.json and the field, for shapes the CUDA ops do not cover
-  /// (check_cuda_model_config) or a sharded opts.shard.
+  /// (check_cuda_model_config), kInvalidArgument naming what does not split over a sharded
+  /// opts.shard (heads, experts, the shared expert's intermediate size).
   static std::unique_ptr<Qwen35MoeCuda> load(const std::string& dir, const CudaModelOptions& opts);
   ~Qwen35MoeCuda() override;
 
@@ -69,8 +83,18 @@ class Qwen35MoeCuda final : public Model {
   /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
   void load_mtp(const std::string& dir) override;
   bool has_mtp() const override;
+  /// True on a decode EP rank of several with the MTP layer loaded (its experts sharded).
+  bool mtp_collective() const override;
+  /// Prefill TP: Model::gather_state on the devices (each rank's heads scattered into a zeroed
+  /// whole layer, summed over the ranks by the all-reduce: exact); the root's copy comes to
+  /// the host for today's transfer, and stays on the device (gathered_state). False elsewhere.
+  bool gather_state(KvCache& kv, int64_t slot, int root, std::vector<float>& out) override;
+  /// The last gather_state's whole state on this rank's device ([HybridStateLayout::full(c)
+  /// .slot_elems()] fp32; null before the first).
+  const float* gathered_state() const;
   /// Model::replay_states on the device: a verify step (a verify graph always; an eager batch
-  /// with keep_recurrent_inputs of at most max_num_seqs * 5 tokens) copies each DeltaNet layer's
+  /// with keep_recurrent_inputs of at most max_num_seqs * 5 tokens, of any size on a decode EP
+  /// rank, whose rollback cannot be a forward) copies each DeltaNet layer's
   /// in_proj rows aside (grown on demand: linear layers x tokens x the in_proj width, bf16;
   /// growing drops the verify graphs); the replay gathers the accepted rows and runs the conv
   /// and the delta rule over them per layer (no GEMM, no MoE).
@@ -181,6 +205,8 @@ class Qwen35MoeCuda final : public Model {
   // `hidden` (host, batch order), or `dev`'s.
   int64_t mtp_launch(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                      const MtpDeviceIn* dev = nullptr);
+  // A decode EP rank's MTP pass without tokens: the MTP layer's exchange only.
+  void mtp_empty_pass();
   // mtp_launch's host h_t (batch order, fp32) into the MTP input (device order, bf16).
   void stage_mtp_hidden(const ForwardBatch& batch, const float* hidden, int64_t n_run);
   // The last MTP pass's rows' hidden states (after mtp.norm) as fp32 (synchronises).

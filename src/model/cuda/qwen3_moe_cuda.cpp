@@ -29,6 +29,7 @@
 #include "model/cuda/mxfp8_weights.h"
 #include "model/cuda/random_fill.h"
 #include "model/cuda/runner.h"
+#include "model/cuda/shard_comms.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
 
@@ -78,13 +79,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
 
   // Sharding: local heads / experts / vocabulary rows, and the communicators.
   ShardPlan plan;
-  std::shared_ptr<comm::TcpStore> store;
-  std::unique_ptr<comm::CudaComm> ar;  // all-reduce (prefill TP); the IPC base of `ep`
-  std::unique_ptr<comm::CudaMoe> ep;   // decode DP/EP dispatch / combine
-  DeviceMem ep_logits, ep_ids, ep_w, ep_act, ep_out;  // decode EP intermediates
-  int64_t ep_max_rows = 0;
-  DeviceMem lm_local;      // prefill TP: [head_chunk, vocab rows of this rank] fp32
-  int64_t head_chunk = 0;  // prefill TP: logits rows per all-reduce
+  std::unique_ptr<cuda_model::ShardComms> comms;  // the all-reduce, the decode EP exchange
   bool tp() const { return plan.tensor_parallel() && plan.spec.size > 1; }
   bool dp_ep() const { return plan.data_parallel() && plan.spec.size > 1; }
   int64_t qh() const { return plan.q_heads.size(); }
@@ -268,23 +263,12 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     // Rows [r.begin, r.end) of a [rows, cols] tensor.
     auto put_rows = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
                         IndexRange r) {
-      const uint16_t* src = host_bf16(wr, name, {rows, cols}, tmp);
-      up.put(dst, src + r.begin * cols, static_cast<size_t>(r.size() * cols) * sizeof(bf16));
+      cuda_model::upload_rows(up, dst, host_bf16(wr, name, {rows, cols}, tmp), cols, r);
     };
     // Columns [r.begin, r.end) of a [rows, cols] tensor (row-parallel o_proj).
     auto put_cols = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
                         IndexRange r) {
-      const uint16_t* src = host_bf16(wr, name, {rows, cols}, tmp);
-      if (r.begin == 0 && r.end == cols) {
-        up.put(dst, src, static_cast<size_t>(rows * cols) * sizeof(bf16));
-        return;
-      }
-      std::vector<uint16_t> g(static_cast<size_t>(rows * r.size()));
-      for (int64_t i = 0; i < rows; ++i) {
-        std::memcpy(g.data() + i * r.size(), src + i * cols + r.begin,
-                    static_cast<size_t>(r.size()) * sizeof(uint16_t));
-      }
-      up.put(dst, g.data(), g.size() * sizeof(uint16_t));
+      cuda_model::upload_cols(up, dst, host_bf16(wr, name, {rows, cols}, tmp), rows, cols, r);
     };
     // FP8: rows x columns of an F8_E4M3 tensor as codes + row scales, at row `row0` of dst.
     auto put8 = [&](const Fp8Mat& dst, int64_t row0, const std::string& name, int64_t rows,
@@ -501,7 +485,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   // ranks are not running it), so the decode EP MoE block is left out.
   void step(const cuda_model::StepMeta& m, KvCache& kv, const ForwardBatch* batch, bool warmup) {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim, qh = this->qh(), kvh = this->kvh();
-    bf16* reg = ar ? static_cast<bf16*>(ar->registered_input()) : nullptr;
+    cuda_model::ShardComms& sc = *comms;
     const int64_t page_size = kv.geometry().page_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
     bf16 *X = ws.x.as<bf16>(), *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>();
@@ -528,8 +512,8 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
       cuda::paged_attention_launch(ap, stream);
       // Row-parallel o_proj (prefill TP): the partial products go straight into the
       // all-reduce's registered buffer and come back summed over the ranks into Y.
-      linear(attn.as<bf16>(), w.o, w.o8, tp() ? reg : Y, n, h, qh * d);
-      if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
+      linear(attn.as<bf16>(), w.o, w.o8, sc.partial(Y), n, h, qh * d);
+      sc.reduce(Y, n * h, DType::kBF16, stream);
       cuda::add_rms_norm_launch({X, Y, w.post_norm, XN, n, h, eps}, stream);
       if (w.moe && dp_ep()) {
         moe_ep(w, XN, Y, m, warmup);
@@ -541,8 +525,8 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
         // into the registered buffer, then summed over the ranks.
         moe->run({w.router, w.gate_up, w.down, w.gate_up8.q, w.gate_up8.s, w.down8.q, w.down8.s,
                   w.gate_up8.e, w.down8.e},
-                 XN, tp() ? reg : Y, n, *ws.gemm, stream);
-        if (tp()) ar->all_reduce_registered(Y, static_cast<size_t>(n * h), DType::kBF16, stream);
+                 XN, sc.partial(Y), n, *ws.gemm, stream);
+        sc.reduce(Y, n * h, DType::kBF16, stream);
       } else {
         const int64_t inter = c.intermediate_size;
         linear(XN, w.gate_up, w.gate_up8, gu.as<bf16>(), n, 2 * inter, h);
@@ -587,134 +571,29 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     ws.gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
   }
 
-  // Decode EP MoE block: router + top-k here, the tokens to their experts' ranks, this
-  // rank's experts over what arrived (grouped by local expert), the outputs back home and
-  // summed per token in ascending expert id. Token counts stay on the device (graphs).
+  // Decode EP MoE block (ShardComms::moe_ep) over the step's tokens.
   void moe_ep(const LayerW& w, bf16* XN, bf16* Y, const cuda_model::StepMeta& m, bool warmup) {
-    const int64_t h = c.hidden_size, inter = c.moe_intermediate_size, E = c.num_experts,
-                  k = c.num_experts_per_tok, L = local_experts();
-    cuda::GemmParams rp{};
-    rp.x = XN;
-    rp.w = w.router;
-    rp.m = m.n;
-    rp.n = E;
-    rp.k = h;
-    rp.y_f32 = ep_logits.as<float>();
-    ws.gemm->run(rp, stream);  // fp32 router logits, as MoeLayer
-    cuda::topk_softmax_launch({ep_logits.as<float>(), ep_ids.as<int32_t>(), ep_w.as<float>(), m.n,
-                               E, k, c.norm_topk_prob, DType::kF32},
-                              stream);
-    if (warmup) return;
-    ep->dispatch_send(XN, ep_ids.as<int32_t>(), ep_w.as<float>(), m.num_real, stream);
-    ep->dispatch_recv(stream);
-    const auto* rx = static_cast<const bf16*>(ep->recv_x());
-    cuda::MoeGemmParams gu{rx,
-                           w.gate_up,
-                           ep_act.as<bf16>(),
-                           ep->expert_offsets(),
-                           ep_max_rows,
-                           2 * inter,
-                           h,
-                           L,
-                           cuda::MoeGemmEpilogue::kSiluMul};
-    gu.w_fp8 = w.gate_up8.q;
-    gu.w_scale = w.gate_up8.s;
-    gu.w_e8m0 = w.gate_up8.e;
-    gu.fp8_activations = fp8_act;
-    cuda::moe_gemm_launch(gu, stream);
-    cuda::MoeGemmParams dn{ep_act.as<bf16>(),
-                           w.down,
-                           ep_out.as<bf16>(),
-                           ep->expert_offsets(),
-                           ep_max_rows,
-                           h,
-                           inter,
-                           L,
-                           cuda::MoeGemmEpilogue::kPlain};
-    dn.w_fp8 = w.down8.q;
-    dn.w_scale = w.down8.s;
-    dn.w_e8m0 = w.down8.e;
-    dn.fp8_activations = fp8_act;
-    cuda::moe_gemm_launch(dn, stream);
-    ep->combine_send(ep_out.as<bf16>(), stream);
-    // Rows past the real tokens (padding) are not written by the combine: keep them finite.
-    TANDEM_CUDA_CHECK(cudaMemsetAsync(Y, 0, static_cast<size_t>(m.n * h) * sizeof(bf16), stream));
-    ep->combine_recv(Y, stream);
+    cuda_model::EpExperts e;
+    e.router = w.router;
+    e.gate_up = w.gate_up;
+    e.down = w.down;
+    e.gate_up_q = w.gate_up8.q;
+    e.gate_up_s = w.gate_up8.s;
+    e.gate_up_e = w.gate_up8.e;
+    e.down_q = w.down8.q;
+    e.down_s = w.down8.s;
+    e.down_e = w.down8.e;
+    comms->moe_ep(e, XN, Y, m.n, m.num_real, warmup, c.norm_topk_prob, fp8_act, *ws.gemm, stream);
   }
 
   // fp32 logits of rows [begin, begin + count) of `last` into logits[0, count).
   void head(int64_t begin, int64_t count) override {
-    cuda::GemmParams gp{};
-    gp.x = ws.last.as<bf16>() + begin * c.hidden_size;
-    gp.w = lm_head;
-    gp.y = nullptr;
-    gp.m = count;
-    gp.n = c.vocab_size;
-    gp.k = c.hidden_size;
-    gp.y_f32 = ws.logits.as<float>();
-    if (!tp()) {
-      ws.gemm->run(gp, stream);
-      return;
-    }
-    // Vocab-parallel: this rank's columns of each row, placed into a zeroed full-width row of
-    // the registered buffer; the all-reduce (a sum with every other column zero) gathers them.
-    const int64_t v = c.vocab_size, vl = plan.vocab.size();
-    auto* reg = static_cast<float*>(ar->registered_input());
-    for (int64_t b = 0; b < count; b += head_chunk) {
-      const int64_t cnt = std::min(head_chunk, count - b);
-      TANDEM_CUDA_CHECK(
-          cudaMemsetAsync(reg, 0, static_cast<size_t>(cnt * v) * sizeof(float), stream));
-      if (vl > 0) {
-        gp.x = ws.last.as<bf16>() + (begin + b) * c.hidden_size;
-        gp.m = cnt;
-        gp.n = vl;
-        gp.y_f32 = lm_local.as<float>();
-        ws.gemm->run(gp, stream);
-        TANDEM_CUDA_CHECK(cudaMemcpy2DAsync(
-            reg + plan.vocab.begin, v * sizeof(float), lm_local.as<float>(), vl * sizeof(float),
-            vl * sizeof(float), cnt, cudaMemcpyDeviceToDevice, stream));
-      }
-      ar->all_reduce_registered(ws.logits.as<float>() + b * v, static_cast<size_t>(cnt * v),
-                                DType::kF32, stream);
-    }
+    comms->head(*ws.gemm, ws.last.as<bf16>() + begin * c.hidden_size, lm_head, count,
+                ws.logits.as<float>(), stream);
   }
-
   // The rank's CUDA communicators (collective: every rank of the group builds them now).
   void make_communicators(const CudaModelOptions& o, bool any_moe) {
-    if (plan.spec.size <= 1) return;
-    TANDEM_CHECK_KIND(kInvalidArgument, store != nullptr,
-                      "a sharded CUDA model needs the group's store (CudaModelOptions::store)");
-    const int64_t h = c.hidden_size, v = c.vocab_size;
-    comm::CudaAllReduceConfig ac = comm::CudaAllReduceConfig::defaults(plan.spec.size);
-    if (tp()) {
-      // One buffer carries a whole step's activations and a chunk of logits rows.
-      head_chunk = std::min(ws.rows_cap, std::max<int64_t>(1, (int64_t{32} << 20) / (4 * v)));
-      const size_t need = static_cast<size_t>(
-          std::max(ws.t_cap * h * static_cast<int64_t>(sizeof(bf16)), head_chunk * v * 4));
-      ac.max_bytes = std::max(ac.max_bytes, (need + 4095) / 4096 * 4096);
-      lm_local =
-          DeviceMem(static_cast<size_t>(head_chunk * std::max<int64_t>(plan.vocab.size(), 1)) *
-                    sizeof(float));
-    } else {
-      ac.max_bytes = size_t(1) << 20;  // decode: the IPC base of the MoE exchange only
-    }
-    ar = std::make_unique<comm::CudaComm>(store, o.device, ac);
-    if (dp_ep() && any_moe) {
-      comm::CudaMoeConfig mc;
-      mc.num_experts = static_cast<int>(c.num_experts);
-      mc.hidden = static_cast<int>(h);
-      mc.top_k = static_cast<int>(c.num_experts_per_tok);
-      mc.max_tokens = static_cast<int>(ws.t_cap);
-      ep = std::make_unique<comm::CudaMoe>(*ar, mc);
-      ep_max_rows = ep->max_recv_rows();
-      const auto T = static_cast<size_t>(ws.t_cap);
-      ep_logits = DeviceMem(T * static_cast<size_t>(c.num_experts) * sizeof(float));
-      ep_ids = DeviceMem(T * static_cast<size_t>(c.num_experts_per_tok) * sizeof(int32_t));
-      ep_w = DeviceMem(T * static_cast<size_t>(c.num_experts_per_tok) * sizeof(float));
-      ep_act = DeviceMem(static_cast<size_t>(ep_max_rows * c.moe_intermediate_size) * sizeof(bf16));
-      ep_out = DeviceMem(static_cast<size_t>(ep_max_rows * h) * sizeof(bf16));
-      cuda::moe_gemm_prepare();
-    }
+    comms->connect(o.device, ws.t_cap, ws.rows_cap, any_moe);
   }
 };
 
@@ -731,7 +610,7 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   impl_ = std::make_unique<Impl>(config_, *runner_);
   runner_->set_layers(impl_.get());
   impl_->plan = ShardPlan::make(config_, opts_.shard);
-  impl_->store = opts_.store;
+  impl_->comms = std::make_unique<cuda_model::ShardComms>(config_, impl_->plan, opts_.store);
   // Block FP8 stays FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for comparisons);
   // MXFP8 only when TANDEM_CUDA_MXFP8 asks for it (native or block; opt-in, not yet device-run).
   const char* env = std::getenv("TANDEM_CUDA_FP8");
@@ -787,14 +666,10 @@ MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   s.num_sms = ws.num_sms;
   s.stream = stream_;
   s.sampler = ws.sampler.get();
-  if (im.ep) {  // decode DP/EP: the MTP layer's MoE through the target's exchange
-    s.ep = im.ep.get();
-    s.ep_logits = im.ep_logits.as<float>();
-    s.ep_ids = im.ep_ids.as<int32_t>();
-    s.ep_w = im.ep_w.as<float>();
-    s.ep_act = im.ep_act.as<void>();
-    s.ep_out = im.ep_out.as<void>();
-    s.ep_max_rows = im.ep_max_rows;
+  if (const cuda_model::ShardComms& sc = *im.comms; sc.ep() != nullptr) {
+    // decode DP/EP: the MTP layer's MoE through the target's exchange
+    s.ep = sc.ep();
+    s.comms = im.comms.get();
     s.ep_expert_begin = im.plan.experts.begin;
     s.ep_local_experts = im.local_experts();
   }

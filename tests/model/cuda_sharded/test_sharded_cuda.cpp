@@ -7,6 +7,11 @@
 //    by our dispatch / combine inside the decode CUDA graphs;
 // must reproduce the transformers tokens by the margin rule of the single-GPU golden tests
 // (every step up to the first whose golden top1-top2 margin is under 0.5), and leak no page.
+// The Qwen3.5 hybrid (Qwen35MoeCuda, the qwen35_* fixtures: one with replicated DeltaNet key
+// heads at TP 2, one tied): prefill TP=2 logits against the one-GPU model's by the margin rule
+// and the whole state gathered on the devices; decode DP=2 / EP=2 tokens against the one-GPU
+// model's and the golden ones, an idle rank included; its MTP layer on decode EP ranks (a pass
+// against the one-GPU model's, speculating engines fused and not, exactly K passes a step).
 // Every CUDA call runs in the forked ranks (never in this process); skips without a GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -16,6 +21,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -23,6 +29,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comm/gloo_comm.h"
@@ -32,8 +39,11 @@
 #include "engine/engine.h"
 #include "engine/golden.h"
 #include "engine/mtp_weights.h"
+#include "model/cuda/cuda_golden_util.h"
 #include "model/cuda/mtp_cuda.h"
+#include "model/cuda/qwen3_5_moe_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
+#include "model/hybrid_state.h"
 #include "model/qwen3_moe.h"
 #include "model/shard.h"
 
@@ -97,9 +107,11 @@ int check_greedy(const testing::Golden& g, const std::vector<size_t>& cases,
   return compared;
 }
 
-// The rank's sharded model of `dir` on its GPU (the ranks share the machine's GPUs).
-std::unique_ptr<Qwen3MoeCuda> load_rank_model(const std::string& dir, const ShardSpec& spec,
-                                              const std::shared_ptr<comm::TcpStore>& store) {
+// The rank's sharded model of `dir` on its GPU (the ranks share the machine's GPUs); M:
+// Qwen3MoeCuda or Qwen35MoeCuda. A single spec loads the whole model (no store needed).
+template <typename M = Qwen3MoeCuda>
+std::unique_ptr<M> load_rank_model(const std::string& dir, const ShardSpec& spec,
+                                   const std::shared_ptr<comm::TcpStore>& store) {
   const comm::RankEnv env = comm::RankEnv::from_env();
   CudaModelOptions o;
   o.max_tokens = 512;
@@ -110,7 +122,7 @@ std::unique_ptr<Qwen3MoeCuda> load_rank_model(const std::string& dir, const Shar
   int gpus = 0;
   TANDEM_CHECK(cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 0, "no GPU in the rank");
   o.device = env.local_rank % gpus;
-  return Qwen3MoeCuda::load(dir, o);
+  return M::load(dir, o);
 }
 
 EngineConfig rank_engine_config() {
@@ -140,13 +152,16 @@ int step_in_lockstep(Engine& engine, comm::GlooCommunicator& gloo) {
 // One rank: the sharded model, an engine over `cases`, steps in lockstep with the group until
 // no rank has work (prefill TP: every rank the same cases). With `mtp`: speculating with K
 // drafts (decode EP: the MTP layer's experts sharded, K collective MTP passes every step).
+// M: the architecture; `tokens` (when set) gets each case's tokens.
+template <typename M = Qwen3MoeCuda>
 void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<size_t>& cases,
-              int* compared, const std::string& mtp = "", int64_t k = 0) {
+              int* compared, const std::string& mtp = "", int64_t k = 0,
+              std::vector<Result>* tokens = nullptr) {
   const comm::RankEnv env = comm::RankEnv::from_env();
   auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
   comm::GlooCommunicator gloo(*store);
   const testing::Golden g = testing::load_golden(dir);
-  auto model = load_rank_model(dir, spec, store);
+  auto model = load_rank_model<M>(dir, spec, store);
   EngineConfig cfg = rank_engine_config();
   if (!mtp.empty()) {
     model->load_mtp(mtp);
@@ -186,6 +201,14 @@ void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<s
   }
   std::fprintf(stderr, "%s %s: %d steps, %d tokens compared\n", g.name.c_str(), mode.c_str(), steps,
                *compared);
+  if constexpr (std::is_same_v<M, Qwen35MoeCuda>) {
+    // Speculating hybrids fuse their steps unless TANDEM_SPEC_FUSED=0.
+    const char* f = std::getenv("TANDEM_SPEC_FUSED");
+    const bool fused = f == nullptr || std::strcmp(f, "0") != 0;
+    TANDEM_CHECK(k == 0 || cases.empty() || fused == (model->fused_steps() > 0), mode, ": ",
+                 model->fused_steps(), " fused steps");
+  }
+  if (tokens != nullptr) *tokens = results;
 }
 
 class CudaSharded : public ::testing::TestWithParam<std::string> {
@@ -538,6 +561,325 @@ TEST_F(CudaShardedMtp, DecodeDp2FusedStepMatchesUnfused) {
     });
   }
 }
+
+// ---- Qwen3.5 hybrid (Qwen35MoeCuda) ------------------------------------------------------
+
+// The qwen35_* golden fixtures whose heads, DeltaNet heads, experts and shared expert split over
+// `ranks` (the text one splits its key heads, the vl one replicates its one key head).
+std::vector<std::string> hybrid_dirs_for(int ranks) {
+  std::vector<std::string> out;
+  for (const auto& d : testing::hybrid_golden_dirs()) {
+    const ModelConfig c = ModelConfig::from_dir(d);
+    try {
+      const ShardSpec p = ShardSpec::prefill(0, ranks);
+      (void)HybridSlices::of(c, ShardPlan::make(c, p), DeltaNetHeads::of(c, p));
+      ShardPlan::make(c, ShardSpec::decode(0, ranks));
+    } catch (const Error&) {
+      continue;
+    }
+    out.push_back(d);
+  }
+  return out;
+}
+
+// The whole model on the rank's GPU: the one-GPU reference of the sharded ones.
+std::unique_ptr<Qwen35MoeCuda> load_one_gpu(const std::string& dir) {
+  return load_rank_model<Qwen35MoeCuda>(dir, ShardSpec::single(), nullptr);
+}
+
+// Logits rows got vs want ([rows, vocab]): every value finite, each row's relative L2 error
+// into errs; where want's top-2 margin exceeds kMarginBf16 the argmaxes are compared (checked,
+// flipped).
+struct RowCheck {
+  std::vector<double> errs;
+  int checked = 0, flipped = 0;
+  void add(const std::vector<float>& got, const std::vector<float>& want, int64_t vocab,
+           const std::string& what) {
+    TANDEM_CHECK(got.size() == want.size(), what, ": ", got.size(), " logits vs ", want.size());
+    for (size_t r = 0; r * static_cast<size_t>(vocab) < want.size(); ++r) {
+      const float* gr = got.data() + r * static_cast<size_t>(vocab);
+      const float* wr = want.data() + r * static_cast<size_t>(vocab);
+      double num = 0, den = 0;
+      int64_t ga = 0, wa = 0;
+      for (int64_t i = 0; i < vocab; ++i) {
+        TANDEM_CHECK(std::isfinite(gr[i]), what, " row ", r, ": not finite");
+        num += (double(gr[i]) - wr[i]) * (double(gr[i]) - wr[i]);
+        den += double(wr[i]) * wr[i];
+        if (gr[i] > gr[ga]) ga = i;
+        if (wr[i] > wr[wa]) wa = i;
+      }
+      float second = -INFINITY;
+      for (int64_t i = 0; i < vocab; ++i) {
+        if (i != wa) second = std::max(second, wr[i]);
+      }
+      errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
+      if (wr[wa] - second > kMarginBf16) {
+        ++checked;
+        flipped += ga != wa;
+      }
+    }
+  }
+  // Median under med_tol, at most 5% of the argmax checks flipped, some checked.
+  void expect(double med_tol, const std::string& what) const {
+    TANDEM_CHECK(!errs.empty() && checked > 0, what, ": nothing compared");
+    std::vector<double> e = errs;
+    std::sort(e.begin(), e.end());
+    const double med = e[e.size() / 2];
+    std::fprintf(stderr,
+                 "%s: rows %zu, relative error median %.2e max %.2e, %d argmax, %d flipped\n",
+                 what.c_str(), e.size(), med, e.back(), checked, flipped);
+    TANDEM_CHECK(med < med_tol, what, ": median relative error ", med);
+    TANDEM_CHECK(flipped <= 0.05 * checked, what, ": ", flipped, " of ", checked,
+                 " argmax checks flipped");
+  }
+};
+
+// One sequence's logits rows in two chunks (the KV and the DeltaNet state continue) on state
+// slot 1 of `kv`.
+std::vector<float> two_chunks(Model& m, KvCache& kv, const std::vector<int32_t>& tokens) {
+  const auto n = static_cast<int64_t>(tokens.size());
+  return cuda_golden::teacher_forced(m, kv, tokens, (n + 1) / 2, 1);
+}
+
+// `cases` of g greedy through an engine over a model of this rank alone.
+std::vector<Result> run_alone(Model& model, const testing::Golden& g,
+                              const std::vector<size_t>& cases) {
+  Engine engine(model, rank_engine_config());
+  std::vector<Result> results(cases.size());
+  for (size_t k = 0; k < cases.size(); ++k) {
+    GenRequest r;
+    r.id = "r" + std::to_string(cases[k]);
+    r.prompt_ids = g.cases[cases[k]].prompt_ids;
+    r.max_tokens = g.cases[cases[k]].max_tokens;
+    r.sampling.temperature = 0;
+    engine.add(r, [&results, k](const StepOutput& out) {
+      results[k].ids.insert(results[k].ids.end(), out.token_ids.begin(), out.token_ids.end());
+      if (out.finished) ++results[k].finished;
+    });
+  }
+  while (engine.step()) {
+  }
+  TANDEM_CHECK(engine.blocks().num_available() == engine.blocks().num_pages(), "leaked KV pages");
+  return results;
+}
+
+// got's tokens are want's at every step up to the first golden margin under kMarginBf16.
+void check_same_tokens(const testing::Golden& g, const std::vector<size_t>& cases,
+                       const std::vector<Result>& got, const std::vector<Result>& want,
+                       const std::string& what) {
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const auto& c = g.cases[cases[k]];
+    for (size_t t = 0; t < c.output_ids.size(); ++t) {
+      const auto& top = c.top_logprobs[t];
+      if (top.size() < 2 || top[0].logprob - top[1].logprob < kMarginBf16) break;
+      TANDEM_CHECK(
+          t < got[k].ids.size() && t < want[k].ids.size() && got[k].ids[t] == want[k].ids[t],
+          g.name, " ", what, " case ", cases[k], " step ", t, ": ",
+          t < got[k].ids.size() ? got[k].ids[t] : -1, ", one GPU ",
+          t < want[k].ids.size() ? want[k].ids[t] : -1);
+    }
+  }
+}
+
+class CudaShardedQwen35 : public CudaSharded {};
+
+// Prefill TP=2 (both ranks the same sequence, in two chunks) against the one-GPU model on the
+// same rank: the logits rows by the hybrid margin rule; the whole state gathered on the devices
+// (gather_state) is, sliced back to each rank's heads, that rank's own part bit for bit (the
+// root's copy; each rank is root once), and within tolerance of the one-GPU model's state.
+TEST_P(CudaShardedQwen35, PrefillTp2LogitsAndStateMatchOneGpu) {
+  const std::string dir = GetParam();
+  run([&](int rank) {
+    const comm::RankEnv env = comm::RankEnv::from_env();
+    auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
+    const testing::Golden g = testing::load_golden(dir);
+    const ShardSpec spec = ShardSpec::prefill(rank, 2);
+    auto tp = load_rank_model<Qwen35MoeCuda>(dir, spec, store);
+    auto one = load_one_gpu(dir);
+    const ModelConfig& c = one->config();
+    const DeltaNetHeads heads = DeltaNetHeads::of(c, spec);
+    const HybridStateLayout full = HybridStateLayout::full(c),
+                            part = HybridStateLayout::of(c, heads);
+    TANDEM_CHECK(
+        tp->state_slot_elems() == part.slot_elems() && one->state_slot_elems() == full.slot_elems(),
+        "state slots of ", tp->state_slot_elems(), " / ", one->state_slot_elems(), " floats, want ",
+        part.slot_elems(), " / ", full.slot_elems());
+    TANDEM_CHECK(
+        tp->kv_geometry(4, 16).num_kv_heads == std::max<int64_t>(1, c.num_key_value_heads / 2),
+        "KV heads per rank");
+    RowCheck rows;
+    for (size_t i = 0; i < g.cases.size(); ++i) {
+      const std::vector<int32_t> tokens = cuda_golden::teacher_forced_tokens(g.cases[i]);
+      const int64_t pages = static_cast<int64_t>(tokens.size()) / 16 + 2;
+      KvCache kv_tp = tp->make_kv_cache(pages, 16);
+      kv_tp.allocate_states(2, tp->state_slot_elems());
+      KvCache kv_one = one->make_kv_cache(pages, 16);
+      kv_one.allocate_states(2, one->state_slot_elems());
+      const std::vector<float> want = two_chunks(*one, kv_one, tokens);
+      const std::vector<float> got = two_chunks(*tp, kv_tp, tokens);  // collective
+      const std::string what =
+          g.name + " rank " + std::to_string(rank) + " case " + std::to_string(i);
+      rows.add(got, want, c.vocab_size, what);
+      // The whole state, gathered to each rank in turn.
+      const std::span<const float> mine_span = kv_tp.read_state(1);
+      const std::vector<float> mine(mine_span.begin(), mine_span.end());
+      const std::span<const float> ref_span = kv_one.read_state(1);
+      const std::vector<float> ref(ref_span.begin(), ref_span.end());
+      for (int root = 0; root < 2; ++root) {
+        std::vector<float> whole{1.0f};
+        TANDEM_CHECK(tp->gather_state(kv_tp, 1, root, whole), what, ": gather_state declined");
+        if (root != rank) {
+          TANDEM_CHECK(whole.empty(), what, ": a non-root rank got a state");
+          continue;
+        }
+        TANDEM_CHECK(static_cast<int64_t>(whole.size()) == full.slot_elems(), what, ": ",
+                     whole.size(), " floats gathered");
+        std::vector<float> back(mine.size(), -1.0f);
+        slice_hybrid_state(c, heads, whole.data(), back.data());
+        TANDEM_CHECK(back == mine, what, ": the gathered state sliced back differs from the part");
+        double num = 0, den = 0;
+        for (size_t j = 0; j < ref.size(); ++j) {
+          num += (double(whole[j]) - ref[j]) * (double(whole[j]) - ref[j]);
+          den += double(ref[j]) * ref[j];
+        }
+        const double err = std::sqrt(num / std::max(den, 1e-30));
+        TANDEM_CHECK(err < 5e-2, what, ": the gathered state is off the one-GPU one by ", err);
+      }
+    }
+    rows.expect(2.5e-2, g.name + " prefill TP rank " + std::to_string(rank));
+  });
+}
+
+// Decode DP=2 / EP=2 (each rank its own cases; then rank 1 idle, its zero-token steps serving
+// its experts): every rank's tokens are the one-GPU model's and the golden ones by the margin
+// rule; its decode steps ran graphs.
+TEST_P(CudaShardedQwen35, DecodeDp2Ep2TokensMatchOneGpu) {
+  const std::string dir = GetParam();
+  const size_t n = testing::load_golden(dir).cases.size();
+  for (const bool idle : {false, true}) {
+    SCOPED_TRACE(idle ? "rank 1 idle" : "both ranks");
+    run([&](int rank) {
+      std::vector<size_t> mine;
+      for (size_t i = 0; i < n; ++i) {
+        if (idle ? rank == 0 : i % 2 == static_cast<size_t>(rank)) mine.push_back(i);
+      }
+      int compared = 0;
+      std::vector<Result> got;
+      run_rank<Qwen35MoeCuda>(dir, ShardSpec::decode(rank, 2), mine, &compared, "", 0, &got);
+      const testing::Golden g = testing::load_golden(dir);
+      auto one = load_one_gpu(dir);
+      check_same_tokens(g, mine, got, run_alone(*one, g, mine),
+                        "decode EP rank " + std::to_string(rank));
+      TANDEM_CHECK(!idle || rank != 0 || compared > 0, "no step with a margin over ", kMarginBf16);
+    });
+  }
+}
+
+// Qwen3.5's MTP layer on decode EP ranks (random MTP weights in the published layout, written
+// by the parent for each fixture).
+class CudaShardedQwen35Mtp : public CudaSharded {
+ protected:
+  void SetUp() override {
+    CudaSharded::SetUp();
+    if (IsSkipped()) return;
+    mtp_ = (std::filesystem::temp_directory_path() /
+            ("tandem_q35mtp_ep_" + std::to_string(::getpid())))
+               .string();
+    testing::write_random_mtp(GetParam(), mtp_, 11);
+  }
+  void TearDown() override {
+    if (!mtp_.empty()) std::filesystem::remove_all(mtp_);
+  }
+  std::string mtp_;
+};
+
+// One MTP pass of an EP rank (its MTP experts E / 2, through the exchange) against the one-GPU
+// model's over the same hidden states and tokens: round 1 both ranks run a case, round 2 rank 1
+// an empty pass (its experts serve rank 0's tokens).
+TEST_P(CudaShardedQwen35Mtp, MtpPassMatchesOneGpu) {
+  const std::string dir = GetParam(), mtp = mtp_;
+  run([&](int rank) {
+    const comm::RankEnv env = comm::RankEnv::from_env();
+    auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
+    const testing::Golden g = testing::load_golden(dir);
+    auto ep = load_rank_model<Qwen35MoeCuda>(dir, ShardSpec::decode(rank, 2), store);
+    ep->load_mtp(mtp);
+    TANDEM_CHECK(ep->mtp_collective(), "rank ", rank, ": the MTP layer is not collective");
+    auto one = load_one_gpu(dir);
+    one->load_mtp(mtp);
+    TANDEM_CHECK(!one->mtp_collective(), "the one-GPU MTP layer is collective");
+    const ModelConfig& c = one->config();
+    RowCheck rows;
+    for (int round = 0; round < 2; ++round) {
+      const bool empty = round == 1 && rank == 1;
+      const auto& gc = g.cases[static_cast<size_t>(round == 0 ? rank : 0) % g.cases.size()];
+      std::vector<int32_t> tokens = gc.prompt_ids;
+      tokens.insert(tokens.end(), gc.output_ids.begin(), gc.output_ids.end());
+      const auto n = static_cast<int64_t>(tokens.size()) - 1;
+      const int64_t pages = n / 16 + 2;
+      std::vector<int32_t> table(static_cast<size_t>(pages));
+      for (int64_t p = 0; p < pages; ++p) table[static_cast<size_t>(p)] = int32_t(pages - 1 - p);
+      KvCache kv = one->make_kv_cache(pages, 16);
+      kv.allocate_states(1, one->state_slot_elems());
+      std::vector<float> hidden, logits;
+      ForwardBatch tb;
+      tb.seqs.push_back({tokens.data(), n, 0, table.data(), pages, LogitsMode::kLast, 0});
+      tb.hidden_out = &hidden;
+      one->forward(tb, kv, logits);
+      KvCache one_mkv = one->make_mtp_kv_cache(pages, 16);
+      KvCache ep_mkv = ep->make_mtp_kv_cache(pages, 16);
+      ForwardBatch mb;
+      if (!empty) {
+        mb.seqs.push_back({tokens.data() + 1, n, 0, table.data(), pages, LogitsMode::kAll});
+      }
+      std::vector<float> want, got, hw, hg;
+      ep->mtp_forward(mb, hidden.data(), ep_mkv, got, hg);  // collective
+      if (empty) {
+        TANDEM_CHECK(got.empty() && hg.empty(), "an empty pass returned rows");
+        continue;
+      }
+      one->mtp_forward(mb, hidden.data(), one_mkv, want, hw);
+      rows.add(got, want, c.vocab_size, g.name + " rank " + std::to_string(rank));
+    }
+    rows.expect(1.5e-2, g.name + " MTP pass, EP rank " + std::to_string(rank));
+  });
+}
+
+// Speculating decode EP ranks (K collective MTP passes a step): greedy tokens by the margin rule
+// against the golden continuation; K = 2 with the fused step (forward_verify_draft on an EP
+// rank: the verify graph, the state settle, K exchanges), with both ranks busy and with rank 1
+// idle (its K empty passes a step), then K = 3 unfused (TANDEM_SPEC_FUSED=0: the draft chain).
+TEST_P(CudaShardedQwen35Mtp, DecodeDp2SpeculatingGreedyMatchesTransformers) {
+  const std::string dir = GetParam(), mtp = mtp_;
+  const size_t n = testing::load_golden(dir).cases.size();
+  struct Layout {
+    int64_t k;
+    bool idle, fused;
+  };
+  for (const Layout l : {Layout{2, false, true}, Layout{2, true, true}, Layout{3, false, false}}) {
+    SCOPED_TRACE("K " + std::to_string(l.k) + (l.idle ? ", rank 1 idle" : ", both ranks") +
+                 (l.fused ? ", fused" : ", unfused"));
+    run([&](int rank) {
+      if (!l.fused) ::setenv("TANDEM_SPEC_FUSED", "0", 1);
+      std::vector<size_t> mine;
+      for (size_t i = 0; i < n; ++i) {
+        if (!l.idle || rank == 0) mine.push_back(i);
+      }
+      int compared = 0;
+      run_rank<Qwen35MoeCuda>(dir, ShardSpec::decode(rank, 2), mine, &compared, mtp, l.k);
+      TANDEM_CHECK(mine.empty() || compared > 0, "no step with a margin over ", kMarginBf16);
+    });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaShardedQwen35, ::testing::ValuesIn(hybrid_dirs_for(2)),
+                         [](const auto& info) {
+                           return std::filesystem::path(info.param).filename().string();
+                         });
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaShardedQwen35Mtp, ::testing::ValuesIn(hybrid_dirs_for(2)),
+                         [](const auto& info) {
+                           return std::filesystem::path(info.param).filename().string();
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaSharded, ::testing::ValuesIn(dirs_for(2)),
                          [](const auto& info) {
