@@ -11,6 +11,8 @@
 #   bench_moe_layer       the MoE block and grouped expert GEMMs beside the same bounds
 #   bench_fp8_gemm        cuBLASLt block-scaled FP8 GEMM beside the bf16 GEMM, real shapes
 #   bench_fp8_linear      FP8-weight gemv / grouped GEMM beside the bf16 ones, decode shapes
+#   bench_moe_w8a8        W8A8 wgmma grouped GEMM (CUTLASS) beside bf16, W8A16, cuBLASLt
+#   bench_mxfp8_w8a8      MXFP8 -> 128-column scales: the conversions' error (CPU)
 #   bench_deltanet        Qwen3.5 conv1d + gated delta rule (decode, prefill) beside the bounds
 # None of them links Gloo or NCCL (the GPU machine has no libgloo).
 
@@ -83,6 +85,24 @@ if(TANDEM_HAS_CUDA)
     set_property(GLOBAL APPEND PROPERTY JOB_POOLS tandem_flashinfer_pool=1)
     target_link_libraries(tandem_backend_cuda PRIVATE tandem_flashinfer_sm90)
     target_compile_definitions(tandem_backend_cuda PUBLIC TANDEM_HAS_FLASHINFER=1)
+
+    # The W8A8 block-scaled grouped GEMM on wgmma (moe_gemm_w8a8.h) on the CUTLASS of the same
+    # wheel (its sm90 pointer-array grouped GEMM with blockwise FP8 scaling): two instantiations
+    # (prefill and decode tiles), one per TU, minutes and ~3 GB each, in the same pool of 1.
+    file(GLOB TANDEM_CUTLASS_SRCS CONFIGURE_DEPENDS
+      ${TANDEM_BACKEND_CUDA_ROOT}/src/backend/cuda/cutlass/*.cu)
+    add_library(tandem_cutlass_sm90 STATIC ${TANDEM_CUTLASS_SRCS})
+    target_include_directories(tandem_cutlass_sm90 BEFORE PRIVATE ${_fi_dir}/cccl)
+    target_include_directories(tandem_cutlass_sm90 PRIVATE ${TANDEM_BACKEND_CUDA_ROOT}/src
+      ${_fi_dir}/cutlass/include ${_fi_dir}/cutlass/tools/util/include)
+    target_link_libraries(tandem_cutlass_sm90 PRIVATE tandem_backend CUDA::cudart)
+    target_compile_options(tandem_cutlass_sm90 PRIVATE
+      $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr --expt-extended-lambda -w>)
+    target_compile_definitions(tandem_cutlass_sm90 PRIVATE NDEBUG)
+    set_target_properties(tandem_cutlass_sm90 PROPERTIES CUDA_ARCHITECTURES 90a
+                          CUDA_STANDARD 20 JOB_POOL_COMPILE tandem_flashinfer_pool)
+    target_link_libraries(tandem_backend_cuda PRIVATE tandem_cutlass_sm90)
+    target_compile_definitions(tandem_backend_cuda PRIVATE TANDEM_HAS_CUTLASS_W8A8=1)
   endif()
 
   if(TANDEM_TESTS AND TARGET GTest::gtest)
@@ -123,6 +143,14 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_fp8_linear ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_fp8_linear.cpp)
     target_link_libraries(bench_fp8_linear PRIVATE tandem_backend_cuda)
     target_compile_options(bench_fp8_linear PRIVATE ${TANDEM_WARNINGS})
+    # W8A8 wgmma grouped GEMM beside bf16, W8A16 and cuBLASLt (bench/cuda/bench_moe_w8a8.cpp).
+    add_executable(bench_moe_w8a8 ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_moe_w8a8.cpp)
+    target_link_libraries(bench_moe_w8a8 PRIVATE tandem_backend_cuda)
+    target_compile_options(bench_moe_w8a8 PRIVATE ${TANDEM_WARNINGS})
+    # MXFP8 -> 128-column weight scales: the conversions' error, CPU (bench_mxfp8_w8a8.cpp).
+    add_executable(bench_mxfp8_w8a8 ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_mxfp8_w8a8.cpp)
+    target_link_libraries(bench_mxfp8_w8a8 PRIVATE tandem_backend_cuda tandem_model)
+    target_compile_options(bench_mxfp8_w8a8 PRIVATE ${TANDEM_WARNINGS})
   endif()
 endif()
 

@@ -4,13 +4,17 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_switches.h"
+#include "backend/cuda/fp8_act_quant.h"
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_decode.h"
+#include "backend/cuda/moe_gemm_w8a8.h"
 #include "core/dtype.h"
 
 namespace tandem::cuda {
@@ -108,7 +112,8 @@ void MoeLayer::release() noexcept {
         static_cast<void*>(slot_row_), static_cast<void*>(perm_ws_), static_cast<void*>(rows_),
         static_cast<void*>(act_), static_cast<void*>(decode_counter_), static_cast<void*>(d_ptrs_),
         static_cast<void*>(dq_gate_up_), static_cast<void*>(dq_down_), static_cast<void*>(xq_),
-        static_cast<void*>(xqs_), static_cast<void*>(actq_), static_cast<void*>(actqs_)}) {
+        static_cast<void*>(xqs_), static_cast<void*>(actq_), static_cast<void*>(actqs_),
+        static_cast<void*>(gu_)}) {
     if (p) (void)cudaFree(p);
   }
   if (h_offsets_) (void)cudaFreeHost(h_offsets_);
@@ -126,17 +131,29 @@ void MoeLayer::release() noexcept {
   dq_gate_up_ = dq_down_ = nullptr;
   xq_ = actq_ = nullptr;
   xqs_ = actqs_ = nullptr;
+  gu_ = nullptr;
+  wgmma_.reset();
 }
 
 void MoeLayer::set_fp8_activations(bool on, bool prequant) {
   fp8_activations_ = on;
   fp8_prequant_ = prequant;
+  const int64_t rows = max_tokens_ * top_k_;
   if (on && prequant && xq_ == nullptr) {
-    const int64_t rows = max_tokens_ * top_k_;
-    alloc(xq_, max_tokens_ * hidden_);
-    alloc(xqs_, max_tokens_ * fp8_row_scale_cols(hidden_));
+    // Token rows (mma path) or gathered rows (wgmma path): sized for the latter.
+    alloc(xq_, rows * hidden_);
+    alloc(xqs_, rows * fp8_row_scale_cols(hidden_));
     alloc(actq_, rows * inter_);
     alloc(actqs_, rows * fp8_row_scale_cols(inter_));
+  }
+  char const* env = std::getenv("TANDEM_CUDA_FP8_WGMMA");
+  const bool wgmma_off = env != nullptr && std::strcmp(env, "0") == 0;
+  if (on && prequant && !wgmma_ && !wgmma_off && hidden_ % 128 == 0 && inter_ % 128 == 0 &&
+      MoeGemmW8A8::supported()) {
+    if (!cublas_ok_ && gu_ == nullptr) alloc(gu_, rows * 2 * inter_);
+    auto g = std::make_unique<MoeGemmW8A8>();
+    g->prepare(num_local_);
+    wgmma_ = std::move(g);
   }
 }
 
@@ -173,7 +190,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TANDEM_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (!cublas_ok_ || capture != cudaStreamCaptureStatusNone ||
-        (w.gate_up_fp8 != nullptr && !fp8_prefill_dequant_)) {
+        (w.gate_up_fp8 != nullptr && (!fp8_prefill_dequant_ || fp8_wgmma()))) {
       path = MoeLayerPath::kMma;
     }
   }
@@ -292,6 +309,34 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
                         top_k_, expert_begin_, num_local_},
                        stream);
   }
+  if (fp8_wgmma() && w.gate_up_fp8 != nullptr && w.gate_up_e8m0 == nullptr) {
+    // W8A8 on wgmma: the gather quantizes the grouped rows; gate_up writes bf16 gate/up (the
+    // packed row order), the SiLU-mul quantizes the down GEMM's input; counts from the device.
+    int32_t const* routed = offsets_ + num_local_;
+    bf16* gu = cublas_ok_ ? act_ : gu_;
+    fp8_gather_quantize_launch({x, src_, top_k_, routed, xq_, xqs_, rows, H}, stream);
+    wgmma_->run(
+        {xq_, xqs_, w.gate_up_fp8, w.gate_up_scale, gu, offsets_, rows, 2 * I, H, num_local_},
+        stream);
+    silu_mul_quantize_fp8_launch({gu, routed, actq_, actqs_, rows, I, kMoeGateUpInterleave},
+                                 stream);
+    wgmma_->run({actq_, actqs_, w.down_fp8, w.down_scale, rows_, offsets_, rows, H, I, num_local_},
+                stream);
+  } else {
+    run_mma_gemms(w, x, T, rows, path, stream);
+  }
+  if (kDownPdl && aligned16(out)) {
+    moe_layer_detail::unpermute_pdl_launch(
+        {rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_}, stream);
+  } else {
+    moe_unpermute_launch({rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_, DType::kBF16},
+                         stream);
+  }
+}
+
+void MoeLayer::run_mma_gemms(MoeLayerWeights const& w, bf16 const* x, int64_t T, int64_t rows,
+                             MoeLayerPath path, cudaStream_t stream) {
+  const int64_t H = hidden_, I = inter_;
   MoeGemmParams gate_up{
       x, w.gate_up, act_, offsets_, rows, 2 * I, H, num_local_, MoeGemmEpilogue::kSiluMul};
   gate_up.gather_src = src_;
@@ -324,13 +369,6 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
     down.x_scale = actqs_;
   }
   moe_gemm_launch(down, stream);
-  if (kDownPdl && aligned16(out)) {
-    moe_layer_detail::unpermute_pdl_launch(
-        {rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_}, stream);
-  } else {
-    moe_unpermute_launch({rows_, topk_ids_, topk_w_, slot_row_, out, T, H, top_k_, DType::kBF16},
-                         stream);
-  }
 }
 
 // Eager prefill after the router and top-k: permute with the permuted copy of x (rows

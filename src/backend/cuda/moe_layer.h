@@ -31,6 +31,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/moe_gemm.h"
@@ -38,6 +39,8 @@
 struct cublasContext;
 
 namespace tandem::cuda {
+
+class MoeGemmW8A8;
 
 struct MoeLayerWeights {
   bf16 const* router;   // [num_experts, hidden]
@@ -98,7 +101,8 @@ class MoeLayer {
   int64_t max_tokens() const { return max_tokens_; }
 
   /// FP8 experts at prefill sizes: dequantize to bf16 for the cuBLAS paths (default true) or run
-  /// the FP8 grouped GEMM (mma path).
+  /// the FP8 grouped GEMM (mma path). With the wgmma W8A8 GEMMs (fp8_wgmma()) prefill always
+  /// takes them.
   void set_fp8_prefill_dequant(bool on) { fp8_prefill_dequant_ = on; }
   /// FP8 experts on the decode and mma paths: W8A8 on the FP8 tensor cores, the activations
   /// quantized per token and 128-column group in the GEMMs (MoeGemmParams::fp8_activations),
@@ -106,9 +110,18 @@ class MoeLayer {
   /// prequant (default): the activations are quantized by one pass each before the GEMMs
   /// (the tokens' x, then the SiLU-mul output; fp8_quantize_rows_launch) and the GEMMs load
   /// E4M3 (MoeGemmParams::x_fp8); false: each GEMM CTA quantizes the bf16 rows it loads. The
-  /// first call with on allocates the E4M3 copies (max_tokens * (hidden + top_k * inter) bytes
+  /// first call with on allocates the E4M3 copies (max_tokens * top_k * (hidden + inter) bytes
   /// and their scales).
+  /// With prequant on an sm_90 build with CUTLASS (MoeGemmW8A8::supported()), hidden and inter
+  /// multiples of 128 and FP8 (not native MXFP8) experts, the GEMMs are the wgmma grouped GEMMs
+  /// of moe_gemm_w8a8.h: the permute's gather quantizes the rows (fp8_gather_quantize_launch),
+  /// gate_up writes bf16 gate/up, silu_mul_quantize_fp8_launch makes the down GEMM's E4M3 input
+  /// (TANDEM_CUDA_FP8_WGMMA=0: the mma.sync W8A8 kernels instead). That first call also sets up
+  /// the wgmma kernels (outside any capture) and, without the cuBLAS buffers, a
+  /// [max_tokens * top_k, 2 inter] bf16 scratch.
   void set_fp8_activations(bool on, bool prequant = true);
+  /// Whether run() takes the wgmma W8A8 GEMMs (see set_fp8_activations).
+  bool fp8_wgmma() const { return fp8_activations_ && fp8_prequant_ && wgmma_ != nullptr; }
   /// Allocates that scratch now (when the cuBLAS paths are possible for max_tokens), so that a
   /// later prefill does not allocate beside a full KV cache.
   void reserve_fp8_prefill();
@@ -130,6 +143,10 @@ class MoeLayer {
   // The two cublasGemmGroupedBatchedEx + SiLU of the cublas path on rows_ (compact, permuted),
   // h_offsets_ filled and the stream synchronised.
   void grouped_gemms(MoeLayerWeights const& w, cudaStream_t stream);
+  // The mma.sync grouped GEMMs (bf16, W8A16, W8A8) of the decode and mma paths: rows_ = the
+  // routed rows' down output.
+  void run_mma_gemms(MoeLayerWeights const& w, bf16 const* x, int64_t T, int64_t rows,
+                     MoeLayerPath path, cudaStream_t stream);
 
   int64_t max_tokens_, hidden_, inter_, num_experts_, top_k_, expert_begin_, num_local_;
   bool renormalize_;
@@ -163,6 +180,8 @@ class MoeLayer {
   float* actqs_ = nullptr;      // [max_tokens * top_k, ceil(inter / 128)]
   bf16* dq_gate_up_ = nullptr;  // FP8 experts dequantized for the cuBLAS paths (lazy)
   bf16* dq_down_ = nullptr;
+  std::unique_ptr<MoeGemmW8A8> wgmma_;  // W8A8 wgmma GEMMs (set_fp8_activations)
+  bf16* gu_ = nullptr;  // [max_tokens * top_k, 2 inter] gate_up output (wgmma, no cuBLAS bufs)
 };
 
 // Kernels of moe_layer_kernels.cu, used by MoeLayer only.
