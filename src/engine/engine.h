@@ -1,5 +1,7 @@
 // The engine: continuous batching over one model instance.
 //   step(): schedule -> build the batch -> forward -> sample -> post-process.
+// With MTP speculative decoding on, a SpecDecoder (engine/spec_decoder.h) joins the step at
+// a few points; the step itself is the same.
 #pragma once
 
 #include <chrono>
@@ -16,6 +18,7 @@
 
 #include "engine/request.h"
 #include "engine/scheduler.h"
+#include "engine/spec_decoder.h"
 #include "kv/block_manager.h"
 #include "kv/kv_cache.h"
 #include "model/model.h"
@@ -56,7 +59,7 @@ struct EngineConfig {
   // num_state_checkpoints slots (0: max_num_seqs), out of the kv_cache_mb budget.
   int64_t state_checkpoint_interval = 64;
   int64_t num_state_checkpoints = 0;
-  // MTP speculative decoding (engine/speculative.h): drafts per sequence and step, 1..4 (0:
+  // MTP speculative decoding (engine/spec_decoder.h): drafts per sequence and step, 1..4 (0:
   // off). The model's MTP layer must be loaded (Model::load_mtp); its KV pages are counted
   // with the target's.
   int64_t num_speculative_tokens = 0;
@@ -65,7 +68,7 @@ struct EngineConfig {
   double spec_forced_accept_prob = -1.0;
   // Sampled (non-greedy) speculative requests on a model that samples on its device: drafts
   // the MTP's argmax there, verify rows drawn there with their output positions' counters and
-  // accepted while equal (Engine::device_rows). On by default since the H200 ran it (its
+  // accepted while equal (SpecDecoder::device_rows). On by default since the H200 ran it (its
   // distribution test and docs/perf.md); off (sampled requests then take the host path, logits
   // to the host): false here or TANDEM_SPEC_SAMPLED_ON_DEVICE=0 in the environment.
   bool spec_sampled_on_device = true;
@@ -152,7 +155,7 @@ class Engine {
   EngineStats stats() const;
   /// Hybrid models: rolled-back sequences whose state Model::replay_states recomputed (the
   /// others took a second forward).
-  int64_t state_replays() const { return state_replays_; }
+  int64_t state_replays() const { return spec_ ? spec_->state_replays() : 0; }
   int64_t max_model_len() const { return config_.max_model_len; }
   const EngineConfig& config() const { return config_; }
   const Model& model() const { return model_; }
@@ -161,12 +164,6 @@ class Engine {
   KvCache& kv_cache() { return kv_; }
 
  private:
-  // A sequence's target positions [start, start + count) computed this step (hidden_ rows from
-  // hidden_row on), for draft().
-  struct Computed {
-    std::string id;
-    int64_t start = 0, count = 0, hidden_row = 0;
-  };
   void process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits);
   void copy_states(const std::vector<StateCopy>& copies);
   /// The batch's rows as device sampling requests; false when a row needs host logits
@@ -178,77 +175,6 @@ class Engine {
   /// Why the sequence ends after its last token (kNone: it goes on); sets out.stop_token_id.
   FinishReason finish_reason_of(const Sequence& seq, StepOutput& out) const;
 
-  // MTP speculative decoding (engine/speculative.h).
-  bool speculating() const { return config_.num_speculative_tokens > 0; }
-  /// Accepts a verified sequence's drafts (rows first_row.. of `logits`), appends the accepted
-  /// tokens and the target's next one, rolls back the KV of the rejected positions.
-  void process_verify(const ScheduledSeq& ss, const std::vector<float>& logits, int64_t first_row,
-                      int64_t hidden_row);
-  /// Remembers a sequence whose target positions [start, start + count) were computed this
-  /// step (hidden_ rows from hidden_row on), for draft().
-  void note_computed(const Sequence& s, int64_t start, int64_t count, int64_t hidden_row);
-
-  /// After the outputs: the MTP layer over the positions computed this step (its KV follows
-  /// the target's), then the drafts of every decoding sequence, chained K times.
-  void draft();
-  // draft()'s passes: chained on the host (each pass's hidden states through the engine; the
-  // rows' logits sampled here unless on_device), or in one call on the model's device.
-  // draft_on_host returns the passes it ran.
-  int64_t draft_on_host(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
-                        const std::vector<Sequence*>& drafting, std::vector<int64_t>& num_drafts,
-                        bool on_device);
-  /// Returns the MTP passes it ran (1 + chained; pad_mtp_passes counts them toward K).
-  int64_t draft_chain_on_device(const ForwardBatch& first, const std::vector<int64_t>& hidden_rows,
-                                const std::vector<Sequence*>& drafting,
-                                const std::vector<int64_t>& num_drafts);
-  /// The drafts s may have: num_speculative_tokens within the context. Not bounded by
-  /// max_tokens, as vLLM's: the verify stops emitting at max_tokens, and a batch whose every
-  /// sequence verifies K drafts keeps the GPU's verify graphs (a shorter one runs eagerly).
-  int64_t draft_limit(const Sequence& s) const;
-  /// The drafts s gets after this step (0: none; draft_limit, and the pages its chained drafts
-  /// write, allocated here).
-  int64_t draft_budget(Sequence& s, const Computed& c);
-  /// Tests: EngineConfig::spec_draft_hook over the drafting sequences' drafts.
-  void apply_draft_hook(const std::vector<Sequence*>& drafting);
-  // The fused step (Model::forward_verify_draft): a steady decode batch verifies and drafts in
-  // one model call, one host synchronisation; draft() then adopts the drafts.
-  /// Benchmarks (spec_forced_accept_prob): each verify chunk's accepted drafts, drawn before
-  /// its forward (Sequence::forced_accepts).
-  void draw_forced_accepts(const ScheduledBatch& batch);
-  /// True when this step runs fused: a model that fuses, recurrent states only with the state
-  /// replay on (the model rolls them back inside the step), every sequence a verify chunk or a
-  /// one-token decode that drafts on the device; also allocates the pages its chained drafts
-  /// write (false when the pool has none). Rank-local with a collective MTP layer too: a fused
-  /// step runs exactly K passes (Model::forward_verify_draft), as an unfused one pads to.
-  bool fused_step(const ScheduledBatch& batch);
-  void forward_fused(const ScheduledBatch& batch);
-  void adopt_fused_drafts(const std::vector<Computed>& computed);
-  /// True when the model drafts a whole chain in one call (Model::mtp_draft_chain); with a
-  /// collective MTP layer (decode EP) too: each pass of the chain is one exchange, the chain
-  /// reports its passes and pad_mtp_passes adds the rest of the step's K.
-  bool chains_on_device() const { return model_.mtp_drafts_on_device(); }
-  /// True when s's drafts can be the MTP's argmax on the model's device (no host logits).
-  bool drafts_on_device(const Sequence& s) const;
-  /// The MTP passes every step must run (Model::mtp_collective(): a decode EP rank's group
-  /// runs num_speculative_tokens passes in every step, pass 0 over the computed positions (a
-  /// fused step's: over every verify position) and K - 1 chained ones, whatever each rank
-  /// drafts; 0: as many as the rank's drafts need).
-  int64_t mtp_passes() const;
-  /// Runs empty MTP passes up to mtp_passes() after `done` ran this step (this rank's experts
-  /// serve its peers' rows): at the end of draft(), for an empty batch in complete(), and when
-  /// forward() failed (complete() is not called).
-  void pad_mtp_passes(int64_t done);
-  /// Hybrid models (recurrent state slots): a verify step advances a sequence's DeltaNet state
-  /// over all K + 1 positions. Before it the state is copied to the sequence's spare slot
-  /// (snapshot_states); when fewer positions were kept, rollback_states restores the copy and
-  /// recomputes the kept positions (one forward without logits; their KV is rewritten with the
-  /// same values), so the state is the one after the last kept token. After a fused step the
-  /// model did both (Model::forward_verify_draft, from VerifyDraftStep::spare_slots).
-  void snapshot_states(const ScheduledBatch& batch);
-  void rollback_states();
-  int64_t spare_state_slot(int32_t slot) const {
-    return config_.max_num_seqs + config_.num_state_checkpoints + slot;
-  }
   /// Constrained rows that sample this step: their masks filled on the worker (during the
   /// forward; process_outputs waits).
   void start_masks(const ScheduledBatch& batch);
@@ -262,32 +188,10 @@ class Engine {
   std::vector<DeviceSampling> device_rows_;
   std::vector<SampledToken> sampled_;  // this step's tokens when sampled on the device
   bool sampled_on_device_ = false;
-  bool fused_ = false;                 // this step ran Model::forward_verify_draft
   std::unique_ptr<MaskWorker> masks_;  // created at the first constrained request
   EngineStats counters_;
-  // Speculative decoding.
-  KvCache mtp_kv_;             // the MTP layer's KV (same page ids as kv_)
-  std::vector<float> hidden_;  // [batch tokens, hidden] this step's target hidden states
-  std::vector<Computed> computed_;
-  // Prefilled prompts held out of the target's batch (hold_prefilled): their positions and the
-  // transferred hidden rows ([count, hidden]), for the next draft()'s pass 0.
-  struct HeldPrompt {
-    std::string id;
-    int64_t start = 0, count = 0;
-    std::vector<float> rows;
-  };
-  std::vector<HeldPrompt> held_;
-  /// Prefilled sequences with prompt hidden states (add_prefilled) that this batch schedules
-  /// for their first decode token: taken out of it, their prompt positions held for draft().
-  void hold_prefilled(ScheduledBatch& batch);
-  /// draft()'s first step: the held prompts as Computed entries whose rows are appended to
-  /// hidden_ after the step's (an entry of this step that continues one merged into it). True
-  /// when there were any (the MTP's input is then on the host, not the model's device).
-  bool take_host_rows(std::vector<Computed>& computed);
-  std::vector<StateCopy> last_state_saves_;  // complete()'s checkpoint copies (hybrids)
-  std::vector<Computed> rollbacks_;       // verified sequences whose state must go back (hybrids)
-  int64_t state_replays_ = 0;             // state_replays()
-  SamplerRng forced_accept_rng_{0x5eed};  // spec_forced_accept_prob draws
+  std::unique_ptr<SpecDecoder> spec_;                 // MTP speculative decoding; null when off
+  std::vector<StateCopy> last_state_saves_;           // complete()'s checkpoint copies (hybrids)
   std::chrono::steady_clock::time_point step_start_;  // schedule() -> complete(): the step time
   // EngineConfig::step_trace_path: the file, and this step's target and prediction.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> trace_{nullptr, &std::fclose};

@@ -306,10 +306,10 @@ ScheduledBatch Scheduler::schedule() {
         *s, std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget));
     // Speculative decoding: the last token and its drafts, when the budget and the free pages
     // allow (drafts never preempt anyone: without room the step decodes one token).
-    const auto spec = static_cast<int64_t>(s->spec_tokens.size());
+    const auto spec = static_cast<int64_t>(s->spec.tokens.size());
     const bool verify = spec > 1 && s->num_computed + 1 == static_cast<int64_t>(s->tokens.size()) &&
                         spec <= budget && ensure_pages(*s, s->num_computed + spec);
-    if (!verify) s->spec_tokens.clear();
+    if (!verify) s->spec.tokens.clear();
     if (verify) chunk = spec;
     bool ok = verify || ensure_pages(*s, s->num_computed + chunk);
     while (!ok && running_.back() != s) {
@@ -371,7 +371,7 @@ void Scheduler::finish_batch(ScheduledBatch& batch) {
   int64_t tokens = 0;
   for (const auto& ss : batch.seqs) {
     Sequence* s = ss.seq;
-    const int32_t* toks = ss.verify ? s->spec_tokens.data() : s->tokens.data() + s->num_computed;
+    const int32_t* toks = ss.verify ? s->spec.tokens.data() : s->tokens.data() + s->num_computed;
     const bool decode = ss.verify || (ss.num_tokens == 1 && s->num_computed >= s->prompt_len);
     batch.shape.add(s->num_computed, ss.num_tokens, decode);
     tokens += ss.num_tokens;
@@ -411,9 +411,9 @@ ScheduledBatch Scheduler::schedule_timed() {
       continue;
     }
     // Speculative decoding: the last token and its drafts, as schedule() does.
-    const auto spec = static_cast<int64_t>(s->spec_tokens.size());
+    const auto spec = static_cast<int64_t>(s->spec.tokens.size());
     const bool verify = spec > 1 && spec <= budget && ensure_pages(*s, s->num_computed + spec);
-    if (!verify) s->spec_tokens.clear();
+    if (!verify) s->spec.tokens.clear();
     const int64_t chunk = verify ? spec : 1;
     bool ok = verify || ensure_pages(*s, s->num_computed + 1);
     while (!ok && running_.back() != s) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/request.h"
+#include "engine/speculative.h"
 #include "kv/block_manager.h"
 #include "model/forward_batch.h"
 
@@ -30,28 +31,13 @@ struct Sequence {
   std::vector<uint64_t> page_hashes;  // hashes of the leading full prompt pages
   int32_t state_slot = -1;            // hybrid models: recurrent state slot while running
   std::vector<float> initial_state;   // prefilled elsewhere: restored into the slot at admission
-  // Prefilled elsewhere, speculating (Engine::add_prefilled): the prompt's final hidden states
-  // of positions [prompt_hidden_begin, prompt_len) ([rows, hidden]), for the MTP layer's pass
-  // over the prompt in the step the sequence is first scheduled (Engine::hold_prefilled).
-  std::vector<float> prompt_hidden;
-  int64_t prompt_hidden_begin = 0;
   SamplerRng rng;
   double arrival_s = -1;     // when the scheduler got it (its clock; queue-time metric)
   uint64_t device_seed = 0;  // the seed of on-device sampling (the request's, else random)
   bool admitted_once = false;
   bool prompt_logprobs_done = false;
   StepOutput prompt_out;  // prompt logprobs gathered across chunks
-  // MTP speculative decoding (engine/speculative.h): the last token followed by its drafts,
-  // verified together in the next step; empty when there are none.
-  std::vector<int32_t> spec_tokens;
-  std::vector<float> draft_probs;  // [drafts, vocab] the draft distributions; empty: one-hot
-  // Benchmarks (EngineConfig::spec_forced_accept_prob): the drafts this verify step accepts,
-  // drawn when it is forwarded; -1: the target decides.
-  int32_t forced_accepts = -1;
-  // A fused step's next drafts (Model::forward_verify_draft), made with `fused_accepted` drafts
-  // accepted; draft() adopts them when the verify accepted as many.
-  std::vector<int32_t> fused_drafts;
-  int32_t fused_accepted = -1;
+  SequenceSpec spec;      // MTP speculative decoding: the drafts and their bookkeeping
   // req.constraint's next-token mask, filled by the engine's MaskWorker during the forward.
   std::vector<uint32_t> mask;
   bool mask_active = false;
@@ -64,7 +50,7 @@ struct ScheduledSeq {
   Sequence* seq;
   int64_t num_tokens;  // tokens computed this step, starting at seq->num_computed
   LogitsMode logits;
-  bool verify = false;  // seq->spec_tokens (the last token and its drafts), logits for each
+  bool verify = false;  // seq->spec.tokens (the last token and its drafts), logits for each
 };
 
 /// A copy of one KvCache state slot into another (hybrid models' prefix cache).

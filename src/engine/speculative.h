@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "engine/sampling.h"
 
@@ -25,6 +26,26 @@ SpeculativeConfig parse_speculative_config(const std::string& json_text);
 
 /// The largest K.
 constexpr int64_t kMaxSpeculativeTokens = 4;
+
+/// A sequence's speculation state (Sequence::spec), the SpecDecoder's (engine/spec_decoder.h).
+struct SequenceSpec {
+  // The last token followed by its drafts, verified together in the next step; empty when
+  // there are none.
+  std::vector<int32_t> tokens;
+  std::vector<float> draft_probs;  // [drafts, vocab] the draft distributions; empty: one-hot
+  // Benchmarks (EngineConfig::spec_forced_accept_prob): the drafts this verify step accepts,
+  // drawn when it is forwarded; -1: the target decides.
+  int32_t forced_accepts = -1;
+  // A fused step's next drafts (Model::forward_verify_draft), made with `fused_accepted` drafts
+  // accepted; they are adopted when the verify accepted as many.
+  std::vector<int32_t> fused_drafts;
+  int32_t fused_accepted = -1;
+  // Prefilled elsewhere (Engine::add_prefilled): the prompt's final hidden states of positions
+  // [prompt_hidden_begin, prompt_len) ([rows, hidden]), for the MTP layer's pass over the
+  // prompt in the step the sequence is first scheduled (SpecDecoder::prepare).
+  std::vector<float> prompt_hidden;
+  int64_t prompt_hidden_begin = 0;
+};
 
 struct AcceptResult {
   int32_t token = 0;

@@ -3,7 +3,7 @@
 // gated full-attention Qwen3.5 decoder layer: (1 + w) norms, partial RoPE, the routed MoE with
 // the sigmoid-gated shared expert), mtp.norm, the target's embedding and lm_head. Its own
 // one-layer paged KV on the target's page ids. The verify step's DeltaNet rollback is the
-// engine's (Engine::rollback_states).
+// engine's (SpecDecoder::rollback_states).
 #include <cmath>
 #include <cstring>
 

@@ -388,13 +388,13 @@ TEST(SchedulerPolicy, VerifiesDraftsAsTheTokenBudgetDoes) {
   sch.commit(b);
   Sequence* s = sch.find("a");
   s->tokens.push_back(40);
-  s->spec_tokens = {40, 41, 42};
+  s->spec.tokens = {40, 41, 42};
   b = sch.schedule();
   ASSERT_EQ(b.seqs.size(), 1u);
   EXPECT_TRUE(b.seqs[0].verify);
   EXPECT_EQ(b.seqs[0].num_tokens, 3);
   EXPECT_EQ(b.seqs[0].logits, LogitsMode::kAll);
-  EXPECT_EQ(b.forward.seqs[0].tokens, s->spec_tokens.data());
+  EXPECT_EQ(b.forward.seqs[0].tokens, s->spec.tokens.data());
   EXPECT_EQ(b.shape.decode_rows, 3);
 }
 

@@ -201,7 +201,7 @@ TEST_P(SpecLosslessTest, GreedyTokensUnchangedForK1To4) {
 }
 
 // Qwen3.5 hybrids (the MTP layer of model/qwen3_5_mtp.cpp, random weights): the same, through
-// the DeltaNet rollback of rejected drafts (Engine::rollback_states).
+// the DeltaNet rollback of rejected drafts (SpecDecoder::rollback_states).
 class SpecHybridLosslessTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SpecHybridLosslessTest, GreedyTokensUnchangedForK1To4) {
@@ -603,7 +603,7 @@ TEST_P(SpecLosslessTest, FusedStepLosslessForK1To4) {
 // Qwen3.5 hybrids: the fused step rolls a rejected draft's DeltaNet state back inside the model
 // call (Model::forward_verify_draft from VerifyDraftStep::spare_slots, the reference of the GPU
 // step's device-driven replay): the same tokens, logprobs and counters as the unfused step (its
-// rollback in Engine::rollback_states) and as no speculation, with mostly-right drafts (every
+// rollback in SpecDecoder::rollback_states) and as no speculation, with mostly-right drafts (every
 // accepted length) and forced acceptance, batched and chunked beside prefills; the engine
 // replays nothing itself after a fused step, and without the state replay nothing fuses.
 TEST_P(SpecHybridLosslessTest, FusedStepRollsStatesBackLikeTheEngine) {

@@ -1,7 +1,7 @@
 // MTP speculative decoding on a decode instance (DP attention + EP MoE): the MTP layer's MoE
 // block is sharded by experts as the target's and runs through the same all-to-all, so every
 // rank runs num_speculative_tokens MTP passes per step, empty ones included
-// (Model::mtp_collective, Engine::pad_mtp_passes). Greedy tokens, drafts and counters equal
+// (Model::mtp_collective, SpecDecoder::pad_mtp_passes). Greedy tokens, drafts and counters equal
 // DP 1's; the experts are really sharded; uneven work (idle ranks) does not hang; ranks running
 // the fused step (Model::forward_verify_draft), all or some of them, equal ranks that do not.
 // Qwen3.5 hybrids (their MTP layer local, their state rollback a rank-local replay) under DP too.
