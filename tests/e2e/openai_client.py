@@ -2,13 +2,20 @@
 
 Usage: python openai_client.py BASE_URL. Exits non-zero on any mismatch."""
 import json
+import os
 import re
 import sys
 
 from openai import OpenAI
 
 base = sys.argv[1]
-client = OpenAI(base_url=base + "/v1", api_key="unused")
+if os.environ.get("TANDEM_CA_FILE"):  # HTTPS: trust exactly the test's self-signed certificate
+    import httpx
+    assert base.startswith("https://"), base
+    client = OpenAI(base_url=base + "/v1", api_key="unused",
+                    http_client=httpx.Client(verify=os.environ["TANDEM_CA_FILE"]))
+else:
+    client = OpenAI(base_url=base + "/v1", api_key="unused")
 
 models = client.models.list()
 assert [m.id for m in models.data] == ["demo"], models
