@@ -15,6 +15,8 @@
 #include <boost/asio.hpp>
 // clang-format on
 
+#include <array>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>

@@ -548,6 +548,7 @@ void InstanceConnection::read_loop() {
   std::string why;
   while (read_frame(fd_, type, payload, &why)) {
     if (type == kReply) {
+      if (payload.size() < sizeof(uint64_t)) break;  // malformed: the connection is unusable
       ByteReader r(payload);
       const uint64_t serial = r.get<uint64_t>();
       std::lock_guard<std::mutex> lock(mu_);

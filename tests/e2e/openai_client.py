@@ -10,10 +10,12 @@ from openai import OpenAI
 
 base = sys.argv[1]
 if os.environ.get("TANDEM_CA_FILE"):  # HTTPS: trust exactly the test's self-signed certificate
-    import httpx
+    import ssl
+    import openai
     assert base.startswith("https://"), base
+    tls = ssl.create_default_context(cafile=os.environ["TANDEM_CA_FILE"])
     client = OpenAI(base_url=base + "/v1", api_key="unused",
-                    http_client=httpx.Client(verify=os.environ["TANDEM_CA_FILE"]))
+                    http_client=openai.DefaultHttpxClient(verify=tls))
 else:
     client = OpenAI(base_url=base + "/v1", api_key="unused")
 

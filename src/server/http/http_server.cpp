@@ -105,7 +105,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
       return;
     }
     net::dispatch(executor_, [self = shared_from_this()] {
-      self->tcp().expires_after(std::chrono::seconds(self->core_.config.header_timeout_s));
+      self->tcp_layer().expires_after(std::chrono::seconds(self->core_.config.header_timeout_s));
       self->tls_->async_handshake(ssl::stream_base::server, [self](beast::error_code ec) {
         if (ec) return self->close();  // not TLS, or a failed handshake: nobody to answer
         self->do_read();
@@ -173,7 +173,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   void do_read() {
     if (closed_) return;
     if (buffer_.size() > 0) return read_header();
-    tcp().expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
+    tcp_layer().expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
     io([&](auto& s) {
       s.async_read_some(buffer_.prepare(4096),
                         [self = shared_from_this()](beast::error_code ec, size_t n) {
@@ -190,7 +190,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     parser_.emplace();
     parser_->body_limit(core_.config.max_body_bytes);
     parser_->header_limit(kHeaderLimit);
-    tcp().expires_after(std::chrono::seconds(core_.config.header_timeout_s));
+    tcp_layer().expires_after(std::chrono::seconds(core_.config.header_timeout_s));
     io([&](auto& s) {
       bhttp::async_read_header(s, buffer_, *parser_,
                                beast::bind_front_handler(&Session::on_header, shared_from_this()));
@@ -217,7 +217,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     keep_alive_ = req.keep_alive();
     http10_ = req.version() < 11;
     begin_request();
-    tcp().expires_never();  // generations may take long; a disconnect is watched instead
+    tcp_layer().expires_never();  // generations may take long; a disconnect is watched instead
 
     openai::HttpRequest r;
     r.method = std::string(req.method_string());
@@ -439,7 +439,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     if (watching_) {
       // The watch read ends with operation_aborted (or with data) and goes on in on_watch.
       beast::error_code ec;
-      tcp().socket().cancel(ec);
+      tcp_layer().socket().cancel(ec);
       return;
     }
     if (!keep_alive_) return graceful_close();
@@ -449,7 +449,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   // --- noticing a client that goes away mid-response ---
   void start_watch() {
     watching_ = true;
-    tcp().expires_never();
+    tcp_layer().expires_never();
     io([&](auto& s) {
       s.async_read_some(buffer_.prepare(4096),
                         beast::bind_front_handler(&Session::on_watch, shared_from_this()));
@@ -485,8 +485,8 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     closed_ = true;
     end_request(true);
     beast::error_code ec;
-    tcp().socket().shutdown(tcp::socket::shutdown_both, ec);
-    tcp().socket().close(ec);
+    tcp_layer().socket().shutdown(tcp::socket::shutdown_both, ec);
+    tcp_layer().socket().close(ec);
   }
 
   /// Sends FIN, then drains what the client still sends for a moment before closing, so an
@@ -494,23 +494,23 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   void graceful_close() {
     if (closed_) return;
     beast::error_code ec;
-    tcp().socket().shutdown(tcp::socket::shutdown_send, ec);
+    tcp_layer().socket().shutdown(tcp::socket::shutdown_send, ec);
     if (ec) return close();
-    tcp().expires_after(std::chrono::seconds(2));
+    tcp_layer().expires_after(std::chrono::seconds(2));
     drain();
   }
 
   void drain() {
     drain_buf_.resize(16 * 1024);
-    tcp().async_read_some(net::buffer(drain_buf_),  // (raw bytes, TLS or not: discarded)
-                          [self = shared_from_this()](beast::error_code ec, size_t) {
-                            if (ec) return self->close();
-                            self->drain();
-                          });
+    tcp_layer().async_read_some(net::buffer(drain_buf_),  // (raw bytes, TLS or not: discarded)
+                                [self = shared_from_this()](beast::error_code ec, size_t) {
+                                  if (ec) return self->close();
+                                  self->drain();
+                                });
   }
 
   // The TCP layer (timeouts, cancel, close) and the stream requests are read from.
-  beast::tcp_stream& tcp() { return tls_ ? tls_->next_layer() : *plain_; }
+  beast::tcp_stream& tcp_layer() { return tls_ ? tls_->next_layer() : *plain_; }
   template <typename Fn>
   void io(Fn&& fn) {
     if (tls_) {
