@@ -246,6 +246,10 @@ std::string peer_of(int fd) {
   }
   if (ss.ss_family == AF_INET6) {
     const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {  // a dual-stack listener's IPv4 peer
+      ::inet_ntop(AF_INET, a->sin6_addr.s6_addr + 12, host, sizeof(host));
+      return std::string(host) + ":" + std::to_string(ntohs(a->sin6_port));
+    }
     ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
     return "[" + std::string(host) + "]:" + std::to_string(ntohs(a->sin6_port));
   }

@@ -70,7 +70,8 @@ constexpr size_t kProofBytes = kMacBytes;
 /// How long a server waits for a client's HELLO and PROOF (and a client for the CHALLENGE).
 constexpr std::chrono::milliseconds kHandshakeTimeout{10000};
 
-/// The client's side as messages (no I/O): hello(), then respond() to the challenge.
+/// The client's side as messages (no I/O): hello(), then respond() to the challenge. The key
+/// must outlive the object (it keeps a reference).
 class ClientHandshake {
  public:
   ClientHandshake(const ClusterKey& key, Channel channel);

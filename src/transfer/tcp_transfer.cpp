@@ -421,13 +421,14 @@ class TcpReceiver final : public TransferReceiver {
         c->last_activity = Clock::now();
         conns_.insert(c);
         if (options_.key) {  // nothing is read as a message before the handshake passed
-          net::async_authenticate(c->sock, *options_.key, net::Channel::kKvTransfer,
-                                  /*server=*/true, c->peer, [this, c](const std::string& error) {
-                                    if (!error.empty()) return close_conn(c);
-                                    if (c->state == ConnState::kClosed) return;
-                                    c->last_activity = Clock::now();
-                                    read_header(c);
-                                  });
+          tandem::net::async_authenticate(c->sock, *options_.key, tandem::net::Channel::kKvTransfer,
+                                          /*server=*/true, c->peer,
+                                          [this, c](const std::string& error) {
+                                            if (!error.empty()) return close_conn(c);
+                                            if (c->state == ConnState::kClosed) return;
+                                            c->last_activity = Clock::now();
+                                            read_header(c);
+                                          });
         } else {
           read_header(c);
         }
@@ -1087,16 +1088,16 @@ class TcpSender final : public TransferSender {
     error_code ignored;
     link->sock.set_option(tcp::no_delay(true), ignored);
     if (options_.key) {
-      net::async_authenticate(link->sock, *options_.key, net::Channel::kKvTransfer,
-                              /*server=*/false, link->desc.dst_address,
-                              [this, job, link](const std::string& error) {
-                                if (is_closed(*link)) return;
-                                if (!error.empty()) {
-                                  fail_job(job, *link, "cluster key: " + error);
-                                  return;
-                                }
-                                start_streaming(job, link);
-                              });
+      tandem::net::async_authenticate(link->sock, *options_.key, tandem::net::Channel::kKvTransfer,
+                                      /*server=*/false, link->desc.dst_address,
+                                      [this, job, link](const std::string& error) {
+                                        if (is_closed(*link)) return;
+                                        if (!error.empty()) {
+                                          fail_job(job, *link, "cluster key: " + error);
+                                          return;
+                                        }
+                                        start_streaming(job, link);
+                                      });
       return;
     }
     start_streaming(job, link);

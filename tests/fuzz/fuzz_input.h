@@ -9,6 +9,7 @@
 // is a finding.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

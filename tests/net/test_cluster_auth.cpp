@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -124,8 +125,9 @@ TEST(ClusterAuth, KeysAreCheckedAndReadFromFiles) {
   { std::ofstream(dir / "key") << "correct horse battery staple 0001\n"; }
   const KeyRef from_file = ClusterKey::from_file((dir / "key").string());
   // The trailing newline is not part of the key: a file key agrees with the bytes.
+  const KeyRef bytes = key_a();
   ClientHandshake c(*from_file, Channel::kControl);
-  ServerHandshake s(*key_a(), Channel::kControl);
+  ServerHandshake s(*bytes, Channel::kControl);
   EXPECT_EQ(error_of([&] { s.verify(c.respond(s.challenge(c.hello()))); }), "");
   EXPECT_NE(error_of([&] { ClusterKey::from_file((dir / "missing").string()); }).find("missing"),
             std::string::npos);

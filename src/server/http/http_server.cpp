@@ -605,7 +605,8 @@ std::unique_ptr<ssl::context> make_tls_context(const HttpServerConfig& cfg) {
                     ": cannot load a PEM certificate chain (", ec.message(), ")");
   ctx->use_private_key_file(cfg.ssl_keyfile, ssl::context::pem, ec);
   TANDEM_CHECK_KIND(kInvalidArgument, !ec, "--ssl-keyfile ", cfg.ssl_keyfile,
-                    ": cannot load a PEM private key (", ec.message(), ")");
+                    ": cannot load a PEM private key that matches --ssl-certfile ",
+                    cfg.ssl_certfile, " (", ec.message(), ")");
   TANDEM_CHECK_KIND(kInvalidArgument, SSL_CTX_check_private_key(ctx->native_handle()) == 1,
                     "--ssl-keyfile ", cfg.ssl_keyfile, " does not match the certificate in ",
                     cfg.ssl_certfile);
