@@ -1,10 +1,11 @@
 // The HTTP front end to end over arbitrary client bytes: a real HttpServer (Beast's parser with
 // our limits, keep-alive and pipelining, CORS, the OpenAI handlers and their JSON parsing,
 // SSE) on a loopback port, over the deterministic fake engine and the demo model's tokenizer
-// and chat template. Each input is one connection's bytes; the server must answer and close
-// once the client half-closes (a connection still open after 10 s is a hang: abort).
+// and chat template. Each input is one connection's bytes; once the answers stop the client
+// half-closes, and the server must close (a connection still open after 10 s is a hang).
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -30,7 +31,7 @@ struct Server {
     testing::FakeEngine::Options o;
     o.vocab = tok->vocab_size();
     o.max_model_len = 512;
-    o.step = std::chrono::microseconds(0);
+    o.step = std::chrono::microseconds(10);
     engine = std::make_unique<testing::FakeEngine>(o);
     HttpServerConfig cfg;
     cfg.host = "127.0.0.1";
@@ -68,8 +69,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (n <= 0) break;
     sent += static_cast<size_t>(n);
   }
-  ::shutdown(fd, SHUT_WR);
+  // Read the answers until the server is quiet for 10 ms, then half-close (an EOF at once
+  // would read as a client that left, and the server would answer nothing), then read to EOF.
   char buf[65536];
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 10) <= 0) break;
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+  }
+  ::shutdown(fd, SHUT_WR);
   for (;;) {
     const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
     if (n > 0) continue;
