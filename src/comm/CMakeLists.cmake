@@ -25,7 +25,7 @@ set(TANDEM_COMM_BASE_SRCS ${TANDEM_COMM_ROOT}/src/comm/tcp_store.cpp
 add_library(tandem_comm_base STATIC ${TANDEM_COMM_BASE_SRCS})
 target_include_directories(tandem_comm_base PUBLIC ${TANDEM_COMM_ROOT}/src)
 target_compile_options(tandem_comm_base PRIVATE ${TANDEM_WARNINGS})
-target_link_libraries(tandem_comm_base PUBLIC tandem_core Threads::Threads)
+target_link_libraries(tandem_comm_base PUBLIC tandem_core tandem_net Threads::Threads)
 
 file(GLOB TANDEM_COMM_SRCS CONFIGURE_DEPENDS ${TANDEM_COMM_ROOT}/src/comm/*.cpp)
 list(REMOVE_ITEM TANDEM_COMM_SRCS ${TANDEM_COMM_BASE_SRCS})

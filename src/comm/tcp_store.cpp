@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <charconv>
@@ -85,6 +86,22 @@ RecvResult recv_all(int fd, uint8_t* data, size_t n, const Clock::time_point* de
   return RecvResult::kOk;
 }
 
+// Receives n bytes into out, growing it 1 MiB at a time as they arrive (a length a peer claims
+// costs memory only once its bytes are there).
+RecvResult recv_growing(int fd, std::vector<uint8_t>& out, size_t n,
+                        const Clock::time_point* deadline) {
+  out.clear();
+  constexpr size_t kStep = size_t{1} << 20;
+  for (size_t got = 0; got < n;) {
+    const size_t k = std::min(kStep, n - got);
+    out.resize(got + k);
+    const RecvResult r = recv_all(fd, out.data() + got, k, deadline);
+    if (r != RecvResult::kOk) return r;
+    got += k;
+  }
+  return RecvResult::kOk;
+}
+
 int parse_int_env(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') {
@@ -133,7 +150,8 @@ RankEnv RankEnv::from_env() {
 
 class TcpStoreServer {
  public:
-  TcpStoreServer(int port, int world_size) : world_size_(world_size) {
+  TcpStoreServer(int port, int world_size, net::KeyRef key)
+      : world_size_(world_size), key_(std::move(key)) {
     listen_fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
     bool v6 = listen_fd_ >= 0;
     if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -232,7 +250,15 @@ class TcpStoreServer {
   void serve(int fd) {
     int hello_rank = -1;
     std::vector<uint8_t> header(kRequestHeader);
-    while (true) {
+    bool authenticated = true;
+    if (key_) {
+      try {
+        net::authenticate_server(fd, *key_, net::Channel::kStore, net::peer_of(fd));
+      } catch (const Error&) {  // (counted and logged): nothing is read as a request
+        authenticated = false;
+      }
+    }
+    while (authenticated) {
       if (recv_all(fd, header.data(), header.size(), nullptr) != RecvResult::kOk) break;
       auto op = take<uint8_t>(header.data());
       auto arg = take<int64_t>(header.data() + 1);
@@ -240,11 +266,11 @@ class TcpStoreServer {
       auto vlen = take<uint64_t>(header.data() + 13);
       if (klen > kMaxKeyBytes || vlen > kMaxValueBytes) break;  // garbage: drop the client
       std::string key(klen, '\0');
-      std::vector<uint8_t> value(vlen);
+      std::vector<uint8_t> value;
       if (klen > 0 &&
           recv_all(fd, reinterpret_cast<uint8_t*>(key.data()), klen, nullptr) != RecvResult::kOk)
         break;
-      if (vlen > 0 && recv_all(fd, value.data(), vlen, nullptr) != RecvResult::kOk) break;
+      if (recv_growing(fd, value, vlen, nullptr) != RecvResult::kOk) break;
 
       switch (op) {
         case kHello: {
@@ -318,6 +344,7 @@ class TcpStoreServer {
   }
 
   int world_size_;
+  net::KeyRef key_;
   int listen_fd_ = -1;
   int port_ = 0;
   std::mutex mu_;
@@ -341,7 +368,7 @@ TcpStore::TcpStore(TcpStoreOptions options) : options_(std::move(options)) {
       "tcp_store: rank ", options_.rank, " outside world size ", options_.world_size);
   port_ = options_.port;
   if (options_.rank == 0) {
-    server_ = std::make_unique<TcpStoreServer>(options_.port, options_.world_size);
+    server_ = std::make_unique<TcpStoreServer>(options_.port, options_.world_size, options_.key);
     port_ = server_->port();
   }
   TANDEM_CHECK_KIND(kInvalidArgument, port_ > 0 && port_ < 65536, "tcp_store: rank ", options_.rank,
@@ -393,6 +420,16 @@ void TcpStore::connect_to_server() {
   }
   int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (options_.key) {
+    try {
+      net::authenticate_client(fd_, *options_.key, net::Channel::kStore,
+                               options_.host + ":" + std::to_string(port_));
+    } catch (...) {
+      ::close(fd_);
+      fd_ = -1;
+      throw;
+    }
+  }
   int64_t hello = (int64_t(options_.rank) << 32) | int64_t(uint32_t(options_.world_size));
   Reply r{};
   try {
@@ -437,8 +474,7 @@ TcpStore::Reply TcpStore::request(uint8_t op, int64_t arg, std::string_view key,
     reply.num = take<int64_t>(header + 1);
     auto vlen = take<uint64_t>(header + 9);
     TANDEM_CHECK_KIND(kIo, vlen <= kMaxValueBytes, "tcp_store: corrupt reply");
-    reply.value.resize(vlen);
-    if (vlen > 0) rr = recv_all(fd_, reply.value.data(), vlen, &deadline);
+    rr = recv_growing(fd_, reply.value, vlen, &deadline);
   }
   TANDEM_CHECK_KIND(kIo, rr != RecvResult::kTimeout, "tcp_store: rank ", options_.rank,
                     " got no reply from rank 0 for '", key, "' within ", reply_timeout.count(),

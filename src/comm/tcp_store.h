@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "net/cluster_auth.h"
+
 namespace tandem::comm {
 
 /// Where a rank finds the group: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun style).
@@ -34,6 +36,9 @@ struct TcpStoreOptions {
   int world_size = 1;
   /// Bounds connecting, every blocking get() and the barrier.
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  /// The cluster key (null: none): rank 0's server admits only clients that pass the mutual
+  /// handshake (net/cluster_auth.h), and the clients check rank 0 holds it too.
+  net::KeyRef key;
 
   /// The options of rank env.rank in the group env describes (rank 0 at MASTER_ADDR:PORT).
   static TcpStoreOptions of(const RankEnv& env);

@@ -138,8 +138,9 @@ void DecodeInstance::load_mtp(Model& model) const {
 void DecodeInstance::init_receivers() {
   // Each rank's transfer receiver writes into that rank's cache; its events go into the
   // rank's next report.
-  transfer_ = config_.transfer ? config_.transfer
-                               : host_transfer_backend({config_.kv_host, config_.transfer_timeout});
+  transfer_ = config_.transfer
+                  ? config_.transfer
+                  : host_transfer_backend({config_.kv_host, config_.transfer_timeout, nullptr});
   for (auto& rank : ranks_) {
     transfer::ReceiverCallbacks cbs;
     Rank* r = rank.get();

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "model/qwen3_moe.h"
+#include "net/cluster_auth.h"
 #include "transfer/transfer.h"
 
 namespace tandem {
@@ -31,6 +32,7 @@ ModelFactory cpu_model_factory(std::string dir);
 struct HostTransferSettings {
   std::string bind_host = "127.0.0.1";
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  net::KeyRef key;  // the cluster key (null: none)
 };
 /// The host TCP backend (transfer/tcp_transfer.h).
 std::shared_ptr<transfer::TransferBackend> host_transfer_backend(const HostTransferSettings& s);

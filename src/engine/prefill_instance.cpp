@@ -399,7 +399,7 @@ bool PrefillInstance::take_inbox() {
     first_only.max_tokens = 1;  // the decode instance generates the rest
     try {
       engine_->add(std::move(first_only),
-                   [this, job](const StepOutput& out) { on_output(*job, out); });
+                   [this, job = job](const StepOutput& out) { on_output(*job, out); });
     } catch (const std::exception& e) {
       end_job(job->id, e.what(), StepOutput{});
     }

@@ -60,7 +60,8 @@ class ByteReader {
   template <typename T>
   std::vector<T> get_vec() {
     const int64_t n = get<int64_t>();
-    TANDEM_CHECK_KIND(kIo, n >= 0 && static_cast<size_t>(n) * sizeof(T) <= left(),
+    // NOTE: n / left() compared by division: a count near 2^62 must not wrap the product.
+    TANDEM_CHECK_KIND(kIo, n >= 0 && static_cast<uint64_t>(n) <= left() / sizeof(T),
                       "truncated message");
     std::vector<T> v(static_cast<size_t>(n));
     take(v.data(), v.size() * sizeof(T));

@@ -27,6 +27,7 @@
 #include "model/convert.h"
 #include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
+#include "net/cluster_auth.h"
 #ifdef TANDEM_WITH_CUDA
 #include "core/cuda_check.h"
 #include "model/cuda/qwen3_5_moe_cuda.h"
@@ -141,6 +142,22 @@ void add_speculative_option(CLI::App* cmd, std::string& json) {
                   "Speculative decoding, as vLLM: '{\"method\": \"mtp\", "
                   "\"num_speculative_tokens\": K}' (K 1..4; optionally \"model\": DIR, the MTP "
                   "weights' directory; default: the model's own mtp.* tensors)");
+}
+
+// --cluster-key-file (tandem prefill / decode / router), or TANDEM_CLUSTER_KEY_FILE (a mounted
+// Kubernetes Secret): the key of every internal connection (net/cluster_auth.h).
+void add_cluster_key_option(CLI::App* cmd, std::string& path) {
+  cmd->add_option("--cluster-key-file", path,
+                  "File holding the deployment's shared secret (16+ bytes, e.g. `openssl rand "
+                  "-hex 32`): every internal connection (router <-> instance control, KV "
+                  "transfer, the rank group's store) then starts with a mutual HMAC handshake "
+                  "(docs/operations.md, Security)")
+      ->envname("TANDEM_CLUSTER_KEY_FILE");
+}
+
+// The key of --cluster-key-file (null: none given).
+net::KeyRef cluster_key(const std::string& path) {
+  return path.empty() ? nullptr : net::ClusterKey::from_file(path);
 }
 
 // Loads the MTP layer into `model` and sets the engine's K.
@@ -289,6 +306,7 @@ struct HttpArgs {
   int header_timeout_s = HttpServerConfig{}.header_timeout_s;
   int drain_seconds = HttpServerConfig{}.drain_seconds;
   bool disable_access_log = false;
+  std::string ssl_certfile, ssl_keyfile;
 };
 
 void add_http_options(CLI::App* cmd, HttpArgs& h) {
@@ -307,6 +325,12 @@ void add_http_options(CLI::App* cmd, HttpArgs& h) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--disable-access-log", h.disable_access_log,
                 "No access-log line per request on stderr");
+  auto* cert = cmd->add_option("--ssl-certfile", h.ssl_certfile,
+                               "Serve HTTPS: the PEM certificate chain (with --ssl-keyfile)");
+  auto* key = cmd->add_option("--ssl-keyfile", h.ssl_keyfile,
+                              "Serve HTTPS: the PEM private key (with --ssl-certfile)");
+  cert->needs(key);
+  key->needs(cert);
 }
 
 void apply_http_args(const HttpArgs& h, HttpServerConfig& cfg) {
@@ -314,6 +338,8 @@ void apply_http_args(const HttpArgs& h, HttpServerConfig& cfg) {
   cfg.idle_timeout_s = h.idle_timeout_s;
   cfg.header_timeout_s = h.header_timeout_s;
   cfg.drain_seconds = h.drain_seconds;
+  cfg.ssl_certfile = h.ssl_certfile;
+  cfg.ssl_keyfile = h.ssl_keyfile;
   if (!h.disable_access_log) {
     cfg.access_log = [](const std::string& line) { std::cerr << line + "\n" << std::flush; };
   }
@@ -358,8 +384,9 @@ int run_serve(const ServeArgs& a) {
   a.parsers.apply(cfg, a.model);
   HttpServer server(cfg, engine, tok.get(), chat.get());
   server.start();
-  std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on http://"
-            << cfg.host << ":" << server.port() << "  max_model_len " << engine.max_model_len()
+  std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on "
+            << (cfg.ssl_certfile.empty() ? "http://" : "https://") << cfg.host << ":"
+            << server.port() << "  max_model_len " << engine.max_model_len()
             << (tok ? "" : "  (no tokenizer: token-id prompts only)") << std::endl;
   server.wait();
   return 0;
@@ -380,6 +407,8 @@ struct InstanceArgs {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;  // --device cuda, without --kv-cache-mb
   std::string speculative_config;       // decode instances only
+  std::string cluster_key_file;         // "": no cluster key
+  net::KeyRef key;                      // loaded from it (once, before the ranks fork)
 };
 
 // Blocks SIGINT / SIGTERM in this thread and the threads it starts; wait_for_stop_signal()
@@ -467,7 +496,10 @@ int follow_group(Instance& instance, const sigset_t& signals) {
 void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
                   std::chrono::milliseconds transfer_timeout, ModelFactory& model,
                   std::shared_ptr<transfer::TransferBackend>& backend) {
-  if (a.device == "cpu") return;  // the defaults: Qwen3MoeCpu, host TCP
+  if (a.device == "cpu") {  // the defaults: Qwen3MoeCpu, host TCP (with the cluster key)
+    if (a.key) backend = host_transfer_backend({a.host, transfer_timeout, a.key});
+    return;
+  }
   TANDEM_CHECK_KIND(kInvalidArgument, a.device == "cuda", "--device must be cpu or cuda, not '",
                     a.device, "'");
 #ifdef TANDEM_WITH_CUDA
@@ -501,6 +533,7 @@ void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
   transfer::CudaIpcOptions t;
   t.bind_host = a.host;
   t.timeout = transfer_timeout;
+  t.key = a.key;
   backend = transfer::make_cuda_ipc_backend(t);
 #else
   (void)store;
@@ -525,7 +558,9 @@ std::unique_ptr<Instance> make_instance(const InstanceArgs& a, Config& cfg, int&
     std::signal(SIGPIPE, SIG_IGN);
     if (ranks == 1) ranks = env_world_size();
     const comm::RankEnv env = comm::RankEnv::from_env();
-    auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
+    comm::TcpStoreOptions so = comm::TcpStoreOptions::of(env);
+    so.key = a.key;
+    auto store = std::make_shared<comm::TcpStore>(so);
     InstanceArgs per = a;
     per.ranks = ranks;
     choose_parts(per, store, transfer_timeout, cfg.model, cfg.transfer);
@@ -553,6 +588,9 @@ int lead_instance(const InstanceArgs& a, InstanceServer& server, const sigset_t&
   if (a.metrics_port >= 0) {
     metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, std::move(metrics_text));
   }
+  if (const std::string w = net::open_listener_warning(a.key, a.host, what.c_str()); !w.empty()) {
+    std::cerr << w << std::endl;
+  }
   std::cerr << "tandem: " << what << " on " << a.host << ":" << server.port()
             << (metrics ? ", /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
@@ -564,6 +602,7 @@ int lead_instance(const InstanceArgs& a, InstanceServer& server, const sigset_t&
 
 int run_prefill(const InstanceArgs& a) {
   if (a.nprocs > 1) return run_local_group(a, "--tp", run_prefill);
+  TANDEM_CHECK(a.key || a.cluster_key_file.empty(), "the cluster key is loaded before the ranks");
   const sigset_t signals = block_stop_signals();
   PrefillInstanceConfig cfg;
   cfg.model_dir = a.model;
@@ -574,7 +613,7 @@ int run_prefill(const InstanceArgs& a) {
   auto instance = make_instance<PrefillInstance>(a, cfg, cfg.tp, std::chrono::minutes(1));
   PrefillInstance& prefill = *instance;
   if (!prefill.is_leader()) return follow_group(prefill, signals);
-  InstanceServer server(nullptr, &prefill, a.host, a.port);
+  InstanceServer server(nullptr, &prefill, a.host, a.port, a.key);
   return lead_instance(a, server, signals,
                        "prefill instance (TP=" + std::to_string(a.ranks) + ", " + a.model + ")",
                        [&] {
@@ -584,6 +623,7 @@ int run_prefill(const InstanceArgs& a) {
 
 int run_decode(const InstanceArgs& a) {
   if (a.nprocs > 1) return run_local_group(a, "--dp", run_decode);
+  TANDEM_CHECK(a.key || a.cluster_key_file.empty(), "the cluster key is loaded before the ranks");
   const sigset_t signals = block_stop_signals();
   DecodeInstanceConfig cfg;
   cfg.model_dir = a.model;
@@ -600,7 +640,7 @@ int run_decode(const InstanceArgs& a) {
   auto instance = make_instance<DecodeInstance>(a, cfg, cfg.dp, cfg.transfer_timeout);
   DecodeInstance& decode = *instance;
   if (!decode.is_leader()) return follow_group(decode, signals);
-  InstanceServer server(&decode, nullptr, a.host, a.port);
+  InstanceServer server(&decode, nullptr, a.host, a.port, a.key);
   return lead_instance(
       a, server, signals,
       "decode instance (DP=" + std::to_string(cfg.dp) + ", " + a.model + "), max decode batch " +
@@ -633,6 +673,7 @@ struct RouterArgs {
   int max_queue = static_cast<int>(RouterConfig{}.max_queue);
   double queue_timeout_s = 30;
   double resolve_interval_s = 10;
+  std::string cluster_key_file;  // "": no cluster key
 };
 
 int run_router(const RouterArgs& a) {
@@ -641,6 +682,7 @@ int run_router(const RouterArgs& a) {
   rcfg.queue_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.queue_timeout_s * 1e3));
   rcfg.resolve_interval =
       std::chrono::milliseconds(static_cast<int64_t>(a.resolve_interval_s * 1e3));
+  rcfg.cluster_key = cluster_key(a.cluster_key_file);
   // The instances may start before or after the router, and come and go: it connects to
   // each when it answers (see Router).
   Router router(rcfg);
@@ -671,8 +713,9 @@ int run_router(const RouterArgs& a) {
     metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port,
                                                 [&] { return router.metrics_text(); });
   }
-  std::cerr << "tandem: router on http://" << cfg.host << ":" << server.port() << " over "
-            << a.prefill.size() << " prefill and " << a.decode.size() << " decode address(es)"
+  std::cerr << "tandem: router on " << (cfg.ssl_certfile.empty() ? "http://" : "https://")
+            << cfg.host << ":" << server.port() << " over " << a.prefill.size() << " prefill and "
+            << a.decode.size() << " decode address(es)"
             << (metrics ? ", instances' /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
   server.wait();
@@ -844,6 +887,7 @@ int cli_main(int argc, char** argv) {
                     "Share of the GPU's memory for this rank's weights, activations and KV "
                     "(--device cuda, without --kv-cache-mb)")
         ->check(CLI::Range(0.01, 1.0));
+    add_cluster_key_option(cmd, a->cluster_key_file);
   }
   pf->add_option("--tp", pre.ranks, "Ranks (tensor and expert parallel)")
       ->check(CLI::PositiveNumber);
@@ -897,11 +941,18 @@ int cli_main(int argc, char** argv) {
                  "per rank vs limit) on this port (0: any)")
       ->check(CLI::Range(0, 65535));
   rt.parsers.add_to(ro);
+  add_cluster_key_option(ro, rt.cluster_key_file);
 
   try {
     app.parse(argc, argv);
-    if (pf->parsed()) return run_prefill(pre);
-    if (dc->parsed()) return run_decode(dec);
+    if (pf->parsed()) {
+      pre.key = cluster_key(pre.cluster_key_file);
+      return run_prefill(pre);
+    }
+    if (dc->parsed()) {
+      dec.key = cluster_key(dec.cluster_key_file);
+      return run_decode(dec);
+    }
     if (ro->parsed()) return run_router(rt);
     if (cv->parsed()) return run_convert(conv);
     if (pl->parsed()) {

@@ -9,13 +9,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iostream>
 #include <sstream>
 #include <unordered_set>
 
 #include "core/error.h"
 #include "engine/lockstep.h"
+#include "net/cluster_auth.h"
 
 namespace tandem {
 
@@ -63,12 +66,30 @@ bool write_frame(int fd, uint32_t type, const std::vector<uint8_t>& payload) {
   return write_all(fd, head, sizeof(head)) && write_all(fd, payload.data(), payload.size());
 }
 
-bool read_frame(int fd, uint32_t& type, std::vector<uint8_t>& payload) {
+// False when the connection ended or the frame is over kMaxControlFrameBytes (why says which).
+// The payload grows with the bytes that actually arrive (1 MiB at a time), so a frame that
+// claims more than it sends costs no memory.
+bool read_frame(int fd, uint32_t& type, std::vector<uint8_t>& payload, std::string* why = nullptr) {
   uint32_t head[2];
   if (!read_all(fd, head, sizeof(head))) return false;
   type = head[0];
-  payload.resize(head[1]);
-  return read_all(fd, payload.data(), payload.size());
+  if (head[1] > kMaxControlFrameBytes) {
+    if (why) {
+      *why = "a control frame of " + std::to_string(head[1]) + " bytes (type " +
+             std::to_string(type) + ") is over the limit of " +
+             std::to_string(kMaxControlFrameBytes);
+    }
+    return false;
+  }
+  payload.clear();
+  constexpr size_t kStep = size_t{1} << 20;
+  for (size_t got = 0; got < head[1];) {
+    const size_t n = std::min<size_t>(kStep, head[1] - got);
+    payload.resize(got + n);
+    if (!read_all(fd, payload.data() + got, n)) return false;
+    got += n;
+  }
+  return true;
 }
 
 int connect_to(const std::string& endpoint) {
@@ -267,6 +288,7 @@ std::string instances_metrics_text(const std::vector<std::pair<std::string, Pref
     o << "tandem_instance_up{role=\"decode\",instance=\"" << n << "\"} " << (l.alive ? 1 : 0)
       << "\n";
   }
+  o << net::metrics_text();  // (this process's refused internal connections)
   return o.str();
 }
 
@@ -286,8 +308,8 @@ struct InstanceServer::Conn {
 };
 
 InstanceServer::InstanceServer(DecodeClient* decode, PrefillClient* prefill,
-                               const std::string& host, int port)
-    : decode_(decode), prefill_(prefill) {
+                               const std::string& host, int port, net::KeyRef key)
+    : decode_(decode), prefill_(prefill), key_(std::move(key)) {
   TANDEM_CHECK((decode_ != nullptr) != (prefill_ != nullptr), "serve exactly one instance");
   listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
   TANDEM_CHECK_KIND(kIo, listen_fd_ >= 0, "socket() failed");
@@ -364,9 +386,20 @@ void InstanceServer::accept_loop() {
 }
 
 void InstanceServer::serve(std::shared_ptr<Conn> conn) {
+  const std::string peer = net::peer_of(conn->fd);
+  if (key_) {
+    try {
+      net::authenticate_server(conn->fd, *key_, net::Channel::kControl, peer);
+    } catch (const Error&) {  // (counted and logged): nothing was read as a message
+      conn->open = false;
+      ::close(conn->fd);
+      return;
+    }
+  }
   uint32_t type = 0;
   std::vector<uint8_t> payload;
-  while (read_frame(conn->fd, type, payload)) {
+  std::string why;
+  while (read_frame(conn->fd, type, payload, &why)) {
     ByteReader r(payload);
     uint64_t serial = 0;
     try {
@@ -471,6 +504,8 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
       conn->push(kReply, reply_error(serial, ErrorKind::kInternal, e.what()));
     }
   }
+  if (!why.empty())
+    std::cerr << "tandem: control connection with " + peer + " closed: " + why + "\n";
   // The router is gone: its requests have nobody to stream to.
   conn->open = false;
   std::unordered_set<std::string> ids;
@@ -485,9 +520,18 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
 // ---- Client (the router's side). ----
 
 InstanceConnection::InstanceConnection(const std::string& endpoint, OnPush on_push,
-                                       std::function<void()> on_lost)
+                                       std::function<void()> on_lost, const net::KeyRef& key)
     : endpoint_(endpoint), on_push_(std::move(on_push)), on_lost_(std::move(on_lost)) {
   fd_ = connect_to(endpoint);
+  if (key) {
+    try {
+      net::authenticate_client(fd_, *key, net::Channel::kControl,
+                               endpoint + " (" + net::peer_of(fd_) + ")");
+    } catch (...) {
+      ::close(fd_);
+      throw;
+    }
+  }
   reader_ = std::thread([this] { read_loop(); });
 }
 
@@ -501,8 +545,10 @@ InstanceConnection::~InstanceConnection() {
 void InstanceConnection::read_loop() {
   uint32_t type = 0;
   std::vector<uint8_t> payload;
-  while (read_frame(fd_, type, payload)) {
+  std::string why;
+  while (read_frame(fd_, type, payload, &why)) {
     if (type == kReply) {
+      if (payload.size() < sizeof(uint64_t)) break;  // malformed: the connection is unusable
       ByteReader r(payload);
       const uint64_t serial = r.get<uint64_t>();
       std::lock_guard<std::mutex> lock(mu_);
@@ -518,6 +564,8 @@ void InstanceConnection::read_loop() {
     } catch (...) {
     }
   }
+  if (!why.empty())
+    std::cerr << "tandem: control connection to " + endpoint_ + " closed: " + why + "\n";
   {
     std::lock_guard<std::mutex> lock(mu_);
     alive_ = false;
@@ -566,8 +614,9 @@ std::vector<uint8_t> InstanceConnection::call(uint32_t type, const std::vector<u
 // ---- InstanceLink. ----
 
 InstanceLink::InstanceLink(std::string endpoint, InstanceConnection::OnPush on_push,
-                           std::function<void()> on_lost, OnConnect on_connect)
+                           std::function<void()> on_lost, OnConnect on_connect, net::KeyRef key)
     : endpoint_(std::move(endpoint)),
+      key_(std::move(key)),
       on_push_(std::move(on_push)),
       on_lost_(std::move(on_lost)),
       on_connect_(std::move(on_connect)) {}
@@ -603,7 +652,7 @@ bool InstanceLink::poll() {
   }
   dead.reset();  // NOTE: joins its reader thread, so its on_lost has finished
   try {
-    auto c = std::make_shared<InstanceConnection>(endpoint_, on_push_, on_lost_);
+    auto c = std::make_shared<InstanceConnection>(endpoint_, on_push_, on_lost_, key_);
     if (on_connect_) on_connect_(*c);
     std::lock_guard<std::mutex> lock(mu_);
     if (next_try_ == std::chrono::steady_clock::time_point::max()) return false;  // closed
@@ -628,7 +677,7 @@ namespace {
 constexpr std::chrono::milliseconds kLoadTimeout{2000};
 }  // namespace
 
-RemoteDecode::RemoteDecode(const std::string& endpoint)
+RemoteDecode::RemoteDecode(const std::string& endpoint, net::KeyRef key)
     : link_(
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
@@ -639,7 +688,8 @@ RemoteDecode::RemoteDecode(const std::string& endpoint)
                               " is not a decode instance");
             max_model_len_ = r.get<int64_t>();
             vocab_size_ = r.get<int64_t>();
-          }) {
+          },
+          std::move(key)) {
   link_.poll();  // connect now when it is up (else the router's monitor retries)
 }
 
@@ -780,7 +830,7 @@ DecodeLoad RemoteDecode::load() const {
   return l;
 }
 
-RemotePrefill::RemotePrefill(const std::string& endpoint)
+RemotePrefill::RemotePrefill(const std::string& endpoint, net::KeyRef key)
     : link_(
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
@@ -794,7 +844,8 @@ RemotePrefill::RemotePrefill(const std::string& endpoint)
             std::lock_guard<std::mutex> lock(sharding_mu_);
             sharding_.num_kv_heads = r.get<int64_t>();
             sharding_.tp = r.get<int32_t>();
-          }) {
+          },
+          std::move(key)) {
   link_.poll();
 }
 

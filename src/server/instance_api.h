@@ -9,6 +9,9 @@
 //                       kPrefilled(id, first output), kFail(id, error), kAbort(id), kLoad
 //   instance -> router: kReply(serial, ok | error kind + message, body), kOutput(StepOutput),
 //                       kPrefillDone(id, error, first output)
+// A frame's payload is at most kMaxControlFrameBytes: a larger one closes the connection.
+// With a cluster key (net/cluster_auth.h) each connection starts with the mutual handshake; a
+// peer that fails it is closed, logged and counted before any frame is read.
 // A lost connection: the instance aborts the requests that came through it; the client ends
 // the requests it had there with an error and reports the instance down (load().alive false)
 // until it reconnects: load() retries with backoff (100 ms doubling to 5 s), so an instance
@@ -31,8 +34,13 @@
 
 #include "engine/decode_instance.h"
 #include "engine/prefill_instance.h"
+#include "net/cluster_auth.h"
 
 namespace tandem {
+
+/// The largest control frame either side reads (a request's prompt, its grammar, a first
+/// output with prompt logprobs); a larger one closes the connection.
+constexpr uint32_t kMaxControlFrameBytes = 256u << 20;
 
 /// A minimal HTTP endpoint answering GET /metrics with render()'s Prometheus text (the
 /// instances' and the router's /metrics: queued input tokens, input tokens/s, batch per rank
@@ -60,8 +68,10 @@ std::string instances_metrics_text(const std::vector<std::pair<std::string, Pref
 /// Serves this process's instance (exactly one of decode / prefill) to routers.
 class InstanceServer {
  public:
-  /// Listens on host:port (0: any free port). The instance must outlive the server.
-  InstanceServer(DecodeClient* decode, PrefillClient* prefill, const std::string& host, int port);
+  /// Listens on host:port (0: any free port). The instance must outlive the server. With a
+  /// key, every connection must pass the cluster-key handshake first.
+  InstanceServer(DecodeClient* decode, PrefillClient* prefill, const std::string& host, int port,
+                 net::KeyRef key = nullptr);
   ~InstanceServer();
   int port() const { return port_; }
   /// Closes the listener and the connections (aborting their requests); idempotent.
@@ -80,6 +90,7 @@ class InstanceServer {
 
   DecodeClient* decode_;
   PrefillClient* prefill_;
+  net::KeyRef key_;
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stop_{false};
@@ -96,7 +107,9 @@ class InstanceConnection {
   using OnPush = std::function<void(uint32_t type, const std::vector<uint8_t>& payload)>;
   /// Connects to "host:port"; throws Error(kIo) when it cannot. on_push and on_lost run on
   /// the connection's reader thread (on_lost not when the connection is destroyed).
-  InstanceConnection(const std::string& endpoint, OnPush on_push, std::function<void()> on_lost);
+  /// With a key, the cluster-key handshake runs first (throws Error(kIo) when it fails).
+  InstanceConnection(const std::string& endpoint, OnPush on_push, std::function<void()> on_lost,
+                     const net::KeyRef& key = nullptr);
   ~InstanceConnection();
   /// Sends a call and waits for its reply body; rethrows the instance's Error (same kind).
   /// Throws Error(kIo) when the connection is lost, or when no reply came within `timeout`
@@ -135,7 +148,7 @@ class InstanceLink {
   /// Runs on a fresh connection before it is used (the hello); throws to refuse it.
   using OnConnect = std::function<void(InstanceConnection&)>;
   InstanceLink(std::string endpoint, InstanceConnection::OnPush on_push,
-               std::function<void()> on_lost, OnConnect on_connect);
+               std::function<void()> on_lost, OnConnect on_connect, net::KeyRef key = nullptr);
   /// Closes the connection (on_lost is not called).
   void close();
   /// The live connection, or null.
@@ -149,6 +162,7 @@ class InstanceLink {
 
  private:
   std::string endpoint_;
+  net::KeyRef key_;
   InstanceConnection::OnPush on_push_;
   std::function<void()> on_lost_;
   OnConnect on_connect_;
@@ -164,7 +178,7 @@ class InstanceLink {
 /// it can, else later (load() heals the connection; alive false meanwhile).
 class RemoteDecode final : public DecodeClient {
  public:
-  explicit RemoteDecode(const std::string& endpoint);
+  explicit RemoteDecode(const std::string& endpoint, net::KeyRef key = nullptr);
   ~RemoteDecode() override { link_.close(); }  // NOTE: first: its reader calls into members
   std::optional<transfer::TransferDescriptor> accept(const GenRequest& req,
                                                      const transfer::KvSharding& src,
@@ -204,7 +218,7 @@ class RemoteDecode final : public DecodeClient {
 /// A prefill instance in another process.
 class RemotePrefill final : public PrefillClient {
  public:
-  explicit RemotePrefill(const std::string& endpoint);
+  explicit RemotePrefill(const std::string& endpoint, net::KeyRef key = nullptr);
   ~RemotePrefill() override { link_.close(); }  // NOTE: first: its reader calls into members
   transfer::KvSharding kv_sharding() const override;
   const std::string& endpoint() const { return link_.endpoint(); }

@@ -279,11 +279,11 @@ void Router::resolve_watches(bool force) {
         log(std::string(w->prefill ? "prefill" : "decode") + " instance " + addr + " added (" +
             w->endpoint + ")");
         if (w->prefill) {
-          auto c = std::make_unique<RemotePrefill>(connect_to);
+          auto c = std::make_unique<RemotePrefill>(connect_to, config_.cluster_key);
           PrefillClient* raw = c.get();
           add_prefill(addr, raw, std::move(c));
         } else {
-          auto c = std::make_unique<RemoteDecode>(connect_to);
+          auto c = std::make_unique<RemoteDecode>(connect_to, config_.cluster_key);
           DecodeClient* raw = c.get();
           add_decode(addr, raw, std::move(c));
         }

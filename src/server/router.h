@@ -33,6 +33,7 @@
 #include "engine/decode_instance.h"
 #include "engine/prefill_instance.h"
 #include "engine/request.h"
+#include "net/cluster_auth.h"
 
 namespace tandem {
 
@@ -45,6 +46,8 @@ struct RouterConfig {
   std::chrono::milliseconds resolve_interval{10000};  // DNS names are re-resolved this often
   // Membership transitions (instance up / down / added); null: stderr.
   std::function<void(const std::string&)> log;
+  // The cluster key for the control connections to watched instances (null: none).
+  net::KeyRef cluster_key;
 };
 
 /// One line per instance for /metrics and logs.

@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "net/cluster_auth_asio.h"
 #include "transfer/kv_pack.h"
 #include "transfer/wire.h"
 
@@ -419,7 +420,18 @@ class TcpReceiver final : public TransferReceiver {
         c->peer = peer_of(c->sock);
         c->last_activity = Clock::now();
         conns_.insert(c);
-        read_header(c);
+        if (options_.key) {  // nothing is read as a message before the handshake passed
+          tandem::net::async_authenticate(c->sock, *options_.key, tandem::net::Channel::kKvTransfer,
+                                          /*server=*/true, c->peer,
+                                          [this, c](const std::string& error) {
+                                            if (!error.empty()) return close_conn(c);
+                                            if (c->state == ConnState::kClosed) return;
+                                            c->last_activity = Clock::now();
+                                            read_header(c);
+                                          });
+        } else {
+          read_header(c);
+        }
       }
       start_accept();
     });
@@ -1075,6 +1087,23 @@ class TcpSender final : public TransferSender {
     }
     error_code ignored;
     link->sock.set_option(tcp::no_delay(true), ignored);
+    if (options_.key) {
+      tandem::net::async_authenticate(link->sock, *options_.key, tandem::net::Channel::kKvTransfer,
+                                      /*server=*/false, link->desc.dst_address,
+                                      [this, job, link](const std::string& error) {
+                                        if (is_closed(*link)) return;
+                                        if (!error.empty()) {
+                                          fail_job(job, *link, "cluster key: " + error);
+                                          return;
+                                        }
+                                        start_streaming(job, link);
+                                      });
+      return;
+    }
+    start_streaming(job, link);
+  }
+
+  void start_streaming(const std::shared_ptr<Job>& job, const std::shared_ptr<Link>& link) {
     {
       std::lock_guard lock(mu_);
       link->connected = true;

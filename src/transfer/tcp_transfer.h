@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 
+#include "net/cluster_auth.h"
 #include "transfer/transfer.h"
 
 namespace tandem::transfer {
@@ -29,6 +30,9 @@ struct HostTcpOptions {
   std::string advertise_host;           // host in address(); empty: bind_host
   /// How long pending work may go without progress before its transfer fails.
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  /// The cluster key (null: none): every connection starts with the mutual handshake
+  /// (net/cluster_auth.h); a sender that fails it is closed before its first byte is read.
+  net::KeyRef key;
 };
 
 /// The "host-tcp" backend.

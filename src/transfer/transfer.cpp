@@ -31,7 +31,8 @@ void TransferDescriptor::validate() const {
                         (hidden_size == 0 || num_tokens <= (int64_t{1} << 28) / hidden_size),
                     where, "hidden_size ", hidden_size, " out of range for ", num_tokens,
                     " tokens ([0, 2^20], and at most 2^28 floats in all)");
-  const int64_t need = (num_tokens + page_size - 1) / page_size;
+  // (not (num_tokens + page_size - 1) / page_size: a peer's num_tokens near 2^63 would overflow)
+  const int64_t need = num_tokens / page_size + (num_tokens % page_size != 0 ? 1 : 0);
   TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(dst_pages.size()) >= need, where,
                     dst_pages.size(), " destination pages cannot hold ", num_tokens,
                     " tokens at page_size ", page_size, " (", need, " needed)");

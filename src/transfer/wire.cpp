@@ -189,8 +189,9 @@ Hidden decode_hidden(std::span<const uint8_t> body) {
   h.row_begin = in.take<int64_t>();
   h.hidden_size = in.take<int64_t>();
   const size_t bytes = body.size() - kHiddenPrefixBytes;
+  // NOTE: hidden_size bounded first (as descriptors bound it): 4 * 2^62 would wrap to 0.
   TANDEM_CHECK_KIND(kInvalidArgument,
-                    h.row_begin >= 0 && h.hidden_size >= 1 &&
+                    h.row_begin >= 0 && h.hidden_size >= 1 && h.hidden_size <= (int64_t{1} << 20) &&
                         bytes % (sizeof(float) * static_cast<uint64_t>(h.hidden_size)) == 0,
                     "malformed HIDDEN: ", bytes, " bytes of rows from row ", h.row_begin,
                     " are not whole rows of hidden_size ", h.hidden_size);

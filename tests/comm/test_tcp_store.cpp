@@ -12,6 +12,7 @@
 #include "comm/local_launcher.h"
 #include "comm/tcp_store.h"
 #include "core/error.h"
+#include "net/cluster_auth.h"
 
 namespace tandem::comm {
 namespace {
@@ -184,6 +185,38 @@ TEST(TcpStore, ClientSeesServerLoss) {
   std::thread closer([&] { root.reset(); });
   closer.join();
   EXPECT_THROW(client.get("anything"), Error);
+}
+
+// The cluster key on the store: keyed ranks bootstrap as before; a rank with another key or
+// none is refused (counted), and a raw client that skips the handshake sets nothing.
+TEST(TcpStore, ClusterKeyAdmitsOnlyRanksWithIt) {
+  const net::KeyRef key = net::ClusterKey::from_bytes(std::string(32, 'k'));
+  const net::KeyRef other = net::ClusterKey::from_bytes(std::string(32, 'o'));
+  auto keyed = [&](int rank, int port, net::KeyRef k) {
+    TcpStoreOptions o = opts(rank, 2, port, 3s);
+    o.key = std::move(k);
+    return o;
+  };
+  auto root = std::make_unique<TcpStore>(keyed(0, 0, key));
+  const int port = root->port();
+  const uint64_t before = net::failures(net::Channel::kStore);
+  for (const net::KeyRef& k : {other, net::KeyRef()}) {
+    try {
+      TcpStore s(keyed(1, port, k));
+      ADD_FAILURE() << "a rank without the key joined the store";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kIo);
+    }
+  }
+  EXPECT_GE(net::failures(net::Channel::kStore), before + 2);
+  std::thread follower([&] {
+    TcpStore s(keyed(1, port, key));
+    s.set("from-1", "hello");
+    s.barrier();
+  });
+  EXPECT_EQ(root->get_string("from-1"), "hello");
+  root->barrier();
+  follower.join();
 }
 
 TEST(RankEnv, ParsesAndValidates) {

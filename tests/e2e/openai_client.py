@@ -2,13 +2,22 @@
 
 Usage: python openai_client.py BASE_URL. Exits non-zero on any mismatch."""
 import json
+import os
 import re
 import sys
 
 from openai import OpenAI
 
 base = sys.argv[1]
-client = OpenAI(base_url=base + "/v1", api_key="unused")
+if os.environ.get("TANDEM_CA_FILE"):  # HTTPS: trust exactly the test's self-signed certificate
+    import ssl
+    import openai
+    assert base.startswith("https://"), base
+    tls = ssl.create_default_context(cafile=os.environ["TANDEM_CA_FILE"])
+    client = OpenAI(base_url=base + "/v1", api_key="unused",
+                    http_client=openai.DefaultHttpxClient(verify=tls))
+else:
+    client = OpenAI(base_url=base + "/v1", api_key="unused")
 
 models = client.models.list()
 assert [m.id for m in models.data] == ["demo"], models

@@ -139,3 +139,43 @@ TEST(StatsCodec, AddSumsEveryCounter) {
 
 }  // namespace
 }  // namespace tandem
+
+namespace tandem {
+namespace {
+
+// Peer-supplied counts are bounded by the bytes left before anything is allocated: a count
+// whose byte size wraps 64 bits (2^62 int32s), a billion-page descriptor in a short message,
+// a negative count: each is a clean Error(kIo), never an allocation of the claimed size.
+TEST(CodecLimits, HugeOrWrappingCountsAreRefusedBeforeAllocating) {
+  auto refused = [](const std::vector<uint8_t>& bytes, auto decode) {
+    try {
+      ByteReader r(bytes);
+      decode(r);
+    } catch (const Error& e) {
+      return e.kind() == ErrorKind::kIo;
+    }
+    return false;
+  };
+  for (const int64_t n : {int64_t{1} << 62, int64_t{1} << 61, int64_t{1000000000}, int64_t{-1}}) {
+    SCOPED_TRACE(n);
+    ByteWriter w;
+    w.put_str("req");
+    w.put<int64_t>(n);  // the prompt ids' (or the pages') count
+    w.put<int32_t>(7);
+    EXPECT_TRUE(refused(w.bytes(), [](ByteReader& r) { get_request(r); }));
+    ByteWriter d;
+    d.put_str("req");
+    d.put_str("10.0.0.1:1");
+    d.put<int64_t>(n);
+    d.put<int32_t>(3);
+    EXPECT_TRUE(refused(d.bytes(), [](ByteReader& r) { get_descriptor(r); }));
+    ByteWriter v;
+    v.put<int64_t>(n);
+    v.put<int64_t>(7);
+    EXPECT_TRUE(refused(v.bytes(), [](ByteReader& r) { r.get_vec<uint64_t>(); }));
+    EXPECT_TRUE(refused(v.bytes(), [](ByteReader& r) { r.get_vec<int32_t>(); }));
+  }
+}
+
+}  // namespace
+}  // namespace tandem

@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "net/cluster_auth.h"
 #include "transfer/kv_pack.h"
 #include "transfer/tcp_transfer.h"
 #include "transfer/wire.h"
@@ -939,6 +942,246 @@ TEST(TcpTransfer, CancelStopsWritesAndCallbacks) {
   EXPECT_TRUE(ev.of("rx0/c").empty());  // no callback after a successful cancel
   EXPECT_EQ(std::memcmp(snapshot.data(), cache.layer(1), snapshot.size() * 4), 0)
       << "pages written after cancel()";
+}
+
+// ---- The cluster key (net/cluster_auth.h) on the KV transfer. ----
+
+net::KeyRef test_key(char c) { return net::ClusterKey::from_bytes(std::string(32, c)); }
+
+std::unique_ptr<TransferBackend> keyed_backend(net::KeyRef key,
+                                               std::chrono::milliseconds timeout = 5s) {
+  HostTcpOptions o;
+  o.timeout = timeout;
+  o.key = std::move(key);
+  return make_host_tcp_backend(o);
+}
+
+// Captures the refusal log lines while alive.
+class AuthLog {
+ public:
+  AuthLog() {
+    prev_ = net::set_log([this](const std::string& l) {
+      std::lock_guard lock(mu_);
+      lines_.push_back(l);
+    });
+  }
+  ~AuthLog() { net::set_log(prev_); }
+  std::vector<std::string> lines() {
+    std::lock_guard lock(mu_);
+    return lines_;
+  }
+
+ private:
+  std::function<void(const std::string&)> prev_;
+  std::mutex mu_;
+  std::vector<std::string> lines_;
+};
+
+// The whole HELLO + LAYER 0 stream a sender would write for request `id` (no handshake).
+std::vector<uint8_t> forged_stream(const ModelShape& m, const std::string& id, int64_t tokens) {
+  wire::Hello h;
+  h.request_id = id;
+  h.src = KvSharding{m.heads, 1};
+  h.heads = {0, m.heads};
+  h.num_layers = m.layers;
+  h.num_tokens = tokens;
+  h.head_dim = m.head_dim;
+  auto bytes = wire::encode_hello(h);
+  auto layer = wire::encode_layer({0, 0, tokens}, packed_layer_elems(m.heads, tokens, m.head_dim));
+  std::fill(layer.begin() + wire::kHeaderBytes + wire::kLayerPrefixBytes, layer.end(), 0x11);
+  bytes.insert(bytes.end(), layer.begin(), layer.end());
+  return bytes;
+}
+
+// True once the peer closed fd (reads to EOF or error within the timeout).
+bool closed_by_peer(int fd, std::chrono::milliseconds timeout = 5s) {
+  timeval tv{static_cast<time_t>(timeout.count() / 1000),
+             static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) return true;
+    if (n < 0) return errno == ECONNRESET;
+  }
+}
+
+// Sends the request's whole KV from a keyed prefill into `decode` and checks it arrived.
+void complete_keyed(const ModelShape& m, TransferBackend& b, Events& ev, Decode& decode,
+                    const std::string& id, const std::vector<TransferDescriptor>& descs,
+                    std::mt19937& rng, const Reference& ref) {
+  Prefill prefill(m, 1, 8, b, ev);
+  const auto tables = prefill.store(ref, rng);
+  prefill.begin_all(id, descs, tables);
+  for (int64_t l = 0; l < m.layers; ++l) prefill.send_all(id, l);
+  prefill.finish_all(id, 77, -0.5f);
+  const auto e = ev.wait("rx0/" + id);
+  ASSERT_EQ(e.kind, "complete") << e.message;
+  EXPECT_EQ(e.token, 77);
+  EXPECT_TRUE(decode.check(0, {{&ref, &descs[0]}}));
+}
+
+TEST(TcpTransferAuth, KeyedSidesTransferAsBefore) {
+  const ModelShape m{4, 3, 8};
+  const uint64_t before = net::failures(net::Channel::kKvTransfer);
+  auto b = keyed_backend(test_key('a'));
+  Events ev;
+  std::mt19937 rng(21);
+  Decode decode(m, {{0, 4}}, 8, *b, ev);
+  const Reference ref(m, 20, 21);
+  const auto descs = decode.reserve("k", 20, KvSharding{4, 1}, rng);
+  complete_keyed(m, *b, ev, decode, "k", descs, rng, ref);
+  EXPECT_EQ(net::failures(net::Channel::kKvTransfer), before);
+}
+
+// A forged KV write into reserved pages by a peer without the key (the wire format alone, as
+// any pod could send it): refused before a byte of it is read as a message, logged with the
+// peer's address and counted; the pages keep their poison, the request is not failed, and the
+// real sender completes it afterwards.
+TEST(TcpTransferAuth, ForgedWriteWithoutTheKeyIsRefused) {
+  const ModelShape m{4, 3, 8};
+  AuthLog log;
+  const uint64_t before = net::failures(net::Channel::kKvTransfer);
+  auto b = keyed_backend(test_key('a'));
+  Events ev;
+  std::mt19937 rng(22);
+  Decode decode(m, {{0, 4}}, 8, *b, ev);
+  const auto descs = decode.reserve("victim", 20, KvSharding{4, 1}, rng);
+  const int fd = connect_to(descs[0].dst_address);
+  const auto forged = forged_stream(m, "victim", 20);
+  ::send(fd, forged.data(), forged.size(), MSG_NOSIGNAL);
+  EXPECT_TRUE(closed_by_peer(fd));
+  sockaddr_in local{};
+  socklen_t len = sizeof(local);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len);
+  ::close(fd);
+  ASSERT_TRUE(poll_until([&] { return net::failures(net::Channel::kKvTransfer) == before + 1; }));
+  const auto lines = log.lines();
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_THAT(lines[0], HasSubstr("refused kv-transfer connection with 127.0.0.1:" +
+                                  std::to_string(ntohs(local.sin_port))));
+  EXPECT_THAT(lines[0], HasSubstr("no cluster-key handshake"));
+  EXPECT_TRUE(decode.check(0, {}));          // every float still poison
+  EXPECT_TRUE(ev.of("rx0/victim").empty());  // the request was not failed by the forger
+  ASSERT_TRUE(decode.receivers[0]->progress("victim").has_value());
+  const Reference ref(m, 20, 22);
+  complete_keyed(m, *b, ev, decode, "victim", descs, rng, ref);  // the receiver serves on
+}
+
+// A sender with another key, and one with none: both refused at the receiver (counted there),
+// the sender's request fails with a clear error, the receiver's request stays expected.
+TEST(TcpTransferAuth, WrongKeyAndNoKeySendersAreRefused) {
+  const ModelShape m{4, 2, 8};
+  AuthLog log;
+  auto rx_backend = keyed_backend(test_key('a'));
+  Events ev;
+  std::mt19937 rng(23);
+  Decode decode(m, {{0, 4}}, 8, *rx_backend, ev);
+  const Reference ref(m, 12, 23);
+  const auto descs = decode.reserve("r", 12, KvSharding{4, 1}, rng);
+  std::vector<std::unique_ptr<TransferBackend>> senders;
+  senders.push_back(keyed_backend(test_key('b')));
+  senders.push_back(backend());
+  int n = 0;
+  for (auto& tx_backend : senders) {
+    SCOPED_TRACE(n == 0 ? "wrong key" : "no key");
+    const uint64_t before = net::failures_total();
+    Events tx_ev;
+    Prefill prefill(m, 1, 8, *tx_backend, tx_ev);
+    const auto tables = prefill.store(ref, rng);
+    prefill.begin_all("r", descs, tables);
+    for (int64_t l = 0; l < m.layers; ++l) prefill.send_all("r", l);
+    prefill.finish_all("r", 1, 0.0f);
+    const auto e = tx_ev.wait("tx0/r");
+    ASSERT_EQ(e.kind, "error");
+    if (n == 0) EXPECT_THAT(e.message, HasSubstr("cluster key: the server does not hold"));
+    // Counted where it was refused (and, for the wrong key, by the sender too).
+    ASSERT_TRUE(poll_until([&] { return net::failures_total() >= before + (n == 0 ? 2 : 1); }));
+    EXPECT_TRUE(decode.check(0, {}));
+    EXPECT_TRUE(ev.of("rx0/r").empty());
+    ++n;
+  }
+  complete_keyed(m, *rx_backend, ev, decode, "r", descs, rng, ref);
+}
+
+// A recorded handshake replayed byte for byte: the receiver's nonce is fresh, so the recorded
+// proof is wrong; refused, the request untouched.
+TEST(TcpTransferAuth, ReplayedHandshakeIsRefused) {
+  const ModelShape m{4, 2, 8};
+  AuthLog log;
+  const auto key = test_key('a');
+  auto b = keyed_backend(key);
+  Events ev;
+  std::mt19937 rng(24);
+  Decode decode(m, {{0, 4}}, 8, *b, ev);
+  const auto descs = decode.reserve("p", 12, KvSharding{4, 1}, rng);
+  // Record a genuine client's HELLO and PROOF.
+  net::ClientHandshake genuine(*key, net::Channel::kKvTransfer);
+  std::array<uint8_t, net::kProofBytes> proof{};
+  {
+    const int fd = connect_to(descs[0].dst_address);
+    ::send(fd, genuine.hello().data(), genuine.hello().size(), MSG_NOSIGNAL);
+    std::array<uint8_t, net::kChallengeBytes> challenge{};
+    ASSERT_EQ(::recv(fd, challenge.data(), challenge.size(), MSG_WAITALL),
+              static_cast<ssize_t>(challenge.size()));
+    proof = genuine.respond(challenge);
+    ::close(fd);  // (gone before proving: counted as a failure too)
+  }
+  ASSERT_TRUE(poll_until([&] { return log.lines().size() == 1; }));
+  const uint64_t before = net::failures(net::Channel::kKvTransfer);
+  const int fd = connect_to(descs[0].dst_address);
+  ::send(fd, genuine.hello().data(), genuine.hello().size(), MSG_NOSIGNAL);
+  std::array<uint8_t, net::kChallengeBytes> challenge{};
+  ASSERT_EQ(::recv(fd, challenge.data(), challenge.size(), MSG_WAITALL),
+            static_cast<ssize_t>(challenge.size()));
+  ::send(fd, proof.data(), proof.size(), MSG_NOSIGNAL);
+  const auto forged = forged_stream(m, "p", 12);
+  ::send(fd, forged.data(), forged.size(), MSG_NOSIGNAL);
+  EXPECT_TRUE(closed_by_peer(fd));
+  ::close(fd);
+  ASSERT_TRUE(poll_until([&] { return net::failures(net::Channel::kKvTransfer) == before + 1; }));
+  EXPECT_THAT(log.lines().back(), HasSubstr("wrong cluster key"));
+  EXPECT_TRUE(decode.check(0, {}));
+  EXPECT_TRUE(ev.of("rx0/p").empty());
+}
+
+// The right key, then garbage: the handshake passes, the garbage is refused as a malformed
+// stream (the connection closed), nothing written, the request still expected.
+TEST(TcpTransferAuth, CorrectKeyThenGarbageIsRefused) {
+  const ModelShape m{4, 2, 8};
+  const auto key = test_key('a');
+  auto b = keyed_backend(key);
+  Events ev;
+  std::mt19937 rng(25);
+  Decode decode(m, {{0, 4}}, 8, *b, ev);
+  const auto descs = decode.reserve("g", 12, KvSharding{4, 1}, rng);
+  const uint64_t before = net::failures_total();
+  const int fd = connect_to(descs[0].dst_address);
+  net::authenticate_client(fd, *key, net::Channel::kKvTransfer, "receiver");
+  std::vector<uint8_t> garbage(4096);
+  std::mt19937 g(5);
+  for (auto& x : garbage) x = static_cast<uint8_t>(g());
+  ::send(fd, garbage.data(), garbage.size(), MSG_NOSIGNAL);
+  ::shutdown(fd, SHUT_WR);
+  // The receiver answers with an error reply, then closes.
+  std::array<uint8_t, wire::kReplyHeaderBytes> head{};
+  ASSERT_EQ(::recv(fd, head.data(), head.size(), MSG_WAITALL), static_cast<ssize_t>(head.size()));
+  uint32_t msg_bytes = 0;
+  EXPECT_FALSE(wire::decode_reply_header(head, msg_bytes));
+  std::string message(msg_bytes, '\0');
+  ::recv(fd, message.data(), message.size(), MSG_WAITALL);
+  EXPECT_THAT(message, HasSubstr("not a KV transfer stream"));
+  ::close(fd);
+  EXPECT_EQ(net::failures_total(), before);  // it held the key: a protocol error, not auth
+  EXPECT_TRUE(decode.check(0, {}));
+  EXPECT_TRUE(ev.of("rx0/g").empty());
+  const Reference ref(m, 12, 25);
+  complete_keyed(m, *b, ev, decode, "g", descs, rng, ref);
+}
+
+// Without a key on either side: today's behaviour (no handshake).
+TEST(TcpTransferAuth, KeylessModeStillWorks) {
+  run_and_check(ModelShape{4, 2, 8}, 2, 8, {{0, 4}}, 4, 13, 26);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <boost/asio/signal_set.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 #include <cinttypes>
 #include <condition_variable>
 #include <deque>
@@ -31,6 +32,7 @@ namespace tandem {
 namespace {
 
 namespace beast = boost::beast;
+namespace ssl = boost::asio::ssl;
 namespace bhttp = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
@@ -83,14 +85,32 @@ std::string status_line(int status) {
   return "HTTP/1.1 " + std::to_string(status) + " " + reason + "\r\n";
 }
 
+// NOTE: with TLS (--ssl-certfile) the session reads and writes through an ssl_stream over the
+// same tcp_stream: timeouts, cancellation and closing act on the TCP layer either way, and
+// everything above (keep-alive, SSE, the disconnect watch) is the same code.
 class Session final : public openai::Connection, public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket&& socket, const ServerCore& core)
-      : stream_(std::move(socket)), executor_(stream_.get_executor()), core_(core) {}
+  Session(tcp::socket&& socket, const ServerCore& core, ssl::context* tls)
+      : executor_(socket.get_executor()), core_(core) {
+    if (tls != nullptr) {
+      tls_.emplace(std::move(socket), *tls);
+    } else {
+      plain_.emplace(std::move(socket));
+    }
+  }
 
   void run() {
-    net::dispatch(stream_.get_executor(),
-                  beast::bind_front_handler(&Session::do_read, shared_from_this()));
+    if (!tls_) {
+      net::dispatch(executor_, beast::bind_front_handler(&Session::do_read, shared_from_this()));
+      return;
+    }
+    net::dispatch(executor_, [self = shared_from_this()] {
+      self->tcp_layer().expires_after(std::chrono::seconds(self->core_.config.header_timeout_s));
+      self->tls_->async_handshake(ssl::stream_base::server, [self](beast::error_code ec) {
+        if (ec) return self->close();  // not TLS, or a failed handshake: nobody to answer
+        self->do_read();
+      });
+    });
   }
 
   // --- openai::Connection ---
@@ -153,13 +173,15 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   void do_read() {
     if (closed_) return;
     if (buffer_.size() > 0) return read_header();
-    stream_.expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
-    stream_.async_read_some(buffer_.prepare(4096),
-                            [self = shared_from_this()](beast::error_code ec, size_t n) {
-                              if (ec) return self->read_failed(ec);
-                              self->buffer_.commit(n);
-                              self->read_header();
-                            });
+    tcp_layer().expires_after(std::chrono::seconds(core_.config.idle_timeout_s));
+    io([&](auto& s) {
+      s.async_read_some(buffer_.prepare(4096),
+                        [self = shared_from_this()](beast::error_code ec, size_t n) {
+                          if (ec) return self->read_failed(ec);
+                          self->buffer_.commit(n);
+                          self->read_header();
+                        });
+    });
   }
 
   // A request has started: its headers and body get the header timeout, together.
@@ -168,9 +190,11 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     parser_.emplace();
     parser_->body_limit(core_.config.max_body_bytes);
     parser_->header_limit(kHeaderLimit);
-    stream_.expires_after(std::chrono::seconds(core_.config.header_timeout_s));
-    bhttp::async_read_header(stream_, buffer_, *parser_,
-                             beast::bind_front_handler(&Session::on_header, shared_from_this()));
+    tcp_layer().expires_after(std::chrono::seconds(core_.config.header_timeout_s));
+    io([&](auto& s) {
+      bhttp::async_read_header(s, buffer_, *parser_,
+                               beast::bind_front_handler(&Session::on_header, shared_from_this()));
+    });
   }
 
   void on_header(beast::error_code ec, size_t) {
@@ -180,8 +204,10 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     if (beast::iequals(req[bhttp::field::expect], "100-continue")) {
       enqueue("HTTP/1.1 100 Continue\r\n\r\n");
     }
-    bhttp::async_read(stream_, buffer_, *parser_,
-                      beast::bind_front_handler(&Session::on_body, shared_from_this()));
+    io([&](auto& s) {
+      bhttp::async_read(s, buffer_, *parser_,
+                        beast::bind_front_handler(&Session::on_body, shared_from_this()));
+    });
   }
 
   void on_body(beast::error_code ec, size_t) {
@@ -191,7 +217,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     keep_alive_ = req.keep_alive();
     http10_ = req.version() < 11;
     begin_request();
-    stream_.expires_never();  // generations may take long; a disconnect is watched instead
+    tcp_layer().expires_never();  // generations may take long; a disconnect is watched instead
 
     openai::HttpRequest r;
     r.method = std::string(req.method_string());
@@ -383,8 +409,10 @@ class Session final : public openai::Connection, public std::enable_shared_from_
       writes_.push_back(std::move(all));
     }
     writing_ = true;
-    net::async_write(stream_, net::buffer(writes_.front()),
-                     beast::bind_front_handler(&Session::on_write, shared_from_this()));
+    io([&](auto& s) {
+      net::async_write(s, net::buffer(writes_.front()),
+                       beast::bind_front_handler(&Session::on_write, shared_from_this()));
+    });
   }
 
   void on_write(beast::error_code ec, size_t) {
@@ -411,7 +439,7 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     if (watching_) {
       // The watch read ends with operation_aborted (or with data) and goes on in on_watch.
       beast::error_code ec;
-      stream_.socket().cancel(ec);
+      tcp_layer().socket().cancel(ec);
       return;
     }
     if (!keep_alive_) return graceful_close();
@@ -421,9 +449,11 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   // --- noticing a client that goes away mid-response ---
   void start_watch() {
     watching_ = true;
-    stream_.expires_never();
-    stream_.async_read_some(buffer_.prepare(4096),
-                            beast::bind_front_handler(&Session::on_watch, shared_from_this()));
+    tcp_layer().expires_never();
+    io([&](auto& s) {
+      s.async_read_some(buffer_.prepare(4096),
+                        beast::bind_front_handler(&Session::on_watch, shared_from_this()));
+    });
   }
 
   void on_watch(beast::error_code ec, size_t n) {
@@ -455,8 +485,8 @@ class Session final : public openai::Connection, public std::enable_shared_from_
     closed_ = true;
     end_request(true);
     beast::error_code ec;
-    stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
-    stream_.socket().close(ec);
+    tcp_layer().socket().shutdown(tcp::socket::shutdown_both, ec);
+    tcp_layer().socket().close(ec);
   }
 
   /// Sends FIN, then drains what the client still sends for a moment before closing, so an
@@ -464,23 +494,35 @@ class Session final : public openai::Connection, public std::enable_shared_from_
   void graceful_close() {
     if (closed_) return;
     beast::error_code ec;
-    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+    tcp_layer().socket().shutdown(tcp::socket::shutdown_send, ec);
     if (ec) return close();
-    stream_.expires_after(std::chrono::seconds(2));
+    tcp_layer().expires_after(std::chrono::seconds(2));
     drain();
   }
 
   void drain() {
     drain_buf_.resize(16 * 1024);
-    stream_.async_read_some(net::buffer(drain_buf_),
-                            [self = shared_from_this()](beast::error_code ec, size_t) {
-                              if (ec) return self->close();
-                              self->drain();
-                            });
+    tcp_layer().async_read_some(net::buffer(drain_buf_),  // (raw bytes, TLS or not: discarded)
+                                [self = shared_from_this()](beast::error_code ec, size_t) {
+                                  if (ec) return self->close();
+                                  self->drain();
+                                });
   }
 
-  beast::tcp_stream stream_;
+  // The TCP layer (timeouts, cancel, close) and the stream requests are read from.
+  beast::tcp_stream& tcp_layer() { return tls_ ? tls_->next_layer() : *plain_; }
+  template <typename Fn>
+  void io(Fn&& fn) {
+    if (tls_) {
+      fn(*tls_);
+    } else {
+      fn(*plain_);
+    }
+  }
+
   const net::any_io_executor executor_;  // the session's strand
+  std::optional<beast::tcp_stream> plain_;
+  std::optional<beast::ssl_stream<beast::tcp_stream>> tls_;
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   const ServerCore& core_;
@@ -507,8 +549,8 @@ class Session final : public openai::Connection, public std::enable_shared_from_
 
 class Listener : public std::enable_shared_from_this<Listener> {
  public:
-  Listener(net::io_context& ioc, tcp::acceptor acceptor, const ServerCore& core)
-      : ioc_(ioc), acceptor_(std::move(acceptor)), core_(core), retry_timer_(ioc) {}
+  Listener(net::io_context& ioc, tcp::acceptor acceptor, const ServerCore& core, ssl::context* tls)
+      : ioc_(ioc), acceptor_(std::move(acceptor)), core_(core), tls_(tls), retry_timer_(ioc) {}
 
   void run() { do_accept(); }
 
@@ -536,15 +578,40 @@ class Listener : public std::enable_shared_from_this<Listener> {
     }
     beast::error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
-    std::make_shared<Session>(std::move(socket), core_)->run();
+    std::make_shared<Session>(std::move(socket), core_, tls_)->run();
     do_accept();
   }
 
   net::io_context& ioc_;
   tcp::acceptor acceptor_;
   const ServerCore& core_;
+  ssl::context* tls_;  // null: plain HTTP
   net::steady_timer retry_timer_;
 };
+
+// The TLS context of --ssl-certfile / --ssl-keyfile (TLS 1.2 and later); errors name the file.
+std::unique_ptr<ssl::context> make_tls_context(const HttpServerConfig& cfg) {
+  TANDEM_CHECK_KIND(kInvalidArgument, cfg.ssl_certfile.empty() == cfg.ssl_keyfile.empty(),
+                    "--ssl-certfile and --ssl-keyfile go together (got ",
+                    cfg.ssl_certfile.empty() ? "only --ssl-keyfile" : "only --ssl-certfile", ")");
+  if (cfg.ssl_certfile.empty()) return nullptr;
+  auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
+  ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                   ssl::context::no_sslv3 | ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1 |
+                   ssl::context::single_dh_use);
+  beast::error_code ec;
+  ctx->use_certificate_chain_file(cfg.ssl_certfile, ec);
+  TANDEM_CHECK_KIND(kInvalidArgument, !ec, "--ssl-certfile ", cfg.ssl_certfile,
+                    ": cannot load a PEM certificate chain (", ec.message(), ")");
+  ctx->use_private_key_file(cfg.ssl_keyfile, ssl::context::pem, ec);
+  TANDEM_CHECK_KIND(kInvalidArgument, !ec, "--ssl-keyfile ", cfg.ssl_keyfile,
+                    ": cannot load a PEM private key that matches --ssl-certfile ",
+                    cfg.ssl_certfile, " (", ec.message(), ")");
+  TANDEM_CHECK_KIND(kInvalidArgument, SSL_CTX_check_private_key(ctx->native_handle()) == 1,
+                    "--ssl-keyfile ", cfg.ssl_keyfile, " does not match the certificate in ",
+                    cfg.ssl_certfile);
+  return ctx;
+}
 
 }  // namespace
 
@@ -567,6 +634,7 @@ struct HttpServer::Impl {
   std::shared_ptr<openai::EngineGate> gate;
   openai::ApiHandler api;
   ServerCore core;
+  std::unique_ptr<ssl::context> tls;  // --ssl-certfile / --ssl-keyfile (null: plain HTTP)
   net::io_context ioc;
   std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
   std::shared_ptr<Listener> listener;
@@ -601,6 +669,7 @@ void HttpServer::start() {
     m.started = true;
   }
   const HttpServerConfig& cfg = m.core.config;
+  m.tls = make_tls_context(cfg);
   tcp::acceptor acceptor(m.ioc);
   try {
     tcp::resolver resolver(m.ioc);
@@ -616,7 +685,7 @@ void HttpServer::start() {
   } catch (const boost::system::system_error& e) {
     TANDEM_THROW(kIo, "cannot listen on ", cfg.host, ":", cfg.port, ": ", e.code().message());
   }
-  m.listener = std::make_shared<Listener>(m.ioc, std::move(acceptor), m.core);
+  m.listener = std::make_shared<Listener>(m.ioc, std::move(acceptor), m.core, m.tls.get());
   m.listener->run();
   m.work.emplace(net::make_work_guard(m.ioc));
   if (cfg.stop_on_signals) {

@@ -46,6 +46,10 @@ struct HttpServerConfig {
   std::function<bool()> ready;
   // Appended to GET /metrics (e.g. the router's per-instance metrics); null: none.
   std::function<std::string()> extra_metrics;
+  // TLS (vLLM's --ssl-certfile / --ssl-keyfile): PEM certificate chain and private key; both
+  // empty: plain HTTP. Keep-alive and SSE work the same over TLS.
+  std::string ssl_certfile;
+  std::string ssl_keyfile;
   int drain_seconds = 30;        // SIGTERM (stop_on_signals): in-flight requests get this long
   bool stop_on_signals = false;  // SIGINT / SIGTERM: drain, then end wait()
 

@@ -410,7 +410,16 @@ class IpcReceiver final : public TransferReceiver {
   void serve(std::shared_ptr<Conn> c) {
     uint32_t type = 0;
     std::vector<uint8_t> body;
-    while (c->sock.recv(type, body)) {
+    bool authenticated = true;
+    if (opts_.key) {
+      try {
+        net::authenticate_server(c->sock.fd, *opts_.key, net::Channel::kIpcControl,
+                                 net::peer_of(c->sock.fd));
+      } catch (const Error&) {  // (counted and logged)
+        authenticated = false;
+      }
+    }
+    while (authenticated && c->sock.recv(type, body)) {
       try {
         Reader rd(body);
         if (type == kHello) {
@@ -1034,6 +1043,9 @@ class IpcSender final : public TransferSender {
     auto p = std::make_shared<Peer>();
     p->address = address;
     p->sock.fd = connect_to(address, opts_.control_timeout);
+    if (opts_.key) {  // (throws, counted and logged; ~Socket closes the fd)
+      net::authenticate_client(p->sock.fd, *opts_.key, net::Channel::kIpcControl, address);
+    }
     p->reader = std::thread([this, p] { read_peer(p); });
     p->sock.send(kHello, Writer());
     {

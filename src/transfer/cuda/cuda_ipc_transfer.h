@@ -32,6 +32,7 @@
 #include <memory>
 #include <string>
 
+#include "net/cluster_auth.h"
 #include "transfer/transfer.h"
 
 namespace tandem::transfer {
@@ -43,6 +44,9 @@ struct CudaIpcOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   /// Control round trips (connect, BEGIN, CANCEL) fail after this.
   std::chrono::milliseconds control_timeout{std::chrono::seconds(10)};
+  /// The cluster key (null: none): each control connection starts with the mutual handshake
+  /// (net/cluster_auth.h), so no one without it gets the pool's IPC handle or a BEGIN through.
+  net::KeyRef key;
 };
 
 /// The "cuda-ipc" backend. Caches must be device bf16 pools made by a GPU model

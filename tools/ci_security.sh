@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# CI's sanitizer and fuzzing stages (docs/operations.md, "Security"), each in its own CPU-only
+# build folder (-DTANDEM_CUDA=OFF, ccache as the main build):
+#   asan  the CPU test binaries under AddressSanitizer + UndefinedBehaviorSanitizer (g++; leaks
+#         and any UB report fail), the fuzz corpora replayed under them too
+#   tsan  the transfer, server / router and engine tests under ThreadSanitizer (g++)
+#   fuzz  every libFuzzer harness of tests/fuzz for FUZZ_SECONDS from its committed corpus
+#         (clang, ASan + UBSan + coverage); a crash, hang (> 10 s an input), leak or sanitizer
+#         report fails, the input is kept under build-fuzz/artifacts/
+# Usage: tools/ci_security.sh [asan] [tsan] [fuzz]   (default: all three, in that order)
+#   FUZZ_SECONDS (default 20 per harness), JOBS (default nproc), ASAN_FILTER / TSAN_FILTER
+#   (gtest filters, default: all of each binary).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-$(nproc)}
+FUZZ_SECONDS=${FUZZ_SECONDS:-20}
+stages=${*:-asan tsan fuzz}
+common=(-G Ninja -DTANDEM_CUDA=OFF -DTANDEM_BENCH=OFF -DTANDEM_COMM_TSAN=OFF)
+harnesses="http openai_request chat_template chat_parser tokenizer instance_protocol transfer_wire
+           model_files"
+asan_bins="test_core test_kv test_net test_transfer test_tokenizer test_engine test_server test_comm"
+tsan_bins="test_transfer test_server test_engine test_net"
+export TANDEM_SOURCE_DIR="$PWD"
+
+took() { echo "ci_security: $1: $(($(date +%s) - $2)) s"; }
+
+run_bins() {  # dir filter bins...: each test binary, in turn
+  local dir=$1 filter=$2
+  shift 2
+  for b in "$@"; do
+    echo "== $dir/$b"
+    "$dir/$b" --gtest_filter="$filter" --gtest_brief=1
+  done
+}
+
+for stage in $stages; do
+  t0=$(date +%s)
+  case $stage in
+    asan)
+      cmake -S . -B build-asan "${common[@]}" -DTANDEM_SANITIZE=address,undefined >/dev/null
+      replays=$(for h in $harnesses; do echo -n "fuzz_replay_$h "; done)
+      # shellcheck disable=SC2086  # word lists
+      ninja -C build-asan -j "$JOBS" $asan_bins $replays
+      took "asan build" "$t0"
+      t1=$(date +%s)
+      export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
+      export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+      # shellcheck disable=SC2086
+      run_bins build-asan "${ASAN_FILTER:-*}" $asan_bins
+      for h in $harnesses; do build-asan/fuzz_replay_$h tests/fuzz/corpus/$h; done
+      unset ASAN_OPTIONS UBSAN_OPTIONS
+      took "asan tests" "$t1"
+      ;;
+    tsan)
+      cmake -S . -B build-tsan "${common[@]}" -DTANDEM_SANITIZE=thread >/dev/null
+      # shellcheck disable=SC2086
+      ninja -C build-tsan -j "$JOBS" $tsan_bins
+      took "tsan build" "$t0"
+      t1=$(date +%s)
+      export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+      # shellcheck disable=SC2086
+      run_bins build-tsan "${TSAN_FILTER:-*}" $tsan_bins
+      unset TSAN_OPTIONS
+      took "tsan tests" "$t1"
+      ;;
+    fuzz)
+      cmake -S . -B build-fuzz "${common[@]}" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang \
+        -DTANDEM_FUZZ=ON >/dev/null
+      # shellcheck disable=SC2086
+      ninja -C build-fuzz -j "$JOBS" $(for h in $harnesses; do echo -n "fuzz_$h "; done)
+      took "fuzz build" "$t0"
+      t1=$(date +%s)
+      mkdir -p build-fuzz/artifacts
+      export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+      export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+      for h in $harnesses; do
+        work=$(mktemp -d)  # new inputs land here, not in the committed corpus
+        echo "== fuzz_$h, $FUZZ_SECONDS s"
+        status=0
+        build-fuzz/fuzz_$h -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=4096 \
+          -print_final_stats=1 -artifact_prefix="build-fuzz/artifacts/$h-" "$work" \
+          tests/fuzz/corpus/$h >"build-fuzz/fuzz_$h.log" 2>&1 || status=$?
+        grep -E "^(#[0-9]+ +DONE|stat::number_of_executed_units|stat::new_units_added)" \
+          "build-fuzz/fuzz_$h.log" || true
+        rm -rf "$work"
+        if [ "$status" -ne 0 ]; then
+          tail -n 60 "build-fuzz/fuzz_$h.log"
+          echo "fuzz_$h failed ($status): the input is in build-fuzz/artifacts/"
+          exit 1
+        fi
+      done
+      unset ASAN_OPTIONS UBSAN_OPTIONS
+      took "fuzzing" "$t1"
+      ;;
+    *) echo "unknown stage $stage (asan, tsan, fuzz)"; exit 2 ;;
+  esac
+  took "$stage" "$t0"
+done
