@@ -33,6 +33,8 @@
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "transfer/cuda/cuda_ipc_transfer.h"
 #endif
+#include "events/kv_events_config.h"
+#include "events/zmq_publisher.h"
 #include "server/grammar/grammar.h"
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
@@ -86,6 +88,20 @@ std::vector<int32_t> parse_ids(const std::string& s) {
 // The model for --device cpu|cuda; the engine config sizes the GPU model's buffers. On the
 // GPU, a KV cache size not given (kv_cache_mb <= 0) becomes what gpu_memory_utilization
 // leaves after the model (vLLM's default behaviour); on the CPU it is the engine's default.
+// --kv-events-config: a ZMQ publisher of the engine's prefix-cache events (null when the
+// JSON is empty or leaves events off). The medium is where the KV pages live.
+std::shared_ptr<KvEventSink> make_kv_event_publisher(const std::string& json,
+                                                     const std::string& device) {
+  if (json.empty()) return nullptr;
+  const KvEventsConfig c = parse_kv_events_config(json);
+  if (!c.active()) return nullptr;
+  auto p = std::make_shared<ZmqKvEventPublisher>(c, 0, device == "cuda" ? "GPU" : "CPU");
+  std::cerr << "tandem: KV events on " << p->endpoint()
+            << (p->replay_endpoint().empty() ? "" : ", replay on " + p->replay_endpoint())
+            << std::endl;
+  return p;
+}
+
 std::unique_ptr<Model> load_model(const std::string& dir, const std::string& device,
                                   EngineConfig& engine, double gpu_memory_utilization = 0.9) {
   if (device == "cpu") {
@@ -332,10 +348,12 @@ struct ServeArgs {
   double gpu_memory_utilization = 0.9;
   ParserArgs parsers;
   std::string speculative_config;
+  std::string kv_events_config;
 };
 
 int run_serve(const ServeArgs& a) {
   EngineConfig ecfg = a.engine;
+  ecfg.kv_events = make_kv_event_publisher(a.kv_events_config, a.device);
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
   std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
   apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
@@ -380,6 +398,7 @@ struct InstanceArgs {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;  // --device cuda, without --kv-cache-mb
   std::string speculative_config;       // decode instances only
+  std::string kv_events_config;         // prefill instances (rank 0's prefix cache)
 };
 
 // Blocks SIGINT / SIGTERM in this thread and the threads it starts; wait_for_stop_signal()
@@ -569,6 +588,9 @@ int run_prefill(const InstanceArgs& a) {
   cfg.model_dir = a.model;
   cfg.tp = a.ranks;
   cfg.engine = a.engine;
+  // Rank 0 owns the prefix cache (the other ranks follow its steps): only it publishes.
+  const int rank = std::getenv("RANK") != nullptr ? std::atoi(std::getenv("RANK")) : 0;
+  if (rank == 0) cfg.engine.kv_events = make_kv_event_publisher(a.kv_events_config, a.device);
   // Structured outputs: token 1 samples here, so its grammar is compiled here.
   cfg.engine.constraint_factory = grammar::instance_constraint_factory(a.model);
   auto instance = make_instance<PrefillInstance>(a, cfg, cfg.tp, std::chrono::minutes(1));
@@ -633,6 +655,9 @@ struct RouterArgs {
   int max_queue = static_cast<int>(RouterConfig{}.max_queue);
   double queue_timeout_s = 30;
   double resolve_interval_s = 10;
+  int kv_events_port = 0, kv_events_replay_port = 0;
+  std::string kv_events_topic;
+  int64_t prefix_index_blocks = RouterConfig{}.prefix_index_blocks;
 };
 
 int run_router(const RouterArgs& a) {
@@ -641,6 +666,10 @@ int run_router(const RouterArgs& a) {
   rcfg.queue_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.queue_timeout_s * 1e3));
   rcfg.resolve_interval =
       std::chrono::milliseconds(static_cast<int64_t>(a.resolve_interval_s * 1e3));
+  rcfg.kv_events_port = a.kv_events_port;
+  rcfg.kv_events_replay_port = a.kv_events_replay_port;
+  rcfg.kv_events_topic = a.kv_events_topic;
+  rcfg.prefix_index_blocks = a.prefix_index_blocks;
   // The instances may start before or after the router, and come and go: it connects to
   // each when it answers (see Router).
   Router router(rcfg);
@@ -791,6 +820,9 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   bool no_prefix_cache = false;
   sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
+  sv->add_option("--kv-events-config", srv.kv_events_config,
+                 "vLLM's KVEventsConfig as JSON: publish the prefix cache's block events "
+                 "(docs/operations.md)");
   add_deterministic_flag(sv, srv.engine.deterministic);
   add_speculative_option(sv, srv.speculative_config);
   srv.parsers.add_to(sv);
@@ -864,6 +896,9 @@ int cli_main(int argc, char** argv) {
   dc->add_option("--max-decode-batch", dec.max_decode_batch, "Sequences per rank at most")
       ->check(CLI::PositiveNumber);
   add_speculative_option(dc, dec.speculative_config);
+  pf->add_option("--kv-events-config", pre.kv_events_config,
+                 "vLLM's KVEventsConfig as JSON: publish the prefix cache's block events "
+                 "(docs/operations.md)");
 
   RouterArgs rt;
   auto* ro = app.add_subcommand("router", "OpenAI front over prefill and decode instances");
@@ -891,6 +926,17 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   ro->add_option("--resolve-interval", rt.resolve_interval_s,
                  "Seconds between DNS lookups of instance host names (one instance per address)")
+      ->check(CLI::PositiveNumber);
+  ro->add_option("--kv-events-port", rt.kv_events_port,
+                 "Prefix-aware routing: subscribe to each prefill instance's KV events on this "
+                 "port of its host (its --kv-events-config endpoint; 0: least-queued routing)")
+      ->check(CLI::Range(0, 65535));
+  ro->add_option("--kv-events-replay-port", rt.kv_events_replay_port,
+                 "The instances' KV-event replay port (0: none)")
+      ->check(CLI::Range(0, 65535));
+  ro->add_option("--kv-events-topic", rt.kv_events_topic, "The instances' KV-event topic");
+  ro->add_option("--prefix-index-blocks", rt.prefix_index_blocks,
+                 "Page hashes the router's prefix index keeps at most (LRU)")
       ->check(CLI::PositiveNumber);
   ro->add_option("--metrics-port", rt.metrics_port,
                  "Serve the instances' GET /metrics (queued input tokens, input tokens/s, batch "
