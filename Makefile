@@ -59,7 +59,7 @@ validate-deploy:
 	@[ -d $(KV_DIR)/kubernetes_validate ] || python3 -m pip install -q --disable-pip-version-check \
 	  --target $(KV_DIR) kubernetes-validate==$(KV_VERSION)
 	PYTHONPATH=$(KV_DIR) python3 -m kubernetes_validate --strict --quiet deploy/k8s/*.yaml
-	PYTHONPATH=$(KV_DIR) python3 tools/validate_lws.py deploy/lws/*.yaml
+	PYTHONPATH=$(KV_DIR) python3 tools/validate_lws.py deploy/lws/*.yaml deploy/llm-d/*.yaml
 	@python3 -c 'import json, sys; [json.load(open(f)) for f in sys.argv[1:]]' deploy/grafana/*.json
 
 SOURCES = git ls-files '*.h' '*.cpp' '*.cu' '*.cuh'

@@ -478,7 +478,8 @@ void Engine::complete(const ScheduledBatch& batch) {
 }
 
 void Engine::flush_kv_events() {
-  if (config_.kv_events && !blocks_.events().empty()) config_.kv_events->publish(blocks_.events().take());
+  if (config_.kv_events && !blocks_.events().empty())
+    config_.kv_events->publish(blocks_.events().take());
 }
 
 void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {

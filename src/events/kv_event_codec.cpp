@@ -154,17 +154,25 @@ struct EventView {
 
 EventView view_event(const msgpack::object& o) {
   EventView v;
-  static const char* kStored[] = {"block_hashes", "parent_block_hash", "token_ids",
-                                  "block_size",   "lora_id",           "medium",
-                                  "lora_name",    "extra_keys",        "group_idx",
-                                  "kv_cache_spec_kind", "kv_cache_spec_sliding_window"};
+  static const char* kStored[] = {"block_hashes",
+                                  "parent_block_hash",
+                                  "token_ids",
+                                  "block_size",
+                                  "lora_id",
+                                  "medium",
+                                  "lora_name",
+                                  "extra_keys",
+                                  "group_idx",
+                                  "kv_cache_spec_kind",
+                                  "kv_cache_spec_sliding_window"};
   static const char* kRemoved[] = {"block_hashes", "medium", "group_idx"};
   if (o.type == msgpack::type::ARRAY) {
     if (o.via.array.size == 0 || o.via.array.ptr[0].type != msgpack::type::STR) {
       bad("an event array does not start with its type");
     }
     v.tag.assign(o.via.array.ptr[0].via.str.ptr, o.via.array.ptr[0].via.str.size);
-    for (uint32_t i = 1; i < o.via.array.size && i <= 11; ++i) v.fields[i - 1] = &o.via.array.ptr[i];
+    for (uint32_t i = 1; i < o.via.array.size && i <= 11; ++i)
+      v.fields[i - 1] = &o.via.array.ptr[i];
     return v;
   }
   if (o.type != msgpack::type::MAP) bad("an event is neither an array nor a map");
@@ -181,7 +189,8 @@ EventView view_event(const msgpack::object& o) {
 
 }  // namespace
 
-std::string encode_kv_event_batch(const std::vector<KvEvent>& events, const KvEventBatchInfo& info) {
+std::string encode_kv_event_batch(const std::vector<KvEvent>& events,
+                                  const KvEventBatchInfo& info) {
   msgpack::sbuffer buf;
   Packer pk(buf);
   pk.pack_array(3);
@@ -225,7 +234,8 @@ DecodedKvEventBatch decode_kv_event_batch(std::string_view payload) {
   DecodedKvEventBatch out;
   if (ts != nullptr && ts->type == msgpack::type::FLOAT64) out.ts = ts->via.f64;
   if (ts != nullptr && ts->type == msgpack::type::FLOAT32) out.ts = ts->via.f64;
-  if (!is_nil(rank)) out.data_parallel_rank = static_cast<int32_t>(as_int(*rank, "data_parallel_rank"));
+  if (!is_nil(rank))
+    out.data_parallel_rank = static_cast<int32_t>(as_int(*rank, "data_parallel_rank"));
   for (uint32_t i = 0; i < events->via.array.size; ++i) {
     EventView v = view_event(events->via.array.ptr[i]);
     if (v.tag == "BlockStored") {
@@ -236,16 +246,19 @@ DecodedKvEventBatch decode_kv_event_batch(std::string_view payload) {
         bad("token_ids is not an array");
       }
       for (uint32_t j = 0; j < v.fields[2]->via.array.size; ++j) {
-        s.token_ids.push_back(static_cast<int32_t>(as_int(v.fields[2]->via.array.ptr[j], "a token id")));
+        s.token_ids.push_back(
+            static_cast<int32_t>(as_int(v.fields[2]->via.array.ptr[j], "a token id")));
       }
       if (v.fields[3] == nullptr) bad("BlockStored has no block_size");
       s.block_size = as_int(*v.fields[3], "block_size");
-      if (!is_nil(v.fields[8])) s.group_idx = static_cast<int32_t>(as_int(*v.fields[8], "group_idx"));
+      if (!is_nil(v.fields[8]))
+        s.group_idx = static_cast<int32_t>(as_int(*v.fields[8], "group_idx"));
       out.events.emplace_back(std::move(s));
     } else if (v.tag == "BlockRemoved") {
       KvBlockRemoved r;
       r.block_hashes = as_hashes(v.fields[0]);
-      if (!is_nil(v.fields[2])) r.group_idx = static_cast<int32_t>(as_int(*v.fields[2], "group_idx"));
+      if (!is_nil(v.fields[2]))
+        r.group_idx = static_cast<int32_t>(as_int(*v.fields[2], "group_idx"));
       out.events.emplace_back(std::move(r));
     } else if (v.tag == "AllBlocksCleared") {
       out.events.emplace_back(KvAllBlocksCleared{});

@@ -2,13 +2,14 @@
 // [ts, [events...], data_parallel_rank] encoded with msgpack, each event a msgspec tagged struct
 // (BlockStored / BlockRemoved / AllBlocksCleared) with vLLM's field order:
 //   BlockStored:  block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-//                 lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window
+//                 lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+//                 kv_cache_spec_sliding_window
 //   BlockRemoved: block_hashes, medium, group_idx
-// Two encodings of an event, as vLLM has published them: kArray, msgspec's array_like form
-// ["BlockStored", field, ...] with trailing defaults omitted (vLLM before its map change, and
-// what every consumer decodes); kMap, the tagged map {"type": "BlockStored", "block_hashes": ...}
-// with default-valued optional fields omitted (vLLM since it dropped array_like). The batch is
-// an array in both. The decoder takes either.
+// Two encodings of an event, as vLLM has published them: kMap, the tagged map {"type":
+// "BlockStored", "block_hashes": ...} with default-valued optional fields omitted (vLLM since it
+// dropped msgspec's array_like in 2026; the format Dynamo documents for custom engines); kArray,
+// the array_like form ["BlockStored", field, ...] with trailing defaults omitted (vLLM before,
+// for consumers that decode only that). The batch is an array in both. The decoder takes either.
 #pragma once
 
 #include <cstdint>
@@ -24,10 +25,10 @@ namespace tandem {
 enum class KvEventEncoding { kArray, kMap };
 
 struct KvEventBatchInfo {
-  double ts = 0;                     // seconds since the epoch
-  int32_t data_parallel_rank = 0;    // the publishing rank
-  std::string medium = "GPU";        // vLLM's medium ("GPU"; "CPU" for a host-memory cache)
-  KvEventEncoding encoding = KvEventEncoding::kArray;
+  double ts = 0;                   // seconds since the epoch
+  int32_t data_parallel_rank = 0;  // the publishing rank
+  std::string medium = "GPU";      // vLLM's medium ("GPU"; "CPU" for a host-memory cache)
+  KvEventEncoding encoding = KvEventEncoding::kMap;
 };
 
 /// One KVEventBatch payload (the third frame of a published message).

@@ -60,7 +60,8 @@ KvEventsConfig parse_kv_events_config(const std::string& text) {
     TANDEM_CHECK_KIND(kInvalidArgument,
                       ep->rfind("tcp://", 0) == 0 || ep->rfind("ipc://", 0) == 0 ||
                           ep->rfind("inproc://", 0) == 0,
-                      "--kv-events-config: endpoint \"", *ep, "\" is not tcp://, ipc:// or inproc://");
+                      "--kv-events-config: endpoint \"", *ep,
+                      "\" is not tcp://, ipc:// or inproc://");
   }
   return c;
 }
@@ -69,8 +70,9 @@ std::string offset_endpoint_port(const std::string& endpoint, int32_t rank) {
   if (endpoint.empty() || rank == 0) return endpoint;
   if (endpoint.find("inproc") != std::string::npos) return endpoint + "_dp" + std::to_string(rank);
   const size_t colon = endpoint.rfind(':');
-  TANDEM_CHECK_KIND(kInvalidArgument, endpoint.rfind("tcp://", 0) == 0 && colon != std::string::npos,
-                    "KV events endpoint ", endpoint, ": a data-parallel rank needs tcp://host:port");
+  TANDEM_CHECK_KIND(
+      kInvalidArgument, endpoint.rfind("tcp://", 0) == 0 && colon != std::string::npos,
+      "KV events endpoint ", endpoint, ": a data-parallel rank needs tcp://host:port");
   int port = 0;
   try {
     port = std::stoi(endpoint.substr(colon + 1));

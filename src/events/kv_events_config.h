@@ -2,8 +2,9 @@
 // fields and defaults: enable_kv_cache_events (false), publisher ("null" or "zmq"; absent:
 // "zmq" when enabled), endpoint ("tcp://*:5557"), replay_endpoint (none), buffer_steps (10000),
 // hwm (100000), max_queue_size (100000), topic (""). One Tandem field beside them: encoding
-// ("array", msgspec's array_like events every consumer decodes, or "map", vLLM's tagged maps
-// since it dropped array_like). Any other field is refused by name.
+// ("map", vLLM's tagged-map events since it dropped msgspec's array_like, as Dynamo documents
+// the wire format; or "array", the array_like events of earlier vLLM, for consumers that only
+// decode those). Any other field is refused by name.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,7 @@ struct KvEventsConfig {
   int64_t hwm = 100000;
   int64_t max_queue_size = 100000;
   std::string topic;
-  KvEventEncoding encoding = KvEventEncoding::kArray;
+  KvEventEncoding encoding = KvEventEncoding::kMap;
 
   /// On: events are recorded and published.
   bool active() const { return enable_kv_cache_events && publisher == "zmq"; }

@@ -31,8 +31,7 @@ class ZmqKvEventPublisher final : public KvEventSink {
   /// Binds (an endpoint with '*', '::', ipc:// or inproc://) or connects the PUB socket, as vLLM
   /// does, and binds the replay socket; a data-parallel rank offsets both ports. Throws
   /// Error(kInvalidArgument) when a socket cannot be set up.
-  ZmqKvEventPublisher(const KvEventsConfig& config, int32_t data_parallel_rank,
-                      std::string medium);
+  ZmqKvEventPublisher(const KvEventsConfig& config, int32_t data_parallel_rank, std::string medium);
   ~ZmqKvEventPublisher() override;
 
   void publish(std::vector<KvEvent> events) override;

@@ -134,8 +134,8 @@ void ZmqKvEventSubscriber::run() {
       }
       std::string payload(static_cast<const char*>(frames[2].data()), frames[2].size());
       int64_t next = next_.load();
-      if (next < 0) next = 0;               // the first batch: everything from seq 0 is wanted
-      if (seq < next) next_ = next = seq;   // a restarted publisher
+      if (next < 0) next = 0;              // the first batch: everything from seq 0 is wanted
+      if (seq < next) next_ = next = seq;  // a restarted publisher
       if (seq > next) {
         next_ = next;
         replay_from(next);  // a late subscriber, or a gap

@@ -26,7 +26,8 @@ void KvEventLog::stored(uint64_t hash, std::optional<uint64_t> parent, const int
 void KvEventLog::removed(uint64_t hash, int32_t group) {
   if (!enabled_) return;
   if (!events_.empty()) {
-    if (auto* r = std::get_if<KvBlockRemoved>(&events_.back()); r != nullptr && r->group_idx == group) {
+    if (auto* r = std::get_if<KvBlockRemoved>(&events_.back());
+        r != nullptr && r->group_idx == group) {
       r->block_hashes.push_back(hash);
       return;
     }

@@ -40,6 +40,7 @@
 #include "server/instance_api.h"
 #include "server/parsers/chat_parser.h"
 #include "server/planner.h"
+#include "server/replica_router.h"
 #include "server/router.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
@@ -349,11 +350,14 @@ struct ServeArgs {
   ParserArgs parsers;
   std::string speculative_config;
   std::string kv_events_config;
+  int control_port = -1;  // >= 0: a replica for `tandem router --replica`
 };
 
 int run_serve(const ServeArgs& a) {
   EngineConfig ecfg = a.engine;
   ecfg.kv_events = make_kv_event_publisher(a.kv_events_config, a.device);
+  // A router's requests carry their constraint as a spec: compiled here, where they sample.
+  if (a.control_port >= 0) ecfg.constraint_factory = grammar::instance_constraint_factory(a.model);
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
   std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
   apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
@@ -376,9 +380,13 @@ int run_serve(const ServeArgs& a) {
   a.parsers.apply(cfg, a.model);
   HttpServer server(cfg, engine, tok.get(), chat.get());
   server.start();
+  std::unique_ptr<InstanceServer> control;
+  if (a.control_port >= 0)
+    control = std::make_unique<InstanceServer>(&engine, a.host, a.control_port);
   std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on http://"
             << cfg.host << ":" << server.port() << "  max_model_len " << engine.max_model_len()
-            << (tok ? "" : "  (no tokenizer: token-id prompts only)") << std::endl;
+            << (tok ? "" : "  (no tokenizer: token-id prompts only)")
+            << (control ? "  control port " + std::to_string(control->port()) : "") << std::endl;
   server.wait();
   return 0;
 }
@@ -645,6 +653,7 @@ struct RouterArgs {
   std::string served_name;
   std::vector<std::string> prefill;
   std::vector<std::string> decode;
+  std::vector<std::string> replica;  // colocated `tandem serve --control-port` replicas
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string api_key;
@@ -656,6 +665,7 @@ struct RouterArgs {
   double queue_timeout_s = 30;
   double resolve_interval_s = 10;
   int kv_events_port = 0, kv_events_replay_port = 0;
+  std::vector<std::string> kv_events_endpoints, kv_events_replay_endpoints;
   std::string kv_events_topic;
   int64_t prefix_index_blocks = RouterConfig{}.prefix_index_blocks;
 };
@@ -669,12 +679,33 @@ int run_router(const RouterArgs& a) {
   rcfg.kv_events_port = a.kv_events_port;
   rcfg.kv_events_replay_port = a.kv_events_replay_port;
   rcfg.kv_events_topic = a.kv_events_topic;
+  rcfg.kv_events_endpoints = a.kv_events_endpoints;
+  rcfg.kv_events_replay_endpoints = a.kv_events_replay_endpoints;
   rcfg.prefix_index_blocks = a.prefix_index_blocks;
   // The instances may start before or after the router, and come and go: it connects to
-  // each when it answers (see Router).
-  Router router(rcfg);
-  for (const auto& e : a.prefill) router.watch_prefill(e);
-  for (const auto& e : a.decode) router.watch_decode(e);
+  // each when it answers (see Router). --replica: colocated `tandem serve` replicas instead.
+  std::unique_ptr<Router> disagg;
+  std::unique_ptr<ReplicaRouter> replicas;
+  EngineClient* client = nullptr;
+  std::function<bool()> ready;
+  std::function<std::string()> metrics_text;
+  if (!a.replica.empty()) {
+    TANDEM_CHECK_KIND(kInvalidArgument, a.prefill.empty() && a.decode.empty(),
+                      "router: --replica excludes --prefill and --decode");
+    replicas = std::make_unique<ReplicaRouter>(a.replica, rcfg);
+    client = replicas.get();
+    ready = [&] { return replicas->ready(); };
+    metrics_text = [&] { return replicas->metrics_text(); };
+  } else {
+    TANDEM_CHECK_KIND(kInvalidArgument, !a.prefill.empty() && !a.decode.empty(),
+                      "router: give --prefill and --decode, or --replica");
+    disagg = std::make_unique<Router>(rcfg);
+    for (const auto& e : a.prefill) disagg->watch_prefill(e);
+    for (const auto& e : a.decode) disagg->watch_decode(e);
+    client = disagg.get();
+    ready = [&] { return disagg->ready(); };
+    metrics_text = [&] { return disagg->metrics_text(); };
+  }
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
   HttpServerConfig cfg;
@@ -684,8 +715,8 @@ int run_router(const RouterArgs& a) {
   cfg.num_threads = a.http_threads;
   cfg.stop_on_signals = true;
   apply_http_args(a.http, cfg);
-  cfg.ready = [&router] { return router.ready(); };
-  cfg.extra_metrics = [&router] { return router.metrics_text(); };
+  cfg.ready = ready;
+  cfg.extra_metrics = metrics_text;
   cfg.model_name = a.served_name;
   if (cfg.model_name.empty()) {  // as tandem serve names it
     std::string dir = a.model;
@@ -693,15 +724,16 @@ int run_router(const RouterArgs& a) {
     cfg.model_name = a.model == demo_model_dir() ? "demo" : dir.substr(dir.rfind('/') + 1);
   }
   a.parsers.apply(cfg, a.model);
-  HttpServer server(cfg, router, tok.get(), chat.get());
+  HttpServer server(cfg, *client, tok.get(), chat.get());
   server.start();
   std::unique_ptr<MetricsEndpoint> metrics;
   if (a.metrics_port >= 0) {
-    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port,
-                                                [&] { return router.metrics_text(); });
+    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, metrics_text);
   }
   std::cerr << "tandem: router on http://" << cfg.host << ":" << server.port() << " over "
-            << a.prefill.size() << " prefill and " << a.decode.size() << " decode address(es)"
+            << (replicas ? std::to_string(a.replica.size()) + " replica(s)"
+                         : std::to_string(a.prefill.size()) + " prefill and " +
+                               std::to_string(a.decode.size()) + " decode address(es)")
             << (metrics ? ", instances' /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
   server.wait();
@@ -820,6 +852,9 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   bool no_prefix_cache = false;
   sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
+  sv->add_option("--control-port", srv.control_port,
+                 "Also serve as a replica of `tandem router --replica` on this port (0: any)")
+      ->check(CLI::Range(0, 65535));
   sv->add_option("--kv-events-config", srv.kv_events_config,
                  "vLLM's KVEventsConfig as JSON: publish the prefix cache's block events "
                  "(docs/operations.md)");
@@ -904,11 +939,13 @@ int cli_main(int argc, char** argv) {
   auto* ro = app.add_subcommand("router", "OpenAI front over prefill and decode instances");
   ro->add_option("--prefill", rt.prefill,
                  "Prefill instances HOST:PORT[,...] (a host name may resolve to several)")
-      ->required()
       ->delimiter(',');
   ro->add_option("--decode", rt.decode,
                  "Decode instances HOST:PORT[,...] (a host name may resolve to several)")
-      ->required()
+      ->delimiter(',');
+  ro->add_option("--replica", rt.replica,
+                 "Instead of --prefill / --decode: colocated `tandem serve` replicas, "
+                 "HOST:CONTROL_PORT[,...] (their --control-port): data-parallel serving")
       ->delimiter(',');
   ro->add_option("--model", rt.model, "Model directory for the tokenizer and chat template");
   ro->add_option("--served-model-name", rt.served_name, "Model name in the API");
@@ -935,6 +972,13 @@ int cli_main(int argc, char** argv) {
                  "The instances' KV-event replay port (0: none)")
       ->check(CLI::Range(0, 65535));
   ro->add_option("--kv-events-topic", rt.kv_events_topic, "The instances' KV-event topic");
+  ro->add_option("--kv-events-endpoints", rt.kv_events_endpoints,
+                 "With --replica: each replica's KV-event endpoint tcp://HOST:PORT[,...], in "
+                 "order (instead of --kv-events-port; several replicas on one host)")
+      ->delimiter(',');
+  ro->add_option("--kv-events-replay-endpoints", rt.kv_events_replay_endpoints,
+                 "With --kv-events-endpoints: their replay endpoints, in order")
+      ->delimiter(',');
   ro->add_option("--prefix-index-blocks", rt.prefix_index_blocks,
                  "Page hashes the router's prefix index keeps at most (LRU)")
       ->check(CLI::PositiveNumber);

@@ -91,8 +91,8 @@ void PrefixIndex::predict(int instance, std::span<const int32_t> tokens) {
   if (bs <= 0) return;
   uint64_t parent = 0;
   for (int64_t i = 0; (i + 1) * bs <= static_cast<int64_t>(tokens.size()); ++i) {
-    parent = BlockManager::page_hash(parent, tokens.subspan(static_cast<size_t>(i * bs),
-                                                            static_cast<size_t>(bs)));
+    parent = BlockManager::page_hash(
+        parent, tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs)));
     add(pages_, parent, instance);
   }
   evict();
@@ -108,8 +108,8 @@ std::vector<int64_t> PrefixIndex::match(std::span<const int32_t> tokens, int n) 
   uint64_t alive = m >= 64 ? ~uint64_t{0} : (uint64_t{1} << m) - 1;  // still matching
   uint64_t parent = 0;
   for (int64_t i = 0; i < max_pages && alive != 0; ++i) {
-    parent = BlockManager::page_hash(parent, tokens.subspan(static_cast<size_t>(i * bs),
-                                                            static_cast<size_t>(bs)));
+    parent = BlockManager::page_hash(
+        parent, tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs)));
     auto it = pages_.find(parent);
     const uint64_t held = it == pages_.end() ? 0 : it->second.holders & alive;
     if (held != 0) touch(pages_, it);

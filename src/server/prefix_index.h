@@ -58,8 +58,8 @@ class PrefixIndex {
   int64_t max_blocks_;
   mutable std::mutex mu_;
   int64_t block_size_ = 0;
-  Map pages_;   // group 0: KV pages
-  Map states_;  // group 1: a hybrid's state checkpoints (after the page with that hash)
+  Map pages_;            // group 0: KV pages
+  Map states_;           // group 1: a hybrid's state checkpoints (after the page with that hash)
   uint64_t hybrid_ = 0;  // instances that reported state checkpoints
   std::list<uint64_t> lru_pages_, lru_states_;  // oldest first
 };

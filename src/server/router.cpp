@@ -422,7 +422,8 @@ std::shared_ptr<Router::Prefill> Router::pick_prefill(const std::vector<int32_t>
     const Prefill& p = *ps[i];
     c[i].usable = p.up && !p.draining;
     c[i].queued_tokens = p.load.queued_input_tokens;
-    if (p.index_id >= 0 && !held.empty()) c[i].cached_tokens = held[static_cast<size_t>(p.index_id)];
+    if (p.index_id >= 0 && !held.empty())
+      c[i].cached_tokens = held[static_cast<size_t>(p.index_id)];
   }
   const int k = pick_prefix_aware(c, n);
   if (k < 0) return nullptr;

@@ -54,6 +54,9 @@ struct RouterConfig {
   int kv_events_replay_port = 0;
   std::string kv_events_topic;
   int64_t prefix_index_blocks = int64_t{1} << 20;  // page hashes the index keeps at most
+  // ReplicaRouter: explicit KV-event endpoints, one per replica in order (replay: the same or
+  // empty), instead of kv_events_port on each replica's host (several replicas on one host).
+  std::vector<std::string> kv_events_endpoints, kv_events_replay_endpoints;
 };
 
 /// One line per instance for /metrics and logs.

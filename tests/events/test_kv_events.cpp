@@ -12,10 +12,10 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "events/kv_event_codec.h"
+#include "events/kv_event_sim.h"
 #include "events/kv_events_config.h"
 #include "events/zmq_publisher.h"
 #include "events/zmq_subscriber.h"
-#include "events/kv_event_sim.h"
 #include "golden.h"
 #include "model/qwen3_moe.h"
 
@@ -80,6 +80,7 @@ TEST(KvEventCodec, ArrayEncodingHasVllmFieldOrder) {
   info.ts = 12.5;
   info.data_parallel_rank = 3;
   info.medium = "GPU";
+  info.encoding = KvEventEncoding::kArray;
   const std::string payload = encode_kv_event_batch(sample_events(), info);
   msgpack::object_handle oh = msgpack::unpack(payload.data(), payload.size());
   const msgpack::object& b = oh.get();
@@ -158,19 +159,20 @@ TEST(KvEventsConfig, VllmFieldsDefaultsAndErrors) {
   EXPECT_EQ(c.buffer_steps, 10000);
   EXPECT_EQ(c.hwm, 100000);
   EXPECT_EQ(c.max_queue_size, 100000);
+  EXPECT_EQ(c.encoding, KvEventEncoding::kMap);
   c = parse_kv_events_config(
       R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:6000",
           "replay_endpoint": "tcp://*:6001", "buffer_steps": 5, "hwm": 10,
-          "max_queue_size": 7, "topic": "kv", "encoding": "map"})");
+          "max_queue_size": 7, "topic": "kv", "encoding": "array"})");
   EXPECT_EQ(*c.replay_endpoint, "tcp://*:6001");
   EXPECT_EQ(c.topic, "kv");
-  EXPECT_EQ(c.encoding, KvEventEncoding::kMap);
+  EXPECT_EQ(c.encoding, KvEventEncoding::kArray);
   EXPECT_FALSE(parse_kv_events_config(R"({"enable_kv_cache_events": false})").active());
   EXPECT_FALSE(
       parse_kv_events_config(R"({"enable_kv_cache_events": true, "publisher": "null"})").active());
-  for (const char* bad : {"[]", "{", R"({"enable_kv_cache_event": true})",
-                          R"({"publisher": "kafka"})", R"({"buffer_steps": -1})",
-                          R"({"endpoint": "http://x:1"})"}) {
+  for (const char* bad :
+       {"[]", "{", R"({"enable_kv_cache_event": true})", R"({"publisher": "kafka"})",
+        R"({"buffer_steps": -1})", R"({"endpoint": "http://x:1"})"}) {
     EXPECT_THROW(parse_kv_events_config(bad), Error) << bad;
   }
   EXPECT_EQ(offset_endpoint_port("tcp://*:5557", 2), "tcp://*:5559");
