@@ -152,14 +152,16 @@ void ZmqKvEventPublisher::serve_replay() {
       const std::string id(static_cast<const char*>(frames[0].data()), frames[0].size());
       for (const auto& [seq, payload] : buffer_) {
         if (seq < static_cast<int64_t>(start)) continue;
+        const std::string seq_bytes = be64(seq);
         r.send(zmq::buffer(id), zmq::send_flags::sndmore);
         r.send(zmq::message_t(), zmq::send_flags::sndmore);
-        r.send(zmq::buffer(be64(seq)), zmq::send_flags::sndmore);
+        r.send(zmq::buffer(seq_bytes), zmq::send_flags::sndmore);
         r.send(zmq::buffer(payload), zmq::send_flags::none);
       }
+      const std::string end = be64(-1);
       r.send(zmq::buffer(id), zmq::send_flags::sndmore);
       r.send(zmq::message_t(), zmq::send_flags::sndmore);
-      r.send(zmq::buffer(be64(-1)), zmq::send_flags::sndmore);
+      r.send(zmq::buffer(end), zmq::send_flags::sndmore);
       r.send(zmq::message_t(), zmq::send_flags::none);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kv events: replay failed: %s\n", e.what());

@@ -89,8 +89,9 @@ bool ZmqKvEventSubscriber::replay_from(int64_t start) {
   std::vector<zmq::message_t> frames;
   while (recv_all(r, frames)) {
   }  // (stale replies of an earlier, timed-out request)
+  const std::string start_bytes = be64(start);
   r.send(zmq::message_t(), zmq::send_flags::sndmore);
-  r.send(zmq::buffer(be64(start)), zmq::send_flags::none);
+  r.send(zmq::buffer(start_bytes), zmq::send_flags::none);
   bool complete = false;
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.replay_timeout_ms);

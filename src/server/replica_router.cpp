@@ -1,5 +1,6 @@
 #include "server/replica_router.h"
 
+#include <algorithm>
 #include <iostream>
 
 #include "core/error.h"

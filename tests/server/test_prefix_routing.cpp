@@ -202,7 +202,7 @@ TEST(PrefixIndex, PickIsLeastQueuedWhenCold) {
   c[2].queued_tokens = 80;  // but not 70 more
   EXPECT_EQ(pick_prefix_aware(c, 100), 1);
   c[1].usable = false;
-  EXPECT_EQ(pick_prefix_aware(c, 100), 0);
+  EXPECT_EQ(pick_prefix_aware(c, 100), 2);  // 116 against 150
   for (auto& x : c) x.usable = false;
   EXPECT_EQ(pick_prefix_aware(c, 100), -1);
 }
