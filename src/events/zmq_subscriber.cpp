@@ -119,6 +119,14 @@ bool ZmqKvEventSubscriber::replay_from(int64_t start) {
 
 void ZmqKvEventSubscriber::run() {
   std::vector<zmq::message_t> frames;
+  if (sock_->replay) {  // catch up at once, without waiting for the next live batch
+    next_ = 0;
+    try {
+      replay_from(0);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kv events: subscriber: %s\n", e.what());
+    }
+  }
   while (!stop_) {
     zmq::pollitem_t item{static_cast<void*>(sock_->sub), 0, ZMQ_POLLIN, 0};
     try {

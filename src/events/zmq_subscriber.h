@@ -1,7 +1,8 @@
 // A consumer of vLLM's KV-event stream (ZmqKvEventPublisher's or vLLM's own): SUB on the
 // endpoint (topic prefix), and the replay ROUTER for what it missed. Batches are handed over in
-// sequence order. A late subscriber (its first batch has seq > 0) and one that sees a gap ask
-// the replay endpoint for everything from the seq it expected; what the publisher no longer
+// sequence order. With a replay endpoint it first asks for everything from seq 0 (a late
+// subscriber catches up at once); one that sees a gap asks for everything from the seq it
+// expected; what the publisher no longer
 // buffers (or everything, without a replay endpoint) is lost: on_lost is called and the stream
 // goes on from the batch at hand. A seq below the expected one is a restarted publisher: the
 // stream starts over from it.

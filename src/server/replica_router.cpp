@@ -110,37 +110,48 @@ int ReplicaRouter::pick(const std::vector<int32_t>& prompt, int64_t& new_tokens)
 
 void ReplicaRouter::submit(GenRequest request, OutputCallback on_output) {
   const std::string id = request.id;
-  int64_t new_tokens = 0;
-  int k = -1;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    k = pick(request.prompt_ids, new_tokens);
-    TANDEM_CHECK_KIND(kIo, k >= 0, "no replica is ready");
-    replicas_[static_cast<size_t>(k)]->pending_tokens += new_tokens;
-    live_[id] = k;
-  }
-  if (indexed_) index_.predict(k, request.prompt_ids);
-  auto started = std::make_shared<std::atomic<bool>>(false);
-  auto settle = [this, k, new_tokens, started] {  // its prompt is no longer pending there
-    if (started->exchange(true)) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    replicas_[static_cast<size_t>(k)]->pending_tokens -= new_tokens;
-  };
-  try {
-    replicas_[static_cast<size_t>(k)]->client->submit(
-        std::move(request), [this, id, settle, on_output](const StepOutput& out) {
-          settle();
-          if (out.finished) {
-            std::lock_guard<std::mutex> lock(mu_);
-            live_.erase(id);
-          }
-          on_output(out);
-        });
-  } catch (...) {
-    settle();
-    std::lock_guard<std::mutex> lock(mu_);
-    live_.erase(id);
-    throw;
+  // A replica that turns out to be gone (its connection lost since the last poll) is marked
+  // down and the request goes to the next pick: it has not started anywhere.
+  for (size_t attempt = 0;; ++attempt) {
+    int64_t new_tokens = 0;
+    int k = -1;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      k = pick(request.prompt_ids, new_tokens);
+      TANDEM_CHECK_KIND(kIo, k >= 0, "no replica is ready");
+      replicas_[static_cast<size_t>(k)]->pending_tokens += new_tokens;
+      live_[id] = k;
+    }
+    auto started = std::make_shared<std::atomic<bool>>(false);
+    auto settle = [this, k, new_tokens, started] {  // its prompt is no longer pending there
+      if (started->exchange(true)) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      replicas_[static_cast<size_t>(k)]->pending_tokens -= new_tokens;
+    };
+    try {
+      replicas_[static_cast<size_t>(k)]->client->submit(
+          request, [this, id, settle, on_output](const StepOutput& out) {
+            settle();
+            if (out.finished) {
+              std::lock_guard<std::mutex> lock(mu_);
+              live_.erase(id);
+            }
+            on_output(out);
+          });
+      if (indexed_) index_.predict(k, request.prompt_ids);
+      return;
+    } catch (const Error& e) {
+      settle();
+      std::lock_guard<std::mutex> lock(mu_);
+      live_.erase(id);
+      if (e.kind() != ErrorKind::kIo || attempt + 1 >= replicas_.size()) throw;
+      replicas_[static_cast<size_t>(k)]->up = false;  // (the monitor brings it back)
+    } catch (...) {
+      settle();
+      std::lock_guard<std::mutex> lock(mu_);
+      live_.erase(id);
+      throw;
+    }
   }
 }
 

@@ -16,7 +16,6 @@
 #include "events/kv_events_config.h"
 #include "events/zmq_publisher.h"
 #include "events/zmq_subscriber.h"
-#include "golden.h"
 #include "model/qwen3_moe.h"
 
 namespace tandem {
@@ -187,7 +186,7 @@ struct RecordingSink : KvEventSink {
 
 TEST(KvEvents, EngineEventsMirrorItsPrefixCache) {
   static std::unique_ptr<Model> m =
-      Qwen3MoeCpu::load(testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2");
+      Qwen3MoeCpu::load(std::string(TANDEM_SOURCE_DIR) + "/tests/data/fixtures/hub_gqa_top2");
   auto sink = std::make_shared<RecordingSink>();
   EngineConfig cfg;
   cfg.page_size = 4;

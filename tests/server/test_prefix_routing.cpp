@@ -5,6 +5,7 @@
 // with no cache knowledge), prefix-aware routing must compute at most 60% of the prompt tokens.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -97,7 +98,12 @@ Result run(int n_instances, bool aware, const Workload& w, bool replay = true,
       for (int i = 0; i < n_instances; ++i) subscribe(i);
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    for (auto& c : conv) {
+    // Users arrive in a different order every round.
+    std::vector<size_t> order(conv.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (size_t ci : order) {
+      std::vector<int32_t>& c = conv[ci];
       const auto user = text(w.user_tokens);
       c.insert(c.end(), user.begin(), user.end());
       std::vector<int64_t> held =
@@ -259,6 +265,7 @@ TEST(ReplicaRouter, FrontsColocatedReplicasByPrefix) {
     r.prompt_ids = prompt;
     r.max_tokens = 4;
     r.ignore_eos = true;
+    r.sampling.temperature = 0;  // greedy: the same tokens wherever it runs
     c.submit(std::move(r), [&d](const StepOutput& o) {
       std::lock_guard<std::mutex> lk(d.mu);
       d.ids.insert(d.ids.end(), o.token_ids.begin(), o.token_ids.end());
