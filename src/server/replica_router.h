@@ -6,9 +6,9 @@
 // started yet (their first token has not come back). Without KV events: least-queued.
 // Membership: the replicas' loads are polled every health_interval (a replica that does not
 // answer is routed around until it answers again, and a request sent to one found gone goes to
-// the next pick; its requests end with an error when its connection is lost). A host name is
-// resolved once per address at start (Kubernetes: list the replicas, or use the disaggregated
-// Router's DNS membership).
+// the next pick; its requests end with an error when its connection is lost). Each --replica
+// is one replica: a host name is not expanded into its addresses, as the disaggregated Router
+// does with a headless Service (list the replicas' stable names, e.g. a StatefulSet's pods).
 #pragma once
 
 #include <atomic>
