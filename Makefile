@@ -51,13 +51,15 @@ install-files:
 	cp -R deploy/. $(DESTDIR)$(PREFIX)/share/tandem/deploy/
 
 # CI: every Kubernetes manifest in deploy/ against the bundled Kubernetes schemas (PyPI
-# kubernetes-validate, installed once into the build directory; validation is offline).
+# kubernetes-validate, installed once into the build directory; validation is offline); the
+# LeaderWorkerSets against the LWS v1 schema tools/validate_lws.py generates from its API types.
 KV_DIR ?= $(BUILD_DIR)/kubernetes-validate
 KV_VERSION ?= 1.37.0
 validate-deploy:
 	@[ -d $(KV_DIR)/kubernetes_validate ] || python3 -m pip install -q --disable-pip-version-check \
 	  --target $(KV_DIR) kubernetes-validate==$(KV_VERSION)
 	PYTHONPATH=$(KV_DIR) python3 -m kubernetes_validate --strict --quiet deploy/k8s/*.yaml
+	PYTHONPATH=$(KV_DIR) python3 tools/validate_lws.py deploy/lws/*.yaml deploy/llm-d/*.yaml
 	@python3 -c 'import json, sys; [json.load(open(f)) for f in sys.argv[1:]]' deploy/grafana/*.json
 
 SOURCES = git ls-files '*.h' '*.cpp' '*.cu' '*.cuh'

@@ -5,7 +5,8 @@ set -euo pipefail
 pkgs=(cmake ninja-build ccache g++ pkg-config libgtest-dev libgmock-dev libbenchmark-dev
       libboost-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev libspdlog-dev libfmt-dev
       libcli11-dev libgloo-dev libcurl4-openssl-dev clang-format clang-tidy python3-pip
-      libssl-dev clang libclang-rt-14-dev)
+      libssl-dev clang libclang-rt-14-dev
+      libzmq3-dev cppzmq-dev libmsgpack-cxx-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -108,6 +108,7 @@ Engine::Engine(Model& model, const EngineConfig& config)
       kv_(model.make_kv_cache(config_.num_pages, config_.page_size)),
       scheduler_(blocks_, config_.max_num_seqs, config_.max_batched_tokens,
                  model.state_slot_elems() > 0 ? config_.max_num_seqs : 0) {
+  blocks_.events().enable(config_.kv_events != nullptr && config_.enable_prefix_cache);
   if (config_.num_speculative_tokens > 0) {
     SpecEngineHooks hooks;
     hooks.stop_reason = [this](const Sequence& s, StepOutput& out) {
@@ -287,6 +288,7 @@ bool Engine::step() {
 }
 
 ScheduledBatch Engine::schedule() {
+  flush_kv_events();  // (releases since the last step: aborts, finished transfers)
   if (!scheduler_.has_work()) return {};
   ScheduledBatch batch = scheduler_.schedule();
   if (spec_) spec_->prepare(batch);  // held prefilled prompts out; the hidden states it drafts from
@@ -422,6 +424,12 @@ void Engine::complete(const ScheduledBatch& batch) {
                  1e3 * trace_predicted_s_, 1e3 * seconds);
     std::fflush(trace_.get());  // a server may be killed; a write per step is cheap beside it
   }
+  flush_kv_events();
+}
+
+void Engine::flush_kv_events() {
+  if (config_.kv_events && !blocks_.events().empty())
+    config_.kv_events->publish(blocks_.events().take());
 }
 
 void Engine::process_outputs(const ScheduledBatch& batch, const std::vector<float>& logits) {

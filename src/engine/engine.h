@@ -84,6 +84,9 @@ struct EngineConfig {
   // Builds the constraint of a request that carries only GenRequest::constraint_spec (a
   // request from a router); empty: such a request is refused (kInvalidArgument).
   ConstraintFactory constraint_factory;
+  // KV events (--kv-events-config): the prefix cache's block stores and evictions, handed to
+  // this sink after each step (events/ publishes them as vLLM does). Null: none recorded.
+  std::shared_ptr<KvEventSink> kv_events;
 };
 
 /// EngineConfig::spec_state_replay as the engine applies it (TANDEM_SPEC_STATE_REPLAY=0 turns it
@@ -160,6 +163,9 @@ class Engine {
   const EngineConfig& config() const { return config_; }
   const Model& model() const { return model_; }
   const BlockManager& blocks() const { return blocks_; }
+  /// Hands the prefix cache's block events so far to EngineConfig::kv_events (called after each
+  /// step; never blocks).
+  void flush_kv_events();
   /// The KV pages (the transfer engine writes reserved pages of prefilled requests here).
   KvCache& kv_cache() { return kv_; }
 

@@ -567,7 +567,7 @@ void Scheduler::commit(const ScheduledBatch& batch) {
       std::span<const int32_t> toks(s.tokens.data() + pi * ps, static_cast<size_t>(ps));
       uint64_t parent = pi == 0 ? 0 : s.page_hashes.back();
       uint64_t h = BlockManager::page_hash(parent, toks);
-      blocks_.publish(s.pages[static_cast<size_t>(pi)], h, toks);
+      blocks_.publish(s.pages[static_cast<size_t>(pi)], h, toks, parent);
       s.page_hashes.push_back(h);
     }
     // Hybrid prefix cache: the state at a checkpoint position of the prompt.

@@ -58,6 +58,7 @@ bool BlockManager::allocate(int64_t n, std::vector<int32_t>& pages) {
     page_to_hash_.erase(page);
     cache_.erase(it);
     alloc_.release(page);
+    events_.removed(h, kKvGroupAttention);
   }
   bool ok = alloc_.allocate(n, pages);
   TANDEM_CHECK(ok, "allocation failed after eviction");
@@ -83,12 +84,22 @@ void BlockManager::touch_release(int32_t page) {
   }
 }
 
-void BlockManager::publish(int32_t page, uint64_t hash, std::span<const int32_t> tokens) {
+void BlockManager::publish(int32_t page, uint64_t hash, std::span<const int32_t> tokens,
+                           uint64_t parent) {
   if (!enabled_ || cache_.count(hash) || page_to_hash_.count(page)) return;
   alloc_.retain(page);  // the cache's own hold
   Entry e{page, std::vector<int32_t>(tokens.begin(), tokens.end()), {}, false};
   cache_.emplace(hash, std::move(e));
   page_to_hash_[page] = hash;
+  events_.stored(hash, parent == 0 ? std::nullopt : std::optional<uint64_t>(parent), tokens.data(),
+                 page_size_, kKvGroupAttention);
+}
+
+std::vector<uint64_t> BlockManager::cached_hashes() const {
+  std::vector<uint64_t> out;
+  out.reserve(cache_.size());
+  for (const auto& [h, e] : cache_) out.push_back(h);
+  return out;
 }
 
 }  // namespace tandem

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kv/kv_cache.h"
+#include "kv/kv_events.h"
 
 namespace tandem {
 
@@ -36,9 +37,15 @@ class BlockManager {
   bool allocate(int64_t n, std::vector<int32_t>& pages);
   /// Drops the caller's hold on each page.
   void release(std::span<const int32_t> pages);
-  /// Registers a page completely filled with `tokens` under `hash` (no-op if disabled or
-  /// already present).
-  void publish(int32_t page, uint64_t hash, std::span<const int32_t> tokens);
+  /// Registers a page completely filled with `tokens` under `hash`, whose previous page's hash
+  /// is `parent` (0: the first page), as page_hash chains them (no-op if disabled or already
+  /// present).
+  void publish(int32_t page, uint64_t hash, std::span<const int32_t> tokens, uint64_t parent = 0);
+
+  /// The cache's block events (kv_events.h): off until enabled; the engine takes them each step.
+  KvEventLog& events() { return events_; }
+  /// The hashes the prefix cache holds now (tests: a consumer's view of the events must equal it).
+  std::vector<uint64_t> cached_hashes() const;
 
   int64_t hit_tokens() const { return hit_tokens_; }
   int64_t query_tokens() const { return query_tokens_; }
@@ -63,6 +70,7 @@ class BlockManager {
   std::unordered_map<int32_t, uint64_t> page_to_hash_;
   std::list<uint64_t> lru_;  // hashes of cached pages held by the cache alone, oldest first
   int64_t hit_tokens_ = 0, query_tokens_ = 0;
+  KvEventLog events_;
 };
 
 }  // namespace tandem

@@ -34,11 +34,14 @@
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "transfer/cuda/cuda_ipc_transfer.h"
 #endif
+#include "events/kv_events_config.h"
+#include "events/zmq_publisher.h"
 #include "server/grammar/grammar.h"
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
 #include "server/parsers/chat_parser.h"
 #include "server/planner.h"
+#include "server/replica_router.h"
 #include "server/router.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
@@ -87,6 +90,20 @@ std::vector<int32_t> parse_ids(const std::string& s) {
 // The model for --device cpu|cuda; the engine config sizes the GPU model's buffers. On the
 // GPU, a KV cache size not given (kv_cache_mb <= 0) becomes what gpu_memory_utilization
 // leaves after the model (vLLM's default behaviour); on the CPU it is the engine's default.
+// --kv-events-config: a ZMQ publisher of the engine's prefix-cache events (null when the
+// JSON is empty or leaves events off). The medium is where the KV pages live.
+std::shared_ptr<KvEventSink> make_kv_event_publisher(const std::string& json,
+                                                     const std::string& device) {
+  if (json.empty()) return nullptr;
+  const KvEventsConfig c = parse_kv_events_config(json);
+  if (!c.active()) return nullptr;
+  auto p = std::make_shared<ZmqKvEventPublisher>(c, 0, device == "cuda" ? "GPU" : "CPU");
+  std::cerr << "tandem: KV events on " << p->endpoint()
+            << (p->replay_endpoint().empty() ? "" : ", replay on " + p->replay_endpoint())
+            << std::endl;
+  return p;
+}
+
 std::unique_ptr<Model> load_model(const std::string& dir, const std::string& device,
                                   EngineConfig& engine, double gpu_memory_utilization = 0.9) {
   if (device == "cpu") {
@@ -358,10 +375,16 @@ struct ServeArgs {
   double gpu_memory_utilization = 0.9;
   ParserArgs parsers;
   std::string speculative_config;
+  std::string kv_events_config;
+  int control_port = -1;          // >= 0: a replica for `tandem router --replica`
+  std::string cluster_key_file;  // the control port's key ("": none)
 };
 
 int run_serve(const ServeArgs& a) {
   EngineConfig ecfg = a.engine;
+  ecfg.kv_events = make_kv_event_publisher(a.kv_events_config, a.device);
+  // A router's requests carry their constraint as a spec: compiled here, where they sample.
+  if (a.control_port >= 0) ecfg.constraint_factory = grammar::instance_constraint_factory(a.model);
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
   std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
   apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
@@ -384,10 +407,16 @@ int run_serve(const ServeArgs& a) {
   a.parsers.apply(cfg, a.model);
   HttpServer server(cfg, engine, tok.get(), chat.get());
   server.start();
+  std::unique_ptr<InstanceServer> control;
+  if (a.control_port >= 0) {
+    control = std::make_unique<InstanceServer>(&engine, a.host, a.control_port,
+                                               cluster_key(a.cluster_key_file));
+  }
   std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on "
             << (cfg.ssl_certfile.empty() ? "http://" : "https://") << cfg.host << ":"
             << server.port() << "  max_model_len " << engine.max_model_len()
-            << (tok ? "" : "  (no tokenizer: token-id prompts only)") << std::endl;
+            << (tok ? "" : "  (no tokenizer: token-id prompts only)")
+            << (control ? "  control port " + std::to_string(control->port()) : "") << std::endl;
   server.wait();
   return 0;
 }
@@ -409,6 +438,7 @@ struct InstanceArgs {
   std::string speculative_config;       // decode instances only
   std::string cluster_key_file;         // "": no cluster key
   net::KeyRef key;                      // loaded from it (once, before the ranks fork)
+  std::string kv_events_config;         // prefill instances (rank 0's prefix cache)
 };
 
 // Blocks SIGINT / SIGTERM in this thread and the threads it starts; wait_for_stop_signal()
@@ -608,6 +638,9 @@ int run_prefill(const InstanceArgs& a) {
   cfg.model_dir = a.model;
   cfg.tp = a.ranks;
   cfg.engine = a.engine;
+  // Rank 0 owns the prefix cache (the other ranks follow its steps): only it publishes.
+  const int rank = std::getenv("RANK") != nullptr ? std::atoi(std::getenv("RANK")) : 0;
+  if (rank == 0) cfg.engine.kv_events = make_kv_event_publisher(a.kv_events_config, a.device);
   // Structured outputs: token 1 samples here, so its grammar is compiled here.
   cfg.engine.constraint_factory = grammar::instance_constraint_factory(a.model);
   auto instance = make_instance<PrefillInstance>(a, cfg, cfg.tp, std::chrono::minutes(1));
@@ -663,6 +696,7 @@ struct RouterArgs {
   std::string served_name;
   std::vector<std::string> prefill;
   std::vector<std::string> decode;
+  std::vector<std::string> replica;  // colocated `tandem serve --control-port` replicas
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string api_key;
@@ -674,6 +708,10 @@ struct RouterArgs {
   double queue_timeout_s = 30;
   double resolve_interval_s = 10;
   std::string cluster_key_file;  // "": no cluster key
+  int kv_events_port = 0, kv_events_replay_port = 0;
+  std::vector<std::string> kv_events_endpoints, kv_events_replay_endpoints;
+  std::string kv_events_topic;
+  int64_t prefix_index_blocks = RouterConfig{}.prefix_index_blocks;
 };
 
 int run_router(const RouterArgs& a) {
@@ -683,11 +721,36 @@ int run_router(const RouterArgs& a) {
   rcfg.resolve_interval =
       std::chrono::milliseconds(static_cast<int64_t>(a.resolve_interval_s * 1e3));
   rcfg.cluster_key = cluster_key(a.cluster_key_file);
+  rcfg.kv_events_port = a.kv_events_port;
+  rcfg.kv_events_replay_port = a.kv_events_replay_port;
+  rcfg.kv_events_topic = a.kv_events_topic;
+  rcfg.kv_events_endpoints = a.kv_events_endpoints;
+  rcfg.kv_events_replay_endpoints = a.kv_events_replay_endpoints;
+  rcfg.prefix_index_blocks = a.prefix_index_blocks;
   // The instances may start before or after the router, and come and go: it connects to
-  // each when it answers (see Router).
-  Router router(rcfg);
-  for (const auto& e : a.prefill) router.watch_prefill(e);
-  for (const auto& e : a.decode) router.watch_decode(e);
+  // each when it answers (see Router). --replica: colocated `tandem serve` replicas instead.
+  std::unique_ptr<Router> disagg;
+  std::unique_ptr<ReplicaRouter> replicas;
+  EngineClient* client = nullptr;
+  std::function<bool()> ready;
+  std::function<std::string()> metrics_text;
+  if (!a.replica.empty()) {
+    TANDEM_CHECK_KIND(kInvalidArgument, a.prefill.empty() && a.decode.empty(),
+                      "router: --replica excludes --prefill and --decode");
+    replicas = std::make_unique<ReplicaRouter>(a.replica, rcfg);
+    client = replicas.get();
+    ready = [&] { return replicas->ready(); };
+    metrics_text = [&] { return replicas->metrics_text(); };
+  } else {
+    TANDEM_CHECK_KIND(kInvalidArgument, !a.prefill.empty() && !a.decode.empty(),
+                      "router: give --prefill and --decode, or --replica");
+    disagg = std::make_unique<Router>(rcfg);
+    for (const auto& e : a.prefill) disagg->watch_prefill(e);
+    for (const auto& e : a.decode) disagg->watch_decode(e);
+    client = disagg.get();
+    ready = [&] { return disagg->ready(); };
+    metrics_text = [&] { return disagg->metrics_text(); };
+  }
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
   HttpServerConfig cfg;
@@ -697,8 +760,8 @@ int run_router(const RouterArgs& a) {
   cfg.num_threads = a.http_threads;
   cfg.stop_on_signals = true;
   apply_http_args(a.http, cfg);
-  cfg.ready = [&router] { return router.ready(); };
-  cfg.extra_metrics = [&router] { return router.metrics_text(); };
+  cfg.ready = ready;
+  cfg.extra_metrics = metrics_text;
   cfg.model_name = a.served_name;
   if (cfg.model_name.empty()) {  // as tandem serve names it
     std::string dir = a.model;
@@ -706,16 +769,17 @@ int run_router(const RouterArgs& a) {
     cfg.model_name = a.model == demo_model_dir() ? "demo" : dir.substr(dir.rfind('/') + 1);
   }
   a.parsers.apply(cfg, a.model);
-  HttpServer server(cfg, router, tok.get(), chat.get());
+  HttpServer server(cfg, *client, tok.get(), chat.get());
   server.start();
   std::unique_ptr<MetricsEndpoint> metrics;
   if (a.metrics_port >= 0) {
-    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port,
-                                                [&] { return router.metrics_text(); });
+    metrics = std::make_unique<MetricsEndpoint>(a.host, a.metrics_port, metrics_text);
   }
   std::cerr << "tandem: router on " << (cfg.ssl_certfile.empty() ? "http://" : "https://")
-            << cfg.host << ":" << server.port() << " over " << a.prefill.size() << " prefill and "
-            << a.decode.size() << " decode address(es)"
+            << cfg.host << ":" << server.port() << " over "
+            << (replicas ? std::to_string(a.replica.size()) + " replica(s)"
+                         : std::to_string(a.prefill.size()) + " prefill and " +
+                               std::to_string(a.decode.size()) + " decode address(es)")
             << (metrics ? ", instances' /metrics on port " + std::to_string(metrics->port()) : "")
             << std::endl;
   server.wait();
@@ -834,6 +898,13 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   bool no_prefix_cache = false;
   sv->add_flag("--no-prefix-cache", no_prefix_cache, "Disable prefix caching");
+  sv->add_option("--control-port", srv.control_port,
+                 "Also serve as a replica of `tandem router --replica` on this port (0: any)")
+      ->check(CLI::Range(0, 65535));
+  add_cluster_key_option(sv, srv.cluster_key_file);
+  sv->add_option("--kv-events-config", srv.kv_events_config,
+                 "vLLM's KVEventsConfig as JSON: publish the prefix cache's block events "
+                 "(docs/operations.md)");
   add_deterministic_flag(sv, srv.engine.deterministic);
   add_speculative_option(sv, srv.speculative_config);
   srv.parsers.add_to(sv);
@@ -908,16 +979,21 @@ int cli_main(int argc, char** argv) {
   dc->add_option("--max-decode-batch", dec.max_decode_batch, "Sequences per rank at most")
       ->check(CLI::PositiveNumber);
   add_speculative_option(dc, dec.speculative_config);
+  pf->add_option("--kv-events-config", pre.kv_events_config,
+                 "vLLM's KVEventsConfig as JSON: publish the prefix cache's block events "
+                 "(docs/operations.md)");
 
   RouterArgs rt;
   auto* ro = app.add_subcommand("router", "OpenAI front over prefill and decode instances");
   ro->add_option("--prefill", rt.prefill,
                  "Prefill instances HOST:PORT[,...] (a host name may resolve to several)")
-      ->required()
       ->delimiter(',');
   ro->add_option("--decode", rt.decode,
                  "Decode instances HOST:PORT[,...] (a host name may resolve to several)")
-      ->required()
+      ->delimiter(',');
+  ro->add_option("--replica", rt.replica,
+                 "Instead of --prefill / --decode: colocated `tandem serve` replicas, "
+                 "HOST:CONTROL_PORT[,...] (their --control-port): data-parallel serving")
       ->delimiter(',');
   ro->add_option("--model", rt.model, "Model directory for the tokenizer and chat template");
   ro->add_option("--served-model-name", rt.served_name, "Model name in the API");
@@ -935,6 +1011,24 @@ int cli_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   ro->add_option("--resolve-interval", rt.resolve_interval_s,
                  "Seconds between DNS lookups of instance host names (one instance per address)")
+      ->check(CLI::PositiveNumber);
+  ro->add_option("--kv-events-port", rt.kv_events_port,
+                 "Prefix-aware routing: subscribe to each prefill instance's KV events on this "
+                 "port of its host (its --kv-events-config endpoint; 0: least-queued routing)")
+      ->check(CLI::Range(0, 65535));
+  ro->add_option("--kv-events-replay-port", rt.kv_events_replay_port,
+                 "The instances' KV-event replay port (0: none)")
+      ->check(CLI::Range(0, 65535));
+  ro->add_option("--kv-events-topic", rt.kv_events_topic, "The instances' KV-event topic");
+  ro->add_option("--kv-events-endpoints", rt.kv_events_endpoints,
+                 "With --replica: each replica's KV-event endpoint tcp://HOST:PORT[,...], in "
+                 "order (instead of --kv-events-port; several replicas on one host)")
+      ->delimiter(',');
+  ro->add_option("--kv-events-replay-endpoints", rt.kv_events_replay_endpoints,
+                 "With --kv-events-endpoints: their replay endpoints, in order")
+      ->delimiter(',');
+  ro->add_option("--prefix-index-blocks", rt.prefix_index_blocks,
+                 "Page hashes the router's prefix index keeps at most (LRU)")
       ->check(CLI::PositiveNumber);
   ro->add_option("--metrics-port", rt.metrics_port,
                  "Serve the instances' GET /metrics (queued input tokens, input tokens/s, batch "

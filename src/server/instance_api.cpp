@@ -32,6 +32,7 @@ enum Msg : uint32_t {
   kAbort = 5,
   kLoad = 6,
   kPrefilled = 7,
+  kEngineSubmit = 8,  // a colocated replica: the request, run whole there
   kReply = 100,
   kOutput = 101,
   kPrefillDone = 102,
@@ -307,6 +308,24 @@ struct InstanceServer::Conn {
   }
 };
 
+InstanceServer::InstanceServer(EngineClient* engine, const std::string& host, int port,
+                               net::KeyRef key)
+    : decode_(nullptr), prefill_(nullptr), key_(std::move(key)), engine_(engine) {
+  TANDEM_CHECK(engine_ != nullptr, "serve exactly one instance");
+  listen_fd_ = listen_on(host, port, port_);
+  accept_thread_ = std::thread([this] { accept_loop(); });
+}
+
+void InstanceServer::abort_request(const std::string& id) {
+  if (decode_) {
+    decode_->abort(id);
+  } else if (prefill_) {
+    prefill_->abort(id);
+  } else {
+    engine_->abort(id);
+  }
+}
+
 InstanceServer::InstanceServer(DecodeClient* decode, PrefillClient* prefill,
                                const std::string& host, int port, net::KeyRef key)
     : decode_(decode), prefill_(prefill), key_(std::move(key)) {
@@ -407,7 +426,7 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
         const std::string id = r.get_str();
         const std::string error = r.get_str();
         if (type == kFail && decode_) decode_->fail(id, error);
-        if (type == kAbort) decode_ ? decode_->abort(id) : prefill_->abort(id);
+        if (type == kAbort) abort_request(id);
         continue;
       }
       if (type == kPrefilled) {
@@ -418,13 +437,44 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
       }
       serial = r.get<uint64_t>();
       ByteWriter body;
-      if (type == kHello) {
+      if (type == kHello && engine_) {  // role 2: a colocated engine
+        body.put<uint8_t>(2);
+        body.put<int64_t>(engine_->max_model_len());
+        body.put<int64_t>(engine_->vocab_size());
+      } else if (type == kHello) {
         body.put<uint8_t>(decode_ ? 1 : 0);
         body.put<int64_t>(decode_ ? decode_->max_model_len() : 0);
         body.put<int64_t>(decode_ ? decode_->vocab_size() : 0);
         const transfer::KvSharding sh = prefill_ ? prefill_->kv_sharding() : transfer::KvSharding{};
         body.put<int64_t>(sh.num_kv_heads);
         body.put<int32_t>(sh.tp);
+      } else if (type == kLoad && engine_) {
+        put_stats(body, engine_->stats());
+        body.put<uint8_t>(draining_ ? 1 : 0);
+      } else if (type == kEngineSubmit && engine_) {
+        TANDEM_CHECK_KIND(kIo, !draining_, "the replica is draining");
+        GenRequest req = get_request(r);
+        const std::string id = req.id;
+        std::weak_ptr<Conn> weak = conn;
+        {
+          std::lock_guard<std::mutex> lock(conn->ids_mu);
+          conn->ids.insert(id);
+        }
+        try {
+          engine_->submit(std::move(req), [weak, id](const StepOutput& out) {
+            auto c = weak.lock();
+            if (!c) return;
+            if (out.finished) {
+              std::lock_guard<std::mutex> lock(c->ids_mu);
+              c->ids.erase(id);
+            }
+            c->push(kOutput, encode_step_output(out));
+          });
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(conn->ids_mu);
+          conn->ids.erase(id);
+          throw;
+        }
       } else if (type == kLoad) {
         if (decode_) {
           DecodeLoad l = decode_->load();
@@ -513,7 +563,7 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
     std::lock_guard<std::mutex> lock(conn->ids_mu);
     ids.swap(conn->ids);
   }
-  for (const auto& id : ids) decode_ ? decode_->abort(id) : prefill_->abort(id);
+  for (const auto& id : ids) abort_request(id);
   ::close(conn->fd);
 }
 
@@ -828,6 +878,95 @@ DecodeLoad RemoteDecode::load() const {
     l.alive = false;
   }
   return l;
+}
+
+RemoteReplica::RemoteReplica(const std::string& endpoint, net::KeyRef key)
+    : link_(
+          endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
+          [this] { on_lost(); },
+          [this, endpoint](InstanceConnection& c) {
+            std::vector<uint8_t> info = c.call(kHello, {}, kLoadTimeout);
+            ByteReader r(info);
+            TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 2, endpoint,
+                              " is not a colocated replica (tandem serve --control-port)");
+            max_model_len_ = r.get<int64_t>();
+            vocab_size_ = r.get<int64_t>();
+          },
+          std::move(key)) {
+  link_.poll();
+}
+
+void RemoteReplica::on_lost() {
+  std::unordered_map<std::string, OutputCallback> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all.swap(callbacks_);
+  }
+  for (auto& [id, cb] : all) {
+    StepOutput out;
+    out.id = id;
+    out.finished = true;
+    out.finish_reason = FinishReason::kError;
+    out.error = "lost the connection to replica " + link_.endpoint();
+    if (cb) cb(out);
+  }
+}
+
+void RemoteReplica::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
+  if (type != kOutput) return;
+  StepOutput out = decode_step_output(payload.data(), payload.size());
+  OutputCallback cb;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = callbacks_.find(out.id);
+    if (it == callbacks_.end()) return;
+    cb = it->second;
+    if (out.finished) callbacks_.erase(it);
+  }
+  cb(out);
+}
+
+void RemoteReplica::submit(GenRequest request, OutputCallback on_output) {
+  const std::string id = request.id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    callbacks_[id] = std::move(on_output);  // before the call: outputs may follow at once
+  }
+  ByteWriter w;
+  put_request(w, request);
+  try {
+    auto c = link_.get();
+    TANDEM_CHECK_KIND(kIo, c != nullptr, "replica ", link_.endpoint(), " is not connected");
+    c->call(kEngineSubmit, w.bytes());
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (callbacks_.erase(id) == 0) return;  // lost meanwhile: on_lost ended it with an error
+    throw;                                  // refused
+  }
+}
+
+void RemoteReplica::abort(const std::string& id) {
+  ByteWriter w;
+  w.put_str(id);
+  w.put_str("");
+  if (auto c = link_.get()) c->send(kAbort, w.bytes());
+}
+
+bool RemoteReplica::load() const {
+  try {
+    if (!link_.poll()) return false;
+    auto c = link_.get();
+    if (!c) return false;
+    std::vector<uint8_t> body = c->call(kLoad, {}, kLoadTimeout);
+    ByteReader r(body);
+    EngineStats s = get_stats(r);
+    draining_ = r.get<uint8_t>() != 0;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_ = s;
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 RemotePrefill::RemotePrefill(const std::string& endpoint, net::KeyRef key)

@@ -65,12 +65,16 @@ class MetricsEndpoint {
 std::string instances_metrics_text(const std::vector<std::pair<std::string, PrefillLoad>>& prefill,
                                    const std::vector<std::pair<std::string, DecodeLoad>>& decode);
 
-/// Serves this process's instance (exactly one of decode / prefill) to routers.
+/// Serves this process's instance (exactly one of decode / prefill / a colocated engine) to
+/// routers.
 class InstanceServer {
  public:
   /// Listens on host:port (0: any free port). The instance must outlive the server. With a
   /// key, every connection must pass the cluster-key handshake first.
   InstanceServer(DecodeClient* decode, PrefillClient* prefill, const std::string& host, int port,
+                 net::KeyRef key = nullptr);
+  /// A colocated engine (`tandem serve --control-port`): a router's replica (RemoteReplica).
+  InstanceServer(EngineClient* engine, const std::string& host, int port,
                  net::KeyRef key = nullptr);
   ~InstanceServer();
   int port() const { return port_; }
@@ -88,9 +92,11 @@ class InstanceServer {
   void accept_loop();
   void serve(std::shared_ptr<Conn> conn);
 
+  void abort_request(const std::string& id);
   DecodeClient* decode_;
   PrefillClient* prefill_;
   net::KeyRef key_;
+  EngineClient* engine_ = nullptr;
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stop_{false};
@@ -212,6 +218,44 @@ class RemoteDecode final : public DecodeClient {
   std::mutex mu_;
   std::unordered_map<std::string, OutputCallback> callbacks_;
   std::unordered_set<std::string> accepting_;  // accept() calls in flight
+  mutable InstanceLink link_;  // NOTE: last: its reader thread uses the members above
+};
+
+/// A colocated `tandem serve` in another process (its --control-port), for a router that
+/// fronts replicas (data-parallel serving without disaggregation): requests and their outputs
+/// over the control protocol. Connects at once when it can, else later (load() heals).
+class RemoteReplica final : public EngineClient {
+ public:
+  /// With a key, the control connection passes the cluster-key handshake first.
+  explicit RemoteReplica(const std::string& endpoint, net::KeyRef key = nullptr);
+  ~RemoteReplica() override { link_.close(); }  // NOTE: first: its reader calls into members
+  /// Throws as the replica's engine does (kInvalidArgument, kOutOfResources), or Error(kIo)
+  /// when it is not connected.
+  void submit(GenRequest request, OutputCallback on_output) override;
+  void abort(const std::string& id) override;
+  /// As of the last load().
+  EngineStats stats() const override {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return stats_;
+  }
+  int64_t max_model_len() const override { return max_model_len_; }
+  int64_t vocab_size() const override { return vocab_size_; }
+  bool constraints_from_spec() const override { return true; }
+  /// Heals the connection and fetches the engine's counters; false when it does not answer.
+  bool load() const;
+  bool draining() const { return draining_; }
+  const std::string& endpoint() const { return link_.endpoint(); }
+
+ private:
+  void on_push(uint32_t type, const std::vector<uint8_t>& payload);
+  void on_lost();
+  mutable std::mutex stats_mu_;
+  mutable EngineStats stats_;
+  mutable std::atomic<bool> draining_{false};
+  std::atomic<int64_t> max_model_len_{0};
+  std::atomic<int64_t> vocab_size_{0};
+  std::mutex mu_;
+  std::unordered_map<std::string, OutputCallback> callbacks_;
   mutable InstanceLink link_;  // NOTE: last: its reader thread uses the members above
 };
 

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "events/zmq_subscriber.h"
 #include "server/instance_api.h"
 
 namespace tandem {
@@ -21,6 +22,8 @@ struct Router::Prefill {
   std::string name;  // its address (or index, for fixed instances)
   PrefillClient* client = nullptr;
   std::unique_ptr<PrefillClient> owned;
+  int index_id = -1;  // its slot in the prefix index (-1: not indexed)
+  std::unique_ptr<ZmqKvEventSubscriber> events;
   // Under load_mu_:
   PrefillLoad load;
   bool up = false;
@@ -97,7 +100,7 @@ struct Router::Watch {
 
 Router::Router(std::vector<PrefillClient*> prefill, std::vector<DecodeClient*> decode,
                RouterConfig config)
-    : config_(std::move(config)) {
+    : config_(std::move(config)), index_(config_.prefix_index_blocks) {
   TANDEM_CHECK_KIND(kInvalidArgument, !prefill.empty() && !decode.empty(),
                     "the router needs at least one prefill and one decode instance");
   for (size_t i = 0; i < prefill.size(); ++i) add_prefill(std::to_string(i), prefill[i], nullptr);
@@ -106,7 +109,8 @@ Router::Router(std::vector<PrefillClient*> prefill, std::vector<DecodeClient*> d
   monitor_ = std::thread([this] { monitor(); });
 }
 
-Router::Router(RouterConfig config) : config_(std::move(config)) {
+Router::Router(RouterConfig config)
+    : config_(std::move(config)), index_(config_.prefix_index_blocks) {
   monitor_ = std::thread([this] { monitor(); });
 }
 
@@ -129,6 +133,7 @@ Router::~Router() {
   for (auto& q : queued) finish(q->id, q->live, FinishReason::kAbort, "", 0);
   // NOTE: the prefill clients first: their callbacks reach the decode clients.
   std::lock_guard<std::mutex> lock(members_mu_);
+  for (auto& p : prefill_) p->events.reset();  // (their callbacks reach index_)
   for (auto& p : prefill_) p->owned.reset();
   for (auto& d : decode_) d->owned.reset();
 }
@@ -148,6 +153,29 @@ void Router::add_prefill(const std::string& name, PrefillClient* client,
   m->client = client;
   m->owned = std::move(owned);
   m->load.alive = false;
+  const size_t colon = name.rfind(':');
+  if (config_.kv_events_port > 0 && colon != std::string::npos &&
+      next_index_id_.load() < PrefixIndex::kMaxInstances) {
+    const int id = next_index_id_++;
+    m->index_id = id;
+    const std::string host = name.substr(0, colon);
+    KvEventSubscriberConfig sc;
+    sc.endpoint = "tcp://" + host + ":" + std::to_string(config_.kv_events_port);
+    if (config_.kv_events_replay_port > 0) {
+      sc.replay_endpoint = "tcp://" + host + ":" + std::to_string(config_.kv_events_replay_port);
+    }
+    sc.topic = config_.kv_events_topic;
+    try {
+      m->events = std::make_unique<ZmqKvEventSubscriber>(
+          sc, [this, id](int64_t, DecodedKvEventBatch&& b) { index_.apply(id, b.events); },
+          [this, id](int64_t, int64_t) {
+            events_lost_.fetch_add(1);
+            index_.forget(id);  // its view can no longer be trusted: least-queued for it
+          });
+    } catch (const std::exception& e) {
+      log("prefill instance " + name + ": no KV events (" + e.what() + ")");
+    }
+  }
   std::lock_guard<std::mutex> lock(members_mu_);
   prefill_.push_back(std::move(m));
 }
@@ -382,16 +410,30 @@ void Router::refresh() {
   for (const auto& d : died) end_dead_decode(d);
 }
 
-std::shared_ptr<Router::Prefill> Router::pick_prefill(int64_t prompt_tokens) {
+std::shared_ptr<Router::Prefill> Router::pick_prefill(const std::vector<int32_t>& prompt) {
   auto ps = prefills();
+  const auto n = static_cast<int64_t>(prompt.size());
+  // What each instance holds of the prompt (zeros without KV events: least-queued).
+  std::vector<int64_t> held;
+  if (config_.kv_events_port > 0) held = index_.match(prompt, PrefixIndex::kMaxInstances);
   std::lock_guard<std::mutex> lock(load_mu_);
-  std::shared_ptr<Prefill> best;
-  for (auto& p : ps) {
-    if (!p->up || p->draining) continue;
-    if (!best || p->load.queued_input_tokens < best->load.queued_input_tokens) best = p;
+  std::vector<PrefillCandidate> c(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const Prefill& p = *ps[i];
+    c[i].usable = p.up && !p.draining;
+    c[i].queued_tokens = p.load.queued_input_tokens;
+    if (p.index_id >= 0 && !held.empty())
+      c[i].cached_tokens = held[static_cast<size_t>(p.index_id)];
   }
+  const int k = pick_prefix_aware(c, n);
+  if (k < 0) return nullptr;
+  std::shared_ptr<Prefill> best = ps[static_cast<size_t>(k)];
+  const int64_t cached = c[static_cast<size_t>(k)].cached_tokens;
   // Counted here until the next refresh, so a burst spreads over the instances.
-  if (best) best->load.queued_input_tokens += prompt_tokens;
+  best->load.queued_input_tokens += n - cached;
+  routed_prompt_ += n;
+  routed_cached_ += cached;
+  if (best->index_id >= 0) index_.predict(best->index_id, prompt);
   return best;
 }
 
@@ -417,7 +459,7 @@ Router::Place Router::place(const GenRequest& req, const std::shared_ptr<Live>& 
   const std::string& id = req.id;
   // 1. A decode instance reserves KV pages for a transfer from the least-queued prefill
   //    instance (validation happens there).
-  std::shared_ptr<Prefill> p = pick_prefill(static_cast<int64_t>(req.prompt_ids.size()));
+  std::shared_ptr<Prefill> p = pick_prefill(req.prompt_ids);
   if (!p) {
     why = "no prefill instance is ready";
     return Place::kNone;
@@ -732,6 +774,10 @@ RouterSnapshot Router::snapshot() const {
     std::lock_guard<std::mutex> lock(reg_->mu);
     s.live_requests = static_cast<int64_t>(reg_->live.size());
   }
+  s.routed_prompt_tokens = routed_prompt_.load();
+  s.routed_cached_tokens = routed_cached_.load();
+  s.kv_event_batches_lost = events_lost_.load();
+  s.prefix_index_blocks = index_.size();
   std::lock_guard<std::mutex> lock(queue_mu_);
   s.queued_requests = static_cast<int64_t>(queue_.size());
   return s;
@@ -788,6 +834,21 @@ std::string Router::metrics_text() const {
       "# HELP tandem_router_queued_requests Requests waiting in the router for a decode slot.\n"
       "# TYPE tandem_router_queued_requests gauge\ntandem_router_queued_requests " +
       std::to_string(s.queued_requests) + "\n";
+  out +=
+      "# HELP tandem_router_prompt_tokens_total Prompt tokens routed to prefill instances.\n"
+      "# TYPE tandem_router_prompt_tokens_total counter\ntandem_router_prompt_tokens_total " +
+      std::to_string(s.routed_prompt_tokens) +
+      "\n# HELP tandem_router_prefix_hit_tokens_total Of them, held by the picked instance (the "
+      "prefix index's view).\n# TYPE tandem_router_prefix_hit_tokens_total counter\n"
+      "tandem_router_prefix_hit_tokens_total " +
+      std::to_string(s.routed_cached_tokens) +
+      "\n# HELP tandem_router_kv_event_batches_lost_total KV event batches lost (the instance "
+      "fell back to least-queued).\n# TYPE tandem_router_kv_event_batches_lost_total counter\n"
+      "tandem_router_kv_event_batches_lost_total " +
+      std::to_string(s.kv_event_batches_lost) +
+      "\n# HELP tandem_router_prefix_index_blocks Page hashes in the router's prefix index.\n"
+      "# TYPE tandem_router_prefix_index_blocks gauge\ntandem_router_prefix_index_blocks " +
+      std::to_string(s.prefix_index_blocks) + "\n";
   return out;
 }
 

@@ -34,6 +34,7 @@
 #include "engine/prefill_instance.h"
 #include "engine/request.h"
 #include "net/cluster_auth.h"
+#include "server/prefix_index.h"
 
 namespace tandem {
 
@@ -48,6 +49,17 @@ struct RouterConfig {
   std::function<void(const std::string&)> log;
   // The cluster key for the control connections to watched instances (null: none).
   net::KeyRef cluster_key;
+  // Prefix-aware routing (server/prefix_index.h): > 0, the router subscribes to each prefill
+  // instance's KV events at tcp://<its host>:kv_events_port (replay at kv_events_replay_port,
+  // 0: none; topic kv_events_topic) and picks by expected prompt tokens to compute plus queue.
+  // 0: least-queued only.
+  int kv_events_port = 0;
+  int kv_events_replay_port = 0;
+  std::string kv_events_topic;
+  int64_t prefix_index_blocks = int64_t{1} << 20;  // page hashes the index keeps at most
+  // ReplicaRouter: explicit KV-event endpoints, one per replica in order (replay: the same or
+  // empty), instead of kv_events_port on each replica's host (several replicas on one host).
+  std::vector<std::string> kv_events_endpoints, kv_events_replay_endpoints;
 };
 
 /// One line per instance for /metrics and logs.
@@ -57,6 +69,10 @@ struct RouterSnapshot {
   std::vector<std::string> prefill_names, decode_names;  // the addresses
   int64_t live_requests = 0;
   int64_t queued_requests = 0;
+  // Prefix-aware routing: prompt tokens routed, of them held by the picked instance (as the
+  // index predicted), KV event batches lost (instances fell back), pages indexed.
+  int64_t routed_prompt_tokens = 0, routed_cached_tokens = 0;
+  int64_t kv_event_batches_lost = 0, prefix_index_blocks = 0;
 };
 
 class Router final : public EngineClient {
@@ -113,7 +129,7 @@ class Router final : public EngineClient {
   std::vector<std::shared_ptr<Decode>> decodes() const;
   Place place(const GenRequest& req, const std::shared_ptr<Live>& live, const OutputCallback& relay,
               std::string& why);
-  std::shared_ptr<Prefill> pick_prefill(int64_t prompt_tokens);
+  std::shared_ptr<Prefill> pick_prefill(const std::vector<int32_t>& prompt);
   std::vector<std::shared_ptr<Decode>> decode_order() const;
   void refresh();
   void resolve_watches(bool force);
@@ -132,6 +148,9 @@ class Router final : public EngineClient {
   mutable std::mutex load_mu_;             // every member's load and up flag, plus placements since
   std::atomic<int64_t> max_model_len_{0};  // 0: no decode instance seen yet
   std::atomic<int64_t> vocab_size_{0};
+  PrefixIndex index_;
+  std::atomic<int> next_index_id_{0};
+  std::atomic<int64_t> routed_prompt_{0}, routed_cached_{0}, events_lost_{0};
 
   struct Registry {  // shared with the requests' callbacks, which may outlive the router
     std::mutex mu;
