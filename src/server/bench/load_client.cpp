@@ -6,6 +6,11 @@
 // first, an ITL gap for the others, as vLLM's client), `usage` gives the token counts, an
 // `error` event or a malformed one fails the request. A connection error, an HTTP status
 // other than 200, a stream cut short or the request timeout fail that request alone.
+// clang-format off
+#include <utility>  // (first: Boost 1.74's Asio needs std::exchange)
+// clang-format on
+#include <unistd.h>
+
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -15,7 +20,6 @@
 #include <deque>
 #include <memory>
 #include <optional>
-#include <utility>  // NOTE: Boost 1.74 Asio needs std::exchange first
 
 #include "core/error.h"
 #include "server/bench/bench_serve.h"
@@ -188,8 +192,12 @@ class LoadRun {
   }
 
   // [#####.....] done/total, failed, elapsed, output chunks/s so far (stderr, one line).
+  // A terminal gets the bar redrawn in place; a log gets a line per 10% of the requests.
   void draw(bool final) {
     const size_t n = reqs_.size();
+    const int decile = static_cast<int>(10 * finished_ / n);
+    if (!tty_ && !final && decile == last_decile_) return;
+    last_decile_ = decile;
     const double el = seconds(Clock::now() - start_);
     const int width = 30;
     const int filled = static_cast<int>(double(finished_) / double(n) * width);
@@ -199,8 +207,8 @@ class LoadRun {
                   static_cast<int>(100.0 * double(finished_) / double(n)), width,
                   std::string(static_cast<size_t>(filled), '#').c_str(), finished_, n, el,
                   static_cast<long long>(active_), failed_, el > 0 ? double(tokens_) / el : 0.0);
-    std::fputs(line, stderr);
-    if (final) std::fputs("\n", stderr);
+    std::fputs(tty_ ? line : line + 1, stderr);  // (no carriage return in a log)
+    if (final || !tty_) std::fputs("\n", stderr);
     std::fflush(stderr);
   }
 
@@ -216,6 +224,8 @@ class LoadRun {
   size_t next_ = 0, finished_ = 0, failed_ = 0;
   int64_t active_ = 0;
   uint64_t tokens_ = 0;
+  const bool tty_ = ::isatty(STDERR_FILENO) != 0;
+  int last_decile_ = -1;
   Clock::time_point start_, end_;
 };
 
