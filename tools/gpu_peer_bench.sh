@@ -32,6 +32,8 @@
 # server logs (start-up phases and time to ready), table.md; the table is printed last.
 # Time (device): per model about 1 min to write the checkpoint, 1 min for the engine rows, 1 min
 # to start the server, then the rows: quick ~2 + 4 + 0.5 min.
+# TANDEM_PEER_DRY_RUN=BUILD_DIR: the same flow on the CPU with tiny shapes and short rows, from
+# BUILD_DIR's binaries (no PACK_DIR unpacking, no engine rows): checks the script, not speed.
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_peer_bench.sh PACK_DIR [--quick] [--fp8] [--models q35,q30] [--rows ...]}
 shift
@@ -48,24 +50,29 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -n "$budget" ] || budget=$([ $quick = 1 ] && echo 240 || echo 540)
-PACK=$(cd "$PACK" && pwd)
+dry=${TANDEM_PEER_DRY_RUN:-}
 ROOT=$(pwd)
 RES=${OUT:-/tmp}/peer_bench
 mkdir -p "$RES"
 BIN=/tmp/tandem_gpu_bin
-if [ ! -x "$BIN/tandem" ] || [ "$PACK/bin.tar.xz" -nt "$BIN/tandem" ]; then
+device=cuda
+if [ -n "$dry" ]; then
+  BIN=$(cd "$dry" && pwd); device=cpu; rows=${rows//engine/}
+  echo "dry run on the CPU (tiny shapes) with $BIN"
+elif PACK=$(cd "$PACK" && pwd) && { [ ! -x "$BIN/tandem" ] || [ "$PACK/bin.tar.xz" -nt "$BIN/tandem" ]; }; then
   rm -rf "$BIN" && mkdir -p "$BIN"
   python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
     "$PACK/bin.tar.xz" "$BIN" || { echo "cannot unpack $PACK/bin.tar.xz"; exit 2; }
 fi
 export NCCL_NVLS_ENABLE=0
-source "$ROOT/tools/gpu_libs.sh"
-find_gpu_libs libcudart.so.13 libcublasLt.so.13 libcublas.so.13
-for f in "$BIN"/lib/*; do
-  ldconfig -p 2>/dev/null | grep -q "$(basename "$f") " && rm -f "$f"
-done
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$BIN/lib"
-source "$ROOT/tools/serve_address.sh"
+if [ -z "$dry" ]; then
+  source "$ROOT/tools/gpu_libs.sh"
+  find_gpu_libs libcudart.so.13 libcublasLt.so.13 libcublas.so.13
+  for f in "$BIN"/lib/*; do
+    ldconfig -p 2>/dev/null | grep -q "$(basename "$f") " && rm -f "$f"
+  done
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$BIN/lib"
+fi
 SHM=${TANDEM_PEER_SHM:-/dev/shm}
 SEQS=${TANDEM_PEER_SEQS:-256}
 has_row() { [[ ",$rows," == *",$1,"* ]]; }
@@ -103,6 +110,7 @@ for model in ${models//,/ }; do
   need_factor=$([ $fp8 = 1 ] && echo 1.55 || echo 1.02)
   layers=$(python3 -c "import math;a,g,f,s,L=$avail_gb,$gb_per_layer,$need_factor,$step,$full_layers
 n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
+  [ -n "$dry" ] && { layers=2; step=2; full_layers=2; }
   label="$name $fmt"
   [ "$layers" -lt "$full_layers" ] && label="$label ($layers of $full_layers layers: /dev/shm holds ${avail_gb} GB)"
   [ "$layers" -ge "$step" ] || { echo "== $model: /dev/shm has ${avail_gb} GB, too little"; continue; }
@@ -110,7 +118,14 @@ n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
   ck="$SHM/peer_$model"
   rm -rf "$ck" "$ck.fp8"
   t0=$SECONDS
-  "$BIN/make_random_checkpoint" --out "$ck" --preset "$preset" --layers "$layers" || { echo "checkpoint failed"; continue; }
+  shape=(--preset "$preset" --layers "$layers")
+  [ -n "$dry" ] && shape+=(--hidden 64 --intermediate 128 --moe-intermediate 32 --experts 8 --top-k 2
+                          --heads 4 --kv-heads 2 --head-dim 16 --vocab 512)
+  [ -n "$dry" ] && [ $model = q35 ] && shape+=(--full-attention-interval 2 --linear-key-heads 2
+                          --linear-value-heads 4 --linear-key-dim 16 --linear-value-dim 16
+                          --shared-intermediate 32)
+  "$BIN/make_random_checkpoint" --out "$ck" "${shape[@]}" > "$RES/${model}_checkpoint.log" 2>&1 \
+    || { echo "checkpoint failed"; tail -5 "$RES/${model}_checkpoint.log"; continue; }
   echo "   checkpoint: $((SECONDS - t0)) s"
   dir=$ck
   if [ $fp8 = 1 ]; then
@@ -124,11 +139,21 @@ n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
   # --- the server (its start-up log: phases, time to ready) ---
   log="$RES/${model}_${fmt}_serve.log"
   t0=$SECONDS
-  "$BIN/tandem" serve --model "$dir" --device cuda --served-model-name m --port 0 \
+  mem=(--gpu-memory-utilization "$util")
+  [ -n "$dry" ] && mem=(--kv-cache-mb 256)
+  "$BIN/tandem" serve --model "$dir" --device "$device" --served-model-name m --port 0 \
     --max-num-seqs "$SEQS" --max-num-batched-tokens 8192 --max-model-len 10240 \
-    --gpu-memory-utilization "$util" --disable-access-log > "$log" 2>&1 &
+    "${mem[@]}" --disable-access-log > "$log" 2>&1 &
   pid=$!
-  addr=$(serve_address "$log" "$pid")
+  # Ready: the "serving ... on http://" line (up to 15 min; a 70 GB load prints its progress).
+  addr=
+  for i in $(seq 9000); do
+    addr=$(grep -o 'http://[0-9.]*:[0-9]*' "$log" 2>/dev/null | head -1 | sed 's|http://||')
+    [ -n "$addr" ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    [ $((i % 200)) = 0 ] && { grep -E '^tandem: (weights|startup)' "$log" | tail -1 | sed 's/^/   ... /'; }
+    sleep 0.1
+  done
   if [ -z "$addr" ]; then echo "serve did not start"; tail -20 "$log"; kill -9 "$pid" 2>/dev/null; pid=; continue; fi
   ready_s=$((SECONDS - t0))
   grep -E '^tandem: (startup|weights|KV cache)' "$log" | sed 's/^/   /'
@@ -149,9 +174,15 @@ n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
     grep -E 'Successful|Failed requests|Output token throughput|Mean TTFT|Mean TPOT|P99 ITL' \
       "$RES/${model}_${fmt}_$tag.txt" | sed "s/^/   $tag: /"
   }
-  has_row serve && bench serve 200 $([ $quick = 1 ] && echo 200 || echo 800) 1000 2000
-  has_row long && bench long "$conc_long" $([ $quick = 1 ] && echo "$conc_long" || echo $((2 * conc_long))) 8192 1024
-  has_row single && bench single 1 $([ $quick = 1 ] && echo 2 || echo 5) 8192 1024
+  if [ -n "$dry" ]; then  # tiny rows: the flow only
+    has_row serve && bench serve 4 8 64 16
+    has_row long && bench long "$(( conc_long < 4 ? conc_long : 4 ))" 4 512 8
+    has_row single && bench single 1 2 512 8
+  else
+    has_row serve && bench serve 200 $([ $quick = 1 ] && echo 200 || echo 800) 1000 2000
+    has_row long && bench long "$conc_long" $([ $quick = 1 ] && echo "$conc_long" || echo $((2 * conc_long))) 8192 1024
+    has_row single && bench single 1 $([ $quick = 1 ] && echo 2 || echo 5) 8192 1024
+  fi
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=
 
   # --- the engine's own decode step at the same batches (same machine, GPU free again) ---
