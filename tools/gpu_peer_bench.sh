@@ -106,7 +106,7 @@ for model in ${models//,/ }; do
   esac
   fmt=$([ $fp8 = 1 ] && echo fp8 || echo bf16)
   # /dev/shm room: the bf16 checkpoint, and with --fp8 its FP8 copy (about half) beside it.
-  avail_gb=$(df -B1G --output=avail "$SHM" | tail -1 | tr -d ' ')
+  avail_gb=$(df -B1 --output=avail "$SHM" | tail -1 | awk '{printf "%d", $1 / 1e9}')  # GB, as below
   need_factor=$([ $fp8 = 1 ] && echo 1.55 || echo 1.02)
   layers=$(python3 -c "import math;a,g,f,s,L=$avail_gb,$gb_per_layer,$need_factor,$step,$full_layers
 n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")

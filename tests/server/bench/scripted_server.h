@@ -201,6 +201,7 @@ class ScriptedServer {
   const int first_ms_, gap_ms_;
   int listen_fd_ = -1;
   uint16_t port_ = 0;
+  std::thread acceptor_;
   std::atomic<bool> stop_{false};
   std::atomic<int> connections_{0}, requests_{0};
   std::mutex mu_;
