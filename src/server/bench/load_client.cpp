@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -310,7 +311,8 @@ void Exchange::on_connect(beast::error_code ec) {
 void Exchange::on_write(beast::error_code ec) {
   if (ec) return finish(false, "write: " + ec.message());
   parser_.emplace();
-  parser_->body_limit(boost::none);
+  // (not boost::none: Boost 1.74 compares a Content-Length with an empty limit as exceeding it)
+  parser_->body_limit(std::numeric_limits<std::uint64_t>::max());
   parser_->header_limit(64 * 1024);
   http::async_read_header(
       conn_->stream, conn_->buffer, *parser_,

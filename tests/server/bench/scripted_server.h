@@ -1,8 +1,8 @@
 // A scripted OpenAI-style streaming server for the bench client's tests: timings known in
 // advance. POST /v1/completions or /v1/chat/completions answers an SSE stream of max_tokens
 // (max_completion_tokens) chunks, the first after `first_ms`, the next every `gap_ms`, then a
-// usage chunk and [DONE]. The first prompt id (or the prompt text's first character, as a digit)
-// picks a misbehaviour:
+// usage chunk and [DONE]. A first prompt id of 1000 + m (or a prompt text "mode:m...") picks a
+// behaviour (any other prompt: 1):
 //   1 normal   2 HTTP 500   3 the connection dropped after two chunks   4 no answer at all
 //   5 an error event after one chunk   6 a malformed event after one chunk
 // GET /v1/models lists the model "scripted". Plain blocking sockets, a thread per connection,
@@ -139,10 +139,12 @@ class ScriptedServer {
       if (chat) {
         n = j.value("max_completion_tokens", 1);
         const std::string text = j["messages"][0]["content"][0]["text"].get<std::string>();
-        if (!text.empty() && text[0] >= '1' && text[0] <= '9') mode = text[0] - '0';
+        if (text.rfind("mode:", 0) == 0 && text.size() > 5) mode = text[5] - '0';
       } else {
         n = j.value("max_tokens", 1);
-        if (j["prompt"].is_array() && !j["prompt"].empty()) mode = j["prompt"][0].get<int>();
+        if (j["prompt"].is_array() && !j["prompt"].empty() && j["prompt"][0].get<int>() > 1000) {
+          mode = j["prompt"][0].get<int>() - 1000;
+        }
       }
     }
     if (mode == 2) {

@@ -190,7 +190,7 @@ std::vector<SampleRequest> scripted_requests(const std::vector<int>& modes, int6
   std::vector<SampleRequest> r;
   for (int m : modes) {
     SampleRequest s;
-    s.prompt_ids = {m, 9, 9};
+    s.prompt_ids = {1000 + m, 9, 9};
     s.prompt_len = 3;
     s.expected_output_len = out_len;
     r.push_back(s);
