@@ -420,7 +420,8 @@ nlohmann::ordered_json run_bench_serve(const BenchServeOptions& o, std::ostream&
   lo.path = prefix + endpoint;
   lo.chat = chat;
   if (const char* k = std::getenv("OPENAI_API_KEY")) lo.api_key = k;  // as vLLM's client
-  lo.ignore_eos = o.ignore_eos;
+  // vLLM turns ignore_eos on for its random dataset on the OpenAI backends: the asked lengths.
+  lo.ignore_eos = o.ignore_eos || o.dataset_name == "random";
   lo.max_concurrency = o.max_concurrency;
   lo.request_timeout_s = o.request_timeout_s;
   lo.progress = !o.disable_tqdm;
