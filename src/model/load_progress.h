@@ -19,6 +19,9 @@ class LoadObserver {
   virtual void on_checkpoint(const std::string& dir, uint64_t total_bytes) = 0;
   /// A loader read tensor `name` of `dir` (`bytes` of it); the same tensor may be read again.
   virtual void on_tensor(const std::string& dir, const std::string& name, uint64_t bytes) = 0;
+  /// A CUDA graph was captured at warm-up: `done` of `total`, for a batch of `batch` sequences.
+  /// (For the GPU models' warm_up loops to call; nothing calls it yet.)
+  virtual void on_graph(int64_t batch, int64_t done, int64_t total) {}
 };
 
 /// The observer checkpoints report to (null: none).

@@ -385,15 +385,12 @@ int run_serve(const ServeArgs& a) {
   // line below)
   std::cerr << "tandem: starting; port " << server.port()
             << " answers GET /health with the start-up phase (503 until ready)" << std::endl;
-  std::unique_ptr<Model> model;
-  {
-    ScopedLoadObserver observe(&mon);
-    mon.phase("weights");
-    model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
-    if (!a.speculative_config.empty()) {
-      mon.phase("mtp");
-      apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
-    }
+  ScopedLoadObserver observe(&mon);  // weights read, graphs captured (model/load_progress.h)
+  mon.phase("weights");
+  std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
+  if (!a.speculative_config.empty()) {
+    mon.phase("mtp");
+    apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
   }
   mon.phase("kv_cache");  // the engine allocates the KV cache and state slots, then "graphs"
   ecfg.on_startup_phase = [&mon](const std::string& phase) { mon.phase(phase); };

@@ -88,6 +88,7 @@ std::string StartupMonitor::status_json() const {
     w["eta_s"] = rate > 0 && total > bytes_read_ ? double(total - bytes_read_) / rate : 0.0;
     j["weights"] = w;
   }
+  if (graphs_total_ > 0) j["graphs"] = {{"captured", graphs_done_}, {"total", graphs_total_}};
   return j.dump();
 }
 
@@ -107,6 +108,20 @@ void StartupMonitor::on_tensor(const std::string& dir, const std::string& name, 
   }
   bytes_read_ += bytes;
   if (now - last_print_ >= print_every_) print_progress_locked(now, /*final=*/false);
+}
+
+void StartupMonitor::on_graph(int64_t batch, int64_t done, int64_t total) {
+  std::lock_guard<std::mutex> lock(mu_);
+  graphs_done_ = done;
+  graphs_total_ = total;
+  const auto now = Clock::now();
+  if (done != total && now - last_graph_print_ < print_every_) return;
+  last_graph_print_ = now;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "tandem: graphs %lld / %lld captured (batch %lld)\n",
+                static_cast<long long>(done), static_cast<long long>(total),
+                static_cast<long long>(batch));
+  log_ << buf << std::flush;
 }
 
 // "tandem: weights 12.30 / 61.00 GB (20%), 4.10 GB/s, ETA 12 s"

@@ -48,6 +48,7 @@ class StartupMonitor final : public LoadObserver {
   // LoadObserver (any thread).
   void on_checkpoint(const std::string& dir, uint64_t total_bytes) override;
   void on_tensor(const std::string& dir, const std::string& name, uint64_t bytes) override;
+  void on_graph(int64_t batch, int64_t done, int64_t total) override;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -68,6 +69,8 @@ class StartupMonitor final : public LoadObserver {
   uint64_t bytes_read_ = 0;
   Clock::time_point first_read_{}, last_print_{};
   bool reading_ = false;
+  int64_t graphs_done_ = 0, graphs_total_ = 0;
+  Clock::time_point last_graph_print_{};
 };
 
 /// The EngineClient the HTTP front serves while the engine does not exist yet: forwards to the

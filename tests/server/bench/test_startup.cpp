@@ -41,8 +41,12 @@ TEST(Startup, PhasesAndWeightsProgress) {
   EXPECT_GT(s["weights"]["eta_s"].get<double>(), 0.0);
   mon.phase("kv_cache");
   mon.phase("graphs");
+  mon.on_graph(8, 1, 3);
+  mon.on_graph(16, 2, 3);
   s = json::parse(mon.status_json());
   EXPECT_EQ(s["phase"], "graphs");
+  EXPECT_EQ(s["graphs"]["captured"], 2);
+  EXPECT_EQ(s["graphs"]["total"], 3);
   ASSERT_EQ(s["phases"].size(), 2u);
   EXPECT_EQ(s["phases"][0]["name"], "weights");
   EXPECT_EQ(s["phases"][1]["name"], "kv_cache");
@@ -56,6 +60,7 @@ TEST(Startup, PhasesAndWeightsProgress) {
   EXPECT_NE(out.find("tandem: weights 0.00 GB read in"), std::string::npos) << out;
   EXPECT_NE(out.find("tandem: startup: weights"), std::string::npos) << out;
   EXPECT_NE(out.find("tandem: startup: graphs"), std::string::npos) << out;
+  EXPECT_NE(out.find("tandem: graphs 2 / 3 captured (batch 16)"), std::string::npos) << out;
   EXPECT_NE(out.find("tandem: startup: ready in"), std::string::npos) << out;
 }
 
