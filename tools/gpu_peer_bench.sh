@@ -93,8 +93,18 @@ TABLE="$RES/table.md"
   echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
 } > "$TABLE"
 row() { echo "| $* |" >> "$TABLE"; }
-ratio() { python3 -c "import sys; a,b=float(sys.argv[1] or 0),float(sys.argv[2] or 0); print(f'{a/b:.2f}x' if a>0 and b>0 else '-')" "$1" "$2"; }
-jget() { python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(j.get(sys.argv[2], ''))" "$1" "$2" 2>/dev/null; }
+ratio() { python3 -c "
+import sys
+def num(x):
+    try: return float(x)
+    except ValueError: return 0.0
+a, b = num(sys.argv[1]), num(sys.argv[2])
+print(f'{a / b:.2f}x' if a > 0 and b > 0 else '-')" "$1" "$2"; }
+# jget FILE KEY [DIGITS]: a field of a result JSON, rounded ("" when missing)
+jget() { python3 -c "
+import json, sys
+v = json.load(open(sys.argv[1])).get(sys.argv[2], '')
+print(f'{v:.{int(sys.argv[3])}f}' if isinstance(v, (int, float)) else v)" "$1" "$2" "${3:-1}" 2>/dev/null; }
 
 for model in ${models//,/ }; do
   case $model in
@@ -155,7 +165,7 @@ n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
     sleep 0.1
   done
   if [ -z "$addr" ]; then echo "serve did not start"; tail -20 "$log"; kill -9 "$pid" 2>/dev/null; pid=; continue; fi
-  ready_s=$((SECONDS - t0))
+  ready_s=$(grep -o 'startup: ready in [0-9.]*' "$log" | grep -o '[0-9.]*$')  # the server's own
   grep -E '^tandem: (startup|weights|KV cache)' "$log" | sed 's/^/   /'
   # The largest concurrency the KV cache holds at 8,192 + 1,024 tokens (page size 16).
   pages=$(curl -s "http://$addr/metrics" | awk '/^tandem_kv_pages_total /{print int($2)}')
@@ -229,11 +239,11 @@ EOF
   if has_row long; then
     o=$(jget "$f"_long.json output_throughput); p=$(pub 2337 3356)
     row "$label | 8,192/1,024 c$conc_long (published at c1,024) output tok/s | ${o:-failed} | $p | SGLang 0.5.16 (Qwen3.6-35B-A3B) | $(ratio "$o" "$p") | ${eng_long:-} | $(ratio "$o" "${eng_long%% *}")"
-    t=$(jget "$f"_long.json mean_tpot_ms); p=$(pub 32.7 27.9)
+    t=$(jget "$f"_long.json mean_tpot_ms 2); p=$(pub 32.7 27.9)
     row "$label | 8,192/1,024 c$conc_long mean TPOT ms | ${t:-failed} | $p | SGLang 0.5.16 | $(ratio "$p" "$t") | | "
   fi
   if has_row single; then
-    t=$(jget "$f"_single.json mean_tpot_ms); p=$(pub 2.23 1.98)
+    t=$(jget "$f"_single.json mean_tpot_ms 2); p=$(pub 2.23 1.98)
     row "$label | c1 mean TPOT ms (no speculation) | ${t:-failed} | $p | SGLang 0.5.16 with MTP | $(ratio "$p" "$t") | | "
     t=$(jget "$f"_single.json mean_ttft_ms); p=$(pub 182 138)
     row "$label | c1 TTFT ms, 8,192-token prompt | ${t:-failed} | $p | SGLang 0.5.16 | $(ratio "$p" "$t") | | "
