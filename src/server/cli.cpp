@@ -348,6 +348,7 @@ int run_serve(const ServeArgs& a) {
   EngineConfig ecfg = a.engine;
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
   StartupMonitor mon(std::cerr);
+  raise_open_file_limit();  // one descriptor per client connection
   mon.phase("tokenizer");
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;

@@ -1,5 +1,7 @@
 #include "server/startup.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -143,6 +145,17 @@ void StartupMonitor::print_progress_locked(Clock::time_point now, bool final) {
                   rate / 1e9, eta);
   }
   log_ << buf << std::flush;
+}
+
+uint64_t raise_open_file_limit() {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return 0;
+  if (r.rlim_cur < r.rlim_max) {
+    rlimit want = r;
+    want.rlim_cur = r.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &want) == 0) r = want;
+  }
+  return static_cast<uint64_t>(r.rlim_cur);
 }
 
 void DeferredEngineClient::set(EngineClient* engine) {

@@ -73,6 +73,11 @@ class StartupMonitor final : public LoadObserver {
   Clock::time_point last_graph_print_{};
 };
 
+/// Raises this process's open-file limit to its hard limit (as vLLM and SGLang do at start): a
+/// server or a load client with 1,024 streams needs more than the usual soft limit of 1,024
+/// descriptors. Returns the limit now in force.
+uint64_t raise_open_file_limit();
+
 /// The EngineClient the HTTP front serves while the engine does not exist yet: forwards to the
 /// engine once set(); before that, submit() refuses (kOutOfResources: "starting") and stats()
 /// is empty. set() is called once, before start-up ends.

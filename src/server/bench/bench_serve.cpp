@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "server/startup.h"
 #include "server/tokenizer/tokenizer.h"
 
 namespace tandem::bench {
@@ -425,6 +426,11 @@ nlohmann::ordered_json run_bench_serve(const BenchServeOptions& o, std::ostream&
   lo.max_concurrency = o.max_concurrency;
   lo.request_timeout_s = o.request_timeout_s;
   lo.progress = !o.disable_tqdm;
+  const uint64_t fds = raise_open_file_limit();  // a socket per request in flight
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    o.max_concurrency == 0 || fds == 0 || uint64_t(o.max_concurrency) + 64 <= fds,
+                    "--max-concurrency ", o.max_concurrency, " needs more open files than the ",
+                    fds, " this process may have (ulimit -n)");
 
   std::vector<double> ps;
   for (const auto& s : split(o.metric_percentiles, ',')) {
