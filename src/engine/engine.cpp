@@ -139,6 +139,7 @@ Engine::Engine(Model& model, const EngineConfig& config)
     }
   }
   // (after the state slots: a hybrid's verify graphs capture on them)
+  if (config_.on_startup_phase) config_.on_startup_phase("graphs");
   if (config_.warm_up) {
     model.warm_up(kv_, config_.max_num_seqs);
     if (spec_) spec_->warm_up();  // verify steps of K + 1 tokens, the chained draft passes

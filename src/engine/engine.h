@@ -45,6 +45,9 @@ struct EngineConfig {
   // Model::warm_up at construction: the CUDA model captures its decode graphs for every batch
   // size up to max_num_seqs before the first request (as vLLM does at startup) instead of on
   // first use, where a capture stalls every running sequence's next token.
+  // Start-up phases for a person watching (server/startup.h): called with "graphs" before
+  // the warm-up's captures (the KV cache and state slots are allocated by then). Null: none.
+  std::function<void(const std::string& phase)> on_startup_phase;
   bool warm_up = false;
   int64_t max_model_len = 0;   // 0: the model's max_position_embeddings
   int64_t max_waiting = 1024;  // queue limit; submit beyond it fails (429)

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "model/load_progress.h"
 
 namespace tandem {
 
@@ -176,6 +177,18 @@ std::vector<std::string> SafetensorsFile::names() const {
 // ---------------------------------------------------------------------------------------------
 // Checkpoint
 
+namespace {
+/// Tells the load observer (model/load_progress.h), if any, a checkpoint's total tensor bytes.
+void report_opened(const std::string& dir, const std::map<std::string, size_t>& index,
+                   const std::vector<std::unique_ptr<SafetensorsFile>>& files) {
+  LoadObserver* obs = load_observer();
+  if (obs == nullptr) return;
+  uint64_t total = 0;
+  for (const auto& [name, pos] : index) total += files[pos]->get(name).nbytes();
+  obs->on_checkpoint(dir, total);
+}
+}  // namespace
+
 Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   std::error_code ec;
   TANDEM_CHECK_KIND(kNotFound, fs::is_directory(dir, ec), dir, ": checkpoint directory not found");
@@ -187,6 +200,7 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   if (fs::is_regular_file(single, ec)) {
     files_.push_back(std::make_unique<SafetensorsFile>(single.string()));
     for (const std::string& n : files_[0]->names()) index_.emplace(n, 0);
+    report_opened(dir_, index_, files_);
     return;
   }
 
@@ -224,6 +238,7 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
                         files_[pos->second]->path(), " does not contain it");
       index_.emplace(it.key(), pos->second);
     }
+    report_opened(dir_, index_, files_);
     return;
   }
 
@@ -244,6 +259,7 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
                         files_[it->second]->path(), " and ", files_[pos]->path());
     }
   }
+  report_opened(dir_, index_, files_);
 }
 
 bool Checkpoint::has(const std::string& name) const { return index_.count(name) != 0; }
@@ -259,6 +275,7 @@ TensorView Checkpoint::get(const std::string& name, const Shape& expected) const
   TensorView v = get(name);
   TANDEM_CHECK_KIND(kInvalidArgument, v.shape == expected, file_of(name), ": tensor '", name,
                     "' has shape ", v.shape.str(), ", expected ", expected.str());
+  if (LoadObserver* obs = load_observer()) obs->on_tensor(dir_, name, v.nbytes());
   return v;
 }
 

@@ -38,14 +38,16 @@ class SafetensorsFile {
 class Checkpoint {
  public:
   /// dir holds model.safetensors, or model.safetensors.index.json and its shards, or (as a
-  /// fallback) any *.safetensors files.
+  /// fallback) any *.safetensors files. Reports its total bytes to the load observer
+  /// (model/load_progress.h), when one is installed.
   explicit Checkpoint(const std::string& dir);
 
   const std::string& dir() const { return dir_; }
   bool has(const std::string& name) const;
   /// Throws kNotFound naming the directory and tensor.
   TensorView get(const std::string& name) const;
-  /// get() plus a shape check; the error names the file, the tensor, both shapes.
+  /// get() plus a shape check; the error names the file, the tensor, both shapes. The loaders'
+  /// read path: reports the tensor to the load observer (model/load_progress.h), if any.
   TensorView get(const std::string& name, const Shape& expected) const;
   /// Every tensor name, sorted.
   std::vector<std::string> names() const;

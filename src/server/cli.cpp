@@ -25,6 +25,7 @@
 #include "engine/prefill_instance.h"
 #include "engine/speculative.h"
 #include "model/convert.h"
+#include "model/load_progress.h"
 #include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
 #include "net/cluster_auth.h"
@@ -36,6 +37,7 @@
 #endif
 #include "events/kv_events_config.h"
 #include "events/zmq_publisher.h"
+#include "server/bench/bench_cli.h"
 #include "server/grammar/grammar.h"
 #include "server/http/http_server.h"
 #include "server/instance_api.h"
@@ -43,6 +45,7 @@
 #include "server/planner.h"
 #include "server/replica_router.h"
 #include "server/router.h"
+#include "server/startup.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"
 
@@ -380,23 +383,33 @@ struct ServeArgs {
   std::string cluster_key_file;  // the control port's key ("": none)
 };
 
+// Blocks SIGINT / SIGTERM in this thread and the threads it starts (defined below).
+sigset_t block_stop_signals();
+void wait_for_stop_signal(const sigset_t& set);
+
+// tandem serve: the HTTP front listens from the start (GET /health: 503 with the start-up
+// phase until the engine is ready, server/startup.h) while the tokenizer, the weights (with
+// progress lines), the KV cache and the CUDA graphs come up, each phase printed with its time.
 int run_serve(const ServeArgs& a) {
   EngineConfig ecfg = a.engine;
   ecfg.kv_events = make_kv_event_publisher(a.kv_events_config, a.device);
   // A router's requests carry their constraint as a spec: compiled here, where they sample.
   if (a.control_port >= 0) ecfg.constraint_factory = grammar::instance_constraint_factory(a.model);
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
-  std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
-  apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
+  StartupMonitor mon(std::cerr);
+  raise_open_file_limit();  // one descriptor per client connection
+  mon.phase("tokenizer");
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   std::unique_ptr<ChatTemplate> chat = tok ? ChatTemplate::from_dir(a.model) : nullptr;
-  AsyncEngine engine(std::move(model), ecfg);
+  DeferredEngineClient client;
   HttpServerConfig cfg;
   cfg.host = a.host;
   cfg.port = static_cast<uint16_t>(a.port);
   cfg.api_key = a.api_key;
   cfg.num_threads = a.http_threads;
-  cfg.stop_on_signals = true;
+  // SIGINT / SIGTERM: during start-up the process exits at once; once serving, the server
+  // drains (--drain-seconds), as HttpServerConfig::stop_on_signals does.
+  cfg.stop_on_signals = false;
   apply_http_args(a.http, cfg);
   cfg.model_name = a.served_name;
   if (cfg.model_name.empty()) {
@@ -405,19 +418,48 @@ int run_serve(const ServeArgs& a) {
     cfg.model_name = a.model == demo_model_dir() ? "demo" : dir.substr(dir.rfind('/') + 1);
   }
   a.parsers.apply(cfg, a.model);
-  HttpServer server(cfg, engine, tok.get(), chat.get());
+  cfg.startup_status = [&mon] { return mon.status_json(); };
+  const sigset_t signals = block_stop_signals();
+  HttpServer server(cfg, client, tok.get(), chat.get());
   server.start();
-  std::unique_ptr<InstanceServer> control;
+  std::thread([&server, &mon, signals, drain = cfg.drain_seconds] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    if (!mon.is_ready()) {
+      std::cerr << "tandem: stopped during start-up (signal " << sig << ")" << std::endl;
+      std::_Exit(128 + sig);
+    }
+    server.drain(std::chrono::seconds(drain));
+  }).detach();
+  // (neither "http://" nor "on HOST:PORT" here: scripts wait for the "serving ... on http://"
+  // line below)
+  std::cerr << "tandem: starting; port " << server.port()
+            << " answers GET /health with the start-up phase (503 until ready)" << std::endl;
+  ScopedLoadObserver observe(&mon);  // weights read, graphs captured (model/load_progress.h)
+  mon.phase("weights");
+  std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
+  if (!a.speculative_config.empty()) {
+    mon.phase("mtp");
+    apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
+  }
+  mon.phase("kv_cache");  // the engine allocates the KV cache and state slots, then "graphs"
+  ecfg.on_startup_phase = [&mon](const std::string& phase) { mon.phase(phase); };
+  AsyncEngine engine(std::move(model), ecfg);
+  client.set(&engine);
+  std::unique_ptr<InstanceServer> control;  // (goes before the engine)
   if (a.control_port >= 0) {
     control = std::make_unique<InstanceServer>(&engine, a.host, a.control_port,
                                                cluster_key(a.cluster_key_file));
   }
+  mon.ready();
   std::cerr << "tandem: serving '" << cfg.model_name << "' (" << a.model << ") on "
             << (cfg.ssl_certfile.empty() ? "http://" : "https://") << cfg.host << ":"
             << server.port() << "  max_model_len " << engine.max_model_len()
             << (tok ? "" : "  (no tokenizer: token-id prompts only)")
             << (control ? "  control port " + std::to_string(control->port()) : "") << std::endl;
   server.wait();
+  server.stop();  // (before the engine goes)
+  client.set(nullptr);
   return 0;
 }
 
@@ -1037,6 +1079,13 @@ int cli_main(int argc, char** argv) {
   rt.parsers.add_to(ro);
   add_cluster_key_option(ro, rt.cluster_key_file);
 
+  bench::BenchCli bench_cli(
+      app,
+      [](const std::string& dir, const std::string& device, EngineConfig& cfg, double util) {
+        return load_model(dir, device, cfg, util);
+      },
+      demo_model_dir());
+
   try {
     app.parse(argc, argv);
     if (pf->parsed()) {
@@ -1049,6 +1098,7 @@ int cli_main(int argc, char** argv) {
     }
     if (ro->parsed()) return run_router(rt);
     if (cv->parsed()) return run_convert(conv);
+    if (bench_cli.parsed()) return bench_cli.run();
     if (pl->parsed()) {
       PlannerOutput out = plan_replicas(plan_in);
       nlohmann::json j = {{"prefill_instances", out.prefill_instances},

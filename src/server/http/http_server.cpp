@@ -241,6 +241,10 @@ class Session final : public openai::Connection, public std::enable_shared_from_
             503, "The server is shutting down.", "server_error", "", "service_unavailable")));
       }
       if (req.method() == bhttp::verb::options) return options(req);
+      if (core_.config.startup_status && r.path != "/metrics") {
+        std::string status = core_.config.startup_status();
+        if (!status.empty()) return starting(r, std::move(status));
+      }
       if (r.path == "/ready") return ready(r);
       core_.api->handle(r, shared_from_this());
     } catch (...) {
@@ -286,6 +290,20 @@ class Session final : public openai::Connection, public std::enable_shared_from_
       r.headers.emplace_back("Access-Control-Max-Age", "600");
     }
     respond(std::move(r));
+  }
+
+  /// While starting (HttpServerConfig::startup_status): /health and /ready answer 503 with the
+  /// start-up status, every other route 503 with an OpenAI-style error.
+  void starting(const openai::HttpRequest& r, std::string status) {
+    if (r.path == "/health" || r.path == "/ready") {
+      openai::HttpResponse res{503, "application/json", std::move(status), {}};
+      res.headers.emplace_back("Retry-After", "5");
+      return respond(std::move(res));
+    }
+    openai::HttpResponse e = openai::ApiHandler::error_response(
+        openai::ApiError(503, "The server is starting (GET /health shows the phase); retry later.",
+                         "server_error", "", "service_unavailable"));
+    return respond(std::move(e));
   }
 
   /// GET /ready: 200 while the server can serve generations (see HttpServerConfig::ready).

@@ -44,6 +44,10 @@ struct HttpServerConfig {
   std::function<void(const std::string&)> access_log;
   // GET /ready: 200 while this returns true (null: always), 503 otherwise or while draining.
   std::function<bool()> ready;
+  // While the process starts (the model loading): returns the /health body, a JSON object
+  // naming the phase (server/startup.h); "" once started. While non-empty, /health and /ready
+  // answer 503 with it and the API routes 503 (/metrics as usual). Null: started.
+  std::function<std::string()> startup_status;
   // Appended to GET /metrics (e.g. the router's per-instance metrics); null: none.
   std::function<std::string()> extra_metrics;
   // TLS (vLLM's --ssl-certfile / --ssl-keyfile): PEM certificate chain and private key; both
