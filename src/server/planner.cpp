@@ -68,7 +68,9 @@ int print_memory_fit(const MemoryFitArgs& a, std::ostream& out) {
   o.max_num_batched_tokens = a.max_num_batched_tokens;
   o.kv_cache_bytes_per_elem = a.kv_cache_dtype == "fp8" ? 1 : 2;
   o.mxfp8_native = a.mxfp8_native;
-  const ModelConfig c = ModelConfig::from_dir(a.model);
+  ModelConfig c = ModelConfig::from_dir(a.model);
+  // (Qwen3.5's config reader leaves quantization_config to its loaders; the plan needs it.)
+  if (!c.quant.quantized()) c.quant = QuantConfig::from_dir(a.model);
   const MemoryPlan m = plan_memory(c, o);
   out << m.describe(c);
   nlohmann::json j = {{"fits", m.fits},

@@ -202,7 +202,8 @@ TEST(Cli, PlanMemoryFit) {
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("\"fits\":true"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("32 experts"), std::string::npos) << r.out;  // 512 / 16 per rank
-  r = run("plan --model " + bf16.string());                         // serve: one GPU
+  EXPECT_NE(r.out.find("weights block FP8"), std::string::npos) << r.out;
+  r = run("plan --model " + bf16.string());  // serve: one GPU
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_NE(r.out.find("does not fit"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("exceed the rank's budget"), std::string::npos) << r.out;
