@@ -41,6 +41,10 @@ struct DecodeInstance::Rank {
   // MTP speculative decoding: the prompts' final hidden states that came with completed
   // transfers (the engine runs its MTP layer over them at admission). Guarded by out_mu.
   std::map<std::string, transfer::PromptHidden> hidden;
+  // Hybrid models over a device transfer: the state slot reserved for each accepted request
+  // (the transfer writes the prompt's state there), until its admission hands it to the
+  // sequence or its release gives it back. Guarded by mu.
+  std::map<std::string, int32_t> state_slots;
 
   EngineStats stats;  // the engine's counters as of the last load_locked() (for the report)
 
@@ -259,20 +263,35 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
       DecodeReport::Reservation res;
       res.id = c.id;
       std::vector<int32_t> pages;
+      int32_t slot = -1;  // a device transfer's state slot
       {
         std::lock_guard<std::mutex> lock(rank.mu);
         res.ok = rank.load_locked() < config_.max_decode_batch &&
                  engine.reserve_pages(c.num_tokens, pages);
+        if (res.ok && transfer_->carries_device_state() && rank.model->state_slot_elems() > 0) {
+          slot = engine.reserve_state_slot();
+          if (slot < 0) {
+            engine.release_pages(pages);
+            res.ok = false;
+          } else {
+            rank.state_slots[c.id] = slot;
+          }
+        }
         if (res.ok) ++rank.reserved;
       }
       if (res.ok) {
         res.d = descriptor(rank, rank.receiver->address(), c.id, c.num_tokens, c.src, pages,
                            c.speculate);
+        res.d.dst_state_slot = slot;
         try {
           rank.receiver->expect(res.d);  // before the descriptor leaves
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(rank.mu);
           engine.release_pages(pages);
+          if (slot >= 0) {
+            engine.release_state_slot(slot);
+            rank.state_slots.erase(c.id);
+          }
           --rank.reserved;
           res.ok = false;
           res.error = e.what();
@@ -303,11 +322,17 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
       }
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
+      int32_t slot = -1;  // filled by a device transfer: the sequence runs in it
+      if (auto s = rank.state_slots.find(c.id); s != rank.state_slots.end()) {
+        slot = s->second;
+        rank.state_slots.erase(s);
+      }
       try {
         engine.add_prefilled(c.req, cb, c.pages, c.token, c.logprob, std::move(state),
-                             std::move(hidden.rows), hidden.begin);
+                             std::move(hidden.rows), hidden.begin, slot);
       } catch (const std::exception& ex) {
         engine.release_pages(c.pages);
+        if (slot >= 0) engine.release_state_slot(slot);
         finish_with(cb, c.id, FinishReason::kError, ex.what());
       }
     } else if (c.kind == DecodeCommand::kRelease) {
@@ -321,6 +346,10 @@ void DecodeInstance::apply_commands(Rank& rank, const std::vector<DecodeCommand>
       std::lock_guard<std::mutex> lock(rank.mu);
       --rank.reserved;
       engine.release_pages(c.pages);
+      if (auto s = rank.state_slots.find(c.id); s != rank.state_slots.end()) {
+        engine.release_state_slot(s->second);
+        rank.state_slots.erase(s);
+      }
     } else {
       std::lock_guard<std::mutex> lock(rank.mu);
       engine.abort(c.id);

@@ -200,13 +200,22 @@ bool Engine::reserve_pages(int64_t num_tokens, std::vector<int32_t>& pages) {
 
 void Engine::release_pages(const std::vector<int32_t>& pages) { blocks_.release(pages); }
 
+int32_t Engine::reserve_state_slot() { return scheduler_.reserve_state_slot(); }
+
+void Engine::release_state_slot(int32_t slot) { scheduler_.release_state_slot(slot); }
+
 void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector<int32_t> pages,
                            int32_t first_token, float first_logprob, std::vector<float> state,
-                           std::vector<float> prompt_hidden, int64_t prompt_hidden_begin) {
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    static_cast<int64_t>(state.size()) == model_.state_slot_elems(), "request '",
-                    req.id, "': a prefilled request of this model carries ",
-                    model_.state_slot_elems(), " floats of recurrent state, got ", state.size());
+                           std::vector<float> prompt_hidden, int64_t prompt_hidden_begin,
+                           int32_t state_slot) {
+  TANDEM_CHECK_KIND(
+      kInvalidArgument,
+      state_slot >= 0
+          ? state.empty() && model_.state_slot_elems() > 0 && state_slot < kv_.num_state_slots()
+          : static_cast<int64_t>(state.size()) == model_.state_slot_elems(),
+      "request '", req.id, "': a prefilled request of this model carries ",
+      model_.state_slot_elems(), " floats of recurrent state, got ", state.size(),
+      state_slot >= 0 ? " beside its state slot " + std::to_string(state_slot) : "");
   validate(req);
   const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
   TANDEM_CHECK_KIND(kInvalidArgument, static_cast<int64_t>(pages.size()) * config_.page_size >= n,
@@ -241,6 +250,7 @@ void Engine::add_prefilled(GenRequest req, OutputCallback on_output, std::vector
   seq->on_output = std::move(on_output);
   seq->tokens.push_back(first_token);
   seq->initial_state = std::move(state);
+  seq->state_slot = state_slot;  // (-1: one is allocated when it is first scheduled)
   Sequence& s = *seq;
   scheduler_.add(std::move(seq));
   ++counters_.generation_tokens;

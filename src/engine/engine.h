@@ -106,6 +106,12 @@ class Engine {
   /// Disaggregated decode: reserves KV pages for a request whose prompt KV another instance
   /// will write (the transfer engine). Returns false when the pool cannot supply them now.
   bool reserve_pages(int64_t num_tokens, std::vector<int32_t>& pages);
+  /// Hybrid models over a device transfer (TransferBackend::carries_device_state): reserves the
+  /// state slot the transfer writes the prompt's state into (TransferDescriptor::dst_state_slot);
+  /// -1 when none is free. add_prefilled(..., state_slot) hands it to the sequence, else
+  /// release_state_slot gives it back.
+  int32_t reserve_state_slot();
+  void release_state_slot(int32_t slot);
   /// Gives reserved pages back (a transfer that failed or was cancelled).
   void release_pages(const std::vector<int32_t>& pages);
   /// Disaggregated decode: adds a request whose prompt KV is already in `pages` (reserved
@@ -114,7 +120,9 @@ class Engine {
   /// continues from it (a seeded stream skips the draw the prefill instance used for it).
   /// Takes ownership of the pages.
   /// Hybrid models: `state` is the prompt's final recurrent state (state_slot_elems floats,
-  /// the layout of Model::state_slot_elems), restored into the sequence's slot at admission.
+  /// the layout of Model::state_slot_elems), restored into the sequence's slot at admission;
+  /// or, with `state_slot` >= 0 (reserve_state_slot, written by a device transfer) and `state`
+  /// empty, the sequence runs in that slot, which it then owns.
   /// Speculating: `prompt_hidden` ([n - prompt_hidden_begin, hidden]; may be empty) are the
   /// target's final hidden states of prompt positions prompt_hidden_begin..n - 1 as the
   /// prefill computed them. The first step that schedules the sequence leaves it out of the
@@ -123,7 +131,8 @@ class Engine {
   /// the sequence's first decode step verifies drafts, as in one engine.
   void add_prefilled(GenRequest request, OutputCallback on_output, std::vector<int32_t> pages,
                      int32_t first_token, float first_logprob, std::vector<float> state = {},
-                     std::vector<float> prompt_hidden = {}, int64_t prompt_hidden_begin = 0);
+                     std::vector<float> prompt_hidden = {}, int64_t prompt_hidden_begin = 0,
+                     int32_t state_slot = -1);
   /// Hybrid models: a live running sequence's recurrent state (its state slot), e.g. for a
   /// prefill instance to send after the prompt; empty when it holds none.
   std::span<const float> sequence_state(const std::string& id);

@@ -222,6 +222,7 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
     batch.forward.hidden_out = want_hidden ? &rank.hidden : nullptr;
     const bool ok = engine_->forward(batch);  // 3. TP attention + EP MoE (KV out per layer)
     comm.all_reduce_sum(failed.data(), static_cast<int64_t>(failed.size()), DType::kI64);
+    if (ok && config_.tp == 1) send_device_states(rank, step, failed);
     const int64_t hs = rank.model->config().hidden_size;
     int64_t row = 0;  // the sequence's first token in the batch (hidden_out rows)
     for (size_t i = 0; i < step.seqs.size(); ++i) {
@@ -299,6 +300,10 @@ std::vector<std::vector<float>> PrefillInstance::gather_states(Rank& rank, comm:
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const PrefillStep::Seq& s = step.seqs[i];
     if (!s.last || failed[i] > 0 || s.state_slot < 0) continue;
+    if (config_.tp == 1) {
+      auto it = jobs_.find(s.id);  // (a device state slot: send_device_states copied it)
+      if (it != jobs_.end() && it->second->dst.dst_state_slot >= 0) continue;
+    }
     // A model that merges the parts itself (a GPU model, on the devices) does; otherwise they
     // meet on rank 0 through the group's communicator.
     if (config_.tp > 1 && rank.model->gather_state(*rank.kv, s.state_slot, 0, states[i])) continue;
@@ -310,6 +315,23 @@ std::vector<std::vector<float>> PrefillInstance::gather_states(Rank& rank, comm:
     }
   }
   return states;
+}
+
+void PrefillInstance::send_device_states(Rank& rank, const PrefillStep& step,
+                                         std::vector<int64_t>& failed) {
+  if (!hybrid_) return;
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const PrefillStep::Seq& s = step.seqs[i];
+    if (!s.last || failed[i] > 0 || s.state_slot < 0) continue;
+    auto it = jobs_.find(s.id);
+    if (it == jobs_.end() || it->second->dst.dst_state_slot < 0) continue;
+    try {
+      rank.sender->send_state(s.id, s.state_slot);  // (ordered after the forward's writes)
+    } catch (const std::exception&) {
+      note_transfer_error(s.id, rank.index);
+      failed[i] = 1;
+    }
+  }
 }
 
 void PrefillInstance::note_pools() {
@@ -523,6 +545,11 @@ void PrefillInstance::submit(const GenRequest& req, transfer::TransferDescriptor
   TANDEM_CHECK_KIND(kInvalidArgument, dst.num_tokens == n, "request '", req.id,
                     "': the destination expects ", dst.num_tokens, " tokens, the prompt has ", n);
   const int64_t hs = ranks_[0]->model->config().hidden_size;
+  TANDEM_CHECK_KIND(kUnsupported, dst.dst_state_slot < 0 || config_.tp == 1, "request '", req.id,
+                    "': the decode side reserved a device state slot, and a prefill over --tp ",
+                    config_.tp,
+                    " merges its ranks' state parts on the host (device-to-device "
+                    "state transfer needs --tp 1 until the parts are gathered on the device)");
   TANDEM_CHECK_KIND(kInvalidArgument, dst.hidden_size == 0 || dst.hidden_size == hs, "request '",
                     req.id, "': the destination asks for hidden states of size ", dst.hidden_size,
                     ", this model's hidden size is ", hs);

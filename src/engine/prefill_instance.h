@@ -156,6 +156,10 @@ class PrefillInstance final : public PrefillClient {
   std::vector<std::vector<float>> gather_states(Rank& rank, comm::Communicator& comm,
                                                 const PrefillStep& step,
                                                 const std::vector<int64_t>& failed, bool ok);
+  // TP 1, a destination that reserved a device state slot (descriptor dst_state_slot, a device
+  // transfer backend): each prompt that ended in this step has its state slot copied there,
+  // device to device, before its transfer finishes (a refusal fails the sequence: `failed`).
+  void send_device_states(Rank& rank, const PrefillStep& step, std::vector<int64_t>& failed);
   // Rank 0: the pool counters after a step.
   void note_pools();
   void on_output(Job& job, const StepOutput& out);

@@ -119,6 +119,7 @@ void put_descriptor(ByteWriter& w, const transfer::TransferDescriptor& d) {
   w.put(d.head_dim);
   w.put(d.num_layers);
   w.put(d.state_elems);
+  w.put(d.dst_state_slot);
   w.put(d.hidden_size);
 }
 
@@ -136,6 +137,7 @@ transfer::TransferDescriptor get_descriptor(ByteReader& r) {
   d.head_dim = r.get<int64_t>();
   d.num_layers = r.get<int64_t>();
   d.state_elems = r.get<int64_t>();
+  d.dst_state_slot = r.get<int32_t>();
   d.hidden_size = r.get<int64_t>();
   return d;
 }

@@ -165,6 +165,11 @@ class Scheduler {
   int64_t preemptions() const { return preemptions_; }
   /// State slots not held by a running sequence (0 for a model without states).
   int64_t num_free_state_slots() const { return slots_.num_free(); }
+  /// A free state slot taken for a sequence to come (a device transfer writes it), or -1 (none
+  /// free, or no states); give it back with release_state_slot or hand it to a sequence
+  /// (Sequence::state_slot) that then owns it.
+  int32_t reserve_state_slot() { return stateful_ ? slots_.allocate() : -1; }
+  void release_state_slot(int32_t slot) { slots_.release(slot); }
   /// Hybrid models' prefix cache: prompt prefill chunks end at every multiple of `interval`
   /// tokens (a multiple of the page size), where commit() checkpoints the state into one of
   /// `capacity` slots from `first_slot` on; admission resumes a prompt from the deepest

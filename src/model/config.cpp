@@ -645,6 +645,12 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
   return c;
 }
 
+QuantConfig QuantConfig::from_dir(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  const Json j = parse_json_object(read_text_file(path), path);
+  return read_quantization_config(FieldReader(j, path));
+}
+
 ModelConfig ModelConfig::from_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   std::string config_path = (fs::path(dir) / "config.json").string();

@@ -32,6 +32,10 @@ struct QuantConfig {
   bool quantized() const { return method != WeightQuant::kNone; }
   /// The scale tensor beside `<module>.weight`: "weight_scale_inv" or "weight_scale".
   std::string scale_name(const std::string& weight_name) const;
+  /// dir/config.json's top-level quantization_config (kNone when absent), whatever the
+  /// model_type: for the memory planner (model/memory_plan.h), also where the model's own
+  /// loader does not read it yet (Qwen3.5). Errors name the file and field.
+  static QuantConfig from_dir(const std::string& dir);
 };
 
 /// Qwen3-MoE hyper-parameters (config.json, model_type "qwen3_moe"). Both spellings are

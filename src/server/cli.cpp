@@ -155,6 +155,31 @@ void add_deterministic_flag(CLI::App* cmd, bool& on) {
                 "docs/api.md)");
 }
 
+// tandem plan --model: whether one rank of a role fits a GPU (server/planner.h).
+void add_memory_fit_options(CLI::App* cmd, MemoryFitArgs& a) {
+  cmd->add_option("--model", a.model, "Memory-fit mode: checkpoint directory (config.json only)");
+  cmd->add_option("--role", a.role, "serve (1 rank), prefill (TP = EP = ranks), decode (DP = EP)")
+      ->check(CLI::IsMember({"serve", "prefill", "decode"}));
+  cmd->add_option("--ranks", a.ranks, "Ranks of the instance")->check(CLI::PositiveNumber);
+  cmd->add_option("--gpu-memory-gb", a.gpu_memory_gb, "One GPU's memory in GB (H200: 141)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--gpu-memory-utilization", a.gpu_memory_utilization,
+                  "Share of the GPU for weights, activations and KV")
+      ->check(CLI::Range(0.01, 1.0));
+  cmd->add_option("--max-model-len", a.max_model_len, "Default: max_position_embeddings")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--page-size", a.page_size)->check(CLI::PositiveNumber);
+  cmd->add_option("--max-num-seqs", a.max_num_seqs, "Running sequences per rank")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-num-batched-tokens", a.max_num_batched_tokens,
+                  "Tokens per step (default: 1024, decode 4096)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-cache-dtype", a.kv_cache_dtype, "auto (bf16) or fp8")
+      ->check(CLI::IsMember({"auto", "fp8"}));
+  cmd->add_flag("--mxfp8-native", a.mxfp8_native,
+                "MXFP8 kept as FP8 codes (TANDEM_CUDA_MXFP8=native), not dequantized to bf16");
+}
+
 // --speculative-config (tandem generate / serve / decode): the MTP layer from the model's own
 // checkpoint or "model", K drafts per step. Empty: no speculation.
 void add_speculative_option(CLI::App* cmd, std::string& json) {
@@ -952,19 +977,22 @@ int cli_main(int argc, char** argv) {
   srv.parsers.add_to(sv);
 
   PlannerInputs plan_in;
-  auto* pl = app.add_subcommand("plan", "Replica counts for prefill and decode instances");
-  pl->add_option("--input-tps", plan_in.input_tokens_per_s, "Prompt tokens/s arriving")->required();
-  pl->add_option("--prefill-capacity-tps", plan_in.prefill_capacity_tps,
-                 "Prompt tokens/s one prefill instance sustains (measured)")
-      ->required();
+  MemoryFitArgs fit;
+  auto* pl = app.add_subcommand(
+      "plan", "Replica counts for prefill and decode instances, or (--model) whether a role fits");
+  auto* pl_tps = pl->add_option("--input-tps", plan_in.input_tokens_per_s,
+                                "Prompt tokens/s arriving (replica mode: required)");
+  auto* pl_cap = pl->add_option("--prefill-capacity-tps", plan_in.prefill_capacity_tps,
+                                "Prompt tokens/s one prefill instance sustains (measured; replica "
+                                "mode: required)");
   pl->add_option("--queued-input-tokens", plan_in.queued_input_tokens);
   pl->add_option("--drain-seconds", plan_in.drain_seconds);
-  pl->add_option("--concurrent-seqs", plan_in.concurrent_sequences, "Sequences decoding")
-      ->required();
+  auto* pl_seqs = pl->add_option("--concurrent-seqs", plan_in.concurrent_sequences,
+                                 "Sequences decoding (replica mode: required)");
   pl->add_option("--dp", plan_in.decode_dp, "Ranks per decode instance");
   pl->add_option("--max-decode-batch", plan_in.max_decode_batch, "Per-rank batch threshold");
   pl->add_option("--utilisation", plan_in.target_utilisation, "Planned fraction of capacity");
-
+  add_memory_fit_options(pl, fit);
   ConvertArgs conv;
   auto* cv = app.add_subcommand(
       "convert", "Quantize a checkpoint's linear weights statically (MXFP8 or 128x128 block FP8)");
@@ -1100,6 +1128,10 @@ int cli_main(int argc, char** argv) {
     if (cv->parsed()) return run_convert(conv);
     if (bench_cli.parsed()) return bench_cli.run();
     if (pl->parsed()) {
+      if (!fit.model.empty()) return print_memory_fit(fit, std::cout);
+      TANDEM_CHECK_KIND(kInvalidArgument, pl_tps->count() && pl_cap->count() && pl_seqs->count(),
+                        "plan: give --model DIR (will a role fit a GPU?) or --input-tps, "
+                        "--prefill-capacity-tps and --concurrent-seqs (replica counts)");
       PlannerOutput out = plan_replicas(plan_in);
       nlohmann::json j = {{"prefill_instances", out.prefill_instances},
                           {"decode_instances", out.decode_instances}};

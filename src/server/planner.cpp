@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
+#include "model/memory_plan.h"
 
 namespace tandem {
 
@@ -39,6 +41,51 @@ PlannerOutput plan_replicas(const PlannerInputs& in) {
       << "\n";
   out.explanation = why.str();
   return out;
+}
+
+int print_memory_fit(const MemoryFitArgs& a, std::ostream& out) {
+  MemoryPlanOptions o;
+  if (a.role == "serve") {
+    o.mode = ShardMode::kSingle;
+    TANDEM_CHECK_KIND(kInvalidArgument, a.ranks == 1,
+                      "plan --role serve runs on 1 rank, not --ranks ", a.ranks);
+  } else if (a.role == "prefill") {
+    o.mode = ShardMode::kPrefillTpEp;
+  } else if (a.role == "decode") {
+    o.mode = ShardMode::kDecodeDpEp;
+  } else {
+    TANDEM_THROW(kInvalidArgument, "plan --role must be serve, prefill or decode, not '", a.role,
+                 "'");
+  }
+  TANDEM_CHECK_KIND(kInvalidArgument, a.kv_cache_dtype == "auto" || a.kv_cache_dtype == "fp8",
+                    "plan --kv-cache-dtype must be auto or fp8, not '", a.kv_cache_dtype, "'");
+  o.ranks = a.ranks;
+  o.gpu_memory_bytes = a.gpu_memory_gb * 1e9;
+  o.gpu_memory_utilization = a.gpu_memory_utilization;
+  o.max_model_len = a.max_model_len;
+  o.page_size = a.page_size;
+  o.max_num_seqs = a.max_num_seqs;
+  o.max_num_batched_tokens = a.max_num_batched_tokens;
+  o.kv_cache_bytes_per_elem = a.kv_cache_dtype == "fp8" ? 1 : 2;
+  o.mxfp8_native = a.mxfp8_native;
+  ModelConfig c = ModelConfig::from_dir(a.model);
+  // (Qwen3.5's config reader leaves quantization_config to its loaders; the plan needs it.)
+  if (!c.quant.quantized()) c.quant = QuantConfig::from_dir(a.model);
+  const MemoryPlan m = plan_memory(c, o);
+  out << m.describe(c);
+  nlohmann::json j = {{"fits", m.fits},
+                      {"role", a.role},
+                      {"ranks", a.ranks},
+                      {"weight_bytes", m.weights.total()},
+                      {"activation_bytes", m.activations},
+                      {"kv_state_bytes", m.kv_state_bytes},
+                      {"kv_bytes_per_token", m.kv_bytes_per_token},
+                      {"state_bytes_per_seq", m.state_bytes_per_seq},
+                      {"max_batch", m.max_batch},
+                      {"max_context", m.max_context}};
+  if (!m.fits) j["refusal"] = m.refusal;
+  out << j.dump() << "\n";
+  return m.fits ? 0 : 1;
 }
 
 }  // namespace tandem

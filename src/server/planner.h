@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 
 namespace tandem {
@@ -31,5 +32,26 @@ struct PlannerOutput {
 /// decode  = ceil(concurrent / (d * max_decode_batch * utilisation)); both at least their
 /// minimum. Throws Error(kInvalidArgument) on a non-positive capacity, d or batch.
 PlannerOutput plan_replicas(const PlannerInputs& in);
+
+/// `tandem plan --model DIR`: will one rank of a role fit a GPU (model/memory_plan.h)?
+struct MemoryFitArgs {
+  std::string model;           // checkpoint directory (config.json only is read)
+  std::string role = "serve";  // serve (1 rank), prefill (TP = EP = ranks), decode (DP = EP)
+  int ranks = 1;
+  double gpu_memory_gb = 141;  // GB (1e9 bytes); 141: H200
+  double gpu_memory_utilization = 0.9;
+  int64_t max_model_len = 0;  // 0: max_position_embeddings
+  int64_t page_size = 16;
+  int64_t max_num_seqs = 64;
+  int64_t max_num_batched_tokens = 0;   // 0: the role's default
+  std::string kv_cache_dtype = "auto";  // auto (bf16) or fp8
+  bool mxfp8_native = false;
+};
+
+/// Prints the plan of rank 0 and a JSON summary line to `out`; returns 0 when it fits, 1 when
+/// not (the text then ends with the refusal: what does not fit and by how much). Throws
+/// Error(kInvalidArgument) on a bad role, rank count or option, or a layout that does not split the
+/// model.
+int print_memory_fit(const MemoryFitArgs& args, std::ostream& out);
 
 }  // namespace tandem

@@ -25,6 +25,10 @@ void TransferDescriptor::validate() const {
   // A bound on the FINISH body a receiver accepts: 1 GiB of state (Qwen3.5-397B's is ~0.2 GB).
   TANDEM_CHECK_KIND(kInvalidArgument, state_elems >= 0 && state_elems <= (int64_t{1} << 28), where,
                     "state_elems ", state_elems, " out of range [0, 2^28]");
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    dst_state_slot >= -1 && (dst_state_slot < 0 || state_elems > 0), where,
+                    "dst_state_slot ", dst_state_slot, " needs a recurrent state (state_elems ",
+                    state_elems, ") and an id >= 0");
   // Likewise for the prompt's hidden states (1 GiB of floats at most).
   TANDEM_CHECK_KIND(kInvalidArgument,
                     hidden_size >= 0 && hidden_size <= (int64_t{1} << 20) &&

@@ -65,6 +65,10 @@ struct TransferDescriptor {
   /// Hybrid models (Qwen3.5): floats of the sequence's recurrent state (Model::state_slot_elems)
   /// that travel with the FINISH (finish_with_state), 0 for attention-only models.
   int64_t state_elems = 0;
+  /// Device backends (TransferBackend::carries_device_state): the destination's reserved state
+  /// slot (its KvCache state slot of state_elems floats) the state is copied into, device to
+  /// device; -1: the state travels with the FINISH (finish_with_state).
+  int32_t dst_state_slot = -1;
   /// MTP speculative decoding on the destination (it asked for them): the hidden size of the
   /// prompt's final hidden states (the target's, after the final norm, one row per prompt
   /// position it computed) that travel from one sending rank before its FINISH; 0: none.
@@ -183,6 +187,18 @@ class TransferSender {
                       "': this transfer backend does not carry a recurrent state or hidden states");
     finish(request, first_token, logprob);
   }
+  /// Device backends (TransferBackend::carries_device_state): copies this rank's state slot
+  /// `src_slot` (the cache's device state slot, state_elems floats: the whole state) into each
+  /// destination's reserved slot (descriptor dst_state_slot), device to device, after the
+  /// model's work enqueued so far on its stream (call it after the prompt's last forward, before
+  /// finish()); the model's stream waits for the copy, so the slot may be reused by the next
+  /// forward. The receiver completes the request only once a FINISH says the state was copied.
+  /// Throws Error(kInvalidArgument) on a slot out of range or a size other than the
+  /// descriptor's, Error(kUnsupported) where the backend copies no device state (the default).
+  virtual void send_state(const std::string& request, int32_t src_slot) {
+    TANDEM_THROW(kUnsupported, "KV transfer of request '", request, "' (state slot ", src_slot,
+                 "): this transfer backend does not copy device state slots");
+  }
   /// Drops the request (e.g. the client went away); no callback follows. The destinations
   /// see the transfer fail and report it there.
   virtual void abort(const std::string& request) = 0;
@@ -217,6 +233,10 @@ class TransferBackend {
   /// True when its FINISH carries the prompt's hidden states (TransferDescriptor::hidden_size):
   /// a decode instance asks for them only then.
   virtual bool carries_prompt_hidden() const { return false; }
+  /// True when it copies a hybrid's recurrent state between device state slots
+  /// (TransferSender::send_state, TransferDescriptor::dst_state_slot) instead of carrying it
+  /// in the FINISH: a decode instance then reserves the slot with the pages.
+  virtual bool carries_device_state() const { return false; }
   /// The sender of prefill rank `rank` of an instance sharded as `sharding`, reading `cache`
   /// (which holds sharding.held(rank).size() heads; it must outlive the sender).
   virtual std::unique_ptr<TransferSender> make_sender(const KvCache& cache,

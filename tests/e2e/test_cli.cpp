@@ -155,6 +155,73 @@ TEST(Cli, BadInputGivesClearErrors) {
   fs::remove_all(tmp);
 }
 
+// `tandem plan --model`: the memory fit of a role from config.json alone (Qwen3.5-397B-A17B's
+// published shapes, no weights); the replica mode still works; neither mode's inputs: an error.
+TEST(Cli, PlanMemoryFit) {
+  namespace fs = std::filesystem;
+  auto write_config = [](const fs::path& dir, bool fp8) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    nlohmann::json c = {{"architectures", {"Qwen3_5MoeForCausalLM"}},
+                        {"model_type", "qwen3_5_moe_text"},
+                        {"hidden_size", 4096},
+                        {"num_hidden_layers", 60},
+                        {"full_attention_interval", 4},
+                        {"num_attention_heads", 32},
+                        {"num_key_value_heads", 2},
+                        {"head_dim", 256},
+                        {"linear_num_key_heads", 16},
+                        {"linear_num_value_heads", 64},
+                        {"linear_key_head_dim", 128},
+                        {"linear_value_head_dim", 128},
+                        {"linear_conv_kernel_dim", 4},
+                        {"num_experts", 512},
+                        {"num_experts_per_tok", 10},
+                        {"moe_intermediate_size", 1024},
+                        {"shared_expert_intermediate_size", 1024},
+                        {"vocab_size", 248320},
+                        {"max_position_embeddings", 262144},
+                        {"rms_norm_eps", 1e-6},
+                        {"rope_parameters", {{"rope_theta", 1e7}, {"partial_rotary_factor", 0.25}}},
+                        {"tie_word_embeddings", false},
+                        {"dtype", "bfloat16"}};
+    if (fp8) {
+      c["quantization_config"] = {{"quant_method", "fp8"},
+                                  {"fmt", "e4m3"},
+                                  {"activation_scheme", "dynamic"},
+                                  {"weight_block_size", {128, 128}}};
+    }
+    std::ofstream(dir / "config.json") << c.dump(2);
+  };
+  const fs::path fp8 = fs::temp_directory_path() / "tandem_cli_plan_fp8";
+  const fs::path bf16 = fs::temp_directory_path() / "tandem_cli_plan_bf16";
+  write_config(fp8, true);
+  write_config(bf16, false);
+  CmdResult r =
+      run("plan --model " + fp8.string() + " --role decode --ranks 16 --max-model-len 32768");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("\"fits\":true"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("32 experts"), std::string::npos) << r.out;  // 512 / 16 per rank
+  EXPECT_NE(r.out.find("weights block FP8"), std::string::npos) << r.out;
+  r = run("plan --model " + bf16.string());  // serve: one GPU
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("does not fit"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("exceed the rank's budget"), std::string::npos) << r.out;
+  r = run("plan --model " + fp8.string() + " --role decode --ranks 3");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("experts do not split over 3 ranks"), std::string::npos) << r.out;
+  r = run("plan --model " + fp8.string() + " --role serve --ranks 2");
+  EXPECT_EQ(r.status, 1) << r.out;
+  r = run("plan");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("give --model DIR"), std::string::npos) << r.out;
+  r = run("plan --input-tps 100 --prefill-capacity-tps 50 --concurrent-seqs 10");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("\"prefill_instances\":3"), std::string::npos) << r.out;
+  fs::remove_all(fp8);
+  fs::remove_all(bf16);
+}
+
 TEST(Cli, HelpShowsEveryDefault) {
   struct Want {
     const char* cmd;

@@ -288,6 +288,44 @@ TEST_P(HybridGoldenTest, AloneBatchedChunkedAndPreempted) {
     EXPECT_EQ(dis.ids, c.output_ids);
     EXPECT_EQ(dis.finished, 1);
     EXPECT_EQ(e.blocks().num_available(), e.blocks().num_pages());
+
+    // The same through a reserved state slot that a device transfer fills
+    // (TransferDescriptor::dst_state_slot): the sequence runs in that slot and frees it.
+    const int64_t free_slots = e.num_free_state_slots();
+    const int32_t slot = e.reserve_state_slot();
+    ASSERT_GE(slot, 0);
+    EXPECT_EQ(e.num_free_state_slots(), free_slots - 1);
+    e.kv_cache().write_state(slot, state.data());
+    std::vector<int32_t> pages2;
+    ASSERT_TRUE(e.reserve_pages(len, pages2));
+    for (int64_t l = 0; l < src.geometry().num_layers; ++l) {
+      for (size_t p = 0; p < pages2.size(); ++p) {
+        std::copy_n(src.layer(l) + src_pages[p] * page_elems, page_elems,
+                    e.kv_cache().layer(l) + pages2[p] * page_elems);
+      }
+    }
+    // Both a host state and a slot, or a slot out of range: refused.
+    EXPECT_THROW(
+        e.add_prefilled(greedy_request("bad", c), nullptr, pages2, first, 0.0f, state, {}, 0, slot),
+        Error);
+    EXPECT_THROW(e.add_prefilled(greedy_request("bad", c), nullptr, pages2, first, 0.0f, {}, {}, 0,
+                                 static_cast<int32_t>(e.kv_cache().num_state_slots())),
+                 Error);
+    Result via_slot;
+    e.add_prefilled(
+        greedy_request("s", c),
+        [&](const StepOutput& o) {
+          via_slot.ids.insert(via_slot.ids.end(), o.token_ids.begin(), o.token_ids.end());
+          if (o.finished) ++via_slot.finished;
+        },
+        pages2, first, 0.0f, {}, {}, 0, slot);
+    while (e.step()) {
+    }
+    EXPECT_EQ(via_slot.ids, c.output_ids);
+    EXPECT_EQ(e.num_free_state_slots(), free_slots);
+    EXPECT_EQ(e.blocks().num_available(), e.blocks().num_pages());
+    e.release_state_slot(e.reserve_state_slot());  // a reservation given back
+    EXPECT_EQ(e.num_free_state_slots(), free_slots);
   }
 
   // Two state slots for three requests: admission waits for a slot.

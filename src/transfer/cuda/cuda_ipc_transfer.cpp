@@ -42,7 +42,7 @@ enum Msg : uint32_t {
   kHelloReply = 2,  // PoolInfo
   kBegin = 3,       // id, src rank
   kBeginReply = 4,  // id, ok, message
-  kFinish = 5,      // id, src rank, first token, logprob
+  kFinish = 5,      // id, src rank, first token, logprob, u8 state copied
   kAbort = 6,       // id, src rank, message
   kCancel = 7,      // receiver -> sender: id
   kCancelAck = 8,   // sender -> receiver: id
@@ -211,6 +211,11 @@ struct PoolInfo {
   int32_t pid;
   int32_t pad;
   int64_t num_layers, num_pages, num_kv_heads, page_size, head_dim, layer_stride;  // bytes
+  // A hybrid's recurrent state slots (KvCache device states: [num_state_slots, state_slot_elems]
+  // fp32, one allocation from slot 0); num_state_slots 0: none exported.
+  cudaIpcMemHandle_t state_handle;
+  uint64_t state_base;
+  int64_t num_state_slots, state_slot_elems;
 };
 
 // The device pool of a cache: one allocation, layers at a fixed stride.
@@ -256,6 +261,13 @@ class IpcReceiver final : public TransferReceiver {
     info_.page_size = g.page_size;
     info_.head_dim = g.head_dim;
     info_.layer_stride = stride;
+    if (cache.states_on_device() && cache.num_state_slots() > 0) {
+      // NOTE: slot 0 is the base of the states' allocation (KvCache::External::alloc_states).
+      TANDEM_CUDA_CHECK(cudaIpcGetMemHandle(&info_.state_handle, cache.state_data(0)));
+      info_.state_base = reinterpret_cast<uint64_t>(cache.state_data(0));
+      info_.num_state_slots = cache.num_state_slots();
+      info_.state_slot_elems = cache.state_slot_elems();
+    }
 
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     TANDEM_CHECK_KIND(kIo, listen_fd_ >= 0, "socket: ", std::strerror(errno));
@@ -319,6 +331,20 @@ class IpcReceiver final : public TransferReceiver {
       TANDEM_CHECK_KIND(kInvalidArgument, p >= 0 && p < g.num_pages && seen.insert(p).second, where,
                         "page id ", p, " out of range [0, ", g.num_pages, ") or repeated");
     }
+    if (d.state_elems > 0) {
+      // The state is copied device to device into a slot reserved here (never in the FINISH).
+      TANDEM_CHECK_KIND(kInvalidArgument, info_.num_state_slots > 0 && d.dst_state_slot >= 0, where,
+                        "a recurrent state of ", d.state_elems,
+                        " floats moves over cuda-ipc only into a reserved device state slot of "
+                        "this cache (descriptor dst_state_slot ",
+                        d.dst_state_slot, ", ", info_.num_state_slots, " device slots)");
+      TANDEM_CHECK_KIND(
+          kInvalidArgument,
+          d.dst_state_slot < info_.num_state_slots && d.state_elems == info_.state_slot_elems,
+          where, "state slot ", d.dst_state_slot, " of ", d.state_elems,
+          " floats does not fit this cache's ", info_.num_state_slots, " slots of ",
+          info_.state_slot_elems);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     TANDEM_CHECK_KIND(kInvalidArgument, !expected_.count(d.request_id), where, "already expected");
     Expected e;
@@ -365,6 +391,7 @@ class IpcReceiver final : public TransferReceiver {
     std::map<int, std::shared_ptr<Conn>> begun;  // src rank -> its control connection
     HiddenAssembler hidden{1, 0};  // descriptor hidden_size > 0: the prompt's hidden states
     int hidden_rank = -1;          // the rank whose HIDDEN chunks arrive
+    int state_rank = -1;           // the rank whose FINISH said it copied the state
     int32_t token = 0;
     float logprob = 0;
     Clock::time_point deadline;
@@ -449,6 +476,7 @@ class IpcReceiver final : public TransferReceiver {
           const int rank = rd.get<int32_t>();
           const auto token = rd.get<int32_t>();
           const auto lp = rd.get<float>();
+          const bool state_copied = rd.get<uint8_t>() != 0;
           bool done = false;
           std::string error;
           std::vector<std::shared_ptr<Conn>> others;
@@ -462,7 +490,15 @@ class IpcReceiver final : public TransferReceiver {
             e.token = token;
             e.logprob = lp;
             done = e.finished == e.senders;
-            if (e.hidden_rank == rank && !e.hidden.whole()) {
+            if (state_copied && e.state_rank < 0) e.state_rank = rank;
+            if (state_copied && (e.d.dst_state_slot < 0 || e.state_rank != rank)) {
+              error = "prefill rank " + std::to_string(rank) + " copied a recurrent state " +
+                      (e.d.dst_state_slot < 0 ? "nobody asked for" : "a second time");
+            } else if (done && e.d.dst_state_slot >= 0 && e.state_rank < 0) {
+              error = "every sender finished without copying the recurrent state (" +
+                      std::to_string(e.d.state_elems) + " floats into slot " +
+                      std::to_string(e.d.dst_state_slot) + ")";
+            } else if (e.hidden_rank == rank && !e.hidden.whole()) {
               error = "prefill rank " + std::to_string(rank) +
                       " finished before its hidden states were whole";
             } else if (done && e.d.hidden_size > 0 && !e.hidden.whole()) {
@@ -657,6 +693,7 @@ class IpcSender final : public TransferSender {
     for (auto& [a, p] : peers) {
       if (p->reader.joinable()) p->reader.join();
       if (p->mapped && p->info.pid != ::getpid()) (void)cudaIpcCloseMemHandle(p->base);
+      if (p->state_mapped) (void)cudaIpcCloseMemHandle(p->state_base);
     }
     (void)cudaEventDestroy(written_);
     (void)cudaStreamDestroy(copy_stream_);
@@ -672,11 +709,17 @@ class IpcSender final : public TransferSender {
     req->num_tokens = destinations.front().num_tokens;
     req->num_layers = destinations.front().num_layers;
     req->hidden_size = destinations.front().hidden_size;
+    req->state_elems = destinations.front().state_elems;
     for (auto& d : destinations) {
       d.validate();
       const std::string at = where + " to " + d.dst_address + ": ";
       TANDEM_CHECK_KIND(kInvalidArgument, d.hidden_size == req->hidden_size, at, "hidden_size ",
                         d.hidden_size, " differs from another destination's ", req->hidden_size);
+      TANDEM_CHECK_KIND(kInvalidArgument, d.state_elems == req->state_elems, at, "state_elems ",
+                        d.state_elems, " differs from another destination's ", req->state_elems);
+      TANDEM_CHECK_KIND(kInvalidArgument, d.state_elems == 0 || d.dst_state_slot >= 0, at,
+                        "a recurrent state moves over cuda-ipc only into a reserved device state "
+                        "slot (descriptor dst_state_slot)");
       TANDEM_CHECK_KIND(kInvalidArgument, d.request_id == request && d.src == sharding_, at,
                         "descriptor of request '", d.request_id, "' sharded ", d.src.str(),
                         " does not fit this rank (", sharding_.str(), ")");
@@ -712,6 +755,13 @@ class IpcSender final : public TransferSender {
                             rg.num_layers == g.num_layers && rg.page_size == dest.d.page_size,
                         where, ": the receiver at ", dest.d.dst_address,
                         " has another geometry than its descriptor");
+      const Peer& pr = *dest.peer;
+      TANDEM_CHECK_KIND(kInvalidArgument,
+                        dest.d.state_elems == 0 || (dest.d.dst_state_slot < pr.num_state_slots &&
+                                                    dest.d.state_elems == pr.state_slot_elems),
+                        where, ": state slot ", dest.d.dst_state_slot, " of ", dest.d.state_elems,
+                        " floats does not fit the receiver at ", dest.d.dst_address, " (",
+                        pr.num_state_slots, " device slots of ", pr.state_slot_elems, ")");
       call_begin(*dest.peer, request);
     }
     TANDEM_CUDA_CHECK(cudaSetDevice(device_));
@@ -747,6 +797,40 @@ class IpcSender final : public TransferSender {
 
   void finish(const std::string& request, int32_t first_token, float logprob) override {
     finish_with(request, first_token, logprob, {});
+  }
+
+  void send_state(const std::string& request, int32_t src_slot) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string where = "KV transfer of request '" + request + "': ";
+    auto it = reqs_.find(request);
+    TANDEM_CHECK_KIND(kInvalidArgument, it != reqs_.end(), where, "send_state before begin");
+    Req& r = *it->second;
+    TANDEM_CHECK_KIND(kInvalidArgument, r.state_elems > 0 && !r.state_copied, where,
+                      r.state_elems == 0 ? "the destination asks for no recurrent state"
+                                         : "the state was sent already");
+    TANDEM_CHECK_KIND(
+        kInvalidArgument,
+        cache_.states_on_device() && src_slot >= 0 && src_slot < cache_.num_state_slots() &&
+            cache_.state_slot_elems() == r.state_elems,
+        where, "source state slot ", src_slot, " of ", cache_.state_slot_elems(), " floats (",
+        cache_.num_state_slots(), " device slots: ", cache_.states_on_device() ? "yes" : "no",
+        ") does not give the ", r.state_elems, " the destination expects");
+    r.state_copied = true;
+    if (r.failed || r.dests.empty()) return;
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    // After the model's last write of the slot (stream order), on the copy stream.
+    TANDEM_CUDA_CHECK(cudaEventRecord(written_, model_stream_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written_, 0));
+    const size_t bytes = static_cast<size_t>(r.state_elems) * sizeof(float);
+    const float* src = cache_.state_data(src_slot);
+    for (const Dest& dest : r.dests) {
+      if (dest.cancelled || !dest.peer->sock.alive) continue;
+      uint8_t* dst = dest.peer->state_base + static_cast<size_t>(dest.d.dst_state_slot) * bytes;
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, copy_stream_));
+    }
+    // The source slot may be reused once the copy read it.
+    TANDEM_CUDA_CHECK(cudaEventRecord(r.copied, copy_stream_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(model_stream_, r.copied, 0));
   }
 
   void finish_with(const std::string& request, int32_t first_token, float logprob,
@@ -806,6 +890,7 @@ class IpcSender final : public TransferSender {
         }
         Writer w;
         w.str(r->id).put<int32_t>(rank_).put(first_token).put(logprob);
+        w.put<uint8_t>(r->state_copied ? 1 : 0);
         ok = dest.peer->sock.send(kFinish, w) && ok;
       }
       if (with_hidden) {
@@ -845,6 +930,9 @@ class IpcSender final : public TransferSender {
     uint8_t* base = nullptr;
     int64_t stride = 0;
     bool mapped = false;
+    uint8_t* state_base = nullptr;  // its state slots (num_state_slots > 0)
+    int64_t num_state_slots = 0, state_slot_elems = 0;
+    bool state_mapped = false;
     std::mutex mu;
     std::condition_variable cv;
     bool hello = false;
@@ -864,7 +952,9 @@ class IpcSender final : public TransferSender {
     std::vector<int64_t> sent;
     int64_t num_tokens = 0, num_layers = 0;
     cudaEvent_t copied = nullptr;
-    int64_t hidden_size = 0;  // descriptor hidden_size (every destination's)
+    int64_t hidden_size = 0;    // descriptor hidden_size (every destination's)
+    int64_t state_elems = 0;    // descriptor state_elems (every destination's)
+    bool state_copied = false;  // send_state enqueued its copies (the FINISH says so)
     bool failed = false;
     bool callback_done = false;
   };
@@ -1079,6 +1169,27 @@ class IpcSender final : public TransferSender {
       p->base = static_cast<uint8_t*>(mapped);
       p->mapped = true;
     }
+    if (in.num_state_slots > 0) {
+      p->num_state_slots = in.num_state_slots;
+      p->state_slot_elems = in.state_slot_elems;
+      if (in.pid == ::getpid()) {
+        p->state_base = reinterpret_cast<uint8_t*>(in.state_base);
+      } else {
+        void* mapped = nullptr;
+        const cudaError_t st =
+            cudaIpcOpenMemHandle(&mapped, in.state_handle, cudaIpcMemLazyEnablePeerAccess);
+        if (st != cudaSuccess) {
+          (void)cudaGetLastError();
+          if (p->mapped) (void)cudaIpcCloseMemHandle(p->base);
+          p->sock.shutdown();
+          p->reader.join();
+          TANDEM_THROW(kIo, "cannot map the state slots of KV receiver ", address,
+                       " (CUDA IPC: ", cudaGetErrorString(st), ")");
+        }
+        p->state_base = static_cast<uint8_t*>(mapped);
+        p->state_mapped = true;
+      }
+    }
     std::lock_guard<std::mutex> l2(mu_);
     peers_[address] = p;
     return p;
@@ -1199,6 +1310,7 @@ class CudaIpcBackend final : public TransferBackend {
   explicit CudaIpcBackend(CudaIpcOptions opts) : opts_(std::move(opts)) {}
   std::string_view name() const override { return "cuda-ipc"; }
   bool carries_prompt_hidden() const override { return true; }  // HIDDEN chunks (kMaxBody)
+  bool carries_device_state() const override { return true; }   // send_state
   std::unique_ptr<TransferSender> make_sender(const KvCache& cache, const KvSharding& sharding,
                                               int rank, SenderCallbacks callbacks) override {
     return std::make_unique<IpcSender>(cache, sharding, rank, std::move(callbacks), opts_);

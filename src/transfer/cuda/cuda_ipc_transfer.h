@@ -18,8 +18,17 @@
 //              from rank 0) first sends the wire format's one HIDDEN message cut into chunks of
 //              at most 256 KiB over the control connection (hidden_chunks.h), before the FINISH;
 //              the receiver reassembles it into a buffer bounded by its descriptor and hands it
-//              to on_hidden right before on_complete, as the TCP backend. A recurrent state
-//              (finish_with_state) is not carried (Error(kUnsupported)).
+//              to on_hidden right before on_complete, as the TCP backend.
+//   send_state a hybrid's recurrent state (conv windows + fp32 recurrent states, one state
+//              slot) goes device to device: the receiver exports its state slots (one device
+//              allocation, KvCache::state_data(0)) by a second IPC handle at registration, the
+//              descriptor names the reserved slot (dst_state_slot, bounded by the receiver's slot
+//              count and size at expect() and by the sender at begin()), and the sender copies its
+//              slot into the mapped one on the copy stream after the model's last write (the
+//              model stream waits for the copy before the slot is reused); that rank's FINISH
+//              says it copied, and the receiver completes the request only then (no on_state:
+//              the state is in the slot). A host state (finish_with_state) is not carried
+//              (Error(kUnsupported)).
 // Failure isolation as the TCP backend: a lost control connection fails the requests that
 // began on it, on both sides; the receiver times a request out `timeout` after expect();
 // cancel() on the receiver makes each sender that began the request stop and drain its copies

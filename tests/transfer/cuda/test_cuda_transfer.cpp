@@ -1,6 +1,7 @@
 // The device KV transfer: the kv_copy kernel against its CPU reference, and the cuda-ipc
 // backend end to end across processes on one GPU (prefill ranks -> decode rank, head merge,
-// page sizes that differ, a cancel; the prompt's hidden states). Every CUDA call runs in forked
+// page sizes that differ, a cancel; the prompt's hidden states; a hybrid's recurrent state
+// slot to slot). Every CUDA call runs in forked
 // children (fork after CUDA init is undefined), so the parent never touches the GPU; skips
 // without one.
 #include <cuda_runtime.h>
@@ -61,14 +62,17 @@ std::vector<int32_t> random_pages(int64_t count, int64_t num_pages, uint64_t see
   return all;
 }
 
-// A device pool for a KvCache (one allocation, all layers), filled from host bits.
+// A device pool for a KvCache (one allocation, all layers), filled from host bits; with
+// state_slots > 0 also device state slots (one allocation, as a GPU model's alloc_states).
 struct DevicePool {
   KvGeometry g;
   std::shared_ptr<void> mem;
   cudaStream_t stream = nullptr;
   KvCache cache;
 
-  DevicePool(KvGeometry geom, const std::vector<uint16_t>& host) : g(geom) {
+  DevicePool(KvGeometry geom, const std::vector<uint16_t>& host, int64_t state_slots = 0,
+             int64_t slot_elems = 0)
+      : g(geom) {
     g.dtype = DType::kBF16;
     const size_t bytes = host.size() * 2;
     void* p = nullptr;
@@ -82,7 +86,19 @@ struct DevicePool {
       ext.layers.push_back(static_cast<char*>(p) + l * layer);
     ext.owner = mem;
     ext.stream = stream;
+    if (state_slots > 0) {
+      ext.alloc_states = [](size_t bytes) {
+        void* q = nullptr;
+        TANDEM_CUDA_CHECK(cudaMalloc(&q, bytes));
+        TANDEM_CUDA_CHECK(cudaMemset(q, 0, bytes));
+        return std::shared_ptr<void>(q, [](void* x) { cudaFree(x); });
+      };
+      ext.copy_states = [](void* dst, const void* src, size_t bytes, int kind) {
+        TANDEM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, static_cast<cudaMemcpyKind>(kind)));
+      };
+    }
     cache = KvCache(g, std::move(ext));
+    if (state_slots > 0) cache.allocate_states(state_slots, slot_elems);
   }
   std::vector<uint16_t> read() const {
     std::vector<uint16_t> h(static_cast<size_t>(g.page_elems() * g.num_pages * g.num_layers));
@@ -695,6 +711,238 @@ TEST(CudaIpc, PromptHiddenStatesTravelBeforeTheFinish) {
         store.barrier();
       },
       std::chrono::seconds(300));
+  EXPECT_EQ(comm::describe_failures(results), "");
+}
+
+// Random floats (a recurrent state's values), reproducible from the seed.
+std::vector<float> state_values(int64_t elems, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<float> v(static_cast<size_t>(elems));
+  for (float& x : v) x = n(rng);
+  return v;
+}
+
+TEST(CudaIpc, RecurrentStateSlotToSlot) {
+  REQUIRE_GPU();
+  // A hybrid's KV (2 attention layers) and its state slots: the prompt's state goes from the
+  // prefill rank's device slot into the decode rank's reserved slot, bit for bit.
+  constexpr int64_t kLayers = 2, kHeads = 2, kHd = 64, kPage = 16, kPages = 16, kTokens = 100;
+  constexpr int64_t kSlots = 8, kElems = 3 * (3 * 1024 + 4 * 64 * 64) + 5;  // odd on purpose
+  const KvSharding src{kHeads, 1};
+  auto results = comm::run_local_ranks(
+      2,
+      [&](int rank) {
+        comm::RankEnv env = comm::RankEnv::from_env();
+        comm::TcpStore store(comm::TcpStoreOptions::of(env));
+        auto backend = make_cuda_ipc_backend();
+        TANDEM_CHECK(backend->carries_device_state(), "cuda-ipc copies no device state");
+        TransferDescriptor d;
+        d.dst_heads = {0, kHeads};
+        d.src = src;
+        d.num_tokens = kTokens;
+        d.page_size = kPage;
+        d.head_dim = kHd;
+        d.num_layers = kLayers;
+        d.dst_pages = random_pages(7, kPages, 7);
+        d.state_elems = kElems;
+        std::mutex mu;
+        std::condition_variable cv;
+        auto wait = [&](auto done) {
+          std::unique_lock<std::mutex> l(mu);
+          return cv.wait_for(l, std::chrono::seconds(60), done);
+        };
+        auto refused = [&](ErrorKind kind, const std::function<void()>& fn,
+                           const std::string& what) {
+          try {
+            fn();
+          } catch (const Error& e) {
+            TANDEM_CHECK(e.kind() == kind, what, ": ", e.what());
+            return;
+          }
+          TANDEM_CHECK(false, what, " was not refused");
+        };
+        const size_t kv_elems = static_cast<size_t>(kLayers * kPages * 2 * kHeads * kPage * kHd);
+        if (rank == 0) {
+          KvGeometry g{kLayers, kPages, kHeads, kPage, kHd};
+          DevicePool pool(g, std::vector<uint16_t>(kv_elems, kPoison), kSlots, kElems);
+          // Poison every slot (NaN bits), so a slot nobody wrote is seen.
+          std::vector<float> poison(static_cast<size_t>(kSlots * kElems));
+          const uint32_t nan_bits = 0x7FC0DEAD;
+          for (float& f : poison) std::memcpy(&f, &nan_bits, 4);
+          TANDEM_CUDA_CHECK(cudaMemcpy(pool.cache.state_data(0), poison.data(),
+                                       poison.size() * sizeof(float), cudaMemcpyHostToDevice));
+          std::map<std::string, std::string> ended;  // "complete" or the error
+          bool state_cb = false;
+          ReceiverCallbacks cbs;
+          cbs.on_complete = [&](const std::string& id, int32_t, float) {
+            std::lock_guard<std::mutex> l(mu);
+            ended[id] = "complete";
+            cv.notify_all();
+          };
+          cbs.on_error = [&](const std::string& id, const std::string& m) {
+            std::lock_guard<std::mutex> l(mu);
+            ended[id] = m;
+            cv.notify_all();
+          };
+          cbs.on_state = [&](const std::string&, std::vector<float>) { state_cb = true; };
+          auto rx = backend->make_receiver(pool.cache, cbs);
+          store.set("addr", rx->address());
+          auto desc = [&](const std::string& id, int32_t slot) {
+            TransferDescriptor x = d;
+            x.request_id = id;
+            x.dst_address = rx->address();
+            x.dst_state_slot = slot;
+            return x;
+          };
+          auto slot = [&](int64_t s) {
+            std::vector<float> v(static_cast<size_t>(kElems));
+            TANDEM_CUDA_CHECK(cudaMemcpy(v.data(), pool.cache.state_data(s), v.size() * 4,
+                                         cudaMemcpyDeviceToHost));
+            return v;
+          };
+          auto outcome = [&](const std::string& id) {
+            TANDEM_CHECK(wait([&] { return ended.count(id) > 0; }), "request ", id, " did not end");
+            std::lock_guard<std::mutex> l(mu);
+            return ended[id];
+          };
+          // Bad descriptors are refused: slot out of range, wrong size, no slot at all.
+          refused(
+              ErrorKind::kInvalidArgument, [&] { rx->expect(desc("bad", kSlots)); },
+              "a slot out of range");
+          refused(
+              ErrorKind::kInvalidArgument, [&] { rx->expect(desc("bad", -2)); }, "a negative slot");
+          refused(
+              ErrorKind::kInvalidArgument,
+              [&] {
+                TransferDescriptor x = desc("bad", 1);
+                x.state_elems = kElems + 1;
+                rx->expect(x);
+              },
+              "a state of another size");
+          refused(
+              ErrorKind::kInvalidArgument, [&] { rx->expect(desc("bad", -1)); },
+              "a state without a slot");
+          // 1. The state lands in slot 5, bit for bit; its neighbours stay untouched.
+          rx->expect(desc("s", 5));
+          store.set("ready_s", "1");
+          TANDEM_CHECK(outcome("s") == "complete", "s: ", outcome("s"));
+          const std::vector<float> want = state_values(kElems, 11);
+          const std::vector<float> got = slot(5);
+          TANDEM_CHECK(std::memcmp(got.data(), want.data(), want.size() * 4) == 0,
+                       "the transferred state differs from the sender's");
+          for (int64_t s : {4, 6}) {
+            const std::vector<float> other = slot(s);
+            TANDEM_CHECK(std::memcmp(other.data(), poison.data(), other.size() * 4) == 0, "slot ",
+                         s, " was written");
+          }
+          TANDEM_CHECK(!state_cb, "on_state called for a device state");
+          // 2. Every sender finished without copying the state: the request fails.
+          rx->expect(desc("none", 2));
+          store.set("ready_none", "1");
+          TANDEM_CHECK(
+              outcome("none").find("without copying the recurrent state") != std::string::npos,
+              "none: ", outcome("none"));
+          // 3. Cancelled after the state copy was enqueued, before the FINISH.
+          rx->expect(desc("c", 3));
+          store.set("ready_c", "1");
+          store.get("c_state_sent");
+          TANDEM_CHECK(rx->cancel("c"), "cancel of c");
+          store.set("c_cancelled", "1");
+          // 4. The same slot again, another state: complete and exact.
+          rx->expect(desc("after", 3));
+          store.set("ready_after", "1");
+          TANDEM_CHECK(outcome("after") == "complete", "after: ", outcome("after"));
+          const std::vector<float> want2 = state_values(kElems, 12);
+          const std::vector<float> got2 = slot(3);
+          TANDEM_CHECK(std::memcmp(got2.data(), want2.data(), want2.size() * 4) == 0,
+                       "the second state differs");
+          TANDEM_CHECK(!ended.count("c"), "a callback for the cancelled request");
+          store.get("sender_done");
+        } else {
+          KvGeometry g{kLayers, kPages, kHeads, kPage, kHd};
+          std::vector<uint16_t> bits(kv_elems);
+          fill_random(bits, 900);
+          DevicePool pool(g, bits, kSlots, kElems);
+          auto put_state = [&](int64_t s, uint64_t seed) {
+            const std::vector<float> v = state_values(kElems, seed);
+            TANDEM_CUDA_CHECK(cudaMemcpy(pool.cache.state_data(s), v.data(), v.size() * 4,
+                                         cudaMemcpyHostToDevice));
+          };
+          std::map<std::string, std::string> outcome;
+          SenderCallbacks cbs;
+          cbs.on_sent = [&](const std::string& id) {
+            std::lock_guard<std::mutex> l(mu);
+            outcome.emplace(id, "sent");
+            cv.notify_all();
+          };
+          cbs.on_error = [&](const std::string& id, const std::string& m) {
+            std::lock_guard<std::mutex> l(mu);
+            outcome.emplace(id, "error: " + m);
+            cv.notify_all();
+          };
+          auto tx = backend->make_sender(pool.cache, src, 0, cbs);
+          const std::string addr = store.get_string("addr");
+          const std::vector<int32_t> table = random_pages(7, kPages, 8);
+          auto begin = [&](const std::string& id, int32_t dst_slot) {
+            store.get("ready_" + id);
+            TransferDescriptor x = d;
+            x.request_id = id;
+            x.dst_address = addr;
+            x.dst_state_slot = dst_slot;
+            tx->begin(id, {x}, table);
+            for (int64_t l = 0; l < kLayers; ++l) tx->send_layer(id, l);
+          };
+          auto result = [&](const std::string& id) {
+            TANDEM_CHECK(wait([&] { return outcome.count(id) > 0; }), "no callback for ", id);
+            std::lock_guard<std::mutex> l(mu);
+            return outcome[id];
+          };
+          // A descriptor naming a slot the receiver does not have: refused before BEGIN.
+          refused(
+              ErrorKind::kInvalidArgument,
+              [&] {
+                TransferDescriptor x = d;
+                x.request_id = "bad";
+                x.dst_address = addr;
+                x.dst_state_slot = kSlots + 3;
+                tx->begin("bad", {x}, table);
+              },
+              "a destination slot out of the receiver's range");
+          put_state(1, 11);
+          begin("s", 5);
+          refused(
+              ErrorKind::kInvalidArgument, [&] { tx->send_state("s", kSlots); },
+              "a source slot out of range");
+          tx->send_state("s", 1);
+          refused(
+              ErrorKind::kInvalidArgument, [&] { tx->send_state("s", 1); }, "a second send_state");
+          // The model's next write of the slot (on its stream) waits for the copy's read.
+          const std::vector<float> next = state_values(kElems, 99);
+          TANDEM_CUDA_CHECK(cudaMemcpyAsync(pool.cache.state_data(1), next.data(), next.size() * 4,
+                                            cudaMemcpyHostToDevice, pool.stream));
+          TANDEM_CUDA_CHECK(cudaStreamSynchronize(pool.stream));
+          tx->finish("s", 7, -0.1f);
+          TANDEM_CHECK(result("s") == "sent", "s: ", result("s"));
+          begin("none", 2);
+          tx->finish("none", 7, -0.1f);
+          result("none");
+          put_state(4, 12);
+          begin("c", 3);
+          tx->send_state("c", 4);
+          store.set("c_state_sent", "1");
+          store.get("c_cancelled");
+          TANDEM_CHECK(result("c").find("cancelled") != std::string::npos, "c: ", result("c"));
+          tx->abort("c");
+          begin("after", 3);
+          tx->send_state("after", 4);
+          tx->finish("after", 7, -0.1f);
+          TANDEM_CHECK(result("after") == "sent", "after: ", result("after"));
+          store.set("sender_done", "1");
+        }
+        store.barrier();
+      },
+      std::chrono::seconds(120));
   EXPECT_EQ(comm::describe_failures(results), "");
 }
 
