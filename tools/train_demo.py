@@ -387,7 +387,7 @@ def agent_examples(paras, rng, limit):
     out = []
     while len(out) < limit:
         kind = rng.random()
-        if kind < 0.55:  # a tool call, its result and a reply
+        if kind < 0.45:  # a tool call, its result and a reply (two examples)
             spec = rng.choice(TOOL_BANK)
             name, desc, params, questions = spec
             args = {p: draw(p, t) for p, t in params.items()}
