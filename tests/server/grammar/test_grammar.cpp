@@ -432,9 +432,6 @@ TEST(Grammar, HostBitmaskMatchesAReference) {
   }
 }
 
-}  // namespace
-}  // namespace tandem::grammar
-
 // ---- Bounded numbers (issue 34): a constrained number cannot run to max_tokens. ----
 
 /// Whether the grammar takes `text` whole, token by token, and may stop after it.
@@ -609,3 +606,6 @@ TEST(BoundedNumbers, JsonObjectValuesAndToolArgumentsAreBounded) {
     EXPECT_LE(x.exponent_digits, 3u) << text;
   }
 }
+
+}  // namespace
+}  // namespace tandem::grammar
