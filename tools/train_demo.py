@@ -251,26 +251,68 @@ def chat_examples(paras, rng, limit):
     return out[:limit]
 
 
-# Agent examples: replies that think (<think>...</think>, Qwen3's format) and call tools over the
-# novels (Hermes-style <tool_call>{"name", "arguments"}</tool_call>), with the tool results taken
-# from the corpus, so that the demo model emits reasoning and tool calls for the server to parse.
-AGENT_TOOLS = [
-    {"type": "function", "function": {
-        "name": "find_character", "description": "A passage of the novels that mentions a character",
-        "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
-                       "required": ["name"]}}},
-    {"type": "function", "function": {
-        "name": "count_mentions", "description": "How many times the novels mention a name",
-        "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
-                       "required": ["name"]}}},
-]
+# Agent examples (issue 34): what `make run` is asked by a new user with the openai client.
+#  - tool calls in Hermes form (<tool_call>\n{"name", "arguments"}\n</tool_call>, Qwen3's template)
+#    with the tool chosen among 1-3 offered ones by what the question asks, and the arguments
+#    copied from the question; then the tool's result (<tool_response>) and a reply that uses it;
+#  - questions with tools offered that need none (tool_choice "auto" must also answer plainly);
+#  - "answer in JSON": a short object (", " / ": " separators as the server's grammar writes
+#    them), closed, with small integers and numbers;
+#  - <think> blocks: every final assistant turn is rendered by the template with its think block
+#    (empty when thinking is off, as the template's generation prompt writes it); with thinking
+#    on (THINK_FRAC of the examples) the block holds a short plan drawn from the question.
+# A tool-call conversation is cut into the two requests the server sees: [user -> call] (the
+# call is the last turn: its think block is rendered) and [user, call, result -> reply] (the
+# call as a client sends it back: no reasoning).
+THINK_FRAC = 0.6
 CHARACTER_RE = re.compile(r"\b(?:Mr|Mrs|Miss|Captain|Colonel|Lady|Sir|Dr)\.? [A-Z][a-z]{2,}")
+# Cities, people and books the examples draw from; HELD_OUT_* never appear in training data and
+# make the held-out prompts (main() prints their greedy answers after training).
+CITIES = ["London", "Paris", "Bath", "Brighton", "Derby", "Oxford", "York", "Dublin", "Rome", "Madrid",
+          "Berlin", "Vienna", "Boston", "Chicago", "Tokyo", "Sydney", "Cairo", "Delhi", "Toronto", "Geneva",
+          "Naples", "Venice", "Lyon", "Leeds", "Bristol", "Glasgow", "Prague", "Warsaw", "Athens", "Seattle"]
+HELD_OUT_CITIES = ["Lisbon", "Oslo", "Munich"]
+BOOKS = ["Emma", "Persuasion", "Pride and Prejudice", "Sense and Sensibility", "Mansfield Park",
+         "Northanger Abbey"]
+CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "foggy", "snowy"]
+LANGUAGES = ["French", "German", "Italian", "Spanish"]
+# (name, description, {param: type}, question templates, how a value is drawn per param)
+TOOL_BANK = [
+    ("get_weather", "Get the current weather in a city", {"city": "string"},
+     ["What's the weather in {city}?", "What is the weather like in {city} today?",
+      "Is it raining in {city}?", "How warm is it in {city} now?"]),
+    ("get_time", "Get the local time in a city", {"city": "string"},
+     ["What time is it in {city}?", "Tell me the local time in {city}.", "What's the time in {city} now?"]),
+    ("get_population", "Get the population of a city", {"city": "string"},
+     ["How many people live in {city}?", "What is the population of {city}?"]),
+    ("find_character", "Find a passage of the novels that mentions a character", {"name": "string"},
+     ["Who is {name}?", "Tell me about {name}.", "Find a passage about {name}."]),
+    ("count_mentions", "Count how many times the novels mention a name", {"name": "string"},
+     ["How often is {name} mentioned?", "How many times does {name} appear in the novels?"]),
+    ("search_books", "Search the novels for a phrase", {"query": "string"},
+     ["Search the novels for \"{query}\".", "Where do the novels say \"{query}\"?"]),
+    ("convert_currency", "Convert an amount of money", {"amount": "number", "currency": "string"},
+     ["Convert {amount} pounds to {currency}.", "How much is {amount} pounds in {currency}?"]),
+    ("book_table", "Book a table at a restaurant", {"city": "string", "people": "integer"},
+     ["Book a table for {people} in {city}.", "I need a table in {city} for {people} people."]),
+    ("translate", "Translate a text into a language", {"text": "string", "language": "string"},
+     ["Translate \"{text}\" into {language}.", "How do you say \"{text}\" in {language}?"]),
+    ("send_email", "Send an email", {"to": "string", "subject": "string"},
+     ["Send an email to {to} about {subject}.", "Email {to} with the subject \"{subject}\"."]),
+]
+
+
+def tool_schema(name, desc, params):
+    return {"type": "function", "function": {
+        "name": name, "description": desc,
+        "parameters": {"type": "object", "properties": {p: {"type": t} for p, t in params.items()},
+                       "required": list(params)}}}
 
 
 def agent_examples(paras, rng, limit):
-    """Conversations with reasoning_content and tool calls about the novels' characters."""
-    counts = {}
-    first = {}
+    """Tool calls, tool results and replies, JSON answers and think blocks (see above); each
+    example {"messages", "tools"?}."""
+    counts, first = {}, {}
     for p in paras:
         for m in CHARACTER_RE.finditer(p):
             name = m.group(0)
@@ -280,48 +322,216 @@ def agent_examples(paras, rng, limit):
                 if sents and len(sents[0]) < 300:
                     first[name] = sents[0].strip()
     names = [n for n, c in sorted(counts.items(), key=lambda x: -x[1]) if c >= 10 and n in first][:80]
-    if not names:
-        return []
-    mentions = {}  # name -> sentences that mention it (answers for the thinking examples)
-    for p in paras:
-        for sent in SENT_SPLIT.split(p):
-            for n in CHARACTER_RE.findall(sent):
-                if n in names and len(sent) < 300:
-                    mentions.setdefault(n, []).append(sent.strip())
+    if not names:  # (tiny test corpora)
+        names = ["Mr. Darcy", "Miss Bates", "Captain Wentworth"]
+        counts.update({n: 12 for n in names})
+        first.update({n: f"{n} came into the room." for n in names})
+    phrases = [s.strip() for p in paras[:3000] for s in SENT_SPLIT.split(p) if 3 <= len(s.split()) <= 6]
+    phrases = [p.rstrip(".!?,;") for p in phrases] or ["a fine morning"]
+    people = [n.split()[-1] for n in names[:30]]
+
+    def draw(param, typ):
+        if param == "city":
+            return rng.choice(CITIES)
+        if param == "name":
+            return rng.choice(names)
+        if param in ("query", "text"):
+            return rng.choice(phrases)
+        if param == "currency":
+            return rng.choice(["euros", "dollars", "francs", "yen"])
+        if param == "language":
+            return rng.choice(LANGUAGES)
+        if param == "to":
+            return rng.choice(people).lower() + "@example.com"
+        if param == "subject":
+            return rng.choice(["the ball", "dinner on Tuesday", "the letter", "the journey to " + rng.choice(CITIES)])
+        if typ == "integer":
+            return rng.randint(2, 12)
+        if typ == "number":
+            return rng.choice([10, 25, 50, 100, 12.5, 7.25])
+        return rng.choice(phrases)
+
+    def result_and_reply(name, a):
+        if name == "get_weather":
+            t, c = rng.randint(-5, 32), rng.choice(CONDITIONS)
+            return ({"city": a["city"], "temperature": t, "condition": c},
+                    f"It is {t} degrees and {c} in {a['city']}.")
+        if name == "get_time":
+            hm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+            return {"city": a["city"], "time": hm}, f"It is {hm} in {a['city']}."
+        if name == "get_population":
+            n = rng.randint(50, 9000) * 1000
+            return {"city": a["city"], "population": n}, f"About {n} people live in {a['city']}."
+        if name == "find_character":
+            return {"passage": first[a["name"]]}, f"Here is a passage about {a['name']}: {first[a['name']]}"
+        if name == "count_mentions":
+            return {"name": a["name"], "count": counts[a["name"]]}, \
+                f"{a['name']} is mentioned {counts[a['name']]} times."
+        if name == "search_books":
+            b = rng.choice(BOOKS)
+            return {"book": b, "chapter": rng.randint(1, 50)}, f"\"{a['query']}\" is in {b}."
+        if name == "convert_currency":
+            v = round(a["amount"] * rng.uniform(0.8, 1.4), 2)
+            return {"amount": v, "currency": a["currency"]}, f"{a['amount']} pounds is {v} {a['currency']}."
+        if name == "book_table":
+            hm = f"{rng.randint(18, 21)}:00"
+            return {"status": "booked", "time": hm}, \
+                f"I booked a table for {a['people']} in {a['city']} at {hm}."
+        if name == "translate":
+            return {"translation": a["text"]}, f"In {a['language']}: {a['text']}."
+        return {"status": "sent"}, f"I sent the email about {a['subject']} to {a['to']}."
+
+    def think(text):
+        return text if rng.random() < THINK_FRAC else ""
+
     out = []
-    for _ in range(limit):
-        name = rng.choice(names)
+    while len(out) < limit:
         kind = rng.random()
-        user_lookup = rng.choice(["Who is {n}?", "Tell me about {n}.", "What do we know of {n}?"])
-        if kind < 0.35:  # thinking, then an answer from a passage
-            answer = rng.choice(mentions.get(name, [first[name]]))
-            thought = rng.choice(["The user asks about {n}. I recall a passage.",
-                                  "{n} appears in the novels; a passage will answer this.",
-                                  ""]).format(n=name)
-            msgs = [{"role": "user", "content": user_lookup.format(n=name)},
-                    {"role": "assistant", "reasoning_content": thought, "content": answer}]
-            out.append({"messages": msgs})
-            continue
-        if kind < 0.7:  # look the character up with a tool, then answer with the result
-            call = {"name": "find_character", "arguments": {"name": name}}
-            result = first[name]
-            final = result
-            question = user_lookup.format(n=name)
-            thought = f"I should look {name} up."
-        else:  # count the mentions with a tool
-            call = {"name": "count_mentions", "arguments": {"name": name}}
-            result = str(counts[name])
-            final = f"{name} is mentioned {counts[name]} times."
-            question = rng.choice(["How often is {n} mentioned?", "How many times does {n} appear?"]).format(n=name)
-            thought = f"I need to count the mentions of {name}."
-        call_id = f"call_{rng.randrange(1 << 30):08x}"
-        msgs = [{"role": "user", "content": question},
-                {"role": "assistant", "reasoning_content": thought, "content": "",
+        if kind < 0.45:  # a tool call, its result and a reply (two examples)
+            spec = rng.choice(TOOL_BANK)
+            name, desc, params, questions = spec
+            args = {p: draw(p, t) for p, t in params.items()}
+            question = rng.choice(questions).format(**args)
+            offered = [spec] + rng.sample([t for t in TOOL_BANK if t[0] != name], rng.randint(0, 2))
+            rng.shuffle(offered)
+            tools = [tool_schema(*t[:3]) for t in offered]
+            call = {"name": name, "arguments": args}
+            arg_text = ", ".join(f"{k} {v}" for k, v in args.items())
+            plan = think(f"The user asks: {question} The {name} tool answers this; I call it with {arg_text}.")
+            call_id = f"call_{rng.randrange(1 << 30):08x}"
+            user = {"role": "user", "content": question}
+            out.append({"messages": [user, {"role": "assistant", "reasoning_content": plan, "content": "",
+                                            "tool_calls": [{"type": "function", "function": call}]}],
+                        "tools": tools})
+            result, reply = result_and_reply(name, args)
+            res_text = json.dumps(result, ensure_ascii=False)
+            after = think(f"The tool returned {res_text}. I answer with it.")
+            out.append({"messages": [
+                user,
+                {"role": "assistant", "content": "",
                  "tool_calls": [{"id": call_id, "type": "function", "function": call}]},
-                {"role": "tool", "tool_call_id": call_id, "content": result},
-                {"role": "assistant", "reasoning_content": "", "content": final}]
-        out.append({"messages": msgs, "tools": AGENT_TOOLS})
-    return out
+                {"role": "tool", "tool_call_id": call_id, "content": res_text},
+                {"role": "assistant", "reasoning_content": after, "content": reply}], "tools": tools})
+        elif kind < 0.85:  # a short JSON answer
+            r = rng.random()
+            if r < 0.3:
+                city = rng.choice(CITIES)
+                t, c = rng.randint(-5, 32), rng.choice(CONDITIONS)
+                q = f"What is the weather in {city}? The forecast says {t} degrees and {c}."
+                obj = {"city": city, "temperature": t, "condition": c}
+            elif r < 0.55:
+                n = rng.choice(names)
+                q = rng.choice(["How often is {n} mentioned?", "Count the mentions of {n}."]).format(n=n)
+                obj = {"name": n, "mentions": counts[n]}
+            elif r < 0.8:
+                n, city = rng.choice(names), rng.choice(CITIES)
+                year = rng.randint(1780, 1820)
+                q = f"{n} travelled to {city} in {year}. Extract the person, the city and the year."
+                obj = {"person": n, "city": city, "year": year}
+            else:
+                b = rng.choice(BOOKS)
+                q = "Name a book by Jane Austen and two of its characters."
+                obj = {"book": b, "characters": rng.sample(names, 2)}
+            ask = rng.choice([" Answer in JSON.", " Reply with a JSON object.", " Give the answer as JSON.",
+                              " Respond only with JSON."])
+            msgs = [{"role": "user", "content": q + ask}]
+            if rng.random() < 0.2:
+                msgs = [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": q}]
+            plan = think(f"The user wants JSON with the keys {', '.join(obj)}. I write one short object.")
+            msgs.append({"role": "assistant", "reasoning_content": plan,
+                         "content": json.dumps(obj, ensure_ascii=False)})
+            out.append({"messages": msgs})
+        else:  # tools offered, none needed: answer from the novels
+            n = rng.choice(names)
+            q = rng.choice(["Tell me a line about {n}.", "Say something {n} would say.",
+                            "Continue the story of {n}."]).format(n=n)
+            plan = think(f"No tool is needed to tell a story about {n}; I answer myself.")
+            out.append({"messages": [{"role": "user", "content": q},
+                                     {"role": "assistant", "reasoning_content": plan,
+                                      "content": rng.choice(mentions_of(paras, n, rng) or [first[n]])}],
+                        "tools": [tool_schema(*t[:3]) for t in rng.sample(TOOL_BANK, rng.randint(1, 3))]})
+    return out[:limit]
+
+
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+                  "provided with function signatures within <tools></tools> XML tags:\n<tools>\n</tools>\n\n"
+                  "For each function call, return a json object with function name and arguments within "
+                  "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                  "<args-json-object>}\n</tool_call>")
+
+
+def agent_tokenizer_texts(paras, n, seed):
+    """Texts of agent examples (tool schemas, calls, results, JSON answers, the template's tools
+    preamble) for the tokenizer's training, about as many characters as the examples hold."""
+    texts = []
+    for ex in agent_examples(paras, random.Random(seed + 1), min(n, 20000)):
+        parts = [TOOLS_PREAMBLE] if ex.get("tools") else []
+        parts += [json.dumps(t, ensure_ascii=False) for t in ex.get("tools", [])]
+        for m in ex["messages"]:
+            parts += [m.get("reasoning_content") or "", m.get("content") or ""]
+            parts += ["<tool_call>\n" + json.dumps(c["function"], ensure_ascii=False) + "\n</tool_call>"
+                      for c in m.get("tool_calls", [])]
+        texts.append("\n".join(p for p in parts if p))
+    return texts
+
+
+def mentions_of(paras, name, rng, tries=400):
+    """Up to 3 sentences (< 300 chars) of random paragraphs that mention `name`."""
+    found = []
+    for _ in range(tries):
+        p = paras[rng.randrange(len(paras))]
+        if name in p:
+            found += [s.strip() for s in SENT_SPLIT.split(p) if name in s and len(s) < 300]
+            if len(found) >= 3:
+                break
+    return found
+
+
+# Held-out prompts (cities in HELD_OUT_CITIES only): printed with their greedy answers after
+# training, with a verdict per kind (the acceptance of issue 34 item 1).
+def held_out_checks(model, tok, eos_ids, max_tokens=100):
+    weather = [tool_schema(*TOOL_BANK[0][:3]), tool_schema(*TOOL_BANK[1][:3]), tool_schema(*TOOL_BANK[6][:3])]
+    cases = [
+        ("tool", [{"role": "user", "content": f"What's the weather like in {HELD_OUT_CITIES[0]} today?"}], weather,
+         {"enable_thinking": False}),
+        ("tool", [{"role": "user", "content": f"What time is it in {HELD_OUT_CITIES[1]}?"}], weather, {}),
+        ("json", [{"role": "user", "content": f"{HELD_OUT_CITIES[2]} has 18 degrees and rain. "
+                                              "Give the city and the temperature. Answer in JSON."}], None,
+         {"enable_thinking": False}),
+        ("think", [{"role": "user", "content": "Who is Mr. Darcy?"}], None, {"enable_thinking": True}),
+    ]
+    verdicts = []
+    for kind, msgs, tools, kw in cases:
+        text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True, **kw)
+        ids = tok.encode(text, add_special_tokens=False)
+        with torch.no_grad():
+            g = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_tokens,
+                               eos_token_id=eos_ids, pad_token_id=tok.pad_token_id, top_k=None, top_p=None,
+                               temperature=None)
+        new = g[0, len(ids):].tolist()
+        reply = tok.decode(new, skip_special_tokens=False)
+        body = reply.split("</think>")[-1].replace("<|im_end|>", "").strip()
+        ok = False
+        if kind == "tool":
+            m = re.search(r"<tool_call>\s*(\{.*\})\s*</tool_call>", body, re.S)
+            try:
+                call = json.loads(m.group(1)) if m else None
+                city = next(c for c in HELD_OUT_CITIES if c in msgs[-1]["content"])
+                ok = call is not None and call["name"] in ("get_weather", "get_time") and \
+                    call["arguments"].get("city") == city
+            except (ValueError, KeyError, TypeError, AttributeError):
+                ok = False
+        elif kind == "json":
+            try:
+                ok = isinstance(json.loads(body), dict) and len(new) < max_tokens
+            except ValueError:
+                ok = False
+        else:
+            think_text = reply.split("</think>")[0].replace("<think>", "").strip() if "</think>" in reply else ""
+            ok = bool(think_text) and bool(body)
+        verdicts.append((kind, ok))
+        log(f"held-out {kind}: {'OK' if ok else 'FAIL'}: {msgs[-1]['content']!r} -> {reply!r}")
+    return verdicts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,8 +765,8 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--chat-frac", type=float, default=0.1, help="fraction of sequences that are chat examples")
     ap.add_argument("--agent-examples", type=int, default=0,
-                    help="chat examples that think and call tools (find_character, count_mentions) "
-                         "mixed into the chat examples (issue 11 item 6; e.g. 4000)")
+                    help="agent examples (tool calls with results and replies, JSON answers, think blocks; "
+                         "see agent_examples) mixed into the chat examples (issue 34; e.g. 40000)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -594,7 +804,10 @@ def main():
     n_chars = sum(len(d) for d in docs)
     log(f"corpus: {len(docs)} documents, {len(paras)} paragraphs, {n_chars / 1e6:.2f} M chars")
     tok_vocab = args.vocab_size - 64 if args.vocab_size > 1024 else args.vocab_size
-    raw_tok = train_tokenizer(docs, tok_vocab)
+    # With agent examples the BPE also learns their JSON and tool-call syntax (a rendered tool
+    # example is then ~35% shorter); the special tokens keep their ids (appended after the BPE).
+    tok_docs = docs + (agent_tokenizer_texts(paras, args.agent_examples, args.seed) if args.agent_examples else [])
+    raw_tok = train_tokenizer(tok_docs, tok_vocab)
     raw_tok.save(os.path.join(args.out, "tokenizer.json"))
     # Same pipeline JSON as Qwen2/Qwen3's tokenizer.json (the decoder's flags are not serialised
     # from the constructor arguments; the post-processor only affects offsets).
@@ -796,6 +1009,7 @@ def main():
     # ---- golden (transformers fp32 greedy on the bf16 weights upcast), README
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     cases = make_golden(ref, tok, eos_ids)
+    held_out = held_out_checks(ref, tok, eos_ids) if args.agent_examples else []
     golden = {
         "fixture": "demo",
         "description": "Embedded demo model (tools/train_demo.py): fp32 greedy continuations from transformers "
@@ -821,6 +1035,8 @@ def main():
         log(f"golden {c['kind']}: {c['prompt_text']!r} -> {c['output_text']!r} "
             f"(margin {c['min_logit_margin']:.3f}, router {c['min_router_margin']})")
     log(f"final loss {final_loss:.4f}")
+    if held_out:
+        log("held-out prompts: " + ", ".join(f"{k} {'OK' if ok else 'FAIL'}" for k, ok in held_out))
     log(f"sample greedy continuation of 'The': The{sample['output_text']}")
     log(f"wrote {args.out}: {size / 1e6:.1f} MB; total time {time.time() - t_start:.0f}s")
     assert size <= 20 * 1000 * 1000, "demo model exceeds 20 MB"
@@ -878,6 +1094,10 @@ def write_readme(args, cfg, n_params, final_loss, steps, tokens, epochs, train_s
         f"Training stream: the novels as {n_prose / 1e6:.2f} M tokens, plus {n_chat} chat examples built from",
         "paragraphs (user: the first sentence(s), assistant: the rest; a system prompt in a quarter of",
         f"them), rendered with the chat template; {args.chat_frac:.0%} of the training sequences are chat examples.",
+        *([f"{args.agent_examples} of the chat examples are agent examples (tools/train_demo.py agent_examples):",
+           "Hermes tool calls among 1-3 offered tools with arguments from the question, tool results and",
+           "replies using them, short JSON answers, and think blocks (a plan from the question in "
+           f"{THINK_FRAC:.0%} of them)."] if args.agent_examples else []),
         "",
         "## Training",
         "",

@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <deque>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
+#include <string_view>
 #include <variant>
 
 #include "core/error.h"
@@ -242,17 +246,216 @@ std::string xgrammar_reason(const std::exception& e) {
   return msg;
 }
 
+// ---- Bounded numbers in JSON grammars. ----
+//
+// xgrammar 0.2.8 writes an unbounded JSON integer as "0" | "-"? [1-9] [0-9]* and an unbounded
+// number with a fraction and an exponent of any length: a model that loops on digits runs to
+// max_tokens and leaves invalid JSON. It honours minimum / maximum (a range rule, whose digits
+// are bounded when both sides are), but has no knob for digit counts. So, without touching
+// xgrammar:
+//  1. the schema is rewritten before conversion (bound_schema): an integer open on a side gets
+//     the int64 bound there (xgrammar then writes the exact int64 range, at most 19 digits); a
+//     number bounded on one side only gets +-kNumberBound on the other (xgrammar's range rule:
+//     at most 6 fraction digits, no exponent). Bounds the schema gives are kept.
+//  2. a number bounded on neither side keeps its exponent and fraction, so xgrammar's rule for
+//     it is replaced in the grammar it produced (bound_json_numbers: printed as EBNF, its number
+//     and integer rules found by their exact shape, re-parsed): at most kIntDigits integer
+//     digits, kFractionDigits fraction digits and kExponentDigits exponent digits. This covers
+//     the numbers of json_object and of "any" values too, and the integers the rewrite cannot
+//     reach (an alternative of a type array that also holds "number").
+// Not covered: an integer with multipleOf and no bound (xgrammar's modulo automaton; bounding
+// it would make xgrammar drop multipleOf).
+
+constexpr int kIntDigits = 19;       // int64's width
+constexpr int kFractionDigits = 17;  // a double's round-trip precision
+constexpr int kExponentDigits = 3;   // a double's exponent is at most 308
+constexpr double kNumberBound = 1e18;
+
+bool is_bound(const nlohmann::ordered_json& s, const char* key) {
+  auto it = s.find(key);
+  return it != s.end() && it->is_number();
+}
+
+/// Step 1 on one schema node and every schema below it.
+void bound_schema(nlohmann::ordered_json& s) {
+  if (!s.is_object()) return;
+  for (const char* key :
+       {"additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems",
+        "contains", "propertyNames", "not", "if", "then", "else", "items"}) {
+    if (auto it = s.find(key); it != s.end()) {
+      if (it->is_array()) {
+        for (auto& sub : *it) bound_schema(sub);
+      } else {
+        bound_schema(*it);
+      }
+    }
+  }
+  for (const char* key : {"anyOf", "oneOf", "allOf", "prefixItems"}) {
+    if (auto it = s.find(key); it != s.end() && it->is_array()) {
+      for (auto& sub : *it) bound_schema(sub);
+    }
+  }
+  for (const char* key :
+       {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}) {
+    if (auto it = s.find(key); it != s.end() && it->is_object()) {
+      for (auto& [name, sub] : it->items()) bound_schema(sub);
+    }
+  }
+  // xgrammar reads the type only when none of these comes first.
+  for (const char* key : {"$ref", "const", "enum", "anyOf", "oneOf", "allOf"}) {
+    if (s.contains(key)) return;
+  }
+  auto type = s.find("type");
+  if (type == s.end()) return;
+  auto has_type = [&](const char* t) {
+    if (type->is_string()) return *type == t;
+    return type->is_array() && std::find(type->begin(), type->end(), t) != type->end();
+  };
+  const bool lower = is_bound(s, "minimum") || is_bound(s, "exclusiveMinimum");
+  const bool upper = is_bound(s, "maximum") || is_bound(s, "exclusiveMaximum");
+  if (has_type("number")) {
+    // (an integer alternative of the same type array shares these bounds)
+    if (lower && !upper) s["maximum"] = kNumberBound;
+    if (upper && !lower) s["minimum"] = -kNumberBound;
+  } else if (has_type("integer")) {
+    if (s.contains("multipleOf") && !lower && !upper) return;
+    if (!lower) s["minimum"] = std::numeric_limits<int64_t>::min();
+    if (!upper) s["maximum"] = std::numeric_limits<int64_t>::max();
+  }
+}
+
+/// Step 1 on a schema's text; text that is not JSON is left for xgrammar to refuse.
+std::string bound_schema_text(const std::string& text) {
+  // (ordered: xgrammar writes properties in the schema's order)
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr, false);
+  if (j.is_discarded()) return text;
+  bound_schema(j);
+  return j.dump();
+}
+
+/// Step 1 on the JSON schemas inside a structural tag ({"type": "json_schema" or
+/// "qwen_xml_parameter", "json_schema": ...} anywhere in its format).
+void bound_tag_node(nlohmann::ordered_json& j) {
+  if (j.is_array()) {
+    for (auto& e : j) bound_tag_node(e);
+    return;
+  }
+  if (!j.is_object()) return;
+  for (auto& [key, value] : j.items()) {
+    if (key == "json_schema") {
+      bound_schema(value);
+    } else {
+      bound_tag_node(value);
+    }
+  }
+}
+
+std::string bound_tag_schemas(const std::string& text) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr, false);
+  if (j.is_discarded()) return text;
+  bound_tag_node(j);
+  return j.dump();
+}
+
+/// Step 2: the grammar with xgrammar's unbounded number and integer rules replaced by bounded
+/// ones. The rules are recognised by the exact EBNF xgrammar 0.2.8 prints for them (after its
+/// normalisation), e.g. for a number rule N:
+///   N ::= ((N_1 N_2 N_3 N_5))          N_1 ::= ("" | ("-"))
+///   N_2 ::= (("0") | ([1-9] [0-9]*))   N_3 ::= ("" | ("." D{1, -1}))    D ::= (([0-9]))
+///   N_4 ::= ("" | ([+\-]))             N_5 ::= ("" | ([eE] N_4 D{1, -1}))
+/// and for an integer rule I:  I ::= (("0") | (S [1-9] [0-9]*))  with S ::= ("" | ("-")).
+/// A grammar with neither comes back unchanged.
+xgrammar::Grammar bound_json_numbers(const xgrammar::Grammar& g) {
+  const std::string text = g.ToString();
+  // The rules in order: a rule starts a line with "name ::= "; other lines continue it.
+  std::vector<std::pair<std::string, std::string>> rules;
+  std::map<std::string, size_t> index;
+  auto rule_name = [](std::string_view line) -> std::string_view {
+    const size_t sep = line.find(" ::= ");
+    if (sep == std::string_view::npos || sep == 0) return {};
+    const std::string_view name = line.substr(0, sep);
+    const bool ok = std::all_of(name.begin(), name.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+    });
+    return ok ? name : std::string_view{};
+  };
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view line = std::string_view(text).substr(pos, end - pos);
+    pos = end + 1;
+    if (const std::string_view name = rule_name(line); !name.empty()) {
+      index[std::string(name)] = rules.size();
+      rules.emplace_back(std::string(name), std::string(line.substr(name.size() + 5)));
+    } else if (!rules.empty()) {
+      rules.back().second += "\n" + std::string(line);
+    }
+  }
+  auto body = [&](const std::string& name) -> const std::string* {
+    auto it = index.find(name);
+    return it == index.end() ? nullptr : &rules[it->second].second;
+  };
+  auto is = [&](const std::string& name, const char* expected) {
+    const std::string* b = body(name);
+    return b != nullptr && *b == expected;
+  };
+  auto short_body = [&](const std::string& name) -> const std::string* {
+    const std::string* b = body(name);
+    return b != nullptr && b->size() <= 200 ? b : nullptr;
+  };
+  static const std::regex kNumber(R"(^\(\((\w+) (\w+) (\w+) (\w+)\)\)$)");
+  static const std::regex kFraction(R"(^\("" \| \("\." (\w+)\{1, -1\}\)\)$)");
+  static const std::regex kExponent(R"(^\("" \| \(\[eE\] (\w+) (\w+)\{1, -1\}\)\)$)");
+  static const std::regex kInteger(R"(^\(\("0"\) \| \((\w+) \[1-9\] \[0-9\]\*\)\)$)");
+  const char* kSign = R"(("" | ("-")))";
+  const char* kDigit = "(([0-9]))";
+  std::string number_rule = "tandem_bounded_number", integer_rule = "tandem_bounded_integer";
+  while (index.count(number_rule) || index.count(integer_rule)) {
+    number_rule += "_";
+    integer_rule += "_";
+  }
+  bool changed = false;
+  for (auto& [name, b] : rules) {
+    std::smatch m, f, e;
+    if (b.size() > 200) continue;  // (both shapes are short; std::regex recurses per character)
+    if (std::regex_match(b, m, kNumber) && is(m[1], kSign) &&
+        is(m[2], R"((("0") | ([1-9] [0-9]*)))") && short_body(m[3]) &&
+        std::regex_match(*body(m[3]), f, kFraction) && is(f[1], kDigit) && short_body(m[4]) &&
+        std::regex_match(*body(m[4]), e, kExponent) && is(e[1], R"(("" | ([+\-])))") &&
+        e[2] == f[1]) {
+      b = number_rule;
+      changed = true;
+    } else if (std::regex_match(b, m, kInteger) && is(m[1], kSign)) {
+      b = integer_rule;
+      changed = true;
+    }
+  }
+  if (!changed) return g;
+  auto digits = [](int lo, int hi) {
+    return "[0-9]{" + std::to_string(lo) + "," + std::to_string(hi) + "}";
+  };
+  std::string ebnf;
+  for (const auto& [name, b] : rules) ebnf += name + " ::= " + b + "\n";
+  ebnf += number_rule + R"( ::= "-"? ("0" | [1-9] )" + digits(0, kIntDigits - 1) + R"() ("." )" +
+          digits(1, kFractionDigits) + R"()? ([eE] [+\-]? )" + digits(1, kExponentDigits) + ")?\n";
+  ebnf += integer_rule + R"( ::= "0" | "-"? [1-9] )" + digits(0, kIntDigits - 1) + "\n";
+  return xgrammar::Grammar::FromEBNF(ebnf);
+}
+
 /// The spec's grammar (suffix included), parsed; throws what xgrammar throws.
 xgrammar::Grammar build_grammar(const GrammarSpec& spec) {
   std::optional<xgrammar::Grammar> g;
   switch (spec.kind) {
     case GrammarKind::kJsonObject:
-      g = xgrammar::Grammar::FromJSONSchema(R"({"type": "object"})", /*any_whitespace=*/false,
-                                            std::nullopt, std::nullopt, /*strict_mode=*/false);
+      g = bound_json_numbers(xgrammar::Grammar::FromJSONSchema(
+          R"({"type": "object"})", /*any_whitespace=*/false, std::nullopt, std::nullopt,
+          /*strict_mode=*/false));
       break;
     case GrammarKind::kJsonSchema:
-      g = xgrammar::Grammar::FromJSONSchema(spec.text, /*any_whitespace=*/false, std::nullopt,
-                                            std::nullopt, spec.strict);
+      g = bound_json_numbers(
+          xgrammar::Grammar::FromJSONSchema(bound_schema_text(spec.text), /*any_whitespace=*/false,
+                                            std::nullopt, std::nullopt, spec.strict));
       break;
     case GrammarKind::kRegex: g = xgrammar::Grammar::FromRegex(spec.text); break;
     case GrammarKind::kChoice: {
@@ -267,11 +470,11 @@ xgrammar::Grammar build_grammar(const GrammarSpec& spec) {
     case GrammarKind::kStructuralTag: {
       // NOTE: without the tokenizer's info, so token-level formats ("token", ...) are refused
       // alike at a router's front and where the grammar is compiled.
-      auto r = xgrammar::Grammar::FromStructuralTag(spec.text);
+      auto r = xgrammar::Grammar::FromStructuralTag(bound_tag_schemas(spec.text));
       if (auto* err = std::get_if<xgrammar::StructuralTagError>(&r)) {
         std::visit([](const auto& e) { throw Error(ErrorKind::kInvalidArgument, e.what()); }, *err);
       }
-      g = std::get<xgrammar::Grammar>(std::move(r));
+      g = bound_json_numbers(std::get<xgrammar::Grammar>(std::move(r)));
       break;
     }
   }

@@ -432,5 +432,180 @@ TEST(Grammar, HostBitmaskMatchesAReference) {
   }
 }
 
+// ---- Bounded numbers (issue 34): a constrained number cannot run to max_tokens. ----
+
+/// Whether the grammar takes `text` whole, token by token, and may stop after it.
+bool accepts(const GrammarSpec& spec, const std::string& text) {
+  auto c = constraint(spec);
+  std::string err;
+  for (int32_t id : demo_tok().encode(text)) {
+    if (!c->accept(id, err)) return false;
+  }
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  c->fill_next_mask(mask);
+  return bitmask_allows(mask, kImEnd);
+}
+
+/// A model that loves numbers (the demo model loops on digits): at every step the allowed
+/// token with the most digits (the most 1s: the longest numbers of a range), else one with '.',
+/// 'e', 'E', '+' or '-' (the fraction and the exponent), else the stop token, else the shortest.
+/// Fails the test when it does not stop within max_steps.
+std::string digit_walk(TokenConstraint& c, int max_steps = 300) {
+  std::vector<uint32_t> mask(static_cast<size_t>(bitmask_words(kVocab)));
+  std::vector<int32_t> out;
+  for (int step = 0; step < max_steps; ++step) {
+    EXPECT_TRUE(c.fill_next_mask(mask));
+    const std::vector<int32_t> ids = allowed(mask);
+    if (ids.empty()) break;
+    auto score = [&](int32_t id) {
+      if (id == kImEnd) return 1'000;
+      const std::string_view b = demo_tok().token_bytes(id);
+      int digits = 0, ones = 0, marks = 0;
+      for (char ch : b) {
+        digits += ch >= '0' && ch <= '9';
+        ones += ch == '1';
+        marks += std::string_view(".eE+-").find(ch) != std::string_view::npos;
+      }
+      if (digits > 0) return 100'000 + digits * 100 + ones * 10 - static_cast<int>(b.size());
+      if (marks > 0) return 10'000 - static_cast<int>(b.size());
+      return -static_cast<int>(b.size());
+    };
+    const int32_t t = *std::max_element(ids.begin(), ids.end(),
+                                        [&](int32_t a, int32_t b) { return score(a) < score(b); });
+    std::string err;
+    EXPECT_TRUE(c.accept(t, err)) << err;
+    if (t == kImEnd) return demo_tok().decode(out);
+    out.push_back(t);
+  }
+  ADD_FAILURE() << "no stop within " << max_steps << " tokens: " << demo_tok().decode(out);
+  return demo_tok().decode(out);
+}
+
+/// The JSON number texts in `text` (outside strings: the tests' outputs have none inside).
+std::vector<std::string> number_texts(const std::string& text) {
+  std::vector<std::string> out;
+  static const std::regex kNum(R"(-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), kNum); it != std::sregex_iterator();
+       ++it) {
+    out.push_back(it->str());
+  }
+  return out;
+}
+
+struct NumberParts {
+  size_t int_digits = 0, fraction_digits = 0, exponent_digits = 0;
+};
+NumberParts parts_of(const std::string& n) {
+  std::smatch m;
+  EXPECT_TRUE(
+      std::regex_match(n, m, std::regex(R"(-?([0-9]+)(?:\.([0-9]+))?(?:[eE][-+]?([0-9]+))?)")))
+      << n;
+  return {static_cast<size_t>(m[1].length()), static_cast<size_t>(m[2].length()),
+          static_cast<size_t>(m[3].length())};
+}
+
+const char* kIntAndNumber = R"({"type": "object", "properties": {
+    "n": {"type": "integer", "description": "a count"}, "x": {"type": "number"}},
+    "required": ["n", "x"]})";
+
+TEST(BoundedNumbers, ADigitLovingModelStopsAtInt64AndBoundedFloats) {
+  const std::string text = digit_walk(*constraint({GrammarKind::kJsonSchema, kIntAndNumber}));
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << text;
+  ASSERT_TRUE(j["n"].is_number_integer()) << text;  // parsed as an int64 / uint64
+  const std::vector<std::string> nums = number_texts(text);
+  ASSERT_EQ(nums.size(), 2u) << text;
+  const NumberParts n = parts_of(nums[0]), x = parts_of(nums[1]);
+  // The walk pushes every part to its bound: 19 digits of 1 (the int64 range), then the float's
+  // 19 integer, 17 fraction and 3 exponent digits.
+  EXPECT_EQ(nums[0], std::string(19, '1')) << text;
+  EXPECT_EQ(n.int_digits, 19u) << text;
+  EXPECT_EQ(x.int_digits, 19u) << text;
+  EXPECT_EQ(x.fraction_digits, 17u) << text;
+  EXPECT_EQ(x.exponent_digits, 3u) << text;
+}
+
+TEST(BoundedNumbers, EveryValidFormStillPasses) {
+  const GrammarSpec integer{GrammarKind::kJsonSchema, R"({"type": "integer"})"};
+  for (const char* ok : {"0", "7", "-1", "42", "9223372036854775807", "-9223372036854775808",
+                         "1000000000000000000"}) {
+    EXPECT_TRUE(accepts(integer, ok)) << ok;
+  }
+  for (const char* bad : {"9223372036854775808", "-9223372036854775809", "12345678901234567890",
+                          "01", "-0", "1.0", "1e3", "+1"}) {
+    EXPECT_FALSE(accepts(integer, bad)) << bad;
+  }
+  const GrammarSpec number{GrammarKind::kJsonSchema, R"({"type": "number"})"};
+  for (const char* ok :
+       {"0", "-0", "12", "-12", "0.5", "-3.25", "1e5", "1E-7", "-2.5e+308", "6.02214076e23",
+        "1234567890123456789", "0.12345678901234567", "1.5e-300", "0.30000000000000004"}) {
+    EXPECT_TRUE(accepts(number, ok)) << ok;
+  }
+  for (const char* bad : {"1.", ".5", "01", "1e", "1e+", "12345678901234567890",
+                          "0.123456789012345678", "1e1234", "--1", "NaN"}) {
+    EXPECT_FALSE(accepts(number, bad)) << bad;
+  }
+}
+
+TEST(BoundedNumbers, ExplicitBoundsAreKept) {
+  auto schema = [](const char* s) { return GrammarSpec{GrammarKind::kJsonSchema, s}; };
+  const GrammarSpec both = schema(R"({"type": "integer", "minimum": -5, "maximum": 1000})");
+  for (const char* ok : {"-5", "0", "37", "1000"}) EXPECT_TRUE(accepts(both, ok)) << ok;
+  for (const char* bad : {"-6", "1001", "10000"}) EXPECT_FALSE(accepts(both, bad)) << bad;
+  EXPECT_EQ(digit_walk(*constraint(both)), "111");  // (a fourth 1 would pass 1000)
+  // One side from the schema, the other the int64 bound.
+  const GrammarSpec lower = schema(R"({"type": "integer", "exclusiveMinimum": 9})");
+  for (const char* ok : {"10", "9223372036854775807"}) EXPECT_TRUE(accepts(lower, ok)) << ok;
+  for (const char* bad : {"9", "-1", "9223372036854775808"}) {
+    EXPECT_FALSE(accepts(lower, bad)) << bad;
+  }
+  const GrammarSpec upper = schema(R"({"type": "integer", "maximum": -3})");
+  for (const char* ok : {"-3", "-9223372036854775808"}) EXPECT_TRUE(accepts(upper, ok)) << ok;
+  for (const char* bad : {"-2", "0", "-9223372036854775809"}) {
+    EXPECT_FALSE(accepts(upper, bad)) << bad;
+  }
+  const GrammarSpec unit = schema(R"({"type": "number", "minimum": 0, "maximum": 1.5})");
+  for (const char* ok : {"0", "1.5", "0.25", "1"}) EXPECT_TRUE(accepts(unit, ok)) << ok;
+  for (const char* bad : {"-0.5", "1.6", "2"}) EXPECT_FALSE(accepts(unit, bad)) << bad;
+  const GrammarSpec positive = schema(R"({"type": "number", "minimum": 0})");
+  for (const char* ok : {"0", "12.5", "1000000"}) EXPECT_TRUE(accepts(positive, ok)) << ok;
+  for (const char* bad : {"-1", "-0.5"}) EXPECT_FALSE(accepts(positive, bad)) << bad;
+  const std::string p = digit_walk(*constraint(positive));
+  EXPECT_LE(std::stod(p), 1e18) << p;  // the open side closed
+  // The rewrite reaches nested schemas, $defs and type arrays; property order is kept.
+  const GrammarSpec nested = schema(R"({"type": "object", "properties": {
+      "z": {"type": ["integer", "null"]}, "a": {"type": "array", "items": {"$ref": "#/$defs/i"}}},
+      "required": ["z", "a"], "$defs": {"i": {"type": "integer"}}})");
+  EXPECT_TRUE(accepts(nested, R"({"z": -9223372036854775808, "a": [1, 9223372036854775807]})"));
+  EXPECT_TRUE(accepts(nested, R"({"z": null, "a": []})"));
+  EXPECT_FALSE(accepts(nested, R"({"z": 9223372036854775808, "a": []})"));
+  EXPECT_FALSE(accepts(nested, R"({"z": 1, "a": [92233720368547758070]})"));
+  EXPECT_FALSE(accepts(nested, R"({"a": [], "z": 1})"));
+}
+
+TEST(BoundedNumbers, JsonObjectValuesAndToolArgumentsAreBounded) {
+  const GrammarSpec object{GrammarKind::kJsonObject};
+  EXPECT_TRUE(
+      accepts(object, R"({"a": 1.5e10, "b": [-3, 0.25], "c": {"d": 1234567890123456789}})"));
+  EXPECT_FALSE(accepts(object, R"({"a": 12345678901234567890})"));
+  EXPECT_FALSE(accepts(object, R"({"a": 0.123456789012345678})"));
+  EXPECT_FALSE(accepts(object, R"({"a": 1e1000})"));
+  const nlohmann::ordered_json tools = nlohmann::ordered_json::parse(R"([{"type": "function",
+      "function": {"name": "f", "parameters": {"type": "object", "properties": {
+      "n": {"type": "integer"}, "x": {"type": "number"}}, "required": ["n", "x"]}}}])");
+  for (const GrammarSpec& call :
+       {hermes_tool_call_grammar(tools, ""), xml_tool_call_grammar(tools, "f")}) {
+    const std::string text = digit_walk(*constraint(call));
+    const std::vector<std::string> nums = number_texts(text);
+    ASSERT_EQ(nums.size(), 2u) << text;
+    const NumberParts n = parts_of(nums[0]), x = parts_of(nums[1]);
+    EXPECT_LE(n.int_digits, 19u) << text;
+    EXPECT_EQ(n.fraction_digits + n.exponent_digits, 0u) << text;
+    EXPECT_LE(x.int_digits, 19u) << text;
+    EXPECT_LE(x.fraction_digits, 17u) << text;
+    EXPECT_LE(x.exponent_digits, 3u) << text;
+  }
+}
+
 }  // namespace
 }  // namespace tandem::grammar
