@@ -404,7 +404,7 @@ struct ServeArgs {
   ParserArgs parsers;
   std::string speculative_config;
   std::string kv_events_config;
-  int control_port = -1;          // >= 0: a replica for `tandem router --replica`
+  int control_port = -1;         // >= 0: a replica for `tandem router --replica`
   std::string cluster_key_file;  // the control port's key ("": none)
 };
 
