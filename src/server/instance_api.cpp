@@ -743,6 +743,38 @@ RemoteDecode::RemoteDecode(const std::string& endpoint, net::KeyRef key)
   link_.poll();  // connect now when it is up (else the router's monitor retries)
 }
 
+namespace {
+
+using Callbacks = std::unordered_map<std::string, OutputCallback>;
+
+// An output an instance pushed, to its request's callback (the last output removes it).
+void deliver_output(std::mutex& mu, Callbacks& callbacks, const std::vector<uint8_t>& payload) {
+  StepOutput out = decode_step_output(payload.data(), payload.size());
+  OutputCallback cb;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = callbacks.find(out.id);
+    if (it == callbacks.end()) return;
+    cb = it->second;
+    if (out.finished) callbacks.erase(it);
+  }
+  cb(out);
+}
+
+// Ends every request of `lost` with `error` (its connection is gone).
+void end_with_error(Callbacks& lost, const std::string& error) {
+  for (auto& [id, cb] : lost) {
+    StepOutput out;
+    out.id = id;
+    out.finished = true;
+    out.finish_reason = FinishReason::kError;
+    out.error = error;
+    if (cb) cb(out);
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<InstanceConnection> RemoteDecode::conn(const char* what) const {
   auto c = link_.get();
   TANDEM_CHECK_KIND(kIo, c != nullptr, what, ": decode instance ", link_.endpoint(),
@@ -763,28 +795,11 @@ void RemoteDecode::on_lost() {
       }
     }
   }
-  for (auto& [id, cb] : all) {
-    StepOutput out;
-    out.id = id;
-    out.finished = true;
-    out.finish_reason = FinishReason::kError;
-    out.error = "lost the connection to decode instance " + link_.endpoint();
-    if (cb) cb(out);
-  }
+  end_with_error(all, "lost the connection to decode instance " + link_.endpoint());
 }
 
 void RemoteDecode::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
-  if (type != kOutput) return;
-  StepOutput out = decode_step_output(payload.data(), payload.size());
-  OutputCallback cb;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = callbacks_.find(out.id);
-    if (it == callbacks_.end()) return;
-    cb = it->second;
-    if (out.finished) callbacks_.erase(it);
-  }
-  cb(out);
+  if (type == kOutput) deliver_output(mu_, callbacks_, payload);
 }
 
 std::optional<transfer::TransferDescriptor> RemoteDecode::accept(const GenRequest& req,
@@ -902,28 +917,11 @@ void RemoteReplica::on_lost() {
     std::lock_guard<std::mutex> lock(mu_);
     all.swap(callbacks_);
   }
-  for (auto& [id, cb] : all) {
-    StepOutput out;
-    out.id = id;
-    out.finished = true;
-    out.finish_reason = FinishReason::kError;
-    out.error = "lost the connection to replica " + link_.endpoint();
-    if (cb) cb(out);
-  }
+  end_with_error(all, "lost the connection to replica " + link_.endpoint());
 }
 
 void RemoteReplica::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
-  if (type != kOutput) return;
-  StepOutput out = decode_step_output(payload.data(), payload.size());
-  OutputCallback cb;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = callbacks_.find(out.id);
-    if (it == callbacks_.end()) return;
-    cb = it->second;
-    if (out.finished) callbacks_.erase(it);
-  }
-  cb(out);
+  if (type == kOutput) deliver_output(mu_, callbacks_, payload);
 }
 
 void RemoteReplica::submit(GenRequest request, OutputCallback on_output) {
