@@ -245,7 +245,15 @@ def chat_examples(paras, rng, limit):
         msgs = []
         if rng.random() < 0.25:
             msgs.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        msg = {"role": "assistant", "content": assistant}
+        if rng.random() < THINK_FRAC:
+            who = CHARACTER_RE.search(p)
+            topic = f"about {who.group(0)}" if who else "in the same style"
+            msg["reasoning_content"] = rng.choice([
+                f"The user begins a scene {topic}. I continue it in Jane Austen's manner.",
+                f"This reads like a passage from a novel. I write what happens next, {topic}.",
+                f"I should continue the story {topic}, in a few sentences."])
+        msgs += [{"role": "user", "content": user}, msg]
         out.append(msgs)
     rng.shuffle(out)
     return out[:limit]
@@ -264,14 +272,46 @@ def chat_examples(paras, rng, limit):
 # A tool-call conversation is cut into the two requests the server sees: [user -> call] (the
 # call is the last turn: its think block is rendered) and [user, call, result -> reply] (the
 # call as a client sends it back: no reasoning).
-THINK_FRAC = 0.6
+THINK_FRAC = 0.75
 CHARACTER_RE = re.compile(r"\b(?:Mr|Mrs|Miss|Captain|Colonel|Lady|Sir|Dr)\.? [A-Z][a-z]{2,}")
 # Cities, people and books the examples draw from; HELD_OUT_* never appear in training data and
 # make the held-out prompts (main() prints their greedy answers after training).
 CITIES = ["London", "Paris", "Bath", "Brighton", "Derby", "Oxford", "York", "Dublin", "Rome", "Madrid",
           "Berlin", "Vienna", "Boston", "Chicago", "Tokyo", "Sydney", "Cairo", "Delhi", "Toronto", "Geneva",
-          "Naples", "Venice", "Lyon", "Leeds", "Bristol", "Glasgow", "Prague", "Warsaw", "Athens", "Seattle"]
+          "Naples", "Venice", "Lyon", "Leeds", "Bristol", "Glasgow", "Prague", "Warsaw", "Athens", "Seattle",
+          "Denver", "Dallas", "Miami", "Havana", "Lima", "Quito", "Bogota", "Santiago", "Nairobi", "Lagos",
+          "Accra", "Tunis", "Algiers", "Beirut", "Dubai", "Tehran", "Kabul", "Lahore", "Dhaka", "Hanoi",
+          "Manila", "Jakarta", "Seoul", "Osaka", "Kyoto", "Beijing", "Shanghai", "Perth", "Auckland", "Hobart",
+          "Zurich", "Basel", "Milan", "Turin", "Florence", "Seville", "Valencia", "Porto", "Bordeaux", "Nice",
+          "Hamburg", "Cologne", "Dresden", "Krakow", "Budapest", "Bucharest", "Sofia", "Belgrade", "Zagreb",
+          "Riga", "Vilnius", "Tallinn", "Helsinki", "Stockholm", "Copenhagen", "Bergen", "Antwerp", "Ghent",
+          "Utrecht", "Cardiff", "Exeter", "Norwich", "Durham", "Chester", "Lincoln", "Cambridge", "Winchester"]
+# Made-up place names (syllables): the tools' arguments must be copied from the question, not
+# recalled from a short list, so that a city the model never saw still lands in the arguments.
+_SYL = ["ka", "ter", "mo", "ran", "li", "vos", "bel", "dor", "sa", "ne", "thal", "gri", "pon", "wick",
+        "har", "lo", "min", "ba", "zel", "tor", "fen", "mar", "quin", "ros", "del", "av", "stad", "bur",
+        "ven", "ish", "cor", "ul", "ham", "sk", "rio", "na", "pel", "gor", "ith", "ley"]
+
+
+def made_up_places(n, seed):
+    rng = random.Random(seed)
+    out = set()
+    while len(out) < n:
+        w = "".join(rng.choice(_SYL) for _ in range(rng.randint(2, 3)))
+        if 4 <= len(w) <= 11:
+            out.add(w.capitalize())
+    return sorted(out)
+
+
+PLACES = made_up_places(3000, 7)
 HELD_OUT_CITIES = ["Lisbon", "Oslo", "Munich"]
+PLACES = [p for p in PLACES if p not in HELD_OUT_CITIES and p not in CITIES]
+
+
+def draw_city(rng):
+    """A real city (half the time) or a made-up one; never a held-out city."""
+    return rng.choice(CITIES) if rng.random() < 0.5 else rng.choice(PLACES)
+
 BOOKS = ["Emma", "Persuasion", "Pride and Prejudice", "Sense and Sensibility", "Mansfield Park",
          "Northanger Abbey"]
 CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "foggy", "snowy"]
@@ -332,7 +372,7 @@ def agent_examples(paras, rng, limit):
 
     def draw(param, typ):
         if param == "city":
-            return rng.choice(CITIES)
+            return draw_city(rng)
         if param == "name":
             return rng.choice(names)
         if param in ("query", "text"):
@@ -344,7 +384,7 @@ def agent_examples(paras, rng, limit):
         if param == "to":
             return rng.choice(people).lower() + "@example.com"
         if param == "subject":
-            return rng.choice(["the ball", "dinner on Tuesday", "the letter", "the journey to " + rng.choice(CITIES)])
+            return rng.choice(["the ball", "dinner on Tuesday", "the letter", "the journey to " + draw_city(rng)])
         if typ == "integer":
             return rng.randint(2, 12)
         if typ == "number":
@@ -415,16 +455,24 @@ def agent_examples(paras, rng, limit):
         elif kind < 0.85:  # a short JSON answer
             r = rng.random()
             if r < 0.3:
-                city = rng.choice(CITIES)
-                t, c = rng.randint(-5, 32), rng.choice(CONDITIONS)
-                q = f"What is the weather in {city}? The forecast says {t} degrees and {c}."
-                obj = {"city": city, "temperature": t, "condition": c}
+                city = draw_city(rng)
+                t, c = rng.randint(-5, 32), rng.choice(CONDITIONS + ["rain", "snow", "sun", "fog", "wind"])
+                keys = rng.choice([("city", "temperature"), ("city", "temperature", "condition"),
+                                   ("city", "condition"), ("temperature", "condition"), ("city",)])
+                want = {"city": "the city", "temperature": "the temperature", "condition": "the weather"}
+                ask_keys = " and ".join(want[k] for k in keys)
+                q = rng.choice([f"What is the weather in {city}? The forecast says {t} degrees and {c}.",
+                                f"{city} has {t} degrees and {c}. Give {ask_keys}.",
+                                f"In {city} it is {t} degrees and {c}. Give {ask_keys}.",
+                                f"Today {city} reports {c} and {t} degrees. Give {ask_keys}."])
+                full = {"city": city, "temperature": t, "condition": c}
+                obj = full if q.startswith("What is") else {k: full[k] for k in keys}
             elif r < 0.55:
                 n = rng.choice(names)
                 q = rng.choice(["How often is {n} mentioned?", "Count the mentions of {n}."]).format(n=n)
                 obj = {"name": n, "mentions": counts[n]}
             elif r < 0.8:
-                n, city = rng.choice(names), rng.choice(CITIES)
+                n, city = rng.choice(names), draw_city(rng)
                 year = rng.randint(1780, 1820)
                 q = f"{n} travelled to {city} in {year}. Extract the person, the city and the year."
                 obj = {"person": n, "city": city, "year": year}
@@ -441,6 +489,14 @@ def agent_examples(paras, rng, limit):
             msgs.append({"role": "assistant", "reasoning_content": plan,
                          "content": json.dumps(obj, ensure_ascii=False)})
             out.append({"messages": msgs})
+        elif kind < 0.93:  # a question about a character, no tools: answer from the novels
+            n = rng.choice(names)
+            q = rng.choice(["Who is {n}?", "Tell me about {n}.", "What do you know about {n}?",
+                            "Describe {n}."]).format(n=n)
+            plan = think(f"The user asks about {n}. I recall a passage of the novels about {n}.")
+            out.append({"messages": [{"role": "user", "content": q},
+                                     {"role": "assistant", "reasoning_content": plan,
+                                      "content": rng.choice(mentions_of(paras, n, rng) or [first[n]])}]})
         else:  # tools offered, none needed: answer from the novels
             n = rng.choice(names)
             q = rng.choice(["Tell me a line about {n}.", "Say something {n} would say.",
