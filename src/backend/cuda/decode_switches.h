@@ -1,13 +1,10 @@
 // Process-wide switches for the batch-1 / small-batch decode kernels of issue 15 item 1, so that
-// a benchmark can time the step with and without each change in one process (a new KV cache
-// makes the model capture its graphs again). Read when a launch is enqueued (a captured graph
-// keeps what it was captured with). Defaults: the members' initialisers (the changes measured
-// faster on the H200, docs/perf.md); TANDEM_DECODE_KERNELS=base (all off), =all (all on) or
-// =topk / =topkN (the defaults with moe_topk, gate_up mode N) at start-up. On since 2026-12-01
-// (profile_decode_cuda
-// --variants on the H200): the PDL changes with the MoE GEMVs for one-token steps ("pdl+moe1") took
-// batch 1 from 4086 to 3482 us per step and left batch 8 unchanged; the MoE GEMVs at 8 tokens were
-// slower ("all": 13507 vs 10584 us), hence moe_gemv_max_tokens = 1.
+// a benchmark (profile_decode_cuda --variants) or a test can time or check the step with and
+// without each change in one process (a new KV cache makes the model capture its graphs again).
+// Read when a launch is enqueued (a captured graph keeps what it was captured with). Defaults:
+// the members' initialisers, the faster ones on the H200 (docs/perf.md): the PDL changes with
+// the MoE GEMVs for one-token steps; the MoE GEMVs are slower at 8 tokens than the grouped
+// GEMMs, hence moe_gemv_max_tokens = 1.
 #pragma once
 
 namespace tandem::cuda {

@@ -16,6 +16,7 @@
 #include "backend/cuda/moe_decode.h"
 #include "backend/cuda/moe_gemm_w8a8.h"
 #include "core/dtype.h"
+#include "core/env.h"
 
 namespace tandem::cuda {
 
@@ -146,8 +147,7 @@ void MoeLayer::set_fp8_activations(bool on, bool prequant) {
     alloc(actq_, rows * inter_);
     alloc(actqs_, rows * fp8_row_scale_cols(inter_));
   }
-  char const* env = std::getenv("TANDEM_CUDA_FP8_WGMMA");
-  const bool wgmma_off = env != nullptr && std::strcmp(env, "0") == 0;
+  const bool wgmma_off = !env::flag("TANDEM_CUDA_FP8_WGMMA", true);
   if (on && prequant && !wgmma_ && !wgmma_off && hidden_ % 128 == 0 && inter_ % 128 == 0 &&
       MoeGemmW8A8::supported()) {
     if (!cublas_ok_ && gu_ == nullptr) alloc(gu_, rows * 2 * inter_);

@@ -1845,14 +1845,6 @@ int resident_ctas() {
 
 }  // namespace
 
-bool sampling_v2_from_env() {
-  static const bool on = [] {
-    char const* e = std::getenv("TANDEM_SAMPLING_V2");
-    return e == nullptr || e[0] != '0';
-  }();
-  return on;
-}
-
 size_t sample_workspace_bytes(int64_t rows, int64_t vocab) {
   (void)vocab;
   return rows <= 0 ? 0 : static_cast<size_t>(rows) * (sizeof(RowHeader) + sizeof(RowWork));
@@ -1889,7 +1881,7 @@ void sample_launch(SampleParams const& p, cudaStream_t stream) {
     }
   }
   const unsigned blocks = static_cast<unsigned>(p.rows);
-  const bool v2 = p.v2 && sampling_v2_from_env();
+  const bool v2 = p.v2;
   switch (p.dtype) {
     case DType::kF32:
       if (v2) {
