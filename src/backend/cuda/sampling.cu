@@ -288,7 +288,7 @@ struct Elem {
 };
 
 /// Sampling: x = logit / temperature; weight exp(x - m); tokens of weight 0 never count.
-/// kV2 (SampleParams::v2, not yet run on a GPU): x / 1 == x exactly, so at temperature 1 (a
+/// kV2 (SampleParams::v2): x / 1 == x exactly, so at temperature 1 (a
 /// uniform branch) the IEEE division, with its slow-path call that keeps the compiler from
 /// interleaving tokens, is skipped; expf without a branch. The same values either way.
 template <bool kV2>
