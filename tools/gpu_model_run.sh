@@ -38,7 +38,6 @@
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
 #   bench_fp8_mxfp8, and --deterministic: bench_model_det), profile_decode (per-kernel decode
 #   step),
-#   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
@@ -197,12 +196,6 @@ step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
 # graph; nsys is not on the image): Qwen3-30B-A3B shapes at batch 1 and 8, 1k context.
 [ -x "$BIN/profile_decode_cuda" ] &&
   step profile_decode 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8
-# The router's top-k inside the one-token expert kernels (decode_switches.h moe_topk, off by
-# default, never run on a GPU yet; issue 15 item 1, docs/perf.md session 6): the variants in one
-# process beside the default (pdl+moe1), then the golden greedy fixtures with it on.
-[ -x "$BIN/profile_decode_cuda" ] &&
-  step profile_decode_topk 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8 --steps 3 \
-    --variants default,pdl+moe1+topk,pdl+moe1+topk1,pdl+moe1+topk2,pdl+moe1+topk3
 # --deterministic beside the default in one run (Qwen3-30B-A3B, decode 1 / 32 / 128 at 1k
 # context, prefill 2k): the "--deterministic vs default" table (docs/perf.md).
 export TANDEM_BENCH_CSV="$LOG/bench_model_det.csv"
@@ -308,8 +301,6 @@ for f in bench_deltanet_verify bench_spec_q35 bench_spec_verify bench_spec_e2e b
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
 [ -f "$LOG/profile_decode.log" ] && { echo; echo "== profile_decode"; cat "$LOG/profile_decode.log"; }
-[ -f "$LOG/profile_decode_topk.log" ] &&
-  { echo; echo "== profile_decode_topk"; sed -n '/== summary/,$p' "$LOG/profile_decode_topk.log"; }
 [ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
 [ -f "$LOG/bench_model_mxfp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_mxfp8.log"
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"
