@@ -14,8 +14,7 @@
 # Steps (each time-limited; exit status 0 only when every test step passed, not skipped):
 #   test_backend_cuda  every kernel vs its CPU reference (norms, attention, MoE GEMM and layer,
 #                      sampling, ...), fresh random inputs, poisoned outputs; CudaSampling also
-#                      runs the single-CTA kernel's v1 and v2 (SampleParams::v2, the default) and
-#                      expects exactly the same tokens, logprobs and top-n
+#                      runs the single- and multi-CTA paths and expects the same tokens and top-n
 #   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
 #                      greedy through the engine (alone / batched / chunked / graphs / eager)
 #   test_spec_kernels  test_backend_cuda's speculative-step kernels alone (short runs)
@@ -179,7 +178,7 @@ step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
 [ -x "$BIN/bench_deltanet" ] && step bench_deltanet_verify 90 "$BIN/bench_deltanet" --verify
 [ -x "$BIN/bench_fp8_gemm" ] && step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
-# Paths single, single-v2 (SampleParams::v2: the fused kernel, not yet run on a GPU) and multi.
+# Paths single (one CTA per row) and multi.
 step bench_sampling 120 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
 # The same-run PyTorch baseline of the sampling cases, beside ours (issue 15 item 4).
 step sampling_torch 120 python3 "$ROOT/bench/cuda/sampling_torch_baseline.py" \

@@ -65,12 +65,6 @@ struct SampleParams {
   // and the same draw for the same (seed, counter)) and the same top-n ids; logprob values may
   // differ in the last bits (another summation order of the log-sum-exp).
   void* workspace = nullptr;
-  // The single-CTA kernel's second version (the gather pass fused with the draw's mass pass,
-  // no division at temperature 1, 32-bit histogram atomics, fewer conversions and branches per
-  // token): the same tokens, logprobs and top-n as the default by construction (the tests
-  // compare them). The default: the faster on the H200 (docs/perf.md); false runs the first
-  // version (tests compare the two).
-  bool v2 = true;
 };
 /// Bytes of workspace that sample_launch needs for `rows` rows (an allocation for rows_cap rows
 /// serves every launch with rows <= rows_cap).
