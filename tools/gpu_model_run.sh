@@ -14,8 +14,7 @@
 # Steps (each time-limited; exit status 0 only when every test step passed, not skipped):
 #   test_backend_cuda  every kernel vs its CPU reference (norms, attention, MoE GEMM and layer,
 #                      sampling, ...), fresh random inputs, poisoned outputs; CudaSampling also
-#                      runs the single-CTA kernel's v1 and v2 (SampleParams::v2, the default) and
-#                      expects exactly the same tokens, logprobs and top-n
+#                      runs the single- and multi-CTA paths and expects the same tokens and top-n
 #   test_model_cuda    golden fixtures on the GPU: teacher-forced logits vs the CPU model,
 #                      greedy through the engine (alone / batched / chunked / graphs / eager)
 #   test_spec_kernels  test_backend_cuda's speculative-step kernels alone (short runs)
@@ -38,18 +37,14 @@
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
 #   bench_fp8_mxfp8, and --deterministic: bench_model_det), profile_decode (per-kernel decode
 #   step),
-#   profile_decode_topk + test_model_cuda_topk (the opt-in moe_topk decode variants),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
-#   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_graphs / bench_spec_eager (draft passes in graphs, the default / eager),
-#   bench_spec_fused / bench_spec_unfused (the fused speculative step, the default / unfused),
+#   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_fused (the defaults: draft
+#   passes in graphs, the draft chain on the device, the fused speculative step),
 #   bench_spec_q35 (Qwen3.5-35B-A3B with an MTP layer from make_random_checkpoint --mtp: the
 #   defaults / drafts pass by pass / eager verify steps / the rollback by a second forward),
-#   bench_spec_chain / bench_spec_passes (the MTP draft chain on the device, the default / pass
-#   by pass through the host),
-#   bench_spec_sampled / bench_spec_sampled_host (sampled rows speculating on the device, the
-#   default, / on the host: TANDEM_SPEC_SAMPLED_ON_DEVICE=0) (MTP speculative decoding:
+#   bench_spec_sampled (sampled rows speculating on the device) (MTP speculative decoding:
 #   bench_spec_cuda)
 set -uo pipefail
 PACK=${1:?usage: tools/gpu_model_run.sh PACK_DIR}
@@ -183,7 +178,7 @@ step bench_gemv 60 "$BIN/bench_ops_cuda" --gemv
 [ -x "$BIN/bench_deltanet" ] && step bench_deltanet_verify 90 "$BIN/bench_deltanet" --verify
 [ -x "$BIN/bench_fp8_gemm" ] && step bench_fp8_gemm 200 "$BIN/bench_fp8_gemm"
 export TANDEM_BENCH_CSV="$LOG/bench_sampling.csv"
-# Paths single, single-v2 (SampleParams::v2: the fused kernel, not yet run on a GPU) and multi.
+# Paths single (one CTA per row) and multi.
 step bench_sampling 120 "$BIN/bench_sampling" ${TANDEM_BENCH_ARGS:-}
 # The same-run PyTorch baseline of the sampling cases, beside ours (issue 15 item 4).
 step sampling_torch 120 python3 "$ROOT/bench/cuda/sampling_torch_baseline.py" \
@@ -200,14 +195,6 @@ step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
 # graph; nsys is not on the image): Qwen3-30B-A3B shapes at batch 1 and 8, 1k context.
 [ -x "$BIN/profile_decode_cuda" ] &&
   step profile_decode 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8
-# The router's top-k inside the one-token expert kernels (decode_switches.h moe_topk, off by
-# default, never run on a GPU yet; issue 15 item 1, docs/perf.md session 6): the variants in one
-# process beside the default (pdl+moe1), then the golden greedy fixtures with it on.
-[ -x "$BIN/profile_decode_cuda" ] &&
-  step profile_decode_topk 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8 --steps 3 \
-    --variants default,pdl+moe1+topk,pdl+moe1+topk1,pdl+moe1+topk2,pdl+moe1+topk3
-step test_model_cuda_topk 150 env TANDEM_DECODE_KERNELS=topk "$BIN/test_model_cuda" \
-  --gtest_filter='Fixtures/CudaGolden.GreedyMatchesTransformers/*'
 # --deterministic beside the default in one run (Qwen3-30B-A3B, decode 1 / 32 / 128 at 1k
 # context, prefill 2k): the "--deterministic vs default" table (docs/perf.md).
 export TANDEM_BENCH_CSV="$LOG/bench_model_det.csv"
@@ -271,45 +258,21 @@ fi
   step bench_spec_verify 240 "$BIN/bench_spec_cuda" --verify-only
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_e2e 300 "$BIN/bench_spec_cuda" --model 30b --e2e-only
-# The e2e grid (batch 1 / 8 / 32, K 1..3, p 0.6 / 0.7 / 0.8), then the chained draft passes in
-# CUDA graphs with the speculative warm-up (the default) beside eager ones, and sampled requests
-# speculating on the device (the default) beside the host path (temperature 0.7, seeded).
+# The e2e grid (batch 1 / 8 / 32, K 1..3, p 0.6 / 0.7 / 0.8), then the default speculative step
+# (draft passes in CUDA graphs, the chain on the device, fused with the verify), and sampled
+# requests speculating on the device (temperature 0.7, seeded).
 # bench_spec_verify's "MTP pass stages" lines time each stage of one draft pass (the 235B
 # layer's 1 ms pass at batch 1).
 [ -x "$BIN/bench_spec_cuda" ] &&
   step bench_spec_grid 240 "$BIN/bench_spec_cuda" --model 30b --e2e-only --e2e-batches 1,8,32 \
     --ks 1,2,3 --ps 0.6,0.7,0.8 --tokens 64
 [ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_graphs 180 env TANDEM_MTP_GRAPHS=1 "$BIN/bench_spec_cuda" --model 30b \
-    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
-# Its eager twin (draft passes eager, the same rows), the baseline of the same call.
-[ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_eager 180 env TANDEM_MTP_GRAPHS=0 "$BIN/bench_spec_cuda" --model 30b \
-    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
-[ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_sampled 180 env TANDEM_SPEC_SAMPLED_ON_DEVICE=1 "$BIN/bench_spec_cuda" \
+  step bench_spec_sampled 180 "$BIN/bench_spec_cuda" \
     --model 30b --e2e-only --e2e-batches 1,32 --ks 3 --ps 0.7 --tokens 64 --temperature 0.7
-# The same with sampled speculative rows on the host (logits copied back): the baseline of the
-# device path, the default.
+# The fused speculative step (verify, sampler, acceptance and the draft chain on the stream, one
+# host sync per step; chained draft passes replay graphs).
 [ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_sampled_host 180 env TANDEM_SPEC_SAMPLED_ON_DEVICE=0 "$BIN/bench_spec_cuda" \
-    --model 30b --e2e-only --e2e-batches 1,32 --ks 3 --ps 0.7 --tokens 64 --temperature 0.7
-# The draft chain on the device (the default: one host sync per chain, no hidden state through
-# the host) beside pass-by-pass drafting through the host (TANDEM_MTP_DEVICE_CHAIN=0), same rows.
-[ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_chain 180 env TANDEM_MTP_DEVICE_CHAIN=1 "$BIN/bench_spec_cuda" --model 30b \
-    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
-[ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_passes 180 env TANDEM_MTP_DEVICE_CHAIN=0 "$BIN/bench_spec_cuda" --model 30b \
-    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
-# The fused speculative step (the default: verify, sampler, acceptance and the draft chain on
-# the stream, one host sync per step) beside the unfused one (TANDEM_SPEC_FUSED=0: the verify's
-# tokens to the host, then the chain: two syncs), same rows.
-[ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_fused 180 env TANDEM_SPEC_FUSED=1 "$BIN/bench_spec_cuda" --model 30b \
-    --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
-[ -x "$BIN/bench_spec_cuda" ] &&
-  step bench_spec_unfused 180 env TANDEM_SPEC_FUSED=0 "$BIN/bench_spec_cuda" --model 30b \
+  step bench_spec_fused 180 "$BIN/bench_spec_cuda" --model 30b \
     --e2e-only --e2e-batches 1,8,32 --ks 1,3 --ps 0.7 --tokens 128
 # Qwen3.5-35B-A3B at real shapes with an MTP layer (make_random_checkpoint --mtp: all 40
 # layers, ~70 GB in /dev/shm), end to end with forced acceptance: the defaults beside drafts
@@ -332,13 +295,11 @@ fi
 echo
 echo "== summary"
 for k in "${!RC[@]}"; do echo "  $k rc=${RC[$k]}"; done | sort
-for f in bench_deltanet_verify bench_spec_q35 bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_graphs bench_spec_eager bench_spec_sampled bench_spec_sampled_host bench_spec_chain bench_spec_passes bench_spec_fused bench_spec_unfused bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
+for f in bench_deltanet_verify bench_spec_q35 bench_spec_verify bench_spec_e2e bench_spec_grid bench_spec_sampled bench_spec_fused bench_kv_transfer bench_disagg bench_itl bench_aiperf bench_moe_layer moe_torch bench_attention bench_gemv bench_fp8_gemm bench_fp8_linear bench_sampling sampling_torch bench_grammar; do
   [ -f "$LOG/$f.log" ] && { echo; echo "== $f (tail)"; tail -40 "$LOG/$f.log"; }
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
 [ -f "$LOG/profile_decode.log" ] && { echo; echo "== profile_decode"; cat "$LOG/profile_decode.log"; }
-[ -f "$LOG/profile_decode_topk.log" ] &&
-  { echo; echo "== profile_decode_topk"; sed -n '/== summary/,$p' "$LOG/profile_decode_topk.log"; }
 [ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
 [ -f "$LOG/bench_model_mxfp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_mxfp8.log"
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"

@@ -13,9 +13,8 @@
 // defaults), base (every switch off), all (every switch on), each optionally followed by
 // "+fork" (the shared expert on a second stream beside the routed experts:
 // set_shared_expert_fork) and / or "+fused" (the one-kernel DeltaNet decode step:
-// set_fused_deltanet_decode), both opt-in in the model; graphs captured again for each.
-// A/B: TANDEM_PREFILL_ATTENTION=fa2 (our FA2 kernel instead of FlashInfer's sm90 prefill),
-// TANDEM_DELTA_RULE=sequential (the per-token delta rule instead of the chunked one).
+// set_fused_deltanet_decode), both on in the model by default and off in a variant without
+// them; graphs captured again for each.
 // Each number beside its bound measured in the same run (bench_util.h):
 //   - decode step (one token for each of B sequences with `ctx` tokens of context, the captured
 //     graph, greedy sampling on the device) vs the HBM roofline: (weights touched + KV read +

@@ -5,8 +5,7 @@
 //   bench_sampling [--quick] [--bf16] [--rows R1,R2,...] [--single]
 //
 // --rows: only these row counts (default 1,32,128,256); --single: the single-CTA paths only.
-// Each case runs on three paths: "single" (one CTA per row, no workspace), "single-v2" (the same
-// with SampleParams::v2, the fused single-CTA kernel not yet run on a GPU) and "multi" (rows split
+// Each case runs on two paths: "single" (one CTA per row, no workspace) and "multi" (rows split
 // over several CTAs, with a workspace of sample_workspace_bytes).
 // Cases: greedy; greedy + chosen logprob + top-20 logprobs; temperature only; top-p 0.9;
 // top-k 20 + top-p 0.95 (Qwen3's defaults); min-p 0.05; top-k 50; logits N(0, 2^2) plus 8
@@ -145,9 +144,9 @@ int main(int argc, char** argv) {
         for (int64_t r = 0; r < rows; ++r) hp[r].counter = static_cast<uint64_t>(r);
         TANDEM_CUDA_CHECK(cudaMemcpy(params.ptr, hp.data(), hp.size() * sizeof(SamplingRowParams),
                                      cudaMemcpyHostToDevice));
-        for (int path = 0; path < 3; ++path) {
-          const bool multi = path == 2, v2 = path == 1;
-          char const* path_name = multi ? "multi" : (v2 ? "single-v2" : "single");
+        for (int path = 0; path < 2; ++path) {
+          const bool multi = path == 1;
+          char const* path_name = multi ? "multi" : "single";
           if (multi && single_only) continue;
           const double us = t.time_us(sets, [&](int i) {
             SampleParams p{bf16 ? static_cast<void const*>(logits.as<uint16_t>(i * rows * kVocab))
@@ -161,7 +160,6 @@ int main(int argc, char** argv) {
                            rows,
                            kVocab,
                            multi ? workspace.ptr : nullptr};
-            p.v2 = v2;
             sample_launch(p, t.stream);
           });
           const double bound = 1e6 * set_bytes / copy_Bps;

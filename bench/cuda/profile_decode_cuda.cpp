@@ -9,7 +9,7 @@
 // Variants (same process, same model; each captures its own graphs): base = every switch of
 // backend/cuda/decode_switches.h off (the kernels before issue 15 item 1), default = the
 // switches' defaults, all = all on, or parts joined by '+' (pdl, gemvpdl, routerpdl, moe1,
-// moe8, topk, topk1, topk2, topk3). Default: base,default.
+// moe8). Default: base,default.
 // Prints, per batch: the step time of the graph replay without CUPTI (events, upper median of 20)
 // beside its HBM roofline (bytes touched / measured D2D copy bandwidth, bench_model_cuda's
 // count); then S replays with CUPTI on, and per kernel kind (role in the layer, from the
@@ -100,8 +100,6 @@ std::string role_of(const std::string& n, int& linear_in_layer, int& moe_gemm_in
   }
   if (has("embedding")) return "embedding/gather";
   if (has("qkv_prep") || has("qk_norm_rope") || has("kv_write")) return "qkv_prep";
-  if (has("gate_up_routed")) return "expert_gate_up";  // moe_decode_topk_launch's kernels
-  if (has("down_routed")) return "expert_down";
   if (has("decode_router") || has("topk")) return "router";
   if (has("merge")) return "attention_merge";
   if (n == "decode_kernel" || has("attention") || n == "prefill_kernel") return "attention";
@@ -322,9 +320,7 @@ int main(int argc, char** argv) {
     for (const std::string& v : variants) {
       cuda::DecodeSwitches sw = cuda::DecodeSwitches::all_off();
       // Names: base, default (the switches' defaults), all, or '+'-joined parts of pdl
-      // (gemv_pdl, router_pdl, pdl_trigger), moe1 / moe8 (moe_gemv up to 1 / 8 tokens), topk
-      // (moe_topk: the top-k inside the one-token expert kernels), topk1 / topk2 / topk3
-      // (moe_topk with moe_topk_gate_up 1 / 2 / 3).
+      // (gemv_pdl, router_pdl, pdl_trigger), moe1 / moe8 (moe_gemv up to 1 / 8 tokens).
       if (v == "default") {
         sw = cuda::DecodeSwitches{};
       } else if (v == "all") {
@@ -339,16 +335,12 @@ int main(int argc, char** argv) {
             sw.gemv_pdl = sw.pdl_trigger = true;
           } else if (part == "routerpdl") {
             sw.router_pdl = true;
-          } else if (part == "topk" || part == "topk1" || part == "topk2" || part == "topk3") {
-            sw.moe_topk = true;  // topkN: moe_topk_gate_up N
-            sw.moe_topk_gate_up = part == "topk" ? 0 : part[4] - '0';
           } else if (part == "moe1" || part == "moe8") {
             sw.moe_gemv = true;
             sw.moe_gemv_max_tokens = part == "moe1" ? 1 : 8;
           } else {
             TANDEM_THROW(kInvalidArgument, "profile_decode_cuda: unknown variant part '", part,
-                         "' (base, default, all, pdl, gemvpdl, routerpdl, moe1, moe8, topk, topk1, "
-                         "topk2, topk3)");
+                         "' (base, default, all, pdl, gemvpdl, routerpdl, moe1, moe8)");
           }
           a = z + 1;
         }

@@ -15,9 +15,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
+#include "core/env.h"
 #include "core/error.h"
 
 namespace tandem::comm {
@@ -102,19 +104,13 @@ RecvResult recv_growing(int fd, std::vector<uint8_t>& out, size_t n,
   return RecvResult::kOk;
 }
 
-int parse_int_env(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') {
-    TANDEM_CHECK_KIND(kInvalidArgument, fallback != nullptr, "environment variable ", name,
-                      " is not set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT bootstrap a rank)");
-    v = fallback;
-  }
-  int out = 0;
-  const char* end = v + std::strlen(v);
-  auto [p, ec] = std::from_chars(v, end, out);
-  TANDEM_CHECK_KIND(kInvalidArgument, ec == std::errc() && p == end, "environment variable ", name,
-                    "='", v, "' is not an integer");
-  return out;
+// A required rank variable (RANK, WORLD_SIZE), or FALLBACK when it has one and is unset.
+int rank_var(const char* name, std::optional<int> fallback) {
+  const std::optional<int64_t> v = env::integer(name);
+  TANDEM_CHECK_KIND(kInvalidArgument, v.has_value() || fallback.has_value(),
+                    "environment variable ", name,
+                    " is not set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT bootstrap a rank)");
+  return v ? static_cast<int>(*v) : *fallback;
 }
 
 }  // namespace
@@ -130,12 +126,11 @@ TcpStoreOptions TcpStoreOptions::of(const RankEnv& env) {
 
 RankEnv RankEnv::from_env() {
   RankEnv env;
-  env.rank = parse_int_env("RANK", nullptr);
-  env.world_size = parse_int_env("WORLD_SIZE", nullptr);
-  env.local_rank = std::getenv("LOCAL_RANK") ? parse_int_env("LOCAL_RANK", nullptr) : env.rank;
-  const char* addr = std::getenv("MASTER_ADDR");
-  if (addr != nullptr && *addr != '\0') env.master_addr = addr;
-  env.master_port = parse_int_env("MASTER_PORT", "29500");
+  env.rank = rank_var("RANK", std::nullopt);
+  env.world_size = rank_var("WORLD_SIZE", std::nullopt);
+  env.local_rank = rank_var("LOCAL_RANK", env.rank);
+  if (auto addr = tandem::env::text("MASTER_ADDR")) env.master_addr = *addr;
+  env.master_port = rank_var("MASTER_PORT", 29500);
   TANDEM_CHECK_KIND(kInvalidArgument, env.world_size >= 1, "WORLD_SIZE must be >= 1, got ",
                     env.world_size);
   TANDEM_CHECK_KIND(kInvalidArgument, env.rank >= 0 && env.rank < env.world_size, "RANK ", env.rank,

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "core/env.h"
+
 namespace tandem {
 
 namespace {
@@ -12,7 +14,7 @@ thread_local bool tl_in_pool = false;
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) {
-    if (const char* env = std::getenv("TANDEM_NUM_THREADS")) num_threads = std::atoi(env);
+    num_threads = static_cast<int>(env::integer("TANDEM_NUM_THREADS").value_or(0));
     if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
     if (num_threads <= 0) num_threads = 1;
   }

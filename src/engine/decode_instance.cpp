@@ -133,9 +133,10 @@ void DecodeInstance::load_mtp(Model& model) const {
   // forward would be a collective only the ranks with a rejection run).
   TANDEM_CHECK_KIND(
       kInvalidArgument,
-      config_.dp == 1 || model.state_slot_elems() == 0 || spec_state_replay_on(config_.engine),
+      config_.dp == 1 || model.state_slot_elems() == 0 || config_.engine.spec_state_replay,
       "MTP speculative decoding of a hybrid model (model_type '", model.config().model_type,
-      "') with --dp ", config_.dp, " needs the state replay (TANDEM_SPEC_STATE_REPLAY is 0)");
+      "') with --dp ", config_.dp,
+      " needs the state replay (EngineConfig::spec_state_replay is off)");
   model.load_mtp(config_.mtp_dir);
 }
 

@@ -23,19 +23,10 @@ const char* finish_reason_name(FinishReason r) {
   return "none";
 }
 
-bool spec_state_replay_on(const EngineConfig& c) {
-  const char* e = std::getenv("TANDEM_SPEC_STATE_REPLAY");
-  return c.spec_state_replay && (e == nullptr || std::strcmp(e, "0") != 0);
-}
-
 namespace {
 
 EngineConfig resolve(const Model& model, EngineConfig c) {
   const ModelConfig& m = model.config();
-  if (const char* e = std::getenv("TANDEM_SPEC_SAMPLED_ON_DEVICE"); e && std::strcmp(e, "0") == 0) {
-    c.spec_sampled_on_device = false;
-  }
-  c.spec_state_replay = spec_state_replay_on(c);
   if (c.max_model_len <= 0) c.max_model_len = m.max_position_embeddings;
   TANDEM_CHECK_KIND(kInvalidArgument, c.max_model_len > 0, "max_model_len must be positive");
   TANDEM_CHECK_KIND(kInvalidArgument,

@@ -69,15 +69,10 @@ struct EngineConfig {
   // Benchmarks only, NOT lossless: accept each draft with this probability whatever the
   // target says (models a given acceptance rate on random weights); < 0: off.
   double spec_forced_accept_prob = -1.0;
-  // Sampled (non-greedy) speculative requests on a model that samples on its device: drafts
-  // the MTP's argmax there, verify rows drawn there with their output positions' counters and
-  // accepted while equal (SpecDecoder::device_rows). On by default since the H200 ran it (its
-  // distribution test and docs/perf.md); off (sampled requests then take the host path, logits
-  // to the host): false here or TANDEM_SPEC_SAMPLED_ON_DEVICE=0 in the environment.
-  bool spec_sampled_on_device = true;
   // Hybrid models: a verify step keeps its DeltaNet recurrence inputs and a rejected draft's
   // state rolls back by replaying them (Model::replay_states) instead of a second forward over
-  // the accepted tokens. Off: false here or TANDEM_SPEC_STATE_REPLAY=0.
+  // the accepted tokens. Off (false here: tests compare the two rollbacks): a forward, as for a
+  // model that cannot replay.
   bool spec_state_replay = true;
   // Tests only: may replace a sequence's drafts after the MTP drafted them (given its tokens
   // so far); replaced drafts count as deterministic (q one-hot) in rejection sampling.
@@ -91,10 +86,6 @@ struct EngineConfig {
   // this sink after each step (events/ publishes them as vLLM does). Null: none recorded.
   std::shared_ptr<KvEventSink> kv_events;
 };
-
-/// EngineConfig::spec_state_replay as the engine applies it (TANDEM_SPEC_STATE_REPLAY=0 turns it
-/// off).
-bool spec_state_replay_on(const EngineConfig& c);
 
 /// Single-threaded engine core. Not thread-safe; AsyncEngine wraps it in a thread.
 class Engine {

@@ -119,9 +119,8 @@ bool SpecDecoder::device_rows(const ScheduledSeq& ss, std::vector<DeviceSampling
   // d), and every emitted token is the draw that non-speculative device sampling makes at its
   // position: the same tokens for the same seed whatever K. Drafts sampled from q on the
   // host (draft_probs) take the host rule (accept_draft).
-  if (!s.req.sampling.greedy() &&
-      (!config_.spec_sampled_on_device || (ss.verify && !s.spec.draft_probs.empty()))) {
-    return false;  // the host path (rejection sampling against q, or the switch is off)
+  if (!s.req.sampling.greedy() && ss.verify && !s.spec.draft_probs.empty()) {
+    return false;  // the host path (rejection sampling against q)
   }
   if (!ss.verify) return true;
   // A constrained verify row needs one mask per position (the host path).
@@ -166,8 +165,8 @@ bool SpecDecoder::drafts_on_device(const Sequence& s) const {
   // sampled request drafts deterministically then (q one-hot at the MTP's argmax), which its
   // verify step accepts on the device (device_rows).
   const SamplingParams& sp = s.req.sampling;
-  return model_.samples_on_device() && (sp.greedy() || config_.spec_sampled_on_device) &&
-         !sp.needs_host_logits() && s.num_output() >= s.req.min_tokens && !s.req.constraint;
+  return model_.samples_on_device() && !sp.needs_host_logits() &&
+         s.num_output() >= s.req.min_tokens && !s.req.constraint;
 }
 
 void SpecDecoder::note_computed(const Sequence& s, int64_t start, int64_t count,

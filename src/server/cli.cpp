@@ -19,6 +19,7 @@
 #include "comm/group_watchdog.h"
 #include "comm/local_launcher.h"
 #include "comm/tcp_store.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "engine/decode_instance.h"
 #include "engine/engine.h"
@@ -524,10 +525,7 @@ void wait_for_stop_signal(const sigset_t& set) {
   sigwait(&set, &sig);
 }
 
-int env_world_size() {
-  const char* ws = std::getenv("WORLD_SIZE");
-  return ws ? std::atoi(ws) : 1;
-}
+int env_world_size() { return static_cast<int>(env::integer("WORLD_SIZE").value_or(1)); }
 
 // --nprocs N: forks one process per rank of a local group, each running `role` as one rank
 // (the group bootstraps through RANK / WORLD_SIZE / MASTER_* set by the launcher).
@@ -706,7 +704,7 @@ int run_prefill(const InstanceArgs& a) {
   cfg.tp = a.ranks;
   cfg.engine = a.engine;
   // Rank 0 owns the prefix cache (the other ranks follow its steps): only it publishes.
-  const int rank = std::getenv("RANK") != nullptr ? std::atoi(std::getenv("RANK")) : 0;
+  const int64_t rank = env::integer("RANK").value_or(0);
   if (rank == 0) cfg.engine.kv_events = make_kv_event_publisher(a.kv_events_config, a.device);
   // Structured outputs: token 1 samples here, so its grammar is compiled here.
   cfg.engine.constraint_factory = grammar::instance_constraint_factory(a.model);
@@ -896,6 +894,14 @@ int cli_main(int argc, char** argv) {
   app.require_subcommand(1);
   // --help shows every option's default (subcommands inherit this).
   app.option_defaults()->always_capture_default();
+  app.add_flag_callback(
+         "--help-env",
+         [] {
+           std::cout << env::help();
+           throw CLI::Success();
+         },
+         "Print the environment variables Tandem reads (name, type, default, meaning) and exit")
+      ->trigger_on_parse();
 
   GenerateArgs gen;
   auto* g = app.add_subcommand("generate", "Generate from one prompt");
@@ -1116,6 +1122,7 @@ int cli_main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    env::validate();  // a bad value fails here, naming the variable
     if (pf->parsed()) {
       pre.key = cluster_key(pre.cluster_key_file);
       return run_prefill(pre);

@@ -222,6 +222,33 @@ TEST(Cli, PlanMemoryFit) {
   fs::remove_all(bf16);
 }
 
+// --help-env lists the environment registry (core/env.h) and exits 0; a bad value of a declared
+// variable stops the command with an error that names it.
+TEST(Cli, HelpEnvAndBadEnvironmentValue) {
+  CmdResult r = run("--help-env");
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* name : {"TANDEM_NUM_THREADS", "RANK", "WORLD_SIZE", "TANDEM_AR_MAX_BYTES",
+                           "TANDEM_CUDA_FP8", "OPENAI_API_KEY"}) {
+    EXPECT_NE(r.out.find(name), std::string::npos) << name << "\n" << r.out;
+  }
+  EXPECT_NE(r.out.find("Under evaluation (issue 29)"), std::string::npos) << r.out;
+  const auto fixture = testing::golden_dirs().front();
+  CmdResult bad;
+  {
+    std::string cmd = "env TANDEM_AR_MAX_BYTES=12Q " + std::string(TANDEM_BINARY_DIR) +
+                      "/tandem generate --model " + fixture + " --prompt-ids 1 --max-tokens 1 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::array<char, 4096> buf;
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) bad.out.append(buf.data(), n);
+    const int st = pclose(p);
+    bad.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  }
+  EXPECT_EQ(bad.status, 1) << bad.out;
+  EXPECT_NE(bad.out.find("TANDEM_AR_MAX_BYTES='12Q'"), std::string::npos) << bad.out;
+}
+
 TEST(Cli, HelpShowsEveryDefault) {
   struct Want {
     const char* cmd;

@@ -957,19 +957,9 @@ TEST_F(SpecSamplingTest, DeviceRowsGiveTheNonSpeculativeTokens) {
   }
   EngineConfig cfg;
   cfg.max_num_seqs = 16;  // several waves: batches of mixed prefill and verify steps
-  cfg.spec_sampled_on_device = true;
   DeviceGreedy base_dev(*model_);
   const RunResult base = run(base_dev, reqs, cfg);
   EXPECT_GT(base_dev.sampled_rows, 0);
-  {  // the switch off (the default): sampled verify steps take the host path
-    EngineConfig off = cfg;
-    off.spec_sampled_on_device = false;
-    off.num_speculative_tokens = 2;
-    DeviceGreedy dev(*model_);
-    const RunResult r = run(dev, reqs, off);
-    EXPECT_GT(dev.host_forwards, 0);
-    EXPECT_GT(r.stats.spec_num_draft_tokens, 0);
-  }
   for (int64_t k = 1; k <= kMaxSpeculativeTokens; ++k) {
     for (const bool good : {false, true}) {
       SCOPED_TRACE("K = " + std::to_string(k) + (good ? ", oracle drafts" : ", MTP drafts"));
@@ -1002,7 +992,6 @@ TEST_F(SpecSamplingTest, DeviceRowsDistributionEqualsNonSpeculative) {
   const size_t prompt_len = proto_.prompt_ids.size();
   EngineConfig spec;
   spec.num_speculative_tokens = 2;
-  spec.spec_sampled_on_device = true;
   spec.spec_draft_hook = testing::drafts_from(mode, prompt_len);
   DeviceGreedy dev(*model_);
   EngineStats st;
@@ -1017,7 +1006,6 @@ TEST_F(SpecSamplingTest, DeviceRowsDistributionEqualsNonSpeculative) {
   EngineConfig wrong;
   wrong.num_speculative_tokens = 2;
   wrong.spec_forced_accept_prob = 1.0;
-  wrong.spec_sampled_on_device = true;
   DeviceGreedy dev2(*model_);
   const auto bad = sample_counts(dev2, proto_, wrong, kSamples);
   const auto [x2w, dfw] = chi_square(bad, want);

@@ -569,8 +569,8 @@ TEST(SpecDecodeEp, HybridDpEqualsDp1ForK1To3) {
   expect_dp_equals_dp1(dir, mtp.dir, /*real_head=*/false);
 }
 
-// Without the replay (TANDEM_SPEC_STATE_REPLAY=0) the rollback is a forward that only some ranks
-// would run: a hybrid speculating with --dp above 1 is refused then, --dp 1 still speculates.
+// Without the replay (EngineConfig::spec_state_replay off) the rollback is a forward that only some
+// ranks would run: a hybrid speculating with --dp above 1 is refused then, --dp 1 still speculates.
 TEST(SpecDecodeEp, HybridWithoutStateReplayRefusedUnderDpAbove1) {
   const std::string dir = testing::hybrid_golden_dirs().front();
   const RandomMtp mtp(dir, 2);

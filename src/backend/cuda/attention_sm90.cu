@@ -97,22 +97,7 @@ struct PrefillAttentionPlan::Impl {
 };
 
 PrefillAttentionPlan::PrefillAttentionPlan(PrefillKvPath path, int64_t max_gather_keys)
-    : impl_(new Impl), path_(path), max_gather_keys_(max_gather_keys) {
-  if (char const* env = std::getenv("TANDEM_PREFILL_ATTENTION")) {
-    const std::string v = env;
-    if (v == "fa2") {
-      path_ = static_cast<PrefillKvPath>(-1);
-    } else if (v == "paged") {
-      path_ = PrefillKvPath::kPaged;
-    } else if (v == "gathered") {
-      path_ = PrefillKvPath::kGathered;
-    } else {
-      TANDEM_CHECK_KIND(kInvalidArgument, v.empty() || v == "auto",
-                        "TANDEM_PREFILL_ATTENTION must be fa2, paged, gathered or auto, not '", v,
-                        "'");
-    }
-  }
-}
+    : impl_(new Impl), path_(path), max_gather_keys_(max_gather_keys) {}
 
 PrefillAttentionPlan::~PrefillAttentionPlan() { delete impl_; }
 
@@ -136,7 +121,6 @@ bool PrefillAttentionPlan::plan(PrefillPlanArgs const& a, cudaStream_t stream) {
     return false;
   };
   if (!built()) return no("built without FlashInfer (TANDEM_FLASHINFER)");
-  if (static_cast<int32_t>(path_) < 0) return no("TANDEM_PREFILL_ATTENTION=fa2");
   if (a.num_prefill_tokens <= 0) return no("no prefill tokens");
   if (a.head_dim != 128 && a.head_dim != 256) {
     return no("head_dim " + std::to_string(a.head_dim) + " (128 or 256 only)");

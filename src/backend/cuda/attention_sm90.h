@@ -47,8 +47,7 @@ struct PrefillPlanArgs {
 class PrefillAttentionPlan {
  public:
   /// max_gather_keys: the most keys (summed over the prefill sequences) kAuto gathers; the
-  /// workspace grows to what a plan needs. The environment variable TANDEM_PREFILL_ATTENTION
-  /// (fa2 | paged | gathered) overrides `path` (fa2: plan() always returns false), for A/B runs.
+  /// workspace grows to what a plan needs.
   explicit PrefillAttentionPlan(PrefillKvPath path = PrefillKvPath::kAuto,
                                 int64_t max_gather_keys = 65536);
   ~PrefillAttentionPlan();

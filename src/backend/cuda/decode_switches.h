@@ -1,13 +1,11 @@
 // Process-wide switches for the batch-1 / small-batch decode kernels of issue 15 item 1, so that
-// a benchmark can time the step with and without each change in one process (a new KV cache
-// makes the model capture its graphs again). Read when a launch is enqueued (a captured graph
-// keeps what it was captured with). Defaults: the members' initialisers (the changes measured
-// faster on the H200, docs/perf.md); TANDEM_DECODE_KERNELS=base (all off), =all (all on) or
-// =topk / =topkN (the defaults with moe_topk, gate_up mode N) at start-up. On since 2026-12-01
-// (profile_decode_cuda
-// --variants on the H200): the PDL changes with the MoE GEMVs for one-token steps ("pdl+moe1") took
-// batch 1 from 4086 to 3482 us per step and left batch 8 unchanged; the MoE GEMVs at 8 tokens were
-// slower ("all": 13507 vs 10584 us), hence moe_gemv_max_tokens = 1.
+// a benchmark (profile_decode_cuda --variants) or a test can time or check the step with and
+// without each change in one process (a new KV cache makes the model capture its graphs again).
+// Read when a launch is enqueued (a captured graph keeps what it was captured with). Defaults:
+// the members' initialisers, the faster ones on the H200 (docs/perf.md): the PDL changes with
+// the MoE GEMVs for one-token steps; the MoE GEMVs are slower at 8 tokens than the grouped
+// GEMMs, hence moe_gemv_max_tokens = 1. (The router's top-k inside the one-token expert kernels
+// measured no faster and was removed.)
 #pragma once
 
 namespace tandem::cuda {
@@ -28,19 +26,11 @@ struct DecodeSwitches {
   bool pdl_trigger = true;
   /// Largest batch (tokens) the moe_gemv kernels take (when moe_gemv is on).
   int moe_gemv_max_tokens = 1;
-  /// One-token steps on the moe_gemv path: the router kernel writes only the logits and the two
-  /// expert kernels compute the top-k themselves (moe_decode.h, moe_decode_topk_launch): no
-  /// last-CTA tail in the router, a persistent gate_up.
-  bool moe_topk = false;
-  /// moe_topk's gate_up kernel: 0 prefetching (one CTA per SM), 1 one item at a time with a
-  /// down CTA beside it, 2 one item at a time, two CTAs per SM, 3 as 0 and the down weights
-  /// prefetched into L2 during gate_up (moe_decode.h MoeTopkGateUp).
-  int moe_topk_gate_up = 0;
 
   /// Every switch off (the kernels before issue 15 item 1).
-  static DecodeSwitches all_off() { return {false, false, false, false, 0, false, 0}; }
+  static DecodeSwitches all_off() { return {false, false, false, false, 0}; }
   /// Every switch on (moe_gemv up to 8 tokens).
-  static DecodeSwitches all_on() { return {true, true, true, true, 8, true, 0}; }
+  static DecodeSwitches all_on() { return {true, true, true, true, 8}; }
 };
 
 /// The process's switches (not synchronised: set them between steps, from one thread).

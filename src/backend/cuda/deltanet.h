@@ -79,9 +79,9 @@ struct GatedDeltaRuleParams {
   bool sequential = false;  // prefill by the per-token recurrence (reference, benchmarks)
   // A prefill batch of at most this many tokens per sequence on average (speculative verify
   // steps: K + 1 <= 5) takes the per-token recurrence too, in the decode step's blocks: the
-  // chunked form pads each sequence to a 64-token chunk (H200, bench_deltanet --verify, 32
-  // sequences x 4 tokens at Qwen3.5-35B shapes: 69 us in blocks, 106 us by the one-warp
-  // recurrence, 168 us chunked). 0: the chunked form whenever it applies.
+  // chunked form pads each sequence to a 64-token chunk, so at a few tokens per sequence the
+  // blocks are faster than both it and the one-warp recurrence (bench_deltanet --verify,
+  // docs/perf.md). 0: the chunked form whenever it applies.
   int64_t short_chunk_tokens = 8;
   // Benchmarks only: the chunked form stops after its first `stages` kernels (1: the q / k norm
   // and gates, 2: + the per-chunk WY kernel, 3: + the sequence-order state kernel, all).
@@ -104,7 +104,7 @@ struct GatedDeltaRuleParams {
   // (its cost without the serial part; compact layout).
   bool wy_probe_no_substitution = false;
   // A decode step as one kernel (the delta-rule kernel normalises q / k and computes the gates
-  // itself, no prep launch). Off by default: not yet measured on the H200.
+  // itself, no prep launch). Qwen35MoeCuda sets it (set_fused_deltanet_decode).
   bool fused_decode = false;
   // Benchmarks and tests: short chunks (at most short_chunk_tokens tokens per sequence on
   // average) by the one-warp recurrence (a warp per (32 / (k_dim / 16)) columns, 16 state rows

@@ -29,6 +29,7 @@
 #include "backend/cuda/fp8_dequant.cuh"
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/moe_gemm_fp8.h"
+#include "core/env.h"
 
 namespace tandem::cuda::moe_gemm_detail {
 
@@ -460,10 +461,7 @@ bool aligned(void const* p, uintptr_t b) { return reinterpret_cast<uintptr_t>(p)
 // The small tile with two warps per warp tile along K (default), or one (TANDEM_FP8_SPLITK=0:
 // for measuring the two).
 bool small_split_k() {
-  static const bool on = [] {
-    const char* e = std::getenv("TANDEM_FP8_SPLITK");
-    return e == nullptr || std::strcmp(e, "0") != 0;
-  }();
+  static const bool on = env::flag("TANDEM_FP8_SPLITK", true);
   return on;
 }
 

@@ -16,6 +16,7 @@
 #include "backend/cuda/moe_decode.h"
 #include "backend/cuda/moe_gemm_w8a8.h"
 #include "core/dtype.h"
+#include "core/env.h"
 
 namespace tandem::cuda {
 
@@ -146,8 +147,7 @@ void MoeLayer::set_fp8_activations(bool on, bool prequant) {
     alloc(actq_, rows * inter_);
     alloc(actqs_, rows * fp8_row_scale_cols(inter_));
   }
-  char const* env = std::getenv("TANDEM_CUDA_FP8_WGMMA");
-  const bool wgmma_off = env != nullptr && std::strcmp(env, "0") == 0;
+  const bool wgmma_off = !env::flag("TANDEM_CUDA_FP8_WGMMA", true);
   if (on && prequant && !wgmma_ && !wgmma_off && hidden_ % 128 == 0 && inter_ % 128 == 0 &&
       MoeGemmW8A8::supported()) {
     if (!cublas_ok_ && gu_ == nullptr) alloc(gu_, rows * 2 * inter_);
@@ -214,28 +214,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
   }
   last_path_ = path;
   if (path == MoeLayerPath::kDecode) {
-    // One token, bf16 experts (decode_switches().moe_topk): the router writes the logits only,
-    // the expert kernels of moe_decode_topk_launch compute the top-k themselves.
-    const MoeDecodeTopkParams tp{x,
-                                 logits_,
-                                 w.gate_up,
-                                 w.down,
-                                 topk_ids_,
-                                 topk_w_,
-                                 offsets_,
-                                 act_,
-                                 out,
-                                 static_cast<int>(H),
-                                 static_cast<int>(I),
-                                 static_cast<int>(num_experts_),
-                                 static_cast<int>(top_k_),
-                                 static_cast<int>(expert_begin_),
-                                 static_cast<int>(num_local_),
-                                 renormalize_};
-    const bool topk_fused = T == 1 && decode_switches().moe_topk && decode_switches().moe_gemv &&
-                            decode_switches().moe_gemv_max_tokens >= 1 &&
-                            w.gate_up_fp8 == nullptr && moe_decode_topk_supported(tp);
-    // One launch: router logits, top-k softmax, permute indices (logits only when topk_fused).
+    // One launch: router logits, top-k softmax, permute indices.
     moe_layer_detail::DecodeRouterParams rp{x,
                                             w.router,
                                             logits_,
@@ -254,14 +233,7 @@ void MoeLayer::run(MoeLayerWeights const& w, bf16 const* x, bf16* out, int64_t n
                                             static_cast<int>(num_local_),
                                             renormalize_,
                                             decode_switches().router_pdl};
-    rp.logits_only = topk_fused;
     moe_layer_detail::decode_router_launch(rp, stream);
-    if (topk_fused) {
-      moe_decode_topk_launch(
-          tp, stream,
-          static_cast<MoeTopkGateUp>(std::clamp(decode_switches().moe_topk_gate_up, 0, 3)));
-      return;
-    }
     // bf16 experts: the expert GEMVs of moe_decode.h (weights streamed once, the unpermute
     // folded into the down kernel).
     MoeDecodeParams dp{x,

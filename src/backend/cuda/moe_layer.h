@@ -200,9 +200,6 @@ struct DecodeRouterParams {
   /// A programmatic dependent launch: the first router weight loads are issued before waiting
   /// for the previous kernel (which produces x).
   bool pdl = false;
-  /// Only the logits (no counter, top-k or permute indices): the one-token kernels of
-  /// moe_decode_topk_launch compute the top-k themselves.
-  bool logits_only = false;
 };
 /// Router logits + top-k softmax + permute indices; num_tokens <= 8, num_tokens * top_k <= 64,
 /// num_experts <= kRouterMaxExperts, top_k <= kRouterMaxTopK (moe.h), hidden % 8 == 0.

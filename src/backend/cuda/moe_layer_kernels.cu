@@ -90,8 +90,6 @@ __global__ void __launch_bounds__(kRouterWarps * 32) decode_router_kernel(Decode
     }
   }
 
-  if (p.logits_only) return;
-
   // 2. Last CTA: every logit is visible after the fence + counter.
   __threadfence();
   __syncthreads();

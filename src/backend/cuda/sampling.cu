@@ -288,9 +288,9 @@ struct Elem {
 };
 
 /// Sampling: x = logit / temperature; weight exp(x - m); tokens of weight 0 never count.
-/// kV2 (SampleParams::v2, not yet run on a GPU): x / 1 == x exactly, so at temperature 1 (a
-/// uniform branch) the IEEE division, with its slow-path call that keeps the compiler from
-/// interleaving tokens, is skipped; expf without a branch. The same values either way.
+/// kV2 (the single-CTA kernel): x / 1 == x exactly, so at temperature 1 (a uniform branch) the
+/// IEEE division, with its slow-path call that keeps the compiler from interleaving tokens, is
+/// skipped; expf without a branch. The same values either way (the multi-CTA path: false).
 template <bool kV2>
 struct SampleUniverseT {
   float temp, m;
@@ -579,9 +579,9 @@ __device__ uint64_t sb_masses(T const* row, int n, int offset, int SB, K const& 
   const int nwarps = static_cast<int>(blockDim.x >> 5);
   const int nsb = (n + SB - 1) / SB;
   const bool aligned = reinterpret_cast<uintptr_t>(row) % 16 == 0;
-  // NOTE: with `reverse` (kV2) the super-blocks go from the end of the row to its start, the
-  // reverse of the pass before (for_each, ascending): the part read last is the likeliest
-  // still in L2.
+  // NOTE: with `reverse` (the single-CTA kernel) the super-blocks go from the end of the row to its
+  // start, the reverse of the pass before (for_each, ascending): the part read last is the
+  // likeliest still in L2.
   for (int j0 = warp; j0 < nsb; j0 += nwarps) {
     const int j = reverse ? nsb - 1 - j0 : j0;
     const int b0 = j * SB, len = min(SB, n - b0);
@@ -695,14 +695,12 @@ __device__ int sb_find(T const* row, int n, int offset, int SB, K const& keep, u
 // the cut can fall in, sorted by (key desc, id asc) in shared memory. The bin of a token is a
 // monotone function of its key, so a bin holds a contiguous key range and ties share a bin.
 
-/// NOTE (kV2): t = (d + kZeroBelow) * kFineScale is in [0, 2^23), where t + 2^23 rounded toward
+/// NOTE: t = (d + kZeroBelow) * kFineScale is in [0, 2^23), where t + 2^23 rounded toward
 /// zero is 2^23 + floor(t): the truncation of static_cast<int>(t) on the FP32 pipe instead of an
 /// F2I (the conversion pipe, 1/8 of the FP32 rate, which expf and the fixed-point weight use).
-template <bool kV2>
 __device__ __forceinline__ int fine_bin(float d) {  // d in [-kZeroBelow, 0]
   const float t = (d + kZeroBelow) * kFineScale;
-  if (kV2) return min(kFineBins - 1, __float_as_int(__fadd_rz(t, 8388608.0f)) - 0x4b000000);
-  return min(kFineBins - 1, static_cast<int>(t));
+  return min(kFineBins - 1, __float_as_int(__fadd_rz(t, 8388608.0f)) - 0x4b000000);
 }
 
 /// The weight of a gathered token from its key: the same float operations as SampleUniverse.
@@ -766,12 +764,12 @@ __device__ BinPick pick_bin(bool by_mass, uint64_t need, Shared& sh) {
 }
 
 /// The histogram pass: count (and fixed-point mass) per fine bin.
-/// NOTE (kV2): a 64-bit shared atomicAdd is a compare-and-swap loop in SASS (ATOMS.CAST.SPIN.64);
+/// NOTE: a 64-bit shared atomicAdd is a compare-and-swap loop in SASS (ATOMS.CAST.SPIN.64);
 /// the mass goes in as two 32-bit halves instead (native ATOMS.ADD): the low word, whose
 /// wrap-around the adding thread sees in the old value and carries into the high word, which
 /// most tokens (w < 2^-8) leave alone. The sums are the same exact integers.
-template <bool kV2, bool kWithMass, typename T>
-__device__ void fine_hist(T const* row, int n, SampleUniverseT<kV2> const& u, Shared& sh) {
+template <bool kWithMass, typename T>
+__device__ void fine_hist(T const* row, int n, SampleUniverseT<true> const& u, Shared& sh) {
   static_assert(sizeof(sh.mass) == 2 * kFineBins * sizeof(uint32_t));
   uint32_t* cnt = &sh.cnt[0][0];
   unsigned long long* mass = &sh.mass[0][0];
@@ -781,54 +779,43 @@ __device__ void fine_hist(T const* row, int n, SampleUniverseT<kV2> const& u, Sh
     if (kWithMass) mass[j] = 0;
   }
   __syncthreads();
-  if constexpr (!kV2) {
-    for_each(row, n, [&](int, float v) {
-      const Elem e = u(v);
-      if (!(e.d >= -kZeroBelow)) return;
-      const int b = fine_bin<false>(e.d);
-      atomicAdd(&cnt[b], 1u);
-      if (kWithMass) atomicAdd(&mass[b], static_cast<unsigned long long>(e.wfp));
-    });
-    __syncthreads();
-  } else {
-    uint32_t* mlo = reinterpret_cast<uint32_t*>(mass);  // [kFineBins] low words, then high words
-    uint32_t* mhi = mlo + kFineBins;
-    for_each<true>(row, n, [&](int, float v) {  // the reverse of the stats pass
-      const Elem e = u(v);
-      if (!(e.d >= -kZeroBelow)) return;
-      const int b = fine_bin<true>(e.d);
-      atomicAdd(&cnt[b], 1u);
-      if (kWithMass) {
-        const uint32_t lw = static_cast<uint32_t>(e.wfp);
-        const uint32_t old = atomicAdd(&mlo[b], lw);
-        const uint32_t hw = static_cast<uint32_t>(e.wfp >> 32) + (old + lw < old ? 1u : 0u);
-        if (hw != 0) atomicAdd(&mhi[b], hw);
-      }
-    });
-    __syncthreads();
-    if (kWithMass) {  // the halves back into 64-bit bins, in place (read all, then write)
-      constexpr int kPer = (kFineBins + kThreads - 1) / kThreads;
-      unsigned long long m[kPer];
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const int j = static_cast<int>(threadIdx.x) + e * static_cast<int>(blockDim.x);
-        m[e] = j < kFineBins ? (static_cast<unsigned long long>(mhi[j]) << 32) | mlo[j] : 0ull;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const int j = static_cast<int>(threadIdx.x) + e * static_cast<int>(blockDim.x);
-        if (j < kFineBins) mass[j] = m[e];
-      }
-      __syncthreads();
+  uint32_t* mlo = reinterpret_cast<uint32_t*>(mass);  // [kFineBins] low words, then high words
+  uint32_t* mhi = mlo + kFineBins;
+  for_each<true>(row, n, [&](int, float v) {  // the reverse of the stats pass
+    const Elem e = u(v);
+    if (!(e.d >= -kZeroBelow)) return;
+    const int b = fine_bin(e.d);
+    atomicAdd(&cnt[b], 1u);
+    if (kWithMass) {
+      const uint32_t lw = static_cast<uint32_t>(e.wfp);
+      const uint32_t old = atomicAdd(&mlo[b], lw);
+      const uint32_t hw = static_cast<uint32_t>(e.wfp >> 32) + (old + lw < old ? 1u : 0u);
+      if (hw != 0) atomicAdd(&mhi[b], hw);
     }
+  });
+  __syncthreads();
+  if (kWithMass) {  // the halves back into 64-bit bins, in place (read all, then write)
+    constexpr int kPer = (kFineBins + kThreads - 1) / kThreads;
+    unsigned long long m[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int j = static_cast<int>(threadIdx.x) + e * static_cast<int>(blockDim.x);
+      m[e] = j < kFineBins ? (static_cast<unsigned long long>(mhi[j]) << 32) | mlo[j] : 0ull;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int j = static_cast<int>(threadIdx.x) + e * static_cast<int>(blockDim.x);
+      if (j < kFineBins) mass[j] = m[e];
+    }
+    __syncthreads();
   }
 }
 
 /// The draw pass of a cut row fused with the gather: returns the weight of the tokens above
 /// the gathered bins (kept whatever the cut inside them, min_p applied), 0 for the others, and
 /// appends the tokens of bins [lo, hi] to sh.g_sort.
-struct GatherKeep {  // kV2 only
+struct GatherKeep {
   SampleUniverseT<true> u;
   int lo, hi;
   float min_p;
@@ -840,7 +827,7 @@ struct GatherKeep {  // kV2 only
     const float x = u.scaled(v);
     const float d = u.m == INFINITY ? (x == INFINITY ? 0.0f : -INFINITY) : x - u.m;
     if (!(d >= -kZeroBelow)) return 0;
-    const int b = fine_bin<true>(d);
+    const int b = fine_bin(d);
     if (b > hi) {
       const float w = expf(d);
       return (min_p > 0.0f && !(w >= min_p)) ? 0 : __float2ull_rn(w * kMassScale);
@@ -860,15 +847,15 @@ struct GatherKeep {  // kV2 only
 /// With `masses` (state 1, the usual case) the gather pass is also the draw's mass pass: on
 /// return sh.sb holds the kept mass per super-block of SB ids (as sb_masses() with Keep{u,
 /// cut_key, cut_id, min_p}) and *masses is set; otherwise the caller runs sb_masses().
-template <bool kV2, typename T>
-__device__ bool fine_cut(T const* row, int n, SampleUniverseT<kV2> const& u,
+template <typename T>
+__device__ bool fine_cut(T const* row, int n, SampleUniverseT<true> const& u,
                          SamplingRowParams const& rp, bool use_k, bool use_p, uint32_t& cut_key,
                          int& cut_id, int SB, bool& masses, Shared& sh) {
   masses = false;
   if (use_p) {
-    fine_hist<kV2, true>(row, n, u, sh);
+    fine_hist<true>(row, n, u, sh);
   } else {
-    fine_hist<kV2, false>(row, n, u, sh);
+    fine_hist<false>(row, n, u, sh);
   }
   uint32_t const* cnt = &sh.cnt[0][0];
   unsigned long long const* mass = &sh.mass[0][0];
@@ -939,23 +926,9 @@ __device__ bool fine_cut(T const* row, int n, SampleUniverseT<kV2> const& u,
     cut_id = kNoId;
     return true;
   }
-  if constexpr (kV2) {
-    // The gather, and the kept mass of the tokens above the gathered bins per super-block.
-    (void)sb_masses(row, n, 0, SB, GatherKeep{{u.temp, u.m}, lo, hi, rp.min_p, &sh}, sh,
-                    /*reverse=*/false);
-  } else {  // the gather alone (the caller's sb_masses() then reads the row once more)
-    for_each(row, n, [&](int i, float v) {
-      const Elem e = u(v);
-      if (!(e.d >= -kZeroBelow)) return;
-      const int b = fine_bin<false>(e.d);
-      if (b < lo || b > hi) return;
-      const int slot = atomicAdd(&sh.n_gathered, 1);
-      if (slot < kGatherCap)
-        sh.g_sort[slot] = (static_cast<unsigned long long>(e.key) << 32) |
-                          static_cast<unsigned long long>(0xffffffffu - static_cast<uint32_t>(i));
-    });
-    __syncthreads();
-  }
+  // The gather, and the kept mass of the tokens above the gathered bins per super-block.
+  (void)sb_masses(row, n, 0, SB, GatherKeep{{u.temp, u.m}, lo, hi, rp.min_p, &sh}, sh,
+                  /*reverse=*/false);
   const int G = min(sh.n_gathered, kGatherCap);
   int np = 1;
   while (np < G) np <<= 1;
@@ -1018,29 +991,25 @@ __device__ bool fine_cut(T const* row, int n, SampleUniverseT<kV2> const& u,
   const unsigned long long c = sh.g_sort[jc];
   cut_key = static_cast<uint32_t>(c >> 32);
   cut_id = static_cast<int>(0xffffffffu - static_cast<uint32_t>(c & 0xffffffffu));
-  if constexpr (kV2) {
-    // The gathered tokens the cut keeps (sorted positions <= jc) join their super-blocks' mass.
-    for (int j = threadIdx.x; j <= jc; j += blockDim.x) {
-      const unsigned long long g = sh.g_sort[j];
-      const uint32_t key = static_cast<uint32_t>(g >> 32);
-      const int id = static_cast<int>(0xffffffffu - static_cast<uint32_t>(g & 0xffffffffu));
-      const float x = __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
-      const float d = x - u.m;
-      const float w = d < -87.0f ? 0.0f : expf(d);
-      if (rp.min_p > 0.0f && !(w >= rp.min_p)) continue;
-      const uint64_t wfp = __float2ull_rn(w * kMassScale);
-      if (wfp != 0) atomicAdd(&sh.sb[id / SB], static_cast<unsigned long long>(wfp));
-    }
-    __syncthreads();
-    masses = true;
-  } else {
-    __syncthreads();
+  // The gathered tokens the cut keeps (sorted positions <= jc) join their super-blocks' mass.
+  for (int j = threadIdx.x; j <= jc; j += blockDim.x) {
+    const unsigned long long g = sh.g_sort[j];
+    const uint32_t key = static_cast<uint32_t>(g >> 32);
+    const int id = static_cast<int>(0xffffffffu - static_cast<uint32_t>(g & 0xffffffffu));
+    const float x = __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+    const float d = x - u.m;
+    const float w = d < -87.0f ? 0.0f : expf(d);
+    if (rp.min_p > 0.0f && !(w >= rp.min_p)) continue;
+    const uint64_t wfp = __float2ull_rn(w * kMassScale);
+    if (wfp != 0) atomicAdd(&sh.sb[id / SB], static_cast<unsigned long long>(wfp));
   }
+  __syncthreads();
+  masses = true;
   return true;
 }
 
 // ---------------------------------------------------------------- the kernel
-template <typename T, bool kV2>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   __shared__ Shared sh;
   const int64_t row_idx = blockIdx.x;
@@ -1091,7 +1060,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   int token = rarg;
   const float m = rmax / rp.temperature;
   if (!(rp.temperature < kGreedyBelow) && m > -INFINITY) {
-    const SampleUniverseT<kV2> u{rp.temperature, m};
+    const SampleUniverseT<true> u{rp.temperature, m};
     const uint32_t klo = 0, khi = ordkey(m);  // any range holding every valid key
     uint32_t cut_key = 0;
     int cut_id = kNoId;
@@ -1144,7 +1113,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
       if (cut) cut_id = tie_cut(row, n, u, cut_key, r_cut, eq_cut, sh);
     }
     // The draw over the kept tokens. Nothing kept (min_p > 1): the argmax, as the CPU.
-    const KeepT<SampleUniverseT<kV2>> keep{u, cut_key, cut_id, rp.min_p};
+    const KeepT<SampleUniverseT<true>> keep{u, cut_key, cut_id, rp.min_p};
     uint64_t total = 0;
     if (masses) {
       const int nsb = (n + SB - 1) / SB;
@@ -1152,7 +1121,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
       for (int j = threadIdx.x; j < nsb; j += blockDim.x) t += sh.sb[j];
       total = block_sum_u64(t, sh);
     } else {
-      total = sb_masses(row, n, 0, SB, keep, sh, /*reverse=*/kV2);
+      total = sb_masses(row, n, 0, SB, keep, sh, /*reverse=*/true);
     }
     if (total > 0) {
       const int id = sb_find(row, n, 0, SB, keep, draw_target(rp.seed, rp.counter, total), sh);
@@ -1845,14 +1814,6 @@ int resident_ctas() {
 
 }  // namespace
 
-bool sampling_v2_from_env() {
-  static const bool on = [] {
-    char const* e = std::getenv("TANDEM_SAMPLING_V2");
-    return e == nullptr || e[0] != '0';
-  }();
-  return on;
-}
-
 size_t sample_workspace_bytes(int64_t rows, int64_t vocab) {
   (void)vocab;
   return rows <= 0 ? 0 : static_cast<size_t>(rows) * (sizeof(RowHeader) + sizeof(RowWork));
@@ -1889,22 +1850,9 @@ void sample_launch(SampleParams const& p, cudaStream_t stream) {
     }
   }
   const unsigned blocks = static_cast<unsigned>(p.rows);
-  const bool v2 = p.v2 && sampling_v2_from_env();
   switch (p.dtype) {
-    case DType::kF32:
-      if (v2) {
-        sample_kernel<float, true><<<blocks, kThreads, 0, stream>>>(p);
-      } else {
-        sample_kernel<float, false><<<blocks, kThreads, 0, stream>>>(p);
-      }
-      break;
-    case DType::kBF16:
-      if (v2) {
-        sample_kernel<bf16, true><<<blocks, kThreads, 0, stream>>>(p);
-      } else {
-        sample_kernel<bf16, false><<<blocks, kThreads, 0, stream>>>(p);
-      }
-      break;
+    case DType::kF32: sample_kernel<float><<<blocks, kThreads, 0, stream>>>(p); break;
+    case DType::kBF16: sample_kernel<bf16><<<blocks, kThreads, 0, stream>>>(p); break;
     default:
       TANDEM_THROW(kUnsupported, "sample: unsupported logits dtype ", static_cast<int>(p.dtype));
   }

@@ -65,16 +65,7 @@ struct SampleParams {
   // and the same draw for the same (seed, counter)) and the same top-n ids; logprob values may
   // differ in the last bits (another summation order of the log-sum-exp).
   void* workspace = nullptr;
-  // The single-CTA kernel's second version (the gather pass fused with the draw's mass pass,
-  // no division at temperature 1, 32-bit histogram atomics, fewer conversions and branches per
-  // token): the same tokens, logprobs and top-n as the default by construction (the tests
-  // compare them). The default since the H200 measured it (docs/perf.md: top-p at 128 rows
-  // 239 -> 124 us); false, or TANDEM_SAMPLING_V2=0 in the environment, runs the first version.
-  bool v2 = true;
 };
-/// False when TANDEM_SAMPLING_V2=0 in the environment (read once): every launch then runs the
-/// single-CTA kernel's first version whatever SampleParams::v2 says.
-bool sampling_v2_from_env();
 /// Bytes of workspace that sample_launch needs for `rows` rows (an allocation for rows_cap rows
 /// serves every launch with rows <= rows_cap).
 size_t sample_workspace_bytes(int64_t rows, int64_t vocab);

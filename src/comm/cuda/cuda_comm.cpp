@@ -4,13 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
 #include "comm/cuda/check.h"
 #include "comm/local_launcher.h"
+#include "core/env.h"
 
 namespace tandem::comm {
 
@@ -18,29 +18,6 @@ namespace {
 
 constexpr size_t kMiB = size_t(1) << 20;
 constexpr size_t kKiB = size_t(1) << 10;
-
-// "123", "512K", "16M", "1G" (binary units).
-size_t parse_bytes(const char* name, const char* text) {
-  std::string_view s(text);
-  size_t mult = 1;
-  if (!s.empty()) {
-    switch (s.back()) {
-      case 'K':
-      case 'k': mult = kKiB; break;
-      case 'M':
-      case 'm': mult = kMiB; break;
-      case 'G':
-      case 'g': mult = kMiB * 1024; break;
-      default: break;
-    }
-    if (mult != 1) s.remove_suffix(1);
-  }
-  size_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  TANDEM_CHECK_KIND(kInvalidArgument, ec == std::errc() && p == s.data() + s.size() && !s.empty(),
-                    name, "='", text, "' is not a byte count (e.g. 524288, 512K, 16M)");
-  return v * mult;
-}
 
 bool aligned16(void const* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -92,16 +69,13 @@ CudaAllReduceConfig CudaAllReduceConfig::defaults(int world_size) {
 }
 
 void CudaAllReduceConfig::apply_env() {
-  if (const char* v = std::getenv("TANDEM_AR_MAX_BYTES"))
-    max_bytes = parse_bytes("TANDEM_AR_MAX_BYTES", v);
-  if (const char* v = std::getenv("TANDEM_AR_ONE_SHOT_MAX_BYTES"))
-    one_shot_max_bytes = parse_bytes("TANDEM_AR_ONE_SHOT_MAX_BYTES", v);
-  if (const char* v = std::getenv("TANDEM_AR_TWO_SHOT_MAX_BYTES"))
-    two_shot_max_bytes = parse_bytes("TANDEM_AR_TWO_SHOT_MAX_BYTES", v);
-  if (const char* v = std::getenv("TANDEM_AR_MAX_BLOCKS"))
-    max_blocks = static_cast<int>(parse_bytes("TANDEM_AR_MAX_BLOCKS", v));
-  if (const char* v = std::getenv("TANDEM_AR_SPIN_TIMEOUT_MS"))
-    spin_timeout = std::chrono::milliseconds(parse_bytes("TANDEM_AR_SPIN_TIMEOUT_MS", v));
+  if (const auto v = env::bytes("TANDEM_AR_MAX_BYTES")) max_bytes = *v;
+  if (const auto v = env::bytes("TANDEM_AR_ONE_SHOT_MAX_BYTES")) one_shot_max_bytes = *v;
+  if (const auto v = env::bytes("TANDEM_AR_TWO_SHOT_MAX_BYTES")) two_shot_max_bytes = *v;
+  if (const auto v = env::integer("TANDEM_AR_MAX_BLOCKS")) max_blocks = static_cast<int>(*v);
+  if (const auto v = env::integer("TANDEM_AR_SPIN_TIMEOUT_MS")) {
+    spin_timeout = std::chrono::milliseconds(*v);
+  }
 }
 
 std::unique_ptr<CudaComm> CudaComm::from_env() {
@@ -265,10 +239,7 @@ cuda::AllReduceParams CudaComm::registered_params() const {
   return p;
 }
 
-bool CudaComm::allow_shared_device() {
-  const char* v = std::getenv("TANDEM_ALLOW_SHARED_GPU");
-  return v != nullptr && std::strcmp(v, "0") != 0;
-}
+bool CudaComm::allow_shared_device() { return env::flag("TANDEM_ALLOW_SHARED_GPU", false); }
 
 NcclComm& CudaComm::nccl() {
   TANDEM_CHECK_KIND(kUnsupported, nccl_ != nullptr,

@@ -13,10 +13,10 @@ namespace tandem::cuda_model {
 
 namespace {
 constexpr int64_t kTop = cuda::kMaxTopLogprobs;
-// The multi-CTA sampling path (a row over several CTAs) pays off for few rows: on the H200
-// (docs/perf.md, 2026-12-01) it wins every case at 1 row; at 32 rows it wins the rows without
-// a cut (temperature, min-p: 37 vs 67 us) but loses those with top-k / top-p (262 vs 216 us);
-// at 128 rows the single-CTA path wins all. Both paths give the same tokens.
+// The multi-CTA sampling path (a row over several CTAs) pays off for few rows (bench_sampling,
+// docs/perf.md): it wins every case at 1 row; at 32 rows it wins the rows without a cut
+// (temperature, min-p) but loses those with top-k / top-p; at 128 rows the single-CTA path wins
+// all. Both paths give the same tokens.
 constexpr int64_t kMultiCtaRows = 64;     // without top-k / top-p in the batch
 constexpr int64_t kMultiCtaCutRows = 16;  // with
 }  // namespace

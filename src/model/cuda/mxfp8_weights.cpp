@@ -6,6 +6,7 @@
 
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/moe_gemm.h"
+#include "core/env.h"
 #include "core/error.h"
 
 namespace tandem::cuda_model {
@@ -16,12 +17,9 @@ bool is_mxfp8(const QuantConfig& quant) {
 }
 
 Mxfp8Gpu mxfp8_gpu_mode_from_env() {
-  const char* env = std::getenv("TANDEM_CUDA_MXFP8");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "dequant") == 0) return Mxfp8Gpu::kDequant;
-  if (std::strcmp(env, "native") == 0) return Mxfp8Gpu::kNative;
-  TANDEM_CHECK_KIND(kInvalidArgument, std::strcmp(env, "block") == 0,
-                    "TANDEM_CUDA_MXFP8: expected 'dequant', 'native' or 'block', got '", env, "'");
-  return Mxfp8Gpu::kBlock;
+  const std::string mode = env::choice("TANDEM_CUDA_MXFP8").value_or("dequant");
+  if (mode == "native") return Mxfp8Gpu::kNative;
+  return mode == "block" ? Mxfp8Gpu::kBlock : Mxfp8Gpu::kDequant;
 }
 
 void read_mxfp8_for_gpu(const WeightReader& wr, const std::string& name, int64_t rows, int64_t cols,

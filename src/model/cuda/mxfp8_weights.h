@@ -7,7 +7,7 @@
 //   "block": requantized at load to 128x128 block FP8 (WeightReader::read_fp8_codes; the error
 //     it adds per tensor kind: `tandem convert --format fp8` of the MXFP8 checkpoint), then the
 //     block-FP8 kernels, W8A8 included.
-// native and block are opt-in until a device run has measured them (docs/perf.md, session 6).
+// native and block are opt-in until a device run has measured them (issue 29).
 // Host code.
 #pragma once
 

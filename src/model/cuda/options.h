@@ -29,9 +29,9 @@ struct CudaModelOptions {
   int64_t page_size = 16;
   /// MTP speculative decoding: replay the chained (one-token) draft passes in CUDA graphs by
   /// batch bucket, and capture them and the verify graphs of the configured K at warm-up
-  /// (Model::warm_up_speculative). On by default (the H200 measured it as fast as eager draft
-  /// passes, docs/perf.md, and warm-up moves the captures out of serving); false, or
-  /// TANDEM_MTP_GRAPHS=0 in the environment: passes eager, verify graphs captured on first use.
+  /// (Model::warm_up_speculative). On by default (as fast as eager draft passes, docs/perf.md,
+  /// and warm-up moves the captures out of serving); false: passes eager, verify graphs captured
+  /// on first use.
   bool mtp_graphs = true;
   /// For benchmarks: force the MoE layer's path for eager (prefill) batches: "" (auto), "mma",
   /// "cublas" or "padded" (backend/cuda/moe_layer.h).

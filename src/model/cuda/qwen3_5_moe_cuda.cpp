@@ -78,12 +78,6 @@ struct LayerW {
   bf16* shared_gate = nullptr;     // [H]
 };
 
-// A switch that is on unless NAME=0 in the environment.
-bool env_not_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e == nullptr || std::strcmp(e, "0") != 0;
-}
-
 // A host float vector as bf16 bits.
 std::vector<uint16_t> to_bf16_bits(const std::vector<float>& f) {
   std::vector<uint16_t> b(f.size());
@@ -140,25 +134,17 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   // chunks: FlashInfer's sm90 prefill, head_dim 256 by its gathered-KV path, planned by the
   // runner once per step for every attention layer; FA2 when it does not plan.)
   DeviceMem proj, q, gate, attn, conv_out, core, dn_ws, sgu, sact, sout;
-  // TANDEM_DELTA_RULE=sequential: prefill by the per-token delta rule (A/B runs; the default is
-  // the chunked tensor-core form).
-  const bool sequential_delta_rule = [] {
-    const char* e = std::getenv("TANDEM_DELTA_RULE");
-    return e != nullptr && std::strcmp(e, "sequential") == 0;
-  }();
   std::unique_ptr<cuda::MoeLayer> moe;
-  // On by default since the H200 measured it (docs/perf.md: decode 1-4% faster): steps of at most
-  // kForkMaxTokens tokens run the shared expert (gate_up, SiLU, down) on a second stream beside the
-  // router and the routed experts (both read the post-attention norm; the shared expert's gate
-  // joins them): at decode sizes these are latency-bound kernels of few CTAs, so the two chains
-  // overlap. Its own GemmLt (one per stream). Off: set_shared_expert_fork(false) or
-  // TANDEM_Q35_SHARED_FORK=0.
+  // Steps of at most kForkMaxTokens tokens run the shared expert (gate_up, SiLU, down) on a
+  // second stream beside the router and the routed experts (both read the post-attention norm;
+  // the shared expert's gate joins them): at decode sizes these are latency-bound kernels of few
+  // CTAs, so the two chains overlap (faster on the H200: docs/perf.md). Its own GemmLt (one per
+  // stream). Off (tests and benchmarks): set_shared_expert_fork(false).
   static constexpr int64_t kForkMaxTokens = 256;
-  bool fork_shared = env_not_off("TANDEM_Q35_SHARED_FORK");
-  // On by default since the H200 measured it: a DeltaNet decode step as one kernel
-  // (GatedDeltaRuleParams::fused_decode). Off: set_fused_deltanet_decode(false) or
-  // TANDEM_Q35_FUSED_DECODE=0.
-  bool fused_decode = env_not_off("TANDEM_Q35_FUSED_DECODE");
+  bool fork_shared = true;
+  // A DeltaNet decode step as one kernel (GatedDeltaRuleParams::fused_decode). Off (tests and
+  // benchmarks): set_fused_deltanet_decode(false).
+  bool fused_decode = true;
   cudaStream_t side = nullptr;
   cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
   std::unique_ptr<cuda::GemmLt> gemm_side;
@@ -166,10 +152,9 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   // The target's decode graphs and verify graphs (q tokens per sequence) are the runner's.
   static constexpr int64_t kMaxVerifyTokens =
       cuda_model::kMaxGraphTokensPerSeq;  // K + 1 for K up to kMaxSpeculativeTokens
-  // On by default since the H200 measured it (docs/perf.md: Qwen3.5-35B-A3B speculating 3-16%
-  // faster end to end): verify steps replay graphs. Off: set_verify_graphs(false) or
-  // TANDEM_Q35_VERIFY_GRAPHS=0 at load.
-  bool verify_graphs = env_not_off("TANDEM_Q35_VERIFY_GRAPHS");
+  // Verify steps replay graphs (faster end to end on the H200: docs/perf.md). Off (tests and
+  // benchmarks): set_verify_graphs(false).
+  bool verify_graphs = true;
   // Chained MTP passes (one token per sequence) replayed from graphs by bucket, against one MTP
   // KV pool; their own metadata buffers (g_meta's layout) and block tables.
   bool mtp_graphs_on = false;
@@ -181,9 +166,9 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   DeviceMem kept;
   int64_t kept_cap = 0, kept_tokens = -1;
   // The draft chain's per-pass gather indices and argmax tokens.
-  // On by default since the H200 measured it (docs/perf.md: 1-18% faster end to end than
-  // drafting pass by pass): set_device_chain, TANDEM_Q35_DEVICE_CHAIN=0 at load turns it off.
-  bool device_chain = env_not_off("TANDEM_Q35_DEVICE_CHAIN");
+  // Drafts chain on the device (faster end to end than drafting pass by pass on the H200:
+  // docs/perf.md). Off (tests and benchmarks): set_device_chain(false).
+  bool device_chain = true;
   DeviceMem chain_buf;
   PinnedMem chain_host;
   std::vector<int64_t> kept_first, kept_count;
@@ -212,8 +197,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
                                       static_cast<size_t>(passes * ws.rows_cap) * sizeof(int32_t),
                                       cudaMemcpyDeviceToHost, stream));
   }
-  // The fused speculative step (forward_verify_draft): on unless set_fused_step(false) or
-  // TANDEM_SPEC_FUSED=0 (read per step, as Qwen3MoeCuda does); spec_advance's staging; the
+  // The fused speculative step (forward_verify_draft): on unless set_fused_step(false) (tests
+  // and benchmarks); spec_advance's staging; the
   // device-driven state replay's metadata (a metadata buffer, written by spec_replay_plan).
   bool fused_step = true;
   int64_t fused_steps = 0;
@@ -666,7 +651,6 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     dp.qkv_stride = conv_dim;
     dp.ab_stride = in_rows;
     dp.state_stride = slot_stride;
-    dp.sequential = sequential_delta_rule;
     dp.fused_decode = fused_decode;
     return dp;
   }
@@ -1071,7 +1055,7 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
     TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&t.staged, cudaEventDisableTiming));
   }
   // (sharded: passes eager; decode EP passes exchange with the peers' every time)
-  im.mtp_graphs_on = opts_.mtp_graphs && env_not_off("TANDEM_MTP_GRAPHS") && opts_.shard.size <= 1;
+  im.mtp_graphs_on = opts_.mtp_graphs && opts_.shard.size <= 1;
   t.loaded = false;  // until every tensor is in
   im.load_weights(reader, /*mtp=*/true);
   t.loaded = true;
@@ -1310,10 +1294,7 @@ void Qwen35MoeCuda::stage_mtp_hidden(const ForwardBatch& batch, const float* hid
   TANDEM_CUDA_CHECK(cudaEventRecord(t.staged, stream_));
 }
 
-bool Qwen35MoeCuda::mtp_drafts_on_device() const {
-  const char* e = std::getenv("TANDEM_MTP_DEVICE_CHAIN");
-  return has_mtp() && impl_->device_chain && (e == nullptr || std::strcmp(e, "0") != 0);
-}
+bool Qwen35MoeCuda::mtp_drafts_on_device() const { return has_mtp() && impl_->device_chain; }
 
 void Qwen35MoeCuda::set_device_chain(bool on) { impl_->device_chain = on; }
 
@@ -1384,7 +1365,7 @@ void Qwen35MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const i
 }
 
 bool Qwen35MoeCuda::fuses_verify_and_draft() const {
-  return mtp_drafts_on_device() && impl_->fused_step && env_not_off("TANDEM_SPEC_FUSED");
+  return mtp_drafts_on_device() && impl_->fused_step;
 }
 
 void Qwen35MoeCuda::set_fused_step(bool on) { impl_->fused_step = on; }

@@ -77,9 +77,8 @@ class Qwen35MoeCuda final : public Model {
   // drafts roll back through the device state slots (KvCache::copy_state, replay_states; inside
   // forward_verify_draft when the step is fused). Chained
   // draft passes (one token per sequence) replay CUDA graphs by batch bucket (captured at
-  // warm-up or on first use) when CudaModelOptions::mtp_graphs is on (and TANDEM_MTP_GRAPHS is not
-  // 0) and decode graphs are; other passes run eagerly; verify steps replay graphs
-  // (set_verify_graphs).
+  // warm-up or on first use) when CudaModelOptions::mtp_graphs is on and decode graphs are; other
+  // passes run eagerly; verify steps replay graphs (set_verify_graphs).
   /// Loads the mtp.* tensors of `dir`; kNotFound naming `dir` when it has none.
   void load_mtp(const std::string& dir) override;
   bool has_mtp() const override;
@@ -108,11 +107,10 @@ class Qwen35MoeCuda final : public Model {
   void mtp_forward_sample(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
-  /// True once the MTP layer is loaded with the device chain on (set_device_chain) and
-  /// TANDEM_MTP_DEVICE_CHAIN is not 0: drafts chain on the device (mtp_draft_chain).
+  /// True once the MTP layer is loaded with the device chain on (set_device_chain): drafts chain
+  /// on the device (mtp_draft_chain).
   bool mtp_drafts_on_device() const override;
-  /// On by default (measured on the H200: docs/perf.md); TANDEM_Q35_DEVICE_CHAIN=0 at load
-  /// turns it off.
+  /// On by default (the faster on the H200: docs/perf.md); off for tests and benchmarks.
   void set_device_chain(bool on);
   bool device_chain() const;
   /// Model::mtp_draft_chain on the stream: pass 0's h_t gathered on the device from the last
@@ -124,7 +122,7 @@ class Qwen35MoeCuda final : public Model {
                        const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                        std::vector<std::vector<int32_t>>& drafts) override;
   /// True when the device chain is (mtp_drafts_on_device) and the fused step is on
-  /// (set_fused_step; TANDEM_SPEC_FUSED=0 turns it off).
+  /// (set_fused_step; off for tests and benchmarks).
   bool fuses_verify_and_draft() const override;
   void set_fused_step(bool on);
   /// Model::forward_verify_draft with one host synchronisation: the verify forward (a verify
@@ -166,7 +164,7 @@ class Qwen35MoeCuda final : public Model {
   const std::vector<int64_t>& buckets() const;
   /// (bucket, tokens per sequence) of the verify graphs captured so far.
   std::vector<std::pair<int64_t, int64_t>> captured_verify_graphs() const;
-  /// On by default (measured on the H200; TANDEM_Q35_VERIFY_GRAPHS=0 at load turns it off): a
+  /// On by default (the faster on the H200; off for tests and benchmarks): a
   /// verify step (2..5 tokens per sequence, the same for all, logits of all) replays a CUDA
   /// graph per (batch bucket, tokens per sequence), captured at warm_up_speculative or on first
   /// use, its tokens decode tokens of the attention and one DeltaNet chunk per sequence.
@@ -176,12 +174,12 @@ class Qwen35MoeCuda final : public Model {
   /// Drops the captured decode graphs (the next decode step of each bucket captures again), e.g.
   /// after a change of backend/cuda/decode_switches.h, which a graph keeps as captured.
   void reset_graphs();
-  /// On by default (measured on the H200; TANDEM_Q35_SHARED_FORK=0 at load turns it off): steps of
+  /// On by default (the faster on the H200; off for tests and benchmarks): steps of
   /// up to 256 tokens run the shared expert on a second stream beside the routed experts. Changing
   /// it drops the captured graphs.
   void set_shared_expert_fork(bool on);
   bool shared_expert_fork() const;
-  /// On by default (measured on the H200; TANDEM_Q35_FUSED_DECODE=0 at load turns it off): a
+  /// On by default (the faster on the H200; off for tests and benchmarks): a
   /// DeltaNet layer's decode delta rule as one kernel (GatedDeltaRuleParams::fused_decode).
   /// Changing it drops the captured graphs.
   void set_fused_deltanet_decode(bool on);

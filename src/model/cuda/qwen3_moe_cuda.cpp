@@ -20,6 +20,7 @@
 #include "comm/cuda/cuda_comm.h"
 #include "comm/cuda/cuda_moe.h"
 #include "core/dtype.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/batch_invariant.h"
 #include "model/cuda/cuda_mem.h"
@@ -611,12 +612,10 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   runner_->set_layers(impl_.get());
   impl_->plan = ShardPlan::make(config_, opts_.shard);
   impl_->comms = std::make_unique<cuda_model::ShardComms>(config_, impl_->plan, opts_.store);
-  // Block FP8 stays FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for comparisons);
-  // MXFP8 only when TANDEM_CUDA_MXFP8 asks for it (native or block; opt-in, not yet device-run).
-  const char* env = std::getenv("TANDEM_CUDA_FP8");
-  const bool env_off =
-      env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
-                         std::strcmp(env, "dequant") == 0);
+  // Block FP8 stays FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0);
+  // MXFP8 only when TANDEM_CUDA_MXFP8 asks for it (native or block).
+  const std::string fp8_env = env::choice("TANDEM_CUDA_FP8").value_or("on");
+  const bool env_off = fp8_env == "0" || fp8_env == "off" || fp8_env == "dequant";
   cuda_model::check_deterministic(opts_);
   impl_->det = opts_.deterministic;
   impl_->fp8 = opts_.fp8_weights && !env_off && !impl_->det &&
@@ -624,9 +623,7 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                  config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
                 (mxfp8 && mx_mode != cuda_model::Mxfp8Gpu::kDequant));
   impl_->mx_native = impl_->fp8 && mx_mode == cuda_model::Mxfp8Gpu::kNative;
-  const char* env_act = std::getenv("TANDEM_CUDA_FP8_ACT");
-  impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env_act != nullptr &&
-                   (std::strcmp(env_act, "1") == 0 || std::strcmp(env_act, "on") == 0);
+  impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env::flag("TANDEM_CUDA_FP8_ACT", false);
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
                     "query heads / KV heads per prefill TP rank");
@@ -639,10 +636,7 @@ const std::vector<int64_t>& Qwen3MoeCuda::buckets() const { return runner_->buck
 
 const ShardPlan& Qwen3MoeCuda::shard() const { return impl_->plan; }
 
-bool Qwen3MoeCuda::mtp_graphs_on() const {
-  const char* e = std::getenv("TANDEM_MTP_GRAPHS");
-  return impl_->plan.spec.size == 1 && (e != nullptr ? std::strcmp(e, "0") != 0 : opts_.mtp_graphs);
-}
+bool Qwen3MoeCuda::mtp_graphs_on() const { return impl_->plan.spec.size == 1 && opts_.mtp_graphs; }
 
 MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   Impl& im = *impl_;
@@ -681,10 +675,7 @@ MtpScratch Qwen3MoeCuda::mtp_scratch() const {
   return s;
 }
 
-bool Qwen3MoeCuda::mtp_drafts_on_device() const {
-  const char* e = std::getenv("TANDEM_MTP_DEVICE_CHAIN");
-  return mtp_ != nullptr && (e == nullptr || std::strcmp(e, "0") != 0);
-}
+bool Qwen3MoeCuda::mtp_drafts_on_device() const { return mtp_ != nullptr && device_chain_; }
 
 void Qwen3MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                                    const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
@@ -704,9 +695,8 @@ void Qwen3MoeCuda::mtp_draft_chain(const ForwardBatch& first, std::span<const in
 }
 
 bool Qwen3MoeCuda::fuses_verify_and_draft() const {
-  const char* e = std::getenv("TANDEM_SPEC_FUSED");
   // (decode EP too: the step's MTP passes are pass 0 and K - 1 chained ones, K exchanges)
-  return mtp_drafts_on_device() && (e == nullptr || std::strcmp(e, "0") != 0);
+  return mtp_drafts_on_device() && fused_step_;
 }
 
 void Qwen3MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,

@@ -109,17 +109,19 @@ class Qwen3MoeCuda final : public Model {
                           const std::vector<DeviceSampling>& rows, std::vector<SampledToken>& out,
                           std::vector<float>& hidden_out) override;
   /// The draft chain on the device (MtpCuda::draft_chain; its hidden input this model's final
-  /// hidden states of the last launch); on unless TANDEM_MTP_DEVICE_CHAIN=0 in the environment
-  /// (each pass's hidden states then go through the host, as before).
+  /// hidden states of the last launch) once the MTP layer is loaded, unless set_device_chain(false)
+  /// (tests and benchmarks: each pass's hidden states then go through the host).
   bool mtp_drafts_on_device() const override;
+  void set_device_chain(bool on) { device_chain_ = on; }
   void mtp_draft_chain(const ForwardBatch& first, std::span<const int64_t> hidden_rows,
                        const std::vector<MtpChainPass>& chain, KvCache& mtp_kv,
                        std::vector<std::vector<int32_t>>& drafts) override;
   /// The fused speculative step (verify, its sampler, the acceptance and the next drafts on the
   /// stream, one synchronisation: MtpCuda::draft_after_verify): with the device chain, on one
   /// GPU or a decode DP/EP rank (the verify is the rank's lockstep forward, its K MTP passes K
-  /// exchanges); on unless TANDEM_SPEC_FUSED=0 in the environment.
+  /// exchanges); on unless set_fused_step(false) (tests and benchmarks: the unfused step).
   bool fuses_verify_and_draft() const override;
+  void set_fused_step(bool on) { fused_step_ = on; }
   void forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
                             const std::vector<DeviceSampling>& rows, KvCache& mtp_kv,
                             VerifyDraftStep& step, std::vector<SampledToken>& out) override;
@@ -139,11 +141,13 @@ class Qwen3MoeCuda final : public Model {
  private:
   Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts);
   MtpScratch mtp_scratch() const;
-  bool mtp_graphs_on() const;  // CudaModelOptions::mtp_graphs unless TANDEM_MTP_GRAPHS=0, one GPU
+  bool mtp_graphs_on() const;  // CudaModelOptions::mtp_graphs, one GPU
   std::unique_ptr<cuda_model::CudaRunner> runner_;
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<MtpCuda> mtp_;
   int64_t fused_steps_ = 0;
+  bool device_chain_ = true;
+  bool fused_step_ = true;
   ModelConfig config_;
   CudaModelOptions opts_;
   cudaStream_t stream_ = nullptr;

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "server/startup.h"
 #include "server/tokenizer/tokenizer.h"
@@ -420,7 +421,7 @@ nlohmann::ordered_json run_bench_serve(const BenchServeOptions& o, std::ostream&
       !o.endpoint.empty() ? o.endpoint : (chat ? "/v1/chat/completions" : "/v1/completions");
   lo.path = prefix + endpoint;
   lo.chat = chat;
-  if (const char* k = std::getenv("OPENAI_API_KEY")) lo.api_key = k;  // as vLLM's client
+  if (auto k = env::text("OPENAI_API_KEY")) lo.api_key = *k;  // as vLLM's client
   // vLLM turns ignore_eos on for its random dataset on the OpenAI backends: the asked lengths.
   lo.ignore_eos = o.ignore_eos || o.dataset_name == "random";
   lo.max_concurrency = o.max_concurrency;

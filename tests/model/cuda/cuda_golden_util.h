@@ -387,19 +387,21 @@ struct SpecComparison {
 };
 
 // The draft chain on the device (Model::mtp_draft_chain: the default) against pass-by-pass
-// drafting through the host (TANDEM_MTP_DEVICE_CHAIN=0), the fused step off: every pass gets
+// drafting through the host (M::set_device_chain(false)), the fused step off: every pass gets
 // the same bf16 inputs either way, so the drafts are the same, hence the tokens and the
 // acceptance counts; K = 2 and 4, the MTP's own drafts and an oracle's.
-inline void expect_draft_chain_equals_pass_by_pass(Model& gpu, const testing::Golden& g,
-                                                   const std::vector<testing::GoldenCase>& cases,
-                                                   const EngineConfig& base) {
-  struct Unset {
-    ~Unset() {
-      ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
-      ::unsetenv("TANDEM_SPEC_FUSED");
+template <class M>
+void expect_draft_chain_equals_pass_by_pass(M& gpu, const testing::Golden& g,
+                                            const std::vector<testing::GoldenCase>& cases,
+                                            const EngineConfig& base) {
+  struct Restore {
+    M& m;
+    ~Restore() {
+      m.set_device_chain(true);
+      m.set_fused_step(true);
     }
-  } unset;
-  ::setenv("TANDEM_SPEC_FUSED", "0", 1);  // the chain itself (the fused step: its own test)
+  } restore{gpu};
+  gpu.set_fused_step(false);  // the chain itself (the fused step: its own test)
   for (const int64_t k : {2, 4}) {
     for (const bool good : {false, true}) {
       const std::string what =
@@ -407,11 +409,11 @@ inline void expect_draft_chain_equals_pass_by_pass(Model& gpu, const testing::Go
       EngineConfig cfg = base;
       cfg.num_speculative_tokens = k;
       EngineStats by_pass, chained;
-      ::setenv("TANDEM_MTP_DEVICE_CHAIN", "0", 1);
+      gpu.set_device_chain(false);
       ASSERT_FALSE(gpu.mtp_drafts_on_device());
       if (good) cfg.spec_draft_hook = oracle(cases, gpu.config().vocab_size);
       const auto ref = run_engine(gpu, cases, cfg, /*together=*/true, &by_pass);
-      ::unsetenv("TANDEM_MTP_DEVICE_CHAIN");
+      gpu.set_device_chain(true);
       ASSERT_TRUE(gpu.mtp_drafts_on_device());
       if (good) cfg.spec_draft_hook = oracle(cases, gpu.config().vocab_size);
       const auto res = run_engine(gpu, cases, cfg, /*together=*/true, &chained);
@@ -430,7 +432,7 @@ inline void expect_draft_chain_equals_pass_by_pass(Model& gpu, const testing::Go
 }
 
 // The fused step (Model::forward_verify_draft: the default) against the unfused one
-// (TANDEM_SPEC_FUSED=0: verify, host acceptance, then the chain). Its pass 0 runs over every
+// (M::set_fused_step(false): verify, host acceptance, then the chain). Its pass 0 runs over every
 // verify position (the unfused one over the accepted ones), so a draft may differ by bf16
 // rounding at a near tie: the tokens are compared by the margin rule and the oracle's accepted
 // counts within 2% (forced acceptance, which the benchmarks run fused, is covered by the
@@ -440,9 +442,10 @@ inline void expect_draft_chain_equals_pass_by_pass(Model& gpu, const testing::Go
 template <class M>
 void expect_fused_step_matches_unfused(SpecComparison<M>& sc) {
   auto& [g, cases, gpu, base] = sc;
-  struct Unset {
-    ~Unset() { ::unsetenv("TANDEM_SPEC_FUSED"); }
-  } unset;
+  struct Restore {
+    M& m;
+    ~Restore() { m.set_fused_step(true); }
+  } restore{*gpu};
   for (const int64_t k : {1, 3, 4}) {
     for (const int mode : {0, 1}) {  // MTP drafts, oracle drafts
       const char* names[] = {"MTP drafts", "oracle drafts"};
@@ -450,11 +453,11 @@ void expect_fused_step_matches_unfused(SpecComparison<M>& sc) {
       EngineConfig cfg = base;
       cfg.num_speculative_tokens = k;
       EngineStats unfused_stats, fused_stats;
-      ::setenv("TANDEM_SPEC_FUSED", "0", 1);
+      gpu->set_fused_step(false);
       ASSERT_FALSE(gpu->fuses_verify_and_draft());
       if (mode == 1) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);
       const auto ref = run_engine(*gpu, cases, cfg, /*together=*/true, &unfused_stats);
-      ::unsetenv("TANDEM_SPEC_FUSED");
+      gpu->set_fused_step(true);
       ASSERT_TRUE(gpu->fuses_verify_and_draft());
       const int64_t before = gpu->fused_steps();
       if (mode == 1) cfg.spec_draft_hook = oracle(cases, gpu->config().vocab_size);

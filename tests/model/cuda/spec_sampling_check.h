@@ -1,6 +1,6 @@
 // Sampled speculation on a GPU model against its own non-speculative sampling (the CudaMtp /
 // CudaQwen35Mtp sampling tests): 3000 seeded 3-token continuations of golden case `c`'s prompt
-// at temperature 0.8 / top-k 4, with K = 2 and EngineConfig::spec_sampled_on_device, follow the
+// at temperature 0.8 / top-k 4, with K = 2 (drawn on the device), follow the
 // distribution without speculation by the chi-square of tests/engine/chi_square.h, with
 // deterministic drafts (the most frequent continuation, often accepted) and with the model's own
 // MTP drafts; most seeds give the very same tokens; always accepting (forced acceptance at
@@ -30,7 +30,6 @@ inline void expect_spec_sampling_matches(Model& gpu, const testing::Golden& g, s
     cfg.page_size = 16;
     cfg.kv_cache_mb = 64;
     cfg.max_waiting = kSamples + 1;
-    cfg.spec_sampled_on_device = true;  // the switch under test (the default)
     Engine engine(gpu, cfg);
     std::vector<std::vector<int32_t>> out(kSamples);
     for (int i = 0; i < kSamples; ++i) {

@@ -156,7 +156,7 @@ int step_in_lockstep(Engine& engine, comm::GlooCommunicator& gloo) {
 template <typename M = Qwen3MoeCuda>
 void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<size_t>& cases,
               int* compared, const std::string& mtp = "", int64_t k = 0,
-              std::vector<Result>* tokens = nullptr) {
+              std::vector<Result>* tokens = nullptr, bool fused = true) {
   const comm::RankEnv env = comm::RankEnv::from_env();
   auto store = std::make_shared<comm::TcpStore>(comm::TcpStoreOptions::of(env));
   comm::GlooCommunicator gloo(*store);
@@ -165,6 +165,7 @@ void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<s
   EngineConfig cfg = rank_engine_config();
   if (!mtp.empty()) {
     model->load_mtp(mtp);
+    model->set_fused_step(fused);
     TANDEM_CHECK(model->mtp_collective() == (spec.size > 1), "mtp_collective() is ",
                  model->mtp_collective());
     cfg.num_speculative_tokens = k;
@@ -202,9 +203,7 @@ void run_rank(const std::string& dir, const ShardSpec& spec, const std::vector<s
   std::fprintf(stderr, "%s %s: %d steps, %d tokens compared\n", g.name.c_str(), mode.c_str(), steps,
                *compared);
   if constexpr (std::is_same_v<M, Qwen35MoeCuda>) {
-    // Speculating hybrids fuse their steps unless TANDEM_SPEC_FUSED=0.
-    const char* f = std::getenv("TANDEM_SPEC_FUSED");
-    const bool fused = f == nullptr || std::strcmp(f, "0") != 0;
+    // Speculating hybrids fuse their steps unless set_fused_step(false).
     TANDEM_CHECK(k == 0 || cases.empty() || fused == (model->fused_steps() > 0), mode, ": ",
                  model->fused_steps(), " fused steps");
   }
@@ -427,7 +426,7 @@ TEST_F(CudaShardedMtp, DecodeDp2SpeculatingGreedyMatchesTransformers) {
 // One speculating engine run of a decode EP rank over `cases` (greedy; `forced`: the engine's
 // spec_forced_accept_prob, and then every case max_tokens `forced_tokens` with ignore_eos, so
 // that a rank's cases end together), fused (Model::forward_verify_draft) or not
-// (TANDEM_SPEC_FUSED=0): its tokens, drafts by request and tokens so far, counters and fused
+// (set_fused_step(false)): its tokens, drafts by request and tokens so far, counters and fused
 // steps.
 struct SpecRun {
   std::vector<Result> results;
@@ -439,11 +438,7 @@ struct SpecRun {
 SpecRun spec_run(Qwen3MoeCuda& model, comm::GlooCommunicator& gloo, const testing::Golden& g,
                  const std::vector<size_t>& cases, int64_t k, double forced, bool fused) {
   constexpr int32_t forced_tokens = 24;
-  if (fused) {
-    ::unsetenv("TANDEM_SPEC_FUSED");
-  } else {
-    ::setenv("TANDEM_SPEC_FUSED", "0", 1);
-  }
+  model.set_fused_step(fused);
   TANDEM_CHECK(model.fuses_verify_and_draft() == fused, "fuses_verify_and_draft() is ",
                model.fuses_verify_and_draft());
   SpecRun run;
@@ -475,14 +470,14 @@ SpecRun spec_run(Qwen3MoeCuda& model, comm::GlooCommunicator& gloo, const testin
     TANDEM_CHECK(engine.blocks().num_available() == engine.blocks().num_pages(), "leaked KV pages");
     run.stats = engine.stats();
   }
-  ::unsetenv("TANDEM_SPEC_FUSED");
+  model.set_fused_step(true);
   run.fused_steps = model.fused_steps() - fused_before;
   return run;
 }
 
 // Decode EP ranks running the fused speculative step (MtpCuda::draft_after_verify on a
 // collective MTP layer: the verify, pass 0 over every verify position and K - 1 chained passes,
-// K exchanges, one synchronisation) against the unfused path (TANDEM_SPEC_FUSED=0: the verify,
+// K exchanges, one synchronisation) against the unfused path (set_fused_step(false): the verify,
 // the tokens to the host, the draft chain, empty passes up to K), with both ranks fusing, rank 0
 // fusing beside an unfused rank 1, and rank 0 fusing beside an idle rank 1 (each rank decides
 // alone: a step runs K exchanges either way). Every case on a busy rank, K = 3 then 2:
@@ -848,7 +843,7 @@ TEST_P(CudaShardedQwen35Mtp, MtpPassMatchesOneGpu) {
 // Speculating decode EP ranks (K collective MTP passes a step): greedy tokens by the margin rule
 // against the golden continuation; K = 2 with the fused step (forward_verify_draft on an EP
 // rank: the verify graph, the state settle, K exchanges), with both ranks busy and with rank 1
-// idle (its K empty passes a step), then K = 3 unfused (TANDEM_SPEC_FUSED=0: the draft chain).
+// idle (its K empty passes a step), then K = 3 unfused (set_fused_step(false): the draft chain).
 TEST_P(CudaShardedQwen35Mtp, DecodeDp2SpeculatingGreedyMatchesTransformers) {
   const std::string dir = GetParam(), mtp = mtp_;
   const size_t n = testing::load_golden(dir).cases.size();
@@ -860,13 +855,13 @@ TEST_P(CudaShardedQwen35Mtp, DecodeDp2SpeculatingGreedyMatchesTransformers) {
     SCOPED_TRACE("K " + std::to_string(l.k) + (l.idle ? ", rank 1 idle" : ", both ranks") +
                  (l.fused ? ", fused" : ", unfused"));
     run([&](int rank) {
-      if (!l.fused) ::setenv("TANDEM_SPEC_FUSED", "0", 1);
       std::vector<size_t> mine;
       for (size_t i = 0; i < n; ++i) {
         if (!l.idle || rank == 0) mine.push_back(i);
       }
       int compared = 0;
-      run_rank<Qwen35MoeCuda>(dir, ShardSpec::decode(rank, 2), mine, &compared, mtp, l.k);
+      run_rank<Qwen35MoeCuda>(dir, ShardSpec::decode(rank, 2), mine, &compared, mtp, l.k, nullptr,
+                              l.fused);
       TANDEM_CHECK(mine.empty() || compared > 0, "no step with a margin over ", kMarginBf16);
     });
   }
