@@ -1177,7 +1177,8 @@ def write_readme(args, cfg, n_params, final_loss, steps, tokens, epochs, train_s
         "",
         "```",
         "tools/fetch_demo_corpus.sh                      # on a machine with apt: build-demo/corpus/corpus.txt",
-        f"python3 tools/train_demo.py --corpus build-demo/corpus/corpus.txt --out models/demo --minutes {args.minutes:g}",
+        f"python3 tools/train_demo.py --corpus build-demo/corpus/corpus.txt --out models/demo --minutes {args.minutes:g}"
+        + (f" --agent-examples {args.agent_examples} --chat-frac {args.chat_frac:g}" if args.agent_examples else ""),
         "```",
         "",
         "Training is not bit-reproducible across GPUs or library versions; golden.json is always",

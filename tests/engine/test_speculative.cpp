@@ -696,9 +696,8 @@ TEST(SpecDemoHead, AcceptanceLengthAboveFloor) {
   }
   // NOTE: the floor is below the figure measured when the head was trained (docs/perf.md):
   // raise it with each retrained head.
-  // Measured 1.381 for the committed head (trained 2026-12-01 on the H200: tools/train_mtp.py
-  // --self-generate 4000000 --gen-temperature 0,0.7 --gen-batch 1024 --gen-minutes 1.0
-  // --minutes 1.2 --eval-every 100; held-out first-draft agreement 0.246); the floor leaves
+  // Measured 1.352 for the committed head (models/demo/README.md has the tools/train_mtp.py
+  // command; held-out first-draft agreement 0.268); the floor leaves
   // room for other machines' float rounding.
   constexpr double kFloor = 1.3;
   auto model = Qwen3MoeCpu::load(dir);
