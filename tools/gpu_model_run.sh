@@ -203,7 +203,7 @@ step bench_model_det 240 "$BIN/bench_model_cuda" --model 30b --quick --batches 1
 # Block FP8 beside bf16 in one run (Qwen3-30B-A3B, decode 1 / 32, prefill 2k; the weights
 # E4M3 in device memory): the "FP8 vs bf16" table. Then the FP8-weight kernels alone.
 export TANDEM_BENCH_CSV="$LOG/bench_model_fp8.csv"
-step bench_model_fp8 300 "$BIN/bench_model_cuda" --model 30b --quick --fp8
+step bench_model_fp8 300 "$BIN/bench_model_cuda" --model 30b --quick --fp8 --fp8-act
 [ -x "$BIN/bench_fp8_linear" ] && step bench_fp8_linear 200 "$BIN/bench_fp8_linear" --quick
 # MXFP8 (issue "FP8" item 3): bf16, block FP8 and MXFP8 both ways (native per-32 scales,
 # requantized to 128x128 blocks) in one run, decode 1 / 32 / 128; then the MXFP8 kernels alone.

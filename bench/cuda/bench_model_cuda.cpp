@@ -22,9 +22,10 @@
 //   128x128 block scales in device memory, backend/cuda/fp8_linear.h; router, norms, embedding
 //   and lm_head bf16 as in Qwen's FP8 checkpoints), then FP8's speed-up over bf16 per decode row
 //   and its share of the FP8 roofline (the same byte count with the linears at 1 byte / weight).
+//   The "-fp8" rows take bf16 activations (W8A16, TANDEM_CUDA_FP8_ACT=0).
 //   --fp8-act: (with or without --fp8) a run of the 30B in block FP8 with FP8 activations (W8A8
-//   on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1), rows "-fp8a". --batches 1,32,128: the
-//   decode batches to run.
+//   on the FP8 tensor cores, the default for block-FP8 checkpoints), rows "-fp8a". --batches
+//   1,32,128: the decode batches to run.
 //   --mxfp8: the 30B twice more in MXFP8 (E4M3 + one E8M0 scale per 32 weights), rows "-mxfp8n"
 //   (native per-32 scales in the kernels, TANDEM_CUDA_MXFP8=native) and "-mxfp8b" (requantized
 //   to 128x128 block FP8 at load, TANDEM_CUDA_MXFP8=block: the block-FP8 kernels and layout).
@@ -421,7 +422,11 @@ int main(int argc, char** argv) {
         bench_model("qwen3-30b-a3b-det", c, ceil, batches, ctxs, prompts, budget);
         g_det_run = false;
       }
-      if (g_fp8) bench_model("qwen3-30b-a3b-fp8", fp8_of(c), ceil, batches, ctxs, prompts, budget);
+      if (g_fp8) {  // W8A16: bf16 activations (read at construction; W8A8 is the default)
+        setenv("TANDEM_CUDA_FP8_ACT", "0", 1);
+        bench_model("qwen3-30b-a3b-fp8", fp8_of(c), ceil, batches, ctxs, prompts, budget);
+        unsetenv("TANDEM_CUDA_FP8_ACT");
+      }
       if (g_fp8_act) {  // W8A8: the FP8 activations of Qwen3MoeCuda (read at construction)
         setenv("TANDEM_CUDA_FP8_ACT", "1", 1);
         bench_model("qwen3-30b-a3b-fp8a", fp8_of(c), ceil, batches, ctxs, prompts, budget);

@@ -46,9 +46,11 @@ constexpr std::array kVars = {
     Var{"TANDEM_CUDA_FP8", Type::kChoice, "on", "on|1|off|0|dequant",
         "Block-FP8 checkpoints on the GPU: FP8 weights (on) or dequantized to bf16 at load (off, "
         "dequant)." TANDEM_ENV_ISSUE_29},
-    Var{"TANDEM_CUDA_FP8_ACT", Type::kFlag, "0", "",
-        "FP8 activations for the FP8 experts (W8A8) instead of bf16 "
-        "activations." TANDEM_ENV_ISSUE_29},
+    Var{"TANDEM_CUDA_FP8_ACT", Type::kFlag, "1", "",
+        "Block-FP8 checkpoints on the GPU: FP8 activations quantized per token and 128 columns "
+        "(W8A8 on the FP8 tensor cores, the dynamic activation scheme of Qwen's FP8 checkpoints, "
+        "the default) or 0: bf16 activations against dequantized weights "
+        "(W8A16)." TANDEM_ENV_ISSUE_29},
     Var{"TANDEM_CUDA_FP8_WGMMA", Type::kFlag, "1", "",
         "0: the W8A8 experts without the wgmma grouped GEMM (the mma "
         "kernels)." TANDEM_ENV_ISSUE_29},

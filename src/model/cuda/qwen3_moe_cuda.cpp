@@ -95,10 +95,11 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   // MXFP8 with its per-32 E8M0 scales kept (TANDEM_CUDA_MXFP8=native; model/cuda/mxfp8_weights.h);
   // =block: requantized to block FP8 at load (fp8 on, this off); unset: dequantized to bf16.
   bool mx_native = false;
-  // FP8 activations (W8A8 on the FP8 tensor cores, TANDEM_CUDA_FP8_ACT=1): the MoE GEMMs (decode
-  // and prefill, the mma path; activations quantized by one pass before each GEMM) and the dense
-  // linears at prefill sizes (cuBLASLt) quantize their activations per token and 128-column
-  // group (backend/cuda/fp8_linear.h); off: W8A16 (the dequantized numerics).
+  // FP8 activations (W8A8 on the FP8 tensor cores; the default, TANDEM_CUDA_FP8_ACT=0 turns it
+  // off): the MoE GEMMs (the wgmma grouped GEMMs of moe_gemm_w8a8.h, the permute's gather
+  // quantizing the rows) and the dense linears at prefill sizes (cuBLASLt) quantize their
+  // activations per token and 128-column group (backend/cuda/fp8_linear.h); off: W8A16 (the
+  // dequantized numerics). Measured in docs/perf.md ("FP8 vs bf16").
   bool fp8_act = false;
   // CudaModelOptions::deterministic (batch_invariant.h).
   bool det = false;
@@ -623,7 +624,7 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                  config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
                 (mxfp8 && mx_mode != cuda_model::Mxfp8Gpu::kDequant));
   impl_->mx_native = impl_->fp8 && mx_mode == cuda_model::Mxfp8Gpu::kNative;
-  impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env::flag("TANDEM_CUDA_FP8_ACT", false);
+  impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env::flag("TANDEM_CUDA_FP8_ACT", true);
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
                     "query heads / KV heads per prefill TP rank");
@@ -722,6 +723,7 @@ void Qwen3MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
 }
 
 int64_t Qwen3MoeCuda::fp8_linears() const { return static_cast<int64_t>(impl_->fp8_allocs.size()); }
+bool Qwen3MoeCuda::fp8_activations() const { return impl_->fp8_act; }
 
 Qwen3MoeCuda::~Qwen3MoeCuda() {
   mtp_.reset();

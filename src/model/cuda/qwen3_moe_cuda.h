@@ -73,6 +73,8 @@ class Qwen3MoeCuda final : public Model {
   int64_t kv_cache_mb_hint() const override;
   /// Linears (or groups of experts) kept FP8 in device memory (0: all bf16).
   int64_t fp8_linears() const;
+  /// Whether the FP8 linears take FP8 activations (W8A8; TANDEM_CUDA_FP8_ACT, on by default).
+  bool fp8_activations() const;
   /// Bytes of weights in device memory.
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Captures the decode graph of every bucket <= max_batch (single-GPU models; a sharded

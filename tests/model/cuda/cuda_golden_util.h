@@ -28,6 +28,13 @@ namespace tandem::cuda_golden {
 constexpr double kMedianTol = 1.5e-2;  // relative L2 error of a logits row: median,
 constexpr double kP95Tol = 5e-2;       // 95th percentile,
 constexpr double kMaxTol = 0.3;        // worst row
+// Block FP8 with FP8 activations (W8A8, the default for block-FP8 checkpoints): the activations
+// are rounded to E4M3 per token and 128 columns before each FP8 linear, so a logits row moves
+// further from the bf16 / fp32 references than bf16 arithmetic alone moves it (measured on an
+// H100 against the dequantized model: median 2.2e-2, p95 3.1e-2, worst 0.29).
+constexpr double kMedianTolW8A8 = 3.5e-2;
+constexpr double kP95TolW8A8 = 6e-2;
+constexpr double kMaxTolW8A8 = 0.45;
 constexpr double kMarginBf16 = 0.5;    // logit margin above which bf16 must agree on the argmax
 constexpr double kLogprobTol = 0.25;   // the chosen token's logprob vs the fp32 golden one
 constexpr double kLowerRankTol = 1.0;  // ranks 2-5 (a flipped routing moves them most)

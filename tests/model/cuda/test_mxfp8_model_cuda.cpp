@@ -150,9 +150,11 @@ TEST_P(CudaMxfp8, TeacherForcedLogitsMatchTheCpuReference) {
       "[ mxfp8 %s ] teacher-forced rows %zu: relative error median %.2e p95 %.2e max %.2e, "
       "%d argmax checks, %d flipped\n",
       GetParam(), errs.size(), med, p95, worst, checked, flipped);
-  EXPECT_LT(med, kMedianTol);
-  EXPECT_LT(p95, kP95Tol);
-  EXPECT_LT(worst, kWorstRow);
+  // "block" takes FP8 activations (W8A8, the block-FP8 default): its own bounds.
+  const bool w8a8 = gpu->fp8_activations();
+  EXPECT_LT(med, w8a8 ? kMedianTolW8A8 : kMedianTol);
+  EXPECT_LT(p95, w8a8 ? kP95TolW8A8 : kP95Tol);
+  EXPECT_LT(worst, w8a8 ? kMaxTolW8A8 : kWorstRow);
   EXPECT_LE(flipped, kFlipShare * checked);
   EXPECT_GT(checked, 0);
 }
@@ -255,10 +257,12 @@ TEST(CudaMxfp8Paths, MatchTheBf16DefaultOverTheSameWeights) {
         "[ mxfp8 %s vs bf16 default ] rows %zu: relative error median %.2e p95 %.2e max "
         "%.2e, %d argmax checks, %d flipped\n",
         p.path, errs.size(), med, p95, worst, checked, flipped);
-    EXPECT_LT(med, kMedianTol);
-    EXPECT_LT(p95, kP95Tol);
-    EXPECT_LT(worst, kMaxTol);
-    EXPECT_EQ(flipped, 0) << p.path;
+    // "block" takes FP8 activations (W8A8): its own bounds, and a rare flipped near-tie.
+    const bool w8a8 = gpu->fp8_activations();
+    EXPECT_LT(med, w8a8 ? kMedianTolW8A8 : kMedianTol);
+    EXPECT_LT(p95, w8a8 ? kP95TolW8A8 : kP95Tol);
+    EXPECT_LT(worst, w8a8 ? kMaxTolW8A8 : kMaxTol);
+    EXPECT_LE(flipped, w8a8 ? kFlipShare * checked : 0) << p.path;
     EXPECT_GT(checked, 0);
   }
 }
