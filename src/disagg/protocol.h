@@ -1,6 +1,6 @@
 // The messages the roles exchange, one codec each, in one place: between the ranks of an
 // instance (the prefill step broadcast, the decode commands and reports) and between the
-// router and an instance's rank 0 (server/instance_api frames carry these bodies). Host byte
+// router and an instance's rank 0 (disagg/instance_api frames carry these bodies). Host byte
 // order: the peers of a message share a machine type.
 #pragma once
 

@@ -1,4 +1,4 @@
-#include "engine/protocol.h"
+#include "disagg/protocol.h"
 
 namespace tandem {
 
