@@ -2,9 +2,10 @@
 // the router holds one TCP connection per instance and sees it as a DecodeClient or a
 // PrefillClient, exactly like an instance in its own process.
 //
-// Frames: u32 type, u32 payload bytes, payload (disagg/lockstep.h ByteWriter encoding, host
-// byte order). Calls carry a serial and get one reply with it; the instance also pushes
-// request outputs (decode) and prefill failures on the same connection.
+// Frames: u32 type, u32 payload bytes, payload (each message's fields listed once in
+// instance_api.cpp over disagg/protocol.h's, core/byte_codec.h's encoding). Calls carry a
+// serial and get one reply with it; the instance also pushes request outputs (decode) and
+// prefill failures on the same connection.
 //   router -> instance: kHello, kAccept(req, prefill sharding), kSubmit(req, descriptor),
 //                       kPrefilled(id, first output), kFail(id, error), kAbort(id), kLoad
 //   instance -> router: kReply(serial, ok | error kind + message, body), kOutput(StepOutput),

@@ -1,7 +1,7 @@
 // The messages the roles exchange, one codec each, in one place: between the ranks of an
 // instance (the prefill step broadcast, the decode commands and reports) and between the
-// router and an instance's rank 0 (disagg/instance_api frames carry these bodies). Host byte
-// order: the peers of a message share a machine type.
+// router and an instance's rank 0 (disagg/instance_api frames carry these bodies). Each
+// message's fields are listed once (protocol.cpp), for both directions (core/byte_codec.h).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/byte_codec.h"
 #include "core/error.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
@@ -18,69 +19,21 @@
 
 namespace tandem {
 
-/// Appends plain values, vectors and strings to a byte buffer (host byte order: the ranks of
-/// one instance share a machine type).
-class ByteWriter {
- public:
-  template <typename T>
-  void put(const T& v) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    buf_.insert(buf_.end(), p, p + sizeof(T));
-  }
-  template <typename T>
-  void put_vec(const T* data, int64_t n) {
-    put<int64_t>(n);
-    const auto* p = reinterpret_cast<const uint8_t*>(data);
-    buf_.insert(buf_.end(), p, p + n * static_cast<int64_t>(sizeof(T)));
-  }
-  template <typename T>
-  void put_vec(const std::vector<T>& v) {
-    put_vec(v.data(), static_cast<int64_t>(v.size()));
-  }
-  void put_str(const std::string& s) { put_vec(s.data(), static_cast<int64_t>(s.size())); }
-  std::vector<uint8_t>& bytes() { return buf_; }
+/// The roles' messages: i64 lengths and counts; a malformed one throws Error(kIo).
+inline constexpr codec::Format kProtocolFormat{codec::LenWidth::kI64, ErrorKind::kIo, "message"};
 
- private:
-  std::vector<uint8_t> buf_;
+/// Appends plain values, vectors and strings to a byte buffer (core/byte_codec.h's Writer in
+/// the roles' format).
+class ByteWriter : public codec::Writer {
+ public:
+  ByteWriter() : codec::Writer(kProtocolFormat) {}
 };
 
-/// Reads what ByteWriter wrote; throws Error(kIo) on a short buffer.
-class ByteReader {
+/// Reads what ByteWriter wrote; throws Error(kIo) on a short buffer or a length past its end.
+class ByteReader : public codec::Reader {
  public:
-  ByteReader(const uint8_t* data, size_t size) : p_(data), end_(data + size) {}
+  ByteReader(const uint8_t* data, size_t size) : codec::Reader(data, size, kProtocolFormat) {}
   explicit ByteReader(const std::vector<uint8_t>& b) : ByteReader(b.data(), b.size()) {}
-
-  template <typename T>
-  T get() {
-    T v;
-    take(&v, sizeof(T));
-    return v;
-  }
-  template <typename T>
-  std::vector<T> get_vec() {
-    const int64_t n = get<int64_t>();
-    // NOTE: n / left() compared by division: a count near 2^62 must not wrap the product.
-    TANDEM_CHECK_KIND(kIo, n >= 0 && static_cast<uint64_t>(n) <= left() / sizeof(T),
-                      "truncated message");
-    std::vector<T> v(static_cast<size_t>(n));
-    take(v.data(), v.size() * sizeof(T));
-    return v;
-  }
-  std::string get_str() {
-    std::vector<char> v = get_vec<char>();
-    return std::string(v.begin(), v.end());
-  }
-  size_t left() const { return static_cast<size_t>(end_ - p_); }
-
- private:
-  void take(void* dst, size_t n) {
-    TANDEM_CHECK_KIND(kIo, n <= left(), "truncated message");
-    if (n) std::memcpy(dst, p_, n);
-    p_ += n;
-  }
-  const uint8_t* p_;
-  const uint8_t* end_;
 };
 
 void put_step_output(ByteWriter& w, const StepOutput& out);
@@ -181,5 +134,191 @@ struct DecodeReport {
 };
 std::vector<uint8_t> encode_decode_report(const DecodeReport& r);
 DecodeReport decode_decode_report(const std::vector<uint8_t>& bytes);
+
+// ---- Each message's fields, once. ----
+// codec::Writer runs them to encode, codec::Reader to decode (core/byte_codec.h). A nested
+// message is its own fields(); a vector of records is a count then each record (seq /
+// records: the count bounded by the bytes left at its records' least size). Messages that
+// carry these (disagg/instance_api's control frames) call them.
+
+template <class Io, codec::Is<transfer::KvSharding> M>
+void fields(Io& io, M& s) {
+  io(s.num_kv_heads);
+  io.template as<int32_t>(s.tp);
+}
+
+template <class Io, codec::Is<transfer::TransferDescriptor> M>
+void fields(Io& io, M& d) {
+  io(d.request_id);
+  io(d.dst_address);
+  io(d.dst_pages);
+  io(d.dst_heads.begin);
+  io(d.dst_heads.end);
+  fields(io, d.src);
+  io(d.num_tokens);
+  io(d.page_size);
+  io(d.head_dim);
+  io(d.num_layers);
+  io(d.state_elems);
+  io(d.dst_state_slot);
+  io(d.hidden_size);
+}
+
+template <class Io, codec::Is<StepOutput> M>
+void fields(Io& io, M& o) {
+  auto rows = [](auto& io, auto& row) { io(row); };  // each row: a count, its (id, logprob)s
+  io(o.id);
+  io(o.token_ids);
+  io(o.token_logprobs);
+  io.seq(o.top_logprobs, rows, sizeof(int64_t));
+  io(o.prompt_token_logprobs);
+  io.seq(o.prompt_top_logprobs, rows, sizeof(int64_t));
+  io(o.num_cached_prompt_tokens);
+  io(o.finished);
+  io.template as<int32_t>(o.finish_reason);
+  io(o.stop_token_id);
+  io(o.error);
+}
+
+template <class Io, codec::Is<GenRequest> M>
+void fields(Io& io, M& r) {
+  io(r.id);
+  io(r.prompt_ids);
+  auto& s = r.sampling;
+  io(s.temperature);
+  io(s.top_p);
+  io(s.top_k);
+  io(s.min_p);
+  io(s.repetition_penalty);
+  io(s.presence_penalty);
+  io(s.frequency_penalty);
+  io.opt(s.seed);
+  io(s.logprobs);
+  io(s.prompt_logprobs);
+  io(s.logit_bias);
+  io(r.max_tokens);
+  io(r.min_tokens);
+  io(r.stop_token_ids);
+  io(r.ignore_eos);
+  io(r.allow_speculation);
+  io(r.constraint_spec);  // (the constraint object stays in its process)
+}
+
+template <class Io, codec::Is<HistogramCounts> M>
+void fields(Io& io, M& h) {
+  io(h.buckets);
+  io(h.sum);
+  io(h.count);
+}
+
+template <class Io, codec::Is<EngineStats> M>
+void fields(Io& io, M& s) {
+  for (auto* v :
+       {&s.running, &s.waiting, &s.kv_pages_total, &s.kv_pages_free, &s.prefix_cache_queries,
+        &s.prefix_cache_hits, &s.prompt_tokens, &s.generation_tokens, &s.preemptions}) {
+    io(*v);
+  }
+  fields(io, s.queue_time);
+  fields(io, s.iteration_tokens);
+  for (auto* v : {&s.spec_num_drafts, &s.spec_num_draft_tokens, &s.spec_num_accepted_tokens}) {
+    io(*v);
+  }
+  io(s.spec_accepted_per_pos);
+}
+
+template <class Io, codec::Is<TransferEnd> M>
+void fields(Io& io, M& e) {
+  io(e.id);
+  io(e.ok);
+  io(e.token);
+  io(e.logprob);
+}
+
+template <class Io, codec::Is<StateCopy> M>
+void fields(Io& io, M& c) {
+  io(c.src);
+  io(c.dst);
+}
+
+template <class Io, codec::Is<PrefillStep::Seq> M>
+void fields(Io& io, M& s) {
+  io(s.id);
+  io(s.tokens);
+  io(s.table);
+  io(s.start);
+  io.template as<uint8_t>(s.logits);
+  io(s.last);
+  if (s.last) fields(io, s.dst);
+  io(s.state_slot);
+}
+
+template <class Io, codec::Is<PrefillStep> M>
+void fields(Io& io, M& st) {
+  io(st.stop);
+  io.records(st.ends);
+  io.records(st.seqs);
+  io.records(st.state_saves, sizeof(StateCopy));
+  io.records(st.state_restores, sizeof(StateCopy));
+}
+
+template <class Io, codec::Is<DecodeCommand> M>
+void fields(Io& io, M& d) {
+  io(d.rank);
+  io.template as<uint8_t>(d.kind);
+  switch (d.kind) {
+    case DecodeCommand::kReserve:
+      io(d.id);
+      io(d.num_tokens);
+      fields(io, d.src);
+      io(d.speculate);
+      break;
+    case DecodeCommand::kAdmit:
+      fields(io, d.req);
+      if constexpr (Io::kReading) d.id = d.req.id;
+      io(d.pages);
+      io(d.token);
+      io(d.logprob);
+      break;
+    case DecodeCommand::kRelease:
+      io(d.id);
+      io(d.pages);
+      io(d.cancel);
+      break;
+    case DecodeCommand::kAbort: io(d.id); break;
+    default:
+      if constexpr (Io::kReading) io.fail("unknown decode command ", static_cast<int>(d.kind));
+  }
+}
+
+template <class Io, codec::Is<DecodeCommands> M>
+void fields(Io& io, M& c) {
+  io(c.stop);
+  io.records(c.cmds);
+}
+
+template <class Io, codec::Is<DecodeReport::Reservation> M>
+void fields(Io& io, M& r) {
+  io(r.id);
+  io(r.ok);
+  io(r.error);
+  if (r.ok) fields(io, r.d);
+}
+
+template <class Io, codec::Is<DecodeReport::KvEvent> M>
+void fields(Io& io, M& e) {
+  io(e.id);
+  io(e.ok);
+  io(e.error);
+}
+
+template <class Io, codec::Is<DecodeReport> M>
+void fields(Io& io, M& rep) {
+  io(rep.batch);
+  io(rep.free_pages);
+  io.records(rep.reserved);
+  io.records(rep.kv_events);
+  io.records(rep.outputs);
+  fields(io, rep.stats);
+}
 
 }  // namespace tandem

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "net/address.h"
 #include "net/cluster_auth.h"
 
 namespace tandem {
@@ -28,34 +29,12 @@ bool write_all(int fd, const void* data, size_t n) {
   return true;
 }
 
-int listen_on(const std::string& host, int port, int& bound_port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TANDEM_CHECK_KIND(kIo, fd >= 0, "socket() failed");
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    ::close(fd);
-    TANDEM_THROW(kInvalidArgument, "bad listen address '", host, "' (an IPv4 address)");
-  }
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 16) != 0) {
-    const std::string why = std::strerror(errno);
-    ::close(fd);
-    TANDEM_THROW(kIo, "cannot listen on ", host, ":", port, ": ", why);
-  }
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  bound_port = ntohs(addr.sin_port);
-  return fd;
-}
 }  // namespace
 
 MetricsEndpoint::MetricsEndpoint(const std::string& host, int port,
                                  std::function<std::string()> render)
     : render_(std::move(render)) {
-  listen_fd_ = listen_on(host, port, port_);
+  listen_fd_ = net::listen_tcp(host, port, 16, port_, "metrics endpoint");
   thread_ = std::thread([this] { loop(); });
 }
 
