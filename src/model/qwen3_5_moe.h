@@ -146,7 +146,7 @@ class Qwen35MoeCpu final : public Model {
 /// Qwen3MoeCpu; qwen3_5_moe / qwen3_5_moe_text: Qwen35MoeCpu).
 std::unique_ptr<Model> load_cpu_model(const std::string& dir);
 /// The same, one rank's slice (both models' load(dir, shard, comm)); the instances' CPU model
-/// factory (engine/instance_parts.cpp).
+/// factory (disagg/instance_parts.cpp).
 std::unique_ptr<Model> load_cpu_model(const std::string& dir, const ShardSpec& shard,
                                       comm::Communicator* comm);
 

@@ -53,7 +53,7 @@ using KeyRef = std::shared_ptr<const ClusterKey>;
 
 /// What a connection carries (bound into the MACs).
 enum class Channel : uint8_t {
-  kControl = 1,     // router <-> instance (server/instance_api)
+  kControl = 1,     // router <-> instance (disagg/instance_api)
   kKvTransfer = 2,  // host TCP KV transfer (transfer/tcp_transfer)
   kIpcControl = 3,  // CUDA IPC transfer's control socket (transfer/cuda)
   kStore = 4,       // the rank group's TCP store (comm/tcp_store)

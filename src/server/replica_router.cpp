@@ -4,8 +4,8 @@
 #include <iostream>
 
 #include "core/error.h"
+#include "disagg/instance_api.h"
 #include "events/zmq_subscriber.h"
-#include "server/instance_api.h"
 
 namespace tandem {
 

@@ -9,8 +9,9 @@
 #include <set>
 
 #include "core/error.h"
+#include "disagg/instance_api.h"
 #include "events/zmq_subscriber.h"
-#include "server/instance_api.h"
+#include "server/http/instance_metrics.h"
 
 namespace tandem {
 

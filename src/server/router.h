@@ -30,8 +30,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine/decode_instance.h"
-#include "engine/prefill_instance.h"
+#include "disagg/decode_instance.h"
+#include "disagg/prefill_instance.h"
 #include "engine/request.h"
 #include "net/cluster_auth.h"
 #include "server/prefix_index.h"

@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "net/address.h"
 #include "net/cluster_auth_asio.h"
 #include "transfer/kv_pack.h"
 #include "transfer/wire.h"
@@ -39,24 +40,6 @@ std::string peer_of(const tcp::socket& s) {
   if (ec) return "unknown peer";
   const auto a = ep.address();
   return (a.is_v6() ? "[" + a.to_string() + "]" : a.to_string()) + ":" + std::to_string(ep.port());
-}
-
-// "host:port" or "[v6]:port" -> {host, port}.
-std::pair<std::string, std::string> split_address(const std::string& address) {
-  const auto colon = address.rfind(':');
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    colon != std::string::npos && colon > 0 && colon + 1 < address.size(),
-                    "destination address '", address, "' is not host:port");
-  std::string host = address.substr(0, colon), port = address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  const bool digits =
-      std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    digits && port.size() <= 5 && std::stoi(port) >= 1 && std::stoi(port) <= 65535,
-                    "destination address '", address, "' has no valid port");
-  return {host, port};
 }
 
 milliseconds sweep_interval(milliseconds timeout) {
@@ -117,9 +100,9 @@ class TcpReceiver final : public TransferReceiver {
     if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
     TANDEM_CHECK_KIND(kIo, !ec, "KV transfer receiver could not listen on ", options.bind_host, ":",
                       options.port, ": ", ec.message());
-    std::string host = options.advertise_host.empty() ? options.bind_host : options.advertise_host;
-    if (host.find(':') != std::string::npos) host = "[" + host + "]";
-    address_ = host + ":" + std::to_string(acceptor_.local_endpoint().port());
+    address_ = tandem::net::join_host_port(
+        options.advertise_host.empty() ? options.bind_host : options.advertise_host,
+        acceptor_.local_endpoint().port());
     start_accept();
     arm_sweep();
     io_.start();
@@ -840,7 +823,7 @@ class TcpSender final : public TransferSender {
       TANDEM_CHECK_KIND(kInvalidArgument, d.hidden_size == job->hidden_size, at, "hidden_size ",
                         d.hidden_size, " differs from another destination's ", job->hidden_size);
       auto slice = plan_head_slice(sharding_, rank_, d.dst_heads);
-      auto [host, port] = split_address(d.dst_address);
+      auto [host, port] = tandem::net::split_host_port(d.dst_address, "destination address");
       if (!slice) continue;
       auto link = std::make_shared<Link>(io_.io());
       link->desc = d;

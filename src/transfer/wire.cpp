@@ -1,218 +1,188 @@
 #include "transfer/wire.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 
+#include "core/byte_codec.h"
 #include "core/error.h"
 
 namespace tandem::transfer::wire {
 
 namespace {
 
-template <typename T>
-void put(std::vector<uint8_t>& out, T v) {
-  const auto* p = reinterpret_cast<const uint8_t*>(&v);
-  out.insert(out.end(), p, p + sizeof(T));
+// Each message's fields, once (core/byte_codec.h): u32 lengths, Error(kInvalidArgument) naming
+// the message when its bytes are malformed.
+codec::Format format(const char* what) {
+  return {codec::LenWidth::kU32, ErrorKind::kInvalidArgument, what};
 }
 
-// Reads fields in order from a body, checking that each one is there.
-class Reader {
- public:
-  explicit Reader(std::span<const uint8_t> bytes, const char* what) : bytes_(bytes), what_(what) {}
-  template <typename T>
-  T take() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, bytes_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return v;
-  }
-  std::string take_string(size_t n) {
-    need(n);
-    std::string s(reinterpret_cast<const char*>(bytes_.data() + pos_), n);
-    pos_ += n;
-    return s;
-  }
-  void expect_end() const {
-    TANDEM_CHECK_KIND(kInvalidArgument, pos_ == bytes_.size(), "malformed ", what_, ": ",
-                      bytes_.size() - pos_, " trailing bytes");
-  }
-
- private:
-  void need(size_t n) const {
-    TANDEM_CHECK_KIND(kInvalidArgument, bytes_.size() - pos_ >= n, "malformed ", what_,
-                      ": truncated at byte ", pos_, " of ", bytes_.size());
-  }
-  std::span<const uint8_t> bytes_;
-  const char* what_;
-  size_t pos_ = 0;
+// The 16-byte header as it travels.
+struct Header {
+  uint32_t magic = kMagic;
+  uint16_t type = 0;
+  uint16_t version = kVersion;
+  uint64_t body_bytes = 0;
 };
 
-void put_header(std::vector<uint8_t>& out, MsgType type, uint64_t body_bytes) {
-  put<uint32_t>(out, kMagic);
-  put<uint16_t>(out, static_cast<uint16_t>(type));
-  put<uint16_t>(out, kVersion);
-  put<uint64_t>(out, body_bytes);
+template <class Io, codec::Is<Header> M>
+void fields(Io& io, M& h) {
+  io(h.magic);
+  io(h.type);
+  io(h.version);
+  io(h.body_bytes);
 }
 
-// Appends the floats' bytes (a message's payload after its fixed fields).
-void put_floats(std::vector<uint8_t>& out, const std::vector<float>& v) {
-  const size_t at = out.size(), bytes = v.size() * sizeof(float);
-  out.resize(at + bytes);
-  if (bytes > 0) std::memcpy(out.data() + at, v.data(), bytes);
+// The 12 bytes before a REPLY's message.
+struct ReplyHeader {
+  uint32_t magic = kReplyMagic;
+  uint16_t status = 0;
+  uint16_t reserved = 0;
+  uint32_t message_bytes = 0;
+};
+
+template <class Io, codec::Is<ReplyHeader> M>
+void fields(Io& io, M& h) {
+  io(h.magic);
+  io(h.status);
+  io(h.reserved);
+  io(h.message_bytes);
+}
+
+}  // namespace
+
+template <class Io, codec::Is<Hello> M>
+void fields(Io& io, M& h) {
+  io(h.request_id);  // (the receiver bounds the body by kMaxHelloBytes first)
+  io(h.src_rank);
+  io.template as<int32_t>(h.src.tp);
+  io(h.src.num_kv_heads);
+  io(h.heads.begin);
+  io(h.heads.end);
+  io(h.num_layers);
+  io(h.num_tokens);
+  io(h.head_dim);
+  io(h.dtype);
+}
+
+template <class Io, codec::Is<LayerPrefix> M>
+void fields(Io& io, M& p) {
+  io(p.layer);
+  io(p.token_begin);
+  io(p.token_end);
+}
+
+template <class Io, codec::Is<Finish> M>
+void fields(Io& io, M& f) {
+  io(f.first_token);
+  io(f.logprob);
+  io.tail(f.state);  // the rest of the body: whole floats
+}
+
+template <class Io, codec::Is<Hidden> M>
+void fields(Io& io, M& h) {
+  io(h.row_begin);
+  io(h.hidden_size);
+  if constexpr (Io::kReading) {
+    // NOTE: hidden_size bounded first (as descriptors bound it): 4 * 2^62 would wrap to 0.
+    const size_t bytes = io.left();
+    if (!(h.row_begin >= 0 && h.hidden_size >= 1 && h.hidden_size <= (int64_t{1} << 20) &&
+          bytes % (sizeof(float) * static_cast<uint64_t>(h.hidden_size)) == 0)) {
+      io.fail(bytes, " bytes of rows from row ", h.row_begin, " are not whole rows of hidden_size ",
+              h.hidden_size);
+    }
+  }
+  io.tail(h.rows);
+}
+
+namespace {
+
+// Header + the message's fields (+ payload_bytes the caller appends).
+template <class Msg>
+std::vector<uint8_t> encode_message(MsgType type, const Msg& m, const char* what,
+                                    uint64_t payload_bytes = 0) {
+  codec::Writer out(format(what));
+  const Header header{kMagic, static_cast<uint16_t>(type), kVersion, 0};
+  fields(out, header);
+  fields(out, m);
+  // The header's body_bytes, now that the body is written (no second copy of a large body).
+  const uint64_t body_bytes = out.size() - kHeaderBytes + payload_bytes;
+  static_assert(offsetof(Header, body_bytes) == 8 && sizeof(Header) == kHeaderBytes);
+  std::memcpy(out.bytes().data() + offsetof(Header, body_bytes), &body_bytes, sizeof(body_bytes));
+  return std::move(out.bytes());
+}
+
+template <class Msg>
+Msg decode_message(std::span<const uint8_t> body, const char* what) {
+  return codec::decode<Msg>(body, format(what), /*whole=*/true);
 }
 
 }  // namespace
 
 std::vector<uint8_t> encode_hello(const Hello& h) {
-  std::vector<uint8_t> body;
-  put<uint32_t>(body, static_cast<uint32_t>(h.request_id.size()));
-  body.insert(body.end(), h.request_id.begin(), h.request_id.end());
-  put<int32_t>(body, h.src_rank);
-  put<int32_t>(body, h.src.tp);
-  put<int64_t>(body, h.src.num_kv_heads);
-  put<int64_t>(body, h.heads.begin);
-  put<int64_t>(body, h.heads.end);
-  put<int64_t>(body, h.num_layers);
-  put<int64_t>(body, h.num_tokens);
-  put<int64_t>(body, h.head_dim);
-  put<uint8_t>(body, h.dtype);
-  std::vector<uint8_t> out;
-  out.reserve(kHeaderBytes + body.size());
-  put_header(out, MsgType::kHello, body.size());
-  out.insert(out.end(), body.begin(), body.end());
-  return out;
+  return encode_message(MsgType::kHello, h, "HELLO");
 }
 
 std::vector<uint8_t> encode_layer(const LayerPrefix& prefix, int64_t payload_floats) {
-  const uint64_t body = kLayerPrefixBytes + static_cast<uint64_t>(payload_floats) * 4;
-  std::vector<uint8_t> out;
-  out.reserve(kHeaderBytes + body);
-  put_header(out, MsgType::kLayer, body);
-  put<int64_t>(out, prefix.layer);
-  put<int64_t>(out, prefix.token_begin);
-  put<int64_t>(out, prefix.token_end);
-  out.resize(kHeaderBytes + body);
+  const uint64_t payload = static_cast<uint64_t>(payload_floats) * 4;
+  std::vector<uint8_t> out = encode_message(MsgType::kLayer, prefix, "LAYER", payload);
+  out.resize(kHeaderBytes + kLayerPrefixBytes + payload);
   return out;
 }
 
 std::vector<uint8_t> encode_finish(const Finish& f) {
-  std::vector<uint8_t> out;
-  const uint64_t state_bytes = f.state.size() * sizeof(float);
-  put_header(out, MsgType::kFinish, kFinishBytes + state_bytes);
-  put<int32_t>(out, f.first_token);
-  put<float>(out, f.logprob);
-  put_floats(out, f.state);
-  return out;
+  return encode_message(MsgType::kFinish, f, "FINISH");
 }
 
 std::vector<uint8_t> encode_hidden(const Hidden& h) {
-  std::vector<uint8_t> out;
-  const uint64_t row_bytes = h.rows.size() * sizeof(float);
-  put_header(out, MsgType::kHidden, kHiddenPrefixBytes + row_bytes);
-  put<int64_t>(out, h.row_begin);
-  put<int64_t>(out, h.hidden_size);
-  put_floats(out, h.rows);
-  return out;
+  return encode_message(MsgType::kHidden, h, "HIDDEN");
 }
 
 std::vector<uint8_t> encode_reply(const Reply& r) {
   const size_t n = std::min<size_t>(r.message.size(), kMaxReplyMessageBytes);
-  std::vector<uint8_t> out;
-  put<uint32_t>(out, kReplyMagic);
-  put<uint16_t>(out, r.ok ? 0 : 1);
-  put<uint16_t>(out, 0);
-  put<uint32_t>(out, static_cast<uint32_t>(n));
-  out.insert(out.end(), r.message.begin(), r.message.begin() + static_cast<ptrdiff_t>(n));
-  return out;
+  codec::Writer out(format("reply"));
+  const ReplyHeader header{kReplyMagic, static_cast<uint16_t>(r.ok ? 0 : 1), 0,
+                           static_cast<uint32_t>(n)};
+  fields(out, header);
+  out.tail(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(r.message.data()), n));
+  return std::move(out.bytes());
 }
 
 MsgHeader decode_header(std::span<const uint8_t, kHeaderBytes> bytes) {
-  Reader in(bytes, "message header");
-  const auto magic = in.take<uint32_t>();
-  const auto type = in.take<uint16_t>();
-  const auto version = in.take<uint16_t>();
-  const auto body = in.take<uint64_t>();
-  TANDEM_CHECK_KIND(kInvalidArgument, magic == kMagic, "not a KV transfer stream (magic 0x",
-                    std::hex, magic, ")");
-  TANDEM_CHECK_KIND(kInvalidArgument, version == kVersion, "unsupported KV transfer version ",
-                    version, " (this build speaks ", kVersion, ")");
-  TANDEM_CHECK_KIND(kInvalidArgument, type >= 1 && type <= 4, "unknown KV transfer message type ",
-                    type);
-  return {static_cast<MsgType>(type), body};
+  const auto h = codec::decode<Header>(bytes, format("message header"), /*whole=*/true);
+  TANDEM_CHECK_KIND(kInvalidArgument, h.magic == kMagic, "not a KV transfer stream (magic 0x",
+                    std::hex, h.magic, ")");
+  TANDEM_CHECK_KIND(kInvalidArgument, h.version == kVersion, "unsupported KV transfer version ",
+                    h.version, " (this build speaks ", kVersion, ")");
+  TANDEM_CHECK_KIND(kInvalidArgument, h.type >= 1 && h.type <= 4,
+                    "unknown KV transfer message type ", h.type);
+  return {static_cast<MsgType>(h.type), h.body_bytes};
 }
 
-Hello decode_hello(std::span<const uint8_t> body) {
-  Reader in(body, "HELLO");
-  Hello h;
-  const auto id_bytes = in.take<uint32_t>();
-  h.request_id = in.take_string(id_bytes);
-  h.src_rank = in.take<int32_t>();
-  h.src.tp = in.take<int32_t>();
-  h.src.num_kv_heads = in.take<int64_t>();
-  h.heads.begin = in.take<int64_t>();
-  h.heads.end = in.take<int64_t>();
-  h.num_layers = in.take<int64_t>();
-  h.num_tokens = in.take<int64_t>();
-  h.head_dim = in.take<int64_t>();
-  h.dtype = in.take<uint8_t>();
-  in.expect_end();
-  return h;
-}
+Hello decode_hello(std::span<const uint8_t> body) { return decode_message<Hello>(body, "HELLO"); }
 
 LayerPrefix decode_layer_prefix(std::span<const uint8_t> body) {
-  Reader in(body.first(std::min(body.size(), kLayerPrefixBytes)), "LAYER");
-  LayerPrefix p;
-  p.layer = in.take<int64_t>();
-  p.token_begin = in.take<int64_t>();
-  p.token_end = in.take<int64_t>();
-  return p;
+  return decode_message<LayerPrefix>(body.first(std::min(body.size(), kLayerPrefixBytes)), "LAYER");
 }
 
 Finish decode_finish(std::span<const uint8_t> body) {
-  Reader in(body, "FINISH");
-  Finish f;
-  f.first_token = in.take<int32_t>();
-  f.logprob = in.take<float>();
-  TANDEM_CHECK_KIND(kInvalidArgument, (body.size() - kFinishBytes) % sizeof(float) == 0,
-                    "malformed FINISH: a state of ", body.size() - kFinishBytes,
-                    " bytes is not whole floats");
-  f.state.resize((body.size() - kFinishBytes) / sizeof(float));
-  for (float& v : f.state) v = in.take<float>();
-  in.expect_end();
-  return f;
+  return decode_message<Finish>(body, "FINISH");
 }
 
 Hidden decode_hidden(std::span<const uint8_t> body) {
-  Reader in(body, "HIDDEN");
-  Hidden h;
-  h.row_begin = in.take<int64_t>();
-  h.hidden_size = in.take<int64_t>();
-  const size_t bytes = body.size() - kHiddenPrefixBytes;
-  // NOTE: hidden_size bounded first (as descriptors bound it): 4 * 2^62 would wrap to 0.
-  TANDEM_CHECK_KIND(kInvalidArgument,
-                    h.row_begin >= 0 && h.hidden_size >= 1 && h.hidden_size <= (int64_t{1} << 20) &&
-                        bytes % (sizeof(float) * static_cast<uint64_t>(h.hidden_size)) == 0,
-                    "malformed HIDDEN: ", bytes, " bytes of rows from row ", h.row_begin,
-                    " are not whole rows of hidden_size ", h.hidden_size);
-  h.rows.resize(bytes / sizeof(float));
-  if (bytes > 0) std::memcpy(h.rows.data(), body.data() + kHiddenPrefixBytes, bytes);
-  return h;
+  return decode_message<Hidden>(body, "HIDDEN");
 }
 
 bool decode_reply_header(std::span<const uint8_t, kReplyHeaderBytes> bytes,
                          uint32_t& message_bytes) {
-  Reader in(bytes, "reply");
-  const auto magic = in.take<uint32_t>();
-  const auto status = in.take<uint16_t>();
-  in.take<uint16_t>();
-  message_bytes = in.take<uint32_t>();
-  TANDEM_CHECK_KIND(kInvalidArgument, magic == kReplyMagic, "not a KV transfer reply (magic 0x",
-                    std::hex, magic, ")");
-  TANDEM_CHECK_KIND(kInvalidArgument, status <= 1, "unknown reply status ", status);
+  const auto h = codec::decode<ReplyHeader>(bytes, format("reply"), /*whole=*/true);
+  message_bytes = h.message_bytes;
+  TANDEM_CHECK_KIND(kInvalidArgument, h.magic == kReplyMagic, "not a KV transfer reply (magic 0x",
+                    std::hex, h.magic, ")");
+  TANDEM_CHECK_KIND(kInvalidArgument, h.status <= 1, "unknown reply status ", h.status);
   TANDEM_CHECK_KIND(kInvalidArgument, message_bytes <= kMaxReplyMessageBytes, "reply message of ",
                     message_bytes, " bytes is over the limit");
-  return status == 0;
+  return h.status == 0;
 }
 
 }  // namespace tandem::transfer::wire

@@ -16,9 +16,7 @@
 
 #include "chi_square.h"
 #include "core/error.h"
-#include "engine/decode_instance.h"
 #include "engine/engine.h"
-#include "engine/prefill_instance.h"
 #include "engine/speculative.h"
 #include "golden.h"
 #include "model/qwen3_5_moe.h"
@@ -1010,74 +1008,6 @@ TEST_F(SpecSamplingTest, DeviceRowsDistributionEqualsNonSpeculative) {
   const auto [x2w, dfw] = chi_square(bad, want);
   EXPECT_GT(x2w, chi_square_bound(dfw)) << "df " << dfw;
   EXPECT_EQ(dev2.host_forwards, 0);
-}
-
-// A decode instance (DP = 2, EP MoE) speculates too: the MTP layer's experts are sharded like
-// the target's and its MoE runs through the same all-to-all (test_speculative_ep.cpp); each
-// rank verifies with its ordinary lockstep forward; the tokens are one engine's, without
-// speculation.
-TEST(SpecDecodeInstance, SameTokensAsOneEngine) {
-  const std::string dir = testing::source_dir() + "/tests/data/fixtures/hub_gqa_top2";
-  std::vector<GenRequest> reqs;
-  for (int i = 0; i < 4; ++i) {
-    GenRequest r;
-    r.id = "d" + std::to_string(i);
-    r.prompt_ids = std::vector<int32_t>(static_cast<size_t>(5 + 11 * i), 3 + i);
-    r.max_tokens = 14;
-    r.sampling.temperature = 0;
-    reqs.push_back(r);
-  }
-  auto ref_model = Qwen3MoeCpu::load(dir);
-  const RunResult want = run(*ref_model, reqs, EngineConfig{});
-
-  DecodeInstanceConfig cfg;
-  cfg.model_dir = dir;
-  cfg.dp = 2;
-  cfg.engine.num_pages = 256;
-  cfg.engine.num_speculative_tokens = 3;
-  cfg.max_decode_batch = 4;
-  cfg.mtp_dir = testing::random_mtp_dir(dir);
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::string, std::vector<int32_t>> got;
-  int finished = 0;
-  DecodeInstance d(cfg);
-  PrefillInstanceConfig pcfg;
-  pcfg.model_dir = dir;
-  pcfg.engine.num_pages = 256;
-  PrefillInstance p(pcfg);
-  for (const GenRequest& r : reqs) {
-    auto dst = d.accept(r, p.kv_sharding(), [&, id = r.id](const StepOutput& o) {
-      std::lock_guard<std::mutex> lock(mu);
-      got[id].insert(got[id].end(), o.token_ids.begin(), o.token_ids.end());
-      if (o.finished) {
-        ++finished;
-        cv.notify_all();
-      }
-    });
-    ASSERT_TRUE(dst.has_value());
-    p.submit(r, *dst, [&d, id = r.id](const std::string& error, const StepOutput& first) {
-      if (error.empty()) {
-        d.prefilled(id, first);
-      } else {
-        d.fail(id, error);
-      }
-    });
-  }
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return finished == 4; }));
-  }
-  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[reqs[i].id], want.outs[i].ids) << i;
-  // The MTP counters, summed over the ranks (what the router's /metrics shows).
-  const EngineStats st = d.stats();
-  ASSERT_EQ(st.spec_accepted_per_pos.size(), 3u);
-  EXPECT_GT(st.spec_num_drafts, 0);
-  EXPECT_GE(st.spec_num_draft_tokens, st.spec_num_drafts);  // fewer than K near max_tokens
-  EXPECT_LE(st.spec_num_draft_tokens, 3 * st.spec_num_drafts);
-  int64_t accepted = 0;
-  for (int64_t a : st.spec_accepted_per_pos) accepted += a;
-  EXPECT_EQ(accepted, st.spec_num_accepted_tokens);
 }
 
 // A prefilled request with its prompt's hidden states (Engine::add_prefilled, as a decode

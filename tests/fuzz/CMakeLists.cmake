@@ -12,7 +12,7 @@ set(TANDEM_FUZZ_HARNESSES
     chat_template:tandem_server
     chat_parser:tandem_server
     tokenizer:tandem_tokenizer
-    instance_protocol:tandem_engine
+    instance_protocol:tandem_disagg
     transfer_wire:tandem_transfer
     model_files:tandem_model)
 foreach(entry ${TANDEM_FUZZ_HARNESSES})

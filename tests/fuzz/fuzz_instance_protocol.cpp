@@ -1,9 +1,9 @@
-// The messages peers send each other (engine/protocol.h): the router <-> instance control
+// The messages peers send each other (disagg/protocol.h): the router <-> instance control
 // bodies (requests, transfer descriptors, step outputs, loads) and the ranks' step broadcast,
 // commands and reports. Decoding never allocates past what the bytes can hold; a descriptor
 // that decodes is validated as a receiver or sender would.
 #include "core/error.h"
-#include "engine/protocol.h"
+#include "disagg/protocol.h"
 #include "fuzz_input.h"
 
 using namespace tandem;

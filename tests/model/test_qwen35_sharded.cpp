@@ -239,7 +239,7 @@ TEST_P(ShardedQwen35, WhatDoesNotSplitIsRefused) {
   });
   EXPECT_THROW((void)Qwen35MoeCpu::load(g.dir, ShardSpec::prefill(0, 2), nullptr), Error);
   // A tensor-parallel rank holds a slice of the heads and the vocabulary: no MTP layer there
-  // (a decode DP rank replicates them: tests/engine/test_speculative_ep.cpp).
+  // (a decode DP rank replicates them: tests/disagg/test_speculative_ep.cpp).
   if (splits(c, ShardSpec::prefill(0, 2))) {
     run_local_group(2, [&](Communicator& comm) {
       auto m = Qwen35MoeCpu::load(g.dir, ShardSpec::prefill(comm.rank(), 2), &comm);

@@ -18,9 +18,10 @@
 #include <random>
 #include <thread>
 
-#include "engine/protocol.h"
+#include "disagg/instance_api.h"
+#include "disagg/protocol.h"
 #include "net/cluster_auth.h"
-#include "server/instance_api.h"
+#include "server/http/instance_metrics.h"
 
 namespace tandem {
 namespace {

@@ -14,12 +14,12 @@
 #include <thread>
 
 #include "core/error.h"
+#include "disagg/instance_api.h"
 #include "engine/engine.h"
 #include "events/kv_event_sim.h"
 #include "events/zmq_publisher.h"
 #include "events/zmq_subscriber.h"
 #include "model/qwen3_moe.h"
-#include "server/instance_api.h"
 #include "server/prefix_index.h"
 #include "server/replica_router.h"
 

@@ -25,14 +25,14 @@
 
 #include "comm/local_comm.h"
 #include "core/error.h"
-#include "engine/decode_instance.h"
+#include "disagg/decode_instance.h"
+#include "disagg/instance_api.h"
+#include "disagg/prefill_instance.h"
 #include "engine/engine.h"
 #include "engine/golden.h"
 #include "engine/mtp_weights.h"
-#include "engine/prefill_instance.h"
 #include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
-#include "server/instance_api.h"
 #include "server/router.h"
 
 namespace tandem {

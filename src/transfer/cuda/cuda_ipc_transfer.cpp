@@ -23,8 +23,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include "core/byte_codec.h"
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "net/address.h"
 #include "transfer/cuda/kv_copy.h"
 #include "transfer/hidden_chunks.h"
 #include "transfer/wire.h"
@@ -35,7 +37,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// ---- Control frames: u32 type | u32 body bytes | body (host byte order: one host). ----
+// ---- Control frames: u32 type | u32 body bytes | body (its fields below: one host). ----
 
 enum Msg : uint32_t {
   kHello = 1,       // sender -> receiver: (nothing)
@@ -63,57 +65,87 @@ enum Msg : uint32_t {
 constexpr uint32_t kMaxBody = 1 << 20;
 static_assert(kHiddenChunkBytes + 4096 <= kMaxBody, "a HIDDEN chunk and its fields fit a frame");
 
-class Writer {
- public:
-  template <typename T>
-  Writer& put(const T& v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    b_.insert(b_.end(), p, p + sizeof(T));
-    return *this;
-  }
-  Writer& str(const std::string& s) {
-    put<uint32_t>(static_cast<uint32_t>(s.size()));
-    b_.insert(b_.end(), s.begin(), s.end());
-    return *this;
-  }
-  Writer& raw(std::span<const uint8_t> bytes) {  // the rest of the body
-    b_.insert(b_.end(), bytes.begin(), bytes.end());
-    return *this;
-  }
-  const std::vector<uint8_t>& bytes() const { return b_; }
+// Each frame's fields, once (core/byte_codec.h): u32 lengths; a malformed frame throws
+// Error(kIo) (the connection is dropped).
+constexpr codec::Format kFrameFormat{codec::LenWidth::kU32, ErrorKind::kIo, "control frame"};
 
- private:
-  std::vector<uint8_t> b_;
+struct HelloMsg {};
+struct BeginMsg {
+  std::string id;
+  int32_t rank = 0;
+};
+struct BeginReplyMsg {
+  std::string id;
+  bool ok = false;
+  std::string message;
+};
+struct FinishMsg {
+  std::string id;
+  int32_t rank = 0;
+  int32_t token = 0;
+  float logprob = 0;
+  bool state_copied = false;
+};
+struct AbortMsg {
+  std::string id;
+  int32_t rank = 0;
+  std::string why;
+};
+struct IdMsg {  // kCancel, kCancelAck
+  std::string id;
+};
+struct HiddenMsg {
+  std::string id;
+  int32_t rank = 0;
+  uint64_t offset = 0;             // of this chunk in the HIDDEN message
+  uint64_t total = 0;              // the message's bytes
+  std::span<const uint8_t> chunk;  // the rest of the frame
 };
 
-class Reader {
- public:
-  explicit Reader(const std::vector<uint8_t>& b) : p_(b.data()), end_(b.data() + b.size()) {}
-  template <typename T>
-  T get() {
-    T v{};
-    TANDEM_CHECK_KIND(kIo, static_cast<size_t>(end_ - p_) >= sizeof(T), "truncated control frame");
-    std::memcpy(&v, p_, sizeof(T));
-    p_ += sizeof(T);
-    return v;
-  }
-  std::string str() {
-    const auto n = get<uint32_t>();
-    TANDEM_CHECK_KIND(kIo, static_cast<size_t>(end_ - p_) >= n, "truncated control frame");
-    std::string s(reinterpret_cast<const char*>(p_), n);
-    p_ += n;
-    return s;
-  }
-  std::span<const uint8_t> rest() {
-    std::span<const uint8_t> r(p_, static_cast<size_t>(end_ - p_));
-    p_ = end_;
-    return r;
-  }
+template <class Io, codec::Is<HelloMsg> M>
+void fields(Io&, M&) {}
+template <class Io, codec::Is<BeginMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  io(m.rank);
+}
+template <class Io, codec::Is<BeginReplyMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  io(m.ok);
+  io(m.message);
+}
+template <class Io, codec::Is<FinishMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  io(m.rank);
+  io(m.token);
+  io(m.logprob);
+  io(m.state_copied);
+}
+template <class Io, codec::Is<AbortMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  io(m.rank);
+  io(m.why);
+}
+template <class Io, codec::Is<IdMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+}
+template <class Io, codec::Is<HiddenMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  io(m.rank);
+  io(m.offset);
+  io(m.total);
+  io.tail(m.chunk);
+}
 
- private:
-  const uint8_t* p_;
-  const uint8_t* end_;
-};
+template <class Msg>
+Msg parse(const std::vector<uint8_t>& body) {
+  return codec::decode<Msg>(body, kFrameFormat);
+}
 
 bool write_all(int fd, const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);
@@ -145,8 +177,9 @@ struct Socket {
   std::mutex write_mu;
   std::atomic<bool> alive{true};
 
-  bool send(uint32_t type, const Writer& w) {
-    const auto& body = w.bytes();
+  template <class Msg>
+  bool send(uint32_t type, const Msg& msg) {
+    const std::vector<uint8_t> body = codec::encode(msg, kFrameFormat);
     uint32_t hdr[2] = {type, static_cast<uint32_t>(body.size())};
     std::lock_guard<std::mutex> lock(write_mu);
     if (!alive) return false;
@@ -172,31 +205,8 @@ struct Socket {
   }
 };
 
-std::pair<std::string, int> split_address(const std::string& a) {
-  const auto colon = a.rfind(':');
-  TANDEM_CHECK_KIND(kInvalidArgument, colon != std::string::npos && colon + 1 < a.size(),
-                    "bad KV receiver address '", a, "' (host:port)");
-  return {a.substr(0, colon), std::atoi(a.c_str() + colon + 1)};
-}
-
 int connect_to(const std::string& address, std::chrono::milliseconds timeout) {
-  auto [host, port] = split_address(address);
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-  TANDEM_CHECK_KIND(kIo, rc == 0 && res != nullptr, "cannot resolve KV receiver ", address, ": ",
-                    gai_strerror(rc));
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  const int err = fd < 0 ? -1 : ::connect(fd, res->ai_addr, res->ai_addrlen);
-  ::freeaddrinfo(res);
-  if (err != 0) {
-    if (fd >= 0) ::close(fd);
-    TANDEM_THROW(kIo, "cannot connect to KV receiver ", address, ": ", std::strerror(errno));
-  }
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  const int fd = net::connect_tcp(address, timeout, "KV receiver");
   timeval tv{};
   tv.tv_sec = timeout.count() / 1000;
   tv.tv_usec = (timeout.count() % 1000) * 1000;
@@ -217,6 +227,14 @@ struct PoolInfo {
   uint64_t state_base;
   int64_t num_state_slots, state_slot_elems;
 };
+
+struct HelloReplyMsg {
+  PoolInfo info;
+};
+template <class Io, codec::Is<HelloReplyMsg> M>
+void fields(Io& io, M& m) {
+  io(m.info);
+}
 
 // The device pool of a cache: one allocation, layers at a fixed stride.
 void pool_of(KvCache& cache, uint8_t*& base, int64_t& stride) {
@@ -269,26 +287,10 @@ class IpcReceiver final : public TransferReceiver {
       info_.state_slot_elems = cache.state_slot_elems();
     }
 
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    TANDEM_CHECK_KIND(kIo, listen_fd_ >= 0, "socket: ", std::strerror(errno));
-    int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = 0;
-    TANDEM_CHECK_KIND(kInvalidArgument,
-                      ::inet_pton(AF_INET, opts_.bind_host.c_str(), &addr.sin_addr) == 1,
-                      "cuda-ipc receiver: bad bind host '", opts_.bind_host, "' (an IPv4 address)");
-    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        ::listen(listen_fd_, 64) != 0) {
-      const std::string why = std::strerror(errno);
-      ::close(listen_fd_);
-      TANDEM_THROW(kIo, "cuda-ipc receiver: cannot listen on ", opts_.bind_host, ": ", why);
-    }
-    socklen_t len = sizeof(addr);
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    address_ = (opts_.advertise_host.empty() ? opts_.bind_host : opts_.advertise_host) + ":" +
-               std::to_string(ntohs(addr.sin_port));
+    int port = 0;
+    listen_fd_ = net::listen_tcp(opts_.bind_host, 0, 64, port, "cuda-ipc receiver");
+    address_ = net::join_host_port(
+        opts_.advertise_host.empty() ? opts_.bind_host : opts_.advertise_host, port);
     accept_thread_ = std::thread([this] { accept_loop(); });
     timer_thread_ = std::thread([this] { timer_loop(); });
   }
@@ -422,7 +424,7 @@ class IpcReceiver final : public TransferReceiver {
     std::unique_lock<std::mutex> lock(mu_);
     int& waiting = draining_[id];
     for (auto& c : begun) {
-      if (c->sock.send(kCancel, Writer().str(id))) ++waiting;
+      if (c->sock.send(kCancel, IdMsg{id})) ++waiting;
     }
     drain_cv_.wait_for(lock, opts_.control_timeout, [&] { return draining_[id] <= 0 || stop_; });
     draining_.erase(id);
@@ -448,14 +450,10 @@ class IpcReceiver final : public TransferReceiver {
     }
     while (authenticated && c->sock.recv(type, body)) {
       try {
-        Reader rd(body);
         if (type == kHello) {
-          Writer w;
-          w.put(info_);
-          c->sock.send(kHelloReply, w);
+          c->sock.send(kHelloReply, HelloReplyMsg{info_});
         } else if (type == kBegin) {
-          const std::string id = rd.str();
-          const int rank = rd.get<int32_t>();
+          const auto [id, rank] = parse<BeginMsg>(body);
           std::string error;
           {
             std::lock_guard<std::mutex> lock(mu_);
@@ -470,13 +468,9 @@ class IpcReceiver final : public TransferReceiver {
               it->second.begun[rank] = c;
             }
           }
-          c->sock.send(kBeginReply, Writer().str(id).put<uint8_t>(error.empty()).str(error));
+          c->sock.send(kBeginReply, BeginReplyMsg{id, error.empty(), error});
         } else if (type == kFinish) {
-          const std::string id = rd.str();
-          const int rank = rd.get<int32_t>();
-          const auto token = rd.get<int32_t>();
-          const auto lp = rd.get<float>();
-          const bool state_copied = rd.get<uint8_t>() != 0;
+          const auto [id, rank, token, lp, state_copied] = parse<FinishMsg>(body);
           bool done = false;
           std::string error;
           std::vector<std::shared_ptr<Conn>> others;
@@ -521,11 +515,7 @@ class IpcReceiver final : public TransferReceiver {
           if (done && hidden && cbs_.on_hidden) cbs_.on_hidden(id, std::move(*hidden));
           if (done && cbs_.on_complete) cbs_.on_complete(id, token, lp);
         } else if (type == kHidden) {
-          const std::string id = rd.str();
-          const int rank = rd.get<int32_t>();
-          const auto offset = rd.get<uint64_t>();
-          const auto total = rd.get<uint64_t>();
-          const std::span<const uint8_t> chunk = rd.rest();
+          const auto [id, rank, offset, total, chunk] = parse<HiddenMsg>(body);
           std::string error;
           std::vector<std::shared_ptr<Conn>> others;
           {
@@ -554,9 +544,7 @@ class IpcReceiver final : public TransferReceiver {
             fail(id, "KV transfer of request '" + id + "' failed: " + error, others);
           }
         } else if (type == kAbort) {
-          const std::string id = rd.str();
-          const int rank = rd.get<int32_t>();
-          const std::string why = rd.str();
+          const auto [id, rank, why] = parse<AbortMsg>(body);
           std::vector<std::shared_ptr<Conn>> others;
           {
             std::lock_guard<std::mutex> lock(mu_);
@@ -569,7 +557,7 @@ class IpcReceiver final : public TransferReceiver {
           }
           fail(id, "prefill rank " + std::to_string(rank) + " aborted: " + why, others);
         } else if (type == kCancelAck) {
-          const std::string id = rd.str();
+          const std::string id = parse<IdMsg>(body).id;
           std::lock_guard<std::mutex> lock(mu_);
           auto it = draining_.find(id);
           if (it != draining_.end()) --it->second;
@@ -888,10 +876,9 @@ class IpcSender final : public TransferSender {
           ok = false;
           continue;
         }
-        Writer w;
-        w.str(r->id).put<int32_t>(rank_).put(first_token).put(logprob);
-        w.put<uint8_t>(r->state_copied ? 1 : 0);
-        ok = dest.peer->sock.send(kFinish, w) && ok;
+        ok = dest.peer->sock.send(kFinish,
+                                  FinishMsg{r->id, rank_, first_token, logprob, r->state_copied}) &&
+             ok;
       }
       if (with_hidden) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -913,8 +900,7 @@ class IpcSender final : public TransferSender {
       (void)cudaEventSynchronize(r->copied);  // drained before the receiver frees the pages
       for (const Dest& dest : r->dests) {
         if (dest.cancelled) continue;
-        dest.peer->sock.send(
-            kAbort, Writer().str(r->id).put<int32_t>(rank_).str("aborted by the prefill instance"));
+        dest.peer->sock.send(kAbort, AbortMsg{r->id, rank_, "aborted by the prefill instance"});
       }
       done(*r, "");
     });
@@ -971,9 +957,9 @@ class IpcSender final : public TransferSender {
     uint64_t at = 0;
     for (const std::span<const uint8_t> chunk : split_chunks(message)) {
       if (stopping_ || cancelled(dest)) return false;
-      Writer w;
-      w.str(r.id).put<int32_t>(rank_).put<uint64_t>(at).put<uint64_t>(message.size()).raw(chunk);
-      if (!dest.peer->sock.send(kHidden, w)) return false;
+      if (!dest.peer->sock.send(kHidden, HiddenMsg{r.id, rank_, at, message.size(), chunk})) {
+        return false;
+      }
       at += chunk.size();
     }
     return true;
@@ -1137,7 +1123,7 @@ class IpcSender final : public TransferSender {
       net::authenticate_client(p->sock.fd, *opts_.key, net::Channel::kIpcControl, address);
     }
     p->reader = std::thread([this, p] { read_peer(p); });
-    p->sock.send(kHello, Writer());
+    p->sock.send(kHello, HelloMsg{});
     {
       std::unique_lock<std::mutex> pl(p->mu);
       if (!p->cv.wait_for(pl, opts_.control_timeout, [&] { return p->hello || !p->sock.alive; }) ||
@@ -1196,7 +1182,7 @@ class IpcSender final : public TransferSender {
   }
 
   void call_begin(Peer& p, const std::string& id) {
-    TANDEM_CHECK_KIND(kIo, p.sock.send(kBegin, Writer().str(id).put<int32_t>(rank_)),
+    TANDEM_CHECK_KIND(kIo, p.sock.send(kBegin, BeginMsg{id, rank_}),
                       "lost the control connection to KV receiver ", p.address);
     std::unique_lock<std::mutex> lock(p.mu);
     const bool answered = p.cv.wait_for(lock, opts_.control_timeout,
@@ -1213,21 +1199,19 @@ class IpcSender final : public TransferSender {
     std::vector<uint8_t> body;
     while (p->sock.recv(type, body)) {
       try {
-        Reader rd(body);
         if (type == kHelloReply) {
+          const PoolInfo info = parse<HelloReplyMsg>(body).info;
           std::lock_guard<std::mutex> lock(p->mu);
-          p->info = rd.get<PoolInfo>();
+          p->info = info;
           p->hello = true;
           p->cv.notify_all();
         } else if (type == kBeginReply) {
-          const std::string id = rd.str();
-          const bool ok = rd.get<uint8_t>() != 0;
-          const std::string msg = rd.str();
+          auto [id, ok, msg] = parse<BeginReplyMsg>(body);
           std::lock_guard<std::mutex> lock(p->mu);
           p->begun[id] = {ok, msg};
           p->cv.notify_all();
         } else if (type == kCancel) {
-          const std::string id = rd.str();
+          const std::string id = parse<IdMsg>(body).id;
           std::shared_ptr<Req> r;
           {
             std::lock_guard<std::mutex> lock(mu_);
@@ -1243,7 +1227,7 @@ class IpcSender final : public TransferSender {
           // Copies already enqueued for it finish before the receiver hears back.
           (void)cudaSetDevice(device_);
           (void)cudaStreamSynchronize(copy_stream_);
-          p->sock.send(kCancelAck, Writer().str(id));
+          p->sock.send(kCancelAck, IdMsg{id});
           if (r) error_once(*r, "the KV receiver at " + p->address + " cancelled the request");
         }
       } catch (const std::exception&) {

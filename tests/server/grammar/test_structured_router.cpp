@@ -13,15 +13,15 @@
 #include <regex>
 #include <thread>
 
-#include "engine/decode_instance.h"
+#include "disagg/decode_instance.h"
+#include "disagg/instance_api.h"
+#include "disagg/prefill_instance.h"
 #include "engine/engine.h"
-#include "engine/prefill_instance.h"
 #include "model/qwen3_moe.h"
 #include "server/grammar/grammar.h"
 #include "server/grammar/person_schema.h"
 #include "server/http/http_client.h"
 #include "server/http/http_server.h"
-#include "server/instance_api.h"
 #include "server/router.h"
 #include "server/tokenizer/chat_template.h"
 #include "server/tokenizer/tokenizer.h"

@@ -1,4 +1,4 @@
-#include "engine/prompt_hidden_cache.h"
+#include "disagg/prompt_hidden_cache.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "engine/instance_parts.h"
+#include "disagg/instance_parts.h"
 
 #include "model/qwen3_5_moe.h"
 #include "transfer/tcp_transfer.h"

@@ -1,11 +1,11 @@
-#include "engine/prefill_instance.h"
+#include "disagg/prefill_instance.h"
 
 #include <algorithm>
 #include <chrono>
 
 #include "comm/local_comm.h"
 #include "core/error.h"
-#include "engine/lockstep.h"
+#include "disagg/lockstep.h"
 #include "model/hybrid_state.h"
 
 namespace tandem {

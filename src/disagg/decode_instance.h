@@ -14,7 +14,7 @@
 // The ranks run as threads of this process (a thread-local communicator group) or one process
 // per rank (e.g. Gloo from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); both run the same
 // loop: rank 0 holds the registry, and each lockstep iteration it broadcasts the commands of the
-// client calls (reserve on rank r, admit, release, abort: engine/protocol.h), every rank applies
+// client calls (reserve on rank r, admit, release, abort: disagg/protocol.h), every rank applies
 // its own and steps, and rank 0 gathers what each rank produced (reservations with the rank's
 // receiver address, outputs, transfer events, load).
 #pragma once
@@ -32,9 +32,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "disagg/instance_parts.h"
+#include "disagg/protocol.h"
 #include "engine/engine.h"
-#include "engine/instance_parts.h"
-#include "engine/protocol.h"
 #include "transfer/transfer.h"
 
 namespace tandem {
@@ -57,7 +57,7 @@ struct DecodeLoad {
 };
 
 /// What the router needs of a decode instance (this process's DecodeInstance, or a remote one
-/// through server/instance_api). Thread-safe.
+/// through disagg/instance_api). Thread-safe.
 class DecodeClient {
  public:
   virtual ~DecodeClient() = default;

@@ -1,4 +1,4 @@
-#include "engine/lockstep.h"
+#include "disagg/lockstep.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-#include "engine/decode_instance.h"
+#include "disagg/decode_instance.h"
 
 #include <algorithm>
 #include <map>
@@ -6,7 +6,7 @@
 
 #include "comm/local_comm.h"
 #include "core/error.h"
-#include "engine/lockstep.h"
+#include "disagg/lockstep.h"
 
 namespace tandem {
 

@@ -1,5 +1,5 @@
 // The parts every multi-rank role loop is built from: agreeing on whether a step runs and
-// broadcasting rank 0's decisions (the messages themselves: engine/protocol.h).
+// broadcasting rank 0's decisions (the messages themselves: disagg/protocol.h).
 //   decode DP:   work = agree_any(comm, engine.has_work()); if (work) step with forward().
 //   prefill TP:  rank 0 schedules, broadcast_bytes(encoded batch), every rank forwards.
 // NOTE: every call here is collective: every rank of the group makes it, in the same order.
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "engine/protocol.h"
+#include "disagg/protocol.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-// PromptHiddenCache (src/engine/prompt_hidden_cache.h): the prompt pages' hidden states a
+// PromptHiddenCache (src/disagg/prompt_hidden_cache.h): the prompt pages' hidden states a
 // prefill kept fill in the pages a later prompt's prefix-cache hit skipped, as far back as every
 // page is kept; the budget evicts the least recently used; other tokens find nothing.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/prompt_hidden_cache.h"
+#include "disagg/prompt_hidden_cache.h"
 
 namespace tandem {
 namespace {

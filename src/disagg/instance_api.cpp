@@ -1,4 +1,4 @@
-#include "server/instance_api.h"
+#include "disagg/instance_api.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -13,11 +13,11 @@
 #include <cerrno>
 #include <cstring>
 #include <iostream>
-#include <sstream>
 #include <unordered_set>
 
 #include "core/error.h"
-#include "engine/lockstep.h"
+#include "disagg/lockstep.h"
+#include "net/address.h"
 #include "net/cluster_auth.h"
 
 namespace tandem {
@@ -93,205 +93,163 @@ bool read_frame(int fd, uint32_t& type, std::vector<uint8_t>& payload, std::stri
   return true;
 }
 
-int connect_to(const std::string& endpoint) {
-  const size_t colon = endpoint.rfind(':');
-  TANDEM_CHECK_KIND(kInvalidArgument, colon != std::string::npos, "bad instance address '",
-                    endpoint, "' (want host:port)");
-  const std::string host = endpoint.substr(0, colon), port = endpoint.substr(colon + 1);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const int gai = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
-  TANDEM_CHECK_KIND(kIo, gai == 0, "instance ", endpoint, ": ", ::gai_strerror(gai));
-  // NOTE: non-blocking, with a timeout: an address that does not answer at all (a pod that is
-  // gone) must not hold the router's monitor for the kernel's two minutes.
-  int fd = -1;
-  std::string why = "no address";
-  for (addrinfo* a = res; a && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-    if (fd < 0) continue;
-    const int flags = ::fcntl(fd, F_GETFL, 0);
-    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-    int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
-    if (rc != 0 && errno == EINPROGRESS) {
-      pollfd pfd{fd, POLLOUT, 0};
-      rc = ::poll(&pfd, 1, 1000);
-      int err = 0;
-      socklen_t len = sizeof(err);
-      if (rc == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0) {
-        rc = 0;
-      } else {
-        errno = rc == 0 ? ETIMEDOUT : (err != 0 ? err : errno);
-        rc = -1;
-      }
-    }
-    if (rc != 0) {
-      why = std::strerror(errno);
-      ::close(fd);
-      fd = -1;
-      continue;
-    }
-    ::fcntl(fd, F_SETFL, flags);
+// ---- The control messages: each one's fields once (disagg/protocol.h's format). ----
+
+using ::tandem::fields;  // (the roles' messages these carry)
+
+// kReply: serial, ok, then the call's reply body or (error kind, message).
+struct ReplyMsg {
+  uint64_t serial = 0;
+  bool ok = false;
+  std::vector<uint8_t> body;  // ok
+  int32_t kind = 0;           // not ok: the ErrorKind
+  std::string message;
+};
+template <class Io, codec::Is<ReplyMsg> M>
+void fields(Io& io, M& m) {
+  io(m.serial);
+  io(m.ok);
+  if (m.ok) {
+    io(m.body);
+  } else {
+    io(m.kind);
+    io(m.message);
   }
-  ::freeaddrinfo(res);
-  TANDEM_CHECK_KIND(kIo, fd >= 0, "cannot connect to instance ", endpoint, ": ", why);
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  return fd;
 }
 
-// ---- Codecs. ----
-
-// A reply: serial, ok, (error kind, message) or body.
-std::vector<uint8_t> reply_ok(uint64_t serial, const std::vector<uint8_t>& body) {
-  ByteWriter w;
-  w.put(serial);
-  w.put<uint8_t>(1);
-  w.put_vec(body);
-  return std::move(w.bytes());
+// kFail / kAbort (one-way): the request and why ("" for an abort).
+struct EndMsg {
+  std::string id;
+  std::string error;
+};
+template <class Io, codec::Is<EndMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  io(m.error);
 }
 
-std::vector<uint8_t> reply_error(uint64_t serial, ErrorKind kind, const std::string& message) {
-  ByteWriter w;
-  w.put(serial);
-  w.put<uint8_t>(0);
-  w.put<int32_t>(static_cast<int32_t>(kind));
-  w.put_str(message);
-  return std::move(w.bytes());
+// kPrefilled (one-way): the prefill's first output of an accepted request.
+struct PrefilledMsg {
+  std::string id;
+  StepOutput first;
+};
+template <class Io, codec::Is<PrefilledMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  fields(io, m.first);
+}
+
+// kPrefillDone (pushed): a prefill that ended, with its first output or an error.
+struct PrefillDoneMsg {
+  std::string id;
+  std::string error;
+  StepOutput first;
+};
+template <class Io, codec::Is<PrefillDoneMsg> M>
+void fields(Io& io, M& m) {
+  io(m.id);
+  io(m.error);
+  fields(io, m.first);
+}
+
+// kHello's reply: what the instance is (0 prefill, 1 decode, 2 a colocated replica).
+struct HelloReply {
+  uint8_t role = 0;
+  int64_t max_model_len = 0;
+  int64_t vocab_size = 0;
+  transfer::KvSharding sharding;  // (a prefill instance's; not sent by a replica)
+};
+template <class Io, codec::Is<HelloReply> M>
+void fields(Io& io, M& m) {
+  io(m.role);
+  io(m.max_model_len);
+  io(m.vocab_size);
+  if (m.role != 2) fields(io, m.sharding);
+}
+
+// kAccept: a request and its prefill instance's sharding; the reply: its descriptor when the
+// decode instance has room.
+struct AcceptMsg {
+  GenRequest req;
+  transfer::KvSharding src;
+};
+template <class Io, codec::Is<AcceptMsg> M>
+void fields(Io& io, M& m) {
+  fields(io, m.req);
+  fields(io, m.src);
+}
+struct AcceptReply {
+  bool ok = false;
+  transfer::TransferDescriptor dst;
+};
+template <class Io, codec::Is<AcceptReply> M>
+void fields(Io& io, M& m) {
+  io(m.ok);
+  if (m.ok) fields(io, m.dst);
+}
+
+// kSubmit: a request and where its KV goes.
+struct SubmitMsg {
+  GenRequest req;
+  transfer::TransferDescriptor dst;
+};
+template <class Io, codec::Is<SubmitMsg> M>
+void fields(Io& io, M& m) {
+  fields(io, m.req);
+  fields(io, m.dst);
+}
+
+// kLoad's replies. The parts after the first ones are read when present (an older instance
+// did not send them).
+struct DecodeLoadReply {
+  DecodeLoad load;
+  EngineStats stats;  // for the router's /metrics
+  bool draining = false;
+};
+template <class Io, codec::Is<DecodeLoadReply> M>
+void fields(Io& io, M& m) {
+  io(m.load.batch_per_rank);
+  io(m.load.max_decode_batch);
+  io(m.load.alive);
+  if (io.has(9 * sizeof(int64_t))) fields(io, m.stats);
+  if (io.has(1)) io(m.draining);
+}
+struct PrefillLoadReply {
+  PrefillLoad load;
+  bool draining = false;
+};
+template <class Io, codec::Is<PrefillLoadReply> M>
+void fields(Io& io, M& m) {
+  io(m.load.queued_input_tokens);
+  io(m.load.input_tokens_total);
+  io(m.load.input_tokens_per_s);
+  io(m.load.alive);
+  if (io.has(1)) io(m.draining);
+  if (io.has(1)) {
+    fields(io, m.load.queue_time);  // (for the router's /metrics)
+    fields(io, m.load.iteration_tokens);
+  }
+}
+struct ReplicaLoadReply {
+  EngineStats stats;
+  bool draining = false;
+};
+template <class Io, codec::Is<ReplicaLoadReply> M>
+void fields(Io& io, M& m) {
+  fields(io, m.stats);
+  io(m.draining);
+}
+
+template <class Msg>
+std::vector<uint8_t> encode(const Msg& m) {
+  return codec::encode(m, kProtocolFormat);
+}
+template <class Msg>
+Msg decode(const std::vector<uint8_t>& bytes) {
+  return codec::decode<Msg>(bytes, kProtocolFormat);
 }
 
 }  // namespace
-
-// ---- /metrics. ----
-
-namespace {
-int listen_on(const std::string& host, int port, int& bound_port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TANDEM_CHECK_KIND(kIo, fd >= 0, "socket() failed");
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    ::close(fd);
-    TANDEM_THROW(kInvalidArgument, "bad listen address '", host, "' (an IPv4 address)");
-  }
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 16) != 0) {
-    const std::string why = std::strerror(errno);
-    ::close(fd);
-    TANDEM_THROW(kIo, "cannot listen on ", host, ":", port, ": ", why);
-  }
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  bound_port = ntohs(addr.sin_port);
-  return fd;
-}
-}  // namespace
-
-MetricsEndpoint::MetricsEndpoint(const std::string& host, int port,
-                                 std::function<std::string()> render)
-    : render_(std::move(render)) {
-  listen_fd_ = listen_on(host, port, port_);
-  thread_ = std::thread([this] { loop(); });
-}
-
-MetricsEndpoint::~MetricsEndpoint() {
-  stop_ = true;
-  ::shutdown(listen_fd_, SHUT_RDWR);
-  ::close(listen_fd_);
-  thread_.join();
-}
-
-void MetricsEndpoint::loop() {
-  while (!stop_) {
-    int fd = ::accept(listen_fd_, nullptr, nullptr);
-    if (fd < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    timeval tv{2, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    std::string req;
-    char buf[1024];
-    while (req.find("\r\n\r\n") == std::string::npos && req.size() < 16384) {
-      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-      if (n <= 0) break;
-      req.append(buf, static_cast<size_t>(n));
-    }
-    std::string body, status = "200 OK";
-    if (req.rfind("GET /health ", 0) == 0 || req.rfind("GET /ready ", 0) == 0) {
-      body = "ok\n";  // (probes: the process serves)
-    } else if (req.rfind("GET /metrics", 0) == 0) {
-      try {
-        body = render_();
-      } catch (const std::exception& e) {
-        status = "500 Internal Server Error";
-        body = std::string(e.what()) + "\n";
-      }
-    } else {
-      status = "404 Not Found";
-      body = "GET /metrics only\n";
-    }
-    const std::string head = "HTTP/1.1 " + status +
-                             "\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " +
-                             std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n";
-    write_all(fd, head.data(), head.size());
-    write_all(fd, body.data(), body.size());
-    ::close(fd);
-  }
-}
-
-std::string instances_metrics_text(const std::vector<std::pair<std::string, PrefillLoad>>& prefill,
-                                   const std::vector<std::pair<std::string, DecodeLoad>>& decode) {
-  std::ostringstream o;
-  auto family = [&](const char* name, const char* type, const char* help) {
-    o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
-  };
-  if (!prefill.empty()) {
-    family("tandem_prefill_queued_input_tokens", "gauge",
-           "Prompt tokens submitted, not computed yet.");
-    for (const auto& [n, l] : prefill) {
-      o << "tandem_prefill_queued_input_tokens{instance=\"" << n << "\"} " << l.queued_input_tokens
-        << "\n";
-    }
-    family("tandem_prefill_input_tokens_per_second", "gauge", "Prompt tokens computed per second.");
-    for (const auto& [n, l] : prefill) {
-      o << "tandem_prefill_input_tokens_per_second{instance=\"" << n << "\"} "
-        << l.input_tokens_per_s << "\n";
-    }
-    family("tandem_prefill_input_tokens_total", "counter", "Prompt tokens computed.");
-    for (const auto& [n, l] : prefill) {
-      o << "tandem_prefill_input_tokens_total{instance=\"" << n << "\"} " << l.input_tokens_total
-        << "\n";
-    }
-  }
-  if (!decode.empty()) {
-    family("tandem_decode_batch", "gauge", "Sequences per DP rank (running, waiting, reserved).");
-    for (const auto& [n, l] : decode) {
-      for (size_t r = 0; r < l.batch_per_rank.size(); ++r) {
-        o << "tandem_decode_batch{instance=\"" << n << "\",rank=\"" << r << "\"} "
-          << l.batch_per_rank[r] << "\n";
-      }
-    }
-    family("tandem_decode_max_batch", "gauge", "The per-rank limit (--max-decode-batch).");
-    for (const auto& [n, l] : decode) {
-      o << "tandem_decode_max_batch{instance=\"" << n << "\"} " << l.max_decode_batch << "\n";
-    }
-  }
-  family("tandem_instance_up", "gauge", "1 while the instance is up.");
-  for (const auto& [n, l] : prefill) {
-    o << "tandem_instance_up{role=\"prefill\",instance=\"" << n << "\"} " << (l.alive ? 1 : 0)
-      << "\n";
-  }
-  for (const auto& [n, l] : decode) {
-    o << "tandem_instance_up{role=\"decode\",instance=\"" << n << "\"} " << (l.alive ? 1 : 0)
-      << "\n";
-  }
-  o << net::metrics_text();  // (this process's refused internal connections)
-  return o.str();
-}
 
 // ---- Server (the instance's side). ----
 
@@ -312,7 +270,7 @@ InstanceServer::InstanceServer(EngineClient* engine, const std::string& host, in
                                net::KeyRef key)
     : decode_(nullptr), prefill_(nullptr), key_(std::move(key)), engine_(engine) {
   TANDEM_CHECK(engine_ != nullptr, "serve exactly one instance");
-  listen_fd_ = listen_on(host, port, port_);
+  listen_fd_ = net::listen_tcp(host, port, 16, port_, "instance server");
   accept_thread_ = std::thread([this] { accept_loop(); });
 }
 
@@ -330,23 +288,7 @@ InstanceServer::InstanceServer(DecodeClient* decode, PrefillClient* prefill,
                                const std::string& host, int port, net::KeyRef key)
     : decode_(decode), prefill_(prefill), key_(std::move(key)) {
   TANDEM_CHECK((decode_ != nullptr) != (prefill_ != nullptr), "serve exactly one instance");
-  listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-  TANDEM_CHECK_KIND(kIo, listen_fd_ >= 0, "socket() failed");
-  int one = 1;
-  ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  TANDEM_CHECK_KIND(kInvalidArgument, ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1,
-                    "bad listen address '", host, "' (an IPv4 address)");
-  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::listen(listen_fd_, 16) != 0) {
-    ::close(listen_fd_);
-    TANDEM_CHECK_KIND(kIo, false, "cannot listen on ", host, ":", port, ": ", std::strerror(errno));
-  }
-  socklen_t len = sizeof(addr);
-  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  port_ = ntohs(addr.sin_port);
+  listen_fd_ = net::listen_tcp(host, port, 16, port_, "instance server");
   accept_thread_ = std::thread([this] { accept_loop(); });
 }
 
@@ -423,37 +365,31 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
     uint64_t serial = 0;
     try {
       if (type == kFail || type == kAbort) {
-        const std::string id = r.get_str();
-        const std::string error = r.get_str();
+        const auto [id, error] = codec::decode<EndMsg>(r.rest(), kProtocolFormat);
         if (type == kFail && decode_) decode_->fail(id, error);
         if (type == kAbort) abort_request(id);
         continue;
       }
       if (type == kPrefilled) {
-        const std::string id = r.get_str();
-        StepOutput first = get_step_output(r);
+        const auto [id, first] = codec::decode<PrefilledMsg>(r.rest(), kProtocolFormat);
         if (decode_) decode_->prefilled(id, first);
         continue;
       }
       serial = r.get<uint64_t>();
-      ByteWriter body;
-      if (type == kHello && engine_) {  // role 2: a colocated engine
-        body.put<uint8_t>(2);
-        body.put<int64_t>(engine_->max_model_len());
-        body.put<int64_t>(engine_->vocab_size());
+      const std::span<const uint8_t> call = r.rest();  // the call's body
+      std::vector<uint8_t> body;                       // its reply's
+      if (type == kHello && engine_) {                 // role 2: a colocated engine
+        body = encode(HelloReply{2, engine_->max_model_len(), engine_->vocab_size(), {}});
       } else if (type == kHello) {
-        body.put<uint8_t>(decode_ ? 1 : 0);
-        body.put<int64_t>(decode_ ? decode_->max_model_len() : 0);
-        body.put<int64_t>(decode_ ? decode_->vocab_size() : 0);
-        const transfer::KvSharding sh = prefill_ ? prefill_->kv_sharding() : transfer::KvSharding{};
-        body.put<int64_t>(sh.num_kv_heads);
-        body.put<int32_t>(sh.tp);
+        body = encode(HelloReply{static_cast<uint8_t>(decode_ ? 1 : 0),
+                                 decode_ ? decode_->max_model_len() : 0,
+                                 decode_ ? decode_->vocab_size() : 0,
+                                 prefill_ ? prefill_->kv_sharding() : transfer::KvSharding{}});
       } else if (type == kLoad && engine_) {
-        put_stats(body, engine_->stats());
-        body.put<uint8_t>(draining_ ? 1 : 0);
+        body = encode(ReplicaLoadReply{engine_->stats(), draining_});
       } else if (type == kEngineSubmit && engine_) {
         TANDEM_CHECK_KIND(kIo, !draining_, "the replica is draining");
-        GenRequest req = get_request(r);
+        GenRequest req = codec::decode<GenRequest>(call, kProtocolFormat);
         const std::string id = req.id;
         std::weak_ptr<Conn> weak = conn;
         {
@@ -477,32 +413,17 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
         }
       } else if (type == kLoad) {
         if (decode_) {
-          DecodeLoad l = decode_->load();
-          body.put_vec(l.batch_per_rank);
-          body.put(l.max_decode_batch);
-          body.put<uint8_t>(l.alive ? 1 : 0);
-          // Then the engine counters (KV pages, prefix cache) for the router's /metrics, and
-          // whether it drains.
+          // With the engine counters (KV pages, prefix cache) and whether it drains.
           auto* di = dynamic_cast<DecodeInstance*>(decode_);
-          put_stats(body, di ? di->stats() : EngineStats{});
-          body.put<uint8_t>(draining_ ? 1 : 0);
+          body =
+              encode(DecodeLoadReply{decode_->load(), di ? di->stats() : EngineStats{}, draining_});
         } else {
-          PrefillLoad l = prefill_->load();
-          body.put(l.queued_input_tokens);
-          body.put(l.input_tokens_total);
-          body.put(l.input_tokens_per_s);
-          body.put<uint8_t>(l.alive ? 1 : 0);
-          body.put<uint8_t>(draining_ ? 1 : 0);
-          put_histogram(body, l.queue_time);  // (for the router's /metrics)
-          put_histogram(body, l.iteration_tokens);
+          body = encode(PrefillLoadReply{prefill_->load(), draining_});
         }
       } else if (type == kAccept && decode_ && draining_) {
-        body.put<uint8_t>(0);  // draining: no room for anything new
+        body = encode(AcceptReply{});  // draining: no room for anything new
       } else if (type == kAccept && decode_) {
-        GenRequest req = get_request(r);
-        transfer::KvSharding src;
-        src.num_kv_heads = r.get<int64_t>();
-        src.tp = r.get<int32_t>();
+        auto [req, src] = codec::decode<AcceptMsg>(call, kProtocolFormat);
         const std::string id = req.id;
         std::weak_ptr<Conn> weak = conn;
         auto dst = decode_->accept(req, src, [weak, id](const StepOutput& out) {
@@ -514,16 +435,14 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
           }
           c->push(kOutput, encode_step_output(out));
         });
-        body.put<uint8_t>(dst ? 1 : 0);
         if (dst) {
           std::lock_guard<std::mutex> lock(conn->ids_mu);
           conn->ids.insert(id);
-          put_descriptor(body, *dst);
         }
+        body = encode(AcceptReply{dst.has_value(), dst.value_or(transfer::TransferDescriptor{})});
       } else if (type == kSubmit && prefill_) {
         TANDEM_CHECK_KIND(kIo, !draining_, "the prefill instance is draining");
-        GenRequest req = get_request(r);
-        transfer::TransferDescriptor dst = get_descriptor(r);
+        auto [req, dst] = codec::decode<SubmitMsg>(call, kProtocolFormat);
         const std::string id = req.id;
         std::weak_ptr<Conn> weak = conn;
         {
@@ -538,20 +457,19 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
                              std::lock_guard<std::mutex> lock(c->ids_mu);
                              c->ids.erase(id);
                            }
-                           ByteWriter w;
-                           w.put_str(id);
-                           w.put_str(error);
-                           put_step_output(w, first);
-                           c->push(kPrefillDone, w.bytes());
+                           c->push(kPrefillDone, encode(PrefillDoneMsg{id, error, first}));
                          });
       } else {
         TANDEM_THROW(kInvalidArgument, "unexpected message ", type, " for this instance");
       }
-      conn->push(kReply, reply_ok(serial, body.bytes()));
+      conn->push(kReply, encode(ReplyMsg{serial, true, body, 0, ""}));
     } catch (const Error& e) {
-      conn->push(kReply, reply_error(serial, e.kind(), e.message()));
+      conn->push(kReply,
+                 encode(ReplyMsg{serial, false, {}, static_cast<int32_t>(e.kind()), e.message()}));
     } catch (const std::exception& e) {
-      conn->push(kReply, reply_error(serial, ErrorKind::kInternal, e.what()));
+      conn->push(kReply,
+                 encode(ReplyMsg{
+                     serial, false, {}, static_cast<int32_t>(ErrorKind::kInternal), e.what()}));
     }
   }
   if (!why.empty())
@@ -572,7 +490,7 @@ void InstanceServer::serve(std::shared_ptr<Conn> conn) {
 InstanceConnection::InstanceConnection(const std::string& endpoint, OnPush on_push,
                                        std::function<void()> on_lost, const net::KeyRef& key)
     : endpoint_(endpoint), on_push_(std::move(on_push)), on_lost_(std::move(on_lost)) {
-  fd_ = connect_to(endpoint);
+  fd_ = net::connect_tcp(endpoint, std::chrono::milliseconds(1000), "instance");
   if (key) {
     try {
       net::authenticate_client(fd_, *key, net::Channel::kControl,
@@ -652,13 +570,9 @@ std::vector<uint8_t> InstanceConnection::call(uint32_t type, const std::vector<u
     TANDEM_THROW(kIo, "instance ", endpoint_, " did not answer within ", timeout.count(), " ms");
   }
   TANDEM_CHECK_KIND(kIo, rep.done, "lost the connection to instance ", endpoint_);
-  ByteReader r(rep.bytes);
-  r.get<uint64_t>();
-  if (r.get<uint8_t>() == 0) {
-    const auto kind = static_cast<ErrorKind>(r.get<int32_t>());
-    throw Error(kind, r.get_str());
-  }
-  return r.get_vec<uint8_t>();
+  ReplyMsg reply = decode<ReplyMsg>(rep.bytes);
+  if (!reply.ok) throw Error(static_cast<ErrorKind>(reply.kind), reply.message);
+  return std::move(reply.body);
 }
 
 // ---- InstanceLink. ----
@@ -732,12 +646,11 @@ RemoteDecode::RemoteDecode(const std::string& endpoint, net::KeyRef key)
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
           [this, endpoint](InstanceConnection& c) {
-            std::vector<uint8_t> info = c.call(kHello, {}, kLoadTimeout);
-            ByteReader r(info);
-            TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 1, endpoint,
+            const auto hello = decode<HelloReply>(c.call(kHello, {}, kLoadTimeout));
+            TANDEM_CHECK_KIND(kInvalidArgument, hello.role == 1, endpoint,
                               " is not a decode instance");
-            max_model_len_ = r.get<int64_t>();
-            vocab_size_ = r.get<int64_t>();
+            max_model_len_ = hello.max_model_len;
+            vocab_size_ = hello.vocab_size;
           },
           std::move(key)) {
   link_.poll();  // connect now when it is up (else the router's monitor retries)
@@ -810,17 +723,13 @@ std::optional<transfer::TransferDescriptor> RemoteDecode::accept(const GenReques
     callbacks_[req.id] = std::move(on_output);  // before the call: outputs may follow at once
     accepting_.insert(req.id);  // a loss meanwhile is this call's (it throws), not the callback's
   }
-  ByteWriter w;
-  put_request(w, req);
-  w.put<int64_t>(src.num_kv_heads);
-  w.put<int32_t>(src.tp);
+  const std::vector<uint8_t> call = encode(AcceptMsg{req, src});
   std::shared_ptr<InstanceConnection> c;
   std::optional<transfer::TransferDescriptor> dst;
   try {
     c = conn("accept");
-    std::vector<uint8_t> body = c->call(kAccept, w.bytes());
-    ByteReader r(body);
-    if (r.get<uint8_t>() == 1) dst = get_descriptor(r);
+    const auto reply = decode<AcceptReply>(c->call(kAccept, call));
+    if (reply.ok) dst = reply.dst;
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     accepting_.erase(req.id);
@@ -851,24 +760,15 @@ std::optional<transfer::TransferDescriptor> RemoteDecode::accept(const GenReques
 }
 
 void RemoteDecode::prefilled(const std::string& id, const StepOutput& first) {
-  ByteWriter w;
-  w.put_str(id);
-  put_step_output(w, first);
-  if (auto c = link_.get()) c->send(kPrefilled, w.bytes());
+  if (auto c = link_.get()) c->send(kPrefilled, encode(PrefilledMsg{id, first}));
 }
 
 void RemoteDecode::fail(const std::string& id, const std::string& error) {
-  ByteWriter w;
-  w.put_str(id);
-  w.put_str(error);
-  if (auto c = link_.get()) c->send(kFail, w.bytes());
+  if (auto c = link_.get()) c->send(kFail, encode(EndMsg{id, error}));
 }
 
 void RemoteDecode::abort(const std::string& id) {
-  ByteWriter w;
-  w.put_str(id);
-  w.put_str("");
-  if (auto c = link_.get()) c->send(kAbort, w.bytes());
+  if (auto c = link_.get()) c->send(kAbort, encode(EndMsg{id, ""}));
 }
 
 DecodeLoad RemoteDecode::load() const {
@@ -878,17 +778,13 @@ DecodeLoad RemoteDecode::load() const {
       l.alive = false;
       return l;
     }
-    std::vector<uint8_t> body = conn("load")->call(kLoad, {}, kLoadTimeout);
-    ByteReader r(body);
-    l.batch_per_rank = r.get_vec<int64_t>();
-    l.max_decode_batch = r.get<int64_t>();
-    l.alive = r.get<uint8_t>() != 0;
-    if (r.left() >= 9 * sizeof(int64_t)) {
-      EngineStats s = get_stats(r);
+    auto reply = decode<DecodeLoadReply>(conn("load")->call(kLoad, {}, kLoadTimeout));
+    l = std::move(reply.load);
+    {
       std::lock_guard<std::mutex> lock(stats_mu_);
-      stats_ = s;
+      stats_ = std::move(reply.stats);
     }
-    if (r.left() >= 1) draining_ = r.get<uint8_t>() != 0;
+    draining_ = reply.draining;
   } catch (const std::exception&) {
     l.alive = false;
   }
@@ -900,12 +796,11 @@ RemoteReplica::RemoteReplica(const std::string& endpoint, net::KeyRef key)
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
           [this, endpoint](InstanceConnection& c) {
-            std::vector<uint8_t> info = c.call(kHello, {}, kLoadTimeout);
-            ByteReader r(info);
-            TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 2, endpoint,
+            const auto hello = decode<HelloReply>(c.call(kHello, {}, kLoadTimeout));
+            TANDEM_CHECK_KIND(kInvalidArgument, hello.role == 2, endpoint,
                               " is not a colocated replica (tandem serve --control-port)");
-            max_model_len_ = r.get<int64_t>();
-            vocab_size_ = r.get<int64_t>();
+            max_model_len_ = hello.max_model_len;
+            vocab_size_ = hello.vocab_size;
           },
           std::move(key)) {
   link_.poll();
@@ -930,12 +825,11 @@ void RemoteReplica::submit(GenRequest request, OutputCallback on_output) {
     std::lock_guard<std::mutex> lock(mu_);
     callbacks_[id] = std::move(on_output);  // before the call: outputs may follow at once
   }
-  ByteWriter w;
-  put_request(w, request);
+  const std::vector<uint8_t> call = encode(request);
   try {
     auto c = link_.get();
     TANDEM_CHECK_KIND(kIo, c != nullptr, "replica ", link_.endpoint(), " is not connected");
-    c->call(kEngineSubmit, w.bytes());
+    c->call(kEngineSubmit, call);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     if (callbacks_.erase(id) == 0) return;  // lost meanwhile: on_lost ended it with an error
@@ -944,10 +838,7 @@ void RemoteReplica::submit(GenRequest request, OutputCallback on_output) {
 }
 
 void RemoteReplica::abort(const std::string& id) {
-  ByteWriter w;
-  w.put_str(id);
-  w.put_str("");
-  if (auto c = link_.get()) c->send(kAbort, w.bytes());
+  if (auto c = link_.get()) c->send(kAbort, encode(EndMsg{id, ""}));
 }
 
 bool RemoteReplica::load() const {
@@ -955,12 +846,10 @@ bool RemoteReplica::load() const {
     if (!link_.poll()) return false;
     auto c = link_.get();
     if (!c) return false;
-    std::vector<uint8_t> body = c->call(kLoad, {}, kLoadTimeout);
-    ByteReader r(body);
-    EngineStats s = get_stats(r);
-    draining_ = r.get<uint8_t>() != 0;
+    auto reply = decode<ReplicaLoadReply>(c->call(kLoad, {}, kLoadTimeout));
+    draining_ = reply.draining;
     std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_ = s;
+    stats_ = std::move(reply.stats);
     return true;
   } catch (const std::exception&) {
     return false;
@@ -972,15 +861,11 @@ RemotePrefill::RemotePrefill(const std::string& endpoint, net::KeyRef key)
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
           [this, endpoint](InstanceConnection& c) {
-            std::vector<uint8_t> info = c.call(kHello, {}, kLoadTimeout);
-            ByteReader r(info);
-            TANDEM_CHECK_KIND(kInvalidArgument, r.get<uint8_t>() == 0, endpoint,
+            const auto hello = decode<HelloReply>(c.call(kHello, {}, kLoadTimeout));
+            TANDEM_CHECK_KIND(kInvalidArgument, hello.role == 0, endpoint,
                               " is not a prefill instance");
-            r.get<int64_t>();
-            r.get<int64_t>();
             std::lock_guard<std::mutex> lock(sharding_mu_);
-            sharding_.num_kv_heads = r.get<int64_t>();
-            sharding_.tp = r.get<int32_t>();
+            sharding_ = hello.sharding;
           },
           std::move(key)) {
   link_.poll();
@@ -993,10 +878,7 @@ transfer::KvSharding RemotePrefill::kv_sharding() const {
 
 void RemotePrefill::on_push(uint32_t type, const std::vector<uint8_t>& payload) {
   if (type != kPrefillDone) return;
-  ByteReader r(payload);
-  const std::string id = r.get_str();
-  const std::string error = r.get_str();
-  const StepOutput first = get_step_output(r);
+  const auto [id, error, first] = decode<PrefillDoneMsg>(payload);
   PrefillDone done;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1025,14 +907,12 @@ void RemotePrefill::submit(const GenRequest& req, transfer::TransferDescriptor d
     std::lock_guard<std::mutex> lock(mu_);
     done_[req.id] = std::move(on_done);
   }
-  ByteWriter w;
-  put_request(w, req);
-  put_descriptor(w, dst);
+  const std::vector<uint8_t> call = encode(SubmitMsg{req, dst});
   try {
     auto c = link_.get();
     TANDEM_CHECK_KIND(kIo, c != nullptr, "prefill instance ", link_.endpoint(),
                       " is not connected");
-    c->call(kSubmit, w.bytes());
+    c->call(kSubmit, call);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     done_.erase(req.id);
@@ -1045,10 +925,7 @@ void RemotePrefill::abort(const std::string& id) {
     std::lock_guard<std::mutex> lock(mu_);
     done_.erase(id);
   }
-  ByteWriter w;
-  w.put_str(id);
-  w.put_str("");
-  if (auto c = link_.get()) c->send(kAbort, w.bytes());
+  if (auto c = link_.get()) c->send(kAbort, encode(EndMsg{id, ""}));
 }
 
 PrefillLoad RemotePrefill::load() const {
@@ -1060,17 +937,9 @@ PrefillLoad RemotePrefill::load() const {
     }
     auto c = link_.get();
     TANDEM_CHECK_KIND(kIo, c != nullptr, "lost");
-    std::vector<uint8_t> body = c->call(kLoad, {}, kLoadTimeout);
-    ByteReader r(body);
-    l.queued_input_tokens = r.get<int64_t>();
-    l.input_tokens_total = r.get<int64_t>();
-    l.input_tokens_per_s = r.get<double>();
-    l.alive = r.get<uint8_t>() != 0;
-    if (r.left() >= 1) draining_ = r.get<uint8_t>() != 0;
-    if (r.left() > 0) {
-      l.queue_time = get_histogram(r);
-      l.iteration_tokens = get_histogram(r);
-    }
+    auto reply = decode<PrefillLoadReply>(c->call(kLoad, {}, kLoadTimeout));
+    l = std::move(reply.load);
+    draining_ = reply.draining;
   } catch (const std::exception&) {
     l.alive = false;
   }

@@ -2,9 +2,10 @@
 // the router holds one TCP connection per instance and sees it as a DecodeClient or a
 // PrefillClient, exactly like an instance in its own process.
 //
-// Frames: u32 type, u32 payload bytes, payload (engine/lockstep.h ByteWriter encoding, host
-// byte order). Calls carry a serial and get one reply with it; the instance also pushes
-// request outputs (decode) and prefill failures on the same connection.
+// Frames: u32 type, u32 payload bytes, payload (each message's fields listed once in
+// instance_api.cpp over disagg/protocol.h's, core/byte_codec.h's encoding). Calls carry a
+// serial and get one reply with it; the instance also pushes request outputs (decode) and
+// prefill failures on the same connection.
 //   router -> instance: kHello, kAccept(req, prefill sharding), kSubmit(req, descriptor),
 //                       kPrefilled(id, first output), kFail(id, error), kAbort(id), kLoad
 //   instance -> router: kReply(serial, ok | error kind + message, body), kOutput(StepOutput),
@@ -32,8 +33,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "engine/decode_instance.h"
-#include "engine/prefill_instance.h"
+#include "disagg/decode_instance.h"
+#include "disagg/prefill_instance.h"
 #include "net/cluster_auth.h"
 
 namespace tandem {
@@ -41,29 +42,6 @@ namespace tandem {
 /// The largest control frame either side reads (a request's prompt, its grammar, a first
 /// output with prompt logprobs); a larger one closes the connection.
 constexpr uint32_t kMaxControlFrameBytes = 256u << 20;
-
-/// A minimal HTTP endpoint answering GET /metrics with render()'s Prometheus text (the
-/// instances' and the router's /metrics: queued input tokens, input tokens/s, batch per rank
-/// against --max-decode-batch). One thread; one request per connection.
-class MetricsEndpoint {
- public:
-  MetricsEndpoint(const std::string& host, int port, std::function<std::string()> render);
-  ~MetricsEndpoint();
-  int port() const { return port_; }
-
- private:
-  void loop();
-  std::function<std::string()> render_;
-  int listen_fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
-/// Prometheus text of instances (label instance="<name>"): queued input tokens and input
-/// tokens/s per prefill instance, batch per rank and the limit per decode instance, liveness.
-std::string instances_metrics_text(const std::vector<std::pair<std::string, PrefillLoad>>& prefill,
-                                   const std::vector<std::pair<std::string, DecodeLoad>>& decode);
 
 /// Serves this process's instance (exactly one of decode / prefill / a colocated engine) to
 /// routers.

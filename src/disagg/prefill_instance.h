@@ -33,10 +33,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "disagg/instance_parts.h"
+#include "disagg/prompt_hidden_cache.h"
+#include "disagg/protocol.h"
 #include "engine/engine.h"
-#include "engine/instance_parts.h"
-#include "engine/prompt_hidden_cache.h"
-#include "engine/protocol.h"
 #include "transfer/transfer.h"
 
 namespace tandem {

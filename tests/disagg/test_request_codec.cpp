@@ -1,11 +1,11 @@
-// The GenRequest codec (engine/protocol) carries every SamplingParams field, logit_bias
+// The GenRequest codec (disagg/protocol) carries every SamplingParams field, logit_bias
 // included, the constraint's spec and the speculation opt-out, and refuses a truncated
 // message; a decode rank's report carries its engine counters (MTP ones included), and
 // EngineStats::add sums them.
 #include <gtest/gtest.h>
 
 #include "core/error.h"
-#include "engine/protocol.h"
+#include "disagg/protocol.h"
 
 namespace tandem {
 namespace {
