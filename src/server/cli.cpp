@@ -449,6 +449,7 @@ int run_serve(const ServeArgs& a) {
   // A router's requests carry their constraint as a spec: compiled here, where they sample.
   if (a.control_port >= 0) ecfg.constraint_factory = grammar::instance_constraint_factory(a.model);
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
+  (void)kv_cache_fp8(a.kv_cache_dtype, a.device);  // early too: refused before the port opens
   StartupMonitor mon(std::cerr);
   raise_open_file_limit();  // one descriptor per client connection
   mon.phase("tokenizer");

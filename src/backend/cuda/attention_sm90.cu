@@ -199,6 +199,13 @@ bool PrefillAttentionPlan::plan(PrefillPlanArgs const& a, cudaStream_t stream) {
     t = e;
   }
   works *= a.num_q_heads;
+  // FP8 pools: the gathered path only (its gather dequantizes); its bf16 workspace (2 * kv_heads
+  // * head_dim * 2 bytes a key) is bounded at 4 x max_gather_keys, beyond which the simple
+  // kernel takes the prefill tokens.
+  if (a.kv_fp8 && keys > 4 * max_gather_keys_) {
+    return no("fp8 KV: " + std::to_string(keys) + " keys to gather (at most " +
+              std::to_string(4 * max_gather_keys_) + ")");
+  }
   // head_dim 256: only the ragged kernel is built (gathered whatever the path).
   const bool gathered = a.head_dim == 256 || a.kv_fp8 || path_ == PrefillKvPath::kGathered ||
                         (path_ == PrefillKvPath::kAuto && keys <= max_gather_keys_);

@@ -44,7 +44,8 @@ struct PrefillPlanArgs {
   int64_t num_prefill_tokens = 0;
   int64_t num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0, max_pages_per_seq = 0;
   /// The pool holds E4M3 codes (--kv-cache-dtype fp8): the gathered path whatever the path
-  /// asked for, its gather dequantizing (code * k_scale | v_scale of the launch) into bf16.
+  /// asked for, its gather dequantizing (code * k_scale | v_scale of the launch) into bf16;
+  /// declined (false) above 4 x max_gather_keys keys (the workspace's bound).
   bool kv_fp8 = false;
 };
 

@@ -24,7 +24,7 @@ __device__ __forceinline__ uint8_t kv_fp8_quantize(float v, float scale) {
 template <int N>
 __device__ __forceinline__ void store_kv_fp8(uint8_t* p, float const (&v)[N], float scale) {
   static_assert(N == 1 || N == 2 || N == 4 || N == 8 || N == 16, "vector width");
-  uint8_t b[N];
+  alignas(N < 16 ? N : 16) uint8_t b[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) b[i] = kv_fp8_quantize(v[i], scale);
   if constexpr (N == 1) {
