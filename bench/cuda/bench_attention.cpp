@@ -9,6 +9,11 @@
 //
 //   bench_attention [--quick] [--prefill-only]     CSV to $TANDEM_BENCH_CSV when set
 //
+// FP8 KV cache (--kv-cache-dtype fp8): attn_decode_fp8 (the simple kernel dequantizing E4M3
+// pages in registers, split as attn_decode) and attn_prefill_fi_gathered_fp8 (FlashInfer's
+// gathered prefill, its gather dequantizing) beside their bf16 rows, with the time ratio
+// fp8 / bf16 printed; their bytes count 1-byte KV elements.
+//
 // Prefill rows also print TFLOP/s; bench/cuda/attention_torch_baseline.py --ours CSV prints
 // PyTorch SDPA (cuDNN, flash) at the same shapes beside them with the ratios.
 //
@@ -56,7 +61,20 @@ struct Variant {
   int64_t num_prefill_tokens, kv_split;
   int prefill_variant = -1;  // >= 0: detail::paged_attention_prefill_variant (block shapes)
   PrefillAttentionPlan* plan = nullptr;  // FlashInfer sm90 (planned before timing)
+  bool fp8 = false;                      // E4M3 pool (--kv-cache-dtype fp8)
+  std::string vs = "";                   // fp8: the bf16 variant its time ratio is against
 };
+
+// Random E4M3 codes (no NaN code), the pattern repeated over the buffer.
+void fill_fp8(Buf& b) {
+  std::vector<uint8_t> h(std::min<size_t>(b.bytes, size_t{1} << 20));
+  std::uniform_int_distribution<int> d(0, 0x7e);
+  for (auto& c : h) c = static_cast<uint8_t>(d(g_rng) | ((d(g_rng) & 1) << 7));
+  for (size_t off = 0; off < b.bytes; off += h.size()) {
+    TANDEM_CUDA_CHECK(cudaMemcpy(b.as<uint8_t>(off), h.data(), std::min(h.size(), b.bytes - off),
+                                 cudaMemcpyHostToDevice));
+  }
+}
 
 // `seqs` sequences of `ctx` cached tokens each, whose last `queries` positions are queried
 // (queries == ctx: a fresh causal prefill; 1: decode).
@@ -71,6 +89,8 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
       out(sets * nq * 2), table(sets * seqs * pages_per_seq * 4), tseq(T * 4), pos(T * 4);
   fill_bf16(pool);
   fill_bf16(q);
+  Buf pool8(pool.bytes / 2);  // the same pages as E4M3 codes
+  fill_fp8(pool8);
   std::vector<int32_t> ht(sets * seqs * pages_per_seq), hseq(T), hpos(T);
   std::iota(ht.begin(), ht.end(), 0);
   std::shuffle(ht.begin(), ht.end(), g_rng);
@@ -89,7 +109,8 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
   const int64_t simple_split =
       prefill ? 0 : paged_attention_pick_split(T, kKvHeads, pages_per_seq, kPageSize, b.num_sms);
   std::vector<Variant> variants;
-  PrefillAttentionPlan fi_paged(PrefillKvPath::kPaged), fi_gathered(PrefillKvPath::kGathered);
+  PrefillAttentionPlan fi_paged(PrefillKvPath::kPaged), fi_gathered(PrefillKvPath::kGathered),
+      fi_fp8(PrefillKvPath::kGathered);
   if (prefill) {
     variants.push_back({"attn_prefill", PagedAttentionAlgo::kAuto, T, 0});
     const PrefillPlanArgs pa{hseq.data(), hpos.data(), T,         q_heads,
@@ -103,6 +124,12 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
         std::printf("(FlashInfer sm90 prefill not run: %s)\n", pl->why().c_str());
       }
     }
+    PrefillPlanArgs pa8 = pa;
+    pa8.kv_fp8 = true;
+    if (fi_fp8.plan(pa8, b.stream)) {
+      variants.push_back({"attn_prefill_fi_gathered_fp8", PagedAttentionAlgo::kAuto, T, 0, -1,
+                          &fi_fp8, true, "attn_prefill_fi_gathered"});
+    }
     if (with_simple) {
       variants.push_back({"attn_prefill_8w2b", PagedAttentionAlgo::kPrefill, T, 0, 1});
       variants.push_back({"attn_prefill_4w2b", PagedAttentionAlgo::kPrefill, T, 0, 2});
@@ -110,6 +137,8 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
     }
   } else {
     variants.push_back({"attn_decode", PagedAttentionAlgo::kAuto, 0, split});
+    variants.push_back(
+        {"attn_decode_fp8", PagedAttentionAlgo::kAuto, 0, split, -1, nullptr, true, "attn_decode"});
     if (split) variants.push_back({"attn_decode_nosplit", PagedAttentionAlgo::kAuto, 0, 0});
     if (with_simple) {
       variants.push_back({"attn_decode_simple", PagedAttentionAlgo::kSimple, 0, simple_split});
@@ -119,6 +148,7 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
       std::to_string(q_heads) + "q/4kv, " +
       (prefill ? "causal prefill 1 seq x " + std::to_string(ctx)
                : std::to_string(seqs) + " seq x " + std::to_string(ctx) + " ctx");
+  std::vector<std::pair<std::string, double>> times;  // bf16 rows' us, for the fp8 ratios
   for (Variant const& v : variants) {
     b.guarded(v.name, [&] {
       Buf ws(paged_attention_workspace_floats(T, q_heads, kHeadDim, pages_per_seq, kPageSize,
@@ -126,7 +156,7 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
              4);
       const double us = b.time_us(sets, [&](int i) {
         PagedAttentionParams p{q.as<bf16>(i * nq),
-                               pool.as<bf16>(),
+                               v.fp8 ? pool8.as<bf16>() : pool.as<bf16>(),
                                table.as<int32_t>(i * seqs * pages_per_seq),
                                tseq.as<int32_t>(),
                                pos.as<int32_t>(),
@@ -143,14 +173,23 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
         p.num_prefill_tokens = v.num_prefill_tokens;
         p.algo = v.algo;
         p.prefill_plan = v.plan;
+        p.kv_fp8 = v.fp8;
         if (v.prefill_variant >= 0) {
           cuda::detail::paged_attention_prefill_variant(p, v.prefill_variant, b.stream);
         } else {
           paged_attention_launch(p, b.stream);
         }
       });
+      const double kv = v.fp8 ? kv_bytes / 2 : kv_bytes;
       b.add(v.name, T, shape + (prefill ? "" : ", split " + std::to_string(v.kv_split)), us,
-            kv_bytes + 4.0 * nq, 4.0 * pairs * q_heads * kHeadDim);
+            kv + 4.0 * nq, 4.0 * pairs * q_heads * kHeadDim);
+      times.emplace_back(v.name, us);
+      for (auto const& [name, base] : times) {
+        if (v.fp8 && name == v.vs) {
+          std::printf("  %s / %s %lldq T %lld: %.2fx the time\n", v.name.c_str(), name.c_str(),
+                      static_cast<long long>(q_heads), static_cast<long long>(T), us / base);
+        }
+      }
       if (prefill) {
         std::printf("  %s %lldq T %lld: %.1f TFLOP/s\n", v.name.c_str(),
                     static_cast<long long>(q_heads), static_cast<long long>(T),

@@ -30,6 +30,18 @@ Qwen3MoeCpu::Qwen3MoeCpu(ModelConfig config, ShardPlan plan, comm::Communicator*
 
 Qwen3MoeCpu::~Qwen3MoeCpu() = default;
 
+void Qwen3MoeCpu::set_kv_fp8(std::vector<float> k_scales, std::vector<float> v_scales) {
+  const auto layers = static_cast<size_t>(config_.num_hidden_layers);
+  if (k_scales.empty()) k_scales.assign(layers, 1.f);
+  if (v_scales.empty()) v_scales.assign(layers, 1.f);
+  TANDEM_CHECK_KIND(kInvalidArgument, k_scales.size() == layers && v_scales.size() == layers,
+                    "set_kv_fp8: ", k_scales.size(), " k and ", v_scales.size(), " v scales for ",
+                    layers, " layers");
+  kv_fp8_ = true;
+  k_scales_ = std::move(k_scales);
+  v_scales_ = std::move(v_scales);
+}
+
 std::unique_ptr<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir) {
   return load(dir, ShardSpec::single(), nullptr);
 }
@@ -196,7 +208,13 @@ void Qwen3MoeCpu::forward(const ForwardBatch& batch, KvCache& kv, std::vector<fl
     }
     cpu::qk_norm_rope({q.data(), k.data(), layer.q_norm.ptr<float>(), layer.k_norm.ptr<float>(),
                        positions.data(), n, qh, kvh, d, eps, c.rope_theta});
-    cpu::kv_write({k.data(), v.data(), kv.layer(l), slots.data(), n, kvh, d, page_size});
+    cpu::KvWriteParams kw{k.data(), v.data(), kv.layer(l), slots.data(), n, kvh, d, page_size};
+    if (kv_fp8_) {
+      kw.kv_fp8 = true;
+      kw.k_scale = k_scales_[static_cast<size_t>(l)];
+      kw.v_scale = v_scales_[static_cast<size_t>(l)];
+    }
+    cpu::kv_write(kw);
     if (batch.on_layer_kv) batch.on_layer_kv(l);
     cpu::paged_attention({q.data(), kv.layer(l), tables.data(), token_seq.data(), positions.data(),
                           attn.data(), n, qh, kvh, d, page_size, max_pages,

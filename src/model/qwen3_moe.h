@@ -66,6 +66,12 @@ class Qwen3MoeCpu final : public Model {
   void mtp_forward(const ForwardBatch& batch, const float* hidden, KvCache& mtp_kv,
                    std::vector<float>& logits, std::vector<float>& hidden_out) override;
 
+  /// The reference of the GPU's FP8 KV cache (--kv-cache-dtype fp8, CudaModelOptions::
+  /// kv_cache_fp8): every KV write of the target's layers goes through E4M3 (cpu::KvWriteParams::
+  /// kv_fp8) with layer l's scales k_scales[l] / v_scales[l] (empty: 1.0), so the fp32 pools hold
+  /// what the GPU's FP8 pools dequantize to. The MTP layer's KV stays exact.
+  void set_kv_fp8(std::vector<float> k_scales = {}, std::vector<float> v_scales = {});
+
  private:
   struct Layer {
     HostTensor input_norm;  // [hidden]
@@ -101,6 +107,8 @@ class Qwen3MoeCpu final : public Model {
   HostTensor lm_head_;  // [this rank's vocab rows, hidden]; empty when tied
   std::vector<Layer> layers_;
   std::unique_ptr<Mtp> mtp_;
+  bool kv_fp8_ = false;                     // set_kv_fp8
+  std::vector<float> k_scales_, v_scales_;  // per layer
 };
 
 }  // namespace tandem

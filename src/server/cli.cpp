@@ -92,6 +92,29 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   return ids;
 }
 
+// --kv-cache-dtype (generate / serve / prefill / decode): CudaModelOptions::kv_cache_fp8.
+void add_kv_cache_dtype_option(CLI::App* cmd, std::string& dtype) {
+  cmd->add_option("--kv-cache-dtype", dtype,
+                  "KV cache element type, as vLLM: auto (bf16 on the GPU) or fp8 (E4M3, with "
+                  "each attention layer's self_attn.k_scale / v_scale from the checkpoint, else "
+                  "1.0; twice the pages for the same memory; --device cuda, Qwen3-MoE or "
+                  "Qwen3.5, no MTP, no --deterministic)")
+      ->check(CLI::IsMember({"auto", "fp8"}));
+}
+
+// Whether --kv-cache-dtype asks for an FP8 KV cache; throws kUnsupported for a device that has
+// none (the CPU model keeps fp32 KV) and kInvalidArgument for an unknown dtype.
+bool kv_cache_fp8(const std::string& dtype, const std::string& device) {
+  TANDEM_CHECK_KIND(kInvalidArgument, dtype == "auto" || dtype == "fp8",
+                    "--kv-cache-dtype must be auto or fp8, not '", dtype, "'");
+  const bool fp8 = dtype == "fp8";
+  TANDEM_CHECK_KIND(kUnsupported, !fp8 || device == "cuda",
+                    "--kv-cache-dtype fp8 needs --device cuda (the CPU model keeps an fp32 KV "
+                    "cache), not --device ",
+                    device);
+  return fp8;
+}
+
 // The model for --device cpu|cuda; the engine config sizes the GPU model's buffers. On the
 // GPU, a KV cache size not given (kv_cache_mb <= 0) becomes what gpu_memory_utilization
 // leaves after the model (vLLM's default behaviour); on the CPU it is the engine's default.
@@ -110,7 +133,9 @@ std::shared_ptr<KvEventSink> make_kv_event_publisher(const std::string& json,
 }
 
 std::unique_ptr<Model> load_model(const std::string& dir, const std::string& device,
-                                  EngineConfig& engine, double gpu_memory_utilization = 0.9) {
+                                  EngineConfig& engine, double gpu_memory_utilization = 0.9,
+                                  const std::string& kv_cache_dtype = "auto") {
+  [[maybe_unused]] const bool fp8_kv = kv_cache_fp8(kv_cache_dtype, device);
   if (device == "cpu") {
     if (engine.kv_cache_mb <= 0) engine.kv_cache_mb = EngineConfig{}.kv_cache_mb;
     return load_cpu_model(dir);  // by config.json's model_type
@@ -124,6 +149,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, const std::string& dev
   o.page_size = engine.page_size;
   o.graph_max_context = engine.max_model_len;
   o.deterministic = engine.deterministic;
+  o.kv_cache_fp8 = fp8_kv;
   if (ModelConfig::from_dir(dir).is_hybrid()) {  // Qwen3.5: one GPU
     TANDEM_CHECK_KIND(kUnsupported, !engine.deterministic, dir,
                       "/config.json: --deterministic is not supported for Qwen3.5 hybrid models "
@@ -237,6 +263,7 @@ struct GenerateArgs {
   std::string device = "cpu";
   std::string speculative_config;
   bool deterministic = false;
+  std::string kv_cache_dtype = "auto";  // --kv-cache-dtype
 };
 
 int run_generate(const GenerateArgs& a) {
@@ -244,7 +271,7 @@ int run_generate(const GenerateArgs& a) {
   cfg.max_num_seqs = 1;
   cfg.deterministic = a.deterministic;
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
-  std::unique_ptr<Model> model = load_model(a.model, a.device, cfg);
+  std::unique_ptr<Model> model = load_model(a.model, a.device, cfg, 0.9, a.kv_cache_dtype);
   apply_speculative(a.speculative_config, a.model, a.device, *model, cfg);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_dir(a.model);
   GenRequest req;
@@ -403,6 +430,7 @@ struct ServeArgs {
   EngineConfig engine;
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
+  std::string kv_cache_dtype = "auto";  // --kv-cache-dtype
   ParserArgs parsers;
   std::string speculative_config;
   std::string kv_events_config;
@@ -423,6 +451,7 @@ int run_serve(const ServeArgs& a) {
   // A router's requests carry their constraint as a spec: compiled here, where they sample.
   if (a.control_port >= 0) ecfg.constraint_factory = grammar::instance_constraint_factory(a.model);
   if (!a.speculative_config.empty()) parse_speculative_config(a.speculative_config);  // early
+  (void)kv_cache_fp8(a.kv_cache_dtype, a.device);  // early too: refused before the port opens
   StartupMonitor mon(std::cerr);
   raise_open_file_limit();  // one descriptor per client connection
   mon.phase("tokenizer");
@@ -464,7 +493,8 @@ int run_serve(const ServeArgs& a) {
             << " answers GET /health with the start-up phase (503 until ready)" << std::endl;
   ScopedLoadObserver observe(&mon);  // weights read, graphs captured (model/load_progress.h)
   mon.phase("weights");
-  std::unique_ptr<Model> model = load_model(a.model, a.device, ecfg, a.gpu_memory_utilization);
+  std::unique_ptr<Model> model =
+      load_model(a.model, a.device, ecfg, a.gpu_memory_utilization, a.kv_cache_dtype);
   if (!a.speculative_config.empty()) {
     mon.phase("mtp");
     apply_speculative(a.speculative_config, a.model, a.device, *model, ecfg);
@@ -504,6 +534,7 @@ struct InstanceArgs {
   EngineConfig engine;
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;  // --device cuda, without --kv-cache-mb
+  std::string kv_cache_dtype = "auto";  // --kv-cache-dtype
   std::string speculative_config;       // decode instances only
   std::string cluster_key_file;         // "": no cluster key
   net::KeyRef key;                      // loaded from it (once, before the ranks fork)
@@ -592,6 +623,7 @@ int follow_group(Instance& instance, const sigset_t& signals) {
 void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
                   std::chrono::milliseconds transfer_timeout, ModelFactory& model,
                   std::shared_ptr<transfer::TransferBackend>& backend) {
+  [[maybe_unused]] const bool fp8_kv = kv_cache_fp8(a.kv_cache_dtype, a.device);
   if (a.device == "cpu") {  // the defaults: Qwen3MoeCpu, host TCP (with the cluster key)
     if (a.key) backend = host_transfer_backend({a.host, transfer_timeout, a.key});
     return;
@@ -614,6 +646,7 @@ void choose_parts(const InstanceArgs& a, std::shared_ptr<comm::TcpStore> store,
                     "--deterministic with --device cuda: one rank only (--tp / --dp 1), not ",
                     a.ranks);
   o.deterministic = a.engine.deterministic;
+  o.kv_cache_fp8 = fp8_kv;
   o.store = store;
   const int local_rank = store ? comm::RankEnv::from_env().local_rank : 0;
   const std::string dir = a.model;
@@ -922,6 +955,7 @@ int cli_main(int argc, char** argv) {
   g->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at EOS");
   g->add_option("--device", gen.device, "cpu or cuda (one GPU)");
   add_deterministic_flag(g, gen.deterministic);
+  add_kv_cache_dtype_option(g, gen.kv_cache_dtype);
   add_speculative_option(g, gen.speculative_config);
 
   ServeArgs srv;
@@ -980,6 +1014,7 @@ int cli_main(int argc, char** argv) {
                  "vLLM's KVEventsConfig as JSON: publish the prefix cache's block events "
                  "(docs/operations.md)");
   add_deterministic_flag(sv, srv.engine.deterministic);
+  add_kv_cache_dtype_option(sv, srv.kv_cache_dtype);
   add_speculative_option(sv, srv.speculative_config);
   srv.parsers.add_to(sv);
 
@@ -1015,6 +1050,7 @@ int cli_main(int argc, char** argv) {
   for (auto [cmd, a] : {std::pair{pf, &pre}, std::pair{dc, &dec}}) {
     cmd->add_option("--model", a->model, "Model directory (default: the embedded demo model)");
     add_deterministic_flag(cmd, a->engine.deterministic);
+    add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
     cmd->add_option("--host", a->host, "Address to listen on (control and KV)");
     cmd->add_option("--port", a->port, "Control port for the router (0: any)")
         ->check(CLI::Range(0, 65535));

@@ -115,6 +115,23 @@ TEST(Cli, DeterministicFlag) {
   }
 }
 
+// --kv-cache-dtype fp8 (vLLM's): the GPU models' FP8 KV cache; the CPU model keeps fp32 KV,
+// so --device cpu refuses it in one line naming the option; an unknown dtype is a usage error.
+TEST(Cli, KvCacheDtypeFp8IsRefusedOnTheCpu) {
+  const auto fixture = testing::golden_dirs().front();
+  for (const char* cmd : {"generate --prompt-ids 1,2 --max-tokens 2", "serve --port 0"}) {
+    CmdResult r = run(std::string(cmd) + " --model " + fixture + " --kv-cache-dtype fp8");
+    EXPECT_EQ(r.status, 1) << cmd << ": " << r.out;
+    EXPECT_NE(r.out.find("--kv-cache-dtype fp8 needs --device cuda"), std::string::npos)
+        << cmd << ": " << r.out;
+  }
+  CmdResult bad = run("generate --model " + fixture + " --prompt-ids 1 --kv-cache-dtype fp16");
+  EXPECT_NE(bad.status, 0) << bad.out;
+  CmdResult ok =
+      run("generate --model " + fixture + " --prompt-ids 1,2 --max-tokens 2 --kv-cache-dtype auto");
+  EXPECT_EQ(ok.status, 0) << ok.out;
+}
+
 TEST(Cli, BadInputGivesClearErrors) {
   auto fixture = testing::golden_dirs().front();
   CmdResult r = run("generate --model /nonexistent/dir --prompt-ids 1,2");

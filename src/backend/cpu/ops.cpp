@@ -171,17 +171,65 @@ void qk_norm_rope(const QkNormRopeParams& p) {
   });
 }
 
+uint8_t kv_fp8_quantize(float x, float scale) {
+  return f32_to_f8e4m3(bf16_to_f32(f32_to_bf16(x)) / scale);
+}
+
+void kv_fp8_quantize(const float* x, uint8_t* codes, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) codes[i] = kv_fp8_quantize(x[i], scale);
+}
+
+void kv_fp8_dequantize(const uint8_t* codes, float* out, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) out[i] = kv_fp8_dequantize(codes[i], scale);
+}
+
 void kv_write(const KvWriteParams& p) {
   const int64_t page_stride = 2 * p.num_kv_heads * p.page_size * p.head_dim;
   const int64_t kv_stride = p.num_kv_heads * p.page_size * p.head_dim;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
+    if (p.slot_index[t] < 0) continue;
     int64_t page = p.slot_index[t] / p.page_size;
     int64_t slot = p.slot_index[t] % p.page_size;
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       float* dk = p.pool + page * page_stride + (h * p.page_size + slot) * p.head_dim;
-      std::memcpy(dk, p.k + (t * p.num_kv_heads + h) * p.head_dim, sizeof(float) * p.head_dim);
-      std::memcpy(dk + kv_stride, p.v + (t * p.num_kv_heads + h) * p.head_dim,
-                  sizeof(float) * p.head_dim);
+      const float* k = p.k + (t * p.num_kv_heads + h) * p.head_dim;
+      const float* v = p.v + (t * p.num_kv_heads + h) * p.head_dim;
+      if (p.kv_fp8) {
+        for (int64_t i = 0; i < p.head_dim; ++i) {
+          dk[i] = kv_fp8_dequantize(kv_fp8_quantize(k[i], p.k_scale), p.k_scale);
+          dk[kv_stride + i] = kv_fp8_dequantize(kv_fp8_quantize(v[i], p.v_scale), p.v_scale);
+        }
+        continue;
+      }
+      std::memcpy(dk, k, sizeof(float) * p.head_dim);
+      std::memcpy(dk + kv_stride, v, sizeof(float) * p.head_dim);
+    }
+  }
+}
+
+void kv_write_fp8(const KvWriteParams& p, uint8_t* pool) {
+  const int64_t page_stride = 2 * p.num_kv_heads * p.page_size * p.head_dim;
+  const int64_t kv_stride = p.num_kv_heads * p.page_size * p.head_dim;
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    if (p.slot_index[t] < 0) continue;
+    const int64_t page = p.slot_index[t] / p.page_size, slot = p.slot_index[t] % p.page_size;
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      uint8_t* dk = pool + page * page_stride + (h * p.page_size + slot) * p.head_dim;
+      kv_fp8_quantize(p.k + (t * p.num_kv_heads + h) * p.head_dim, dk, p.head_dim, p.k_scale);
+      kv_fp8_quantize(p.v + (t * p.num_kv_heads + h) * p.head_dim, dk + kv_stride, p.head_dim,
+                      p.v_scale);
+    }
+  }
+}
+
+void kv_pool_dequantize_fp8(const uint8_t* pool, float* out, int64_t num_pages,
+                            int64_t num_kv_heads, int64_t page_size, int64_t head_dim,
+                            float k_scale, float v_scale) {
+  const int64_t half = num_kv_heads * page_size * head_dim;  // k (or v) rows of one page
+  for (int64_t pg = 0; pg < num_pages; ++pg) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const int64_t off = (pg * 2 + kv) * half;
+      kv_fp8_dequantize(pool + off, out + off, half, kv == 0 ? k_scale : v_scale);
     }
   }
 }

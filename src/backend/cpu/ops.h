@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
+
 namespace tandem::cpu {
 
 /// out[m, n] = sum_k a[m, k] * b[n, k]  (b in the Hugging Face [out, in] layout).
@@ -62,15 +64,38 @@ struct QkNormRopeParams {
 };
 void qk_norm_rope(const QkNormRopeParams& p);
 
+/// FP8 KV cache (--kv-cache-dtype fp8; the reference of backend/cuda/kv_fp8.cuh): the E4M3 code
+/// of x for a layer's k or v scale, e4m3(bf16(x) / scale) rounded to nearest even and saturated
+/// to +-448 (as vLLM's fp8 cache, the value first rounded to what the bf16 cache would hold),
+/// and a code's value, code * scale.
+uint8_t kv_fp8_quantize(float x, float scale);
+inline float kv_fp8_dequantize(uint8_t code, float scale) { return f8e4m3_to_f32(code) * scale; }
+/// Quantizes n values to codes, and the inverse (out = dequantized codes).
+void kv_fp8_quantize(const float* x, uint8_t* codes, int64_t n, float scale);
+void kv_fp8_dequantize(const uint8_t* codes, float* out, int64_t n, float scale);
+
 /// Writes new k, v rows into HND pages: pool[page, 0 (k) | 1 (v), head, slot, :].
+/// kv_fp8: each value goes through the FP8 cache, kv_fp8_dequantize(kv_fp8_quantize(x)), so
+/// the fp32 pool holds exactly what a GPU's FP8 pool dequantizes to (the CPU model's FP8 KV).
 struct KvWriteParams {
   const float* k;             // [num_tokens, num_kv_heads, head_dim]
   const float* v;             // [num_tokens, num_kv_heads, head_dim]
   float* pool;                // [num_pages, 2, num_kv_heads, page_size, head_dim]
   const int64_t* slot_index;  // [num_tokens]: page * page_size + slot
   int64_t num_tokens, num_kv_heads, head_dim, page_size;
+  bool kv_fp8 = false;
+  float k_scale = 1.f, v_scale = 1.f;
 };
 void kv_write(const KvWriteParams& p);
+
+/// The FP8 write of CUDA's kv_write_launch on host memory: codes of k and v into an E4M3 pool
+/// [num_pages, 2, num_kv_heads, page_size, head_dim] (bytes); p.pool is ignored.
+void kv_write_fp8(const KvWriteParams& p, uint8_t* pool);
+/// An E4M3 pool dequantized to fp32 (k rows times k_scale, v rows times v_scale), the same
+/// layout: paged_attention over it is the reference of the FP8 paged attention.
+void kv_pool_dequantize_fp8(const uint8_t* pool, float* out, int64_t num_pages,
+                            int64_t num_kv_heads, int64_t page_size, int64_t head_dim,
+                            float k_scale, float v_scale);
 
 /// Causal GQA attention over paged HND KV. Query token t of sequence s at position
 /// pos[t] attends to positions [0, pos[t]] of that sequence.

@@ -7,6 +7,7 @@
 #include "backend/cuda/attention_sm90.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/kv_fp8.cuh"
 
 namespace tandem::cuda {
 
@@ -34,6 +35,40 @@ __global__ void kv_write_kernel(KvWriteParams p) {
   copy_bf16<8>(gK + kv_stride, p.v + th * kHeadDim + c * 8);
 }
 
+// The same over an FP8 pool: 8 codes per thread quantized as they are stored.
+template <int kHeadDim>
+__global__ void kv_write_fp8_kernel(KvWriteParams p) {
+  constexpr int kVecs = kHeadDim / 8;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t total = p.num_tokens * p.num_kv_heads * kVecs;
+  if (idx >= total) return;
+  const int64_t c = idx % kVecs;
+  const int64_t th = idx / kVecs;
+  const int64_t h = th % p.num_kv_heads, t = th / p.num_kv_heads;
+  const int64_t slot_index = p.slot_index[t];
+  if (slot_index < 0) return;
+  const int64_t page = slot_index / p.page_size, slot = slot_index % p.page_size;
+  const int64_t kv_stride = p.num_kv_heads * p.page_size * kHeadDim;
+  uint8_t* gK = reinterpret_cast<uint8_t*>(p.pool) + page * 2 * kv_stride +
+                (h * p.page_size + slot) * kHeadDim + c * 8;
+  float r[8];
+  load_bf16<8>(p.k + th * kHeadDim + c * 8, r);
+  store_kv_fp8<8>(gK, r, p.k_scale);
+  load_bf16<8>(p.v + th * kHeadDim + c * 8, r);
+  store_kv_fp8<8>(gK + kv_stride, r, p.v_scale);
+}
+
+// N consecutive pool elements (bf16 or fp8 codes) at element offset `off` as fp32 (fp8:
+// unscaled code values).
+template <bool kFp8, int N>
+__device__ __forceinline__ void load_kv(bf16 const* pool, int64_t off, float (&v)[N]) {
+  if constexpr (kFp8) {
+    load_kv_fp8<N>(reinterpret_cast<uint8_t const*>(pool) + off, v);
+  } else {
+    load_bf16<N>(pool + off, v);
+  }
+}
+
 // ---------------------------------------------------------------- paged attention
 constexpr int kAttnWarps = 4;
 
@@ -44,7 +79,8 @@ constexpr int kAttnWarps = 4;
 // The merge takes kMergeGroups heads per pass: one pass for groups <= 8, two for group 16 (an
 // sAcc of all 16 heads would pass the 48 KiB of static shared memory at head_dim 128); at
 // head_dim 256 (Qwen3.5) 4 heads per pass.
-template <int kHeadDim, int kGroup>
+// kFp8: the pool holds E4M3 codes; k_scale folds into q's scale, v_scale into the output.
+template <int kHeadDim, int kGroup, bool kFp8>
 __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int kDPer = kHeadDim / 32;
   constexpr int kMaxMerge = kHeadDim == 256 ? 4 : 8;
@@ -61,8 +97,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedA
 
   // q of the group, scaled, to shared memory.
   bf16 const* gQ = p.q + (t * p.num_q_heads + kvh * kGroup) * kHeadDim;
+  const float q_scale = kFp8 ? p.scale * p.k_scale : p.scale;
   for (int i = threadIdx.x; i < kGroup * kHeadDim; i += blockDim.x) {
-    sQ[i / kHeadDim][i % kHeadDim] = __bfloat162float(gQ[i]) * p.scale;
+    sQ[i / kHeadDim][i % kHeadDim] = __bfloat162float(gQ[i]) * q_scale;
   }
   __syncthreads();
 
@@ -72,7 +109,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedA
   const int64_t end = p.kv_split > 0 ? min(len, begin + p.kv_split) : len;
   int32_t const* table = p.block_table + static_cast<int64_t>(p.token_seq[t]) * p.max_pages_per_seq;
   const int64_t kv_stride = p.num_kv_heads * p.page_size * kHeadDim;
-  bf16 const* gKHead = p.pool + kvh * p.page_size * kHeadDim;  // + page * 2 * kv_stride
+  const int64_t head_off = kvh * p.page_size * kHeadDim;  // elements; + page * 2 * kv_stride
 
   float m[kGroup], l[kGroup], acc[kGroup][kDPer];
 #pragma unroll
@@ -94,11 +131,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedA
     if (valid) {
       const int64_t page = table[j / p.page_size];
       key_off = page * 2 * kv_stride + (j % p.page_size) * kHeadDim;
-      bf16 const* gK = gKHead + key_off;
 #pragma unroll 4
       for (int c = 0; c < kHeadDim / 8; ++c) {
         float rK[8];
-        load_bf16<8>(gK + c * 8, rK);
+        load_kv<kFp8, 8>(p.pool, head_off + key_off + c * 8, rK);
 #pragma unroll
         for (int g = 0; g < kGroup; ++g) {
 #pragma unroll
@@ -122,11 +158,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedA
     __syncwarp();
     // P V: key jj's row offset comes from lane jj; a full tile is unrolled so that several
     // V loads are in flight at once.
-    bf16 const* gVLane = gKHead + kv_stride + lane * kDPer;
+    const int64_t v_lane_off = head_off + kv_stride + lane * kDPer;
     auto accumulate_v = [&](int jj) {
       const int64_t off = __shfl_sync(0xffffffffu, key_off, jj);
       float rV[kDPer];
-      load_bf16<kDPer>(gVLane + off, rV);
+      load_kv<kFp8, kDPer>(p.pool, v_lane_off + off, rV);
 #pragma unroll
       for (int g = 0; g < kGroup; ++g) {
         const float pg = sP[warp][jj][g];
@@ -173,6 +209,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attention_kernel(PagedA
         num += f * sAcc[w][gg][d];
         den += f * sL[w][g];
       }
+      if constexpr (kFp8) num *= p.v_scale;
       if (p.kv_split > 0) {
         // Partial state of this split: acc (relative to mx), mx, den. An empty split (begin
         // >= len) leaves mx = -inf, den = 0, acc = 0.
@@ -211,19 +248,29 @@ __global__ void __launch_bounds__(kHeadDim)
   p.out[tq * kHeadDim + d] = __float2bfloat16_rn(num / den);
 }
 
+template <int kHeadDim, bool kFp8>
+void paged_attention_group_t(PagedAttentionParams const& p, int group, dim3 blocks,
+                             cudaStream_t stream) {
+  constexpr int threads = kAttnWarps * 32;
+  switch (group) {
+    case 1: paged_attention_kernel<kHeadDim, 1, kFp8><<<blocks, threads, 0, stream>>>(p); break;
+    case 2: paged_attention_kernel<kHeadDim, 2, kFp8><<<blocks, threads, 0, stream>>>(p); break;
+    case 4: paged_attention_kernel<kHeadDim, 4, kFp8><<<blocks, threads, 0, stream>>>(p); break;
+    case 8: paged_attention_kernel<kHeadDim, 8, kFp8><<<blocks, threads, 0, stream>>>(p); break;
+    case 16: paged_attention_kernel<kHeadDim, 16, kFp8><<<blocks, threads, 0, stream>>>(p); break;
+    default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported GQA group size ", group);
+  }
+}
+
 template <int kHeadDim>
 void paged_attention_group(PagedAttentionParams const& p, int group, int num_splits,
                            cudaStream_t stream) {
   const dim3 blocks(static_cast<unsigned>(p.num_tokens * p.num_kv_heads),
                     static_cast<unsigned>(num_splits));
-  constexpr int threads = kAttnWarps * 32;
-  switch (group) {
-    case 1: paged_attention_kernel<kHeadDim, 1><<<blocks, threads, 0, stream>>>(p); break;
-    case 2: paged_attention_kernel<kHeadDim, 2><<<blocks, threads, 0, stream>>>(p); break;
-    case 4: paged_attention_kernel<kHeadDim, 4><<<blocks, threads, 0, stream>>>(p); break;
-    case 8: paged_attention_kernel<kHeadDim, 8><<<blocks, threads, 0, stream>>>(p); break;
-    case 16: paged_attention_kernel<kHeadDim, 16><<<blocks, threads, 0, stream>>>(p); break;
-    default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported GQA group size ", group);
+  if (p.kv_fp8) {
+    paged_attention_group_t<kHeadDim, true>(p, group, blocks, stream);
+  } else {
+    paged_attention_group_t<kHeadDim, false>(p, group, blocks, stream);
   }
   TANDEM_CUDA_CHECK_LAUNCH();
   if (p.kv_split > 0) {
@@ -282,10 +329,23 @@ void kv_write_launch(KvWriteParams const& p, cudaStream_t stream) {
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
   TANDEM_CHECK(blocks <= INT32_MAX, "kv_write: too large");
+  const auto grid = static_cast<unsigned>(blocks);
+  if (p.kv_fp8) {
+    TANDEM_CHECK_KIND(kInvalidArgument, p.k_scale > 0.f && p.v_scale > 0.f,
+                      "kv_write: fp8 scales must be positive");
+    switch (p.head_dim) {
+      case 64: kv_write_fp8_kernel<64><<<grid, threads, 0, stream>>>(p); break;
+      case 128: kv_write_fp8_kernel<128><<<grid, threads, 0, stream>>>(p); break;
+      case 256: kv_write_fp8_kernel<256><<<grid, threads, 0, stream>>>(p); break;
+      default: TANDEM_THROW(kUnsupported, "kv_write: unsupported head_dim ", p.head_dim);
+    }
+    TANDEM_CUDA_CHECK_LAUNCH();
+    return;
+  }
   switch (p.head_dim) {
-    case 64: kv_write_kernel<64><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p); break;
-    case 128: kv_write_kernel<128><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p); break;
-    case 256: kv_write_kernel<256><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p); break;
+    case 64: kv_write_kernel<64><<<grid, threads, 0, stream>>>(p); break;
+    case 128: kv_write_kernel<128><<<grid, threads, 0, stream>>>(p); break;
+    case 256: kv_write_kernel<256><<<grid, threads, 0, stream>>>(p); break;
     default: TANDEM_THROW(kUnsupported, "kv_write: unsupported head_dim ", p.head_dim);
   }
   TANDEM_CUDA_CHECK_LAUNCH();
@@ -317,10 +377,18 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
   TANDEM_CHECK(num_splits <= 65535, "paged_attention: too many splits ", num_splits);
   TANDEM_CHECK(p.num_prefill_tokens >= -1 && p.num_prefill_tokens <= p.num_tokens,
                "paged_attention: num_prefill_tokens ", p.num_prefill_tokens, " of ", p.num_tokens);
-  // head_dim 256 (Qwen3.5): with algo kAuto and a ready plan, the prefill tokens on
-  // FlashInfer's sm90 ragged kernel and the tokens after them on the simple kernel; otherwise
-  // the simple kernel for every token, whatever the algo (no tensor-core kernel of ours at 256).
-  if (p.head_dim == 256) {
+  // head_dim 256 (Qwen3.5) and FP8 pools: with algo kAuto and a ready plan, the prefill tokens
+  // on FlashInfer's sm90 ragged kernel and the tokens after them on the simple kernel;
+  // otherwise the simple kernel for every token (no tensor-core kernel of ours at 256 or over
+  // FP8 pages; at 256 whatever the algo).
+  if (p.kv_fp8) {
+    TANDEM_CHECK_KIND(kUnsupported,
+                      p.algo == PagedAttentionAlgo::kAuto || p.algo == PagedAttentionAlgo::kSimple,
+                      "paged_attention: an FP8 KV cache runs algo kAuto or kSimple only");
+    TANDEM_CHECK_KIND(kInvalidArgument, p.k_scale > 0.f && p.v_scale > 0.f,
+                      "paged_attention: fp8 scales must be positive");
+  }
+  if (p.head_dim == 256 || p.kv_fp8) {
     const int64_t num_prefill =
         p.algo == PagedAttentionAlgo::kAuto && p.prefill_plan != nullptr && p.prefill_plan->ready()
             ? std::max<int64_t>(p.num_prefill_tokens, 0)
@@ -334,7 +402,19 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
     rest.positions += num_prefill;
     rest.num_tokens -= num_prefill;
     rest.num_prefill_tokens = 0;
-    paged_attention_group<256>(rest, static_cast<int>(group), static_cast<int>(num_splits), stream);
+    switch (p.head_dim) {
+      case 64:
+        paged_attention_group<64>(rest, static_cast<int>(group), static_cast<int>(num_splits),
+                                  stream);
+        break;
+      case 128:
+        paged_attention_group<128>(rest, static_cast<int>(group), static_cast<int>(num_splits),
+                                   stream);
+        break;
+      default:
+        paged_attention_group<256>(rest, static_cast<int>(group), static_cast<int>(num_splits),
+                                   stream);
+    }
     TANDEM_CUDA_CHECK_LAUNCH();
     return;
   }

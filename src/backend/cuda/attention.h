@@ -16,12 +16,16 @@ class PrefillAttentionPlan;  // attention_sm90.h
 
 /// Writes new k, v rows into HND pages: pool[page, 0 (k) | 1 (v), head, slot, :].
 /// slot_index < 0: the token is skipped (padding of a captured batch). head_dim 64, 128, 256.
+/// kv_fp8: the pool holds E4M3 codes (1 byte an element, same layout): k and v are quantized
+/// as they are written, e4m3(bf16(x) / scale) (kv_fp8.cuh; CPU: cpu::kv_fp8_quantize).
 struct KvWriteParams {
   bf16 const* k;              // [num_tokens, num_kv_heads, head_dim]
   bf16 const* v;              // [num_tokens, num_kv_heads, head_dim]
-  bf16* pool;                 // [num_pages, 2, num_kv_heads, page_size, head_dim]
+  bf16* pool;                 // [num_pages, 2, num_kv_heads, page_size, head_dim] (bytes if fp8)
   int64_t const* slot_index;  // [num_tokens]: page * page_size + slot
   int64_t num_tokens, num_kv_heads, head_dim, page_size;
+  bool kv_fp8 = false;
+  float k_scale = 1.f, v_scale = 1.f;  // fp8: the layer's per-tensor scales
 };
 void kv_write_launch(KvWriteParams const& p, cudaStream_t stream);
 
@@ -43,9 +47,14 @@ enum class PagedAttentionAlgo : int32_t {
 /// second kernel (flash-decoding), so a small decode batch still fills the GPU. Every launch shape
 /// depends on num_tokens, num_prefill_tokens, kv_split and max_pages_per_seq only (CUDA-graph
 /// safe): splits past a token's real length exit at once.
+/// kv_fp8 (--kv-cache-dtype fp8): the pool holds E4M3 codes (kv_write's), dequantized in
+/// registers (key = code * k_scale, value = code * v_scale). The decode tokens (and the prefill
+/// tokens without a ready prefill_plan) run the simple kernel; a ready prefill_plan (planned
+/// with kv_fp8: always its gathered path) dequantizes the prefill sequences' keys into its bf16
+/// gather workspace before FlashInfer's kernel. algo kPrefill / kDecode: kUnsupported.
 struct PagedAttentionParams {
   bf16 const* q;               // [num_tokens, num_q_heads, head_dim]
-  bf16 const* pool;            // [num_pages, 2, num_kv_heads, page_size, head_dim]
+  bf16 const* pool;            // [num_pages, 2, num_kv_heads, page_size, head_dim] (fp8: bytes)
   int32_t const* block_table;  // [num_seqs, max_pages_per_seq]
   int32_t const* token_seq;    // [num_tokens]: sequence of each query token
   int32_t const* positions;    // [num_tokens]
@@ -61,6 +70,8 @@ struct PagedAttentionParams {
   /// With algo kAuto and num_prefill_tokens > 0: a ready plan of exactly these prefill tokens
   /// (attention_sm90.h) runs them on FlashInfer's Hopper kernels instead of the FA2 kernel.
   PrefillAttentionPlan const* prefill_plan = nullptr;
+  bool kv_fp8 = false;
+  float k_scale = 1.f, v_scale = 1.f;  // fp8: the layer's per-tensor scales
 };
 /// The attention entry point. With algo kAuto:
 ///   num_prefill_tokens >= 0: tokens [0, num_prefill_tokens) run the prefill kernel (a block

@@ -9,6 +9,7 @@
 #include "backend/cuda/attention_sm90.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/kv_fp8.cuh"
 #ifndef TANDEM_HAS_FLASHINFER
 #define TANDEM_HAS_FLASHINFER 0
 #endif
@@ -45,6 +46,29 @@ __global__ void gather_kv_kernel(bf16 const* __restrict__ pool, int32_t const* _
       reinterpret_cast<uint4*>(ws + ((kv * num_kv_heads + head) * nnz_kv + e.dst) * kHeadDim);
   const int64_t vecs = static_cast<int64_t>(e.count) * kHeadDim / 8;
   for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) dst[i] = src[i];
+}
+
+// The same from an FP8 pool (E4M3 codes): 8 codes a thread, times the k or v scale, to bf16.
+template <int kHeadDim>
+__global__ void gather_kv_fp8_kernel(uint8_t const* __restrict__ pool,
+                                     int32_t const* __restrict__ table,
+                                     GatherEntry const* __restrict__ entries, bf16* __restrict__ ws,
+                                     int64_t num_kv_heads, int64_t page_size, int64_t max_pages,
+                                     int64_t nnz_kv, float k_scale, float v_scale) {
+  const GatherEntry e = entries[blockIdx.x];
+  const int64_t head = blockIdx.y, kv = blockIdx.z;
+  const float scale = kv == 0 ? k_scale : v_scale;
+  const int64_t page = table[static_cast<int64_t>(e.row) * max_pages + e.page];
+  uint8_t const* src = pool + ((page * 2 + kv) * num_kv_heads + head) * page_size * kHeadDim;
+  bf16* dst = ws + ((kv * num_kv_heads + head) * nnz_kv + e.dst) * kHeadDim;
+  const int64_t vecs = static_cast<int64_t>(e.count) * kHeadDim / 8;
+  for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
+    float v[8];
+    detail::load_kv_fp8<8>(src + i * 8, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] *= scale;
+    detail::store_bf16<8>(dst + i * 8, v);
+  }
 }
 #endif
 
@@ -86,6 +110,7 @@ struct PrefillAttentionPlan::Impl {
 #endif
   int64_t num_prefill = 0, q_heads = 0, kv_heads = 0, head_dim = 0, page_size = 0, max_pages = 0;
   int64_t nnz_kv = 0, num_entries = 0;
+  bool kv_fp8 = false;
 
   ~Impl() {
     if (copied != nullptr) {
@@ -158,8 +183,15 @@ bool PrefillAttentionPlan::plan(PrefillPlanArgs const& a, cudaStream_t stream) {
     t = e;
   }
   works *= a.num_q_heads;
+  // FP8 pools: the gathered path only (its gather dequantizes); its bf16 workspace (2 * kv_heads
+  // * head_dim * 2 bytes a key) is bounded at 4 x max_gather_keys, beyond which the simple
+  // kernel takes the prefill tokens.
+  if (a.kv_fp8 && keys > 4 * max_gather_keys_) {
+    return no("fp8 KV: " + std::to_string(keys) + " keys to gather (at most " +
+              std::to_string(4 * max_gather_keys_) + ")");
+  }
   // head_dim 256: only the ragged kernel is built (gathered whatever the path).
-  const bool gathered = a.head_dim == 256 || path_ == PrefillKvPath::kGathered ||
+  const bool gathered = a.head_dim == 256 || a.kv_fp8 || path_ == PrefillKvPath::kGathered ||
                         (path_ == PrefillKvPath::kAuto && keys <= max_gather_keys_);
   int64_t entries = 0;
   {
@@ -218,6 +250,7 @@ bool PrefillAttentionPlan::plan(PrefillPlanArgs const& a, cudaStream_t stream) {
   m.max_pages = a.max_pages_per_seq;
   m.nnz_kv = keys;
   m.num_entries = entries;
+  m.kv_fp8 = a.kv_fp8;
   planned_path_ = gathered ? PrefillKvPath::kGathered : PrefillKvPath::kPaged;
   why_.clear();
   ready_ = true;
@@ -234,12 +267,13 @@ void PrefillAttentionPlan::run(PagedAttentionParams const& p, cudaStream_t strea
   Impl const& m = *impl_;
   TANDEM_CHECK(p.num_prefill_tokens == m.num_prefill && p.num_q_heads == m.q_heads &&
                    p.num_kv_heads == m.kv_heads && p.head_dim == m.head_dim &&
-                   p.page_size == m.page_size && p.max_pages_per_seq == m.max_pages,
+                   p.page_size == m.page_size && p.max_pages_per_seq == m.max_pages &&
+                   p.kv_fp8 == m.kv_fp8,
                "PrefillAttentionPlan: launch (", p.num_prefill_tokens, " prefill tokens, ",
                p.num_q_heads, "/", p.num_kv_heads, " heads, head_dim ", p.head_dim, ", page ",
                p.page_size, ", ", p.max_pages_per_seq, " pages) differs from the plan (",
                m.num_prefill, ", ", m.q_heads, "/", m.kv_heads, ", ", m.head_dim, ", ", m.page_size,
-               ", ", m.max_pages, ")");
+               ", ", m.max_pages, ") or its KV dtype (fp8 ", m.kv_fp8, ")");
   TANDEM_CHECK(detail::aligned_to(16, p.q, p.out, p.pool),
                "PrefillAttentionPlan: unaligned tensors");
   const int64_t d = m.head_dim, P = m.page_size, H = m.kv_heads;
@@ -259,7 +293,14 @@ void PrefillAttentionPlan::run(PagedAttentionParams const& p, cudaStream_t strea
     bf16* ws = static_cast<bf16*>(m.gather.ptr);
     const dim3 grid(static_cast<unsigned>(m.num_entries), static_cast<unsigned>(H), 2);
     auto const* entries = static_cast<GatherEntry const*>(m.entries.ptr);
-    if (d == 128) {
+    auto const* pool8 = reinterpret_cast<uint8_t const*>(p.pool);
+    if (m.kv_fp8 && d == 128) {
+      gather_kv_fp8_kernel<128><<<grid, 256, 0, stream>>>(
+          pool8, p.block_table, entries, ws, H, P, m.max_pages, m.nnz_kv, p.k_scale, p.v_scale);
+    } else if (m.kv_fp8) {
+      gather_kv_fp8_kernel<256><<<grid, 256, 0, stream>>>(
+          pool8, p.block_table, entries, ws, H, P, m.max_pages, m.nnz_kv, p.k_scale, p.v_scale);
+    } else if (d == 128) {
       gather_kv_kernel<128><<<grid, 256, 0, stream>>>(p.pool, p.block_table, entries, ws, H, P,
                                                       m.max_pages, m.nnz_kv);
     } else {

@@ -18,6 +18,7 @@
 // Supported: bf16, head_dim 128 (both paths) and 256 (Qwen3.5; kGathered only: FlashInfer's
 // paged kernel at 256 is untuned and not built), any GQA group, any page size, sequences whose
 // chunk queries sit at the end of their keys (positions kv_len - queries .. kv_len - 1).
+// FP8 pools (PrefillPlanArgs::kv_fp8): kGathered, the gather dequantizing to bf16.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -42,6 +43,10 @@ struct PrefillPlanArgs {
   int32_t const* positions = nullptr;  // [num_prefill_tokens] (host)
   int64_t num_prefill_tokens = 0;
   int64_t num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0, max_pages_per_seq = 0;
+  /// The pool holds E4M3 codes (--kv-cache-dtype fp8): the gathered path whatever the path
+  /// asked for, its gather dequantizing (code * k_scale | v_scale of the launch) into bf16;
+  /// declined (false) above 4 x max_gather_keys keys (the workspace's bound).
+  bool kv_fp8 = false;
 };
 
 class PrefillAttentionPlan {

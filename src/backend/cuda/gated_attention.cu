@@ -5,6 +5,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gated_attention.h"
+#include "backend/cuda/kv_fp8.cuh"
 
 namespace tandem::cuda {
 
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
        h += static_cast<int64_t>(gridDim.y) * kPrepWarps) {
     bf16 const* gSrc;
     bf16* gDst;
+    uint8_t* gDst8 = nullptr;  // fp8 pool: this k or v row's codes
     if (h < qh) {
       gSrc = gRow + h * 2 * kHeadDim;
       gDst = p.q_out + (t * qh + h) * kHeadDim;
@@ -56,14 +58,21 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
       const int64_t kv = h < qh + kvh ? 0 : 1, kh = h - qh - kv * kvh;
       gSrc = gRow + 2 * qh * kHeadDim + (kv * kvh + kh) * kHeadDim;
       const int64_t page = slot / p.page_size, s = slot % p.page_size;
-      gDst = p.pool + (((page * 2 + kv) * kvh + kh) * p.page_size + s) * kHeadDim;
+      const int64_t off = (((page * 2 + kv) * kvh + kh) * p.page_size + s) * kHeadDim;
+      gDst = p.pool + off;
+      if (p.kv_fp8) gDst8 = reinterpret_cast<uint8_t*>(p.pool) + off;
     }
     float r[kPer];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) r[i] = __bfloat162float(gSrc[lane + 32 * i]);
-    if (h >= qh + kvh) {  // v: copied unchanged
+    if (h >= qh + kvh) {  // v: copied unchanged (fp8: quantized)
+      if (gDst8 != nullptr) {
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) gDst[lane + 32 * i] = gSrc[lane + 32 * i];
+        for (int i = 0; i < kPer; ++i) gDst8[lane + 32 * i] = kv_fp8_quantize(r[i], p.v_scale);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) gDst[lane + 32 * i] = gSrc[lane + 32 * i];
+      }
       continue;
     }
     bf16 const* w = h < qh ? p.q_weight : p.k_weight;
@@ -87,7 +96,11 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
       } else if (e < 2 * half) {
         o = r[i] * sCos[e - half] + sRow[warp][e - half] * sSin[e - half];
       }
-      gDst[e] = __float2bfloat16_rn(o);
+      if (gDst8 != nullptr) {
+        gDst8[e] = kv_fp8_quantize(o, p.k_scale);
+      } else {
+        gDst[e] = __float2bfloat16_rn(o);
+      }
     }
     __syncwarp();  // sRow is rewritten by the warp's next head
   }

@@ -20,7 +20,8 @@ using bf16 = __nv_bfloat16;
 /// [q heads: (query [head_dim] | gate [head_dim]) each | k heads | v heads], applies the
 /// per-head q/k RMSNorm and RoPE on the first rotary_dim dims (rotate-half within them,
 /// inv_freq = 1 / theta^(2i/rotary_dim) in fp32), writes q to q_out, the gate to gate_out and
-/// k, v into the paged HND KV cache. slot_index < 0: k, v not written (padding).
+/// k, v into the paged HND KV cache. slot_index < 0: k, v not written (padding). kv_fp8: the
+/// pool holds E4M3 codes, k and v quantized as kv_write_launch's (attention.h).
 /// head_dim 64, 128 or 256; rotary_dim even, <= head_dim.
 struct GatedQkvPrepParams {
   bf16 const* qkv;            // [num_tokens, (2 * num_q_heads + 2 * num_kv_heads) * head_dim]
@@ -34,6 +35,8 @@ struct GatedQkvPrepParams {
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, rotary_dim;
   float eps;
   double rope_theta;
+  bool kv_fp8 = false;
+  float k_scale = 1.f, v_scale = 1.f;
 };
 void gated_qkv_prep_launch(GatedQkvPrepParams const& p, cudaStream_t stream);
 

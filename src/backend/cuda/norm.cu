@@ -4,6 +4,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/decode_switches.h"
+#include "backend/cuda/kv_fp8.cuh"
 #include "backend/cuda/norm.h"
 
 namespace tandem::cuda {
@@ -184,20 +185,28 @@ __global__ void __launch_bounds__(128) qkv_prep_kernel(QkvPrepParams p, InvFreq 
   for (int64_t h = blockIdx.y * nwarps + warp; h < heads; h += gridDim.y * nwarps) {
     bf16 const* gSrc = gRow + h * kHeadDim;
     bf16* gDst;
+    uint8_t* gDst8 = nullptr;  // fp8 pool: this k or v row's codes
     if (h < qh) {
       gDst = p.q_out + (t * qh + h) * kHeadDim;
     } else {
       if (slot < 0) continue;
       const int64_t kv = h < qh + kvh ? 0 : 1, kh = h - qh - kv * kvh;
       const int64_t page = slot / p.page_size, s = slot % p.page_size;
-      gDst = p.pool + (((page * 2 + kv) * kvh + kh) * p.page_size + s) * kHeadDim;
+      const int64_t off = (((page * 2 + kv) * kvh + kh) * p.page_size + s) * kHeadDim;
+      gDst = p.pool + off;
+      if (p.kv_fp8) gDst8 = reinterpret_cast<uint8_t*>(p.pool) + off;
     }
     float r1[kPer], r2[kPer];
     load_bf16<kPer>(gSrc + i0, r1);
     load_bf16<kPer>(gSrc + kHalf + i0, r2);
-    if (h >= qh + kvh) {  // v: copied unchanged
-      store_bf16<kPer>(gDst + i0, r1);
-      store_bf16<kPer>(gDst + kHalf + i0, r2);
+    if (h >= qh + kvh) {  // v: copied unchanged (fp8: quantized)
+      if (gDst8 != nullptr) {
+        store_kv_fp8<kPer>(gDst8 + i0, r1, p.v_scale);
+        store_kv_fp8<kPer>(gDst8 + kHalf + i0, r2, p.v_scale);
+      } else {
+        store_bf16<kPer>(gDst + i0, r1);
+        store_bf16<kPer>(gDst + kHalf + i0, r2);
+      }
       continue;
     }
     bf16 const* w = h < qh ? p.q_weight : p.k_weight;
@@ -223,8 +232,13 @@ __global__ void __launch_bounds__(128) qkv_prep_kernel(QkvPrepParams p, InvFreq 
       o1[j] = r1[j] * c - r2[j] * s;
       o2[j] = r2[j] * c + r1[j] * s;
     }
-    store_bf16<kPer>(gDst + i0, o1);
-    store_bf16<kPer>(gDst + kHalf + i0, o2);
+    if (gDst8 != nullptr) {
+      store_kv_fp8<kPer>(gDst8 + i0, o1, p.k_scale);
+      store_kv_fp8<kPer>(gDst8 + kHalf + i0, o2, p.k_scale);
+    } else {
+      store_bf16<kPer>(gDst + i0, o1);
+      store_bf16<kPer>(gDst + kHalf + i0, o2);
+    }
   }
 }
 

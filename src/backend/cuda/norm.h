@@ -64,7 +64,8 @@ void qk_norm_rope_launch(QkNormRopeParams const& p, cudaStream_t stream);
 /// The attention prologue in one launch: splits a fused qkv row [q heads | k heads | v heads],
 /// applies the per-head q/k RMSNorm + RoPE of qk_norm_rope_launch, writes q to q_out and k, v
 /// into the paged HND KV cache (as kv_write_launch). slot_index < 0: the token's k, v are not
-/// written (padding rows of a captured batch). head_dim 64 or 128.
+/// written (padding rows of a captured batch). head_dim 64 or 128. kv_fp8: the pool holds E4M3
+/// codes, k (after norm and RoPE) and v quantized as kv_write_launch's (attention.h).
 struct QkvPrepParams {
   bf16 const* qkv;            // [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]
   bf16* q_out;                // [num_tokens, num_q_heads, head_dim]
@@ -76,6 +77,8 @@ struct QkvPrepParams {
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, page_size;
   float eps;
   double rope_theta;
+  bool kv_fp8 = false;
+  float k_scale = 1.f, v_scale = 1.f;
 };
 void qkv_prep_launch(QkvPrepParams const& p, cudaStream_t stream);
 

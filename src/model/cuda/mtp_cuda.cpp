@@ -861,12 +861,17 @@ void Qwen3MoeCuda::load_mtp(const std::string& dir) {
   TANDEM_CHECK_KIND(kUnsupported, !opts_.deterministic,
                     "MTP speculative decoding with --deterministic is not supported (the drafts, "
                     "hence the accepted tokens, would depend on the batch)");
+  TANDEM_CHECK_KIND(kUnsupported, !opts_.kv_cache_fp8,
+                    "MTP speculative decoding with --kv-cache-dtype fp8 is not supported (the "
+                    "MTP passes read the target's prefill plan and bf16 KV)");
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   mtp_ = MtpCuda::load(config_, dir, mtp_scratch());
   weight_bytes_ += mtp_->weight_bytes();
 }
 
 void Qwen3MoeCuda::random_mtp(uint64_t seed) {
+  TANDEM_CHECK_KIND(kUnsupported, !opts_.kv_cache_fp8,
+                    "MTP speculative decoding with --kv-cache-dtype fp8 is not supported");
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   mtp_ = MtpCuda::random(config_, seed, mtp_scratch());
   weight_bytes_ += mtp_->weight_bytes();

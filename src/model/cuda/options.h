@@ -57,6 +57,13 @@ struct CudaModelOptions {
   /// block-FP8 weights dequantized to bf16 at load; one GPU only (kUnsupported when sharded);
   /// no MTP (load_mtp refuses it: drafts would depend on the batch).
   bool deterministic = false;
+  /// --kv-cache-dtype fp8 (vLLM's): the target's KV cache holds E4M3 codes (1 byte an element:
+  /// twice the pages of bf16 for the same memory), quantized as the KV is written with each
+  /// attention layer's k / v scale from the checkpoint (self_attn.k_scale / v_scale, per
+  /// tensor) or 1.0, dequantized in the attention kernels (backend/cuda/attention.h). Qwen3-MoE
+  /// and Qwen3.5; not with deterministic or MTP (kUnsupported). The MTP layer's cache stays
+  /// bf16.
+  bool kv_cache_fp8 = false;
   /// The group's bootstrap store (required when shard.size > 1; one process per rank): the
   /// rank's CUDA communicators rendezvous through it. Kept alive by the model.
   std::shared_ptr<comm::TcpStore> store;

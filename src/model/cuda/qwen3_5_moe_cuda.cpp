@@ -54,9 +54,10 @@ namespace {
 
 struct LayerW {
   bool linear = false;
-  int64_t index = 0;           // among the layers of its kind: KV layer or state part
-  bf16* input_norm = nullptr;  // [H], 1 + w
-  bf16* post_norm = nullptr;   // [H], 1 + w
+  int64_t index = 0;               // among the layers of its kind: KV layer or state part
+  cuda_model::KvScales kv_scales;  // gated attention over an FP8 KV cache (1.0: none given)
+  bf16* input_norm = nullptr;      // [H], 1 + w
+  bf16* post_norm = nullptr;       // [H], 1 + w
   // Gated attention.
   bf16* qkv = nullptr;     // [(2 qh + 2 kvh) d, H]: q_proj (query | gate per head), k, v
   bf16* o = nullptr;       // [H, qh d]
@@ -158,6 +159,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   // Chained MTP passes (one token per sequence) replayed from graphs by bucket, against one MTP
   // KV pool; their own metadata buffers (g_meta's layout) and block tables.
   bool mtp_graphs_on = false;
+  // CudaModelOptions::kv_cache_fp8: the target's KV pools hold E4M3 codes.
+  bool kv_fp8 = false;
   cuda_model::GraphSet mtp_graphs;
   // The last launch's DeltaNet recurrence inputs (ForwardBatch::keep_recurrent_inputs; every
   // verify graph keeps them): per linear layer its in_proj rows [kept_cap, in_rows] in device
@@ -217,6 +220,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         comms(std::make_unique<cuda_model::ShardComms>(config, plan, o.store)) {
     qh = plan.q_heads.size();
     kvh = plan.kv_heads.size();
+    kv_fp8 = o.kv_cache_fp8;
     hk = dn.key_heads.size();
     hv = dn.value_heads.size();
     sinter = sl.shared_inter.size();
@@ -250,8 +254,9 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   }
   void check_cache(const KvCache& kv) const override {
     const auto& g = kv.geometry();
-    TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 && g.num_kv_heads == kvh &&
-                     g.head_dim == c.head_dim && g.num_layers == num_attention,
+    TANDEM_CHECK(!kv.is_host() && g.dtype == (kv_fp8 ? DType::kF8E4M3 : DType::kBF16) &&
+                     g.num_kv_heads == kvh && g.head_dim == c.head_dim &&
+                     g.num_layers == num_attention,
                  "the KV cache was not made by this CUDA model");
     if (num_linear > 0) {
       TANDEM_CHECK(kv.states_on_device() && kv.state_slot_elems() == slot_elems(),
@@ -259,7 +264,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     }
   }
   cuda_model::AttentionShape attention() const override {
-    return {qh, kvh, c.head_dim, num_attention > 0};
+    return {qh, kvh, c.head_dim, num_attention > 0, kv_fp8};
   }
   bool collective_steps() const override { return dp_ep(); }
   bool has_states() const override { return num_linear > 0; }
@@ -432,6 +437,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h));
     for (auto& [wp, p] : todo) {
       LayerW& w = *wp;
+      if (kv_fp8 && !mtp && !w.linear) w.kv_scales = cuda_model::read_kv_scales(ckpt, p);
       put_norm(w.input_norm, p + "input_layernorm.weight", h);
       put_norm(w.post_norm, p + "post_attention_layernorm.weight", h);
       if (w.linear) {
@@ -566,20 +572,24 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   }
 
   // Layer w's gated full attention over `pool` (its KV layer): reads XN, writes Y and the new
-  // KV of m's tokens (batch->on_layer_kv after the KV write when set).
+  // KV of m's tokens (batch->on_layer_kv after the KV write when set). fp8: the pool holds E4M3
+  // codes (the target's with kv_fp8; the MTP layer's pool is bf16).
   void gated_attention(const LayerW& w, const StepMeta& m, bf16* pool, int64_t page_size,
-                       int64_t split, const ForwardBatch* batch) {
+                       int64_t split, const ForwardBatch* batch, bool fp8 = false) {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim;
     const float eps = static_cast<float>(c.rms_norm_eps);
     bf16 *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(), *P = proj.as<bf16>();
     ws.gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
     cuda::gated_qkv_prep_launch(
         {P, q.as<bf16>(), gate.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm, m.positions, n, qh,
-         kvh, d, page_size, c.rotary_dim(), eps, c.rope_theta},
+         kvh, d, page_size, c.rotary_dim(), eps, c.rope_theta, fp8, w.kv_scales.k, w.kv_scales.v},
         stream);
     if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(w.index);
     cuda::PagedAttentionParams ap =
         run.attention_params(m, q.as<bf16>(), pool, attn.as<bf16>(), page_size, split);
+    ap.kv_fp8 = fp8;
+    ap.k_scale = w.kv_scales.k;
+    ap.v_scale = w.kv_scales.v;
     cuda::paged_attention_launch(ap, stream);
     cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
                              stream);
@@ -678,7 +688,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         cuda::add_rms_norm_launch({X, Y, w.input_norm, XN, n, h, eps}, stream);
       }
       if (!w.linear) {
-        gated_attention(w, m, static_cast<bf16*>(kv.layer_data(w.index)), page_size, split, batch);
+        gated_attention(w, m, static_cast<bf16*>(kv.layer_data(w.index)), page_size, split, batch,
+                        kv_fp8);
       } else {
         // One fused projection [qkv | z | b | a], the conv and the delta rule per sequence on
         // its state slot, the gated norm, out_proj.
@@ -868,6 +879,7 @@ Qwen35MoeCuda::Qwen35MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                     "max_tokens and max_seqs must be positive");
   TANDEM_CHECK_KIND(kUnsupported, !opts_.deterministic,
                     "--deterministic is not supported for Qwen3.5 hybrid models on the GPU");
+  cuda_model::check_kv_cache_dtype(opts_, "Qwen3.5");
   runner_ = std::make_unique<CudaRunner>(config_, opts_);
   stream_ = runner_->stream();
   impl_ = std::make_unique<Impl>(config_, *runner_, opts_);
@@ -906,7 +918,7 @@ int64_t Qwen35MoeCuda::num_attention_layers() const { return impl_->num_attentio
 
 KvGeometry Qwen35MoeCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
   KvGeometry g{impl_->num_attention, num_pages, impl_->kvh, page_size, config_.head_dim};
-  g.dtype = DType::kBF16;
+  g.dtype = impl_->kv_fp8 ? DType::kF8E4M3 : DType::kBF16;
   return g;
 }
 
@@ -1031,6 +1043,9 @@ void Qwen35MoeCuda::forward_sample(const ForwardBatch& batch, KvCache& kv,
 
 void Qwen35MoeCuda::load_mtp(const std::string& dir) {
   Impl& im = *impl_;
+  TANDEM_CHECK_KIND(kUnsupported, !opts_.kv_cache_fp8,
+                    "MTP speculative decoding with --kv-cache-dtype fp8 is not supported (the "
+                    "MTP passes read the target's prefill plan and bf16 KV)");
   Checkpoint ckpt(dir);
   TANDEM_CHECK_KIND(kNotFound, ckpt.has("mtp.fc.weight"), dir,
                     ": no MTP weights (tensor 'mtp.fc.weight' not found); the checkpoint needs "

@@ -103,6 +103,10 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   bool fp8_act = false;
   // CudaModelOptions::deterministic (batch_invariant.h).
   bool det = false;
+  // CudaModelOptions::kv_cache_fp8: E4M3 pools, each layer's k / v scales (1.0 unless the
+  // checkpoint has them; random weights: 1.0).
+  bool kv_fp8 = false;
+  std::vector<cuda_model::KvScales> kv_scales;
   // With fp8_act: the dense FP8 linears from kFp8LtMinRows rows on (prefill) through cuBLASLt's
   // block-FP8 GEMM (model/cuda/fp8_dense.h); below, as W8A16.
   static constexpr int64_t kFp8LtMinRows = 512;
@@ -133,13 +137,14 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   }
   void check_cache(const KvCache& kv) const override {
     const auto& g = kv.geometry();
-    TANDEM_CHECK(!kv.is_host() && g.dtype == DType::kBF16 && g.num_kv_heads == kvh() &&
-                     g.head_dim == c.head_dim && g.num_layers == c.num_hidden_layers,
+    TANDEM_CHECK(!kv.is_host() && g.dtype == (kv_fp8 ? DType::kF8E4M3 : DType::kBF16) &&
+                     g.num_kv_heads == kvh() && g.head_dim == c.head_dim &&
+                     g.num_layers == c.num_hidden_layers,
                  "the KV cache was not made by this CUDA model");
   }
   cuda_model::AttentionShape attention() const override {
     // (--deterministic runs no prefill kernel: batch_invariant.h)
-    return {qh(), kvh(), c.head_dim, !det};
+    return {qh(), kvh(), c.head_dim, !det, kv_fp8};
   }
   bool collective_steps() const override { return dp_ep(); }
 
@@ -298,6 +303,8 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       LayerW& w = layers[static_cast<size_t>(l)];
       const std::string p = "model.layers." + std::to_string(l) + ".";
+      if (kv_fp8)
+        kv_scales[static_cast<size_t>(l)] = cuda_model::read_kv_scales(wr.checkpoint(), p);
       put(w.input_norm, p + "input_layernorm.weight", {h});
       put(w.post_norm, p + "post_attention_layernorm.weight", {h});
       put(w.q_norm, p + "self_attn.q_norm.weight", {d});
@@ -502,14 +509,19 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
       }
       linear(XN, w.qkv, w.qkv8, qkv.as<bf16>(), n, qkv_rows(), h);
       bf16* pool = static_cast<bf16*>(kv.layer_data(l));
-      cuda::qkv_prep_launch({qkv.as<bf16>(), q.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm,
-                             m.positions, n, qh, kvh, d, page_size, eps, c.rope_theta},
-                            stream);
+      const cuda_model::KvScales ks = kv_scales[static_cast<size_t>(l)];
+      cuda::qkv_prep_launch(
+          {qkv.as<bf16>(), q.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm, m.positions, n, qh, kvh,
+           d, page_size, eps, c.rope_theta, kv_fp8, ks.k, ks.v},
+          stream);
       // The KV of layer l is written once the stream gets here (the hook orders its reads
       // after it on KvCache::device_stream()).
       if (batch != nullptr && batch->on_layer_kv) batch->on_layer_kv(l);
       cuda::PagedAttentionParams ap =
           run.attention_params(m, q.as<bf16>(), pool, attn.as<bf16>(), page_size, split);
+      ap.kv_fp8 = kv_fp8;
+      ap.k_scale = ks.k;
+      ap.v_scale = ks.v;
       if (det) cuda_model::make_batch_invariant(ap);
       cuda::paged_attention_launch(ap, stream);
       // Row-parallel o_proj (prefill TP): the partial products go straight into the
@@ -618,7 +630,10 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
   const std::string fp8_env = env::choice("TANDEM_CUDA_FP8").value_or("on");
   const bool env_off = fp8_env == "0" || fp8_env == "off" || fp8_env == "dequant";
   cuda_model::check_deterministic(opts_);
+  cuda_model::check_kv_cache_dtype(opts_, "Qwen3-MoE");
   impl_->det = opts_.deterministic;
+  impl_->kv_fp8 = opts_.kv_cache_fp8;
+  impl_->kv_scales.assign(static_cast<size_t>(config_.num_hidden_layers), {});
   impl_->fp8 = opts_.fp8_weights && !env_off && !impl_->det &&
                ((config_.quant.method == WeightQuant::kFp8Block &&
                  config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
@@ -764,7 +779,7 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::random(const ModelConfig& config,
 
 KvGeometry Qwen3MoeCuda::kv_geometry(int64_t num_pages, int64_t page_size) const {
   KvGeometry g{config_.num_hidden_layers, num_pages, impl_->kvh(), page_size, config_.head_dim};
-  g.dtype = DType::kBF16;
+  g.dtype = impl_->kv_fp8 ? DType::kF8E4M3 : DType::kBF16;
   return g;
 }
 

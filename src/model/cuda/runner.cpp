@@ -114,6 +114,31 @@ HostStepMeta build_step_meta(const ForwardBatch& batch, const StepLayout& l,
   return hm;
 }
 
+KvScales read_kv_scales(const Checkpoint& ckpt, const std::string& prefix) {
+  KvScales s;
+  for (int kv = 0; kv < 2; ++kv) {
+    const std::string name = prefix + (kv == 0 ? "self_attn.k_scale" : "self_attn.v_scale");
+    if (!ckpt.has(name)) continue;
+    const TensorView t = ckpt.get(name);
+    TANDEM_CHECK_KIND(kUnsupported, t.numel() == 1, ckpt.file_of(name), ": ", name, " has ",
+                      t.numel(),
+                      " elements: --kv-cache-dtype fp8 takes per-tensor KV scales only (one "
+                      "element)");
+    float f = 0;
+    Checkpoint::to_f32(t, &f);
+    TANDEM_CHECK_KIND(kInvalidArgument, std::isfinite(f) && f > 0.f, ckpt.file_of(name), ": ", name,
+                      " is ", f, " (--kv-cache-dtype fp8 needs a positive finite scale)");
+    (kv == 0 ? s.k : s.v) = f;
+  }
+  return s;
+}
+
+void check_kv_cache_dtype(const CudaModelOptions& opts, const char* what) {
+  TANDEM_CHECK_KIND(kUnsupported, !(opts.kv_cache_fp8 && opts.deterministic),
+                    "--kv-cache-dtype fp8 with --deterministic is not supported (", what,
+                    ": the batch-invariant attention reads bf16 KV)");
+}
+
 // ---- GraphSet ------------------------------------------------------------------------------
 
 void GraphSet::drop() {
@@ -355,7 +380,7 @@ void CudaRunner::plan_prefill(const HostStepMeta& hm, StepMeta& m, int64_t page_
   const AttentionShape a = layers_->attention();
   if (m.num_prefill > 0 && a.prefill_plan &&
       ws_.prefill_plan.plan({hm.token_seq.data(), hm.positions.data(), m.num_prefill, a.q_heads,
-                             a.kv_heads, a.head_dim, page_size, m.width},
+                             a.kv_heads, a.head_dim, page_size, m.width, a.kv_fp8},
                             stream_)) {
     m.prefill_plan = &ws_.prefill_plan;
   }

@@ -42,6 +42,7 @@
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/options.h"
 #include "model/forward_batch.h"
+#include "model/safetensors.h"
 
 namespace tandem::cuda {
 class GemmLt;
@@ -126,7 +127,22 @@ struct Workspace {
 struct AttentionShape {
   int64_t q_heads = 0, kv_heads = 0, head_dim = 0;  // this rank's
   bool prefill_plan = true;                         // plan FlashInfer's prefill for eager chunks
+  bool kv_fp8 = false;  // the target's pools hold E4M3 codes (CudaModelOptions::kv_cache_fp8)
 };
+
+/// A layer's FP8 KV scales (CudaModelOptions::kv_cache_fp8).
+struct KvScales {
+  float k = 1.f, v = 1.f;
+};
+/// The scales of the attention layer whose tensors start with `prefix` (e.g.
+/// "model.layers.3."): `prefix`self_attn.k_scale and .v_scale when the checkpoint has them (one
+/// element each: a per-tensor scale, as vLLM's fp8 KV checkpoints), else 1.0. Throws
+/// kUnsupported for a scale of more than one element (per-head scales) and kInvalidArgument
+/// for one that is not finite and positive.
+KvScales read_kv_scales(const Checkpoint& ckpt, const std::string& prefix);
+/// kUnsupported unless the KV dtype can be used with these options (fp8: not with
+/// deterministic); `what` names the model.
+void check_kv_cache_dtype(const CudaModelOptions& opts, const char* what);
 
 /// What an architecture gives the runner: one step's layers over StepMeta, and its head.
 class CudaLayers {
@@ -259,7 +275,8 @@ class CudaRunner {
   /// A graph set's metadata arrays (allocated on first use: the largest bucket's tables).
   StepMeta graph_meta(GraphSet& set);
   /// Plans FlashInfer's prefill for the leading num_prefill tokens of an eager step (when the
-  /// layers plan): sets m.prefill_plan when it planned.
+  /// layers plan; for FP8 pools when AttentionShape::kv_fp8): sets m.prefill_plan when it
+  /// planned.
   void plan_prefill(const HostStepMeta& hm, StepMeta& m, int64_t page_size);
   /// Runs `record` (the kernels of one step over m) from set's graph at `key`, captured on first
   /// use after an eager run of `record(true)` over hm with its padding only (no KV or state

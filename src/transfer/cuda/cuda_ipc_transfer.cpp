@@ -219,7 +219,7 @@ struct PoolInfo {
   cudaIpcMemHandle_t handle;
   uint64_t base;  // the pool pointer in the receiver's process (used by a same-process sender)
   int32_t pid;
-  int32_t pad;
+  int32_t elem_bytes;  // of the pool's elements: 2 bf16, 1 fp8 E4M3 (0, as before: bf16)
   int64_t num_layers, num_pages, num_kv_heads, page_size, head_dim, layer_stride;  // bytes
   // A hybrid's recurrent state slots (KvCache device states: [num_state_slots, state_slot_elems]
   // fp32, one allocation from slot 0); num_state_slots 0: none exported.
@@ -239,10 +239,11 @@ void fields(Io& io, M& m) {
 // The device pool of a cache: one allocation, layers at a fixed stride.
 void pool_of(KvCache& cache, uint8_t*& base, int64_t& stride) {
   const KvGeometry& g = cache.geometry();
-  TANDEM_CHECK_KIND(kInvalidArgument, !cache.is_host() && g.dtype == DType::kBF16,
-                    "the cuda-ipc KV transfer needs a device bf16 KV cache (a GPU model's)");
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    !cache.is_host() && (g.dtype == DType::kBF16 || g.dtype == DType::kF8E4M3),
+                    "the cuda-ipc KV transfer needs a device bf16 or fp8 KV cache (a GPU model's)");
   base = static_cast<uint8_t*>(cache.layer_data(0));
-  stride = static_cast<int64_t>(g.page_elems() * g.num_pages) * 2;
+  stride = static_cast<int64_t>(g.page_elems() * g.num_pages * dtype_size(g.dtype));
   for (int64_t l = 1; l < g.num_layers; ++l) {
     TANDEM_CHECK_KIND(kInvalidArgument,
                       static_cast<uint8_t*>(cache.layer_data(l)) == base + l * stride,
@@ -279,6 +280,7 @@ class IpcReceiver final : public TransferReceiver {
     info_.page_size = g.page_size;
     info_.head_dim = g.head_dim;
     info_.layer_stride = stride;
+    info_.elem_bytes = static_cast<int32_t>(dtype_size(g.dtype));
     if (cache.states_on_device() && cache.num_state_slots() > 0) {
       // NOTE: slot 0 is the base of the states' allocation (KvCache::External::alloc_states).
       TANDEM_CUDA_CHECK(cudaIpcGetMemHandle(&info_.state_handle, cache.state_data(0)));
@@ -743,6 +745,10 @@ class IpcSender final : public TransferSender {
                             rg.num_layers == g.num_layers && rg.page_size == dest.d.page_size,
                         where, ": the receiver at ", dest.d.dst_address,
                         " has another geometry than its descriptor");
+      TANDEM_CHECK_KIND(kInvalidArgument, rg.dtype == g.dtype, where, ": the receiver at ",
+                        dest.d.dst_address, " has a ", dtype_name(rg.dtype),
+                        " KV cache, this sender ", dtype_name(g.dtype),
+                        " (--kv-cache-dtype must match)");
       const Peer& pr = *dest.peer;
       TANDEM_CHECK_KIND(kInvalidArgument,
                         dest.d.state_elems == 0 || (dest.d.dst_state_slot < pr.num_state_slots &&
@@ -1003,6 +1009,7 @@ class IpcSender final : public TransferSender {
     p.src_heads = static_cast<int32_t>(g.num_kv_heads);
     p.src_page_size = static_cast<int32_t>(g.page_size);
     p.head_dim = static_cast<int32_t>(g.head_dim);
+    p.elem_bytes = static_cast<int32_t>(dtype_size(g.dtype));
     for (const Piece& piece : pieces) {
       for (const Dest& dest : piece.req->dests) {
         if (dest.cancelled || !dest.peer->sock.alive) continue;
@@ -1136,7 +1143,7 @@ class IpcSender final : public TransferSender {
     }
     const PoolInfo& in = p->info;
     p->geometry = {in.num_layers, in.num_pages, in.num_kv_heads, in.page_size, in.head_dim};
-    p->geometry.dtype = DType::kBF16;
+    p->geometry.dtype = in.elem_bytes == 1 ? DType::kF8E4M3 : DType::kBF16;
     p->stride = in.layer_stride;
     TANDEM_CUDA_CHECK(cudaSetDevice(device_));
     if (in.pid == ::getpid()) {

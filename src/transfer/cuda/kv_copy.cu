@@ -18,7 +18,7 @@ constexpr int kBatch = 4;  // 16-byte loads in flight per thread before the stor
 // page table (page sizes may differ). 32-bit index math except the pool offsets.
 __global__ void __launch_bounds__(kThreads) kv_copy_kernel(const __grid_constant__ KvCopyParams p) {
   const KvCopyDest& d = p.dests[blockIdx.z];
-  const int sps = p.src_page_size, dps = d.dst_page_size, vpr = p.head_dim >> 3;
+  const int sps = p.src_page_size, dps = d.dst_page_size, vpr = (p.head_dim * p.elem_bytes) >> 4;
   const int64_t slot = d.token_begin / sps + blockIdx.x;
   if (d.token_end <= d.token_begin || slot * sps >= d.token_end) return;  // (grid: longest dest)
   const int kv = static_cast<int>(blockIdx.y);
@@ -59,8 +59,11 @@ __global__ void __launch_bounds__(kThreads) kv_copy_kernel(const __grid_constant
 }
 
 void check(const KvCopyParams& p) {
-  TANDEM_CHECK_KIND(kInvalidArgument, p.head_dim > 0 && p.head_dim % 8 == 0, "kv_copy: head_dim ",
-                    p.head_dim, " is not a multiple of 8");
+  TANDEM_CHECK_KIND(kInvalidArgument, p.elem_bytes == 1 || p.elem_bytes == 2,
+                    "kv_copy: elements of ", p.elem_bytes, " bytes (1 or 2)");
+  TANDEM_CHECK_KIND(kInvalidArgument, p.head_dim > 0 && p.head_dim * p.elem_bytes % 16 == 0,
+                    "kv_copy: head_dim ", p.head_dim, " of ", p.elem_bytes,
+                    "-byte elements is not a multiple of 16 bytes");
   TANDEM_CHECK_KIND(kInvalidArgument, p.num_dests >= 0 && p.num_dests <= kKvCopyMaxDests,
                     "kv_copy: ", p.num_dests, " destinations (at most ", kKvCopyMaxDests, ")");
   TANDEM_CHECK_KIND(kInvalidArgument, p.src_page_size > 0, "kv_copy: bad source page size");
@@ -98,7 +101,8 @@ void kv_copy_launch(const KvCopyParams& p, void* stream) {
 
 void kv_copy_reference(const KvCopyParams& p) {
   check(p);
-  const int64_t hd = p.head_dim;
+  const int64_t hd = p.head_dim * p.elem_bytes;  // bytes of a row
+  const auto* src = reinterpret_cast<const uint8_t*>(p.src);
   for (int i = 0; i < p.num_dests; ++i) {
     const KvCopyDest& d = p.dests[i];
     for (int64_t tok = d.token_begin; tok < d.token_end; ++tok) {
@@ -114,7 +118,7 @@ void kv_copy_reference(const KvCopyParams& p) {
               (((dp * 2 + kv) * d.dst_heads + d.dst_head_offset + h) * d.dst_page_size +
                tok % d.dst_page_size) *
               hd;
-          std::copy(p.src + s, p.src + s + hd, d.dst + o);
+          std::copy(src + s, src + s + hd, reinterpret_cast<uint8_t*>(d.dst) + o);
         }
       }
     }

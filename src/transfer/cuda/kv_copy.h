@@ -13,8 +13,9 @@ namespace tandem::transfer::cuda {
 
 constexpr int kKvCopyMaxDests = 8;
 
-/// Where one destination's heads go, from which source pages and tokens. Pools are bf16
-/// [num_pages, 2 (k, v), heads, page_size, head_dim].
+/// Where one destination's heads go, from which source pages and tokens. Pools are
+/// [num_pages, 2 (k, v), heads, page_size, head_dim] of elem_bytes each (bf16; fp8 E4M3 codes:
+/// opaque bytes, half the bytes a row).
 struct KvCopyDest {
   const int32_t* src_table = nullptr;  // [ceil(token_end / src_page_size)] source page of a slot
   int64_t token_begin = 0;             // prompt positions [token_begin, token_end) move
@@ -34,13 +35,14 @@ struct KvCopyParams {
   const uint16_t* src = nullptr;  // source layer pool (bf16 bits)
   int32_t src_heads = 0;          // heads of the source pool
   int32_t src_page_size = 0;
-  int32_t head_dim = 0;  // multiple of 8 (16-byte rows)
+  int32_t head_dim = 0;  // head_dim * elem_bytes a multiple of 16 (16-byte rows)
   int32_t num_dests = 0;
+  int32_t elem_bytes = 2;  // 2: bf16 (the pointers' uint16_t), 1: fp8
   KvCopyDest dests[kKvCopyMaxDests];
 };
 
-/// Launches the copy on `stream` (a cudaStream_t). Throws kInvalidArgument for a head_dim that
-/// is not a multiple of 8, a head range outside a pool, or more than kKvCopyMaxDests dests.
+/// Launches the copy on `stream` (a cudaStream_t). Throws kInvalidArgument for rows that are not
+/// a multiple of 16 bytes, a head range outside a pool, or more than kKvCopyMaxDests dests.
 void kv_copy_launch(const KvCopyParams& p, void* stream);
 
 /// The same copy on host memory (the test's reference).

@@ -115,6 +115,9 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
         std::mt19937_64 rng(1234);
         for (int trial = 0; trial < 12; ++trial) {
           const int hd = (trial % 3 == 0) ? 64 : 128;
+          // Odd trials: an FP8 KV cache (--kv-cache-dtype fp8), 1-byte elements (the pools'
+          // uint16_t words then hold two).
+          const int eb = trial % 2 == 0 ? 2 : 1;
           const int src_heads = 1 + static_cast<int>(rng() % 4),
                     dst_heads = 1 + static_cast<int>(rng() % 8);
           const int nh = 1 + static_cast<int>(rng() % std::min(src_heads, dst_heads));
@@ -125,14 +128,16 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
           const int64_t tb = static_cast<int64_t>(rng() % tokens);
           const int64_t sp_need = (tokens + sps - 1) / sps, dp_need = (tokens + dps - 1) / dps;
           const int64_t snp = sp_need + 5, dnp = dp_need + 7;
-          std::vector<uint16_t> src(static_cast<size_t>(snp * 2 * src_heads * sps * hd));
-          std::vector<uint16_t> dst(static_cast<size_t>(dnp * 2 * dst_heads * dps * hd), kPoison);
+          std::vector<uint16_t> src(static_cast<size_t>(snp * 2 * src_heads * sps * hd * eb / 2));
+          std::vector<uint16_t> dst(static_cast<size_t>(dnp * 2 * dst_heads * dps * hd * eb / 2),
+                                    kPoison);
           fill_random(src, rng());
           auto st = random_pages(sp_need, snp, rng()), dt = random_pages(dp_need, dnp, rng());
           cuda::KvCopyParams p{};
           p.src_heads = src_heads;
           p.src_page_size = sps;
           p.head_dim = hd;
+          p.elem_bytes = eb;
           p.num_dests = 1;
           cuda::KvCopyDest& dd = p.dests[0];
           dd.token_begin = tb;
@@ -175,8 +180,9 @@ TEST(KvCopy, MatchesReferenceOnRandomShapes) {
           for (size_t i = 0; i < want.size(); ++i) moved += want[i] != kPoison;
           if (moved == 0 || got != want) {
             std::fprintf(stderr,
-                         "trial %d: mismatch (hd %d, heads %d->%d, %d from %d/%d, pages %d/%d)\n",
-                         trial, hd, src_heads, dst_heads, nh, so, dof, sps, dps);
+                         "trial %d: mismatch (hd %d x %d bytes, heads %d->%d, %d from %d/%d, "
+                         "pages %d/%d)\n",
+                         trial, hd, eb, src_heads, dst_heads, nh, so, dof, sps, dps);
             return 1;
           }
         }

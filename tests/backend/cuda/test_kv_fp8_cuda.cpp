@@ -1,0 +1,393 @@
+// FP8 (E4M3) KV cache kernels (--kv-cache-dtype fp8) vs the CPU references: the quantizing KV
+// writes (kv_write_launch, qkv_prep_launch, gated_qkv_prep_launch) code for code against
+// cpu::kv_write_fp8 / cpu::kv_fp8_quantize, and paged_attention_launch over FP8 pages against
+// cpu::paged_attention over the pages cpu::kv_pool_dequantize_fp8 dequantizes (the simple kernel
+// for decode and, without a prefill plan, prefill tokens; FlashInfer's gathered sm90 prefill,
+// dequantizing as it gathers, where built and on an sm90 GPU). Fresh random inputs and scales
+// every run (the seed is printed on failure); pools, outputs and workspaces poisoned first
+// (0xff: an E4M3 NaN code, a bf16 / fp32 NaN); block-table entries past a sequence's pages are
+// invalid page ids. Skips without a GPU.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/ops.h"
+#include "backend/cuda/attention.h"
+#include "backend/cuda/attention_sm90.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/gated_attention.h"
+#include "backend/cuda/norm.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "cuda_test_util.h"
+
+namespace tandem::cuda {
+namespace {
+
+using test_util::Bits;
+using test_util::gpu_available;
+using test_util::to_f32;
+template <typename T>
+using DeviceBuffer = test_util::DeviceBuffer<T, test_util::UploadCheck::kThrow>;
+
+// Codes that differ (index of the first, count); 0xff pages where nothing was written stay 0xff.
+::testing::AssertionResult same_codes(std::vector<uint8_t> const& out,
+                                      std::vector<uint8_t> const& ref) {
+  if (out.size() != ref.size()) {
+    return ::testing::AssertionFailure() << "size " << out.size() << " vs " << ref.size();
+  }
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] != ref[i] && bad++ == 0) first = i;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << bad << " of " << out.size() << " codes differ; first at " << first << ": 0x" << std::hex
+         << int(out[first]) << " vs ref 0x" << int(ref[first]);
+}
+
+class CudaKvFp8 : public test_util::CudaFixture<> {
+ protected:
+  Bits randn_bf16(size_t n, float scale) {
+    std::normal_distribution<float> d(0.f, scale);
+    Bits b(n);
+    for (auto& x : b) x = f32_to_bf16(d(rng_));
+    return b;
+  }
+  float rand_scale() { return std::uniform_real_distribution<float>(0.01f, 0.5f)(rng_); }
+  // Distinct slots of pages [0, num_pages) in random order, every 7th token padding (-1).
+  std::vector<int64_t> rand_slots(int64_t tokens, int64_t num_pages, int64_t page_size) {
+    std::vector<int64_t> all(static_cast<size_t>(num_pages * page_size));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng_);
+    std::vector<int64_t> s(all.begin(), all.begin() + tokens);
+    for (size_t i = 3; i < s.size(); i += 7) s[i] = -1;
+    return s;
+  }
+};
+
+TEST_F(CudaKvFp8, KvWriteQuantizesAsTheCpuReference) {
+  SCOPED_TRACE(trace());
+  for (int64_t d : {64, 128, 256}) {
+    for (int64_t ps : {1, 16}) {
+      SCOPED_TRACE("head_dim " + std::to_string(d) + " page " + std::to_string(ps));
+      const int64_t kvh = 4, tokens = 37, pages = 40;
+      const float ks = rand_scale(), vs = rand_scale();
+      // k values wide enough that some saturate at +-448 * scale.
+      const Bits k = randn_bf16(tokens * kvh * d, 60.f * ks), v = randn_bf16(k.size(), 1.f);
+      const std::vector<int64_t> slots = rand_slots(tokens, pages, ps);
+      const size_t pool_bytes = static_cast<size_t>(pages * 2 * kvh * ps * d);
+      DeviceBuffer<uint16_t> d_k(k), d_v(v);
+      DeviceBuffer<uint8_t> d_pool(pool_bytes);
+      DeviceBuffer<int64_t> d_slots(slots);
+      d_pool.poison(0xff);
+      KvWriteParams p{
+          d_k.bf(), d_v.bf(), reinterpret_cast<bf16*>(d_pool.ptr), d_slots.ptr, tokens, kvh, d, ps};
+      p.kv_fp8 = true;
+      p.k_scale = ks;
+      p.v_scale = vs;
+      kv_write_launch(p, stream_);
+      sync();
+      std::vector<float> kf = to_f32(k), vf = to_f32(v);
+      std::vector<uint8_t> ref(pool_bytes, 0xff);
+      cpu::KvWriteParams c{kf.data(), vf.data(), nullptr, slots.data(), tokens, kvh, d, ps};
+      c.kv_fp8 = true;
+      c.k_scale = ks;
+      c.v_scale = vs;
+      cpu::kv_write_fp8(c, ref.data());
+      EXPECT_TRUE(same_codes(d_pool.download(), ref));
+    }
+  }
+}
+
+// The fused prologues: the FP8 run's codes are the CPU quantization of the bf16 run's pool (the
+// same kernel computes k and v either way), and q is the same.
+TEST_F(CudaKvFp8, QkvPrepQuantizesItsBf16Output) {
+  SCOPED_TRACE(trace());
+  for (int64_t d : {64, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    const int64_t qh = 8, kvh = 2, tokens = 23, ps = 16, pages = 4;
+    const float ks = rand_scale(), vs = rand_scale();
+    const Bits qkv = randn_bf16(tokens * (qh + 2 * kvh) * d, 1.f), qw = randn_bf16(d, 1.f),
+               kw = randn_bf16(d, 1.f);
+    std::vector<int32_t> pos(static_cast<size_t>(tokens));
+    for (auto& x : pos) x = std::uniform_int_distribution<int32_t>(0, 5000)(rng_);
+    const std::vector<int64_t> slots = rand_slots(tokens, pages, ps);
+    const size_t elems = static_cast<size_t>(pages * 2 * kvh * ps * d);
+    DeviceBuffer<uint16_t> d_qkv(qkv), d_qw(qw), d_kw(kw), d_q(tokens * qh * d),
+        d_q8(tokens * qh * d), d_pool(elems);
+    DeviceBuffer<uint8_t> d_pool8(elems);
+    DeviceBuffer<int32_t> d_pos(pos);
+    DeviceBuffer<int64_t> d_slots(slots);
+    d_q.poison(0xff);
+    d_q8.poison(0xff);
+    d_pool.poison(0xff);
+    d_pool8.poison(0xff);
+    QkvPrepParams p{d_qkv.bf(), d_q.bf(), d_pool.bf(), d_slots.ptr, d_qw.bf(), d_kw.bf(), d_pos.ptr,
+                    tokens,     qh,       kvh,         d,           ps,        1e-6f,     1e6};
+    qkv_prep_launch(p, stream_);
+    p.q_out = d_q8.bf();
+    p.pool = reinterpret_cast<bf16*>(d_pool8.ptr);
+    p.kv_fp8 = true;
+    p.k_scale = ks;
+    p.v_scale = vs;
+    qkv_prep_launch(p, stream_);
+    sync();
+    EXPECT_EQ(d_q8.download(), d_q.download());
+    const std::vector<float> pool = to_f32(d_pool.download());
+    std::vector<uint8_t> ref(elems, 0xff);
+    const int64_t half = kvh * ps * d;
+    for (size_t i = 0; i < elems; ++i) {
+      if (std::isnan(pool[i])) continue;  // not written
+      ref[i] = cpu::kv_fp8_quantize(pool[i], (static_cast<int64_t>(i) / half) % 2 == 0 ? ks : vs);
+    }
+    EXPECT_TRUE(same_codes(d_pool8.download(), ref));
+  }
+}
+
+TEST_F(CudaKvFp8, GatedQkvPrepQuantizesItsBf16Output) {
+  SCOPED_TRACE(trace());
+  const int64_t qh = 4, kvh = 2, d = 256, rot = 64, tokens = 19, ps = 16, pages = 3;
+  const float ks = rand_scale(), vs = rand_scale();
+  const Bits qkv = randn_bf16(tokens * (2 * qh + 2 * kvh) * d, 1.f), qw = randn_bf16(d, 1.f),
+             kw = randn_bf16(d, 1.f);
+  std::vector<int32_t> pos(static_cast<size_t>(tokens));
+  for (auto& x : pos) x = std::uniform_int_distribution<int32_t>(0, 5000)(rng_);
+  const std::vector<int64_t> slots = rand_slots(tokens, pages, ps);
+  const size_t elems = static_cast<size_t>(pages * 2 * kvh * ps * d);
+  DeviceBuffer<uint16_t> d_qkv(qkv), d_qw(qw), d_kw(kw), d_q(tokens * qh * d), d_g(tokens * qh * d),
+      d_pool(elems);
+  DeviceBuffer<uint8_t> d_pool8(elems);
+  DeviceBuffer<int32_t> d_pos(pos);
+  DeviceBuffer<int64_t> d_slots(slots);
+  d_pool.poison(0xff);
+  d_pool8.poison(0xff);
+  GatedQkvPrepParams p{d_qkv.bf(), d_q.bf(),  d_g.bf(), d_pool.bf(), d_slots.ptr, d_qw.bf(),
+                       d_kw.bf(),  d_pos.ptr, tokens,   qh,          kvh,         d,
+                       ps,         rot,       1e-6f,    10000.0};
+  gated_qkv_prep_launch(p, stream_);
+  p.pool = reinterpret_cast<bf16*>(d_pool8.ptr);
+  p.kv_fp8 = true;
+  p.k_scale = ks;
+  p.v_scale = vs;
+  gated_qkv_prep_launch(p, stream_);
+  sync();
+  const std::vector<float> pool = to_f32(d_pool.download());
+  std::vector<uint8_t> ref(elems, 0xff);
+  const int64_t half = kvh * ps * d;
+  for (size_t i = 0; i < elems; ++i) {
+    if (std::isnan(pool[i])) continue;
+    ref[i] = cpu::kv_fp8_quantize(pool[i], (static_cast<int64_t>(i) / half) % 2 == 0 ? ks : vs);
+  }
+  EXPECT_TRUE(same_codes(d_pool8.download(), ref));
+}
+
+// ---- paged attention over FP8 pages ---------------------------------------------------------
+
+struct SeqSpec {
+  int64_t len, queries;  // keys after the step; the last `queries` are this step's tokens
+};
+struct Case {
+  int64_t q_heads, kv_heads, head_dim, page_size;
+  std::vector<SeqSpec> seqs;  // multi-query sequences first
+  std::string name() const {
+    std::ostringstream s;
+    s << q_heads << "q/" << kv_heads << "kv d" << head_dim << " page " << page_size << " seqs";
+    for (auto const& q : seqs) s << " " << q.len << ":" << q.queries;
+    return s.str();
+  }
+};
+
+class CudaKvFp8Attention : public CudaKvFp8 {
+ protected:
+  void check(Case const& c, bool sm90_plan = false) {
+    SCOPED_TRACE(c.name());
+    const int64_t ps = c.page_size, ns = static_cast<int64_t>(c.seqs.size());
+    int64_t max_pages = 0, num_pages = 5, npf = 0;
+    for (auto const& s : c.seqs) {
+      max_pages = std::max(max_pages, (s.len + ps - 1) / ps);
+      num_pages += (s.len + ps - 1) / ps;
+    }
+    std::vector<int32_t> perm(static_cast<size_t>(num_pages));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng_);
+    std::vector<int32_t> table(static_cast<size_t>(ns * max_pages), 0x3fffffff), seq, pos;
+    size_t next = 0;
+    for (int64_t s = 0; s < ns; ++s) {
+      for (int64_t pg = 0; pg < (c.seqs[s].len + ps - 1) / ps; ++pg) {
+        table[s * max_pages + pg] = perm[next++];
+      }
+      for (int64_t p = c.seqs[s].len - c.seqs[s].queries; p < c.seqs[s].len; ++p) {
+        seq.push_back(static_cast<int32_t>(s));
+        pos.push_back(static_cast<int32_t>(p));
+      }
+      if (c.seqs[s].queries > 1) npf = static_cast<int64_t>(seq.size());
+    }
+    const int64_t tokens = static_cast<int64_t>(seq.size());
+    const float ks = rand_scale(), vs = rand_scale();
+    // Codes of N(0, 1) keys and values at these scales (a realistic spread of codes).
+    const size_t elems = static_cast<size_t>(num_pages * 2 * c.kv_heads * ps * c.head_dim);
+    const std::vector<float> raw = to_f32(randn_bf16(elems, 1.f));
+    std::vector<uint8_t> codes(elems);
+    const int64_t half = c.kv_heads * ps * c.head_dim;
+    for (size_t i = 0; i < elems; ++i) {
+      codes[i] = cpu::kv_fp8_quantize(raw[i], (static_cast<int64_t>(i) / half) % 2 == 0 ? ks : vs);
+    }
+    std::vector<float> pool_f(elems);
+    cpu::kv_pool_dequantize_fp8(codes.data(), pool_f.data(), num_pages, c.kv_heads, ps, c.head_dim,
+                                ks, vs);
+    const Bits q = randn_bf16(tokens * c.q_heads * c.head_dim, 1.f);
+    const std::vector<float> qf = to_f32(q);
+    std::vector<float> ref(static_cast<size_t>(tokens * c.q_heads * c.head_dim));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    cpu::paged_attention({qf.data(), pool_f.data(), table.data(), seq.data(), pos.data(),
+                          ref.data(), tokens, c.q_heads, c.kv_heads, c.head_dim, ps, max_pages,
+                          scale});
+    DeviceBuffer<uint8_t> d_pool(codes);
+    DeviceBuffer<uint16_t> d_q(q), d_out(ref.size());
+    DeviceBuffer<int32_t> d_table(table), d_seq(seq), d_pos(pos);
+    struct Variant {
+      const char* name;
+      PagedAttentionAlgo algo;
+      int64_t num_prefill, kv_split;
+      bool plan;
+    };
+    std::vector<Variant> variants = {
+        {"auto, prefill/decode split, no plan", PagedAttentionAlgo::kAuto, npf, 0, false},
+        {"auto, kv_split 128", PagedAttentionAlgo::kAuto, npf, 128, false},
+        {"auto, unknown prefill", PagedAttentionAlgo::kAuto, -1, 0, false},
+        {"simple", PagedAttentionAlgo::kSimple, -1, 0, false},
+        {"simple, kv_split 256", PagedAttentionAlgo::kSimple, -1, 256, false},
+    };
+    if (sm90_plan) {
+      variants.push_back({"sm90 gathered plan", PagedAttentionAlgo::kAuto, npf, 0, true});
+      variants.push_back(
+          {"sm90 gathered plan, kv_split 128", PagedAttentionAlgo::kAuto, npf, 128, true});
+    }
+    PrefillAttentionPlan plan(PrefillKvPath::kPaged);  // fp8: gathered whatever is asked
+    for (Variant const& v : variants) {
+      SCOPED_TRACE(v.name);
+      DeviceBuffer<float> d_ws(paged_attention_workspace_floats(tokens, c.q_heads, c.head_dim,
+                                                                max_pages, ps, v.kv_split));
+      d_ws.poison(0xff);
+      d_out.poison(0xff);
+      PagedAttentionParams p{d_q.bf(),    reinterpret_cast<bf16 const*>(d_pool.ptr),
+                             d_table.ptr, d_seq.ptr,
+                             d_pos.ptr,   d_out.bf(),
+                             tokens,      c.q_heads,
+                             c.kv_heads,  c.head_dim,
+                             ps,          max_pages,
+                             scale,       v.kv_split,
+                             d_ws.ptr};
+      p.num_prefill_tokens = v.num_prefill;
+      p.algo = v.algo;
+      p.kv_fp8 = true;
+      p.k_scale = ks;
+      p.v_scale = vs;
+      if (v.plan) {
+        ASSERT_TRUE(plan.plan({seq.data(), pos.data(), npf, c.q_heads, c.kv_heads, c.head_dim, ps,
+                               max_pages, /*kv_fp8=*/true},
+                              stream_))
+            << plan.why();
+        EXPECT_EQ(plan.path(), PrefillKvPath::kGathered);
+        p.prefill_plan = &plan;
+      }
+      paged_attention_launch(p, stream_);
+      sync();
+      const double err = test_util::rel_err(d_out.download(), ref);
+      EXPECT_LT(err, 1e-2);
+    }
+  }
+};
+
+TEST_F(CudaKvFp8Attention, DecodeContexts) {
+  SCOPED_TRACE(trace());
+  for (int64_t len : {1, 17, 128, 129, 700}) {
+    check({32, 4, 128, 16, {{len, 1}, {len / 2 + 1, 1}, {3, 1}}});
+  }
+}
+
+TEST_F(CudaKvFp8Attention, PrefillAfterCachedPrefixAndMixed) {
+  SCOPED_TRACE(trace());
+  check({32, 4, 128, 16, {{40, 40}}});
+  check({32, 4, 128, 16, {{300, 77}, {65, 1}, {20, 1}}});
+  check({16, 2, 128, 1, {{33, 9}, {5, 1}}});  // page size 1
+}
+
+TEST_F(CudaKvFp8Attention, GroupsAndHeadDims) {
+  SCOPED_TRACE(trace());
+  for (int64_t g : {1, 2, 4, 8, 16}) {
+    check({4 * g, 4, 128, 16, {{90, 30}, {200, 1}}});
+    check({4 * g, 4, 64, 16, {{90, 30}, {200, 1}}});
+  }
+  check({16, 2, 256, 16, {{90, 30}, {200, 1}}});  // Qwen3.5's gated attention
+}
+
+TEST_F(CudaKvFp8Attention, Sm90GatheredPrefillDequantizes) {
+  SCOPED_TRACE(trace());
+  if (!PrefillAttentionPlan::built() || !PrefillAttentionPlan::device_supported()) {
+    GTEST_SKIP() << "FlashInfer sm90 kernels not built or not an sm90 GPU";
+  }
+  check({32, 4, 128, 16, {{300, 77}, {129, 129}, {65, 1}}}, true);
+  check({16, 2, 256, 16, {{200, 60}, {40, 1}}}, true);
+}
+
+TEST_F(CudaKvFp8Attention, RejectsTensorCoreAlgos) {
+  const int64_t d = 128;
+  DeviceBuffer<uint16_t> d_q(4 * d), d_out(4 * d);
+  DeviceBuffer<uint8_t> d_pool(2 * 16 * d);
+  std::vector<int32_t> zero(1, 0);
+  DeviceBuffer<int32_t> d_table(zero), d_seq(zero), d_pos(zero);
+  for (PagedAttentionAlgo a : {PagedAttentionAlgo::kPrefill, PagedAttentionAlgo::kDecode}) {
+    PagedAttentionParams p{d_q.bf(),    reinterpret_cast<bf16 const*>(d_pool.ptr),
+                           d_table.ptr, d_seq.ptr,
+                           d_pos.ptr,   d_out.bf(),
+                           1,           4,
+                           1,           d,
+                           16,          1,
+                           0.1f};
+    p.algo = a;
+    p.kv_fp8 = true;
+    EXPECT_THROW(paged_attention_launch(p, stream_), Error);
+  }
+}
+
+// Host only: the CPU reference's quantization (bf16 rounding, scale, saturation).
+TEST(KvFp8Reference, QuantizeRoundsSaturatesAndRoundTrips) {
+  EXPECT_EQ(cpu::kv_fp8_quantize(0.f, 1.f), 0);
+  EXPECT_EQ(cpu::kv_fp8_dequantize(cpu::kv_fp8_quantize(1.f, 1.f), 1.f), 1.f);
+  EXPECT_EQ(cpu::kv_fp8_dequantize(cpu::kv_fp8_quantize(1e6f, 1.f), 1.f), 448.f);
+  EXPECT_EQ(cpu::kv_fp8_dequantize(cpu::kv_fp8_quantize(-1e6f, 2.f), 2.f), -896.f);
+  EXPECT_EQ(cpu::kv_fp8_dequantize(cpu::kv_fp8_quantize(3.f, 0.5f), 0.5f), 3.f);
+  // Every code's value quantizes back to that code (scale 0.25), NaN codes aside.
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;
+    const float v = cpu::kv_fp8_dequantize(static_cast<uint8_t>(c), 0.25f);
+    if (v == 0.f) continue;  // +-0
+    EXPECT_EQ(cpu::kv_fp8_quantize(v, 0.25f), c) << c;
+  }
+  // A pool written through cpu::kv_write(kv_fp8) holds the dequantized codes.
+  const float k[2] = {0.3f, -7.f}, v[2] = {100.f, 1e-3f};
+  const int64_t slot = 1;
+  float pool[2 * 2 * 2];
+  cpu::KvWriteParams p{k, v, pool, &slot, 1, 1, 2, 2};
+  p.kv_fp8 = true;
+  p.k_scale = 0.1f;
+  p.v_scale = 0.5f;
+  cpu::kv_write(p);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(pool[2 + i], cpu::kv_fp8_dequantize(cpu::kv_fp8_quantize(k[i], 0.1f), 0.1f));
+    EXPECT_EQ(pool[6 + i], cpu::kv_fp8_dequantize(cpu::kv_fp8_quantize(v[i], 0.5f), 0.5f));
+  }
+}
+
+}  // namespace
+}  // namespace tandem::cuda
