@@ -152,10 +152,13 @@ class PrefillInstance final : public PrefillClient {
   void send_layer(Rank& rank, const PrefillStep& step, int64_t layer, std::vector<int64_t>& failed);
   // Every rank (collective): the whole recurrent state of each prompt that ended in this step
   // and whose transfer did not fail, merged on rank 0 (empty elsewhere, and for other models).
-  // `ok`: rank 0's forward succeeded (the other ranks pass true: they cannot know).
+  // `ok`: rank 0's forward succeeded (the other ranks pass true: they cannot know). TP > 1 and
+  // a destination that reserved a device state slot: the model merges it on rank 0's device
+  // (Model::gather_state_device) and rank 0's sender copies it there, device to device, with
+  // the KV (a refusal fails the sequence: `failed`, on rank 0).
   std::vector<std::vector<float>> gather_states(Rank& rank, comm::Communicator& comm,
                                                 const PrefillStep& step,
-                                                const std::vector<int64_t>& failed, bool ok);
+                                                std::vector<int64_t>& failed, bool ok);
   // TP 1, a destination that reserved a device state slot (descriptor dst_state_slot, a device
   // transfer backend): each prompt that ended in this step has its state slot copied there,
   // device to device, before its transfer finishes (a refusal fails the sequence: `failed`).
