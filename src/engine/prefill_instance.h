@@ -8,7 +8,9 @@
 // Hybrid models (Qwen3.5): every rank keeps the state slots of its DeltaNet value heads
 // (model/hybrid_state.h) under rank 0's slot ids, and makes rank 0's prefix-cache state copies
 // (the step carries them); after a prompt's last chunk rank 0 gathers the ranks' parts into the
-// whole state, which goes with its FINISH (the decode side holds whole states: DP ranks).
+// whole state, which goes with its FINISH (the decode side holds whole states: DP ranks); into
+// a device state slot the decode side reserved (cuda-ipc), a GPU model merges it on the devices
+// (Model::gather_state_device) and rank 0 copies it there with the KV.
 //
 // MTP on the decode side (TransferDescriptor::hidden_size > 0): rank 0 also gathers the prompt's
 // final hidden states (ForwardBatch::hidden_out, chunk by chunk; after the final norm every
