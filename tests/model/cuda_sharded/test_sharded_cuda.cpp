@@ -767,8 +767,8 @@ void prefill_tp2_matches_one_gpu(CudaSharded& t, const std::string& dir, int64_t
                    ": gather_state_device declined");
       std::vector<float> on_dev(mine_whole.size());
       TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-      TANDEM_CUDA_CHECK(cudaMemcpy(on_dev.data(), dev, on_dev.size() * sizeof(float),
-                                   cudaMemcpyDeviceToHost));
+      TANDEM_CUDA_CHECK(
+          cudaMemcpy(on_dev.data(), dev, on_dev.size() * sizeof(float), cudaMemcpyDeviceToHost));
       TANDEM_CHECK(!on_dev.empty() && on_dev == mine_whole, what,
                    ": the state gathered on the device differs");
     }
