@@ -244,9 +244,11 @@ void PrefillInstance::leader_loop(comm::Communicator& comm) {
     // Hybrid models: the recurrent state of every prompt that ended now, merged from the
     // ranks' heads (the sequence frees its slot when complete() finishes it after token 1).
     std::vector<std::vector<float>> states = gather_states(rank, comm, step, failed, ok);
-    for (size_t i = 0; ok && i < step.seqs.size(); ++i) {
+    for (size_t i = 0; i < step.seqs.size(); ++i) {
       auto it = jobs_.find(step.seqs[i].id);
-      if (!states[i].empty() && it != jobs_.end()) it->second->state = std::move(states[i]);
+      if (it == jobs_.end()) continue;
+      if (failed[i] > 0) it->second->failed = true;  // (a refused device state copy)
+      if (ok && !states[i].empty()) it->second->state = std::move(states[i]);
     }
     if (ok) {
       engine_->complete(batch);  // 4. sample token 1: the transfers can finish
@@ -290,7 +292,7 @@ void PrefillInstance::follower_loop(Rank& rank, comm::Communicator& comm) {
 
 std::vector<std::vector<float>> PrefillInstance::gather_states(Rank& rank, comm::Communicator& comm,
                                                                const PrefillStep& step,
-                                                               const std::vector<int64_t>& failed,
+                                                               std::vector<int64_t>& failed,
                                                                bool ok) {
   std::vector<std::vector<float>> states(step.seqs.size());
   // (a failed forward at TP 1: nothing to send, nobody waiting for the parts)
@@ -303,6 +305,26 @@ std::vector<std::vector<float>> PrefillInstance::gather_states(Rank& rank, comm:
     if (config_.tp == 1) {
       auto it = jobs_.find(s.id);  // (a device state slot: send_device_states copied it)
       if (it != jobs_.end() && it->second->dst.dst_state_slot >= 0) continue;
+    }
+    // TP > 1 into a device state slot: merged on the devices, rank 0 copies the whole state
+    // from its device (the other ranks' gather_state below takes part in the same collective).
+    if (config_.tp > 1 && rank.index == 0) {
+      auto it = jobs_.find(s.id);
+      if (it != jobs_.end() && it->second->dst.dst_state_slot >= 0) {
+        const float* whole = rank.model->gather_state_device(*rank.kv, s.state_slot);
+        try {
+          TANDEM_CHECK_KIND(kUnsupported, whole != nullptr, "request '", s.id,
+                            "': the model does not merge its ranks' state parts on the device");
+          if (ok) {
+            rank.sender->send_state_from(
+                s.id, whole, HybridStateLayout::full(rank.model->config()).slot_elems());
+          }
+        } catch (const std::exception&) {
+          note_transfer_error(s.id, rank.index);
+          failed[i] = 1;
+        }
+        continue;
+      }
     }
     // A model that merges the parts itself (a GPU model, on the devices) does; otherwise they
     // meet on rank 0 through the group's communicator.
@@ -545,11 +567,15 @@ void PrefillInstance::submit(const GenRequest& req, transfer::TransferDescriptor
   TANDEM_CHECK_KIND(kInvalidArgument, dst.num_tokens == n, "request '", req.id,
                     "': the destination expects ", dst.num_tokens, " tokens, the prompt has ", n);
   const int64_t hs = ranks_[0]->model->config().hidden_size;
-  TANDEM_CHECK_KIND(kUnsupported, dst.dst_state_slot < 0 || config_.tp == 1, "request '", req.id,
-                    "': the decode side reserved a device state slot, and a prefill over --tp ",
-                    config_.tp,
-                    " merges its ranks' state parts on the host (device-to-device "
-                    "state transfer needs --tp 1 until the parts are gathered on the device)");
+  TANDEM_CHECK_KIND(
+      kUnsupported,
+      dst.dst_state_slot < 0 || config_.tp == 1 || ranks_[0]->model->gathers_state_on_device(),
+      "request '", req.id,
+      "': the decode side reserved a device state slot, and this prefill model "
+      "over --tp ",
+      config_.tp,
+      " merges its ranks' state parts on the host (device-to-device state "
+      "transfer needs --tp 1 or a model that gathers them on the device)");
   TANDEM_CHECK_KIND(kInvalidArgument, dst.hidden_size == 0 || dst.hidden_size == hs, "request '",
                     req.id, "': the destination asks for hidden states of size ", dst.hidden_size,
                     ", this model's hidden size is ", hs);

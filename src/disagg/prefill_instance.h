@@ -8,7 +8,9 @@
 // Hybrid models (Qwen3.5): every rank keeps the state slots of its DeltaNet value heads
 // (model/hybrid_state.h) under rank 0's slot ids, and makes rank 0's prefix-cache state copies
 // (the step carries them); after a prompt's last chunk rank 0 gathers the ranks' parts into the
-// whole state, which goes with its FINISH (the decode side holds whole states: DP ranks).
+// whole state, which goes with its FINISH (the decode side holds whole states: DP ranks); into
+// a device state slot the decode side reserved (cuda-ipc), a GPU model merges it on the devices
+// (Model::gather_state_device) and rank 0 copies it there with the KV.
 //
 // MTP on the decode side (TransferDescriptor::hidden_size > 0): rank 0 also gathers the prompt's
 // final hidden states (ForwardBatch::hidden_out, chunk by chunk; after the final norm every
@@ -152,10 +154,13 @@ class PrefillInstance final : public PrefillClient {
   void send_layer(Rank& rank, const PrefillStep& step, int64_t layer, std::vector<int64_t>& failed);
   // Every rank (collective): the whole recurrent state of each prompt that ended in this step
   // and whose transfer did not fail, merged on rank 0 (empty elsewhere, and for other models).
-  // `ok`: rank 0's forward succeeded (the other ranks pass true: they cannot know).
+  // `ok`: rank 0's forward succeeded (the other ranks pass true: they cannot know). TP > 1 and
+  // a destination that reserved a device state slot: the model merges it on rank 0's device
+  // (Model::gather_state_device) and rank 0's sender copies it there, device to device, with
+  // the KV (a refusal fails the sequence: `failed`, on rank 0).
   std::vector<std::vector<float>> gather_states(Rank& rank, comm::Communicator& comm,
                                                 const PrefillStep& step,
-                                                const std::vector<int64_t>& failed, bool ok);
+                                                std::vector<int64_t>& failed, bool ok);
   // TP 1, a destination that reserved a device state slot (descriptor dst_state_slot, a device
   // transfer backend): each prompt that ended in this step has its state slot copied there,
   // device to device, before its transfer finishes (a refusal fails the sequence: `failed`).

@@ -457,6 +457,11 @@ ModelConfig qwen3_5_from_json(const Json& j, const FieldReader& top,
   if (!dt) dt = top.get_string("torch_dtype", /*nullable=*/true);
   if (dt) c.dtype = dtype_from_torch_name(*dt, origin, "dtype");
 
+  // Block FP8 / MXFP8 (Qwen's -FP8 checkpoints): quantization_config at the top level (as Qwen
+  // publishes it), else text_config's.
+  c.quant = read_quantization_config(top);
+  if (!c.quant.quantized() && text != &j) c.quant = read_quantization_config(t);
+
   if (const Json* bos = t.find_non_null("bos_token_id")) {
     c.bos_token_id = t.as_int("bos_token_id", *bos);
   }

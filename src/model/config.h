@@ -33,8 +33,8 @@ struct QuantConfig {
   /// The scale tensor beside `<module>.weight`: "weight_scale_inv" or "weight_scale".
   std::string scale_name(const std::string& weight_name) const;
   /// dir/config.json's top-level quantization_config (kNone when absent), whatever the
-  /// model_type: for the memory planner (model/memory_plan.h), also where the model's own
-  /// loader does not read it yet (Qwen3.5). Errors name the file and field.
+  /// model_type (ModelConfig::quant holds what the model reads: Qwen3.5 also text_config's).
+  /// Errors name the file and field.
   static QuantConfig from_dir(const std::string& dir);
 };
 

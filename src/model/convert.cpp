@@ -197,10 +197,18 @@ std::string linear_kind(const std::string& name) {
   const std::string m = module_of(name);
   const size_t dot = m.rfind('.');
   const std::string leaf = dot == std::string::npos ? m : m.substr(dot + 1);
+  // The MTP layer stays as stored (its loaders read bf16 / f32 only).
+  if (m.rfind("mtp.", 0) == 0) return "";
   static const char* kAttn[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
   static const char* kMlp[] = {"gate_proj", "up_proj", "down_proj"};
+  // Qwen3.5's gated DeltaNet: the linears Qwen's -FP8 checkpoints quantize (in_proj_b /
+  // in_proj_a, of one row per value head, stay bf16 there).
+  static const char* kDeltaNet[] = {"in_proj_qkv", "in_proj_z", "out_proj"};
   for (const char* a : kAttn) {
     if (leaf == a && m.find(".self_attn.") != std::string::npos) return leaf;
+  }
+  for (const char* a : kDeltaNet) {
+    if (leaf == a && m.find(".linear_attn.") != std::string::npos) return "linear_attn." + leaf;
   }
   for (const char* a : kMlp) {
     if (leaf != a) continue;

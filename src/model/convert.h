@@ -1,5 +1,8 @@
-// `tandem convert`: a Qwen3-MoE checkpoint (bf16 / f16 / f32, block FP8 or MXFP8) rewritten
-// with its linear weights quantized to MXFP8 or block FP8 (model/quant.h), statically.
+// `tandem convert`: a Qwen3-MoE or Qwen3.5 checkpoint (bf16 / f16 / f32, block FP8 or MXFP8)
+// rewritten with its linear weights quantized to MXFP8 or block FP8 (model/quant.h), statically.
+// Qwen3.5: as Qwen's -FP8 checkpoints, the DeltaNet in_proj_qkv / in_proj_z / out_proj too
+// (in_proj_b / in_proj_a, conv1d, the shared-expert gate stay); experts stored fused 3D
+// (transformers 5) and the MTP layer stay as stored.
 //
 // Output directory: config.json with the new quantization_config, hf_quant_config.json for
 // MXFP8 (ModelOpt's file), safetensors (model.safetensors, or shards of at most shard_bytes

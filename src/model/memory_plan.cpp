@@ -46,6 +46,9 @@ struct WeightCounter {
   const MemoryPlanOptions& o;
   const ShardPlan& p;
   WeightBytes w;
+  // Only the routed experts keep their quantized format (Qwen35MoeCuda today: its dense
+  // linears are dequantized to bf16 at load).
+  bool experts_only = false;
 
   // An [n, k] linear of `module`, this rank's column range `cols` of k (row slices need nothing:
   // the scales are per row).
@@ -54,6 +57,7 @@ struct WeightCounter {
     const bool fp8_kept =
         q.method == WeightQuant::kFp8Block || (q.method == WeightQuant::kMxfp8 && o.mxfp8_native);
     if (!fp8_kept || not_converted(q, module) || k % 16 != 0 || n % 8 != 0) return n * k * kBf16;
+    if (experts_only && module.find(".mlp.experts") == std::string::npos) return n * k * kBf16;
     // The loaders keep FP8 only where each kept column block lies in this rank's columns.
     // (WeightReader::fp8_columns_splittable; MXFP8 native: whole 32-column groups.)
     const int64_t block = q.method == WeightQuant::kFp8Block ? 128 : 32, off = cols.begin % block;
@@ -168,6 +172,11 @@ MemoryPlan plan_memory(const ModelConfig& c, MemoryPlanOptions o) {
   WeightCounter wc{c, o, p, {}};
   wc.count();
   m.weights = wc.w;
+  if (c.is_hybrid() && c.quant.quantized()) {
+    WeightCounter today{c, o, p, {}, /*experts_only=*/true};
+    today.count();
+    m.dense_dequant_bytes = today.w.total() - m.weights.total();
+  }
   for (int r = 0; r < o.ranks; ++r) {
     const ShardPlan pr = ShardPlan::make(c, {o.mode, r, o.ranks});
     WeightCounter each{c, o, pr, {}};
@@ -223,7 +232,7 @@ MemoryPlan plan_memory(const ModelConfig& c, MemoryPlanOptions o) {
   }
 
   m.budget = static_cast<int64_t>(o.gpu_memory_bytes * o.gpu_memory_utilization);
-  m.kv_state_bytes = m.budget - m.weights.total() - m.activations;
+  m.kv_state_bytes = m.budget - m.weights.total() - m.dense_dequant_bytes - m.activations;
 
   // KV: the attention layers, this rank's KV heads.
   int64_t attn_layers = c.num_hidden_layers;
@@ -253,7 +262,8 @@ MemoryPlan plan_memory(const ModelConfig& c, MemoryPlanOptions o) {
                              std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : "");
   std::ostringstream why;
   if (m.kv_state_bytes <= 0) {
-    why << layout << ": the weights (" << gb(static_cast<double>(m.weights.total()))
+    why << layout << ": the weights ("
+        << gb(static_cast<double>(m.weights.total() + m.dense_dequant_bytes))
         << " per rank) and activations (" << gb(static_cast<double>(m.activations))
         << ") exceed the rank's budget of " << gb(static_cast<double>(m.budget)) << " ("
         << o.gpu_memory_utilization << " x " << gb(o.gpu_memory_bytes) << ") by "
@@ -298,6 +308,11 @@ std::string MemoryPlan::describe(const ModelConfig& c) const {
   line("dense mlp      ", weights.dense_mlp);
   line("router         ", weights.router);
   line("norms          ", weights.norms);
+  if (dense_dequant_bytes > 0) {
+    s << "  + " << gb(static_cast<double>(dense_dequant_bytes))
+      << " more today: the Qwen3.5 CUDA loader keeps only the routed experts quantized, its "
+         "dense linears (attention, DeltaNet, shared expert) dequantized to bf16\n";
+  }
   s << "  activations " << gb(static_cast<double>(activations))
     << " (estimate: " << activation_formula << ")\n";
   s << "  budget " << gb(static_cast<double>(budget)) << " (" << o.gpu_memory_utilization << " x "

@@ -58,6 +58,20 @@ class Model {
     (void)out;
     return false;
   }
+  /// As gather_state, but the whole state stays on the device (for a device-to-device state
+  /// transfer, TransferSender::send_state_from): collective in the same way (a rank may call
+  /// gather_state while another calls this for the same slot: the collective part is the same);
+  /// returns, on every rank, the model's device buffer holding the whole state
+  /// (HybridStateLayout::full(config()).slot_elems() floats), written in the model's stream
+  /// order and valid until the next gather or forward. Null, changing nothing, when the model
+  /// does not gather on the device.
+  virtual const float* gather_state_device(KvCache& kv, int64_t slot) {
+    (void)kv;
+    (void)slot;
+    return nullptr;
+  }
+  /// Whether gather_state_device gives the whole state (a prefill TP rank of a GPU hybrid).
+  virtual bool gathers_state_on_device() const { return false; }
   /// Runs the batch, writing new KV into `kv` and the requested logits rows
   /// ([batch.num_logit_rows(), vocab], fp32) into `logits`.
   virtual void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) = 0;

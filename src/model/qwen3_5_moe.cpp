@@ -154,7 +154,7 @@ void Qwen35MoeCpu::load_weights(const Checkpoint& ckpt, const std::string& confi
                                           {{ep + "gate_proj.weight", inter, {0, inter}},
                                            {ep + "up_proj.weight", inter, {0, inter}}},
                                           h));
-        layer.down.push_back(load_f32(ckpt, ep + "down_proj.weight", {h, inter}));
+        layer.down.push_back(load_matrix(wr, ep + "down_proj.weight", h, inter));
       }
     }
     for (auto& t : layer.gate_up) layer.gate_up_ptrs.push_back(t.ptr<float>());

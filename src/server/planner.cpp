@@ -69,7 +69,8 @@ int print_memory_fit(const MemoryFitArgs& a, std::ostream& out) {
   o.kv_cache_bytes_per_elem = a.kv_cache_dtype == "fp8" ? 1 : 2;
   o.mxfp8_native = a.mxfp8_native;
   ModelConfig c = ModelConfig::from_dir(a.model);
-  // (Qwen3.5's config reader leaves quantization_config to its loaders; the plan needs it.)
+  // (ModelConfig reads quantization_config for both architectures; the top level's whatever
+  // the model_type, as before.)
   if (!c.quant.quantized()) c.quant = QuantConfig::from_dir(a.model);
   const MemoryPlan m = plan_memory(c, o);
   out << m.describe(c);
@@ -83,6 +84,7 @@ int print_memory_fit(const MemoryFitArgs& a, std::ostream& out) {
                       {"state_bytes_per_seq", m.state_bytes_per_seq},
                       {"max_batch", m.max_batch},
                       {"max_context", m.max_context}};
+  if (m.dense_dequant_bytes > 0) j["dense_dequant_bytes"] = m.dense_dequant_bytes;
   if (!m.fits) j["refusal"] = m.refusal;
   out << j.dump() << "\n";
   return m.fits ? 0 : 1;

@@ -199,6 +199,16 @@ class TransferSender {
     TANDEM_THROW(kUnsupported, "KV transfer of request '", request, "' (state slot ", src_slot,
                  "): this transfer backend does not copy device state slots");
   }
+  /// As send_state, from a device buffer of `elems` floats instead of a slot of the cache (a
+  /// prefill TP rank's whole state gathered from the ranks' parts on its device:
+  /// Model::gather_state_device), on the cache's device; the buffer may be reused once the
+  /// model's stream passes the copy. Throws as send_state (a null buffer or another size than
+  /// the descriptor's: kInvalidArgument).
+  virtual void send_state_from(const std::string& request, const float* src, int64_t elems) {
+    (void)src;
+    TANDEM_THROW(kUnsupported, "KV transfer of request '", request, "' (a device state of ", elems,
+                 " floats): this transfer backend does not copy device states");
+  }
   /// Drops the request (e.g. the client went away); no callback follows. The destinations
   /// see the transfer fail and report it there.
   virtual void abort(const std::string& request) = 0;

@@ -3,6 +3,7 @@
 // failures, prefill refusals and transfer failures.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <future>
@@ -17,10 +18,12 @@
 #include "comm/local_launcher.h"
 #include "core/error.h"
 #include "disagg/decode_instance.h"
+#include "disagg/instance_parts.h"
 #include "disagg/lockstep.h"
 #include "disagg/prefill_instance.h"
 #include "engine/engine.h"
 #include "engine/golden.h"
+#include "model/hybrid_state.h"
 #include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
 
@@ -390,13 +393,16 @@ std::map<std::string, Got> colocated(const std::string& dir, const std::vector<G
 // finished; those of `aborted` are aborted on both sides right after their submission (as the
 // router does when a client goes away). Returns the decode side's outputs of the others;
 // `pools` gets the prefill instance's pools once they are whole again (or after 30 s).
-std::map<std::string, Got> disaggregated(const std::string& dir, int tp, int dp,
-                                         const EngineConfig& pre,
-                                         const std::vector<std::vector<GenRequest>>& waves,
-                                         const std::set<std::string>& aborted, PrefillPools& pools,
-                                         int64_t& transfer_errors) {
+// `backend` / `prefill_model`: the transfer backend of both sides and the prefill ranks' models
+// (defaults: host TCP, the CPU model).
+std::map<std::string, Got> disaggregated(
+    const std::string& dir, int tp, int dp, const EngineConfig& pre,
+    const std::vector<std::vector<GenRequest>>& waves, const std::set<std::string>& aborted,
+    PrefillPools& pools, int64_t& transfer_errors,
+    std::shared_ptr<transfer::TransferBackend> backend = nullptr, ModelFactory prefill_model = {}) {
   DecodeInstanceConfig dcfg;
   dcfg.model_dir = dir;
+  dcfg.transfer = backend;
   dcfg.dp = dp;
   dcfg.engine = small_engine();
   dcfg.max_decode_batch = 8;
@@ -408,6 +414,8 @@ std::map<std::string, Got> disaggregated(const std::string& dir, int tp, int dp,
   pcfg.model_dir = dir;
   pcfg.tp = tp;
   pcfg.engine = pre;
+  pcfg.transfer = backend;
+  pcfg.model = std::move(prefill_model);
   PrefillInstance p(pcfg);
   EXPECT_EQ(p.kv_sharding().tp, tp);
   for (const std::vector<GenRequest>& reqs : waves) {
@@ -524,6 +532,206 @@ TEST(HybridInstances, PrefillThenDecodeGiveTheColocatedTokensAndLogprobs) {
         EXPECT_EQ(pools.state_slots_free, pools.state_slots_total);
         EXPECT_EQ(pools.kv_pages_free, pools.kv_pages_total);
       }
+}
+
+// ---- Prefill TP > 1 into device state slots (the path cuda-ipc takes), on the host. ----
+
+// The CPU model of a prefill TP rank that, like a GPU model, "gathers the whole state on the
+// device": gather_state_device merges the ranks' parts on rank 0 (gather_hybrid_state; host
+// memory stands in for the device buffer).
+class DeviceGatherModel final : public Model {
+ public:
+  DeviceGatherModel(std::unique_ptr<Model> inner, comm::Communicator* comm)
+      : inner_(std::move(inner)), comm_(comm) {}
+  const ModelConfig& config() const override { return inner_->config(); }
+  KvGeometry kv_geometry(int64_t num_pages, int64_t page_size) const override {
+    return inner_->kv_geometry(num_pages, page_size);
+  }
+  KvCache make_kv_cache(int64_t num_pages, int64_t page_size) override {
+    return inner_->make_kv_cache(num_pages, page_size);
+  }
+  int64_t state_slot_elems() const override { return inner_->state_slot_elems(); }
+  void forward(const ForwardBatch& batch, KvCache& kv, std::vector<float>& logits) override {
+    inner_->forward(batch, kv, logits);
+  }
+  bool gather_state(KvCache& kv, int64_t slot, int root, std::vector<float>& out) override {
+    out = gather_hybrid_state(*comm_, config(), kv.read_state(slot), root);
+    return true;
+  }
+  const float* gather_state_device(KvCache& kv, int64_t slot) override {
+    whole_ = gather_hybrid_state(*comm_, config(), kv.read_state(slot), 0);
+    ++device_gathers;
+    return whole_.data();
+  }
+  bool gathers_state_on_device() const override { return true; }
+  static inline std::atomic<int> device_gathers{0};
+
+ private:
+  std::unique_ptr<Model> inner_;
+  comm::Communicator* comm_;
+  std::vector<float> whole_;
+};
+
+// The host TCP backend dressed as a device one (carries_device_state): the decode side reserves
+// state slots; a sender's send_state_from keeps the state and sends it with its FINISH, the
+// receiver writes it into the reserved slot (not through on_state), as cuda-ipc's copy would.
+class SlotBackend final : public transfer::TransferBackend {
+ public:
+  explicit SlotBackend(std::shared_ptr<transfer::TransferBackend> host) : host_(std::move(host)) {}
+  std::string_view name() const override { return "slot-test"; }
+  bool carries_device_state() const override { return true; }
+  std::unique_ptr<transfer::TransferSender> make_sender(const KvCache& cache,
+                                                        const transfer::KvSharding& sharding,
+                                                        int rank,
+                                                        transfer::SenderCallbacks cbs) override {
+    return std::make_unique<Sender>(host_->make_sender(cache, sharding, rank, std::move(cbs)),
+                                    this);
+  }
+  std::unique_ptr<transfer::TransferReceiver> make_receiver(
+      KvCache& cache, transfer::ReceiverCallbacks cbs) override {
+    auto r = std::make_unique<Receiver>(cache);
+    Receiver* raw = r.get();
+    transfer::ReceiverCallbacks wrapped = cbs;
+    wrapped.on_state = [raw](const std::string& id, std::vector<float> state) {
+      std::lock_guard<std::mutex> lock(raw->mu);
+      auto it = raw->slots.find(id);
+      TANDEM_CHECK(it != raw->slots.end(), "a state for ", id, " without a reserved slot");
+      raw->cache.write_state(it->second, state.data());
+      raw->slots.erase(it);
+    };
+    r->inner = host_->make_receiver(cache, std::move(wrapped));
+    return r;
+  }
+  std::atomic<int> states_sent{0};
+
+ private:
+  struct Sender final : transfer::TransferSender {
+    Sender(std::unique_ptr<transfer::TransferSender> in, SlotBackend* b)
+        : inner(std::move(in)), backend(b) {}
+    void begin(const std::string& request, std::vector<transfer::TransferDescriptor> dests,
+               std::vector<int32_t> src_pages) override {
+      for (auto& d : dests) d.dst_state_slot = -1;  // (the host backend carries it in FINISH)
+      inner->begin(request, std::move(dests), std::move(src_pages));
+    }
+    void send_layer(const std::string& request, int64_t layer,
+                    transfer::TokenRange tokens) override {
+      inner->send_layer(request, layer, tokens);
+    }
+    std::vector<size_t> send_layers(const std::vector<std::string>& requests,
+                                    int64_t layer) override {
+      return inner->send_layers(requests, layer);
+    }
+    void send_state_from(const std::string& request, const float* src, int64_t elems) override {
+      TANDEM_CHECK_KIND(kInvalidArgument, src != nullptr && elems > 0, "no state for ", request);
+      std::lock_guard<std::mutex> lock(mu);
+      states[request].assign(src, src + elems);
+      ++backend->states_sent;
+    }
+    void finish(const std::string& request, int32_t first_token, float logprob) override {
+      finish_with(request, first_token, logprob, {});
+    }
+    void finish_with(const std::string& request, int32_t first_token, float logprob,
+                     transfer::FinishPayload payload) override {
+      // (a device state went by send_state_from: the rank's payload carries none)
+      TANDEM_CHECK(payload.state.empty(), "a host state beside a device state slot");
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (auto it = states.find(request); it != states.end()) {
+          payload.state = std::move(it->second);
+          states.erase(it);
+        }
+      }
+      inner->finish_with(request, first_token, logprob, std::move(payload));
+    }
+    void abort(const std::string& request) override { inner->abort(request); }
+    std::unique_ptr<transfer::TransferSender> inner;
+    SlotBackend* backend;
+    std::mutex mu;
+    std::map<std::string, std::vector<float>> states;
+  };
+  struct Receiver final : transfer::TransferReceiver {
+    explicit Receiver(KvCache& c) : cache(c) {}
+    std::string address() const override { return inner->address(); }
+    void expect(const transfer::TransferDescriptor& d) override {
+      TANDEM_CHECK(d.dst_state_slot >= 0, "no reserved state slot in the descriptor of ",
+                   d.request_id);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        slots[d.request_id] = d.dst_state_slot;
+      }
+      transfer::TransferDescriptor host = d;
+      host.dst_state_slot = -1;
+      inner->expect(host);
+    }
+    bool cancel(const std::string& request) override { return inner->cancel(request); }
+    std::optional<transfer::TransferProgress> progress(const std::string& request) const override {
+      return inner->progress(request);
+    }
+    KvCache& cache;
+    std::mutex mu;
+    std::map<std::string, int32_t> slots;
+    std::unique_ptr<transfer::TransferReceiver> inner;
+  };
+  std::shared_ptr<transfer::TransferBackend> host_;
+};
+
+// Prefill TP 2 to decode ranks that reserved device state slots: each prompt's state is merged
+// by the model "on the device" (gather_state_device on rank 0, gather_state on rank 1: one
+// collective) and rank 0 sends it with send_state_from, into the reserved slot; the decode side
+// gets the colocated tokens. A prefill model that merges on the host is refused the slot.
+TEST(HybridInstances, TensorParallelPrefillSendsTheStateGatheredOnTheDevice) {
+  const std::string dir = hybrid_fixture("qwen35_text_hd64_int2_fused");
+  const testing::Golden g = testing::load_golden(dir);
+  std::vector<GenRequest> reqs;
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    GenRequest r = greedy("v" + std::to_string(i), g.cases[i].prompt_ids,
+                          std::max<int32_t>(2, g.cases[i].max_tokens));
+    r.sampling.logprobs = 0;
+    reqs.push_back(r);
+  }
+  const std::map<std::string, Got> want = colocated(dir, reqs);
+  const ModelFactory cpu = cpu_model_factory(dir);
+  for (int dp : {1, 2}) {
+    SCOPED_TRACE("decode dp " + std::to_string(dp));
+    auto backend = std::make_shared<SlotBackend>(host_transfer_backend({}));
+    DeviceGatherModel::device_gathers = 0;
+    PrefillPools pools;
+    int64_t errors = -1;
+    const std::map<std::string, Got> got = disaggregated(
+        dir, 2, dp, small_engine(), {reqs}, {}, pools, errors, backend,
+        [cpu](const ShardSpec& spec, comm::Communicator* comm) -> std::unique_ptr<Model> {
+          return std::make_unique<DeviceGatherModel>(cpu(spec, comm), comm);
+        });
+    expect_colocated(got, want, reqs, false);
+    EXPECT_EQ(errors, 0);
+    EXPECT_EQ(backend->states_sent.load(), static_cast<int>(reqs.size()));
+    EXPECT_EQ(DeviceGatherModel::device_gathers.load(), static_cast<int>(reqs.size()));
+    EXPECT_EQ(pools.state_slots_free, pools.state_slots_total);
+    EXPECT_EQ(pools.kv_pages_free, pools.kv_pages_total);
+  }
+  // The CPU model merges on the host: a reserved device slot is refused at submit.
+  auto backend = std::make_shared<SlotBackend>(host_transfer_backend({}));
+  DecodeInstanceConfig dcfg;
+  dcfg.model_dir = dir;
+  dcfg.engine = small_engine();
+  dcfg.transfer = backend;
+  DecodeInstance d(dcfg);
+  PrefillInstanceConfig pcfg;
+  pcfg.model_dir = dir;
+  pcfg.tp = 2;
+  pcfg.engine = small_engine();
+  pcfg.transfer = backend;
+  PrefillInstance p(pcfg);
+  auto dst = d.accept(reqs[0], p.kv_sharding(), [](const StepOutput&) {});
+  ASSERT_TRUE(dst.has_value());
+  EXPECT_GE(dst->dst_state_slot, 0);
+  try {
+    p.submit(reqs[0], *dst, [](const std::string&, const StepOutput&) {});
+    ADD_FAILURE() << "a host-merging TP 2 prefill accepted a device state slot";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
+  }
+  d.abort(reqs[0].id);
 }
 
 // A TP 2 prefill instance whose pages are short (sequences preempted and recomputed), some of

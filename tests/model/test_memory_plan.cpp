@@ -165,6 +165,28 @@ TEST(MemoryPlan, HybridStateAndDeltaNetSplit) {
   EXPECT_EQ(dp.state_bytes_per_seq, one.state_bytes_per_seq);
 }
 
+TEST(MemoryPlan, Qwen35Fp8DenseLinearsAsTheCudaLoaderKeepsThem) {
+  // Qwen35MoeCuda keeps only the routed experts FP8 today: the dense linears' bf16 bytes beyond
+  // the FP8 count come out of the KV budget (and are named in the report).
+  const MemoryPlan bf = plan_memory(qwen35_35b(), opts(ShardMode::kSingle, 1));
+  for (const int ranks : {1, 4}) {
+    const ShardMode mode = ranks == 1 ? ShardMode::kSingle : ShardMode::kDecodeDpEp;
+    const MemoryPlan f8 = plan_memory(block_fp8(qwen35_35b()), opts(mode, ranks));
+    const MemoryPlan b = ranks == 1 ? bf : plan_memory(qwen35_35b(), opts(mode, ranks));
+    EXPECT_GT(f8.dense_dequant_bytes, 0);
+    EXPECT_EQ(f8.weights.total() + f8.dense_dequant_bytes,
+              b.weights.total() - b.weights.experts + f8.weights.experts);
+    EXPECT_EQ(f8.kv_state_bytes,
+              f8.budget - f8.weights.total() - f8.dense_dequant_bytes - f8.activations);
+    EXPECT_NE(f8.describe(block_fp8(qwen35_35b())).find("dequantized to bf16"), std::string::npos);
+  }
+  EXPECT_EQ(bf.dense_dequant_bytes, 0);
+  // Qwen3-MoE keeps its dense linears FP8.
+  EXPECT_EQ(plan_memory(block_fp8(qwen3(128, 2, 4, 64, 4, 2, 32, 100)), opts(ShardMode::kSingle, 1))
+                .dense_dequant_bytes,
+            0);
+}
+
 TEST(MemoryPlan, PublishedShapesMatchParameterCounts) {
   struct Case {
     ModelConfig c;

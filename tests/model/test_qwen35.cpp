@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/convert.h"
 #include "model/qwen3_5_moe.h"
 
 namespace tandem {
@@ -152,6 +153,37 @@ TEST(Qwen35Config, PublishedImageTextConfig) {
   EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{248044});
   EXPECT_EQ(c.max_position_embeddings, 262144);
   for (int l = 0; l < 40; ++l) EXPECT_TRUE(c.is_moe_layer(l));
+}
+
+TEST(Qwen35Config, BlockFp8QuantizationConfig) {
+  // Qwen's -FP8 checkpoints: quantization_config at the top level of the image-text config.
+  Json j = published_config();
+  EXPECT_EQ(ModelConfig::from_json(j.dump(), "/ckpt/config.json").quant.method, WeightQuant::kNone);
+  j["quantization_config"] = {{"quant_method", "fp8"},
+                              {"fmt", "e4m3"},
+                              {"activation_scheme", "dynamic"},
+                              {"weight_block_size", {128, 128}},
+                              {"modules_to_not_convert", {"lm_head", "model.visual"}}};
+  const ModelConfig c = ModelConfig::from_json(j.dump(), "/ckpt/config.json");
+  EXPECT_EQ(c.quant.method, WeightQuant::kFp8Block);
+  EXPECT_EQ(c.quant.block_rows, 128);
+  EXPECT_EQ(c.quant.block_cols, 128);
+  EXPECT_EQ(c.quant.not_converted, (std::vector<std::string>{"lm_head", "model.visual"}));
+  // Inside text_config (the fallback), and refused like Qwen3-MoE's when unsupported.
+  Json t = published_config();
+  t["text_config"]["quantization_config"] = j["quantization_config"];
+  EXPECT_EQ(ModelConfig::from_json(t.dump(), "/ckpt/config.json").quant.method,
+            WeightQuant::kFp8Block);
+  j["quantization_config"]["weight_block_size"] = {64, 64};
+  EXPECT_THROW((void)ModelConfig::from_json(j.dump(), "/ckpt/config.json"), Error);
+  // The DeltaNet linears Qwen quantizes are linears to `tandem convert`; the MTP layer is not.
+  EXPECT_EQ(linear_kind("model.language_model.layers.0.linear_attn.in_proj_qkv.weight"),
+            "linear_attn.in_proj_qkv");
+  EXPECT_EQ(linear_kind("model.layers.2.linear_attn.out_proj.weight"), "linear_attn.out_proj");
+  EXPECT_EQ(linear_kind("model.layers.2.linear_attn.in_proj_b.weight"), "");
+  EXPECT_EQ(linear_kind("model.layers.2.mlp.shared_expert.up_proj.weight"),
+            "shared_expert.up_proj");
+  EXPECT_EQ(linear_kind("mtp.layers.0.mlp.experts.3.up_proj.weight"), "");
 }
 
 TEST(Qwen35Config, TextOnlyLayoutAndFixtures) {

@@ -8,12 +8,18 @@
 //    state within 1e-5 (fp32: the TP all-reduces sum in another order, so not bit for bit);
 //  - decode DP=d EP=d: each rank its own sequences, bit-identical logits and tokens, rank 0 with
 //    zero tokens in the later steps;
-//  - what does not split is refused with a message naming it.
+//  - what does not split is refused with a message naming it;
+//  - block FP8 (the fixture through `tandem convert`, Qwen's -FP8 layout: attention, DeltaNet
+//    in_proj_qkv / in_proj_z / out_proj, shared expert and per-expert linears F8_E4M3 with
+//    128x128 weight_scale_inv): loads, near the bf16 model, and prefill TP=2 reads only its
+//    slices (each element with its own block's scale) and matches the single FP8 model as above.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -24,8 +30,10 @@
 #include "engine/golden.h"
 #include "forward_harness.h"
 #include "model/config.h"
+#include "model/convert.h"
 #include "model/hybrid_state.h"
 #include "model/qwen3_5_moe.h"
+#include "model/safetensors.h"
 
 namespace tandem {
 namespace {
@@ -262,6 +270,113 @@ TEST_P(ShardedQwen35, WhatDoesNotSplitIsRefused) {
       EXPECT_NE(std::string(e.what()).find("linear_num_value_heads"), std::string::npos)
           << e.what();
     }
+  }
+}
+
+// ---- Block FP8 (Qwen's -FP8 layout). ----
+
+// `dir` converted to block FP8 into a fresh temporary directory (removed by the destructor).
+struct Fp8Copy {
+  std::string dir;
+  explicit Fp8Copy(const std::string& src) {
+    dir = (std::filesystem::temp_directory_path() /
+           ("tandem_q35fp8_" + std::to_string(::getpid()) + "_" +
+            std::filesystem::path(src).filename().string()))
+              .string();
+    std::filesystem::remove_all(dir);
+    ConvertOptions o;
+    o.in_dir = src;
+    o.out_dir = dir;
+    o.format = WeightQuant::kFp8Block;
+    (void)convert_checkpoint(o);
+  }
+  ~Fp8Copy() { std::filesystem::remove_all(dir); }
+};
+
+TEST_P(ShardedQwen35, BlockFp8LoadsShardedAsSingle) {
+  const testing::Golden g = testing::load_golden(GetParam());
+  const Fp8Copy fp8(g.dir);
+  const ModelConfig c = ModelConfig::from_dir(fp8.dir);
+  ASSERT_EQ(c.quant.method, WeightQuant::kFp8Block);
+  EXPECT_EQ(c.quant.block_rows, 128);
+  // The layout: the linears Qwen quantizes are F8_E4M3 with their scales; the rest as stored.
+  {
+    const Checkpoint ck(fp8.dir);
+    int64_t linear_layer = -1, experts_f8 = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      if (c.layer_types[static_cast<size_t>(l)] == ModelConfig::LayerType::kLinearAttention) {
+        linear_layer = l;
+        break;
+      }
+    }
+    ASSERT_GE(linear_layer, 0);
+    const std::string a = c.weight_prefix + "layers." + std::to_string(linear_layer) + ".";
+    for (const char* t : {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
+                          "linear_attn.out_proj", "mlp.shared_expert.down_proj"}) {
+      EXPECT_EQ(ck.get(a + t + ".weight").dtype, DType::kF8E4M3) << t;
+      EXPECT_EQ(ck.get(a + t + ".weight_scale_inv").dtype, DType::kF32) << t;
+    }
+    for (const char* t :
+         {"linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight",
+          "linear_attn.conv1d.weight", "mlp.gate.weight", "mlp.shared_expert_gate.weight"}) {
+      EXPECT_NE(ck.get(a + t).dtype, DType::kF8E4M3) << t;
+    }
+    for (const std::string& n : ck.names()) {
+      if (n.find(".mlp.experts.") != std::string::npos && ck.get(n).dtype == DType::kF8E4M3)
+        ++experts_f8;
+      if (n.rfind("mtp.", 0) == 0) EXPECT_NE(ck.get(n).dtype, DType::kF8E4M3) << n;
+    }
+    // Experts stored one tensor per expert are quantized; fused 3D ones stay as stored.
+    const bool fused = ck.has(a + "mlp.experts.gate_up_proj");
+    EXPECT_EQ(experts_f8 > 0, !fused);
+  }
+  auto single = Qwen35MoeCpu::load(fp8.dir);
+  auto bf16 = Qwen35MoeCpu::load(g.dir);
+  const testing::GoldenCase* longest = &g.cases[0];
+  for (const auto& gc : g.cases) {
+    if (gc.prompt_ids.size() > longest->prompt_ids.size()) longest = &gc;
+  }
+  const int steps = 3;
+  const PrefillResult want = prefill_and_continue(*single, longest->prompt_ids, steps);
+  // Near the unquantized model (E4M3 keeps 3 mantissa bits: a few percent).
+  const PrefillResult ref = prefill_and_continue(*bf16, longest->prompt_ids, steps);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.logits.size() && i < want.logits.size(); ++i) {
+    num += (double(want.logits[i]) - ref.logits[i]) * (double(want.logits[i]) - ref.logits[i]);
+    den += double(ref.logits[i]) * ref.logits[i];
+  }
+  const double rel = std::sqrt(num / std::max(den, 1e-30));
+  // (The tiny random fixtures' logits are small and every linear of 4 layers rounds: measured
+  // 0.05-0.2; a wrong scale or layout gives ~1.)
+  std::fprintf(stderr, "%s: FP8 logits vs bf16: relative L2 %.3f\n", g.name.c_str(), rel);
+  EXPECT_GT(rel, 0.0) << "the FP8 model equals the bf16 one: nothing was quantized";
+  EXPECT_LT(rel, 0.35) << "the FP8 model is far from the bf16 one";
+  const int t = 2;
+  if (!splits(c, ShardSpec::prefill(0, t))) GTEST_SKIP() << "TP=2 does not split " << g.name;
+  std::vector<PrefillResult> got(static_cast<size_t>(t));
+  std::vector<std::vector<float>> gathered(static_cast<size_t>(t));
+  run_local_group(t, [&](Communicator& comm) {
+    auto m = Qwen35MoeCpu::load(fp8.dir, ShardSpec::prefill(comm.rank(), t), &comm);
+    const auto r = static_cast<size_t>(comm.rank());
+    got[r] = prefill_and_continue(*m, longest->prompt_ids, steps);
+    gathered[r] = gather_hybrid_state(comm, m->config(), got[r].state, 0);
+  });
+  EXPECT_LE(max_abs_diff(gathered[0], want.state), 1e-5f) << "the gathered state";
+  for (int r = 0; r < t; ++r) {
+    const PrefillResult& p = got[static_cast<size_t>(r)];
+    EXPECT_LE(max_abs_diff(p.logits, want.logits), 1e-4f) << "rank " << r;
+    EXPECT_EQ(p.tokens, want.tokens) << "rank " << r;
+  }
+  // Decode DP=2 / EP=2 ranks load their experts' FP8 tensors and agree with the single model.
+  std::vector<std::vector<float>> dp(static_cast<size_t>(t));
+  run_local_group(t, [&](Communicator& comm) {
+    auto m = Qwen35MoeCpu::load(fp8.dir, ShardSpec::decode(comm.rank(), t), &comm);
+    dp[static_cast<size_t>(comm.rank())] = prefill_and_continue(*m, longest->prompt_ids, 1).logits;
+  });
+  const std::vector<float> first(want.logits.begin(),
+                                 want.logits.begin() + static_cast<std::ptrdiff_t>(dp[0].size()));
+  for (int r = 0; r < t; ++r) {
+    EXPECT_LE(max_abs_diff(dp[static_cast<size_t>(r)], first), 1e-4f) << "decode rank " << r;
   }
 }
 

@@ -18,9 +18,11 @@
 #include "backend/cuda/attention_sm90.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/deltanet.h"
+#include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/gated_attention.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/moe_layer.h"
 #include "backend/cuda/norm.h"
 #include "backend/cuda/sampling.h"
@@ -71,9 +73,17 @@ struct LayerW {
   float* out_norm = nullptr;  // [dv] (plain weight)
   bf16* out_proj = nullptr;   // [H, value_dim]
   // MoE + shared expert.
-  bf16* router = nullptr;          // [E, H]
-  bf16* gate_up = nullptr;         // [local E, 2I, H] packed (moe_pack_gate_up): this rank's
-  bf16* down = nullptr;            // [local E, H, I]
+  bf16* router = nullptr;   // [E, H]
+  bf16* gate_up = nullptr;  // [local E, 2I, H] packed (moe_pack_gate_up): this rank's
+  bf16* down = nullptr;     // [local E, H, I]
+  // Block-FP8 experts (Impl::fp8, every local expert of the layer stored F8_E4M3; gate_up and
+  // down then unallocated): E4M3 codes in the layouts above and their row scales
+  // (backend/cuda/fp8_linear.h: [.., 2I, ceil(H / 128)] packed as the rows, [.., H, ceil(I /
+  // 128)]).
+  uint8_t* gate_up_q = nullptr;
+  float* gate_up_s = nullptr;
+  uint8_t* down_q = nullptr;
+  float* down_s = nullptr;
   bf16* shared_gate_up = nullptr;  // [2 SI, H]: gate rows, then up rows (this rank's SI)
   bf16* shared_down = nullptr;     // [H, SI]
   bf16* shared_gate = nullptr;     // [H]
@@ -112,6 +122,13 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
 
   // Weights.
   std::vector<DeviceMem> mem;
+  // Block-FP8 checkpoints: the routed experts stay E4M3 + row scales on the device (1 byte a
+  // weight: they are nearly all of a Qwen3.5 MoE's bytes), run W8A16 by MoeLayer / the decode EP
+  // exchange; the dense linears (attention, DeltaNet, shared expert) are dequantized to bf16 at
+  // load, each rank dequantizing only its rows / columns. Set by load() from
+  // CudaModelOptions::fp8_weights, TANDEM_CUDA_FP8 and the config (block FP8 of 128 columns).
+  bool fp8 = false;
+  bool any_fp8_experts = false;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;
   bf16* lm_head = nullptr;  // the embedding when tied
@@ -322,7 +339,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     return mem.back().as<T>();
   }
 
-  void allocate_weights() {
+  void allocate_weights(const WeightReader& wr) {
     const int64_t h = c.hidden_size;
     embed = alloc<bf16>(c.vocab_size * h);
     final_norm = alloc<bf16>(h);
@@ -335,14 +352,30 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       LayerW& w = layers[static_cast<size_t>(l)];
       w.linear = c.layer_types[static_cast<size_t>(l)] == ModelConfig::LayerType::kLinearAttention;
       w.index = w.linear ? num_linear++ : num_attention++;
-      allocate_layer(w);
+      allocate_layer(w, fp8_experts(wr, c.weight_prefix + "layers." + std::to_string(l) + "."));
     }
     TANDEM_CHECK_KIND(kUnsupported, num_attention > 0, "config.json: layer_types has no ",
                       "full_attention layer");
   }
 
-  // The device weights of one layer of w.linear's kind.
-  void allocate_layer(LayerW& w) {
+  // Whether the routed experts of the layer at `prefix` stay FP8 (fp8 above): this rank's
+  // experts stored one tensor per expert, every gate / up / down F8_E4M3, shapes the FP8 kernels
+  // take (k % 16, n % 8). Otherwise they are dequantized to bf16 (e.g. modules_to_not_convert).
+  bool fp8_experts(const WeightReader& wr, const std::string& prefix) const {
+    const int64_t h = c.hidden_size, inter = c.moe_intermediate_size;
+    if (!fp8 || h % 16 != 0 || inter % 16 != 0 || h % 8 != 0 || (2 * inter) % 8 != 0) return false;
+    const Checkpoint& ckpt = wr.checkpoint();
+    for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
+      const std::string ep = prefix + "mlp.experts." + std::to_string(e) + ".";
+      for (const char* t : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}) {
+        if (!ckpt.has(ep + t) || !wr.is_quantized(ep + t)) return false;
+      }
+    }
+    return plan.experts.size() > 0;
+  }
+
+  // The device weights of one layer of w.linear's kind (fp8_experts: its experts in FP8).
+  void allocate_layer(LayerW& w, bool fp8_experts = false) {
     const int64_t h = c.hidden_size, d = c.head_dim, dv = c.linear_value_head_dim;
     const int64_t E = c.num_experts, inter = c.moe_intermediate_size;
     w.input_norm = alloc<bf16>(h);
@@ -361,8 +394,16 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       w.k_norm = alloc<bf16>(d);
     }
     w.router = alloc<bf16>(E * h);
-    w.gate_up = alloc<bf16>(local_experts * 2 * inter * h);
-    w.down = alloc<bf16>(local_experts * h * inter);
+    if (fp8_experts) {
+      w.gate_up_q = alloc<uint8_t>(local_experts * 2 * inter * h);
+      w.gate_up_s = alloc<float>(local_experts * 2 * inter * cuda::fp8_row_scale_cols(h));
+      w.down_q = alloc<uint8_t>(local_experts * h * inter);
+      w.down_s = alloc<float>(local_experts * h * cuda::fp8_row_scale_cols(inter));
+      any_fp8_experts = true;
+    } else {
+      w.gate_up = alloc<bf16>(local_experts * 2 * inter * h);
+      w.down = alloc<bf16>(local_experts * h * inter);
+    }
     w.shared_gate_up = alloc<bf16>(2 * sinter * h);
     w.shared_down = alloc<bf16>(h * sinter);
     w.shared_gate = alloc<bf16>(h);
@@ -388,14 +429,32 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       const uint16_t* src = host_bf16(wr, name, shape, tmp);
       up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
     };
+    // rows x columns of a quantized [rows, cols] linear dequantized (only those read: each
+    // element with its own block's scale, so a slice off the 128 grid is exact) to bf16.
+    std::vector<float> deq;
+    auto put_dequant = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
+                           IndexRange rr, IndexRange cr) {
+      deq.resize(static_cast<size_t>(rr.size() * cr.size()));
+      wr.read(name, rows, cols, rr, cr, deq.data());
+      tmp = to_bf16_bits(deq);
+      up.put(dst, tmp.data(), tmp.size() * sizeof(uint16_t));
+    };
     // Rows r of a tensor of `shape` (rows of numel / shape[0] elements).
     auto put_rows = [&](bf16* dst, const std::string& name, const Shape& shape, IndexRange r) {
+      if (shape.ndim() == 2 && wr.is_quantized(name)) {
+        put_dequant(dst, name, shape[0], shape[1], r, {0, shape[1]});
+        return;
+      }
       cuda_model::upload_rows(up, dst, host_bf16(wr, name, shape, tmp), shape.numel() / shape[0],
                               r);
     };
     // Columns r of a [rows, cols] tensor (a row-parallel linear).
     auto put_cols = [&](bf16* dst, const std::string& name, int64_t rows, int64_t cols,
                         IndexRange r) {
+      if (wr.is_quantized(name)) {
+        put_dequant(dst, name, rows, cols, {0, rows}, r);
+        return;
+      }
       cuda_model::upload_cols(up, dst, host_bf16(wr, name, {rows, cols}, tmp), rows, cols, r);
     };
     // A vector as fp32 (optionally 1 + w, computed in fp32 as transformers does).
@@ -481,7 +540,32 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       // This rank's experts: fused 3D (transformers 5) or one tensor per expert (the hub).
       const bool fused = ckpt.has(m + "experts.gate_up_proj");
       std::vector<float> ef;
-      for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
+      if (w.gate_up_q != nullptr) {  // FP8 experts: codes + row scales as stored (fp8_experts)
+        const int64_t kbh = cuda::fp8_row_scale_cols(h), kbi = cuda::fp8_row_scale_cols(inter);
+        std::vector<uint8_t> gq(static_cast<size_t>(inter * h)), uq(gq.size()), pq(2 * gq.size());
+        std::vector<float> gs(static_cast<size_t>(inter * kbh)), us(gs.size()), ps(2 * gs.size());
+        std::vector<uint8_t> dq(static_cast<size_t>(h * inter));
+        std::vector<float> ds(static_cast<size_t>(h * kbi));
+        for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
+          const int64_t le = e - plan.experts.begin;
+          const std::string ep = m + "experts." + std::to_string(e) + ".";
+          wr.read_fp8_codes(ep + "gate_proj.weight", inter, h, {0, inter}, {0, h}, gq.data(),
+                            gs.data());
+          wr.read_fp8_codes(ep + "up_proj.weight", inter, h, {0, inter}, {0, h}, uq.data(),
+                            us.data());
+          cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(h),
+                                      pq.data());
+          cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter,
+                                      static_cast<size_t>(kbh) * sizeof(float), ps.data());
+          up.put(w.gate_up_q + le * 2 * inter * h, pq.data(), pq.size());
+          up.put(w.gate_up_s + le * 2 * inter * kbh, ps.data(), ps.size() * sizeof(float));
+          wr.read_fp8_codes(ep + "down_proj.weight", h, inter, {0, h}, {0, inter}, dq.data(),
+                            ds.data());
+          up.put(w.down_q + le * h * inter, dq.data(), dq.size());
+          up.put(w.down_s + le * h * kbi, ds.data(), ds.size() * sizeof(float));
+        }
+      }
+      for (int64_t e = plan.experts.begin; w.gate_up_q == nullptr && e < plan.experts.end; ++e) {
         const int64_t le = e - plan.experts.begin;
         const uint16_t *gate = nullptr, *upw = nullptr;
         std::vector<uint16_t> gate_copy;
@@ -563,7 +647,12 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       moe = std::make_unique<cuda::MoeLayer>(ws.t_cap, h, c.moe_intermediate_size, c.num_experts,
                                              c.num_experts_per_tok, plan.experts.begin,
                                              local_experts, true);
+      // W8A16 FP8 experts: prefill-sized batches dequantize a layer's experts into MoeLayer's
+      // bf16 copy for the cuBLAS paths (reserved now, before any graph capture).
+      if (any_fp8_experts) moe->reserve_fp8_prefill();
     }
+    // The FP8 grouped GEMM's tiles before any graph capture.
+    if (any_fp8_experts) cuda::moe_gemm_prepare();
     // The communicators (collective); the registered buffer also holds one DeltaNet layer of a
     // whole state (gather_state).
     const HybridStateLayout whole = HybridStateLayout::full(c);
@@ -598,6 +687,17 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     comms->reduce(Y, n * h, DType::kBF16, stream);
   }
 
+  // Layer w's routed experts for the decode EP exchange (bf16 or FP8).
+  static void ep_experts(const LayerW& w, cuda_model::EpExperts& e) {
+    e.router = w.router;
+    e.gate_up = w.gate_up;
+    e.down = w.down;
+    e.gate_up_q = w.gate_up_q;
+    e.gate_up_s = w.gate_up_s;
+    e.down_q = w.down_q;
+    e.down_s = w.down_s;
+  }
+
   // Layer w's MoE block over m's n tokens: routed experts + the sigmoid-gated shared expert, from
   // XN into Y. Prefill TP: this rank's experts and shared-expert columns into the registered
   // buffer, summed over the ranks; decode EP: the routed experts through the exchange (not on a
@@ -608,12 +708,11 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     auto routed = [&] {
       if (dp_ep()) {
         cuda_model::EpExperts e;
-        e.router = w.router;
-        e.gate_up = w.gate_up;
-        e.down = w.down;
+        ep_experts(w, e);
         comms->moe_ep(e, XN, out, n, m.num_real, warmup, true, false, *ws.gemm, stream);
       } else {
-        moe->run({w.router, w.gate_up, w.down}, XN, out, n, *ws.gemm, stream);
+        moe->run({w.router, w.gate_up, w.down, w.gate_up_q, w.gate_up_s, w.down_q, w.down_s}, XN,
+                 out, n, *ws.gemm, stream);
       }
     };
     if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
@@ -906,7 +1005,16 @@ std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
   Checkpoint ckpt(dir);
   const WeightReader reader(ckpt, config.quant, dir + "/config.json");
   std::unique_ptr<Qwen35MoeCuda> m(new Qwen35MoeCuda(std::move(config), opts));
-  m->impl_->allocate_weights();
+  // Block FP8 keeps its experts FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for
+  // comparisons), as Qwen3MoeCuda; MXFP8 is dequantized to bf16.
+  const char* env = std::getenv("TANDEM_CUDA_FP8");
+  const bool env_off =
+      env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
+                         std::strcmp(env, "dequant") == 0);
+  const QuantConfig& q = m->config_.quant;
+  m->impl_->fp8 = opts.fp8_weights && !env_off && q.method == WeightQuant::kFp8Block &&
+                  q.block_cols == cuda::kFp8BlockK && q.block_rows > 0;
+  m->impl_->allocate_weights(reader);
   m->impl_->load_weights(reader);
   m->impl_->allocate_activations();
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
@@ -1080,14 +1188,21 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
 
 bool Qwen35MoeCuda::has_mtp() const { return impl_->mtp_w.loaded; }
 
-bool Qwen35MoeCuda::gather_state(KvCache& kv, int64_t slot, int root, std::vector<float>& out) {
+const float* Qwen35MoeCuda::gather_state_device(KvCache& kv, int64_t slot) {
   Impl& im = *impl_;
-  if (!im.tp() || im.num_linear == 0) return false;
+  if (!im.tp() || im.num_linear == 0) return nullptr;
   TANDEM_CUDA_CHECK(cudaSetDevice(opts_.device));
   im.check_cache(kv);
   TANDEM_CHECK(slot >= 0 && slot < kv.num_state_slots(), "gather_state: state slot ", slot,
                " out of range");
-  const float* whole = im.gather_whole_state(kv, slot);
+  return im.gather_whole_state(kv, slot);
+}
+
+bool Qwen35MoeCuda::gathers_state_on_device() const { return impl_->tp() && impl_->num_linear > 0; }
+
+bool Qwen35MoeCuda::gather_state(KvCache& kv, int64_t slot, int root, std::vector<float>& out) {
+  const float* whole = gather_state_device(kv, slot);
+  if (whole == nullptr) return false;
   out.clear();
   if (opts_.shard.rank == root) {
     out.resize(static_cast<size_t>(HybridStateLayout::full(config_).slot_elems()));
@@ -1096,6 +1211,12 @@ bool Qwen35MoeCuda::gather_state(KvCache& kv, int64_t slot, int root, std::vecto
   }
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return true;
+}
+
+int64_t Qwen35MoeCuda::fp8_expert_layers() const {
+  int64_t n = 0;
+  for (const LayerW& w : impl_->layers) n += w.gate_up_q != nullptr ? 1 : 0;
+  return n;
 }
 
 const float* Qwen35MoeCuda::gathered_state() const { return impl_->whole_state.as<float>(); }
@@ -1109,9 +1230,7 @@ void Qwen35MoeCuda::mtp_empty_pass() {
   TANDEM_CUDA_CHECK(cudaMemsetAsync(m.num_real, 0, sizeof(int32_t), stream_));
   const LayerW& w = im.mtp_w.layer;
   cuda_model::EpExperts e;
-  e.router = w.router;
-  e.gate_up = w.gate_up;
-  e.down = w.down;
+  Impl::ep_experts(w, e);
   im.comms->moe_ep(e, runner_->ws().xn.as<bf16>(), runner_->ws().y.as<bf16>(), 0, m.num_real, false,
                    true, false, *runner_->ws().gemm, stream_);
 }

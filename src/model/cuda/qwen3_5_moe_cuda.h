@@ -86,8 +86,12 @@ class Qwen35MoeCuda final : public Model {
   bool mtp_collective() const override;
   /// Prefill TP: Model::gather_state on the devices (each rank's heads scattered into a zeroed
   /// whole layer, summed over the ranks by the all-reduce: exact); the root's copy comes to
-  /// the host for today's transfer, and stays on the device (gathered_state). False elsewhere.
+  /// the host, and stays on the device (gathered_state). False elsewhere.
   bool gather_state(KvCache& kv, int64_t slot, int root, std::vector<float>& out) override;
+  /// Prefill TP: the same gather, left on the device (Model::gather_state_device; no host copy,
+  /// no synchronisation). Null elsewhere.
+  const float* gather_state_device(KvCache& kv, int64_t slot) override;
+  bool gathers_state_on_device() const override;
   /// The last gather_state's whole state on this rank's device ([HybridStateLayout::full(c)
   /// .slot_elems()] fp32; null before the first).
   const float* gathered_state() const;
@@ -158,6 +162,9 @@ class Qwen35MoeCuda final : public Model {
   /// kv_cache_mb_for() with this device's free and total memory now.
   int64_t kv_cache_budget_mb(double utilization) const;
   int64_t weight_bytes() const { return weight_bytes_; }
+  /// Layers (MTP excluded) whose routed experts stay block FP8 on the device (a block-FP8
+  /// checkpoint with CudaModelOptions::fp8_weights; the dense linears are dequantized to bf16).
+  int64_t fp8_expert_layers() const;
   /// Batch-size buckets captured so far (decode graphs).
   std::vector<int64_t> captured_buckets() const;
   /// Decode-step buckets (the batch sizes graphs are captured for).

@@ -796,12 +796,7 @@ class IpcSender final : public TransferSender {
   void send_state(const std::string& request, int32_t src_slot) override {
     std::lock_guard<std::mutex> lock(mu_);
     const std::string where = "KV transfer of request '" + request + "': ";
-    auto it = reqs_.find(request);
-    TANDEM_CHECK_KIND(kInvalidArgument, it != reqs_.end(), where, "send_state before begin");
-    Req& r = *it->second;
-    TANDEM_CHECK_KIND(kInvalidArgument, r.state_elems > 0 && !r.state_copied, where,
-                      r.state_elems == 0 ? "the destination asks for no recurrent state"
-                                         : "the state was sent already");
+    Req& r = state_request(request, where);
     TANDEM_CHECK_KIND(
         kInvalidArgument,
         cache_.states_on_device() && src_slot >= 0 && src_slot < cache_.num_state_slots() &&
@@ -809,22 +804,17 @@ class IpcSender final : public TransferSender {
         where, "source state slot ", src_slot, " of ", cache_.state_slot_elems(), " floats (",
         cache_.num_state_slots(), " device slots: ", cache_.states_on_device() ? "yes" : "no",
         ") does not give the ", r.state_elems, " the destination expects");
-    r.state_copied = true;
-    if (r.failed || r.dests.empty()) return;
-    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
-    // After the model's last write of the slot (stream order), on the copy stream.
-    TANDEM_CUDA_CHECK(cudaEventRecord(written_, model_stream_));
-    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written_, 0));
-    const size_t bytes = static_cast<size_t>(r.state_elems) * sizeof(float);
-    const float* src = cache_.state_data(src_slot);
-    for (const Dest& dest : r.dests) {
-      if (dest.cancelled || !dest.peer->sock.alive) continue;
-      uint8_t* dst = dest.peer->state_base + static_cast<size_t>(dest.d.dst_state_slot) * bytes;
-      TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, copy_stream_));
-    }
-    // The source slot may be reused once the copy read it.
-    TANDEM_CUDA_CHECK(cudaEventRecord(r.copied, copy_stream_));
-    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(model_stream_, r.copied, 0));
+    copy_state(r, cache_.state_data(src_slot));
+  }
+
+  void send_state_from(const std::string& request, const float* src, int64_t elems) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string where = "KV transfer of request '" + request + "': ";
+    Req& r = state_request(request, where);
+    TANDEM_CHECK_KIND(kInvalidArgument, src != nullptr && elems == r.state_elems, where,
+                      "a device state of ", elems, " floats", src == nullptr ? " (null)" : "",
+                      " does not give the ", r.state_elems, " the destination expects");
+    copy_state(r, src);
   }
 
   void finish_with(const std::string& request, int32_t first_token, float logprob,
@@ -950,6 +940,37 @@ class IpcSender final : public TransferSender {
     bool failed = false;
     bool callback_done = false;
   };
+
+  // The begun request `request` that owes its state (under mu_).
+  Req& state_request(const std::string& request, const std::string& where) {
+    auto it = reqs_.find(request);
+    TANDEM_CHECK_KIND(kInvalidArgument, it != reqs_.end(), where, "send_state before begin");
+    Req& r = *it->second;
+    TANDEM_CHECK_KIND(kInvalidArgument, r.state_elems > 0 && !r.state_copied, where,
+                      r.state_elems == 0 ? "the destination asks for no recurrent state"
+                                         : "the state was sent already");
+    return r;
+  }
+
+  // r.state_elems floats at device address src into every destination's reserved slot (under
+  // mu_).
+  void copy_state(Req& r, const float* src) {
+    r.state_copied = true;
+    if (r.failed || r.dests.empty()) return;
+    TANDEM_CUDA_CHECK(cudaSetDevice(device_));
+    // After the model's last write of the slot (stream order), on the copy stream.
+    TANDEM_CUDA_CHECK(cudaEventRecord(written_, model_stream_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, written_, 0));
+    const size_t bytes = static_cast<size_t>(r.state_elems) * sizeof(float);
+    for (const Dest& dest : r.dests) {
+      if (dest.cancelled || !dest.peer->sock.alive) continue;
+      uint8_t* dst = dest.peer->state_base + static_cast<size_t>(dest.d.dst_state_slot) * bytes;
+      TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, copy_stream_));
+    }
+    // The source slot may be reused once the copy read it.
+    TANDEM_CUDA_CHECK(cudaEventRecord(r.copied, copy_stream_));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(model_stream_, r.copied, 0));
+  }
 
   bool cancelled(const Dest& d) {
     std::lock_guard<std::mutex> lock(mu_);

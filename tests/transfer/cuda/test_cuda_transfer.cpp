@@ -1,9 +1,9 @@
 // The device KV transfer: the kv_copy kernel against its CPU reference, and the cuda-ipc
 // backend end to end across processes on one GPU (prefill ranks -> decode rank, head merge,
 // page sizes that differ, a cancel; the prompt's hidden states; a hybrid's recurrent state
-// slot to slot). Every CUDA call runs in forked
-// children (fork after CUDA init is undefined), so the parent never touches the GPU; skips
-// without one.
+// slot to slot, and from a prefill TP rank's device buffer: the whole state its model gathered).
+// Every CUDA call runs in forked children (fork after CUDA init is undefined), so the parent never
+// touches the GPU; skips without one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -945,6 +945,137 @@ TEST(CudaIpc, RecurrentStateSlotToSlot) {
           tx->finish("after", 7, -0.1f);
           TANDEM_CHECK(result("after") == "sent", "after: ", result("after"));
           store.set("sender_done", "1");
+        }
+        store.barrier();
+      },
+      std::chrono::seconds(120));
+  EXPECT_EQ(comm::describe_failures(results), "");
+}
+
+// Prefill TP=2 of a hybrid: each rank holds only its heads' part of the state (a slot of another
+// size than the destination's), so rank 0 sends the whole state its model gathered on the device
+// (Model::gather_state_device) from that buffer with send_state_from; rank 1 sends its KV only.
+// The decode rank's reserved slot gets the buffer bit for bit and the request completes.
+TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
+  REQUIRE_GPU();
+  constexpr int64_t kLayers = 2, kHeads = 2, kHd = 64, kPage = 16, kPages = 8, kTokens = 40;
+  constexpr int64_t kSlots = 4, kElems = 2 * (3 * 256 + 2 * 64 * 64) + 3, kPart = kElems / 2;
+  const KvSharding src{kHeads, 2};
+  auto results = comm::run_local_ranks(
+      3,
+      [&](int rank) {
+        comm::RankEnv env = comm::RankEnv::from_env();
+        comm::TcpStore store(comm::TcpStoreOptions::of(env));
+        auto backend = make_cuda_ipc_backend();
+        TransferDescriptor d;
+        d.request_id = "t";
+        d.dst_heads = {0, kHeads};
+        d.src = src;
+        d.num_tokens = kTokens;
+        d.page_size = kPage;
+        d.head_dim = kHd;
+        d.num_layers = kLayers;
+        d.dst_pages = random_pages(3, kPages, 31);
+        d.state_elems = kElems;
+        d.dst_state_slot = 2;
+        std::mutex mu;
+        std::condition_variable cv;
+        if (rank == 0) {
+          KvGeometry g{kLayers, kPages, kHeads, kPage, kHd};
+          DevicePool pool(
+              g,
+              std::vector<uint16_t>(
+                  static_cast<size_t>(kLayers * kPages * 2 * kHeads * kPage * kHd), kPoison),
+              kSlots, kElems);
+          std::string ended;
+          ReceiverCallbacks cbs;
+          cbs.on_complete = [&](const std::string&, int32_t, float) {
+            std::lock_guard<std::mutex> l(mu);
+            ended = "complete";
+            cv.notify_all();
+          };
+          cbs.on_error = [&](const std::string&, const std::string& m) {
+            std::lock_guard<std::mutex> l(mu);
+            ended = m;
+            cv.notify_all();
+          };
+          auto rx = backend->make_receiver(pool.cache, cbs);
+          d.dst_address = rx->address();
+          rx->expect(d);
+          store.set("addr", rx->address());
+          {
+            std::unique_lock<std::mutex> l(mu);
+            TANDEM_CHECK(cv.wait_for(l, std::chrono::seconds(60), [&] { return !ended.empty(); }),
+                         "the request did not end");
+          }
+          TANDEM_CHECK(ended == "complete", "t: ", ended);
+          std::vector<float> got(static_cast<size_t>(kElems));
+          TANDEM_CUDA_CHECK(cudaMemcpy(got.data(), pool.cache.state_data(2), got.size() * 4,
+                                       cudaMemcpyDeviceToHost));
+          const std::vector<float> want = state_values(kElems, 21);
+          TANDEM_CHECK(std::memcmp(got.data(), want.data(), want.size() * 4) == 0,
+                       "the whole state differs from rank 0's device buffer");
+        } else {
+          const int prank = rank - 1;
+          KvGeometry g{kLayers, kPages, kHeads / 2, kPage, kHd};
+          std::vector<uint16_t> bits(static_cast<size_t>(kLayers * kPages * 2 * kPage * kHd));
+          fill_random(bits, 40 + prank);
+          DevicePool pool(g, bits, kSlots, kPart);  // this rank's part of each state
+          std::string outcome;
+          SenderCallbacks cbs;
+          cbs.on_sent = [&](const std::string&) {
+            std::lock_guard<std::mutex> l(mu);
+            outcome = "sent";
+            cv.notify_all();
+          };
+          cbs.on_error = [&](const std::string&, const std::string& m) {
+            std::lock_guard<std::mutex> l(mu);
+            outcome = "error: " + m;
+            cv.notify_all();
+          };
+          auto tx = backend->make_sender(pool.cache, src, prank, cbs);
+          d.dst_address = store.get_string("addr");
+          tx->begin("t", {d}, random_pages(3, kPages, 32));
+          for (int64_t l = 0; l < kLayers; ++l) tx->send_layer("t", l);
+          if (prank == 0) {
+            // The gathered whole state: a device buffer beside the cache's slots.
+            const std::vector<float> whole = state_values(kElems, 21);
+            float* buf = nullptr;
+            TANDEM_CUDA_CHECK(cudaMalloc(&buf, whole.size() * 4));
+            TANDEM_CUDA_CHECK(
+                cudaMemcpy(buf, whole.data(), whole.size() * 4, cudaMemcpyHostToDevice));
+            auto refused = [&](const std::function<void()>& fn, const std::string& what) {
+              try {
+                fn();
+              } catch (const Error& e) {
+                TANDEM_CHECK(e.kind() == ErrorKind::kInvalidArgument, what, ": ", e.what());
+                return;
+              }
+              TANDEM_CHECK(false, what, " was not refused");
+            };
+            refused([&] { tx->send_state("t", 1); }, "a slot holding only this rank's part");
+            refused([&] { tx->send_state_from("t", buf, kElems - 1); }, "a buffer of another size");
+            refused([&] { tx->send_state_from("t", nullptr, kElems); }, "a null buffer");
+            tx->send_state_from("t", buf, kElems);
+            refused([&] { tx->send_state_from("t", buf, kElems); }, "a second state");
+            // The buffer may be rewritten once the model's stream passed the copy.
+            TANDEM_CUDA_CHECK(cudaMemsetAsync(buf, 0xff, whole.size() * 4, pool.stream));
+            TANDEM_CUDA_CHECK(cudaStreamSynchronize(pool.stream));
+            tx->finish("t", 5, -0.2f);
+            {
+              std::unique_lock<std::mutex> l(mu);
+              TANDEM_CHECK(
+                  cv.wait_for(l, std::chrono::seconds(60), [&] { return !outcome.empty(); }),
+                  "no callback");
+            }
+            TANDEM_CUDA_CHECK(cudaFree(buf));
+          } else {
+            tx->finish("t", 5, -0.2f);
+            std::unique_lock<std::mutex> l(mu);
+            TANDEM_CHECK(cv.wait_for(l, std::chrono::seconds(60), [&] { return !outcome.empty(); }),
+                         "no callback");
+          }
+          TANDEM_CHECK(outcome == "sent", "prefill rank ", prank, ": ", outcome);
         }
         store.barrier();
       },
