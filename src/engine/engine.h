@@ -166,6 +166,8 @@ class Engine {
   const EngineConfig& config() const { return config_; }
   const Model& model() const { return model_; }
   const BlockManager& blocks() const { return blocks_; }
+  /// A hybrid's prefix-cache state checkpoints (null: none).
+  const StateCheckpoints* state_checkpoints() const { return scheduler_.state_checkpoints(); }
   /// Hands the prefix cache's block events so far to EngineConfig::kv_events (called after each
   /// step; never blocks).
   void flush_kv_events();

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <unordered_set>
 
 #include "core/error.h"
@@ -573,9 +574,19 @@ void Scheduler::commit(const ScheduledBatch& batch) {
     // Hybrid prefix cache: the state at a checkpoint position of the prompt.
     if (checkpoints_ && s.num_computed > 0 && s.num_computed <= s.prompt_len &&
         s.num_computed % checkpoint_interval_ == 0) {
-      const int32_t dst =
-          checkpoints_->insert(s.page_hashes[static_cast<size_t>(s.num_computed / ps - 1)]);
-      if (dst >= 0) state_saves_.push_back({s.state_slot, dst});
+      const auto pi = static_cast<size_t>(s.num_computed / ps - 1);
+      std::optional<uint64_t> evicted;
+      const int32_t dst = checkpoints_->insert(s.page_hashes[pi], &evicted);
+      if (dst >= 0) {
+        state_saves_.push_back({s.state_slot, dst});
+        // KV events, group 1 (vLLM's "mamba" group): the checkpoint under the chain hash of the
+        // page it follows, with that page's tokens and parent, as group 0 stores the page.
+        KvEventLog& events = blocks_.events();
+        if (evicted) events.removed(*evicted, kKvGroupState);
+        events.stored(s.page_hashes[pi],
+                      pi == 0 ? std::nullopt : std::optional<uint64_t>(s.page_hashes[pi - 1]),
+                      s.tokens.data() + pi * static_cast<size_t>(ps), ps, kKvGroupState);
+      }
     }
   }
 }

@@ -113,9 +113,10 @@ int32_t StateCheckpoints::find(uint64_t hash) {
   return it->second.slot;
 }
 
-int32_t StateCheckpoints::insert(uint64_t hash) {
+int32_t StateCheckpoints::insert(uint64_t hash, std::optional<uint64_t>* evicted) {
   if (capacity_ == 0 || map_.count(hash)) return -1;
   if (free_.empty()) {  // evict the least recently used checkpoint
+    if (evicted != nullptr) *evicted = lru_.front();
     auto old = map_.find(lru_.front());
     free_.push_back(old->second.slot);
     map_.erase(old);
@@ -126,6 +127,8 @@ int32_t StateCheckpoints::insert(uint64_t hash) {
   map_.emplace(hash, Entry{slot, lru_.insert(lru_.end(), hash)});
   return slot;
 }
+
+std::vector<uint64_t> StateCheckpoints::hashes() const { return {lru_.begin(), lru_.end()}; }
 
 StateSlotAllocator::StateSlotAllocator(int64_t num_slots)
     : used_(static_cast<size_t>(num_slots), false) {

@@ -5,6 +5,7 @@
 #include <functional>
 #include <list>
 #include <memory>
+#include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -114,8 +115,11 @@ class StateCheckpoints {
   /// The slot of the checkpoint after the page `hash`, or -1; a hit becomes the most recent.
   int32_t find(uint64_t hash);
   /// A slot to write the checkpoint for `hash` into, evicting the least recently used one
-  /// when full; -1 when `hash` already has one (or capacity is 0).
-  int32_t insert(uint64_t hash);
+  /// when full (its hash into *evicted when given); -1 when `hash` already has one (or
+  /// capacity is 0).
+  int32_t insert(uint64_t hash, std::optional<uint64_t>* evicted = nullptr);
+  /// The hashes that have a checkpoint now (tests: a consumer's view of the events).
+  std::vector<uint64_t> hashes() const;
 
  private:
   struct Entry {

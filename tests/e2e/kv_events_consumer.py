@@ -2,7 +2,9 @@
 pyzmq), against `tandem serve --kv-events-config`: it subscribes late (so it catches up through
 the replay socket), sends chat requests that share a prefix, decodes every batch with the
 structs, reproduces every block hash from its tokens (the chain hash in docs/operations.md) and
-checks that the prefix cache reported the shared prefix once.
+checks that the prefix cache reported the shared prefix once. Both KV cache groups are accepted:
+0 (`full_attention`, the paged KV) and, from a hybrid model, 1 (`mamba`, its recurrent-state
+checkpoints, each under the hash of the page it follows); each group is its own set.
 
 usage: kv_events_consumer.py URL PUB_ENDPOINT REPLAY_ENDPOINT TOPIC array|map
 """
@@ -108,7 +110,8 @@ replay = ctx.socket(zmq.DEALER)
 replay.connect(replay_endpoint)
 time.sleep(0.3)
 
-held, batches, next_seq = {}, 0, 0
+KINDS = {0: "full_attention", 1: "mamba"}  # group_idx -> kv_cache_spec_kind
+held, batches, next_seq = {g: {} for g in KINDS}, 0, 0
 
 
 def apply(seq, payload):
@@ -120,19 +123,21 @@ def apply(seq, payload):
     for e in batch.events:
         if isinstance(e, BlockStored):
             assert e.medium in ("CPU", "GPU") and e.lora_id is None, e
-            assert e.group_idx == 0 and e.kv_cache_spec_kind == "full_attention", e
+            assert e.group_idx in KINDS and e.kv_cache_spec_kind == KINDS[e.group_idx], e
+            group = held[e.group_idx]
             parent = e.parent_block_hash or 0
             for i, h in enumerate(e.block_hashes):
                 toks = e.token_ids[i * e.block_size:(i + 1) * e.block_size]
                 assert page_hash(parent, toks) == h, ("hash does not reproduce", e)
-                assert h not in held, "stored twice"
-                held[h] = toks
+                assert h not in group, "stored twice"
+                group[h] = toks
                 parent = h
         elif isinstance(e, BlockRemoved):
             for h in e.block_hashes:
-                held.pop(h)
+                held[e.group_idx or 0].pop(h)
         else:
-            held.clear()
+            for group in held.values():
+                group.clear()
     batches += 1
     next_seq = seq + 1
 
@@ -176,6 +181,7 @@ drain(2.0)
 assert batches >= 3, batches
 assert next_seq > 1
 # The system prompt's pages were stored once and then hit: every held page is distinct.
-assert len(held) > 0
+assert len(held[0]) > 0
 print(f"kv events ({encoding}): {batches} batches decoded with vLLM's msgspec structs, "
-      f"{len(held)} pages held, every hash reproduced from its tokens")
+      f"{len(held[0])} pages and {len(held[1])} state checkpoints held, every hash reproduced "
+      f"from its tokens")

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
 #include <msgpack.hpp>
 #include <random>
 #include <set>
@@ -16,15 +17,18 @@
 #include "events/kv_events_config.h"
 #include "events/zmq_publisher.h"
 #include "events/zmq_subscriber.h"
+#include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
 
 namespace tandem {
 namespace {
 
-// A consumer's view: the hashes stored minus those removed, as events say.
+// A consumer's view: the hashes stored minus those removed, as events say, per KV cache group
+// (0: pages, 1: a hybrid's state checkpoints).
 struct View {
   std::mutex mu;
-  std::set<uint64_t> held;
+  std::map<int32_t, std::set<uint64_t>> held;
+  std::map<int32_t, int64_t> removed;  // hashes removed, per group
   int64_t batches = 0;
   void apply(const std::vector<KvEvent>& events) {
     std::lock_guard<std::mutex> lk(mu);
@@ -32,24 +36,32 @@ struct View {
     for (const KvEvent& e : events) {
       if (const auto* s = std::get_if<KvBlockStored>(&e)) {
         // A consumer reproduces each hash from the tokens and the parent.
+        ASSERT_EQ(s->token_ids.size(), s->block_hashes.size() * static_cast<size_t>(s->block_size));
         uint64_t parent = s->parent_hash.value_or(0);
         for (size_t i = 0; i < s->block_hashes.size(); ++i) {
           std::span<const int32_t> toks(s->token_ids.data() + i * s->block_size,
                                         static_cast<size_t>(s->block_size));
           EXPECT_EQ(BlockManager::page_hash(parent, toks), s->block_hashes[i]);
           parent = s->block_hashes[i];
-          EXPECT_TRUE(held.insert(s->block_hashes[i]).second) << "stored twice";
+          EXPECT_TRUE(held[s->group_idx].insert(s->block_hashes[i]).second) << "stored twice";
         }
       } else if (const auto* r = std::get_if<KvBlockRemoved>(&e)) {
-        for (uint64_t h : r->block_hashes) EXPECT_EQ(held.erase(h), 1u) << "removed, not held";
+        for (uint64_t h : r->block_hashes) {
+          EXPECT_EQ(held[r->group_idx].erase(h), 1u) << "removed, not held";
+          ++removed[r->group_idx];
+        }
       } else {
-        held.clear();
+        held.clear();  // (both groups)
       }
     }
   }
-  std::set<uint64_t> get() {
+  std::set<uint64_t> get(int32_t group = kKvGroupAttention) {
     std::lock_guard<std::mutex> lk(mu);
-    return held;
+    return held[group];
+  }
+  int64_t removed_of(int32_t group) {
+    std::lock_guard<std::mutex> lk(mu);
+    return removed[group];
   }
 };
 
@@ -215,6 +227,53 @@ TEST(KvEvents, EngineEventsMirrorItsPrefixCache) {
   }
   EXPECT_GT(stored_any, 0);
   EXPECT_LT(e.blocks().num_free(), cfg.num_pages);  // (the cache holds pages: a real test)
+}
+
+// A hybrid (Qwen3.5: gated DeltaNet + attention layers): its prefix cache's recurrent-state
+// checkpoints are published as group 1 ("mamba"), each under the chain hash of the page it
+// follows; the events replayed equal the engine's checkpoints after every request, through
+// stores and evictions of both groups.
+TEST(KvEvents, HybridStateCheckpointEventsMirrorItsCheckpoints) {
+  static std::unique_ptr<Model> m = load_cpu_model(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/data/fixtures/qwen35_text_hd64_int2_fused");
+  ASSERT_GT(m->state_slot_elems(), 0);
+  auto sink = std::make_shared<RecordingSink>();
+  EngineConfig cfg;
+  cfg.page_size = 4;
+  cfg.num_pages = 24;
+  cfg.max_model_len = 96;
+  cfg.max_num_seqs = 2;
+  cfg.state_checkpoint_interval = 8;  // a checkpoint every second page
+  cfg.num_state_checkpoints = 3;      // few: later prompts evict earlier checkpoints
+  cfg.kv_events = sink;
+  Engine e(*m, cfg);
+  ASSERT_NE(e.state_checkpoints(), nullptr);
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> tok(0, 250);
+  std::vector<int32_t> shared(12);
+  for (auto& t : shared) t = tok(rng);
+  int64_t stored_any = 0;
+  for (int i = 0; i < 12; ++i) {
+    GenRequest r;
+    r.id = "h" + std::to_string(i);
+    r.prompt_ids = shared;
+    for (int j = 0; j < 9 + 3 * (i % 4); ++j) r.prompt_ids.push_back(tok(rng));
+    r.max_tokens = 3;
+    r.ignore_eos = true;
+    e.add(std::move(r), [](const StepOutput&) {});
+    while (e.step()) {
+    }
+    EXPECT_EQ(sink->view.get(kKvGroupAttention), cached(e.blocks())) << "after request " << i;
+    const auto ck = e.state_checkpoints()->hashes();
+    EXPECT_EQ(sink->view.get(kKvGroupState), std::set<uint64_t>(ck.begin(), ck.end()))
+        << "after request " << i;
+    stored_any += static_cast<int64_t>(sink->view.get(kKvGroupState).size());
+  }
+  EXPECT_GT(stored_any, 0);
+  EXPECT_EQ(e.state_checkpoints()->size(), 3);
+  EXPECT_GT(sink->view.removed_of(kKvGroupState), 0);  // checkpoints were evicted
+  EXPECT_GT(sink->view.removed_of(kKvGroupAttention), 0);
+  EXPECT_GT(e.stats().prefix_cache_hits, 0);  // (the shared prefix resumed at a checkpoint)
 }
 
 void wait_for(const std::function<bool()>& done) {

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -201,6 +202,15 @@ TEST(StateSlots, CheckpointsFindInsertAndEvictLeastRecentlyUsed) {
   EXPECT_EQ(c.find(11), a);
   EXPECT_EQ(c.find(33), b);
   EXPECT_EQ(c.size(), 2);
+  // The evicted hash is reported (the KV events' BlockRemoved of group 1).
+  std::optional<uint64_t> evicted;
+  EXPECT_EQ(c.insert(44, &evicted), a);  // 11 is the least recent now
+  EXPECT_EQ(evicted, std::optional<uint64_t>(11));
+  evicted.reset();
+  EXPECT_EQ(c.insert(44, &evicted), -1);
+  EXPECT_FALSE(evicted.has_value());
+  auto held = c.hashes();
+  EXPECT_EQ(std::set<uint64_t>(held.begin(), held.end()), std::set<uint64_t>({33, 44}));
   StateCheckpoints none(0, 0);
   EXPECT_EQ(none.insert(1), -1);
 }

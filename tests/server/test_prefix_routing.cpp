@@ -19,6 +19,7 @@
 #include "events/kv_event_sim.h"
 #include "events/zmq_publisher.h"
 #include "events/zmq_subscriber.h"
+#include "model/qwen3_5_moe.h"
 #include "model/qwen3_moe.h"
 #include "server/prefix_index.h"
 #include "server/replica_router.h"
@@ -200,6 +201,60 @@ TEST(PrefixIndex, MatchesRunsOfPagesAndEvictsWithinItsBound) {
   index.apply(0, {s});
   index.apply(0, {KvBlockStored{{s.block_hashes[0]}, std::nullopt, {}, 64, kKvGroupState}});
   EXPECT_EQ(index.match(t, 1), (std::vector<int64_t>{8}));
+}
+
+// A hybrid engine's own events (Qwen3.5 fixture: state checkpoints every 8 tokens, pages of 4)
+// into the index: a prompt extending a served one matches up to the served prompt's last
+// checkpoint, not its last page, which is what the engine then really reuses. An index fed only
+// the pages (group 0, as before the engine published group 1) over-counts.
+TEST(PrefixIndex, HybridEngineHitResumesAtItsLastCheckpoint) {
+  static std::unique_ptr<Model> m = load_cpu_model(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/data/fixtures/qwen35_text_hd64_int2_fused");
+  struct IndexSink : KvEventSink {
+    PrefixIndex both, pages_only;
+    void publish(std::vector<KvEvent> events) override {
+      both.apply(0, events);
+      std::vector<KvEvent> g0;
+      for (const KvEvent& e : events) {
+        const auto* s = std::get_if<KvBlockStored>(&e);
+        const auto* r = std::get_if<KvBlockRemoved>(&e);
+        if ((s && s->group_idx == kKvGroupState) || (r && r->group_idx == kKvGroupState)) continue;
+        g0.push_back(e);
+      }
+      pages_only.apply(0, g0);
+    }
+  };
+  auto sink = std::make_shared<IndexSink>();
+  EngineConfig cfg;
+  cfg.page_size = 4;
+  cfg.num_pages = 32;
+  cfg.max_model_len = 96;
+  cfg.max_num_seqs = 2;
+  cfg.state_checkpoint_interval = 8;
+  cfg.num_state_checkpoints = 3;
+  cfg.kv_events = sink;
+  Engine e(*m, cfg);
+  std::vector<int32_t> served(30);
+  for (size_t i = 0; i < served.size(); ++i) served[i] = static_cast<int32_t>((i * 37 + 5) % 251);
+  auto serve = [&](const std::string& id, const std::vector<int32_t>& prompt) {
+    GenRequest r;
+    r.id = id;
+    r.prompt_ids = prompt;
+    r.max_tokens = 2;
+    r.ignore_eos = true;
+    e.add(std::move(r), [](const StepOutput&) {});
+    while (e.step()) {
+    }
+  };
+  serve("a", served);
+  // 7 full pages (28 tokens) cached; checkpoints after tokens 8, 16 and 24.
+  std::vector<int32_t> next = served;
+  for (int i = 0; i < 10; ++i) next.push_back(200 + i);
+  EXPECT_EQ(sink->pages_only.match(next, 1), (std::vector<int64_t>{28}));
+  EXPECT_EQ(sink->both.match(next, 1), (std::vector<int64_t>{24}));
+  const int64_t hits = e.stats().prefix_cache_hits;
+  serve("b", next);
+  EXPECT_EQ(e.stats().prefix_cache_hits - hits, 24);  // the engine resumed where the index said
 }
 
 TEST(PrefixIndex, PickIsLeastQueuedWhenCold) {
