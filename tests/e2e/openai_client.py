@@ -22,24 +22,28 @@ else:
 models = client.models.list()
 assert [m.id for m in models.data] == ["demo"], models
 
-# Streaming chat completion, with the usage chunk.
-text, usage = "", None
+# Streaming chat completion, with the usage chunk. The demo thinks first (Qwen3's default,
+# enable_thinking): the reasoning arrives as delta.reasoning_content, then the answer as content.
+text, reasoning, usage = "", "", None
 for chunk in client.chat.completions.create(
-        model="demo", stream=True, max_tokens=24, temperature=0,
+        model="demo", stream=True, max_tokens=64, temperature=0,
         stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "Who is Mr. Darcy?"}]):
     if chunk.choices:
         text += chunk.choices[0].delta.content or ""
+        reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
     if chunk.usage:
         usage = chunk.usage
 assert usage is not None and usage.completion_tokens > 0, usage
-assert len(text.strip()) > 0, repr(text)
+assert len(text.strip()) > 0, (reasoning, text)
+assert len(reasoning.strip()) > 0, (reasoning, text)
 
-# The same request without streaming gives the same text (greedy).
+# The same request without streaming gives the same text and reasoning (greedy).
 resp = client.chat.completions.create(
-    model="demo", max_tokens=24, temperature=0,
+    model="demo", max_tokens=64, temperature=0,
     messages=[{"role": "user", "content": "Who is Mr. Darcy?"}])
 assert resp.choices[0].message.content == text, (resp.choices[0].message.content, text)
+assert getattr(resp.choices[0].message, "reasoning_content", None) == reasoning, (resp, reasoning)
 
 # Completions with logprobs; errors come back as the client's typed exceptions.
 comp = client.completions.create(model="demo", prompt="It is a truth", max_tokens=5,
@@ -51,21 +55,27 @@ try:
 except Exception as e:  # openai.BadRequestError
     assert getattr(e, "status_code", None) == 400, e
 
-# Reasoning: the demo model opens every chat reply with an empty think block; it is split off
-# (reasoning_content null) and the content does not start with its newlines.
+# Reasoning: with thinking on (the default) the demo writes a plan in a think block: it is split
+# off into reasoning_content (checked above), and the content does not start with its newlines.
+# With enable_thinking false the template's empty think block is split off: reasoning_content
+# null, and nothing of it streams.
 msg = resp.choices[0].message
 assert not msg.content.startswith("\n"), repr(msg.content)
+off = {"chat_template_kwargs": {"enable_thinking": False}}
+msg = client.chat.completions.create(
+    model="demo", max_tokens=24, temperature=0, extra_body=off,
+    messages=[{"role": "user", "content": "Who is Mr. Darcy?"}]).choices[0].message
+assert msg.content and not msg.content.startswith("\n"), repr(msg.content)
 assert getattr(msg, "reasoning_content", "missing") is None, msg
 streamed_reasoning = ""
 for chunk in client.chat.completions.create(
-        model="demo", stream=True, max_tokens=24, temperature=0,
+        model="demo", stream=True, max_tokens=24, temperature=0, extra_body=off,
         messages=[{"role": "user", "content": "Who is Mr. Darcy?"}]):
     if chunk.choices:
         streamed_reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
 assert streamed_reasoning == "", repr(streamed_reasoning)
 
-# Tools: the demo model was not trained to call them, but the requests and replies must have
-# OpenAI's shapes; a named tool_choice starts the reply inside that function's call.
+# Tools: whatever the model chooses, the requests and replies must have OpenAI's shapes; a named tool_choice starts the reply inside that function's call.
 tools = [{"type": "function", "function": {
     "name": "count_chapters", "description": "Chapters in a novel",
     "parameters": {"type": "object", "properties": {"book": {"type": "string"}},
@@ -169,7 +179,7 @@ for choice in ["required", {"type": "function", "function": {"name": "count_chap
 r = client.completions.create(model="demo", prompt="The date:", max_tokens=20, temperature=1.0,
                               extra_body={"structured_outputs": {"regex": "[0-9]{4}-[0-9]{2}"}})
 assert re.fullmatch(r"[0-9]{4}-[0-9]{2}", r.choices[0].text), r.choices[0].text
-r = client.chat.completions.create(model="demo", max_tokens=10, temperature=1.0,
+r = client.chat.completions.create(model="demo", max_tokens=64, temperature=1.0,
                                    messages=[{"role": "user", "content": "Emma or Anne?"}],
                                    extra_body={"guided_choice": ["Emma", "Anne"]})
 assert r.choices[0].message.content in ("Emma", "Anne"), r.choices[0].message.content
@@ -181,12 +191,12 @@ assert len(forced.choices[0].text) > 0
 
 # The Responses API.
 r = client.responses.create(model="demo", input="Who is Mr. Darcy?", instructions="Be brief.",
-                            max_output_tokens=24, temperature=0)
+                            max_output_tokens=64, temperature=0)
 assert r.status in ("completed", "incomplete"), r
 assert len(r.output_text) > 0 and not r.output_text.startswith("\n"), repr(r.output_text)
 deltas, final = "", None
 for ev in client.responses.create(model="demo", input="Who is Mr. Darcy?",
-                                  instructions="Be brief.", max_output_tokens=24,
+                                  instructions="Be brief.", max_output_tokens=64,
                                   temperature=0, stream=True):
     if ev.type == "response.output_text.delta":
         deltas += ev.delta

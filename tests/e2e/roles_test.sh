@@ -105,7 +105,9 @@ echo "router1 over a speculating decode --nprocs 2: drafts ${drafts:-none}, draf
   echo "router1's MTP counters are missing or wrong"; curl -s "http://$router1_addr/metrics" | grep spec; exit 1; }
 # The instances' metrics on the router's --metrics-port.
 metrics=$(curl -sf "http://127.0.0.1:$mport/metrics") || { echo "no /metrics"; exit 1; }
-for m in 'tandem_prefill_queued_input_tokens{instance="0"} 0' 'tandem_prefill_input_tokens_total{instance="0"} 12' \
+# (both routers' requests, a and c, went to the one prefill instance: twice the prompt's tokens)
+prompt_tokens=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["usage"]["prompt_tokens"])' "$dir/a.json")
+for m in 'tandem_prefill_queued_input_tokens{instance="0"} 0' "tandem_prefill_input_tokens_total{instance=\"0\"} $((2 * prompt_tokens))" \
          'tandem_decode_batch{instance="1",rank="1"} 0' 'tandem_decode_max_batch{instance="0"} 32'; do
   grep -qF "$m" <<<"$metrics" || { echo "missing in /metrics: $m"; echo "$metrics"; exit 1; }
 done
