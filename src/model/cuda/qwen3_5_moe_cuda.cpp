@@ -29,6 +29,7 @@
 #include "backend/cuda/spec_advance.h"
 #include "backend/cuda/spec_replay.h"
 #include "core/dtype.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/device_sampler.h"
@@ -1007,10 +1008,8 @@ std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
   std::unique_ptr<Qwen35MoeCuda> m(new Qwen35MoeCuda(std::move(config), opts));
   // Block FP8 keeps its experts FP8 unless turned off (the option, or TANDEM_CUDA_FP8=0 for
   // comparisons), as Qwen3MoeCuda; MXFP8 is dequantized to bf16.
-  const char* env = std::getenv("TANDEM_CUDA_FP8");
-  const bool env_off =
-      env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "off") == 0 ||
-                         std::strcmp(env, "dequant") == 0);
+  const std::string fp8_env = env::choice("TANDEM_CUDA_FP8").value_or("on");
+  const bool env_off = fp8_env == "0" || fp8_env == "off" || fp8_env == "dequant";
   const QuantConfig& q = m->config_.quant;
   m->impl_->fp8 = opts.fp8_weights && !env_off && q.method == WeightQuant::kFp8Block &&
                   q.block_cols == cuda::kFp8BlockK && q.block_rows > 0;
