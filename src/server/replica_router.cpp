@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "disagg/instance_api.h"
 #include "events/zmq_subscriber.h"
+#include "net/address.h"
 
 namespace tandem {
 
@@ -26,7 +27,6 @@ ReplicaRouter::ReplicaRouter(const std::vector<std::string>& endpoints, RouterCo
     r->name = e;
     r->client = std::make_unique<RemoteReplica>(e, config_.cluster_key);
     const int id = static_cast<int>(replicas_.size());
-    const size_t colon = e.rfind(':');
     const auto i = static_cast<size_t>(id);
     KvEventSubscriberConfig sc;
     sc.topic = config_.kv_events_topic;
@@ -35,11 +35,11 @@ ReplicaRouter::ReplicaRouter(const std::vector<std::string>& endpoints, RouterCo
       if (i < config_.kv_events_replay_endpoints.size()) {
         sc.replay_endpoint = config_.kv_events_replay_endpoints[i];
       }
-    } else if (config_.kv_events_port > 0 && colon != std::string::npos) {
-      const std::string host = e.substr(0, colon);
-      sc.endpoint = "tcp://" + host + ":" + std::to_string(config_.kv_events_port);
+    } else if (config_.kv_events_port > 0) {
+      const std::string host = net::split_host_port(e, "replica address").host;
+      sc.endpoint = "tcp://" + net::join_host_port(host, config_.kv_events_port);
       if (config_.kv_events_replay_port > 0) {
-        sc.replay_endpoint = "tcp://" + host + ":" + std::to_string(config_.kv_events_replay_port);
+        sc.replay_endpoint = "tcp://" + net::join_host_port(host, config_.kv_events_replay_port);
       }
     }
     if (!sc.endpoint.empty() && id < PrefixIndex::kMaxInstances) {

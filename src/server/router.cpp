@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "disagg/instance_api.h"
 #include "events/zmq_subscriber.h"
+#include "net/address.h"
 #include "server/http/instance_metrics.h"
 
 namespace tandem {
@@ -147,6 +148,20 @@ void Router::log(const std::string& line) const {
   }
 }
 
+namespace {
+// "host:port" (an IPv6 host in brackets) into the host without brackets and the port.
+bool split_endpoint(const std::string& endpoint, std::string& host, std::string& port) {
+  try {
+    net::HostPort hp = net::split_host_port(endpoint, "instance address");
+    host = std::move(hp.host);
+    port = std::move(hp.port);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+}  // namespace
+
 void Router::add_prefill(const std::string& name, PrefillClient* client,
                          std::unique_ptr<PrefillClient> owned) {
   auto m = std::make_shared<Prefill>();
@@ -154,16 +169,15 @@ void Router::add_prefill(const std::string& name, PrefillClient* client,
   m->client = client;
   m->owned = std::move(owned);
   m->load.alive = false;
-  const size_t colon = name.rfind(':');
-  if (config_.kv_events_port > 0 && colon != std::string::npos &&
+  std::string host, port;
+  if (config_.kv_events_port > 0 && split_endpoint(name, host, port) &&
       next_index_id_.load() < PrefixIndex::kMaxInstances) {
     const int id = next_index_id_++;
     m->index_id = id;
-    const std::string host = name.substr(0, colon);
     KvEventSubscriberConfig sc;
-    sc.endpoint = "tcp://" + host + ":" + std::to_string(config_.kv_events_port);
+    sc.endpoint = "tcp://" + net::join_host_port(host, config_.kv_events_port);
     if (config_.kv_events_replay_port > 0) {
-      sc.replay_endpoint = "tcp://" + host + ":" + std::to_string(config_.kv_events_replay_port);
+      sc.replay_endpoint = "tcp://" + net::join_host_port(host, config_.kv_events_replay_port);
     }
     sc.topic = config_.kv_events_topic;
     try {
@@ -201,16 +215,6 @@ std::vector<std::shared_ptr<Router::Decode>> Router::decodes() const {
   std::lock_guard<std::mutex> lock(members_mu_);
   return decode_;
 }
-
-namespace {
-bool split_endpoint(const std::string& endpoint, std::string& host, std::string& port) {
-  const size_t colon = endpoint.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == endpoint.size()) return false;
-  host = endpoint.substr(0, colon);
-  port = endpoint.substr(colon + 1);
-  return true;
-}
-}  // namespace
 
 void Router::watch_prefill(const std::string& endpoint) {
   auto w = std::make_unique<Watch>();
