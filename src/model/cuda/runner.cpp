@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "model/cuda/device_sampler.h"
 #include "model/cuda/factory.h"
+#include "model/load_progress.h"
 
 namespace tandem::cuda_model {
 
@@ -603,11 +604,18 @@ void CudaRunner::capture_buckets(KvCache& kv, int64_t max_batch, int64_t q) {
   const bool states = layers_->has_states();
   const std::vector<int32_t> tokens(static_cast<size_t>(q), 0);
   const int32_t page = 0;
+  std::vector<int64_t> todo;
   for (const int64_t bucket : buckets_) {
     if (bucket > std::max<int64_t>(1, max_batch) || bucket * q > ws_.t_cap ||
         bucket * q > ws_.rows_cap || (states && bucket > kv.num_state_slots())) {
       break;
     }
+    todo.push_back(bucket);
+  }
+  // Start-up progress (the serve's /health phase and its log): each graph as it is captured.
+  LoadObserver* const obs = load_observer();
+  int64_t done = 0;
+  for (const int64_t bucket : todo) {
     ForwardBatch b;
     for (int64_t i = 0; i < bucket; ++i) {
       b.seqs.push_back({tokens.data(), q, 0, &page, 1,
@@ -615,6 +623,7 @@ void CudaRunner::capture_buckets(KvCache& kv, int64_t max_batch, int64_t q) {
                         states ? static_cast<int32_t>(i) : -1});
     }
     launch(b, kv);  // captures the (bucket, q) graph, then replays it once
+    if (obs != nullptr) obs->on_graph(bucket, ++done, static_cast<int64_t>(todo.size()));
   }
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
