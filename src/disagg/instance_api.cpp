@@ -38,33 +38,9 @@ enum Msg : uint32_t {
   kPrefillDone = 102,
 };
 
-bool write_all(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-bool read_all(int fd, void* data, size_t n) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    ssize_t r = ::recv(fd, p, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
 bool write_frame(int fd, uint32_t type, const std::vector<uint8_t>& payload) {
   uint32_t head[2] = {type, static_cast<uint32_t>(payload.size())};
-  return write_all(fd, head, sizeof(head)) && write_all(fd, payload.data(), payload.size());
+  return net::send_all(fd, head, sizeof(head)) && net::send_all(fd, payload.data(), payload.size());
 }
 
 // False when the connection ended or the frame is over kMaxControlFrameBytes (why says which).
@@ -72,7 +48,7 @@ bool write_frame(int fd, uint32_t type, const std::vector<uint8_t>& payload) {
 // claims more than it sends costs no memory.
 bool read_frame(int fd, uint32_t& type, std::vector<uint8_t>& payload, std::string* why = nullptr) {
   uint32_t head[2];
-  if (!read_all(fd, head, sizeof(head))) return false;
+  if (!net::recv_all(fd, head, sizeof(head))) return false;
   type = head[0];
   if (head[1] > kMaxControlFrameBytes) {
     if (why) {
@@ -87,7 +63,7 @@ bool read_frame(int fd, uint32_t& type, std::vector<uint8_t>& payload, std::stri
   for (size_t got = 0; got < head[1];) {
     const size_t n = std::min<size_t>(kStep, head[1] - got);
     payload.resize(got + n);
-    if (!read_all(fd, payload.data() + got, n)) return false;
+    if (!net::recv_all(fd, payload.data() + got, n)) return false;
     got += n;
   }
   return true;
@@ -639,6 +615,14 @@ bool InstanceLink::poll() {
 
 namespace {
 constexpr std::chrono::milliseconds kLoadTimeout{2000};
+
+// The hello a remote end opens each connection with: the peer must have the role it is used for.
+HelloReply hello_as(InstanceConnection& c, int role, const std::string& endpoint,
+                    const char* not_that) {
+  HelloReply hello = decode<HelloReply>(c.call(kHello, {}, kLoadTimeout));
+  TANDEM_CHECK_KIND(kInvalidArgument, hello.role == role, endpoint, not_that);
+  return hello;
+}
 }  // namespace
 
 RemoteDecode::RemoteDecode(const std::string& endpoint, net::KeyRef key)
@@ -646,9 +630,7 @@ RemoteDecode::RemoteDecode(const std::string& endpoint, net::KeyRef key)
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
           [this, endpoint](InstanceConnection& c) {
-            const auto hello = decode<HelloReply>(c.call(kHello, {}, kLoadTimeout));
-            TANDEM_CHECK_KIND(kInvalidArgument, hello.role == 1, endpoint,
-                              " is not a decode instance");
+            const auto hello = hello_as(c, 1, endpoint, " is not a decode instance");
             max_model_len_ = hello.max_model_len;
             vocab_size_ = hello.vocab_size;
           },
@@ -796,9 +778,8 @@ RemoteReplica::RemoteReplica(const std::string& endpoint, net::KeyRef key)
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
           [this, endpoint](InstanceConnection& c) {
-            const auto hello = decode<HelloReply>(c.call(kHello, {}, kLoadTimeout));
-            TANDEM_CHECK_KIND(kInvalidArgument, hello.role == 2, endpoint,
-                              " is not a colocated replica (tandem serve --control-port)");
+            const auto hello = hello_as(
+                c, 2, endpoint, " is not a colocated replica (tandem serve --control-port)");
             max_model_len_ = hello.max_model_len;
             vocab_size_ = hello.vocab_size;
           },
@@ -861,9 +842,7 @@ RemotePrefill::RemotePrefill(const std::string& endpoint, net::KeyRef key)
           endpoint, [this](uint32_t type, const std::vector<uint8_t>& p) { on_push(type, p); },
           [this] { on_lost(); },
           [this, endpoint](InstanceConnection& c) {
-            const auto hello = decode<HelloReply>(c.call(kHello, {}, kLoadTimeout));
-            TANDEM_CHECK_KIND(kInvalidArgument, hello.role == 0, endpoint,
-                              " is not a prefill instance");
+            const auto hello = hello_as(c, 0, endpoint, " is not a prefill instance");
             std::lock_guard<std::mutex> lock(sharding_mu_);
             sharding_ = hello.sharding;
           },

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <string>
 
 namespace tandem::net {
@@ -27,6 +28,12 @@ std::string join_host_port(const std::string& host, int port);
 /// "cannot connect to <what> <address>: <why>" otherwise.
 int connect_tcp(const std::string& address, std::chrono::milliseconds connect_timeout,
                 const std::string& what);
+
+/// Writes all n bytes (send with MSG_NOSIGNAL, EINTR retried); false when the peer is gone.
+bool send_all(int fd, const void* data, size_t n);
+
+/// Reads exactly n bytes (EINTR retried); false on EOF or an error.
+bool recv_all(int fd, void* data, size_t n);
 
 /// A socket listening on host (an IPv4 address) and port (0: any free one), SO_REUSEADDR;
 /// bound_port is the port it got. Throws Error(kInvalidArgument) "<what>: bad listen address

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "net/address.h"
 
 namespace tandem::net {
 
@@ -57,17 +58,6 @@ bool same(std::span<const uint8_t> a, std::span<const uint8_t> b) {
 std::atomic<uint64_t> g_failures[kNumChannels + 1];
 std::mutex g_log_mu;
 std::function<void(const std::string&)> g_log;
-
-bool write_all(int fd, const uint8_t* p, size_t n) {
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
 
 // Reads exactly n bytes before the deadline; "" on success, else why not.
 std::string read_exact(int fd, uint8_t* p, size_t n, std::chrono::steady_clock::time_point until) {
@@ -192,7 +182,7 @@ void ServerHandshake::verify(std::span<const uint8_t> proof) const {
 void authenticate_client(int fd, const ClusterKey& key, Channel channel, const std::string& peer,
                          std::chrono::milliseconds timeout) {
   ClientHandshake hs(key, channel);
-  if (!write_all(fd, hs.hello().data(), hs.hello().size())) {
+  if (!send_all(fd, hs.hello().data(), hs.hello().size())) {
     fail(channel, peer, "sending the HELLO failed");
   }
   std::array<uint8_t, kChallengeBytes> challenge{};
@@ -205,7 +195,7 @@ void authenticate_client(int fd, const ClusterKey& key, Channel channel, const s
   } catch (const Error& e) {
     fail(channel, peer, e.message());
   }
-  if (!write_all(fd, proof.data(), proof.size())) fail(channel, peer, "sending the PROOF failed");
+  if (!send_all(fd, proof.data(), proof.size())) fail(channel, peer, "sending the PROOF failed");
 }
 
 void authenticate_server(int fd, const ClusterKey& key, Channel channel, const std::string& peer,
@@ -221,7 +211,7 @@ void authenticate_server(int fd, const ClusterKey& key, Channel channel, const s
   } catch (const Error& e) {
     fail(channel, peer, e.message());
   }
-  if (!write_all(fd, challenge.data(), challenge.size())) {
+  if (!send_all(fd, challenge.data(), challenge.size())) {
     fail(channel, peer, "sending the CHALLENGE failed");
   }
   std::array<uint8_t, kProofBytes> proof{};

@@ -49,4 +49,20 @@ void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t
   up.put(e_dst, pe.data(), pe.size());
 }
 
+void upload_fp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,
+                        int64_t hidden, uint8_t* q_dst, float* s_dst, Uploader& up) {
+  const int64_t kb = cuda::fp8_row_scale_cols(hidden);
+  std::vector<uint8_t> gq(static_cast<size_t>(inter * hidden)), uq(gq.size()), pq(2 * gq.size());
+  std::vector<float> gs(static_cast<size_t>(inter * kb)), us(gs.size()), ps(2 * gs.size());
+  wr.read_fp8_codes(ep + "gate_proj.weight", inter, hidden, {0, inter}, {0, hidden}, gq.data(),
+                    gs.data());
+  wr.read_fp8_codes(ep + "up_proj.weight", inter, hidden, {0, inter}, {0, hidden}, uq.data(),
+                    us.data());
+  cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(hidden), pq.data());
+  cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter, static_cast<size_t>(kb) * sizeof(float),
+                              ps.data());
+  up.put(q_dst, pq.data(), pq.size());
+  up.put(s_dst, ps.data(), ps.size() * sizeof(float));
+}
+
 }  // namespace tandem::cuda_model

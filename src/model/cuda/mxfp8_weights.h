@@ -41,4 +41,10 @@ void read_mxfp8_for_gpu(const WeightReader& wr, const std::string& name, int64_t
 void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,
                           int64_t hidden, uint8_t* q_dst, uint8_t* e_dst, Uploader& up);
 
+/// The same for block FP8 (the codes with their per-row 128-column scales as read_fp8_codes
+/// gives them): codes to q_dst [2 inter, hidden], scales to s_dst [2 inter,
+/// fp8_row_scale_cols(hidden)] (device).
+void upload_fp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,
+                        int64_t hidden, uint8_t* q_dst, float* s_dst, Uploader& up);
+
 }  // namespace tandem::cuda_model

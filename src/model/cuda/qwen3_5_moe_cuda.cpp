@@ -33,6 +33,7 @@
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
 #include "model/cuda/device_sampler.h"
+#include "model/cuda/mxfp8_weights.h"
 #include "model/cuda/runner.h"
 #include "model/cuda/shard_comms.h"
 #include "model/cuda/spec_stage.h"
@@ -543,23 +544,13 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       std::vector<float> ef;
       if (w.gate_up_q != nullptr) {  // FP8 experts: codes + row scales as stored (fp8_experts)
         const int64_t kbh = cuda::fp8_row_scale_cols(h), kbi = cuda::fp8_row_scale_cols(inter);
-        std::vector<uint8_t> gq(static_cast<size_t>(inter * h)), uq(gq.size()), pq(2 * gq.size());
-        std::vector<float> gs(static_cast<size_t>(inter * kbh)), us(gs.size()), ps(2 * gs.size());
         std::vector<uint8_t> dq(static_cast<size_t>(h * inter));
         std::vector<float> ds(static_cast<size_t>(h * kbi));
         for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
           const int64_t le = e - plan.experts.begin;
           const std::string ep = m + "experts." + std::to_string(e) + ".";
-          wr.read_fp8_codes(ep + "gate_proj.weight", inter, h, {0, inter}, {0, h}, gq.data(),
-                            gs.data());
-          wr.read_fp8_codes(ep + "up_proj.weight", inter, h, {0, inter}, {0, h}, uq.data(),
-                            us.data());
-          cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(h),
-                                      pq.data());
-          cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter,
-                                      static_cast<size_t>(kbh) * sizeof(float), ps.data());
-          up.put(w.gate_up_q + le * 2 * inter * h, pq.data(), pq.size());
-          up.put(w.gate_up_s + le * 2 * inter * kbh, ps.data(), ps.size() * sizeof(float));
+          cuda_model::upload_fp8_gate_up(wr, ep, inter, h, w.gate_up_q + le * 2 * inter * h,
+                                         w.gate_up_s + le * 2 * inter * kbh, up);
           wr.read_fp8_codes(ep + "down_proj.weight", h, inter, {0, h}, {0, inter}, dq.data(),
                             ds.data());
           up.put(w.down_q + le * h * inter, dq.data(), dq.size());

@@ -338,20 +338,10 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
       } else if (w.moe && w.gate_up8) {
         const int64_t inter = c.moe_intermediate_size, kbh = cuda::fp8_row_scale_cols(h);
         put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
-        std::vector<uint8_t> gq(static_cast<size_t>(inter * h)), uq(gq.size()), pq(2 * gq.size());
-        std::vector<float> gs(static_cast<size_t>(inter * kbh)), us(gs.size()), ps(2 * gs.size());
         for (int64_t e = 0; e < local_experts(); ++e) {
           const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + e) + ".";
-          wr.read_fp8_codes(ep + "gate_proj.weight", inter, h, {0, inter}, {0, h}, gq.data(),
-                            gs.data());
-          wr.read_fp8_codes(ep + "up_proj.weight", inter, h, {0, inter}, {0, h}, uq.data(),
-                            us.data());
-          cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(h),
-                                      pq.data());
-          cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter,
-                                      static_cast<size_t>(kbh) * sizeof(float), ps.data());
-          up.put(w.gate_up8.q + e * 2 * inter * h, pq.data(), pq.size());
-          up.put(w.gate_up8.s + e * 2 * inter * kbh, ps.data(), ps.size() * sizeof(float));
+          cuda_model::upload_fp8_gate_up(wr, ep, inter, h, w.gate_up8.q + e * 2 * inter * h,
+                                         w.gate_up8.s + e * 2 * inter * kbh, up);
           put8(w.down8, e * h, ep + "down_proj.weight", h, inter, {0, h}, {0, inter});
         }
       } else if (w.moe) {

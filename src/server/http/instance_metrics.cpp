@@ -15,22 +15,6 @@
 
 namespace tandem {
 
-namespace {
-
-bool write_all(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-}  // namespace
-
 MetricsEndpoint::MetricsEndpoint(const std::string& host, int port,
                                  std::function<std::string()> render)
     : render_(std::move(render)) {
@@ -78,8 +62,8 @@ void MetricsEndpoint::loop() {
     const std::string head = "HTTP/1.1 " + status +
                              "\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " +
                              std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n";
-    write_all(fd, head.data(), head.size());
-    write_all(fd, body.data(), body.size());
+    net::send_all(fd, head.data(), head.size());
+    net::send_all(fd, body.data(), body.size());
     ::close(fd);
   }
 }

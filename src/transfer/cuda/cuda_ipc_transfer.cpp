@@ -147,30 +147,6 @@ Msg parse(const std::vector<uint8_t>& body) {
   return codec::decode<Msg>(body, kFrameFormat);
 }
 
-bool write_all(int fd, const void* data, size_t n) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-bool read_all(int fd, void* data, size_t n) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
 // One socket with a write lock (several threads send on it; one reader thread reads).
 struct Socket {
   int fd = -1;
@@ -183,7 +159,7 @@ struct Socket {
     uint32_t hdr[2] = {type, static_cast<uint32_t>(body.size())};
     std::lock_guard<std::mutex> lock(write_mu);
     if (!alive) return false;
-    if (!write_all(fd, hdr, sizeof(hdr)) || !write_all(fd, body.data(), body.size())) {
+    if (!net::send_all(fd, hdr, sizeof(hdr)) || !net::send_all(fd, body.data(), body.size())) {
       alive = false;
       return false;
     }
@@ -191,10 +167,10 @@ struct Socket {
   }
   bool recv(uint32_t& type, std::vector<uint8_t>& body) {
     uint32_t hdr[2];
-    if (!read_all(fd, hdr, sizeof(hdr)) || hdr[1] > kMaxBody) return false;
+    if (!net::recv_all(fd, hdr, sizeof(hdr)) || hdr[1] > kMaxBody) return false;
     type = hdr[0];
     body.resize(hdr[1]);
-    return read_all(fd, body.data(), body.size());
+    return net::recv_all(fd, body.data(), body.size());
   }
   void shutdown() {
     alive = false;
