@@ -181,7 +181,8 @@ r = client.completions.create(model="demo", prompt="The date:", max_tokens=20, t
 assert re.fullmatch(r"[0-9]{4}-[0-9]{2}", r.choices[0].text), r.choices[0].text
 r = client.chat.completions.create(model="demo", max_tokens=64, temperature=1.0,
                                    messages=[{"role": "user", "content": "Emma or Anne?"}],
-                                   extra_body={"guided_choice": ["Emma", "Anne"]})
+                                   extra_body={"guided_choice": ["Emma", "Anne"],
+                                               "chat_template_kwargs": {"enable_thinking": False}})
 assert r.choices[0].message.content in ("Emma", "Anne"), r.choices[0].message.content
 
 # logit_bias: a +100 bias makes greedy pick that token.
