@@ -150,6 +150,15 @@ CHAT_MESSAGES = [
      {"role": "user", "content": "Anne had not seen Captain Wentworth for eight years."}],
     [{"role": "user", "content": "It rained all morning, and nobody could leave the house."}],
 ]
+# A chat case with thinking on (the demo's default) whose first steps are confident: the GPU
+# tests compare greedy tokens up to the first step with a top1-top2 logprob margin under 0.5,
+# and the prose and plain chat cases above may open on a near tie.
+THINK_MESSAGES = [
+    [{"role": "user", "content": "What is the weather like in Paris today?"}],
+    [{"role": "user", "content": "Who is Mr. Darcy?"}],
+    [{"role": "user", "content": "Tell me about Elizabeth Bennet."}],
+]
+THINK_CONFIDENT_STEPS = 8  # steps from the first with a logprob margin >= 0.5
 MAX_TOKENS_GOLDEN = 24
 MIN_LOGIT_MARGIN = 1e-2   # top1 - top2 logit at every greedy step
 MIN_ROUTER_MARGIN = 1e-4  # k-th minus (k+1)-th router logit at every routed position
@@ -777,7 +786,49 @@ def make_golden(model, tok, eos_ids):
             cases.pop()
         else:
             log("WARNING: no chat prompt with clean margins; keeping the last one")
+    add_think_case(model, tok, eos_ids, cases)
     return cases
+
+
+def add_think_case(model, tok, eos_ids, cases):
+    """Appends the first THINK_MESSAGES prompt whose first THINK_CONFIDENT_STEPS greedy steps
+    all have a top1-top2 logprob margin >= 0.5 (else the last one, with a warning)."""
+    for i, msgs in enumerate(THINK_MESSAGES):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        out, tops, tlp, m, rm = greedy(model, ids, eos_ids, MAX_TOKENS_GOLDEN)
+        lead = [t[0][1] - t[1][1] for t in tops[:THINK_CONFIDENT_STEPS]]
+        ok = len(lead) == THINK_CONFIDENT_STEPS and min(lead) >= 0.5
+        if ok or i == len(THINK_MESSAGES) - 1:
+            if not ok:
+                log(f"WARNING: no thinking prompt opens with {THINK_CONFIDENT_STEPS} confident steps")
+            cases.append({"kind": "chat", "messages": msgs,
+                          "chat_template_kwargs": {"add_generation_prompt": True, "enable_thinking": True},
+                          "prompt_text": text, "prompt_ids": list(ids), "max_tokens": MAX_TOKENS_GOLDEN,
+                          "output_ids": out, "top_logprobs": tops, "token_logprobs": tlp,
+                          "finish_reason": "stop" if out and out[-1] in eos_ids else "length",
+                          "output_text": tok.decode(out, skip_special_tokens=False),
+                          "min_logit_margin": m, "min_router_margin": rm})
+            log(f"thinking golden case {msgs[-1]['content']!r}: first-step margins {[round(x, 2) for x in lead]}")
+            return
+
+
+def append_think_case(out_dir):
+    """--append-think-case: the thinking chat case appended to an existing golden.json, computed
+    from the checkpoint in out_dir as a user loads it (from_pretrained, fp32, eager attention);
+    the other cases stay as they are."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = os.path.join(out_dir, "golden.json")
+    with open(path, encoding="utf-8") as f:
+        golden = json.load(f)
+    golden["cases"] = [c for c in golden["cases"]
+                       if not c.get("chat_template_kwargs", {}).get("enable_thinking", False)]
+    model = AutoModelForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    add_think_case(model, tok, golden["eos_token_ids"], golden["cases"])
+    golden["cases"][-1]["transformers_version"] = transformers.__version__
+    write_golden(path, golden)
 
 
 def write_golden(path, golden):
@@ -807,8 +858,10 @@ def write_golden(path, golden):
 # ---------------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--corpus")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--append-think-case", action="store_true",
+                    help="only append the thinking chat case to OUT/golden.json (no training)")
     ap.add_argument("--minutes", type=float, default=5.0, help="wall-clock budget of the training loop")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-corpus-chars", type=int, default=0, help="use only the start of the corpus (tests)")
@@ -839,6 +892,11 @@ def main():
                          "about 2.7x faster than eager on an H200; eager on cpu)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
+    if args.append_think_case:
+        append_think_case(args.out)
+        return
+    if not args.corpus:
+        ap.error("--corpus is required for training")
 
     t_start = time.time()
     cuda = args.device.startswith("cuda")

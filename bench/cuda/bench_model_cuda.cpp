@@ -29,6 +29,9 @@
 //   --mxfp8: the 30B twice more in MXFP8 (E4M3 + one E8M0 scale per 32 weights), rows "-mxfp8n"
 //   (native per-32 scales in the kernels, TANDEM_CUDA_MXFP8=native) and "-mxfp8b" (requantized
 //   to 128x128 block FP8 at load, TANDEM_CUDA_MXFP8=block: the block-FP8 kernels and layout).
+//   --kv-fp8: (with --fp8-act) one more run of the 30B in block FP8 with FP8 activations and the
+//   FP8 KV cache (--kv-cache-dtype fp8, CudaModelOptions::kv_cache_fp8), rows "-fp8a-kv8": the
+//   KV bytes of the roofline count 1 byte an element.
 //   --no-prefill: decode rows only.
 //   --deterministic: each built-in model also in the batch-invariant mode
 //   (CudaModelOptions::deterministic, rows "-det") in the same run, then its cost per row
@@ -155,12 +158,14 @@ struct Row {
 };
 
 std::vector<Row> g_rows;
-bool g_fp8 = false;      // --fp8
-bool g_fp8_act = false;  // --fp8-act: block FP8 with W8A8 (TANDEM_CUDA_FP8_ACT=1)
-bool g_mxfp8 = false;    // --mxfp8: MXFP8 native and requantized to blocks
-std::string g_moe_path;  // --moe-path
-bool g_det = false;      // --deterministic
-bool g_det_run = false;  // the model being measured runs in the batch-invariant mode
+bool g_fp8 = false;         // --fp8
+bool g_fp8_act = false;     // --fp8-act: block FP8 with W8A8 (TANDEM_CUDA_FP8_ACT=1)
+bool g_mxfp8 = false;       // --mxfp8: MXFP8 native and requantized to blocks
+std::string g_moe_path;     // --moe-path
+bool g_det = false;         // --deterministic
+bool g_det_run = false;     // the model being measured runs in the batch-invariant mode
+bool g_kv_fp8 = false;      // --kv-fp8
+bool g_kv_fp8_run = false;  // the model being measured keeps an E4M3 KV cache
 
 void print_row(const Row& r, bool record = true) {
   std::printf("%-16s %-8s %6lld %6lld %11.1f %11.1f %7.1f%% %12.0f  %s\n", r.model.c_str(),
@@ -182,6 +187,7 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
   o.graph_max_context = ctxs.empty() ? 1024 : *std::max_element(ctxs.begin(), ctxs.end());
   o.moe_prefill_path = g_moe_path;
   o.deterministic = g_det_run;
+  o.kv_cache_fp8 = g_kv_fp8_run;
   std::unique_ptr<Qwen3MoeCuda> model;
   if (checkpoint.empty()) {
     model = Qwen3MoeCuda::random(config, o, 7);
@@ -199,7 +205,7 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
   std::printf("\n== %s: %.1f GB of weights on the device (%lld FP8 linears)\n", name.c_str(),
               model->weight_bytes() / 1e9, static_cast<long long>(model->fp8_linears()));
   // The KV pool for the largest decode configuration that fits the budget (and the prompts).
-  const double kv_token = s.kv_bytes_token_layer * c.num_hidden_layers;
+  const double kv_token = s.kv_bytes_token_layer * c.num_hidden_layers * (g_kv_fp8_run ? 0.5 : 1.0);
   int64_t max_tokens = 0;
   for (int64_t b : batches) {
     for (int64_t x : ctxs) {
@@ -211,8 +217,12 @@ void bench_model(const std::string& name, const ModelConfig& config, const Ceili
   KvCache kv = model->make_kv_cache(pages, 16);
   // Random KV contents (a zero cache makes attention's softmax trivially uniform).
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f, 1.f,
-                           st);
+    if (g_kv_fp8_run) {
+      cuda::random_fill_fp8(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, st);
+    } else {
+      cuda::random_fill_bf16(kv.layer_data(l), kv.geometry().page_elems() * pages, 100 + l, 0.f,
+                             1.f, st);
+    }
   }
   bench::Timer timer;  // events on the model's stream
   timer.stream = st;
@@ -303,8 +313,9 @@ void print_fp8_comparison() {
       "bound / FP8 time\n");
   std::printf("%-16s %-8s %6s %6s %11s %11s %9s %13s\n", "model", "phase", "batch", "ctx",
               "bf16 us", "fp8 us", "speed-up", "%fp8-roofline");
-  // -fp8a: W8A8 (--fp8-act); -mxfp8n / -mxfp8b: MXFP8 native / requantized to blocks (--mxfp8).
-  for (const char* suffix_c : {"-fp8", "-fp8a", "-mxfp8n", "-mxfp8b"}) {
+  // -fp8a: W8A8 (--fp8-act), -fp8a-kv8 with the FP8 KV cache (--kv-fp8); -mxfp8n / -mxfp8b: MXFP8
+  // native / requantized to blocks (--mxfp8).
+  for (const char* suffix_c : {"-fp8", "-fp8a", "-fp8a-kv8", "-mxfp8n", "-mxfp8b"}) {
     for (const Row& f : g_rows) {
       const std::string suffix = suffix_c;
       if (f.model.size() <= suffix.size() ||
@@ -369,6 +380,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--fp8-act") == 0) g_fp8_act = true;
     if (std::strcmp(argv[i], "--mxfp8") == 0) g_mxfp8 = true;
     if (std::strcmp(argv[i], "--no-prefill") == 0) no_prefill = true;
+    if (std::strcmp(argv[i], "--kv-fp8") == 0) g_kv_fp8 = true;
     if (std::strcmp(argv[i], "--deterministic") == 0) g_det = true;
     if (std::strcmp(argv[i], "--batches") == 0 && i + 1 < argc) batches_arg = argv[++i];
   }
@@ -430,6 +442,11 @@ int main(int argc, char** argv) {
       if (g_fp8_act) {  // W8A8: the FP8 activations of Qwen3MoeCuda (read at construction)
         setenv("TANDEM_CUDA_FP8_ACT", "1", 1);
         bench_model("qwen3-30b-a3b-fp8a", fp8_of(c), ceil, batches, ctxs, prompts, budget);
+        if (g_kv_fp8) {
+          g_kv_fp8_run = true;
+          bench_model("qwen3-30b-a3b-fp8a-kv8", fp8_of(c), ceil, batches, ctxs, prompts, budget);
+          g_kv_fp8_run = false;
+        }
         unsetenv("TANDEM_CUDA_FP8_ACT");
       }
       if (g_mxfp8) {  // both MXFP8 paths (read at construction)

@@ -38,6 +38,12 @@ constexpr double kMaxTolW8A8 = 0.45;
 constexpr double kMarginBf16 = 0.5;    // logit margin above which bf16 must agree on the argmax
 constexpr double kLogprobTol = 0.25;   // the chosen token's logprob vs the fp32 golden one
 constexpr double kLowerRankTol = 1.0;  // ranks 2-5 (a flipped routing moves them most)
+// W8A8 (FP8 activations, per token per 128): the greedy tokens must still match by the margin
+// rule, but the logprobs carry the activation quantization (teacher-forced rows up to
+// kMaxTolW8A8 relative error). Measured on the H100 (hub_fp8_block128, batched steps): the chosen
+// token's logprob 0.47 from the fp32 golden, rank 2's 1.22.
+constexpr double kLogprobTolW8A8 = 0.6;
+constexpr double kLowerRankTolW8A8 = 1.5;
 
 inline bool gpu_available() {
   static const bool ok = [] {
@@ -307,7 +313,9 @@ inline std::vector<Result> run_engine(Model& model, const std::vector<testing::G
 // Steps compared: up to the first golden step whose top1-top2 margin is under kMarginBf16.
 // lower_ranks false: ranks 2-5 are not compared (the chosen token's logprob still is).
 inline int compare_greedy(const testing::Golden& g, const std::vector<Result>& results,
-                          const std::string& mode, bool lower_ranks = true) {
+                          const std::string& mode, bool lower_ranks = true, bool w8a8 = false) {
+  const double tol0 = w8a8 ? kLogprobTolW8A8 : kLogprobTol;
+  const double tol_lower = w8a8 ? kLowerRankTolW8A8 : kLowerRankTol;
   int compared = 0;
   for (size_t i = 0; i < g.cases.size(); ++i) {
     const auto& c = g.cases[i];
@@ -327,7 +335,7 @@ inline int compare_greedy(const testing::Golden& g, const std::vector<Result>& r
         // Lower ranks may swap when they are close; compare each golden id's logprob.
         for (const auto& e : r.top[t]) {
           if (e.id == top[k].id) {
-            EXPECT_NEAR(e.logprob, top[k].logprob, k == 0 ? kLogprobTol : kLowerRankTol)
+            EXPECT_NEAR(e.logprob, top[k].logprob, k == 0 ? tol0 : tol_lower)
                 << "step " << t << " rank " << k;
           }
         }
