@@ -1,8 +1,9 @@
 // Grouped expert GEMM with E4M3 weights (W8A16). See moe_gemm.h (MoeGemmParams::w_fp8) and
 // fp8_linear.h.
 //
-// The CTA / grid layout, row-tile scan, gather, PDL and epilogues of moe_gemm.cu; what differs
-// is the weight operand:
+// moe_gemm_kernel.cuh's kernel (grid layout, row-tile scan, gather, pipeline, PDL, epilogues)
+// with the operand policy Fp8WeightOps below; what differs from the bf16 one (moe_gemm.cu) is
+// the weight operand:
 //   - the K tile is one 128-deep scale block; the B tile in shared memory is E4M3 (BN x 128
 //     bytes per stage), filled by 16-byte cp.async, 16-byte chunk c of row r stored at chunk
 //     c ^ 4 (r & 1) (bank-conflict-free reads below);
@@ -21,7 +22,6 @@
 // 128 x 128 (3 stages, 8 warps, 1 CTA / SM), picked as moe_gemm_pick_tile picks; a dense
 // matrix (no offsets) takes the small tile up to 128 rows (more CTAs).
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -29,52 +29,13 @@
 #include "backend/cuda/fp8_dequant.cuh"
 #include "backend/cuda/fp8_linear.h"
 #include "backend/cuda/moe_gemm_fp8.h"
+#include "backend/cuda/moe_gemm_kernel.cuh"
 #include "core/env.h"
 
 namespace tandem::cuda::moe_gemm_detail {
 
 namespace {
 
-// kWarpsK 2: two warps per warp tile, one per 64-deep half of every K tile (twice the warps
-// per SM for the latency-bound decode shapes), their sums added through shared memory.
-template <int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages, int kMinBlocks, int kWarpsK = 1>
-struct Fp8Tile {
-  static constexpr int BM = kBM, BN = kBN, BK = 128, kWarpsN_ = kWarpsN, kStagesN = kStages;
-  static constexpr int kWarpsM_ = kWarpsM, kWarpsK_ = kWarpsK;
-  static_assert(kWarpsK == 1 || kWarpsK == 2, "K halves per tile");
-  static constexpr int kMinBlocksPerSm = kMinBlocks;
-  static constexpr int kThreads = kWarpsM * kWarpsN * kWarpsK * 32;
-  static constexpr int kWM = BM / kWarpsM, kWN = BN / kWarpsN;
-  static constexpr int kMI = kWM / 16, kNI = kWN / 8;
-  static constexpr int kLdA = BK + 8;  // bf16 elements (272 bytes: 16 mod 128)
-  static constexpr int kStageABytes = BM * kLdA * 2, kStageBBytes = BN * BK;  // bytes
-  static constexpr size_t kSmemBytes = size_t{kStages} * (kStageABytes + kStageBBytes);
-  static constexpr int kChunksA = BM * BK / 8, kChunksB = BN * BK / 16;  // 16-byte chunks
-  static_assert(BM % (16 * kWarpsM) == 0, "warp tile rows: multiple of 16");
-  static_assert(kWN % (2 * kMoeGateUpInterleave) == 0, "a warp holds whole gate/up pairs");
-  static_assert(kChunksA % kThreads == 0 && kChunksB % kThreads == 0, "whole chunks per thread");
-  static_assert(BK == kFp8BlockK, "one K tile per scale block");
-};
-
-using Fp8Small = Fp8Tile<16, 32, 1, 2, 6, 1>;
-using Fp8SmallK2 = Fp8Tile<16, 32, 1, 2, 6, 1, 2>;
-using Fp8Medium = Fp8Tile<64, 64, 2, 2, 3, 1>;
-using Fp8Large = Fp8Tile<128, 128, 2, 4, 3, 1>;
-
-__device__ __forceinline__ uint32_t smem_addr(void const* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* dst, void const* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-// A plain load (not asm): the compiler may schedule it early, after the barrier before it.
-__device__ __forceinline__ uint4 lds128(void const* p) { return *static_cast<uint4 const*>(p); }
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
   // Not volatile: a pure function of its operands, free to be scheduled around the loads.
@@ -83,203 +44,89 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
-__device__ __forceinline__ uint32_t word(uint4 const& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 
-template <class Cfg, bool kSilu, bool kMx>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
-    moe_gemm_fp8_kernel(MoeGemmParams p, int n_tiles) {
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kLdA = Cfg::kLdA;
-  constexpr int kStages = Cfg::kStagesN, kThreads = Cfg::kThreads;
-  constexpr int kMI = Cfg::kMI, kNI = Cfg::kNI;
-  extern __shared__ uint4 smem_u4[];
-  __shared__ int sExpert, sRow0, sRows;
-  __shared__ int64_t sXRow[BM];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (p.pdl == MoeGemmPdl::kWaitFirst) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (p.pdl != MoeGemmPdl::kPrefetchWeights) {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+// bf16 x and E4M3 weights with per-128 (kMx false: p.w_scale) or MXFP8 per-32 (kMx: p.w_e8m0)
+// scales (moe_gemm_kernel.cuh's operand policy). Shape::kWarpsK 2: two warps per warp tile,
+// one per 64-deep half of every K tile (twice the warps per SM for the latency-bound decode
+// shapes), their sums added through shared memory.
+template <class Shape, bool kMx>
+struct Fp8WeightOps {
+  using Cfg = Shape;
+  static constexpr bool kNoOffsets = true, kXRowTimesK = true;
+  static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStagesN;
+  static constexpr int kMI = Cfg::kMI, kNI = Cfg::kNI;
+  static constexpr int kLdA = BK + 8;  // bf16 elements (272 bytes: 16 mod 128)
+  static constexpr int kStageABytes = BM * kLdA * 2, kStageBBytes = BN * BK;  // bytes
+  static constexpr size_t kSmemBytes = size_t{kStages} * (kStageABytes + kStageBBytes);
+  static_assert(Cfg::kWarpsK_ == 1 || Cfg::kWarpsK_ == 2, "K halves per tile");
+  static_assert(BK == kFp8BlockK, "one K tile per scale block");
+
+  MoeGemmParams const& p;
+  MoeTile t;
+  int KB, KE;
+  uint8_t const* gW;
+  float const* gS;
+  uint8_t const* gE;
+  bf16* sA;
+  uint8_t* sB;
+  float sc[kNI][2];        // the scales of this thread's columns (n = 8 ni + 2 t + j), block
+  float blk[kMI][kNI][4];  // the current K tile's sums
+
+  __device__ __forceinline__ Fp8WeightOps(MoeGemmParams const& p_, MoeTile const& t_)
+      : p(p_), t(t_) {
+    KB = static_cast<int>(fp8_row_scale_cols(p.k));
+    const int64_t row = static_cast<int64_t>(t.expert) * t.N + t.n0;
+    gW = p.w_fp8 + row * t.K;
+    gS = kMx ? nullptr : p.w_scale + row * KB;
+    KE = static_cast<int>(mxfp8_scale_cols(p.k));
+    gE = kMx ? p.w_e8m0 + row * KE : nullptr;
+    sA = reinterpret_cast<bf16*>(t.smem);
+    sB = t.smem + kStages * kStageABytes;
   }
-  const int m_slot = static_cast<int>(blockIdx.x / n_tiles);
-  const int n_tile = static_cast<int>(blockIdx.x % n_tiles);
-
-  // 1. Row-tile slot -> (expert, first row, rows), as moe_gemm.cu; no offsets: one dense expert.
-  if (warp == 0) {
-    const int E = p.expert_offsets == nullptr ? 1 : static_cast<int>(p.num_experts);
-    int base = 0;
-    bool found = false;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      int start = 0, count = 0;
-      if (e < E) {
-        if (p.expert_offsets == nullptr) {
-          count = static_cast<int>(p.max_rows);
-        } else {
-          start = p.expert_offsets[e];
-          count = p.expert_offsets[e + 1] - start;
-        }
-      }
-      const int tiles = (count + BM - 1) / BM;
-      int incl = tiles;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      const int first = base + incl - tiles;
-      const bool mine = m_slot >= first && m_slot < first + tiles;
-      const unsigned who = __ballot_sync(0xffffffffu, mine);
-      if (who != 0) {
-        if (mine) {
-          const int r = (m_slot - first) * BM;
-          sExpert = e;
-          sRow0 = start + r;
-          sRows = min(BM, count - r);
-        }
-        found = true;
-        break;
-      }
-      base += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (!found && lane == 0) sExpert = -1;
+  __device__ __forceinline__ void load_a(int stage, int kt) {
+    load_x_bf16<Cfg, kLdA>(sA + stage * (BM * kLdA), p, t, kt * BK);
   }
-  __syncthreads();
-  const int expert = sExpert;
-  if (expert < 0) {
-    if (p.pdl == MoeGemmPdl::kPrefetchWeights) {
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    }
-    return;
+  // Swizzled: chunk ^ 4 on odd rows, so that rows g and g + 1 of one read fall in different
+  // banks.
+  __device__ __forceinline__ void load_b(int stage, int kt) {
+    load_w_e4m3<Cfg, 4>(sB + stage * kStageBBytes, gW, p, t, kt * BK);
   }
-  const int row0 = sRow0, rows = sRows;
-  const int K = static_cast<int>(p.k), N = static_cast<int>(p.n);
-  const int KB = static_cast<int>(fp8_row_scale_cols(p.k));
-  const int n0 = n_tile * BN;
-  const int n_rows = min(BN, N - n0);
-
-  const int gather_div = static_cast<int>(p.gather_div);
-  for (int r = tid; r < rows; r += kThreads) {
-    const int64_t src =
-        p.gather_src != nullptr ? p.gather_src[row0 + r] / gather_div : int64_t{row0} + r;
-    sXRow[r] = src * K;
-  }
-  __syncthreads();
-  uint8_t const* gW = p.w_fp8 + (static_cast<int64_t>(expert) * N + n0) * K;
-  float const* gS = kMx ? nullptr : p.w_scale + (static_cast<int64_t>(expert) * N + n0) * KB;
-  const int KE = static_cast<int>(mxfp8_scale_cols(p.k));
-  uint8_t const* gE = kMx ? p.w_e8m0 + (static_cast<int64_t>(expert) * N + n0) * KE : nullptr;
-  uint8_t* smem = reinterpret_cast<uint8_t*>(smem_u4);
-  bf16* sA = reinterpret_cast<bf16*>(smem);
-  uint8_t* sB = smem + kStages * Cfg::kStageABytes;
-
-  const int k_tiles = (K + BK - 1) / BK;
-  auto load_stage_a = [&](int stage, int kt) {
-    const int k0 = kt * BK;
-    bf16* sAs = sA + stage * (BM * kLdA);
+  __device__ __forceinline__ void load_scales(int kb) {
+    if constexpr (kMx) {
 #pragma unroll
-    for (int i = 0; i < Cfg::kChunksA / kThreads; ++i) {
-      const int c = tid + i * kThreads;
-      const int r = c / (BK / 8), col = (c % (BK / 8)) * 8;
-      const bool ok = r < rows && k0 + col < K;
-      cp_async16(sAs + r * kLdA + col, ok ? p.x + sXRow[r] + k0 + col : p.x, ok);
-    }
-  };
-  auto load_stage_b = [&](int stage, int kt) {
-    const int k0 = kt * BK;
-    uint8_t* sBs = sB + stage * Cfg::kStageBBytes;
-#pragma unroll
-    for (int i = 0; i < Cfg::kChunksB / kThreads; ++i) {
-      const int c = tid + i * kThreads;
-      const int r = c / (BK / 16), chunk = c % (BK / 16), col = chunk * 16;
-      const bool ok = r < n_rows && k0 + col < K;
-      // Swizzled: chunk ^ 4 on odd rows, so that rows g and g + 1 of one read fall in
-      // different banks.
-      cp_async16(sBs + r * BK + (chunk ^ ((r & 1) << 2)) * 16,
-                 ok ? gW + static_cast<int64_t>(r) * K + k0 + col : p.w_fp8, ok);
-    }
-  };
-
-  if (p.pdl == MoeGemmPdl::kPrefetchWeights) {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < k_tiles) load_stage_b(s, s);
-    }
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < k_tiles) load_stage_a(s, s);
-      cp_async_commit();
-    }
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < k_tiles) {
-        load_stage_a(s, s);
-        load_stage_b(s, s);
-      }
-      cp_async_commit();
+      for (int ni = 0; ni < kNI; ++ni) sc[ni][0] = sc[ni][1] = 1.f;
+    } else {
+      load_w_scales<Cfg>(sc, gS, KB, kb, t);
     }
   }
-
-  constexpr int kTileWarps = Cfg::kWarpsM_ * Cfg::kWarpsN_;
-  const int wk = warp / kTileWarps, wt = warp % kTileWarps;
-  const int wm = wt / Cfg::kWarpsN_, wn = wt % Cfg::kWarpsN_;
-  const int g = lane >> 2, t = lane & 3;
-  float acc[kMI][kNI][4], blk[kMI][kNI][4];
+  __device__ __forceinline__ void begin() {
 #pragma unroll
-  for (int mi = 0; mi < kMI; ++mi)
+    for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < kNI; ++ni)
+      for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
-      for (int v = 0; v < 4; ++v) acc[mi][ni][v] = blk[mi][ni][v] = 0.f;
-
-  // The scales of this thread's accumulator columns (n = 8 ni + 2 t + j) in the current block.
-  float sc[kNI][2];
-  auto load_scales = [&](int kb) {
-#pragma unroll
-    for (int ni = 0; ni < kNI; ++ni) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int n = wn * Cfg::kWN + ni * 8 + 2 * t + j;
-        if constexpr (kMx) {
-          sc[ni][j] = 1.f;
-        } else {
-          sc[ni][j] = n < n_rows ? __ldg(gS + static_cast<int64_t>(n) * KB + kb) : 0.f;
-        }
-      }
-    }
-  };
-  load_scales(0);
-
-  const int a_row = wm * Cfg::kWM + g;  // + 16 mi (+ 8)
-  const int b_row = wn * Cfg::kWN + g;  // + 8 ni
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    const int next = kt + kStages - 1;
-    if (next < k_tiles) {
-      load_stage_a(next % kStages, next);
-      load_stage_b(next % kStages, next);
-    }
-    cp_async_commit();
-
-    bf16 const* sAs = sA + (kt % kStages) * (BM * kLdA);
-    uint8_t const* sBs = sB + (kt % kStages) * Cfg::kStageBBytes;
+        for (int v = 0; v < 4; ++v) blk[mi][ni][v] = 0.f;
+    load_scales(0);
+  }
+  __device__ __forceinline__ void compute(int stage, int kt, int k_tiles,
+                                          float (&acc)[kMI][kNI][4]) {
+    const int g = t.lane >> 2, tq = t.lane & 3;
+    const int a_row = t.wm * Cfg::kWM + g;  // + 16 mi (+ 8)
+    const int b_row = t.wn * Cfg::kWN + g;  // + 8 ni
+    bf16 const* sAs = sA + stage * (BM * kLdA);
+    uint8_t const* sBs = sB + stage * kStageBBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the two 64-deep halves of the tile
-      if (Cfg::kWarpsK_ == 2 && h != wk) continue;
+      if (Cfg::kWarpsK_ == 2 && h != t.wk) continue;
       uint4 bq[kNI];
       uint32_t bmul[kNI];  // kMx: the conversion multiplier of row r's 32-deep block
 #pragma unroll
       for (int ni = 0; ni < kNI; ++ni) {
         const int r = b_row + ni * 8;
-        bq[ni] = lds128(sBs + r * BK + (((4 * h + t) ^ ((r & 1) << 2)) * 16));
+        bq[ni] = lds128(sBs + r * BK + (((4 * h + tq) ^ ((r & 1) << 2)) * 16));
         if constexpr (kMx) {
-          const int kcol = kt * BK + 64 * h + 16 * t;
-          const bool ok = r < n_rows && kcol < K;
+          const int kcol = kt * BK + 64 * h + 16 * tq;
+          const bool ok = r < t.n_rows && kcol < t.K;
           bmul[ni] = detail::e8m0_bf16x2_mul(
               ok ? __ldg(gE + static_cast<int64_t>(r) * KE + kcol / kMxfp8BlockK) : 127u);
         }
@@ -289,7 +136,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
         uint4 a[kMI][2];
 #pragma unroll
         for (int mi = 0; mi < kMI; ++mi) {
-          const int col = 64 * h + t * 16 + half * 8;
+          const int col = 64 * h + tq * 16 + half * 8;
           a[mi][0] = lds128(sAs + (a_row + mi * 16) * kLdA + col);
           a[mi][1] = lds128(sAs + (a_row + mi * 16 + 8) * kLdA + col);
         }
@@ -318,133 +165,69 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
       }
     }
     // End of the tile (a 128-deep scale block): scale its sums into the output.
-    {
-#pragma unroll
-      for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            acc[mi][ni][v] = fmaf(sc[ni][v & 1], blk[mi][ni][v], acc[mi][ni][v]);
-            blk[mi][ni][v] = 0.f;
-          }
-      if (kt + 1 < k_tiles) load_scales(kt + 1);
-    }
-  }
-  cp_async_wait<0>();
-  if constexpr (Cfg::kWarpsK_ == 2) {
-    // The second K half's sums to the first's warps (the stages are free once all arrived).
-    __syncthreads();
-    float* red = reinterpret_cast<float*>(smem_u4);
-    constexpr int kPer = kMI * kNI * 4;
-    if (wk == 1) {
-#pragma unroll
-      for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            red[(wt * kPer + (mi * kNI + ni) * 4 + v) * 32 + lane] = acc[mi][ni][v];
-          }
-    }
-    __syncthreads();
-    if (wk == 1) return;
 #pragma unroll
     for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
       for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-          acc[mi][ni][v] += red[(wt * kPer + (mi * kNI + ni) * 4 + v) * 32 + lane];
+          acc[mi][ni][v] = fmaf(sc[ni][v & 1], blk[mi][ni][v], acc[mi][ni][v]);
+          blk[mi][ni][v] = 0.f;
         }
+    if (kt + 1 < k_tiles) load_scales(kt + 1);
   }
-
-  // 4. Epilogue, as moe_gemm.cu: accumulator (mi, ni)[2 h + v] is row 16 mi + g + 8 h, column
-  // 8 ni + 2 t + v of the warp tile.
+  __device__ __forceinline__ bool finish(float (&acc)[kMI][kNI][4]) {
+    if constexpr (Cfg::kWarpsK_ == 2) {
+      // The second K half's sums to the first's warps (the stages are free once all arrived).
+      __syncthreads();
+      float* red = reinterpret_cast<float*>(t.smem);
+      constexpr int kPer = kMI * kNI * 4;
+      if (t.wk == 1) {
 #pragma unroll
-  for (int mi = 0; mi < kMI; ++mi) {
+        for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = wm * Cfg::kWM + mi * 16 + g + 8 * h;
-      if (r >= rows) continue;
-      const int64_t grow = static_cast<int64_t>(row0) + r;
-      if constexpr (!kSilu) {
-        bf16* gY = p.y + grow * N;
+          for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
-        for (int ni = 0; ni < kNI; ++ni) {
-          const int col = n0 + wn * Cfg::kWN + ni * 8 + 2 * t;
-          if (col < N) {
-            *reinterpret_cast<__nv_bfloat162*>(gY + col) =
-                __floats2bfloat162_rn(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
-          }
-        }
-      } else {
-        const int inter = N / 2;
-        bf16* gY = p.y + grow * inter;
-#pragma unroll
-        for (int np = 0; np < kNI / 2; ++np) {
-          const int pcol = n0 + wn * Cfg::kWN + np * 16;
-          if (pcol < N) {
-            const int col = (pcol / 16) * 8 + 2 * t;
-            const float y0 = silu(acc[mi][2 * np][2 * h]) * acc[mi][2 * np + 1][2 * h];
-            const float y1 = silu(acc[mi][2 * np][2 * h + 1]) * acc[mi][2 * np + 1][2 * h + 1];
-            *reinterpret_cast<__nv_bfloat162*>(gY + col) = __floats2bfloat162_rn(y0, y1);
-          }
-        }
+            for (int v = 0; v < 4; ++v) {
+              red[(t.wt * kPer + (mi * kNI + ni) * 4 + v) * 32 + t.lane] = acc[mi][ni][v];
+            }
       }
+      __syncthreads();
+      if (t.wk == 1) return false;
+#pragma unroll
+      for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            acc[mi][ni][v] += red[(t.wt * kPer + (mi * kNI + ni) * 4 + v) * 32 + t.lane];
+          }
     }
+    return true;
   }
-}
+};
 
-template <class Cfg, bool kSilu, bool kMx>
-void raise_smem_one() {
-  if constexpr (Cfg::kSmemBytes > 48 * 1024) {
-    static std::atomic<uint64_t> raised{0};
-    int dev = 0;
-    TANDEM_CUDA_CHECK(cudaGetDevice(&dev));
-    if (dev >= 64 || !((raised.load(std::memory_order_relaxed) >> dev) & 1u)) {
-      TANDEM_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_fp8_kernel<Cfg, kSilu, kMx>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(Cfg::kSmemBytes)));
-      if (dev < 64) raised.fetch_or(uint64_t{1} << dev, std::memory_order_relaxed);
-    }
-  }
-}
+template <int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages, int kMinBlocks, int kWarpsK = 1>
+using Fp8Tile = MmaTileShape<kBM, kBN, 128, kWarpsM, kWarpsN, kStages, kMinBlocks, kWarpsK>;
+using Fp8Small = Fp8Tile<16, 32, 1, 2, 6, 1>;
+using Fp8SmallK2 = Fp8Tile<16, 32, 1, 2, 6, 1, 2>;
+using Fp8Medium = Fp8Tile<64, 64, 2, 2, 3, 1>;
+using Fp8Large = Fp8Tile<128, 128, 2, 4, 3, 1>;
 
 template <class Cfg, bool kSilu>
 void raise_smem() {
-  raise_smem_one<Cfg, kSilu, false>();
-  raise_smem_one<Cfg, kSilu, true>();
+  moe_gemm_raise_smem<Fp8WeightOps<Cfg, false>, kSilu>();
+  moe_gemm_raise_smem<Fp8WeightOps<Cfg, true>, kSilu>();
 }
 
 template <class Cfg, bool kSilu>
 void launch_tile(MoeGemmParams const& p, cudaStream_t stream) {
-  const int64_t n_tiles = (p.n + Cfg::BN - 1) / Cfg::BN;
-  const int64_t m_tiles =
-      p.expert_offsets == nullptr
-          ? (p.max_rows + Cfg::BM - 1) / Cfg::BM
-          : std::min(p.max_rows, p.max_rows / Cfg::BM + std::min(p.num_experts, p.max_rows));
-  const int64_t blocks = m_tiles * n_tiles;
-  TANDEM_CHECK(blocks <= INT32_MAX, "moe_gemm (fp8): grid too large: ", blocks);
-  const bool mx = p.w_e8m0 != nullptr;
-  auto kernel = mx ? moe_gemm_fp8_kernel<Cfg, kSilu, true> : moe_gemm_fp8_kernel<Cfg, kSilu, false>;
-  if (mx) {
-    raise_smem_one<Cfg, kSilu, true>();
+  const int64_t m_tiles = moe_gemm_m_tiles(p, Cfg::BM, true);
+  if (p.w_e8m0 != nullptr) {
+    moe_gemm_launch_mma<Fp8WeightOps<Cfg, true>, kSilu>(p, m_tiles, "moe_gemm (fp8)", stream);
   } else {
-    raise_smem_one<Cfg, kSilu, false>();
+    moe_gemm_launch_mma<Fp8WeightOps<Cfg, false>, kSilu>(p, m_tiles, "moe_gemm (fp8)", stream);
   }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(Cfg::kThreads);
-  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = p.pdl != MoeGemmPdl::kOff ? 1 : 0;
-  TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int>(n_tiles)));
-  TANDEM_CUDA_CHECK_LAUNCH();
 }
 
 template <class Cfg>
