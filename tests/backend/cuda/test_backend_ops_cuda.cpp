@@ -82,7 +82,7 @@ TEST(BackendOpsHost, RegistryListsEveryOp) {
       {"Embedding", 9}, {"RmsNorm", 24},    {"AddRmsNorm", 12},     {"QkNormRope", 24},
       {"QkvPrep", 12},  {"KvWrite", 8},     {"PagedAttention", 15}, {"TopkSoftmax", 288},
       {"SiluMul", 9},   {"MoePermute", 18}, {"Gemm", 10},           {"MoeLayer", 2},
-      {"Gemv", 193},
+      {"Gemv", 193},    {"Fp8Gemv", 164},   {"Fp8Dequantize", 1},   {"Fp8QuantizeRows", 3},
   };
   EXPECT_EQ(per_op, expected);
 }

@@ -57,7 +57,8 @@ void OpCase::copy_to_device(void* dst, void const* src, size_t bytes) {
 }
 
 Output& OpCase::output(std::string name, DType dtype, void* ptr, size_t count) {
-  TANDEM_CHECK(dtype == DType::kBF16 || dtype == DType::kF32 || dtype == DType::kI32,
+  TANDEM_CHECK(dtype == DType::kBF16 || dtype == DType::kF32 || dtype == DType::kI32 ||
+                   dtype == DType::kF8E4M3,
                "backend_ops output dtype");
   Output o;
   o.name = std::move(name);
@@ -83,6 +84,7 @@ std::vector<CaseInfo> const& registry() {
     std::vector<CaseInfo> r;
     register_op_cases(r);
     register_gemv_cases(r);
+    register_fp8_cases(r);
     std::set<std::string> names;
     for (CaseInfo const& c : r) {
       TANDEM_CHECK(names.insert(c.name()).second, "backend_ops: duplicate case ", c.name());
@@ -177,16 +179,32 @@ void compare(Output const& o, std::vector<uint8_t> const& h, std::vector<std::st
   const std::string hint =
       unwritten ? " (" + std::to_string(unwritten) + " elements still poison: not written)" : "";
 
-  if (o.dtype == DType::kI32) {
-    if (o.ref_i32.size() != o.count) {
-      fail("int32 reference of " + std::to_string(o.ref_i32.size()) + " elements");
-      return;
-    }
-  } else if (o.ref.size() != o.count) {
-    fail("reference of " + std::to_string(o.ref.size()) + " elements");
+  const bool f64 = !o.ref_f64.empty();
+  const size_t ref_size = o.dtype == DType::kI32      ? o.ref_i32.size()
+                          : o.dtype == DType::kF8E4M3 ? o.ref_u8.size()
+                          : f64                       ? o.ref_f64.size()
+                                                      : o.ref.size();
+  if (ref_size != o.count) {
+    fail("reference of " + std::to_string(ref_size) + " elements");
+    return;
+  }
+  if (f64 && o.compare == Compare::kExact) {
+    fail("an exact comparison takes ref, not ref_f64");
     return;
   }
 
+  if (o.dtype == DType::kF8E4M3) {  // codes: exact
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < o.count; ++i) {
+      if (masked(i) == Elem::kCompare && h[i] != o.ref_u8[i] && bad++ == 0) first = i;
+    }
+    if (bad) {
+      fail(std::to_string(bad) + " of " + std::to_string(o.count) + " codes differ; first [" +
+           std::to_string(first) + "]: " + std::to_string(h[first]) + " vs " +
+           std::to_string(o.ref_u8[first]) + hint);
+    }
+    return;
+  }
   if (o.compare == Compare::kExact || o.dtype == DType::kI32) {
     size_t bad = 0, first = 0;
     for (size_t i = 0; i < o.count; ++i) {
@@ -231,9 +249,10 @@ void compare(Output const& o, std::vector<uint8_t> const& h, std::vector<std::st
       finite = false;
       break;
     }
-    const double d = double(v) - double(o.ref[i]);
+    const double r = f64 ? o.ref_f64[i] : double(o.ref[i]);
+    const double d = double(v) - r;
     num += d * d;
-    den += double(o.ref[i]) * double(o.ref[i]);
+    den += r * r;
   }
   err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
   if (!(err < tol)) {

@@ -59,7 +59,7 @@ class Rng {
 /// How an output is compared with its reference.
 enum class Compare {
   kRelErr,   // ||out - ref|| / ||ref|| < tol over the compared elements; non-finite fails
-  kExact,    // bf16: the bits of bf16(ref); fp32: out == ref; int32: out == ref
+  kExact,    // bf16: the bits of bf16(ref); fp32: out == ref; int32, E4M3: out == ref
   kScratch,  // poisoned before the launch, never compared (workspaces)
 };
 
@@ -70,7 +70,7 @@ enum class Elem : uint8_t {
   kIgnore,     // not checked
 };
 
-/// One device output of a case. dtype: kBF16, kF32 or kI32.
+/// One device output of a case. dtype: kBF16, kF32, kI32 or kF8E4M3 (codes, always exact).
 struct Output {
   std::string name;
   DType dtype = DType::kBF16;
@@ -80,7 +80,9 @@ struct Output {
   Compare compare = Compare::kRelErr;
   double tol = -1;               // kRelErr; < 0: by dtype (bf16 1e-2, fp32 1e-5)
   std::vector<float> ref;        // bf16 / fp32 reference, count elements
+  std::vector<double> ref_f64;   // non-empty: the kRelErr reference instead of ref
   std::vector<int32_t> ref_i32;  // int32 reference, count elements
+  std::vector<uint8_t> ref_u8;   // E4M3 codes reference, count elements
   std::vector<Elem> mask;        // empty: every element compared
   std::vector<uint8_t> initial;  // non-empty: uploaded instead of the poison (in-place)
   Output& exact() {
@@ -104,6 +106,7 @@ class OpCase {
  public:
   virtual ~OpCase();
   /// Draws the inputs from rng, uploads them (upload / alloc), declares the outputs (output).
+  /// Called once per object (check_case or time_case, on a fresh case from CaseInfo::make).
   virtual void setup(Rng& rng) = 0;
   /// Fills the outputs' ref / ref_i32 (and may adjust masks); not called by time_case.
   virtual void reference() = 0;
@@ -192,9 +195,10 @@ struct PerfResult {
 /// events (at least 5 launches).
 PerfResult time_case(OpCase& c, uint32_t seed, cudaStream_t stream, double target_ms = 20);
 
-// Registration of each op's cases (ops_cases.cpp, gemv_cases.cpp).
+// Registration of each op's cases (ops_cases.cpp, gemv_cases.cpp, fp8_cases.cpp).
 void register_op_cases(std::vector<CaseInfo>& r);
 void register_gemv_cases(std::vector<CaseInfo>& r);
+void register_fp8_cases(std::vector<CaseInfo>& r);
 
 /// Registers `make` as op/shape (shape: non [A-Za-z0-9_] characters become '_').
 template <typename F>
