@@ -79,10 +79,11 @@ TEST(BackendOpsHost, RegistryListsEveryOp) {
     EXPECT_TRUE(static_cast<bool>(c.make)) << c.name();
   }
   const std::map<std::string, int> expected = {
-      {"Embedding", 9}, {"RmsNorm", 24},    {"AddRmsNorm", 12},     {"QkNormRope", 24},
-      {"QkvPrep", 12},  {"KvWrite", 8},     {"PagedAttention", 15}, {"TopkSoftmax", 288},
-      {"SiluMul", 9},   {"MoePermute", 18}, {"Gemm", 10},           {"MoeLayer", 2},
-      {"Gemv", 193},    {"Fp8Gemv", 164},   {"Fp8Dequantize", 1},   {"Fp8QuantizeRows", 3},
+      {"Embedding", 9},     {"RmsNorm", 24},    {"AddRmsNorm", 12},     {"QkNormRope", 24},
+      {"QkvPrep", 12},      {"KvWrite", 8},     {"PagedAttention", 15}, {"TopkSoftmax", 288},
+      {"SiluMul", 9},       {"MoePermute", 18}, {"Gemm", 10},           {"MoeLayer", 2},
+      {"Gemv", 193},        {"Fp8Gemv", 164},   {"Fp8Dequantize", 1},   {"Fp8QuantizeRows", 3},
+      {"MoeGemm", 28 * 18},
   };
   EXPECT_EQ(per_op, expected);
 }

@@ -85,6 +85,7 @@ std::vector<CaseInfo> const& registry() {
     register_op_cases(r);
     register_gemv_cases(r);
     register_fp8_cases(r);
+    register_moe_gemm_cases(r);
     std::set<std::string> names;
     for (CaseInfo const& c : r) {
       TANDEM_CHECK(names.insert(c.name()).second, "backend_ops: duplicate case ", c.name());
@@ -259,6 +260,33 @@ void compare(Output const& o, std::vector<uint8_t> const& h, std::vector<std::st
     std::ostringstream s;
     s << "relative error " << err << " not below " << tol << hint;
     fail(s.str());
+  }
+  if (o.elementwise) {  // no element off by more than 3 tol (|ref| + rms(ref))
+    double sq = 0;
+    size_t n = 0;
+    for (size_t i = 0; i < o.count; ++i) {
+      if (masked(i) != Elem::kCompare) continue;
+      const double r = f64 ? o.ref_f64[i] : double(o.ref[i]);
+      sq += r * r;
+      ++n;
+    }
+    const double rms = std::sqrt(sq / double(std::max<size_t>(n, 1)));
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < o.count; ++i) {
+      if (masked(i) != Elem::kCompare) continue;
+      const double r = f64 ? o.ref_f64[i] : double(o.ref[i]);
+      const double v = value(h.data() + i * es, o.dtype);
+      if ((!std::isfinite(v) || std::fabs(v - r) > 3 * tol * (std::fabs(r) + rms)) && bad++ == 0) {
+        first = i;
+      }
+    }
+    if (bad) {
+      std::ostringstream s;
+      s << bad << " of " << n << " elements off by more than 3 tol (|ref| + rms(ref)); first ["
+        << first << "]: " << value(h.data() + first * es, o.dtype) << " vs "
+        << (f64 ? o.ref_f64[first] : double(o.ref[first]));
+      fail(s.str());
+    }
   }
 }
 

@@ -79,6 +79,7 @@ struct Output {
   size_t guard = 0;  // elements after `count` that must stay poison (written past the end)
   Compare compare = Compare::kRelErr;
   double tol = -1;               // kRelErr; < 0: by dtype (bf16 1e-2, fp32 1e-5)
+  bool elementwise = false;      // kRelErr: also |out - ref| <= 3 tol (|ref| + rms(ref)) each
   std::vector<float> ref;        // bf16 / fp32 reference, count elements
   std::vector<double> ref_f64;   // non-empty: the kRelErr reference instead of ref
   std::vector<int32_t> ref_i32;  // int32 reference, count elements
@@ -91,6 +92,10 @@ struct Output {
   }
   Output& tolerance(double t) {
     tol = t;
+    return *this;
+  }
+  Output& per_element() {
+    elementwise = true;
     return *this;
   }
   Output& guarded(size_t g) {
@@ -195,10 +200,12 @@ struct PerfResult {
 /// events (at least 5 launches).
 PerfResult time_case(OpCase& c, uint32_t seed, cudaStream_t stream, double target_ms = 20);
 
-// Registration of each op's cases (ops_cases.cpp, gemv_cases.cpp, fp8_cases.cpp).
+// Registration of each op's cases (ops_cases.cpp, gemv_cases.cpp, fp8_cases.cpp,
+// moe_gemm_cases.cpp).
 void register_op_cases(std::vector<CaseInfo>& r);
 void register_gemv_cases(std::vector<CaseInfo>& r);
 void register_fp8_cases(std::vector<CaseInfo>& r);
+void register_moe_gemm_cases(std::vector<CaseInfo>& r);
 
 /// Registers `make` as op/shape (shape: non [A-Za-z0-9_] characters become '_').
 template <typename F>
