@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <cmath>
 #include <map>
 #include <random>
 #include <set>
@@ -86,6 +87,33 @@ TEST(BackendOpsHost, RegistryListsEveryOp) {
       {"MoeGemm", 28 * 18},
   };
   EXPECT_EQ(per_op, expected);
+}
+
+// Host only: the bulk random fills have the asked mean, spread and range, and a seed
+// reproduces them.
+TEST(BackendOpsHost, RngFills) {
+  backend_ops::Rng a(7), b(7);
+  const std::vector<float> v = a.randn(100001, 2.0f, 1.0f);
+  EXPECT_EQ(v, b.randn(100001, 2.0f, 1.0f));
+  double sum = 0, sq = 0;
+  for (float x : v) {
+    ASSERT_TRUE(std::isfinite(x));
+    sum += x;
+    sq += double(x) * x;
+  }
+  const double mean = sum / v.size(), sd = std::sqrt(sq / v.size() - mean * mean);
+  EXPECT_NEAR(mean, 1.0, 0.03);
+  EXPECT_NEAR(sd, 2.0, 0.03);
+  const Bits u = a.uniform_bf16(100001, -3.0f, 3.0f);
+  double usum = 0;
+  for (uint16_t x : u) {
+    const float f = bf16_to_f32(x);
+    ASSERT_GE(f, -3.0f);
+    ASSERT_LE(f, 3.0f);
+    usum += f;
+  }
+  EXPECT_NEAR(usum / u.size(), 0.0, 0.03);
+  EXPECT_NE(a.randn(8), b.randn(8)) << "the stream moves on";
 }
 
 // ------------------------------------------------------------------------------ the rest

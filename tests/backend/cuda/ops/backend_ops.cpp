@@ -24,11 +24,54 @@ Bits to_bf16(std::vector<float> const& f) {
   return b;
 }
 
+namespace {
+
+// splitmix64: the bulk stream of randn / uniform_bf16 (about a nanosecond a value; the large
+// weight matrices of the GEMM cases would take seconds from std::mt19937 distributions).
+struct SplitMix {
+  uint64_t s;
+  uint64_t operator()() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+};
+
+SplitMix bulk_stream(std::mt19937& gen) {
+  const uint64_t hi = gen(), lo = gen();
+  return SplitMix{(hi << 32) | lo};
+}
+
+}  // namespace
+
 std::vector<float> Rng::randn(size_t n, float scale, float mean) {
-  std::normal_distribution<float> d(mean, scale);
+  // Box-Muller over 24-bit uniforms: u1 in (0, 1], u2 in [0, 1).
+  SplitMix sm = bulk_stream(gen_);
   std::vector<float> v(n);
-  for (auto& x : v) x = d(gen_);
+  for (size_t i = 0; i < n; i += 2) {
+    const uint64_t z = sm();
+    const float u1 = static_cast<float>((z >> 40) + 1) * 0x1p-24f;
+    const float u2 = static_cast<float>((z >> 16) & 0xffffff) * 0x1p-24f;
+    const float r = std::sqrt(-2.0f * std::log(u1));
+    const float a = 6.2831853f * u2;
+    v[i] = mean + scale * r * std::cos(a);
+    if (i + 1 < n) v[i + 1] = mean + scale * r * std::sin(a);
+  }
   return v;
+}
+
+Bits Rng::uniform_bf16(size_t n, float lo, float hi) {
+  SplitMix sm = bulk_stream(gen_);
+  Bits b(n);
+  for (size_t i = 0; i < n; i += 2) {
+    const uint64_t z = sm();
+    b[i] = f32_to_bf16(lo + (hi - lo) * static_cast<float>(z >> 40) * 0x1p-24f);
+    if (i + 1 < n) {
+      b[i + 1] = f32_to_bf16(lo + (hi - lo) * static_cast<float>((z >> 8) & 0xffffff) * 0x1p-24f);
+    }
+  }
+  return b;
 }
 
 int64_t Rng::uniform(int64_t lo, int64_t hi) {

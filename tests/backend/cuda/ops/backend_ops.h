@@ -39,15 +39,19 @@ std::vector<float> to_f32(Bits const& b);
 Bits to_bf16(std::vector<float> const& f);
 
 /// The random source of one case run (every draw of a case comes from it, so the seed
-/// reproduces the inputs).
+/// reproduces the inputs). randn and uniform_bf16 draw one seed from the generator and fill
+/// from a fast splitmix64 stream (large weight matrices in milliseconds).
 class Rng {
  public:
   explicit Rng(uint32_t seed) : gen_(seed) {}
+  /// Normal values (mean, standard deviation scale).
   std::vector<float> randn(size_t n, float scale = 1.0f, float mean = 0.0f);
   /// Random bf16 values (their exact fp32 values via to_f32).
   Bits randn_bf16(size_t n, float scale = 1.0f, float mean = 0.0f) {
     return to_bf16(randn(n, scale, mean));
   }
+  /// Uniform bf16 values in [lo, hi] (bf16 rounding may reach hi).
+  Bits uniform_bf16(size_t n, float lo, float hi);
   int64_t uniform(int64_t lo, int64_t hi);  // [lo, hi]
   float uniform_real(float lo, float hi);   // [lo, hi)
   std::mt19937& gen() { return gen_; }

@@ -24,9 +24,7 @@ using std::to_string;
 
 // Random bf16 in [-a, a], a = scale * sqrt(3) (standard deviation `scale`).
 Bits rand_bf16(Rng& rng, size_t n, float scale = 1.0f) {
-  Bits b(n);
-  for (auto& v : b) v = f32_to_bf16(rng.uniform_real(-scale * 1.7320508f, scale * 1.7320508f));
-  return b;
+  return rng.uniform_bf16(n, -scale * 1.7320508f, scale * 1.7320508f);
 }
 
 /// Packs E experts' HF gate [E, I, H] and up [E, I, H] into [E, 2I, H].
