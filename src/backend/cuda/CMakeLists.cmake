@@ -5,7 +5,9 @@
 #
 # Targets (CUDA only; nothing is built without nvcc):
 #   tandem_backend_cuda   kernels + cuBLASLt GEMM wrapper (static library)
+#   tandem_backend_ops_cases  the kernel-test harness + every op's cases (tests/backend/cuda/ops)
 #   test_backend_cuda     each kernel vs the CPU reference (GTEST_SKIP without a GPU)
+#   bench_backend_ops     every harness case timed (--perf: GB/s, TFLOP/s) or checked (--check)
 #   bench_ops_cuda        per-kernel timings beside the copy-bandwidth / GEMM-rate bound
 #   bench_sampling        sample_launch timings beside the copy bound of reading the logits
 #   bench_moe_layer       the MoE block and grouped expert GEMMs beside the same bounds
@@ -105,13 +107,27 @@ if(TANDEM_HAS_CUDA)
     target_compile_definitions(tandem_backend_cuda PRIVATE TANDEM_HAS_CUTLASS_W8A8=1)
   endif()
 
+  option(TANDEM_BACKEND_CUDA_BENCH "Build bench_ops_cuda (CUDA only)" ON)
+
+  # The kernel-test harness and every op's cases (tests/backend/cuda/ops/backend_ops.h), no
+  # gtest: run as parameterised tests by test_backend_cuda, timed by bench_backend_ops.
+  if((TANDEM_TESTS AND TARGET GTest::gtest) OR TANDEM_BACKEND_CUDA_BENCH)
+    file(GLOB TANDEM_BACKEND_OPS_SRCS CONFIGURE_DEPENDS
+      ${TANDEM_BACKEND_CUDA_ROOT}/tests/backend/cuda/ops/*.cpp)
+    add_library(tandem_backend_ops_cases STATIC ${TANDEM_BACKEND_OPS_SRCS})
+    target_include_directories(tandem_backend_ops_cases PUBLIC
+                               ${TANDEM_BACKEND_CUDA_ROOT}/tests/backend/cuda/ops)
+    target_link_libraries(tandem_backend_ops_cases PUBLIC tandem_backend_cuda)
+    target_compile_options(tandem_backend_ops_cases PRIVATE ${TANDEM_WARNINGS})
+  endif()
+
   if(TANDEM_TESTS AND TARGET GTest::gtest)
     include(GoogleTest)
     file(GLOB TANDEM_BACKEND_CUDA_TEST_SRCS CONFIGURE_DEPENDS
       ${TANDEM_BACKEND_CUDA_ROOT}/tests/backend/cuda/*.cpp)
     add_executable(test_backend_cuda ${TANDEM_BACKEND_CUDA_TEST_SRCS})
-    target_link_libraries(test_backend_cuda PRIVATE tandem_backend_cuda GTest::gtest
-                                                    GTest::gtest_main)
+    target_link_libraries(test_backend_cuda PRIVATE tandem_backend_cuda tandem_backend_ops_cases
+                                                    GTest::gtest GTest::gtest_main)
     target_compile_options(test_backend_cuda PRIVATE ${TANDEM_WARNINGS})
     # The CPU sampler is the reference of test_sampling_cuda.cpp; compiled in directly, as
     # tandem_engine would pull in Gloo.
@@ -120,8 +136,12 @@ if(TANDEM_HAS_CUDA)
     gtest_discover_tests(test_backend_cuda DISCOVERY_TIMEOUT 60)
   endif()
 
-  option(TANDEM_BACKEND_CUDA_BENCH "Build bench_ops_cuda (CUDA only)" ON)
   if(TANDEM_BACKEND_CUDA_BENCH)
+    # Every harness case timed (--perf) or checked without gtest (--check).
+    add_executable(bench_backend_ops
+                   ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_backend_ops.cpp)
+    target_link_libraries(bench_backend_ops PRIVATE tandem_backend_ops_cases)
+    target_compile_options(bench_backend_ops PRIVATE ${TANDEM_WARNINGS})
     add_executable(bench_ops_cuda ${TANDEM_BACKEND_CUDA_ROOT}/bench/cuda/bench_ops_cuda.cpp)
     target_link_libraries(bench_ops_cuda PRIVATE tandem_backend_cuda)
     target_compile_options(bench_ops_cuda PRIVATE ${TANDEM_WARNINGS})

@@ -1,6 +1,8 @@
-// The small-m GEMM kernel (gemv.h) against cpu::gemm, and GemmLt with it as a tuning candidate
-// (gemm.h). Fresh random inputs every run (the seed is printed on failure); outputs poisoned
-// (NaN bytes) first and checked fully written with the bytes after them untouched; relative error
+// The small-m GEMM kernel (gemv.h) in a programmatic dependent launch and its rejects, and GemmLt
+// with it as a tuning candidate (gemm.h): the checks of several launches or captures. One launch
+// against cpu::gemm per shape is the Gemv cases of the kernel-test harness (ops/gemv_cases.cpp).
+// Fresh random inputs every run (the seed is printed on failure); outputs poisoned (NaN bytes)
+// first and checked fully written with the bytes after them untouched; relative error
 // ||out - ref|| / ||ref||: bf16 outputs 1e-2, fp32 outputs 2e-6 sqrt(k) (fp32 accumulation in
 // another order than the reference). Every test skips (GTEST_SKIP) when no CUDA device is visible.
 #include <gtest/gtest.h>
@@ -102,56 +104,8 @@ class CudaGemv : public test_util::CudaFixture<> {
 
 // ------------------------------------------------------------------------------ gemv_launch
 
-TEST_F(CudaGemv, MatchesCpuGemm) {
-  SCOPED_TRACE(trace());
-  for (int64_t k : {64, 2048, 4096}) {
-    for (int64_t n : {1, 7, 128, 5120}) {
-      const int64_t M = kGemvMaxM;
-      Bits x = randn_bf16(M * k), w = randn_bf16(n * k);
-      std::vector<float> xf = to_f32(x), wf = to_f32(w), ref(M * n);
-      cpu::gemm({xf.data(), wf.data(), ref.data(), M, n, k});  // row i does not depend on M
-      DeviceBytes d_x(x.size() * 2), d_w(w.size() * 2), d_y((M * n + kGuard) * 4);
-      d_x.upload(x);
-      d_w.upload(w);
-      for (int64_t m = 1; m <= M; ++m) {
-        std::vector<float> r(ref.begin(), ref.begin() + m * n);
-        for (bool f32 : {false, true}) {
-          SCOPED_TRACE("m " + std::to_string(m) + " n " + std::to_string(n) + " k " +
-                       std::to_string(k) + (f32 ? " fp32 out" : " bf16 out"));
-          d_y.poison();
-          GemvParams p{d_x.bf(), d_w.bf(), f32 ? nullptr : d_y.bf(), m, n, k};
-          if (f32) p.y_f32 = d_y.f32();
-          ASSERT_TRUE(gemv_supported(p));
-          gemv_launch(p, stream_);
-          EXPECT_LT(rel_err(output(d_y, m * n, f32), r), f32 ? tol_f32(k) : kTolBf16);
-        }
-      }
-    }
-  }
-}
-
-TEST_F(CudaGemv, AlphaAndDeterminism) {
-  SCOPED_TRACE(trace());
-  const int64_t m = 3, n = 5120, k = 2048;
-  Bits x = randn_bf16(m * k), w = randn_bf16(n * k);
-  std::vector<float> xf = to_f32(x), wf = to_f32(w), ref(m * n);
-  cpu::gemm({xf.data(), wf.data(), ref.data(), m, n, k});
-  for (auto& v : ref) v *= 0.25f;
-  DeviceBytes d_x(x.size() * 2), d_w(w.size() * 2), d_y((m * n + kGuard) * 4);
-  d_x.upload(x);
-  d_w.upload(w);
-  d_y.poison();
-  GemvParams p{d_x.bf(), d_w.bf(), nullptr, m, n, k, 0.25f, d_y.f32()};
-  gemv_launch(p, stream_);
-  std::vector<float> first = output(d_y, m * n, true);
-  EXPECT_LT(rel_err(first, ref), tol_f32(k));
-  for (int rep = 0; rep < 3; ++rep) {
-    d_y.poison();
-    gemv_launch(p, stream_);
-    std::vector<float> again = output(d_y, m * n, true);
-    EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * 4), 0) << "rep " << rep;
-  }
-}
+// gemv_launch against cpu::gemm for every m, n, k, output dtype (and alpha, determinism): the
+// Gemv cases of tests/backend/cuda/ops/gemv_cases.cpp (Cuda/BackendOps.Check/Gemv_*).
 
 // The programmatic dependent launch: x produced by the kernel before it (an RMSNorm, itself a
 // PDL launch), poisoned with NaN before each round, so a gemv reading x before its wait would

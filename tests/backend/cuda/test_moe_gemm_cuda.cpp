@@ -1,9 +1,8 @@
-// Grouped expert GEMM (moe_gemm.h) and the whole MoE block (moe_layer.h) against the CPU
-// reference: cpu::gemm per expert (+ cpu::silu_mul on the unpacked gate/up output) and
-// cpu::topk_softmax + cpu::moe for the block. Fresh random inputs every run (the seed is
-// printed on failure), outputs poisoned with NaN first; rows past the routed ones must stay
-// untouched. Every tile configuration runs on every case, whatever the host would pick.
-// GPU tests skip (GTEST_SKIP) when no CUDA device is visible; the packing test runs anywhere.
+// The grouped expert GEMM's rejects (its cases against cpu::gemm are in the kernel-test harness,
+// ops/moe_gemm_cases.cpp) and the whole MoE block (moe_layer.h) against the CPU reference:
+// cpu::topk_softmax + cpu::moe. Fresh random inputs every run (the seed is printed on failure),
+// outputs poisoned with NaN first. GPU tests skip (GTEST_SKIP) when no CUDA device is visible;
+// the packing test runs anywhere.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -89,18 +88,6 @@ Bits pack_all(Bits const& gate, Bits const& up, int64_t E, int64_t I, int64_t H)
   return packed;
 }
 
-std::string tile_name(MoeGemmTile t) {
-  switch (t) {
-    case MoeGemmTile::kAuto: return "auto";
-    case MoeGemmTile::kSmall: return "small";
-    case MoeGemmTile::kMedium: return "medium";
-    case MoeGemmTile::kLarge: return "large";
-    case MoeGemmTile::kLargeK64: return "large_k64";
-    case MoeGemmTile::kLarge256: return "large256";
-  }
-  return "?";
-}
-
 // ------------------------------------------------------------------------------ packing (CPU)
 
 TEST(MoePackGateUp, InterleavesBlocksOfEightRows) {
@@ -141,132 +128,10 @@ TEST(MoeGemmPickTile, ByMeanRowsPerExpert) {
 
 // ------------------------------------------------------------------------------ grouped GEMM
 
-struct GemmCase {
-  std::string name;
-  int64_t n, k;
-  std::vector<int32_t> counts;  // rows per expert
-  int64_t slack;                // max_rows - routed rows
-};
+// Every routing x epilogue x tile x PDL mode against cpu::gemm: the MoeGemm cases of the
+// kernel-test harness (ops/moe_gemm_cases.cpp).
 
-class MoeGemmCuda : public MoeCudaTest {
- protected:
-  // Runs one case with one epilogue over every tile; the CPU reference is computed once.
-  // gather: x holds tokens and row i of the group is token gather_src[i] / 3 (fused gather).
-  void check(GemmCase const& c, MoeGemmEpilogue epi, bool gather = false) {
-    const bool silu = epi == MoeGemmEpilogue::kSiluMul;
-    SCOPED_TRACE(c.name + (silu ? " silu_mul" : " plain") + (gather ? " gather" : "") + " n " +
-                 std::to_string(c.n) + " k " + std::to_string(c.k));
-    const int64_t E = static_cast<int64_t>(c.counts.size()), N = c.n, K = c.k;
-    std::vector<int32_t> offsets(E + 1, 0);
-    for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + c.counts[e];
-    const int64_t total = offsets[E], max_rows = total + c.slack;
-    const int64_t out_cols = silu ? N / 2 : N;
-    Bits x = rand_bf16(max_rows * K);
-    for (int64_t i = total * K; i < max_rows * K; ++i) x[i] = 0xffff;  // never read
-    constexpr int64_t kDiv = 3;
-    const int64_t tokens = total / 2 + 1;
-    Bits x_tokens = rand_bf16(tokens * K);
-    std::vector<int32_t> gather_src(std::max<int64_t>(max_rows, 1), 0x7f7f7f7f);  // tail: unused
-    if (gather) {
-      for (int64_t i = 0; i < total; ++i) {
-        const int64_t t = uniform(0, tokens - 1);
-        gather_src[i] = static_cast<int32_t>(t * kDiv + uniform(0, kDiv - 1));
-        std::copy_n(x_tokens.begin() + t * K, K, x.begin() + i * K);  // the reference's rows
-      }
-    }
-    // Weights: HF [E, N, K]; for silu_mul the first N/2 rows of each expert are gate, the rest
-    // up, and the device gets them packed.
-    Bits w = rand_bf16(E * N * K, 1.0f / std::sqrt(static_cast<float>(K)));
-    Bits w_dev = w;
-    if (silu) {
-      const int64_t I = N / 2;
-      Bits gate(E * I * K), up(E * I * K);
-      for (int64_t e = 0; e < E; ++e) {
-        std::copy_n(w.begin() + e * N * K, I * K, gate.begin() + e * I * K);
-        std::copy_n(w.begin() + e * N * K + I * K, I * K, up.begin() + e * I * K);
-      }
-      w_dev = pack_all(gate, up, E, I, K);
-    }
-    // CPU reference.
-    std::vector<float> xf = to_f32(x), wf = to_f32(w), ref(total * out_cols);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t m = c.counts[e];
-      if (m == 0) continue;
-      std::vector<float> y(m * N);
-      cpu::gemm({xf.data() + offsets[e] * K, wf.data() + e * N * K, y.data(), m, N, K});
-      if (silu) {
-        cpu::silu_mul({y.data(), ref.data() + offsets[e] * out_cols, m, N / 2});
-      } else {
-        std::copy(y.begin(), y.end(), ref.begin() + offsets[e] * out_cols);
-      }
-    }
-    DeviceBuffer<uint16_t> d_x(gather ? x_tokens : x), d_w(w_dev), d_y(max_rows * out_cols);
-    DeviceBuffer<int32_t> d_off(offsets), d_src(gather_src);
-    DeviceBuffer<uint16_t> d_scratch(max_rows * out_cols);
-    for (MoeGemmTile tile : {MoeGemmTile::kAuto, MoeGemmTile::kSmall, MoeGemmTile::kMedium,
-                             MoeGemmTile::kLarge, MoeGemmTile::kLargeK64, MoeGemmTile::kLarge256}) {
-      SCOPED_TRACE("tile " + tile_name(tile));
-      MoeGemmParams p{d_x.bf(), d_w.bf(), d_y.bf(), d_off.ptr, max_rows, N, K, E, epi, tile};
-      if (gather) {
-        p.gather_src = d_src.ptr;
-        p.gather_div = kDiv;
-      }
-      for (MoeGemmPdl pdl :
-           {MoeGemmPdl::kOff, MoeGemmPdl::kWaitFirst, MoeGemmPdl::kPrefetchWeights}) {
-        SCOPED_TRACE("pdl " + std::to_string(static_cast<int>(pdl)));
-        d_y.poison(0xff);
-        p.pdl = pdl;
-        if (pdl != MoeGemmPdl::kOff) {
-          // Preceded by a kernel on the stream (the dependent may start while it runs): the
-          // same GEMM into a scratch output. (MoeLayerCuda covers x written by the predecessor.)
-          MoeGemmParams q = p;
-          q.pdl = MoeGemmPdl::kOff;
-          q.y = d_scratch.bf();
-          moe_gemm_launch(q, stream_);
-        }
-        moe_gemm_launch(p, stream_);
-        sync();
-        Bits y = d_y.download();
-        Bits tail(y.begin() + total * out_cols, y.end());
-        y.resize(total * out_cols);
-        EXPECT_TRUE(close(to_f32(y), ref, out_cols, 1e-2));
-        const size_t touched = static_cast<size_t>(
-            std::count_if(tail.begin(), tail.end(), [](uint16_t v) { return v != 0xffff; }));
-        EXPECT_EQ(touched, 0u) << "rows past the routed ones were written";
-      }
-    }
-  }
-  std::vector<int32_t> random_counts(int64_t E, int64_t lo, int64_t hi) {
-    std::vector<int32_t> c(E);
-    for (auto& v : c) v = static_cast<int32_t>(uniform(lo, hi));
-    return c;
-  }
-};
-
-TEST_F(MoeGemmCuda, MatchesCpuReference) {
-  SCOPED_TRACE(trace());
-  std::vector<GemmCase> cases = {
-      {"decode random", 256, 512, random_counts(16, 0, 4), 7},
-      {"prefill uneven", 384, 256, {300, 0, 513, 129}, 0},
-      {"all rows to one expert", 192, 136, {0, 0, 300, 0}, 5},  // k not a multiple of 32/64
-      {"one row", 256, 512, {}, 7},                             // 1 token, 1 local slot
-      {"no rows", 64, 64, std::vector<int32_t>(8, 0), 16},
-      {"130 experts, skewed", 64, 64, random_counts(130, 0, 3), 3},
-      {"rows just past tiles", 128, 64, {17, 65, 129, 1, 16, 64, 128}, 0},
-      {"qwen3-30b decode", 1536, 2048, random_counts(12, 0, 9), 0},
-      {"qwen3-30b down", 2048, 768, random_counts(12, 0, 40), 0},
-  };
-  cases[3].counts.assign(128, 0);
-  cases[3].counts[77] = 1;
-  cases[5].counts[129] = 70;
-  for (GemmCase const& c : cases) {
-    check(c, MoeGemmEpilogue::kPlain);
-    check(c, MoeGemmEpilogue::kSiluMul);
-    check(c, MoeGemmEpilogue::kSiluMul, /*gather=*/true);
-  }
-  // n a multiple of 8 but not of 16 or of any tile width: plain only.
-  check({"odd n", 200, 72, {17, 1, 40}, 2}, MoeGemmEpilogue::kPlain);
-}
+class MoeGemmCuda : public MoeCudaTest {};
 
 TEST_F(MoeGemmCuda, RejectsUnsupportedShapes) {
   DeviceBuffer<uint16_t> buf(1024);
