@@ -114,7 +114,7 @@ step() {  # step NAME TIMEOUT_S CMD...
   return 0
 }
 
-step test_backend_cuda 240 "$BIN/test_backend_cuda"
+step test_backend_cuda 420 "$BIN/test_backend_cuda"
 step test_model_cuda 150 "$BIN/test_model_cuda" --gtest_filter='-CudaBatchInvariance.*:*CudaQwen35Mtp*'
 # The speculative step's kernels alone (a subset of test_backend_cuda, for a short run): the
 # after-verify metadata (spec_advance) and the rejection sampler vs their CPU references.

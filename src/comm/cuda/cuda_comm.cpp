@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "comm/cuda/check.h"
 #include "comm/local_launcher.h"
@@ -212,11 +213,19 @@ CudaComm::CudaComm(std::shared_ptr<TcpStore> store, int device, CudaAllReduceCon
 }
 
 CudaComm::~CudaComm() {
-  // Nobody may unmap or free while a peer's kernel could still touch this rank's memory.
+  // Nobody may unmap or free while a peer's kernel could still touch this rank's memory. While
+  // an error unwinds this rank (its peers fail too: their next collective gives up after the
+  // spin timeout), the barriers are skipped, so the error reaches the caller now instead of
+  // after the store's timeout.
+  const bool unwinding = std::uncaught_exceptions() > 0;
+  if (unwinding) {
+    std::fprintf(stderr, "CudaComm rank %d: closed while an error unwinds: no shutdown barrier\n",
+                 rank_);
+  }
   try {
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
-    store_->barrier();
+    if (!unwinding) store_->barrier();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "CudaComm rank %d: shutdown barrier failed: %s\n", rank_, e.what());
   }
@@ -225,7 +234,7 @@ CudaComm::~CudaComm() {
     if (q != rank_ && peer_bases_[q] != nullptr) cudaIpcCloseMemHandle(peer_bases_[q]);
   }
   try {
-    store_->barrier();
+    if (!unwinding) store_->barrier();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "CudaComm rank %d: shutdown barrier failed: %s\n", rank_, e.what());
   }

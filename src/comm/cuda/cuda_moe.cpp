@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include "comm/cuda/check.h"
@@ -143,17 +144,19 @@ CudaMoe::CudaMoe(CudaComm& comm, CudaMoeConfig config)
 }
 
 CudaMoe::~CudaMoe() {
+  // As ~CudaComm: no shutdown barrier while an error unwinds this rank.
+  const bool unwinding = std::uncaught_exceptions() > 0;
   try {
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
-    comm_.store().barrier();
+    if (!unwinding) comm_.store().barrier();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "CudaMoe rank %d: shutdown barrier failed: %s\n", rank_, e.what());
   }
   for (int q = 0; q < world_; ++q)
     if (q != rank_ && peer_bases_[q] != nullptr) cudaIpcCloseMemHandle(peer_bases_[q]);
   try {
-    comm_.store().barrier();
+    if (!unwinding) comm_.store().barrier();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "CudaMoe rank %d: shutdown barrier failed: %s\n", rank_, e.what());
   }

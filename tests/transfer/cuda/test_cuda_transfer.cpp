@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -997,6 +998,7 @@ TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
           cbs.on_error = [&](const std::string&, const std::string& m) {
             std::lock_guard<std::mutex> l(mu);
             ended = m;
+            std::fprintf(stderr, "receiver: %s\n", m.c_str());  // seen if killed
             cv.notify_all();
           };
           auto rx = backend->make_receiver(pool.cache, cbs);
@@ -1031,6 +1033,7 @@ TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
           cbs.on_error = [&](const std::string&, const std::string& m) {
             std::lock_guard<std::mutex> l(mu);
             outcome = "error: " + m;
+            std::fprintf(stderr, "prefill rank %d: %s\n", prank, m.c_str());
             cv.notify_all();
           };
           auto tx = backend->make_sender(pool.cache, src, prank, cbs);
