@@ -38,8 +38,8 @@ tsan_full="$tsan_ci
            test_engine:AsyncEngine.*"
 # CI (.ci/run) runs the default lists: under ASan + UBSan the peer-facing byte paths (the
 # cluster key, the transfer wire) and the fuzz corpora, under TSan tsan_ci. CI_SECURITY_FULL=1
-# runs the full lists (every CPU test binary under ASan + UBSan: ~34 min cold build on 2 cores,
-# too long for CI's budget; docs/operations.md, Security).
+# runs the full lists (both pass; every CPU test binary under ASan + UBSan is a 38 min cold build
+# on 2 cores, too long for CI's hour; docs/operations.md, Security).
 if [ "${CI_SECURITY_FULL:-0}" = 1 ]; then
   asan_runs=$asan_full
   tsan_runs=$tsan_full
