@@ -16,7 +16,11 @@ KvEventsConfig parse_kv_events_config(const std::string& text) {
   TANDEM_CHECK_KIND(kInvalidArgument, j.is_object(), "--kv-events-config: not a JSON object");
   KvEventsConfig c;
   bool publisher_set = false;
-  for (const auto& [key, v] : j.items()) {
+  for (const auto& item : j.items()) {
+    // Named, not a structured binding: the lambda below captures it (clang 14, the fuzzing
+    // build's compiler, does not capture structured bindings).
+    const std::string& key = item.key();
+    const nlohmann::json& v = item.value();
     auto need = [&](bool ok, const char* type) {
       TANDEM_CHECK_KIND(kInvalidArgument, ok, "--kv-events-config: ", key, " must be ", type);
     };

@@ -4,8 +4,8 @@
 #                     it the committed corpus tests/fuzz/corpus/<name>/ (part of `make test`).
 #   -DTANDEM_FUZZ=ON  (clang, its own build folder, e.g. build-fuzz with -DTANDEM_CUDA=OFF):
 #                     fuzz_<name> linked with libFuzzer; every target is compiled with ASan,
-#                     UBSan and coverage (see TANDEM_FUZZ in CMakeLists.txt). tools/fuzz.sh runs
-#                     them for a bounded time from the corpus (CI).
+#                     UBSan and coverage (see TANDEM_FUZZ in CMakeLists.txt).
+#                     `tools/ci_security.sh fuzz` runs them for a bounded time from the corpus.
 set(TANDEM_FUZZ_HARNESSES
     http:tandem_server
     openai_request:tandem_server

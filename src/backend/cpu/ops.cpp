@@ -22,14 +22,24 @@ inline v8f load8(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+
+// The dot kernels come in an AVX2 + FMA clone and a baseline one, picked by an ifunc resolver
+// when the binary is loaded. Under ThreadSanitizer GCC instruments that resolver too, and it
+// then runs before TSan's runtime is up (test_engine crashed in the dynamic loader): a TSan build
+// keeps the baseline kernels only.
+#if defined(__SANITIZE_THREAD__)
+#define TANDEM_DOT_CLONES
+#else
+#define TANDEM_DOT_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+
 inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
 // Four rows of a against one row of b: out4[i] = dot(a_i, b).
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void dot4(
-    const float* a0, const float* a1, const float* a2, const float* a3, const float* b, int64_t k,
-    float* out4) {
+TANDEM_DOT_CLONES void dot4(const float* a0, const float* a1, const float* a2, const float* a3,
+                            const float* b, int64_t k, float* out4) {
   v8f c0 = {}, c1 = {}, c2 = {}, c3 = {};
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) {
@@ -54,8 +64,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void dot4(
 
 // One row against one row, with exactly dot4's per-row arithmetic, so that a row's result
 // does not depend on how many rows are batched with it (batch invariance).
-__attribute__((target_clones("arch=x86-64-v3", "default"))) float dot1(const float* a,
-                                                                       const float* b, int64_t k) {
+TANDEM_DOT_CLONES float dot1(const float* a, const float* b, int64_t k) {
   v8f c0 = {};
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) c0 += load8(a + i) * load8(b + i);

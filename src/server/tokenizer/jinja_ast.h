@@ -250,6 +250,10 @@ class Renderer {
  public:
   /// Starts with `globals` as the outermost scope.
   explicit Renderer(std::shared_ptr<Frame> globals);
+  /// Empties the frames that macros close over (see keep_closure).
+  ~Renderer();
+  Renderer(const Renderer&) = delete;
+  Renderer& operator=(const Renderer&) = delete;
 
   /// Renders statements into `out`, stopping early on break/continue.
   void render_body(const Body& body, std::string& out);
@@ -265,6 +269,10 @@ class Renderer {
   void tick();
   /// Fails when output grew past the limit.
   void check_output(const std::string& out) const;
+  /// A macro's callable is stored in the frame it closes over (frame -> value -> closure ->
+  /// frame, a shared_ptr cycle): the renderer keeps those frames and empties them when it ends,
+  /// so that a render frees its scopes and values (every render with a macro leaked them).
+  void keep_closure(std::shared_ptr<Frame> frame);
 
   std::shared_ptr<Frame> frame;                                           ///< current scope
   enum class Signal { kNone, kBreak, kContinue } signal = Signal::kNone;  ///< pending loop control
@@ -276,6 +284,7 @@ class Renderer {
 
  private:
   int64_t steps_ = 0;
+  std::vector<std::shared_ptr<Frame>> closures_;
 };
 
 // ---- built-ins (jinja_builtins.cpp) ----

@@ -99,6 +99,15 @@ void Frame::set(const std::string& name, Value value) {
 
 Renderer::Renderer(std::shared_ptr<Frame> globals) : frame(std::move(globals)) {}
 
+Renderer::~Renderer() {
+  for (auto& f : closures_) {
+    auto vars = std::move(f->vars);  // destroyed here, the callables and their closures with it
+    f->vars.clear();
+  }
+}
+
+void Renderer::keep_closure(std::shared_ptr<Frame> frame) { closures_.push_back(std::move(frame)); }
+
 void Renderer::render_body(const Body& body, std::string& out) {
   for (const StmtPtr& stmt : body) {
     try {
@@ -351,6 +360,7 @@ void SetBlockStmt::render(Renderer& r, std::string&) const {
 void MacroStmt::render(Renderer& r, std::string&) const {
   const MacroStmt* macro = this;
   std::shared_ptr<Frame> closure = r.frame;
+  r.keep_closure(closure);
   r.frame->set(
       name, Value::callable(name, [macro, closure](Renderer& rr, CallArgs& args) -> Value {
         if (rr.depth >= Renderer::kMaxDepth) fail("macro calls nested too deeply (recursion?)");

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "server/tokenizer/jinja_ast.h"
 #include "tokenizer_test_util.h"
 
 namespace tandem {
@@ -225,12 +226,42 @@ TEST(ChatTemplate, DeepNestingIsAnErrorNotACrash) {
   std::string deep_json;
   for (int i = 0; i < 20000; ++i) deep_json += "[";
   for (int i = 0; i < 20000; ++i) deep_json += "]";
-  const auto deep = nlohmann::ordered_json::parse(deep_json);
-  expect_template_error("{{ x }}", "nested too deeply", {{"x", deep}});
+  // The deep value is parsed (iteratively) straight into its place and only ever moved: a copy
+  // of it recurses 20000 levels deep, which overflows the stack under ASan (a test bug found by
+  // tools/ci_security.sh asan, not one of the template's).
+  nlohmann::ordered_json context = nlohmann::ordered_json::object();
+  context["x"] = nlohmann::ordered_json::parse(deep_json);
+  expect_template_error("{{ x }}", "nested too deeply", context);
   ChatTemplateInputs in;
   in.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", "hi"}}});
-  in.kwargs = {{"x", deep}};
+  in.kwargs = std::move(context);
   EXPECT_THROW(fixture_template("qwen3").apply(in), Error);
+}
+
+// A macro's callable lives in the frame it closes over (a shared_ptr cycle): the renderer
+// empties those frames when it ends, so a render with macros frees its scopes and values (each
+// such render leaked them; found by LeakSanitizer in tools/ci_security.sh asan).
+TEST(ChatTemplate, RenderWithMacrosFreesItsScopes) {
+  const auto program = jinja::parse(
+      "{% macro outer(x) %}{% macro inner(y) %}{{ y }}{% endmacro %}{{ inner(x) }}{% endmacro %}"
+      "{% for i in range(3) %}{% macro m() %}{{ i }}{% endmacro %}{{ m() }}{% endfor %}"
+      "{{ outer(1) }}");
+  auto globals = std::make_shared<jinja::Frame>();
+  jinja::install_globals(*globals);
+  std::weak_ptr<jinja::Frame> weak_globals = globals;
+  std::weak_ptr<jinja::Frame> weak_root;
+  std::string out;
+  {
+    auto root = std::make_shared<jinja::Frame>();
+    root->parent = std::move(globals);
+    weak_root = root;
+    jinja::Renderer r(std::move(root));
+    r.render_body(program->body, out);
+    EXPECT_FALSE(weak_root.expired());
+  }
+  EXPECT_EQ(out, "0121");
+  EXPECT_TRUE(weak_root.expired());
+  EXPECT_TRUE(weak_globals.expired());
 }
 
 // Random and mutated templates must render or throw tandem::Error, never crash or hang.
