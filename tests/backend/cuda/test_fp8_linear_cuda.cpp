@@ -26,6 +26,7 @@
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "fp8_act_ref.h"
+#include "weight_util.h"
 
 namespace tandem::cuda {
 namespace {
@@ -49,20 +50,7 @@ double rel_err(std::vector<float> const& out, std::vector<double> const& ref) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-// A random E4M3 matrix [n, k] with its block scales [ceil(n / 128), ceil(k / 128)].
-struct Fp8Matrix {
-  int64_t n = 0, k = 0;
-  std::vector<uint8_t> q;
-  std::vector<float> block_scale;
-  std::vector<float> row_scale() const {
-    return fp8_expand_row_scales(block_scale.data(), n, k, 128);
-  }
-  // Dequantized row r: e4m3(q) * scale as float (the CPU model's load).
-  float at(int64_t r, int64_t c) const {
-    return f8e4m3_to_f32(q[static_cast<size_t>(r * k + c)]) *
-           block_scale[static_cast<size_t>((r / 128) * cdiv(k, 128) + c / 128)];
-  }
-};
+using test_util::Fp8Matrix;
 
 class Fp8LinearCuda : public test_util::CudaFixture<> {
  protected:

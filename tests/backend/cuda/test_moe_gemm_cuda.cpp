@@ -23,6 +23,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "weight_util.h"
 
 namespace tandem::cuda {
 namespace {
@@ -77,16 +78,7 @@ class MoeCudaTest : public test_util::CudaFixture<> {
   }
 };
 
-/// Packs E experts' HF gate [E, I, H] and up [E, I, H] into [E, 2I, H].
-Bits pack_all(Bits const& gate, Bits const& up, int64_t E, int64_t I, int64_t H) {
-  Bits packed(gate.size() * 2);
-  for (int64_t e = 0; e < E; ++e) {
-    moe_pack_gate_up(reinterpret_cast<bf16 const*>(gate.data() + e * I * H),
-                     reinterpret_cast<bf16 const*>(up.data() + e * I * H), I, H,
-                     reinterpret_cast<bf16*>(packed.data() + e * 2 * I * H));
-  }
-  return packed;
-}
+using test_util::pack_all;
 
 // ------------------------------------------------------------------------------ packing (CPU)
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../fp8_act_ref.h"
+#include "../weight_util.h"
 #include "backend/cuda/fp8_linear.h"
 #include "backend_ops.h"
 #include "core/dtype.h"
@@ -26,20 +27,7 @@ constexpr size_t kGuard = 64;  // poisoned elements after each output, checked u
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// A random E4M3 matrix [n, k] with its block scales [ceil(n / 128), ceil(k / 128)].
-struct Fp8Matrix {
-  int64_t n = 0, k = 0;
-  std::vector<uint8_t> q;
-  std::vector<float> block_scale;
-  std::vector<float> row_scale() const {
-    return fp8_expand_row_scales(block_scale.data(), n, k, 128);
-  }
-  // Dequantized element: e4m3(q) * scale as float (the CPU model's load).
-  float at(int64_t r, int64_t c) const {
-    return f8e4m3_to_f32(q[static_cast<size_t>(r * k + c)]) *
-           block_scale[static_cast<size_t>((r / 128) * cdiv(k, 128) + c / 128)];
-  }
-};
+using test_util::Fp8Matrix;
 
 Fp8Matrix rand_matrix(Rng& rng, int64_t n, int64_t k) {
   Fp8Matrix m;

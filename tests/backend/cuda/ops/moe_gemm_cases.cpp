@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../weight_util.h"
 #include "backend/cpu/ops.h"
 #include "backend/cuda/moe_gemm.h"
 #include "backend_ops.h"
@@ -27,16 +28,7 @@ Bits rand_bf16(Rng& rng, size_t n, float scale = 1.0f) {
   return rng.uniform_bf16(n, -scale * 1.7320508f, scale * 1.7320508f);
 }
 
-/// Packs E experts' HF gate [E, I, H] and up [E, I, H] into [E, 2I, H].
-Bits pack_all(Bits const& gate, Bits const& up, int64_t E, int64_t I, int64_t H) {
-  Bits packed(gate.size() * 2);
-  for (int64_t e = 0; e < E; ++e) {
-    moe_pack_gate_up(reinterpret_cast<bf16 const*>(gate.data() + e * I * H),
-                     reinterpret_cast<bf16 const*>(up.data() + e * I * H), I, H,
-                     reinterpret_cast<bf16*>(packed.data() + e * 2 * I * H));
-  }
-  return packed;
-}
+using test_util::pack_all;
 
 struct Routing {
   std::string name;
