@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <msgpack.hpp>
 #include <random>
@@ -196,6 +197,28 @@ struct RecordingSink : KvEventSink {
   void publish(std::vector<KvEvent> events) override { view.apply(events); }
 };
 
+// Twelve requests sharing a 12-token prefix with tails of 9-18 tokens (3 tokens out each), run
+// one by one to completion on `e`; `after(i)` is called once request i finished.
+void run_shared_prefix_requests(Engine& e, uint32_t seed, const std::string& prefix,
+                                const std::function<void(int)>& after) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> tok(0, 250);
+  std::vector<int32_t> shared(12);
+  for (auto& t : shared) t = tok(rng);
+  for (int i = 0; i < 12; ++i) {
+    GenRequest r;
+    r.id = prefix + std::to_string(i);
+    r.prompt_ids = shared;
+    for (int j = 0; j < 9 + 3 * (i % 4); ++j) r.prompt_ids.push_back(tok(rng));
+    r.max_tokens = 3;
+    r.ignore_eos = true;
+    e.add(std::move(r), [](const StepOutput&) {});
+    while (e.step()) {
+    }
+    after(i);
+  }
+}
+
 TEST(KvEvents, EngineEventsMirrorItsPrefixCache) {
   static std::unique_ptr<Model> m =
       Qwen3MoeCpu::load(std::string(TANDEM_SOURCE_DIR) + "/tests/data/fixtures/hub_gqa_top2");
@@ -207,24 +230,11 @@ TEST(KvEvents, EngineEventsMirrorItsPrefixCache) {
   cfg.max_num_seqs = 2;
   cfg.kv_events = sink;
   Engine e(*m, cfg);
-  std::mt19937 rng(5);
-  std::uniform_int_distribution<int> tok(0, 250);
-  std::vector<int32_t> shared(12);
-  for (auto& t : shared) t = tok(rng);
   int64_t stored_any = 0;
-  for (int i = 0; i < 12; ++i) {
-    GenRequest r;
-    r.id = "r" + std::to_string(i);
-    r.prompt_ids = shared;
-    for (int j = 0; j < 9 + 3 * (i % 4); ++j) r.prompt_ids.push_back(tok(rng));
-    r.max_tokens = 3;
-    r.ignore_eos = true;
-    e.add(std::move(r), [](const StepOutput&) {});
-    while (e.step()) {
-    }
+  run_shared_prefix_requests(e, 5, "r", [&](int i) {
     EXPECT_EQ(sink->view.get(), cached(e.blocks())) << "after request " << i;
     stored_any += static_cast<int64_t>(sink->view.get().size());
-  }
+  });
   EXPECT_GT(stored_any, 0);
   EXPECT_LT(e.blocks().num_free(), cfg.num_pages);  // (the cache holds pages: a real test)
 }
@@ -248,27 +258,14 @@ TEST(KvEvents, HybridStateCheckpointEventsMirrorItsCheckpoints) {
   cfg.kv_events = sink;
   Engine e(*m, cfg);
   ASSERT_NE(e.state_checkpoints(), nullptr);
-  std::mt19937 rng(11);
-  std::uniform_int_distribution<int> tok(0, 250);
-  std::vector<int32_t> shared(12);
-  for (auto& t : shared) t = tok(rng);
   int64_t stored_any = 0;
-  for (int i = 0; i < 12; ++i) {
-    GenRequest r;
-    r.id = "h" + std::to_string(i);
-    r.prompt_ids = shared;
-    for (int j = 0; j < 9 + 3 * (i % 4); ++j) r.prompt_ids.push_back(tok(rng));
-    r.max_tokens = 3;
-    r.ignore_eos = true;
-    e.add(std::move(r), [](const StepOutput&) {});
-    while (e.step()) {
-    }
+  run_shared_prefix_requests(e, 11, "h", [&](int i) {
     EXPECT_EQ(sink->view.get(kKvGroupAttention), cached(e.blocks())) << "after request " << i;
     const auto ck = e.state_checkpoints()->hashes();
     EXPECT_EQ(sink->view.get(kKvGroupState), std::set<uint64_t>(ck.begin(), ck.end()))
         << "after request " << i;
     stored_any += static_cast<int64_t>(sink->view.get(kKvGroupState).size());
-  }
+  });
   EXPECT_GT(stored_any, 0);
   EXPECT_EQ(e.state_checkpoints()->size(), 3);
   EXPECT_GT(sink->view.removed_of(kKvGroupState), 0);  // checkpoints were evicted
