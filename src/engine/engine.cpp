@@ -44,14 +44,25 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
                       "state_checkpoint_interval must be positive");
     c.state_checkpoint_interval =
         (c.state_checkpoint_interval + c.page_size - 1) / c.page_size * c.page_size;
-    if (c.num_state_checkpoints == 0) c.num_state_checkpoints = c.max_num_seqs;
   } else {
-    c.num_state_checkpoints = 0;
+    c.num_state_checkpoints = -1;  // none (0 below)
   }
   // (Speculation on a hybrid: one spare slot per sequence, the state before its verify step.)
-  const int64_t state_bytes =
-      model.state_slot_elems() * static_cast<int64_t>(sizeof(float)) *
-      (c.max_num_seqs * (c.num_speculative_tokens > 0 ? 2 : 1) + c.num_state_checkpoints);
+  const int64_t slot_bytes = model.state_slot_elems() * static_cast<int64_t>(sizeof(float));
+  const int64_t live_bytes = slot_bytes * c.max_num_seqs * (c.num_speculative_tokens > 0 ? 2 : 1);
+  if (c.num_state_checkpoints == 0) {
+    // Not given: max_num_seqs, or when the KV cache is sized from its budget, at most what a
+    // quarter of the budget left after the live states holds (a large hybrid's state is tens of
+    // MB: 256 checkpoints of Qwen3.5-35B-A3B would take 16 GB from the KV pages).
+    c.num_state_checkpoints = c.max_num_seqs;
+    const int64_t budget = c.kv_cache_mb * (int64_t{1} << 20);
+    if (c.num_pages <= 0 && slot_bytes > 0 && live_bytes < budget) {
+      c.num_state_checkpoints =
+          std::clamp<int64_t>((budget - live_bytes) / 4 / slot_bytes, 1, c.max_num_seqs);
+    }
+  }
+  c.num_state_checkpoints = std::max<int64_t>(c.num_state_checkpoints, 0);
+  const int64_t state_bytes = live_bytes + slot_bytes * c.num_state_checkpoints;
   TANDEM_CHECK_KIND(
       kInvalidArgument,
       c.num_speculative_tokens >= 0 && c.num_speculative_tokens <= kMaxSpeculativeTokens,
@@ -70,7 +81,7 @@ EngineConfig resolve(const Model& model, EngineConfig c) {
     TANDEM_CHECK_KIND(kInvalidArgument, state_bytes < budget, "a KV cache of ", c.kv_cache_mb,
                       " MiB cannot hold the recurrent states of max_num_seqs ", c.max_num_seqs,
                       " sequences and ", c.num_state_checkpoints, " prefix-cache checkpoints (",
-                      state_bytes, " bytes)");
+                      state_bytes, " bytes): lower --max-num-seqs or give the cache more memory");
     c.num_pages = std::max<int64_t>(1, (budget - state_bytes) / page_bytes);
   }
   // The pool must hold at least one sequence of full length, or scheduling could stall.

@@ -59,7 +59,8 @@ struct EngineConfig {
   bool deterministic = false;
   // Hybrid models (recurrent state per sequence): the prefix cache checkpoints the state every
   // state_checkpoint_interval prompt tokens (rounded up to whole pages) into at most
-  // num_state_checkpoints slots (0: max_num_seqs), out of the kv_cache_mb budget.
+  // num_state_checkpoints slots, out of the kv_cache_mb budget (0: max_num_seqs, and when the
+  // pages are sized from kv_cache_mb at most a quarter of what the live states leave).
   int64_t state_checkpoint_interval = 64;
   int64_t num_state_checkpoints = 0;
   // MTP speculative decoding (engine/spec_decoder.h): drafts per sequence and step, 1..4 (0:

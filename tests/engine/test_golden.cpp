@@ -345,6 +345,49 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, HybridGoldenTest,
                            return n;
                          });
 
+// A hybrid's prefix-cache state checkpoints, not given, take at most a quarter of what the live
+// states leave of a budget-sized cache (a large hybrid's state is tens of MB a sequence); given,
+// or with the pages given, as asked; live states that do not fit are refused with the remedy.
+TEST(HybridStateBudget, DefaultCheckpointsTakeAQuarterOfWhatTheLiveStatesLeave) {
+  auto model =
+      load_cpu_model(testing::source_dir() + "/tests/data/fixtures/qwen35_text_hd64_int2_fused");
+  const int64_t slot = model->state_slot_elems() * 4;
+  ASSERT_GT(slot, 0);
+  EngineConfig cfg;
+  cfg.max_model_len = 128;
+  cfg.max_num_seqs = 64;
+  cfg.kv_cache_mb = 2;
+  const int64_t budget = 2 << 20, live = 64 * slot;
+  ASSERT_LT(live, budget);
+  const int64_t want = std::min<int64_t>(64, (budget - live) / 4 / slot);
+  ASSERT_LT(want, 64) << "the budget must be too small for one checkpoint per sequence";
+  {
+    Engine e(*model, cfg);
+    EXPECT_EQ(e.config().num_state_checkpoints, std::max<int64_t>(want, 1));
+    EXPECT_GE(e.config().num_pages * e.config().page_size, cfg.max_model_len);
+  }
+  {
+    EngineConfig given = cfg;
+    given.num_state_checkpoints = 5;
+    Engine e(*model, given);
+    EXPECT_EQ(e.config().num_state_checkpoints, 5);
+  }
+  {
+    EngineConfig pages = cfg;
+    pages.num_pages = 64;
+    Engine e(*model, pages);
+    EXPECT_EQ(e.config().num_state_checkpoints, 64);  // max_num_seqs
+  }
+  EngineConfig crowded = cfg;
+  crowded.max_num_seqs = budget / slot + 1;
+  try {
+    Engine e(*model, crowded);
+    ADD_FAILURE() << "live states over the budget were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lower --max-num-seqs"), std::string::npos) << e.what();
+  }
+}
+
 std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
   std::string n = std::filesystem::path(info.param).filename().string();
   for (auto& ch : n) {

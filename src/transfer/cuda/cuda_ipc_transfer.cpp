@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -541,8 +542,13 @@ class IpcReceiver final : public TransferReceiver {
           if (it != draining_.end()) --it->second;
           drain_cv_.notify_all();
         }
-      } catch (const std::exception&) {
-        break;  // a malformed frame: drop the connection (its requests fail below)
+      } catch (const std::exception& e) {
+        // A malformed frame: drop the connection (its requests fail below), saying why.
+        std::fprintf(stderr,
+                     "tandem: KV receiver %s: control frame %u from a prefill rank: %s; "
+                     "its connection is dropped\n",
+                     address_.c_str(), type, e.what());
+        break;
       }
     }
     c->sock.alive = false;
@@ -1234,7 +1240,11 @@ class IpcSender final : public TransferSender {
           p->sock.send(kCancelAck, IdMsg{id});
           if (r) error_once(*r, "the KV receiver at " + p->address + " cancelled the request");
         }
-      } catch (const std::exception&) {
+      } catch (const std::exception& e) {
+        std::fprintf(stderr,
+                     "tandem: KV sender, receiver %s: control frame %u: %s; "
+                     "the connection is dropped\n",
+                     p->address.c_str(), type, e.what());
         break;
       }
     }

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -965,6 +966,15 @@ TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
   auto results = comm::run_local_ranks(
       3,
       [&](int rank) {
+        // Each rank's steps on stderr, with the time (a rank killed by the runner says nothing).
+        const auto t0 = std::chrono::steady_clock::now();
+        auto trace = [&](const std::string& what) {
+          const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::steady_clock::now() - t0)
+                              .count();
+          std::fprintf(stderr, "[%6lld ms] rank %d: %s\n", static_cast<long long>(ms), rank,
+                       what.c_str());
+        };
         comm::RankEnv env = comm::RankEnv::from_env();
         comm::TcpStore store(comm::TcpStoreOptions::of(env));
         auto backend = make_cuda_ipc_backend();
@@ -1005,11 +1015,13 @@ TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
           d.dst_address = rx->address();
           rx->expect(d);
           store.set("addr", rx->address());
+          trace("receiver expects the request at " + rx->address());
           {
             std::unique_lock<std::mutex> l(mu);
             TANDEM_CHECK(cv.wait_for(l, std::chrono::seconds(60), [&] { return !ended.empty(); }),
                          "the request did not end");
           }
+          trace("receiver: the request ended: " + ended);
           TANDEM_CHECK(ended == "complete", "t: ", ended);
           std::vector<float> got(static_cast<size_t>(kElems));
           TANDEM_CUDA_CHECK(cudaMemcpy(got.data(), pool.cache.state_data(2), got.size() * 4,
@@ -1039,7 +1051,9 @@ TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
           auto tx = backend->make_sender(pool.cache, src, prank, cbs);
           d.dst_address = store.get_string("addr");
           tx->begin("t", {d}, random_pages(3, kPages, 32));
+          trace("began");
           for (int64_t l = 0; l < kLayers; ++l) tx->send_layer("t", l);
+          trace("layers sent");
           if (prank == 0) {
             // The gathered whole state: a device buffer beside the cache's slots.
             const std::vector<float> whole = state_values(kElems, 21);
@@ -1060,11 +1074,13 @@ TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
             refused([&] { tx->send_state_from("t", buf, kElems - 1); }, "a buffer of another size");
             refused([&] { tx->send_state_from("t", nullptr, kElems); }, "a null buffer");
             tx->send_state_from("t", buf, kElems);
+            trace("state sent");
             refused([&] { tx->send_state_from("t", buf, kElems); }, "a second state");
             // The buffer may be rewritten once the model's stream passed the copy.
             TANDEM_CUDA_CHECK(cudaMemsetAsync(buf, 0xff, whole.size() * 4, pool.stream));
             TANDEM_CUDA_CHECK(cudaStreamSynchronize(pool.stream));
             tx->finish("t", 5, -0.2f);
+            trace("finished");
             {
               std::unique_lock<std::mutex> l(mu);
               TANDEM_CHECK(
@@ -1074,13 +1090,16 @@ TEST(CudaIpc, Tp2WholeStateFromADeviceBuffer) {
             TANDEM_CUDA_CHECK(cudaFree(buf));
           } else {
             tx->finish("t", 5, -0.2f);
+            trace("finished");
             std::unique_lock<std::mutex> l(mu);
             TANDEM_CHECK(cv.wait_for(l, std::chrono::seconds(60), [&] { return !outcome.empty(); }),
                          "no callback");
           }
+          trace("outcome: " + outcome);
           TANDEM_CHECK(outcome == "sent", "prefill rank ", prank, ": ", outcome);
         }
         store.barrier();
+        trace("done");
       },
       std::chrono::seconds(120));
   EXPECT_EQ(comm::describe_failures(results), "");
