@@ -1,5 +1,6 @@
 #include "model/cuda/mxfp8_weights.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -8,6 +9,7 @@
 #include "backend/cuda/moe_gemm.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 
 namespace tandem::cuda_model {
 
@@ -49,20 +51,43 @@ void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t
   up.put(e_dst, pe.data(), pe.size());
 }
 
-void upload_fp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,
-                        int64_t hidden, uint8_t* q_dst, float* s_dst, Uploader& up) {
-  const int64_t kb = cuda::fp8_row_scale_cols(hidden);
-  std::vector<uint8_t> gq(static_cast<size_t>(inter * hidden)), uq(gq.size()), pq(2 * gq.size());
-  std::vector<float> gs(static_cast<size_t>(inter * kb)), us(gs.size()), ps(2 * gs.size());
-  wr.read_fp8_codes(ep + "gate_proj.weight", inter, hidden, {0, inter}, {0, hidden}, gq.data(),
-                    gs.data());
-  wr.read_fp8_codes(ep + "up_proj.weight", inter, hidden, {0, inter}, {0, hidden}, uq.data(),
-                    us.data());
-  cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(hidden), pq.data());
-  cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter, static_cast<size_t>(kb) * sizeof(float),
-                              ps.data());
-  up.put(q_dst, pq.data(), pq.size());
-  up.put(s_dst, ps.data(), ps.size() * sizeof(float));
+void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                        int64_t count, int64_t inter, int64_t hidden, uint8_t* gate_up_q,
+                        float* gate_up_s, uint8_t* down_q, float* down_s, Uploader& up) {
+  const int64_t kbh = cuda::fp8_row_scale_cols(hidden), kbi = cuda::fp8_row_scale_cols(inter);
+  const size_t guq = static_cast<size_t>(2 * inter * hidden),
+               gus = static_cast<size_t>(2 * inter * kbh);
+  const size_t dnq = static_cast<size_t>(hidden * inter), dns = static_cast<size_t>(hidden * kbi);
+  const size_t per_expert = guq + dnq + (gus + dns) * sizeof(float);
+  const int64_t group =
+      std::clamp<int64_t>(static_cast<int64_t>((size_t{256} << 20) / per_expert), 1, count);
+  std::vector<uint8_t> gq_all(guq * group), dq_all(dnq * group);
+  std::vector<float> gs_all(gus * group), ds_all(dns * group);
+  for (int64_t g0 = 0; g0 < count; g0 += group) {
+    const int64_t n = std::min(group, count - g0);
+    ThreadPool::global().parallel_for(n, 1, [&](int64_t b, int64_t e) {
+      std::vector<uint8_t> gq(guq / 2), uq(guq / 2);
+      std::vector<float> gs(gus / 2), us(gus / 2);
+      for (int64_t i = b; i < e; ++i) {
+        const std::string ep = prefix + std::to_string(first + g0 + i) + ".";
+        wr.read_fp8_codes(ep + "gate_proj.weight", inter, hidden, {0, inter}, {0, hidden},
+                          gq.data(), gs.data());
+        wr.read_fp8_codes(ep + "up_proj.weight", inter, hidden, {0, inter}, {0, hidden}, uq.data(),
+                          us.data());
+        cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(hidden),
+                                    gq_all.data() + i * guq);
+        cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter,
+                                    static_cast<size_t>(kbh) * sizeof(float),
+                                    gs_all.data() + i * gus);
+        wr.read_fp8_codes(ep + "down_proj.weight", hidden, inter, {0, hidden}, {0, inter},
+                          dq_all.data() + i * dnq, ds_all.data() + i * dns);
+      }
+    });
+    up.put(gate_up_q + g0 * guq, gq_all.data(), n * guq);
+    up.put(gate_up_s + g0 * gus, gs_all.data(), n * gus * sizeof(float));
+    up.put(down_q + g0 * dnq, dq_all.data(), n * dnq);
+    up.put(down_s + g0 * dns, ds_all.data(), n * dns * sizeof(float));
+  }
 }
 
 }  // namespace tandem::cuda_model

@@ -41,10 +41,16 @@ void read_mxfp8_for_gpu(const WeightReader& wr, const std::string& name, int64_t
 void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,
                           int64_t hidden, uint8_t* q_dst, uint8_t* e_dst, Uploader& up);
 
-/// The same for block FP8 (the codes with their per-row 128-column scales as read_fp8_codes
-/// gives them): codes to q_dst [2 inter, hidden], scales to s_dst [2 inter,
-/// fp8_row_scale_cols(hidden)] (device).
-void upload_fp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t inter,
-                        int64_t hidden, uint8_t* q_dst, float* s_dst, Uploader& up);
+/// Experts [first, first + count) of one MoE layer in block FP8 (names `prefix` + e + ".", e.g.
+/// "model.layers.3.mlp.experts."): gate / up packed by rows as moe_pack_gate_up_rows packs them,
+/// down_proj as read_fp8_codes gives it, to the device runs of local expert 0 of the range:
+/// gate_up_q [count, 2 inter, hidden], gate_up_s [count, 2 inter, fp8_row_scale_cols(hidden)],
+/// down_q [count, hidden, inter], down_s [count, hidden, fp8_row_scale_cols(inter)]. The host work
+/// (reads, scale expansion, packing) runs on the CPU pool, a group of experts at a time (at most
+/// ~256 MB of host buffers), each group one contiguous upload per array; the device bytes equal
+/// those of read_fp8_codes + moe_pack_gate_up_rows expert by expert.
+void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                        int64_t count, int64_t inter, int64_t hidden, uint8_t* gate_up_q,
+                        float* gate_up_s, uint8_t* down_q, float* down_s, Uploader& up);
 
 }  // namespace tandem::cuda_model

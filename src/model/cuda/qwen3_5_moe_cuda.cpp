@@ -543,19 +543,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       const bool fused = ckpt.has(m + "experts.gate_up_proj");
       std::vector<float> ef;
       if (w.gate_up_q != nullptr) {  // FP8 experts: codes + row scales as stored (fp8_experts)
-        const int64_t kbh = cuda::fp8_row_scale_cols(h), kbi = cuda::fp8_row_scale_cols(inter);
-        std::vector<uint8_t> dq(static_cast<size_t>(h * inter));
-        std::vector<float> ds(static_cast<size_t>(h * kbi));
-        for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
-          const int64_t le = e - plan.experts.begin;
-          const std::string ep = m + "experts." + std::to_string(e) + ".";
-          cuda_model::upload_fp8_gate_up(wr, ep, inter, h, w.gate_up_q + le * 2 * inter * h,
-                                         w.gate_up_s + le * 2 * inter * kbh, up);
-          wr.read_fp8_codes(ep + "down_proj.weight", h, inter, {0, h}, {0, inter}, dq.data(),
-                            ds.data());
-          up.put(w.down_q + le * h * inter, dq.data(), dq.size());
-          up.put(w.down_s + le * h * kbi, ds.data(), ds.size() * sizeof(float));
-        }
+        cuda_model::upload_fp8_experts(wr, m + "experts.", plan.experts.begin, plan.experts.size(),
+                                       inter, h, w.gate_up_q, w.gate_up_s, w.down_q, w.down_s, up);
       }
       for (int64_t e = plan.experts.begin; w.gate_up_q == nullptr && e < plan.experts.end; ++e) {
         const int64_t le = e - plan.experts.begin;

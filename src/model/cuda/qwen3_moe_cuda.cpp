@@ -336,14 +336,11 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
           put8(w.down8, e * h, ep + "down_proj.weight", h, inter, {0, h}, {0, inter});
         }
       } else if (w.moe && w.gate_up8) {
-        const int64_t inter = c.moe_intermediate_size, kbh = cuda::fp8_row_scale_cols(h);
+        const int64_t inter = c.moe_intermediate_size;
         put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
-        for (int64_t e = 0; e < local_experts(); ++e) {
-          const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + e) + ".";
-          cuda_model::upload_fp8_gate_up(wr, ep, inter, h, w.gate_up8.q + e * 2 * inter * h,
-                                         w.gate_up8.s + e * 2 * inter * kbh, up);
-          put8(w.down8, e * h, ep + "down_proj.weight", h, inter, {0, h}, {0, inter});
-        }
+        cuda_model::upload_fp8_experts(wr, p + "mlp.experts.", plan.experts.begin, local_experts(),
+                                       inter, h, w.gate_up8.q, w.gate_up8.s, w.down8.q, w.down8.s,
+                                       up);
       } else if (w.moe) {
         const int64_t inter = c.moe_intermediate_size;
         put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
