@@ -3,13 +3,15 @@
 #   include(${CMAKE_SOURCE_DIR}/tools/CMakeLists.cmake)
 #
 # Targets:
-#   make_random_checkpoint   random bf16 Qwen3-MoE checkpoints at real shapes (tools/README.md)
+#   make_random_checkpoint   random bf16 / block-FP8 Qwen3-MoE and Qwen3.5 checkpoints at real
+#                            shapes (tools/README.md); links tandem_model for convert's rules
 # Tests (ctest): Tools.RandomCheckpoint writes a 2-layer tiny checkpoint and generates from it
-# with `tandem generate`; Tools.AiperfRows checks bench/aiperf_rows.py on a hand-made aiperf
+# with `tandem generate`; Tools.RandomCheckpointFp8 compares --format fp8 with `tandem convert
+# --format fp8` of the bf16 checkpoint and generates from it; Tools.AiperfRows checks bench/aiperf_rows.py on a hand-made aiperf
 # artifact directory.
 
 add_executable(make_random_checkpoint ${CMAKE_CURRENT_LIST_DIR}/make_random_checkpoint.cpp)
-target_link_libraries(make_random_checkpoint PRIVATE Threads::Threads)
+target_link_libraries(make_random_checkpoint PRIVATE tandem_model Threads::Threads)
 target_compile_options(make_random_checkpoint PRIVATE ${TANDEM_WARNINGS})
 
 if(TANDEM_TESTS AND TARGET tandem)
@@ -17,6 +19,13 @@ if(TANDEM_TESTS AND TARGET tandem)
            COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_random_checkpoint.sh
                    $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem>)
   set_tests_properties(Tools.RandomCheckpoint PROPERTIES TIMEOUT 120)
+endif()
+if(TANDEM_TESTS AND TARGET tandem)
+  # make_random_checkpoint --format fp8 against `tandem convert --format fp8` of the bf16 one.
+  add_test(NAME Tools.RandomCheckpointFp8
+           COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_random_checkpoint_fp8.sh
+                   $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem>)
+  set_tests_properties(Tools.RandomCheckpointFp8 PROPERTIES TIMEOUT 300)
 endif()
 if(TANDEM_TESTS AND TARGET tandem)
   # make_random_checkpoint --mtp + --speculative-config, and tools/train_mtp.py (skips without

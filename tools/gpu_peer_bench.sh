@@ -19,7 +19,8 @@
 #           "serving >= 0.9x the engine's decode throughput" target
 # --quick: one wave per row (serve 200 prompts, long = its concurrency, single 2) and the engine
 # rows' quick mode; default: serve 800, long 2 x its concurrency, single 5.
-# --fp8: the checkpoint converted to block FP8 (`tandem convert --format fp8`) before serving.
+# --fp8: the checkpoint written as block FP8 directly (make_random_checkpoint --format fp8: the
+# layout `tandem convert --format fp8` makes of the bf16 one, about half its size, no convert).
 # --budget-s S: each row's time limit (default 240 quick, 540 full); a row past it is cut and
 # reported as such. The models: q35 (Qwen3.5-35B-A3B, 40 layers, ~69 GB bf16) and q30
 # (Qwen3-30B-A3B, 48 layers, ~61 GB); one at a time in /dev/shm (deleted after). When /dev/shm
@@ -83,7 +84,7 @@ pid=; ck=
 cleanup() {
   [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
   wait 2>/dev/null
-  [ -n "$ck" ] && rm -rf "$ck" "$ck.fp8"
+  [ -n "$ck" ] && rm -rf "$ck"
 }
 trap cleanup EXIT
 
@@ -115,9 +116,9 @@ for model in ${models//,/ }; do
     *) echo "unknown model $model (q35, q30)"; continue ;;
   esac
   fmt=$([ $fp8 = 1 ] && echo fp8 || echo bf16)
-  # /dev/shm room: the bf16 checkpoint, and with --fp8 its FP8 copy (about half) beside it.
+  # /dev/shm room: the checkpoint; block FP8 (--fp8) takes about 0.51 of bf16's bytes per layer.
   avail_gb=$(df -B1 --output=avail "$SHM" | tail -1 | awk '{printf "%d", $1 / 1e9}')  # GB, as below
-  need_factor=$([ $fp8 = 1 ] && echo 1.55 || echo 1.02)
+  need_factor=$([ $fp8 = 1 ] && echo 0.52 || echo 1.02)
   layers=$(python3 -c "import math;a,g,f,s,L=$avail_gb,$gb_per_layer,$need_factor,$step,$full_layers
 n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
   [ -n "$dry" ] && { layers=2; step=2; full_layers=2; }
@@ -126,9 +127,10 @@ n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
   [ "$layers" -ge "$step" ] || { echo "== $model: /dev/shm has ${avail_gb} GB, too little"; continue; }
   echo; echo "== $label [$(date -u +%H:%M:%S)]"
   ck="$SHM/peer_$model"
-  rm -rf "$ck" "$ck.fp8"
+  rm -rf "$ck"
   t0=$SECONDS
   shape=(--preset "$preset" --layers "$layers")
+  [ $fp8 = 1 ] && shape+=(--format fp8)
   [ -n "$dry" ] && shape+=(--hidden 64 --intermediate 128 --moe-intermediate 32 --experts 8 --top-k 2
                           --heads 4 --kv-heads 2 --head-dim 16 --vocab 512)
   [ -n "$dry" ] && [ $model = q35 ] && shape+=(--full-attention-interval 2 --linear-key-heads 2
@@ -136,15 +138,8 @@ n=int((a-3)/(g*f)); n=min(L,n-n%s); print(max(n,0))")
                           --shared-intermediate 32)
   "$BIN/make_random_checkpoint" --out "$ck" "${shape[@]}" > "$RES/${model}_checkpoint.log" 2>&1 \
     || { echo "checkpoint failed"; tail -5 "$RES/${model}_checkpoint.log"; continue; }
-  echo "   checkpoint: $((SECONDS - t0)) s"
+  echo "   checkpoint ($fmt): $((SECONDS - t0)) s"
   dir=$ck
-  if [ $fp8 = 1 ]; then
-    t0=$SECONDS
-    "$BIN/tandem" convert --model "$ck" --out "$ck.fp8" --format fp8 > "$RES/${model}_convert.log" 2>&1 \
-      || { echo "convert failed"; tail -5 "$RES/${model}_convert.log"; continue; }
-    rm -rf "$ck"; dir=$ck.fp8
-    echo "   fp8 convert: $((SECONDS - t0)) s"
-  fi
 
   # --- the server (its start-up log: phases, time to ready) ---
   log="$RES/${model}_${fmt}_serve.log"
@@ -249,7 +244,7 @@ EOF
     row "$label | c1 TTFT ms, 8,192-token prompt | ${t:-failed} | $p | SGLang 0.5.16 | $(ratio "$p" "$t") | | "
   fi
   row "$label | time to ready s (load, KV, graphs) | $ready_s | - | - | - | | "
-  rm -rf "$ck" "$ck.fp8"; ck=
+  rm -rf "$ck"; ck=
 done
 echo
 echo "== peers' rows (ratio > 1: ours better; throughput ours / theirs, latency theirs / ours)"

@@ -1,16 +1,16 @@
-// Writes a Hugging Face style Qwen3-MoE or Qwen3.5-MoE checkpoint of random bf16 weights at real
-// shapes, for loading / memory / speed work without downloading a model: config.json,
-// generation_config.json, model.safetensors.index.json and model-0000i-of-0000N.safetensors
-// shards of at most --shard-gb GB, tensor names as the hub's Qwen3MoeForCausalLM, or (a
-// qwen3.5 preset) as Qwen3_5MoeForConditionalGeneration's language model (image-text layout,
-// model.language_model.*, no vision tower; MTP weights with --mtp).
+// Writes a Hugging Face style Qwen3-MoE or Qwen3.5-MoE checkpoint of random bf16 (or block-FP8)
+// weights at real shapes, for loading / memory / speed work without downloading a model:
+// config.json, generation_config.json, model.safetensors.index.json and
+// model-0000i-of-0000N.safetensors shards of at most --shard-gb GB, tensor names as the hub's
+// Qwen3MoeForCausalLM, or (a qwen3.5 preset) as Qwen3_5MoeForConditionalGeneration's language model
+// (image-text layout, model.language_model.*, no vision tower; MTP weights with --mtp).
 //
 //   make_random_checkpoint --out DIR [--preset qwen3-30b-a3b|qwen3-235b-a22b|qwen3.5-35b-a3b|
 //       qwen3.5-122b-a10b|qwen3.5-397b-a17b] [--layers N]
 //       [--hidden H] [--intermediate I] [--moe-intermediate M] [--experts E] [--top-k K]
 //       [--heads Q] [--kv-heads KV] [--head-dim D] [--vocab V] [--max-position P]
 //       [--rope-theta T] [--rms-norm-eps EPS] [--tie-word-embeddings] [--no-norm-topk-prob]
-//       [--seed S] [--shard-gb G] [--threads T] [--mtp] [--config-only]
+//       [--seed S] [--shard-gb G] [--threads T] [--mtp] [--config-only] [--format bf16|fp8]
 //   Qwen3.5 only: [--full-attention-interval N] [--linear-key-heads H] [--linear-value-heads H]
 //       [--linear-key-dim D] [--linear-value-dim D] [--shared-intermediate I]
 //
@@ -18,12 +18,23 @@
 // preset's shapes.
 // --mtp: also an MTP layer (mtp.fc, mtp.pre_fc_norm_{embedding,hidden}, mtp.layers.0.* as a
 // decoder layer, full attention for Qwen3.5, mtp.norm), for speculative decoding benchmarks.
+// --format fp8: the checkpoint `tandem convert --format fp8` makes of the bf16 one, written
+// directly: the linears convert quantizes (model/convert.h's linear_kind: attention, DeltaNet
+// in_proj_qkv / in_proj_z / out_proj, experts, shared expert; not the MTP layer) as F8_E4M3
+// weights plus F32 weight_scale_inv [ceil(N / 128), ceil(K / 128)], the rest bf16 as without
+// it, config.json with convert's quantization_config (model/convert.h's converted_config_json).
 // Values: matrices N(0, 0.02^2) (Irwin-Hall approximation: 4 uniforms), norms 1 + U(-0.05, 0.05)
-// (Qwen3.5's zero-centred (1 + w) norms U(-0.05, 0.05), A_log log U(1, 16)).
+// (Qwen3.5's zero-centred (1 + w) norms U(-0.05, 0.05), A_log log U(1, 16)). FP8: each 128x128
+// block's scale_inv 2.06e-4 x U(0.75, 1.25) (so that the largest matrix value, 2 sqrt(3) 0.02,
+// stays within E4M3's 448), the codes the same matrix values (the bf16 checkpoint's, before
+// rounding) divided by it and rounded to E4M3 (finite: never the NaN codes 0x7f / 0xff): the
+// dequantized weights are the bf16 checkpoint's to E4M3's precision, and every other tensor
+// is the bf16 checkpoint's.
 // Each 1 Mi-element chunk of each tensor has its own generator seeded from (seed, tensor, chunk),
 // so the output is identical for any thread count. Threads fill chunks and pwrite() them into
 // pre-sized shard files: the speed is the disk's (about 30 GB/s of generation on 16 cores).
-// Standard library + POSIX only; the safetensors header JSON is written by hand.
+// Standard library + POSIX, and libtandem_model for convert's rules (linear_kind, the config); the
+// safetensors header JSON is written by hand.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -44,6 +55,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "core/dtype.h"
+#include "model/config.h"
+#include "model/convert.h"
 
 namespace {
 
@@ -112,7 +127,8 @@ Config preset(std::string const& name) {
       "' (qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b, qwen3.5-122b-a10b, qwen3.5-397b-a17b)");
 }
 
-enum class Init { kMatrix, kNorm, kZeroNorm, kALog };
+// kFp8Matrix: a matrix's E4M3 codes, kScaleInv: its block scales (--format fp8); the others bf16.
+enum class Init { kMatrix, kNorm, kZeroNorm, kALog, kFp8Matrix, kScaleInv };
 
 struct Tensor {
   std::string name;
@@ -120,13 +136,25 @@ struct Tensor {
   Init init;
   int shard = 0;
   uint64_t offset = 0;  // within the shard's data section
+  // The generator's tensor id: its index in the bf16 list (so that --format fp8 writes the bf16
+  // checkpoint's values); a scale tensor: its weight's id + kScaleId.
+  uint32_t id = 0;
+  int64_t cols = 0;  // kFp8Matrix / kScaleInv: the weight's columns (K)
   uint64_t numel() const {
     uint64_t n = 1;
     for (int64_t d : shape) n *= static_cast<uint64_t>(d);
     return n;
   }
-  uint64_t bytes() const { return numel() * 2; }
+  uint64_t elem_bytes() const {
+    return init == Init::kFp8Matrix ? 1 : init == Init::kScaleInv ? 4 : 2;
+  }
+  const char* dtype() const {
+    return init == Init::kFp8Matrix ? "F8_E4M3" : init == Init::kScaleInv ? "F32" : "BF16";
+  }
+  uint64_t bytes() const { return numel() * elem_bytes(); }
 };
+
+constexpr uint32_t kScaleId = 1u << 22;
 
 // Qwen3.5: every full_interval-th layer is gated full attention, the others gated DeltaNet;
 // every layer a routed MoE with a shared expert.
@@ -238,21 +266,62 @@ uint16_t to_bf16(float f) {  // round to nearest even; values here are finite
   return static_cast<uint16_t>(u >> 16);
 }
 
-/// Fills `out` with chunk `chunk` of a tensor of kind `init`.
-void fill(uint16_t* out, size_t n, Init init, uint64_t seed) {
-  uint64_t s = seed;
-  constexpr float kU16 = 1.0f / 65536.0f;
-  // Irwin-Hall: the sum of 4 U(0,1) has mean 2 and variance 1/3.
-  const float scale = 0.02f * std::sqrt(3.0f);
+// A matrix value: Irwin-Hall, the sum of 4 U(0,1) (mean 2, variance 1/3), centred and scaled
+// to N(0, 0.02^2)'s variance; |value| <= 2 sqrt(3) 0.02.
+const float kMatrixScale = 0.02f * std::sqrt(3.0f);
+inline float matrix_value(uint64_t& s) {
+  const uint64_t r = splitmix(s);
+  const float sum =
+      static_cast<float>((r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48)) *
+      (1.0f / 65536.0f);
+  return (sum - 2.0f) * kMatrixScale;
+}
+
+// FP8 block scales: kScaleBase x U(0.75, 1.25); the largest matrix value over the smallest
+// scale is 2 kMatrixScale / (0.75 kScaleBase) = 448, E4M3's largest finite value.
+const float kScaleBase = 2.0f * kMatrixScale / (0.75f * 448.0f);
+
+/// The scale_inv of block `block` (row-major over [ceil(N / 128), ceil(K / 128)]) of the
+/// weight of generator id `id`.
+float block_scale(uint64_t seed, uint32_t id, uint64_t block) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull ^ (uint64_t{id + kScaleId} << 40) ^ block;
+  s = splitmix(s);
+  const float u = static_cast<float>(splitmix(s) >> 40) * 0x1p-24f;  // [0, 1)
+  return kScaleBase * (0.75f + 0.5f * u);
+}
+
+/// Fills `out` (n elements of the tensor's dtype) with the elements [first, first + n) of
+/// tensor `t`, from the chunk's generator `chunk_seed`; `seed`: --seed (for block scales).
+void fill(void* out_bytes, size_t n, Tensor const& t, uint64_t first, uint64_t chunk_seed,
+          uint64_t seed) {
+  uint64_t s = chunk_seed;
+  const Init init = t.init;
   size_t i = 0;
-  if (init == Init::kMatrix) {
-    for (; i < n; ++i) {
-      const uint64_t r = splitmix(s);
-      const float sum = static_cast<float>((r & 0xFFFF) + ((r >> 16) & 0xFFFF) +
-                                           ((r >> 32) & 0xFFFF) + (r >> 48)) *
-                        kU16;
-      out[i] = to_bf16((sum - 2.0f) * scale);
+  if (init == Init::kFp8Matrix) {
+    // Row by row: each 128-column block's codes are the matrix values over its scale_inv.
+    auto* out = static_cast<uint8_t*>(out_bytes);
+    const auto k = static_cast<uint64_t>(t.cols);
+    const uint64_t bcols = (k + 127) / 128;
+    uint64_t row = first / k, col = first % k;
+    while (i < n) {  // one run of a row within one block at a time
+      const float inv = 1.0f / block_scale(seed, t.id, (row / 128) * bcols + col / 128);
+      const uint64_t end = std::min({k, (col / 128 + 1) * 128, col + (n - i)});
+      for (; col < end; ++col, ++i) out[i] = tandem::f32_to_f8e4m3(matrix_value(s) * inv);
+      if (col == k) {
+        col = 0;
+        ++row;
+      }
     }
+    return;
+  }
+  if (init == Init::kScaleInv) {
+    auto* out = static_cast<float*>(out_bytes);
+    for (; i < n; ++i) out[i] = block_scale(seed, t.id - kScaleId, first + i);
+    return;
+  }
+  auto* out = static_cast<uint16_t*>(out_bytes);
+  if (init == Init::kMatrix) {
+    for (; i < n; ++i) out[i] = to_bf16(matrix_value(s));
   } else {
     const float base = init == Init::kZeroNorm ? 0.0f : 1.0f;
     for (; i < n; ++i) {
@@ -406,6 +475,7 @@ struct Args {
   double shard_gb = 4.0;
   unsigned threads = 0;
   bool config_only = false;
+  bool fp8 = false;  // --format fp8
 };
 
 [[noreturn]] void usage(std::string const& msg) {
@@ -417,7 +487,7 @@ struct Args {
                "  [--experts E] [--top-k K] [--heads Q] [--kv-heads KV] [--head-dim D]\n"
                "  [--vocab V] [--max-position P] [--rope-theta T] [--rms-norm-eps EPS]\n"
                "  [--tie-word-embeddings] [--no-norm-topk-prob] [--seed S] [--shard-gb G]\n"
-               "  [--threads T] [--mtp] [--config-only]\n"
+               "  [--threads T] [--mtp] [--config-only] [--format bf16|fp8]\n"
                "  Qwen3.5: [--full-attention-interval N] [--linear-key-heads H]\n"
                "  [--linear-value-heads H] [--linear-key-dim D] [--linear-value-dim D]\n"
                "  [--shared-intermediate I]\n",
@@ -511,7 +581,10 @@ Args parse(int argc, char** argv) {
       a.shard_gb = pos_double();
     else if (f == "--threads")
       a.threads = static_cast<unsigned>(pos_int());
-    else
+    else if (f == "--format") {
+      if (v != "bf16" && v != "fp8") usage("bad value for --format: " + v + " (bf16 or fp8)");
+      a.fp8 = v == "fp8";
+    } else
       usage("unknown flag " + f);
   }
   if (a.out.empty()) usage("--out is required");
@@ -533,6 +606,33 @@ int main(int argc, char** argv) {
     const Args a = parse(argc, argv);
     const Config& c = a.c;
     std::vector<Tensor> tensors = tensor_list(c);
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].id = static_cast<uint32_t>(i);
+    if (a.fp8) {
+      // As convert: each linear it quantizes becomes E4M3 codes, then its scale_inv.
+      std::vector<Tensor> q;
+      q.reserve(tensors.size() * 2);
+      for (Tensor& t : tensors) {
+        const bool linear =
+            t.init == Init::kMatrix && t.shape.size() == 2 && !tandem::linear_kind(t.name).empty();
+        if (!linear) {
+          q.push_back(std::move(t));
+          continue;
+        }
+        const int64_t rows = t.shape[0], cols = t.shape[1];
+        Tensor w = t;
+        w.init = Init::kFp8Matrix;
+        w.cols = cols;
+        q.push_back(w);
+        Tensor sc;
+        sc.name = t.name + "_scale_inv";
+        sc.shape = {(rows + 127) / 128, (cols + 127) / 128};
+        sc.init = Init::kScaleInv;
+        sc.id = t.id + kScaleId;
+        sc.cols = cols;
+        q.push_back(std::move(sc));
+      }
+      tensors = std::move(q);
+    }
 
     // Shards: tensors in order, a new shard when the next tensor would pass the limit.
     const uint64_t limit = static_cast<uint64_t>(a.shard_gb * 1e9);
@@ -548,7 +648,12 @@ int main(int argc, char** argv) {
 
     std::filesystem::create_directories(a.out);
     const std::filesystem::path dir(a.out);
-    write_text(dir / "config.json", config_json(c));
+    std::string config = config_json(c);
+    if (a.fp8) {  // convert's config.json: its quantization_config (no linear kept unquantized)
+      const tandem::ModelConfig mc = tandem::ModelConfig::from_json(config, "config.json");
+      config = tandem::converted_config_json(config, mc, tandem::WeightQuant::kFp8Block, {});
+    }
+    write_text(dir / "config.json", config);
     write_text(dir / "generation_config.json", generation_config_json(c));
     if (a.config_only) {
       std::printf("%s: config.json only\n", a.out.c_str());
@@ -563,9 +668,9 @@ int main(int argc, char** argv) {
       std::string h = "{\"__metadata__\":{\"format\":\"pt\"}";
       for (Tensor const& t : tensors) {
         if (t.shard != s) continue;
-        h += ",\"" + t.name + "\":{\"dtype\":\"BF16\",\"shape\":" + shape_json(t.shape) +
-             ",\"data_offsets\":[" + std::to_string(t.offset) + "," +
-             std::to_string(t.offset + t.bytes()) + "]}";
+        h += ",\"" + t.name + "\":{\"dtype\":\"" + t.dtype() +
+             "\",\"shape\":" + shape_json(t.shape) + ",\"data_offsets\":[" +
+             std::to_string(t.offset) + "," + std::to_string(t.offset + t.bytes()) + "]}";
       }
       h += "}";
       while ((8 + h.size()) % 8 != 0) h += ' ';  // data 8-byte aligned, as safetensors writes
@@ -584,15 +689,19 @@ int main(int argc, char** argv) {
       total += shard_bytes[s];
     }
 
-    // Work items: 1 Mi-element chunks of every tensor.
-    constexpr uint64_t kChunk = uint64_t{1} << 20;
+    // Work items: chunks of every tensor, 1 Mi elements (bf16, fp8) or 2 MiB (f32 scales).
+    constexpr uint64_t kChunkBytes = uint64_t{2} << 20;
+    auto chunk_of = [](Tensor const& t) {
+      return std::min(uint64_t{1} << 20, kChunkBytes / t.elem_bytes());
+    };
     struct Item {
       uint32_t tensor;
       uint64_t chunk;
     };
     std::vector<Item> items;
     for (uint32_t i = 0; i < tensors.size(); ++i) {
-      const uint64_t n = (tensors[i].numel() + kChunk - 1) / kChunk;
+      const uint64_t chunk = chunk_of(tensors[i]);
+      const uint64_t n = (tensors[i].numel() + chunk - 1) / chunk;
       for (uint64_t k = 0; k < n; ++k) items.push_back({i, k});
     }
     const unsigned threads =
@@ -603,21 +712,23 @@ int main(int argc, char** argv) {
     std::atomic_flag error_lock = ATOMIC_FLAG_INIT;
     const auto t0 = std::chrono::steady_clock::now();
     auto work = [&] {
-      std::vector<uint16_t> buf(kChunk);
+      std::vector<uint32_t> buf(kChunkBytes / 4);  // 4-byte aligned for the f32 scales
       for (size_t w; !failed && (w = next.fetch_add(1)) < items.size();) {
         const Item it = items[w];
         Tensor const& t = tensors[it.tensor];
-        const uint64_t first = it.chunk * kChunk;
-        const size_t n = static_cast<size_t>(std::min(kChunk, t.numel() - first));
-        uint64_t seed = a.seed * 0x9E3779B97F4A7C15ull ^ (uint64_t{it.tensor} << 40) ^ it.chunk;
+        const uint64_t chunk = chunk_of(t);
+        const uint64_t first = it.chunk * chunk;
+        const size_t n = static_cast<size_t>(std::min(chunk, t.numel() - first));
+        uint64_t seed = a.seed * 0x9E3779B97F4A7C15ull ^ (uint64_t{t.id} << 40) ^ it.chunk;
         seed = splitmix(seed);
-        fill(buf.data(), n, t.init, seed);
-        const uint64_t off = data_start[t.shard] + t.offset + first * 2;
+        fill(buf.data(), n, t, first, seed, a.seed);
+        const uint64_t off = data_start[t.shard] + t.offset + first * t.elem_bytes();
         const char* p = reinterpret_cast<const char*>(buf.data());
-        size_t left = n * 2;
+        const size_t nbytes = n * t.elem_bytes();
+        size_t left = nbytes;
         while (left > 0) {
           const ssize_t wr =
-              ::pwrite(fds[t.shard], p, left, static_cast<off_t>(off + (n * 2 - left)));
+              ::pwrite(fds[t.shard], p, left, static_cast<off_t>(off + (nbytes - left)));
           if (wr <= 0) {
             if (wr < 0 && errno == EINTR) continue;
             if (!error_lock.test_and_set()) error = std::string("pwrite: ") + std::strerror(errno);
@@ -653,11 +764,12 @@ int main(int argc, char** argv) {
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     uint64_t params = 0;
-    for (Tensor const& t : tensors) params += t.numel();
+    for (Tensor const& t : tensors) params += t.init == Init::kScaleInv ? 0 : t.numel();
     std::printf(
-        "%s: %zu tensors, %.3f B params, %.2f GB in %d shard(s), %.1f s (%.2f GB/s, %u threads)\n",
-        a.out.c_str(), tensors.size(), params / 1e9, total / 1e9, nshards, secs,
-        total / 1e9 / std::max(secs, 1e-9), threads);
+        "%s: %zu tensors (%s), %.3f B params, %.2f GB in %d shard(s), %.1f s (%.2f GB/s, %u "
+        "threads)\n",
+        a.out.c_str(), tensors.size(), a.fp8 ? "block FP8" : "bf16", params / 1e9, total / 1e9,
+        nshards, secs, total / 1e9 / std::max(secs, 1e-9), threads);
     return 0;
   } catch (std::exception const& e) {
     std::fprintf(stderr, "make_random_checkpoint: %s\n", e.what());

@@ -190,7 +190,43 @@ std::string header_bytes(const std::vector<const OutTensor*>& tensors) {
   return out + js;
 }
 
+// The modules a converted checkpoint keeps unquantized: lm_head, the embedding, every MoE
+// layer's router, then `kept`.
+std::vector<std::string> unquantized_modules(const ModelConfig& config,
+                                             const std::vector<std::string>& kept) {
+  std::vector<std::string> skip = {"lm_head", "model.embed_tokens"};
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    if (config.is_moe_layer(l)) skip.push_back("model.layers." + std::to_string(l) + ".mlp.gate");
+  }
+  skip.insert(skip.end(), kept.begin(), kept.end());
+  return skip;
+}
+
 }  // namespace
+
+std::string converted_config_json(const std::string& config_text, const ModelConfig& config,
+                                  WeightQuant format, const std::vector<std::string>& kept) {
+  TANDEM_CHECK_KIND(kInvalidArgument,
+                    format == WeightQuant::kMxfp8 || format == WeightQuant::kFp8Block,
+                    "convert: the output format must be mxfp8 or fp8");
+  Json cfg = Json::parse(config_text);
+  cfg.erase("quantization_config");
+  const std::vector<std::string> skip = unquantized_modules(config, kept);
+  if (format == WeightQuant::kMxfp8) {
+    cfg["quantization_config"] = {{"quant_method", "modelopt"},
+                                  {"quant_algo", "MXFP8"},
+                                  {"kv_cache_scheme", nullptr},
+                                  {"ignore", skip},
+                                  {"producer", {{"name", "tandem convert"}}}};
+  } else {
+    cfg["quantization_config"] = {{"quant_method", "fp8"},
+                                  {"fmt", "e4m3"},
+                                  {"activation_scheme", "dynamic"},
+                                  {"weight_block_size", {128, 128}},
+                                  {"modules_to_not_convert", skip}};
+  }
+  return cfg.dump(2) + "\n";
+}
 
 std::string linear_kind(const std::string& name) {
   if (!ends_with(name, ".weight")) return "";
@@ -383,32 +419,16 @@ ConvertReport convert_checkpoint(const ConvertOptions& o) {
   }
 
   // config.json: the input's, with the new quantization_config.
-  Json cfg = Json::parse(read_text(config_path));
-  cfg.erase("quantization_config");
-  std::vector<std::string> skip = {"lm_head", "model.embed_tokens"};
-  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
-    if (config.is_moe_layer(l)) skip.push_back("model.layers." + std::to_string(l) + ".mlp.gate");
-  }
-  skip.insert(skip.end(), ignore.begin(), ignore.end());
   if (o.format == WeightQuant::kMxfp8) {
-    cfg["quantization_config"] = {{"quant_method", "modelopt"},
-                                  {"quant_algo", "MXFP8"},
-                                  {"kv_cache_scheme", nullptr},
-                                  {"ignore", skip},
-                                  {"producer", {{"name", "tandem convert"}}}};
+    const std::vector<std::string> skip = unquantized_modules(config, ignore);
     Json hf = {
         {"producer", {{"name", "tandem convert"}}},
         {"quantization",
          {{"quant_algo", "MXFP8"}, {"kv_cache_quant_algo", nullptr}, {"exclude_modules", skip}}}};
     write_text((fs::path(o.out_dir) / "hf_quant_config.json").string(), hf.dump(2) + "\n");
-  } else {
-    cfg["quantization_config"] = {{"quant_method", "fp8"},
-                                  {"fmt", "e4m3"},
-                                  {"activation_scheme", "dynamic"},
-                                  {"weight_block_size", {128, 128}},
-                                  {"modules_to_not_convert", skip}};
   }
-  write_text((fs::path(o.out_dir) / "config.json").string(), cfg.dump(2) + "\n");
+  write_text((fs::path(o.out_dir) / "config.json").string(),
+             converted_config_json(read_text(config_path), config, o.format, ignore));
 
   // Everything else of the input directory (tokenizer, generation config, ...).
   for (const fs::directory_entry& e : fs::directory_iterator(o.in_dir, ec)) {

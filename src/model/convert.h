@@ -63,6 +63,15 @@ ConvertReport convert_checkpoint(const ConvertOptions& options);
 /// The table printed by `tandem convert`: one line per tensor kind.
 std::string format_report(const ConvertReport& report);
 
+/// config.json as convert writes it: `config_text` (the input's config.json) with its
+/// quantization_config replaced by `format`'s (block FP8: quant_method "fp8", 128x128 blocks,
+/// modules_to_not_convert; MXFP8: ModelOpt's, ignore), whose list of unquantized modules is
+/// lm_head, model.embed_tokens, model.layers.L.mlp.gate for every MoE layer L of `config`, then
+/// `kept` (linears left unquantized). For writers of such checkpoints other than convert
+/// (tools/make_random_checkpoint --format fp8), so that both write the same config.
+std::string converted_config_json(const std::string& config_text, const ModelConfig& config,
+                                  WeightQuant format, const std::vector<std::string>& kept);
+
 /// The tensor kind of a linear weight name ("model.layers.3.mlp.experts.7.up_proj.weight" ->
 /// "experts.up_proj"; "...self_attn.q_proj.weight" -> "q_proj"; dense MLP "mlp.up_proj"), or
 /// "" when the name is not a quantizable linear.
