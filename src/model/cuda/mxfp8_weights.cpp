@@ -90,4 +90,33 @@ void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64
   }
 }
 
+void upload_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                         int64_t count, int64_t inter, int64_t hidden, cuda::bf16* gate_up,
+                         cuda::bf16* down, Uploader& up) {
+  const size_t gu = static_cast<size_t>(2 * inter * hidden),
+               dn = static_cast<size_t>(hidden * inter);
+  const size_t per_expert = (gu + dn) * sizeof(uint16_t);
+  const int64_t group =
+      std::clamp<int64_t>(static_cast<int64_t>((size_t{256} << 20) / per_expert), 1, count);
+  std::vector<uint16_t> gu_all(gu * group), dn_all(dn * group);
+  for (int64_t g0 = 0; g0 < count; g0 += group) {
+    const int64_t n = std::min(group, count - g0);
+    ThreadPool::global().parallel_for(n, 1, [&](int64_t b, int64_t e) {
+      std::vector<uint16_t> t_gate, t_up, t_down;  // conversions (not stored as bf16)
+      for (int64_t i = b; i < e; ++i) {
+        const std::string ep = prefix + std::to_string(first + g0 + i) + ".";
+        const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, hidden}, t_gate);
+        const uint16_t* upw = host_bf16(wr, ep + "up_proj.weight", {inter, hidden}, t_up);
+        cuda::moe_pack_gate_up(reinterpret_cast<const cuda::bf16*>(gate),
+                               reinterpret_cast<const cuda::bf16*>(upw), inter, hidden,
+                               reinterpret_cast<cuda::bf16*>(gu_all.data() + i * gu));
+        const uint16_t* d = host_bf16(wr, ep + "down_proj.weight", {hidden, inter}, t_down);
+        std::memcpy(dn_all.data() + i * dn, d, dn * sizeof(uint16_t));
+      }
+    });
+    up.put(gate_up + g0 * gu, gu_all.data(), n * gu * sizeof(uint16_t));
+    up.put(down + g0 * dn, dn_all.data(), n * dn * sizeof(uint16_t));
+  }
+}
+
 }  // namespace tandem::cuda_model

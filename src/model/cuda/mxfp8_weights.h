@@ -11,6 +11,8 @@
 // Host code.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 #include <string>
 
@@ -52,5 +54,13 @@ void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t
 void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
                         int64_t count, int64_t inter, int64_t hidden, uint8_t* gate_up_q,
                         float* gate_up_s, uint8_t* down_q, float* down_s, Uploader& up);
+
+/// The same for bf16 experts stored one tensor per expert (converted to bf16 as host_bf16 does
+/// when stored otherwise): gate / up packed as moe_pack_gate_up packs them to gate_up [count,
+/// 2 inter, hidden], down_proj to down [count, hidden, inter] (device), prepared on
+/// the CPU pool a group at a time as upload_fp8_experts does.
+void upload_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                         int64_t count, int64_t inter, int64_t hidden, __nv_bfloat16* gate_up,
+                         __nv_bfloat16* down, Uploader& up);
 
 }  // namespace tandem::cuda_model
