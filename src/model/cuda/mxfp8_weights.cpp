@@ -51,6 +51,66 @@ void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t
   up.put(e_dst, pe.data(), pe.size());
 }
 
+void prepare_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                         int64_t count, int64_t inter, int64_t hidden, Fp8ExpertsHost& out) {
+  const int64_t kbh = cuda::fp8_row_scale_cols(hidden), kbi = cuda::fp8_row_scale_cols(inter);
+  const size_t guq = static_cast<size_t>(2 * inter * hidden),
+               gus = static_cast<size_t>(2 * inter * kbh);
+  const size_t dnq = static_cast<size_t>(hidden * inter), dns = static_cast<size_t>(hidden * kbi);
+  const auto n = static_cast<size_t>(count);
+  out.gate_up_q.resize(guq * n);
+  out.gate_up_s.resize(gus * n);
+  out.down_q.resize(dnq * n);
+  out.down_s.resize(dns * n);
+  ThreadPool::global().parallel_for(count, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> gq(guq / 2), uq(guq / 2);
+    std::vector<float> gs(gus / 2), us(gus / 2);
+    for (int64_t i = b; i < e; ++i) {
+      const std::string ep = prefix + std::to_string(first + i) + ".";
+      wr.read_fp8_codes(ep + "gate_proj.weight", inter, hidden, {0, inter}, {0, hidden}, gq.data(),
+                        gs.data());
+      wr.read_fp8_codes(ep + "up_proj.weight", inter, hidden, {0, inter}, {0, hidden}, uq.data(),
+                        us.data());
+      cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(hidden),
+                                  out.gate_up_q.data() + i * guq);
+      cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter,
+                                  static_cast<size_t>(kbh) * sizeof(float),
+                                  out.gate_up_s.data() + i * gus);
+      wr.read_fp8_codes(ep + "down_proj.weight", hidden, inter, {0, hidden}, {0, inter},
+                        out.down_q.data() + i * dnq, out.down_s.data() + i * dns);
+    }
+  });
+}
+
+void prepare_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                          int64_t count, int64_t inter, int64_t hidden, Bf16ExpertsHost& out) {
+  const size_t gu = static_cast<size_t>(2 * inter * hidden),
+               dn = static_cast<size_t>(hidden * inter);
+  out.gate_up.resize(gu * static_cast<size_t>(count));
+  out.down.resize(dn * static_cast<size_t>(count));
+  ThreadPool::global().parallel_for(count, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> t_gate, t_up, t_down;  // conversions (not stored as bf16)
+    for (int64_t i = b; i < e; ++i) {
+      const std::string ep = prefix + std::to_string(first + i) + ".";
+      const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, hidden}, t_gate);
+      const uint16_t* upw = host_bf16(wr, ep + "up_proj.weight", {inter, hidden}, t_up);
+      cuda::moe_pack_gate_up(reinterpret_cast<const cuda::bf16*>(gate),
+                             reinterpret_cast<const cuda::bf16*>(upw), inter, hidden,
+                             reinterpret_cast<cuda::bf16*>(out.gate_up.data() + i * gu));
+      const uint16_t* d = host_bf16(wr, ep + "down_proj.weight", {hidden, inter}, t_down);
+      std::memcpy(out.down.data() + i * dn, d, dn * sizeof(uint16_t));
+    }
+  });
+}
+
+namespace {
+// Experts a group: at most ~256 MB of host buffers, at least one expert.
+int64_t expert_group(size_t bytes_per_expert, int64_t count) {
+  return std::clamp<int64_t>(static_cast<int64_t>((size_t{256} << 20) / bytes_per_expert), 1,
+                             std::max<int64_t>(count, 1));
+}
+}  // namespace
+
 void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
                         int64_t count, int64_t inter, int64_t hidden, uint8_t* gate_up_q,
                         float* gate_up_s, uint8_t* down_q, float* down_s, Uploader& up) {
@@ -58,35 +118,15 @@ void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64
   const size_t guq = static_cast<size_t>(2 * inter * hidden),
                gus = static_cast<size_t>(2 * inter * kbh);
   const size_t dnq = static_cast<size_t>(hidden * inter), dns = static_cast<size_t>(hidden * kbi);
-  const size_t per_expert = guq + dnq + (gus + dns) * sizeof(float);
-  const int64_t group =
-      std::clamp<int64_t>(static_cast<int64_t>((size_t{256} << 20) / per_expert), 1, count);
-  std::vector<uint8_t> gq_all(guq * group), dq_all(dnq * group);
-  std::vector<float> gs_all(gus * group), ds_all(dns * group);
+  const int64_t group = expert_group(guq + dnq + (gus + dns) * sizeof(float), count);
+  Fp8ExpertsHost h;
   for (int64_t g0 = 0; g0 < count; g0 += group) {
     const int64_t n = std::min(group, count - g0);
-    ThreadPool::global().parallel_for(n, 1, [&](int64_t b, int64_t e) {
-      std::vector<uint8_t> gq(guq / 2), uq(guq / 2);
-      std::vector<float> gs(gus / 2), us(gus / 2);
-      for (int64_t i = b; i < e; ++i) {
-        const std::string ep = prefix + std::to_string(first + g0 + i) + ".";
-        wr.read_fp8_codes(ep + "gate_proj.weight", inter, hidden, {0, inter}, {0, hidden},
-                          gq.data(), gs.data());
-        wr.read_fp8_codes(ep + "up_proj.weight", inter, hidden, {0, inter}, {0, hidden}, uq.data(),
-                          us.data());
-        cuda::moe_pack_gate_up_rows(gq.data(), uq.data(), inter, static_cast<size_t>(hidden),
-                                    gq_all.data() + i * guq);
-        cuda::moe_pack_gate_up_rows(gs.data(), us.data(), inter,
-                                    static_cast<size_t>(kbh) * sizeof(float),
-                                    gs_all.data() + i * gus);
-        wr.read_fp8_codes(ep + "down_proj.weight", hidden, inter, {0, hidden}, {0, inter},
-                          dq_all.data() + i * dnq, ds_all.data() + i * dns);
-      }
-    });
-    up.put(gate_up_q + g0 * guq, gq_all.data(), n * guq);
-    up.put(gate_up_s + g0 * gus, gs_all.data(), n * gus * sizeof(float));
-    up.put(down_q + g0 * dnq, dq_all.data(), n * dnq);
-    up.put(down_s + g0 * dns, ds_all.data(), n * dns * sizeof(float));
+    prepare_fp8_experts(wr, prefix, first + g0, n, inter, hidden, h);
+    up.put(gate_up_q + g0 * guq, h.gate_up_q.data(), h.gate_up_q.size());
+    up.put(gate_up_s + g0 * gus, h.gate_up_s.data(), h.gate_up_s.size() * sizeof(float));
+    up.put(down_q + g0 * dnq, h.down_q.data(), h.down_q.size());
+    up.put(down_s + g0 * dns, h.down_s.data(), h.down_s.size() * sizeof(float));
   }
 }
 
@@ -95,27 +135,13 @@ void upload_bf16_experts(const WeightReader& wr, const std::string& prefix, int6
                          cuda::bf16* down, Uploader& up) {
   const size_t gu = static_cast<size_t>(2 * inter * hidden),
                dn = static_cast<size_t>(hidden * inter);
-  const size_t per_expert = (gu + dn) * sizeof(uint16_t);
-  const int64_t group =
-      std::clamp<int64_t>(static_cast<int64_t>((size_t{256} << 20) / per_expert), 1, count);
-  std::vector<uint16_t> gu_all(gu * group), dn_all(dn * group);
+  const int64_t group = expert_group((gu + dn) * sizeof(uint16_t), count);
+  Bf16ExpertsHost h;
   for (int64_t g0 = 0; g0 < count; g0 += group) {
     const int64_t n = std::min(group, count - g0);
-    ThreadPool::global().parallel_for(n, 1, [&](int64_t b, int64_t e) {
-      std::vector<uint16_t> t_gate, t_up, t_down;  // conversions (not stored as bf16)
-      for (int64_t i = b; i < e; ++i) {
-        const std::string ep = prefix + std::to_string(first + g0 + i) + ".";
-        const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, hidden}, t_gate);
-        const uint16_t* upw = host_bf16(wr, ep + "up_proj.weight", {inter, hidden}, t_up);
-        cuda::moe_pack_gate_up(reinterpret_cast<const cuda::bf16*>(gate),
-                               reinterpret_cast<const cuda::bf16*>(upw), inter, hidden,
-                               reinterpret_cast<cuda::bf16*>(gu_all.data() + i * gu));
-        const uint16_t* d = host_bf16(wr, ep + "down_proj.weight", {hidden, inter}, t_down);
-        std::memcpy(dn_all.data() + i * dn, d, dn * sizeof(uint16_t));
-      }
-    });
-    up.put(gate_up + g0 * gu, gu_all.data(), n * gu * sizeof(uint16_t));
-    up.put(down + g0 * dn, dn_all.data(), n * dn * sizeof(uint16_t));
+    prepare_bf16_experts(wr, prefix, first + g0, n, inter, hidden, h);
+    up.put(gate_up + g0 * gu, h.gate_up.data(), h.gate_up.size() * sizeof(uint16_t));
+    up.put(down + g0 * dn, h.down.data(), h.down.size() * sizeof(uint16_t));
   }
 }
 

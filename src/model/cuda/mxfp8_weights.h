@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "model/cuda/cuda_mem.h"
@@ -44,21 +45,35 @@ void upload_mxfp8_gate_up(const WeightReader& wr, const std::string& ep, int64_t
                           int64_t hidden, uint8_t* q_dst, uint8_t* e_dst, Uploader& up);
 
 /// Experts [first, first + count) of one MoE layer in block FP8 (names `prefix` + e + ".", e.g.
-/// "model.layers.3.mlp.experts."): gate / up packed by rows as moe_pack_gate_up_rows packs them,
-/// down_proj as read_fp8_codes gives it, to the device runs of local expert 0 of the range:
-/// gate_up_q [count, 2 inter, hidden], gate_up_s [count, 2 inter, fp8_row_scale_cols(hidden)],
-/// down_q [count, hidden, inter], down_s [count, hidden, fp8_row_scale_cols(inter)]. The host work
-/// (reads, scale expansion, packing) runs on the CPU pool, a group of experts at a time (at most
-/// ~256 MB of host buffers), each group one contiguous upload per array; the device bytes equal
-/// those of read_fp8_codes + moe_pack_gate_up_rows expert by expert.
+/// "model.layers.3.mlp.experts."), prepared on the host by the CPU pool: gate / up codes and
+/// their per-row 128-column scales (read_fp8_codes) packed by rows as moe_pack_gate_up_rows packs
+/// them, gate_up_q [count, 2 inter, hidden], gate_up_s [count, 2 inter,
+/// fp8_row_scale_cols(hidden)]; down_proj as read_fp8_codes gives it, down_q [count, hidden,
+/// inter], down_s [count, hidden, fp8_row_scale_cols(inter)].
+struct Fp8ExpertsHost {
+  std::vector<uint8_t> gate_up_q, down_q;
+  std::vector<float> gate_up_s, down_s;
+};
+void prepare_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                         int64_t count, int64_t inter, int64_t hidden, Fp8ExpertsHost& out);
+
+/// The same for bf16 experts stored one tensor per expert (converted to bf16 as host_bf16 does
+/// when stored otherwise): gate_up [count, 2 inter, hidden] packed as moe_pack_gate_up packs
+/// them, down [count, hidden, inter] (bf16 bits).
+struct Bf16ExpertsHost {
+  std::vector<uint16_t> gate_up, down;
+};
+void prepare_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
+                          int64_t count, int64_t inter, int64_t hidden, Bf16ExpertsHost& out);
+
+/// prepare_fp8_experts' arrays to the device runs of local expert 0 of the range (same
+/// shapes), a group of experts at a time (at most ~256 MB of host buffers), each group one
+/// contiguous upload per array: the loaders' path for a layer's experts.
 void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
                         int64_t count, int64_t inter, int64_t hidden, uint8_t* gate_up_q,
                         float* gate_up_s, uint8_t* down_q, float* down_s, Uploader& up);
 
-/// The same for bf16 experts stored one tensor per expert (converted to bf16 as host_bf16 does
-/// when stored otherwise): gate / up packed as moe_pack_gate_up packs them to gate_up [count,
-/// 2 inter, hidden], down_proj to down [count, hidden, inter] (device), prepared on
-/// the CPU pool a group at a time as upload_fp8_experts does.
+/// prepare_bf16_experts' arrays to the device the same way.
 void upload_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
                          int64_t count, int64_t inter, int64_t hidden, __nv_bfloat16* gate_up,
                          __nv_bfloat16* down, Uploader& up);
