@@ -3,6 +3,7 @@
 // and the gate through which engine callbacks reach a connection.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -73,11 +74,25 @@ class EngineGate {
 
   /// Posts fn to the connection's strand unless the server stopped or the connection is gone.
   void post(const std::weak_ptr<Connection>& conn, std::function<void()> fn) {
-    std::shared_ptr<Connection> c;  // NOTE: released after the lock
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!open_) return;
-    c = conn.lock();
-    if (c) c->post(std::move(fn));
+    std::shared_ptr<Connection> c;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!open_) return;
+      c = conn.lock();
+      if (!c) return;
+      c->post(std::move(fn));
+      ++holding_;
+    }
+    // NOTE: released outside the lock, and counted: this may be the connection's last
+    // reference, and its destructor closes a socket of the server's io_context, which
+    // close_and_abort_all() (stop()) must not let the server destroy before (a use after free
+    // ASan found when a server stopped while the engine thread was here).
+    c.reset();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --holding_;
+    }
+    released_.notify_all();
   }
 
   void track(const std::string& id) {
@@ -121,13 +136,15 @@ class EngineGate {
     for (const auto& id : live) engine_.abort(id);
   }
 
-  /// Closes the gate (no more posts) and aborts every live engine request.
+  /// Closes the gate (no more posts) and aborts every live engine request. Returns once no
+  /// engine thread holds a connection through post().
   void close_and_abort_all() {
     std::unordered_set<std::string> live;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       open_ = false;
       live.swap(live_);
+      released_.wait(lock, [this] { return holding_ == 0; });
     }
     for (const auto& id : live) engine_.abort(id);
   }
@@ -135,7 +152,9 @@ class EngineGate {
  private:
   EngineClient& engine_;
   std::mutex mu_;
+  std::condition_variable released_;  // holding_ went down
   bool open_ = true;
+  int holding_ = 0;  // post() calls between lock() and the release of their connection
   std::unordered_set<std::string> live_;
   std::string fail_message_;  // set by fail_all()
 };

@@ -11,6 +11,7 @@
 #include <regex>
 #include <thread>
 
+#include "server/http/connection.h"
 #include "server/http/http_test_util.h"
 
 namespace tandem::testing {
@@ -445,6 +446,60 @@ TEST_F(HttpServerTest, VllmMetricNamesWithModelName) {
        }) {
     EXPECT_NE(t.find(needle), std::string::npos) << needle << "\n" << t;
   }
+}
+
+/// A connection whose post() hands its caller the last reference (the server let go of it
+/// meanwhile) and whose destructor takes a while, as a session's socket close can.
+class LastRefConnection : public openai::Connection {
+ public:
+  LastRefConnection(std::shared_ptr<openai::Connection>* owner, std::atomic<bool>* dropped,
+                    std::atomic<bool>* destroyed)
+      : owner_(owner), dropped_(dropped), destroyed_(destroyed) {}
+  ~LastRefConnection() override {
+    std::this_thread::sleep_for(200ms);
+    destroyed_->store(true);
+  }
+  void post(std::function<void()>) override {
+    owner_->reset();
+    dropped_->store(true);
+  }
+  void respond(openai::HttpResponse) override {}
+  void stream_begin() override {}
+  void stream_write(std::string) override {}
+  void stream_end() override {}
+  void on_disconnect(std::function<void()>) override {}
+  bool is_open() const override { return true; }
+
+ private:
+  std::shared_ptr<openai::Connection>* owner_;
+  std::atomic<bool>* dropped_;
+  std::atomic<bool>* destroyed_;
+};
+
+class IdleEngine : public EngineClient {
+ public:
+  void submit(GenRequest, OutputCallback) override {}
+  void abort(const std::string&) override {}
+  EngineStats stats() const override { return {}; }
+  int64_t max_model_len() const override { return 0; }
+  int64_t vocab_size() const override { return 0; }
+};
+
+// stop() closes the gate and then destroys the io_context that the sessions' sockets live in:
+// an engine callback still inside post() with a session's last reference must release it
+// first (ASan: a use after free in the session's socket close, HttpServerTest teardown).
+TEST(EngineGate, CloseWaitsForAPostThatHoldsTheLastReference) {
+  IdleEngine engine;
+  openai::EngineGate gate(engine);
+  std::atomic<bool> dropped{false}, destroyed{false};
+  std::shared_ptr<openai::Connection> owner;
+  owner = std::make_shared<LastRefConnection>(&owner, &dropped, &destroyed);
+  std::weak_ptr<openai::Connection> weak = owner;
+  std::thread engine_thread([&] { gate.post(weak, [] {}); });
+  while (!dropped.load()) std::this_thread::yield();  // post() holds the last reference
+  gate.close_and_abort_all();
+  EXPECT_TRUE(destroyed.load()) << "close_and_abort_all() returned while post() held a connection";
+  engine_thread.join();
 }
 
 }  // namespace
