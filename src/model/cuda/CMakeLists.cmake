@@ -4,6 +4,7 @@
 #   test_model_cuda     golden fixtures through the engine on the GPU (GTEST_SKIP without one)
 #   bench_model_cuda    decode step / prefill at real shapes with random weights vs the roofline
 #   bench_qwen35_cuda   the same for Qwen3.5 (Qwen35MoeCuda) from a checkpoint on disk
+#   bench_expert_load   the host side of loading MoE experts: grouped vs expert by expert (CPU)
 #   profile_decode_cuda per-kernel time of a decode step's graph (CUPTI activity records)
 #   bench_spec_cuda     MTP speculative decoding: verify-step cost, end-to-end decode
 if(TANDEM_HAS_CUDA)
@@ -51,6 +52,10 @@ if(TANDEM_HAS_CUDA)
     add_executable(bench_model_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_model_cuda.cpp)
     target_link_libraries(bench_model_cuda PRIVATE tandem_model_cuda)
     target_compile_options(bench_model_cuda PRIVATE ${TANDEM_WARNINGS})
+    # The host side of loading MoE experts (CPU only): grouped preparation vs expert by expert.
+    add_executable(bench_expert_load ${CMAKE_SOURCE_DIR}/bench/cuda/bench_expert_load.cpp)
+    target_link_libraries(bench_expert_load PRIVATE tandem_model_cuda)
+    target_compile_options(bench_expert_load PRIVATE ${TANDEM_WARNINGS})
     # Qwen3.5 (Qwen35MoeCuda) from a checkpoint on disk: decode steps and prefill vs the bounds.
     add_executable(bench_qwen35_cuda ${CMAKE_SOURCE_DIR}/bench/cuda/bench_qwen35_cuda.cpp)
     target_link_libraries(bench_qwen35_cuda PRIVATE tandem_model_cuda)

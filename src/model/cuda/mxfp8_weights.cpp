@@ -82,27 +82,6 @@ void prepare_fp8_experts(const WeightReader& wr, const std::string& prefix, int6
   });
 }
 
-void prepare_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
-                          int64_t count, int64_t inter, int64_t hidden, Bf16ExpertsHost& out) {
-  const size_t gu = static_cast<size_t>(2 * inter * hidden),
-               dn = static_cast<size_t>(hidden * inter);
-  out.gate_up.resize(gu * static_cast<size_t>(count));
-  out.down.resize(dn * static_cast<size_t>(count));
-  ThreadPool::global().parallel_for(count, 1, [&](int64_t b, int64_t e) {
-    std::vector<uint16_t> t_gate, t_up, t_down;  // conversions (not stored as bf16)
-    for (int64_t i = b; i < e; ++i) {
-      const std::string ep = prefix + std::to_string(first + i) + ".";
-      const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, hidden}, t_gate);
-      const uint16_t* upw = host_bf16(wr, ep + "up_proj.weight", {inter, hidden}, t_up);
-      cuda::moe_pack_gate_up(reinterpret_cast<const cuda::bf16*>(gate),
-                             reinterpret_cast<const cuda::bf16*>(upw), inter, hidden,
-                             reinterpret_cast<cuda::bf16*>(out.gate_up.data() + i * gu));
-      const uint16_t* d = host_bf16(wr, ep + "down_proj.weight", {hidden, inter}, t_down);
-      std::memcpy(out.down.data() + i * dn, d, dn * sizeof(uint16_t));
-    }
-  });
-}
-
 namespace {
 // Experts a group: at most ~256 MB of host buffers, at least one expert.
 int64_t expert_group(size_t bytes_per_expert, int64_t count) {
@@ -127,21 +106,6 @@ void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64
     up.put(gate_up_s + g0 * gus, h.gate_up_s.data(), h.gate_up_s.size() * sizeof(float));
     up.put(down_q + g0 * dnq, h.down_q.data(), h.down_q.size());
     up.put(down_s + g0 * dns, h.down_s.data(), h.down_s.size() * sizeof(float));
-  }
-}
-
-void upload_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
-                         int64_t count, int64_t inter, int64_t hidden, cuda::bf16* gate_up,
-                         cuda::bf16* down, Uploader& up) {
-  const size_t gu = static_cast<size_t>(2 * inter * hidden),
-               dn = static_cast<size_t>(hidden * inter);
-  const int64_t group = expert_group((gu + dn) * sizeof(uint16_t), count);
-  Bf16ExpertsHost h;
-  for (int64_t g0 = 0; g0 < count; g0 += group) {
-    const int64_t n = std::min(group, count - g0);
-    prepare_bf16_experts(wr, prefix, first + g0, n, inter, hidden, h);
-    up.put(gate_up + g0 * gu, h.gate_up.data(), h.gate_up.size() * sizeof(uint16_t));
-    up.put(down + g0 * dn, h.down.data(), h.down.size() * sizeof(uint16_t));
   }
 }
 

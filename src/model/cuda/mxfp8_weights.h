@@ -11,8 +11,6 @@
 // Host code.
 #pragma once
 
-#include <cuda_bf16.h>
-
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -57,25 +55,11 @@ struct Fp8ExpertsHost {
 void prepare_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
                          int64_t count, int64_t inter, int64_t hidden, Fp8ExpertsHost& out);
 
-/// The same for bf16 experts stored one tensor per expert (converted to bf16 as host_bf16 does
-/// when stored otherwise): gate_up [count, 2 inter, hidden] packed as moe_pack_gate_up packs
-/// them, down [count, hidden, inter] (bf16 bits).
-struct Bf16ExpertsHost {
-  std::vector<uint16_t> gate_up, down;
-};
-void prepare_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
-                          int64_t count, int64_t inter, int64_t hidden, Bf16ExpertsHost& out);
-
 /// prepare_fp8_experts' arrays to the device runs of local expert 0 of the range (same
 /// shapes), a group of experts at a time (at most ~256 MB of host buffers), each group one
 /// contiguous upload per array: the loaders' path for a layer's experts.
 void upload_fp8_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
                         int64_t count, int64_t inter, int64_t hidden, uint8_t* gate_up_q,
                         float* gate_up_s, uint8_t* down_q, float* down_s, Uploader& up);
-
-/// prepare_bf16_experts' arrays to the device the same way.
-void upload_bf16_experts(const WeightReader& wr, const std::string& prefix, int64_t first,
-                         int64_t count, int64_t inter, int64_t hidden, __nv_bfloat16* gate_up,
-                         __nv_bfloat16* down, Uploader& up);
 
 }  // namespace tandem::cuda_model

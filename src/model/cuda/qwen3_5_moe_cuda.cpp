@@ -426,7 +426,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     const int64_t value_all = hv_all * dv;
     const std::string& root = c.weight_prefix;
     Uploader up(stream);
-    std::vector<uint16_t> tmp;
+    std::vector<uint16_t> tmp, tmp2;
     auto put = [&](bf16* dst, const std::string& name, const Shape& shape) {
       const uint16_t* src = host_bf16(wr, name, shape, tmp);
       up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
@@ -546,38 +546,48 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         cuda_model::upload_fp8_experts(wr, m + "experts.", plan.experts.begin, plan.experts.size(),
                                        inter, h, w.gate_up_q, w.gate_up_s, w.down_q, w.down_s, up);
       }
-      if (w.gate_up_q == nullptr && !fused) {
-        cuda_model::upload_bf16_experts(wr, m + "experts.", plan.experts.begin, plan.experts.size(),
-                                        inter, h, w.gate_up, w.down, up);
-      }
-      for (int64_t e = plan.experts.begin; w.gate_up_q == nullptr && fused && e < plan.experts.end;
-           ++e) {  // fused 3D experts (transformers 5)
+      for (int64_t e = plan.experts.begin; w.gate_up_q == nullptr && e < plan.experts.end; ++e) {
         const int64_t le = e - plan.experts.begin;
         const uint16_t *gate = nullptr, *upw = nullptr;
         std::vector<uint16_t> gate_copy;
-        TensorView gu = ckpt.get(m + "experts.gate_up_proj", {E, 2 * inter, h});
-        if (gu.dtype == DType::kBF16) {
-          gate = gu.ptr<uint16_t>() + e * 2 * inter * h;
+        if (fused) {
+          TensorView gu = ckpt.get(m + "experts.gate_up_proj", {E, 2 * inter, h});
+          if (gu.dtype == DType::kBF16) {
+            gate = gu.ptr<uint16_t>() + e * 2 * inter * h;
+          } else {
+            ef.resize(static_cast<size_t>(2 * inter * h));
+            Checkpoint::to_f32(gu, ef.data(), e, e + 1);
+            gate_copy = to_bf16_bits(ef);
+            gate = gate_copy.data();
+          }
+          upw = gate + inter * h;
         } else {
-          ef.resize(static_cast<size_t>(2 * inter * h));
-          Checkpoint::to_f32(gu, ef.data(), e, e + 1);
-          gate_copy = to_bf16_bits(ef);
-          gate = gate_copy.data();
+          const std::string ep = m + "experts." + std::to_string(e) + ".";
+          gate = host_bf16(wr, ep + "gate_proj.weight", {inter, h}, tmp);
+          if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
+            gate_copy = tmp;
+            gate = gate_copy.data();
+          }
+          upw = host_bf16(wr, ep + "up_proj.weight", {inter, h}, tmp2);
         }
-        upw = gate + inter * h;
         cuda::moe_pack_gate_up(reinterpret_cast<const bf16*>(gate),
                                reinterpret_cast<const bf16*>(upw), inter, h,
                                reinterpret_cast<bf16*>(packed.data()));
         up.put(w.gate_up + le * 2 * inter * h, packed.data(), packed.size() * sizeof(uint16_t));
-        TensorView dn_v = ckpt.get(m + "experts.down_proj", {E, h, inter});
-        if (dn_v.dtype == DType::kBF16) {
-          up.put(w.down + le * h * inter, dn_v.ptr<uint16_t>() + e * h * inter,
-                 static_cast<size_t>(h * inter) * sizeof(uint16_t));
+        if (fused) {
+          TensorView dn_v = ckpt.get(m + "experts.down_proj", {E, h, inter});
+          if (dn_v.dtype == DType::kBF16) {
+            up.put(w.down + le * h * inter, dn_v.ptr<uint16_t>() + e * h * inter,
+                   static_cast<size_t>(h * inter) * sizeof(uint16_t));
+          } else {
+            ef.resize(static_cast<size_t>(h * inter));
+            Checkpoint::to_f32(dn_v, ef.data(), e, e + 1);
+            const std::vector<uint16_t> b = to_bf16_bits(ef);
+            up.put(w.down + le * h * inter, b.data(), b.size() * sizeof(uint16_t));
+          }
         } else {
-          ef.resize(static_cast<size_t>(h * inter));
-          Checkpoint::to_f32(dn_v, ef.data(), e, e + 1);
-          const std::vector<uint16_t> b = to_bf16_bits(ef);
-          up.put(w.down + le * h * inter, b.data(), b.size() * sizeof(uint16_t));
+          put(w.down + le * h * inter, m + "experts." + std::to_string(e) + ".down_proj.weight",
+              {h, inter});
         }
       }
       // The shared expert: this rank's intermediate columns (gate rows, then up rows).

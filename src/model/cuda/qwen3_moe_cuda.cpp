@@ -262,7 +262,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     const int64_t h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                   kvh = c.num_key_value_heads;
     Uploader up(stream);
-    std::vector<uint16_t> tmp;
+    std::vector<uint16_t> tmp, tmp2;
     auto put = [&](bf16* dst, const std::string& name, const Shape& shape) {
       const uint16_t* src = host_bf16(wr, name, shape, tmp);
       up.put(dst, src, static_cast<size_t>(shape.numel()) * sizeof(bf16));
@@ -344,8 +344,23 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
       } else if (w.moe) {
         const int64_t inter = c.moe_intermediate_size;
         put(w.router, p + "mlp.gate.weight", {c.num_experts, h});
-        cuda_model::upload_bf16_experts(wr, p + "mlp.experts.", plan.experts.begin, local_experts(),
-                                        inter, h, w.gate_up, w.down, up);
+        const size_t gu_bytes = static_cast<size_t>(2 * inter * h) * sizeof(bf16);
+        std::vector<uint16_t> packed(static_cast<size_t>(2 * inter * h));
+        for (int64_t e = 0; e < local_experts(); ++e) {
+          const std::string ep = p + "mlp.experts." + std::to_string(plan.experts.begin + e) + ".";
+          std::vector<uint16_t> gate_copy;
+          const uint16_t* gate = host_bf16(wr, ep + "gate_proj.weight", {inter, h}, tmp);
+          if (gate == tmp.data()) {  // converted: keep it while `up` converts into tmp2
+            gate_copy = tmp;
+            gate = gate_copy.data();
+          }
+          const uint16_t* upw = host_bf16(wr, ep + "up_proj.weight", {inter, h}, tmp2);
+          cuda::moe_pack_gate_up(reinterpret_cast<const bf16*>(gate),
+                                 reinterpret_cast<const bf16*>(upw), inter, h,
+                                 reinterpret_cast<bf16*>(packed.data()));
+          up.put(w.gate_up + e * 2 * inter * h, packed.data(), gu_bytes);
+          put(w.down + e * h * inter, ep + "down_proj.weight", {h, inter});
+        }
       } else {
         const int64_t inter = c.intermediate_size;
         if (w.gate_up8) {
