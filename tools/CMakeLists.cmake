@@ -15,17 +15,18 @@ target_link_libraries(make_random_checkpoint PRIVATE tandem_model Threads::Threa
 target_compile_options(make_random_checkpoint PRIVATE ${TANDEM_WARNINGS})
 
 if(TANDEM_TESTS AND TARGET tandem)
-  add_test(NAME Tools.RandomCheckpoint
-           COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_random_checkpoint.sh
-                   $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem>)
-  set_tests_properties(Tools.RandomCheckpoint PROPERTIES TIMEOUT 120)
-endif()
-if(TANDEM_TESTS AND TARGET tandem)
-  # make_random_checkpoint --format fp8 against `tandem convert --format fp8` of the bf16 one.
-  add_test(NAME Tools.RandomCheckpointFp8
-           COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_random_checkpoint_fp8.sh
-                   $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem>)
-  set_tests_properties(Tools.RandomCheckpointFp8 PROPERTIES TIMEOUT 300)
+  # Tools.RandomCheckpoint: the bf16 checkpoint loads and generates; Tools.RandomCheckpointFp8:
+  # --format fp8 against `tandem convert --format fp8` of the bf16 one.
+  foreach(check IN ITEMS "RandomCheckpoint;random_checkpoint;120"
+                         "RandomCheckpointFp8;random_checkpoint_fp8;300")
+    list(GET check 0 name)
+    list(GET check 1 script)
+    list(GET check 2 timeout)
+    add_test(NAME Tools.${name}
+             COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_${script}.sh
+                     $<TARGET_FILE:make_random_checkpoint> $<TARGET_FILE:tandem>)
+    set_tests_properties(Tools.${name} PROPERTIES TIMEOUT ${timeout})
+  endforeach()
 endif()
 if(TANDEM_TESTS AND TARGET tandem)
   # make_random_checkpoint --mtp + --speculative-config, and tools/train_mtp.py (skips without
