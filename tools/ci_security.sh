@@ -58,13 +58,17 @@ configure_fuzz() {  # build-fuzz: clang, every target ASan + UBSan + libFuzzer's
 
 took() { echo "ci_security: $1: $(($(date +%s) - $2)) s"; }
 
+failed=""  # the test binaries that failed: every binary runs, the stage fails at its end
 run_bins() {  # dir filter bins...: each test binary, in turn
   local dir=$1 filter=$2
   shift 2
   for b in "$@"; do
     echo "== $dir/$b"
-    "$dir/$b" --gtest_filter="$filter" --gtest_brief=1
+    "$dir/$b" --gtest_filter="$filter" --gtest_brief=1 || failed="$failed $b"
   done
+}
+fail_if_any() {  # stage: exit 1 naming the failed binaries, if any
+  if [ -n "$failed" ]; then echo "ci_security: $1 failed in:$failed"; exit 1; fi
 }
 
 for stage in $stages; do
@@ -82,6 +86,7 @@ for stage in $stages; do
       for r in $asan_runs; do run_bins "$FUZZ_DIR" "${ASAN_FILTER:-${r#*:}}" "${r%%:*}"; done
       unset ASAN_OPTIONS UBSAN_OPTIONS
       took "asan tests" "$t1"
+      fail_if_any asan
       ;;
     tsan)
       build cmake -S . -B "$TSAN_DIR" "${common[@]}" -DTANDEM_SANITIZE=thread >/dev/null
@@ -94,6 +99,7 @@ for stage in $stages; do
       for r in $tsan_runs; do run_bins "$TSAN_DIR" "${TSAN_FILTER:-${r#*:}}" "${r%%:*}"; done
       unset TSAN_OPTIONS
       took "tsan tests" "$t1"
+      fail_if_any tsan
       ;;
     fuzz)
       configure_fuzz
