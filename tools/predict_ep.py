@@ -93,6 +93,53 @@ def dispatch_row_bytes(fp8):
     return (HIDDEN + (HIDDEN // FP8_GROUP) * 4 + 15) // 16 * 16
 
 
+# -------------------------------------------------------------------- memory of one rank
+# The 397B's other shapes (tools/make_random_checkpoint.cpp's preset): gated attention 32 query /
+# 2 KV heads of 256; DeltaNet 16 key / 64 value heads of 128, conv kernel 4; experts and the
+# shared expert of 1024.
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 2, 256
+LIN_K_HEADS, LIN_V_HEADS, LIN_DIM, CONV_K = 16, 64, 128, 4
+MOE_INTER = SHARED_INTER = 1024
+GPU_GB = {"H100": 80, "H200": 141, "GB200": 186}  # nominal HBM per GPU
+
+
+def linear_bytes(rows, cols, fp8):
+    """A matrix as bf16, or as block FP8: e4m3 codes + fp32 scales per 128 x 128 block."""
+    if not fp8:
+        return 2 * rows * cols
+    return rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
+
+
+def rank_memory_bytes(tp, local_experts, fp8, seqs, tokens_per_seq):
+    """One rank's weights (tp: the heads / shared expert / lm_head split, 1 for a decode rank),
+    its KV (bf16) for seqs x tokens_per_seq and DeltaNet states (fp32: the recurrent state and
+    the conv window) for seqs; activations and workspaces left out. Quantized (fp8) as
+    convert does: attention and DeltaNet projections, experts, shared expert; router,
+    embedding, lm_head, norms stay bf16."""
+    h = HIDDEN
+    qh, hk, hv = Q_HEADS // tp, LIN_K_HEADS // tp, LIN_V_HEADS // tp
+    kvh = max(KV_HEADS // tp, 1)
+    conv = (2 * hk + hv) * LIN_DIM
+    attn = (linear_bytes(2 * qh * HEAD_DIM, h, fp8) + 2 * linear_bytes(kvh * HEAD_DIM, h, fp8) +
+            linear_bytes(h, qh * HEAD_DIM, fp8))
+    lin = (linear_bytes(conv, h, fp8) + linear_bytes(hv * LIN_DIM, h, fp8) +
+           linear_bytes(h, hv * LIN_DIM, fp8) + 2 * 2 * hv * h + 2 * conv * CONV_K)
+    si = SHARED_INTER // tp
+    moe = (2 * EXPERTS * h + 2 * linear_bytes(si, h, fp8) + linear_bytes(h, si, fp8) + 2 * h +
+           local_experts * (2 * linear_bytes(MOE_INTER, h, fp8) + linear_bytes(h, MOE_INTER, fp8)))
+    weights = (ATTN_LAYERS * attn + LINEAR_LAYERS * lin + LAYERS * moe +
+               2 * VOCAB * h + 2 * math.ceil(VOCAB / tp) * h)
+    kv = ATTN_LAYERS * 2 * kvh * HEAD_DIM * 2 * tokens_per_seq
+    state = LINEAR_LAYERS * 4 * (hv * LIN_DIM * LIN_DIM + conv * (CONV_K - 1))
+    return weights + seqs * (kv + state)
+
+
+def fits(nbytes):
+    """The GPUs of GPU_GB whose memory holds nbytes (GB = 1e9 bytes), e.g. "H200, GB200" or "none"."""
+    ok = [g for g, gb in GPU_GB.items() if nbytes <= gb * 1e9]
+    return ", ".join(ok) if ok else "none"
+
+
 # ------------------------------------------------------------------------ reading the CSVs
 def read_bench_csv(paths):
     """{(label, op, tokens): us}, and the ceilings: copy B/s (decode rows: bound = bytes / copy)
@@ -266,8 +313,9 @@ def predict(rows, copy_bps, gemm_fps, rates, formats=("bf16", "fp8"), batches=BA
                 compute = rest + routed + head
                 dc = decode_comm_us(B, ep, fmt == "fp8", rates, h200_link)
                 dc72 = decode_comm_us(B, ep, fmt == "fp8", rates, NVLINK_NVL72_GBPS * 1e9)
+                mem = rank_memory_bytes(1, EXPERTS // ep, fmt == "fp8", B, DECODE_CONTEXT)
                 out["decode"][ep].append({
-                    "fmt": fmt, "B": B, "rest": rest / 1e3, "routed": routed / 1e3,
+                    "fmt": fmt, "B": B, "mem": mem / 1e9, "rest": rest / 1e3, "routed": routed / 1e3,
                     "head": head / 1e3, "head_src": head_src, "dc": dc / 1e3,
                     "step": (compute + dc) / 1e3, "tps": B / ((compute + dc) * 1e-6),
                     "dc72": dc72 / 1e3, "step72": (compute + dc72) / 1e3,
@@ -289,10 +337,14 @@ def predict(rows, copy_bps, gemm_fps, rates, formats=("bf16", "fp8"), batches=BA
         compute = rest + routed + head
         ar_bytes = T * HIDDEN * 2
         busbw = NVLINK_H200_GBPS * 1e9 if h200_nominal else ar_busbw()
-        ar = 2 * LAYERS * allreduce_us(ar_bytes, TP, busbw, AR_SMALL_US)
-        ar72 = 2 * LAYERS * allreduce_us(ar_bytes, TP, NVLINK_NVL72_GBPS * 1e9, AR_SMALL_US)
+        # Two per layer (after the mixer, after the MoE block), then the logits: each rank's
+        # vocab columns in a zeroed full-width fp32 row, all-reduced (docs/architecture.md).
+        ar, ar72 = (2 * LAYERS * allreduce_us(ar_bytes, TP, bw, AR_SMALL_US) +
+                    allreduce_us(VOCAB * 4, TP, bw, AR_SMALL_US)
+                    for bw in (busbw, NVLINK_NVL72_GBPS * 1e9))
+        mem = rank_memory_bytes(TP, EXPERTS // TP, fmt == "fp8", 1, T)
         out["prefill"].append({
-            "fmt": fmt, "T": T, "rest": rest / 1e3, "routed": routed / 1e3, "head": head / 1e3,
+            "fmt": fmt, "T": T, "mem": mem / 1e9, "rest": rest / 1e3, "routed": routed / 1e3, "head": head / 1e3,
             "ar": ar / 1e3, "time": (compute + ar) / 1e3, "tps": T / ((compute + ar) * 1e-6),
             "ar72": ar72 / 1e3, "time72": (compute + ar72) / 1e3,
             "tps72": T / ((compute + ar72) * 1e-6)})
@@ -322,6 +374,11 @@ def print_tables(res, copy_bps, copy_src, gemm_fps, gemm_src, rates, h200_nomina
       f"{' (used: --h200-nominal)' if h200_nominal else ' (not used: the measured rates are)'} |")
     p(f"| NVLink, GB200 NVL72 (NVLink 5) | {NVLINK_NVL72_GBPS:.0f} GB/s per direction | "
       "nominal (the NVL72 columns: projection) |")
+    p()
+    p("Rank memory: weights (bf16, or block FP8 where convert quantizes) + bf16 KV + fp32 "
+      "DeltaNet states of the rank's sequences, activations left out; fits: which of "
+      + ", ".join(f"{g} ({gb} GB)" for g, gb in GPU_GB.items()) + " hold it. A row that fits "
+      "none is a compute prediction for a layout that needs more ranks or FP8.")
     for ep in (8, 16):
         p()
         d = expected_other_ranks(EXPERTS, TOP_K, ep)
@@ -339,28 +396,33 @@ def print_tables(res, copy_bps, copy_src, gemm_fps, gemm_src, rates, h200_nomina
         p()
         p("| format | B | attention + DeltaNet + rest ms | routed experts ms | lm_head ms | "
           "dispatch + combine ms (H200) | step ms (H200) | tok/s per GPU (H200) | "
-          "dispatch + combine ms (NVL72, proj.) | step ms (NVL72) | tok/s per GPU (NVL72) |")
-        p("| --- |" + " --- |" * 10)
+          "dispatch + combine ms (NVL72, proj.) | step ms (NVL72) | tok/s per GPU (NVL72) | "
+          "rank memory GB (fits) |")
+        p("| --- |" + " --- |" * 11)
         for r in res["decode"][ep]:
             p(f"| {r['fmt']} | {r['B']} | {r['rest']:.2f} | {r['routed']:.2f} | "
               f"{r['head']:.2f} ({r['head_src']}) | {r['dc']:.2f} | {r['step']:.2f} | "
-              f"{r['tps']:.0f} | {r['dc72']:.2f} | {r['step72']:.2f} | {r['tps72']:.0f} |")
+              f"{r['tps']:.0f} | {r['dc72']:.2f} | {r['step72']:.2f} | {r['tps72']:.0f} | "
+              f"{r['mem']:.1f} ({fits(r['mem'] * 1e9)}) |")
     p()
     p(f"### Prefill, TP{TP} / EP{TP}, one {PREFILL_TOKENS}-token prompt (per instance of {TP} "
       "GPUs)")
     p()
     p(f"Routed experts at top-k {TOP_K}/{TP} = {TOP_K / TP} local experts per token: the mean "
       f"of the slice at top-k {TP4_TOPK[0]} and {TP4_TOPK[1]}; 2 all-reduces per layer of "
-      f"{PREFILL_TOKENS} x {HIDDEN} bf16; lm_head vocab-parallel, one row (computed).")
+      f"{PREFILL_TOKENS} x {HIDDEN} bf16, and the fp32 logits row's; lm_head vocab-parallel, one row "
+      "(computed).")
     p()
     p("| format | attention + DeltaNet + rest ms | routed experts ms | lm_head ms | "
       "all-reduces ms (H200) | time ms (H200) | tok/s per instance (H200) | tok/s per GPU "
-      "(H200) | all-reduces ms (NVL72, proj.) | time ms (NVL72) | tok/s per instance (NVL72) |")
-    p("| --- |" + " --- |" * 10)
+      "(H200) | all-reduces ms (NVL72, proj.) | time ms (NVL72) | tok/s per instance (NVL72) | "
+      "rank memory GB (fits) |")
+    p("| --- |" + " --- |" * 11)
     for r in res["prefill"]:
         p(f"| {r['fmt']} | {r['rest']:.2f} | {r['routed']:.2f} | {r['head']:.3f} | "
           f"{r['ar']:.2f} | {r['time']:.2f} | {r['tps']:.0f} | {r['tps'] / TP:.0f} | "
-          f"{r['ar72']:.2f} | {r['time72']:.2f} | {r['tps72']:.0f} |")
+          f"{r['ar72']:.2f} | {r['time72']:.2f} | {r['tps72']:.0f} | {r['mem']:.1f} "
+          f"({fits(r['mem'] * 1e9)}) |")
     if res["missing"]:
         p()
         p("Not computed (rows missing from the CSVs):")

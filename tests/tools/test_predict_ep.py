@@ -95,6 +95,37 @@ class Hypergeometric(unittest.TestCase):
         self.assertEqual(pe.dispatch_row_bytes(True), 4096 + 32 * 4)
 
 
+class Memory(unittest.TestCase):
+    def test_whole_model(self):
+        # tp 1, all 512 experts, no sequences: the whole bf16 model. Params per attention layer
+        # (16384 + 512 + 512) x 4096 + 4096 x 8192 = 104857600; DeltaNet (12288 + 8192 + 2 x 64)
+        # x 4096 + 4096 x 8192 + 12288 x 4 = 118013952; MoE 512 x 4096 (router) + 3 x 1024 x 4096
+        # (shared) + 4096 + 512 x 3 x 1024 x 4096 = 6457135104; embedding + head 2 x 248320 x
+        # 4096 = 2034237440: 396.3e9 parameters (the name says 397B).
+        params = 15 * 104857600 + 45 * 118013952 + 60 * 6457135104 + 2034237440
+        self.assertEqual(params, 396345835520)
+        self.assertEqual(pe.rank_memory_bytes(1, 512, False, 0, 0), 2 * params)
+
+    def test_sequences(self):
+        # One sequence of 1000 tokens: KV 15 x 2 x 2 heads x 256 x 2 bytes x 1000; state 45 x 4 x
+        # (64 x 128 x 128 + 12288 x 3).
+        one = pe.rank_memory_bytes(1, 64, False, 1, 1000) - pe.rank_memory_bytes(1, 64, False, 0, 0)
+        self.assertEqual(one, 30720000 + 195379200)
+        # TP4: 1 KV head, 16 value / 4 key heads: KV halves, the state quarters (conv 3072 wide).
+        one = pe.rank_memory_bytes(4, 128, False, 1, 1000) - pe.rank_memory_bytes(4, 128, False, 0, 0)
+        self.assertEqual(one, 15360000 + 45 * 4 * (16 * 128 * 128 + 3072 * 3))
+
+    def test_fp8_and_fits(self):
+        # Block FP8: the expert matrices at 1 byte + a fp32 scale per 128 x 128 block.
+        e_bf16 = pe.rank_memory_bytes(1, 1, False, 0, 0) - pe.rank_memory_bytes(1, 0, False, 0, 0)
+        e_fp8 = pe.rank_memory_bytes(1, 1, True, 0, 0) - pe.rank_memory_bytes(1, 0, True, 0, 0)
+        self.assertEqual(e_bf16, 60 * 3 * 1024 * 4096 * 2)
+        self.assertEqual(e_fp8, 60 * 3 * (1024 * 4096 + 4 * 8 * 32))
+        self.assertEqual(pe.fits(79e9), "H100, H200, GB200")
+        self.assertEqual(pe.fits(141e9), "H200, GB200")
+        self.assertEqual(pe.fits(200e9), "none")
+
+
 class Prediction(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
@@ -170,11 +201,14 @@ class Prediction(unittest.TestCase):
         head = 62080 * 4096 * 2 / 4e12 * 1e6  # vocab / 4 rows, memory-bound: 127.13984 us
         self.assertAlmostEqual(r["head"] * 1e3, head, places=6)
         busbw = 64 * 1048576 / ((238.60 - 3.99) * 1e-6)
-        ar = 120 * (3.99 + 1.5 * 6000 * 4096 * 2 / busbw * 1e6)
+        # 120 all-reduces of 6000 x 4096 bf16 + the fp32 logits row (248320 x 4 bytes).
+        ar = 120 * (3.99 + 1.5 * 6000 * 4096 * 2 / busbw * 1e6) + (
+            3.99 + 1.5 * 248320 * 4 / busbw * 1e6)
         self.assertAlmostEqual(r["ar"] * 1e3, ar, places=6)
         self.assertAlmostEqual(r["time"] * 1e3, rest + 72000 + head + ar, places=6)
         self.assertAlmostEqual(r["tps"], 6000 / ((rest + 72000 + head + ar) * 1e-6), places=6)
-        ar72 = 120 * (3.99 + 1.5 * 6000 * 4096 * 2 / 9e11 * 1e6)
+        ar72 = 120 * (3.99 + 1.5 * 6000 * 4096 * 2 / 9e11 * 1e6) + (
+            3.99 + 1.5 * 248320 * 4 / 9e11 * 1e6)
         self.assertAlmostEqual(r["ar72"] * 1e3, ar72, places=6)
 
     def test_default_rates(self):
