@@ -9,6 +9,7 @@
 #             instead of measured
 #   --formats bf16 | fp8 | bf16,fp8 (default): which half to run
 #   --out DIR the CSVs, logs and the tables (tables.md) go there (default /tmp/gpu_ep_predict)
+#   TANDEM_EP_PREDICT_ARGS: more predict_ep.py arguments (--moe-csv FILE, --h200-nominal)
 #
 # Checkpoints (one DeltaNet + one attention layer "pair", the attention layer "attn", two
 # attention layers "attn2"; vocab 1024; the 397B preset's shapes but for the flags listed):
