@@ -181,6 +181,17 @@ class Prediction(unittest.TestCase):
         c = 5 + 32 * 10 * (480 / 512) * 8192 / 2e11 * 1e6
         self.assertAlmostEqual(r["step"] * 1e3, rest + 18000 + 600 + 60 * (d + c), places=6)
 
+    def test_negative_fixed_cost(self):
+        rows = dict(self.rows)
+        rows[("bf16_dbase_attn2", "decode_ctx2048", 32)] = 700  # 2 x 300 - 700 < 0
+        pe.NOTES.clear()
+        r = pe.predict(rows, COPY, GEMM, RATES, ("bf16",), (32,))["decode"][8][0]
+        # O = 0: 15 x 800 + 45 x 900 = 52500.
+        self.assertAlmostEqual(r["rest"] * 1e3, 52500 - 30000 + 60 * (1.06496 - 0.13312), places=6)
+        self.assertEqual(len(pe.NOTES), 2)  # EP8 and EP16
+        self.assertIn("-100.0 us < 0, taken as 0", pe.NOTES[0])
+        pe.NOTES.clear()
+
     def test_head_computed_without_head_rows(self):
         rows = {k: v for k, v in self.rows.items() if not k[0].endswith("_head_attn")}
         r = pe.predict(rows, COPY, GEMM, RATES, ("bf16",), (32,))["decode"][8][0]
