@@ -8,7 +8,8 @@
 # Tests (ctest): Tools.RandomCheckpoint writes a 2-layer tiny checkpoint and generates from it
 # with `tandem generate`; Tools.RandomCheckpointFp8 compares --format fp8 with `tandem convert
 # --format fp8` of the bf16 checkpoint and generates from it; Tools.AiperfRows checks bench/aiperf_rows.py on a hand-made aiperf
-# artifact directory.
+# artifact directory; Tools.PredictEp and Tools.GpuEpPredictDry check tools/predict_ep.py and
+# tools/gpu_ep_predict.sh.
 
 add_executable(make_random_checkpoint ${CMAKE_CURRENT_LIST_DIR}/make_random_checkpoint.cpp)
 target_link_libraries(make_random_checkpoint PRIVATE tandem_model Threads::Threads)
@@ -41,4 +42,15 @@ if(TANDEM_TESTS)
   add_test(NAME Tools.AiperfRows
            COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_aiperf_rows.sh ${CMAKE_SOURCE_DIR})
   set_tests_properties(Tools.AiperfRows PROPERTIES TIMEOUT 60)
+  # tools/predict_ep.py (issue #28: multi-GPU layouts predicted from one GPU) against values
+  # worked out by hand; tools/gpu_ep_predict.sh end to end with a stand-in bench_qwen35_cuda and
+  # make_random_checkpoint --config-only (every slice's flags valid, every table row found).
+  add_test(NAME Tools.PredictEp COMMAND python3
+                                        ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_predict_ep.py
+                                        ${CMAKE_SOURCE_DIR})
+  set_tests_properties(Tools.PredictEp PROPERTIES TIMEOUT 60)
+  add_test(NAME Tools.GpuEpPredictDry
+           COMMAND ${CMAKE_CURRENT_LIST_DIR}/../tests/tools/test_gpu_ep_predict.sh
+                   ${CMAKE_SOURCE_DIR} $<TARGET_FILE:make_random_checkpoint>)
+  set_tests_properties(Tools.GpuEpPredictDry PROPERTIES TIMEOUT 120)
 endif()

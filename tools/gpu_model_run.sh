@@ -40,6 +40,9 @@
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
+#   bench_ep_predict (Qwen3.5-397B-A17B's EP8 / EP16 decode and TP4 / EP4 prefill predicted
+#   from one rank's slice measured here, bf16 and FP8: tools/gpu_ep_predict.sh, 2-3 minutes;
+#   TANDEM_EP_ARGS="--quick --formats bf16" for about one),
 #   bench_spec_verify, bench_spec_e2e, bench_spec_grid, bench_spec_fused (the defaults: draft
 #   passes in graphs, the draft chain on the device, the fused speculative step),
 #   bench_spec_q35 (Qwen3.5-35B-A3B with an MTP layer from make_random_checkpoint --mtp: the
@@ -250,6 +253,14 @@ if [ -x "$BIN/bench_qwen35_cuda" ]; then
       '$BIN/bench_qwen35_cuda' --checkpoint \$d/pair --checkpoint \$d/attn --batches 1,8,32,128 \
         --contexts 1024 --prefill 2048,8192 --profile-prefill 8192; rc=\$?; rm -rf \$d; exit \$rc"
   done
+  # Issue #28: one EP rank's slice of Qwen3.5-397B-A17B (64 / 32 experts, top-10) decoding
+  # 32-256 sequences at 2k context, one TP4 rank's slice prefilling 6000 tokens, bf16 and FP8,
+  # then tools/predict_ep.py's per-step tables for EP8 / EP16 decode and TP4 / EP4 prefill with
+  # the dispatch / combine and all-reduce costs modelled (docs/perf.md "Multi-GPU layouts
+  # predicted from one GPU"). Slices written to /dev/shm (/tmp), removed afterwards.
+  ep_args=${TANDEM_EP_ARGS:-}
+  [[ " ${TANDEM_BENCH_ARGS:-} " == *" --quick "* ]] && ep_args="--quick $ep_args"
+  step bench_ep_predict 420 "$ROOT/tools/gpu_ep_predict.sh" "$BIN" --out "$LOG/ep_predict" $ep_args
 fi
 # MTP speculative decoding (issue "MTP speculative decoding"): the verify-step cost (K + 1
 # tokens vs the 1-token step, 30B 48 layers and one 235B layer, B 1 / 8 / 32 / 128, K 0..4) and
@@ -306,6 +317,7 @@ done
 [ -f "$LOG/bench_qwen35_cuda.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_cuda.log"
 [ -f "$LOG/bench_qwen35_122b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_122b.log"
 [ -f "$LOG/bench_qwen35_397b.log" ] && sed -n '/^== table/,$p' "$LOG/bench_qwen35_397b.log"
+[ -f "$LOG/ep_predict/tables.md" ] && { echo; cat "$LOG/ep_predict/tables.md"; }
 for mp in mma cublas padded; do
   [ -f "$LOG/prefill_moe_$mp.log" ] && grep -E 'prefill' "$LOG/prefill_moe_$mp.log" | tail -2
 done
