@@ -38,27 +38,26 @@ RATES = {"dispatch": (10.0, 1e11), "combine": (5.0, 2e11), "dispatch_fp8": (12.0
          "source": "test"}
 
 
+def write_csv(path, rows):
+    """bench_qwen35_cuda's CSV header, its GEMM-ceiling row, then `rows`."""
+    with open(path, "w") as f:
+        f.write("op,tokens,shape,us,bound_us,bytes,flops\n")
+        f.write('gemm_8192^3,8192,"8192x8192x8192 (the GEMM ceiling)",2000,2000,4e8,1e12\n')
+        f.writelines(rows)
+    return path
+
+
 def write_csvs(d, decode=True, prefill=True):
     paths = []
     if decode:
-        p = os.path.join(d, "decode.csv")
-        with open(p, "w") as f:
-            f.write("op,tokens,shape,us,bound_us,bytes,flops\n")
-            f.write('gemm_8192^3,8192,"8192x8192x8192 (the GEMM ceiling)",2000,2000,4e8,1e12\n')
-            for label, us in DECODE.items():
-                f.write(f'decode_ctx2048,32,"{label}: 32 seqs x 2048 ctx, graph, switches default",'
-                        f"{us},1000,4e9,0\n")
-            f.write('decode FAILED,0,"some error",nan,nan,0,0\n')
-        paths.append(p)
+        rows = [f'decode_ctx2048,32,"{label}: 32 seqs x 2048 ctx, graph, switches default",'
+                f"{us},1000,4e9,0\n" for label, us in DECODE.items()]
+        rows.append('decode FAILED,0,"some error",nan,nan,0,0\n')
+        paths.append(write_csv(os.path.join(d, "decode.csv"), rows))
     if prefill:
-        p = os.path.join(d, "prefill.csv")
-        with open(p, "w") as f:
-            f.write("op,tokens,shape,us,bound_us,bytes,flops\n")
-            f.write('gemm_8192^3,8192,"8192x8192x8192 (the GEMM ceiling)",2000,2000,4e8,1e12\n')
-            for label, us in PREFILL.items():
-                f.write(f'prefill,6000,"{label}: one prompt, eager (MFU = bound / us)",{us},'
-                        f"10,1e9,1e12\n")
-        paths.append(p)
+        rows = [f'prefill,6000,"{label}: one prompt, eager (MFU = bound / us)",{us},'
+                f"10,1e9,1e12\n" for label, us in PREFILL.items()]
+        paths.append(write_csv(os.path.join(d, "prefill.csv"), rows))
     return paths
 
 
