@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Disaggregated vs colocated serving on one GPU (issue "GPU instances" benchmark): a real-shape
-# random Qwen3-30B-A3B checkpoint (make_random_checkpoint, TANDEM_DISAGG_LAYERS layers, default
-# 8, so that all processes fit one GPU), 1024-token prompts, 256 output tokens, streaming;
+# random checkpoint (make_random_checkpoint --preset TANDEM_DISAGG_PRESET, default qwen3-30b-a3b;
+# TANDEM_DISAGG_LAYERS layers, default 8 so that all processes fit one GPU, 0 = full depth;
+# TANDEM_DISAGG_FORMAT bf16 or fp8, default bf16), 1024-token prompts, 256 output tokens, streaming;
 # bench/serve_load.py at concurrency 32 (and 128 unless TANDEM_DISAGG_QUICK=1) through
 #   1. router -> prefill (TP=1) -> decode (DP=1), every instance its own process on this GPU;
 #   2. `tandem serve --device cuda` alone on the same GPU, same requests.
@@ -12,9 +13,15 @@ set -uo pipefail
 BIN=$1; CSV=$2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 layers=${TANDEM_DISAGG_LAYERS:-8}
-ck=/dev/shm/q30_disagg
+preset=${TANDEM_DISAGG_PRESET:-qwen3-30b-a3b}
+format=${TANDEM_DISAGG_FORMAT:-bf16}
+ck=/dev/shm/disagg_ckpt
 rm -rf "$ck"
-"$BIN/make_random_checkpoint" --out "$ck" --preset qwen3-30b-a3b --layers "$layers" || exit 1
+shape=(--preset "$preset")
+[ "$layers" = 0 ] || shape+=(--layers "$layers")
+[ "$format" = bf16 ] || shape+=(--format "$format")
+"$BIN/make_random_checkpoint" --out "$ck" "${shape[@]}" || exit 1
+echo "checkpoint: $preset, ${layers/#0/all} layers, $format ($(du -sh "$ck" | cut -f1))"
 dir=$(mktemp -d)
 pids=()
 cleanup() { for p in "${pids[@]}"; do pkill -9 -P "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$dir" "$ck"; }
