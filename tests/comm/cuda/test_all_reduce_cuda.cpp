@@ -24,6 +24,7 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/cuda/check.h"
@@ -211,9 +212,12 @@ std::string describe(DType dtype, size_t count, Path p) {
   return os.str();
 }
 
-// Enqueues one call reading `in` (device, this rank's input) and writing `out`.
+// Enqueues one call reading `in` (device, this rank's input) and writing `out`. Ranks sharing a
+// GPU (TANDEM_ALLOW_SHARED_GPU) have no NCCL communicator, by CudaComm's contract: a path that
+// names NCCL runs as two-shot there, so the shared-GPU run still covers every other case.
 void enqueue(CudaComm& comm, Path p, const void* in, void* out, size_t count, DType dtype,
              cudaStream_t s) {
+  if (comm.shared_device() && p.algo == AllReduceAlgo::kNccl) p.algo = AllReduceAlgo::kTwoShot;
   const size_t bytes = count * dtype_size(dtype);
   switch (p.mode) {
     case Mode::kOutOfPlace: comm.all_reduce(in, out, count, dtype, s, p.algo); break;
@@ -523,8 +527,22 @@ TEST_F(CudaAllReduceTest, FallbacksAndErrors) {
     TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     DeviceBuffer d_in(4 * kMiB + 64), d_out(4 * kMiB + 64);
 
+    // Ranks sharing a GPU: no NCCL, so what would fall back to it is refused, clearly.
+    if (comm->shared_device()) {
+      for (const auto& [bytes, aligned] : {std::pair<size_t, bool>{2002, false},
+                                           std::pair<size_t, bool>{2 * kMiB + 16, true}}) {
+        bool threw = false;
+        try {
+          (void)comm->choose(bytes, aligned);
+        } catch (const Error& e) {
+          threw = e.kind() == ErrorKind::kInvalidArgument;
+        }
+        TANDEM_CHECK(threw, "shared GPU: ", bytes, " bytes (aligned ", aligned,
+                     ") did not throw kInvalidArgument");
+      }
+    }
     // Misaligned pointers: auto takes NCCL and is right; explicit one-shot refuses.
-    {
+    if (!comm->shared_device()) {
       const size_t count = 1001;
       Reference ref = make_reference(DType::kBF16, count, 77, rank, world);
       upload(d_in.get() + 2, ref.mine, s);
@@ -544,7 +562,7 @@ TEST_F(CudaAllReduceTest, FallbacksAndErrors) {
       TANDEM_CHECK(threw, "misaligned one-shot did not throw kInvalidArgument");
     }
     // Larger than max_bytes: auto takes NCCL; explicit two-shot refuses.
-    {
+    if (!comm->shared_device()) {
       const size_t count = (2 * kMiB) / 4 + 5;
       Reference ref = make_reference(DType::kF32, count, 78, rank, world);
       upload(d_in.get(), ref.mine, s);
@@ -582,7 +600,9 @@ TEST_F(CudaAllReduceTest, FallbacksAndErrors) {
     comm->set_thresholds(4096, 65536);
     TANDEM_CHECK(comm->choose(4096) == AllReduceAlgo::kOneShot, "4 KiB -> one-shot");
     TANDEM_CHECK(comm->choose(4097) == AllReduceAlgo::kTwoShot, "4 KiB + 1 -> two-shot");
-    TANDEM_CHECK(comm->choose(65537) == AllReduceAlgo::kNccl, "64 KiB + 1 -> NCCL");
+    TANDEM_CHECK(comm->choose(65537) == (comm->shared_device() ? AllReduceAlgo::kTwoShot
+                                                               : AllReduceAlgo::kNccl),
+                 "64 KiB + 1 -> NCCL (two-shot where ranks share a GPU)");
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
     TANDEM_CUDA_CHECK(cudaStreamDestroy(s));
   });

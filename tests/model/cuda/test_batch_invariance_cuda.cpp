@@ -79,7 +79,7 @@ int check_schedules(Qwen3MoeCuda& model, int64_t prompt_len, bool strict) {
 
 TEST(CudaBatchInvariance, DemoModelRowsIndependentOfBatchChunkingAndCacheHits) {
   if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
-  const std::string dir = std::string(TANDEM_SOURCE_DIR) + "/models/demo";
+  const std::string dir = testing::source_dir() + "/models/demo";
   {
     auto model = Qwen3MoeCuda::load(dir, options(true));
     EXPECT_EQ(check_schedules(*model, 45, true), 0);
@@ -112,7 +112,7 @@ TEST(CudaBatchInvariance, EngineSampledTokensAndLogprobsMatchSolo) {
   if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
   CudaModelOptions o = options(true);
   o.max_seqs = 64;
-  auto model = Qwen3MoeCuda::load(std::string(TANDEM_SOURCE_DIR) + "/models/demo", o);
+  auto model = Qwen3MoeCuda::load(testing::source_dir() + "/models/demo", o);
   testing::check_engine_invariance(*model, 64, 8000);
 }
 
