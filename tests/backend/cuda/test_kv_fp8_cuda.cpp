@@ -60,8 +60,8 @@ using DeviceBuffer = test_util::DeviceBuffer<T, test_util::UploadCheck::kThrow>;
 
 class CudaKvFp8 : public test_util::CudaFixture<> {
  protected:
-  Bits randn_bf16(size_t n, float scale) {
-    std::normal_distribution<float> d(0.f, scale);
+  Bits randn_bf16(size_t n, float scale, float mean = 0.f) {
+    std::normal_distribution<float> d(mean, scale);
     Bits b(n);
     for (auto& x : b) x = f32_to_bf16(d(rng_));
     return b;
@@ -205,6 +205,7 @@ struct Case {
   int64_t extra_pages = 0;    // block-table capacity past the longest sequence (empty splits)
   float k_scale = 0.f, v_scale = 0.f;  // 0: random in [0.01, 0.5]
   bool poison_tail = false;  // NaN codes in the slots past each sequence's end and unused pages
+  float q_mean = 0.f;        // > 0 skews the scores (peaked softmax)
   std::string name() const {
     std::ostringstream s;
     s << q_heads << "q/" << kv_heads << "kv d" << head_dim << " page " << page_size << " seqs";
@@ -274,7 +275,7 @@ class CudaKvFp8Attention : public CudaKvFp8 {
     std::vector<float> pool_f(elems);
     cpu::kv_pool_dequantize_fp8(codes.data(), pool_f.data(), num_pages, c.kv_heads, ps, c.head_dim,
                                 ks, vs);
-    const Bits q = randn_bf16(tokens * c.q_heads * c.head_dim, 1.f);
+    const Bits q = randn_bf16(tokens * c.q_heads * c.head_dim, 1.f, c.q_mean);
     const std::vector<float> qf = to_f32(q);
     std::vector<float> ref(static_cast<size_t>(tokens * c.q_heads * c.head_dim));
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
@@ -443,6 +444,18 @@ TEST_F(CudaKvFp8Attention, TensorCoreDecodeScales) {
       c.poison_tail = true;
       check(c);
     }
+  }
+}
+
+// Queries with a large mean (scores dominated by each key's sum, a wider spread): a peaked
+// softmax, large running-max corrections, most probabilities far below 1 (fp16 P).
+TEST_F(CudaKvFp8Attention, TensorCoreDecodeSkewedScores) {
+  SCOPED_TRACE(trace());
+  for (int64_t d : {128, 256}) {
+    Case c{d == 256 ? 16 : 64, d == 256 ? 2 : 4, d, 16, {{2500, 1}, {3, 1}, {400, 1}}, 1};
+    c.q_mean = 2.0f;
+    c.poison_tail = true;
+    check(c);
   }
 }
 
