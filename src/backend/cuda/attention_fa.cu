@@ -17,7 +17,7 @@ namespace tandem::cuda::detail {
 
 namespace {
 
-constexpr int kTileKeys = 64;  // keys per shared K/V tile (both kernels)
+constexpr int kTileKeys = 64;  // keys per shared K/V tile (prefill; decode at head_dim <= 128)
 
 // ---------------------------------------------------------------- PTX wrappers
 __device__ __forceinline__ uint32_t smem_u32(void const* p) {
@@ -214,19 +214,22 @@ __device__ __forceinline__ void warp_attend(RowState<kD>& st, T const* sQ, int q
   }
 }
 
-// Gathers keys [k0, k0 + kTileKeys) of one sequence and kv head into swizzled sK / sV; keys at
+// Gathers keys [k0, k0 + kKeys) of one sequence and kv head into swizzled sK / sV; keys at
 // or past kv_len are zero-filled (their block-table entries may be garbage).
-template <int kD, int kThreads>
+template <int kD, int kThreads, int kKeys = kTileKeys>
 __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, PagedAttentionParams const& p,
                                              int32_t const* table, int64_t kvh, int64_t k0,
                                              int64_t kv_len, int page_shift) {
   constexpr int kChunks = kD / 8;
-  constexpr int kTotal = kTileKeys * kChunks;
+  constexpr int kTotal = kKeys * kChunks;
   static_assert(kTotal % kThreads == 0, "whole chunks per thread");
+  // NOTE: 16 chunks a thread (the head_dim-256 decode block) unrolled 4 at a time: fully, their
+  // addresses spill registers beside the 128 of the fp32 output.
+  constexpr int kUnroll = kTotal / kThreads > 8 ? 4 : kTotal / kThreads;
   const int64_t page_mask = p.page_size - 1;
   const int64_t head_stride = p.page_size * kD;            // one (page, k|v, head)
   const int64_t kv_stride = p.num_kv_heads * head_stride;  // k -> v of a page
-#pragma unroll
+#pragma unroll kUnroll
   for (int i = 0; i < kTotal / kThreads; ++i) {
     const int idx = i * kThreads + static_cast<int>(threadIdx.x);
     const int key = idx / kChunks, c = idx % kChunks;
@@ -242,25 +245,26 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, PagedAttentionP
   }
 }
 
-// The same over an FP8 pool, into plain (unswizzled) [kTileKeys, kD] byte tiles s8K / s8V:
+// The same over an FP8 pool, into plain (unswizzled) [kKeys, kD] byte tiles s8K / s8V:
 // 16 codes per cp.async. Thread `threadIdx.x` copies chunks idx = i * kThreads + threadIdx.x
 // (key idx / (kD / 16), codes 16 * (idx % (kD / 16)) ..), the chunks widen_kv_tile_fp8 reads
 // back in the same thread, so that a thread's cp.async.wait_group is all the widening waits
 // for. Consecutive threads take consecutive 16-byte chunks: coalesced gathers, and the
 // shared-memory writes of 8 threads cover 128 contiguous bytes (no bank conflict).
-template <int kD, int kThreads>
+template <int kD, int kThreads, int kKeys>
 __device__ __forceinline__ void load_kv_tile_fp8(uint8_t* s8K, uint8_t* s8V,
                                                  PagedAttentionParams const& p,
                                                  int32_t const* table, int64_t kvh, int64_t k0,
                                                  int64_t kv_len, int page_shift) {
   constexpr int kChunks = kD / 16;
-  constexpr int kTotal = kTileKeys * kChunks;
+  constexpr int kTotal = kKeys * kChunks;
   static_assert(kTotal % kThreads == 0, "whole chunks per thread");
+  constexpr int kUnroll = kTotal / kThreads > 4 ? 4 : kTotal / kThreads;  // as load_kv_tile
   uint8_t const* pool = reinterpret_cast<uint8_t const*>(p.pool);
   const int64_t page_mask = p.page_size - 1;
   const int64_t head_stride = p.page_size * kD;            // bytes of one (page, k|v, head)
   const int64_t kv_stride = p.num_kv_heads * head_stride;  // k -> v of a page
-#pragma unroll
+#pragma unroll kUnroll
   for (int i = 0; i < kTotal / kThreads; ++i) {
     const int idx = i * kThreads + static_cast<int>(threadIdx.x);
     const int key = idx / kChunks, c = idx % kChunks;
@@ -282,11 +286,11 @@ __device__ __forceinline__ void load_kv_tile_fp8(uint8_t* s8K, uint8_t* s8V,
 // the one with index 2c + ((c >> 2) & 1), so that each of the two 16-byte stores of 8
 // consecutive threads (one row, chunks c .. c + 7; at head_dim 64 two rows) lands on 8
 // distinct bank groups after the swizzle.
-template <int kD, int kThreads>
+template <int kD, int kThreads, int kKeys>
 __device__ __forceinline__ void widen_kv_tile_fp8(__half* sK, __half* sV, uint8_t const* s8K,
                                                   uint8_t const* s8V) {
   constexpr int kChunks = kD / 16;
-  constexpr int kTotal = kTileKeys * kChunks;
+  constexpr int kTotal = kKeys * kChunks;
 #pragma unroll
   for (int i = 0; i < kTotal / kThreads; ++i) {
     const int idx = i * kThreads + static_cast<int>(threadIdx.x);
@@ -435,51 +439,62 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 }
 
 // ---------------------------------------------------------------- decode
-constexpr int kDecodeWarps = 4;
-constexpr int kDecodeKeysPerWarp = kTileKeys / kDecodeWarps;  // 16
+constexpr int kDecodeKeysPerWarp = 16;  // one mma k-step of P V
 
-// Shared memory of a decode block. bf16 pages: Q (16 rows) + 2 stages of K and V tiles. FP8
-// pages: Q (16 rows, fp16) + one stage of fp16 K and V tiles + 2 stages of the K and V codes:
-// the same bytes. Both (16 + 256) * kD * 2: 34 KiB at head_dim 64, 68 KiB at 128 (3 blocks per
-// H100 / H200 multiprocessor), 136 KiB at 256 (one; above the 48 KiB default, set with
-// cudaFuncAttributeMaxDynamicSharedMemorySize; 227 KiB per block at most). The end-of-block
+// Warps of a decode block, each with its 16 keys of every tile: 4 (64-key tiles) at head_dim 64
+// and 128, 2 (32-key tiles) at 256, so that three blocks fit a multiprocessor there too.
+template <int kD>
+__host__ __device__ constexpr int decode_warps() {
+  return kD == 256 ? 2 : 4;
+}
+
+// Shared memory of a decode block (kKeys = 16 * decode_warps keys a tile). bf16 pages: Q (16
+// rows) + 2 stages of K and V tiles. FP8 pages: Q (16 rows, fp16) + one stage of fp16 K and V
+// tiles + 2 stages of the K and V codes: the same bytes, (16 + 4 * kKeys) * kD * 2: 34 KiB at
+// head_dim 64, 68 KiB at 128, 72 KiB at 256; three blocks per H100 / H200 multiprocessor (228
+// KiB, 1 KiB of it reserved per block) in each case, and above the 48 KiB default, set with
+// cudaFuncAttributeMaxDynamicSharedMemorySize (227 KiB per block at most). At 256 the
+// registers (255, the fp32 output alone takes 128) allow 4 blocks of 2 warps. The end-of-block
 // merge reuses the space after Q.
 template <int kD, bool kFp8 = false>
 __host__ __device__ constexpr size_t decode_smem_bytes() {
+  constexpr size_t kKeys = 16 * decode_warps<kD>();
   if constexpr (kFp8) {
-    return (16 + 2 * static_cast<size_t>(kTileKeys)) * kD * sizeof(__half) +
-           4 * static_cast<size_t>(kTileKeys) * kD;
+    return (16 + 2 * kKeys) * kD * sizeof(__half) + 4 * kKeys * kD;
   } else {
-    return (16 + 4 * static_cast<size_t>(kTileKeys)) * kD * sizeof(bf16);
+    return (16 + 4 * kKeys) * kD * sizeof(bf16);
   }
 }
 static_assert(decode_smem_bytes<256, true>() == decode_smem_bytes<256>() &&
-                  decode_smem_bytes<256>() <= 227 * 1024,
-              "decode block shared memory");
+                  3 * (decode_smem_bytes<256>() + 1024) <= 228 * 1024 &&
+                  3 * (decode_smem_bytes<128>() + 1024) <= 228 * 1024,
+              "three decode blocks per multiprocessor");
 
 // Block: (token t, kv head) x split. The 16 mma rows are the group's q heads (rows >= kGroup
 // are zero queries, never stored; group 16 fills them all); warp w takes keys 16w..16w+15 of every
-// 64-key tile with its own softmax state, and the warps merge through shared memory at the end.
+// 64-key tile (32 at head_dim 256: 2 warps) with its own softmax state, and the warps merge
+// through shared memory at the end.
 // kFp8: the pool holds E4M3 codes. Their tiles arrive by cp.async (half the bytes of bf16),
 // each thread widens the chunks it copied into one stage of fp16 tiles (exact), and the mmas
 // run in fp16: q enters as fp16(q * scale) (saturated to +-65504), k_scale scales the scores
 // (the softmax's base-2 factor), v_scale the output (so the splits' partials are in output
 // units, as the simple kernel's).
 template <int kD, int kGroup, bool kFp8>
-__global__ void __launch_bounds__(kDecodeWarps * 32)
+__global__ void __launch_bounds__(decode_warps<kD>() * 32)
     decode_kernel(PagedAttentionParams p, int64_t token_begin, int page_shift, bool trigger) {
   pdl_wait();  // launched with launch_pdl: the previous kernel's q / KV writes first
   if (trigger) pdl_trigger();
-  constexpr int kThreads = kDecodeWarps * 32, kChunks = kD / 8;
+  constexpr int kWarps = decode_warps<kD>(), kKeys = kWarps * kDecodeKeysPerWarp;
+  constexpr int kThreads = kWarps * 32, kChunks = kD / 8;
   static_assert(kGroup <= 16, "one mma row tile");
   using T = std::conditional_t<kFp8, __half, bf16>;  // the mma tiles' element type
   extern __shared__ uint4 smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);        // [16, kD]
-  T* sK = sQ + 16 * kD;                          // [2][kTileKeys, kD] (fp8: [kTileKeys, kD])
-  T* sV = sK + (kFp8 ? 1 : 2) * kTileKeys * kD;  // the same
-  // fp8: the codes, [2][kTileKeys, kD] bytes each for K and V.
-  uint8_t* s8K = reinterpret_cast<uint8_t*>(sV + kTileKeys * kD);
-  uint8_t* s8V = s8K + 2 * kTileKeys * kD;
+  T* sQ = reinterpret_cast<T*>(smem_raw);    // [16, kD]
+  T* sK = sQ + 16 * kD;                      // [2][kKeys, kD] (fp8: [kKeys, kD])
+  T* sV = sK + (kFp8 ? 1 : 2) * kKeys * kD;  // the same
+  // fp8: the codes, [2][kKeys, kD] bytes each for K and V.
+  uint8_t* s8K = reinterpret_cast<uint8_t*>(sV + kKeys * kD);
+  uint8_t* s8V = s8K + 2 * kKeys * kD;
 
   const int64_t t = token_begin + blockIdx.x / p.num_kv_heads;
   const int64_t kvh = blockIdx.x % p.num_kv_heads;
@@ -532,36 +547,36 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // codes need k_scale).
   const float score_scale = kFp8 ? p.k_scale : p.scale;
   const float scale_log2 = score_scale * 1.4426950408889634f;
-  const int n_tiles = static_cast<int>((end - begin + kTileKeys - 1) / kTileKeys);
+  const int n_tiles = static_cast<int>((end - begin + kKeys - 1) / kKeys);
   RowState<kD> st;
   st.init();
 
   auto load_tile = [&](int stage, int64_t k0) {
     if constexpr (kFp8) {
-      load_kv_tile_fp8<kD, kThreads>(s8K + stage * kTileKeys * kD, s8V + stage * kTileKeys * kD, p,
-                                     table, kvh, k0, end, page_shift);
+      load_kv_tile_fp8<kD, kThreads, kKeys>(s8K + stage * kKeys * kD, s8V + stage * kKeys * kD, p,
+                                            table, kvh, k0, end, page_shift);
     } else {
-      load_kv_tile<kD, kThreads>(sK + stage * kTileKeys * kD, sV + stage * kTileKeys * kD, p, table,
-                                 kvh, k0, end, page_shift);
+      load_kv_tile<kD, kThreads, kKeys>(sK + stage * kKeys * kD, sV + stage * kKeys * kD, p, table,
+                                        kvh, k0, end, page_shift);
     }
   };
   load_tile(0, begin);
   cp_async_commit();
   for (int it = 0; it < n_tiles; ++it) {
     const int stage = it & 1;
-    if (it + 1 < n_tiles) load_tile(stage ^ 1, begin + static_cast<int64_t>(it + 1) * kTileKeys);
+    if (it + 1 < n_tiles) load_tile(stage ^ 1, begin + static_cast<int64_t>(it + 1) * kKeys);
     cp_async_commit();
     cp_async_wait<1>();
     if constexpr (kFp8) {
       // This thread's own chunks of the stage: complete after its wait_group. The fp16 tiles'
       // previous readers finished before the previous iteration's last __syncthreads.
-      widen_kv_tile_fp8<kD, kThreads>(sK, sV, s8K + stage * kTileKeys * kD,
-                                      s8V + stage * kTileKeys * kD);
+      widen_kv_tile_fp8<kD, kThreads, kKeys>(sK, sV, s8K + stage * kKeys * kD,
+                                             s8V + stage * kKeys * kD);
     }
     __syncthreads();
-    const int64_t k0 = begin + static_cast<int64_t>(it) * kTileKeys + warp * kDecodeKeysPerWarp;
-    T const* cK = kFp8 ? sK : sK + stage * kTileKeys * kD;
-    T const* cV = kFp8 ? sV : sV + stage * kTileKeys * kD;
+    const int64_t k0 = begin + static_cast<int64_t>(it) * kKeys + warp * kDecodeKeysPerWarp;
+    T const* cK = kFp8 ? sK : sK + stage * kKeys * kD;
+    T const* cV = kFp8 ? sV : sV + stage * kKeys * kD;
     if (k0 + kDecodeKeysPerWarp <= end) {
       warp_attend<kD, kDecodeKeysPerWarp, false>(st, sQ, 0, cK, cV, warp * kDecodeKeysPerWarp,
                                                  scale_log2, [](int, int) { return true; });
@@ -575,10 +590,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
   // Merge the warps: states to shared memory (over the K/V tiles, free after the last
   // __syncthreads above), then a thread per (head, dim).
-  float* sO = reinterpret_cast<float*>(sK);     // [kDecodeWarps][kGroup][kD]
-  float* sM = sO + kDecodeWarps * kGroup * kD;  // [kDecodeWarps][kGroup]
-  float* sL = sM + kDecodeWarps * kGroup;       // [kDecodeWarps][kGroup]
-  static_assert((kDecodeWarps * kGroup * (kD + 2)) * sizeof(float) <=
+  float* sO = reinterpret_cast<float*>(sK);  // [kWarps][kGroup][kD]
+  float* sM = sO + kWarps * kGroup * kD;     // [kWarps][kGroup]
+  float* sL = sM + kWarps * kGroup;          // [kWarps][kGroup]
+  static_assert((kWarps * kGroup * (kD + 2)) * sizeof(float) <=
                     decode_smem_bytes<kD, kFp8>() - 16 * kD * sizeof(T),
                 "merge fits in the K/V tiles");
 #pragma unroll
@@ -604,10 +619,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     const int g = i / kD, d = i % kD;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, sM[w * kGroup + g]);
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sM[w * kGroup + g]);
     float num = 0.f, den = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       const float mw = sM[w * kGroup + g];
       const float f = mw == -INFINITY ? 0.f : exp2f((mw - mx) * scale_log2);
       num += f * sO[(w * kGroup + g) * kD + d];
@@ -689,9 +704,10 @@ void decode_typed(PagedAttentionParams const& p, int64_t token_begin, int num_sp
   set_smem(kernel, smem);
   // Programmatic dependent launches: the small decode kernels' launch overlaps the previous
   // kernel's tail (both wait for it before reading).
-  TANDEM_CUDA_CHECK(launch_pdl(
-      kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
-      kDecodeWarps * 32, smem, stream, p, token_begin, page_shift, decode_switches().pdl_trigger));
+  TANDEM_CUDA_CHECK(
+      launch_pdl(kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
+                 decode_warps<kD>() * 32, smem, stream, p, token_begin, page_shift,
+                 decode_switches().pdl_trigger));
   if (p.kv_split > 0) {
     TANDEM_CUDA_CHECK(launch_pdl(
         merge_kernel<kD>, static_cast<unsigned>((p.num_tokens - token_begin) * p.num_q_heads), kD,

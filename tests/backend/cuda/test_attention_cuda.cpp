@@ -388,19 +388,21 @@ TEST(CudaAttentionHost, DecodeSplit) {
 }
 
 // Host-only: the blocks' shared memory fits an H100/H200 multiprocessor (227 KiB per block);
-// the decode blocks at head_dim 64 / 128 leave room for 3 per multiprocessor (228 KiB), bf16
-// or FP8 pages alike.
+// three decode blocks fit one (228 KiB, 1 KiB reserved per block) at every head_dim, bf16 or
+// FP8 pages alike (head_dim 256: 32-key tiles of 2 warps).
 TEST(CudaAttentionHost, SharedMemoryFits) {
   for (int64_t d : {64, 128}) {
     EXPECT_LE(detail::paged_attention_prefill_smem(d), 227u * 1024);
-    EXPECT_LE(3 * (detail::paged_attention_decode_smem(d) + 1024), 228u * 1024);
+    EXPECT_LE(detail::paged_attention_decode_smem(d), 227u * 1024);
   }
   for (int64_t d : {64, 128, 256}) {
-    EXPECT_LE(detail::paged_attention_decode_smem(d), 227u * 1024);
-    EXPECT_LE(detail::paged_attention_decode_smem(d, /*kv_fp8=*/true), 227u * 1024);
+    for (bool fp8 : {false, true}) {
+      EXPECT_LE(3 * (detail::paged_attention_decode_smem(d, fp8) + 1024), 228u * 1024) << d;
+    }
     EXPECT_EQ(detail::paged_attention_decode_smem(d, true), detail::paged_attention_decode_smem(d));
   }
-  EXPECT_EQ(detail::paged_attention_decode_smem(256), 139264u);  // 136 KiB: one per SM
+  EXPECT_EQ(detail::paged_attention_decode_smem(128), 69632u);  // 68 KiB
+  EXPECT_EQ(detail::paged_attention_decode_smem(256), 73728u);  // 72 KiB
 }
 
 }  // namespace
