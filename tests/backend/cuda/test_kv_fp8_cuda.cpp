@@ -469,6 +469,89 @@ TEST_F(CudaKvFp8Attention, DecodeKernelAgreesWithSimpleKernel) {
   }
 }
 
+// Decode over FP8 pages captured once in a CUDA graph at a fixed capacity (kAuto, every token a
+// decode token, split as the model splits), replayed with other lengths, block tables and
+// queries (the model's decode steps), head_dim 128 and 256.
+TEST_F(CudaKvFp8Attention, TensorCoreDecodeGraphReplay) {
+  SCOPED_TRACE(trace());
+  for (int64_t d : {128, 256}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    const int64_t kv_heads = d == 256 ? 2 : 4, q_heads = 8 * kv_heads, ps = 16, max_pages = 64,
+                  seqs = 4, num_pages = seqs * max_pages + 3;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const float ks = rand_scale(), vs = rand_scale();
+    const int64_t kv_split = paged_attention_decode_split(seqs, kv_heads, max_pages, ps, 132);
+    ASSERT_GT(kv_split, 0);
+    const size_t elems = static_cast<size_t>(num_pages * 2 * kv_heads * ps * d);
+    const std::vector<float> raw = to_f32(randn_bf16(elems, 1.f));
+    std::vector<uint8_t> codes(elems);
+    const int64_t half = kv_heads * ps * d;
+    for (size_t i = 0; i < elems; ++i) {
+      codes[i] = cpu::kv_fp8_quantize(raw[i], (static_cast<int64_t>(i) / half) % 2 == 0 ? ks : vs);
+    }
+    std::vector<float> pool_f(elems);
+    cpu::kv_pool_dequantize_fp8(codes.data(), pool_f.data(), num_pages, kv_heads, ps, d, ks, vs);
+    DeviceBuffer<uint8_t> d_pool(codes);
+    DeviceBuffer<uint16_t> d_q(seqs * q_heads * d), d_out(seqs * q_heads * d);
+    DeviceBuffer<int32_t> d_table(seqs * max_pages), d_seq(seqs), d_pos(seqs);
+    DeviceBuffer<float> d_ws(
+        paged_attention_workspace_floats(seqs, q_heads, d, max_pages, ps, kv_split));
+    d_ws.poison(0xff);
+    PagedAttentionParams p{d_q.bf(),    reinterpret_cast<bf16 const*>(d_pool.ptr),
+                           d_table.ptr, d_seq.ptr,
+                           d_pos.ptr,   d_out.bf(),
+                           seqs,        q_heads,
+                           kv_heads,    d,
+                           ps,          max_pages,
+                           scale,       kv_split,
+                           d_ws.ptr};
+    p.num_prefill_tokens = 0;
+    p.kv_fp8 = true;
+    p.k_scale = ks;
+    p.v_scale = vs;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    paged_attention_launch(p, stream_);
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const std::vector<std::vector<int32_t>> lens = {
+        {1, 16, 500, 1024}, {1024, 1, 200, 17}, {3, 3, 3, 3}, {700, 900, 1, 64}};
+    for (auto const& len : lens) {
+      SCOPED_TRACE("lens " + std::to_string(len[0]) + " " + std::to_string(len[1]) + " " +
+                   std::to_string(len[2]) + " " + std::to_string(len[3]));
+      std::vector<int32_t> perm(static_cast<size_t>(num_pages));
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng_);
+      std::vector<int32_t> table(static_cast<size_t>(seqs * max_pages), 0x3fffffff), tseq(seqs),
+          pos(seqs);
+      size_t next = 0;
+      for (int64_t s = 0; s < seqs; ++s) {
+        for (int64_t pg = 0; pg < (len[s] + ps - 1) / ps; ++pg) {
+          table[s * max_pages + pg] = perm[next++];
+        }
+        tseq[s] = static_cast<int32_t>(s);
+        pos[s] = len[s] - 1;
+      }
+      const Bits q = randn_bf16(seqs * q_heads * d, 1.f);
+      d_q.upload(q);
+      d_table.upload(table);
+      d_seq.upload(tseq);
+      d_pos.upload(pos);
+      d_out.poison(0xff);
+      TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      sync();
+      const std::vector<float> qf = to_f32(q);
+      std::vector<float> ref(static_cast<size_t>(seqs * q_heads * d));
+      cpu::paged_attention({qf.data(), pool_f.data(), table.data(), tseq.data(), pos.data(),
+                            ref.data(), seqs, q_heads, kv_heads, d, ps, max_pages, scale});
+      EXPECT_LT(test_util::rel_err(d_out.download(), ref), 1e-2);
+    }
+    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
 TEST_F(CudaKvFp8Attention, RejectsThePrefillAlgo) {
   const int64_t d = 128;
   DeviceBuffer<uint16_t> d_q(4 * d), d_out(4 * d);
