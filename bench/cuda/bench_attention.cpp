@@ -9,10 +9,14 @@
 //
 //   bench_attention [--quick] [--prefill-only]     CSV to $TANDEM_BENCH_CSV when set
 //
-// FP8 KV cache (--kv-cache-dtype fp8): attn_decode_fp8 (the simple kernel dequantizing E4M3
-// pages in registers, split as attn_decode) and attn_prefill_fi_gathered_fp8 (FlashInfer's
-// gathered prefill, its gather dequantizing) beside their bf16 rows, with the time ratio
-// fp8 / bf16 printed; their bytes count 1-byte KV elements.
+// FP8 KV cache (--kv-cache-dtype fp8): attn_decode_fp8 (the tensor-core decode kernel over
+// E4M3 pages, widened to fp16 in shared memory; split as attn_decode), attn_decode_fp8_simple
+// (the simple kernel dequantizing in registers, as before the tensor-core kernel read FP8) and
+// attn_prefill_fi_gathered_fp8 (FlashInfer's gathered prefill, its gather dequantizing) beside
+// their bf16 rows, with the time ratio fp8 / bf16 printed; their bytes count 1-byte KV
+// elements, so an FP8 row at its bound takes about half the bf16 row's time at long contexts.
+// Decode also runs at Qwen3.5-35B-A3B's gated attention (16 q / 2 kv heads, head_dim 256: the
+// same tensor-core kernel), bf16 and FP8 pages.
 //
 // Prefill rows also print TFLOP/s; bench/cuda/attention_torch_baseline.py --ours CSV prints
 // PyTorch SDPA (cuDNN, flash) at the same shapes beside them with the ratios.
@@ -30,6 +34,7 @@
 #include <functional>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -46,7 +51,7 @@ using namespace tandem::cuda;
 
 namespace {
 
-constexpr int64_t kHeadDim = 128, kKvHeads = 4, kPageSize = 16;
+constexpr int64_t kPageSize = 16;
 
 using bench::Buf;
 using bench::fill_bf16;
@@ -78,12 +83,13 @@ void fill_fp8(Buf& b) {
 
 // `seqs` sequences of `ctx` cached tokens each, whose last `queries` positions are queried
 // (queries == ctx: a fresh causal prefill; 1: decode).
+// head_dim 128 over 4 kv heads (Qwen3) unless given (Qwen3.5: 256 over 2).
 void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64_t queries,
-                     bool with_simple) {
+                     bool with_simple, int64_t head_dim = 128, int64_t kv_heads = 4) {
   const int64_t T = seqs * queries, pages_per_seq = (ctx + kPageSize - 1) / kPageSize;
-  const double page_bytes = 2.0 * kKvHeads * kPageSize * kHeadDim * 2;
+  const double page_bytes = 2.0 * kv_heads * kPageSize * head_dim * 2;
   const double kv_bytes = seqs * pages_per_seq * page_bytes;
-  const int64_t nq = T * q_heads * kHeadDim;
+  const int64_t nq = T * q_heads * head_dim;
   const int sets = b.sets_for(kv_bytes + 4.0 * nq);
   Buf pool(static_cast<size_t>(sets * seqs * pages_per_seq * page_bytes)), q(sets * nq * 2),
       out(sets * nq * 2), table(sets * seqs * pages_per_seq * 4), tseq(T * 4), pos(T * 4);
@@ -105,16 +111,17 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
   upload(pos, hpos);
   const bool prefill = queries > 1;
   const int64_t split =
-      prefill ? 0 : paged_attention_decode_split(T, kKvHeads, pages_per_seq, kPageSize, b.num_sms);
+      prefill ? 0 : paged_attention_decode_split(T, kv_heads, pages_per_seq, kPageSize, b.num_sms);
   const int64_t simple_split =
-      prefill ? 0 : paged_attention_pick_split(T, kKvHeads, pages_per_seq, kPageSize, b.num_sms);
+      prefill ? 0 : paged_attention_pick_split(T, kv_heads, pages_per_seq, kPageSize, b.num_sms);
   std::vector<Variant> variants;
   PrefillAttentionPlan fi_paged(PrefillKvPath::kPaged), fi_gathered(PrefillKvPath::kGathered),
       fi_fp8(PrefillKvPath::kGathered);
   if (prefill) {
+    if (head_dim != 128) throw std::runtime_error("prefill rows: head_dim 128 only");
     variants.push_back({"attn_prefill", PagedAttentionAlgo::kAuto, T, 0});
     const PrefillPlanArgs pa{hseq.data(), hpos.data(), T,         q_heads,
-                             kKvHeads,    kHeadDim,    kPageSize, pages_per_seq};
+                             kv_heads,    head_dim,    kPageSize, pages_per_seq};
     for (auto* pl : {&fi_paged, &fi_gathered}) {
       if (pl->plan(pa, b.stream)) {
         const bool paged = pl == &fi_paged;
@@ -142,16 +149,19 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
     if (split) variants.push_back({"attn_decode_nosplit", PagedAttentionAlgo::kAuto, 0, 0});
     if (with_simple) {
       variants.push_back({"attn_decode_simple", PagedAttentionAlgo::kSimple, 0, simple_split});
+      variants.push_back({"attn_decode_fp8_simple", PagedAttentionAlgo::kSimple, 0, split, -1,
+                          nullptr, true, "attn_decode"});
     }
   }
   const std::string shape =
-      std::to_string(q_heads) + "q/4kv, " +
+      std::to_string(q_heads) + "q/" + std::to_string(kv_heads) + "kv" +
+      (head_dim != 128 ? " d" + std::to_string(head_dim) : std::string()) + ", " +
       (prefill ? "causal prefill 1 seq x " + std::to_string(ctx)
                : std::to_string(seqs) + " seq x " + std::to_string(ctx) + " ctx");
   std::vector<std::pair<std::string, double>> times;  // bf16 rows' us, for the fp8 ratios
   for (Variant const& v : variants) {
     b.guarded(v.name, [&] {
-      Buf ws(paged_attention_workspace_floats(T, q_heads, kHeadDim, pages_per_seq, kPageSize,
+      Buf ws(paged_attention_workspace_floats(T, q_heads, head_dim, pages_per_seq, kPageSize,
                                               v.kv_split) *
              4);
       const double us = b.time_us(sets, [&](int i) {
@@ -163,17 +173,19 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
                                out.as<bf16>(i * nq),
                                T,
                                q_heads,
-                               kKvHeads,
-                               kHeadDim,
+                               kv_heads,
+                               head_dim,
                                kPageSize,
                                pages_per_seq,
-                               1.0f / std::sqrt(static_cast<float>(kHeadDim)),
+                               1.0f / std::sqrt(static_cast<float>(head_dim)),
                                v.kv_split,
                                ws.as<float>()};
         p.num_prefill_tokens = v.num_prefill_tokens;
         p.algo = v.algo;
         p.prefill_plan = v.plan;
         p.kv_fp8 = v.fp8;
+        p.k_scale = v.fp8 ? 0.05f : 1.f;
+        p.v_scale = v.fp8 ? 0.05f : 1.f;
         if (v.prefill_variant >= 0) {
           cuda::detail::paged_attention_prefill_variant(p, v.prefill_variant, b.stream);
         } else {
@@ -182,18 +194,20 @@ void bench_attention(Bench& b, int64_t q_heads, int64_t seqs, int64_t ctx, int64
       });
       const double kv = v.fp8 ? kv_bytes / 2 : kv_bytes;
       b.add(v.name, T, shape + (prefill ? "" : ", split " + std::to_string(v.kv_split)), us,
-            kv + 4.0 * nq, 4.0 * pairs * q_heads * kHeadDim);
+            kv + 4.0 * nq, 4.0 * pairs * q_heads * head_dim);
       times.emplace_back(v.name, us);
       for (auto const& [name, base] : times) {
         if (v.fp8 && name == v.vs) {
-          std::printf("  %s / %s %lldq T %lld: %.2fx the time\n", v.name.c_str(), name.c_str(),
-                      static_cast<long long>(q_heads), static_cast<long long>(T), us / base);
+          std::printf("  %s / %s %lldq d%lld T %lld ctx %lld: %.2fx the time\n", v.name.c_str(),
+                      name.c_str(), static_cast<long long>(q_heads),
+                      static_cast<long long>(head_dim), static_cast<long long>(T),
+                      static_cast<long long>(ctx), us / base);
         }
       }
       if (prefill) {
         std::printf("  %s %lldq T %lld: %.1f TFLOP/s\n", v.name.c_str(),
                     static_cast<long long>(q_heads), static_cast<long long>(T),
-                    4.0 * pairs * q_heads * kHeadDim / (us * 1e-6) / 1e12);
+                    4.0 * pairs * q_heads * head_dim / (us * 1e-6) / 1e12);
       }
     });
   }
@@ -227,6 +241,12 @@ int main(int argc, char** argv) {
     for (int64_t ctx : {1024, 4096}) {
       for (int64_t seqs : {1, 8, 32, 128, 256}) {
         bench_attention(b, 64, seqs, ctx, 1, /*with_simple=*/seqs <= 8);
+      }
+    }
+    std::printf("== decode (Qwen3.5-35B-A3B gated attention 16q/2kv, head_dim 256)\n");
+    for (int64_t ctx : {1024, 4096}) {
+      for (int64_t seqs : {1, 32, 128}) {
+        bench_attention(b, 16, seqs, ctx, 1, /*with_simple=*/seqs <= 128, 256, 2);
       }
     }
   } catch (std::exception const& e) {

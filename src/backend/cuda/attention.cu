@@ -377,45 +377,66 @@ void paged_attention_launch(PagedAttentionParams const& p, cudaStream_t stream) 
   TANDEM_CHECK(num_splits <= 65535, "paged_attention: too many splits ", num_splits);
   TANDEM_CHECK(p.num_prefill_tokens >= -1 && p.num_prefill_tokens <= p.num_tokens,
                "paged_attention: num_prefill_tokens ", p.num_prefill_tokens, " of ", p.num_tokens);
-  // head_dim 256 (Qwen3.5) and FP8 pools: with algo kAuto and a ready plan, the prefill tokens
-  // on FlashInfer's sm90 ragged kernel and the tokens after them on the simple kernel;
-  // otherwise the simple kernel for every token (no tensor-core kernel of ours at 256 or over
-  // FP8 pages; at 256 whatever the algo).
+  // head_dim 256 (Qwen3.5) and FP8 pools (no prefill kernel of ours there): with algo kAuto,
+  // the prefill tokens on FlashInfer's sm90 kernel through a ready plan (else the simple
+  // kernel) and the decode tokens on the tensor-core decode kernel (with num_prefill_tokens
+  // unknown: every token on it when kv_split > 0 or num_tokens <= 256, as the bf16 path, else
+  // every token on the simple kernel); kDecode: every token on the decode kernel; kSimple, and
+  // kPrefill at head_dim 256 (bf16): every token on the simple kernel. kAuto keeps the simple
+  // kernel where the tensor-core one cannot run (page_size not a power of two, q / out not
+  // aligned).
   if (p.kv_fp8) {
-    TANDEM_CHECK_KIND(kUnsupported,
-                      p.algo == PagedAttentionAlgo::kAuto || p.algo == PagedAttentionAlgo::kSimple,
-                      "paged_attention: an FP8 KV cache runs algo kAuto or kSimple only");
+    TANDEM_CHECK_KIND(kUnsupported, p.algo != PagedAttentionAlgo::kPrefill,
+                      "paged_attention: an FP8 KV cache runs algo kAuto, kDecode or kSimple");
     TANDEM_CHECK_KIND(kInvalidArgument, p.k_scale > 0.f && p.v_scale > 0.f,
                       "paged_attention: fp8 scales must be positive");
   }
   if (p.head_dim == 256 || p.kv_fp8) {
-    const int64_t num_prefill =
-        p.algo == PagedAttentionAlgo::kAuto && p.prefill_plan != nullptr && p.prefill_plan->ready()
-            ? std::max<int64_t>(p.num_prefill_tokens, 0)
-            : 0;
-    if (num_prefill > 0) p.prefill_plan->run(p, stream);
-    if (num_prefill == p.num_tokens) return;
-    PagedAttentionParams rest = p;  // tokens [num_prefill, num_tokens)
-    rest.q += num_prefill * p.num_q_heads * p.head_dim;
-    rest.out += num_prefill * p.num_q_heads * p.head_dim;
-    rest.token_seq += num_prefill;
-    rest.positions += num_prefill;
-    rest.num_tokens -= num_prefill;
-    rest.num_prefill_tokens = 0;
-    switch (p.head_dim) {
-      case 64:
-        paged_attention_group<64>(rest, static_cast<int>(group), static_cast<int>(num_splits),
-                                  stream);
-        break;
-      case 128:
-        paged_attention_group<128>(rest, static_cast<int>(group), static_cast<int>(num_splits),
-                                   stream);
-        break;
-      default:
-        paged_attention_group<256>(rest, static_cast<int>(group), static_cast<int>(num_splits),
-                                   stream);
+    if (p.algo == PagedAttentionAlgo::kDecode) {
+      detail::paged_attention_decode(p, 0, static_cast<int>(num_splits), stream);
+      return;
     }
-    TANDEM_CUDA_CHECK_LAUNCH();
+    const bool tensor_core = (p.page_size & (p.page_size - 1)) == 0 &&
+                             aligned_to(16, p.q, p.pool) && aligned_to(4, p.out);
+    const bool automatic = p.algo == PagedAttentionAlgo::kAuto;
+    const int64_t num_prefill = automatic && p.prefill_plan != nullptr && p.prefill_plan->ready()
+                                    ? std::max<int64_t>(p.num_prefill_tokens, 0)
+                                    : 0;
+    // Tokens [decode_begin, num_tokens) on the decode kernel.
+    int64_t decode_begin = p.num_tokens;
+    if (automatic && tensor_core) {
+      constexpr int64_t kDecodeMaxTokens = 256;
+      decode_begin = p.num_prefill_tokens >= 0                              ? p.num_prefill_tokens
+                     : (p.kv_split > 0 || p.num_tokens <= kDecodeMaxTokens) ? 0
+                                                                            : p.num_tokens;
+    }
+    if (num_prefill > 0) p.prefill_plan->run(p, stream);
+    if (decode_begin > num_prefill) {
+      // The simple kernel over tokens [num_prefill, decode_begin); its split partials take the
+      // workspace rows of tokens [0, decode_begin - num_prefill), below the decode kernel's.
+      PagedAttentionParams rest = p;
+      rest.q += num_prefill * p.num_q_heads * p.head_dim;
+      rest.out += num_prefill * p.num_q_heads * p.head_dim;
+      rest.token_seq += num_prefill;
+      rest.positions += num_prefill;
+      rest.num_tokens = decode_begin - num_prefill;
+      rest.num_prefill_tokens = 0;
+      switch (p.head_dim) {
+        case 64:
+          paged_attention_group<64>(rest, static_cast<int>(group), static_cast<int>(num_splits),
+                                    stream);
+          break;
+        case 128:
+          paged_attention_group<128>(rest, static_cast<int>(group), static_cast<int>(num_splits),
+                                     stream);
+          break;
+        default:
+          paged_attention_group<256>(rest, static_cast<int>(group), static_cast<int>(num_splits),
+                                     stream);
+      }
+      TANDEM_CUDA_CHECK_LAUNCH();
+    }
+    detail::paged_attention_decode(p, decode_begin, static_cast<int>(num_splits), stream);
     return;
   }
   switch (p.algo) {

@@ -39,19 +39,21 @@ enum class PagedAttentionAlgo : int32_t {
 
 /// Causal GQA attention over paged HND KV: query token t of sequence token_seq[t] at
 /// position positions[t] attends to positions [0, positions[t]] of that sequence.
-/// head_dim 64, 128 or 256 (256: prefill tokens via a ready prefill_plan with algo kAuto, the
-/// rest, or all without a plan, on the simple kernel whatever `algo`); group = num_q_heads /
-/// num_kv_heads in {1, 2, 4, 8, 16}; page_size a power of two. Tokens of one sequence are
-/// contiguous in the batch, positions increasing. With kv_split > 0 the decode kernels split each
-/// token's keys into pieces of kv_split that write fp32 partial states to workspace, merged by a
-/// second kernel (flash-decoding), so a small decode batch still fills the GPU. Every launch shape
-/// depends on num_tokens, num_prefill_tokens, kv_split and max_pages_per_seq only (CUDA-graph
-/// safe): splits past a token's real length exit at once.
-/// kv_fp8 (--kv-cache-dtype fp8): the pool holds E4M3 codes (kv_write's), dequantized in
-/// registers (key = code * k_scale, value = code * v_scale). The decode tokens (and the prefill
-/// tokens without a ready prefill_plan) run the simple kernel; a ready prefill_plan (planned
-/// with kv_fp8: always its gathered path) dequantizes the prefill sequences' keys into its bf16
-/// gather workspace before FlashInfer's kernel. algo kPrefill / kDecode: kUnsupported.
+/// head_dim 64, 128 or 256 (256: prefill tokens via a ready prefill_plan with algo kAuto, else
+/// the simple kernel; decode tokens on the tensor-core decode kernel with kAuto or kDecode);
+/// group = num_q_heads / num_kv_heads in {1, 2, 4, 8, 16}; page_size a power of two. Tokens of
+/// one sequence are contiguous in the batch, positions increasing. With kv_split > 0 the decode
+/// kernels split each token's keys into pieces of kv_split that write fp32 partial states to
+/// workspace, merged by a second kernel (flash-decoding), so a small decode batch still fills the
+/// GPU. Every launch shape depends on num_tokens, num_prefill_tokens, kv_split and
+/// max_pages_per_seq only (CUDA-graph safe): splits past a token's real length exit at once. kv_fp8
+/// (--kv-cache-dtype fp8): the pool holds E4M3 codes (kv_write's); key = code * k_scale, value =
+/// code * v_scale. The decode tokens run the tensor-core decode kernel (codes widened to fp16
+/// tiles, k_scale on the scores, v_scale on the output; algo kAuto or kDecode), the prefill tokens
+/// without a ready prefill_plan the simple kernel (dequantizing in registers), as every token with
+/// kSimple; a ready prefill_plan (planned with kv_fp8: always its gathered path) dequantizes the
+/// prefill sequences' keys into its bf16 gather workspace before FlashInfer's kernel. algo
+/// kPrefill: kUnsupported.
 struct PagedAttentionParams {
   bf16 const* q;               // [num_tokens, num_q_heads, head_dim]
   bf16 const* pool;            // [num_pages, 2, num_kv_heads, page_size, head_dim] (fp8: bytes)

@@ -1,19 +1,23 @@
 // Tensor-core paged attention (FlashAttention-2 style prefill, split-KV decode). See
 // attention_fa.h. mma.sync m16n8k16 bf16 -> fp32, ldmatrix from XOR-swizzled shared tiles,
-// K/V tiles gathered from HND pages by cp.async, double-buffered.
+// K/V tiles gathered from HND pages by cp.async, double-buffered. The decode kernel also reads
+// FP8 (E4M3) pages: half the bytes by cp.async, widened to fp16 tiles in shared memory (exact)
+// and multiplied in fp16 (mma f16 -> fp32).
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "backend/cuda/attention_fa.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/decode_switches.h"
+#include "backend/cuda/kv_fp8.cuh"
 
 namespace tandem::cuda::detail {
 
 namespace {
 
-constexpr int kTileKeys = 64;  // keys per shared K/V tile (both kernels)
+constexpr int kTileKeys = 64;  // keys per shared K/V tile (prefill; decode at head_dim <= 128)
 
 // ---------------------------------------------------------------- PTX wrappers
 __device__ __forceinline__ uint32_t smem_u32(void const* p) {
@@ -54,10 +58,43 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t const (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The same with fp16 a and b (the FP8 decode kernel's tiles).
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t const (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // The lower column goes to the low half, as the mma fragments expect.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Element type T (bf16 or fp16) of the tiles warp_attend multiplies.
+template <class T>
+__device__ __forceinline__ void mma_t(float (&c)[4], uint32_t const (&a)[4], uint32_t b0,
+                                      uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    mma_f16(c, a, b0, b1);
+  } else {
+    mma_bf16(c, a, b0, b1);
+  }
+}
+template <class T>
+__device__ __forceinline__ uint32_t pack_t(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return pack_f16(lo, hi);
+  } else {
+    return pack_bf16(lo, hi);
+  }
 }
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a [rows, kD] bf16 tile. The XOR
@@ -87,12 +124,13 @@ struct RowState {
 };
 
 // Attends the warp's 16 rows (rows q_row0.. of sQ) to kKeys keys (rows key_row0.. of sK/sV,
-// all [*, kD] swizzled tiles). valid(h, key) says whether this thread's row h may see tile key
-// `key` (relative to key_row0); it is only called when kMask.
-template <int kD, int kKeys, bool kMask, class Valid>
-__device__ __forceinline__ void warp_attend(RowState<kD>& st, bf16 const* sQ, int q_row0,
-                                            bf16 const* sK, bf16 const* sV, int key_row0,
-                                            float scale_log2, Valid const& valid) {
+// all [*, kD] swizzled tiles of T: bf16, or fp16 for FP8 pages). valid(h, key) says whether
+// this thread's row h may see tile key `key` (relative to key_row0); it is only called when
+// kMask.
+template <int kD, int kKeys, bool kMask, class T, class Valid>
+__device__ __forceinline__ void warp_attend(RowState<kD>& st, T const* sQ, int q_row0, T const* sK,
+                                            T const* sV, int key_row0, float scale_log2,
+                                            Valid const& valid) {
   static_assert(kKeys % 16 == 0 && kD % 16 == 0, "mma tiles");
   const int lane = threadIdx.x & 31;
 
@@ -112,8 +150,8 @@ __device__ __forceinline__ void warp_attend(RowState<kD>& st, bf16 const* sQ, in
       uint32_t b[4];
       const int key = key_row0 + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
       ldmatrix_x4(b, smem_u32(sK + swz<kD>(key, 2 * kk + ((lane >> 3) & 1))));
-      mma_bf16(s[2 * nn], a, b[0], b[1]);
-      mma_bf16(s[2 * nn + 1], a, b[2], b[3]);
+      mma_t<T>(s[2 * nn], a, b[0], b[1]);
+      mma_t<T>(s[2 * nn + 1], a, b[2], b[3]);
     }
   }
 
@@ -161,34 +199,37 @@ __device__ __forceinline__ void warp_attend(RowState<kD>& st, bf16 const* sQ, in
 #pragma unroll
   for (int kk = 0; kk < kKeys / 16; ++kk) {
     uint32_t a[4];
-    a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-    a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-    a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    a[0] = pack_t<T>(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pack_t<T>(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pack_t<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pack_t<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     const int key = key_row0 + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
 #pragma unroll
     for (int dn = 0; dn < kD / 16; ++dn) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, smem_u32(sV + swz<kD>(key, 2 * dn + (lane >> 4))));
-      mma_bf16(st.o[2 * dn], a, b[0], b[1]);
-      mma_bf16(st.o[2 * dn + 1], a, b[2], b[3]);
+      mma_t<T>(st.o[2 * dn], a, b[0], b[1]);
+      mma_t<T>(st.o[2 * dn + 1], a, b[2], b[3]);
     }
   }
 }
 
-// Gathers keys [k0, k0 + kTileKeys) of one sequence and kv head into swizzled sK / sV; keys at
+// Gathers keys [k0, k0 + kKeys) of one sequence and kv head into swizzled sK / sV; keys at
 // or past kv_len are zero-filled (their block-table entries may be garbage).
-template <int kD, int kThreads>
+template <int kD, int kThreads, int kKeys = kTileKeys>
 __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, PagedAttentionParams const& p,
                                              int32_t const* table, int64_t kvh, int64_t k0,
                                              int64_t kv_len, int page_shift) {
   constexpr int kChunks = kD / 8;
-  constexpr int kTotal = kTileKeys * kChunks;
+  constexpr int kTotal = kKeys * kChunks;
   static_assert(kTotal % kThreads == 0, "whole chunks per thread");
+  // NOTE: 16 chunks a thread (the head_dim-256 decode block) unrolled 4 at a time: fully, their
+  // addresses spill registers beside the 128 of the fp32 output.
+  constexpr int kUnroll = kTotal / kThreads > 8 ? 4 : kTotal / kThreads;
   const int64_t page_mask = p.page_size - 1;
   const int64_t head_stride = p.page_size * kD;            // one (page, k|v, head)
   const int64_t kv_stride = p.num_kv_heads * head_stride;  // k -> v of a page
-#pragma unroll
+#pragma unroll kUnroll
   for (int i = 0; i < kTotal / kThreads; ++i) {
     const int idx = i * kThreads + static_cast<int>(threadIdx.x);
     const int key = idx / kChunks, c = idx % kChunks;
@@ -201,6 +242,73 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, PagedAttentionP
     }
     cp_async_16(smem_u32(sK + swz<kD>(key, c)), gK, valid);
     cp_async_16(smem_u32(sV + swz<kD>(key, c)), valid ? gK + kv_stride : p.pool, valid);
+  }
+}
+
+// The same over an FP8 pool, into plain (unswizzled) [kKeys, kD] byte tiles s8K / s8V:
+// 16 codes per cp.async. Thread `threadIdx.x` copies chunks idx = i * kThreads + threadIdx.x
+// (key idx / (kD / 16), codes 16 * (idx % (kD / 16)) ..), the chunks widen_kv_tile_fp8 reads
+// back in the same thread, so that a thread's cp.async.wait_group is all the widening waits
+// for. Consecutive threads take consecutive 16-byte chunks: coalesced gathers, and the
+// shared-memory writes of 8 threads cover 128 contiguous bytes (no bank conflict).
+template <int kD, int kThreads, int kKeys>
+__device__ __forceinline__ void load_kv_tile_fp8(uint8_t* s8K, uint8_t* s8V,
+                                                 PagedAttentionParams const& p,
+                                                 int32_t const* table, int64_t kvh, int64_t k0,
+                                                 int64_t kv_len, int page_shift) {
+  constexpr int kChunks = kD / 16;
+  constexpr int kTotal = kKeys * kChunks;
+  static_assert(kTotal % kThreads == 0, "whole chunks per thread");
+  constexpr int kUnroll = kTotal / kThreads > 4 ? 4 : kTotal / kThreads;  // as load_kv_tile
+  uint8_t const* pool = reinterpret_cast<uint8_t const*>(p.pool);
+  const int64_t page_mask = p.page_size - 1;
+  const int64_t head_stride = p.page_size * kD;            // bytes of one (page, k|v, head)
+  const int64_t kv_stride = p.num_kv_heads * head_stride;  // k -> v of a page
+#pragma unroll kUnroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int idx = i * kThreads + static_cast<int>(threadIdx.x);
+    const int key = idx / kChunks, c = idx % kChunks;
+    const int64_t j = k0 + key;
+    const bool valid = j < kv_len;
+    uint8_t const* gK = pool;
+    if (valid) {
+      const int64_t page = table[j >> page_shift];
+      gK = pool + page * 2 * kv_stride + kvh * head_stride + (j & page_mask) * kD + c * 16;
+    }
+    cp_async_16(smem_u32(s8K + key * kD + c * 16), gK, valid);
+    cp_async_16(smem_u32(s8V + key * kD + c * 16), valid ? gK + kv_stride : pool, valid);
+  }
+}
+
+// Widens this thread's chunks of s8K / s8V (load_kv_tile_fp8's, after its wait_group) into the
+// swizzled fp16 tiles sK / sV: code c -> its exact value (kv_fp8_value's; zero-filled keys ->
+// 0). Chunk c of a key row becomes the 8-element chunks 2c and 2c + 1; the thread stores first
+// the one with index 2c + ((c >> 2) & 1), so that each of the two 16-byte stores of 8
+// consecutive threads (one row, chunks c .. c + 7; at head_dim 64 two rows) lands on 8
+// distinct bank groups after the swizzle.
+template <int kD, int kThreads, int kKeys>
+__device__ __forceinline__ void widen_kv_tile_fp8(__half* sK, __half* sV, uint8_t const* s8K,
+                                                  uint8_t const* s8V) {
+  constexpr int kChunks = kD / 16;
+  constexpr int kTotal = kKeys * kChunks;
+#pragma unroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int idx = i * kThreads + static_cast<int>(threadIdx.x);
+    const int key = idx / kChunks, c = idx % kChunks;
+    const int first = 2 * c + ((c >> 2) & 1);  // its partner is first ^ 1
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      uint8_t const* src = (kv == 0 ? s8K : s8V) + key * kD + c * 16;
+      __half* dst = kv == 0 ? sK : sV;
+      const uint4 raw = *reinterpret_cast<uint4 const*>(src);
+      const uint2 h0 = kv_fp8x4_to_half(raw.x), h1 = kv_fp8x4_to_half(raw.y),
+                  h2 = kv_fp8x4_to_half(raw.z), h3 = kv_fp8x4_to_half(raw.w);
+      const uint4 lo = make_uint4(h0.x, h0.y, h1.x, h1.y);  // chunk 2c
+      const uint4 hi = make_uint4(h2.x, h2.y, h3.x, h3.y);  // chunk 2c + 1
+      const bool swap = (first & 1) != 0;
+      *reinterpret_cast<uint4*>(dst + swz<kD>(key, first)) = swap ? hi : lo;
+      *reinterpret_cast<uint4*>(dst + swz<kD>(key, first ^ 1)) = swap ? lo : hi;
+    }
   }
 }
 
@@ -331,29 +439,62 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 }
 
 // ---------------------------------------------------------------- decode
-constexpr int kDecodeWarps = 4;
-constexpr int kDecodeKeysPerWarp = kTileKeys / kDecodeWarps;  // 16
+constexpr int kDecodeKeysPerWarp = 16;  // one mma k-step of P V
 
+// Warps of a decode block, each with its 16 keys of every tile: 4 (64-key tiles) at head_dim 64
+// and 128, 2 (32-key tiles) at 256, so that three blocks fit a multiprocessor there too.
 template <int kD>
-constexpr size_t decode_smem_bytes() {
-  // Q (16 rows) + 2 stages of K and V; the end-of-block merge reuses the K/V space.
-  return (16 + 4 * static_cast<size_t>(kTileKeys)) * kD * sizeof(bf16);
+__host__ __device__ constexpr int decode_warps() {
+  return kD == 256 ? 2 : 4;
 }
+
+// Shared memory of a decode block (kKeys = 16 * decode_warps keys a tile). bf16 pages: Q (16
+// rows) + 2 stages of K and V tiles. FP8 pages: Q (16 rows, fp16) + one stage of fp16 K and V
+// tiles + 2 stages of the K and V codes: the same bytes, (16 + 4 * kKeys) * kD * 2: 34 KiB at
+// head_dim 64, 68 KiB at 128, 72 KiB at 256; three blocks per H100 / H200 multiprocessor (228
+// KiB, 1 KiB of it reserved per block) in each case, and above the 48 KiB default, set with
+// cudaFuncAttributeMaxDynamicSharedMemorySize (227 KiB per block at most). At 256 the
+// registers (255, the fp32 output alone takes 128) allow 4 blocks of 2 warps. The end-of-block
+// merge reuses the space after Q.
+template <int kD, bool kFp8 = false>
+__host__ __device__ constexpr size_t decode_smem_bytes() {
+  constexpr size_t kKeys = 16 * decode_warps<kD>();
+  if constexpr (kFp8) {
+    return (16 + 2 * kKeys) * kD * sizeof(__half) + 4 * kKeys * kD;
+  } else {
+    return (16 + 4 * kKeys) * kD * sizeof(bf16);
+  }
+}
+static_assert(decode_smem_bytes<256, true>() == decode_smem_bytes<256>() &&
+                  3 * (decode_smem_bytes<256>() + 1024) <= 228 * 1024 &&
+                  3 * (decode_smem_bytes<128>() + 1024) <= 228 * 1024,
+              "three decode blocks per multiprocessor");
 
 // Block: (token t, kv head) x split. The 16 mma rows are the group's q heads (rows >= kGroup
 // are zero queries, never stored; group 16 fills them all); warp w takes keys 16w..16w+15 of every
-// 64-key tile with its own softmax state, and the warps merge through shared memory at the end.
-template <int kD, int kGroup>
-__global__ void __launch_bounds__(kDecodeWarps * 32)
+// 64-key tile (32 at head_dim 256: 2 warps) with its own softmax state, and the warps merge
+// through shared memory at the end.
+// kFp8: the pool holds E4M3 codes. Their tiles arrive by cp.async (half the bytes of bf16),
+// each thread widens the chunks it copied into one stage of fp16 tiles (exact), and the mmas
+// run in fp16: q enters as fp16(q * scale) (saturated to +-65504), k_scale scales the scores
+// (the softmax's base-2 factor), v_scale the output (so the splits' partials are in output
+// units, as the simple kernel's).
+template <int kD, int kGroup, bool kFp8>
+__global__ void __launch_bounds__(decode_warps<kD>() * 32)
     decode_kernel(PagedAttentionParams p, int64_t token_begin, int page_shift, bool trigger) {
   pdl_wait();  // launched with launch_pdl: the previous kernel's q / KV writes first
   if (trigger) pdl_trigger();
-  constexpr int kThreads = kDecodeWarps * 32, kChunks = kD / 8;
+  constexpr int kWarps = decode_warps<kD>(), kKeys = kWarps * kDecodeKeysPerWarp;
+  constexpr int kThreads = kWarps * 32, kChunks = kD / 8;
   static_assert(kGroup <= 16, "one mma row tile");
+  using T = std::conditional_t<kFp8, __half, bf16>;  // the mma tiles' element type
   extern __shared__ uint4 smem_raw[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [16, kD]
-  bf16* sK = sQ + 16 * kD;                       // [2][kTileKeys, kD]
-  bf16* sV = sK + 2 * kTileKeys * kD;            // [2][kTileKeys, kD]
+  T* sQ = reinterpret_cast<T*>(smem_raw);    // [16, kD]
+  T* sK = sQ + 16 * kD;                      // [2][kKeys, kD] (fp8: [kKeys, kD])
+  T* sV = sK + (kFp8 ? 1 : 2) * kKeys * kD;  // the same
+  // fp8: the codes, [2][kKeys, kD] bytes each for K and V.
+  uint8_t* s8K = reinterpret_cast<uint8_t*>(sV + kKeys * kD);
+  uint8_t* s8V = s8K + 2 * kKeys * kD;
 
   const int64_t t = token_begin + blockIdx.x / p.num_kv_heads;
   const int64_t kvh = blockIdx.x % p.num_kv_heads;
@@ -375,35 +516,67 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     return;
   }
 
-  for (int idx = threadIdx.x; idx < 16 * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < kGroup;
-    cp_async_16(smem_u32(sQ + swz<kD>(r, c)), valid ? p.q + (q_head0 + r) * kD + c * 8 : p.q,
-                valid);
+  if constexpr (kFp8) {
+    // fp16(q * scale), visible to the other warps after the first tile's __syncthreads.
+    for (int idx = threadIdx.x; idx < 16 * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = 0.f;
+      if (r < kGroup) load_bf16<8>(p.q + (q_head0 + r) * kD + c * 8, v);
+      auto sat = [](float x) { return isnan(x) ? x : fminf(fmaxf(x, -65504.f), 65504.f); };
+      uint32_t h[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        h[e] = pack_f16(sat(v[2 * e] * p.scale), sat(v[2 * e + 1] * p.scale));
+      }
+      *reinterpret_cast<uint4*>(sQ + swz<kD>(r, c)) = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < 16 * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const bool valid = r < kGroup;
+      cp_async_16(smem_u32(sQ + swz<kD>(r, c)), valid ? p.q + (q_head0 + r) * kD + c * 8 : p.q,
+                  valid);
+    }
+    cp_async_commit();
   }
-  cp_async_commit();
 
   int32_t const* table = p.block_table + static_cast<int64_t>(p.token_seq[t]) * p.max_pages_per_seq;
-  const float scale_log2 = p.scale * 1.4426950408889634f;
-  const int n_tiles = static_cast<int>((end - begin + kTileKeys - 1) / kTileKeys);
+  // Raw scores (mma units) -> natural-log units: scale (bf16; fp8 q already carries it, the
+  // codes need k_scale).
+  const float score_scale = kFp8 ? p.k_scale : p.scale;
+  const float scale_log2 = score_scale * 1.4426950408889634f;
+  const int n_tiles = static_cast<int>((end - begin + kKeys - 1) / kKeys);
   RowState<kD> st;
   st.init();
 
-  load_kv_tile<kD, kThreads>(sK, sV, p, table, kvh, begin, end, page_shift);
+  auto load_tile = [&](int stage, int64_t k0) {
+    if constexpr (kFp8) {
+      load_kv_tile_fp8<kD, kThreads, kKeys>(s8K + stage * kKeys * kD, s8V + stage * kKeys * kD, p,
+                                            table, kvh, k0, end, page_shift);
+    } else {
+      load_kv_tile<kD, kThreads, kKeys>(sK + stage * kKeys * kD, sV + stage * kKeys * kD, p, table,
+                                        kvh, k0, end, page_shift);
+    }
+  };
+  load_tile(0, begin);
   cp_async_commit();
   for (int it = 0; it < n_tiles; ++it) {
     const int stage = it & 1;
-    if (it + 1 < n_tiles) {
-      load_kv_tile<kD, kThreads>(sK + (stage ^ 1) * kTileKeys * kD,
-                                 sV + (stage ^ 1) * kTileKeys * kD, p, table, kvh,
-                                 begin + static_cast<int64_t>(it + 1) * kTileKeys, end, page_shift);
-    }
+    if (it + 1 < n_tiles) load_tile(stage ^ 1, begin + static_cast<int64_t>(it + 1) * kKeys);
     cp_async_commit();
     cp_async_wait<1>();
+    if constexpr (kFp8) {
+      // This thread's own chunks of the stage: complete after its wait_group. The fp16 tiles'
+      // previous readers finished before the previous iteration's last __syncthreads.
+      widen_kv_tile_fp8<kD, kThreads, kKeys>(sK, sV, s8K + stage * kKeys * kD,
+                                             s8V + stage * kKeys * kD);
+    }
     __syncthreads();
-    const int64_t k0 = begin + static_cast<int64_t>(it) * kTileKeys + warp * kDecodeKeysPerWarp;
-    bf16 const* cK = sK + stage * kTileKeys * kD;
-    bf16 const* cV = sV + stage * kTileKeys * kD;
+    const int64_t k0 = begin + static_cast<int64_t>(it) * kKeys + warp * kDecodeKeysPerWarp;
+    T const* cK = kFp8 ? sK : sK + stage * kKeys * kD;
+    T const* cV = kFp8 ? sV : sV + stage * kKeys * kD;
     if (k0 + kDecodeKeysPerWarp <= end) {
       warp_attend<kD, kDecodeKeysPerWarp, false>(st, sQ, 0, cK, cV, warp * kDecodeKeysPerWarp,
                                                  scale_log2, [](int, int) { return true; });
@@ -417,12 +590,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
   // Merge the warps: states to shared memory (over the K/V tiles, free after the last
   // __syncthreads above), then a thread per (head, dim).
-  float* sO = reinterpret_cast<float*>(sK);     // [kDecodeWarps][kGroup][kD]
-  float* sM = sO + kDecodeWarps * kGroup * kD;  // [kDecodeWarps][kGroup]
-  float* sL = sM + kDecodeWarps * kGroup;       // [kDecodeWarps][kGroup]
-  static_assert(
-      (kDecodeWarps * kGroup * (kD + 2)) * sizeof(float) <= 4 * kTileKeys * kD * sizeof(bf16),
-      "merge fits in the K/V tiles");
+  float* sO = reinterpret_cast<float*>(sK);  // [kWarps][kGroup][kD]
+  float* sM = sO + kWarps * kGroup * kD;     // [kWarps][kGroup]
+  float* sL = sM + kWarps * kGroup;          // [kWarps][kGroup]
+  static_assert((kWarps * kGroup * (kD + 2)) * sizeof(float) <=
+                    decode_smem_bytes<kD, kFp8>() - 16 * kD * sizeof(T),
+                "merge fits in the K/V tiles");
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = st.l[h];
@@ -446,21 +619,22 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     const int g = i / kD, d = i % kD;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, sM[w * kGroup + g]);
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sM[w * kGroup + g]);
     float num = 0.f, den = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       const float mw = sM[w * kGroup + g];
       const float f = mw == -INFINITY ? 0.f : exp2f((mw - mx) * scale_log2);
       num += f * sO[(w * kGroup + g) * kD + d];
       den += f * sL[w * kGroup + g];
     }
+    if constexpr (kFp8) num *= p.v_scale;
     if (p.kv_split > 0) {
       // Same partial layout as the simple kernel: acc, max (scaled scores), sum.
       float* gW = p.workspace + ((q_head0 + g) * num_splits + split) * (kD + 2);
       gW[d] = num;
       if (d == 0) {
-        gW[kD] = mx * p.scale;
+        gW[kD] = mx * score_scale;
         gW[kD + 1] = den;
       }
     } else {
@@ -520,19 +694,20 @@ void prefill_typed(PagedAttentionParams const& p, int64_t num_tokens, int page_s
   TANDEM_CUDA_CHECK_LAUNCH();
 }
 
-template <int kD, int kGroup>
+template <int kD, int kGroup, bool kFp8>
 void decode_typed(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
                   int page_shift, cudaStream_t stream) {
   const int64_t blocks = (p.num_tokens - token_begin) * p.num_kv_heads;
   TANDEM_CHECK(blocks <= INT32_MAX && num_splits <= 65535, "paged_attention: too large");
-  constexpr size_t smem = decode_smem_bytes<kD>();
-  auto kernel = decode_kernel<kD, kGroup>;
+  constexpr size_t smem = decode_smem_bytes<kD, kFp8>();
+  auto kernel = decode_kernel<kD, kGroup, kFp8>;
   set_smem(kernel, smem);
   // Programmatic dependent launches: the small decode kernels' launch overlaps the previous
   // kernel's tail (both wait for it before reading).
-  TANDEM_CUDA_CHECK(launch_pdl(
-      kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
-      kDecodeWarps * 32, smem, stream, p, token_begin, page_shift, decode_switches().pdl_trigger));
+  TANDEM_CUDA_CHECK(
+      launch_pdl(kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_splits)),
+                 decode_warps<kD>() * 32, smem, stream, p, token_begin, page_shift,
+                 decode_switches().pdl_trigger));
   if (p.kv_split > 0) {
     TANDEM_CUDA_CHECK(launch_pdl(
         merge_kernel<kD>, static_cast<unsigned>((p.num_tokens - token_begin) * p.num_q_heads), kD,
@@ -567,13 +742,32 @@ struct PrefillRun {
     prefill_typed<kD, kGroup>(p, num_tokens, page_shift, stream);
   }
 };
-template <int kD, int kGroup>
-struct DecodeRun {
-  static void run(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
-                  int page_shift, cudaStream_t stream) {
-    decode_typed<kD, kGroup>(p, token_begin, num_splits, page_shift, stream);
+// The decode kernel's variants: (head_dim 64, 128, 256) x (group 1, 2, 4, 8, 16) x (bf16,
+// FP8 pages): 30 kernels (+ the split merge at each head_dim).
+template <int kD, bool kFp8>
+void decode_by_group(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
+                     int page_shift, cudaStream_t stream) {
+  switch (p.num_q_heads / p.num_kv_heads) {
+    case 1: decode_typed<kD, 1, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    case 2: decode_typed<kD, 2, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    case 4: decode_typed<kD, 4, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    case 8: decode_typed<kD, 8, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    case 16: decode_typed<kD, 16, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    default:
+      TANDEM_THROW(kUnsupported, "paged_attention: unsupported GQA group size ",
+                   p.num_q_heads / p.num_kv_heads);
   }
-};
+}
+template <bool kFp8>
+void decode_by_dim(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
+                   int page_shift, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: decode_by_group<64, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    case 128: decode_by_group<128, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    case 256: decode_by_group<256, kFp8>(p, token_begin, num_splits, page_shift, stream); break;
+    default: TANDEM_THROW(kUnsupported, "paged_attention: unsupported head_dim ", p.head_dim);
+  }
+}
 
 }  // namespace
 
@@ -593,8 +787,11 @@ void paged_attention_decode(PagedAttentionParams const& p, int64_t token_begin, 
   TANDEM_CHECK(aligned_to(16, p.q, p.pool) && aligned_to(4, p.out),
                "paged_attention: q and pool must be 16-byte aligned, out 4-byte");
   const int page_shift = log2_exact(p.page_size);
-  dispatch<DecodeRun>(p.head_dim, p.num_q_heads / p.num_kv_heads, p, token_begin, num_splits,
-                      page_shift, stream);
+  if (p.kv_fp8) {
+    decode_by_dim<true>(p, token_begin, num_splits, page_shift, stream);
+  } else {
+    decode_by_dim<false>(p, token_begin, num_splits, page_shift, stream);
+  }
 }
 
 void paged_attention_prefill_variant(PagedAttentionParams const& p, int variant,
@@ -616,8 +813,15 @@ void paged_attention_prefill_variant(PagedAttentionParams const& p, int variant,
 size_t paged_attention_prefill_smem(int64_t head_dim) {
   return head_dim == 64 ? prefill_smem_bytes<64>() : prefill_smem_bytes<128>();
 }
-size_t paged_attention_decode_smem(int64_t head_dim) {
-  return head_dim == 64 ? decode_smem_bytes<64>() : decode_smem_bytes<128>();
+size_t paged_attention_decode_smem(int64_t head_dim, bool kv_fp8) {
+  if (kv_fp8) {
+    return head_dim == 64    ? decode_smem_bytes<64, true>()
+           : head_dim == 128 ? decode_smem_bytes<128, true>()
+                             : decode_smem_bytes<256, true>();
+  }
+  return head_dim == 64    ? decode_smem_bytes<64>()
+         : head_dim == 128 ? decode_smem_bytes<128>()
+                           : decode_smem_bytes<256>();
 }
 
 }  // namespace tandem::cuda::detail

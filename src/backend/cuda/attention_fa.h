@@ -21,7 +21,9 @@ void paged_attention_prefill(PagedAttentionParams const& p, int64_t num_tokens,
 /// Query tokens [token_begin, p.num_tokens): a block per (token, kv head, split of
 /// p.kv_split keys) that loads each key once for the group's q heads. With p.kv_split > 0 the
 /// splits write fp32 partials to p.workspace (layout of attention.h) and merge_splits()
-/// combines them; without, a single split writes out directly.
+/// combines them; without, a single split writes out directly. head_dim 64, 128 or 256; bf16
+/// or (p.kv_fp8) E4M3 pages, widened to fp16 in shared memory, k_scale / v_scale applied to the
+/// scores / output.
 void paged_attention_decode(PagedAttentionParams const& p, int64_t token_begin, int num_splits,
                             cudaStream_t stream);
 
@@ -31,8 +33,9 @@ void paged_attention_decode(PagedAttentionParams const& p, int64_t token_begin, 
 void paged_attention_prefill_variant(PagedAttentionParams const& p, int variant,
                                      cudaStream_t stream);
 
-/// Shared memory (bytes) of the prefill / decode blocks: for tests of the launch limits.
+/// Shared memory (bytes) of the prefill (head_dim 64, 128) / decode (64, 128, 256; bf16 or FP8
+/// pages) blocks: for tests of the launch limits.
 size_t paged_attention_prefill_smem(int64_t head_dim);
-size_t paged_attention_decode_smem(int64_t head_dim);
+size_t paged_attention_decode_smem(int64_t head_dim, bool kv_fp8 = false);
 
 }  // namespace tandem::cuda::detail

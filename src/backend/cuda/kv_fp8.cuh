@@ -65,4 +65,18 @@ __device__ __forceinline__ void load_kv_fp8(uint8_t const* p, float (&v)[N]) {
   }
 }
 
+/// 4 consecutive codes (a 32-bit word, the lowest address in the low byte) as 4 fp16 values in
+/// two words (the lower element in the low half): the same exact values as kv_fp8_value, for
+/// the tensor-core decode kernel's fp16 tiles (every E4M3 value is a normal fp16 or zero).
+__device__ __forceinline__ uint2 kv_fp8x4_to_half(uint32_t c) {
+  uint2 r;
+  const __half2_raw lo =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(c & 0xffffu), __NV_E4M3);
+  const __half2_raw hi =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(c >> 16), __NV_E4M3);
+  r.x = static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(lo.y) << 16);
+  r.y = static_cast<uint32_t>(hi.x) | (static_cast<uint32_t>(hi.y) << 16);
+  return r;
+}
+
 }  // namespace tandem::cuda::detail

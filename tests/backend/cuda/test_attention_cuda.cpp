@@ -242,8 +242,9 @@ TEST_F(CudaAttention, GroupsAndHeadDims) {
   }
 }
 
-// Qwen3.5's gated attention: head_dim 256 (every algo runs the simple kernel), GQA 1 to 16
-// (Qwen3.5-35B-A3B: 16 q / 2 kv heads; 397B-A17B: 32 / 2), prefill, decode and split-KV.
+// Qwen3.5's gated attention: head_dim 256 (the tensor-core decode kernel for kDecode and
+// kAuto's decode tokens, the simple kernel for the rest), GQA 1 to 16 (Qwen3.5-35B-A3B: 16 q /
+// 2 kv heads; 397B-A17B: 32 / 2), prefill, decode and split-KV.
 TEST_F(CudaAttention, HeadDim256) {
   SCOPED_TRACE(trace());
   for (int64_t group : {1, 2, 4, 8, 16}) {
@@ -251,6 +252,20 @@ TEST_F(CudaAttention, HeadDim256) {
   }
   check({16, 2, 256, 16, {{1, 1}, {700, 1}, {17, 1}}, 3});
   check({32, 2, 256, 16, {{301, 301}}});
+}
+
+// The tensor-core decode kernel at head_dim 256: contexts of 1 key, a partial tile, tile edges,
+// thousands of keys, capacity past the longest sequence (empty splits), page sizes 1 to 64,
+// GQA 1 to 16.
+TEST_F(CudaAttention, HeadDim256Decode) {
+  SCOPED_TRACE(trace());
+  for (int64_t group : {1, 2, 4, 8, 16}) {
+    check({2 * group, 2, 256, 16, {{1, 1}, {63, 1}, {64, 1}, {65, 1}, {4096, 1}, {129, 1}}, 2});
+  }
+  for (int64_t ps : {1, 8, 32, 64}) check({16, 2, 256, ps, {{130, 1}, {1, 1}, {1000, 1}}, 1});
+  Case skewed{32, 2, 256, 16, {{2500, 1}, {3, 1}, {400, 1}}};
+  skewed.q_mean = 2.0f;
+  check(skewed);
 }
 
 TEST_F(CudaAttention, PageSizes) {
@@ -372,12 +387,22 @@ TEST(CudaAttentionHost, DecodeSplit) {
   EXPECT_EQ(paged_attention_decode_split(1, 4, 8, 16, 132), 0);  // 128 keys: nothing to split
 }
 
-// Host-only: the blocks' shared memory fits an H100/H200 multiprocessor (227 KiB per block).
+// Host-only: the blocks' shared memory fits an H100/H200 multiprocessor (227 KiB per block);
+// three decode blocks fit one (228 KiB, 1 KiB reserved per block) at every head_dim, bf16 or
+// FP8 pages alike (head_dim 256: 32-key tiles of 2 warps).
 TEST(CudaAttentionHost, SharedMemoryFits) {
   for (int64_t d : {64, 128}) {
     EXPECT_LE(detail::paged_attention_prefill_smem(d), 227u * 1024);
     EXPECT_LE(detail::paged_attention_decode_smem(d), 227u * 1024);
   }
+  for (int64_t d : {64, 128, 256}) {
+    for (bool fp8 : {false, true}) {
+      EXPECT_LE(3 * (detail::paged_attention_decode_smem(d, fp8) + 1024), 228u * 1024) << d;
+    }
+    EXPECT_EQ(detail::paged_attention_decode_smem(d, true), detail::paged_attention_decode_smem(d));
+  }
+  EXPECT_EQ(detail::paged_attention_decode_smem(128), 69632u);  // 68 KiB
+  EXPECT_EQ(detail::paged_attention_decode_smem(256), 73728u);  // 72 KiB
 }
 
 }  // namespace

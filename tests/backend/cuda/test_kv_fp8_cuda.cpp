@@ -1,12 +1,15 @@
 // FP8 (E4M3) KV cache kernels (--kv-cache-dtype fp8) vs the CPU references: the quantizing KV
 // writes (kv_write_launch, qkv_prep_launch, gated_qkv_prep_launch) code for code against
 // cpu::kv_write_fp8 / cpu::kv_fp8_quantize, and paged_attention_launch over FP8 pages against
-// cpu::paged_attention over the pages cpu::kv_pool_dequantize_fp8 dequantizes (the simple kernel
-// for decode and, without a prefill plan, prefill tokens; FlashInfer's gathered sm90 prefill,
-// dequantizing as it gathers, where built and on an sm90 GPU). Fresh random inputs and scales
-// every run (the seed is printed on failure); pools, outputs and workspaces poisoned first
-// (0xff: an E4M3 NaN code, a bf16 / fp32 NaN); block-table entries past a sequence's pages are
-// invalid page ids. Skips without a GPU.
+// cpu::paged_attention over the pages cpu::kv_pool_dequantize_fp8 dequantizes (the tensor-core
+// decode kernel for decode tokens with kAuto and every token with kDecode, head_dim 64, 128 and
+// 256; the simple kernel with kSimple and, without a prefill plan, for prefill tokens;
+// FlashInfer's gathered sm90 prefill, dequantizing as it gathers, where built and on an sm90
+// GPU), and the tensor-core decode kernel against the simple kernel on the same pages. Fresh
+// random inputs and scales every run (the seed is printed on failure); pools, outputs and
+// workspaces poisoned first (0xff: an E4M3 NaN code, a bf16 / fp32 NaN; the decode tests also
+// fill the slots past each sequence's end with NaN codes); block-table entries past a
+// sequence's pages are invalid page ids. Skips without a GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +20,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/ops.h"
@@ -56,8 +60,8 @@ using DeviceBuffer = test_util::DeviceBuffer<T, test_util::UploadCheck::kThrow>;
 
 class CudaKvFp8 : public test_util::CudaFixture<> {
  protected:
-  Bits randn_bf16(size_t n, float scale) {
-    std::normal_distribution<float> d(0.f, scale);
+  Bits randn_bf16(size_t n, float scale, float mean = 0.f) {
+    std::normal_distribution<float> d(mean, scale);
     Bits b(n);
     for (auto& x : b) x = f32_to_bf16(d(rng_));
     return b;
@@ -198,10 +202,16 @@ struct SeqSpec {
 struct Case {
   int64_t q_heads, kv_heads, head_dim, page_size;
   std::vector<SeqSpec> seqs;  // multi-query sequences first
+  int64_t extra_pages = 0;    // block-table capacity past the longest sequence (empty splits)
+  float k_scale = 0.f, v_scale = 0.f;  // 0: random in [0.01, 0.5]
+  bool poison_tail = false;  // NaN codes in the slots past each sequence's end and unused pages
+  float q_mean = 0.f;        // > 0 skews the scores (peaked softmax)
   std::string name() const {
     std::ostringstream s;
     s << q_heads << "q/" << kv_heads << "kv d" << head_dim << " page " << page_size << " seqs";
     for (auto const& q : seqs) s << " " << q.len << ":" << q.queries;
+    if (extra_pages > 0) s << " +" << extra_pages << " pages";
+    if (k_scale > 0.f) s << " scales " << k_scale << " " << v_scale;
     return s.str();
   }
 };
@@ -216,6 +226,7 @@ class CudaKvFp8Attention : public CudaKvFp8 {
       max_pages = std::max(max_pages, (s.len + ps - 1) / ps);
       num_pages += (s.len + ps - 1) / ps;
     }
+    max_pages += c.extra_pages;
     std::vector<int32_t> perm(static_cast<size_t>(num_pages));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng_);
@@ -232,7 +243,8 @@ class CudaKvFp8Attention : public CudaKvFp8 {
       if (c.seqs[s].queries > 1) npf = static_cast<int64_t>(seq.size());
     }
     const int64_t tokens = static_cast<int64_t>(seq.size());
-    const float ks = rand_scale(), vs = rand_scale();
+    const float ks = c.k_scale > 0.f ? c.k_scale : rand_scale();
+    const float vs = c.v_scale > 0.f ? c.v_scale : rand_scale();
     // Codes of N(0, 1) keys and values at these scales (a realistic spread of codes).
     const size_t elems = static_cast<size_t>(num_pages * 2 * c.kv_heads * ps * c.head_dim);
     const std::vector<float> raw = to_f32(randn_bf16(elems, 1.f));
@@ -241,10 +253,29 @@ class CudaKvFp8Attention : public CudaKvFp8 {
     for (size_t i = 0; i < elems; ++i) {
       codes[i] = cpu::kv_fp8_quantize(raw[i], (static_cast<int64_t>(i) / half) % 2 == 0 ? ks : vs);
     }
+    if (c.poison_tail) {
+      // Only slots [0, len) of each sequence hold codes; a kernel that reads past them (or an
+      // unused page) sees NaN.
+      std::vector<uint8_t> live(elems, 0);
+      for (int64_t s = 0; s < ns; ++s) {
+        for (int64_t j = 0; j < c.seqs[s].len; ++j) {
+          const int64_t page = table[s * max_pages + j / ps], slot = j % ps;
+          for (int64_t kv = 0; kv < 2; ++kv) {
+            for (int64_t h = 0; h < c.kv_heads; ++h) {
+              const int64_t row = ((page * 2 + kv) * c.kv_heads + h) * ps + slot;
+              std::fill_n(live.begin() + row * c.head_dim, c.head_dim, uint8_t{1});
+            }
+          }
+        }
+      }
+      for (size_t i = 0; i < elems; ++i) {
+        if (!live[i]) codes[i] = 0xff;
+      }
+    }
     std::vector<float> pool_f(elems);
     cpu::kv_pool_dequantize_fp8(codes.data(), pool_f.data(), num_pages, c.kv_heads, ps, c.head_dim,
                                 ks, vs);
-    const Bits q = randn_bf16(tokens * c.q_heads * c.head_dim, 1.f);
+    const Bits q = randn_bf16(tokens * c.q_heads * c.head_dim, 1.f, c.q_mean);
     const std::vector<float> qf = to_f32(q);
     std::vector<float> ref(static_cast<size_t>(tokens * c.q_heads * c.head_dim));
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
@@ -260,19 +291,30 @@ class CudaKvFp8Attention : public CudaKvFp8 {
       int64_t num_prefill, kv_split;
       bool plan;
     };
+    // The split the model would pick for this batch's decode tokens (132 SMs).
+    const int64_t auto_split =
+        tokens > npf ? paged_attention_decode_split(tokens - npf, c.kv_heads, max_pages, ps, 132)
+                     : 0;
     std::vector<Variant> variants = {
         {"auto, prefill/decode split, no plan", PagedAttentionAlgo::kAuto, npf, 0, false},
         {"auto, kv_split 128", PagedAttentionAlgo::kAuto, npf, 128, false},
         {"auto, unknown prefill", PagedAttentionAlgo::kAuto, -1, 0, false},
         {"simple", PagedAttentionAlgo::kSimple, -1, 0, false},
         {"simple, kv_split 256", PagedAttentionAlgo::kSimple, -1, 256, false},
+        {"decode kernel", PagedAttentionAlgo::kDecode, -1, 0, false},
+        {"decode kernel, kv_split 128", PagedAttentionAlgo::kDecode, -1, 128, false},
     };
+    if (auto_split > 128) {
+      variants.push_back(
+          {"auto, decode_split's kv_split", PagedAttentionAlgo::kAuto, npf, auto_split, false});
+    }
     if (sm90_plan) {
       variants.push_back({"sm90 gathered plan", PagedAttentionAlgo::kAuto, npf, 0, true});
       variants.push_back(
           {"sm90 gathered plan, kv_split 128", PagedAttentionAlgo::kAuto, npf, 128, true});
     }
     PrefillAttentionPlan plan(PrefillKvPath::kPaged);  // fp8: gathered whatever is asked
+    std::vector<float> simple_out, decode_out;         // the two kernels' outputs, compared below
     for (Variant const& v : variants) {
       SCOPED_TRACE(v.name);
       DeviceBuffer<float> d_ws(paged_attention_workspace_floats(tokens, c.q_heads, c.head_dim,
@@ -302,9 +344,17 @@ class CudaKvFp8Attention : public CudaKvFp8 {
       }
       paged_attention_launch(p, stream_);
       sync();
-      const double err = test_util::rel_err(d_out.download(), ref);
+      const std::vector<float> out = to_f32(d_out.download());
+      const double err = test_util::rel_err(out, ref);
       EXPECT_LT(err, 1e-2);
+      if (v.algo == PagedAttentionAlgo::kSimple && v.kv_split == 0) simple_out = out;
+      if (v.algo == PagedAttentionAlgo::kDecode && v.kv_split == 0) decode_out = out;
     }
+    // The tensor-core decode kernel (fp16 tiles) and the simple kernel (fp32 in registers) on
+    // the same codes: closer to each other than either is to the fp32 reference's bound.
+    ASSERT_EQ(simple_out.size(), ref.size());
+    ASSERT_EQ(decode_out.size(), ref.size());
+    EXPECT_LT(test_util::rel_err(decode_out, simple_out), 5e-3) << "kDecode vs kSimple";
   }
 };
 
@@ -340,24 +390,187 @@ TEST_F(CudaKvFp8Attention, Sm90GatheredPrefillDequantizes) {
   check({16, 2, 256, 16, {{200, 60}, {40, 1}}}, true);
 }
 
-TEST_F(CudaKvFp8Attention, RejectsTensorCoreAlgos) {
+// The tensor-core decode kernel over FP8 pages at every GQA group and head_dim (256: Qwen3.5's
+// gated attention), contexts of 1 key, a partial 64-key tile, tile edges, several tiles, and
+// block tables wider than the longest sequence (splits past a sequence's end write empty
+// partials); codes past each sequence's end are NaN.
+TEST_F(CudaKvFp8Attention, TensorCoreDecodeGroupsAndHeadDims) {
+  SCOPED_TRACE(trace());
+  for (int64_t d : {64, 128, 256}) {
+    for (int64_t g : {1, 2, 4, 8, 16}) {
+      const int64_t kvh = d == 256 ? 2 : 4;
+      Case c{kvh * g, kvh, d, 16, {{1, 1}, {63, 1}, {64, 1}, {65, 1}, {200, 1}, {777, 1}}, 2};
+      c.poison_tail = true;
+      check(c);
+    }
+  }
+}
+
+// Page sizes 1 to 128 (the decode kernel indexes pages by shift), ragged contexts.
+TEST_F(CudaKvFp8Attention, TensorCoreDecodePageSizes) {
+  SCOPED_TRACE(trace());
+  for (int64_t ps : {1, 8, 32, 64, 128}) {
+    for (int64_t d : {128, 256}) {
+      Case c{
+          d == 256 ? 16 : 32, d == 256 ? 2 : 4, d, ps, {{130, 1}, {1, 1}, {1000, 1}, {17, 1}}, 1};
+      c.poison_tail = true;
+      check(c);
+    }
+  }
+}
+
+// Long contexts (many tiles per split, many splits), GQA 8 and 16, a prefill chunk beside them.
+TEST_F(CudaKvFp8Attention, TensorCoreDecodeLongContexts) {
+  SCOPED_TRACE(trace());
+  for (int64_t q_heads : {32, 64}) {
+    Case c{q_heads, 4, 128, 16, {{4096, 1}, {2049, 1}, {1, 1}, {333, 1}}, 3};
+    c.poison_tail = true;
+    check(c);
+  }
+  Case c{16, 2, 256, 16, {{3000, 1}, {4095, 1}, {2, 1}}};
+  c.poison_tail = true;
+  check(c);
+  check({32, 4, 128, 16, {{300, 77}, {4000, 1}, {65, 1}}});  // a prefill chunk first
+}
+
+// Scales far from the random range (1 and 1; large k, small v; small k, large v).
+TEST_F(CudaKvFp8Attention, TensorCoreDecodeScales) {
+  SCOPED_TRACE(trace());
+  for (auto [ks, vs] : {std::pair{1.f, 1.f}, std::pair{4.f, 0.05f}, std::pair{0.02f, 3.f}}) {
+    for (int64_t d : {128, 256}) {
+      Case c{d == 256 ? 16 : 32, d == 256 ? 2 : 4, d, 16, {{500, 1}, {1, 1}, {129, 1}}, 1};
+      c.k_scale = ks;
+      c.v_scale = vs;
+      c.poison_tail = true;
+      check(c);
+    }
+  }
+}
+
+// Queries with a large mean (scores dominated by each key's sum, a wider spread): a peaked
+// softmax, large running-max corrections, most probabilities far below 1 (fp16 P).
+TEST_F(CudaKvFp8Attention, TensorCoreDecodeSkewedScores) {
+  SCOPED_TRACE(trace());
+  for (int64_t d : {128, 256}) {
+    Case c{d == 256 ? 16 : 64, d == 256 ? 2 : 4, d, 16, {{2500, 1}, {3, 1}, {400, 1}}, 1};
+    c.q_mean = 2.0f;
+    c.poison_tail = true;
+    check(c);
+  }
+}
+
+// kDecode (tensor cores, fp16 tiles) and kSimple (CUDA cores, fp32) on the same FP8 inputs:
+// check() compares their outputs with each other (5e-3) besides each with the reference.
+TEST_F(CudaKvFp8Attention, DecodeKernelAgreesWithSimpleKernel) {
+  SCOPED_TRACE(trace());
+  for (int64_t g : {4, 8, 16}) {
+    check({4 * g, 4, 128, 16, {{1024, 1}, {1023, 1}, {64, 1}, {1, 1}}});
+    check({2 * g, 2, 256, 16, {{1024, 1}, {100, 1}}});
+  }
+}
+
+// Decode over FP8 pages captured once in a CUDA graph at a fixed capacity (kAuto, every token a
+// decode token, split as the model splits), replayed with other lengths, block tables and
+// queries (the model's decode steps), head_dim 128 and 256.
+TEST_F(CudaKvFp8Attention, TensorCoreDecodeGraphReplay) {
+  SCOPED_TRACE(trace());
+  for (int64_t d : {128, 256}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    const int64_t kv_heads = d == 256 ? 2 : 4, q_heads = 8 * kv_heads, ps = 16, max_pages = 64,
+                  seqs = 4, num_pages = seqs * max_pages + 3;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const float ks = rand_scale(), vs = rand_scale();
+    const int64_t kv_split = paged_attention_decode_split(seqs, kv_heads, max_pages, ps, 132);
+    ASSERT_GT(kv_split, 0);
+    const size_t elems = static_cast<size_t>(num_pages * 2 * kv_heads * ps * d);
+    const std::vector<float> raw = to_f32(randn_bf16(elems, 1.f));
+    std::vector<uint8_t> codes(elems);
+    const int64_t half = kv_heads * ps * d;
+    for (size_t i = 0; i < elems; ++i) {
+      codes[i] = cpu::kv_fp8_quantize(raw[i], (static_cast<int64_t>(i) / half) % 2 == 0 ? ks : vs);
+    }
+    std::vector<float> pool_f(elems);
+    cpu::kv_pool_dequantize_fp8(codes.data(), pool_f.data(), num_pages, kv_heads, ps, d, ks, vs);
+    DeviceBuffer<uint8_t> d_pool(codes);
+    DeviceBuffer<uint16_t> d_q(seqs * q_heads * d), d_out(seqs * q_heads * d);
+    DeviceBuffer<int32_t> d_table(seqs * max_pages), d_seq(seqs), d_pos(seqs);
+    DeviceBuffer<float> d_ws(
+        paged_attention_workspace_floats(seqs, q_heads, d, max_pages, ps, kv_split));
+    d_ws.poison(0xff);
+    PagedAttentionParams p{d_q.bf(),    reinterpret_cast<bf16 const*>(d_pool.ptr),
+                           d_table.ptr, d_seq.ptr,
+                           d_pos.ptr,   d_out.bf(),
+                           seqs,        q_heads,
+                           kv_heads,    d,
+                           ps,          max_pages,
+                           scale,       kv_split,
+                           d_ws.ptr};
+    p.num_prefill_tokens = 0;
+    p.kv_fp8 = true;
+    p.k_scale = ks;
+    p.v_scale = vs;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    paged_attention_launch(p, stream_);
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const std::vector<std::vector<int32_t>> lens = {
+        {1, 16, 500, 1024}, {1024, 1, 200, 17}, {3, 3, 3, 3}, {700, 900, 1, 64}};
+    for (auto const& len : lens) {
+      SCOPED_TRACE("lens " + std::to_string(len[0]) + " " + std::to_string(len[1]) + " " +
+                   std::to_string(len[2]) + " " + std::to_string(len[3]));
+      std::vector<int32_t> perm(static_cast<size_t>(num_pages));
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng_);
+      std::vector<int32_t> table(static_cast<size_t>(seqs * max_pages), 0x3fffffff), tseq(seqs),
+          pos(seqs);
+      size_t next = 0;
+      for (int64_t s = 0; s < seqs; ++s) {
+        for (int64_t pg = 0; pg < (len[s] + ps - 1) / ps; ++pg) {
+          table[s * max_pages + pg] = perm[next++];
+        }
+        tseq[s] = static_cast<int32_t>(s);
+        pos[s] = len[s] - 1;
+      }
+      const Bits q = randn_bf16(seqs * q_heads * d, 1.f);
+      d_q.upload(q);
+      d_table.upload(table);
+      d_seq.upload(tseq);
+      d_pos.upload(pos);
+      d_out.poison(0xff);
+      TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      sync();
+      const std::vector<float> qf = to_f32(q);
+      std::vector<float> ref(static_cast<size_t>(seqs * q_heads * d));
+      cpu::paged_attention({qf.data(), pool_f.data(), table.data(), tseq.data(), pos.data(),
+                            ref.data(), seqs, q_heads, kv_heads, d, ps, max_pages, scale});
+      EXPECT_LT(test_util::rel_err(d_out.download(), ref), 1e-2);
+    }
+    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
+TEST_F(CudaKvFp8Attention, RejectsThePrefillAlgo) {
   const int64_t d = 128;
   DeviceBuffer<uint16_t> d_q(4 * d), d_out(4 * d);
   DeviceBuffer<uint8_t> d_pool(2 * 16 * d);
   std::vector<int32_t> zero(1, 0);
   DeviceBuffer<int32_t> d_table(zero), d_seq(zero), d_pos(zero);
-  for (PagedAttentionAlgo a : {PagedAttentionAlgo::kPrefill, PagedAttentionAlgo::kDecode}) {
-    PagedAttentionParams p{d_q.bf(),    reinterpret_cast<bf16 const*>(d_pool.ptr),
-                           d_table.ptr, d_seq.ptr,
-                           d_pos.ptr,   d_out.bf(),
-                           1,           4,
-                           1,           d,
-                           16,          1,
-                           0.1f};
-    p.algo = a;
-    p.kv_fp8 = true;
-    EXPECT_THROW(paged_attention_launch(p, stream_), Error);
-  }
+  PagedAttentionParams p{d_q.bf(),    reinterpret_cast<bf16 const*>(d_pool.ptr),
+                         d_table.ptr, d_seq.ptr,
+                         d_pos.ptr,   d_out.bf(),
+                         1,           4,
+                         1,           d,
+                         16,          1,
+                         0.1f};
+  p.algo = PagedAttentionAlgo::kPrefill;
+  p.kv_fp8 = true;
+  EXPECT_THROW(paged_attention_launch(p, stream_), Error);
+  p.algo = PagedAttentionAlgo::kDecode;  // the tensor-core decode kernel reads FP8 pages
+  p.k_scale = 0.f;
+  EXPECT_THROW(paged_attention_launch(p, stream_), Error);  // scales must be positive
 }
 
 // Host only: the CPU reference's quantization (bf16 rounding, scale, saturation).
