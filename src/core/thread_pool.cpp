@@ -1,5 +1,7 @@
 #include "core/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstdlib>
 
@@ -30,9 +32,36 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
+// The global pool is made per process: a child of fork() inherits the parent's pool object but
+// none of its worker threads, so a parallel_for there would wait for them forever (a rank forked
+// by comm::run_local_ranks after the parent used the pool, then loading FP8 experts). The child
+// handler drops the inherited pool (leaked: its threads do not exist to be joined; the child is
+// single-threaded then) and the next global() call there starts a fresh one. The pool is never
+// destroyed: its workers block on a condition variable until the process exits.
+// g_pool_mu is held across fork() (prepare / parent / child handlers), so that the child never
+// inherits it locked.
+namespace {
+std::mutex g_pool_mu;
+ThreadPool* g_pool = nullptr;
+ThreadPool* g_inherited = nullptr;  // the parent's, in a child (kept reachable for LSan)
+void lock_pool() { g_pool_mu.lock(); }
+void unlock_pool() { g_pool_mu.unlock(); }
+void drop_pool_in_child() {
+  if (g_pool != nullptr) g_inherited = g_pool;
+  g_pool = nullptr;
+  g_pool_mu.unlock();
+}
+}  // namespace
+
 ThreadPool& ThreadPool::global() {
-  static ThreadPool pool;
-  return pool;
+  static const bool registered = [] {
+    ::pthread_atfork(lock_pool, unlock_pool, drop_pool_in_child);
+    return true;
+  }();
+  (void)registered;
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (g_pool == nullptr) g_pool = new ThreadPool();
+  return *g_pool;
 }
 
 void ThreadPool::worker_loop(int index) {

@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -147,6 +149,40 @@ TEST(ThreadPool, CoversRangeOnceAndPropagatesErrors) {
   std::atomic<int> total{0};
   pool.parallel_for(10, 1, [&](int64_t b, int64_t e) { total += static_cast<int>(e - b); });
   EXPECT_EQ(total.load(), 10);
+}
+
+// A process forked after the parent used the global pool (comm::run_local_ranks' ranks, `tandem
+// --nprocs`) inherits the pool object but none of its worker threads: its parallel_for must still
+// finish (it waited forever for them: a rank loading FP8 experts hung on the GPU).
+TEST(ThreadPool, GlobalPoolWorksInAForkedChild) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer ends a child that starts threads after a multi-threaded fork";
+#else
+  constexpr int64_t kN = 1 << 16;
+  std::atomic<int64_t> sum{0};
+  ThreadPool::global().parallel_for(kN, 1, [&](int64_t b, int64_t e) { sum += e - b; });
+  ASSERT_EQ(sum.load(), kN);
+  if (ThreadPool::global().size() < 2)
+    GTEST_SKIP() << "a pool of one thread has no workers to lose";
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::alarm(10);  // a hang ends the child with SIGALRM
+    std::atomic<int64_t> mine{0};
+    ThreadPool::global().parallel_for(kN, 1, [&](int64_t b, int64_t e) { mine += e - b; });
+    ::_exit(mine.load() == kN && ThreadPool::global().size() >= 2 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not finish: signal "
+                                 << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's parallel_for missed items or ran serially";
+  // And the parent's pool is untouched by the fork.
+  sum = 0;
+  ThreadPool::global().parallel_for(kN, 1, [&](int64_t b, int64_t e) { sum += e - b; });
+  EXPECT_EQ(sum.load(), kN);
+#endif
 }
 
 }  // namespace

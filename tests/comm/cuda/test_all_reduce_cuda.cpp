@@ -529,8 +529,8 @@ TEST_F(CudaAllReduceTest, FallbacksAndErrors) {
 
     // Ranks sharing a GPU: no NCCL, so what would fall back to it is refused, clearly.
     if (comm->shared_device()) {
-      for (const auto& [bytes, aligned] : {std::pair<size_t, bool>{2002, false},
-                                           std::pair<size_t, bool>{2 * kMiB + 16, true}}) {
+      for (const auto& [bytes, aligned] :
+           {std::pair<size_t, bool>{2002, false}, std::pair<size_t, bool>{2 * kMiB + 16, true}}) {
         bool threw = false;
         try {
           (void)comm->choose(bytes, aligned);
@@ -600,8 +600,8 @@ TEST_F(CudaAllReduceTest, FallbacksAndErrors) {
     comm->set_thresholds(4096, 65536);
     TANDEM_CHECK(comm->choose(4096) == AllReduceAlgo::kOneShot, "4 KiB -> one-shot");
     TANDEM_CHECK(comm->choose(4097) == AllReduceAlgo::kTwoShot, "4 KiB + 1 -> two-shot");
-    TANDEM_CHECK(comm->choose(65537) == (comm->shared_device() ? AllReduceAlgo::kTwoShot
-                                                               : AllReduceAlgo::kNccl),
+    TANDEM_CHECK(comm->choose(65537) ==
+                     (comm->shared_device() ? AllReduceAlgo::kTwoShot : AllReduceAlgo::kNccl),
                  "64 KiB + 1 -> NCCL (two-shot where ranks share a GPU)");
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
     TANDEM_CUDA_CHECK(cudaStreamDestroy(s));
