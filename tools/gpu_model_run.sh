@@ -36,7 +36,7 @@
 #   sampling_torch (bench/cuda/sampling_torch_baseline.py beside bench_sampling's CSV),
 #   bench_grammar, bench_model_cuda (also with --fp8, and --mxfp8: bench_model_mxfp8,
 #   bench_fp8_mxfp8, and --deterministic: bench_model_det), profile_decode (per-kernel decode
-#   step),
+#   step), profile_decode_fp8 (the same in block FP8, W8A8),
 #   bench_qwen35_cuda (a 4-layer Qwen3.5-35B-A3B checkpoint written by make_random_checkpoint),
 #   bench_qwen35_122b (one Qwen3.5-122B-A10B DeltaNet + attention pair and the attention layer),
 #   bench_qwen35_397b (the same for Qwen3.5-397B-A17B: 512 experts, top-10),
@@ -198,6 +198,10 @@ step bench_model_cuda 240 "$BIN/bench_model_cuda" ${TANDEM_BENCH_ARGS:-}
 # graph; nsys is not on the image): Qwen3-30B-A3B shapes at batch 1 and 8, 1k context.
 [ -x "$BIN/profile_decode_cuda" ] &&
   step profile_decode 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8
+# The same in block FP8 with FP8 activations (issue 29: batch 1 at 0.84x of bf16 with half the
+# bytes): which kernels and gaps a batch-1 FP8 step spends its time in.
+[ -x "$BIN/profile_decode_cuda" ] &&
+  step profile_decode_fp8 240 "$BIN/profile_decode_cuda" --batch 1 --batch 8 --variants default --fp8
 # --deterministic beside the default in one run (Qwen3-30B-A3B, decode 1 / 32 / 128 at 1k
 # context, prefill 2k): the "--deterministic vs default" table (docs/perf.md).
 export TANDEM_BENCH_CSV="$LOG/bench_model_det.csv"
@@ -311,6 +315,7 @@ for f in bench_deltanet_verify bench_spec_q35 bench_spec_verify bench_spec_e2e b
 done
 [ -f "$LOG/bench_model_cuda.log" ] && sed -n '/^== summary/,$p' "$LOG/bench_model_cuda.log"
 [ -f "$LOG/profile_decode.log" ] && { echo; echo "== profile_decode"; cat "$LOG/profile_decode.log"; }
+[ -f "$LOG/profile_decode_fp8.log" ] && { echo; echo "== profile_decode_fp8"; cat "$LOG/profile_decode_fp8.log"; }
 [ -f "$LOG/bench_model_fp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_fp8.log"
 [ -f "$LOG/bench_model_mxfp8.log" ] && sed -n '/^== FP8 vs bf16/,$p' "$LOG/bench_model_mxfp8.log"
 [ -f "$LOG/bench_fp8_mxfp8.log" ] && sed -n '/^== MXFP8/,$p' "$LOG/bench_fp8_mxfp8.log"

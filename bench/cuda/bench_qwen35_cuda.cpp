@@ -6,7 +6,7 @@
 //   bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR2 ...] [--quick]
 //       [--batches 1,32,128] [--contexts 1024,8192] [--prefill 8192[,2048...]]
 //       [--switches default[,base,...]] [--prefill-only] [--decode-only]
-//       [--profile-prefill TOKENS]   CSV to $TANDEM_BENCH_CSV
+//       [--profile-prefill TOKENS] [--profile-decode BATCH]   CSV to $TANDEM_BENCH_CSV
 // Several checkpoints run one after the other in one process (one set of ceilings); each row's
 // shape names its checkpoint (the directory's last component).
 // --switches: decode rows per backend/cuda/decode_switches.h setting: default (the switches'
@@ -30,6 +30,9 @@
 // --profile-prefill T: after the rows of each checkpoint, one T-token prefill with CUPTI's
 // activity records on (when built with CUPTI): per kernel (launches, GPU time, share of the
 // busy time), the busy time and the idle gaps, and the kernels in order (the first 400 records).
+// --profile-decode B: the same for one decode step of B sequences at the first context (the
+// default switches' captured graph, after its warm-up): where a step's time goes, and the gaps
+// between its kernels (batch 1 is bound by them, not by bytes).
 // The KV and the states hold zeros (the work per step does not depend on their values).
 #include <cuda_runtime_api.h>
 
@@ -161,13 +164,13 @@ double now_us() {
 
 #if TANDEM_BENCH_CUPTI
 // The records of one forward: per kernel name, then in order (--profile-prefill).
-void print_profile(const std::string& label, int64_t tokens, double wall_us,
+void print_profile(const std::string& label, const std::string& what, double wall_us,
                    const std::vector<cupti::KernelRec>& recs) {
   const auto [busy, idle] = cupti::busy_idle_us(recs, 1e9);
   std::printf(
-      "== profile %s: one %lld-token prefill, %zu records, wall %.1f us (CUPTI on), GPU busy "
-      "%.1f us, idle gaps %.1f us\n",
-      label.c_str(), static_cast<long long>(tokens), recs.size(), wall_us, busy, idle);
+      "== profile %s: %s, %zu records, wall %.1f us (CUPTI on), GPU busy %.1f us, idle gaps "
+      "%.1f us\n",
+      label.c_str(), what.c_str(), recs.size(), wall_us, busy, idle);
   struct Agg {
     int64_t n = 0;
     double us = 0;
@@ -204,7 +207,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> dirs, switches = {"default"};
   bool quick = false, prefill_only = false, decode_only = false;
   std::vector<int64_t> prefills, batches, contexts;
-  int64_t profile_prefill = 0;
+  int64_t profile_prefill = 0, profile_decode = 0;
   bool bad = false;
   for (int i = 1; i < argc; ++i) {
     const bool has = i + 1 < argc;
@@ -227,6 +230,9 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--profile-prefill") == 0 && has) {
       profile_prefill = std::atoll(argv[++i]);
       bad = bad || profile_prefill < 16;
+    } else if (std::strcmp(argv[i], "--profile-decode") == 0 && has) {
+      profile_decode = std::atoll(argv[++i]);
+      bad = bad || profile_decode < 1 || profile_decode > 256;
     } else {
       bad = true;
     }
@@ -247,7 +253,7 @@ int main(int argc, char** argv) {
         "usage: bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR ...] [--quick]\n"
         "  [--batches 1,32,128] [--contexts 1024,8192] [--prefill TOKENS[,TOKENS...]]\n"
         "  [--switches default,base,all[+fork][+fused],...] [--prefill-only] [--decode-only]\n"
-        "  [--profile-prefill TOKENS]\n");
+        "  [--profile-prefill TOKENS] [--profile-decode BATCH]\n");
     return 2;
   }
   bench::OpBench b;
@@ -261,7 +267,8 @@ int main(int argc, char** argv) {
       const std::string label = base_name(dir);
       CudaModelOptions o;
       o.max_tokens = std::max(*std::max_element(prefills.begin(), prefills.end()), profile_prefill);
-      o.max_seqs = std::max<int64_t>(8, *std::max_element(batches.begin(), batches.end()));
+      o.max_seqs =
+          std::max<int64_t>({8, *std::max_element(batches.begin(), batches.end()), profile_decode});
       o.page_size = page;
       o.graph_max_context = max_ctx;
       const double t_load = now_us();
@@ -282,7 +289,32 @@ int main(int argc, char** argv) {
       const double kv_token_bytes = 2.0 * c.num_key_value_heads * c.head_dim * 2 * s.attn_layers;
       const double state_bytes = 4.0 * model->state_slot_elems();
 
-      // Decode: B sequences at ctx - 1 (pages 0..ctx/page of sequence b at b * pages_per_seq).
+      // Decode: B sequences at ctx - 1 (pages 0..ctx/page of sequence b at b * pages_per_seq);
+      // `body` runs after the graph's capture and warm-up with a function that runs one step.
+      auto with_decode = [&](int64_t B, int64_t ctx,
+                             const std::function<void(const std::function<void()>&)>& body) {
+        const int64_t per_seq = (ctx + page - 1) / page;
+        KvCache kv = model->make_kv_cache(B * per_seq + 1, page);
+        if (model->state_slot_elems() > 0) kv.allocate_states(B, model->state_slot_elems());
+        std::vector<std::vector<int32_t>> tables(static_cast<size_t>(B));
+        std::vector<int32_t> tokens(static_cast<size_t>(B));
+        for (int64_t i = 0; i < B; ++i) {
+          tokens[static_cast<size_t>(i)] = static_cast<int32_t>((1 + i * 7919) % c.vocab_size);
+        }
+        ForwardBatch fb;
+        for (int64_t i = 0; i < B; ++i) {
+          auto& t = tables[static_cast<size_t>(i)];
+          t.resize(static_cast<size_t>(per_seq));
+          std::iota(t.begin(), t.end(), static_cast<int32_t>(i * per_seq));
+          fb.seqs.push_back({tokens.data() + i, 1, ctx - 1, t.data(), per_seq, LogitsMode::kLast,
+                             static_cast<int32_t>(i)});
+        }
+        std::vector<DeviceSampling> rows(static_cast<size_t>(B));
+        for (auto& r : rows) r.temperature = 0;
+        std::vector<SampledToken> out;
+        for (int w = 0; w < 3; ++w) model->forward_sample(fb, kv, rows, out);  // capture
+        body([&] { model->forward_sample(fb, kv, rows, out); });
+      };
       for (const std::string& sw : switches) {
         if (prefill_only) break;
         const Variant var = parse_variant(sw);
@@ -295,33 +327,14 @@ int main(int argc, char** argv) {
         for (int64_t ctx : contexts) {
           for (int64_t B : batches) {
             b.guarded("decode", [&] {
-              const int64_t per_seq = (ctx + page - 1) / page;
-              KvCache kv = model->make_kv_cache(B * per_seq + 1, page);
-              if (model->state_slot_elems() > 0) kv.allocate_states(B, model->state_slot_elems());
-              std::vector<std::vector<int32_t>> tables(static_cast<size_t>(B));
-              std::vector<int32_t> tokens(static_cast<size_t>(B));
-              for (int64_t i = 0; i < B; ++i) {
-                tokens[static_cast<size_t>(i)] =
-                    static_cast<int32_t>((1 + i * 7919) % c.vocab_size);
-              }
-              ForwardBatch fb;
-              for (int64_t i = 0; i < B; ++i) {
-                auto& t = tables[static_cast<size_t>(i)];
-                t.resize(static_cast<size_t>(per_seq));
-                std::iota(t.begin(), t.end(), static_cast<int32_t>(i * per_seq));
-                fb.seqs.push_back({tokens.data() + i, 1, ctx - 1, t.data(), per_seq,
-                                   LogitsMode::kLast, static_cast<int32_t>(i)});
-              }
-              std::vector<DeviceSampling> rows(static_cast<size_t>(B));
-              for (auto& r : rows) r.temperature = 0;
-              std::vector<SampledToken> out;
-              for (int w = 0; w < 3; ++w) model->forward_sample(fb, kv, rows, out);  // capture
               std::vector<double> us;
-              for (int it = 0; it < (quick ? 10 : 30); ++it) {
-                const double t0 = now_us();
-                model->forward_sample(fb, kv, rows, out);
-                us.push_back(now_us() - t0);
-              }
+              with_decode(B, ctx, [&](const std::function<void()>& step) {
+                for (int it = 0; it < (quick ? 10 : 30); ++it) {
+                  const double t0 = now_us();
+                  step();
+                  us.push_back(now_us() - t0);
+                }
+              });
               const double E = c.num_experts, k = c.num_experts_per_tok;
               const double hit = E * (1 - std::pow(1 - k / E, static_cast<double>(B)));
               const double bytes = s.weights_all + s.moe_layers * hit * s.expert_bytes +
@@ -333,6 +346,31 @@ int main(int argc, char** argv) {
             });
           }
         }
+      }
+      if (profile_decode > 0) {  // the default switches' graph, one step recorded
+        b.guarded("profile decode", [&] {
+#if TANDEM_BENCH_CUPTI
+          cuda::decode_switches() = cuda::DecodeSwitches{};
+          model->set_shared_expert_fork(true);
+          model->set_fused_deltanet_decode(true);
+          model->reset_graphs();
+          const int64_t ctx = contexts.front();
+          with_decode(profile_decode, ctx, [&](const std::function<void()>& step) {
+            cupti::Recorder rec;
+            rec.start();
+            const double t0 = now_us();
+            step();
+            const double wall = now_us() - t0;
+            print_profile(label,
+                          "decode step of " + std::to_string(profile_decode) + " x " +
+                              std::to_string(ctx) + " ctx (graph)",
+                          wall, rec.stop());
+          });
+#else
+          std::printf("== profile %s: built without CUPTI (CUDA::cupti not found)\n",
+                      label.c_str());
+#endif
+        });
       }
       cuda::decode_switches() = cuda::DecodeSwitches{};
       model->set_shared_expert_fork(false);
@@ -389,7 +427,8 @@ int main(int argc, char** argv) {
             const double t0 = now_us();
             run();
             const double wall = now_us() - t0;
-            print_profile(label, profile_prefill, wall, rec.stop());
+            print_profile(label, "one " + std::to_string(profile_prefill) + "-token prefill", wall,
+                          rec.stop());
           });
 #else
           std::printf("== profile %s: built without CUPTI (CUDA::cupti not found)\n",

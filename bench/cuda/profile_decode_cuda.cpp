@@ -5,6 +5,11 @@
 // bench_model_cuda's decode rows.
 //
 //   profile_decode_cuda [--batch B ...] [--ctx N] [--layers L] [--steps S] [--variants V,...]
+//       [--fp8 | --fp8-w8a16]
+//
+// --fp8: the linears and experts in block FP8 (128x128 scales) with FP8 activations, the
+// default of a block-FP8 checkpoint; --fp8-w8a16: with bf16 activations. The roofline then counts
+// one byte a weight (issue 29: batch-1 FP8 at 0.84x of bf16 while its bytes are half).
 //
 // Variants (same process, same model; each captures its own graphs): base = every switch of
 // backend/cuda/decode_switches.h off (the kernels before issue 15 item 1), default = the
@@ -73,18 +78,20 @@ struct Roles {
   const ModelConfig& c;
   int64_t b, ctx;
   double experts_touched;
+  double w = 2;  // bytes per weight of the linears and experts (1: block FP8; scales left out)
   double bytes(const std::string& role) const {
     const double h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                  kvh = c.num_key_value_heads, I = c.moe_intermediate_size, E = c.num_experts,
                  k = c.num_experts_per_tok, B = static_cast<double>(b);
-    if (role == "qkv_linear") return 2 * (qh + 2 * kvh) * d * h + 2 * B * (h + (qh + 2 * kvh) * d);
-    if (role == "o_linear") return 2 * h * qh * d + 2 * B * (h + qh * d);
+    if (role == "qkv_linear") return w * (qh + 2 * kvh) * d * h + 2 * B * (h + (qh + 2 * kvh) * d);
+    if (role == "o_linear") return w * h * qh * d + 2 * B * (h + qh * d);
     if (role == "norm") return 2 * h + 2 * B * h * 4;
     if (role == "qkv_prep") return 2 * B * (qh + 2 * kvh) * d * 2 + 4 * d;
     if (role == "attention") return 2.0 * 2 * kvh * d * B * ctx + 2 * B * 2 * qh * d;
     if (role == "router") return 2 * E * h + 2 * B * h;
-    if (role == "expert_gate_up") return experts_touched * 2 * 2 * I * h + 2 * B * k * (h + I);
-    if (role == "expert_down") return experts_touched * 2 * h * I + 2 * B * k * (h + I);
+    if (role == "expert_gate_up") return experts_touched * w * 2 * I * h + 2 * B * k * (h + I);
+    if (role == "expert_down") return experts_touched * w * h * I + 2 * B * k * (h + I);
+    if (role == "act_quant") return 2 * B * h + B * h;
     if (role == "unpermute") return 2 * B * k * h + 2 * B * h;
     if (role == "lm_head") return 2 * c.vocab_size * h + 4 * B * c.vocab_size;
     return 0;
@@ -104,6 +111,7 @@ std::string role_of(const std::string& n, int& linear_in_layer, int& moe_gemm_in
   if (has("merge")) return "attention_merge";
   if (n == "decode_kernel" || has("attention") || n == "prefill_kernel") return "attention";
   if (has("unpermute")) return "unpermute";
+  if (has("quantize") || has("quant_act")) return "act_quant";  // FP8 activations (W8A8)
   if (n == "gate_up_kernel") return "expert_gate_up";
   if (n == "down_kernel") return "expert_down";
   if (has("moe_gemm")) return moe_gemm_in_layer++ == 0 ? "expert_gate_up" : "expert_down";
@@ -138,14 +146,15 @@ std::pair<double, double> profile(Qwen3MoeCuda* model, KvCache& kv, int64_t b, i
                                                         [&] { model->forward_device(fb, kv); }));
   const double E = c.num_experts, k = c.num_experts_per_tok;
   const double touched = E * (1.0 - std::pow(1.0 - k / E, static_cast<double>(b)));
-  Roles roles{c, b, x, touched};
+  const double w = c.quant.method == WeightQuant::kFp8Block ? 1.0 : 2.0;
+  Roles roles{c, b, x, touched, w};
   // bench_model_cuda's count: attention and norm weights, router, the touched experts, the
   // LM head and the KV read.
   const double h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                kvh = c.num_key_value_heads, L = static_cast<double>(c.num_hidden_layers);
-  const double attn_layer = 2.0 * ((qh + 2 * kvh) * d * h + h * qh * d) + 2.0 * (2 * h + 2 * d);
+  const double attn_layer = w * ((qh + 2 * kvh) * d * h + h * qh * d) + 2.0 * (2 * h + 2 * d);
   const double step_bytes =
-      L * (attn_layer + 2.0 * E * h + touched * 3 * 2.0 * h * c.moe_intermediate_size) +
+      L * (attn_layer + 2.0 * E * h + touched * 3 * w * h * c.moe_intermediate_size) +
       2.0 * c.vocab_size * h + 2.0 * 2 * kvh * d * static_cast<double>(b) * x * L;
   const double bound_us = 1e6 * step_bytes / copy_Bps;
   std::printf(
@@ -262,7 +271,10 @@ int main(int argc, char** argv) {
   int64_t ctx = 1024, layers = 48;
   int steps = 10;
   std::vector<std::string> variants = {"base", "default"};
+  std::string fp8;  // "": bf16; "w8a8" / "w8a16": block FP8 with FP8 / bf16 activations
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--fp8") == 0) fp8 = "w8a8";
+    if (std::strcmp(argv[i], "--fp8-w8a16") == 0) fp8 = "w8a16";
     if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc)
       batches.push_back(std::atoll(argv[++i]));
     if (std::strcmp(argv[i], "--ctx") == 0 && i + 1 < argc) ctx = std::atoll(argv[++i]);
@@ -299,7 +311,15 @@ int main(int argc, char** argv) {
       copy_Bps = bench::measure_copy_Bps(t, a, b, 3, 20, bench::upper_median);
     }
     std::printf("== copy %.0f GB/s (1 GiB D2D, read + write)\n", copy_Bps / 1e9);
-    const ModelConfig c = qwen3_30b(layers);
+    ModelConfig c = qwen3_30b(layers);
+    if (!fp8.empty()) {  // Qwen's published block-FP8 layout; activations read at construction
+      c.quant.method = WeightQuant::kFp8Block;
+      c.quant.block_rows = 128;
+      c.quant.block_cols = 128;
+      setenv("TANDEM_CUDA_FP8_ACT", fp8 == "w8a8" ? "1" : "0", 1);
+      std::printf("== block FP8 weights, %s\n",
+                  fp8 == "w8a8" ? "FP8 activations (W8A8)" : "bf16 activations (W8A16)");
+    }
     const int64_t max_b = *std::max_element(batches.begin(), batches.end());
     CudaModelOptions o;
     o.max_tokens = 2048;
