@@ -92,6 +92,32 @@ for model in "$@"; do
   stop_all
 done
 
+# Started in the other order: the router first, pointed at ports the instances take later, then
+# the decode instances, then the prefill instance; the router admits each as it comes up (its
+# /health turns 200 once a prefill and a decode instance are ready), and serves the same tokens.
+free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+model="$1"
+common=(--model "$model" --device cuda --kv-cache-mb 256 --max-model-len 1024)
+pP=$(free_port); pA=$(free_port); pB=$(free_port)
+start router router --model "$model" --served-model-name m --prefill "127.0.0.1:$pP" \
+  --decode "127.0.0.1:$pA,127.0.0.1:$pB" --port 0
+start decA decode "${common[@]}" --nprocs 2 --port "$pA" --max-decode-batch 32
+start decB decode "${common[@]}" --nprocs 2 --port "$pB" --max-decode-batch 32
+start pre prefill "${common[@]}" --nprocs 2 --port "$pP"
+up=0
+for _ in $(seq 600); do
+  curl -sf -o /dev/null "http://$router_addr/health" && { up=1; break; }
+  sleep 0.1
+done
+if [ $up = 1 ]; then
+  start serve serve "${common[@]}" --served-model-name m --port 0 --no-prefix-cache
+  echo "router started first, then decode, then prefill: ready"
+  compare "$model" || status=1
+else
+  echo "the router started first never became ready"; tail -5 "$dir/router.log"; status=1
+fi
+stop_all
+
 # MTP speculative decoding on the GPU decode instances (models that ship an MTP head: the demo
 # model): the same greedy tokens as serve without speculation, by the margin rule, and the
 # router's /metrics counts the drafts and accepted tokens of every rank of both instances.
