@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include "core/env.h"
@@ -38,30 +39,31 @@ ThreadPool::~ThreadPool() {
 // handler drops the inherited pool (leaked: its threads do not exist to be joined; the child is
 // single-threaded then) and the next global() call there starts a fresh one. The pool is never
 // destroyed: its workers block on a condition variable until the process exits.
-// g_pool_mu is held across fork() (prepare / parent / child handlers), so that the child never
-// inherits it locked.
+// g_pool_mu guards the creation and is held across fork() (prepare / parent / child handlers),
+// so that the child never inherits it locked; a created pool is read without it.
 namespace {
 std::mutex g_pool_mu;
-ThreadPool* g_pool = nullptr;
+std::atomic<ThreadPool*> g_pool{nullptr};
 ThreadPool* g_inherited = nullptr;  // the parent's, in a child (kept reachable for LSan)
 void lock_pool() { g_pool_mu.lock(); }
 void unlock_pool() { g_pool_mu.unlock(); }
 void drop_pool_in_child() {
-  if (g_pool != nullptr) g_inherited = g_pool;
-  g_pool = nullptr;
+  if (ThreadPool* p = g_pool.exchange(nullptr)) g_inherited = p;
   g_pool_mu.unlock();
 }
 }  // namespace
 
 ThreadPool& ThreadPool::global() {
-  static const bool registered = [] {
-    ::pthread_atfork(lock_pool, unlock_pool, drop_pool_in_child);
-    return true;
-  }();
-  (void)registered;
+  if (ThreadPool* p = g_pool.load(std::memory_order_acquire)) return *p;
   std::lock_guard<std::mutex> lock(g_pool_mu);
-  if (g_pool == nullptr) g_pool = new ThreadPool();
-  return *g_pool;
+  static const bool registered = ::pthread_atfork(lock_pool, unlock_pool, drop_pool_in_child) == 0;
+  (void)registered;
+  ThreadPool* p = g_pool.load(std::memory_order_relaxed);
+  if (p == nullptr) {
+    p = new ThreadPool();
+    g_pool.store(p, std::memory_order_release);
+  }
+  return *p;
 }
 
 void ThreadPool::worker_loop(int index) {
