@@ -23,6 +23,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "decode_graph_replay.h"
 
 namespace tandem::cuda {
 namespace {
@@ -319,43 +320,17 @@ void CudaAttention::graph_replay(int64_t q_heads) {
                          d_out.bf(), seqs,        q_heads,     kv_heads,  d,
                          ps,         max_pages,   scale,       kv_split,  d_ws.ptr};
   p.num_prefill_tokens = 0;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  paged_attention_launch(p, stream_);
-  TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-  TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const std::vector<std::vector<int32_t>> lens = {
-      {1, 16, 500, 1024}, {1024, 1, 200, 17}, {3, 3, 3, 3}, {700, 900, 1, 64}};
-  for (auto const& len : lens) {
-    SCOPED_TRACE("lens " + std::to_string(len[0]) + " " + std::to_string(len[1]) + " " +
-                 std::to_string(len[2]) + " " + std::to_string(len[3]));
-    std::vector<int32_t> perm(num_pages);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng_);
-    std::vector<int32_t> table(seqs * max_pages, 0x3fffffff), tseq(seqs), pos(seqs);
-    size_t next = 0;
-    for (int64_t s = 0; s < seqs; ++s) {
-      for (int64_t pg = 0; pg < (len[s] + ps - 1) / ps; ++pg)
-        table[s * max_pages + pg] = perm[next++];
-      tseq[s] = static_cast<int32_t>(s);
-      pos[s] = len[s] - 1;
-    }
-    Bits q = randn_bf16(seqs * q_heads * d, 1.f);
-    d_q.upload(q);
-    d_table.upload(table);
-    d_seq.upload(tseq);
-    d_pos.upload(pos);
-    d_out.poison(0xff);
-    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<float> qf = to_f32(q), pf = to_f32(pool), ref(seqs * q_heads * d);
-    cpu::paged_attention({qf.data(), pf.data(), table.data(), tseq.data(), pos.data(), ref.data(),
-                          seqs, q_heads, kv_heads, d, ps, max_pages, scale});
-    EXPECT_TRUE(close(d_out.download(), ref, q_heads, d, kTolBf16));
-  }
-  TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  const std::vector<float> pf = to_f32(pool);
+  test_util::replay_decode_graph(
+      p, num_pages, stream_, rng_, d_q, d_table, d_seq, d_pos, d_out,
+      [&] { return randn_bf16(seqs * q_heads * d, 1.f); },
+      [&](test_util::DecodeReplayInputs const& in) {
+        std::vector<float> qf = to_f32(in.q), ref(seqs * q_heads * d);
+        cpu::paged_attention({qf.data(), pf.data(), in.table.data(), in.token_seq.data(),
+                              in.positions.data(), ref.data(), seqs, q_heads, kv_heads, d, ps,
+                              max_pages, scale});
+        EXPECT_TRUE(close(d_out.download(), ref, q_heads, d, kTolBf16));
+      });
 }
 
 TEST_F(CudaAttention, RejectsUnsupported) {

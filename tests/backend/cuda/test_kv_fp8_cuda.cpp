@@ -32,6 +32,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "decode_graph_replay.h"
 
 namespace tandem::cuda {
 namespace {
@@ -509,46 +510,17 @@ TEST_F(CudaKvFp8Attention, TensorCoreDecodeGraphReplay) {
     p.kv_fp8 = true;
     p.k_scale = ks;
     p.v_scale = vs;
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    paged_attention_launch(p, stream_);
-    TANDEM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const std::vector<std::vector<int32_t>> lens = {
-        {1, 16, 500, 1024}, {1024, 1, 200, 17}, {3, 3, 3, 3}, {700, 900, 1, 64}};
-    for (auto const& len : lens) {
-      SCOPED_TRACE("lens " + std::to_string(len[0]) + " " + std::to_string(len[1]) + " " +
-                   std::to_string(len[2]) + " " + std::to_string(len[3]));
-      std::vector<int32_t> perm(static_cast<size_t>(num_pages));
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng_);
-      std::vector<int32_t> table(static_cast<size_t>(seqs * max_pages), 0x3fffffff), tseq(seqs),
-          pos(seqs);
-      size_t next = 0;
-      for (int64_t s = 0; s < seqs; ++s) {
-        for (int64_t pg = 0; pg < (len[s] + ps - 1) / ps; ++pg) {
-          table[s * max_pages + pg] = perm[next++];
-        }
-        tseq[s] = static_cast<int32_t>(s);
-        pos[s] = len[s] - 1;
-      }
-      const Bits q = randn_bf16(seqs * q_heads * d, 1.f);
-      d_q.upload(q);
-      d_table.upload(table);
-      d_seq.upload(tseq);
-      d_pos.upload(pos);
-      d_out.poison(0xff);
-      TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-      sync();
-      const std::vector<float> qf = to_f32(q);
-      std::vector<float> ref(static_cast<size_t>(seqs * q_heads * d));
-      cpu::paged_attention({qf.data(), pool_f.data(), table.data(), tseq.data(), pos.data(),
-                            ref.data(), seqs, q_heads, kv_heads, d, ps, max_pages, scale});
-      EXPECT_LT(test_util::rel_err(d_out.download(), ref), 1e-2);
-    }
-    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    test_util::replay_decode_graph(
+        p, num_pages, stream_, rng_, d_q, d_table, d_seq, d_pos, d_out,
+        [&] { return randn_bf16(seqs * q_heads * d, 1.f); },
+        [&](test_util::DecodeReplayInputs const& in) {
+          const std::vector<float> qf = to_f32(in.q);
+          std::vector<float> ref(static_cast<size_t>(seqs * q_heads * d));
+          cpu::paged_attention({qf.data(), pool_f.data(), in.table.data(), in.token_seq.data(),
+                                in.positions.data(), ref.data(), seqs, q_heads, kv_heads, d, ps,
+                                max_pages, scale});
+          EXPECT_LT(test_util::rel_err(d_out.download(), ref), 1e-2);
+        });
   }
 }
 
