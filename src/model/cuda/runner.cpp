@@ -196,9 +196,8 @@ CudaRunner::CudaRunner(const ModelConfig& config, const CudaModelOptions& opts)
   for (int64_t b : kGraphBuckets) {
     if (b <= opts_.max_seqs) buckets_.push_back(b);
   }
-  if (buckets_.empty() || buckets_.back() < std::min<int64_t>(opts_.max_seqs, 256)) {
-    buckets_.push_back(std::min<int64_t>(opts_.max_seqs, 256));
-  }
+  const int64_t top = std::min<int64_t>(opts_.max_seqs, kMaxGraphBatch);
+  if (buckets_.empty() || buckets_.back() < top) buckets_.push_back(top);
   if (!opts_.cuda_graphs) buckets_.clear();
 }
 

@@ -52,9 +52,13 @@ namespace tandem::cuda_model {
 
 class DeviceSampler;
 
-/// Batch-size buckets decode and verify graphs are captured for.
-inline constexpr int64_t kGraphBuckets[] = {1,  2,  4,   8,   16,  24,  32,  48, 64,
-                                            80, 96, 112, 128, 160, 192, 224, 256};
+/// Batch-size buckets decode and verify graphs are captured for: every 16 to 128, every 32 to
+/// 256, every 64 to kMaxGraphBatch (a replay pads a batch to its bucket: at most 25% above 256).
+inline constexpr int64_t kGraphBuckets[] = {1,   2,   4,   8,   16,  24,  32,  48,  64,
+                                            80,  96,  112, 128, 160, 192, 224, 256, 288,
+                                            320, 384, 448, 512};
+/// The largest decode batch a graph replays (--max-num-seqs above it runs larger steps eagerly).
+inline constexpr int64_t kMaxGraphBatch = 512;
 /// Most tokens per sequence a graph replays: 1 (decode) or K + 1 for K up to 4 (verify).
 inline constexpr int64_t kMaxGraphTokensPerSeq = 5;
 

@@ -221,6 +221,57 @@ inline std::vector<std::vector<float>> verify_shaped_rows(
   return got;
 }
 
+// `nseq` sequences at once (sequence i is golden case i % cases, teacher-forced; its own pages of
+// 16 tokens and, for a model with recurrent state, state slot i): the prompts prefilled 16
+// sequences a step, then `steps` decode steps of every sequence together (one token each).
+// Returns the decode steps' logits rows, [steps * nseq, vocab], step-major. A decode batch of
+// nseq replays the graph of the smallest bucket >= nseq when the model captures graphs.
+inline std::vector<float> many_sequence_decode_rows(Model& model, const testing::Golden& g,
+                                                    int64_t nseq, int64_t steps) {
+  constexpr int64_t kPage = 16;
+  const auto nc = static_cast<int64_t>(g.cases.size());
+  std::vector<std::vector<int32_t>> toks;
+  size_t longest = 0;
+  for (int64_t i = 0; i < nseq; ++i) {
+    toks.push_back(teacher_forced_tokens(g.cases[static_cast<size_t>(i % nc)]));
+    const size_t prompt = g.cases[static_cast<size_t>(i % nc)].prompt_ids.size();
+    EXPECT_GE(toks.back().size(), prompt + static_cast<size_t>(steps)) << "case " << i % nc;
+    longest = std::max(longest, toks.back().size());
+  }
+  const int64_t per = static_cast<int64_t>(longest) / kPage + 2;
+  std::vector<int32_t> tables(static_cast<size_t>(nseq * per));
+  std::iota(tables.begin(), tables.end(), 0);
+  KvCache kv = model.make_kv_cache(nseq * per, kPage);
+  const bool states = model.state_slot_elems() > 0;
+  if (states) kv.allocate_states(nseq, model.state_slot_elems());
+  auto seq = [&](int64_t i, int64_t start, int64_t count) {
+    return ForwardSeq{toks[static_cast<size_t>(i)].data() + start,
+                      count,
+                      start,
+                      tables.data() + i * per,
+                      per,
+                      LogitsMode::kLast,
+                      states ? static_cast<int32_t>(i) : -1};
+  };
+  std::vector<float> part, rows;
+  for (int64_t first = 0; first < nseq; first += 16) {
+    ForwardBatch b;
+    for (int64_t i = first; i < std::min(nseq, first + 16); ++i) {
+      b.seqs.push_back(seq(i, 0, static_cast<int64_t>(g.cases[i % nc].prompt_ids.size())));
+    }
+    model.forward(b, kv, part);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    ForwardBatch b;
+    for (int64_t i = 0; i < nseq; ++i) {
+      b.seqs.push_back(seq(i, static_cast<int64_t>(g.cases[i % nc].prompt_ids.size()) + s, 1));
+    }
+    model.forward(b, kv, part);
+    rows.insert(rows.end(), part.begin(), part.end());
+  }
+  return rows;
+}
+
 // One sequence, all positions' logits, in chunks of `chunk` tokens.
 inline std::vector<float> teacher_forced(Model& model, KvCache& kv,
                                          const std::vector<int32_t>& tokens, int64_t chunk,
