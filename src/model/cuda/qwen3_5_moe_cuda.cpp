@@ -125,12 +125,16 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   // Weights.
   std::vector<DeviceMem> mem;
   // Block-FP8 checkpoints: the routed experts stay E4M3 + row scales on the device (1 byte a
-  // weight: they are nearly all of a Qwen3.5 MoE's bytes), run W8A16 by MoeLayer / the decode EP
+  // weight: they are nearly all of a Qwen3.5 MoE's bytes), run by MoeLayer / the decode EP
   // exchange; the dense linears (attention, DeltaNet, shared expert) are dequantized to bf16 at
   // load, each rank dequantizing only its rows / columns. Set by load() from
   // CudaModelOptions::fp8_weights, TANDEM_CUDA_FP8 and the config (block FP8 of 128 columns).
   bool fp8 = false;
   bool any_fp8_experts = false;
+  // FP8 activations for the FP8 experts (W8A8 on the FP8 tensor cores, as Qwen3MoeCuda: the
+  // rows quantized per token and 128 columns, Qwen's dynamic activation scheme); off
+  // (TANDEM_CUDA_FP8_ACT=0): W8A16, bf16 rows against the E4M3 weights.
+  bool fp8_act = false;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;
   bf16* lm_head = nullptr;  // the embedding when tied
@@ -628,9 +632,15 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       moe = std::make_unique<cuda::MoeLayer>(ws.t_cap, h, c.moe_intermediate_size, c.num_experts,
                                              c.num_experts_per_tok, plan.experts.begin,
                                              local_experts, true);
-      // W8A16 FP8 experts: prefill-sized batches dequantize a layer's experts into MoeLayer's
-      // bf16 copy for the cuBLAS paths (reserved now, before any graph capture).
-      if (any_fp8_experts) moe->reserve_fp8_prefill();
+      // W8A8 FP8 experts: the wgmma grouped GEMMs (set up now, outside any capture). W8A16:
+      // prefill-sized batches dequantize a layer's experts into MoeLayer's bf16 copy for the
+      // cuBLAS paths (reserved now, before any graph capture).
+      if (any_fp8_experts && fp8_act) {
+        moe->set_fp8_activations(true);
+        moe->set_fp8_prefill_dequant(false);
+      } else if (any_fp8_experts) {
+        moe->reserve_fp8_prefill();
+      }
     }
     // The FP8 grouped GEMM's tiles before any graph capture.
     if (any_fp8_experts) cuda::moe_gemm_prepare();
@@ -690,7 +700,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       if (dp_ep()) {
         cuda_model::EpExperts e;
         ep_experts(w, e);
-        comms->moe_ep(e, XN, out, n, m.num_real, warmup, true, false, *ws.gemm, stream);
+        comms->moe_ep(e, XN, out, n, m.num_real, warmup, true, fp8_act && w.gate_up_q != nullptr,
+                      *ws.gemm, stream);
       } else {
         moe->run({w.router, w.gate_up, w.down, w.gate_up_q, w.gate_up_s, w.down_q, w.down_s}, XN,
                  out, n, *ws.gemm, stream);
@@ -993,6 +1004,7 @@ std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
   const QuantConfig& q = m->config_.quant;
   m->impl_->fp8 = opts.fp8_weights && !env_off && q.method == WeightQuant::kFp8Block &&
                   q.block_cols == cuda::kFp8BlockK && q.block_rows > 0;
+  m->impl_->fp8_act = m->impl_->fp8 && env::flag("TANDEM_CUDA_FP8_ACT", true);
   m->impl_->allocate_weights(reader);
   m->impl_->load_weights(reader);
   m->impl_->allocate_activations();
@@ -1190,6 +1202,10 @@ bool Qwen35MoeCuda::gather_state(KvCache& kv, int64_t slot, int root, std::vecto
   }
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return true;
+}
+
+bool Qwen35MoeCuda::fp8_activations() const {
+  return impl_->fp8_act && impl_->any_fp8_experts;
 }
 
 int64_t Qwen35MoeCuda::fp8_expert_layers() const {

@@ -165,6 +165,8 @@ class Qwen35MoeCuda final : public Model {
   /// Layers (MTP excluded) whose routed experts stay block FP8 on the device (a block-FP8
   /// checkpoint with CudaModelOptions::fp8_weights; the dense linears are dequantized to bf16).
   int64_t fp8_expert_layers() const;
+  /// Whether the FP8 experts take FP8 activations (W8A8; TANDEM_CUDA_FP8_ACT=0: W8A16).
+  bool fp8_activations() const;
   /// Batch-size buckets captured so far (decode graphs).
   std::vector<int64_t> captured_buckets() const;
   /// Decode-step buckets (the batch sizes graphs are captured for).

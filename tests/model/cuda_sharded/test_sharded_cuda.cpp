@@ -623,8 +623,8 @@ struct RowCheck {
       }
     }
   }
-  // Median under med_tol, at most 5% of the argmax checks flipped, some checked.
-  void expect(double med_tol, const std::string& what) const {
+  // Median under med_tol, at most flip_share of the argmax checks flipped, some checked.
+  void expect(double med_tol, const std::string& what, double flip_share = 0.05) const {
     TANDEM_CHECK(!errs.empty() && checked > 0, what, ": nothing compared");
     std::vector<double> e = errs;
     std::sort(e.begin(), e.end());
@@ -633,7 +633,7 @@ struct RowCheck {
                  "%s: rows %zu, relative error median %.2e max %.2e, %d argmax, %d flipped\n",
                  what.c_str(), e.size(), med, e.back(), checked, flipped);
     TANDEM_CHECK(med < med_tol, what, ": median relative error ", med);
-    TANDEM_CHECK(flipped <= 0.05 * checked, what, ": ", flipped, " of ", checked,
+    TANDEM_CHECK(flipped <= flip_share * checked, what, ": ", flipped, " of ", checked,
                  " argmax checks flipped");
   }
 };
@@ -775,14 +775,21 @@ void prefill_tp2_matches_one_gpu(CudaSharded& t, const std::string& dir, int64_t
       TANDEM_CHECK(!on_dev.empty() && on_dev == mine_whole, what,
                    ": the state gathered on the device differs");
     }
-    rows.expect(2.5e-2, g.name + " prefill TP rank " + std::to_string(rank));
+    // FP8 experts with FP8 activations (W8A8, the default): each rank's residual stream differs
+    // from the one-GPU model's by the all-reduce's bf16 rounding, and the per-token E4M3
+    // quantization of the experts' inputs magnifies it: the W8A8 tolerances of the golden
+    // tests (cuda_golden_util.h), twice the flips.
+    const bool w8a8 = fp8_layers > 0 && tp->fp8_activations();
+    rows.expect(w8a8 ? cuda_golden::kMedianTolW8A8 : 2.5e-2,
+                g.name + " prefill TP rank " + std::to_string(rank), w8a8 ? 0.1 : 0.05);
     // The state against the one-GPU model's, after the logits (both reported). The recurrent
     // state integrates every token's k / v through the layers, so a reduction order's bf16
     // rounding (and a routing near-tie it flips) stays in it: bf16 within 5%; the FP8 model
     // within 8% (0.0508 measured on qwen35_vl_hd256_int4_tied_bf16 on an H100, whose experts
     // are FP8 under TP=2, while its logits pass the same row check as bf16). A wrong slice or
     // a missing head is off by O(1).
-    const double tol = fp8_layers >= 0 ? 8e-2 : 5e-2;
+    // With FP8 activations (W8A8) the experts' inputs are rounded to E4M3 on top: 12%.
+    const double tol = w8a8 ? 0.12 : fp8_layers >= 0 ? 8e-2 : 5e-2;
     TANDEM_CHECK(state_err < tol, state_where, ": the gathered state is off the one-GPU one by ",
                  state_err, " (tolerance ", tol, ")");
   });
