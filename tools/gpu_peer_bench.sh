@@ -28,7 +28,8 @@
 # the table says so: such a row does not compare with the published one.
 # Env: TANDEM_PEER_UTIL_Q35 (default 0.75: Qwen3.5's DeltaNet state slots, ~63 MB per sequence,
 # are allocated beside the KV budget), TANDEM_PEER_UTIL_Q30 (0.9), TANDEM_PEER_SEQS (256: the
-# server's --max-num-seqs), TANDEM_PEER_SHM (/dev/shm).
+# server's --max-num-seqs), TANDEM_PEER_SHM (/dev/shm), TANDEM_PEER_KEEP=1 (the last model's
+# checkpoint stays in TANDEM_PEER_SHM/peer_MODEL for a later benchmark; removed otherwise).
 # Output: $OUT/peer_bench (or /tmp/peer_bench): each row's result JSON (vLLM's fields), the
 # server logs (start-up phases and time to ready), table.md; the table is printed last.
 # Time (device): per model about 1 min to write the checkpoint, 1 min for the engine rows, 1 min
@@ -244,6 +245,7 @@ EOF
     row "$label | c1 TTFT ms, 8,192-token prompt | ${t:-failed} | $p | SGLang 0.5.16 | $(ratio "$p" "$t") | | "
   fi
   row "$label | time to ready s (load, KV, graphs) | $ready_s | - | - | - | | "
+  [ "${TANDEM_PEER_KEEP:-0}" = 1 ] && { echo "   (kept $ck)"; ck=; continue; }
   rm -rf "$ck"; ck=
 done
 echo

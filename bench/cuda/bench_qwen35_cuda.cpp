@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
       bad = bad || profile_prefill < 16;
     } else if (std::strcmp(argv[i], "--profile-decode") == 0 && has) {
       profile_decode = std::atoll(argv[++i]);
-      bad = bad || profile_decode < 1 || profile_decode > 256;
+      bad = bad || profile_decode < 1 || profile_decode > 1024;
     } else {
       bad = true;
     }
@@ -242,7 +242,8 @@ int main(int argc, char** argv) {
   if (contexts.empty())
     contexts = quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 8192};
   for (int64_t v : prefills) bad = bad || v < 16;
-  for (int64_t v : batches) bad = bad || v < 1 || v > 256;
+  // Decode batches up to 1024: graphs to kMaxGraphBatch (512), eager above (the peers' long row).
+  for (int64_t v : batches) bad = bad || v < 1 || v > 1024;
   for (int64_t v : contexts) bad = bad || v < 2;
   for (const std::string& v : switches) {
     const Variant var = parse_variant(v);
@@ -266,9 +267,10 @@ int main(int argc, char** argv) {
     for (const std::string& dir : dirs) {
       const std::string label = base_name(dir);
       CudaModelOptions o;
-      o.max_tokens = std::max(*std::max_element(prefills.begin(), prefills.end()), profile_prefill);
       o.max_seqs =
           std::max<int64_t>({8, *std::max_element(batches.begin(), batches.end()), profile_decode});
+      o.max_tokens = std::max({*std::max_element(prefills.begin(), prefills.end()),
+                               profile_prefill, o.max_seqs});
       o.page_size = page;
       o.graph_max_context = max_ctx;
       const double t_load = now_us();
