@@ -176,6 +176,16 @@ std::vector<int64_t> GraphSet::keys() const {
   return out;
 }
 
+std::vector<int64_t> graph_buckets(int64_t max_seqs) {
+  std::vector<int64_t> buckets;
+  for (const int64_t b : kGraphBuckets) {
+    if (b <= max_seqs) buckets.push_back(b);
+  }
+  const int64_t top = std::clamp<int64_t>(max_seqs, 1, kMaxGraphBatch);
+  if (buckets.empty() || buckets.back() < top) buckets.push_back(top);
+  return buckets;
+}
+
 // ---- CudaRunner ----------------------------------------------------------------------------
 
 CudaRunner::CudaRunner(const ModelConfig& config, const CudaModelOptions& opts)
@@ -193,12 +203,7 @@ CudaRunner::CudaRunner(const ModelConfig& config, const CudaModelOptions& opts)
   TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TANDEM_CUDA_CHECK(
       cudaDeviceGetAttribute(&ws_.num_sms, cudaDevAttrMultiProcessorCount, opts_.device));
-  for (int64_t b : kGraphBuckets) {
-    if (b <= opts_.max_seqs) buckets_.push_back(b);
-  }
-  const int64_t top = std::min<int64_t>(opts_.max_seqs, kMaxGraphBatch);
-  if (buckets_.empty() || buckets_.back() < top) buckets_.push_back(top);
-  if (!opts_.cuda_graphs) buckets_.clear();
+  if (opts_.cuda_graphs) buckets_ = graph_buckets(opts_.max_seqs);
 }
 
 CudaRunner::~CudaRunner() {

@@ -59,6 +59,10 @@ inline constexpr int64_t kGraphBuckets[] = {1,   2,   4,   8,   16,  24,  32,  4
                                             320, 384, 448, 512};
 /// The largest decode batch a graph replays (--max-num-seqs above it runs larger steps eagerly).
 inline constexpr int64_t kMaxGraphBatch = 512;
+/// The buckets for max_seqs running sequences: kGraphBuckets up to max_seqs, then
+/// min(max_seqs, kMaxGraphBatch) when it is not one of them (so that the largest batch pads
+/// nothing).
+std::vector<int64_t> graph_buckets(int64_t max_seqs);
 /// Most tokens per sequence a graph replays: 1 (decode) or K + 1 for K up to 4 (verify).
 inline constexpr int64_t kMaxGraphTokensPerSeq = 5;
 

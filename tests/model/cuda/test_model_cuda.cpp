@@ -34,6 +34,7 @@
 #include "model/config.h"
 #include "model/cuda/cuda_golden_util.h"
 #include "model/cuda/qwen3_moe_cuda.h"
+#include "model/cuda/runner.h"
 #include "model/qwen3_moe.h"
 
 namespace tandem {
@@ -113,6 +114,34 @@ TEST(CudaModelConfig, MoeLimitsAreRefusedNamingTheField) {
       const std::string what = e.what();
       EXPECT_NE(what.find("x/config.json: " + b.field), std::string::npos) << what;
       EXPECT_NE(what.find("at most"), std::string::npos) << what;
+    }
+  }
+}
+
+// The decode graphs' batch buckets (host logic, no GPU): every bucket up to --max-num-seqs, the
+// largest min(max_seqs, 512) itself, so that a full batch pads nothing and batches above 512 run
+// eagerly.
+TEST(CudaRunnerBuckets, UpToMaxSeqsCappedAt512) {
+  using cuda_model::graph_buckets;
+  EXPECT_EQ(graph_buckets(1), (std::vector<int64_t>{1}));
+  EXPECT_EQ(graph_buckets(8), (std::vector<int64_t>{1, 2, 4, 8}));
+  EXPECT_EQ(graph_buckets(10), (std::vector<int64_t>{1, 2, 4, 8, 10}));
+  const std::vector<int64_t> b300 = graph_buckets(300);
+  ASSERT_GE(b300.size(), 3u);
+  EXPECT_EQ(b300[b300.size() - 3], 256);
+  EXPECT_EQ(b300[b300.size() - 2], 288);
+  EXPECT_EQ(b300.back(), 300);
+  const std::vector<int64_t> b320 = graph_buckets(320);
+  EXPECT_EQ(b320.back(), 320);
+  EXPECT_EQ(b320[b320.size() - 2], 288);
+  for (const int64_t max_seqs : {512, 600, 1024}) {
+    const std::vector<int64_t> b = graph_buckets(max_seqs);
+    EXPECT_EQ(b.back(), cuda_model::kMaxGraphBatch) << max_seqs;
+    EXPECT_TRUE(std::is_sorted(b.begin(), b.end())) << max_seqs;
+    EXPECT_EQ(std::adjacent_find(b.begin(), b.end()), b.end()) << max_seqs;
+    // Above 256 a replay pads a batch by at most 25%.
+    for (size_t i = 1; i < b.size(); ++i) {
+      if (b[i - 1] >= 256) EXPECT_LE(b[i], b[i - 1] * 5 / 4) << b[i - 1] << " -> " << b[i];
     }
   }
 }
@@ -256,18 +285,18 @@ TEST_P(CudaGolden, BadInputsThrowWithoutPoisoningTheModel) {
   for (float v : logits) ASSERT_TRUE(std::isfinite(v));
 }
 
-// Decode batches above 256 replay graphs (buckets 288 to 512): 300 sequences decode together
-// through the graph of bucket 320 (20 padding sequences), and their logits rows match the same
-// steps run eagerly by the margin rule.
+// Decode batches above 256 replay graphs (buckets 288 to 512): with --max-num-seqs 320, 300
+// sequences decode together through the graph of bucket 320 (20 padding sequences), and their
+// logits rows match the same steps run eagerly by the margin rule.
 TEST_P(CudaGolden, DecodeGraphsAboveBatch256MatchEager) {
   const std::string dir = GetParam();
   const testing::Golden g = testing::load_golden(dir);
-  constexpr int64_t kSeqs = 300, kSteps = 2;
+  constexpr int64_t kSeqs = 300, kMaxSeqs = 320, kSteps = 2;
   std::vector<float> rows[2];
   for (const bool graphs : {true, false}) {
     CudaModelOptions o;
     o.max_tokens = 1024;
-    o.max_seqs = kSeqs;
+    o.max_seqs = kMaxSeqs;
     o.page_size = 16;
     o.cuda_graphs = graphs;
     auto gpu = Qwen3MoeCuda::load(dir, o);

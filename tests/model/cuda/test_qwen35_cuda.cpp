@@ -182,18 +182,18 @@ TEST_P(CudaQwen35Golden, GreedyMatchesTransformers) {
   }
 }
 
-// Decode batches above 256 replay graphs (buckets 288 to 512): 300 sequences decode together
-// through the graph of bucket 320 (20 padding sequences), and their logits rows match the same
-// steps run eagerly by the margin rule.
+// Decode batches above 256 replay graphs (buckets 288 to 512): with --max-num-seqs 320, 300
+// sequences decode together through the graph of bucket 320 (20 padding sequences), and their
+// logits rows match the same steps run eagerly by the margin rule.
 TEST_P(CudaQwen35Golden, DecodeGraphsAboveBatch256MatchEager) {
   const std::string dir = GetParam();
   const testing::Golden g = testing::load_golden(dir);
-  constexpr int64_t kSeqs = 300, kSteps = 2;
+  constexpr int64_t kSeqs = 300, kMaxSeqs = 320, kSteps = 2;
   std::vector<float> rows[2];
   for (const bool graphs : {true, false}) {
     CudaModelOptions o;
     o.max_tokens = 1024;
-    o.max_seqs = kSeqs;
+    o.max_seqs = kMaxSeqs;
     o.page_size = 16;
     o.cuda_graphs = graphs;
     auto gpu = Qwen35MoeCuda::load(dir, o);
