@@ -269,8 +269,8 @@ int main(int argc, char** argv) {
       CudaModelOptions o;
       o.max_seqs =
           std::max<int64_t>({8, *std::max_element(batches.begin(), batches.end()), profile_decode});
-      o.max_tokens = std::max({*std::max_element(prefills.begin(), prefills.end()),
-                               profile_prefill, o.max_seqs});
+      o.max_tokens = std::max(
+          {*std::max_element(prefills.begin(), prefills.end()), profile_prefill, o.max_seqs});
       o.page_size = page;
       o.graph_max_context = max_ctx;
       const double t_load = now_us();

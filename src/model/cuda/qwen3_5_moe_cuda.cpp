@@ -1204,9 +1204,7 @@ bool Qwen35MoeCuda::gather_state(KvCache& kv, int64_t slot, int root, std::vecto
   return true;
 }
 
-bool Qwen35MoeCuda::fp8_activations() const {
-  return impl_->fp8_act && impl_->any_fp8_experts;
-}
+bool Qwen35MoeCuda::fp8_activations() const { return impl_->fp8_act && impl_->any_fp8_experts; }
 
 int64_t Qwen35MoeCuda::fp8_expert_layers() const {
   int64_t n = 0;

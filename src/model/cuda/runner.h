@@ -54,9 +54,8 @@ class DeviceSampler;
 
 /// Batch-size buckets decode and verify graphs are captured for: every 16 to 128, every 32 to
 /// 256, every 64 to kMaxGraphBatch (a replay pads a batch to its bucket: at most 25% above 256).
-inline constexpr int64_t kGraphBuckets[] = {1,   2,   4,   8,   16,  24,  32,  48,  64,
-                                            80,  96,  112, 128, 160, 192, 224, 256, 288,
-                                            320, 384, 448, 512};
+inline constexpr int64_t kGraphBuckets[] = {1,   2,   4,   8,   16,  24,  32,  48,  64,  80,  96,
+                                            112, 128, 160, 192, 224, 256, 288, 320, 384, 448, 512};
 /// The largest decode batch a graph replays (--max-num-seqs above it runs larger steps eagerly).
 inline constexpr int64_t kMaxGraphBatch = 512;
 /// The buckets for max_seqs running sequences: kGraphBuckets up to max_seqs, then
