@@ -52,8 +52,9 @@ namespace tandem::cuda_model {
 
 class DeviceSampler;
 
-/// Batch-size buckets decode and verify graphs are captured for: every 16 to 128, every 32 to
-/// 256, every 64 to kMaxGraphBatch (a replay pads a batch to its bucket: at most 25% above 256).
+/// Batch-size buckets decode and verify graphs are captured for: 1, 2, 4, then every 8 to 32,
+/// every 16 to 128, every 32 to 320 and every 64 to kMaxGraphBatch (a replay pads a batch to its
+/// bucket: by at most 20% above 256).
 inline constexpr int64_t kGraphBuckets[] = {1,   2,   4,   8,   16,  24,  32,  48,  64,  80,  96,
                                             112, 128, 160, 192, 224, 256, 288, 320, 384, 448, 512};
 /// The largest decode batch a graph replays (--max-num-seqs above it runs larger steps eagerly).
