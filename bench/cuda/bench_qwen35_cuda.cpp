@@ -51,6 +51,7 @@
 #include "backend/cuda/decode_switches.h"
 #include "bench_util.h"
 #include "model/cuda/qwen3_5_moe_cuda.h"
+#include "model/memory_plan.h"
 #ifndef TANDEM_BENCH_CUPTI
 #define TANDEM_BENCH_CUPTI 0
 #endif
@@ -95,8 +96,15 @@ Shapes shapes_of(const ModelConfig& c) {
     ++s.moe_layers;
   }
   const double head = c.vocab_size * h;
-  s.weights_all = 2 * (params + head);
-  s.expert_bytes = 2 * 3 * inter * h;
+  // Bytes as the loader keeps them (model/memory_plan.h: bf16, or block FP8's 1 byte + row
+  // scales for the linears an FP8 checkpoint stores F8_E4M3): the dense weights and lm_head
+  // read every step, one routed expert's gate / up / down.
+  const MemoryPlan plan = plan_memory(c, MemoryPlanOptions{});
+  const WeightBytes& w = plan.weights;
+  s.weights_all =
+      static_cast<double>(w.attention + w.deltanet + w.shared_expert + w.router + w.norms) +
+      2 * head;
+  s.expert_bytes = static_cast<double>(w.experts) / E;
   s.active_params = params + head + s.moe_layers * c.num_experts_per_tok * 3 * inter * h;
   s.head_params = head;
   return s;

@@ -46,9 +46,6 @@ struct WeightCounter {
   const MemoryPlanOptions& o;
   const ShardPlan& p;
   WeightBytes w;
-  // Only the routed experts keep their quantized format (Qwen35MoeCuda today: its dense
-  // linears are dequantized to bf16 at load).
-  bool experts_only = false;
 
   // An [n, k] linear of `module`, this rank's column range `cols` of k (row slices need nothing:
   // the scales are per row).
@@ -57,7 +54,6 @@ struct WeightCounter {
     const bool fp8_kept =
         q.method == WeightQuant::kFp8Block || (q.method == WeightQuant::kMxfp8 && o.mxfp8_native);
     if (!fp8_kept || not_converted(q, module) || k % 16 != 0 || n % 8 != 0) return n * k * kBf16;
-    if (experts_only && module.find(".mlp.experts") == std::string::npos) return n * k * kBf16;
     // The loaders keep FP8 only where each kept column block lies in this rank's columns.
     // (WeightReader::fp8_columns_splittable; MXFP8 native: whole 32-column groups.)
     const int64_t block = q.method == WeightQuant::kFp8Block ? 128 : 32, off = cols.begin % block;
@@ -86,9 +82,16 @@ struct WeightCounter {
         const int64_t hk = dn.key_heads.size(), hv = dn.value_heads.size();
         const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
         const int64_t conv = 2 * hk * dk + hv * dv;
-        w.deltanet += linear(a + "in_proj_qkv", conv, h, all_h);
-        w.deltanet += linear(a + "in_proj_z", hv * dv, h, all_h);
-        w.deltanet += 2 * hv * h * kBf16;                       // in_proj_b, in_proj_a
+        // Qwen35MoeCuda's in_proj: one matrix of qkv | z | b | a rows padded to a multiple of 8,
+        // FP8 (b / a quantized at load) when in_proj_qkv and in_proj_z stay FP8.
+        const int64_t qkv8 = linear(a + "in_proj_qkv", conv, h, all_h),
+                      z8 = linear(a + "in_proj_z", hv * dv, h, all_h);
+        if (qkv8 < conv * h * kBf16 && z8 < hv * dv * h * kBf16) {
+          const int64_t rows = (conv + hv * dv + 2 * hv + 7) / 8 * 8;
+          w.deltanet += linear_bytes(rows, h, c.quant, o.mxfp8_native);
+        } else {
+          w.deltanet += qkv8 + z8 + 2 * hv * h * kBf16;  // in_proj_b, in_proj_a bf16
+        }
         w.deltanet += conv * c.linear_conv_kernel_dim * kBf16;  // conv1d
         w.deltanet += (2 * hv + dv) * 4;                        // A_log, dt_bias, norm (fp32)
         w.deltanet += linear(a + "out_proj", h, hv * dv,
@@ -172,11 +175,6 @@ MemoryPlan plan_memory(const ModelConfig& c, MemoryPlanOptions o) {
   WeightCounter wc{c, o, p, {}};
   wc.count();
   m.weights = wc.w;
-  if (c.is_hybrid() && c.quant.quantized()) {
-    WeightCounter today{c, o, p, {}, /*experts_only=*/true};
-    today.count();
-    m.dense_dequant_bytes = today.w.total() - m.weights.total();
-  }
   for (int r = 0; r < o.ranks; ++r) {
     const ShardPlan pr = ShardPlan::make(c, {o.mode, r, o.ranks});
     WeightCounter each{c, o, pr, {}};
@@ -232,7 +230,7 @@ MemoryPlan plan_memory(const ModelConfig& c, MemoryPlanOptions o) {
   }
 
   m.budget = static_cast<int64_t>(o.gpu_memory_bytes * o.gpu_memory_utilization);
-  m.kv_state_bytes = m.budget - m.weights.total() - m.dense_dequant_bytes - m.activations;
+  m.kv_state_bytes = m.budget - m.weights.total() - m.activations;
 
   // KV: the attention layers, this rank's KV heads.
   int64_t attn_layers = c.num_hidden_layers;
@@ -262,8 +260,7 @@ MemoryPlan plan_memory(const ModelConfig& c, MemoryPlanOptions o) {
                              std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : "");
   std::ostringstream why;
   if (m.kv_state_bytes <= 0) {
-    why << layout << ": the weights ("
-        << gb(static_cast<double>(m.weights.total() + m.dense_dequant_bytes))
+    why << layout << ": the weights (" << gb(static_cast<double>(m.weights.total()))
         << " per rank) and activations (" << gb(static_cast<double>(m.activations))
         << ") exceed the rank's budget of " << gb(static_cast<double>(m.budget)) << " ("
         << o.gpu_memory_utilization << " x " << gb(o.gpu_memory_bytes) << ") by "
@@ -308,11 +305,6 @@ std::string MemoryPlan::describe(const ModelConfig& c) const {
   line("dense mlp      ", weights.dense_mlp);
   line("router         ", weights.router);
   line("norms          ", weights.norms);
-  if (dense_dequant_bytes > 0) {
-    s << "  + " << gb(static_cast<double>(dense_dequant_bytes))
-      << " more today: the Qwen3.5 CUDA loader keeps only the routed experts quantized, its "
-         "dense linears (attention, DeltaNet, shared expert) dequantized to bf16\n";
-  }
   s << "  activations " << gb(static_cast<double>(activations))
     << " (estimate: " << activation_formula << ")\n";
   s << "  budget " << gb(static_cast<double>(budget)) << " (" << o.gpu_memory_utilization << " x "

@@ -10,11 +10,10 @@
 //                keep them: bf16 2 bytes; a block-FP8 linear 1 byte per weight + an fp32 scale
 //                per row and 128 columns ([N, ceil(K/128)], the block scale repeated per row);
 //                MXFP8 dequantized to bf16 (the loaders' default) or, with mxfp8_native, 1 byte +
-//                one E8M0 byte per 32. Embedding, lm_head, router, norms, the shared-expert gate,
-//                DeltaNet's in_proj_b / in_proj_a and conv1d bf16; A_log, dt_bias and the
-//                DeltaNet output norm fp32. MTP weights are not counted. Qwen3.5 today keeps
-//                only its routed experts quantized on the GPU: what its dense linears take
-//                more in bf16 is MemoryPlan::dense_dequant_bytes (out of the KV budget).
+//                one E8M0 byte per 32. Embedding, lm_head, router, norms, the shared-expert gate
+//                and conv1d bf16; A_log, dt_bias and the DeltaNet output norm fp32; DeltaNet's
+//                in_proj_b / in_proj_a rows are part of Qwen35MoeCuda's one in_proj matrix (FP8
+//                when in_proj_qkv and in_proj_z are). MTP weights are not counted.
 //   activations  an estimate of the buffers sized at load (MemoryPlan::activation_formula).
 //   KV + state   budget - weights - activations, with budget = gpu_memory * utilization (the
 //                loaders' --gpu-memory-utilization rule). The engine holds state_slots_per_seq
@@ -80,10 +79,6 @@ struct MemoryPlan {
   int64_t num_pages = 0;            // what the engine would get with max_num_seqs' state slots
   int64_t max_batch = 0;            // sequences of max_model_len that fit (states included)
   int64_t max_context = 0;          // tokens one sequence can hold (batch 1), page-rounded
-  // Qwen3.5 quantized: the bytes rank 0 holds today beyond `weights` (Qwen35MoeCuda keeps only
-  // the routed experts quantized; its dense linears are dequantized to bf16). Taken from the
-  // KV budget; 0 for other models.
-  int64_t dense_dequant_bytes = 0;
   bool fits = false;
   std::string refusal;  // why not, naming what does not fit and by how much (fits false)
 

@@ -84,7 +84,6 @@ int print_memory_fit(const MemoryFitArgs& a, std::ostream& out) {
                       {"state_bytes_per_seq", m.state_bytes_per_seq},
                       {"max_batch", m.max_batch},
                       {"max_context", m.max_context}};
-  if (m.dense_dequant_bytes > 0) j["dense_dequant_bytes"] = m.dense_dequant_bytes;
   if (!m.fits) j["refusal"] = m.refusal;
   out << j.dump() << "\n";
   return m.fits ? 0 : 1;

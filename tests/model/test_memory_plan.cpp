@@ -166,25 +166,36 @@ TEST(MemoryPlan, HybridStateAndDeltaNetSplit) {
 }
 
 TEST(MemoryPlan, Qwen35Fp8DenseLinearsAsTheCudaLoaderKeepsThem) {
-  // Qwen35MoeCuda keeps only the routed experts FP8 today: the dense linears' bf16 bytes beyond
-  // the FP8 count come out of the KV budget (and are named in the report).
-  const MemoryPlan bf = plan_memory(qwen35_35b(), opts(ShardMode::kSingle, 1));
-  for (const int ranks : {1, 4}) {
-    const ShardMode mode = ranks == 1 ? ShardMode::kSingle : ShardMode::kDecodeDpEp;
-    const MemoryPlan f8 = plan_memory(block_fp8(qwen35_35b()), opts(mode, ranks));
-    const MemoryPlan b = ranks == 1 ? bf : plan_memory(qwen35_35b(), opts(mode, ranks));
-    EXPECT_GT(f8.dense_dequant_bytes, 0);
-    EXPECT_EQ(f8.weights.total() + f8.dense_dequant_bytes,
-              b.weights.total() - b.weights.experts + f8.weights.experts);
-    EXPECT_EQ(f8.kv_state_bytes,
-              f8.budget - f8.weights.total() - f8.dense_dequant_bytes - f8.activations);
-    EXPECT_NE(f8.describe(block_fp8(qwen35_35b())).find("dequantized to bf16"), std::string::npos);
-  }
-  EXPECT_EQ(bf.dense_dequant_bytes, 0);
-  // Qwen3-MoE keeps its dense linears FP8.
-  EXPECT_EQ(plan_memory(block_fp8(qwen3(128, 2, 4, 64, 4, 2, 32, 100)), opts(ShardMode::kSingle, 1))
-                .dense_dequant_bytes,
-            0);
+  // Qwen35MoeCuda keeps its dense linears FP8 as Qwen3MoeCuda does: 1 byte a weight + an fp32
+  // scale per row and 128 columns, the DeltaNet in_proj as one matrix (q | k | v | z | b | a
+  // rows, padded to a multiple of 8; b / a quantized at load).
+  const ModelConfig c = qwen35_35b();
+  const int64_t h = c.hidden_size, L = c.num_hidden_layers;
+  int64_t linear_layers = 0;
+  for (const auto t : c.layer_types) linear_layers += t == ModelConfig::LayerType::kLinearAttention;
+  const int64_t attn_layers = L - linear_layers;
+  const int64_t hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
+  const int64_t conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + hv * dv;
+  const int64_t in_rows = (conv + hv * dv + 2 * hv + 7) / 8 * 8;
+  auto fp8 = [](int64_t n, int64_t k) { return n * k + n * ((k + 127) / 128) * 4; };
+  const MemoryPlan bf = plan_memory(c, opts(ShardMode::kSingle, 1));
+  const MemoryPlan f8 = plan_memory(block_fp8(c), opts(ShardMode::kSingle, 1));
+  const int64_t conv_w = conv * c.linear_conv_kernel_dim * 2, per_head = (2 * hv + dv) * 4;
+  EXPECT_EQ(f8.weights.deltanet,
+            linear_layers * (fp8(in_rows, h) + conv_w + per_head + fp8(h, hv * dv)));
+  EXPECT_EQ(bf.weights.deltanet, linear_layers * ((conv + hv * dv + 2 * hv) * h * 2 + conv_w +
+                                                  per_head + h * hv * dv * 2));
+  const int64_t d = c.head_dim, qh = c.num_attention_heads, kvh = c.num_key_value_heads;
+  EXPECT_EQ(f8.weights.attention,
+            attn_layers * (fp8((2 * qh + 2 * kvh) * d, h) + fp8(h, qh * d) + 2 * d * 2));
+  const int64_t si = c.shared_expert_intermediate_size;
+  EXPECT_EQ(f8.weights.shared_expert, L * (fp8(2 * si, h) + fp8(h, si) + h * 2));
+  EXPECT_LT(2 * f8.weights.deltanet, bf.weights.deltanet + bf.weights.deltanet / 4);
+  EXPECT_EQ(f8.kv_state_bytes, f8.budget - f8.weights.total() - f8.activations);
+  // Decode DP/EP: the same dense linears on every rank.
+  const MemoryPlan dp = plan_memory(block_fp8(c), opts(ShardMode::kDecodeDpEp, 4));
+  EXPECT_EQ(dp.weights.deltanet, f8.weights.deltanet);
+  EXPECT_EQ(dp.weights.attention, f8.weights.attention);
 }
 
 TEST(MemoryPlan, PublishedShapesMatchParameterCounts) {

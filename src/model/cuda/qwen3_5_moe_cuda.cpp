@@ -32,6 +32,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/dense_linear.h"
 #include "model/cuda/device_sampler.h"
 #include "model/cuda/mxfp8_weights.h"
 #include "model/cuda/runner.h"
@@ -89,6 +90,10 @@ struct LayerW {
   bf16* shared_gate_up = nullptr;  // [2 SI, H]: gate rows, then up rows (this rank's SI)
   bf16* shared_down = nullptr;     // [H, SI]
   bf16* shared_gate = nullptr;     // [H]
+  // Dense linears kept in block FP8 (Impl::fp8 and the checkpoint's tensors F8_E4M3: keep_fp8):
+  // the same layouts as E4M3 codes + row scales (model/cuda/dense_linear.h), the bf16 pointer of
+  // the same linear then unallocated.
+  cuda_model::Fp8Mat qkv8, o8, in_proj8, out_proj8, shared_gate_up8, shared_down8;
 };
 
 // A host float vector as bf16 bits.
@@ -126,11 +131,13 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   std::vector<DeviceMem> mem;
   // Block-FP8 checkpoints: the routed experts stay E4M3 + row scales on the device (1 byte a
   // weight: they are nearly all of a Qwen3.5 MoE's bytes), run by MoeLayer / the decode EP
-  // exchange; the dense linears (attention, DeltaNet, shared expert) are dequantized to bf16 at
-  // load, each rank dequantizing only its rows / columns. Set by load() from
-  // CudaModelOptions::fp8_weights, TANDEM_CUDA_FP8 and the config (block FP8 of 128 columns).
+  // exchange; the dense linears (attention, DeltaNet, shared expert) stay E4M3 too (f8), each
+  // rank reading only its rows / columns, run by Fp8Linears by the step's rows (the gemv at
+  // decode sizes: half the bytes of bf16). Set by load() from CudaModelOptions::fp8_weights,
+  // TANDEM_CUDA_FP8 and the config (block FP8 of 128 columns).
   bool fp8 = false;
   bool any_fp8_experts = false;
+  cuda_model::Fp8Linears f8;  // the dense FP8 linears (not the experts)
   // FP8 activations for the FP8 experts (W8A8 on the FP8 tensor cores, as Qwen3MoeCuda: the
   // rows quantized per token and 128 columns, Qwen's dynamic activation scheme); off
   // (TANDEM_CUDA_FP8_ACT=0): W8A16, bf16 rows against the E4M3 weights.
@@ -358,7 +365,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       LayerW& w = layers[static_cast<size_t>(l)];
       w.linear = c.layer_types[static_cast<size_t>(l)] == ModelConfig::LayerType::kLinearAttention;
       w.index = w.linear ? num_linear++ : num_attention++;
-      allocate_layer(w, fp8_experts(wr, c.weight_prefix + "layers." + std::to_string(l) + "."));
+      const std::string prefix = c.weight_prefix + "layers." + std::to_string(l) + ".";
+      allocate_layer(w, fp8_experts(wr, prefix), &wr, prefix);
     }
     TANDEM_CHECK_KIND(kUnsupported, num_attention > 0, "config.json: layer_types has no ",
                       "full_attention layer");
@@ -380,22 +388,61 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     return plan.experts.size() > 0;
   }
 
-  // The device weights of one layer of w.linear's kind (fp8_experts: its experts in FP8).
-  void allocate_layer(LayerW& w, bool fp8_experts = false) {
+  // Whether the linear [n, k] read from `names` (columns `cols` of each) stays FP8: FP8 on,
+  // shapes the FP8 kernels take (k % 16, n % 8), columns on 128-column blocks and every tensor
+  // stored as F8_E4M3 (wr null: no checkpoint, bf16).
+  bool keep_fp8(const WeightReader* wr, const std::vector<std::string>& names, int64_t n, int64_t k,
+                IndexRange cols) const {
+    if (!fp8 || wr == nullptr || k % 16 != 0 || n % 8 != 0 ||
+        !WeightReader::fp8_columns_splittable(cols, cuda::kFp8BlockK)) {
+      return false;
+    }
+    for (const std::string& name : names) {
+      if (!wr->checkpoint().has(name) || !wr->is_quantized(name)) return false;
+    }
+    return true;
+  }
+
+  // The device weights of one layer of w.linear's kind (fp8_experts: its experts in FP8; its
+  // dense linears FP8 where keep_fp8 says so for the tensors at `prefix` of wr).
+  void allocate_layer(LayerW& w, bool fp8_experts = false, const WeightReader* wr = nullptr,
+                      const std::string& prefix = "") {
     const int64_t h = c.hidden_size, d = c.head_dim, dv = c.linear_value_head_dim;
     const int64_t E = c.num_experts, inter = c.moe_intermediate_size;
+    const IndexRange all_h{0, h};
     w.input_norm = alloc<bf16>(h);
     w.post_norm = alloc<bf16>(h);
     if (w.linear) {
-      w.in_proj = alloc<bf16>(in_rows * h);
+      const std::string a = prefix + "linear_attn.";
+      // in_proj: its q / k / v and z rows FP8 in the checkpoint (the b / a rows, bf16 in Qwen's
+      // layout, are quantized at load: Fp8Linears::upload).
+      if (keep_fp8(wr, {a + "in_proj_qkv.weight", a + "in_proj_z.weight"}, in_rows, h, all_h)) {
+        w.in_proj8 = f8.alloc(1, in_rows, h, false);
+      } else {
+        w.in_proj = alloc<bf16>(in_rows * h);
+      }
       w.conv = alloc<bf16>(conv_dim * c.linear_conv_kernel_dim);
       w.a_log = alloc<float>(hv);
       w.dt_bias = alloc<float>(hv);
       w.out_norm = alloc<float>(dv);
-      w.out_proj = alloc<bf16>(h * value_dim);
+      if (keep_fp8(wr, {a + "out_proj.weight"}, h, value_dim, sl.z_rows)) {
+        w.out_proj8 = f8.alloc(1, h, value_dim, true);
+      } else {
+        w.out_proj = alloc<bf16>(h * value_dim);
+      }
     } else {
-      w.qkv = alloc<bf16>(qkv_rows() * h);
-      w.o = alloc<bf16>(h * qh * d);
+      const std::string a = prefix + "self_attn.";
+      if (keep_fp8(wr, {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"}, qkv_rows(),
+                   h, all_h)) {
+        w.qkv8 = f8.alloc(1, qkv_rows(), h, false);
+      } else {
+        w.qkv = alloc<bf16>(qkv_rows() * h);
+      }
+      if (keep_fp8(wr, {a + "o_proj.weight"}, h, qh * d, sl.o_cols)) {
+        w.o8 = f8.alloc(1, h, qh * d, true);
+      } else {
+        w.o = alloc<bf16>(h * qh * d);
+      }
       w.q_norm = alloc<bf16>(d);
       w.k_norm = alloc<bf16>(d);
     }
@@ -410,8 +457,17 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       w.gate_up = alloc<bf16>(local_experts * 2 * inter * h);
       w.down = alloc<bf16>(local_experts * h * inter);
     }
-    w.shared_gate_up = alloc<bf16>(2 * sinter * h);
-    w.shared_down = alloc<bf16>(h * sinter);
+    const std::string se = prefix + "mlp.shared_expert.";
+    if (keep_fp8(wr, {se + "gate_proj.weight", se + "up_proj.weight"}, 2 * sinter, h, all_h)) {
+      w.shared_gate_up8 = f8.alloc(1, 2 * sinter, h, false);
+    } else {
+      w.shared_gate_up = alloc<bf16>(2 * sinter * h);
+    }
+    if (keep_fp8(wr, {se + "down_proj.weight"}, h, sinter, sl.shared_inter)) {
+      w.shared_down8 = f8.alloc(1, h, sinter, true);
+    } else {
+      w.shared_down = alloc<bf16>(h * sinter);
+    }
     w.shared_gate = alloc<bf16>(h);
   }
 
@@ -477,6 +533,11 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       const std::vector<uint16_t> b = to_bf16_bits(f32(name, {n}, true));
       up.put(dst, b.data(), b.size() * sizeof(uint16_t));
     };
+    // FP8 (a linear keep_fp8 kept): rows rr x columns cr of a [rows, cols] tensor into dst from
+    // its row row0 (Fp8Linears::upload: codes and row scales as stored, a bf16 tensor quantized).
+    auto put8 = [&](const cuda_model::Fp8Mat& dst, int64_t row0, const std::string& name,
+                    int64_t rows, int64_t cols, IndexRange rr,
+                    IndexRange cr) { f8.upload(wr, up, dst, row0, name, rows, cols, rr, cr); };
     // Elements r of an fp32 vector of n.
     auto put_f32 = [&](float* dst, const std::string& name, int64_t n, IndexRange r) {
       const std::vector<float> f = f32(name, {n}, false);
@@ -510,18 +571,31 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         const std::string a = p + "linear_attn.";
         const std::string qkv = a + "in_proj_qkv.weight";
         const int64_t kc = sl.conv_q.size();
-        put_rows(w.in_proj, qkv, {conv_all, h}, sl.conv_q);
-        put_rows(w.in_proj + kc * h, qkv, {conv_all, h}, sl.conv_k);
-        put_rows(w.in_proj + 2 * kc * h, qkv, {conv_all, h}, sl.conv_v);
-        put_rows(w.in_proj + conv_dim * h, a + "in_proj_z.weight", {value_all, h}, sl.z_rows);
-        put_rows(w.in_proj + (conv_dim + value_dim) * h, a + "in_proj_b.weight", {hv_all, h},
-                 sl.v_heads);
-        put_rows(w.in_proj + (conv_dim + value_dim + hv) * h, a + "in_proj_a.weight", {hv_all, h},
-                 sl.v_heads);
-        if (in_rows > in_used) {
-          TANDEM_CUDA_CHECK(cudaMemsetAsync(w.in_proj + in_used * h, 0,
-                                            static_cast<size_t>((in_rows - in_used) * h) * 2,
-                                            stream));
+        if (w.in_proj8) {
+          const IndexRange all_h{0, h};
+          put8(w.in_proj8, 0, qkv, conv_all, h, sl.conv_q, all_h);
+          put8(w.in_proj8, kc, qkv, conv_all, h, sl.conv_k, all_h);
+          put8(w.in_proj8, 2 * kc, qkv, conv_all, h, sl.conv_v, all_h);
+          put8(w.in_proj8, conv_dim, a + "in_proj_z.weight", value_all, h, sl.z_rows, all_h);
+          put8(w.in_proj8, conv_dim + value_dim, a + "in_proj_b.weight", hv_all, h, sl.v_heads,
+               all_h);
+          put8(w.in_proj8, conv_dim + value_dim + hv, a + "in_proj_a.weight", hv_all, h, sl.v_heads,
+               all_h);
+          f8.zero_rows(up, w.in_proj8, in_used, in_rows - in_used, h);
+        } else {
+          put_rows(w.in_proj, qkv, {conv_all, h}, sl.conv_q);
+          put_rows(w.in_proj + kc * h, qkv, {conv_all, h}, sl.conv_k);
+          put_rows(w.in_proj + 2 * kc * h, qkv, {conv_all, h}, sl.conv_v);
+          put_rows(w.in_proj + conv_dim * h, a + "in_proj_z.weight", {value_all, h}, sl.z_rows);
+          put_rows(w.in_proj + (conv_dim + value_dim) * h, a + "in_proj_b.weight", {hv_all, h},
+                   sl.v_heads);
+          put_rows(w.in_proj + (conv_dim + value_dim + hv) * h, a + "in_proj_a.weight", {hv_all, h},
+                   sl.v_heads);
+          if (in_rows > in_used) {
+            TANDEM_CUDA_CHECK(cudaMemsetAsync(w.in_proj + in_used * h, 0,
+                                              static_cast<size_t>((in_rows - in_used) * h) * 2,
+                                              stream));
+          }
         }
         const std::string conv = a + "conv1d.weight";
         put_rows(w.conv, conv, {conv_all, 1, kern}, sl.conv_q);
@@ -530,14 +604,30 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         put_f32(w.a_log, a + "A_log", hv_all, sl.v_heads);
         put_f32(w.dt_bias, a + "dt_bias", hv_all, sl.v_heads);
         put_f32(w.out_norm, a + "norm.weight", dv, {0, dv});
-        put_cols(w.out_proj, a + "out_proj.weight", h, value_all, sl.z_rows);
+        if (w.out_proj8) {
+          put8(w.out_proj8, 0, a + "out_proj.weight", h, value_all, {0, h}, sl.z_rows);
+        } else {
+          put_cols(w.out_proj, a + "out_proj.weight", h, value_all, sl.z_rows);
+        }
       } else {
         const std::string a = p + "self_attn.";
-        put_rows(w.qkv, a + "q_proj.weight", {qh_all * 2 * d, h}, sl.q_rows);
-        put_rows(w.qkv + qh * 2 * d * h, a + "k_proj.weight", {kvh_all * d, h}, sl.kv_rows);
-        put_rows(w.qkv + (qh * 2 * d + kvh * d) * h, a + "v_proj.weight", {kvh_all * d, h},
-                 sl.kv_rows);
-        put_cols(w.o, a + "o_proj.weight", h, qh_all * d, sl.o_cols);
+        if (w.qkv8) {
+          const IndexRange all_h{0, h};
+          put8(w.qkv8, 0, a + "q_proj.weight", qh_all * 2 * d, h, sl.q_rows, all_h);
+          put8(w.qkv8, qh * 2 * d, a + "k_proj.weight", kvh_all * d, h, sl.kv_rows, all_h);
+          put8(w.qkv8, qh * 2 * d + kvh * d, a + "v_proj.weight", kvh_all * d, h, sl.kv_rows,
+               all_h);
+        } else {
+          put_rows(w.qkv, a + "q_proj.weight", {qh_all * 2 * d, h}, sl.q_rows);
+          put_rows(w.qkv + qh * 2 * d * h, a + "k_proj.weight", {kvh_all * d, h}, sl.kv_rows);
+          put_rows(w.qkv + (qh * 2 * d + kvh * d) * h, a + "v_proj.weight", {kvh_all * d, h},
+                   sl.kv_rows);
+        }
+        if (w.o8) {
+          put8(w.o8, 0, a + "o_proj.weight", h, qh_all * d, {0, h}, sl.o_cols);
+        } else {
+          put_cols(w.o, a + "o_proj.weight", h, qh_all * d, sl.o_cols);
+        }
         put_norm(w.q_norm, a + "q_norm.weight", d);
         put_norm(w.k_norm, a + "k_norm.weight", d);
       }
@@ -595,11 +685,23 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         }
       }
       // The shared expert: this rank's intermediate columns (gate rows, then up rows).
-      put_rows(w.shared_gate_up, m + "shared_expert.gate_proj.weight", {si_all, h},
-               sl.shared_inter);
-      put_rows(w.shared_gate_up + sinter * h, m + "shared_expert.up_proj.weight", {si_all, h},
-               sl.shared_inter);
-      put_cols(w.shared_down, m + "shared_expert.down_proj.weight", h, si_all, sl.shared_inter);
+      if (w.shared_gate_up8) {
+        put8(w.shared_gate_up8, 0, m + "shared_expert.gate_proj.weight", si_all, h, sl.shared_inter,
+             {0, h});
+        put8(w.shared_gate_up8, sinter, m + "shared_expert.up_proj.weight", si_all, h,
+             sl.shared_inter, {0, h});
+      } else {
+        put_rows(w.shared_gate_up, m + "shared_expert.gate_proj.weight", {si_all, h},
+                 sl.shared_inter);
+        put_rows(w.shared_gate_up + sinter * h, m + "shared_expert.up_proj.weight", {si_all, h},
+                 sl.shared_inter);
+      }
+      if (w.shared_down8) {
+        put8(w.shared_down8, 0, m + "shared_expert.down_proj.weight", h, si_all, {0, h},
+             sl.shared_inter);
+      } else {
+        put_cols(w.shared_down, m + "shared_expert.down_proj.weight", h, si_all, sl.shared_inter);
+      }
       put(w.shared_gate, m + "shared_expert_gate.weight", {1, h});
     }
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -642,8 +744,24 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
         moe->reserve_fp8_prefill();
       }
     }
-    // The FP8 grouped GEMM's tiles before any graph capture.
-    if (any_fp8_experts) cuda::moe_gemm_prepare();
+    // The dense FP8 linears' bf16 scratch for m above the gemv's (the largest of them), and
+    // with FP8 activations their cuBLASLt W8A8 path at prefill sizes.
+    int64_t max_nk = 0;
+    auto largest = [&](const cuda_model::Fp8Mat& m8, int64_t n, int64_t k) {
+      if (m8) max_nk = std::max(max_nk, n * k);
+    };
+    for (const LayerW& w : layers) {
+      largest(w.qkv8, qkv_rows(), h);
+      largest(w.o8, h, qh * d);
+      largest(w.in_proj8, in_rows, h);
+      largest(w.out_proj8, h, value_dim);
+      largest(w.shared_gate_up8, 2 * sinter, h);
+      largest(w.shared_down8, h, sinter);
+    }
+    f8.prepare(max_nk, ws.t_cap, std::max({h, qh * d, value_dim, sinter}), fp8_act);
+    // The FP8 grouped GEMM's tiles before any graph capture (the experts', and the last rows of
+    // the dense cuBLASLt path: fp8_dense.h).
+    if (any_fp8_experts || !f8.empty()) cuda::moe_gemm_prepare();
     // The communicators (collective); the registered buffer also holds one DeltaNet layer of a
     // whole state (gather_state).
     const HybridStateLayout whole = HybridStateLayout::full(c);
@@ -659,7 +777,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     const int64_t n = m.n, h = c.hidden_size, d = c.head_dim;
     const float eps = static_cast<float>(c.rms_norm_eps);
     bf16 *XN = ws.xn.as<bf16>(), *Y = ws.y.as<bf16>(), *P = proj.as<bf16>();
-    ws.gemm->run({XN, w.qkv, P, n, qkv_rows(), h}, stream);
+    f8.run(XN, w.qkv, w.qkv8, P, n, qkv_rows(), h, *ws.gemm, stream);
     cuda::gated_qkv_prep_launch(
         {P, q.as<bf16>(), gate.as<bf16>(), pool, m.slots, w.q_norm, w.k_norm, m.positions, n, qh,
          kvh, d, page_size, c.rotary_dim(), eps, c.rope_theta, fp8, w.kv_scales.k, w.kv_scales.v},
@@ -674,7 +792,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     cuda::sigmoid_mul_launch({attn.as<bf16>(), gate.as<bf16>(), attn.as<bf16>(), n * qh * d},
                              stream);
     // Row-parallel o_proj (prefill TP): the partial products summed over the ranks into Y.
-    ws.gemm->run({attn.as<bf16>(), w.o, comms->partial(Y), n, h, qh * d}, stream);
+    f8.run(attn.as<bf16>(), w.o, w.o8, comms->partial(Y), n, h, qh * d, *ws.gemm, stream);
     comms->reduce(Y, n * h, DType::kBF16, stream);
   }
 
@@ -709,17 +827,23 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
     };
     if (!(fork_shared && n <= kForkMaxTokens)) {  // the default: one stream, main's order
       routed();
-      ws.gemm->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, stream);
+      f8.run(XN, w.shared_gate_up, w.shared_gate_up8, sgu.as<bf16>(), n, 2 * sinter, h, *ws.gemm,
+             stream);
       cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, stream);
-      ws.gemm->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, stream);
+      f8.run(sact.as<bf16>(), w.shared_down, w.shared_down8, sout.as<bf16>(), n, h, sinter,
+             *ws.gemm, stream);
     } else {
       // The shared expert on the side stream: it reads XN and writes sgu / sact / sout only;
       // the next writer of XN (the next layer's norm) comes after the join below.
       TANDEM_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
       TANDEM_CUDA_CHECK(cudaStreamWaitEvent(side, ev_fork, 0));
-      gemm_side->run({XN, w.shared_gate_up, sgu.as<bf16>(), n, 2 * sinter, h}, side);
+      // (Fp8Linears' one scratch: the main stream's dense linears ran before the fork and run
+      // again after the join; routed() uses none.)
+      f8.run(XN, w.shared_gate_up, w.shared_gate_up8, sgu.as<bf16>(), n, 2 * sinter, h, *gemm_side,
+             side);
       cuda::silu_mul_launch({sgu.as<bf16>(), sact.as<bf16>(), n, sinter}, side);
-      gemm_side->run({sact.as<bf16>(), w.shared_down, sout.as<bf16>(), n, h, sinter}, side);
+      f8.run(sact.as<bf16>(), w.shared_down, w.shared_down8, sout.as<bf16>(), n, h, sinter,
+             *gemm_side, side);
       TANDEM_CUDA_CHECK(cudaEventRecord(ev_join, side));
       routed();
       TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join, 0));
@@ -784,7 +908,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
       } else {
         // One fused projection [qkv | z | b | a], the conv and the delta rule per sequence on
         // its state slot, the gated norm, out_proj.
-        ws.gemm->run({XN, w.in_proj, P, n, in_rows, h}, stream);
+        f8.run(XN, w.in_proj, w.in_proj8, P, n, in_rows, h, *ws.gemm, stream);
         if (keep) {
           TANDEM_CUDA_CHECK(cudaMemcpyAsync(kept.as<bf16>() + w.index * kept_cap * in_rows, P,
                                             static_cast<size_t>(n * in_rows) * sizeof(bf16),
@@ -801,7 +925,8 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
                                      n * hv, dv, hv, in_rows, eps},
                                     stream);
         // Row-parallel out_proj over this rank's value heads (prefill TP: summed).
-        ws.gemm->run({attn.as<bf16>(), w.out_proj, comms->partial(Y), n, h, value_dim}, stream);
+        f8.run(attn.as<bf16>(), w.out_proj, w.out_proj8, comms->partial(Y), n, h, value_dim,
+               *ws.gemm, stream);
         comms->reduce(Y, n * h, DType::kBF16, stream);
       }
       // MoE block: routed experts + the sigmoid-gated shared expert.
@@ -1009,6 +1134,7 @@ std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
   m->impl_->load_weights(reader);
   m->impl_->allocate_activations();
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  m->weight_bytes_ += m->impl_->f8.bytes();
   return m;
 }
 
@@ -1173,7 +1299,7 @@ void Qwen35MoeCuda::load_mtp(const std::string& dir) {
   t.loaded = false;  // until every tensor is in
   im.load_weights(reader, /*mtp=*/true);
   t.loaded = true;
-  weight_bytes_ = 0;
+  weight_bytes_ = im.f8.bytes();
   for (const auto& d : im.mem) weight_bytes_ += static_cast<int64_t>(d.size());
 }
 
@@ -1204,7 +1330,11 @@ bool Qwen35MoeCuda::gather_state(KvCache& kv, int64_t slot, int root, std::vecto
   return true;
 }
 
-bool Qwen35MoeCuda::fp8_activations() const { return impl_->fp8_act && impl_->any_fp8_experts; }
+bool Qwen35MoeCuda::fp8_activations() const {
+  return impl_->fp8_act && (impl_->any_fp8_experts || !impl_->f8.empty());
+}
+
+int64_t Qwen35MoeCuda::fp8_dense_linears() const { return impl_->f8.count(); }
 
 int64_t Qwen35MoeCuda::fp8_expert_layers() const {
   int64_t n = 0;

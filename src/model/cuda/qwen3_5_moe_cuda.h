@@ -163,9 +163,13 @@ class Qwen35MoeCuda final : public Model {
   int64_t kv_cache_budget_mb(double utilization) const;
   int64_t weight_bytes() const { return weight_bytes_; }
   /// Layers (MTP excluded) whose routed experts stay block FP8 on the device (a block-FP8
-  /// checkpoint with CudaModelOptions::fp8_weights; the dense linears are dequantized to bf16).
+  /// checkpoint with CudaModelOptions::fp8_weights).
   int64_t fp8_expert_layers() const;
-  /// Whether the FP8 experts take FP8 activations (W8A8; TANDEM_CUDA_FP8_ACT=0: W8A16).
+  /// Dense linears (attention qkv / o, DeltaNet in_proj / out_proj, shared expert gate_up /
+  /// down) kept in block FP8 on the device: those whose tensors the checkpoint stores F8_E4M3.
+  int64_t fp8_dense_linears() const;
+  /// Whether the FP8 linears take FP8 activations (W8A8: the experts always, the dense linears
+  /// from 512 rows; TANDEM_CUDA_FP8_ACT=0: W8A16).
   bool fp8_activations() const;
   /// Batch-size buckets captured so far (decode graphs).
   std::vector<int64_t> captured_buckets() const;

@@ -24,8 +24,8 @@
 #include "core/error.h"
 #include "model/cuda/batch_invariant.h"
 #include "model/cuda/cuda_mem.h"
+#include "model/cuda/dense_linear.h"
 #include "model/cuda/device_sampler.h"
-#include "model/cuda/fp8_dense.h"
 #include "model/cuda/mtp_cuda.h"
 #include "model/cuda/mxfp8_weights.h"
 #include "model/cuda/random_fill.h"
@@ -39,20 +39,12 @@ namespace tandem {
 using cuda::bf16;
 using cuda_model::DeviceMem;
 using cuda_model::DeviceSampler;
+using cuda_model::Fp8Mat;
 using cuda_model::host_bf16;
 using cuda_model::PinnedMem;
 using cuda_model::Uploader;
 
 namespace {
-
-// A linear kept in block FP8 (backend/cuda/fp8_linear.h): E4M3 codes [n, k] and row scales
-// [n, ceil(k / 128)]; null when the linear is bf16.
-struct Fp8Mat {
-  uint8_t* q = nullptr;
-  float* s = nullptr;
-  uint8_t* e = nullptr;  // native MXFP8: E8M0 codes [n, ceil(k / 32)] in place of s
-  explicit operator bool() const { return q != nullptr; }
-};
 
 struct LayerW {
   bf16* input_norm = nullptr;  // [H]
@@ -88,8 +80,9 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   int64_t local_experts() const { return plan.experts.size(); }
 
   // Weights.
-  std::vector<DeviceMem> mem;   // bf16
-  std::vector<DeviceMem> mem8;  // FP8 codes and their row scales
+  std::vector<DeviceMem> mem;  // bf16
+  // FP8 linears and experts (codes and their scales), and the dense FP8 linears' GEMM by rows.
+  cuda_model::Fp8Linears f8;
   // Whether block-FP8 linears stay FP8 (CudaModelOptions::fp8_weights, a block-FP8 config).
   bool fp8 = false;
   // MXFP8 with its per-32 E8M0 scales kept (TANDEM_CUDA_MXFP8=native; model/cuda/mxfp8_weights.h);
@@ -107,16 +100,6 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   // checkpoint has them; random weights: 1.0).
   bool kv_fp8 = false;
   std::vector<cuda_model::KvScales> kv_scales;
-  // With fp8_act: the dense FP8 linears from kFp8LtMinRows rows on (prefill) through cuBLASLt's
-  // block-FP8 GEMM (model/cuda/fp8_dense.h); below, as W8A16.
-  static constexpr int64_t kFp8LtMinRows = 512;
-  std::unique_ptr<cuda_model::Fp8DenseLt> fp8_lt;
-  struct Fp8Alloc {
-    Fp8Mat m;
-    int64_t codes, scales;
-    bool out;  // an output projection (random_weights' smaller scale)
-  };
-  std::vector<Fp8Alloc> fp8_allocs;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;
   bf16* lm_head = nullptr;  // the embedding when tied
@@ -124,7 +107,6 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
 
   // Activations beside the runner's workspace, sized for its t_cap tokens.
   DeviceMem qkv, q, attn, gu, act;
-  DeviceMem dq;  // [n, k] bf16: an FP8 dense linear dequantized (m above the gemv's)
   std::unique_ptr<cuda::MoeLayer> moe;
   cuda::MoeLayerPath moe_prefill_path = cuda::MoeLayerPath::kAuto;
 
@@ -157,21 +139,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
 
   // `count` FP8 matrices [n, k] back to back (one allocation each for codes and scales).
   Fp8Mat alloc8(int64_t count, int64_t n, int64_t k, bool out) {
-    const int64_t codes = count * n * k,
-                  scales = count * n *
-                           (mx_native ? cuda::mxfp8_scale_cols(k) : cuda::fp8_row_scale_cols(k));
-    mem8.emplace_back(static_cast<size_t>(codes));
-    Fp8Mat m;
-    m.q = mem8.back().as<uint8_t>();
-    if (mx_native) {
-      mem8.emplace_back(static_cast<size_t>(scales));
-      m.e = mem8.back().as<uint8_t>();
-    } else {
-      mem8.emplace_back(static_cast<size_t>(scales) * sizeof(float));
-      m.s = mem8.back().as<float>();
-    }
-    fp8_allocs.push_back({m, codes, scales, out});
-    return m;
+    return f8.alloc(count, n, k, out);
   }
 
   // Whether the linear [n, k] read from `names` (columns `cols` of each) stays FP8: FP8 on,
@@ -279,22 +247,8 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     };
     // FP8: rows x columns of an F8_E4M3 tensor as codes + row scales, at row `row0` of dst.
     auto put8 = [&](const Fp8Mat& dst, int64_t row0, const std::string& name, int64_t rows,
-                    int64_t cols, IndexRange rr, IndexRange cr) {
-      const int64_t w = cr.size(), kb = cuda::fp8_row_scale_cols(w);
-      std::vector<uint8_t> q(static_cast<size_t>(rr.size() * w));
-      if (dst.e != nullptr) {
-        const int64_t ke = cuda::mxfp8_scale_cols(w);
-        std::vector<uint8_t> e8(static_cast<size_t>(rr.size() * ke));
-        cuda_model::read_mxfp8_for_gpu(wr, name, rows, cols, rr, cr, q.data(), e8.data());
-        up.put(dst.q + row0 * w, q.data(), q.size());
-        up.put(dst.e + row0 * ke, e8.data(), e8.size());
-        return;
-      }
-      std::vector<float> sc(static_cast<size_t>(rr.size() * kb));
-      wr.read_fp8_codes(name, rows, cols, rr, cr, q.data(), sc.data());
-      up.put(dst.q + row0 * w, q.data(), q.size());
-      up.put(dst.s + row0 * kb, sc.data(), sc.size() * sizeof(float));
-    };
+                    int64_t cols, IndexRange rr,
+                    IndexRange cr) { f8.upload(wr, up, dst, row0, name, rows, cols, rr, cr); };
     const IndexRange q_rows{plan.q_heads.begin * d, plan.q_heads.end * d};
     const IndexRange kv_rows{plan.kv_heads.begin * d, plan.kv_heads.end * d};
     put(embed, "model.embed_tokens.weight", {c.vocab_size, h});
@@ -405,17 +359,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
                              norm ? 0.05f : (out ? 1e-3f * a : a), stream);
     }
     // FP8 linears: codes of U(-1, 1), the scale the half-width (the same distribution).
-    for (const Fp8Alloc& f : fp8_allocs) {
-      cuda::random_fill_fp8(f.m.q, f.codes, ++k, stream);
-      if (f.m.e != nullptr) {  // native MXFP8: the power of two nearest the scale
-        const float sc = f.out ? 1e-3f * a : a;
-        const int code = std::clamp(127 + static_cast<int>(std::lround(std::log2(sc))),
-                                    cuda::kMxfp8MinCode, cuda::kMxfp8MaxCode);
-        TANDEM_CUDA_CHECK(cudaMemsetAsync(f.m.e, code, static_cast<size_t>(f.scales), stream));
-      } else {
-        cuda::fill_f32(f.m.s, f.scales, f.out ? 1e-3f * a : a, stream);
-      }
-    }
+    f8.random_fill(k, a, stream);
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
@@ -460,7 +404,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     }
     // The FP8 grouped GEMM's tiles before any graph capture; the dense FP8 linears' bf16
     // scratch for m above the gemv's.
-    if (!fp8_allocs.empty() || det) cuda::moe_gemm_prepare();
+    if (!f8.empty() || det) cuda::moe_gemm_prepare();
     int64_t dq_elems = 0;
     for (const auto& w : layers) {
       if (w.qkv8) dq_elems = std::max(dq_elems, qkv_rows() * h);
@@ -468,11 +412,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
       if (!w.moe && w.gate_up8) dq_elems = std::max(dq_elems, 2 * dense_inter * h);
       if (!w.moe && w.down8) dq_elems = std::max(dq_elems, h * dense_inter);
     }
-    if (dq_elems > 0) dq = DeviceMem(static_cast<size_t>(dq_elems) * sizeof(bf16));
-    if (dq_elems > 0 && fp8_act && ws.t_cap >= kFp8LtMinRows) {
-      fp8_lt =
-          std::make_unique<cuda_model::Fp8DenseLt>(ws.t_cap, std::max({h, qh * d, dense_inter}));
-    }
+    f8.prepare(dq_elems, ws.t_cap, std::max({h, qh * d, dense_inter}), fp8_act);
     make_communicators(o, any_moe);
   }
 
@@ -541,35 +481,10 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
     cuda::embedding_launch({m.rows, XN, ws.last.as<bf16>(), m.num_rows, h, n}, stream);
   }
 
-  // y[m, n] = x[m, k] W^T: bf16 through GemmLt, FP8 through fp8_gemv (m <= 8) or the FP8
-  // grouped GEMM as one dense expert (backend/cuda/fp8_linear.h).
+  // y[m, n] = x[m, k] W^T: bf16 through GemmLt, FP8 by the step's rows (Fp8Linears::run).
   void linear(const bf16* x, const bf16* w, const Fp8Mat& w8, bf16* y, int64_t m, int64_t n,
               int64_t k) {
-    if (!w8) {
-      ws.gemm->run({x, w, y, m, n, k}, stream);
-      return;
-    }
-    if (m == 0) return;
-    if (m <= cuda::kFp8GemvMaxM) {
-      cuda::Fp8GemvParams gp{x, w8.q, w8.s, y, m, n, k};
-      gp.w_e8m0 = w8.e;
-      cuda::fp8_gemv_launch(gp, stream);
-      return;
-    }
-    // W8A8 at prefill sizes: cuBLASLt's block-scaled FP8 GEMM. Between 16 and kFp8LtMinRows rows
-    // the dequantized bf16 GEMM stays (measured faster than the W8A8 grouped GEMM as one dense
-    // expert: bench_fp8_linear, docs/perf.md).
-    if (fp8_act && m >= kFp8LtMinRows && fp8_lt && fp8_lt->run(x, w8.q, w8.s, y, m, n, k, stream)) {
-      return;
-    }
-    // Above the gemv's m: dequantized into the scratch, then the bf16 GEMM (measured faster
-    // than the W8A16 grouped GEMM as one dense expert from m = 32 on: bench_fp8_linear).
-    if (w8.e != nullptr) {
-      cuda::mxfp8_dequantize_launch(w8.q, w8.e, n, k, dq.as<bf16>(), stream);
-    } else {
-      cuda::fp8_dequantize_launch(w8.q, w8.s, n, k, dq.as<bf16>(), stream);
-    }
-    ws.gemm->run({x, dq.as<bf16>(), y, m, n, k}, stream);
+    f8.run(x, w, w8, y, m, n, k, *ws.gemm, stream);
   }
 
   // Decode EP MoE block (ShardComms::moe_ep) over the step's tokens.
@@ -626,6 +541,7 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                  config_.quant.block_cols == cuda::kFp8BlockK && config_.quant.block_rows > 0) ||
                 (mxfp8 && mx_mode != cuda_model::Mxfp8Gpu::kDequant));
   impl_->mx_native = impl_->fp8 && mx_mode == cuda_model::Mxfp8Gpu::kNative;
+  impl_->f8 = cuda_model::Fp8Linears(impl_->mx_native);
   impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env::flag("TANDEM_CUDA_FP8_ACT", true);
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
@@ -724,7 +640,7 @@ void Qwen3MoeCuda::forward_verify_draft(const ForwardBatch& batch, KvCache& kv,
   ws.sampler->collect(out, stream_);
 }
 
-int64_t Qwen3MoeCuda::fp8_linears() const { return static_cast<int64_t>(impl_->fp8_allocs.size()); }
+int64_t Qwen3MoeCuda::fp8_linears() const { return impl_->f8.count(); }
 bool Qwen3MoeCuda::fp8_activations() const { return impl_->fp8_act; }
 
 Qwen3MoeCuda::~Qwen3MoeCuda() {
@@ -747,7 +663,7 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::load(const std::string& dir,
   m->impl_->load_weights(reader);
   m->impl_->allocate_activations(opts);
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
-  for (const auto& d : m->impl_->mem8) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  m->weight_bytes_ += m->impl_->f8.bytes();
   return m;
 }
 
@@ -760,7 +676,7 @@ std::unique_ptr<Qwen3MoeCuda> Qwen3MoeCuda::random(const ModelConfig& config,
   m->impl_->random_weights(seed);
   m->impl_->allocate_activations(opts);
   for (const auto& d : m->impl_->mem) m->weight_bytes_ += static_cast<int64_t>(d.size());
-  for (const auto& d : m->impl_->mem8) m->weight_bytes_ += static_cast<int64_t>(d.size());
+  m->weight_bytes_ += m->impl_->f8.bytes();
   return m;
 }
 

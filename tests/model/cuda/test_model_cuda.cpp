@@ -141,7 +141,9 @@ TEST(CudaRunnerBuckets, UpToMaxSeqsCappedAt512) {
     EXPECT_EQ(std::adjacent_find(b.begin(), b.end()), b.end()) << max_seqs;
     // Above 256 a replay pads a batch by at most 20%.
     for (size_t i = 1; i < b.size(); ++i) {
-      if (b[i - 1] >= 256) EXPECT_LE(b[i], b[i - 1] * 6 / 5) << b[i - 1] << " -> " << b[i];
+      if (b[i - 1] >= 256) {
+        EXPECT_LE(b[i], b[i - 1] * 6 / 5) << b[i - 1] << " -> " << b[i];
+      }
     }
   }
 }

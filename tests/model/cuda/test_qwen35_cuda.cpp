@@ -19,6 +19,7 @@
 // the argmax checks (margin > kMarginBf16) flipped; the worst row is reported.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -32,6 +33,7 @@
 #include "engine/engine.h"
 #include "engine/golden.h"
 #include "model/config.h"
+#include "model/convert.h"
 #include "model/cuda/cuda_golden_util.h"
 #include "model/cuda/qwen3_5_moe_cuda.h"
 #include "model/cuda/qwen3_moe_cuda.h"
@@ -253,6 +255,127 @@ TEST_P(CudaQwen35Golden, BadInputsThrowWithoutPoisoningTheModel) {
   ASSERT_EQ(static_cast<int64_t>(logits.size()), gpu->config().vocab_size);
   for (float v : logits) ASSERT_TRUE(std::isfinite(v));
 }
+
+// Block FP8 in Qwen's -FP8 layout (the fixture through `tandem convert`, in a temporary
+// directory): the dense linears (attention qkv / o, DeltaNet in_proj / out_proj, shared expert)
+// stay FP8 on the device beside the FP8 experts, against the same checkpoint dequantized to bf16
+// at load (CudaModelOptions::fp8_weights false). With W8A16 experts (TANDEM_CUDA_FP8_ACT=0) the
+// numerics are the dequantized model's but for the summation order and in_proj's b / a rows
+// (bf16 in the checkpoint, quantized at load): the hybrid bounds; with W8A8 experts (the
+// default) the W8A8 median and twice the flips. Whole prompts (the dense linears through the
+// dequantized scratch), chunks of 7 and of 1 token (the FP8 gemv); then greedy decoding through
+// the engine in graphs (the gemv captured) gives the dequantized model's tokens while its own
+// top-2 margin exceeds kMarginBf16.
+class CudaQwen35Fp8 : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+    dir_ = (std::filesystem::temp_directory_path() /
+            ("tandem_q35fp8_one_" + std::to_string(::getpid()) + "_" +
+             std::filesystem::path(GetParam()).filename().string()))
+               .string();
+    std::filesystem::remove_all(dir_);
+    ConvertOptions o;
+    o.in_dir = GetParam();
+    o.out_dir = dir_;
+    o.format = WeightQuant::kFp8Block;
+    (void)convert_checkpoint(o);
+    std::filesystem::copy_file(std::filesystem::path(GetParam()) / "golden.json",
+                               std::filesystem::path(dir_) / "golden.json");
+  }
+  void TearDown() override {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  std::string dir_;
+};
+
+TEST_P(CudaQwen35Fp8, DenseLinearsStayFp8AndMatchTheDequantizedModel) {
+  const testing::Golden g = testing::load_golden(dir_);
+  CudaModelOptions o;
+  o.max_tokens = 512;
+  o.max_seqs = 8;
+  o.page_size = 4;
+  auto fp8 = Qwen35MoeCuda::load(dir_, o);
+  setenv("TANDEM_CUDA_FP8_ACT", "0", 1);
+  auto w8a16 = Qwen35MoeCuda::load(dir_, o);
+  unsetenv("TANDEM_CUDA_FP8_ACT");
+  o.fp8_weights = false;
+  auto bf16 = Qwen35MoeCuda::load(dir_, o);
+  const int64_t vocab = bf16->config().vocab_size;
+  EXPECT_TRUE(fp8->fp8_activations());
+  EXPECT_FALSE(w8a16->fp8_activations());
+  EXPECT_GT(fp8->fp8_dense_linears(), 0);
+  EXPECT_EQ(w8a16->fp8_dense_linears(), fp8->fp8_dense_linears());
+  EXPECT_EQ(bf16->fp8_dense_linears(), 0);
+  EXPECT_LT(fp8->weight_bytes(), bf16->weight_bytes());
+  std::printf("[ %s ] %lld dense FP8 linears; weights %lld bytes (dequantized: %lld)\n",
+              g.name.c_str(), static_cast<long long>(fp8->fp8_dense_linears()),
+              static_cast<long long>(fp8->weight_bytes()),
+              static_cast<long long>(bf16->weight_bytes()));
+  for (Qwen35MoeCuda* m : {w8a16.get(), fp8.get()}) {
+    const bool w8a8 = m->fp8_activations();
+    std::vector<double> errs;
+    int checked = 0, flipped = 0;
+    for (size_t i = 0; i < g.cases.size(); ++i) {
+      const std::vector<int32_t> tokens = teacher_forced_tokens(g.cases[i]);
+      const int64_t pages = static_cast<int64_t>(tokens.size()) / 4 + 2;
+      for (const int64_t chunk : {int64_t{1} << 20, int64_t{7}, int64_t{1}}) {
+        KvCache kv8 = m->make_kv_cache(pages, 4), kv16 = bf16->make_kv_cache(pages, 4);
+        kv8.allocate_states(1, m->state_slot_elems());
+        kv16.allocate_states(1, bf16->state_slot_elems());
+        const auto got = teacher_forced(*m, kv8, tokens, chunk, 0);
+        const auto want = teacher_forced(*bf16, kv16, tokens, chunk, 0);
+        const RowStats st = compare_rows_counting_flips(
+            got, want, vocab, "case " + std::to_string(i) + " chunk " + std::to_string(chunk),
+            errs);
+        checked += st.checked;
+        flipped += st.flipped;
+      }
+    }
+    const auto [med, p95, worst] = error_quantiles(errs);
+    std::printf(
+        "[ %s fp8 %s vs dequantized ] rows %zu: relative error median %.2e p95 %.2e max %.2e, "
+        "%d argmax checks, %d flipped\n",
+        g.name.c_str(), w8a8 ? "W8A8" : "W8A16", errs.size(), med, p95, worst, checked, flipped);
+    EXPECT_LT(med, w8a8 ? kMedianTolW8A8 : kHybridMedianTol);
+    EXPECT_LT(p95, kHybridP95Tol);
+    EXPECT_LE(flipped, (w8a8 ? 2 : 1) * kHybridFlips * checked);
+    EXPECT_GT(checked, 0);
+  }
+  // Greedy through the engine, batched, decode steps in graphs: the W8A16 model's tokens are the
+  // dequantized model's up to the first step where the latter's top-2 margin is under
+  // kMarginBf16.
+  EngineConfig cfg;
+  cfg.max_num_seqs = 8;
+  cfg.max_batched_tokens = 1024;
+  cfg.page_size = 4;
+  cfg.kv_cache_mb = 64;
+  const auto got = run_engine(*w8a16, g.cases, cfg, /*together=*/true);
+  const auto want = run_engine(*bf16, g.cases, cfg, /*together=*/true);
+  EXPECT_FALSE(w8a16->captured_buckets().empty()) << "no decode step ran a graph";
+  int compared = 0;
+  for (size_t i = 0; i < g.cases.size(); ++i) {
+    for (size_t t = 0; t < want[i].ids.size() && t < want[i].top.size(); ++t) {
+      const auto& top = want[i].top[t];
+      if (top.size() < 2 || top[0].logprob - top[1].logprob < kMarginBf16) break;
+      ASSERT_LT(t, got[i].ids.size()) << "case " << i;
+      EXPECT_EQ(got[i].ids[t], want[i].ids[t]) << g.name << " case " << i << " step " << t;
+      ++compared;
+    }
+  }
+  std::printf("[ %s ] greedy W8A16 vs dequantized: %d steps compared\n", g.name.c_str(), compared);
+  EXPECT_GT(compared, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaQwen35Fp8,
+                         ::testing::ValuesIn(testing::hybrid_golden_dirs()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string n = std::filesystem::path(info.param).filename().string();
+                           for (char& ch : n) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return n;
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaQwen35Golden,
                          ::testing::ValuesIn(testing::hybrid_golden_dirs()),

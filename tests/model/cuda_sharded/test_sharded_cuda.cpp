@@ -832,9 +832,9 @@ TEST_P(CudaShardedQwen35, DecodeDp2Ep2TokensMatchOneGpu) {
 
 // Block FP8 in Qwen's -FP8 layout: the fixture through `tandem convert` (in the parent, on the
 // CPU; the golden prompts copied beside it). The routed experts stay FP8 on the device (every
-// layer where they are stored one tensor per expert; fused 3D ones stay as stored) and the
-// dense linears are dequantized from each rank's own rows / columns: prefill TP=2 and decode
-// DP=2 / EP=2 match the one-GPU FP8 model by the same rules (not the bf16 golden tokens).
+// layer where they are stored one tensor per expert; fused 3D ones stay as stored) and so do the
+// dense linears, each rank reading its own rows / columns: prefill TP=2 and decode DP=2 / EP=2
+// match the one-GPU FP8 model by the same rules (not the bf16 golden tokens).
 class CudaShardedQwen35Fp8 : public CudaSharded {
  protected:
   void SetUp() override {
