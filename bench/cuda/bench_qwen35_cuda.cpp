@@ -6,7 +6,8 @@
 //   bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR2 ...] [--quick]
 //       [--batches 1,32,128] [--contexts 1024,8192] [--prefill 8192[,2048...]]
 //       [--switches default[,base,...]] [--prefill-only] [--decode-only]
-//       [--profile-prefill TOKENS] [--profile-decode BATCH]   CSV to $TANDEM_BENCH_CSV
+//       [--profile-prefill TOKENS] [--profile-decode BATCH] [--fp8-dense-bf16]
+//                                                             CSV to $TANDEM_BENCH_CSV
 // Several checkpoints run one after the other in one process (one set of ceilings); each row's
 // shape names its checkpoint (the directory's last component).
 // --switches: decode rows per backend/cuda/decode_switches.h setting: default (the switches'
@@ -33,6 +34,9 @@
 // --profile-decode B: the same for one decode step of B sequences at the first context (the
 // default switches' captured graph, after its warm-up): where a step's time goes, and the gaps
 // between its kernels (batch 1 is bound by them, not by bytes).
+// --fp8-dense-bf16: a block-FP8 checkpoint's dense linears dequantized to bf16 at load, only the
+// routed experts FP8 (CudaModelOptions::fp8_dense false): the comparison for the dense FP8
+// linears (the default keeps them FP8).
 // The KV and the states hold zeros (the work per step does not depend on their values).
 #include <cuda_runtime_api.h>
 
@@ -73,7 +77,8 @@ struct Shapes {
   int64_t moe_layers = 0, attn_layers = 0, linear_layers = 0;
 };
 
-Shapes shapes_of(const ModelConfig& c) {
+// fp8_dense false (--fp8-dense-bf16): a block-FP8 checkpoint's dense linears counted in bf16.
+Shapes shapes_of(const ModelConfig& c, bool fp8_dense) {
   Shapes s;
   const double h = c.hidden_size, d = c.head_dim, qh = c.num_attention_heads,
                kvh = c.num_key_value_heads;
@@ -100,11 +105,14 @@ Shapes shapes_of(const ModelConfig& c) {
   // scales for the linears an FP8 checkpoint stores F8_E4M3): the dense weights and lm_head
   // read every step, one routed expert's gate / up / down.
   const MemoryPlan plan = plan_memory(c, MemoryPlanOptions{});
-  const WeightBytes& w = plan.weights;
+  ModelConfig dense_c = c;
+  if (!fp8_dense) dense_c.quant = QuantConfig{};
+  const MemoryPlan dense_plan = fp8_dense ? plan : plan_memory(dense_c, MemoryPlanOptions{});
+  const WeightBytes& w = dense_plan.weights;
   s.weights_all =
       static_cast<double>(w.attention + w.deltanet + w.shared_expert + w.router + w.norms) +
       2 * head;
-  s.expert_bytes = static_cast<double>(w.experts) / E;
+  s.expert_bytes = static_cast<double>(plan.weights.experts) / E;
   s.active_params = params + head + s.moe_layers * c.num_experts_per_tok * 3 * inter * h;
   s.head_params = head;
   return s;
@@ -213,7 +221,7 @@ void print_profile(const std::string& label, const std::string& what, double wal
 
 int main(int argc, char** argv) {
   std::vector<std::string> dirs, switches = {"default"};
-  bool quick = false, prefill_only = false, decode_only = false;
+  bool quick = false, prefill_only = false, decode_only = false, fp8_dense = true;
   std::vector<int64_t> prefills, batches, contexts;
   int64_t profile_prefill = 0, profile_decode = 0;
   bool bad = false;
@@ -227,6 +235,8 @@ int main(int argc, char** argv) {
       prefill_only = true;
     } else if (std::strcmp(argv[i], "--decode-only") == 0) {
       decode_only = true;
+    } else if (std::strcmp(argv[i], "--fp8-dense-bf16") == 0) {
+      fp8_dense = false;
     } else if (std::strcmp(argv[i], "--prefill") == 0 && has) {
       prefills = int_list(argv[++i]);
     } else if (std::strcmp(argv[i], "--batches") == 0 && has) {
@@ -262,7 +272,7 @@ int main(int argc, char** argv) {
         "usage: bench_qwen35_cuda --checkpoint DIR [--checkpoint DIR ...] [--quick]\n"
         "  [--batches 1,32,128] [--contexts 1024,8192] [--prefill TOKENS[,TOKENS...]]\n"
         "  [--switches default,base,all[+fork][+fused],...] [--prefill-only] [--decode-only]\n"
-        "  [--profile-prefill TOKENS] [--profile-decode BATCH]\n");
+        "  [--profile-prefill TOKENS] [--profile-decode BATCH] [--fp8-dense-bf16]\n");
     return 2;
   }
   bench::OpBench b;
@@ -281,12 +291,13 @@ int main(int argc, char** argv) {
           {*std::max_element(prefills.begin(), prefills.end()), profile_prefill, o.max_seqs});
       o.page_size = page;
       o.graph_max_context = max_ctx;
+      o.fp8_dense = fp8_dense;
       const double t_load = now_us();
       std::unique_ptr<Qwen35MoeCuda> model;
       b.guarded("load " + label, [&] { model = Qwen35MoeCuda::load(dir, o); });
       if (!model) continue;
       const ModelConfig& c = model->config();
-      const Shapes s = shapes_of(c);
+      const Shapes s = shapes_of(c, fp8_dense);
       std::printf(
           "== %s: %lld layers (%lld DeltaNet, %lld attention), %lld experts top-%lld, "
           "hidden %lld, vocab %lld, %.2f GB of weights, loaded in %.1f s\n",

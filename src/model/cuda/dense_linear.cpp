@@ -4,8 +4,8 @@
 #include <cmath>
 #include <vector>
 
-#include "core/cuda_check.h"
 #include "backend/cuda/fp8_linear.h"
+#include "core/cuda_check.h"
 #include "core/error.h"
 #include "model/cuda/mxfp8_weights.h"
 #include "model/cuda/random_fill.h"

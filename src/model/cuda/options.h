@@ -51,6 +51,11 @@ struct CudaModelOptions {
   /// them to bf16 at load (the comparison path). random() keeps FP8 when its config says
   /// block FP8. MXFP8 checkpoints are dequantized to bf16 either way.
   bool fp8_weights = true;
+  /// With fp8_weights: the dense linears (attention, DeltaNet, shared expert, dense MLP) FP8 too
+  /// (model/cuda/dense_linear.h); false: only the routed experts stay FP8, the dense linears
+  /// are dequantized to bf16 at load (a benchmark's comparison: bench_qwen35_cuda
+  /// --fp8-dense-bf16).
+  bool fp8_dense = true;
   /// Batch-invariant numerics (--deterministic, model/cuda/batch_invariant.h): a request's
   /// logits are bitwise the same alone, batched with any others, chunked or after a prefix-cache
   /// hit, in graphs or eager. Slower prefill attention (every token on the decode kernel);

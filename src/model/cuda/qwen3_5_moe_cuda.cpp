@@ -138,6 +138,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   bool fp8 = false;
   bool any_fp8_experts = false;
   cuda_model::Fp8Linears f8;  // the dense FP8 linears (not the experts)
+  bool fp8_dense = true;      // CudaModelOptions::fp8_dense
   // FP8 activations for the FP8 experts (W8A8 on the FP8 tensor cores, as Qwen3MoeCuda: the
   // rows quantized per token and 128 columns, Qwen's dynamic activation scheme); off
   // (TANDEM_CUDA_FP8_ACT=0): W8A16, bf16 rows against the E4M3 weights.
@@ -393,7 +394,7 @@ struct Qwen35MoeCuda::Impl final : cuda_model::CudaLayers {
   // stored as F8_E4M3 (wr null: no checkpoint, bf16).
   bool keep_fp8(const WeightReader* wr, const std::vector<std::string>& names, int64_t n, int64_t k,
                 IndexRange cols) const {
-    if (!fp8 || wr == nullptr || k % 16 != 0 || n % 8 != 0 ||
+    if (!fp8 || !fp8_dense || wr == nullptr || k % 16 != 0 || n % 8 != 0 ||
         !WeightReader::fp8_columns_splittable(cols, cuda::kFp8BlockK)) {
       return false;
     }
@@ -1130,6 +1131,7 @@ std::unique_ptr<Qwen35MoeCuda> Qwen35MoeCuda::load(const std::string& dir,
   m->impl_->fp8 = opts.fp8_weights && !env_off && q.method == WeightQuant::kFp8Block &&
                   q.block_cols == cuda::kFp8BlockK && q.block_rows > 0;
   m->impl_->fp8_act = m->impl_->fp8 && env::flag("TANDEM_CUDA_FP8_ACT", true);
+  m->impl_->fp8_dense = opts.fp8_dense;
   m->impl_->allocate_weights(reader);
   m->impl_->load_weights(reader);
   m->impl_->allocate_activations();

@@ -88,6 +88,7 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   // MXFP8 with its per-32 E8M0 scales kept (TANDEM_CUDA_MXFP8=native; model/cuda/mxfp8_weights.h);
   // =block: requantized to block FP8 at load (fp8 on, this off); unset: dequantized to bf16.
   bool mx_native = false;
+  bool fp8_dense = true;  // CudaModelOptions::fp8_dense
   // FP8 activations (W8A8 on the FP8 tensor cores; the default, TANDEM_CUDA_FP8_ACT=0 turns it
   // off): the MoE GEMMs (the wgmma grouped GEMMs of moe_gemm_w8a8.h, the permute's gather
   // quantizing the rows) and the dense linears at prefill sizes (cuBLASLt) quantize their
@@ -145,9 +146,10 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
   // Whether the linear [n, k] read from `names` (columns `cols` of each) stays FP8: FP8 on,
   // shapes the FP8 kernels take (k % 16, n % 8), columns on 128-column blocks, and every
   // tensor stored as F8_E4M3 (wr null: the random model, all of them).
+  // expert: a routed expert's (CudaModelOptions::fp8_dense false keeps only those).
   bool keep_fp8(const WeightReader* wr, const std::vector<std::string>& names, int64_t n, int64_t k,
-                IndexRange cols) const {
-    if (!fp8 || k % 16 != 0 || n % 8 != 0) return false;
+                IndexRange cols, bool expert = false) const {
+    if (!fp8 || (!expert && !fp8_dense) || k % 16 != 0 || n % 8 != 0) return false;
     if (mx_native ? cols.begin % cuda::kMxfp8BlockK != 0 ||
                         (cols.end % cuda::kMxfp8BlockK != 0 && cols.end != k)
                   : !WeightReader::fp8_columns_splittable(cols, cuda::kFp8BlockK)) {
@@ -201,8 +203,8 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
           down_names.push_back(ep + "down_proj.weight");
         }
         // Both expert GEMMs FP8 or neither (MoeLayerWeights takes one kind).
-        if (keep_fp8(wr, gu_names, 2 * inter, h, all_h) &&
-            keep_fp8(wr, down_names, h, inter, {0, inter})) {
+        if (keep_fp8(wr, gu_names, 2 * inter, h, all_h, true) &&
+            keep_fp8(wr, down_names, h, inter, {0, inter}, true)) {
           w.gate_up8 = alloc8(e, 2 * inter, h, false);
           w.down8 = alloc8(e, h, inter, true);
         } else {
@@ -542,6 +544,7 @@ Qwen3MoeCuda::Qwen3MoeCuda(ModelConfig config, const CudaModelOptions& opts)
                 (mxfp8 && mx_mode != cuda_model::Mxfp8Gpu::kDequant));
   impl_->mx_native = impl_->fp8 && mx_mode == cuda_model::Mxfp8Gpu::kNative;
   impl_->f8 = cuda_model::Fp8Linears(impl_->mx_native);
+  impl_->fp8_dense = opts_.fp8_dense;
   impl_->fp8_act = impl_->fp8 && !impl_->mx_native && env::flag("TANDEM_CUDA_FP8_ACT", true);
   if (impl_->plan.tensor_parallel()) {
     check_gqa_group(impl_->qh() / impl_->kvh(), "config.json",
