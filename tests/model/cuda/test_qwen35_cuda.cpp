@@ -299,6 +299,13 @@ TEST_P(CudaQwen35Fp8, DenseLinearsStayFp8AndMatchTheDequantizedModel) {
   setenv("TANDEM_CUDA_FP8_ACT", "0", 1);
   auto w8a16 = Qwen35MoeCuda::load(dir_, o);
   unsetenv("TANDEM_CUDA_FP8_ACT");
+  o.fp8_dense = false;  // only the routed experts FP8
+  {
+    auto experts_only = Qwen35MoeCuda::load(dir_, o);
+    EXPECT_EQ(experts_only->fp8_dense_linears(), 0);
+    EXPECT_EQ(experts_only->fp8_expert_layers(), fp8->fp8_expert_layers());
+    EXPECT_GT(experts_only->weight_bytes(), fp8->weight_bytes());
+  }
   o.fp8_weights = false;
   auto bf16 = Qwen35MoeCuda::load(dir_, o);
   const int64_t vocab = bf16->config().vocab_size;
