@@ -354,9 +354,10 @@ TEST_P(CudaQwen35Fp8, DenseLinearsStayFp8AndMatchTheDequantizedModel) {
   // kMarginBf16.
   EngineConfig cfg;
   cfg.max_num_seqs = 8;
-  cfg.max_batched_tokens = 1024;
+  cfg.max_batched_tokens = o.max_tokens;
   cfg.page_size = 4;
   cfg.kv_cache_mb = 64;
+  cfg.state_checkpoint_interval = 16;
   const auto got = run_engine(*w8a16, g.cases, cfg, /*together=*/true);
   const auto want = run_engine(*bf16, g.cases, cfg, /*together=*/true);
   EXPECT_FALSE(w8a16->captured_buckets().empty()) << "no decode step ran a graph";
