@@ -222,12 +222,14 @@ inline std::vector<std::vector<float>> verify_shaped_rows(
 }
 
 // `nseq` sequences at once (sequence i is golden case i % cases, teacher-forced; its own pages of
-// 16 tokens and, for a model with recurrent state, state slot i): the prompts prefilled 16
-// sequences a step, then `steps` decode steps of every sequence together (one token each).
+// 16 tokens and, for a model with recurrent state, state slot i): the prompts prefilled whole,
+// at most max_tokens tokens a step, then `steps` decode steps of every sequence together (one
+// token each).
 // Returns the decode steps' logits rows, [steps * nseq, vocab], step-major. A decode batch of
 // nseq replays the graph of the smallest bucket >= nseq when the model captures graphs.
 inline std::vector<float> many_sequence_decode_rows(Model& model, const testing::Golden& g,
-                                                    int64_t nseq, int64_t steps) {
+                                                    int64_t nseq, int64_t steps,
+                                                    int64_t max_tokens) {
   constexpr int64_t kPage = 16;
   const auto nc = static_cast<int64_t>(g.cases.size());
   std::vector<std::vector<int32_t>> toks;
@@ -254,17 +256,22 @@ inline std::vector<float> many_sequence_decode_rows(Model& model, const testing:
                       states ? static_cast<int32_t>(i) : -1};
   };
   std::vector<float> part, rows;
-  for (int64_t first = 0; first < nseq; first += 16) {
+  for (int64_t i = 0; i < nseq;) {  // prefill steps of whole prompts, at most max_tokens each
     ForwardBatch b;
-    for (int64_t i = first; i < std::min(nseq, first + 16); ++i) {
-      b.seqs.push_back(seq(i, 0, static_cast<int64_t>(g.cases[i % nc].prompt_ids.size())));
+    int64_t tokens = 0;
+    for (; i < nseq; ++i) {
+      const auto len = static_cast<int64_t>(g.cases[static_cast<size_t>(i % nc)].prompt_ids.size());
+      if (!b.seqs.empty() && tokens + len > max_tokens) break;
+      b.seqs.push_back(seq(i, 0, len));
+      tokens += len;
     }
     model.forward(b, kv, part);
   }
   for (int64_t s = 0; s < steps; ++s) {
     ForwardBatch b;
     for (int64_t i = 0; i < nseq; ++i) {
-      b.seqs.push_back(seq(i, static_cast<int64_t>(g.cases[i % nc].prompt_ids.size()) + s, 1));
+      const auto len = static_cast<int64_t>(g.cases[static_cast<size_t>(i % nc)].prompt_ids.size());
+      b.seqs.push_back(seq(i, len + s, 1));
     }
     model.forward(b, kv, part);
     rows.insert(rows.end(), part.begin(), part.end());

@@ -199,7 +199,7 @@ TEST_P(CudaQwen35Golden, DecodeGraphsAboveBatch256MatchEager) {
     o.page_size = 16;
     o.cuda_graphs = graphs;
     auto gpu = Qwen35MoeCuda::load(dir, o);
-    rows[graphs ? 0 : 1] = many_sequence_decode_rows(*gpu, g, kSeqs, kSteps);
+    rows[graphs ? 0 : 1] = many_sequence_decode_rows(*gpu, g, kSeqs, kSteps, o.max_tokens);
     if (graphs) {
       const auto b = gpu->captured_buckets();
       EXPECT_NE(std::find(b.begin(), b.end(), int64_t{320}), b.end())
