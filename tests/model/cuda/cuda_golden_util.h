@@ -7,9 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -44,6 +46,16 @@ constexpr double kLowerRankTol = 1.0;  // ranks 2-5 (a flipped routing moves the
 // token's logprob 0.47 from the fp32 golden, rank 2's 1.22.
 constexpr double kLogprobTolW8A8 = 0.6;
 constexpr double kLowerRankTolW8A8 = 1.5;
+
+// A parameterized test's name from its fixture directory (the last path component, every
+// character but letters and digits as '_').
+inline std::string fixture_test_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string n = std::filesystem::path(info.param).filename().string();
+  for (char& ch : n) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return n;
+}
 
 inline bool gpu_available() {
   static const bool ok = [] {
@@ -277,6 +289,43 @@ inline std::vector<float> many_sequence_decode_rows(Model& model, const testing:
     rows.insert(rows.end(), part.begin(), part.end());
   }
   return rows;
+}
+
+// Decode batches above 256 replay graphs (buckets 288 to 512): with --max-num-seqs 320, 300
+// sequences decode together through the graph of bucket 320 (20 padding sequences), and their
+// logits rows match the same steps run eagerly by the margin rule. M: the CUDA model class.
+template <typename M>
+void expect_decode_graphs_above_256_match_eager(const std::string& dir) {
+  const testing::Golden g = testing::load_golden(dir);
+  constexpr int64_t kSeqs = 300, kMaxSeqs = 320, kSteps = 2;
+  std::vector<float> rows[2];
+  for (const bool graphs : {true, false}) {
+    CudaModelOptions o;
+    o.max_tokens = 1024;
+    o.max_seqs = kMaxSeqs;
+    o.page_size = 16;
+    o.cuda_graphs = graphs;
+    auto gpu = M::load(dir, o);
+    rows[graphs ? 0 : 1] = many_sequence_decode_rows(*gpu, g, kSeqs, kSteps, o.max_tokens);
+    if (graphs) {
+      const auto b = gpu->captured_buckets();
+      EXPECT_NE(std::find(b.begin(), b.end(), int64_t{320}), b.end())
+          << "300 sequences did not replay bucket 320";
+    } else {
+      EXPECT_TRUE(gpu->captured_buckets().empty());
+    }
+  }
+  const int64_t vocab = ModelConfig::from_dir(dir).vocab_size;
+  ASSERT_EQ(rows[0].size(), static_cast<size_t>(kSeqs * kSteps * vocab));
+  std::vector<double> errs;
+  const int checked = compare_rows(rows[0], rows[1], vocab, g.name + " graphs vs eager", errs);
+  const auto [med, p95, worst] = error_quantiles(errs);
+  std::printf("[ %s ] %lld sequences, graphs vs eager: median %.2e p95 %.2e max %.2e, %d checks\n",
+              g.name.c_str(), static_cast<long long>(kSeqs), med, p95, worst, checked);
+  EXPECT_LT(med, kMedianTol);
+  EXPECT_LT(p95, kP95Tol);
+  EXPECT_LT(worst, kMaxTol);
+  EXPECT_GT(checked, 0);
 }
 
 // One sequence, all positions' logits, in chunks of `chunk` tokens.
