@@ -24,7 +24,8 @@
 # Then, one at a time while the budget lasts (benchmarks: rc is reported, not failed):
 #   q35_fp8_decode   Qwen3.5-35B-A3B cut to 4 layers: decode rows in bf16, block FP8 with
 #                    W8A16 experts (TANDEM_CUDA_FP8_ACT=0), W8A8 (the default), and W8A8 with
-#                    the dense linears bf16 (--fp8-dense-bf16: only the experts FP8)
+#                    the dense linears bf16 (--fp8-dense-bf16: only the experts FP8); then
+#                    one batch-1 decode step of each format kernel by kernel (CUPTI)
 #   bench_attention  paged decode over bf16 and FP8 KV pages, prefill attention
 #   profile_decode_fp8  one block-FP8 Qwen3-30B-A3B decode step at batch 1, kernel by kernel
 #   bench_fp8_linear    the FP8 dense linear paths by rows
@@ -127,13 +128,16 @@ bench() {  # bench NAME LIMIT CMD...: alone on the GPU, cut to what is left of t
   wait "${PID[$name]}"
 }
 q35="--decode-only --quick --batches 1,32,128,256 --contexts 1024"
-bench q35_fp8_decode 240 bash -c "set -e; d=/dev/shm/gpu_suites_q35; rm -rf \$d
+bench q35_fp8_decode 300 bash -c "set -e; d=/dev/shm/gpu_suites_q35; rm -rf \$d
   '$BIN/make_random_checkpoint' --out \$d/bf16 --preset qwen3.5-35b-a3b --layers 4 > /dev/null
   '$BIN/make_random_checkpoint' --out \$d/fp8 --preset qwen3.5-35b-a3b --layers 4 --format fp8 > /dev/null
   echo '== bf16'; '$BIN/bench_qwen35_cuda' --checkpoint \$d/bf16 $q35
   echo '== block FP8, W8A16 experts'; TANDEM_CUDA_FP8_ACT=0 '$BIN/bench_qwen35_cuda' --checkpoint \$d/fp8 $q35
   echo '== block FP8, W8A8 experts'; '$BIN/bench_qwen35_cuda' --checkpoint \$d/fp8 $q35
   echo '== block FP8, W8A8 experts, dense linears bf16'; '$BIN/bench_qwen35_cuda' --checkpoint \$d/fp8 $q35 --fp8-dense-bf16
+  for f in bf16 fp8; do echo \"== batch-1 decode step kernel by kernel, \$f\"
+    '$BIN/bench_qwen35_cuda' --checkpoint \$d/\$f --decode-only --quick --batches 1 --contexts 1024 \
+      --profile-decode 1 | sed -n '/profile/,\$p' | head -60; done
   rm -rf \$d"
 TANDEM_BENCH_CSV=$LOG/bench_attention.csv bench bench_attention 150 "$BIN/bench_attention" --quick
 bench profile_decode_fp8 120 "$BIN/profile_decode_cuda" --batch 1 --variants default --fp8
