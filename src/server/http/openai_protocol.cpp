@@ -219,9 +219,14 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
     p.structured = std::move(spec);
     p.structured_param = param;
   };
+  auto spec_of = [](GrammarKind kind) {
+    grammar::GrammarSpec g;
+    g.kind = kind;
+    return g;
+  };
   auto choices = [&](const json& v, const std::string& name) {
     if (!v.is_array() || v.empty()) throw type_error(name, "a non-empty array of strings", v);
-    grammar::GrammarSpec g{GrammarKind::kChoice};
+    grammar::GrammarSpec g = spec_of(GrammarKind::kChoice);
     for (const auto& c : v) {
       if (as_string(c, name).empty()) throw bad_request("choices must not be empty", name);
       g.choices.push_back(c.get<std::string>());
@@ -229,7 +234,7 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
     return g;
   };
   auto text = [&](GrammarKind kind, const json& v, const std::string& name) {
-    grammar::GrammarSpec g{kind};
+    grammar::GrammarSpec g = spec_of(kind);
     g.text = as_string(v, name);
     if (g.text.empty()) throw bad_request(in_quotes(name) + " must not be empty", name);
     return g;
@@ -240,7 +245,7 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
     if (!t) throw bad_request("'response_format' has no 'type'", "response_format.type");
     const std::string& type = as_string(*t, "response_format.type");
     if (type == "json_object") {
-      set({GrammarKind::kJsonObject}, "response_format");
+      set(spec_of(GrammarKind::kJsonObject), "response_format");
     } else if (type == "json_schema") {
       const json* js = field(*v, "json_schema");
       if (!js || !js->is_object()) {
@@ -253,14 +258,14 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
         throw bad_request("'response_format.json_schema' has no 'schema'",
                           "response_format.json_schema.schema");
       }
-      grammar::GrammarSpec g{GrammarKind::kJsonSchema};
+      grammar::GrammarSpec g = spec_of(GrammarKind::kJsonSchema);
       g.text = schema_text(*schema, "response_format.json_schema.schema");
       if (const json* st = field(*js, "strict")) {
         g.strict = as_bool(*st, "response_format.json_schema.strict");
       }
       set(std::move(g), "response_format.json_schema.schema");
     } else if (type == "structural_tag") {
-      grammar::GrammarSpec g{GrammarKind::kStructuralTag};
+      grammar::GrammarSpec g = spec_of(GrammarKind::kStructuralTag);
       g.text = structural_tag_text(*v, "response_format");
       set(std::move(g), "response_format");
     } else if (type != "text") {
@@ -273,7 +278,7 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
   if (const json* so = field(body, "structured_outputs")) {
     if (!so->is_object()) throw type_error("structured_outputs", "an object", *so);
     if (const json* v = field(*so, "json")) {
-      grammar::GrammarSpec g{GrammarKind::kJsonSchema};
+      grammar::GrammarSpec g = spec_of(GrammarKind::kJsonSchema);
       g.text = schema_text(*v, "structured_outputs.json");
       set(std::move(g), "structured_outputs.json");
     }
@@ -288,10 +293,10 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
     }
     if (const json* v = field(*so, "json_object");
         v && as_bool(*v, "structured_outputs.json_object")) {
-      set({GrammarKind::kJsonObject}, "structured_outputs.json_object");
+      set(spec_of(GrammarKind::kJsonObject), "structured_outputs.json_object");
     }
     if (const json* v = field(*so, "structural_tag")) {
-      grammar::GrammarSpec g{GrammarKind::kStructuralTag};
+      grammar::GrammarSpec g = spec_of(GrammarKind::kStructuralTag);
       g.text = structural_tag_text(*v, "structured_outputs.structural_tag");
       set(std::move(g), "structured_outputs.structural_tag");
     }
@@ -307,7 +312,7 @@ void parse_structured_outputs(const json& body, GenerationParams& p) {
     }
   }
   if (const json* v = field(body, "guided_json")) {
-    grammar::GrammarSpec g{GrammarKind::kJsonSchema};
+    grammar::GrammarSpec g = spec_of(GrammarKind::kJsonSchema);
     g.text = schema_text(*v, "guided_json");
     set(std::move(g), "guided_json");
   }
