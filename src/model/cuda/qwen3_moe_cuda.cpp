@@ -138,11 +138,6 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
 
   int64_t qkv_rows() const { return (qh() + 2 * kvh()) * c.head_dim; }
 
-  // `count` FP8 matrices [n, k] back to back (one allocation each for codes and scales).
-  Fp8Mat alloc8(int64_t count, int64_t n, int64_t k, bool out) {
-    return f8.alloc(count, n, k, out);
-  }
-
   // Whether the linear [n, k] read from `names` (columns `cols` of each) stays FP8: FP8 on,
   // shapes the FP8 kernels take (k % 16, n % 8), columns on 128-column blocks, and every
   // tensor stored as F8_E4M3 (wr null: the random model, all of them).
@@ -182,12 +177,12 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
                    {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
                     p + "self_attn.v_proj.weight"},
                    qkv_rows(), h, all_h)) {
-        w.qkv8 = alloc8(1, qkv_rows(), h, false);
+        w.qkv8 = f8.alloc(1, qkv_rows(), h, false);
       } else {
         w.qkv = alloc(qkv_rows() * h);
       }
       if (keep_fp8(wr, {p + "self_attn.o_proj.weight"}, h, qh() * d, q_cols)) {
-        w.o8 = alloc8(1, h, qh() * d, true);
+        w.o8 = f8.alloc(1, h, qh() * d, true);
       } else {
         w.o = alloc(h * qh() * d);
       }
@@ -205,8 +200,8 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
         // Both expert GEMMs FP8 or neither (MoeLayerWeights takes one kind).
         if (keep_fp8(wr, gu_names, 2 * inter, h, all_h, true) &&
             keep_fp8(wr, down_names, h, inter, {0, inter}, true)) {
-          w.gate_up8 = alloc8(e, 2 * inter, h, false);
-          w.down8 = alloc8(e, h, inter, true);
+          w.gate_up8 = f8.alloc(e, 2 * inter, h, false);
+          w.down8 = f8.alloc(e, h, inter, true);
         } else {
           w.gate_up = alloc(e * 2 * inter * h);
           w.down = alloc(e * h * inter);
@@ -215,12 +210,12 @@ struct Qwen3MoeCuda::Impl final : cuda_model::CudaLayers {
         const int64_t inter = c.intermediate_size;
         if (keep_fp8(wr, {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, 2 * inter, h,
                      all_h)) {
-          w.gate_up8 = alloc8(1, 2 * inter, h, false);
+          w.gate_up8 = f8.alloc(1, 2 * inter, h, false);
         } else {
           w.gate_up = alloc(2 * inter * h);
         }
         if (keep_fp8(wr, {p + "mlp.down_proj.weight"}, h, inter, {0, inter})) {
-          w.down8 = alloc8(1, h, inter, true);
+          w.down8 = f8.alloc(1, h, inter, true);
         } else {
           w.down = alloc(h * inter);
         }

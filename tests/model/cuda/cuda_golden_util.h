@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -22,6 +23,7 @@
 #include "engine/engine.h"
 #include "engine/golden.h"
 #include "engine/mtp_weights.h"
+#include "model/convert.h"
 #include "model/cuda/qwen3_moe_cuda.h"
 #include "model/model.h"
 
@@ -55,6 +57,25 @@ inline std::string fixture_test_name(const ::testing::TestParamInfo<std::string>
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }
   return n;
+}
+
+// The golden fixture `fixture` through `tandem convert --format fp8` (Qwen's -FP8 layout) into a
+// new temporary directory named by `tag`, the process and the fixture, its golden.json copied
+// beside it. The caller removes the directory.
+inline std::string fp8_fixture_copy(const std::string& fixture, const std::string& tag) {
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           (tag + "_" + std::to_string(::getpid()) + "_" +
+                            std::filesystem::path(fixture).filename().string()))
+                              .string();
+  std::filesystem::remove_all(dir);
+  ConvertOptions o;
+  o.in_dir = fixture;
+  o.out_dir = dir;
+  o.format = WeightQuant::kFp8Block;
+  (void)convert_checkpoint(o);
+  std::filesystem::copy_file(std::filesystem::path(fixture) / "golden.json",
+                             std::filesystem::path(dir) / "golden.json");
+  return dir;
 }
 
 inline bool gpu_available() {

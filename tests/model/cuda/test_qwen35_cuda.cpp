@@ -238,18 +238,7 @@ class CudaQwen35Fp8 : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
-    dir_ = (std::filesystem::temp_directory_path() /
-            ("tandem_q35fp8_one_" + std::to_string(::getpid()) + "_" +
-             std::filesystem::path(GetParam()).filename().string()))
-               .string();
-    std::filesystem::remove_all(dir_);
-    ConvertOptions o;
-    o.in_dir = GetParam();
-    o.out_dir = dir_;
-    o.format = WeightQuant::kFp8Block;
-    (void)convert_checkpoint(o);
-    std::filesystem::copy_file(std::filesystem::path(GetParam()) / "golden.json",
-                               std::filesystem::path(dir_) / "golden.json");
+    dir_ = fp8_fixture_copy(GetParam(), "tandem_q35fp8_one");
   }
   void TearDown() override {
     if (!dir_.empty()) std::filesystem::remove_all(dir_);

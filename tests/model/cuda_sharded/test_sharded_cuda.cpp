@@ -840,18 +840,7 @@ class CudaShardedQwen35Fp8 : public CudaSharded {
   void SetUp() override {
     CudaSharded::SetUp();
     if (IsSkipped()) return;
-    fp8_ = (std::filesystem::temp_directory_path() /
-            ("tandem_q35fp8_" + std::to_string(::getpid()) + "_" +
-             std::filesystem::path(GetParam()).filename().string()))
-               .string();
-    std::filesystem::remove_all(fp8_);
-    ConvertOptions o;
-    o.in_dir = GetParam();
-    o.out_dir = fp8_;
-    o.format = WeightQuant::kFp8Block;
-    (void)convert_checkpoint(o);
-    std::filesystem::copy_file(std::filesystem::path(GetParam()) / "golden.json",
-                               std::filesystem::path(fp8_) / "golden.json");
+    fp8_ = cuda_golden::fp8_fixture_copy(GetParam(), "tandem_q35fp8");
     const ModelConfig c = ModelConfig::from_dir(fp8_);
     const Checkpoint ck(fp8_);
     layers_ =
